@@ -1,0 +1,47 @@
+# Dependencies of InferScale's own tests, benchmarks and examples (never of the INTERFACE target).
+# Nothing is downloaded: the CUDA toolkit and Debian's catch2 / libbenchmark-dev come from the
+# machine, RAFT/RMM from their PyPI C++ wheels (.ci/setup installs them into .venv).
+
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+  # Explicit architectures, never "native": 90 = H100/H200 (see README for other values).
+  set(CMAKE_CUDA_ARCHITECTURES 90)
+endif()
+enable_language(CUDA)
+find_package(CUDAToolkit REQUIRED)
+
+if(CMAKE_CUDA_COMPILER_VERSION VERSION_LESS 12.0)
+  message(FATAL_ERROR "InferScale needs CUDA 12 or newer, found ${CMAKE_CUDA_COMPILER_VERSION}")
+endif()
+
+# Debian's Platform/Linux.cmake switches off the lib64 search; every RAPIDS wheel keeps its CMake
+# config under <prefix>/lib64/cmake.
+set_property(GLOBAL PROPERTY FIND_LIBRARY_USE_LIB64_PATHS TRUE)
+
+set(INFERSCALE_HAS_RAFT OFF)
+if(INFERSCALE_WITH_RAFT)
+  if(CMAKE_VERSION VERSION_LESS 4.0)
+    message(FATAL_ERROR
+      "INFERSCALE_WITH_RAFT needs CMake >= 4.0 (the RAFT/RMM 26.10 configs require it); this is "
+      "${CMAKE_VERSION}. Run .ci/setup and use .venv/bin/cmake, or pass -DINFERSCALE_WITH_RAFT=OFF.")
+  endif()
+  # rmm first: its dependency file points CCCL at the copy bundled in the wheels (CCCL >= 3.3),
+  # which then serves every translation unit of this build (librmm.so was built with it).
+  find_package(rmm 26.10 REQUIRED)
+  find_package(raft 26.10 REQUIRED)
+  set(INFERSCALE_HAS_RAFT ON)
+else()
+  # Without RAFT every translation unit uses the toolkit's own CCCL.
+  find_package(CCCL REQUIRED CONFIG HINTS "${CUDAToolkit_LIBRARY_DIR}/cmake")
+endif()
+if(NOT TARGET CCCL::CCCL)
+  message(FATAL_ERROR "No CCCL::CCCL target was found")
+endif()
+get_target_property(_inferscale_cccl_inc CCCL::CCCL INTERFACE_INCLUDE_DIRECTORIES)
+message(STATUS "InferScale: CCCL ${CCCL_VERSION} (${CCCL_DIR}); RAFT: ${INFERSCALE_HAS_RAFT}")
+
+if(INFERSCALE_BUILD_TESTS)
+  find_package(Catch2 2.13 REQUIRED)
+endif()
+if(INFERSCALE_BUILD_BENCHMARKS)
+  find_package(benchmark REQUIRED)
+endif()

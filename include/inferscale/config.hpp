@@ -1,0 +1,48 @@
+/**
+ * @file config.hpp
+ * @brief Compiler annotations and version macros shared by every InferScale header.
+ *
+ * Everything here compiles with a plain C++17 compiler; under nvcc the annotations expand to the
+ * CUDA execution-space specifiers, so one definition of the per-element math serves both backends.
+ */
+#pragma once
+
+#define INFERSCALE_VERSION_MAJOR 0
+#define INFERSCALE_VERSION_MINOR 1
+#define INFERSCALE_VERSION_PATCH 0
+
+#if defined(__CUDACC__) || defined(__CUDA_ARCH__)
+#define INFERSCALE_HOST_DEVICE __host__ __device__
+#define INFERSCALE_DEVICE __device__
+#define INFERSCALE_HAS_CUDA_COMPILER 1
+#else
+#define INFERSCALE_HOST_DEVICE
+#define INFERSCALE_DEVICE
+#define INFERSCALE_HAS_CUDA_COMPILER 0
+#endif
+
+#if defined(__CUDA_ARCH__)
+#define INFERSCALE_IS_DEVICE_CODE 1
+#else
+#define INFERSCALE_IS_DEVICE_CODE 0
+#endif
+
+#if defined(__CUDACC__)
+#define INFERSCALE_FORCEINLINE __forceinline__
+#elif defined(__GNUC__)
+#define INFERSCALE_FORCEINLINE inline __attribute__((always_inline))
+#else
+#define INFERSCALE_FORCEINLINE inline
+#endif
+
+/**
+ * @brief Declares a kernel with hidden visibility, so that a header-only library can be included
+ * in several shared objects without their kernels colliding (the rule cuco's CUCO_KERNEL follows).
+ */
+#if defined(__CUDACC__)
+#if defined(__GNUC__)
+#define INFERSCALE_KERNEL __attribute__((visibility("hidden"))) __global__
+#else
+#define INFERSCALE_KERNEL __global__
+#endif
+#endif

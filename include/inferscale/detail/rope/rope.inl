@@ -1,0 +1,359 @@
+/**
+ * @file detail/rope/rope.inl
+ * @brief Definitions for rope.hpp: spec validation, inverse frequencies of each rope type,
+ * presets, and the host backend's batch operation.
+ */
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace inferscale {
+
+namespace detail {
+inline std::string rope_field(char const* name, double value)
+{
+  std::string text = std::to_string(value);
+  return std::string{"rope_spec."} + name + " = " + text;
+}
+
+/// @brief The default inverse frequencies theta^(-2i/d).
+inline std::vector<double> default_inverse_frequencies(double theta, std::int32_t rotary_dim)
+{
+  std::vector<double> inv(static_cast<std::size_t>(rotary_dim / 2));
+  for (std::size_t i = 0; i < inv.size(); ++i) {
+    inv[i] = std::pow(theta, -2.0 * static_cast<double>(i) / rotary_dim);
+  }
+  return inv;
+}
+
+/// @brief YaRN's mscale m(f, k) = 0.1 k ln f + 1 (1 for f <= 1).
+inline double yarn_mscale(double factor, double k)
+{
+  return factor <= 1.0 ? 1.0 : 0.1 * k * std::log(factor) + 1.0;
+}
+}  // namespace detail
+
+inline void rope_spec::validate() const
+{
+  using detail::rope_field;
+  INFERSCALE_EXPECTS(head_dim > 0 && head_dim % 2 == 0,
+                     rope_field("head_dim", head_dim) + ": must be positive and even");
+  std::int32_t const d = effective_rotary_dim();
+  INFERSCALE_EXPECTS(d > 0, rope_field("rotary_dim", rotary_dim) + ": must be positive (or 0 for head_dim)");
+  INFERSCALE_EXPECTS(d % 2 == 0, rope_field("rotary_dim", d) + ": must be even (dims rotate in pairs)");
+  INFERSCALE_EXPECTS(d <= head_dim, rope_field("rotary_dim", d) + ": must not exceed head_dim " +
+                                      std::to_string(head_dim));
+  INFERSCALE_EXPECTS(std::isfinite(theta) && theta > 1.0,
+                     rope_field("theta", theta) + ": must be finite and greater than 1");
+  INFERSCALE_EXPECTS(!attention_factor || (std::isfinite(*attention_factor) && *attention_factor > 0),
+                     rope_field("attention_factor", attention_factor.value_or(0)) +
+                       ": must be positive");
+  bool const needs_factor = scaling == rope_scaling::linear ||
+                            scaling == rope_scaling::dynamic_ntk ||
+                            scaling == rope_scaling::llama3 || scaling == rope_scaling::yarn;
+  if (needs_factor) {
+    INFERSCALE_EXPECTS(std::isfinite(factor) && factor >= 1.0,
+                       rope_field("factor", factor) + ": must be >= 1 for this rope type");
+  }
+  switch (scaling) {
+    case rope_scaling::none:
+    case rope_scaling::linear: break;
+    case rope_scaling::dynamic_ntk:
+      INFERSCALE_EXPECTS(max_position > 0,
+                         rope_field("max_position", static_cast<double>(max_position)) +
+                           ": dynamic NTK needs max_position_embeddings > 0");
+      INFERSCALE_EXPECTS(d > 2, rope_field("rotary_dim", d) + ": dynamic NTK needs rotary_dim > 2");
+      break;
+    case rope_scaling::llama3:
+      INFERSCALE_EXPECTS(original_max_position > 0,
+                         rope_field("original_max_position", static_cast<double>(original_max_position)) +
+                           ": llama3 needs original_max_position_embeddings > 0");
+      INFERSCALE_EXPECTS(low_freq_factor > 0 && high_freq_factor > low_freq_factor,
+                         rope_field("high_freq_factor", high_freq_factor) +
+                           ": llama3 needs 0 < low_freq_factor < high_freq_factor (low = " +
+                           std::to_string(low_freq_factor) + ")");
+      break;
+    case rope_scaling::yarn:
+      INFERSCALE_EXPECTS(original_max_position > 0,
+                         rope_field("original_max_position", static_cast<double>(original_max_position)) +
+                           ": yarn needs original_max_position_embeddings > 0");
+      INFERSCALE_EXPECTS(beta_fast > 0 && beta_slow > 0 && beta_fast >= beta_slow,
+                         rope_field("beta_fast", beta_fast) +
+                           ": yarn needs beta_fast >= beta_slow > 0 (beta_slow = " +
+                           std::to_string(beta_slow) + ")");
+      INFERSCALE_EXPECTS(!mscale || !mscale_all_dim || (*mscale > 0 && *mscale_all_dim > 0),
+                         std::string{"rope_spec.mscale/mscale_all_dim: must be positive"});
+      break;
+    case rope_scaling::longrope: {
+      INFERSCALE_EXPECTS(original_max_position > 0 && max_position > 0,
+                         rope_field("original_max_position", static_cast<double>(original_max_position)) +
+                           ": longrope needs original_max_position_embeddings and "
+                           "max_position_embeddings > 0");
+      auto const pairs = static_cast<std::size_t>(d / 2);
+      INFERSCALE_EXPECTS(short_factor.size() == pairs && long_factor.size() == pairs,
+                         "rope_spec.short_factor/long_factor: longrope needs rotary_dim/2 = " +
+                           std::to_string(pairs) + " entries each, got " +
+                           std::to_string(short_factor.size()) + " and " +
+                           std::to_string(long_factor.size()));
+      auto const positive = [](double v) { return std::isfinite(v) && v > 0; };
+      INFERSCALE_EXPECTS(std::all_of(short_factor.begin(), short_factor.end(), positive) &&
+                           std::all_of(long_factor.begin(), long_factor.end(), positive),
+                         std::string{"rope_spec.short_factor/long_factor: entries must be positive"});
+      break;
+    }
+    default: INFERSCALE_FAIL("rope_spec.scaling: unknown rope type");
+  }
+}
+
+inline std::vector<double> rope_spec::inverse_frequencies(std::int64_t total_length) const
+{
+  validate();
+  INFERSCALE_EXPECTS(total_length >= 0, "rope_spec::inverse_frequencies: total_length must be "
+                                        "non-negative, got " + std::to_string(total_length));
+  std::int32_t const d = effective_rotary_dim();
+  double const dd      = static_cast<double>(d);
+  constexpr double pi  = 3.14159265358979323846;
+  std::vector<double> inv = detail::default_inverse_frequencies(theta, d);
+
+  switch (scaling) {
+    case rope_scaling::none: break;
+    case rope_scaling::linear:
+      for (auto& v : inv) { v /= factor; }
+      break;
+    case rope_scaling::dynamic_ntk: {
+      // HF: L = max(seq_len, Lmax); base' = base * (f L / Lmax - (f - 1))^(d / (d - 2)).
+      double const length = static_cast<double>(std::max<std::int64_t>(total_length, max_position));
+      double const base   = theta * std::pow(factor * length / static_cast<double>(max_position) -
+                                             (factor - 1.0),
+                                           dd / (dd - 2.0));
+      inv = detail::default_inverse_frequencies(base, d);
+      break;
+    }
+    case rope_scaling::llama3: {
+      double const old_context     = static_cast<double>(original_max_position);
+      double const low_wavelength  = old_context / low_freq_factor;
+      double const high_wavelength = old_context / high_freq_factor;
+      for (auto& v : inv) {
+        double const wavelength = 2.0 * pi / v;
+        if (wavelength < high_wavelength) { continue; }
+        if (wavelength > low_wavelength) {
+          v /= factor;
+          continue;
+        }
+        double const smooth =
+          (old_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor);
+        v = (1.0 - smooth) * v / factor + smooth * v;
+      }
+      break;
+    }
+    case rope_scaling::yarn: {
+      double const l0    = static_cast<double>(original_max_position);
+      auto const corr    = [&](double rotations) {
+        return dd * std::log(l0 / (rotations * 2.0 * pi)) / (2.0 * std::log(theta));
+      };
+      double low  = corr(beta_fast);
+      double high = corr(beta_slow);
+      if (truncate) {
+        low  = std::floor(low);
+        high = std::ceil(high);
+      }
+      low  = std::max(low, 0.0);
+      high = std::min(high, dd - 1.0);
+      if (low == high) { high += 0.001; }
+      for (std::size_t i = 0; i < inv.size(); ++i) {
+        double const ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+        double const extrapolation = 1.0 - ramp;
+        inv[i] = inv[i] / factor * (1.0 - extrapolation) + inv[i] * extrapolation;
+      }
+      break;
+    }
+    case rope_scaling::longrope: {
+      auto const& ext = total_length > original_max_position ? long_factor : short_factor;
+      for (std::size_t i = 0; i < inv.size(); ++i) { inv[i] /= ext[i]; }
+      break;
+    }
+  }
+  return inv;
+}
+
+inline double rope_spec::attention_scaling(std::int64_t /*total_length*/) const
+{
+  validate();
+  if (attention_factor) { return *attention_factor; }
+  if (scaling == rope_scaling::yarn) {
+    if (mscale && mscale_all_dim) {
+      return detail::yarn_mscale(factor, *mscale) / detail::yarn_mscale(factor, *mscale_all_dim);
+    }
+    return detail::yarn_mscale(factor, 1.0);
+  }
+  if (scaling == rope_scaling::longrope) {
+    double const f = static_cast<double>(max_position) / static_cast<double>(original_max_position);
+    if (f <= 1.0) { return 1.0; }
+    return std::sqrt(1.0 + std::log(f) / std::log(static_cast<double>(original_max_position)));
+  }
+  return 1.0;
+}
+
+inline rope_params make_rope_params(rope_spec const& spec, std::int64_t total_length)
+{
+  spec.validate();
+  std::int32_t const d = spec.effective_rotary_dim();
+  INFERSCALE_EXPECTS(d / 2 <= rope_params::max_pairs,
+                     "make_rope_params: rotary_dim " + std::to_string(d) + " exceeds the supported " +
+                       std::to_string(2 * rope_params::max_pairs));
+  rope_params params{};
+  params.head_dim         = spec.head_dim;
+  params.rotary_dim       = d;
+  params.pairing          = spec.pairing;
+  params.angle_mode       = spec.angle_mode;
+  params.attention_factor = static_cast<float>(spec.attention_scaling(total_length));
+  std::vector<double> const inv = spec.inverse_frequencies(total_length);
+  for (std::size_t i = 0; i < inv.size(); ++i) { params.inv_freq[i] = static_cast<float>(inv[i]); }
+  return params;
+}
+
+namespace rope_presets {
+inline rope_spec llama_3_1_8b()
+{
+  rope_spec spec{};
+  spec.head_dim              = 128;
+  spec.theta                 = 500000.0;
+  spec.scaling               = rope_scaling::llama3;
+  spec.factor                = 8.0;
+  spec.low_freq_factor       = 1.0;
+  spec.high_freq_factor      = 4.0;
+  spec.original_max_position = 8192;
+  spec.max_position          = 131072;
+  return spec;
+}
+inline rope_spec qwen2_5_7b()
+{
+  rope_spec spec{};
+  spec.head_dim     = 128;
+  spec.theta        = 1000000.0;
+  spec.max_position = 32768;
+  return spec;
+}
+inline rope_spec mistral_7b_v0_3()
+{
+  rope_spec spec{};
+  spec.head_dim     = 128;
+  spec.theta        = 1000000.0;
+  spec.max_position = 32768;
+  return spec;
+}
+inline rope_spec smollm2_135m()
+{
+  rope_spec spec{};
+  spec.head_dim     = 64;
+  spec.theta        = 100000.0;
+  spec.max_position = 8192;
+  return spec;
+}
+}  // namespace rope_presets
+
+namespace detail {
+template <class Rotation>
+std::int64_t rope_table_rows(Rotation const&)
+{
+  return std::numeric_limits<std::int64_t>::max();
+}
+template <class U>
+std::int64_t rope_table_rows(rope_cos_sin_table<U> const& table)
+{
+  return table.max_position;
+}
+template <class Rotation>
+void rope_check_rotation(Rotation const&)
+{
+}
+template <class U>
+void rope_check_rotation(rope_cos_sin_table<U> const& table)
+{
+  INFERSCALE_EXPECTS(table.data != nullptr || table.max_position == 0,
+                     std::string{"rope_cos_sin_table: data is null"});
+  INFERSCALE_EXPECTS(table.row_stride >= table.rotary_dim,
+                     "rope_cos_sin_table: row_stride " + std::to_string(table.row_stride) +
+                       " is shorter than rotary_dim " + std::to_string(table.rotary_dim));
+}
+}  // namespace detail
+
+template <class T, class Rotation>
+void rope_check_batch(token_head_view<T> x,
+                      std::int64_t num_positions,
+                      Rotation const& rotation,
+                      rope_op op)
+{
+  detail::rope_check_rotation(rotation);
+  INFERSCALE_EXPECTS(rotation.rotary_dim > 0 && rotation.rotary_dim % 2 == 0 &&
+                       rotation.rotary_dim <= rotation.head_dim,
+                     "rope: rotary_dim " + std::to_string(rotation.rotary_dim) +
+                       " must be even, positive and at most head_dim " +
+                       std::to_string(rotation.head_dim));
+  INFERSCALE_EXPECTS(x.extent(2) == rotation.head_dim,
+                     "rope: the view's head_dim " + std::to_string(x.extent(2)) +
+                       " differs from the rotation's head_dim " + std::to_string(rotation.head_dim));
+  INFERSCALE_EXPECTS(num_positions == x.extent(0),
+                     "rope: " + std::to_string(num_positions) + " positions given for " +
+                       std::to_string(x.extent(0)) + " tokens");
+  INFERSCALE_EXPECTS(x.size() == 0 || x.data_handle() != nullptr, std::string{"rope: null data"});
+  (void)op;
+}
+
+namespace detail {
+/// @brief Validates positions held in host memory for `op` against the rotation's table rows.
+template <class Rotation>
+void rope_check_host_positions(std::int64_t const* positions,
+                               std::int64_t count,
+                               Rotation const& rotation,
+                               rope_op op)
+{
+  std::int64_t const rows = rope_table_rows(rotation);
+  for (std::int64_t t = 0; t < count; ++t) {
+    std::int64_t const p = positions[t];
+    if (op == rope_op::shift) {
+      INFERSCALE_EXPECTS(p > std::numeric_limits<std::int64_t>::min() && (p < 0 ? -p : p) < rows,
+                         "rope: shift " + std::to_string(p) + " of token " + std::to_string(t) +
+                           " is beyond the cos/sin table (" + std::to_string(rows) + " rows)");
+    } else {
+      INFERSCALE_EXPECTS(p >= 0 && p < rows, "rope: position " + std::to_string(p) + " of token " +
+                                               std::to_string(t) +
+                                               " must be in [0, " + std::to_string(rows) + ")");
+    }
+  }
+}
+}  // namespace detail
+
+template <class T, class Rotation>
+void rope_apply_host(token_head_view<T> x,
+                     std::int64_t const* positions,
+                     std::int64_t num_positions,
+                     Rotation const& rotation,
+                     rope_op op)
+{
+  rope_check_batch(x, num_positions, rotation, op);
+  INFERSCALE_EXPECTS(num_positions == 0 || positions != nullptr, std::string{"rope: null positions"});
+  detail::rope_check_host_positions(positions, num_positions, rotation, op);
+
+  // cos/sin depend on the token only: compute them once per token, then rotate every head.
+  std::int32_t const pairs = rotation.num_pairs();
+  std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(pairs));
+  bool const round_each              = rope_rounds_each_operation<T>(rotation, op);
+  std::int64_t const element_stride  = x.stride(2);
+  for (std::int64_t t = 0; t < x.extent(0); ++t) {
+    for (std::int32_t pair = 0; pair < pairs; ++pair) {
+      cos_sin[static_cast<std::size_t>(pair)] = rope_angle_cos_sin(rotation, positions[t], pair, op);
+    }
+    for (std::int64_t h = 0; h < x.extent(1); ++h) {
+      T* const head = x.data_handle() + t * x.stride(0) + h * x.stride(1);
+      rope_rotate_head(head, element_stride, rotation.pairing, rotation.rotary_dim, cos_sin.data(),
+                       round_each);
+    }
+  }
+}
+
+}  // namespace inferscale

@@ -1,0 +1,412 @@
+/**
+ * @file rope.hpp
+ * @brief Rotary position embeddings: specification of every HF rope type, resolution to fp32
+ * inverse frequencies, and the per-pair rotation shared by the host and device backends; the host
+ * backend's batch operations over `[tokens, heads, head_dim]` views.
+ *
+ * InferScale stores keys before RoPE and rotates them to their final positions when it composes
+ * facts; the rotation must be the serving engine's own. Two sources of rotation exist:
+ *  - rope_params: computed from a rope_spec (fp32 inverse frequencies as HF/vLLM keep them,
+ *    angles `fp32(position * inv_freq)` as HF computes them, or exactly in double precision);
+ *  - rope_cos_sin_table: the engine's own table in vLLM's `cos_sin_cache` layout, which makes the
+ *    rotation match the engine's bit for bit.
+ * Device batch operations are in rope.cuh.
+ */
+#pragma once
+
+#include <inferscale/config.hpp>
+#include <inferscale/dtype.hpp>
+#include <inferscale/error.hpp>
+#include <inferscale/views.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace inferscale {
+
+/// @brief Which elements of a head form a rotation pair.
+enum class rope_pairing : std::uint8_t {
+  halves,      ///< pair i = (i, i + rotary_dim/2): HF rotate_half, vLLM is_neox_style = true
+  interleaved  ///< pair i = (2i, 2i + 1): GPT-J rotate_every_two, vLLM is_neox_style = false
+};
+
+/// @brief The HF `rope_type` families (transformers' ROPE_INIT_FUNCTIONS).
+enum class rope_scaling : std::uint8_t {
+  none,         ///< "default": inv_i = theta^(-2i/d)
+  linear,       ///< positions interpolated by `factor`
+  dynamic_ntk,  ///< "dynamic": base rescaled for a total length above max_position
+  llama3,       ///< Llama 3.1+ frequency bands
+  yarn,         ///< YaRN ramp between interpolation and extrapolation, attention factor
+  longrope      ///< Phi-3 LongRoPE per-pair factors, short and long
+};
+
+/// @brief How the rotation angle `position * inv_freq` is formed.
+enum class rope_angle_mode : std::uint8_t {
+  fp32,  ///< `float(position) * inv_freq` rounded to fp32, as HF and vLLM's tables do (engine-exact)
+  exact  ///< in double precision: relocation `R_a^T R_b = R_{b-a}` holds to fp32 rounding
+};
+
+/// @brief What a batch rotation does with each token's position argument.
+enum class rope_op : std::uint8_t {
+  forward,  ///< x -> a * R(p) x          (pre-RoPE to post-RoPE at position p)
+  inverse,  ///< x -> R(-p) x / a         (post-RoPE at position p back to pre-RoPE)
+  shift     ///< x -> R(delta) x, no a   (post-RoPE at p to post-RoPE at p + delta)
+};
+
+/**
+ * @brief Everything that defines a model's rotary embedding (the `rope_*` fields of an HF config).
+ *
+ * Only the fields of the chosen `scaling` are read. Length-dependent types (dynamic_ntk,
+ * longrope) are resolved for a total sequence length by make_rope_params; all other types give
+ * position-independent frequencies, for which relocation by a delta is exact.
+ */
+struct rope_spec {
+  std::int32_t head_dim{};    ///< elements per head
+  std::int32_t rotary_dim{};  ///< leading dims that rotate (partial rotary); 0 means head_dim
+  double theta{10000.0};      ///< rope_theta
+  rope_pairing pairing{rope_pairing::halves};
+  rope_scaling scaling{rope_scaling::none};
+  double factor{1.0};                        ///< scaling factor f (linear, dynamic, llama3, yarn)
+  double low_freq_factor{1.0};               ///< llama3
+  double high_freq_factor{4.0};              ///< llama3
+  std::int64_t original_max_position{};     ///< L0 (llama3, yarn, longrope)
+  std::int64_t max_position{};               ///< Lmax (dynamic_ntk, longrope)
+  double beta_fast{32.0};                    ///< yarn
+  double beta_slow{1.0};                     ///< yarn
+  bool truncate{true};                       ///< yarn: floor/ceil the correction range
+  std::optional<double> attention_factor{};  ///< yarn, longrope: overrides the derived factor
+  std::optional<double> mscale{};            ///< yarn (DeepSeek style)
+  std::optional<double> mscale_all_dim{};    ///< yarn (DeepSeek style)
+  std::vector<double> short_factor{};        ///< longrope, rotary_dim/2 entries
+  std::vector<double> long_factor{};         ///< longrope, rotary_dim/2 entries
+  rope_angle_mode angle_mode{rope_angle_mode::fp32};
+
+  /// @brief The rotary dim in effect (`rotary_dim`, or `head_dim` when it is 0).
+  std::int32_t effective_rotary_dim() const noexcept
+  {
+    return rotary_dim == 0 ? head_dim : rotary_dim;
+  }
+
+  /// @brief True when the frequencies depend on the total sequence length.
+  bool is_length_dependent() const noexcept
+  {
+    return scaling == rope_scaling::dynamic_ntk || scaling == rope_scaling::longrope;
+  }
+
+  /**
+   * @brief Checks the spec; every refusal names the field, its value and the rule.
+   * @throw logic_error for an odd or out-of-range rotary_dim, a non-positive or non-finite theta,
+   * a factor below 1 where the type forbids it, missing or non-positive context lengths, bad
+   * LongRoPE factor lists, or a non-positive attention factor.
+   */
+  inline void validate() const;
+
+  /**
+   * @brief Inverse frequencies `inv_i`, i = 0 .. rotary_dim/2 - 1, in double precision.
+   * @param total_length total sequence length (prompt plus generated), read by dynamic_ntk and
+   *        longrope only.
+   */
+  inline std::vector<double> inverse_frequencies(std::int64_t total_length = 0) const;
+
+  /// @brief The attention factor `a` multiplying cos and sin (1 except yarn and longrope).
+  inline double attention_scaling(std::int64_t total_length = 0) const;
+};
+
+/// @brief Real model configurations (their `config.json`), see docs in the README.
+namespace rope_presets {
+/// meta-llama/Llama-3.1-8B-Instruct: theta 5e5, llama3 (f 8, lf 1, hf 4, L0 8192), Lmax 131072.
+inline rope_spec llama_3_1_8b();
+/// Qwen/Qwen2.5-7B-Instruct: theta 1e6, no scaling, Lmax 32768.
+inline rope_spec qwen2_5_7b();
+/// mistralai/Mistral-7B-Instruct-v0.3: theta 1e6, no scaling, Lmax 32768.
+inline rope_spec mistral_7b_v0_3();
+/// HuggingFaceTB/SmolLM2-135M-Instruct: theta 1e5, head dim 64, Lmax 8192.
+inline rope_spec smollm2_135m();
+}  // namespace rope_presets
+
+/**
+ * @brief A rotation resolved for kernels: fp32 inverse frequencies by value, trivially copyable
+ * (a kernel takes it as a __grid_constant__ parameter; no device allocation is needed).
+ */
+struct rope_params {
+  static constexpr std::int32_t max_pairs = 256;  ///< rotary_dim up to 512
+
+  std::int32_t head_dim{};
+  std::int32_t rotary_dim{};
+  rope_pairing pairing{rope_pairing::halves};
+  rope_angle_mode angle_mode{rope_angle_mode::fp32};
+  float attention_factor{1.0f};
+  float inv_freq[max_pairs]{};  ///< rounded to fp32, as engines keep inv_freq
+
+  INFERSCALE_HOST_DEVICE constexpr std::int32_t num_pairs() const noexcept
+  {
+    return rotary_dim / 2;
+  }
+};
+
+/**
+ * @brief Resolves a spec for a total sequence length (read by dynamic_ntk and longrope only).
+ * @throw logic_error if the spec is invalid or rotary_dim exceeds 2 * rope_params::max_pairs.
+ */
+inline rope_params make_rope_params(rope_spec const& spec, std::int64_t total_length = 0);
+
+/**
+ * @brief The engine's cos/sin table in vLLM's `rotary_emb.cos_sin_cache` layout: row p is
+ * `[cos(p*inv_0) .. cos(p*inv_{d/2-1}) | sin(p*inv_0) .. sin(p*inv_{d/2-1})]`, any attention factor
+ * already multiplied in (SGLang and FlashInfer use the same layout).
+ *
+ * @tparam T element type of the table (vLLM casts it to the model dtype; FlashInfer wants fp32).
+ */
+template <class T>
+struct rope_cos_sin_table {
+  T const* data{};              ///< row-major `[max_position, row_stride]`
+  std::int64_t max_position{};  ///< rows in the table; positions must be below it
+  std::int64_t row_stride{};    ///< elements between rows (rotary_dim when contiguous)
+  std::int32_t head_dim{};
+  std::int32_t rotary_dim{};
+  rope_pairing pairing{rope_pairing::halves};
+  /// Round each product and the sum to the element type, as vLLM's `rotary_embedding` kernel does
+  /// when keys are 16-bit (`x*cos - y*sin` in c10::Half/BFloat16). With fp32 keys it is a no-op.
+  bool round_each_operation{true};
+
+  INFERSCALE_HOST_DEVICE constexpr std::int32_t num_pairs() const noexcept
+  {
+    return rotary_dim / 2;
+  }
+};
+
+/// @brief A (cos, sin) pair, already including the attention factor where the operation needs it.
+struct rope_cos_sin {
+  float cos;
+  float sin;
+};
+
+namespace detail {
+
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void sincos_fp32(float angle, float* s, float* c)
+{
+#if INFERSCALE_IS_DEVICE_CODE
+  ::sincosf(angle, s, c);  // full-range, not the fast-math __sincosf
+#else
+  *s = std::sin(angle);
+  *c = std::cos(angle);
+#endif
+}
+
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void sincos_fp64(double angle, double* s, double* c)
+{
+#if INFERSCALE_IS_DEVICE_CODE
+  ::sincos(angle, s, c);
+#else
+  *s = std::sin(angle);
+  *c = std::cos(angle);
+#endif
+}
+
+/// @brief Element indices (within the head) of rotation pair `pair`.
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void pair_elements(rope_pairing pairing,
+                                                                 std::int32_t rotary_dim,
+                                                                 std::int32_t pair,
+                                                                 std::int32_t* first,
+                                                                 std::int32_t* second)
+{
+  if (pairing == rope_pairing::halves) {
+    *first  = pair;
+    *second = pair + rotary_dim / 2;
+  } else {
+    *first  = 2 * pair;
+    *second = 2 * pair + 1;
+  }
+}
+
+}  // namespace detail
+
+/**
+ * @brief cos and sin that rotate pair `pair` for operation `op` with argument `position`
+ * (a position for forward/inverse, a delta for shift).
+ *
+ * forward gives `(a cos φ, a sin φ)`, inverse `(cos φ / a, -sin φ / a)`, shift `(cos φ, sin φ)`,
+ * with `φ = position * inv_freq[pair]` formed as `params.angle_mode` says.
+ */
+INFERSCALE_HOST_DEVICE inline rope_cos_sin rope_angle_cos_sin(rope_params const& params,
+                                                              std::int64_t position,
+                                                              std::int32_t pair,
+                                                              rope_op op)
+{
+  float c, s;
+  float const inv_freq = params.inv_freq[pair];
+  if (params.angle_mode == rope_angle_mode::fp32) {
+    detail::sincos_fp32(static_cast<float>(position) * inv_freq, &s, &c);
+  } else {
+    double cd, sd;
+    detail::sincos_fp64(static_cast<double>(position) * static_cast<double>(inv_freq), &sd, &cd);
+    c = static_cast<float>(cd);
+    s = static_cast<float>(sd);
+  }
+  float const a = params.attention_factor;
+  switch (op) {
+    case rope_op::forward: return {c * a, s * a};
+    case rope_op::inverse: return {c / a, -s / a};
+    default: return {c, s};
+  }
+}
+
+/**
+ * @brief cos and sin of pair `pair` read from an engine table. inverse divides by `cos²+sin²`
+ * (undoing a baked-in attention factor); shift uses row `|delta|`, normalised to a pure rotation.
+ */
+template <class T>
+INFERSCALE_HOST_DEVICE inline rope_cos_sin rope_angle_cos_sin(rope_cos_sin_table<T> const& table,
+                                                              std::int64_t position,
+                                                              std::int32_t pair,
+                                                              rope_op op)
+{
+  std::int64_t const row = (op == rope_op::shift && position < 0) ? -position : position;
+  T const* const row_ptr = table.data + row * table.row_stride;
+  float const c          = to_float(row_ptr[pair]);
+  float s                = to_float(row_ptr[table.num_pairs() + pair]);
+  switch (op) {
+    case rope_op::forward: return {c, s};
+    case rope_op::inverse: {
+      float const norm2 = c * c + s * s;
+      return {c / norm2, -s / norm2};
+    }
+    default: {
+      float const norm = std::sqrt(c * c + s * s);
+      if (position < 0) { s = -s; }
+      return {c / norm, s / norm};
+    }
+  }
+}
+
+namespace detail {
+
+/// @brief True when a rotation source asks for vLLM's per-operation rounding for element type T.
+template <class T, class Rotation>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE constexpr bool rounds_each_operation(
+  Rotation const&) noexcept
+{
+  return false;
+}
+template <class T, class U>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE constexpr bool rounds_each_operation(
+  rope_cos_sin_table<U> const& table) noexcept
+{
+  return table.round_each_operation && !std::is_same_v<T, float>;
+}
+
+}  // namespace detail
+
+/**
+ * @brief Rotates one pair of values in place: `x' = x c - y s`, `y' = y c + x s`, in fp32 with one
+ * rounding to T at the end, or, when `round_each_operation`, with each product and the sum
+ * rounded to T (vLLM's native kernel on 16-bit keys).
+ */
+template <class T>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void rope_rotate_pair(T& x,
+                                                                    T& y,
+                                                                    rope_cos_sin cs,
+                                                                    bool round_each_operation)
+{
+  float const xf = to_float(x);
+  float const yf = to_float(y);
+  if (round_each_operation) {
+    auto const r = [](float v) { return to_float(from_float<T>(v)); };
+    float const c = r(cs.cos);
+    float const s = r(cs.sin);
+    x             = from_float<T>(r(xf * c) - r(yf * s));
+    y             = from_float<T>(r(yf * c) + r(xf * s));
+  } else {
+    x = from_float<T>(xf * cs.cos - yf * cs.sin);
+    y = from_float<T>(yf * cs.cos + xf * cs.sin);
+  }
+}
+
+/**
+ * @brief Rotates the pairs of one head vector (`element_stride` apart) with precomputed cos/sin,
+ * one entry per pair; the trailing `head_dim - rotary_dim` dims are left untouched.
+ */
+template <class T>
+INFERSCALE_HOST_DEVICE inline void rope_rotate_head(T* head,
+                                                    std::int64_t element_stride,
+                                                    rope_pairing pairing,
+                                                    std::int32_t rotary_dim,
+                                                    rope_cos_sin const* cos_sin,
+                                                    bool round_each_operation)
+{
+  for (std::int32_t pair = 0; pair < rotary_dim / 2; ++pair) {
+    std::int32_t first, second;
+    detail::pair_elements(pairing, rotary_dim, pair, &first, &second);
+    rope_rotate_pair(head[first * element_stride], head[second * element_stride], cos_sin[pair],
+                     round_each_operation);
+  }
+}
+
+/// @brief Whether `op` with `rotation` rounds each operation for element type T (vLLM's kernel).
+template <class T, class Rotation>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE bool rope_rounds_each_operation(
+  Rotation const& rotation, rope_op op)
+{
+  return op == rope_op::forward && detail::rounds_each_operation<T>(rotation);
+}
+
+/**
+ * @brief Applies `op` to one head vector (`head_dim` elements spaced `element_stride` apart):
+ * the rotary dims rotate, the trailing `head_dim - rotary_dim` dims are left untouched.
+ *
+ * @tparam Rotation rope_params or rope_cos_sin_table<U>
+ * @param position position (forward, inverse) or delta (shift)
+ */
+template <class T, class Rotation>
+INFERSCALE_HOST_DEVICE inline void rope_apply_head(Rotation const& rotation,
+                                                   T* head,
+                                                   std::int64_t element_stride,
+                                                   std::int64_t position,
+                                                   rope_op op)
+{
+  bool const round_each = rope_rounds_each_operation<T>(rotation, op);
+  for (std::int32_t pair = 0; pair < rotation.num_pairs(); ++pair) {
+    std::int32_t first, second;
+    detail::pair_elements(rotation.pairing, rotation.rotary_dim, pair, &first, &second);
+    rope_rotate_pair(head[first * element_stride], head[second * element_stride],
+                     rope_angle_cos_sin(rotation, position, pair, op), round_each);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host backend: batch operations
+
+/**
+ * @brief Checks a rotation against a `[tokens, heads, head_dim]` view and its per-token positions.
+ * @throw logic_error naming the mismatch.
+ */
+template <class T, class Rotation>
+void rope_check_batch(token_head_view<T> x,
+                      std::int64_t num_positions,
+                      Rotation const& rotation,
+                      rope_op op);
+
+/**
+ * @brief Host backend: applies `op` in place to every head of every token of `x`
+ * (`[tokens, heads, head_dim]`, any strides), token t using `positions[t]`.
+ *
+ * @param[in,out] x         the keys (or queries) to rotate
+ * @param[in]     positions one position (delta for rope_op::shift) per token
+ * @param[in]     rotation  rope_params or rope_cos_sin_table
+ * @throw logic_error if shapes disagree, a position is negative (forward/inverse) or beyond the
+ *        table; nothing is written then.
+ */
+template <class T, class Rotation>
+void rope_apply_host(token_head_view<T> x,
+                     std::int64_t const* positions,
+                     std::int64_t num_positions,
+                     Rotation const& rotation,
+                     rope_op op);
+
+}  // namespace inferscale
+
+#include <inferscale/detail/rope/rope.inl>

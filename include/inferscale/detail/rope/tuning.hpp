@@ -1,0 +1,21 @@
+/**
+ * @file detail/rope/tuning.hpp
+ * @brief Launch shapes of the rope kernels (CUB-style policy: data, not code).
+ */
+#pragma once
+
+#include <cstdint>
+
+namespace inferscale::detail {
+
+/// @brief Launch policy of rope_apply_kernel; one token per block iteration.
+struct rope_policy_sm80 {
+  static constexpr int block_threads  = 128;  ///< threads per block
+  static constexpr int blocks_per_sm  = 16;   ///< grid = min(tokens, SMs * blocks_per_sm)
+  static constexpr int vector_bytes   = 16;   ///< one 128-bit load/store per thread where aligned
+};
+
+/// @brief Hopper (H100/H200) uses the same shape; kept separate so it can be tuned on its own.
+struct rope_policy_sm90 : rope_policy_sm80 {};
+
+}  // namespace inferscale::detail

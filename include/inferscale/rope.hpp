@@ -223,6 +223,24 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void pair_elements(rope_pairing pa
   }
 }
 
+/// @brief fp32 multiply and add, each rounded once: nvcc would otherwise contract `x*c - y*s`
+/// into an FMA on the device and the two backends would round differently.
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float mul_rn(float a, float b)
+{
+#if INFERSCALE_IS_DEVICE_CODE
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float add_rn(float a, float b)
+{
+#if INFERSCALE_IS_DEVICE_CODE
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
 }  // namespace detail
 
 /**
@@ -272,11 +290,11 @@ INFERSCALE_HOST_DEVICE inline rope_cos_sin rope_angle_cos_sin(rope_cos_sin_table
   switch (op) {
     case rope_op::forward: return {c, s};
     case rope_op::inverse: {
-      float const norm2 = c * c + s * s;
+      float const norm2 = detail::add_rn(detail::mul_rn(c, c), detail::mul_rn(s, s));
       return {c / norm2, -s / norm2};
     }
     default: {
-      float const norm = std::sqrt(c * c + s * s);
+      float const norm = std::sqrt(detail::add_rn(detail::mul_rn(c, c), detail::mul_rn(s, s)));
       if (position < 0) { s = -s; }
       return {c / norm, s / norm};
     }
@@ -301,10 +319,12 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE constexpr bool rounds_each_operati
 
 }  // namespace detail
 
+
 /**
- * @brief Rotates one pair of values in place: `x' = x c - y s`, `y' = y c + x s`, in fp32 with one
- * rounding to T at the end, or, when `round_each_operation`, with each product and the sum
- * rounded to T (vLLM's native kernel on 16-bit keys).
+ * @brief Rotates one pair of values in place: `x' = x c - y s`, `y' = y c + x s`, in fp32 (each
+ * product and sum rounded once, no FMA, so host and device agree bit for bit) with one rounding
+ * to T at the end, or, when `round_each_operation`, with cos, sin, each product and the sum
+ * rounded to T (vLLM's native kernel on 16-bit keys: c10::BFloat16 arithmetic).
  */
 template <class T>
 INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void rope_rotate_pair(T& x,
@@ -312,17 +332,19 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void rope_rotate_pair(T& x,
                                                                     rope_cos_sin cs,
                                                                     bool round_each_operation)
 {
+  using detail::add_rn;
+  using detail::mul_rn;
   float const xf = to_float(x);
   float const yf = to_float(y);
   if (round_each_operation) {
-    auto const r = [](float v) { return to_float(from_float<T>(v)); };
+    auto const r  = [](float v) { return to_float(from_float<T>(v)); };
     float const c = r(cs.cos);
     float const s = r(cs.sin);
-    x             = from_float<T>(r(xf * c) - r(yf * s));
-    y             = from_float<T>(r(yf * c) + r(xf * s));
+    x             = from_float<T>(add_rn(r(mul_rn(xf, c)), -r(mul_rn(yf, s))));
+    y             = from_float<T>(add_rn(r(mul_rn(yf, c)), r(mul_rn(xf, s))));
   } else {
-    x = from_float<T>(xf * cs.cos - yf * cs.sin);
-    y = from_float<T>(yf * cs.cos + xf * cs.sin);
+    x = from_float<T>(add_rn(mul_rn(xf, cs.cos), -mul_rn(yf, cs.sin)));
+    y = from_float<T>(add_rn(mul_rn(yf, cs.cos), mul_rn(xf, cs.sin)));
   }
 }
 

@@ -1,0 +1,176 @@
+// GPU tests of the rotary embedding: the device backend against the host backend, over pairings,
+// element types, operations, rotation sources, vectorised and strided views, and grids larger than
+// one wave. Reported skipped by CTest where no GPU is visible.
+#include <inferscale/cuda_error.hpp>
+#include <inferscale/rope.cuh>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+using namespace inferscale;
+
+namespace {
+
+template <class T>
+struct device_buffer {
+  T* ptr{};
+  std::size_t size{};
+  explicit device_buffer(std::size_t n) : size(n)
+  {
+    INFERSCALE_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
+  }
+  device_buffer(std::vector<T> const& host) : device_buffer(host.size())
+  {
+    INFERSCALE_CUDA_TRY(cudaMemcpy(ptr, host.data(), size * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> to_host() const
+  {
+    std::vector<T> host(size);
+    INFERSCALE_CUDA_TRY(cudaMemcpy(host.data(), ptr, size * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+  ~device_buffer() { cudaFree(ptr); }
+  device_buffer(device_buffer const&)            = delete;
+  device_buffer& operator=(device_buffer const&) = delete;
+};
+
+template <class T>
+std::vector<T> random_elements(std::size_t n, std::uint64_t seed)
+{
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<T> v(n);
+  for (auto& x : v) { x = from_float<T>(dist(rng)); }
+  return v;
+}
+
+// Runs the same rotation on the host and on the device over a [tokens, heads, head_dim] view that
+// sits inside a larger buffer (row = token stride), and compares every element of the buffer.
+template <class T, class Rotation>
+void compare_with_host(Rotation const& rotation,
+                       std::vector<std::int64_t> const& positions,
+                       std::int64_t heads,
+                       std::int64_t row,
+                       std::int64_t offset,
+                       rope_op op,
+                       float tolerance_ulps)
+{
+  std::int64_t const tokens = static_cast<std::int64_t>(positions.size());
+  std::int64_t const d      = rotation.head_dim;
+  auto const original       = random_elements<T>(static_cast<std::size_t>(tokens * row), 1234);
+  auto host                 = original;
+  rope_apply_host(make_token_head_view(host.data() + offset, tokens, heads, d, row, d, 1),
+                  positions.data(), tokens, rotation, op);
+
+  device_buffer<T> data(original);
+  device_buffer<std::int64_t> device_positions(positions);
+  cudaStream_t stream;
+  INFERSCALE_CUDA_TRY(cudaStreamCreate(&stream));
+  rope_apply_async(make_token_head_view(data.ptr + offset, tokens, heads, d, row, d, 1),
+                   device_positions.ptr, tokens, rotation, op, cuda::stream_ref{stream});
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream));
+  INFERSCALE_CUDA_TRY(cudaStreamDestroy(stream));
+  auto const device = data.to_host();
+
+  float const unit = std::ldexp(1.0f, -mantissa_bits<T>());
+  for (std::size_t i = 0; i < host.size(); ++i) {
+    float const h = to_float(host[i]), g = to_float(device[i]);
+    CAPTURE(i, h, g, to_float(original[i]));
+    // device sincosf and host std::sin/cos may differ by an ulp or two of fp32; after rounding
+    // to T that is at most one unit of T's last place, times the magnitude.
+    REQUIRE(std::fabs(h - g) <= tolerance_ulps * unit * std::max(1.0f, std::fabs(h)) + 1e-6f);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("device rotation equals the host rotation", "[gpu][rope]", float, bfloat16_t,
+                   half_t)
+{
+  auto const pairing = GENERATE(rope_pairing::halves, rope_pairing::interleaved);
+  auto const op      = GENERATE(rope_op::forward, rope_op::inverse, rope_op::shift);
+  auto const mode    = GENERATE(rope_angle_mode::fp32, rope_angle_mode::exact);
+  CAPTURE(static_cast<int>(pairing), static_cast<int>(op), static_cast<int>(mode));
+  rope_spec spec  = rope_presets::llama_3_1_8b();
+  spec.pairing    = pairing;
+  spec.angle_mode = mode;
+  auto const params = make_rope_params(spec);
+
+  // 0, 1, odd and more tokens than one grid wave (132 SMs x 16 blocks on an H200).
+  for (std::int64_t tokens : {0, 1, 7, 3000}) {
+    std::vector<std::int64_t> positions(static_cast<std::size_t>(tokens));
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      positions[t] = op == rope_op::shift ? (t * 37 % 2001) - 1000 : (t * 977) % 131072;
+    }
+    SECTION("contiguous (vectorised path)")
+    {
+      compare_with_host<TestType>(params, positions, 8, 8 * 128, 0, op, 1.0f);
+    }
+    SECTION("inside a fused qkv row, misaligned for 16-byte access (scalar path)")
+    {
+      compare_with_host<TestType>(params, positions, 2, 8 * 128 + 3, 3, op, 1.0f);
+    }
+  }
+}
+
+TEST_CASE("device rotation with an engine cos/sin table equals the host bit for bit", "[gpu][rope]")
+{
+  auto const pairing = GENERATE(rope_pairing::halves, rope_pairing::interleaved);
+  auto const params  = make_rope_params(rope_presets::qwen2_5_7b());
+  std::int64_t const rows = 4096;
+  std::vector<bfloat16_t> table(static_cast<std::size_t>(rows * 128));
+  for (std::int64_t p = 0; p < rows; ++p) {
+    for (int i = 0; i < 64; ++i) {
+      float const angle       = float(p) * params.inv_freq[i];
+      table[p * 128 + i]      = from_float<bfloat16_t>(std::cos(angle));
+      table[p * 128 + 64 + i] = from_float<bfloat16_t>(std::sin(angle));
+    }
+  }
+  device_buffer<bfloat16_t> device_table(table);
+  std::vector<std::int64_t> positions(1000);
+  for (std::size_t t = 0; t < positions.size(); ++t) { positions[t] = (t * 131) % rows; }
+  for (bool round_each : {true, false}) {
+    rope_cos_sin_table<bfloat16_t> host_tab{table.data(), rows, 128, 128, 128, pairing, round_each};
+    rope_cos_sin_table<bfloat16_t> dev_tab = host_tab;
+    dev_tab.data                           = device_table.ptr;
+    // The host computes with host_tab; the device with dev_tab: same values, identical bits.
+    auto const original = random_elements<bfloat16_t>(positions.size() * 4 * 128, 99);
+    auto host           = original;
+    auto const n        = static_cast<std::int64_t>(positions.size());
+    rope_apply_host(make_token_head_view(host.data(), n, 4, 128), positions.data(), n, host_tab,
+                    rope_op::forward);
+    device_buffer<bfloat16_t> data(original);
+    device_buffer<std::int64_t> device_positions(positions);
+    rope_apply_async(make_token_head_view(data.ptr, n, 4, 128), device_positions.ptr, n, dev_tab,
+                     rope_op::forward, cuda::stream_ref{cudaStream_t{}});
+    auto const device = data.to_host();
+    for (std::size_t i = 0; i < host.size(); ++i) {
+      CAPTURE(i, round_each);
+      REQUIRE(device[i].bits == host[i].bits);
+    }
+  }
+}
+
+TEST_CASE("device rotation leaves tokens with out-of-table positions untouched", "[gpu][rope]")
+{
+  std::vector<float> table(16 * 128, 0.5f);
+  device_buffer<float> device_table(table);
+  rope_cos_sin_table<float> tab{device_table.ptr, 16, 128, 128, 128, rope_pairing::halves, false};
+  std::vector<std::int64_t> positions{3, 16, -2, 15};
+  auto const original = random_elements<float>(4 * 128, 5);
+  device_buffer<float> data(original);
+  device_buffer<std::int64_t> device_positions(positions);
+  rope_apply_async(make_token_head_view(data.ptr, 4, 1, 128), device_positions.ptr, 4, tab,
+                   rope_op::forward, cuda::stream_ref{cudaStream_t{}});
+  auto const got = data.to_host();
+  for (int j = 0; j < 128; ++j) {
+    REQUIRE(got[128 + j] == original[128 + j]);
+    REQUIRE(got[256 + j] == original[256 + j]);
+  }
+  // tokens 0 and 3 did rotate: x' = 0.5 x - 0.5 y for the first half
+  REQUIRE(got[0] == 0.5f * original[0] - 0.5f * original[64]);
+}

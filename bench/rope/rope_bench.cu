@@ -1,0 +1,203 @@
+/**
+ * @file bench/rope/rope_bench.cu
+ * @brief Rotary embedding: forward rotation in place of `[tokens, heads, 128]` keys in
+ * Llama-3.1-8B's rope (llama3 scaling, theta 5e5), bf16 and fp32, host and device backends, the
+ * rotation resolved from rope_params or read from an engine cos/sin table (vLLM layout, fp32).
+ *
+ * Bytes counted per call: read + write of the rotated data, 2 * tokens * heads * head_dim *
+ * sizeof(T) (positions, and the table rows, are not counted: 8 bytes and at most 512 bytes per
+ * token). Items: rotated head vectors (tokens * heads). Every benchmark also reports the plain copy
+ * of the same bytes measured in the same run (`copy_GB/s`) and the ratio (`vs_copy`); see
+ * bench/common/fixture.hpp.
+ *
+ * Names: rope_forward/<backend>/<dtype>/<rotation>/tokens:<T>/heads:<H>.
+ * Positions are those of a prefill, 0 .. tokens - 1.
+ */
+#include "../common/fixture.hpp"
+
+#include <inferscale/dtype.hpp>
+#include <inferscale/rope.cuh>
+#include <inferscale/rope.hpp>
+#include <inferscale/views.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+namespace ib = inferscale::bench;
+using inferscale::bfloat16_t;
+
+constexpr std::int64_t head_dim = 128;  // Llama-3.1-8B
+constexpr std::uint64_t seed    = 20240723;
+
+enum class rotation_source { params, table };
+
+template <class T>
+char const* dtype_name()
+{
+  return std::is_same_v<T, float> ? "fp32" : "bf16";
+}
+
+char const* source_name(rotation_source s)
+{
+  return s == rotation_source::params ? "params" : "table";
+}
+
+inferscale::rope_params llama_params()
+{
+  return inferscale::make_rope_params(inferscale::rope_presets::llama_3_1_8b());
+}
+
+/**
+ * @brief The engine's cos/sin table for `rows` positions, vLLM's `cos_sin_cache` layout: row p is
+ * `[a cos(p inv_i) .. | a sin(p inv_i) ..]`, angles formed in fp32 as vLLM's
+ * `einsum(t, inv_freq)` does.
+ */
+std::vector<float> cos_sin_table_values(inferscale::rope_params const& params, std::int64_t rows)
+{
+  std::int32_t const pairs = params.num_pairs();
+  std::vector<float> values(static_cast<std::size_t>(rows * params.rotary_dim));
+  for (std::int64_t p = 0; p < rows; ++p) {
+    float* const row = values.data() + p * params.rotary_dim;
+    for (std::int32_t i = 0; i < pairs; ++i) {
+      float const angle = static_cast<float>(p) * params.inv_freq[i];
+      row[i]            = params.attention_factor * std::cos(angle);
+      row[pairs + i]    = params.attention_factor * std::sin(angle);
+    }
+  }
+  return values;
+}
+
+inferscale::rope_cos_sin_table<float> make_table(inferscale::rope_params const& params,
+                                                 float const* data,
+                                                 std::int64_t rows)
+{
+  inferscale::rope_cos_sin_table<float> table{};
+  table.data         = data;
+  table.max_position = rows;
+  table.row_stride   = params.rotary_dim;
+  table.head_dim     = params.head_dim;
+  table.rotary_dim   = params.rotary_dim;
+  table.pairing      = params.pairing;
+  // round_each_operation stays true (vLLM's native kernel on 16-bit keys).
+  return table;
+}
+
+std::vector<std::int64_t> prefill_positions(std::int64_t tokens)
+{
+  std::vector<std::int64_t> positions(static_cast<std::size_t>(tokens));
+  std::iota(positions.begin(), positions.end(), std::int64_t{0});
+  return positions;
+}
+
+template <class T>
+ib::traffic rope_traffic(std::int64_t tokens, std::int64_t heads)
+{
+  std::int64_t const bytes = tokens * heads * head_dim * static_cast<std::int64_t>(sizeof(T));
+  return ib::traffic{2 * bytes, tokens * heads};
+}
+
+template <class T, rotation_source Source>
+void rope_forward_host(benchmark::State& state)
+{
+  ib::run_guarded(state, [&] {
+    std::int64_t const tokens = state.range(0);
+    std::int64_t const heads  = state.range(1);
+    auto const params         = llama_params();
+    auto data = ib::uniform_values<T>(static_cast<std::size_t>(tokens * heads * head_dim), seed);
+    auto const positions = prefill_positions(tokens);
+    auto const x         = inferscale::make_token_head_view(data.data(), tokens, heads, head_dim);
+    auto const t         = rope_traffic<T>(tokens, heads);
+
+    if constexpr (Source == rotation_source::params) {
+      ib::run_host(state, t, data.data(), [&] {
+        inferscale::rope_apply_host(
+          x, positions.data(), tokens, params, inferscale::rope_op::forward);
+      });
+    } else {
+      auto const table_values = cos_sin_table_values(params, tokens);
+      auto const table        = make_table(params, table_values.data(), tokens);
+      ib::run_host(state, t, data.data(), [&] {
+        inferscale::rope_apply_host(
+          x, positions.data(), tokens, table, inferscale::rope_op::forward);
+      });
+    }
+  });
+}
+
+template <class T, rotation_source Source>
+void rope_forward_device(benchmark::State& state)
+{
+  if (!ib::require_device(state)) { return; }
+  ib::run_guarded(state, [&] {
+    std::int64_t const tokens = state.range(0);
+    std::int64_t const heads  = state.range(1);
+    auto const params         = llama_params();
+    ib::device_buffer<T> data(
+      ib::uniform_values<T>(static_cast<std::size_t>(tokens * heads * head_dim), seed));
+    ib::device_buffer<std::int64_t> positions(prefill_positions(tokens));
+    auto const x = inferscale::make_token_head_view(data.data(), tokens, heads, head_dim);
+    auto const t = rope_traffic<T>(tokens, heads);
+
+    if constexpr (Source == rotation_source::params) {
+      ib::run_device(state, t, data.data(), [&](cudaStream_t stream) {
+        inferscale::rope_apply_async(
+          x, positions.data(), tokens, params, inferscale::rope_op::forward, stream);
+      });
+    } else {
+      ib::device_buffer<float> table_values(cos_sin_table_values(params, tokens));
+      auto const table = make_table(params, table_values.data(), tokens);
+      ib::run_device(state, t, data.data(), [&](cudaStream_t stream) {
+        inferscale::rope_apply_async(
+          x, positions.data(), tokens, table, inferscale::rope_op::forward, stream);
+      });
+    }
+  });
+}
+
+template <class T, rotation_source Source>
+void register_host()
+{
+  std::string const name =
+    std::string{"rope_forward/host/"} + dtype_name<T>() + "/" + source_name(Source);
+  benchmark::RegisterBenchmark(name.c_str(), rope_forward_host<T, Source>)
+    ->Apply(ib::host_benchmark)
+    ->ArgNames({"tokens", "heads"})
+    ->ArgsProduct({{256, 4096}, {8, 32}});
+}
+
+template <class T, rotation_source Source>
+void register_device()
+{
+  std::string const name =
+    std::string{"rope_forward/device/"} + dtype_name<T>() + "/" + source_name(Source);
+  benchmark::RegisterBenchmark(name.c_str(), rope_forward_device<T, Source>)
+    ->Apply(ib::device_benchmark)
+    ->ArgNames({"tokens", "heads"})
+    ->ArgsProduct({{1024, 16384, 131072}, {8, 32}});
+}
+
+void register_rope_benchmarks()
+{
+  register_host<bfloat16_t, rotation_source::params>();
+  register_host<float, rotation_source::params>();
+  register_host<bfloat16_t, rotation_source::table>();
+  register_device<bfloat16_t, rotation_source::params>();
+  register_device<float, rotation_source::params>();
+  register_device<bfloat16_t, rotation_source::table>();
+}
+
+}  // namespace
+
+int main(int argc, char** argv)
+{
+  register_rope_benchmarks();
+  return inferscale::bench::benchmark_main(argc, argv);
+}

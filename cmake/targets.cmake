@@ -13,7 +13,11 @@ function(inferscale_target_defaults target)
     $<$<COMPILE_LANGUAGE:CXX>:${INFERSCALE_CXX_WARNINGS}>
     $<$<COMPILE_LANGUAGE:CUDA>:${INFERSCALE_CUDA_WARNINGS}>)
   if(ARG_RAFT)
-    target_link_libraries(${target} PRIVATE raft::raft rmm::rmm)
+    # raft::raft (the header-only target of the 26.10 wheel) does not carry the CUDA math
+    # libraries its headers call (only raft::compiled does): gemm needs cuBLAS/cuBLASLt,
+    # raft::device_resources creates cuSOLVER/cuSPARSE handles, raft::random uses cuRAND.
+    target_link_libraries(${target} PRIVATE raft::raft rmm::rmm CUDA::cublas CUDA::cublasLt
+                                            CUDA::cusolver CUDA::cusparse CUDA::curand)
     set_target_properties(${target} PROPERTIES CXX_STANDARD 20 CUDA_STANDARD 20
                                                CXX_STANDARD_REQUIRED ON CUDA_STANDARD_REQUIRED ON)
     target_compile_options(${target} PRIVATE

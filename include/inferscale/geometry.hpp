@@ -52,6 +52,7 @@ struct kv_geometry {
   {
     INFERSCALE_EXPECTS(tokens >= 0, "kv_geometry::bytes: token count must be non-negative, got " +
                                       std::to_string(tokens));
+    validate();  // also bounds the per-token product, so bytes_per_token cannot overflow
     std::int64_t const per_token = bytes_per_token(t);
     INFERSCALE_EXPECTS(per_token == 0 ||
                          tokens <= std::numeric_limits<std::int64_t>::max() / per_token,
@@ -73,6 +74,12 @@ struct kv_geometry {
     INFERSCALE_EXPECTS(head_dim > 0 && head_dim % 2 == 0,
                        "kv_geometry: head_dim must be positive and even, got " +
                          std::to_string(head_dim));
+    // 2 * L * H * D * 4 bytes (the widest element) must fit in 64 bits.
+    constexpr std::int64_t limit = std::numeric_limits<std::int64_t>::max() / 8;
+    INFERSCALE_EXPECTS(static_cast<std::int64_t>(num_kv_heads) * head_dim <= limit / num_layers,
+                       "kv_geometry: " + std::to_string(num_layers) + " x " +
+                         std::to_string(num_kv_heads) + " x " + std::to_string(head_dim) +
+                         " overflows a 64-bit byte count per token");
   }
 
   friend constexpr bool operator==(kv_geometry const& a, kv_geometry const& b) noexcept

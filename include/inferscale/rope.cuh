@@ -72,12 +72,22 @@ void rope_apply_async(token_head_view<T> x,
     x.stride(2) == 1 && chunks_fit && aligned(x.stride(0)) && aligned(x.stride(1)) &&
     reinterpret_cast<std::uintptr_t>(x.data_handle()) % policy::vector_bytes == 0;
 
+  std::int64_t const chunks =
+    !vectorized ? rotation.num_pairs()
+                : (rotation.pairing == rope_pairing::halves ? rotation.num_pairs() / vector_elements
+                                                            : rotation.rotary_dim / vector_elements);
+  std::int64_t const items_per_token = x.extent(1) * chunks;
+  args.tile_tokens                   = std::clamp<std::int64_t>(
+    (policy::items_per_tile + items_per_token - 1) / items_per_token, 1, policy::max_tile_tokens);
+
   int device = 0, sm_count = 0;
   INFERSCALE_CUDA_TRY(cudaGetDevice(&device));
   INFERSCALE_CUDA_TRY(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  std::int64_t const tiles      = (x.extent(0) + args.tile_tokens - 1) / args.tile_tokens;
   std::int64_t const max_blocks = static_cast<std::int64_t>(sm_count) * policy::blocks_per_sm;
-  auto const grid  = static_cast<unsigned>(std::min<std::int64_t>(x.extent(0), max_blocks));
-  auto const shared_bytes = static_cast<std::size_t>(rotation.num_pairs()) * sizeof(rope_cos_sin);
+  auto const grid               = static_cast<unsigned>(std::min(tiles, max_blocks));
+  auto const shared_bytes       = static_cast<std::size_t>(args.tile_tokens) *
+                            static_cast<std::size_t>(rotation.num_pairs()) * sizeof(rope_cos_sin);
 
   if (vectorized) {
     detail::rope_apply_kernel<policy, T, Rotation, true>

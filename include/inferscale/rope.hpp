@@ -179,6 +179,27 @@ struct rope_cos_sin_table {
   }
 };
 
+/**
+ * @brief Builds the values of a vLLM-layout cos/sin table from resolved parameters, as vLLM's
+ * `_compute_cos_sin_cache` does: fp32 angles `float(p) * inv_freq`, cos and sin in fp32 times the
+ * attention factor, then rounded to T (`cache.to(dtype)`). Row p, p < rows, holds
+ * `[cos .. | sin ..]` of `rotary_dim` entries.
+ * @throw logic_error if `rows` is negative.
+ */
+template <class T>
+std::vector<T> make_rope_cos_sin_values(rope_params const& params, std::int64_t rows);
+
+/// @brief A table view over values made by make_rope_cos_sin_values (host or device copy).
+template <class T>
+rope_cos_sin_table<T> make_rope_cos_sin_table(rope_params const& params,
+                                              T const* data,
+                                              std::int64_t rows,
+                                              bool round_each_operation = true)
+{
+  return rope_cos_sin_table<T>{data,        rows,           params.rotary_dim, params.head_dim,
+                               params.rotary_dim, params.pairing, round_each_operation};
+}
+
 /// @brief A (cos, sin) pair, already including the attention factor where the operation needs it.
 struct rope_cos_sin {
   float cos;
@@ -190,7 +211,17 @@ namespace detail {
 INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void sincos_fp32(float angle, float* s, float* c)
 {
 #if INFERSCALE_IS_DEVICE_CODE
-  ::sincosf(angle, s, c);  // full-range, not the fast-math __sincosf
+  // Full-range sincosf, not the fast-math __sincosf. Above ~1e5 rad sincosf takes a slow
+  // Payne-Hanek path with a local-memory frame; the same fp32 angle in double precision costs
+  // less on an FP64-capable datacenter GPU and is as accurate.
+  if (fabsf(angle) < 1.0e5f) {
+    ::sincosf(angle, s, c);
+  } else {
+    double sd, cd;
+    ::sincos(static_cast<double>(angle), &sd, &cd);
+    *s = static_cast<float>(sd);
+    *c = static_cast<float>(cd);
+  }
 #else
   *s = std::sin(angle);
   *c = std::cos(angle);

@@ -417,6 +417,11 @@ TEST_CASE("the cos/sin-table path equals the computed-frequency path", "[rope]")
     }
   }
   rope_cos_sin_table<float> tab{table.data(), rows, 96, 128, 96, pairing, false};
+  // The library's own table builder gives the same values, and a view with the same fields.
+  REQUIRE(make_rope_cos_sin_values<float>(params, rows) == table);
+  auto const made = make_rope_cos_sin_table(params, table.data(), rows, false);
+  REQUIRE((made.row_stride == 96 && made.rotary_dim == 96 && made.head_dim == 128 &&
+           made.pairing == pairing && made.max_position == rows && !made.round_each_operation));
 
   std::mt19937_64 rng(11);
   std::vector<std::int64_t> positions{0, 1, 2, 999, 4999, 3};

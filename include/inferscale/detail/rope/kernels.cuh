@@ -2,8 +2,8 @@
  * @file detail/rope/kernels.cuh
  * @brief The rope kernel: a thin shell around the per-pair math of rope.hpp.
  *
- * Each block takes one token at a time: its threads first compute the token's cos/sin for every
- * pair into shared memory (once per token, not once per head), then rotate all heads of the token.
+ * Each block takes a tile of tokens at a time: its threads first compute the tile's cos/sin for
+ * every pair into shared memory (once per token, not once per head), then rotate all its heads.
  * When the head's elements are contiguous and 16-byte aligned, each thread moves 16 bytes per
  * load/store (for halves pairing: 16 bytes of the first half and the matching 16 bytes of the second).
  */
@@ -27,6 +27,7 @@ struct rope_kernel_args {
   std::int64_t element_stride;
   std::int64_t const* positions;
   std::int64_t table_rows;  ///< positions must be below it (tables), else INT64_MAX
+  std::int64_t tile_tokens;  ///< tokens a block takes per iteration
   Rotation rotation;
   rope_op op;
   bool round_each_operation;
@@ -49,6 +50,10 @@ INFERSCALE_DEVICE INFERSCALE_FORCEINLINE bool rope_position_ok(std::int64_t posi
 /**
  * @tparam Vectorized true: element stride 1 and every head 16-byte aligned, and the pair layout
  *         splits into 16-byte chunks (checked by the dispatcher).
+ *
+ * A block takes `tile_tokens` tokens at a time, so that a token with few heads still gives every
+ * thread work: first the tile's cos/sin (one per token and pair) into shared memory, then every
+ * (token, head, chunk) of the tile.
  */
 template <class Policy, class T, class Rotation, bool Vectorized>
 INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
@@ -57,65 +62,73 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
   extern __shared__ rope_cos_sin shared_cos_sin[];
   std::int32_t const pairs      = args.rotation.num_pairs();
   std::int32_t const rotary_dim = args.rotation.rotary_dim;
+  constexpr int n = Vectorized ? Policy::vector_bytes / static_cast<int>(sizeof(T)) : 1;
+  // Work items per token: chunks of n pairs per head (halves), chunks of n elements
+  // (interleaved), or single pairs (scalar path).
+  std::int32_t const chunks =
+    !Vectorized ? pairs
+                : (args.rotation.pairing == rope_pairing::halves ? pairs / n : rotary_dim / n);
+  std::int64_t const items_per_token = args.heads * chunks;
+  std::int64_t const tile            = args.tile_tokens;
 
-  for (std::int64_t token = blockIdx.x; token < args.tokens; token += gridDim.x) {
-    std::int64_t const position = args.positions[token];
-    // Tokens with an invalid position are left untouched (the host cannot see device positions;
-    // reading a table row beyond its end would be out of bounds).
-    if (!rope_position_ok(position, args.table_rows, args.op)) { continue; }
-    for (std::int32_t pair = threadIdx.x; pair < pairs; pair += blockDim.x) {
-      shared_cos_sin[pair] = rope_angle_cos_sin(args.rotation, position, pair, args.op);
+  for (std::int64_t first_token = blockIdx.x * tile; first_token < args.tokens;
+       first_token += static_cast<std::int64_t>(gridDim.x) * tile) {
+    std::int64_t const count = args.tokens - first_token < tile ? args.tokens - first_token : tile;
+    for (std::int64_t index = threadIdx.x; index < count * pairs; index += blockDim.x) {
+      std::int64_t const token    = first_token + index / pairs;
+      std::int64_t const position = args.positions[token];
+      if (rope_position_ok(position, args.table_rows, args.op)) {
+        shared_cos_sin[index] = rope_angle_cos_sin(
+          args.rotation, position, static_cast<std::int32_t>(index % pairs), args.op);
+      }
     }
     __syncthreads();
 
-    T* const token_data = args.data + token * args.token_stride;
-    if constexpr (Vectorized) {
-      constexpr int n = Policy::vector_bytes / static_cast<int>(sizeof(T));
-      using vector    = rope_vector<T, n>;
-      if (args.rotation.pairing == rope_pairing::halves) {
-        std::int32_t const chunks = pairs / n;  // chunks of n pairs: n elements in each half
-        for (std::int64_t item = threadIdx.x; item < args.heads * chunks; item += blockDim.x) {
-          std::int64_t const head = item / chunks;
-          std::int32_t const base = static_cast<std::int32_t>(item % chunks) * n;
-          T* const first_ptr      = token_data + head * args.head_stride + base;
-          vector first            = *reinterpret_cast<vector const*>(first_ptr);
-          vector second           = *reinterpret_cast<vector const*>(first_ptr + pairs);
+    for (std::int64_t item = threadIdx.x; item < count * items_per_token; item += blockDim.x) {
+      std::int64_t const local = item / items_per_token;
+      std::int64_t const token = first_token + local;
+      // Tokens with an invalid position are left untouched (the host cannot see device
+      // positions; a table row beyond its end would be read out of bounds).
+      if (!rope_position_ok(args.positions[token], args.table_rows, args.op)) { continue; }
+      std::int64_t const within   = item - local * items_per_token;
+      std::int64_t const head     = within / chunks;
+      std::int32_t const chunk    = static_cast<std::int32_t>(within - head * chunks);
+      rope_cos_sin const* cos_sin = shared_cos_sin + local * pairs;
+      T* const head_ptr = args.data + token * args.token_stride + head * args.head_stride;
+
+      if constexpr (Vectorized) {
+        using vector = rope_vector<T, n>;
+        std::int32_t const base = chunk * n;
+        if (args.rotation.pairing == rope_pairing::halves) {
+          T* const first_ptr = head_ptr + base;
+          vector first       = *reinterpret_cast<vector const*>(first_ptr);
+          vector second      = *reinterpret_cast<vector const*>(first_ptr + pairs);
 #pragma unroll
           for (int j = 0; j < n; ++j) {
-            rope_rotate_pair(first.values[j], second.values[j], shared_cos_sin[base + j],
+            rope_rotate_pair(first.values[j], second.values[j], cos_sin[base + j],
                              args.round_each_operation);
           }
           *reinterpret_cast<vector*>(first_ptr)         = first;
           *reinterpret_cast<vector*>(first_ptr + pairs) = second;
-        }
-      } else {
-        std::int32_t const chunks = rotary_dim / n;  // chunks of n elements = n/2 pairs
-        for (std::int64_t item = threadIdx.x; item < args.heads * chunks; item += blockDim.x) {
-          std::int64_t const head = item / chunks;
-          std::int32_t const base = static_cast<std::int32_t>(item % chunks) * n;
-          T* const ptr            = token_data + head * args.head_stride + base;
-          vector v                = *reinterpret_cast<vector const*>(ptr);
+        } else {
+          T* const ptr = head_ptr + base;
+          vector v     = *reinterpret_cast<vector const*>(ptr);
 #pragma unroll
           for (int j = 0; j < n; j += 2) {
-            rope_rotate_pair(v.values[j], v.values[j + 1], shared_cos_sin[(base + j) / 2],
+            rope_rotate_pair(v.values[j], v.values[j + 1], cos_sin[(base + j) / 2],
                              args.round_each_operation);
           }
           *reinterpret_cast<vector*>(ptr) = v;
         }
-      }
-    } else {
-      for (std::int64_t item = threadIdx.x; item < args.heads * pairs; item += blockDim.x) {
-        std::int64_t const head  = item / pairs;
-        std::int32_t const pair  = static_cast<std::int32_t>(item % pairs);
+      } else {
         std::int32_t first, second;
-        pair_elements(args.rotation.pairing, rotary_dim, pair, &first, &second);
-        T* const head_ptr = token_data + head * args.head_stride;
+        pair_elements(args.rotation.pairing, rotary_dim, chunk, &first, &second);
         rope_rotate_pair(head_ptr[first * args.element_stride],
-                         head_ptr[second * args.element_stride], shared_cos_sin[pair],
+                         head_ptr[second * args.element_stride], cos_sin[chunk],
                          args.round_each_operation);
       }
     }
-    __syncthreads();  // shared_cos_sin is rewritten for the next token
+    __syncthreads();  // shared_cos_sin is rewritten for the next tile
   }
 }
 

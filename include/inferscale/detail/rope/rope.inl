@@ -216,6 +216,24 @@ inline rope_params make_rope_params(rope_spec const& spec, std::int64_t total_le
   return params;
 }
 
+template <class T>
+std::vector<T> make_rope_cos_sin_values(rope_params const& params, std::int64_t rows)
+{
+  INFERSCALE_EXPECTS(rows >= 0, "make_rope_cos_sin_values: rows must be non-negative, got " +
+                                  std::to_string(rows));
+  std::int32_t const pairs = params.num_pairs();
+  std::vector<T> values(static_cast<std::size_t>(rows) * static_cast<std::size_t>(params.rotary_dim));
+  for (std::int64_t p = 0; p < rows; ++p) {
+    for (std::int32_t i = 0; i < pairs; ++i) {
+      float const angle = static_cast<float>(p) * params.inv_freq[i];
+      std::size_t const base = static_cast<std::size_t>(p) * params.rotary_dim;
+      values[base + i]         = from_float<T>(std::cos(angle) * params.attention_factor);
+      values[base + pairs + i] = from_float<T>(std::sin(angle) * params.attention_factor);
+    }
+  }
+  return values;
+}
+
 namespace rope_presets {
 inline rope_spec llama_3_1_8b()
 {

@@ -1,0 +1,50 @@
+# shellcheck shell=bash
+# Sourced by the .ci scripts: where the tools and the RAFT/RMM prefixes live.
+#
+#   INFERSCALE_ROOT        repository root
+#   INFERSCALE_VENV        the project-local virtual environment (.venv)
+#   INFERSCALE_PYTHON      its python
+#   INFERSCALE_CMAKE       cmake >= 4 from the venv (the RAFT/RMM 26.10 configs need it)
+#   INFERSCALE_CTEST       the matching ctest
+#   INFERSCALE_SITE        the venv's site-packages (purelib)
+#   INFERSCALE_PREFIX_PATH "<site>/librmm;<site>/libraft;<site>/rapids_logger" (for CMAKE_PREFIX_PATH)
+#   INFERSCALE_JOBS        parallel build jobs (nproc)
+#
+# inferscale_env refreshes the variables (call it again after .ci/setup has created the venv).
+
+INFERSCALE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+INFERSCALE_VENV=${INFERSCALE_VENV:-$INFERSCALE_ROOT/.venv}
+INFERSCALE_JOBS=${INFERSCALE_JOBS:-$(nproc 2>/dev/null || echo 2)}
+
+# The pinned wheels (keep RAFT and RMM on the same release).
+INFERSCALE_WHEELS=('libraft-cu13==26.10.*' 'librmm-cu13==26.10.*' 'rapids-logger==0.3.*')
+INFERSCALE_CMAKE_REQ='cmake>=4,<5'
+
+# The CUDA toolkit is expected in /usr/local/cuda unless CUDACXX or PATH says otherwise.
+if ! command -v nvcc >/dev/null 2>&1 && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  export PATH="/usr/local/cuda/bin:$PATH"
+fi
+
+inferscale_env() {
+  INFERSCALE_PYTHON="$INFERSCALE_VENV/bin/python"
+  INFERSCALE_CMAKE="$INFERSCALE_VENV/bin/cmake"
+  INFERSCALE_CTEST="$INFERSCALE_VENV/bin/ctest"
+  INFERSCALE_SITE=""
+  INFERSCALE_PREFIX_PATH=""
+  if [[ -x "$INFERSCALE_PYTHON" ]]; then
+    INFERSCALE_SITE=$("$INFERSCALE_PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    INFERSCALE_PREFIX_PATH="$INFERSCALE_SITE/librmm;$INFERSCALE_SITE/libraft;$INFERSCALE_SITE/rapids_logger"
+  fi
+}
+
+# inferscale_banner <text>: a visible section header in CI logs.
+inferscale_banner() {
+  printf '\n==== %s ====\n' "$*"
+}
+
+# inferscale_seconds_since <epoch seconds>: elapsed seconds.
+inferscale_seconds_since() {
+  echo $(( $(date +%s) - $1 ))
+}
+
+inferscale_env

@@ -943,9 +943,13 @@ TEST_CASE("kv_geometry::bytes multiplies by the token count and refuses overflow
                         Catch::Matchers::Contains(std::to_string(tokens)));
   }
 
-  SECTION("an empty geometry costs nothing for any count")
+  SECTION("an invalid geometry is refused, not costed")
   {
-    CHECK(kv_geometry{0, 8, 128}.bytes(int64_max, dtype::float32) == 0);
+    CHECK_THROWS_WITH(kv_geometry{0, 8, 128}.bytes(1, dtype::float32),
+                      Catch::Matchers::Contains("num_layers must be positive"));
+    // Per-token products beyond 64 bits are refused by validate(), before any multiplication.
+    CHECK_THROWS_WITH(kv_geometry{1 << 30, 1 << 30, 1 << 30}.bytes(1, dtype::float32),
+                      Catch::Matchers::Contains("overflows a 64-bit byte count per token"));
   }
 }
 

@@ -945,10 +945,10 @@ TEST_CASE("kv_geometry::bytes multiplies by the token count and refuses overflow
 
   SECTION("an invalid geometry is refused, not costed")
   {
-    CHECK_THROWS_WITH(kv_geometry{0, 8, 128}.bytes(1, dtype::float32),
+    CHECK_THROWS_WITH((kv_geometry{0, 8, 128}.bytes(1, dtype::float32)),
                       Catch::Matchers::Contains("num_layers must be positive"));
     // Per-token products beyond 64 bits are refused by validate(), before any multiplication.
-    CHECK_THROWS_WITH(kv_geometry{1 << 30, 1 << 30, 1 << 30}.bytes(1, dtype::float32),
+    CHECK_THROWS_WITH((kv_geometry{1 << 30, 1 << 30, 1 << 30}.bytes(1, dtype::float32)),
                       Catch::Matchers::Contains("overflows a 64-bit byte count per token"));
   }
 }

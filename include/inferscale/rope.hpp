@@ -126,6 +126,9 @@ inline rope_spec qwen2_5_7b();
 inline rope_spec mistral_7b_v0_3();
 /// HuggingFaceTB/SmolLM2-135M-Instruct: theta 1e5, head dim 64, Lmax 8192.
 inline rope_spec smollm2_135m();
+/// microsoft/Phi-3.5-mini-instruct: LongRoPE, theta 1e4, head dim 96, L0 4096, Lmax 131072,
+/// its 48 short and 48 long factors.
+inline rope_spec phi_3_5_mini();
 }  // namespace rope_presets
 
 /**

@@ -115,18 +115,16 @@ rope_spec yarn_spec()
 
 rope_spec longrope_spec()
 {
-  // Phi-3-mini-128k geometry (head dim 96, theta 1e4, L0 4096, Lmax 131072). The factor lists
-  // here are synthetic (monotone, as real ones are), 48 = rotary_dim/2 entries each.
-  rope_spec spec{};
-  spec.head_dim              = 96;
-  spec.theta                 = 10000.0;
-  spec.scaling               = rope_scaling::longrope;
-  spec.original_max_position = 4096;
-  spec.max_position          = 131072;
-  for (int i = 0; i < 48; ++i) {
-    spec.short_factor.push_back(1.0 + 0.02 * i);
-    spec.long_factor.push_back(1.0 + 1.5 * i);
-  }
+  // microsoft/Phi-3.5-mini-instruct (head dim 96, theta 1e4, L0 4096, Lmax 131072, 48 + 48
+  // factors from its config.json).
+  rope_spec spec = rope_presets::phi_3_5_mini();
+  REQUIRE(spec.short_factor.size() == 48);
+  REQUIRE(spec.long_factor.size() == 48);
+  // Spot checks of the published lists: first and last of each.
+  REQUIRE(spec.short_factor.front() == 1.0);
+  REQUIRE(spec.short_factor.back() == Approx(2.84).epsilon(1e-6));
+  REQUIRE(spec.long_factor.front() == Approx(1.08).epsilon(1e-6));
+  REQUIRE(spec.long_factor.back() == Approx(64.84).epsilon(1e-6));
   return spec;
 }
 
@@ -206,7 +204,7 @@ TEST_CASE("inverse frequencies equal the published formulas for real configurati
       REQUIRE(g[i] == Approx(base[i] / f * (1 - e) + base[i] * e).epsilon(1e-12));
     }
   }
-  SECTION("LongRoPE: short factors up to L0, long beyond; a = sqrt(1 + ln f / ln L0)")
+  SECTION("LongRoPE (Phi-3.5-mini): short factors up to L0, long beyond; a = sqrt(1 + ln f / ln L0)")
   {
     rope_spec const spec = longrope_spec();
     auto const base      = plain_inv(1e4, 96);

@@ -225,6 +225,8 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void sincos_fp32(float angle, floa
     *s = static_cast<float>(sd);
     *c = static_cast<float>(cd);
   }
+#elif defined(__GLIBC__)
+  ::sincosf(angle, s, c);  // one argument reduction for both (glibc; same results as sinf/cosf)
 #else
   *s = std::sin(angle);
   *c = std::cos(angle);

@@ -384,20 +384,22 @@ void rope_check_host_positions(std::int64_t const* positions,
 }  // namespace detail
 
 namespace detail {
-/// @brief The common host case (contiguous head, halves, fp32 arithmetic) as a branch-free loop
-/// over restrict pointers that the compiler vectorises; same arithmetic as rope_rotate_pair.
-template <class T>
+/// @brief The common host case (contiguous head, halves) as a branch-free loop over restrict
+/// pointers that the compiler can vectorise; the same arithmetic as rope_rotate_pair (with
+/// RoundEach, cos and sin must already be rounded to T).
+template <bool RoundEach, class T>
 void rope_rotate_halves_contiguous(T* head, std::int32_t rotary_dim, rope_cos_sin const* cos_sin)
 {
-  std::int32_t const half     = rotary_dim / 2;
-  T* __restrict const first   = head;
-  T* __restrict const second  = head + half;
+  std::int32_t const half                 = rotary_dim / 2;
+  T* __restrict const first               = head;
+  T* __restrict const second              = head + half;
   rope_cos_sin const* __restrict const cs = cos_sin;
+  auto const r = [](float v) { return RoundEach ? to_float(from_float<T>(v)) : v; };
   for (std::int32_t i = 0; i < half; ++i) {
     float const x = to_float(first[i]);
     float const y = to_float(second[i]);
-    first[i]      = from_float<T>(add_rn(mul_rn(x, cs[i].cos), -mul_rn(y, cs[i].sin)));
-    second[i]     = from_float<T>(add_rn(mul_rn(y, cs[i].cos), mul_rn(x, cs[i].sin)));
+    first[i]      = from_float<T>(add_rn(r(mul_rn(x, cs[i].cos)), -r(mul_rn(y, cs[i].sin))));
+    second[i]     = from_float<T>(add_rn(r(mul_rn(y, cs[i].cos)), r(mul_rn(x, cs[i].sin))));
   }
 }
 }  // namespace detail
@@ -420,12 +422,21 @@ void rope_apply_host(token_head_view<T> x,
   std::int64_t const element_stride  = x.stride(2);
   for (std::int64_t t = 0; t < x.extent(0); ++t) {
     for (std::int32_t pair = 0; pair < pairs; ++pair) {
-      cos_sin[static_cast<std::size_t>(pair)] = rope_angle_cos_sin(rotation, positions[t], pair, op);
+      rope_cos_sin cs = rope_angle_cos_sin(rotation, positions[t], pair, op);
+      if (round_each) {  // vLLM rounds the table to the key dtype once: do it once per token too
+        cs.cos = to_float(from_float<T>(cs.cos));
+        cs.sin = to_float(from_float<T>(cs.sin));
+      }
+      cos_sin[static_cast<std::size_t>(pair)] = cs;
     }
     for (std::int64_t h = 0; h < x.extent(1); ++h) {
       T* const head = x.data_handle() + t * x.stride(0) + h * x.stride(1);
-      if (element_stride == 1 && !round_each && rotation.pairing == rope_pairing::halves) {
-        detail::rope_rotate_halves_contiguous(head, rotation.rotary_dim, cos_sin.data());
+      if (element_stride == 1 && rotation.pairing == rope_pairing::halves) {
+        if (round_each) {
+          detail::rope_rotate_halves_contiguous<true>(head, rotation.rotary_dim, cos_sin.data());
+        } else {
+          detail::rope_rotate_halves_contiguous<false>(head, rotation.rotary_dim, cos_sin.data());
+        }
       } else {
         rope_rotate_head(head, element_stride, rotation.pairing, rotation.rotary_dim,
                          cos_sin.data(), round_each);

@@ -38,8 +38,9 @@
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/dtype.hpp>
 
-#include <benchmark/benchmark.h>
 #include <cuda_runtime_api.h>
+
+#include <benchmark/benchmark.h>
 
 #include <chrono>
 #include <cstddef>

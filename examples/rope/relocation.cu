@@ -20,7 +20,9 @@ namespace {
 double score(std::vector<float> const& q, float const* k, int d)
 {
   double s = 0;
-  for (int j = 0; j < d; ++j) { s += double(q[j]) * k[j]; }
+  for (int j = 0; j < d; ++j) {
+    s += double(q[j]) * k[j];
+  }
   return s / std::sqrt(double(d));
 }
 }  // namespace
@@ -35,8 +37,12 @@ int main()
   std::mt19937_64 rng(2026);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> pre_rope_keys(fact_tokens * d), query(d);
-  for (auto& x : pre_rope_keys) { x = normal(rng); }
-  for (auto& x : query) { x = normal(rng); }
+  for (auto& x : pre_rope_keys) {
+    x = normal(rng);
+  }
+  for (auto& x : query) {
+    x = normal(rng);
+  }
 
   // Place the fact at virtual positions 100.. and 90000.., the query 7 tokens after the fact.
   double max_difference = 0;
@@ -45,26 +51,40 @@ int main()
   for (int placement = 0; placement < 2; ++placement) {
     std::vector<float> keys = pre_rope_keys;
     std::vector<std::int64_t> positions(fact_tokens);
-    for (int t = 0; t < fact_tokens; ++t) { positions[t] = starts[placement] + t; }
-    rope_apply_host(make_token_head_view(keys.data(), fact_tokens, 1, d), positions.data(),
-                    fact_tokens, rp, rope_op::forward);
-    std::vector<float> q                = query;
-    std::int64_t const query_position = starts[placement] + fact_tokens + 7;
-    rope_apply_host(make_token_head_view(q.data(), 1, 1, d), &query_position, 1, rp,
+    for (int t = 0; t < fact_tokens; ++t) {
+      positions[t] = starts[placement] + t;
+    }
+    rope_apply_host(make_token_head_view(keys.data(), fact_tokens, 1, d),
+                    positions.data(),
+                    fact_tokens,
+                    rp,
                     rope_op::forward);
-    for (int t = 0; t < fact_tokens; ++t) { scores[placement].push_back(score(q, &keys[t * d], d)); }
+    std::vector<float> q              = query;
+    std::int64_t const query_position = starts[placement] + fact_tokens + 7;
+    rope_apply_host(
+      make_token_head_view(q.data(), 1, 1, d), &query_position, 1, rp, rope_op::forward);
+    for (int t = 0; t < fact_tokens; ++t) {
+      scores[placement].push_back(score(q, &keys[t * d], d));
+    }
   }
   for (int t = 0; t < fact_tokens; ++t) {
     max_difference = std::max(max_difference, std::fabs(scores[0][t] - scores[1][t]));
   }
   std::printf("Llama-3.1-8B rope (llama3 scaling, theta 5e5), one head of dim %d, %d-token fact\n",
-              d, fact_tokens);
+              d,
+              fact_tokens);
   std::printf("scores with the fact at position %lld: %.6f %.6f %.6f ...\n",
-              static_cast<long long>(starts[0]), scores[0][0], scores[0][1], scores[0][2]);
+              static_cast<long long>(starts[0]),
+              scores[0][0],
+              scores[0][1],
+              scores[0][2]);
   std::printf("scores with the fact at position %lld: %.6f %.6f %.6f ...\n",
-              static_cast<long long>(starts[1]), scores[1][0], scores[1][1], scores[1][2]);
-  std::printf("largest difference over %d scores: %.3g (fp32 rounding)\n", fact_tokens,
-              max_difference);
+              static_cast<long long>(starts[1]),
+              scores[1][0],
+              scores[1][1],
+              scores[1][2]);
+  std::printf(
+    "largest difference over %d scores: %.3g (fp32 rounding)\n", fact_tokens, max_difference);
   int status = max_difference < 1e-4 ? 0 : 1;
 
   if (visible_device_count() == 0) {
@@ -74,28 +94,46 @@ int main()
   // The device backend on the same keys: 8 KV heads, bf16, as an engine's cache holds them.
   int const heads = 8, tokens = 4096;
   std::vector<bfloat16_t> host(std::size_t(tokens) * heads * d);
-  for (auto& x : host) { x = from_float<bfloat16_t>(normal(rng)); }
+  for (auto& x : host) {
+    x = from_float<bfloat16_t>(normal(rng));
+  }
   std::vector<std::int64_t> positions(tokens);
-  for (int t = 0; t < tokens; ++t) { positions[t] = 1000 + t; }
+  for (int t = 0; t < tokens; ++t) {
+    positions[t] = 1000 + t;
+  }
   bfloat16_t* device_keys{};
   std::int64_t* device_positions{};
   INFERSCALE_CUDA_TRY(cudaMalloc(&device_keys, host.size() * sizeof(bfloat16_t)));
   INFERSCALE_CUDA_TRY(cudaMalloc(&device_positions, positions.size() * sizeof(std::int64_t)));
-  INFERSCALE_CUDA_TRY(cudaMemcpy(device_keys, host.data(), host.size() * sizeof(bfloat16_t),
+  INFERSCALE_CUDA_TRY(
+    cudaMemcpy(device_keys, host.data(), host.size() * sizeof(bfloat16_t), cudaMemcpyHostToDevice));
+  INFERSCALE_CUDA_TRY(cudaMemcpy(device_positions,
+                                 positions.data(),
+                                 positions.size() * sizeof(std::int64_t),
                                  cudaMemcpyHostToDevice));
-  INFERSCALE_CUDA_TRY(cudaMemcpy(device_positions, positions.data(),
-                                 positions.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice));
-  rope_apply_async(make_token_head_view(device_keys, tokens, heads, d), device_positions, tokens,
-                   rp, rope_op::forward, cuda::stream_ref{cudaStream_t{}});
-  rope_apply_host(make_token_head_view(host.data(), tokens, heads, d), positions.data(), tokens,
-                  rp, rope_op::forward);
+  rope_apply_async(make_token_head_view(device_keys, tokens, heads, d),
+                   device_positions,
+                   tokens,
+                   rp,
+                   rope_op::forward,
+                   cuda::stream_ref{cudaStream_t{}});
+  rope_apply_host(make_token_head_view(host.data(), tokens, heads, d),
+                  positions.data(),
+                  tokens,
+                  rp,
+                  rope_op::forward);
   std::vector<bfloat16_t> back(host.size());
-  INFERSCALE_CUDA_TRY(cudaMemcpy(back.data(), device_keys, back.size() * sizeof(bfloat16_t),
-                                 cudaMemcpyDeviceToHost));
+  INFERSCALE_CUDA_TRY(
+    cudaMemcpy(back.data(), device_keys, back.size() * sizeof(bfloat16_t), cudaMemcpyDeviceToHost));
   std::size_t differing = 0;
-  for (std::size_t i = 0; i < host.size(); ++i) { differing += back[i].bits != host[i].bits; }
+  for (std::size_t i = 0; i < host.size(); ++i) {
+    differing += back[i].bits != host[i].bits;
+  }
   std::printf("device vs host, %d tokens x %d heads bf16: %zu of %zu elements differ in bits\n",
-              tokens, heads, differing, host.size());
+              tokens,
+              heads,
+              differing,
+              host.size());
   cudaFree(device_keys);
   cudaFree(device_positions);
   return status;

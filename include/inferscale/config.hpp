@@ -12,8 +12,8 @@
 #define INFERSCALE_VERSION_PATCH 0
 
 #if defined(__CUDACC__) || defined(__CUDA_ARCH__)
-#define INFERSCALE_HOST_DEVICE __host__ __device__
-#define INFERSCALE_DEVICE __device__
+#define INFERSCALE_HOST_DEVICE       __host__ __device__
+#define INFERSCALE_DEVICE            __device__
 #define INFERSCALE_HAS_CUDA_COMPILER 1
 #else
 #define INFERSCALE_HOST_DEVICE

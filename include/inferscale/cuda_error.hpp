@@ -44,13 +44,13 @@ inline int visible_device_count() noexcept
  * @brief Evaluates a CUDA runtime call and throws inferscale::cuda_error, naming the call, the
  * file, the line and the CUDA error, when it does not return cudaSuccess.
  */
-#define INFERSCALE_CUDA_TRY(call)                                                   \
-  do {                                                                              \
-    cudaError_t const inferscale_status_ = (call);                                  \
-    if (inferscale_status_ != cudaSuccess) {                                        \
-      (void)cudaGetLastError();                                                     \
+#define INFERSCALE_CUDA_TRY(call)                                                            \
+  do {                                                                                       \
+    cudaError_t const inferscale_status_ = (call);                                           \
+    if (inferscale_status_ != cudaSuccess) {                                                 \
+      (void)cudaGetLastError();                                                              \
       ::inferscale::detail::throw_cuda_error(inferscale_status_, #call, __FILE__, __LINE__); \
-    }                                                                               \
+    }                                                                                        \
   } while (0)
 
 /// @brief Checks the last kernel launch (configuration errors are reported at launch time).

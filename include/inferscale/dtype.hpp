@@ -80,15 +80,20 @@ inline char const* to_string(dtype t) noexcept
 template <class T>
 struct dtype_of;
 template <>
-struct dtype_of<float> : std::integral_constant<dtype, dtype::float32> {};
+struct dtype_of<float> : std::integral_constant<dtype, dtype::float32> {
+};
 template <>
-struct dtype_of<half_t> : std::integral_constant<dtype, dtype::float16> {};
+struct dtype_of<half_t> : std::integral_constant<dtype, dtype::float16> {
+};
 template <>
-struct dtype_of<bfloat16_t> : std::integral_constant<dtype, dtype::bfloat16> {};
+struct dtype_of<bfloat16_t> : std::integral_constant<dtype, dtype::bfloat16> {
+};
 template <>
-struct dtype_of<float8_e4m3_t> : std::integral_constant<dtype, dtype::float8_e4m3> {};
+struct dtype_of<float8_e4m3_t> : std::integral_constant<dtype, dtype::float8_e4m3> {
+};
 template <>
-struct dtype_of<float8_e5m2_t> : std::integral_constant<dtype, dtype::float8_e5m2> {};
+struct dtype_of<float8_e5m2_t> : std::integral_constant<dtype, dtype::float8_e5m2> {
+};
 template <class T>
 inline constexpr dtype dtype_of_v = dtype_of<std::remove_cv_t<T>>::value;
 
@@ -161,13 +166,15 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE T from_float(float x) noexcept
 #if INFERSCALE_IS_DEVICE_CODE
     return float8_e4m3_t{__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)};
 #else
-    return float8_e4m3_t{static_cast<std::uint8_t>(detail::float_to_narrow<detail::e4m3_format>(x))};
+    return float8_e4m3_t{
+      static_cast<std::uint8_t>(detail::float_to_narrow<detail::e4m3_format>(x))};
 #endif
   } else {
 #if INFERSCALE_IS_DEVICE_CODE
     return float8_e5m2_t{__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2)};
 #else
-    return float8_e5m2_t{static_cast<std::uint8_t>(detail::float_to_narrow<detail::e5m2_format>(x))};
+    return float8_e5m2_t{
+      static_cast<std::uint8_t>(detail::float_to_narrow<detail::e5m2_format>(x))};
 #endif
   }
 }
@@ -226,8 +233,7 @@ decltype(auto) dispatch_dtype(dtype t, F&& f)
     case dtype::float8_e4m3: return f(type_tag<float8_e4m3_t>{});
     case dtype::float8_e5m2: return f(type_tag<float8_e5m2_t>{});
   }
-  INFERSCALE_FAIL("dispatch_dtype: unknown dtype value " +
-                  std::to_string(static_cast<int>(t)));
+  INFERSCALE_FAIL("dispatch_dtype: unknown dtype value " + std::to_string(static_cast<int>(t)));
 }
 
 }  // namespace inferscale

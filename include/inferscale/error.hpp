@@ -40,7 +40,7 @@ namespace detail {
  * @brief Throws inferscale::logic_error with `reason` (anything convertible to std::string) when
  * `condition` is false. The reason should say what was expected and what was seen.
  */
-#define INFERSCALE_EXPECTS(condition, reason)                                           \
+#define INFERSCALE_EXPECTS(condition, reason)                                            \
   do {                                                                                   \
     if (!(condition)) {                                                                  \
       ::inferscale::detail::throw_logic_error(#condition, (reason), __FILE__, __LINE__); \

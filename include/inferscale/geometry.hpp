@@ -50,14 +50,14 @@ struct kv_geometry {
    */
   std::int64_t bytes(std::int64_t tokens, dtype t) const
   {
-    INFERSCALE_EXPECTS(tokens >= 0, "kv_geometry::bytes: token count must be non-negative, got " +
-                                      std::to_string(tokens));
+    INFERSCALE_EXPECTS(
+      tokens >= 0,
+      "kv_geometry::bytes: token count must be non-negative, got " + std::to_string(tokens));
     validate();  // also bounds the per-token product, so bytes_per_token cannot overflow
     std::int64_t const per_token = bytes_per_token(t);
-    INFERSCALE_EXPECTS(per_token == 0 ||
-                         tokens <= std::numeric_limits<std::int64_t>::max() / per_token,
-                       "kv_geometry::bytes: " + std::to_string(tokens) +
-                         " tokens overflow a 64-bit byte count");
+    INFERSCALE_EXPECTS(
+      per_token == 0 || tokens <= std::numeric_limits<std::int64_t>::max() / per_token,
+      "kv_geometry::bytes: " + std::to_string(tokens) + " tokens overflow a 64-bit byte count");
     return tokens * per_token;
   }
 
@@ -67,13 +67,15 @@ struct kv_geometry {
    */
   void validate() const
   {
-    INFERSCALE_EXPECTS(num_layers > 0,
-                       "kv_geometry: num_layers must be positive, got " + std::to_string(num_layers));
-    INFERSCALE_EXPECTS(num_kv_heads > 0, "kv_geometry: num_kv_heads must be positive, got " +
-                                           std::to_string(num_kv_heads));
-    INFERSCALE_EXPECTS(head_dim > 0 && head_dim % 2 == 0,
-                       "kv_geometry: head_dim must be positive and even, got " +
-                         std::to_string(head_dim));
+    INFERSCALE_EXPECTS(
+      num_layers > 0,
+      "kv_geometry: num_layers must be positive, got " + std::to_string(num_layers));
+    INFERSCALE_EXPECTS(
+      num_kv_heads > 0,
+      "kv_geometry: num_kv_heads must be positive, got " + std::to_string(num_kv_heads));
+    INFERSCALE_EXPECTS(
+      head_dim > 0 && head_dim % 2 == 0,
+      "kv_geometry: head_dim must be positive and even, got " + std::to_string(head_dim));
     // 2 * L * H * D * 4 bytes (the widest element) must fit in 64 bits.
     constexpr std::int64_t limit = std::numeric_limits<std::int64_t>::max() / 8;
     INFERSCALE_EXPECTS(static_cast<std::int64_t>(num_kv_heads) * head_dim <= limit / num_layers,

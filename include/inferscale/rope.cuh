@@ -43,7 +43,8 @@ void rope_apply_async(token_head_view<T> x,
                       cuda::stream_ref stream)
 {
   rope_check_batch(x, num_positions, rotation, op);
-  INFERSCALE_EXPECTS(num_positions == 0 || positions != nullptr, std::string{"rope: null positions"});
+  INFERSCALE_EXPECTS(num_positions == 0 || positions != nullptr,
+                     std::string{"rope: null positions"});
   if (x.extent(0) == 0 || x.extent(1) == 0) { return; }
 
   using policy = detail::rope_policy_sm90;
@@ -72,10 +73,10 @@ void rope_apply_async(token_head_view<T> x,
     x.stride(2) == 1 && chunks_fit && aligned(x.stride(0)) && aligned(x.stride(1)) &&
     reinterpret_cast<std::uintptr_t>(x.data_handle()) % policy::vector_bytes == 0;
 
-  std::int64_t const chunks =
-    !vectorized ? rotation.num_pairs()
-                : (rotation.pairing == rope_pairing::halves ? rotation.num_pairs() / vector_elements
-                                                            : rotation.rotary_dim / vector_elements);
+  std::int64_t const chunks          = !vectorized ? rotation.num_pairs()
+                                                   : (rotation.pairing == rope_pairing::halves
+                                                        ? rotation.num_pairs() / vector_elements
+                                                        : rotation.rotary_dim / vector_elements);
   std::int64_t const items_per_token = x.extent(1) * chunks;
   args.tile_tokens                   = std::clamp<std::int64_t>(
     (policy::items_per_tile + items_per_token - 1) / items_per_token, 1, policy::max_tile_tokens);

@@ -46,7 +46,8 @@ enum class rope_scaling : std::uint8_t {
 
 /// @brief How the rotation angle `position * inv_freq` is formed.
 enum class rope_angle_mode : std::uint8_t {
-  fp32,  ///< `float(position) * inv_freq` rounded to fp32, as HF and vLLM's tables do (engine-exact)
+  fp32,  ///< `float(position) * inv_freq` rounded to fp32, as HF and vLLM's tables do
+         ///< (engine-exact)
   exact  ///< in double precision: relocation `R_a^T R_b = R_{b-a}` holds to fp32 rounding
 };
 
@@ -73,7 +74,7 @@ struct rope_spec {
   double factor{1.0};                        ///< scaling factor f (linear, dynamic, llama3, yarn)
   double low_freq_factor{1.0};               ///< llama3
   double high_freq_factor{4.0};              ///< llama3
-  std::int64_t original_max_position{};     ///< L0 (llama3, yarn, longrope)
+  std::int64_t original_max_position{};      ///< L0 (llama3, yarn, longrope)
   std::int64_t max_position{};               ///< Lmax (dynamic_ntk, longrope)
   double beta_fast{32.0};                    ///< yarn
   double beta_slow{1.0};                     ///< yarn
@@ -199,8 +200,13 @@ rope_cos_sin_table<T> make_rope_cos_sin_table(rope_params const& params,
                                               std::int64_t rows,
                                               bool round_each_operation = true)
 {
-  return rope_cos_sin_table<T>{data,        rows,           params.rotary_dim, params.head_dim,
-                               params.rotary_dim, params.pairing, round_each_operation};
+  return rope_cos_sin_table<T>{data,
+                               rows,
+                               params.rotary_dim,
+                               params.head_dim,
+                               params.rotary_dim,
+                               params.pairing,
+                               round_each_operation};
 }
 
 /// @brief A (cos, sin) pair, already including the attention factor where the operation needs it.
@@ -355,7 +361,6 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE constexpr bool rounds_each_operati
 
 }  // namespace detail
 
-
 /**
  * @brief Rotates one pair of values in place: `x' = x c - y s`, `y' = y c + x s`, in fp32 (each
  * product and sum rounded once, no FMA, so host and device agree bit for bit) with one rounding
@@ -399,7 +404,9 @@ INFERSCALE_HOST_DEVICE inline void rope_rotate_head(T* head,
   for (std::int32_t pair = 0; pair < rotary_dim / 2; ++pair) {
     std::int32_t first, second;
     detail::pair_elements(pairing, rotary_dim, pair, &first, &second);
-    rope_rotate_pair(head[first * element_stride], head[second * element_stride], cos_sin[pair],
+    rope_rotate_pair(head[first * element_stride],
+                     head[second * element_stride],
+                     cos_sin[pair],
                      round_each_operation);
   }
 }
@@ -420,18 +427,17 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE bool rope_rounds_each_operation(
  * @param position position (forward, inverse) or delta (shift)
  */
 template <class T, class Rotation>
-INFERSCALE_HOST_DEVICE inline void rope_apply_head(Rotation const& rotation,
-                                                   T* head,
-                                                   std::int64_t element_stride,
-                                                   std::int64_t position,
-                                                   rope_op op)
+INFERSCALE_HOST_DEVICE inline void rope_apply_head(
+  Rotation const& rotation, T* head, std::int64_t element_stride, std::int64_t position, rope_op op)
 {
   bool const round_each = rope_rounds_each_operation<T>(rotation, op);
   for (std::int32_t pair = 0; pair < rotation.num_pairs(); ++pair) {
     std::int32_t first, second;
     detail::pair_elements(rotation.pairing, rotation.rotary_dim, pair, &first, &second);
-    rope_rotate_pair(head[first * element_stride], head[second * element_stride],
-                     rope_angle_cos_sin(rotation, position, pair, op), round_each);
+    rope_rotate_pair(head[first * element_stride],
+                     head[second * element_stride],
+                     rope_angle_cos_sin(rotation, position, pair, op),
+                     round_each);
   }
 }
 

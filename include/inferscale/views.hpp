@@ -39,8 +39,9 @@ token_head_view<T> make_token_head_view(T* data,
 {
   using mapping = cuda::std::layout_stride::mapping<extents_t<3>>;
   return token_head_view<T>{
-    data, mapping{extents_t<3>{tokens, heads, head_dim},
-                  cuda::std::array<std::int64_t, 3>{token_stride, head_stride, element_stride}}};
+    data,
+    mapping{extents_t<3>{tokens, heads, head_dim},
+            cuda::std::array<std::int64_t, 3>{token_stride, head_stride, element_stride}}};
 }
 
 /// @brief A contiguous `[tokens, heads, head_dim]` view.

@@ -5,9 +5,9 @@
 // visible, the runner exits with INFERSCALE_SKIP_RETURN_CODE, which CTest reports as skipped
 // (SKIP_RETURN_CODE), never as passed.
 #define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
-
 #include <inferscale/cuda_error.hpp>
+
+#include <catch2/catch.hpp>
 
 #include <cstdio>
 #include <cstring>

@@ -6,9 +6,9 @@
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/dtype.hpp>
 
-#include <catch2/catch.hpp>
-
 #include <cuda_runtime_api.h>
+
+#include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -39,7 +39,8 @@ struct conversion_params {
 };
 
 template <class T>
-INFERSCALE_KERNEL void conversion_kernel(__grid_constant__ conversion_params const params)
+INFERSCALE_KERNEL
+void conversion_kernel(__grid_constant__ conversion_params const params)
 {
   using bits_type           = decltype(T::bits);
   std::int64_t const stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;

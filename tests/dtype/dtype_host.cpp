@@ -14,11 +14,11 @@
 #include <inferscale/error.hpp>
 #include <inferscale/geometry.hpp>
 
-#include <catch2/catch.hpp>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+
+#include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>

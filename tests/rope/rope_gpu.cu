@@ -44,7 +44,9 @@ std::vector<T> random_elements(std::size_t n, std::uint64_t seed)
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> dist(0.0f, 1.0f);
   std::vector<T> v(n);
-  for (auto& x : v) { x = from_float<T>(dist(rng)); }
+  for (auto& x : v) {
+    x = from_float<T>(dist(rng));
+  }
   return v;
 }
 
@@ -64,14 +66,21 @@ void compare_with_host(Rotation const& rotation,
   auto const original       = random_elements<T>(static_cast<std::size_t>(tokens * row), 1234);
   auto host                 = original;
   rope_apply_host(make_token_head_view(host.data() + offset, tokens, heads, d, row, d, 1),
-                  positions.data(), tokens, rotation, op);
+                  positions.data(),
+                  tokens,
+                  rotation,
+                  op);
 
   device_buffer<T> data(original);
   device_buffer<std::int64_t> device_positions(positions);
   cudaStream_t stream;
   INFERSCALE_CUDA_TRY(cudaStreamCreate(&stream));
   rope_apply_async(make_token_head_view(data.ptr + offset, tokens, heads, d, row, d, 1),
-                   device_positions.ptr, tokens, rotation, op, cuda::stream_ref{stream});
+                   device_positions.ptr,
+                   tokens,
+                   rotation,
+                   op,
+                   cuda::stream_ref{stream});
   INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream));
   INFERSCALE_CUDA_TRY(cudaStreamDestroy(stream));
   auto const device = data.to_host();
@@ -88,16 +97,16 @@ void compare_with_host(Rotation const& rotation,
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("device rotation equals the host rotation", "[gpu][rope]", float, bfloat16_t,
-                   half_t)
+TEMPLATE_TEST_CASE(
+  "device rotation equals the host rotation", "[gpu][rope]", float, bfloat16_t, half_t)
 {
   auto const pairing = GENERATE(rope_pairing::halves, rope_pairing::interleaved);
   auto const op      = GENERATE(rope_op::forward, rope_op::inverse, rope_op::shift);
   auto const mode    = GENERATE(rope_angle_mode::fp32, rope_angle_mode::exact);
   CAPTURE(static_cast<int>(pairing), static_cast<int>(op), static_cast<int>(mode));
-  rope_spec spec  = rope_presets::llama_3_1_8b();
-  spec.pairing    = pairing;
-  spec.angle_mode = mode;
+  rope_spec spec    = rope_presets::llama_3_1_8b();
+  spec.pairing      = pairing;
+  spec.angle_mode   = mode;
   auto const params = make_rope_params(spec);
 
   // 0, 1, odd and more tokens than one grid wave (132 SMs x 16 blocks on an H200).
@@ -119,8 +128,8 @@ TEMPLATE_TEST_CASE("device rotation equals the host rotation", "[gpu][rope]", fl
 
 TEST_CASE("device rotation with an engine cos/sin table equals the host bit for bit", "[gpu][rope]")
 {
-  auto const pairing = GENERATE(rope_pairing::halves, rope_pairing::interleaved);
-  auto const params  = make_rope_params(rope_presets::qwen2_5_7b());
+  auto const pairing      = GENERATE(rope_pairing::halves, rope_pairing::interleaved);
+  auto const params       = make_rope_params(rope_presets::qwen2_5_7b());
   std::int64_t const rows = 4096;
   std::vector<bfloat16_t> table(static_cast<std::size_t>(rows * 128));
   for (std::int64_t p = 0; p < rows; ++p) {
@@ -132,7 +141,9 @@ TEST_CASE("device rotation with an engine cos/sin table equals the host bit for 
   }
   device_buffer<bfloat16_t> device_table(table);
   std::vector<std::int64_t> positions(1000);
-  for (std::size_t t = 0; t < positions.size(); ++t) { positions[t] = (t * 131) % rows; }
+  for (std::size_t t = 0; t < positions.size(); ++t) {
+    positions[t] = (t * 131) % rows;
+  }
   for (bool round_each : {true, false}) {
     rope_cos_sin_table<bfloat16_t> host_tab{table.data(), rows, 128, 128, 128, pairing, round_each};
     rope_cos_sin_table<bfloat16_t> dev_tab = host_tab;
@@ -141,12 +152,19 @@ TEST_CASE("device rotation with an engine cos/sin table equals the host bit for 
     auto const original = random_elements<bfloat16_t>(positions.size() * 4 * 128, 99);
     auto host           = original;
     auto const n        = static_cast<std::int64_t>(positions.size());
-    rope_apply_host(make_token_head_view(host.data(), n, 4, 128), positions.data(), n, host_tab,
+    rope_apply_host(make_token_head_view(host.data(), n, 4, 128),
+                    positions.data(),
+                    n,
+                    host_tab,
                     rope_op::forward);
     device_buffer<bfloat16_t> data(original);
     device_buffer<std::int64_t> device_positions(positions);
-    rope_apply_async(make_token_head_view(data.ptr, n, 4, 128), device_positions.ptr, n, dev_tab,
-                     rope_op::forward, cuda::stream_ref{cudaStream_t{}});
+    rope_apply_async(make_token_head_view(data.ptr, n, 4, 128),
+                     device_positions.ptr,
+                     n,
+                     dev_tab,
+                     rope_op::forward,
+                     cuda::stream_ref{cudaStream_t{}});
     auto const device = data.to_host();
     for (std::size_t i = 0; i < host.size(); ++i) {
       CAPTURE(i, round_each);
@@ -164,8 +182,12 @@ TEST_CASE("device rotation leaves tokens with out-of-table positions untouched",
   auto const original = random_elements<float>(4 * 128, 5);
   device_buffer<float> data(original);
   device_buffer<std::int64_t> device_positions(positions);
-  rope_apply_async(make_token_head_view(data.ptr, 4, 1, 128), device_positions.ptr, 4, tab,
-                   rope_op::forward, cuda::stream_ref{cudaStream_t{}});
+  rope_apply_async(make_token_head_view(data.ptr, 4, 1, 128),
+                   device_positions.ptr,
+                   4,
+                   tab,
+                   rope_op::forward,
+                   cuda::stream_ref{cudaStream_t{}});
   auto const got = data.to_host();
   for (int j = 0; j < 128; ++j) {
     REQUIRE(got[128 + j] == original[128 + j]);

@@ -24,7 +24,9 @@ constexpr double pi = 3.14159265358979323846;
 std::vector<double> plain_inv(double theta, int d)
 {
   std::vector<double> inv;
-  for (int i = 0; i < d / 2; ++i) { inv.push_back(1.0 / std::pow(theta, (2.0 * i) / d)); }
+  for (int i = 0; i < d / 2; ++i) {
+    inv.push_back(1.0 / std::pow(theta, (2.0 * i) / d));
+  }
   return inv;
 }
 
@@ -68,23 +70,30 @@ std::vector<float> random_vector(std::mt19937_64& rng, std::size_t n)
 {
   std::normal_distribution<float> dist(0.0f, 1.0f);
   std::vector<float> v(n);
-  for (auto& x : v) { x = dist(rng); }
+  for (auto& x : v) {
+    x = dist(rng);
+  }
   return v;
 }
 
 // Rotates a single head vector with the library (host backend).
 template <class Rotation>
-std::vector<float> rotate(std::vector<float> v, Rotation const& r, std::int64_t position, rope_op op)
+std::vector<float> rotate(std::vector<float> v,
+                          Rotation const& r,
+                          std::int64_t position,
+                          rope_op op)
 {
-  rope_apply_host(make_token_head_view(v.data(), 1, 1, static_cast<std::int64_t>(v.size())),
-                  &position, 1, r, op);
+  rope_apply_host(
+    make_token_head_view(v.data(), 1, 1, static_cast<std::int64_t>(v.size())), &position, 1, r, op);
   return v;
 }
 
 double dot(std::vector<float> const& a, std::vector<float> const& b)
 {
   double s = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) { s += double(a[i]) * double(b[i]); }
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    s += double(a[i]) * double(b[i]);
+  }
   return s;
 }
 
@@ -166,14 +175,16 @@ TEST_CASE("inverse frequencies equal the published formulas for real configurati
     spec.scaling   = rope_scaling::linear;
     spec.factor    = 4;
     auto expected  = plain_inv(1e6, 128);
-    for (auto& v : expected) { v /= 4; }
+    for (auto& v : expected) {
+      v /= 4;
+    }
     check_inv(spec, expected);
   }
   SECTION("YaRN (Qwen2.5-7B with factor 4, L0 32768)")
   {
     rope_spec const spec = yarn_spec();
     double const d = 128, theta = 1e6, f = 4, l0 = 32768;
-    auto corr = [&](double r) { return d * std::log(l0 / (2 * pi * r)) / (2 * std::log(theta)); };
+    auto corr   = [&](double r) { return d * std::log(l0 / (2 * pi * r)) / (2 * std::log(theta)); };
     double low  = std::max(std::floor(corr(32)), 0.0);
     double high = std::min(std::ceil(corr(1)), d - 1);
     if (low == high) { high += 0.001; }
@@ -188,23 +199,24 @@ TEST_CASE("inverse frequencies equal the published formulas for real configurati
     // a = 0.1 ln f + 1
     REQUIRE(spec.attention_scaling() == Approx(0.1 * std::log(4.0) + 1).epsilon(1e-15));
     // DeepSeek style: mscale / mscale_all_dim cancel when equal.
-    rope_spec ds     = spec;
+    rope_spec ds      = spec;
     ds.mscale         = 0.707;
     ds.mscale_all_dim = 0.707;
     REQUIRE(ds.attention_scaling() == Approx(1.0).epsilon(1e-15));
     ds.attention_factor = 1.25;
     REQUIRE(ds.attention_scaling() == 1.25);
     // Without truncation the correction range is not rounded.
-    rope_spec nt  = spec;
-    nt.truncate   = false;
-    auto const g  = nt.inverse_frequencies();
-    double lo2    = std::max(corr(32), 0.0), hi2 = std::min(corr(1), d - 1);
+    rope_spec nt = spec;
+    nt.truncate  = false;
+    auto const g = nt.inverse_frequencies();
+    double lo2 = std::max(corr(32), 0.0), hi2 = std::min(corr(1), d - 1);
     for (int i = 0; i < 64; ++i) {
       double const e = 1 - std::clamp((i - lo2) / (hi2 - lo2), 0.0, 1.0);
       REQUIRE(g[i] == Approx(base[i] / f * (1 - e) + base[i] * e).epsilon(1e-12));
     }
   }
-  SECTION("LongRoPE (Phi-3.5-mini): short factors up to L0, long beyond; a = sqrt(1 + ln f / ln L0)")
+  SECTION(
+    "LongRoPE (Phi-3.5-mini): short factors up to L0, long beyond; a = sqrt(1 + ln f / ln L0)")
   {
     rope_spec const spec = longrope_spec();
     auto const base      = plain_inv(1e4, 96);
@@ -220,9 +232,9 @@ TEST_CASE("inverse frequencies equal the published formulas for real configurati
   }
   SECTION("dynamic NTK: plain up to Lmax, rescaled base beyond")
   {
-    rope_spec spec    = rope_presets::smollm2_135m();  // Lmax 8192
-    spec.scaling      = rope_scaling::dynamic_ntk;
-    spec.factor       = 2.0;
+    rope_spec spec = rope_presets::smollm2_135m();  // Lmax 8192
+    spec.scaling   = rope_scaling::dynamic_ntk;
+    spec.factor    = 2.0;
     check_inv(spec, plain_inv(1e5, 64), 100);
     check_inv(spec, plain_inv(1e5, 64), 8192);
     // L = 16384: base' = 1e5 * (2 * 16384 / 8192 - 1)^(64/62) = 1e5 * 3^(64/62)
@@ -246,13 +258,15 @@ TEST_CASE("both pairings equal a rotation written with complex numbers", "[rope]
   auto const scaling = GENERATE(rope_scaling::none, rope_scaling::yarn);
   CAPTURE(static_cast<int>(pairing), rotary, static_cast<int>(scaling));
 
-  rope_spec spec  = scaling == rope_scaling::yarn ? yarn_spec() : rope_presets::qwen2_5_7b();
-  spec.pairing    = pairing;
-  spec.rotary_dim = rotary;
-  spec.angle_mode = rope_angle_mode::exact;
+  rope_spec spec    = scaling == rope_scaling::yarn ? yarn_spec() : rope_presets::qwen2_5_7b();
+  spec.pairing      = pairing;
+  spec.rotary_dim   = rotary;
+  spec.angle_mode   = rope_angle_mode::exact;
   auto const params = make_rope_params(spec);
   std::vector<double> inv_f32;  // the fp32 frequencies the rotation uses
-  for (int i = 0; i < rotary / 2; ++i) { inv_f32.push_back(params.inv_freq[i]); }
+  for (int i = 0; i < rotary / 2; ++i) {
+    inv_f32.push_back(params.inv_freq[i]);
+  }
   double const a = spec.attention_scaling();
 
   std::mt19937_64 rng(42);
@@ -282,11 +296,11 @@ TEST_CASE("relocation: <R_a q, R_b k> = <q, R_(b-a) k>", "[rope]")
     double const a2   = double(params.attention_factor) * params.attention_factor;
     for (int trial = 0; trial < 200; ++trial) {
       std::int64_t const pa = pos(rng), pb = pos(rng);
-      auto const q          = random_vector(rng, 128);
-      auto const k          = random_vector(rng, 128);
-      double const lhs      = dot(rotate(q, params, pa, rope_op::forward),
-                                  rotate(k, params, pb, rope_op::forward));
-      double const rhs      = a2 * dot(q, rotate(k, params, pb - pa, rope_op::shift));
+      auto const q = random_vector(rng, 128);
+      auto const k = random_vector(rng, 128);
+      double const lhs =
+        dot(rotate(q, params, pa, rope_op::forward), rotate(k, params, pb, rope_op::forward));
+      double const rhs = a2 * dot(q, rotate(k, params, pb - pa, rope_op::shift));
       // fp32 rounding of the rotation and of a 128-term dot product of O(1) terms.
       double bound = 1e-4 * (1 + std::sqrt(dot(q, q) * dot(k, k))) * a2;
       if (!exact_angles) {
@@ -350,15 +364,18 @@ TEST_CASE("inverse and shift round-trip", "[rope]")
       auto const d      = static_cast<std::size_t>(spec.head_dim);
       for (std::int64_t p : {0LL, 5LL, 1000LL, 70000LL}) {
         CAPTURE(p, static_cast<int>(mode));
-        auto const x    = random_vector(rng, d);
-        auto const back = rotate(rotate(x, params, p, rope_op::forward), params, p, rope_op::inverse);
-        for (std::size_t j = 0; j < d; ++j) { REQUIRE(back[j] == Approx(x[j]).margin(2e-6)); }
+        auto const x = random_vector(rng, d);
+        auto const back =
+          rotate(rotate(x, params, p, rope_op::forward), params, p, rope_op::inverse);
+        for (std::size_t j = 0; j < d; ++j) {
+          REQUIRE(back[j] == Approx(x[j]).margin(2e-6));
+        }
         // forward(p) then shift(+delta) equals forward(p + delta); shift(-delta) undoes it.
         std::int64_t const delta = 333;
-        auto const at_p   = rotate(x, params, p, rope_op::forward);
-        auto const moved  = rotate(at_p, params, delta, rope_op::shift);
-        auto const direct = rotate(x, params, p + delta, rope_op::forward);
-        auto const undone = rotate(moved, params, -delta, rope_op::shift);
+        auto const at_p          = rotate(x, params, p, rope_op::forward);
+        auto const moved         = rotate(at_p, params, delta, rope_op::shift);
+        auto const direct        = rotate(x, params, p + delta, rope_op::forward);
+        auto const undone        = rotate(moved, params, -delta, rope_op::shift);
         // fp32 angles: p*inv, delta*inv and (p+delta)*inv are each rounded to fp32 (at most
         // half an ulp of p, delta, p+delta since inv <= 1); a pair of Gaussian entries has
         // magnitude well below 6.
@@ -379,10 +396,14 @@ TEST_CASE("inverse and shift round-trip", "[rope]")
     auto const params = make_rope_params(rope_presets::llama_3_1_8b());
     auto const x      = random_vector(rng, 8 * 128);
     std::vector<bfloat16_t> k(x.size());
-    for (std::size_t i = 0; i < x.size(); ++i) { k[i] = from_float<bfloat16_t>(x[i]); }
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      k[i] = from_float<bfloat16_t>(x[i]);
+    }
     auto const original = k;
     std::vector<std::int64_t> positions(8);
-    for (int t = 0; t < 8; ++t) { positions[t] = 1000 * t + 1; }
+    for (int t = 0; t < 8; ++t) {
+      positions[t] = 1000 * t + 1;
+    }
     auto const view = make_token_head_view(k.data(), 8, 1, 128);
     rope_apply_host(view, positions.data(), 8, params, rope_op::forward);
     rope_apply_host(view, positions.data(), 8, params, rope_op::inverse);
@@ -399,7 +420,7 @@ TEST_CASE("the cos/sin-table path equals the computed-frequency path", "[rope]")
   auto const pairing = GENERATE(rope_pairing::halves, rope_pairing::interleaved);
   rope_spec spec     = yarn_spec();  // a != 1, so the table carries the attention factor
   spec.pairing       = pairing;
-  spec.rotary_dim    = 96;           // partial
+  spec.rotary_dim    = 96;  // partial
   auto const params  = make_rope_params(spec);
   float const a      = params.attention_factor;
 
@@ -409,7 +430,7 @@ TEST_CASE("the cos/sin-table path equals the computed-frequency path", "[rope]")
   std::vector<float> table(static_cast<std::size_t>(rows * 96));
   for (std::int64_t p = 0; p < rows; ++p) {
     for (int i = 0; i < 48; ++i) {
-      float const angle = float(p) * params.inv_freq[i];
+      float const angle      = float(p) * params.inv_freq[i];
       table[p * 96 + i]      = std::cos(angle) * a;
       table[p * 96 + 48 + i] = std::sin(angle) * a;
     }
@@ -426,8 +447,9 @@ TEST_CASE("the cos/sin-table path equals the computed-frequency path", "[rope]")
   auto const x = random_vector(rng, positions.size() * 4 * 128);
   for (auto op : {rope_op::forward, rope_op::inverse}) {
     auto by_params = x, by_table = x;
-    auto const n   = static_cast<std::int64_t>(positions.size());
-    rope_apply_host(make_token_head_view(by_params.data(), n, 4, 128), positions.data(), n, params, op);
+    auto const n = static_cast<std::int64_t>(positions.size());
+    rope_apply_host(
+      make_token_head_view(by_params.data(), n, 4, 128), positions.data(), n, params, op);
     rope_apply_host(make_token_head_view(by_table.data(), n, 4, 128), positions.data(), n, tab, op);
     for (std::size_t i = 0; i < x.size(); ++i) {
       CAPTURE(i, static_cast<int>(op));
@@ -443,9 +465,13 @@ TEST_CASE("the cos/sin-table path equals the computed-frequency path", "[rope]")
     auto by_params = x, by_table = x;
     std::vector<std::int64_t> deltas{0, -1, 2, -999, 4999, 3};
     auto const n = static_cast<std::int64_t>(deltas.size());
-    rope_apply_host(make_token_head_view(by_params.data(), n, 4, 128), deltas.data(), n, params, rope_op::shift);
-    rope_apply_host(make_token_head_view(by_table.data(), n, 4, 128), deltas.data(), n, tab, rope_op::shift);
-    for (std::size_t i = 0; i < x.size(); ++i) { REQUIRE(by_table[i] == Approx(by_params[i]).margin(2e-6)); }
+    rope_apply_host(
+      make_token_head_view(by_params.data(), n, 4, 128), deltas.data(), n, params, rope_op::shift);
+    rope_apply_host(
+      make_token_head_view(by_table.data(), n, 4, 128), deltas.data(), n, tab, rope_op::shift);
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      REQUIRE(by_table[i] == Approx(by_params[i]).margin(2e-6));
+    }
   }
 }
 
@@ -453,13 +479,13 @@ TEST_CASE("a bf16 table with per-operation rounding matches vLLM's kernel arithm
 {
   // vLLM: cache.to(bf16); x' = x*cos - y*sin in c10::BFloat16, i.e. every product and the
   // difference rounded to bf16.
-  auto const params = make_rope_params(rope_presets::llama_3_1_8b());
+  auto const params       = make_rope_params(rope_presets::llama_3_1_8b());
   std::int64_t const rows = 64;
   std::vector<bfloat16_t> table(rows * 128);
   std::vector<float> table_f(rows * 128);
   for (std::int64_t p = 0; p < rows; ++p) {
     for (int i = 0; i < 64; ++i) {
-      float const angle     = float(p) * params.inv_freq[i];
+      float const angle         = float(p) * params.inv_freq[i];
       table_f[p * 128 + i]      = bf16_round(std::cos(angle));
       table_f[p * 128 + 64 + i] = bf16_round(std::sin(angle));
       table[p * 128 + i]        = from_float<bfloat16_t>(table_f[p * 128 + i]);
@@ -476,9 +502,11 @@ TEST_CASE("a bf16 table with per-operation rounding matches vLLM's kernel arithm
     k[i]  = from_float<bfloat16_t>(kr[i]);
   }
   std::vector<std::int64_t> positions(rows);
-  for (std::int64_t p = 0; p < rows; ++p) { positions[p] = p; }
-  rope_apply_host(make_token_head_view(k.data(), rows, 1, 128), positions.data(), rows, tab,
-                  rope_op::forward);
+  for (std::int64_t p = 0; p < rows; ++p) {
+    positions[p] = p;
+  }
+  rope_apply_host(
+    make_token_head_view(k.data(), rows, 1, 128), positions.data(), rows, tab, rope_op::forward);
   for (std::int64_t p = 0; p < rows; ++p) {
     for (int i = 0; i < 64; ++i) {
       float const c = table_f[p * 128 + i], s = table_f[p * 128 + 64 + i];
@@ -498,8 +526,8 @@ TEST_CASE("batch rotation touches only the view's elements, any strides", "[rope
   std::int64_t const tokens = 5, hq = 4, hk = 2, d = 64;
   std::int64_t const row = (hq + 2 * hk) * d;
   std::mt19937_64 rng(9);
-  auto const qkv = random_vector(rng, static_cast<std::size_t>(tokens * row));
-  auto work      = qkv;
+  auto const qkv    = random_vector(rng, static_cast<std::size_t>(tokens * row));
+  auto work         = qkv;
   auto const params = make_rope_params(rope_presets::smollm2_135m());
   std::vector<std::int64_t> positions{4, 0, 7, 100, 8191};
   auto const keys = make_token_head_view(work.data() + hq * d, tokens, hk, d, row, d, 1);
@@ -507,15 +535,15 @@ TEST_CASE("batch rotation touches only the view's elements, any strides", "[rope
   for (std::int64_t t = 0; t < tokens; ++t) {
     for (std::int64_t j = 0; j < row; ++j) {
       bool const is_key = j >= hq * d && j < (hq + hk) * d;
-      if (!is_key) {
-        REQUIRE(work[t * row + j] == qkv[t * row + j]);
-      }
+      if (!is_key) { REQUIRE(work[t * row + j] == qkv[t * row + j]); }
     }
     for (std::int64_t h = 0; h < hk; ++h) {
       std::vector<float> head(qkv.begin() + t * row + (hq + h) * d,
                               qkv.begin() + t * row + (hq + h + 1) * d);
       auto const expected = rotate(head, params, positions[t], rope_op::forward);
-      for (std::int64_t j = 0; j < d; ++j) { REQUIRE(work[t * row + (hq + h) * d + j] == expected[j]); }
+      for (std::int64_t j = 0; j < d; ++j) {
+        REQUIRE(work[t * row + (hq + h) * d + j] == expected[j]);
+      }
     }
   }
   SECTION("element stride > 1 (a head_dim-major view)")
@@ -523,13 +551,17 @@ TEST_CASE("batch rotation touches only the view's elements, any strides", "[rope
     std::vector<float> x = random_vector(rng, 3 * 64);  // stored [head_dim, tokens]
     auto y               = x;
     std::vector<std::int64_t> pos{1, 2, 3};
-    rope_apply_host(make_token_head_view(y.data(), 3, 1, 64, 1, 0, 3), pos.data(), 3, params,
-                    rope_op::forward);
+    rope_apply_host(
+      make_token_head_view(y.data(), 3, 1, 64, 1, 0, 3), pos.data(), 3, params, rope_op::forward);
     for (int t = 0; t < 3; ++t) {
       std::vector<float> head(64);
-      for (int j = 0; j < 64; ++j) { head[j] = x[j * 3 + t]; }
+      for (int j = 0; j < 64; ++j) {
+        head[j] = x[j * 3 + t];
+      }
       auto const e = rotate(head, params, pos[t], rope_op::forward);
-      for (int j = 0; j < 64; ++j) { REQUIRE(y[j * 3 + t] == e[j]); }
+      for (int j = 0; j < 64; ++j) {
+        REQUIRE(y[j * 3 + t] == e[j]);
+      }
     }
   }
 }
@@ -560,7 +592,9 @@ TEST_CASE("bad specs and bad batches are refused with a clear message", "[rope]"
   }
   SECTION("factor < 1 where the type forbids it")
   {
-    for (auto type : {rope_scaling::linear, rope_scaling::dynamic_ntk, rope_scaling::llama3,
+    for (auto type : {rope_scaling::linear,
+                      rope_scaling::dynamic_ntk,
+                      rope_scaling::llama3,
                       rope_scaling::yarn}) {
       rope_spec s = type == rope_scaling::yarn ? yarn_spec() : good;
       s.scaling   = type;
@@ -573,7 +607,7 @@ TEST_CASE("bad specs and bad batches are refused with a clear message", "[rope]"
     rope_spec s        = good;
     s.high_freq_factor = 0.5;
     REQUIRE_THROWS_WITH(s.validate(), Contains("high_freq_factor"));
-    rope_spec y              = yarn_spec();
+    rope_spec y             = yarn_spec();
     y.original_max_position = 0;
     REQUIRE_THROWS_WITH(y.validate(), Contains("original_max_position"));
     rope_spec l = longrope_spec();

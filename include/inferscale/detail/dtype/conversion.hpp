@@ -44,12 +44,12 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float bits_to_float(std::uint32_t 
  */
 template <int ExponentBits, int MantissaBits, bool IeeeSpecials, bool Saturate>
 struct narrow_format {
-  static constexpr int exponent_bits = ExponentBits;
-  static constexpr int mantissa_bits = MantissaBits;
-  static constexpr int bias          = (1 << (ExponentBits - 1)) - 1;
-  static constexpr int min_exponent  = 1 - bias;  ///< exponent of the smallest normal number
-  static constexpr int total_bits    = 1 + ExponentBits + MantissaBits;
-  static constexpr std::uint32_t sign_bit      = 1u << (ExponentBits + MantissaBits);
+  static constexpr int exponent_bits      = ExponentBits;
+  static constexpr int mantissa_bits      = MantissaBits;
+  static constexpr int bias               = (1 << (ExponentBits - 1)) - 1;
+  static constexpr int min_exponent       = 1 - bias;  ///< exponent of the smallest normal number
+  static constexpr int total_bits         = 1 + ExponentBits + MantissaBits;
+  static constexpr std::uint32_t sign_bit = 1u << (ExponentBits + MantissaBits);
   static constexpr std::uint32_t exponent_mask = ((1u << ExponentBits) - 1u) << MantissaBits;
   static constexpr std::uint32_t mantissa_mask = (1u << MantissaBits) - 1u;
   /// Largest finite magnitude code.
@@ -64,16 +64,16 @@ struct narrow_format {
   static constexpr bool saturate      = Saturate;
 };
 
-using fp16_format  = narrow_format<5, 10, true, false>;
-using e4m3_format  = narrow_format<4, 3, false, true>;
-using e5m2_format  = narrow_format<5, 2, true, true>;
+using fp16_format = narrow_format<5, 10, true, false>;
+using e4m3_format = narrow_format<4, 3, false, true>;
+using e5m2_format = narrow_format<5, 2, true, true>;
 
 /// @brief Rounds an fp32 value to `Format`, round-to-nearest-even, returning the code.
 template <class Format>
 INFERSCALE_HOST_DEVICE inline std::uint32_t float_to_narrow(float x) noexcept
 {
-  std::uint32_t const bits = float_bits(x);
-  std::uint32_t const sign = (bits >> 31) ? Format::sign_bit : 0u;
+  std::uint32_t const bits           = float_bits(x);
+  std::uint32_t const sign           = (bits >> 31) ? Format::sign_bit : 0u;
   std::uint32_t const magnitude_bits = bits & 0x7fffffffu;
 
   if (magnitude_bits > 0x7f800000u) { return sign | Format::nan_code; }  // NaN
@@ -86,14 +86,14 @@ INFERSCALE_HOST_DEVICE inline std::uint32_t float_to_narrow(float x) noexcept
   std::uint32_t const significand = (magnitude_bits & 0x7fffffu) | 0x800000u;  // 24 bits
 
   // Quantum (weight of the last kept bit) is 2^(max(e, emin) - M); drop that many fp32 bits.
-  int const kept_exponent = float_exponent > Format::min_exponent ? float_exponent
-                                                                  : Format::min_exponent;
+  int const kept_exponent =
+    float_exponent > Format::min_exponent ? float_exponent : Format::min_exponent;
   int const shift = 23 - Format::mantissa_bits + (kept_exponent - float_exponent);
   if (shift > 25) { return sign; }  // below half the smallest subnormal: rounds to (signed) zero
 
-  std::uint32_t rounded       = significand >> shift;
-  std::uint32_t const rest    = significand & ((1u << shift) - 1u);
-  std::uint32_t const half    = 1u << (shift - 1);
+  std::uint32_t rounded    = significand >> shift;
+  std::uint32_t const rest = significand & ((1u << shift) - 1u);
+  std::uint32_t const half = 1u << (shift - 1);
   if (rest > half || (rest == half && (rounded & 1u))) { ++rounded; }
 
   // For normal results `rounded` carries the implicit bit, which adds one to the exponent field;
@@ -111,9 +111,9 @@ INFERSCALE_HOST_DEVICE inline std::uint32_t float_to_narrow(float x) noexcept
 template <class Format>
 INFERSCALE_HOST_DEVICE inline float narrow_to_float(std::uint32_t code) noexcept
 {
-  std::uint32_t const sign     = (code & Format::sign_bit) ? 0x80000000u : 0u;
-  std::uint32_t const exponent = (code & Format::exponent_mask) >> Format::mantissa_bits;
-  std::uint32_t const mantissa = code & Format::mantissa_mask;
+  std::uint32_t const sign      = (code & Format::sign_bit) ? 0x80000000u : 0u;
+  std::uint32_t const exponent  = (code & Format::exponent_mask) >> Format::mantissa_bits;
+  std::uint32_t const mantissa  = code & Format::mantissa_mask;
   std::uint32_t const magnitude = code & (Format::exponent_mask | Format::mantissa_mask);
 
   if constexpr (Format::ieee_specials) {
@@ -149,7 +149,8 @@ INFERSCALE_HOST_DEVICE inline std::uint16_t float_to_bfloat16_bits(float x) noex
 }
 
 /// @brief Widens bf16 bits to fp32 (exact).
-INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float bfloat16_bits_to_float(std::uint16_t bits) noexcept
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float bfloat16_bits_to_float(
+  std::uint16_t bits) noexcept
 {
   return bits_to_float(static_cast<std::uint32_t>(bits) << 16);
 }

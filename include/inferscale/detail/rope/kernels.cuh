@@ -5,7 +5,8 @@
  * Each block takes a tile of tokens at a time: its threads first compute the tile's cos/sin for
  * every pair into shared memory (once per token, not once per head), then rotate all its heads.
  * When the head's elements are contiguous and 16-byte aligned, each thread moves 16 bytes per
- * load/store (for halves pairing: 16 bytes of the first half and the matching 16 bytes of the second).
+ * load/store (for halves pairing: 16 bytes of the first half and the matching 16 bytes of the
+ * second).
  */
 #pragma once
 
@@ -26,7 +27,7 @@ struct rope_kernel_args {
   std::int64_t head_stride;
   std::int64_t element_stride;
   std::int64_t const* positions;
-  std::int64_t table_rows;  ///< positions must be below it (tables), else INT64_MAX
+  std::int64_t table_rows;   ///< positions must be below it (tables), else INT64_MAX
   std::int64_t tile_tokens;  ///< tokens a block takes per iteration
   Rotation rotation;
   rope_op op;
@@ -56,7 +57,8 @@ INFERSCALE_DEVICE INFERSCALE_FORCEINLINE bool rope_position_ok(std::int64_t posi
  * (token, head, chunk) of the tile.
  */
 template <class Policy, class T, class Rotation, bool Vectorized>
-INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
+INFERSCALE_KERNEL
+void __launch_bounds__(Policy::block_threads)
   rope_apply_kernel(__grid_constant__ rope_kernel_args<T, Rotation> const args)
 {
   extern __shared__ rope_cos_sin shared_cos_sin[];
@@ -94,10 +96,10 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
       std::int64_t const head     = within / chunks;
       std::int32_t const chunk    = static_cast<std::int32_t>(within - head * chunks);
       rope_cos_sin const* cos_sin = shared_cos_sin + local * pairs;
-      T* const head_ptr = args.data + token * args.token_stride + head * args.head_stride;
+      T* const head_ptr           = args.data + token * args.token_stride + head * args.head_stride;
 
       if constexpr (Vectorized) {
-        using vector = rope_vector<T, n>;
+        using vector            = rope_vector<T, n>;
         std::int32_t const base = chunk * n;
         if (args.rotation.pairing == rope_pairing::halves) {
           T* const first_ptr = head_ptr + base;
@@ -105,8 +107,8 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
           vector second      = *reinterpret_cast<vector const*>(first_ptr + pairs);
 #pragma unroll
           for (int j = 0; j < n; ++j) {
-            rope_rotate_pair(first.values[j], second.values[j], cos_sin[base + j],
-                             args.round_each_operation);
+            rope_rotate_pair(
+              first.values[j], second.values[j], cos_sin[base + j], args.round_each_operation);
           }
           *reinterpret_cast<vector*>(first_ptr)         = first;
           *reinterpret_cast<vector*>(first_ptr + pairs) = second;
@@ -115,8 +117,8 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
           vector v     = *reinterpret_cast<vector const*>(ptr);
 #pragma unroll
           for (int j = 0; j < n; j += 2) {
-            rope_rotate_pair(v.values[j], v.values[j + 1], cos_sin[(base + j) / 2],
-                             args.round_each_operation);
+            rope_rotate_pair(
+              v.values[j], v.values[j + 1], cos_sin[(base + j) / 2], args.round_each_operation);
           }
           *reinterpret_cast<vector*>(ptr) = v;
         }
@@ -124,7 +126,8 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
         std::int32_t first, second;
         pair_elements(args.rotation.pairing, rotary_dim, chunk, &first, &second);
         rope_rotate_pair(head_ptr[first * args.element_stride],
-                         head_ptr[second * args.element_stride], cos_sin[chunk],
+                         head_ptr[second * args.element_stride],
+                         cos_sin[chunk],
                          args.round_each_operation);
       }
     }

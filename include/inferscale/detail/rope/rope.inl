@@ -43,15 +43,18 @@ inline void rope_spec::validate() const
   INFERSCALE_EXPECTS(head_dim > 0 && head_dim % 2 == 0,
                      rope_field("head_dim", head_dim) + ": must be positive and even");
   std::int32_t const d = effective_rotary_dim();
-  INFERSCALE_EXPECTS(d > 0, rope_field("rotary_dim", rotary_dim) + ": must be positive (or 0 for head_dim)");
-  INFERSCALE_EXPECTS(d % 2 == 0, rope_field("rotary_dim", d) + ": must be even (dims rotate in pairs)");
-  INFERSCALE_EXPECTS(d <= head_dim, rope_field("rotary_dim", d) + ": must not exceed head_dim " +
-                                      std::to_string(head_dim));
+  INFERSCALE_EXPECTS(
+    d > 0, rope_field("rotary_dim", rotary_dim) + ": must be positive (or 0 for head_dim)");
+  INFERSCALE_EXPECTS(d % 2 == 0,
+                     rope_field("rotary_dim", d) + ": must be even (dims rotate in pairs)");
+  INFERSCALE_EXPECTS(
+    d <= head_dim,
+    rope_field("rotary_dim", d) + ": must not exceed head_dim " + std::to_string(head_dim));
   INFERSCALE_EXPECTS(std::isfinite(theta) && theta > 1.0,
                      rope_field("theta", theta) + ": must be finite and greater than 1");
-  INFERSCALE_EXPECTS(!attention_factor || (std::isfinite(*attention_factor) && *attention_factor > 0),
-                     rope_field("attention_factor", attention_factor.value_or(0)) +
-                       ": must be positive");
+  INFERSCALE_EXPECTS(
+    !attention_factor || (std::isfinite(*attention_factor) && *attention_factor > 0),
+    rope_field("attention_factor", attention_factor.value_or(0)) + ": must be positive");
   bool const needs_factor = scaling == rope_scaling::linear ||
                             scaling == rope_scaling::dynamic_ntk ||
                             scaling == rope_scaling::llama3 || scaling == rope_scaling::yarn;
@@ -69,18 +72,20 @@ inline void rope_spec::validate() const
       INFERSCALE_EXPECTS(d > 2, rope_field("rotary_dim", d) + ": dynamic NTK needs rotary_dim > 2");
       break;
     case rope_scaling::llama3:
-      INFERSCALE_EXPECTS(original_max_position > 0,
-                         rope_field("original_max_position", static_cast<double>(original_max_position)) +
-                           ": llama3 needs original_max_position_embeddings > 0");
+      INFERSCALE_EXPECTS(
+        original_max_position > 0,
+        rope_field("original_max_position", static_cast<double>(original_max_position)) +
+          ": llama3 needs original_max_position_embeddings > 0");
       INFERSCALE_EXPECTS(low_freq_factor > 0 && high_freq_factor > low_freq_factor,
                          rope_field("high_freq_factor", high_freq_factor) +
                            ": llama3 needs 0 < low_freq_factor < high_freq_factor (low = " +
                            std::to_string(low_freq_factor) + ")");
       break;
     case rope_scaling::yarn:
-      INFERSCALE_EXPECTS(original_max_position > 0,
-                         rope_field("original_max_position", static_cast<double>(original_max_position)) +
-                           ": yarn needs original_max_position_embeddings > 0");
+      INFERSCALE_EXPECTS(
+        original_max_position > 0,
+        rope_field("original_max_position", static_cast<double>(original_max_position)) +
+          ": yarn needs original_max_position_embeddings > 0");
       INFERSCALE_EXPECTS(beta_fast > 0 && beta_slow > 0 && beta_fast >= beta_slow,
                          rope_field("beta_fast", beta_fast) +
                            ": yarn needs beta_fast >= beta_slow > 0 (beta_slow = " +
@@ -89,10 +94,11 @@ inline void rope_spec::validate() const
                          std::string{"rope_spec.mscale/mscale_all_dim: must be positive"});
       break;
     case rope_scaling::longrope: {
-      INFERSCALE_EXPECTS(original_max_position > 0 && max_position > 0,
-                         rope_field("original_max_position", static_cast<double>(original_max_position)) +
-                           ": longrope needs original_max_position_embeddings and "
-                           "max_position_embeddings > 0");
+      INFERSCALE_EXPECTS(
+        original_max_position > 0 && max_position > 0,
+        rope_field("original_max_position", static_cast<double>(original_max_position)) +
+          ": longrope needs original_max_position_embeddings and "
+          "max_position_embeddings > 0");
       auto const pairs = static_cast<std::size_t>(d / 2);
       INFERSCALE_EXPECTS(short_factor.size() == pairs && long_factor.size() == pairs,
                          "rope_spec.short_factor/long_factor: longrope needs rotary_dim/2 = " +
@@ -100,9 +106,10 @@ inline void rope_spec::validate() const
                            std::to_string(short_factor.size()) + " and " +
                            std::to_string(long_factor.size()));
       auto const positive = [](double v) { return std::isfinite(v) && v > 0; };
-      INFERSCALE_EXPECTS(std::all_of(short_factor.begin(), short_factor.end(), positive) &&
-                           std::all_of(long_factor.begin(), long_factor.end(), positive),
-                         std::string{"rope_spec.short_factor/long_factor: entries must be positive"});
+      INFERSCALE_EXPECTS(
+        std::all_of(short_factor.begin(), short_factor.end(), positive) &&
+          std::all_of(long_factor.begin(), long_factor.end(), positive),
+        std::string{"rope_spec.short_factor/long_factor: entries must be positive"});
       break;
     }
     default: INFERSCALE_FAIL("rope_spec.scaling: unknown rope type");
@@ -112,24 +119,28 @@ inline void rope_spec::validate() const
 inline std::vector<double> rope_spec::inverse_frequencies(std::int64_t total_length) const
 {
   validate();
-  INFERSCALE_EXPECTS(total_length >= 0, "rope_spec::inverse_frequencies: total_length must be "
-                                        "non-negative, got " + std::to_string(total_length));
-  std::int32_t const d = effective_rotary_dim();
-  double const dd      = static_cast<double>(d);
-  constexpr double pi  = 3.14159265358979323846;
+  INFERSCALE_EXPECTS(total_length >= 0,
+                     "rope_spec::inverse_frequencies: total_length must be "
+                     "non-negative, got " +
+                       std::to_string(total_length));
+  std::int32_t const d    = effective_rotary_dim();
+  double const dd         = static_cast<double>(d);
+  constexpr double pi     = 3.14159265358979323846;
   std::vector<double> inv = detail::default_inverse_frequencies(theta, d);
 
   switch (scaling) {
     case rope_scaling::none: break;
     case rope_scaling::linear:
-      for (auto& v : inv) { v /= factor; }
+      for (auto& v : inv) {
+        v /= factor;
+      }
       break;
     case rope_scaling::dynamic_ntk: {
       // HF: L = max(seq_len, Lmax); base' = base * (f L / Lmax - (f - 1))^(d / (d - 2)).
       double const length = static_cast<double>(std::max<std::int64_t>(total_length, max_position));
-      double const base   = theta * std::pow(factor * length / static_cast<double>(max_position) -
-                                             (factor - 1.0),
-                                           dd / (dd - 2.0));
+      double const base =
+        theta * std::pow(factor * length / static_cast<double>(max_position) - (factor - 1.0),
+                         dd / (dd - 2.0));
       inv = detail::default_inverse_frequencies(base, d);
       break;
     }
@@ -151,8 +162,8 @@ inline std::vector<double> rope_spec::inverse_frequencies(std::int64_t total_len
       break;
     }
     case rope_scaling::yarn: {
-      double const l0    = static_cast<double>(original_max_position);
-      auto const corr    = [&](double rotations) {
+      double const l0 = static_cast<double>(original_max_position);
+      auto const corr = [&](double rotations) {
         return dd * std::log(l0 / (rotations * 2.0 * pi)) / (2.0 * std::log(theta));
       };
       double low  = corr(beta_fast);
@@ -173,7 +184,9 @@ inline std::vector<double> rope_spec::inverse_frequencies(std::int64_t total_len
     }
     case rope_scaling::longrope: {
       auto const& ext = total_length > original_max_position ? long_factor : short_factor;
-      for (std::size_t i = 0; i < inv.size(); ++i) { inv[i] /= ext[i]; }
+      for (std::size_t i = 0; i < inv.size(); ++i) {
+        inv[i] /= ext[i];
+      }
       break;
     }
   }
@@ -203,30 +216,33 @@ inline rope_params make_rope_params(rope_spec const& spec, std::int64_t total_le
   spec.validate();
   std::int32_t const d = spec.effective_rotary_dim();
   INFERSCALE_EXPECTS(d / 2 <= rope_params::max_pairs,
-                     "make_rope_params: rotary_dim " + std::to_string(d) + " exceeds the supported " +
-                       std::to_string(2 * rope_params::max_pairs));
+                     "make_rope_params: rotary_dim " + std::to_string(d) +
+                       " exceeds the supported " + std::to_string(2 * rope_params::max_pairs));
   rope_params params{};
-  params.head_dim         = spec.head_dim;
-  params.rotary_dim       = d;
-  params.pairing          = spec.pairing;
-  params.angle_mode       = spec.angle_mode;
-  params.attention_factor = static_cast<float>(spec.attention_scaling(total_length));
+  params.head_dim               = spec.head_dim;
+  params.rotary_dim             = d;
+  params.pairing                = spec.pairing;
+  params.angle_mode             = spec.angle_mode;
+  params.attention_factor       = static_cast<float>(spec.attention_scaling(total_length));
   std::vector<double> const inv = spec.inverse_frequencies(total_length);
-  for (std::size_t i = 0; i < inv.size(); ++i) { params.inv_freq[i] = static_cast<float>(inv[i]); }
+  for (std::size_t i = 0; i < inv.size(); ++i) {
+    params.inv_freq[i] = static_cast<float>(inv[i]);
+  }
   return params;
 }
 
 template <class T>
 std::vector<T> make_rope_cos_sin_values(rope_params const& params, std::int64_t rows)
 {
-  INFERSCALE_EXPECTS(rows >= 0, "make_rope_cos_sin_values: rows must be non-negative, got " +
-                                  std::to_string(rows));
+  INFERSCALE_EXPECTS(
+    rows >= 0, "make_rope_cos_sin_values: rows must be non-negative, got " + std::to_string(rows));
   std::int32_t const pairs = params.num_pairs();
-  std::vector<T> values(static_cast<std::size_t>(rows) * static_cast<std::size_t>(params.rotary_dim));
+  std::vector<T> values(static_cast<std::size_t>(rows) *
+                        static_cast<std::size_t>(params.rotary_dim));
   for (std::int64_t p = 0; p < rows; ++p) {
     for (std::int32_t i = 0; i < pairs; ++i) {
-      float const angle = static_cast<float>(p) * params.inv_freq[i];
-      std::size_t const base = static_cast<std::size_t>(p) * params.rotary_dim;
+      float const angle        = static_cast<float>(p) * params.inv_freq[i];
+      std::size_t const base   = static_cast<std::size_t>(p) * params.rotary_dim;
       values[base + i]         = from_float<T>(std::cos(angle) * params.attention_factor);
       values[base + pairs + i] = from_float<T>(std::sin(angle) * params.attention_factor);
     }
@@ -282,31 +298,67 @@ inline rope_spec phi_3_5_mini()
   spec.scaling               = rope_scaling::longrope;
   spec.original_max_position = 4096;
   spec.max_position          = 131072;
-  spec.short_factor          = {
-    1.0, 1.0199999809265137, 1.0299999713897705, 1.0299999713897705, 1.0499999523162842,
-    1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0499999523162842,
-    1.0699999332427979, 1.0999999046325684, 1.1099998950958252, 1.1599998474121094,
-    1.1599998474121094, 1.1699998378753662, 1.2899998426437378, 1.339999794960022,
-    1.679999828338623, 1.7899998426437378, 1.8199998140335083, 1.8499997854232788,
-    1.8799997568130493, 1.9099997282028198, 1.9399996995925903, 1.9899996519088745,
-    2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346,
-    2.0199997425079346, 2.0199997425079346, 2.0299997329711914, 2.0299997329711914,
-    2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914,
-    2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0799996852874756,
-    2.0899996757507324, 2.189999580383301, 2.2199995517730713, 2.5899994373321533,
-    2.729999542236328, 2.749999523162842, 2.8399994373321533};
-  spec.long_factor = {
-    1.0800000429153442, 1.1100000143051147, 1.1399999856948853, 1.340000033378601,
-    1.5899999141693115, 1.600000023841858, 1.6200000047683716, 2.620000123977661,
-    3.2300000190734863, 3.2300000190734863, 4.789999961853027, 7.400000095367432,
-    7.700000286102295, 9.09000015258789, 12.199999809265137, 17.670000076293945, 24.46000099182129,
-    28.57000160217285, 30.420001983642578, 30.840002059936523, 32.590003967285156,
-    32.93000411987305, 42.320003509521484, 44.96000289916992, 50.340003967285156,
-    50.45000457763672, 57.55000305175781, 57.93000411987305, 58.21000289916992, 60.1400032043457,
-    62.61000442504883, 62.62000274658203, 62.71000289916992, 63.1400032043457, 63.1400032043457,
-    63.77000427246094, 63.93000411987305, 63.96000289916992, 63.970001220703125, 64.02999877929688,
-    64.06999969482422, 64.08000183105469, 64.12000274658203, 64.41000366210938, 64.4800033569336,
-    64.51000213623047, 64.52999877929688, 64.83999633789062};
+  spec.short_factor          = {1.0,
+                                1.0199999809265137,
+                                1.0299999713897705,
+                                1.0299999713897705,
+                                1.0499999523162842,
+                                1.0499999523162842,
+                                1.0499999523162842,
+                                1.0499999523162842,
+                                1.0499999523162842,
+                                1.0699999332427979,
+                                1.0999999046325684,
+                                1.1099998950958252,
+                                1.1599998474121094,
+                                1.1599998474121094,
+                                1.1699998378753662,
+                                1.2899998426437378,
+                                1.339999794960022,
+                                1.679999828338623,
+                                1.7899998426437378,
+                                1.8199998140335083,
+                                1.8499997854232788,
+                                1.8799997568130493,
+                                1.9099997282028198,
+                                1.9399996995925903,
+                                1.9899996519088745,
+                                2.0199997425079346,
+                                2.0199997425079346,
+                                2.0199997425079346,
+                                2.0199997425079346,
+                                2.0199997425079346,
+                                2.0199997425079346,
+                                2.0299997329711914,
+                                2.0299997329711914,
+                                2.0299997329711914,
+                                2.0299997329711914,
+                                2.0299997329711914,
+                                2.0299997329711914,
+                                2.0299997329711914,
+                                2.0299997329711914,
+                                2.0299997329711914,
+                                2.0799996852874756,
+                                2.0899996757507324,
+                                2.189999580383301,
+                                2.2199995517730713,
+                                2.5899994373321533,
+                                2.729999542236328,
+                                2.749999523162842,
+                                2.8399994373321533};
+  spec.long_factor           = {
+              1.0800000429153442, 1.1100000143051147, 1.1399999856948853, 1.340000033378601,
+              1.5899999141693115, 1.600000023841858,  1.6200000047683716, 2.620000123977661,
+              3.2300000190734863, 3.2300000190734863, 4.789999961853027,  7.400000095367432,
+              7.700000286102295,  9.09000015258789,   12.199999809265137, 17.670000076293945,
+              24.46000099182129,  28.57000160217285,  30.420001983642578, 30.840002059936523,
+              32.590003967285156, 32.93000411987305,  42.320003509521484, 44.96000289916992,
+              50.340003967285156, 50.45000457763672,  57.55000305175781,  57.93000411987305,
+              58.21000289916992,  60.1400032043457,   62.61000442504883,  62.62000274658203,
+              62.71000289916992,  63.1400032043457,   63.1400032043457,   63.77000427246094,
+              63.93000411987305,  63.96000289916992,  63.970001220703125, 64.02999877929688,
+              64.06999969482422,  64.08000183105469,  64.12000274658203,  64.41000366210938,
+              64.4800033569336,   64.51000213623047,  64.52999877929688,  64.83999633789062};
   return spec;
 }
 }  // namespace rope_presets
@@ -351,7 +403,8 @@ void rope_check_batch(token_head_view<T> x,
                        std::to_string(rotation.head_dim));
   INFERSCALE_EXPECTS(x.extent(2) == rotation.head_dim,
                      "rope: the view's head_dim " + std::to_string(x.extent(2)) +
-                       " differs from the rotation's head_dim " + std::to_string(rotation.head_dim));
+                       " differs from the rotation's head_dim " +
+                       std::to_string(rotation.head_dim));
   INFERSCALE_EXPECTS(num_positions == x.extent(0),
                      "rope: " + std::to_string(num_positions) + " positions given for " +
                        std::to_string(x.extent(0)) + " tokens");
@@ -375,9 +428,9 @@ void rope_check_host_positions(std::int64_t const* positions,
                          "rope: shift " + std::to_string(p) + " of token " + std::to_string(t) +
                            " is beyond the cos/sin table (" + std::to_string(rows) + " rows)");
     } else {
-      INFERSCALE_EXPECTS(p >= 0 && p < rows, "rope: position " + std::to_string(p) + " of token " +
-                                               std::to_string(t) +
-                                               " must be in [0, " + std::to_string(rows) + ")");
+      INFERSCALE_EXPECTS(p >= 0 && p < rows,
+                         "rope: position " + std::to_string(p) + " of token " + std::to_string(t) +
+                           " must be in [0, " + std::to_string(rows) + ")");
     }
   }
 }
@@ -412,14 +465,15 @@ void rope_apply_host(token_head_view<T> x,
                      rope_op op)
 {
   rope_check_batch(x, num_positions, rotation, op);
-  INFERSCALE_EXPECTS(num_positions == 0 || positions != nullptr, std::string{"rope: null positions"});
+  INFERSCALE_EXPECTS(num_positions == 0 || positions != nullptr,
+                     std::string{"rope: null positions"});
   detail::rope_check_host_positions(positions, num_positions, rotation, op);
 
   // cos/sin depend on the token only: compute them once per token, then rotate every head.
   std::int32_t const pairs = rotation.num_pairs();
   std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(pairs));
-  bool const round_each              = rope_rounds_each_operation<T>(rotation, op);
-  std::int64_t const element_stride  = x.stride(2);
+  bool const round_each             = rope_rounds_each_operation<T>(rotation, op);
+  std::int64_t const element_stride = x.stride(2);
   for (std::int64_t t = 0; t < x.extent(0); ++t) {
     for (std::int32_t pair = 0; pair < pairs; ++pair) {
       rope_cos_sin cs = rope_angle_cos_sin(rotation, positions[t], pair, op);
@@ -438,8 +492,8 @@ void rope_apply_host(token_head_view<T> x,
           detail::rope_rotate_halves_contiguous<false>(head, rotation.rotary_dim, cos_sin.data());
         }
       } else {
-        rope_rotate_head(head, element_stride, rotation.pairing, rotation.rotary_dim,
-                         cos_sin.data(), round_each);
+        rope_rotate_head(
+          head, element_stride, rotation.pairing, rotation.rotary_dim, cos_sin.data(), round_each);
       }
     }
   }

@@ -109,20 +109,21 @@ TEMPLATE_TEST_CASE(
   spec.angle_mode   = mode;
   auto const params = make_rope_params(spec);
 
-  // 0, 1, odd and more tokens than one grid wave (132 SMs x 16 blocks on an H200).
-  for (std::int64_t tokens : {0, 1, 7, 3000}) {
-    std::vector<std::int64_t> positions(static_cast<std::size_t>(tokens));
-    for (std::int64_t t = 0; t < tokens; ++t) {
-      positions[t] = op == rope_op::shift ? (t * 37 % 2001) - 1000 : (t * 977) % 131072;
-    }
-    SECTION("contiguous (vectorised path)")
-    {
-      compare_with_host<TestType>(params, positions, 8, 8 * 128, 0, op, 1.0f);
-    }
-    SECTION("inside a fused qkv row, misaligned for 16-byte access (scalar path)")
-    {
-      compare_with_host<TestType>(params, positions, 2, 8 * 128 + 3, 3, op, 1.0f);
-    }
+  // 0, 1, odd, and 40000 tokens: more tiles than one grid wave (132 SMs x 16 blocks on an
+  // H200, up to 16 tokens a tile), so blocks loop.
+  auto const tokens = GENERATE(as<std::int64_t>{}, 0, 1, 7, 3000, 40000);
+  CAPTURE(tokens);
+  std::vector<std::int64_t> positions(static_cast<std::size_t>(tokens));
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    positions[t] = op == rope_op::shift ? (t * 37 % 2001) - 1000 : (t * 977) % 131072;
+  }
+  SECTION("contiguous (vectorised path)")
+  {
+    compare_with_host<TestType>(params, positions, 8, 8 * 128, 0, op, 1.0f);
+  }
+  SECTION("inside a fused qkv row, misaligned for 16-byte access (scalar path)")
+  {
+    compare_with_host<TestType>(params, positions, 2, 8 * 128 + 3, 3, op, 1.0f);
   }
 }
 

@@ -2,6 +2,8 @@
 // instructions) must give the same bits as the host backend (the bit-level routines), which
 // dtype_host.cpp checks against independent references. NaN payloads may differ: a NaN only has
 // to stay a NaN.
+#include "device_memory.hpp"
+
 #include <inferscale/config.hpp>
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/dtype.hpp>
@@ -56,34 +58,8 @@ void conversion_kernel(__grid_constant__ conversion_params const params)
 
 namespace {
 
-/// Device memory for `count` elements of U (at least one, so that empty launches have a pointer).
-template <class U>
-class device_buffer {
- public:
-  explicit device_buffer(std::size_t count)
-  {
-    INFERSCALE_CUDA_TRY(cudaMalloc(&data_, std::max<std::size_t>(count, 1) * sizeof(U)));
-  }
-  ~device_buffer() { (void)cudaFree(data_); }
-  device_buffer(device_buffer const&)            = delete;
-  device_buffer& operator=(device_buffer const&) = delete;
-  U* data() const noexcept { return data_; }
-
- private:
-  U* data_{};
-};
-
-class stream {
- public:
-  stream() { INFERSCALE_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~stream() { (void)cudaStreamDestroy(stream_); }
-  stream(stream const&)            = delete;
-  stream& operator=(stream const&) = delete;
-  cudaStream_t get() const noexcept { return stream_; }
-
- private:
-  cudaStream_t stream_{};
-};
+using inferscale_test::device_buffer;
+using stream = inferscale_test::cuda_stream;
 
 std::uint32_t bits_of(float x)
 {

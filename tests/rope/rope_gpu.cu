@@ -1,6 +1,8 @@
 // GPU tests of the rotary embedding: the device backend against the host backend, over pairings,
 // element types, operations, rotation sources, vectorised and strided views, and grids larger than
 // one wave. Reported skipped by CTest where no GPU is visible.
+#include "device_memory.hpp"
+
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/rope.cuh>
 
@@ -15,28 +17,7 @@ using namespace inferscale;
 
 namespace {
 
-template <class T>
-struct device_buffer {
-  T* ptr{};
-  std::size_t size{};
-  explicit device_buffer(std::size_t n) : size(n)
-  {
-    INFERSCALE_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
-  }
-  device_buffer(std::vector<T> const& host) : device_buffer(host.size())
-  {
-    INFERSCALE_CUDA_TRY(cudaMemcpy(ptr, host.data(), size * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> to_host() const
-  {
-    std::vector<T> host(size);
-    INFERSCALE_CUDA_TRY(cudaMemcpy(host.data(), ptr, size * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-  ~device_buffer() { cudaFree(ptr); }
-  device_buffer(device_buffer const&)            = delete;
-  device_buffer& operator=(device_buffer const&) = delete;
-};
+using inferscale_test::device_buffer;
 
 template <class T>
 std::vector<T> random_elements(std::size_t n, std::uint64_t seed)
@@ -73,16 +54,14 @@ void compare_with_host(Rotation const& rotation,
 
   device_buffer<T> data(original);
   device_buffer<std::int64_t> device_positions(positions);
-  cudaStream_t stream;
-  INFERSCALE_CUDA_TRY(cudaStreamCreate(&stream));
-  rope_apply_async(make_token_head_view(data.ptr + offset, tokens, heads, d, row, d, 1),
-                   device_positions.ptr,
+  inferscale_test::cuda_stream stream;
+  rope_apply_async(make_token_head_view(data.data() + offset, tokens, heads, d, row, d, 1),
+                   device_positions.data(),
                    tokens,
                    rotation,
                    op,
-                   cuda::stream_ref{stream});
-  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream));
-  INFERSCALE_CUDA_TRY(cudaStreamDestroy(stream));
+                   cuda::stream_ref{stream.get()});
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
   auto const device = data.to_host();
 
   float const unit = std::ldexp(1.0f, -mantissa_bits<T>());
@@ -148,7 +127,7 @@ TEST_CASE("device rotation with an engine cos/sin table equals the host bit for 
   for (bool round_each : {true, false}) {
     rope_cos_sin_table<bfloat16_t> host_tab{table.data(), rows, 128, 128, 128, pairing, round_each};
     rope_cos_sin_table<bfloat16_t> dev_tab = host_tab;
-    dev_tab.data                           = device_table.ptr;
+    dev_tab.data                           = device_table.data();
     // The host computes with host_tab; the device with dev_tab: same values, identical bits.
     auto const original = random_elements<bfloat16_t>(positions.size() * 4 * 128, 99);
     auto host           = original;
@@ -160,8 +139,8 @@ TEST_CASE("device rotation with an engine cos/sin table equals the host bit for 
                     rope_op::forward);
     device_buffer<bfloat16_t> data(original);
     device_buffer<std::int64_t> device_positions(positions);
-    rope_apply_async(make_token_head_view(data.ptr, n, 4, 128),
-                     device_positions.ptr,
+    rope_apply_async(make_token_head_view(data.data(), n, 4, 128),
+                     device_positions.data(),
                      n,
                      dev_tab,
                      rope_op::forward,
@@ -178,13 +157,14 @@ TEST_CASE("device rotation leaves tokens with out-of-table positions untouched",
 {
   std::vector<float> table(16 * 128, 0.5f);
   device_buffer<float> device_table(table);
-  rope_cos_sin_table<float> tab{device_table.ptr, 16, 128, 128, 128, rope_pairing::halves, false};
+  rope_cos_sin_table<float> tab{
+    device_table.data(), 16, 128, 128, 128, rope_pairing::halves, false};
   std::vector<std::int64_t> positions{3, 16, -2, 15};
   auto const original = random_elements<float>(4 * 128, 5);
   device_buffer<float> data(original);
   device_buffer<std::int64_t> device_positions(positions);
-  rope_apply_async(make_token_head_view(data.ptr, 4, 1, 128),
-                   device_positions.ptr,
+  rope_apply_async(make_token_head_view(data.data(), 4, 1, 128),
+                   device_positions.data(),
                    4,
                    tab,
                    rope_op::forward,

@@ -25,7 +25,8 @@ namespace detail {
 
 /**
  * @brief Number of CUDA devices visible to this process; 0 when there is no driver or no device.
- * @note Clears the sticky "no device" error so later calls start clean.
+ * @note Never throws. Clears the runtime's last error where it can be cleared; without a driver
+ *       the runtime keeps reporting cudaErrorInsufficientDriver to every later call.
  */
 inline int visible_device_count() noexcept
 {

@@ -401,6 +401,9 @@ void rope_check_batch(token_head_view<T> x,
                      "rope: rotary_dim " + std::to_string(rotation.rotary_dim) +
                        " must be even, positive and at most head_dim " +
                        std::to_string(rotation.head_dim));
+  INFERSCALE_EXPECTS(rotation.rotary_dim / 2 <= rope_params::max_pairs,
+                     "rope: rotary_dim " + std::to_string(rotation.rotary_dim) +
+                       " exceeds the supported " + std::to_string(2 * rope_params::max_pairs));
   INFERSCALE_EXPECTS(x.extent(2) == rotation.head_dim,
                      "rope: the view's head_dim " + std::to_string(x.extent(2)) +
                        " differs from the rotation's head_dim " +

@@ -581,6 +581,20 @@ TEST_CASE("bad specs and bad batches are refused with a clear message", "[rope]"
     s.rotary_dim = 256;
     REQUIRE_THROWS_WITH(make_rope_params(s), Contains("must not exceed head_dim"));
   }
+  SECTION("rotary_dim beyond the 512 the kernels support, from a spec or from a table")
+  {
+    rope_spec s  = good;
+    s.head_dim   = 1024;
+    s.rotary_dim = 1024;
+    REQUIRE_THROWS_WITH(make_rope_params(s), Contains("exceeds the supported 512"));
+    std::vector<float> table(1024), x(1024, 1.0f);
+    rope_cos_sin_table<float> tab{table.data(), 1, 1024, 1024, 1024, rope_pairing::halves, false};
+    std::int64_t const position = 0;
+    REQUIRE_THROWS_WITH(
+      rope_apply_host(
+        make_token_head_view(x.data(), 1, 1, 1024), &position, 1, tab, rope_op::forward),
+      Contains("exceeds the supported 512"));
+  }
   SECTION("non-positive theta")
   {
     rope_spec s = good;

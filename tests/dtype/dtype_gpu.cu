@@ -3,6 +3,7 @@
 // dtype_host.cpp checks against independent references. NaN payloads may differ: a NaN only has
 // to stay a NaN.
 #include "device_memory.hpp"
+#include "float_bits.hpp"
 
 #include <inferscale/config.hpp>
 #include <inferscale/cuda_error.hpp>
@@ -61,19 +62,8 @@ namespace {
 using inferscale_test::device_buffer;
 using stream = inferscale_test::cuda_stream;
 
-std::uint32_t bits_of(float x)
-{
-  std::uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return bits;
-}
-
-float float_from_bits(std::uint32_t bits)
-{
-  float x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
+using inferscale_test::bits_of;
+using inferscale_test::float_from_bits;
 
 bool same_float(float a, float b)
 {

@@ -10,6 +10,8 @@
 //    the integer n rounded half to even, evaluated in double;
 //  - CUDA's own host conversions (cuda_fp16.h, cuda_bf16.h, cuda_fp8.h), an independent
 //    implementation of the same rounding.
+#include "float_bits.hpp"
+
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/geometry.hpp>
@@ -116,19 +118,8 @@ std::uint32_t code_of(T x)
   return static_cast<std::uint32_t>(x.bits);
 }
 
-std::uint32_t bits_of(float x)
-{
-  std::uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return bits;
-}
-
-float float_from_bits(std::uint32_t bits)
-{
-  float x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
+using inferscale_test::bits_of;
+using inferscale_test::float_from_bits;
 
 /// Decodes `code` from its fields, as the format's specification defines the value.
 template <class T>

@@ -113,7 +113,7 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float to_float(half_t x) noexcept
 #if INFERSCALE_IS_DEVICE_CODE
   return __half2float(__ushort_as_half(x.bits));
 #else
-  return detail::narrow_to_float<detail::fp16_format>(x.bits);
+  return detail::half_bits_to_float(x.bits);
 #endif
 }
 
@@ -154,7 +154,7 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE T from_float(float x) noexcept
 #if INFERSCALE_IS_DEVICE_CODE
     return half_t{__half_as_ushort(__float2half_rn(x))};
 #else
-    return half_t{static_cast<std::uint16_t>(detail::float_to_narrow<detail::fp16_format>(x))};
+    return half_t{detail::float_to_half_bits(x)};
 #endif
   } else if constexpr (std::is_same_v<T, bfloat16_t>) {
 #if INFERSCALE_IS_DEVICE_CODE

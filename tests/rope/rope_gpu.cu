@@ -177,3 +177,46 @@ TEST_CASE("device rotation leaves tokens with out-of-table positions untouched",
   // tokens 0 and 3 did rotate: x' = 0.5 x - 0.5 y for the first half
   REQUIRE(got[0] == 0.5f * original[0] - 0.5f * original[64]);
 }
+
+TEST_CASE("device rotation is captured in a CUDA graph and replays", "[gpu][rope]")
+{
+  // No allocation and no host synchronisation: the launch can be captured; each replay rotates
+  // again, so two replays equal two host rotations.
+  auto const params         = make_rope_params(rope_presets::llama_3_1_8b());
+  std::int64_t const tokens = 257, heads = 8;
+  std::vector<std::int64_t> positions(tokens);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    positions[t] = 11 * t;
+  }
+  auto const original = random_elements<float>(static_cast<std::size_t>(tokens * heads * 128), 77);
+  device_buffer<float> data(original);
+  device_buffer<std::int64_t> device_positions(positions);
+  inferscale_test::cuda_stream stream;
+
+  cudaGraph_t graph{};
+  INFERSCALE_CUDA_TRY(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+  rope_apply_async(make_token_head_view(data.data(), tokens, heads, 128),
+                   device_positions.data(),
+                   tokens,
+                   params,
+                   rope_op::forward,
+                   cuda::stream_ref{stream.get()});
+  INFERSCALE_CUDA_TRY(cudaStreamEndCapture(stream.get(), &graph));
+  cudaGraphExec_t exec{};
+  INFERSCALE_CUDA_TRY(cudaGraphInstantiate(&exec, graph, 0));
+  INFERSCALE_CUDA_TRY(cudaGraphLaunch(exec, stream.get()));
+  INFERSCALE_CUDA_TRY(cudaGraphLaunch(exec, stream.get()));
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+  INFERSCALE_CUDA_TRY(cudaGraphExecDestroy(exec));
+  INFERSCALE_CUDA_TRY(cudaGraphDestroy(graph));
+  auto const device = data.to_host();
+
+  auto host       = original;
+  auto const view = make_token_head_view(host.data(), tokens, heads, 128);
+  rope_apply_host(view, positions.data(), tokens, params, rope_op::forward);
+  rope_apply_host(view, positions.data(), tokens, params, rope_op::forward);
+  for (std::size_t i = 0; i < host.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(device[i] == Approx(host[i]).margin(1e-5));
+  }
+}

@@ -55,41 +55,6 @@ inferscale::rope_params llama_params()
   return inferscale::make_rope_params(inferscale::rope_presets::llama_3_1_8b());
 }
 
-/**
- * @brief The engine's cos/sin table for `rows` positions, vLLM's `cos_sin_cache` layout: row p is
- * `[a cos(p inv_i) .. | a sin(p inv_i) ..]`, angles formed in fp32 as vLLM's
- * `einsum(t, inv_freq)` does.
- */
-std::vector<float> cos_sin_table_values(inferscale::rope_params const& params, std::int64_t rows)
-{
-  std::int32_t const pairs = params.num_pairs();
-  std::vector<float> values(static_cast<std::size_t>(rows * params.rotary_dim));
-  for (std::int64_t p = 0; p < rows; ++p) {
-    float* const row = values.data() + p * params.rotary_dim;
-    for (std::int32_t i = 0; i < pairs; ++i) {
-      float const angle = static_cast<float>(p) * params.inv_freq[i];
-      row[i]            = params.attention_factor * std::cos(angle);
-      row[pairs + i]    = params.attention_factor * std::sin(angle);
-    }
-  }
-  return values;
-}
-
-inferscale::rope_cos_sin_table<float> make_table(inferscale::rope_params const& params,
-                                                 float const* data,
-                                                 std::int64_t rows)
-{
-  inferscale::rope_cos_sin_table<float> table{};
-  table.data         = data;
-  table.max_position = rows;
-  table.row_stride   = params.rotary_dim;
-  table.head_dim     = params.head_dim;
-  table.rotary_dim   = params.rotary_dim;
-  table.pairing      = params.pairing;
-  // round_each_operation stays true (vLLM's native kernel on 16-bit keys).
-  return table;
-}
-
 std::vector<std::int64_t> prefill_positions(std::int64_t tokens)
 {
   std::vector<std::int64_t> positions(static_cast<std::size_t>(tokens));
@@ -122,8 +87,8 @@ void rope_forward_host(benchmark::State& state)
           x, positions.data(), tokens, params, inferscale::rope_op::forward);
       });
     } else {
-      auto const table_values = cos_sin_table_values(params, tokens);
-      auto const table        = make_table(params, table_values.data(), tokens);
+      auto const table_values = inferscale::make_rope_cos_sin_values<float>(params, tokens);
+      auto const table = inferscale::make_rope_cos_sin_table(params, table_values.data(), tokens);
       ib::run_host(state, t, data.data(), [&] {
         inferscale::rope_apply_host(
           x, positions.data(), tokens, table, inferscale::rope_op::forward);
@@ -152,8 +117,9 @@ void rope_forward_device(benchmark::State& state)
           x, positions.data(), tokens, params, inferscale::rope_op::forward, stream);
       });
     } else {
-      ib::device_buffer<float> table_values(cos_sin_table_values(params, tokens));
-      auto const table = make_table(params, table_values.data(), tokens);
+      ib::device_buffer<float> table_values(
+        inferscale::make_rope_cos_sin_values<float>(params, tokens));
+      auto const table = inferscale::make_rope_cos_sin_table(params, table_values.data(), tokens);
       ib::run_device(state, t, data.data(), [&](cudaStream_t stream) {
         inferscale::rope_apply_async(
           x, positions.data(), tokens, table, inferscale::rope_op::forward, stream);

@@ -1,0 +1,83 @@
+/**
+ * @file detail/inject/element.hpp
+ * @brief Per-element math of injection and extraction, shared by the host backend and the kernels:
+ * rotate a key pair to its virtual position, scale and convert to the cache dtype; and the inverse.
+ */
+#pragma once
+
+#include <inferscale/cache.hpp>
+#include <inferscale/config.hpp>
+#include <inferscale/dtype.hpp>
+#include <inferscale/rope.hpp>
+
+#include <type_traits>
+
+namespace inferscale::detail {
+
+/// @brief The stored value of real value `x` in a cache whose scale is `scale` (engines.md §9).
+template <class CacheT>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE CacheT quantize(float x,
+                                                              float scale,
+                                                              kv_scale_convention convention)
+{
+  // Exact division, not x * (1/scale): vLLM's and SGLang's writers divide.
+  float const v = convention == kv_scale_convention::divide ? x / scale : mul_rn(x, scale);
+  return from_float<CacheT>(v);
+}
+
+/// @brief The real value of stored value `q` (the inverse of quantize up to its rounding).
+template <class CacheT>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float dequantize(CacheT q,
+                                                               float scale,
+                                                               kv_scale_convention convention)
+{
+  float const v = to_float(q);
+  return convention == kv_scale_convention::divide ? mul_rn(v, scale) : v / scale;
+}
+
+/**
+ * @brief Rotates one stored key pair `(x, y)` by `cs` (forward rotation to the virtual position)
+ * and returns the rotated pair in fp32.
+ *
+ * In fp32 (each product and sum rounded once, no FMA, so host and device agree bit for bit), or,
+ * when `round_each` (an engine table read by vLLM's 16-bit kernel), with cos, sin, products and
+ * sums rounded to the store dtype, which is the model dtype the engine rotates in.
+ */
+template <class StoreT>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void rotate_stored_pair(
+  StoreT x, StoreT y, rope_cos_sin cs, bool round_each, float* out_x, float* out_y)
+{
+  if constexpr (!std::is_same_v<StoreT, float>) {
+    if (round_each) {
+      rope_rotate_pair(x, y, cs, true);
+      *out_x = to_float(x);
+      *out_y = to_float(y);
+      return;
+    }
+  }
+  float const xf = to_float(x);
+  float const yf = to_float(y);
+  *out_x         = add_rn(mul_rn(xf, cs.cos), -mul_rn(yf, cs.sin));
+  *out_y         = add_rn(mul_rn(yf, cs.cos), mul_rn(xf, cs.sin));
+}
+
+/// @brief Inverse rotation of a pair read from a cache (dequantized to fp32) by `cs` (from
+/// rope_op::inverse), in fp32.
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void unrotate_pair(float x,
+                                                                 float y,
+                                                                 rope_cos_sin cs,
+                                                                 float* out_x,
+                                                                 float* out_y)
+{
+  *out_x = add_rn(mul_rn(x, cs.cos), -mul_rn(y, cs.sin));
+  *out_y = add_rn(mul_rn(y, cs.cos), mul_rn(x, cs.sin));
+}
+
+/// @brief True if a slot can be written: not skipped (negative) and inside the cache.
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE bool slot_in_cache(std::int64_t slot,
+                                                                 std::int64_t num_slots)
+{
+  return slot >= 0 && slot < num_slots;
+}
+
+}  // namespace inferscale::detail

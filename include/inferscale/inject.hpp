@@ -1,0 +1,501 @@
+/**
+ * @file inject.hpp
+ * @brief Injection (stored pre-RoPE facts -> an engine's paged KV cache, keys rotated to their
+ * virtual positions) and extraction (the inverse), host backend; and the injection batch, the
+ * validated, flattened work of one scheduler step shared with the device backend (inject.cuh).
+ *
+ * Flow: compose() a plan per request, add each plan with its slots to an injection_batch (which
+ * resolves every token to its store page and checks the slots), then inject_host() (or
+ * inject_async() on the device). Everything is validated before the first write; a refused call
+ * leaves the store and the cache unchanged.
+ */
+#pragma once
+
+#include <inferscale/cache.hpp>
+#include <inferscale/compose.hpp>
+#include <inferscale/detail/inject/element.hpp>
+#include <inferscale/dtype.hpp>
+#include <inferscale/error.hpp>
+#include <inferscale/rope.hpp>
+#include <inferscale/store.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+namespace inferscale {
+
+/**
+ * @brief Flattened per-token work of an injection, as three arrays of `num_tokens` entries in the
+ * memory of the backend that reads them. Trivially copyable.
+ */
+struct injection_batch_view {
+  std::int64_t const* store_token{};  ///< source: page * page_size + offset in the store's pool
+  std::int64_t const* position{};     ///< virtual position the key is rotated to
+  std::int64_t const* slot{};         ///< destination slot in the cache; negative = skip
+  std::int64_t num_tokens{};
+};
+
+/**
+ * @brief The validated work of one scheduler step: every admitted request's plan and slots,
+ * flattened to (store token, position, slot) per memory token. Built on the host.
+ *
+ * A batch is tied to the store state it was built against: injecting after the store changed
+ * (insert, erase) is refused, since pages may have been reused.
+ */
+class injection_batch {
+ public:
+  /// @brief An empty batch for facts of `store`.
+  explicit injection_batch(kv_store const& store)
+    : store_{&store}, store_identity_{store.identity()}, store_version_{store.version()}
+  {
+  }
+
+  /**
+   * @brief Adds a request whose memory tokens go to `slot_mapping[0 .. m-1]` (vLLM slot mapping;
+   * entries past m belong to the query tokens the engine prefills and are not read).
+   *
+   * @throw logic_error if the store changed since the batch was made, a fact of the plan is not
+   *        in the store (or shorter than the plan says), the mapping has fewer than m entries, or a
+   *        slot repeats within the batch; the batch is unchanged then.
+   */
+  void add(composition const& plan, std::vector<std::int64_t> const& slot_mapping)
+  {
+    add(plan, slot_mapping.data(), static_cast<std::int64_t>(slot_mapping.size()));
+  }
+
+  /// @brief As add(plan, slot_mapping) with a host array of `num_slots` slots.
+  void add(composition const& plan, std::int64_t const* slot_mapping, std::int64_t num_slots)
+  {
+    check_store("injection_batch::add");
+    std::int64_t const m = plan.length();
+    INFERSCALE_EXPECTS(static_cast<std::int64_t>(plan.sources.size()) == m,
+                       "injection_batch::add: the plan has " + std::to_string(plan.sources.size()) +
+                         " sources for " + std::to_string(m) + " tokens");
+    INFERSCALE_EXPECTS(num_slots >= m, "injection_batch::add: the plan has " + std::to_string(m) +
+                                         " tokens but only " + std::to_string(num_slots) +
+                                         " slots were given");
+    INFERSCALE_EXPECTS(m == 0 || slot_mapping != nullptr,
+                       std::string{"injection_batch::add: null slot mapping"});
+
+    // Resolve and check everything into temporaries first.
+    std::vector<std::int64_t> store_tokens(static_cast<std::size_t>(m));
+    std::unordered_set<std::int64_t> new_slots;
+    std::uint64_t cached_id      = 0;
+    fact_record const* cached    = nullptr;
+    std::int64_t max_slot        = max_slot_;
+    for (std::int64_t j = 0; j < m; ++j) {
+      token_source const& src = plan.sources[static_cast<std::size_t>(j)];
+      if (cached == nullptr || cached_id != src.fact_id) {
+        INFERSCALE_EXPECTS(store_->contains(src.fact_id),
+                           "injection_batch::add: unknown fact id " + std::to_string(src.fact_id) +
+                             " (token " + std::to_string(j) + " of the plan)");
+        cached    = &store_->at(src.fact_id);
+        cached_id = src.fact_id;
+      }
+      INFERSCALE_EXPECTS(src.offset >= 0 && src.offset < cached->length(),
+                         "injection_batch::add: token " + std::to_string(j) + " reads offset " +
+                           std::to_string(src.offset) + " of fact " + std::to_string(src.fact_id) +
+                           ", which has " + std::to_string(cached->length()) + " tokens");
+      store_tokens[static_cast<std::size_t>(j)] = store_->store_token(*cached, src.offset);
+      std::int64_t const slot                   = slot_mapping[j];
+      if (slot >= 0) {
+        INFERSCALE_EXPECTS(slots_.count(slot) == 0 && new_slots.insert(slot).second,
+                           "injection_batch::add: slot " + std::to_string(slot) +
+                             " is written twice in this batch");
+        max_slot = std::max(max_slot, slot);
+      }
+    }
+    std::int64_t const last_position = m > 0 ? plan.position(m - 1) : -1;
+
+    // Commit.
+    for (std::int64_t j = 0; j < m; ++j) {
+      store_token_.push_back(store_tokens[static_cast<std::size_t>(j)]);
+      position_.push_back(plan.position(j));
+      slot_.push_back(slot_mapping[j]);
+    }
+    slots_.insert(new_slots.begin(), new_slots.end());
+    max_slot_     = max_slot;
+    max_position_ = std::max(max_position_, last_position);
+    request_offsets_.push_back(num_tokens());
+  }
+
+  /**
+   * @brief Adds a request whose memory tokens are prompt tokens `start_position ..
+   * start_position + m - 1` of a request with block table `block_ids` (slot rule of
+   * slots_from_block_table).
+   * @throw logic_error as add(plan, slot_mapping), or if the table is too short.
+   */
+  void add(composition const& plan,
+           std::int32_t const* block_ids,
+           std::int64_t num_block_ids,
+           std::int32_t block_size,
+           std::int64_t start_position)
+  {
+    add(plan,
+        slots_from_block_table(block_ids, num_block_ids, block_size, start_position, plan.length()));
+  }
+
+  std::int64_t num_tokens() const noexcept { return static_cast<std::int64_t>(slot_.size()); }
+  std::int64_t num_requests() const noexcept
+  {
+    return static_cast<std::int64_t>(request_offsets_.size()) - 1;
+  }
+  /// @brief Request r's tokens are `[request_offsets()[r], request_offsets()[r+1])`.
+  std::vector<std::int64_t> const& request_offsets() const noexcept { return request_offsets_; }
+  std::vector<std::int64_t> const& store_tokens() const noexcept { return store_token_; }
+  std::vector<std::int64_t> const& positions() const noexcept { return position_; }
+  std::vector<std::int64_t> const& slots() const noexcept { return slot_; }
+  /// @brief Largest non-negative slot (-1 if none).
+  std::int64_t max_slot() const noexcept { return max_slot_; }
+  /// @brief Largest virtual position (-1 if none).
+  std::int64_t max_position() const noexcept { return max_position_; }
+
+  /// @brief The store the batch reads from.
+  kv_store const& store() const noexcept { return *store_; }
+
+  /// @brief The three arrays in host memory.
+  injection_batch_view host_view() const noexcept
+  {
+    return {store_token_.data(), position_.data(), slot_.data(), num_tokens()};
+  }
+
+  /// @brief Throws unless the store is the same object in the same state as when the batch began.
+  void check_store(char const* who) const
+  {
+    INFERSCALE_EXPECTS(store_->identity() == store_identity_ && store_->version() == store_version_,
+                       std::string{who} +
+                         ": the store changed since this injection batch was made (facts "
+                         "inserted or erased); build a new batch");
+  }
+
+ private:
+  kv_store const* store_;
+  std::uint64_t store_identity_;
+  std::uint64_t store_version_;
+  std::vector<std::int64_t> store_token_;
+  std::vector<std::int64_t> position_;
+  std::vector<std::int64_t> slot_;
+  std::vector<std::int64_t> request_offsets_{0};
+  std::unordered_set<std::int64_t> slots_;
+  std::int64_t max_slot_{-1};
+  std::int64_t max_position_{-1};
+};
+
+namespace detail {
+
+/// @brief Checks that a store shard and a cache describe the same heads, layers and head_dim.
+inline void check_store_cache_geometry(kv_store const& store,
+                                       paged_kv_cache const& cache,
+                                       char const* who)
+{
+  cache.validate();
+  kv_geometry const g = store.geometry();
+  INFERSCALE_EXPECTS(cache.num_layers == g.num_layers && cache.num_heads() == g.num_kv_heads &&
+                       cache.head_dim() == g.head_dim,
+                     std::string{who} + ": geometry mismatch: the store holds " +
+                       std::to_string(g.num_layers) + " layers x " +
+                       std::to_string(g.num_kv_heads) + " heads x " + std::to_string(g.head_dim) +
+                       ", the cache " + std::to_string(cache.num_layers) + " x " +
+                       std::to_string(cache.num_heads()) + " x " +
+                       std::to_string(cache.head_dim()));
+}
+
+/// @brief Checks a rotation against a head_dim and the largest position it will be asked for.
+template <class Rotation>
+void check_rotation(Rotation const& rotation,
+                    std::int32_t head_dim,
+                    std::int64_t max_position,
+                    char const* who)
+{
+  rope_check_rotation(rotation);
+  INFERSCALE_EXPECTS(rotation.head_dim == head_dim,
+                     std::string{who} + ": the rotation's head_dim " +
+                       std::to_string(rotation.head_dim) + " differs from the store's " +
+                       std::to_string(head_dim));
+  INFERSCALE_EXPECTS(rotation.rotary_dim > 0 && rotation.rotary_dim % 2 == 0 &&
+                       rotation.rotary_dim <= head_dim &&
+                       rotation.rotary_dim / 2 <= rope_params::max_pairs,
+                     std::string{who} + ": rotary_dim " + std::to_string(rotation.rotary_dim) +
+                       " must be even, positive, at most head_dim and at most " +
+                       std::to_string(2 * rope_params::max_pairs));
+  INFERSCALE_EXPECTS(max_position < rope_table_rows(rotation),
+                     std::string{who} + ": position " + std::to_string(max_position) +
+                       " is beyond the cos/sin table (" +
+                       std::to_string(rope_table_rows(rotation)) + " rows)");
+}
+
+/// @brief Everything inject_host and inject_async check before writing.
+template <class Rotation>
+void check_injection(kv_store const& store,
+                     injection_batch const& batch,
+                     paged_kv_cache const& cache,
+                     Rotation const& rotation,
+                     memory_kind backend,
+                     char const* who)
+{
+  INFERSCALE_EXPECTS(&batch.store() == &store,
+                     std::string{who} + ": the batch was built for a different store");
+  batch.check_store(who);
+  INFERSCALE_EXPECTS(store.memory() == backend,
+                     std::string{who} + ": the store's pool is in " + to_string(store.memory()) +
+                       " memory, this backend reads " + to_string(backend) + " memory");
+  check_store_cache_geometry(store, cache, who);
+  INFERSCALE_EXPECTS(batch.max_slot() < cache.num_slots(),
+                     std::string{who} + ": slot " + std::to_string(batch.max_slot()) +
+                       " is beyond the cache's " + std::to_string(cache.num_slots()) + " slots");
+  check_rotation(rotation, store.geometry().head_dim, batch.max_position(), who);
+}
+
+/// @brief Host backend of injection for element types StoreT (store) and CacheT (cache).
+template <class StoreT, class CacheT, class Rotation>
+void inject_host_typed(kv_store_ref const& store,
+                       injection_batch_view const& batch,
+                       paged_kv_cache const& cache,
+                       Rotation const& rotation)
+{
+  std::int32_t const pairs   = rotation.num_pairs();
+  std::int32_t const rotary  = rotation.rotary_dim;
+  std::int32_t const dim     = store.head_dim;
+  bool const round_each      = rope_rounds_each_operation<StoreT>(rotation, rope_op::forward);
+  auto const* const pool     = static_cast<StoreT const*>(store.pool);
+  std::int64_t const n_slots = cache.num_slots();
+  std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(pairs));
+  for (std::int64_t i = 0; i < batch.num_tokens; ++i) {
+    std::int64_t const slot = batch.slot[i];
+    if (!slot_in_cache(slot, n_slots)) { continue; }
+    for (std::int32_t p = 0; p < pairs; ++p) {  // once per token, shared by layers and heads
+      cos_sin[static_cast<std::size_t>(p)] =
+        rope_angle_cos_sin(rotation, batch.position[i], p, rope_op::forward);
+    }
+    for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+      StoreT const* const krow = pool + store.row_offset(batch.store_token[i], l, 0);
+      StoreT const* const vrow = pool + store.row_offset(batch.store_token[i], l, 1);
+      auto* const kbase        = static_cast<CacheT*>(cache.key_base[l]);
+      auto* const vbase        = static_cast<CacheT*>(cache.value_base[l]);
+      for (std::int32_t h = 0; h < store.num_heads; ++h) {
+        StoreT const* const k = krow + static_cast<std::int64_t>(h) * dim;
+        StoreT const* const v = vrow + static_cast<std::int64_t>(h) * dim;
+        float const ks        = cache.scale(l, h, false);
+        float const vs        = cache.scale(l, h, true);
+        auto const kat = [&](std::int32_t d) -> CacheT& {
+          return kbase[cache.key_layout.slot_offset(slot, h, d)];
+        };
+        for (std::int32_t p = 0; p < pairs; ++p) {
+          std::int32_t first, second;
+          pair_elements(rotation.pairing, rotary, p, &first, &second);
+          float x, y;
+          rotate_stored_pair(k[first], k[second], cos_sin[static_cast<std::size_t>(p)], round_each,
+                             &x, &y);
+          kat(first)  = quantize<CacheT>(x, ks, cache.scale_convention);
+          kat(second) = quantize<CacheT>(y, ks, cache.scale_convention);
+        }
+        for (std::int32_t d = rotary; d < dim; ++d) {
+          kat(d) = quantize<CacheT>(to_float(k[d]), ks, cache.scale_convention);
+        }
+        for (std::int32_t d = 0; d < dim; ++d) {
+          vbase[cache.value_layout.slot_offset(slot, h, d)] =
+            quantize<CacheT>(to_float(v[d]), vs, cache.scale_convention);
+        }
+      }
+    }
+  }
+}
+
+/// @brief Calls f(type_tag<StoreT>, type_tag<CacheT>) for the runtime dtypes.
+template <class F>
+void dispatch_store_cache(dtype store_dtype, dtype cache_dtype, F&& f)
+{
+  dispatch_dtype(store_dtype, [&](auto store_tag) {
+    using S = typename decltype(store_tag)::type;
+    if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
+                  std::is_same_v<S, bfloat16_t>) {
+      dispatch_dtype(cache_dtype, [&](auto cache_tag) { f(store_tag, cache_tag); });
+    } else {
+      INFERSCALE_FAIL(std::string{"store dtype "} + to_string(store_dtype) + " is not supported");
+    }
+  });
+}
+
+}  // namespace detail
+
+/**
+ * @brief Host backend: writes every token of `batch` into `cache` (host memory): the key read from
+ * the store, rotated to the token's virtual position by `rotation`, scaled and converted to the
+ * cache dtype; the value scaled and converted. Tokens with a negative slot are skipped.
+ *
+ * @param store    a host-memory store (the batch's)
+ * @param batch    the step's validated work
+ * @param cache    the engine's cache for the store's shard (same layers, heads, head_dim)
+ * @param rotation rope_params, or the engine's rope_cos_sin_table (host data)
+ * @throw logic_error if the batch is stale or for another store, the store is not in host memory,
+ *        geometries differ, a slot is beyond the cache or a position beyond the table; nothing is
+ *        written then.
+ */
+template <class Rotation>
+void inject_host(kv_store const& store,
+                 injection_batch const& batch,
+                 paged_kv_cache const& cache,
+                 Rotation const& rotation)
+{
+  detail::check_injection(store, batch, cache, rotation, memory_kind::host, "inject_host");
+  detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
+    using S = typename decltype(s)::type;
+    using C = typename decltype(c)::type;
+    detail::inject_host_typed<S, C>(store.ref(), batch.host_view(), cache, rotation);
+  });
+}
+
+namespace detail {
+
+/// @brief Checks an extraction request; returns nothing, throws on the first problem.
+template <class Rotation>
+void check_extraction(paged_kv_cache const& cache,
+                      std::vector<std::int64_t> const& slots,
+                      std::int64_t first_position,
+                      Rotation const& rotation,
+                      kv_store const& store,
+                      std::uint64_t fact_id,
+                      std::vector<std::int32_t> const& token_ids,
+                      memory_kind backend,
+                      char const* who)
+{
+  INFERSCALE_EXPECTS(store.memory() == backend,
+                     std::string{who} + ": the store's pool is in " + to_string(store.memory()) +
+                       " memory, this backend writes " + to_string(backend) + " memory");
+  check_store_cache_geometry(store, cache, who);
+  INFERSCALE_EXPECTS(!token_ids.empty(), std::string{who} + ": no tokens to extract");
+  INFERSCALE_EXPECTS(slots.size() == token_ids.size(),
+                     std::string{who} + ": " + std::to_string(slots.size()) + " slots for " +
+                       std::to_string(token_ids.size()) + " token ids");
+  for (std::size_t j = 0; j < slots.size(); ++j) {
+    INFERSCALE_EXPECTS(slots[j] >= 0 && slots[j] < cache.num_slots(),
+                       std::string{who} + ": slot " + std::to_string(slots[j]) + " of token " +
+                         std::to_string(j) + " is outside the cache's " +
+                         std::to_string(cache.num_slots()) + " slots");
+  }
+  INFERSCALE_EXPECTS(first_position >= 0 &&
+                       first_position <= std::numeric_limits<std::int64_t>::max() -
+                                           static_cast<std::int64_t>(slots.size()),
+                     std::string{who} + ": first position must be non-negative, got " +
+                       std::to_string(first_position));
+  check_rotation(rotation, store.geometry().head_dim,
+                 first_position + static_cast<std::int64_t>(slots.size()) - 1, who);
+  INFERSCALE_EXPECTS(!store.contains(fact_id),
+                     std::string{who} + ": fact id " + std::to_string(fact_id) + " already stored");
+  INFERSCALE_EXPECTS(store.pages_for(static_cast<std::int64_t>(slots.size())) <= store.free_pages(),
+                     std::string{who} + ": fact " + std::to_string(fact_id) + " needs " +
+                       std::to_string(store.pages_for(static_cast<std::int64_t>(slots.size()))) +
+                       " pages, " + std::to_string(store.free_pages()) +
+                       " free (capacity exhausted)");
+}
+
+/// @brief Host backend of extraction for one token: de-rotated key and value of every layer/head.
+template <class StoreT, class CacheT, class Rotation>
+void extract_host_typed(paged_kv_cache const& cache,
+                        std::int64_t const* slots,
+                        std::int64_t const* positions,
+                        std::int64_t const* store_tokens,
+                        std::int64_t n,
+                        Rotation const& rotation,
+                        kv_store_ref const& store)
+{
+  std::int32_t const pairs  = rotation.num_pairs();
+  std::int32_t const rotary = rotation.rotary_dim;
+  std::int32_t const dim    = store.head_dim;
+  auto* const pool          = static_cast<StoreT*>(store.pool);
+  std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(pairs));
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::int64_t const slot = slots[i];
+    for (std::int32_t p = 0; p < pairs; ++p) {
+      cos_sin[static_cast<std::size_t>(p)] =
+        rope_angle_cos_sin(rotation, positions[i], p, rope_op::inverse);
+    }
+    for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+      StoreT* const krow      = pool + store.row_offset(store_tokens[i], l, 0);
+      StoreT* const vrow      = pool + store.row_offset(store_tokens[i], l, 1);
+      auto const* const kbase = static_cast<CacheT const*>(cache.key_base[l]);
+      auto const* const vbase = static_cast<CacheT const*>(cache.value_base[l]);
+      for (std::int32_t h = 0; h < store.num_heads; ++h) {
+        StoreT* const k = krow + static_cast<std::int64_t>(h) * dim;
+        StoreT* const v = vrow + static_cast<std::int64_t>(h) * dim;
+        float const ks  = cache.scale(l, h, false);
+        float const vs  = cache.scale(l, h, true);
+        auto const kat  = [&](std::int32_t d) {
+          return dequantize(kbase[cache.key_layout.slot_offset(slot, h, d)], ks,
+                            cache.scale_convention);
+        };
+        for (std::int32_t p = 0; p < pairs; ++p) {
+          std::int32_t first, second;
+          pair_elements(rotation.pairing, rotary, p, &first, &second);
+          float x, y;
+          unrotate_pair(kat(first), kat(second), cos_sin[static_cast<std::size_t>(p)], &x, &y);
+          k[first]  = from_float<StoreT>(x);
+          k[second] = from_float<StoreT>(y);
+        }
+        for (std::int32_t d = rotary; d < dim; ++d) { k[d] = from_float<StoreT>(kat(d)); }
+        for (std::int32_t d = 0; d < dim; ++d) {
+          v[d] = from_float<StoreT>(
+            dequantize(vbase[cache.value_layout.slot_offset(slot, h, d)], vs,
+                       cache.scale_convention));
+        }
+      }
+    }
+  }
+}
+
+/// @brief Store tokens of every token of a fact, in order.
+inline std::vector<std::int64_t> fact_store_tokens(kv_store const& store, fact_record const& fact)
+{
+  std::vector<std::int64_t> out(static_cast<std::size_t>(fact.length()));
+  for (std::int32_t j = 0; j < fact.length(); ++j) {
+    out[static_cast<std::size_t>(j)] = store.store_token(fact, j);
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/**
+ * @brief Host backend of extraction: reads the tokens in `slots` (prompt positions
+ * `first_position ..`) back from an engine's cache (host memory), dequantizes, de-rotates the keys
+ * from their absolute positions, and stores them as a new fact.
+ *
+ * This gives engines that cannot hook their model a way to capture pre-RoPE KV: prefill the fact
+ * (with its context window) normally, then extract its token range.
+ *
+ * @throw logic_error if the store is not in host memory, geometries differ, the counts differ, a
+ *        slot is negative or beyond the cache, a position is beyond the table, the id exists or
+ *        capacity is exhausted; nothing is changed then.
+ */
+template <class Rotation>
+void extract_host(paged_kv_cache const& cache,
+                  std::vector<std::int64_t> const& slots,
+                  std::int64_t first_position,
+                  Rotation const& rotation,
+                  kv_store& store,
+                  std::uint64_t fact_id,
+                  std::uint64_t namespace_id,
+                  std::vector<std::int32_t> token_ids)
+{
+  detail::check_extraction(cache, slots, first_position, rotation, store, fact_id, token_ids,
+                           memory_kind::host, "extract_host");
+  fact_record const& fact = store.reserve(fact_id, namespace_id, std::move(token_ids));
+  std::vector<std::int64_t> const store_tokens = detail::fact_store_tokens(store, fact);
+  std::vector<std::int64_t> positions(slots.size());
+  for (std::size_t j = 0; j < slots.size(); ++j) {
+    positions[j] = first_position + static_cast<std::int64_t>(j);
+  }
+  detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
+    using S = typename decltype(s)::type;
+    using C = typename decltype(c)::type;
+    detail::extract_host_typed<S, C>(cache, slots.data(), positions.data(), store_tokens.data(),
+                                     static_cast<std::int64_t>(slots.size()), rotation,
+                                     store.ref());
+  });
+}
+
+}  // namespace inferscale

@@ -1,0 +1,628 @@
+/**
+ * @file store.hpp
+ * @brief The KV store: pre-RoPE keys and values of memory facts in a page pool (device memory, or
+ * host memory for the host backend), keyed by 64-bit fact ids and grouped by namespace.
+ *
+ * Pool layout: `[num_pages][layers][2 (K, V)][page_size][heads][head_dim]` of the store dtype, so
+ * a token's key (or value) row of one layer is `heads * head_dim` contiguous elements (16-byte
+ * vector reads) and a fact of `c` tokens takes `ceil(c / page_size)` pages, not necessarily
+ * adjacent. A store may hold a layer range and a head range of the model (a pipeline- or
+ * tensor-parallel rank's shard).
+ *
+ * The catalogue (ids, namespaces, token ids, page lists) lives in host memory; only the pool lives
+ * where `memory_kind` says. The device pool needs the CUDA runtime (libcudart); a host store never
+ * calls it.
+ */
+#pragma once
+
+#include <inferscale/config.hpp>
+#include <inferscale/cuda_error.hpp>
+#include <inferscale/dtype.hpp>
+#include <inferscale/error.hpp>
+#include <inferscale/geometry.hpp>
+#include <inferscale/views.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace inferscale {
+
+/// @brief Where a buffer lives.
+enum class memory_kind : std::uint8_t { host, device };
+
+/// @brief Name of a memory kind.
+inline char const* to_string(memory_kind m) noexcept
+{
+  return m == memory_kind::host ? "host" : "device";
+}
+
+/**
+ * @brief A fact's keys or values for every layer: `[layers, tokens, heads, head_dim]` with any
+ * strides (in elements).
+ */
+template <class T>
+using fact_kv_view = cuda::std::mdspan<T, extents_t<4>, cuda::std::layout_stride>;
+
+/// @brief Makes a fact_kv_view with explicit strides (in elements).
+template <class T>
+fact_kv_view<T> make_fact_kv_view(T* data,
+                                  std::int64_t layers,
+                                  std::int64_t tokens,
+                                  std::int64_t heads,
+                                  std::int64_t head_dim,
+                                  std::array<std::int64_t, 4> const& strides)
+{
+  using mapping = cuda::std::layout_stride::mapping<extents_t<4>>;
+  return fact_kv_view<T>{
+    data,
+    mapping{extents_t<4>{layers, tokens, heads, head_dim},
+            cuda::std::array<std::int64_t, 4>{strides[0], strides[1], strides[2], strides[3]}}};
+}
+
+/// @brief Makes a contiguous `[layers, tokens, heads, head_dim]` fact_kv_view.
+template <class T>
+fact_kv_view<T> make_fact_kv_view(
+  T* data, std::int64_t layers, std::int64_t tokens, std::int64_t heads, std::int64_t head_dim)
+{
+  return make_fact_kv_view(
+    data, layers, tokens, heads, head_dim, {tokens * heads * head_dim, heads * head_dim, head_dim, 1});
+}
+
+/// @brief How to build a kv_store.
+struct kv_store_config {
+  kv_geometry model{};  ///< the whole model's KV geometry
+  std::int32_t first_layer{0};
+  std::int32_t num_layers{0};  ///< layers held from first_layer; 0 = through the last layer
+  std::int32_t first_head{0};
+  std::int32_t num_heads{0};  ///< KV heads held from first_head; 0 = through the last head
+  dtype store_dtype{dtype::bfloat16};  ///< float32, float16 or bfloat16
+  std::int32_t page_size{16};          ///< tokens per page
+  std::int64_t num_pages{0};           ///< capacity, allocated once
+  memory_kind memory{memory_kind::device};
+};
+
+/**
+ * @brief Trivially copyable view of a store's pool for kernels and the host backend.
+ */
+struct kv_store_ref {
+  void* pool{};
+  dtype store_dtype{dtype::bfloat16};
+  std::int32_t num_layers{};
+  std::int32_t num_heads{};
+  std::int32_t head_dim{};
+  std::int32_t page_size{};
+  std::int64_t num_pages{};
+
+  /// @brief Elements of one token's key (or value) row in one layer.
+  INFERSCALE_HOST_DEVICE constexpr std::int64_t row_elements() const noexcept
+  {
+    return static_cast<std::int64_t>(num_heads) * head_dim;
+  }
+
+  /**
+   * @brief Offset in elements of the K (`kv == 0`) or V (`kv == 1`) row of layer `layer` of store
+   * token `store_token` (= page * page_size + offset in page).
+   */
+  INFERSCALE_HOST_DEVICE constexpr std::int64_t row_offset(std::int64_t store_token,
+                                                           std::int32_t layer,
+                                                           std::int32_t kv) const noexcept
+  {
+    std::int64_t const page = store_token / page_size;
+    std::int64_t const slot = store_token % page_size;
+    return (((page * num_layers + layer) * 2 + kv) * page_size + slot) * row_elements();
+  }
+};
+
+/// @brief What the store knows of one fact.
+struct fact_record {
+  std::uint64_t fact_id{};
+  std::uint64_t namespace_id{};
+  std::vector<std::int32_t> token_ids;  ///< the fact's prompt tokens
+  std::vector<std::int64_t> pages;      ///< pool pages, in token order
+
+  std::int32_t length() const noexcept { return static_cast<std::int32_t>(token_ids.size()); }
+};
+
+/**
+ * @brief Move-only owner of a page pool and its catalogue.
+ *
+ * Every mutating call validates everything first and either completes or throws leaving the store
+ * unchanged (catalogue and pool). `version()` changes on every successful mutation, so plans built
+ * against an older state are refused at injection.
+ */
+class kv_store {
+ public:
+  /**
+   * @brief Allocates the pool (`num_pages` pages) once.
+   * @throw logic_error if the configuration is invalid; cuda_error if device allocation fails.
+   */
+  explicit kv_store(kv_store_config const& config) : config_{resolve(config)}
+  {
+    ref_.store_dtype = config_.store_dtype;
+    ref_.num_layers  = config_.num_layers;
+    ref_.num_heads   = config_.num_heads;
+    ref_.head_dim    = config_.model.head_dim;
+    ref_.page_size   = config_.page_size;
+    ref_.num_pages   = config_.num_pages;
+    std::size_t const bytes = pool_bytes();
+    if (config_.memory == memory_kind::device) {
+      INFERSCALE_CUDA_TRY(cudaMalloc(&ref_.pool, std::max<std::size_t>(bytes, 1)));
+    } else {
+      host_pool_.reset(new unsigned char[std::max<std::size_t>(bytes, 1)]());
+      ref_.pool = host_pool_.get();
+    }
+    free_pages_.reserve(static_cast<std::size_t>(config_.num_pages));
+    // Lowest page on top of the stack, so fresh stores fill pages in order.
+    for (std::int64_t p = config_.num_pages; p-- > 0;) { free_pages_.push_back(p); }
+  }
+
+  ~kv_store()
+  {
+    if (config_.memory == memory_kind::device && ref_.pool) { (void)cudaFree(ref_.pool); }
+  }
+
+  kv_store(kv_store&& other) noexcept { swap(other); }
+  kv_store& operator=(kv_store&& other) noexcept
+  {
+    if (this != &other) {
+      kv_store tmp{std::move(other)};
+      swap(tmp);
+    }
+    return *this;
+  }
+  kv_store(kv_store const&)            = delete;
+  kv_store& operator=(kv_store const&) = delete;
+
+  kv_store_config const& config() const noexcept { return config_; }
+  /// @brief The shard's geometry: held layers, held heads, head_dim.
+  kv_geometry geometry() const noexcept
+  {
+    return kv_geometry{config_.num_layers, config_.num_heads, config_.model.head_dim};
+  }
+  dtype store_dtype() const noexcept { return config_.store_dtype; }
+  memory_kind memory() const noexcept { return config_.memory; }
+  std::int32_t page_size() const noexcept { return config_.page_size; }
+  std::int64_t num_pages() const noexcept { return config_.num_pages; }
+  std::int64_t free_pages() const noexcept { return static_cast<std::int64_t>(free_pages_.size()); }
+  std::int64_t num_facts() const noexcept { return static_cast<std::int64_t>(facts_.size()); }
+  std::uint64_t version() const noexcept { return version_; }
+  /// @brief Identifies this store object across moves (plans record it).
+  std::uint64_t identity() const noexcept { return identity_; }
+
+  /// @brief Trivially copyable view of the pool.
+  kv_store_ref ref() const noexcept { return ref_; }
+
+  /// @brief Bytes of the whole pool.
+  std::size_t pool_bytes() const noexcept
+  {
+    return static_cast<std::size_t>(config_.num_pages) * page_elements() *
+           size_of(config_.store_dtype);
+  }
+
+  /// @brief Pages a fact of `tokens` tokens takes.
+  std::int64_t pages_for(std::int64_t tokens) const noexcept
+  {
+    return (tokens + config_.page_size - 1) / config_.page_size;
+  }
+
+  bool contains(std::uint64_t fact_id) const { return facts_.count(fact_id) != 0; }
+
+  /// @brief The record of a fact. @throw logic_error if the id is unknown.
+  fact_record const& at(std::uint64_t fact_id) const
+  {
+    auto const it = facts_.find(fact_id);
+    INFERSCALE_EXPECTS(it != facts_.end(),
+                       "kv_store: unknown fact id " + std::to_string(fact_id));
+    return it->second;
+  }
+
+  /// @brief Store token index (page * page_size + offset) of token `offset` of `fact`.
+  std::int64_t store_token(fact_record const& fact, std::int32_t offset) const noexcept
+  {
+    return fact.pages[static_cast<std::size_t>(offset / config_.page_size)] * config_.page_size +
+           offset % config_.page_size;
+  }
+
+  /// @brief Bytes of K and V a fact of `tokens` tokens holds in this shard: `2·L·c·h·d·b`.
+  std::int64_t fact_bytes(std::int64_t tokens) const
+  {
+    return geometry().bytes(tokens, config_.store_dtype);
+  }
+
+  /// @brief Facts held in namespace `ns`.
+  std::int64_t namespace_facts(std::uint64_t ns) const
+  {
+    auto const it = namespaces_.find(ns);
+    return it == namespaces_.end() ? 0 : static_cast<std::int64_t>(it->second.facts.size());
+  }
+
+  /// @brief Bytes of K and V held for namespace `ns`: the sum of `2·L·c·h·d·b` over its facts.
+  std::int64_t namespace_bytes(std::uint64_t ns) const
+  {
+    auto const it = namespaces_.find(ns);
+    return it == namespaces_.end() ? 0 : fact_bytes(it->second.tokens);
+  }
+
+  /// @brief Pages held by namespace `ns` (what erasing it would return to the pool).
+  std::int64_t namespace_pages(std::uint64_t ns) const
+  {
+    auto const it = namespaces_.find(ns);
+    return it == namespaces_.end() ? 0 : it->second.pages;
+  }
+
+  /**
+   * @brief Stores a fact's pre-RoPE keys and values.
+   *
+   * The views are `[layers, tokens, heads, head_dim]` of either the whole model (the shard is then
+   * taken from them) or exactly this store's shard.
+   *  - host views (`views_memory == host`): any strides, element type float, half_t or bfloat16_t
+   *    (converted to the store dtype);
+   *  - device views: element type equal to the store dtype and each token's `[heads, head_dim]`
+   *    contiguous (`strides[2] == head_dim`, `strides[3] == 1`); copied with cudaMemcpy2D.
+   *
+   * @throw logic_error if the id is already present, the views' shape matches neither the model nor
+   *        the shard, keys and values disagree, `token_ids.size()` differs from the views' tokens,
+   *        the fact is empty, the element type is not allowed, or too few pages are free; nothing is
+   *        changed then. cuda_error if a copy fails (the pages are then returned and nothing is
+   *        recorded).
+   * @note Waits for the copies to complete.
+   */
+  template <class T>
+  void insert(std::uint64_t fact_id,
+              std::uint64_t namespace_id,
+              std::vector<std::int32_t> token_ids,
+              fact_kv_view<T const> keys,
+              fact_kv_view<T const> values,
+              memory_kind views_memory = memory_kind::host)
+  {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, half_t> ||
+                    std::is_same_v<T, bfloat16_t>,
+                  "kv_store::insert: views hold float, half_t or bfloat16_t");
+    INFERSCALE_EXPECTS(!contains(fact_id),
+                       "kv_store::insert: fact id " + std::to_string(fact_id) + " already stored");
+    std::int64_t const tokens = keys.extent(1);
+    INFERSCALE_EXPECTS(tokens > 0, "kv_store::insert: fact " + std::to_string(fact_id) +
+                                     " has no tokens");
+    INFERSCALE_EXPECTS(static_cast<std::int64_t>(token_ids.size()) == tokens,
+                       "kv_store::insert: " + std::to_string(token_ids.size()) +
+                         " token ids for " + std::to_string(tokens) + " tokens of KV");
+    for (int r = 0; r < 4; ++r) {
+      INFERSCALE_EXPECTS(keys.extent(r) == values.extent(r),
+                         "kv_store::insert: keys and values have different shapes (dimension " +
+                           std::to_string(r) + ")");
+    }
+    std::int32_t const layer_offset = shard_offset(keys.extent(0), config_.model.num_layers,
+                                                   config_.first_layer, config_.num_layers,
+                                                   "layers");
+    std::int32_t const head_offset =
+      shard_offset(keys.extent(2), config_.model.num_kv_heads, config_.first_head,
+                   config_.num_heads, "heads");
+    INFERSCALE_EXPECTS(keys.extent(3) == config_.model.head_dim,
+                       "kv_store::insert: head_dim " + std::to_string(keys.extent(3)) +
+                         " does not match the model's " + std::to_string(config_.model.head_dim));
+    if (views_memory == memory_kind::device) {
+      INFERSCALE_EXPECTS(dtype_of_v<T> == config_.store_dtype,
+                         std::string{"kv_store::insert: device views must hold the store dtype "} +
+                           to_string(config_.store_dtype) + ", got " + to_string(dtype_of_v<T>));
+      INFERSCALE_EXPECTS(config_.memory == memory_kind::device,
+                         "kv_store::insert: device views need a device store");
+      for (auto const* v : {&keys, &values}) {
+        INFERSCALE_EXPECTS(v->stride(3) == 1 && v->stride(2) == config_.model.head_dim,
+                           "kv_store::insert: device views need each token's [heads, head_dim] "
+                           "contiguous");
+      }
+    }
+    std::int64_t const pages_needed = pages_for(tokens);
+    INFERSCALE_EXPECTS(pages_needed <= free_pages(),
+                       "kv_store::insert: fact " + std::to_string(fact_id) + " needs " +
+                         std::to_string(pages_needed) + " pages, " + std::to_string(free_pages()) +
+                         " free (capacity exhausted)");
+
+    // Everything checked: take pages, write, then record.
+    fact_record record{fact_id, namespace_id, std::move(token_ids), take_pages(pages_needed)};
+    try {
+      if (views_memory == memory_kind::device) {
+        copy_from_device(record, keys, values, layer_offset, head_offset);
+      } else {
+        copy_from_host(record, keys, values, layer_offset, head_offset);
+      }
+    } catch (...) {
+      return_pages(record.pages);
+      throw;
+    }
+    add_record(std::move(record));
+  }
+
+  /**
+   * @brief Reserves pages for a fact whose contents the caller writes next (extraction does).
+   * @throw logic_error on a duplicate id, an empty fact or exhausted capacity (nothing changed).
+   * @note The fact is visible at once; its KV is whatever the pages held until written.
+   */
+  fact_record const& reserve(std::uint64_t fact_id,
+                             std::uint64_t namespace_id,
+                             std::vector<std::int32_t> token_ids)
+  {
+    INFERSCALE_EXPECTS(!contains(fact_id),
+                       "kv_store::reserve: fact id " + std::to_string(fact_id) + " already stored");
+    std::int64_t const tokens = static_cast<std::int64_t>(token_ids.size());
+    INFERSCALE_EXPECTS(tokens > 0, "kv_store::reserve: fact " + std::to_string(fact_id) +
+                                     " has no tokens");
+    std::int64_t const pages_needed = pages_for(tokens);
+    INFERSCALE_EXPECTS(pages_needed <= free_pages(),
+                       "kv_store::reserve: fact " + std::to_string(fact_id) + " needs " +
+                         std::to_string(pages_needed) + " pages, " + std::to_string(free_pages()) +
+                         " free (capacity exhausted)");
+    fact_record record{fact_id, namespace_id, std::move(token_ids), take_pages(pages_needed)};
+    return add_record(std::move(record));
+  }
+
+  /// @brief Removes a fact; its pages return to the pool. @throw logic_error if unknown.
+  void erase(std::uint64_t fact_id)
+  {
+    auto const it = facts_.find(fact_id);
+    INFERSCALE_EXPECTS(it != facts_.end(),
+                       "kv_store::erase: unknown fact id " + std::to_string(fact_id));
+    remove(it);
+  }
+
+  /// @brief Removes every fact of namespace `ns`; returns how many were removed (0 if none).
+  std::int64_t erase_namespace(std::uint64_t ns)
+  {
+    auto const nit = namespaces_.find(ns);
+    if (nit == namespaces_.end()) { return 0; }
+    std::vector<std::uint64_t> const ids = nit->second.facts;
+    for (std::uint64_t id : ids) { remove(facts_.find(id)); }
+    return static_cast<std::int64_t>(ids.size());
+  }
+
+  /// @brief Ids of the facts of namespace `ns`, in insertion order.
+  std::vector<std::uint64_t> namespace_fact_ids(std::uint64_t ns) const
+  {
+    auto const it = namespaces_.find(ns);
+    return it == namespaces_.end() ? std::vector<std::uint64_t>{} : it->second.facts;
+  }
+
+  /**
+   * @brief Copies the whole pool to host memory (for checks and snapshots).
+   * @note Waits for the copy.
+   */
+  std::vector<unsigned char> pool_to_host() const
+  {
+    std::vector<unsigned char> out(pool_bytes());
+    if (config_.memory == memory_kind::device) {
+      INFERSCALE_CUDA_TRY(cudaMemcpy(out.data(), ref_.pool, out.size(), cudaMemcpyDeviceToHost));
+    } else if (!out.empty()) {
+      std::memcpy(out.data(), ref_.pool, out.size());
+    }
+    return out;
+  }
+
+ private:
+  struct namespace_state {
+    std::vector<std::uint64_t> facts;
+    std::int64_t tokens{};
+    std::int64_t pages{};
+  };
+
+  static kv_store_config resolve(kv_store_config c)
+  {
+    c.model.validate();
+    INFERSCALE_EXPECTS(c.first_layer >= 0 && c.first_layer < c.model.num_layers,
+                       "kv_store: first_layer " + std::to_string(c.first_layer) +
+                         " outside the model's " + std::to_string(c.model.num_layers) + " layers");
+    if (c.num_layers == 0) { c.num_layers = c.model.num_layers - c.first_layer; }
+    INFERSCALE_EXPECTS(c.num_layers > 0 && c.first_layer + c.num_layers <= c.model.num_layers,
+                       "kv_store: layer range [" + std::to_string(c.first_layer) + ", " +
+                         std::to_string(c.first_layer + c.num_layers) +
+                         ") outside the model's " + std::to_string(c.model.num_layers) + " layers");
+    INFERSCALE_EXPECTS(c.first_head >= 0 && c.first_head < c.model.num_kv_heads,
+                       "kv_store: first_head " + std::to_string(c.first_head) +
+                         " outside the model's " + std::to_string(c.model.num_kv_heads) +
+                         " KV heads");
+    if (c.num_heads == 0) { c.num_heads = c.model.num_kv_heads - c.first_head; }
+    INFERSCALE_EXPECTS(c.num_heads > 0 && c.first_head + c.num_heads <= c.model.num_kv_heads,
+                       "kv_store: head range [" + std::to_string(c.first_head) + ", " +
+                         std::to_string(c.first_head + c.num_heads) + ") outside the model's " +
+                         std::to_string(c.model.num_kv_heads) + " KV heads");
+    INFERSCALE_EXPECTS(c.store_dtype == dtype::float32 || c.store_dtype == dtype::float16 ||
+                         c.store_dtype == dtype::bfloat16,
+                       std::string{"kv_store: store dtype must be float32, float16 or bfloat16, "
+                                   "got "} +
+                         to_string(c.store_dtype));
+    INFERSCALE_EXPECTS(c.page_size > 0,
+                       "kv_store: page_size must be positive, got " + std::to_string(c.page_size));
+    INFERSCALE_EXPECTS(c.num_pages >= 0,
+                       "kv_store: num_pages must be non-negative, got " +
+                         std::to_string(c.num_pages));
+    kv_geometry const shard{c.num_layers, c.num_heads, c.model.head_dim};
+    // The pool's byte count must fit: bytes(num_pages * page_size tokens).
+    INFERSCALE_EXPECTS(c.num_pages == 0 ||
+                         c.page_size <= std::numeric_limits<std::int64_t>::max() / c.num_pages,
+                       "kv_store: num_pages * page_size overflows");
+    (void)shard.bytes(c.num_pages * c.page_size, c.store_dtype);
+    return c;
+  }
+
+  static std::int32_t shard_offset(std::int64_t extent,
+                                   std::int32_t model_count,
+                                   std::int32_t first,
+                                   std::int32_t count,
+                                   char const* what)
+  {
+    if (extent == count) { return 0; }
+    INFERSCALE_EXPECTS(extent == model_count,
+                       std::string{"kv_store::insert: views have "} + std::to_string(extent) + " " +
+                         what + ", expected the model's " + std::to_string(model_count) +
+                         " or this shard's " + std::to_string(count));
+    return first;
+  }
+
+  std::int64_t page_elements() const noexcept
+  {
+    return 2 * static_cast<std::int64_t>(config_.num_layers) * config_.page_size *
+           config_.num_heads * config_.model.head_dim;
+  }
+
+  std::vector<std::int64_t> take_pages(std::int64_t n)
+  {
+    std::vector<std::int64_t> pages;
+    pages.reserve(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) {
+      pages.push_back(free_pages_.back());
+      free_pages_.pop_back();
+    }
+    return pages;
+  }
+
+  void return_pages(std::vector<std::int64_t> const& pages)
+  {
+    for (auto it = pages.rbegin(); it != pages.rend(); ++it) { free_pages_.push_back(*it); }
+  }
+
+  fact_record const& add_record(fact_record record)
+  {
+    auto& ns = namespaces_[record.namespace_id];
+    ns.facts.push_back(record.fact_id);
+    ns.tokens += record.length();
+    ns.pages += static_cast<std::int64_t>(record.pages.size());
+    ++version_;
+    return facts_.emplace(record.fact_id, std::move(record)).first->second;
+  }
+
+  void remove(std::unordered_map<std::uint64_t, fact_record>::iterator it)
+  {
+    fact_record& record = it->second;
+    auto nit            = namespaces_.find(record.namespace_id);
+    auto& ids           = nit->second.facts;
+    ids.erase(std::find(ids.begin(), ids.end(), record.fact_id));
+    nit->second.tokens -= record.length();
+    nit->second.pages -= static_cast<std::int64_t>(record.pages.size());
+    if (ids.empty()) { namespaces_.erase(nit); }
+    return_pages(record.pages);
+    facts_.erase(it);
+    ++version_;
+  }
+
+  template <class T>
+  void copy_from_host(fact_record const& record,
+                      fact_kv_view<T const> keys,
+                      fact_kv_view<T const> values,
+                      std::int32_t layer_offset,
+                      std::int32_t head_offset)
+  {
+    dispatch_dtype(config_.store_dtype, [&](auto tag) {
+      using S = typename decltype(tag)::type;
+      if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
+                    std::is_same_v<S, bfloat16_t>) {
+        std::int64_t const row = ref_.row_elements();
+        std::int32_t const ps  = config_.page_size;
+        std::int32_t const d   = config_.model.head_dim;
+        // Host store: write pages in place. Device store: pack one page at a time, then copy.
+        std::vector<S> staging(config_.memory == memory_kind::device
+                                 ? static_cast<std::size_t>(page_elements())
+                                 : 0);
+        for (std::size_t p = 0; p < record.pages.size(); ++p) {
+          S* const page = config_.memory == memory_kind::device
+                            ? staging.data()
+                            : static_cast<S*>(ref_.pool) + record.pages[p] * page_elements();
+          for (std::int32_t l = 0; l < config_.num_layers; ++l) {
+            for (std::int32_t kv = 0; kv < 2; ++kv) {
+              auto const& src = kv == 0 ? keys : values;
+              for (std::int32_t t = 0; t < ps; ++t) {
+                std::int64_t const token = static_cast<std::int64_t>(p) * ps + t;
+                S* const dst             = page + ((static_cast<std::int64_t>(l) * 2 + kv) * ps + t) * row;
+                if (token >= record.length()) {
+                  std::fill(dst, dst + row, S{});
+                  continue;
+                }
+                for (std::int32_t h = 0; h < config_.num_heads; ++h) {
+                  for (std::int32_t e = 0; e < d; ++e) {
+                    dst[static_cast<std::int64_t>(h) * d + e] =
+                      from_float<S>(to_float(src(l + layer_offset, token, h + head_offset, e)));
+                  }
+                }
+              }
+            }
+          }
+          if (config_.memory == memory_kind::device) {
+            INFERSCALE_CUDA_TRY(cudaMemcpy(static_cast<S*>(ref_.pool) + record.pages[p] * page_elements(),
+                                           staging.data(),
+                                           staging.size() * sizeof(S),
+                                           cudaMemcpyHostToDevice));
+          }
+        }
+      }
+    });
+  }
+
+  template <class T>
+  void copy_from_device(fact_record const& record,
+                        fact_kv_view<T const> keys,
+                        fact_kv_view<T const> values,
+                        std::int32_t layer_offset,
+                        std::int32_t head_offset)
+  {
+    std::int64_t const row = ref_.row_elements();
+    std::int32_t const ps  = config_.page_size;
+    for (std::size_t p = 0; p < record.pages.size(); ++p) {
+      std::int64_t const first = static_cast<std::int64_t>(p) * ps;
+      std::int64_t const n     = std::min<std::int64_t>(ps, record.length() - first);
+      for (std::int32_t l = 0; l < config_.num_layers; ++l) {
+        for (std::int32_t kv = 0; kv < 2; ++kv) {
+          auto const& src = kv == 0 ? keys : values;
+          T* const dst    = static_cast<T*>(ref_.pool) +
+                         ref_.row_offset(record.pages[p] * ps, l, kv);
+          T const* const from = &src(l + layer_offset, first, head_offset, 0);
+          INFERSCALE_CUDA_TRY(cudaMemcpy2D(dst,
+                                           static_cast<std::size_t>(row) * sizeof(T),
+                                           from,
+                                           static_cast<std::size_t>(src.stride(1)) * sizeof(T),
+                                           static_cast<std::size_t>(row) * sizeof(T),
+                                           static_cast<std::size_t>(n),
+                                           cudaMemcpyDeviceToDevice));
+        }
+      }
+    }
+    INFERSCALE_CUDA_TRY(cudaDeviceSynchronize());
+  }
+
+  void swap(kv_store& other) noexcept
+  {
+    std::swap(config_, other.config_);
+    std::swap(ref_, other.ref_);
+    std::swap(host_pool_, other.host_pool_);
+    std::swap(free_pages_, other.free_pages_);
+    std::swap(facts_, other.facts_);
+    std::swap(namespaces_, other.namespaces_);
+    std::swap(version_, other.version_);
+    std::swap(identity_, other.identity_);
+  }
+
+  static std::uint64_t next_identity() noexcept
+  {
+    static std::atomic<std::uint64_t> counter{0};  // distinguishes stores in one process
+    return ++counter;
+  }
+
+  kv_store_config config_{};
+  kv_store_ref ref_{};
+  std::unique_ptr<unsigned char[]> host_pool_;
+  std::vector<std::int64_t> free_pages_;
+  std::unordered_map<std::uint64_t, fact_record> facts_;
+  std::unordered_map<std::uint64_t, namespace_state> namespaces_;
+  std::uint64_t version_{0};
+  std::uint64_t identity_{next_identity()};
+};
+
+}  // namespace inferscale

@@ -1,0 +1,274 @@
+/**
+ * @file detail/inject/kernels.cuh
+ * @brief The fused injection kernel (store pages -> rotate K -> scale/convert -> engine slots, all
+ * layers of the shard in one launch) and the extraction kernel, thin shells around the per-element
+ * math of detail/inject/element.hpp that the host backend shares.
+ *
+ * inject_kernel: block (x, y) takes `tile_tokens` tokens and `tile_layers` layers. Its threads
+ * first compute the tile's cos/sin (one per token and pair) into shared memory, shared by every
+ * layer and head of the tile, then walk the tile's work units: a unit is `pairs_per_unit` rotary
+ * pairs of one head's key, or a run of elements of its pass-through dims or of its value. On the
+ * vectorized path a unit reads 16 bytes of the store per run (for halves pairing, 16 bytes of the
+ * first half and the matching 16 bytes of the second) and writes the same elements to the cache
+ * as one aligned vector per run.
+ */
+#pragma once
+
+#include <inferscale/cache.hpp>
+#include <inferscale/config.hpp>
+#include <inferscale/detail/inject/element.hpp>
+#include <inferscale/inject.hpp>
+#include <inferscale/rope.hpp>
+#include <inferscale/store.hpp>
+
+#include <cstdint>
+
+namespace inferscale::detail {
+
+/// @brief Everything inject_kernel reads; trivially copyable, passed as __grid_constant__.
+template <class Rotation>
+struct inject_kernel_args {
+  kv_store_ref store;
+  paged_kv_cache cache;
+  Rotation rotation;
+  injection_batch_view batch;  ///< device arrays
+  std::int64_t table_rows;     ///< positions must be below it (tables), else INT64_MAX
+  std::int32_t tile_tokens;
+  std::int32_t tile_layers;
+  std::int32_t rotary_units;    ///< key units that rotate, per head
+  std::int32_t key_units;       ///< rotary + pass-through units, per head
+  std::int32_t units_per_head;  ///< key_units + value units
+  bool round_each;              ///< vLLM-table per-operation rounding (16-bit store)
+};
+
+/// @brief N elements of T moved as one aligned access.
+template <class T, int N>
+struct alignas(sizeof(T) * N) inject_vector {
+  T values[N];
+};
+
+template <int N, bool Vectorized, class T>
+INFERSCALE_DEVICE INFERSCALE_FORCEINLINE void load_run(T const* src, T (&out)[N])
+{
+  if constexpr (Vectorized) {
+    auto const v = *reinterpret_cast<inject_vector<T, N> const*>(src);
+#pragma unroll
+    for (int e = 0; e < N; ++e) { out[e] = v.values[e]; }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) { out[e] = src[e]; }
+  }
+}
+
+/// @brief Writes N converted elements to dims `dim .. dim+N-1` of (slot, head) of one layer.
+template <int N, bool Vectorized, class CacheT>
+INFERSCALE_DEVICE INFERSCALE_FORCEINLINE void store_run(CacheT* base,
+                                                        paged_kv_layout const& layout,
+                                                        std::int64_t slot,
+                                                        std::int32_t head,
+                                                        std::int32_t dim,
+                                                        CacheT const (&values)[N])
+{
+  if constexpr (Vectorized) {
+    inject_vector<CacheT, N> v;
+#pragma unroll
+    for (int e = 0; e < N; ++e) { v.values[e] = values[e]; }
+    *reinterpret_cast<inject_vector<CacheT, N>*>(base + layout.slot_offset(slot, head, dim)) = v;
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) { base[layout.slot_offset(slot, head, dim + e)] = values[e]; }
+  }
+}
+
+/**
+ * @tparam Vectorized true: every run is whole 16-byte store vectors and aligned cache vectors
+ *         (checked by the dispatcher); false: runs of one element / one pair.
+ */
+template <class Policy, class StoreT, class CacheT, class Rotation, bool Vectorized>
+INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
+  inject_kernel(__grid_constant__ inject_kernel_args<Rotation> const args)
+{
+  // Elements per run: 16 bytes of the store dtype, or one element.
+  constexpr int run = Vectorized ? Policy::vector_bytes / static_cast<int>(sizeof(StoreT)) : 1;
+  extern __shared__ rope_cos_sin shared_cos_sin[];
+  __shared__ std::int64_t tile_slot[Policy::tile_tokens];
+  __shared__ std::int64_t tile_source[Policy::tile_tokens];
+
+  std::int32_t const pairs      = args.rotation.num_pairs();
+  std::int32_t const rotary_dim = args.rotation.rotary_dim;
+  std::int32_t const head_dim   = args.store.head_dim;
+  std::int32_t const heads      = args.store.num_heads;
+  std::int64_t const num_slots  = args.cache.num_slots();
+  bool const halves             = args.rotation.pairing == rope_pairing::halves;
+
+  std::int64_t const first_token = static_cast<std::int64_t>(blockIdx.x) * args.tile_tokens;
+  std::int32_t const tokens      = static_cast<std::int32_t>(
+    args.batch.num_tokens - first_token < args.tile_tokens ? args.batch.num_tokens - first_token
+                                                                : args.tile_tokens);
+  std::int32_t const first_layer = static_cast<std::int32_t>(blockIdx.y) * args.tile_layers;
+  std::int32_t const layers      = args.cache.num_layers - first_layer < args.tile_layers
+                                     ? args.cache.num_layers - first_layer
+                                     : args.tile_layers;
+
+  for (std::int32_t t = threadIdx.x; t < tokens; t += blockDim.x) {
+    std::int64_t const slot     = args.batch.slot[first_token + t];
+    std::int64_t const position = args.batch.position[first_token + t];
+    // The host cannot see device arrays: a slot outside the cache, or a position outside the
+    // table, skips the token rather than writing out of bounds.
+    bool const ok    = slot_in_cache(slot, num_slots) && position >= 0 && position < args.table_rows;
+    tile_slot[t]     = ok ? slot : -1;
+    tile_source[t]   = args.batch.store_token[first_token + t];
+  }
+  for (std::int32_t i = threadIdx.x; i < tokens * pairs; i += blockDim.x) {
+    std::int32_t const t        = i / pairs;
+    std::int64_t const position = args.batch.position[first_token + t];
+    shared_cos_sin[i]           = (position >= 0 && position < args.table_rows)
+                                    ? rope_angle_cos_sin(args.rotation, position, i - t * pairs,
+                                                         rope_op::forward)
+                                    : rope_cos_sin{1.0f, 0.0f};
+  }
+  __syncthreads();
+
+  // Work: (layer, token) rows, tokens fastest (adjacent store rows and, usually, adjacent slots).
+  std::int32_t const units_per_row = heads * args.units_per_head;
+  std::int32_t const total         = tokens * layers * units_per_row;
+  auto const* const pool           = static_cast<StoreT const*>(args.store.pool);
+  constexpr int pairs_per_run      = run;  // halves: a run of pairs; interleaved: see below
+
+  for (std::int32_t w = threadIdx.x; w < total; w += blockDim.x) {
+    std::int32_t const row  = w / units_per_row;
+    std::int32_t const unit = w - row * units_per_row;
+    std::int32_t const t    = row % tokens;
+    std::int32_t const l    = first_layer + row / tokens;
+    std::int64_t const slot = tile_slot[t];
+    if (slot < 0) { continue; }
+    std::int32_t const h = unit / args.units_per_head;
+    std::int32_t const u = unit - h * args.units_per_head;
+    std::int64_t const source = tile_source[t];
+    float const scale         = args.cache.scale(l, h, u >= args.key_units);
+
+    if (u < args.rotary_units) {
+      // Key: rotate. Halves: a run of `run` pairs (elements p.. and p+R/2..). Interleaved: a run of
+      // `run` elements, i.e. run/2 adjacent pairs (a single pair on the scalar path).
+      StoreT const* const src = pool + args.store.row_offset(source, l, 0) +
+                                static_cast<std::int64_t>(h) * head_dim;
+      auto* const dst             = static_cast<CacheT*>(args.cache.key_base[l]);
+      rope_cos_sin const* cos_sin = shared_cos_sin + t * pairs;
+      if (halves) {
+        std::int32_t const p0 = u * pairs_per_run;
+        StoreT x[run], y[run];
+        load_run<run, Vectorized>(src + p0, x);
+        load_run<run, Vectorized>(src + p0 + rotary_dim / 2, y);
+        CacheT qx[run], qy[run];
+#pragma unroll
+        for (int e = 0; e < run; ++e) {
+          float rx, ry;
+          rotate_stored_pair(x[e], y[e], cos_sin[p0 + e], args.round_each, &rx, &ry);
+          qx[e] = quantize<CacheT>(rx, scale, args.cache.scale_convention);
+          qy[e] = quantize<CacheT>(ry, scale, args.cache.scale_convention);
+        }
+        store_run<run, Vectorized>(dst, args.cache.key_layout, slot, h, p0, qx);
+        store_run<run, Vectorized>(dst, args.cache.key_layout, slot, h, p0 + rotary_dim / 2, qy);
+      } else {
+        constexpr int elements = Vectorized ? run : 2;
+        std::int32_t const d0  = u * elements;
+        StoreT v[elements];
+        load_run<elements, Vectorized>(src + d0, v);
+        CacheT q[elements];
+#pragma unroll
+        for (int e = 0; e < elements; e += 2) {
+          float rx, ry;
+          rotate_stored_pair(v[e], v[e + 1], cos_sin[(d0 + e) / 2], args.round_each, &rx, &ry);
+          q[e]     = quantize<CacheT>(rx, scale, args.cache.scale_convention);
+          q[e + 1] = quantize<CacheT>(ry, scale, args.cache.scale_convention);
+        }
+        store_run<elements, Vectorized>(dst, args.cache.key_layout, slot, h, d0, q);
+      }
+    } else {
+      // Key pass-through dims (rotary_dim .. head_dim) or value: convert a run.
+      bool const value       = u >= args.key_units;
+      std::int32_t const d0  = value ? (u - args.key_units) * run
+                                     : rotary_dim + (u - args.rotary_units) * run;
+      StoreT const* const src = pool + args.store.row_offset(source, l, value ? 1 : 0) +
+                                static_cast<std::int64_t>(h) * head_dim + d0;
+      auto* const dst =
+        static_cast<CacheT*>(value ? args.cache.value_base[l] : args.cache.key_base[l]);
+      StoreT v[run];
+      load_run<run, Vectorized>(src, v);
+      CacheT q[run];
+#pragma unroll
+      for (int e = 0; e < run; ++e) {
+        q[e] = quantize<CacheT>(to_float(v[e]), scale, args.cache.scale_convention);
+      }
+      store_run<run, Vectorized>(
+        dst, value ? args.cache.value_layout : args.cache.key_layout, slot, h, d0, q);
+    }
+  }
+}
+
+/// @brief Everything extract_kernel reads.
+template <class Rotation>
+struct extract_kernel_args {
+  kv_store_ref store;
+  paged_kv_cache cache;
+  Rotation rotation;
+  injection_batch_view tokens;  ///< store_token = destination, position = absolute, slot = source
+  std::int32_t units_per_head;  ///< pairs + pass-through dims + value dims
+};
+
+/// @brief Extraction: one thread per (token, layer, head, unit); unit = a key pair, a key
+/// pass-through dim or a value dim. Not on a latency path, so kept simple (scalar).
+template <class Policy, class StoreT, class CacheT, class Rotation>
+INFERSCALE_KERNEL void __launch_bounds__(Policy::extract_threads)
+  extract_kernel(__grid_constant__ extract_kernel_args<Rotation> const args)
+{
+  std::int32_t const pairs    = args.rotation.num_pairs();
+  std::int32_t const rotary   = args.rotation.rotary_dim;
+  std::int32_t const head_dim = args.store.head_dim;
+  std::int32_t const heads    = args.store.num_heads;
+  std::int64_t const per_token =
+    static_cast<std::int64_t>(args.cache.num_layers) * heads * args.units_per_head;
+  std::int64_t const total = args.tokens.num_tokens * per_token;
+  auto* const pool         = static_cast<StoreT*>(args.store.pool);
+  for (std::int64_t w = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       w < total;
+       w += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    std::int64_t const i    = w / per_token;
+    std::int64_t rest       = w - i * per_token;
+    std::int32_t const l    = static_cast<std::int32_t>(rest / (heads * args.units_per_head));
+    rest -= static_cast<std::int64_t>(l) * heads * args.units_per_head;
+    std::int32_t const h    = static_cast<std::int32_t>(rest / args.units_per_head);
+    std::int32_t const u    = static_cast<std::int32_t>(rest - h * args.units_per_head);
+    std::int64_t const slot = args.tokens.slot[i];
+    std::int32_t const key_units = pairs + (head_dim - rotary);
+    bool const value             = u >= key_units;
+    float const scale            = args.cache.scale(l, h, value);
+    StoreT* const dst = pool + args.store.row_offset(args.tokens.store_token[i], l, value ? 1 : 0) +
+                        static_cast<std::int64_t>(h) * head_dim;
+    if (u < pairs) {
+      auto const* const src = static_cast<CacheT const*>(args.cache.key_base[l]);
+      std::int32_t first, second;
+      pair_elements(args.rotation.pairing, rotary, u, &first, &second);
+      rope_cos_sin const cs =
+        rope_angle_cos_sin(args.rotation, args.tokens.position[i], u, rope_op::inverse);
+      float x, y;
+      unrotate_pair(
+        dequantize(src[args.cache.key_layout.slot_offset(slot, h, first)], scale,
+                   args.cache.scale_convention),
+        dequantize(src[args.cache.key_layout.slot_offset(slot, h, second)], scale,
+                   args.cache.scale_convention),
+        cs, &x, &y);
+      dst[first]  = from_float<StoreT>(x);
+      dst[second] = from_float<StoreT>(y);
+    } else {
+      std::int32_t const d = value ? u - key_units : rotary + (u - pairs);
+      auto const* const src =
+        static_cast<CacheT const*>(value ? args.cache.value_base[l] : args.cache.key_base[l]);
+      auto const& layout = value ? args.cache.value_layout : args.cache.key_layout;
+      dst[d]             = from_float<StoreT>(
+        dequantize(src[layout.slot_offset(slot, h, d)], scale, args.cache.scale_convention));
+    }
+  }
+}
+
+}  // namespace inferscale::detail

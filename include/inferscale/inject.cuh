@@ -1,0 +1,350 @@
+/**
+ * @file inject.cuh
+ * @brief Device backend of injection and extraction: one fused launch per scheduler step writes
+ * every admitted request's memory tokens, all layers of the shard, into the engine's paged cache.
+ *
+ * Two levels:
+ *  - inject_async(store_ref, device batch view, cache, rotation, stream): the raw launch. No
+ *    allocation, no host synchronisation, nothing read on the host: capturable in a CUDA graph
+ *    (update the workspace's arrays, replay). Tokens whose device slot lies outside the cache or
+ *    whose position lies outside the table are skipped.
+ *  - inject_async(store, batch, cache, rotation, workspace, stream): validates the host batch
+ *    completely (as inject_host does), stages its arrays into the workspace, then launches.
+ */
+#pragma once
+
+#include <inferscale/cache.hpp>
+#include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/inject/kernels.cuh>
+#include <inferscale/detail/inject/tuning.hpp>
+#include <inferscale/inject.hpp>
+#include <inferscale/rope.hpp>
+#include <inferscale/store.hpp>
+
+#include <cuda/stream_ref>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+
+namespace inferscale {
+
+/**
+ * @brief Device arrays (and pinned host staging) for the flattened work of injection batches of up
+ * to `capacity` tokens. Allocated once; move-only.
+ */
+class injection_workspace {
+ public:
+  /// @brief Allocates room for `capacity` tokens. @throw cuda_error if allocation fails.
+  explicit injection_workspace(std::int64_t capacity) : capacity_{capacity}
+  {
+    INFERSCALE_EXPECTS(capacity >= 0, "injection_workspace: capacity must be non-negative, got " +
+                                        std::to_string(capacity));
+    std::size_t const bytes = 3 * static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)) *
+                              sizeof(std::int64_t);
+    INFERSCALE_CUDA_TRY(cudaMalloc(&device_, bytes));
+    cudaError_t const s = cudaMallocHost(&host_, bytes);
+    if (s != cudaSuccess) {
+      (void)cudaFree(device_);
+      INFERSCALE_CUDA_TRY(s);
+    }
+    cudaError_t const e = cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      (void)cudaFree(device_);
+      (void)cudaFreeHost(host_);
+      INFERSCALE_CUDA_TRY(e);
+    }
+  }
+  ~injection_workspace()
+  {
+    if (staged_) { (void)cudaEventDestroy(staged_); }
+    if (device_) { (void)cudaFree(device_); }
+    if (host_) { (void)cudaFreeHost(host_); }
+  }
+  injection_workspace(injection_workspace&& o) noexcept
+    : capacity_{std::exchange(o.capacity_, 0)},
+      count_{std::exchange(o.count_, 0)},
+      device_{std::exchange(o.device_, nullptr)},
+      host_{std::exchange(o.host_, nullptr)},
+      staged_{std::exchange(o.staged_, nullptr)}
+  {
+  }
+  injection_workspace& operator=(injection_workspace&& o) noexcept
+  {
+    if (this != &o) {
+      injection_workspace tmp{std::move(o)};
+      std::swap(capacity_, tmp.capacity_);
+      std::swap(count_, tmp.count_);
+      std::swap(device_, tmp.device_);
+      std::swap(host_, tmp.host_);
+      std::swap(staged_, tmp.staged_);
+    }
+    return *this;
+  }
+  injection_workspace(injection_workspace const&)            = delete;
+  injection_workspace& operator=(injection_workspace const&) = delete;
+
+  std::int64_t capacity() const noexcept { return capacity_; }
+
+  /**
+   * @brief Copies a batch's arrays to the device on `stream` (through pinned memory).
+   * @throw logic_error if the batch exceeds the capacity (nothing is copied).
+   * @note Waits only if the previous staging's copy has not finished yet (the pinned buffer is
+   *       reused).
+   */
+  void stage(injection_batch const& batch, cuda::stream_ref stream)
+  {
+    std::int64_t const n = batch.num_tokens();
+    INFERSCALE_EXPECTS(n <= capacity_, "injection_workspace: the batch has " + std::to_string(n) +
+                                         " tokens, the workspace holds " +
+                                         std::to_string(capacity_));
+    INFERSCALE_CUDA_TRY(cudaEventSynchronize(staged_));
+    std::size_t const bytes = static_cast<std::size_t>(n) * sizeof(std::int64_t);
+    if (n > 0) {
+      std::memcpy(host_, batch.store_tokens().data(), bytes);
+      std::memcpy(host_ + capacity_, batch.positions().data(), bytes);
+      std::memcpy(host_ + 2 * capacity_, batch.slots().data(), bytes);
+      for (int a = 0; a < 3; ++a) {
+        INFERSCALE_CUDA_TRY(cudaMemcpyAsync(device_ + a * capacity_, host_ + a * capacity_, bytes,
+                                            cudaMemcpyHostToDevice, stream.get()));
+      }
+    }
+    INFERSCALE_CUDA_TRY(cudaEventRecord(staged_, stream.get()));
+    count_ = n;
+  }
+
+  /// @brief The staged arrays (device memory), valid for kernels enqueued after stage().
+  injection_batch_view view() const noexcept
+  {
+    return {device_, device_ + capacity_, device_ + 2 * capacity_, count_};
+  }
+
+  /// @brief The same arrays with an explicit token count (e.g. for a captured graph).
+  injection_batch_view view(std::int64_t num_tokens) const noexcept
+  {
+    return {device_, device_ + capacity_, device_ + 2 * capacity_, num_tokens};
+  }
+
+ private:
+  std::int64_t capacity_{};
+  std::int64_t count_{};
+  std::int64_t* device_{};
+  std::int64_t* host_{};
+  cudaEvent_t staged_{};
+};
+
+namespace detail {
+
+/// @brief Whether the vectorized path applies: whole 16-byte store runs, aligned cache runs.
+template <class StoreT, class CacheT, class Rotation>
+bool inject_vectorizable(kv_store_ref const& store,
+                         paged_kv_cache const& cache,
+                         Rotation const& rotation)
+{
+  constexpr std::int64_t run = 16 / static_cast<std::int64_t>(sizeof(StoreT));
+  std::int64_t const rotary  = rotation.rotary_dim;
+  std::int64_t const dim     = store.head_dim;
+  bool const pairs_fit       = rotation.pairing == rope_pairing::halves ? (rotary / 2) % run == 0
+                                                                        : rotary % run == 0;
+  if (!pairs_fit || rotary % run != 0 || dim % run != 0) { return false; }
+  if (reinterpret_cast<std::uintptr_t>(store.pool) % 16 != 0) { return false; }
+  std::uintptr_t const align = static_cast<std::uintptr_t>(run) * sizeof(CacheT);
+  auto const layout_ok       = [&](paged_kv_layout const& l) {
+    return l.dim_stride == 1 && l.dim_chunk % run == 0 && l.block_stride % run == 0 &&
+           l.token_stride % run == 0 && l.head_stride % run == 0 && l.chunk_stride % run == 0;
+  };
+  if (!layout_ok(cache.key_layout) || !layout_ok(cache.value_layout)) { return false; }
+  for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+    if (reinterpret_cast<std::uintptr_t>(cache.key_base[l]) % align != 0 ||
+        reinterpret_cast<std::uintptr_t>(cache.value_base[l]) % align != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+template <class StoreT, class CacheT, class Rotation>
+void inject_launch(kv_store_ref const& store,
+                   injection_batch_view const& batch,
+                   paged_kv_cache const& cache,
+                   Rotation const& rotation,
+                   cuda::stream_ref stream)
+{
+  using policy = inject_policy_sm90;
+  if (batch.num_tokens == 0) { return; }
+  bool const vectorized = inject_vectorizable<StoreT, CacheT>(store, cache, rotation);
+  std::int32_t const run =
+    vectorized ? policy::vector_bytes / static_cast<std::int32_t>(sizeof(StoreT)) : 1;
+  std::int32_t const rotary = rotation.rotary_dim;
+  std::int32_t const dim    = store.head_dim;
+
+  inject_kernel_args<Rotation> args{};
+  args.store        = store;
+  args.cache        = cache;
+  args.rotation     = rotation;
+  args.batch        = batch;
+  args.table_rows   = rope_table_rows(rotation);
+  args.round_each   = rope_rounds_each_operation<StoreT>(rotation, rope_op::forward);
+  args.rotary_units = vectorized ? (rotation.pairing == rope_pairing::halves ? rotary / 2 / run
+                                                                             : rotary / run)
+                                 : rotary / 2;
+  args.key_units      = args.rotary_units + (dim - rotary) / run;
+  args.units_per_head = args.key_units + dim / run;
+  args.tile_tokens    = policy::tile_tokens;
+
+  int device = 0, sm_count = 0;
+  INFERSCALE_CUDA_TRY(cudaGetDevice(&device));
+  INFERSCALE_CUDA_TRY(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  std::int64_t const token_tiles = (batch.num_tokens + policy::tile_tokens - 1) / policy::tile_tokens;
+  INFERSCALE_EXPECTS(token_tiles <= std::int64_t{0x7fffffff},
+                     "inject_async: " + std::to_string(batch.num_tokens) + " tokens exceed a grid");
+  // Share each tile's cos/sin over as many layers as keep the grid at min_blocks_per_sm.
+  std::int32_t tile_layers = std::min(policy::max_tile_layers, cache.num_layers);
+  while (tile_layers > 1 &&
+         token_tiles * ((cache.num_layers + tile_layers - 1) / tile_layers) <
+           static_cast<std::int64_t>(sm_count) * policy::min_blocks_per_sm) {
+    tile_layers /= 2;
+  }
+  args.tile_layers = tile_layers;
+  dim3 const grid{static_cast<unsigned>(token_tiles),
+                  static_cast<unsigned>((cache.num_layers + tile_layers - 1) / tile_layers)};
+  auto const shared_bytes = static_cast<std::size_t>(policy::tile_tokens) *
+                            static_cast<std::size_t>(rotation.num_pairs()) * sizeof(rope_cos_sin);
+  if (vectorized) {
+    inject_kernel<policy, StoreT, CacheT, Rotation, true>
+      <<<grid, policy::block_threads, shared_bytes, stream.get()>>>(args);
+  } else {
+    inject_kernel<policy, StoreT, CacheT, Rotation, false>
+      <<<grid, policy::block_threads, shared_bytes, stream.get()>>>(args);
+  }
+  INFERSCALE_CHECK_LAUNCH();
+}
+
+}  // namespace detail
+
+/**
+ * @brief Device backend, raw launch: writes every token of `batch` (device arrays) into `cache`
+ * (device memory), keys rotated to their positions, in one launch for all layers of the shard.
+ *
+ * @param store    the store's ref (device pool)
+ * @param batch    device arrays of store tokens, positions and slots (e.g. injection_workspace)
+ * @param cache    the engine's cache for the store's shard
+ * @param rotation rope_params (by value) or a rope_cos_sin_table with device data
+ * @param stream   the stream the kernel is enqueued on
+ * @throw logic_error if the store and cache disagree on geometry or the rotation on head_dim
+ *        (nothing is launched); cuda_error if the launch fails.
+ * @note Never waits, allocates nothing and reads nothing on the host beyond its arguments:
+ *       CUDA-graph capturable. Tokens whose slot is negative or beyond the cache, or whose position
+ *       is beyond the table, are skipped (the host cannot check device arrays; use the checked
+ *       overload to have them refused).
+ */
+template <class Rotation>
+void inject_async(kv_store_ref const& store,
+                  injection_batch_view const& batch,
+                  paged_kv_cache const& cache,
+                  Rotation const& rotation,
+                  cuda::stream_ref stream)
+{
+  cache.validate();
+  INFERSCALE_EXPECTS(cache.num_layers == store.num_layers && cache.num_heads() == store.num_heads &&
+                       cache.head_dim() == store.head_dim,
+                     "inject_async: geometry mismatch between the store and the cache");
+  detail::check_rotation(rotation, store.head_dim, -1, "inject_async");
+  INFERSCALE_EXPECTS(batch.num_tokens >= 0, std::string{"inject_async: negative token count"});
+  detail::dispatch_store_cache(store.store_dtype, cache.cache_dtype, [&](auto s, auto c) {
+    using S = typename decltype(s)::type;
+    using C = typename decltype(c)::type;
+    detail::inject_launch<S, C>(store, batch, cache, rotation, stream);
+  });
+}
+
+/**
+ * @brief Device backend, checked: validates the host batch as inject_host does (stale batch,
+ * memory kind, geometry, slots within the cache, positions within the table), stages its arrays
+ * into `workspace` and launches.
+ * @throw logic_error on any mismatch (nothing is staged or launched); cuda_error on a CUDA failure.
+ * @note Does not wait for the kernel (staging may wait for the previous staging's copy).
+ */
+template <class Rotation>
+void inject_async(kv_store const& store,
+                  injection_batch const& batch,
+                  paged_kv_cache const& cache,
+                  Rotation const& rotation,
+                  injection_workspace& workspace,
+                  cuda::stream_ref stream)
+{
+  detail::check_injection(store, batch, cache, rotation, memory_kind::device, "inject_async");
+  INFERSCALE_EXPECTS(batch.num_tokens() <= workspace.capacity(),
+                     "inject_async: the batch has " + std::to_string(batch.num_tokens()) +
+                       " tokens, the workspace holds " + std::to_string(workspace.capacity()));
+  workspace.stage(batch, stream);
+  inject_async(store.ref(), workspace.view(), cache, rotation, stream);
+}
+
+/**
+ * @brief Device backend of extraction: reads the tokens in `slots` (absolute positions
+ * `first_position ..`) from the engine's cache (device memory), dequantizes, de-rotates the keys
+ * and stores them as a new fact of the device store.
+ * @throw logic_error as extract_host (nothing is changed); cuda_error on a CUDA failure (the fact
+ *        is then removed again).
+ * @note Waits for completion; allocates a small temporary device buffer (not a hot path).
+ */
+template <class Rotation>
+void extract(paged_kv_cache const& cache,
+             std::vector<std::int64_t> const& slots,
+             std::int64_t first_position,
+             Rotation const& rotation,
+             kv_store& store,
+             std::uint64_t fact_id,
+             std::uint64_t namespace_id,
+             std::vector<std::int32_t> token_ids,
+             cuda::stream_ref stream)
+{
+  detail::check_extraction(cache, slots, first_position, rotation, store, fact_id, token_ids,
+                           memory_kind::device, "extract");
+  std::int64_t const n = static_cast<std::int64_t>(slots.size());
+  std::vector<std::int64_t> host(static_cast<std::size_t>(3 * n));
+  std::int64_t* device = nullptr;
+  INFERSCALE_CUDA_TRY(cudaMalloc(&device, host.size() * sizeof(std::int64_t)));
+  fact_record const& fact = store.reserve(fact_id, namespace_id, std::move(token_ids));
+  try {
+    for (std::int64_t j = 0; j < n; ++j) {
+      host[static_cast<std::size_t>(j)]         = store.store_token(fact, static_cast<std::int32_t>(j));
+      host[static_cast<std::size_t>(n + j)]     = first_position + j;
+      host[static_cast<std::size_t>(2 * n + j)] = slots[static_cast<std::size_t>(j)];
+    }
+    INFERSCALE_CUDA_TRY(cudaMemcpyAsync(device, host.data(), host.size() * sizeof(std::int64_t),
+                                        cudaMemcpyHostToDevice, stream.get()));
+    detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
+      using S      = typename decltype(s)::type;
+      using C      = typename decltype(c)::type;
+      using policy = detail::inject_policy_sm90;
+      detail::extract_kernel_args<Rotation> args{};
+      args.store          = store.ref();
+      args.cache          = cache;
+      args.rotation       = rotation;
+      args.tokens         = {device, device + n, device + 2 * n, n};
+      args.units_per_head = rotation.num_pairs() + (store.geometry().head_dim - rotation.rotary_dim) +
+                            store.geometry().head_dim;
+      std::int64_t const total = n * cache.num_layers * cache.num_heads() * args.units_per_head;
+      auto const blocks        = static_cast<unsigned>(
+        std::min<std::int64_t>((total + policy::extract_threads - 1) / policy::extract_threads,
+                               std::int64_t{1} << 20));
+      detail::extract_kernel<policy, S, C, Rotation>
+        <<<blocks, policy::extract_threads, 0, stream.get()>>>(args);
+      INFERSCALE_CHECK_LAUNCH();
+    });
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+  } catch (...) {
+    (void)cudaStreamSynchronize(stream.get());
+    (void)cudaFree(device);
+    store.erase(fact_id);
+    throw;
+  }
+  INFERSCALE_CUDA_TRY(cudaFree(device));
+}
+
+}  // namespace inferscale

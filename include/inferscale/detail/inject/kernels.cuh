@@ -64,7 +64,8 @@ INFERSCALE_DEVICE INFERSCALE_FORCEINLINE void load_run(T const* src, T (&out)[N]
 template <int N, bool Vectorized, class CacheT>
 INFERSCALE_DEVICE INFERSCALE_FORCEINLINE void store_run(CacheT* base,
                                                         paged_kv_layout const& layout,
-                                                        std::int64_t slot,
+                                                        std::int64_t block,
+                                                        std::int32_t token,
                                                         std::int32_t head,
                                                         std::int32_t dim,
                                                         CacheT const (&values)[N])
@@ -73,10 +74,10 @@ INFERSCALE_DEVICE INFERSCALE_FORCEINLINE void store_run(CacheT* base,
     inject_vector<CacheT, N> v;
 #pragma unroll
     for (int e = 0; e < N; ++e) { v.values[e] = values[e]; }
-    *reinterpret_cast<inject_vector<CacheT, N>*>(base + layout.slot_offset(slot, head, dim)) = v;
+    *reinterpret_cast<inject_vector<CacheT, N>*>(base + layout.offset(block, token, head, dim)) = v;
   } else {
 #pragma unroll
-    for (int e = 0; e < N; ++e) { base[layout.slot_offset(slot, head, dim + e)] = values[e]; }
+    for (int e = 0; e < N; ++e) { base[layout.offset(block, token, head, dim + e)] = values[e]; }
   }
 }
 
@@ -91,7 +92,9 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
   // Elements per run: 16 bytes of the store dtype, or one element.
   constexpr int run = Vectorized ? Policy::vector_bytes / static_cast<int>(sizeof(StoreT)) : 1;
   extern __shared__ rope_cos_sin shared_cos_sin[];
-  __shared__ std::int64_t tile_slot[Policy::tile_tokens];
+  __shared__ std::int64_t tile_slot[Policy::tile_tokens];  // -1: skip the token
+  __shared__ std::int64_t tile_block[Policy::tile_tokens];  // slot / block_size, divided once
+  __shared__ std::int32_t tile_offset[Policy::tile_tokens];  // slot % block_size
   __shared__ std::int64_t tile_source[Policy::tile_tokens];
 
   std::int32_t const pairs      = args.rotation.num_pairs();
@@ -117,6 +120,8 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
     // table, skips the token rather than writing out of bounds.
     bool const ok    = slot_in_cache(slot, num_slots) && position >= 0 && position < args.table_rows;
     tile_slot[t]     = ok ? slot : -1;
+    tile_block[t]    = ok ? slot / args.cache.key_layout.block_size : 0;
+    tile_offset[t]   = ok ? static_cast<std::int32_t>(slot % args.cache.key_layout.block_size) : 0;
     tile_source[t]   = args.batch.store_token[first_token + t];
   }
   for (std::int32_t i = threadIdx.x; i < tokens * pairs; i += blockDim.x) {
@@ -140,8 +145,9 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
     std::int32_t const unit = w - row * units_per_row;
     std::int32_t const t    = row % tokens;
     std::int32_t const l    = first_layer + row / tokens;
-    std::int64_t const slot = tile_slot[t];
-    if (slot < 0) { continue; }
+    if (tile_slot[t] < 0) { continue; }
+    std::int64_t const block    = tile_block[t];
+    std::int32_t const in_block = tile_offset[t];
     std::int32_t const h = unit / args.units_per_head;
     std::int32_t const u = unit - h * args.units_per_head;
     std::int64_t const source = tile_source[t];
@@ -167,8 +173,9 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
           qx[e] = quantize<CacheT>(rx, scale, args.cache.scale_convention);
           qy[e] = quantize<CacheT>(ry, scale, args.cache.scale_convention);
         }
-        store_run<run, Vectorized>(dst, args.cache.key_layout, slot, h, p0, qx);
-        store_run<run, Vectorized>(dst, args.cache.key_layout, slot, h, p0 + rotary_dim / 2, qy);
+        store_run<run, Vectorized>(dst, args.cache.key_layout, block, in_block, h, p0, qx);
+        store_run<run, Vectorized>(
+          dst, args.cache.key_layout, block, in_block, h, p0 + rotary_dim / 2, qy);
       } else {
         constexpr int elements = Vectorized ? run : 2;
         std::int32_t const d0  = u * elements;
@@ -182,7 +189,7 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
           q[e]     = quantize<CacheT>(rx, scale, args.cache.scale_convention);
           q[e + 1] = quantize<CacheT>(ry, scale, args.cache.scale_convention);
         }
-        store_run<elements, Vectorized>(dst, args.cache.key_layout, slot, h, d0, q);
+        store_run<elements, Vectorized>(dst, args.cache.key_layout, block, in_block, h, d0, q);
       }
     } else {
       // Key pass-through dims (rotary_dim .. head_dim) or value: convert a run.
@@ -201,7 +208,7 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
         q[e] = quantize<CacheT>(to_float(v[e]), scale, args.cache.scale_convention);
       }
       store_run<run, Vectorized>(
-        dst, value ? args.cache.value_layout : args.cache.key_layout, slot, h, d0, q);
+        dst, value ? args.cache.value_layout : args.cache.key_layout, block, in_block, h, d0, q);
     }
   }
 }

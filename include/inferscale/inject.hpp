@@ -250,23 +250,82 @@ void check_injection(kv_store const& store,
   check_rotation(rotation, store.geometry().head_dim, batch.max_position(), who);
 }
 
+/// @brief Offset of dim `d` within a head (the part of paged_kv_layout::offset that depends on d).
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE std::int64_t dim_offset(paged_kv_layout const& layout,
+                                                                      std::int32_t d)
+{
+  return static_cast<std::int64_t>(d / layout.dim_chunk) * layout.chunk_stride +
+         static_cast<std::int64_t>(d % layout.dim_chunk) * layout.dim_stride;
+}
+
+/// @brief True if a head's dims are contiguous in the layout (offset of dim d is d).
+inline bool dims_contiguous(paged_kv_layout const& layout)
+{
+  return layout.dim_stride == 1 && layout.dim_chunk == layout.head_dim;
+}
+
+/**
+ * @brief Host backend of one (token, layer, head): the same per-element math as the kernel.
+ * `ContiguousK`/`ContiguousV`: the head's dims are contiguous in the cache, so the address of dim d
+ * is the head's address plus d (no division per element).
+ */
+template <bool ContiguousK, bool ContiguousV, class StoreT, class CacheT, class Rotation>
+void inject_host_head(StoreT const* __restrict k,
+                      StoreT const* __restrict v,
+                      CacheT* __restrict kdst,
+                      CacheT* __restrict vdst,
+                      paged_kv_layout const& key_layout,
+                      paged_kv_layout const& value_layout,
+                      Rotation const& rotation,
+                      rope_cos_sin const* __restrict cos_sin,
+                      bool round_each,
+                      float key_scale,
+                      float value_scale,
+                      kv_scale_convention convention)
+{
+  std::int32_t const rotary = rotation.rotary_dim;
+  std::int32_t const dim    = key_layout.head_dim;
+  auto const kat = [&](std::int32_t d) -> CacheT& {
+    return ContiguousK ? kdst[d] : kdst[dim_offset(key_layout, d)];
+  };
+  auto const vat = [&](std::int32_t d) -> CacheT& {
+    return ContiguousV ? vdst[d] : vdst[dim_offset(value_layout, d)];
+  };
+  for (std::int32_t p = 0; p < rotation.num_pairs(); ++p) {
+    std::int32_t first, second;
+    pair_elements(rotation.pairing, rotary, p, &first, &second);
+    float x, y;
+    rotate_stored_pair(k[first], k[second], cos_sin[p], round_each, &x, &y);
+    kat(first)  = quantize<CacheT>(x, key_scale, convention);
+    kat(second) = quantize<CacheT>(y, key_scale, convention);
+  }
+  for (std::int32_t d = rotary; d < dim; ++d) {
+    kat(d) = quantize<CacheT>(to_float(k[d]), key_scale, convention);
+  }
+  for (std::int32_t d = 0; d < dim; ++d) {
+    vat(d) = quantize<CacheT>(to_float(v[d]), value_scale, convention);
+  }
+}
+
 /// @brief Host backend of injection for element types StoreT (store) and CacheT (cache).
-template <class StoreT, class CacheT, class Rotation>
+template <bool ContiguousK, bool ContiguousV, class StoreT, class CacheT, class Rotation>
 void inject_host_typed(kv_store_ref const& store,
                        injection_batch_view const& batch,
                        paged_kv_cache const& cache,
                        Rotation const& rotation)
 {
   std::int32_t const pairs   = rotation.num_pairs();
-  std::int32_t const rotary  = rotation.rotary_dim;
   std::int32_t const dim     = store.head_dim;
   bool const round_each      = rope_rounds_each_operation<StoreT>(rotation, rope_op::forward);
   auto const* const pool     = static_cast<StoreT const*>(store.pool);
   std::int64_t const n_slots = cache.num_slots();
+  std::int32_t const bs      = cache.key_layout.block_size;
   std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(pairs));
   for (std::int64_t i = 0; i < batch.num_tokens; ++i) {
     std::int64_t const slot = batch.slot[i];
     if (!slot_in_cache(slot, n_slots)) { continue; }
+    std::int64_t const block    = slot / bs;
+    std::int32_t const in_block = static_cast<std::int32_t>(slot % bs);
     for (std::int32_t p = 0; p < pairs; ++p) {  // once per token, shared by layers and heads
       cos_sin[static_cast<std::size_t>(p)] =
         rope_angle_cos_sin(rotation, batch.position[i], p, rope_op::forward);
@@ -277,29 +336,19 @@ void inject_host_typed(kv_store_ref const& store,
       auto* const kbase        = static_cast<CacheT*>(cache.key_base[l]);
       auto* const vbase        = static_cast<CacheT*>(cache.value_base[l]);
       for (std::int32_t h = 0; h < store.num_heads; ++h) {
-        StoreT const* const k = krow + static_cast<std::int64_t>(h) * dim;
-        StoreT const* const v = vrow + static_cast<std::int64_t>(h) * dim;
-        float const ks        = cache.scale(l, h, false);
-        float const vs        = cache.scale(l, h, true);
-        auto const kat = [&](std::int32_t d) -> CacheT& {
-          return kbase[cache.key_layout.slot_offset(slot, h, d)];
-        };
-        for (std::int32_t p = 0; p < pairs; ++p) {
-          std::int32_t first, second;
-          pair_elements(rotation.pairing, rotary, p, &first, &second);
-          float x, y;
-          rotate_stored_pair(k[first], k[second], cos_sin[static_cast<std::size_t>(p)], round_each,
-                             &x, &y);
-          kat(first)  = quantize<CacheT>(x, ks, cache.scale_convention);
-          kat(second) = quantize<CacheT>(y, ks, cache.scale_convention);
-        }
-        for (std::int32_t d = rotary; d < dim; ++d) {
-          kat(d) = quantize<CacheT>(to_float(k[d]), ks, cache.scale_convention);
-        }
-        for (std::int32_t d = 0; d < dim; ++d) {
-          vbase[cache.value_layout.slot_offset(slot, h, d)] =
-            quantize<CacheT>(to_float(v[d]), vs, cache.scale_convention);
-        }
+        inject_host_head<ContiguousK, ContiguousV>(
+          krow + static_cast<std::int64_t>(h) * dim,
+          vrow + static_cast<std::int64_t>(h) * dim,
+          kbase + cache.key_layout.offset(block, in_block, h, 0),
+          vbase + cache.value_layout.offset(block, in_block, h, 0),
+          cache.key_layout,
+          cache.value_layout,
+          rotation,
+          cos_sin.data(),
+          round_each,
+          cache.scale(l, h, false),
+          cache.scale(l, h, true),
+          cache.scale_convention);
       }
     }
   }
@@ -345,7 +394,14 @@ void inject_host(kv_store const& store,
   detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
     using S = typename decltype(s)::type;
     using C = typename decltype(c)::type;
-    detail::inject_host_typed<S, C>(store.ref(), batch.host_view(), cache, rotation);
+    bool const k_contiguous = detail::dims_contiguous(cache.key_layout);
+    bool const v_contiguous = detail::dims_contiguous(cache.value_layout);
+    if (k_contiguous && v_contiguous) {
+      detail::inject_host_typed<true, true, S, C>(store.ref(), batch.host_view(), cache, rotation);
+    } else {
+      detail::inject_host_typed<false, false, S, C>(store.ref(), batch.host_view(), cache,
+                                                    rotation);
+    }
   });
 }
 

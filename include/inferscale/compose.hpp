@@ -9,6 +9,7 @@
 #include <inferscale/store.hpp>
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <unordered_set>
@@ -100,8 +101,9 @@ inline composition compose(kv_store const& store,
                          " appears twice (a fact, or a fact equal to the instruction prefix)");
     total += store.at(id).length();
   }
-  INFERSCALE_EXPECTS(options.first_position <= std::numeric_limits<std::int64_t>::max() - total,
-                     "compose: p0 + m overflows 64-bit positions");
+  INFERSCALE_EXPECTS(
+    total == 0 || options.first_position <= std::numeric_limits<std::int64_t>::max() - (total - 1),
+    "compose: the last position p0 + m - 1 overflows 64 bits");
 
   composition plan;
   plan.first_position = options.first_position;

@@ -158,6 +158,12 @@ class kv_store {
     std::size_t const bytes = pool_bytes();
     if (config_.memory == memory_kind::device) {
       INFERSCALE_CUDA_TRY(cudaMalloc(&ref_.pool, std::max<std::size_t>(bytes, 1)));
+      // Zeroed like the host pool, so snapshots of either are repeatable and equal.
+      cudaError_t const s = cudaMemset(ref_.pool, 0, std::max<std::size_t>(bytes, 1));
+      if (s != cudaSuccess) {
+        (void)cudaFree(ref_.pool);
+        INFERSCALE_CUDA_TRY(s);
+      }
     } else {
       host_pool_.reset(new unsigned char[std::max<std::size_t>(bytes, 1)]());
       ref_.pool = host_pool_.get();
@@ -264,8 +270,10 @@ class kv_store {
   /**
    * @brief Stores a fact's pre-RoPE keys and values.
    *
-   * The views are `[layers, tokens, heads, head_dim]` of either the whole model (the shard is then
-   * taken from them) or exactly this store's shard.
+   * The views are `[layers, tokens, heads, head_dim]`; their layer count and their head count are
+   * each either the whole model's (the shard's range is then taken from them) or this shard's.
+   * Unused token rows of a fact's last page are zeroed, so the pool's bytes depend only on what
+   * was inserted.
    *  - host views (`views_memory == host`): any strides, element type float, half_t or bfloat16_t
    *    (converted to the store dtype);
    *  - device views: element type equal to the store dtype and each token's `[heads, head_dim]`
@@ -321,6 +329,10 @@ class kv_store {
         INFERSCALE_EXPECTS(v->stride(3) == 1 && v->stride(2) == config_.model.head_dim,
                            "kv_store::insert: device views need each token's [heads, head_dim] "
                            "contiguous");
+        INFERSCALE_EXPECTS(v->stride(1) >= v->extent(2) * v->extent(3),
+                           "kv_store::insert: device views need a token stride of at least one "
+                           "token's heads * head_dim elements, got " +
+                             std::to_string(v->stride(1)));
       }
     }
     std::int64_t const pages_needed = pages_for(tokens);
@@ -591,6 +603,11 @@ class kv_store {
                                            static_cast<std::size_t>(row) * sizeof(T),
                                            static_cast<std::size_t>(n),
                                            cudaMemcpyDeviceToDevice));
+          if (n < ps) {  // zero the unused rows, as the host path does
+            INFERSCALE_CUDA_TRY(cudaMemset(dst + n * row,
+                                           0,
+                                           static_cast<std::size_t>((ps - n) * row) * sizeof(T)));
+          }
         }
       }
     }

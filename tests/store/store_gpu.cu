@@ -403,14 +403,11 @@ TEST_CASE("moving a device store keeps its pool", "[gpu][store]")
   REQUIRE(c.at(1).token_ids == token_ids_for(1, 5));
 }
 
-// Whole-pool equality with a host store that the store does not promise today: a fresh device
-// pool is cudaMalloc'd and not cleared (a host pool starts zeroed), and an insert from device
-// views copies only the fact's token rows, leaving the tail slots of its last page with whatever
-// the page held (an insert from host views clears them). After erase + a shorter insert from
-// device views into the reused pages, the tail slots differ from the host store's zeros.
-// Tagged [!mayfail]: reported, not a failure of the suite.
+// Whole-pool equality with a host store: both pools start zeroed and every insert (from host or
+// device views) zeroes the unused rows of a fact's last page, so after erase + a shorter insert
+// into reused pages the tail rows hold zeros on both.
 TEST_CASE("device and host pools are byte-for-byte equal from a fresh store, through page reuse",
-          "[gpu][store][!mayfail]")
+          "[gpu][store]")
 {
   kv_store device{make_config(dtype::bfloat16, memory_kind::device, shard{0, 0, 0, 0})};
   kv_store host{make_config(dtype::bfloat16, memory_kind::host, shard{0, 0, 0, 0})};

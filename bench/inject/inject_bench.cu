@@ -1,0 +1,911 @@
+/**
+ * @file bench/inject/inject_bench.cu
+ * @brief Injection: stored pre-RoPE K/V of memory facts -> an engine's paged KV cache, keys rotated
+ * to their virtual positions, all layers in one call; against the copy of the same bytes and
+ * against the two-pass baseline (compose, then scatter), all measured in the same iterations.
+ *
+ * Setup (outside every timed region):
+ *  - geometry: Llama-3.1-8B (32 layers, 8 KV heads, head_dim 128, llama3 rope, theta 5e5) or
+ *    Qwen2.5-7B (28 layers, 4 KV heads, 128, theta 1e6); store bf16 (page size 16), cache bf16;
+ *  - the cache: vLLM FlashAttention NHD, one tensor per layer of logical shape
+ *    `(2, NB, 16, H, D)`, contiguous (make_vllm_flash_attn_cache);
+ *  - a request's memory segment of exactly m tokens: n = round(m / 20) facts whose lengths cycle
+ *    17, 18, .., 23, the difference to m spread as +1 over the first facts (m = 128: 6 facts of
+ *    19..23 tokens; m = 1024: 51 facts of 17..24; m = 4096: 205 facts of 17..23), every fact 2
+ *    store pages; composed with compose() at p0 = 37 (as given order), its tokens going to
+ *    prompt positions p0 .. p0 + m - 1 of a block table of ceil((p0 + m) / 16) block ids drawn
+ *    from a shuffled permutation of NB = 1.5x that many blocks (fixed seed), so consecutive blocks
+ *    of the request are not adjacent in the cache;
+ *  - the batch case: R requests of k = 20 distinct facts each (lengths cycle 17..23 over the whole
+ *    batch: 64 x 20 facts = 25,597 tokens, 8 x 20 = 3,197), every request its own block table, one
+ *    injection_batch with R add() calls, one launch;
+ *  - K/V values: pseudo-random bf16 in [-1, 1) (a hash of the element index).
+ *
+ * What each iteration measures (same machine state for all three):
+ *  - fused: inject_host (host store, host cache), or the raw inject_async launch on a staged
+ *    injection_workspace (device); `Time` and `GB/s` are this;
+ *  - two-pass baseline, written here: (a) gather the tokens from the store pages into a contiguous
+ *    `[L, 2, N, H, D]` bf16 buffer with the keys rotated (library per-element math:
+ *    rope_angle_cos_sin once per token and pair, detail::rotate_stored_pair); (b) scatter that
+ *    buffer into a second cache by slot. Device: two kernels with 16-byte accesses, pass (a) tiled
+ *    exactly like the fused kernel (tile_tokens tokens x tile_layers layers per block, the tile's
+ *    cos/sin in shared memory), pass (b) on the same grid, each token's slot divided by the block
+ *    size once; host: loops, memcpy for the rows that need no rotation.
+ *    Counters `two_pass_GB/s` (same bytes over its time) and `vs_two_pass` = two-pass seconds /
+ *    fused seconds (> 1: fused is faster);
+ *  - the copy ceiling of the fixture: a plain copy of the same bytes (`copy_GB/s`, `vs_copy`).
+ *  On the device each of the three starts with a cold L2 (the fixture's l2_flusher).
+ *  After the warm-up, the fused cache and the two-pass cache are compared with the composed buffer
+ *  at every injected slot, bit for bit; a mismatch fails the benchmark (SkipWithError).
+ *
+ * inject_checked/device: the checked inject_async overload (validation of the host batch, staging
+ * of its arrays through pinned memory, launch), timed on the host's wall clock from the call to
+ * the end of a cudaStreamSynchronize; each iteration also times the raw launch the same way:
+ * `vs_raw` = raw seconds / checked seconds (the share of the call that is the kernel).
+ *
+ * Bytes counted per call: the K and V of the N injected tokens read from the store plus written
+ * to the cache: 2 * (2 * L * N * H * D * 2 bytes). Items: injected tokens (also the `tokens`
+ * counter). The issue's target, ">= 80% of copy bandwidth at m = 1024 on an H200", is printed as
+ * `target_vs_copy=0.8` beside `vs_copy` in the device m = 1024 rows.
+ *
+ * Names: inject/<backend>/<model>/bf16/m:<m>, inject_checked/device/<model>/bf16/m:<m>,
+ * inject_batch/<backend>/llama3.1-8b/bf16/requests:<R>/facts:20 (R = 64 on the device, 8 on the
+ * host to keep the host run short).
+ */
+#include "../common/fixture.hpp"
+
+#include <inferscale/cache.hpp>
+#include <inferscale/compose.hpp>
+#include <inferscale/detail/inject/element.hpp>
+#include <inferscale/detail/inject/tuning.hpp>
+#include <inferscale/dtype.hpp>
+#include <inferscale/error.hpp>
+#include <inferscale/geometry.hpp>
+#include <inferscale/inject.cuh>
+#include <inferscale/inject.hpp>
+#include <inferscale/rope.hpp>
+#include <inferscale/store.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace ib = inferscale::bench;
+namespace is = inferscale;
+using is::bfloat16_t;
+
+constexpr std::int32_t block_size      = 16;  // vLLM's default
+constexpr std::int32_t store_page_size = 16;
+constexpr std::int64_t first_position  = 37;  // p0: after a 37-token system prompt
+constexpr std::uint64_t seed           = 20261130;
+constexpr int vector_elements          = 8;  // bf16 per 16-byte access
+constexpr double issue_target_vs_copy  = 0.8;
+constexpr std::int64_t issue_target_m  = 1024;
+using policy                           = is::detail::inject_policy_sm90;
+
+struct model {
+  char const* name;
+  is::kv_geometry geometry;
+  is::rope_spec (*rope)();
+};
+
+model const llama{"llama3.1-8b", {32, 8, 128}, is::rope_presets::llama_3_1_8b};
+model const qwen{"qwen2.5-7b", {28, 4, 128}, is::rope_presets::qwen2_5_7b};
+
+// ------------------------------------------------------------------------------------------------
+// Data
+
+__host__ __device__ inline std::uint64_t splitmix64(std::uint64_t x)
+{
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+/// @brief Pseudo-random bf16 in [-1, 1) from an element index (same on host and device).
+__host__ __device__ inline bfloat16_t random_value(std::uint64_t index)
+{
+  auto const r = static_cast<float>(splitmix64(index ^ (seed << 20)) >> 40);  // 24 bits
+  return is::from_float<bfloat16_t>(r * 0x1p-23f - 1.0f);
+}
+
+__global__ void fill_kernel(bfloat16_t* data, std::int64_t count)
+{
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    data[i] = random_value(static_cast<std::uint64_t>(i));
+  }
+}
+
+/// @brief Fact lengths of one m-token segment: round(m / 20) facts cycling 17..23, summing to m.
+std::vector<std::int32_t> segment_fact_lengths(std::int64_t m)
+{
+  std::int64_t const n = std::max<std::int64_t>(1, (m + 10) / 20);
+  std::vector<std::int32_t> lengths(static_cast<std::size_t>(n));
+  std::int64_t sum = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    lengths[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(17 + i % 7);
+    sum += lengths[static_cast<std::size_t>(i)];
+  }
+  for (std::int64_t i = 0; sum != m; i = (i + 1) % n) {
+    std::int32_t const step = sum < m ? 1 : -1;
+    lengths[static_cast<std::size_t>(i)] += step;
+    sum += step;
+  }
+  return lengths;
+}
+
+/// @brief R requests of k facts each, lengths cycling 17..23 over the whole batch.
+std::vector<std::vector<std::int32_t>> batch_fact_lengths(std::int64_t requests, std::int64_t k)
+{
+  std::vector<std::vector<std::int32_t>> out(static_cast<std::size_t>(requests));
+  for (std::int64_t r = 0; r < requests; ++r) {
+    for (std::int64_t i = 0; i < k; ++i) {
+      out[static_cast<std::size_t>(r)].push_back(static_cast<std::int32_t>(17 + (r * k + i) % 7));
+    }
+  }
+  return out;
+}
+
+/// @brief The store, plans and batch of one benchmark case (host or device store).
+struct scenario {
+  is::kv_store store;
+  std::vector<is::composition> plans;
+  is::injection_batch batch;
+  std::int64_t num_blocks{};  // cache blocks
+  is::rope_params rotation{};
+  std::int64_t tokens{};
+
+  scenario(model const& mdl,
+           std::vector<std::vector<std::int32_t>> const& requests,
+           is::memory_kind memory)
+    : store{make_store(mdl, requests, memory)},
+      batch{store},
+      rotation{is::make_rope_params(mdl.rope())}
+  {
+    INFERSCALE_EXPECTS(rotation.pairing == is::rope_pairing::halves &&
+                         rotation.rotary_dim == rotation.head_dim &&
+                         (rotation.rotary_dim / 2) % vector_elements == 0,
+                       "inject_bench: the two-pass baseline handles full-rotary halves pairing");
+    // Fact ids: 1, 2, .. in request order (make_store's).
+    std::uint64_t next_id = 1;
+    std::vector<std::vector<std::uint64_t>> ids(requests.size());
+    for (std::size_t r = 0; r < requests.size(); ++r) {
+      for (std::size_t f = 0; f < requests[r].size(); ++f) {
+        ids[r].push_back(next_id++);
+      }
+    }
+    // Plans and block tables: blocks drawn from one shuffled permutation (disjoint slots).
+    std::vector<std::int64_t> blocks_needed;
+    std::int64_t total_blocks = 0;
+    for (auto const& request_ids : ids) {
+      is::compose_options options;
+      options.first_position = first_position;
+      plans.push_back(is::compose(store, request_ids, options));
+      blocks_needed.push_back((first_position + plans.back().length() + block_size - 1) /
+                              block_size);
+      total_blocks += blocks_needed.back();
+    }
+    num_blocks = total_blocks + total_blocks / 2;
+    std::vector<std::int32_t> permutation(static_cast<std::size_t>(num_blocks));
+    std::iota(permutation.begin(), permutation.end(), 0);
+    std::mt19937_64 rng{seed};
+    std::shuffle(permutation.begin(), permutation.end(), rng);
+    std::size_t taken = 0;
+    for (std::size_t r = 0; r < plans.size(); ++r) {
+      auto const n = static_cast<std::size_t>(blocks_needed[r]);
+      std::vector<std::int32_t> const table(
+        permutation.begin() + static_cast<std::ptrdiff_t>(taken),
+        permutation.begin() + static_cast<std::ptrdiff_t>(taken + n));
+      taken += n;
+      batch.add(plans[r], table.data(), static_cast<std::int64_t>(n), block_size, first_position);
+    }
+    tokens = batch.num_tokens();
+  }
+
+  /// @brief A store holding every request's facts (ids 1, 2, .. in request order), its pool filled
+  /// with pseudo-random values.
+  static is::kv_store make_store(model const& mdl,
+                                 std::vector<std::vector<std::int32_t>> const& requests,
+                                 is::memory_kind memory)
+  {
+    std::int64_t pages = 0;
+    for (auto const& r : requests) {
+      for (std::int32_t length : r) {
+        pages += (length + store_page_size - 1) / store_page_size;
+      }
+    }
+    is::kv_store_config config;
+    config.model       = mdl.geometry;
+    config.store_dtype = is::dtype::bfloat16;
+    config.page_size   = store_page_size;
+    config.num_pages   = pages;
+    config.memory      = memory;
+    is::kv_store store{config};
+    std::uint64_t next_id = 1;
+    for (std::size_t r = 0; r < requests.size(); ++r) {
+      for (std::int32_t length : requests[r]) {
+        std::vector<std::int32_t> token_ids(static_cast<std::size_t>(length));
+        std::iota(token_ids.begin(), token_ids.end(), static_cast<std::int32_t>(next_id * 100));
+        store.reserve(next_id++, r, std::move(token_ids));
+      }
+    }
+    auto* const pool         = static_cast<bfloat16_t*>(store.ref().pool);
+    std::int64_t const count = static_cast<std::int64_t>(store.pool_bytes() / sizeof(bfloat16_t));
+    if (memory == is::memory_kind::host) {
+      for (std::int64_t i = 0; i < count; ++i) {
+        pool[i] = random_value(static_cast<std::uint64_t>(i));
+      }
+    } else {
+      fill_kernel<<<1024, 256>>>(pool, count);
+      INFERSCALE_CHECK_LAUNCH();
+      INFERSCALE_CUDA_TRY(cudaDeviceSynchronize());
+    }
+    return store;
+  }
+
+  is::kv_geometry geometry() const { return store.geometry(); }
+
+  /// @brief 2 * (K + V of the injected tokens): read from the store, written to the cache.
+  ib::traffic traffic() const
+  {
+    return ib::traffic{2 * geometry().bytes(tokens, is::dtype::bfloat16), tokens};
+  }
+
+  /// @brief Elements of one cache tensor `(2, NB, 16, H, D)` (one layer).
+  std::int64_t layer_elements() const
+  {
+    return 2 * num_blocks * block_size * geometry().elements_per_token_layer();
+  }
+
+  std::int64_t cache_elements() const { return geometry().num_layers * layer_elements(); }
+
+  /// @brief Elements of the two-pass buffer `[L, 2, N, H, D]`.
+  std::int64_t composed_elements() const { return geometry().elements_per_token() * tokens; }
+
+  /// @brief The vLLM FlashAttention NHD descriptor of a cache at `base` (L tensors back to back).
+  is::paged_kv_cache make_cache(bfloat16_t* base) const
+  {
+    std::int64_t const h = geometry().num_kv_heads;
+    std::int64_t const d = geometry().head_dim;
+    std::vector<void*> layers;
+    for (std::int32_t l = 0; l < geometry().num_layers; ++l) {
+      layers.push_back(base + l * layer_elements());
+    }
+    std::array<std::int64_t, 5> const shape{2, num_blocks, block_size, h, d};
+    std::array<std::int64_t, 5> const strides{
+      num_blocks * block_size * h * d, block_size * h * d, h * d, d, 1};
+    auto cache = is::make_vllm_flash_attn_cache(is::dtype::bfloat16, layers, shape, strides);
+    for (auto const* layout : {&cache.key_layout, &cache.value_layout}) {
+      INFERSCALE_EXPECTS(layout->dim_stride == 1 && layout->dim_chunk == layout->head_dim,
+                         "inject_bench: the scatter pass copies contiguous head rows");
+    }
+    return cache;
+  }
+};
+
+void report_two_pass(benchmark::State& state,
+                     ib::traffic t,
+                     double fused_seconds,
+                     double two_pass_seconds)
+{
+  if (state.error_occurred() || fused_seconds <= 0.0 || two_pass_seconds <= 0.0) { return; }
+  double const bytes = static_cast<double>(t.bytes) * static_cast<double>(state.iterations());
+  state.counters["two_pass_GB/s"] = benchmark::Counter(bytes / two_pass_seconds / 1e9);
+  state.counters["vs_two_pass"]   = benchmark::Counter(two_pass_seconds / fused_seconds);
+}
+
+void report_common(benchmark::State& state, scenario const& s, bool device)
+{
+  if (state.error_occurred()) { return; }
+  state.counters["tokens"] = benchmark::Counter(static_cast<double>(s.tokens));
+  if (device && s.plans.size() == 1 && s.tokens == issue_target_m) {
+    state.counters["target_vs_copy"] = benchmark::Counter(issue_target_vs_copy);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Two-pass baseline, host: (a) compose with rotation into [L, 2, N, H, D], (b) scatter by slot.
+
+void compose_host(is::kv_store_ref const& store,
+                  is::injection_batch_view const& batch,
+                  is::rope_params const& rotation,
+                  bfloat16_t* out)
+{
+  std::int32_t const pairs = rotation.num_pairs();
+  std::int32_t const dim   = store.head_dim;
+  std::int64_t const row   = store.row_elements();
+  std::int64_t const n     = batch.num_tokens;
+  auto const* const pool   = static_cast<bfloat16_t const*>(store.pool);
+  std::vector<is::rope_cos_sin> cos_sin(static_cast<std::size_t>(pairs));
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int32_t p = 0; p < pairs; ++p) {  // once per token, shared by layers and heads
+      cos_sin[static_cast<std::size_t>(p)] =
+        is::rope_angle_cos_sin(rotation, batch.position[i], p, is::rope_op::forward);
+    }
+    for (std::int32_t l = 0; l < store.num_layers; ++l) {
+      bfloat16_t const* const krow = pool + store.row_offset(batch.store_token[i], l, 0);
+      bfloat16_t const* const vrow = pool + store.row_offset(batch.store_token[i], l, 1);
+      bfloat16_t* const kout       = out + ((2 * std::int64_t{l}) * n + i) * row;
+      bfloat16_t* const vout       = out + ((2 * std::int64_t{l} + 1) * n + i) * row;
+      for (std::int32_t h = 0; h < store.num_heads; ++h) {
+        bfloat16_t const* const k = krow + std::int64_t{h} * dim;
+        bfloat16_t* const o       = kout + std::int64_t{h} * dim;
+        for (std::int32_t p = 0; p < pairs; ++p) {
+          float x, y;
+          is::detail::rotate_stored_pair(
+            k[p], k[p + pairs], cos_sin[static_cast<std::size_t>(p)], false, &x, &y);
+          o[p]         = is::from_float<bfloat16_t>(x);
+          o[p + pairs] = is::from_float<bfloat16_t>(y);
+        }
+      }
+      std::memcpy(vout, vrow, static_cast<std::size_t>(row) * sizeof(bfloat16_t));
+    }
+  }
+}
+
+void scatter_host(bfloat16_t const* in,
+                  is::injection_batch_view const& batch,
+                  is::paged_kv_cache const& cache)
+{
+  std::int32_t const heads = cache.num_heads();
+  std::int32_t const dim   = cache.head_dim();
+  std::int64_t const row   = std::int64_t{heads} * dim;
+  std::int64_t const n     = batch.num_tokens;
+  for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      auto* const base =
+        static_cast<bfloat16_t*>(kv == 0 ? cache.key_base[l] : cache.value_base[l]);
+      is::paged_kv_layout const& layout = kv == 0 ? cache.key_layout : cache.value_layout;
+      for (std::int64_t i = 0; i < n; ++i) {
+        std::int64_t const slot = batch.slot[i];
+        if (slot < 0) { continue; }
+        bfloat16_t const* const src = in + ((2 * std::int64_t{l} + kv) * n + i) * row;
+        for (std::int32_t h = 0; h < heads; ++h) {
+          std::memcpy(base + layout.slot_offset(slot, h, 0),
+                      src + std::int64_t{h} * dim,
+                      static_cast<std::size_t>(dim) * sizeof(bfloat16_t));
+        }
+      }
+    }
+  }
+}
+
+/// @brief Elements of the cache at the batch's slots that differ from the composed buffer.
+std::int64_t mismatches_host(bfloat16_t const* composed,
+                             is::injection_batch_view const& batch,
+                             is::paged_kv_cache const& cache)
+{
+  std::int32_t const heads = cache.num_heads();
+  std::int32_t const dim   = cache.head_dim();
+  std::int64_t const row   = std::int64_t{heads} * dim;
+  std::int64_t const n     = batch.num_tokens;
+  std::int64_t bad         = 0;
+  for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      auto const* const base =
+        static_cast<bfloat16_t const*>(kv == 0 ? cache.key_base[l] : cache.value_base[l]);
+      is::paged_kv_layout const& layout = kv == 0 ? cache.key_layout : cache.value_layout;
+      for (std::int64_t i = 0; i < n; ++i) {
+        if (batch.slot[i] < 0) { continue; }
+        bfloat16_t const* const src = composed + ((2 * std::int64_t{l} + kv) * n + i) * row;
+        for (std::int32_t h = 0; h < heads; ++h) {
+          for (std::int32_t d = 0; d < dim; ++d) {
+            bad += base[layout.slot_offset(batch.slot[i], h, d)].bits !=
+                   src[std::int64_t{h} * dim + d].bits;
+          }
+        }
+      }
+    }
+  }
+  return bad;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Two-pass baseline, device.
+
+struct alignas(16) bf16x8 {
+  bfloat16_t v[vector_elements];
+};
+
+struct compose_args {
+  is::kv_store_ref store;
+  is::injection_batch_view batch;  // device arrays (the workspace's)
+  is::rope_params rotation;
+  bfloat16_t* out;  // [L, 2, N, H, D]
+  std::int32_t tile_layers;
+};
+
+/// @brief Pass (a): block (x, y) = tile_tokens tokens x tile_layers layers, as inject_kernel; its
+/// cos/sin computed once per token and pair into shared memory; a unit = 8 rotary pairs of a key
+/// (two 16-byte loads and stores) or 8 value elements (one).
+__global__ void __launch_bounds__(policy::block_threads)
+  compose_kernel(__grid_constant__ compose_args const args)
+{
+  extern __shared__ is::rope_cos_sin shared_cos_sin[];
+  __shared__ std::int64_t tile_source[policy::tile_tokens];
+  std::int32_t const pairs = args.rotation.num_pairs();
+  std::int32_t const dim   = args.store.head_dim;
+  std::int32_t const heads = args.store.num_heads;
+  std::int64_t const n     = args.batch.num_tokens;
+  std::int64_t const row   = args.store.row_elements();
+  std::int64_t const first = static_cast<std::int64_t>(blockIdx.x) * policy::tile_tokens;
+  auto const tokens =
+    static_cast<std::int32_t>(n - first < policy::tile_tokens ? n - first : policy::tile_tokens);
+  std::int32_t const first_layer = static_cast<std::int32_t>(blockIdx.y) * args.tile_layers;
+  std::int32_t const layers      = args.store.num_layers - first_layer < args.tile_layers
+                                     ? args.store.num_layers - first_layer
+                                     : args.tile_layers;
+  for (std::int32_t t = threadIdx.x; t < tokens; t += blockDim.x) {
+    tile_source[t] = args.batch.store_token[first + t];
+  }
+  for (std::int32_t i = threadIdx.x; i < tokens * pairs; i += blockDim.x) {
+    std::int32_t const t = i / pairs;
+    shared_cos_sin[i]    = is::rope_angle_cos_sin(
+      args.rotation, args.batch.position[first + t], i - t * pairs, is::rope_op::forward);
+  }
+  __syncthreads();
+
+  std::int32_t const key_units      = pairs / vector_elements;
+  std::int32_t const units_per_head = key_units + dim / vector_elements;
+  std::int32_t const units_per_row  = heads * units_per_head;
+  std::int32_t const total          = tokens * layers * units_per_row;
+  auto const* const pool            = static_cast<bfloat16_t const*>(args.store.pool);
+  for (std::int32_t w = threadIdx.x; w < total; w += blockDim.x) {
+    std::int32_t const r    = w / units_per_row;
+    std::int32_t const unit = w - r * units_per_row;
+    std::int32_t const t    = r % tokens;
+    std::int32_t const l    = first_layer + r / tokens;
+    std::int32_t const h    = unit / units_per_head;
+    std::int32_t const u    = unit - h * units_per_head;
+    std::int64_t const i    = first + t;
+    if (u < key_units) {
+      std::int32_t const p0 = u * vector_elements;
+      bfloat16_t const* src =
+        pool + args.store.row_offset(tile_source[t], l, 0) + std::int64_t{h} * dim + p0;
+      bf16x8 const x = *reinterpret_cast<bf16x8 const*>(src);
+      bf16x8 const y = *reinterpret_cast<bf16x8 const*>(src + pairs);
+      bf16x8 ox, oy;
+#pragma unroll
+      for (int e = 0; e < vector_elements; ++e) {
+        float rx, ry;
+        is::detail::rotate_stored_pair(
+          x.v[e], y.v[e], shared_cos_sin[t * pairs + p0 + e], false, &rx, &ry);
+        ox.v[e] = is::from_float<bfloat16_t>(rx);
+        oy.v[e] = is::from_float<bfloat16_t>(ry);
+      }
+      bfloat16_t* const dst =
+        args.out + ((2 * std::int64_t{l}) * n + i) * row + std::int64_t{h} * dim + p0;
+      *reinterpret_cast<bf16x8*>(dst)         = ox;
+      *reinterpret_cast<bf16x8*>(dst + pairs) = oy;
+    } else {
+      std::int32_t const d0 = (u - key_units) * vector_elements;
+      bfloat16_t const* src =
+        pool + args.store.row_offset(tile_source[t], l, 1) + std::int64_t{h} * dim + d0;
+      bfloat16_t* const dst =
+        args.out + ((2 * std::int64_t{l} + 1) * n + i) * row + std::int64_t{h} * dim + d0;
+      *reinterpret_cast<bf16x8*>(dst) = *reinterpret_cast<bf16x8 const*>(src);
+    }
+  }
+}
+
+struct scatter_args {
+  bfloat16_t const* in;  // [L, 2, N, H, D]
+  is::paged_kv_cache cache;
+  std::int64_t const* slot;  // device
+  std::int64_t num_tokens;
+  std::int32_t tile_layers;
+  unsigned long long* mismatches;  // null: scatter; else compare the cache with `in`
+};
+
+/// @brief Pass (b): block (x, y) = tile_tokens tokens x tile_layers layers, each token's slot
+/// divided by the block size once (shared memory); one 16-byte vector per work item, to its slot
+/// (or, with `mismatches`, compared with what the cache holds there).
+__global__ void __launch_bounds__(policy::block_threads)
+  scatter_kernel(__grid_constant__ scatter_args const args)
+{
+  // Offsets of (slot, head 0, dim 0) in each layer's K and V; tile_key -1: skip the token.
+  __shared__ std::int64_t tile_key[policy::tile_tokens];
+  __shared__ std::int64_t tile_value[policy::tile_tokens];
+  is::paged_kv_layout const& kl = args.cache.key_layout;
+  is::paged_kv_layout const& vl = args.cache.value_layout;
+  std::int64_t const n          = args.num_tokens;
+  std::int64_t const first      = static_cast<std::int64_t>(blockIdx.x) * policy::tile_tokens;
+  auto const tokens =
+    static_cast<std::int32_t>(n - first < policy::tile_tokens ? n - first : policy::tile_tokens);
+  std::int32_t const first_layer = static_cast<std::int32_t>(blockIdx.y) * args.tile_layers;
+  std::int32_t const layers      = args.cache.num_layers - first_layer < args.tile_layers
+                                     ? args.cache.num_layers - first_layer
+                                     : args.tile_layers;
+  for (std::int32_t t = threadIdx.x; t < tokens; t += blockDim.x) {
+    std::int64_t const slot  = args.slot[first + t];
+    bool const ok            = is::detail::slot_in_cache(slot, args.cache.num_slots());
+    std::int64_t const block = ok ? slot / kl.block_size : 0;
+    auto const in_block      = static_cast<std::int32_t>(ok ? slot % kl.block_size : 0);
+    tile_key[t]              = ok ? kl.offset(block, in_block, 0, 0) : -1;
+    tile_value[t]            = vl.offset(block, in_block, 0, 0);
+  }
+  __syncthreads();
+
+  std::int32_t const dim              = kl.head_dim;
+  std::int32_t const vectors_per_head = dim / vector_elements;
+  std::int32_t const row_vectors      = kl.num_heads * vectors_per_head;
+  std::int64_t const row              = std::int64_t{kl.num_heads} * dim;
+  std::int32_t const units_per_row    = 2 * row_vectors;  // K, then V
+  std::int32_t const total            = tokens * layers * units_per_row;
+  for (std::int32_t w = threadIdx.x; w < total; w += blockDim.x) {
+    std::int32_t const r    = w / units_per_row;
+    std::int32_t const unit = w - r * units_per_row;
+    std::int32_t const t    = r % tokens;
+    std::int32_t const l    = first_layer + r / tokens;
+    if (tile_key[t] < 0) { continue; }
+    std::int32_t const kv = unit >= row_vectors ? 1 : 0;
+    std::int32_t const v  = unit - kv * row_vectors;
+    std::int32_t const h  = v / vectors_per_head;
+    std::int32_t const d  = (v - h * vectors_per_head) * vector_elements;
+    // Dims contiguous (make_cache checks it): (h, d) lies h * head_stride + d past the slot.
+    auto* const base =
+      static_cast<bfloat16_t*>(kv == 0 ? args.cache.key_base[l] : args.cache.value_base[l]);
+    auto* const dst = reinterpret_cast<bf16x8*>(
+      base + (kv == 0 ? tile_key[t] + h * kl.head_stride : tile_value[t] + h * vl.head_stride) + d);
+    bf16x8 const x = *reinterpret_cast<bf16x8 const*>(
+      args.in + ((2 * std::int64_t{l} + kv) * n + first + t) * row + std::int64_t{h} * dim + d);
+    if (args.mismatches == nullptr) {
+      *dst = x;
+      continue;
+    }
+    bf16x8 const y         = *dst;
+    unsigned long long bad = 0;
+#pragma unroll
+    for (int k = 0; k < vector_elements; ++k) {
+      bad += x.v[k].bits != y.v[k].bits;
+    }
+    if (bad != 0) { atomicAdd(args.mismatches, bad); }
+  }
+}
+
+/// @brief The two-pass baseline's launches (buffers and launch shapes prepared once).
+struct device_two_pass {
+  compose_args compose{};
+  dim3 grid{};
+  std::size_t compose_shared{};
+  scatter_args scatter{};
+
+  device_two_pass(scenario const& s,
+                  is::injection_batch_view device_batch,
+                  bfloat16_t* composed,
+                  is::paged_kv_cache const& cache)
+  {
+    int device = 0, sm_count = 0;
+    INFERSCALE_CUDA_TRY(cudaGetDevice(&device));
+    INFERSCALE_CUDA_TRY(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+    std::int32_t const layers = s.geometry().num_layers;
+    std::int64_t const tiles  = (s.tokens + policy::tile_tokens - 1) / policy::tile_tokens;
+    // The fused kernel's rule: fewer layers per block until the grid has min_blocks_per_sm.
+    std::int32_t tile_layers = std::min(policy::max_tile_layers, layers);
+    while (tile_layers > 1 && tiles * ((layers + tile_layers - 1) / tile_layers) <
+                                std::int64_t{sm_count} * policy::min_blocks_per_sm) {
+      tile_layers /= 2;
+    }
+    compose.store       = s.store.ref();
+    compose.batch       = device_batch;
+    compose.rotation    = s.rotation;
+    compose.out         = composed;
+    compose.tile_layers = tile_layers;
+    grid                = dim3{static_cast<unsigned>(tiles),
+                static_cast<unsigned>((layers + tile_layers - 1) / tile_layers)};
+    compose_shared      = static_cast<std::size_t>(policy::tile_tokens) *
+                     static_cast<std::size_t>(s.rotation.num_pairs()) * sizeof(is::rope_cos_sin);
+    scatter.in          = composed;
+    scatter.cache       = cache;
+    scatter.slot        = device_batch.slot;
+    scatter.num_tokens  = s.tokens;
+    scatter.tile_layers = tile_layers;
+  }
+
+  void compose_pass(cudaStream_t stream) const
+  {
+    compose_kernel<<<grid, policy::block_threads, compose_shared, stream>>>(compose);
+    INFERSCALE_CHECK_LAUNCH();
+  }
+
+  void scatter_pass(cudaStream_t stream) const
+  {
+    scatter_kernel<<<grid, policy::block_threads, 0, stream>>>(scatter);
+    INFERSCALE_CHECK_LAUNCH();
+  }
+
+  void operator()(cudaStream_t stream) const
+  {
+    compose_pass(stream);
+    scatter_pass(stream);
+  }
+
+  /// @brief Elements of `cache` at the batch's slots that differ from the composed buffer.
+  std::uint64_t mismatches(is::paged_kv_cache const& cache) const
+  {
+    ib::device_buffer<unsigned long long> count(1);
+    INFERSCALE_CUDA_TRY(cudaMemset(count.data(), 0, sizeof(unsigned long long)));
+    scatter_args args = scatter;
+    args.cache        = cache;
+    args.mismatches   = count.data();
+    scatter_kernel<<<grid, policy::block_threads>>>(args);
+    INFERSCALE_CHECK_LAUNCH();
+    unsigned long long host = 0;
+    INFERSCALE_CUDA_TRY(cudaMemcpy(&host, count.data(), sizeof(host), cudaMemcpyDeviceToHost));
+    return host;
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Benchmarks
+
+std::vector<std::vector<std::int32_t>> requests_of(benchmark::State const& state, bool batch)
+{
+  if (batch) { return batch_fact_lengths(state.range(0), state.range(1)); }
+  return {segment_fact_lengths(state.range(0))};
+}
+
+void inject_host_bench(benchmark::State& state, model mdl, bool batch)
+{
+  ib::run_guarded(state, [&] {
+    using clock = std::chrono::steady_clock;
+    scenario const s{mdl, requests_of(state, batch), is::memory_kind::host};
+    std::vector<bfloat16_t> fused_cache(static_cast<std::size_t>(s.cache_elements()));
+    std::vector<bfloat16_t> two_pass_cache(static_cast<std::size_t>(s.cache_elements()));
+    std::vector<bfloat16_t> composed(static_cast<std::size_t>(s.composed_elements()));
+    auto const fused_desc        = s.make_cache(fused_cache.data());
+    auto const two_pass_desc     = s.make_cache(two_pass_cache.data());
+    auto const view              = s.batch.host_view();
+    ib::traffic const t          = s.traffic();
+    std::size_t const copy_bytes = static_cast<std::size_t>(t.bytes / 2);
+    std::vector<std::byte> copy_destination(copy_bytes);
+    void const* const copy_source = s.store.ref().pool;  // pool_bytes >= copy_bytes
+
+    auto const fused    = [&] { is::inject_host(s.store, s.batch, fused_desc, s.rotation); };
+    auto const two_pass = [&] {
+      compose_host(s.store.ref(), view, s.rotation, composed.data());
+      scatter_host(composed.data(), view, two_pass_desc);
+    };
+    auto const copy = [&] {
+      std::memcpy(copy_destination.data(), copy_source, copy_bytes);
+      benchmark::DoNotOptimize(copy_destination.data());
+      benchmark::ClobberMemory();
+    };
+
+    fused();
+    two_pass();
+    copy();
+    std::int64_t const bad = mismatches_host(composed.data(), view, fused_desc) +
+                             mismatches_host(composed.data(), view, two_pass_desc);
+    INFERSCALE_EXPECTS(
+      bad == 0,
+      "inject_bench: fused and two-pass results differ in " + std::to_string(bad) + " elements");
+
+    double seconds = 0.0, two_pass_seconds = 0.0, copy_seconds = 0.0;
+    for (auto _ : state) {
+      auto const f0 = clock::now();
+      fused();
+      benchmark::ClobberMemory();
+      auto const f1 = clock::now();
+      two_pass();
+      benchmark::ClobberMemory();
+      auto const p1 = clock::now();
+      copy();
+      auto const c1  = clock::now();
+      double const f = std::chrono::duration<double>(f1 - f0).count();
+      state.SetIterationTime(f);
+      seconds += f;
+      two_pass_seconds += std::chrono::duration<double>(p1 - f1).count();
+      copy_seconds += std::chrono::duration<double>(c1 - p1).count();
+    }
+    ib::report_throughput(state, t, seconds, copy_seconds);
+    report_two_pass(state, t, seconds, two_pass_seconds);
+    report_common(state, s, false);
+  });
+}
+
+/// @brief Device state shared by the raw and checked benchmarks.
+struct device_case {
+  scenario s;
+  ib::device_buffer<bfloat16_t> fused_cache;
+  ib::device_buffer<bfloat16_t> two_pass_cache;
+  ib::device_buffer<bfloat16_t> composed;
+  is::paged_kv_cache fused_desc;
+  is::paged_kv_cache two_pass_desc;
+  is::injection_workspace workspace;
+
+  device_case(model const& mdl, std::vector<std::vector<std::int32_t>> const& requests)
+    : s{mdl, requests, is::memory_kind::device},
+      fused_cache(static_cast<std::size_t>(s.cache_elements())),
+      two_pass_cache(static_cast<std::size_t>(s.cache_elements())),
+      composed(static_cast<std::size_t>(s.composed_elements())),
+      fused_desc{s.make_cache(fused_cache.data())},
+      two_pass_desc{s.make_cache(two_pass_cache.data())},
+      workspace{s.tokens}
+  {
+    INFERSCALE_CUDA_TRY(cudaMemset(fused_cache.data(), 0, fused_cache.bytes()));
+    INFERSCALE_CUDA_TRY(cudaMemset(two_pass_cache.data(), 0, two_pass_cache.bytes()));
+    workspace.stage(s.batch, cuda::stream_ref{cudaStream_t{}});
+    INFERSCALE_CUDA_TRY(cudaDeviceSynchronize());
+  }
+
+  void raw(cudaStream_t stream) const
+  {
+    is::inject_async(s.store.ref(), workspace.view(), fused_desc, s.rotation, stream);
+  }
+};
+
+void inject_device_bench(benchmark::State& state, model mdl, bool batch)
+{
+  if (!ib::require_device(state)) { return; }
+  ib::run_guarded(state, [&] {
+    device_case c{mdl, requests_of(state, batch)};
+    device_two_pass const two_pass{c.s, c.workspace.view(), c.composed.data(), c.two_pass_desc};
+    ib::traffic const t = c.s.traffic();
+
+    ib::cuda_stream stream;
+    ib::cuda_event f0, f1, p0, p1, c0, c1;
+    ib::l2_flusher flusher;
+    std::size_t const copy_bytes = static_cast<std::size_t>(t.bytes / 2);
+    ib::device_buffer<std::byte> copy_destination(copy_bytes);
+    void const* const copy_source = c.s.store.ref().pool;  // pool_bytes >= copy_bytes
+    auto const copy               = [&] {
+      INFERSCALE_CUDA_TRY(cudaMemcpyAsync(
+        copy_destination.data(), copy_source, copy_bytes, cudaMemcpyDeviceToDevice, stream.get()));
+    };
+
+    c.raw(stream.get());
+    two_pass(stream.get());
+    copy();
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+    std::uint64_t const bad =
+      two_pass.mismatches(c.fused_desc) + two_pass.mismatches(c.two_pass_desc);
+    INFERSCALE_EXPECTS(
+      bad == 0,
+      "inject_bench: fused and two-pass results differ in " + std::to_string(bad) + " elements");
+
+    double seconds = 0.0, two_pass_seconds = 0.0, copy_seconds = 0.0;
+    for (auto _ : state) {
+      flusher.flush(stream.get());
+      INFERSCALE_CUDA_TRY(cudaEventRecord(f0.get(), stream.get()));
+      c.raw(stream.get());
+      INFERSCALE_CUDA_TRY(cudaEventRecord(f1.get(), stream.get()));
+      flusher.flush(stream.get());
+      INFERSCALE_CUDA_TRY(cudaEventRecord(p0.get(), stream.get()));
+      two_pass(stream.get());
+      INFERSCALE_CUDA_TRY(cudaEventRecord(p1.get(), stream.get()));
+      flusher.flush(stream.get());
+      INFERSCALE_CUDA_TRY(cudaEventRecord(c0.get(), stream.get()));
+      copy();
+      INFERSCALE_CUDA_TRY(cudaEventRecord(c1.get(), stream.get()));
+      INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+      double const f = ib::elapsed_seconds(f0, f1);
+      state.SetIterationTime(f);
+      seconds += f;
+      two_pass_seconds += ib::elapsed_seconds(p0, p1);
+      copy_seconds += ib::elapsed_seconds(c0, c1);
+    }
+    ib::report_throughput(state, t, seconds, copy_seconds);
+    report_two_pass(state, t, seconds, two_pass_seconds);
+    report_common(state, c.s, true);
+  });
+}
+
+void inject_checked_device_bench(benchmark::State& state, model mdl, bool batch)
+{
+  if (!ib::require_device(state)) { return; }
+  ib::run_guarded(state, [&] {
+    using clock = std::chrono::steady_clock;
+    device_case c{mdl, requests_of(state, batch)};
+    ib::traffic const t = c.s.traffic();
+
+    ib::cuda_stream stream;
+    ib::cuda_event c0, c1;
+    ib::l2_flusher flusher;
+    std::size_t const copy_bytes = static_cast<std::size_t>(t.bytes / 2);
+    ib::device_buffer<std::byte> copy_destination(copy_bytes);
+    void const* const copy_source = c.s.store.ref().pool;
+    auto const checked            = [&] {
+      is::inject_async(c.s.store,
+                       c.s.batch,
+                       c.fused_desc,
+                       c.s.rotation,
+                       c.workspace,
+                       cuda::stream_ref{stream.get()});
+    };
+    // Host wall time of `work` up to the end of the stream's work, from a cold L2 and idle stream.
+    auto const wall = [&](auto&& work) {
+      flusher.flush(stream.get());
+      INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+      auto const w0 = clock::now();
+      work();
+      INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+      return std::chrono::duration<double>(clock::now() - w0).count();
+    };
+
+    checked();
+    c.raw(stream.get());
+    INFERSCALE_CUDA_TRY(cudaMemcpyAsync(
+      copy_destination.data(), copy_source, copy_bytes, cudaMemcpyDeviceToDevice, stream.get()));
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+
+    double seconds = 0.0, raw_seconds = 0.0, copy_seconds = 0.0;
+    for (auto _ : state) {
+      double const s = wall(checked);
+      state.SetIterationTime(s);
+      seconds += s;
+      raw_seconds += wall([&] { c.raw(stream.get()); });
+      flusher.flush(stream.get());
+      INFERSCALE_CUDA_TRY(cudaEventRecord(c0.get(), stream.get()));
+      INFERSCALE_CUDA_TRY(cudaMemcpyAsync(
+        copy_destination.data(), copy_source, copy_bytes, cudaMemcpyDeviceToDevice, stream.get()));
+      INFERSCALE_CUDA_TRY(cudaEventRecord(c1.get(), stream.get()));
+      INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+      copy_seconds += ib::elapsed_seconds(c0, c1);
+    }
+    ib::report_throughput(state, t, seconds, copy_seconds);
+    if (!state.error_occurred() && seconds > 0.0) {
+      state.counters["vs_raw"] = benchmark::Counter(raw_seconds / seconds);
+    }
+    report_common(state, c.s, true);
+  });
+}
+
+void register_inject_benchmarks()
+{
+  for (model const* m : {&llama, &qwen}) {
+    std::string const suffix = std::string{"/"} + m->name + "/bf16";
+    benchmark::RegisterBenchmark(("inject/host" + suffix).c_str(), inject_host_bench, *m, false)
+      ->Apply(ib::host_benchmark)
+      ->MinTime(0.1)
+      ->ArgNames({"m"})
+      ->ArgsProduct({{128, 1024}});
+    benchmark::RegisterBenchmark(("inject/device" + suffix).c_str(), inject_device_bench, *m, false)
+      ->Apply(ib::device_benchmark)
+      ->ArgNames({"m"})
+      ->ArgsProduct({{128, 1024, 4096}});
+    benchmark::RegisterBenchmark(
+      ("inject_checked/device" + suffix).c_str(), inject_checked_device_bench, *m, false)
+      ->Apply(ib::device_benchmark)
+      ->ArgNames({"m"})
+      ->ArgsProduct({{128, 1024, 4096}});
+  }
+  std::string const suffix = std::string{"/"} + llama.name + "/bf16";
+  benchmark::RegisterBenchmark(
+    ("inject_batch/host" + suffix).c_str(), inject_host_bench, llama, true)
+    ->Apply(ib::host_benchmark)
+    ->MinTime(0.1)
+    ->ArgNames({"requests", "facts"})
+    ->ArgsProduct({{8}, {20}});
+  benchmark::RegisterBenchmark(
+    ("inject_batch/device" + suffix).c_str(), inject_device_bench, llama, true)
+    ->Apply(ib::device_benchmark)
+    ->ArgNames({"requests", "facts"})
+    ->ArgsProduct({{64}, {20}});
+  benchmark::RegisterBenchmark(
+    ("inject_batch_checked/device" + suffix).c_str(), inject_checked_device_bench, llama, true)
+    ->Apply(ib::device_benchmark)
+    ->ArgNames({"requests", "facts"})
+    ->ArgsProduct({{64}, {20}});
+}
+
+}  // namespace
+
+int main(int argc, char** argv)
+{
+  register_inject_benchmarks();
+  return inferscale::bench::benchmark_main(argc, argv);
+}

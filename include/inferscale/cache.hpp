@@ -229,6 +229,15 @@ struct paged_kv_cache {
       INFERSCALE_EXPECTS(key_base[l] != nullptr && value_base[l] != nullptr,
                          "paged_kv_cache: null base address for layer " + std::to_string(l));
     }
+    if (scale_granularity != kv_scale_granularity::none) {
+      INFERSCALE_EXPECTS(cache_dtype == dtype::float8_e4m3 || cache_dtype == dtype::float8_e5m2,
+                         std::string{"paged_kv_cache: scales apply to fp8 caches, this one is "} +
+                           to_string(cache_dtype));
+      for (std::int32_t l = 0; l < num_layers; ++l) {
+        INFERSCALE_EXPECTS(key_scale[l] != nullptr && value_scale[l] != nullptr,
+                           "paged_kv_cache: null scale pointer for layer " + std::to_string(l));
+      }
+    }
   }
 };
 

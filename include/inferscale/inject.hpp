@@ -20,6 +20,8 @@
 #include <inferscale/store.hpp>
 
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -265,50 +267,72 @@ inline bool dims_contiguous(paged_kv_layout const& layout)
 }
 
 /**
- * @brief Host backend of one (token, layer, head): the same per-element math as the kernel.
- * `ContiguousK`/`ContiguousV`: the head's dims are contiguous in the cache, so the address of dim d
- * is the head's address plus d (no division per element).
+ * @brief Host backend of one (token, layer, head): the same per-element math as the kernel
+ * (detail/inject/element.hpp). `ContiguousK`/`ContiguousV`: the head's dims are contiguous in the
+ * cache (address of dim d = head address + d, no division per element); `Scaled`: fp8 scales apply;
+ * `Halves`/`RoundEach`: the rotation's pairing and vLLM-table rounding, hoisted out of the loops so
+ * the common case is a branch-free loop over restrict pointers the compiler can vectorise.
  */
-template <bool ContiguousK, bool ContiguousV, class StoreT, class CacheT, class Rotation>
+template <bool ContiguousK,
+          bool ContiguousV,
+          bool Scaled,
+          bool Halves,
+          bool RoundEach,
+          class StoreT,
+          class CacheT>
 void inject_host_head(StoreT const* __restrict k,
                       StoreT const* __restrict v,
                       CacheT* __restrict kdst,
                       CacheT* __restrict vdst,
                       paged_kv_layout const& key_layout,
                       paged_kv_layout const& value_layout,
-                      Rotation const& rotation,
+                      std::int32_t rotary,
                       rope_cos_sin const* __restrict cos_sin,
-                      bool round_each,
                       float key_scale,
                       float value_scale,
                       kv_scale_convention convention)
 {
-  std::int32_t const rotary = rotation.rotary_dim;
-  std::int32_t const dim    = key_layout.head_dim;
-  auto const kat = [&](std::int32_t d) -> CacheT& {
+  std::int32_t const dim   = key_layout.head_dim;
+  std::int32_t const pairs = rotary / 2;
+  auto const kat           = [&](std::int32_t d) -> CacheT& {
     return ContiguousK ? kdst[d] : kdst[dim_offset(key_layout, d)];
   };
   auto const vat = [&](std::int32_t d) -> CacheT& {
     return ContiguousV ? vdst[d] : vdst[dim_offset(value_layout, d)];
   };
-  for (std::int32_t p = 0; p < rotation.num_pairs(); ++p) {
-    std::int32_t first, second;
-    pair_elements(rotation.pairing, rotary, p, &first, &second);
+  for (std::int32_t p = 0; p < pairs; ++p) {
+    std::int32_t const first  = Halves ? p : 2 * p;
+    std::int32_t const second = Halves ? p + pairs : 2 * p + 1;
     float x, y;
-    rotate_stored_pair(k[first], k[second], cos_sin[p], round_each, &x, &y);
-    kat(first)  = quantize<CacheT>(x, key_scale, convention);
-    kat(second) = quantize<CacheT>(y, key_scale, convention);
+    if constexpr (RoundEach) {
+      rotate_stored_pair(k[first], k[second], cos_sin[p], true, &x, &y);
+    } else {
+      rotate_fp32(to_float(k[first]), to_float(k[second]), cos_sin[p], &x, &y);
+    }
+    kat(first)  = convert_rotated<CacheT>(x, Scaled, key_scale, convention);
+    kat(second) = convert_rotated<CacheT>(y, Scaled, key_scale, convention);
   }
   for (std::int32_t d = rotary; d < dim; ++d) {
-    kat(d) = quantize<CacheT>(to_float(k[d]), key_scale, convention);
+    kat(d) = convert_stored<CacheT>(k[d], Scaled, key_scale, convention);
   }
-  for (std::int32_t d = 0; d < dim; ++d) {
-    vat(d) = quantize<CacheT>(to_float(v[d]), value_scale, convention);
+  if constexpr (ContiguousV && !Scaled && std::is_same_v<StoreT, CacheT>) {
+    std::memcpy(vdst, v, static_cast<std::size_t>(dim) * sizeof(StoreT));
+  } else {
+    for (std::int32_t d = 0; d < dim; ++d) {
+      vat(d) = convert_stored<CacheT>(v[d], Scaled, value_scale, convention);
+    }
   }
 }
 
 /// @brief Host backend of injection for element types StoreT (store) and CacheT (cache).
-template <bool ContiguousK, bool ContiguousV, class StoreT, class CacheT, class Rotation>
+template <bool ContiguousK,
+          bool ContiguousV,
+          bool Scaled,
+          bool Halves,
+          bool RoundEach,
+          class StoreT,
+          class CacheT,
+          class Rotation>
 void inject_host_typed(kv_store_ref const& store,
                        injection_batch_view const& batch,
                        paged_kv_cache const& cache,
@@ -316,7 +340,6 @@ void inject_host_typed(kv_store_ref const& store,
 {
   std::int32_t const pairs   = rotation.num_pairs();
   std::int32_t const dim     = store.head_dim;
-  bool const round_each      = rope_rounds_each_operation<StoreT>(rotation, rope_op::forward);
   auto const* const pool     = static_cast<StoreT const*>(store.pool);
   std::int64_t const n_slots = cache.num_slots();
   std::int32_t const bs      = cache.key_layout.block_size;
@@ -336,22 +359,70 @@ void inject_host_typed(kv_store_ref const& store,
       auto* const kbase        = static_cast<CacheT*>(cache.key_base[l]);
       auto* const vbase        = static_cast<CacheT*>(cache.value_base[l]);
       for (std::int32_t h = 0; h < store.num_heads; ++h) {
-        inject_host_head<ContiguousK, ContiguousV>(
+        inject_host_head<ContiguousK, ContiguousV, Scaled, Halves, RoundEach>(
           krow + static_cast<std::int64_t>(h) * dim,
           vrow + static_cast<std::int64_t>(h) * dim,
           kbase + cache.key_layout.offset(block, in_block, h, 0),
           vbase + cache.value_layout.offset(block, in_block, h, 0),
           cache.key_layout,
           cache.value_layout,
-          rotation,
+          rotation.rotary_dim,
           cos_sin.data(),
-          round_each,
           cache.scale(l, h, false),
           cache.scale(l, h, true),
           cache.scale_convention);
       }
     }
   }
+}
+
+/// @brief Calls f(std::true_type) or f(std::false_type) as `value` says; only the latter when
+/// the flag cannot be true for these types (`Possible == false`), to instantiate less.
+template <bool Possible = true, class F>
+void with_flag(bool value, F&& f)
+{
+  if constexpr (Possible) {
+    if (value) {
+      f(std::true_type{});
+      return;
+    }
+  }
+  f(std::false_type{});
+}
+
+template <class Rotation>
+struct is_cos_sin_table : std::false_type {};
+template <class U>
+struct is_cos_sin_table<rope_cos_sin_table<U>> : std::true_type {};
+
+/// @brief Turns the host loop's runtime switches into template parameters (one place).
+template <class StoreT, class CacheT, class Rotation>
+void dispatch_host_inject(kv_store_ref const& store,
+                          injection_batch_view const& batch,
+                          paged_kv_cache const& cache,
+                          Rotation const& rotation)
+{
+  constexpr bool fp8 =
+    std::is_same_v<CacheT, float8_e4m3_t> || std::is_same_v<CacheT, float8_e5m2_t>;
+  constexpr bool may_round = is_cos_sin_table<Rotation>::value && !std::is_same_v<StoreT, float>;
+  bool const contiguous =
+    dims_contiguous(cache.key_layout) && dims_contiguous(cache.value_layout);
+  with_flag(contiguous, [&](auto c) {
+    with_flag<fp8>(cache.scale_granularity != kv_scale_granularity::none, [&](auto scaled) {
+      with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {
+        with_flag<may_round>(
+          rope_rounds_each_operation<StoreT>(rotation, rope_op::forward), [&](auto round_each) {
+            inject_host_typed<decltype(c)::value,
+                              decltype(c)::value,
+                              decltype(scaled)::value,
+                              decltype(halves)::value,
+                              decltype(round_each)::value,
+                              StoreT,
+                              CacheT>(store, batch, cache, rotation);
+          });
+      });
+    });
+  });
 }
 
 /// @brief Calls f(type_tag<StoreT>, type_tag<CacheT>) for the runtime dtypes.
@@ -394,14 +465,7 @@ void inject_host(kv_store const& store,
   detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
     using S = typename decltype(s)::type;
     using C = typename decltype(c)::type;
-    bool const k_contiguous = detail::dims_contiguous(cache.key_layout);
-    bool const v_contiguous = detail::dims_contiguous(cache.value_layout);
-    if (k_contiguous && v_contiguous) {
-      detail::inject_host_typed<true, true, S, C>(store.ref(), batch.host_view(), cache, rotation);
-    } else {
-      detail::inject_host_typed<false, false, S, C>(store.ref(), batch.host_view(), cache,
-                                                    rotation);
-    }
+    detail::dispatch_host_inject<S, C>(store.ref(), batch.host_view(), cache, rotation);
   });
 }
 

@@ -36,6 +36,40 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float dequantize(CacheT q,
 }
 
 /**
+ * @brief A stored element as the cache holds it: unchanged bits when the dtypes match and the cache
+ * has no scale; otherwise widened, scaled if `scaled`, and rounded to the cache dtype.
+ */
+template <class CacheT, class StoreT>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE CacheT convert_stored(StoreT s,
+                                                                    bool scaled,
+                                                                    float scale,
+                                                                    kv_scale_convention convention)
+{
+  if constexpr (std::is_same_v<StoreT, CacheT>) {
+    if (!scaled) { return s; }
+  }
+  return scaled ? quantize<CacheT>(to_float(s), scale, convention) : from_float<CacheT>(to_float(s));
+}
+
+/// @brief A rotated fp32 key element as the cache holds it: scaled if `scaled`, then rounded.
+template <class CacheT>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE CacheT convert_rotated(float x,
+                                                                     bool scaled,
+                                                                     float scale,
+                                                                     kv_scale_convention convention)
+{
+  return scaled ? quantize<CacheT>(x, scale, convention) : from_float<CacheT>(x);
+}
+
+/// @brief fp32 rotation of one pair: `(x c - y s, y c + x s)`, each product and sum rounded once.
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void rotate_fp32(
+  float x, float y, rope_cos_sin cs, float* out_x, float* out_y)
+{
+  *out_x = add_rn(mul_rn(x, cs.cos), -mul_rn(y, cs.sin));
+  *out_y = add_rn(mul_rn(y, cs.cos), mul_rn(x, cs.sin));
+}
+
+/**
  * @brief Rotates one stored key pair `(x, y)` by `cs` (forward rotation to the virtual position)
  * and returns the rotated pair in fp32.
  *
@@ -55,10 +89,7 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void rotate_stored_pair(
       return;
     }
   }
-  float const xf = to_float(x);
-  float const yf = to_float(y);
-  *out_x         = add_rn(mul_rn(xf, cs.cos), -mul_rn(yf, cs.sin));
-  *out_y         = add_rn(mul_rn(yf, cs.cos), mul_rn(xf, cs.sin));
+  rotate_fp32(to_float(x), to_float(y), cs, out_x, out_y);
 }
 
 /// @brief Inverse rotation of a pair read from a cache (dequantized to fp32) by `cs` (from
@@ -69,8 +100,7 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void unrotate_pair(float x,
                                                                  float* out_x,
                                                                  float* out_y)
 {
-  *out_x = add_rn(mul_rn(x, cs.cos), -mul_rn(y, cs.sin));
-  *out_y = add_rn(mul_rn(y, cs.cos), mul_rn(x, cs.sin));
+  rotate_fp32(x, y, cs, out_x, out_y);
 }
 
 /// @brief True if a slot can be written: not skipped (negative) and inside the cache.

@@ -151,7 +151,8 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
     std::int32_t const h = unit / args.units_per_head;
     std::int32_t const u = unit - h * args.units_per_head;
     std::int64_t const source = tile_source[t];
-    float const scale         = args.cache.scale(l, h, u >= args.key_units);
+    bool const scaled         = args.cache.scale_granularity != kv_scale_granularity::none;
+    float const scale         = scaled ? args.cache.scale(l, h, u >= args.key_units) : 1.0f;
 
     if (u < args.rotary_units) {
       // Key: rotate. Halves: a run of `run` pairs (elements p.. and p+R/2..). Interleaved: a run of
@@ -170,8 +171,8 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
         for (int e = 0; e < run; ++e) {
           float rx, ry;
           rotate_stored_pair(x[e], y[e], cos_sin[p0 + e], args.round_each, &rx, &ry);
-          qx[e] = quantize<CacheT>(rx, scale, args.cache.scale_convention);
-          qy[e] = quantize<CacheT>(ry, scale, args.cache.scale_convention);
+          qx[e] = convert_rotated<CacheT>(rx, scaled, scale, args.cache.scale_convention);
+          qy[e] = convert_rotated<CacheT>(ry, scaled, scale, args.cache.scale_convention);
         }
         store_run<run, Vectorized>(dst, args.cache.key_layout, block, in_block, h, p0, qx);
         store_run<run, Vectorized>(
@@ -186,8 +187,8 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
         for (int e = 0; e < elements; e += 2) {
           float rx, ry;
           rotate_stored_pair(v[e], v[e + 1], cos_sin[(d0 + e) / 2], args.round_each, &rx, &ry);
-          q[e]     = quantize<CacheT>(rx, scale, args.cache.scale_convention);
-          q[e + 1] = quantize<CacheT>(ry, scale, args.cache.scale_convention);
+          q[e]     = convert_rotated<CacheT>(rx, scaled, scale, args.cache.scale_convention);
+          q[e + 1] = convert_rotated<CacheT>(ry, scaled, scale, args.cache.scale_convention);
         }
         store_run<elements, Vectorized>(dst, args.cache.key_layout, block, in_block, h, d0, q);
       }
@@ -205,7 +206,7 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
       CacheT q[run];
 #pragma unroll
       for (int e = 0; e < run; ++e) {
-        q[e] = quantize<CacheT>(to_float(v[e]), scale, args.cache.scale_convention);
+        q[e] = convert_stored<CacheT>(v[e], scaled, scale, args.cache.scale_convention);
       }
       store_run<run, Vectorized>(
         dst, value ? args.cache.value_layout : args.cache.key_layout, block, in_block, h, d0, q);

@@ -1,0 +1,926 @@
+// GPU tests of injection and extraction: the device backend (inject.cuh) against the host backend
+// (inject.hpp), which shares its per-element code, so the two must agree byte for byte over the
+// whole storage of an engine's cache (padding included) for every engine layout of
+// tests/common/engine_caches.hpp and every store -> cache dtype pair. The rotation is an engine
+// cos/sin table (the same values on both sides); with computed rope_params the host's and the
+// device's sincos may differ in the last fp32 bit, so that case is compared to one unit in the
+// last place of the cache dtype. Also: CUDA-graph capture and replay with restaged positions, the
+// raw launch's skipping of out-of-range slots and positions, device extraction against host
+// extraction, and refused checked launches leaving the cache unchanged. Reported skipped by CTest
+// where no GPU is visible.
+#include "device_memory.hpp"
+#include "engine_caches.hpp"
+
+#include <inferscale/cache.hpp>
+#include <inferscale/compose.hpp>
+#include <inferscale/cuda_error.hpp>
+#include <inferscale/dtype.hpp>
+#include <inferscale/inject.cuh>
+#include <inferscale/inject.hpp>
+#include <inferscale/rope.hpp>
+#include <inferscale/store.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+using namespace inferscale;
+
+namespace {
+
+using inferscale_test::cuda_stream;
+using inferscale_test::device_buffer;
+using inferscale_test::engine_cache;
+using inferscale_test::engine_layout;
+using inferscale_test::tensor_desc;
+
+using bytes = std::vector<unsigned char>;
+
+/// A store -> cache dtype pair and, for fp8 caches, how its scales are given.
+template <class StoreT,
+          class CacheT,
+          kv_scale_granularity Granularity = kv_scale_granularity::none,
+          kv_scale_convention Convention   = kv_scale_convention::divide>
+struct dtype_pair {
+  using store_t                                     = StoreT;
+  using cache_t                                     = CacheT;
+  static constexpr kv_scale_granularity granularity = Granularity;
+  static constexpr kv_scale_convention convention   = Convention;
+};
+using bf16_to_bf16 = dtype_pair<bfloat16_t, bfloat16_t>;
+using fp32_to_fp32 = dtype_pair<float, float>;
+using bf16_to_e4m3 = dtype_pair<bfloat16_t,
+                                float8_e4m3_t,
+                                kv_scale_granularity::per_head,
+                                kv_scale_convention::divide>;
+using fp16_to_fp16 = dtype_pair<half_t, half_t>;
+using fp32_to_e5m2 =
+  dtype_pair<float, float8_e5m2_t, kv_scale_granularity::per_tensor, kv_scale_convention::multiply>;
+
+/// Shape of one scenario: the shard, the rotation and the cache size.
+struct geometry_case {
+  char const* name;
+  std::int32_t layers;
+  std::int32_t heads;        ///< heads of the store's shard and of the cache
+  std::int32_t model_heads;  ///< heads of the model (the facts' views)
+  std::int32_t first_head;   ///< first head of the shard
+  std::int32_t head_dim;
+  std::int32_t rotary_dim;
+  rope_pairing pairing;
+  bool round_each;      ///< the table's vLLM per-operation rounding (16-bit stores)
+  bool vectorizable;    ///< the device takes the 16-byte path where the layout allows
+  std::int64_t blocks;  ///< engine blocks of the cache
+};
+
+std::vector<geometry_case> geometry_cases()
+{
+  using rp = rope_pairing;
+  // clang-format off
+  //  name, then: layers, heads, model heads, first head, head_dim, rotary_dim, pairing,
+  //  round_each, vectorizable, blocks
+  return {{"d128 halves, full rotary",
+           3, 2, 2, 0, 128, 128, rp::halves,      true,  true,  12},
+          {"d64 interleaved, full rotary, heads 1..3 of 4",
+           2, 3, 4, 1, 64,  64,  rp::interleaved, false, true,  12},
+          {"d64 halves, rotary 34 (scalar path)",
+           2, 2, 2, 0, 64,  34,  rp::halves,      true,  false, 12},
+          {"d128 interleaved, rotary 64 (pass-through dims)",
+           3, 1, 1, 0, 128, 64,  rp::interleaved, true,  true,  12}};
+  // clang-format on
+}
+
+/// 10 layers and 1185 tokens: on an H200 the grid keeps 8 layers per block (a full and a partial
+/// layer tile) and the last token tile is partial.
+geometry_case large_case()
+{
+  return {"10 layers, 1185 tokens", 10, 2, 2, 0, 64, 64, rope_pairing::halves, true, true, 80};
+}
+
+constexpr std::int32_t block_size      = 16;  // engine tokens per block
+constexpr std::int32_t store_page_size = 8;   // store tokens per page: facts span pages
+constexpr std::int64_t store_pages     = 32;
+constexpr std::int64_t default_rows    = 2048;  // cos/sin table rows
+
+// Facts (id, tokens): an instruction prefix and seven facts of odd lengths.
+constexpr std::uint64_t prefix_id = 1;
+struct fact_spec {
+  std::uint64_t id;
+  std::int32_t tokens;
+};
+constexpr fact_spec facts[] = {{11, 7}, {12, 13}, {13, 1}, {14, 21}, {15, 5}, {16, 9}, {17, 17}};
+
+template <std::size_t N>
+std::array<std::int64_t, N> to_array(std::vector<std::int64_t> const& v)
+{
+  if (v.size() != N) { throw std::invalid_argument("tensor_desc rank mismatch"); }
+  std::array<std::int64_t, N> a{};
+  std::copy(v.begin(), v.end(), a.begin());
+  return a;
+}
+
+/// The library's descriptor of the simulated cache whose storage starts at `base` (the simulator's
+/// host storage, or a device copy of it), built with the factory for the engine's layout from the
+/// shapes and strides the engine reports.
+template <class C>
+paged_kv_cache describe_cache(engine_cache<C> const& cache, std::byte* base)
+{
+  dtype const t = dtype_of_v<C>;
+  std::vector<void*> keys, values;
+  for (int l = 0; l < cache.num_layers(); ++l) {
+    keys.push_back(base + cache.key_tensor(l).byte_offset);
+    values.push_back(base + cache.value_tensor(l).byte_offset);
+  }
+  tensor_desc const k = cache.key_tensor(0);
+  tensor_desc const v = cache.value_tensor(0);
+  switch (cache.layout()) {
+    case engine_layout::vllm_flash_attn_nhd:
+    case engine_layout::vllm_flash_attn_hnd:
+      return make_vllm_flash_attn_cache(t, keys, to_array<5>(k.shape), to_array<5>(k.strides));
+    case engine_layout::vllm_flash_attn_separate:
+      return make_vllm_flash_attn_cache(
+        t, keys, values, to_array<4>(k.shape), to_array<4>(k.strides), to_array<4>(v.strides));
+    case engine_layout::vllm_flashinfer_nhd:
+    case engine_layout::vllm_flashinfer_hnd:
+      return make_vllm_flashinfer_cache(t, keys, to_array<5>(k.shape), to_array<5>(k.strides));
+    case engine_layout::vllm_legacy:
+      return make_vllm_legacy_cache(t,
+                                    keys,
+                                    values,
+                                    to_array<5>(k.shape),
+                                    to_array<5>(k.strides),
+                                    to_array<4>(v.shape),
+                                    to_array<4>(v.strides));
+    case engine_layout::sglang_token_pool:
+      return make_sglang_cache(
+        t, keys, values, to_array<3>(k.shape), to_array<3>(k.strides), to_array<3>(v.strides));
+    case engine_layout::tensorrt_llm_pool:
+      return make_tensorrt_llm_cache(t,
+                                     keys[0],
+                                     to_array<4>(k.shape),
+                                     to_array<4>(k.strides),
+                                     cache.block_size(),
+                                     cache.num_heads(),
+                                     cache.head_dim(),
+                                     trtllm_block_order::hnd);
+    case engine_layout::contiguous:
+      return make_contiguous_cache(t, keys[0], to_array<5>(k.shape), to_array<5>(k.strides));
+  }
+  throw std::invalid_argument("describe_cache: unknown layout");
+}
+
+/// Deterministic pre-RoPE K and V of a fact, `[layers, tokens, model heads, head_dim]` (fp32, so
+/// both stores convert the same values to their dtype).
+void insert_fact(
+  kv_store& store, std::uint64_t id, std::uint64_t ns, std::int32_t tokens, geometry_case const& g)
+{
+  std::mt19937_64 rng(0x5eed0000 + id);
+  std::normal_distribution<float> normal(0.0f, 1.5f);
+  std::size_t const n = static_cast<std::size_t>(g.layers) * tokens * g.model_heads * g.head_dim;
+  std::vector<float> k(n), v(n);
+  for (auto& x : k) {
+    x = normal(rng);
+  }
+  for (auto& x : v) {
+    x = normal(rng);
+  }
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(tokens));
+  for (std::int32_t j = 0; j < tokens; ++j) {
+    ids[static_cast<std::size_t>(j)] = 1000 * static_cast<std::int32_t>(id) + j;
+  }
+  store.insert(
+    id,
+    ns,
+    ids,
+    make_fact_kv_view<float const>(k.data(), g.layers, tokens, g.model_heads, g.head_dim),
+    make_fact_kv_view<float const>(v.data(), g.layers, tokens, g.model_heads, g.head_dim));
+}
+
+/// The same history on every store: a filler fact is erased so later facts reuse its pages (a
+/// fact's pages are then not in order).
+void populate(kv_store& store, geometry_case const& g)
+{
+  insert_fact(store, 100, 9, 10, g);
+  insert_fact(store, prefix_id, 1, 6, g);
+  store.erase(100);
+  for (auto const& f : facts) {
+    insert_fact(store, f.id, 7, f.tokens, g);
+  }
+}
+
+kv_store_config store_config(geometry_case const& g, dtype store_dtype, memory_kind memory)
+{
+  kv_store_config c{};
+  c.model       = kv_geometry{g.layers, g.model_heads, g.head_dim};
+  c.first_head  = g.first_head;
+  c.num_heads   = g.heads;
+  c.store_dtype = store_dtype;
+  c.page_size   = store_page_size;
+  c.num_pages   = store_pages;
+  c.memory      = memory;
+  return c;
+}
+
+rope_params make_params(geometry_case const& g)
+{
+  rope_spec spec{};
+  spec.head_dim   = g.head_dim;
+  spec.rotary_dim = g.rotary_dim;
+  spec.theta      = 10000.0;
+  spec.pairing    = g.pairing;
+  return make_rope_params(spec);
+}
+
+/// fp8 scales, `[layer][K, V][count]`, count = heads (per head) or 1 (per tensor); 0.5 .. 1.5.
+std::vector<float> make_scales(geometry_case const& g, kv_scale_granularity granularity)
+{
+  if (granularity == kv_scale_granularity::none) { return {}; }
+  std::int32_t const count = granularity == kv_scale_granularity::per_head ? g.heads : 1;
+  std::vector<float> s;
+  for (std::int32_t l = 0; l < g.layers; ++l) {
+    for (std::int32_t kv = 0; kv < 2; ++kv) {
+      for (std::int32_t i = 0; i < count; ++i) {
+        s.push_back(0.5f + 0.25f * float((l + 2 * kv + i) % 5));
+      }
+    }
+  }
+  return s;
+}
+
+void set_scales(paged_kv_cache& cache,
+                float const* scales,
+                geometry_case const& g,
+                kv_scale_granularity granularity,
+                kv_scale_convention convention)
+{
+  if (granularity == kv_scale_granularity::none) { return; }
+  std::int32_t const count = granularity == kv_scale_granularity::per_head ? g.heads : 1;
+  std::vector<float const*> k, v;
+  for (std::int32_t l = 0; l < g.layers; ++l) {
+    k.push_back(scales + (2 * l) * count);
+    v.push_back(scales + (2 * l + 1) * count);
+  }
+  cache.set_fp8_scales(convention, granularity, k, v);
+}
+
+template <class C>
+bytes fill_and_copy(engine_cache<C>& cache, std::uint64_t seed)
+{
+  cache.fill_random(seed);
+  auto const* p = reinterpret_cast<unsigned char const*>(cache.storage());
+  return bytes(p, p + cache.storage_bytes());
+}
+
+/**
+ * Everything twice: a host store and a device store with the same history, the simulated cache
+ * in host memory and a device copy of its storage, descriptors of both made by the library's
+ * factories (same byte offsets), fp8 scales and the cos/sin table in both memories.
+ */
+template <class Pair>
+struct scenario {
+  using S = typename Pair::store_t;
+  using C = typename Pair::cache_t;
+
+  scenario(engine_layout layout_, geometry_case const& g_, std::int64_t rows = default_rows)
+    : g{g_},
+      layout{layout_},
+      host_store{store_config(g_, dtype_of_v<S>, memory_kind::host)},
+      device_store{store_config(g_, dtype_of_v<S>, memory_kind::device)},
+      cache{layout_, g_.layers, g_.blocks, block_size, g_.heads, g_.head_dim},
+      original{fill_and_copy(cache, 42 + static_cast<std::uint64_t>(layout_))},
+      device_storage{original},
+      scales{make_scales(g_, Pair::granularity)},
+      device_scales{scales},
+      params{make_params(g_)},
+      table{make_rope_cos_sin_values<S>(params, rows)},
+      device_table{table},
+      host_rotation{make_rope_cos_sin_table(params, table.data(), rows, g_.round_each)},
+      device_rotation{make_rope_cos_sin_table(params, device_table.data(), rows, g_.round_each)},
+      host_desc{describe_cache(cache, cache.storage())},
+      device_desc{describe_cache(cache, reinterpret_cast<std::byte*>(device_storage.data()))}
+  {
+    set_scales(host_desc, scales.data(), g, Pair::granularity, Pair::convention);
+    set_scales(device_desc, device_scales.data(), g, Pair::granularity, Pair::convention);
+    populate(host_store, g);
+    populate(device_store, g);
+    // Pageable cudaMemcpy may return before its DMA lands; kernels go to non-blocking streams.
+    INFERSCALE_CUDA_TRY(cudaDeviceSynchronize());
+  }
+
+  bytes host_bytes() const
+  {
+    auto const* p = reinterpret_cast<unsigned char const*>(cache.storage());
+    return bytes(p, p + cache.storage_bytes());
+  }
+
+  /// The device copy, after the stream's work.
+  bytes device_bytes(cudaStream_t stream) const
+  {
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream));
+    return device_storage.to_host();
+  }
+
+  geometry_case g;
+  engine_layout layout;
+  kv_store host_store;
+  kv_store device_store;
+  engine_cache<C> cache;  // the host backend's cache
+  bytes original;         // its storage before any injection
+  device_buffer<unsigned char> device_storage;
+  std::vector<float> scales;
+  device_buffer<float> device_scales;
+  rope_params params;
+  std::vector<S> table;
+  device_buffer<S> device_table;
+  rope_cos_sin_table<S> host_rotation;
+  rope_cos_sin_table<S> device_rotation;
+  paged_kv_cache host_desc;
+  paged_kv_cache device_desc;
+};
+
+/// Index of element `e` of the simulator's storage.
+template <class C>
+std::size_t element_index(engine_cache<C> const& cache, C const& e)
+{
+  return static_cast<std::size_t>(&e - reinterpret_cast<C const*>(cache.storage()));
+}
+
+/// Index of the first differing byte, -1 if equal (sizes must agree).
+std::int64_t first_difference(bytes const& a, bytes const& b)
+{
+  if (a.size() != b.size()) { return 0; }
+  auto const m = std::mismatch(a.begin(), a.end(), b.begin());
+  return m.first == a.end() ? -1 : static_cast<std::int64_t>(m.first - a.begin());
+}
+
+/// Engine blocks no request of make_batch uses (12-block caches).
+std::vector<std::int32_t> unused_blocks() { return {6, 4, 10, 11}; }
+
+/// One request of a batch: its plan and where its memory tokens go (a block table from a prompt
+/// position, or an explicit slot mapping when `blocks` is empty).
+struct request {
+  composition plan;
+  std::vector<std::int32_t> blocks;
+  std::int64_t start_position{};
+  std::vector<std::int64_t> slot_mapping;
+
+  /// The slots of the plan's tokens, whichever way they are given.
+  std::vector<std::int64_t> slots() const
+  {
+    if (blocks.empty()) { return slot_mapping; }
+    return slots_from_block_table(blocks.data(),
+                                  static_cast<std::int64_t>(blocks.size()),
+                                  block_size,
+                                  start_position,
+                                  plan.length());
+  }
+};
+
+/**
+ * Three requests (98 memory tokens), positions shifted by `shift`:
+ *  A: prefix + facts {11, 12, 13} best_last at p0 = 12, prompt tokens 3.. of blocks {7, 2};
+ *  B: facts {14, 15, 16} as given at p0 = 0, an explicit slot mapping with every fourth slot
+ *     negative (skipped) and three query-token slots past m;
+ *  C: prefix + facts {17, 12} at p0 = 1500 (fact 12 again), prompt tokens 5.. of blocks {3, 8, 1}.
+ */
+std::vector<request> make_requests(kv_store const& store, std::int64_t shift)
+{
+  std::vector<request> requests;
+  {
+    compose_options o{};
+    o.first_position     = 12 + shift;
+    o.order              = fact_order::best_last;
+    o.instruction_prefix = prefix_id;
+    requests.push_back({compose(store, {11, 12, 13}, o), {7, 2}, 3, {}});
+  }
+  {
+    compose_options o{};
+    o.first_position = shift;
+    request r{compose(store, {14, 15, 16}, o), {}, 0, {}};
+    std::int32_t const blocks[] = {9, 0, 5};
+    r.slot_mapping = slots_from_block_table(blocks, 3, block_size, 0, r.plan.length() + 3);
+    for (std::size_t j = 1; j < r.slot_mapping.size(); j += 4) {
+      r.slot_mapping[j] = -1;
+    }
+    requests.push_back(std::move(r));
+  }
+  {
+    compose_options o{};
+    o.first_position     = 1500 + shift;
+    o.instruction_prefix = prefix_id;
+    requests.push_back({compose(store, {17, 12}, o), {3, 8, 1}, 5, {}});
+  }
+  return requests;
+}
+
+/// The batch of make_requests (block tables through the block-table overload of add).
+injection_batch make_batch(kv_store const& store, std::int64_t shift)
+{
+  injection_batch batch(store);
+  for (request const& r : make_requests(store, shift)) {
+    if (r.blocks.empty()) {
+      batch.add(r.plan, r.slot_mapping);
+    } else {
+      batch.add(r.plan,
+                r.blocks.data(),
+                static_cast<std::int64_t>(r.blocks.size()),
+                block_size,
+                r.start_position);
+    }
+  }
+  return batch;
+}
+
+/// Fifteen requests of all the facts (1185 tokens) over blocks 0, 7, 14, ... (mod 80).
+injection_batch make_large_batch(kv_store const& store)
+{
+  injection_batch batch(store);
+  std::vector<std::int32_t> order(80);
+  for (std::int32_t i = 0; i < 80; ++i) {
+    order[static_cast<std::size_t>(i)] = (7 * i) % 80;
+  }
+  std::vector<std::uint64_t> ids;
+  for (auto const& f : facts) {
+    ids.push_back(f.id);
+  }
+  std::size_t next = 0;
+  for (int r = 0; r < 15; ++r) {
+    std::rotate(ids.begin(), ids.begin() + 1, ids.end());
+    compose_options o{};
+    o.first_position        = 37 * r;
+    o.order                 = r % 2 ? fact_order::best_last : fact_order::as_given;
+    o.instruction_prefix    = prefix_id;
+    auto const plan         = compose(store, ids, o);
+    std::int64_t const need = (plan.length() + block_size - 1) / block_size;
+    batch.add(plan, order.data() + next, need, block_size, 0);
+    next += static_cast<std::size_t>(need);
+  }
+  return batch;
+}
+
+/// Injects the same batch with both backends and requires identical storage.
+template <class Pair>
+void require_device_equals_host(scenario<Pair>& s, bool large)
+{
+  using S                  = typename Pair::store_t;
+  using C                  = typename Pair::cache_t;
+  injection_batch const hb = large ? make_large_batch(s.host_store) : make_batch(s.host_store, 0);
+  injection_batch const db =
+    large ? make_large_batch(s.device_store) : make_batch(s.device_store, 0);
+  REQUIRE(hb.store_tokens() == db.store_tokens());  // same history, same pages
+  REQUIRE(hb.positions() == db.positions());
+  REQUIRE(hb.slots() == db.slots());
+  bool const vectorized =
+    detail::inject_vectorizable<S, C>(s.device_store.ref(), s.device_desc, s.device_rotation);
+  CAPTURE(vectorized, hb.num_tokens());
+  REQUIRE(vectorized ==
+          (s.g.vectorizable && s.layout != engine_layout::vllm_legacy));  // V is token-fastest
+
+  inject_host(s.host_store, hb, s.host_desc, s.host_rotation);
+  cuda_stream stream;
+  injection_workspace workspace(db.num_tokens());
+  inject_async(s.device_store,
+               db,
+               s.device_desc,
+               s.device_rotation,
+               workspace,
+               cuda::stream_ref{stream.get()});
+  bytes const device = s.device_bytes(stream.get());
+  bytes const host   = s.host_bytes();
+  REQUIRE(first_difference(host, s.original) != -1);  // something was written
+  REQUIRE(first_difference(device, host) == -1);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("device injection equals the host injection byte for byte",
+                   "[gpu][inject]",
+                   bf16_to_bf16,
+                   fp32_to_fp32,
+                   bf16_to_e4m3,
+                   fp16_to_fp16,
+                   fp32_to_e5m2)
+{
+  auto const layout = GENERATE(from_range(inferscale_test::all_engine_layouts()));
+  auto const g      = GENERATE(from_range(geometry_cases()));
+  CAPTURE(inferscale_test::to_string(layout), g.name);
+  scenario<TestType> s(layout, g);
+  require_device_equals_host(s, false);
+}
+
+TEMPLATE_TEST_CASE("device injection of a batch larger than a wave equals the host injection",
+                   "[gpu][inject]",
+                   bf16_to_bf16,
+                   bf16_to_e4m3)
+{
+  auto const layout = GENERATE(from_range(inferscale_test::all_engine_layouts()));
+  CAPTURE(inferscale_test::to_string(layout));
+  scenario<TestType> s(layout, large_case());
+  require_device_equals_host(s, true);
+}
+
+TEMPLATE_TEST_CASE("device injection with computed rope_params is within one unit of the host's",
+                   "[gpu][inject]",
+                   bf16_to_bf16,
+                   fp32_to_fp32,
+                   bf16_to_e4m3)
+{
+  using C           = typename TestType::cache_t;
+  auto const layout = GENERATE(engine_layout::vllm_flash_attn_nhd, engine_layout::vllm_legacy);
+  auto const g      = GENERATE(from_range(geometry_cases()));
+  auto const mode   = GENERATE(rope_angle_mode::fp32, rope_angle_mode::exact);
+  CAPTURE(inferscale_test::to_string(layout), g.name, static_cast<int>(mode));
+  scenario<TestType> s(layout, g);
+  rope_params params = s.params;
+  params.angle_mode  = mode;
+  // Positions near 90000: large angles, where the two sincos implementations differ most.
+  injection_batch const hb = make_batch(s.host_store, 90000);
+  injection_batch const db = make_batch(s.device_store, 90000);
+  inject_host(s.host_store, hb, s.host_desc, params);
+  cuda_stream stream;
+  injection_workspace workspace(db.num_tokens());
+  inject_async(
+    s.device_store, db, s.device_desc, params, workspace, cuda::stream_ref{stream.get()});
+  bytes const device = s.device_bytes(stream.get());
+  bytes const host   = s.host_bytes();
+  REQUIRE(first_difference(host, s.original) != -1);
+  std::size_t const n = host.size() / sizeof(C);
+  std::vector<C> h(n), d(n);
+  std::memcpy(h.data(), host.data(), n * sizeof(C));
+  std::memcpy(d.data(), device.data(), n * sizeof(C));
+  // Only the rotated dims of written keys may differ; everything else is copied or converted
+  // without cos/sin and must be identical.
+  std::vector<bool> rotated(n, false);
+  for (std::int64_t slot : hb.slots()) {
+    if (slot < 0) { continue; }
+    for (std::int32_t l = 0; l < g.layers; ++l) {
+      for (std::int32_t head = 0; head < g.heads; ++head) {
+        for (std::int32_t dim = 0; dim < g.rotary_dim; ++dim) {
+          rotated[element_index(s.cache, s.cache.key(l, slot, head, dim))] = true;
+        }
+      }
+    }
+  }
+  float const unit      = std::ldexp(1.0f, -mantissa_bits<C>());
+  std::size_t differing = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (std::memcmp(&h[i], &d[i], sizeof(C)) == 0) { continue; }
+    ++differing;
+    float const a = to_float(h[i]), b = to_float(d[i]);
+    CAPTURE(i, a, b);
+    REQUIRE(rotated[i]);
+    // cos/sin differ by an fp32 ulp or two, |x| + |y| < 16: below 1e-5 before the final rounding,
+    // which then moves a result by at most one unit of the cache dtype.
+    REQUIRE(std::fabs(a - b) <= unit * std::max({1.0f, std::fabs(a), std::fabs(b)}) + 1e-5f);
+  }
+  INFO(differing << " of " << n << " elements differ");
+  SUCCEED();
+}
+
+TEMPLATE_TEST_CASE("a captured CUDA graph of the raw injection replays restaged positions",
+                   "[gpu][inject]",
+                   bf16_to_bf16,
+                   bf16_to_e4m3)
+{
+  auto const layout = GENERATE(engine_layout::vllm_flash_attn_nhd,
+                               engine_layout::vllm_legacy,
+                               engine_layout::tensorrt_llm_pool);
+  auto const g      = geometry_cases()[0];
+  CAPTURE(inferscale_test::to_string(layout));
+  scenario<TestType> s(layout, g, 4096);
+  cuda_stream stream;
+  cuda::stream_ref const ref{stream.get()};
+
+  // Captured with the batch at its first positions; replayed after restaging the same tokens and
+  // slots at positions shifted by 700, then by 1900.
+  injection_batch const first  = make_batch(s.device_store, 0);
+  injection_batch const second = make_batch(s.device_store, 700);
+  injection_batch const third  = make_batch(s.device_store, 1900);
+  REQUIRE(second.slots() == first.slots());
+  REQUIRE(third.slots() == first.slots());
+  REQUIRE(second.positions() != first.positions());
+  injection_workspace workspace(first.num_tokens());
+  workspace.stage(first, ref);
+
+  struct graph_owner {
+    cudaGraph_t graph{};
+    cudaGraphExec_t exec{};
+    ~graph_owner()
+    {
+      if (exec) { (void)cudaGraphExecDestroy(exec); }
+      if (graph) { (void)cudaGraphDestroy(graph); }
+    }
+  } owner;
+  INFERSCALE_CUDA_TRY(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+  try {
+    inject_async(s.device_store.ref(), workspace.view(), s.device_desc, s.device_rotation, ref);
+  } catch (...) {
+    (void)cudaStreamEndCapture(stream.get(), &owner.graph);
+    throw;
+  }
+  INFERSCALE_CUDA_TRY(cudaStreamEndCapture(stream.get(), &owner.graph));
+  INFERSCALE_CUDA_TRY(cudaGraphInstantiate(&owner.exec, owner.graph, 0));
+  REQUIRE(first_difference(s.device_bytes(stream.get()), s.original) == -1);  // nothing ran yet
+
+  bytes after_second;
+  for (auto const* batch : {&second, &third}) {
+    std::int64_t const shift = batch == &second ? 700 : 1900;
+    CAPTURE(shift);
+    workspace.stage(*batch, ref);
+    INFERSCALE_CUDA_TRY(cudaGraphLaunch(owner.exec, stream.get()));
+    inject_host(s.host_store, make_batch(s.host_store, shift), s.host_desc, s.host_rotation);
+    bytes const device = s.device_bytes(stream.get());
+    REQUIRE(first_difference(device, s.host_bytes()) == -1);
+    if (batch == &second) {
+      after_second = device;
+    } else {
+      REQUIRE(first_difference(device, after_second) != -1);  // the new positions took effect
+    }
+  }
+}
+
+namespace {
+
+/// Raw launch over device arrays the host never checked: tokens whose slot lies outside the cache
+/// or whose position lies outside the table (beyond it, or negative) are skipped.
+template <class Pair>
+void require_raw_launch_skips(engine_layout layout, geometry_case const& g)
+{
+  using C = typename Pair::cache_t;
+  CAPTURE(inferscale_test::to_string(layout), g.name);
+  scenario<Pair> s(layout, g);
+  std::vector<request> const requests = make_requests(s.host_store, 0);
+  std::vector<std::int64_t> store_tokens, positions, device_slots;
+  std::vector<std::vector<std::int64_t>> host_slots;  // per request; -1 where the device skips
+  {
+    injection_batch const batch = make_batch(s.host_store, 0);
+    store_tokens                = batch.store_tokens();
+    positions                   = batch.positions();
+    device_slots                = batch.slots();
+  }
+  std::int64_t const n = static_cast<std::int64_t>(store_tokens.size());
+  std::vector<std::int64_t> free_slots;  // slots no request writes: must stay untouched
+  for (std::int32_t b : unused_blocks()) {
+    for (std::int32_t t = 0; t < block_size; ++t) {
+      free_slots.push_back(std::int64_t{b} * block_size + t);
+    }
+  }
+  std::int64_t const rows      = s.device_rotation.max_position;
+  std::int64_t const num_slots = s.device_desc.num_slots();
+  std::size_t next_free        = 0;
+  std::int64_t i               = 0;  // token of the batch
+  for (request const& r : requests) {
+    std::vector<std::int64_t> slots = r.slots();
+    for (std::int64_t j = 0; j < r.plan.length(); ++j, ++i) {
+      auto const k = static_cast<std::size_t>(i);
+      REQUIRE(device_slots[k] == slots[static_cast<std::size_t>(j)]);
+      switch (i % 6) {
+        case 1:  // position beyond the table, a writable slot
+          positions[k]    = rows + 13 * i;
+          device_slots[k] = free_slots.at(next_free++);
+          break;
+        case 3:  // negative position, a writable slot
+          positions[k]    = -1 - i;
+          device_slots[k] = free_slots.at(next_free++);
+          break;
+        case 5:  // slot beyond the cache
+          device_slots[k] = i % 12 == 5 ? num_slots + i : std::numeric_limits<std::int64_t>::max();
+          break;
+        default: continue;
+      }
+      slots[static_cast<std::size_t>(j)] = -1;
+    }
+    host_slots.push_back(std::move(slots));
+  }
+  REQUIRE(i == n);
+  std::vector<std::int64_t> arrays = store_tokens;
+  arrays.insert(arrays.end(), positions.begin(), positions.end());
+  arrays.insert(arrays.end(), device_slots.begin(), device_slots.end());
+  device_buffer<std::int64_t> device_arrays(arrays);
+  INFERSCALE_CUDA_TRY(cudaDeviceSynchronize());
+  injection_batch_view const view{
+    device_arrays.data(), device_arrays.data() + n, device_arrays.data() + 2 * n, n};
+  cuda_stream stream;
+  inject_async(
+    s.device_store.ref(), view, s.device_desc, s.device_rotation, cuda::stream_ref{stream.get()});
+
+  // Expected: the host backend on the same requests with the skipped tokens' slots negative.
+  injection_batch expected(s.host_store);
+  for (std::size_t r = 0; r < requests.size(); ++r) {
+    expected.add(requests[r].plan, host_slots[r]);
+  }
+  REQUIRE(expected.store_tokens() == store_tokens);
+  inject_host(s.host_store, expected, s.host_desc, s.host_rotation);
+  bytes const device = s.device_bytes(stream.get());
+  bytes const host   = s.host_bytes();
+  REQUIRE(first_difference(host, s.original) != -1);
+  REQUIRE(first_difference(device, host) == -1);
+  // The free slots given to skipped tokens are untouched (also implied by the equality above).
+  for (std::size_t j = 0; j < next_free; ++j) {
+    for (std::int32_t l = 0; l < g.layers; ++l) {
+      for (std::int32_t h = 0; h < g.heads; ++h) {
+        for (std::int32_t d = 0; d < g.head_dim; ++d) {
+          std::size_t const ko =
+            element_index(s.cache, s.cache.key(l, free_slots[j], h, d)) * sizeof(C);
+          std::size_t const vo =
+            element_index(s.cache, s.cache.value(l, free_slots[j], h, d)) * sizeof(C);
+          REQUIRE(std::memcmp(&device[ko], &s.original[ko], sizeof(C)) == 0);
+          REQUIRE(std::memcmp(&device[vo], &s.original[vo], sizeof(C)) == 0);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the raw device injection skips slots beyond the cache and positions beyond the table",
+          "[gpu][inject]")
+{
+  auto const cases = geometry_cases();
+  SECTION("vLLM FlashAttention NHD, bf16 -> bf16, vectorized")
+  {
+    require_raw_launch_skips<bf16_to_bf16>(engine_layout::vllm_flash_attn_nhd, cases[0]);
+  }
+  SECTION("vLLM legacy, bf16 -> fp8 e4m3 per-head scales, scalar")
+  {
+    require_raw_launch_skips<bf16_to_e4m3>(engine_layout::vllm_legacy, cases[2]);
+  }
+  SECTION("SGLang token pool, fp32 -> fp32")
+  {
+    require_raw_launch_skips<fp32_to_fp32>(engine_layout::sglang_token_pool, cases[1]);
+  }
+}
+
+TEMPLATE_TEST_CASE("device extraction equals host extraction",
+                   "[gpu][inject]",
+                   bf16_to_bf16,
+                   fp32_to_fp32,
+                   bf16_to_e4m3,
+                   fp16_to_fp16,
+                   fp32_to_e5m2)
+{
+  auto const layout = GENERATE(from_range(inferscale_test::all_engine_layouts()));
+  auto const g      = GENERATE(from_range(geometry_cases()));
+  CAPTURE(inferscale_test::to_string(layout), g.name);
+  scenario<TestType> s(layout, g);
+  cuda_stream stream;
+  cuda::stream_ref const ref{stream.get()};
+
+  // Inject first, so that one extracted span holds injected keys (request A's 27 tokens at their
+  // positions 12..); the other is 19 random tokens in unused blocks at positions 777...
+  injection_batch const hb = make_batch(s.host_store, 0);
+  injection_batch const db = make_batch(s.device_store, 0);
+  inject_host(s.host_store, hb, s.host_desc, s.host_rotation);
+  injection_workspace workspace(db.num_tokens());
+  inject_async(s.device_store, db, s.device_desc, s.device_rotation, workspace, ref);
+  REQUIRE(first_difference(s.device_bytes(stream.get()), s.host_bytes()) == -1);
+
+  std::vector<std::int32_t> const blocks = unused_blocks();
+  struct span {
+    std::uint64_t id;
+    std::vector<std::int64_t> slots;
+    std::int64_t first_position;
+  };
+  std::vector<span> const spans{
+    {500, slots_from_block_table(blocks.data(), 2, block_size, 5, 19), 777},
+    {501, std::vector<std::int64_t>(hb.slots().begin(), hb.slots().begin() + 27), 12}};
+  for (auto const& sp : spans) {
+    std::vector<std::int32_t> ids(sp.slots.size());
+    for (std::size_t j = 0; j < ids.size(); ++j) {
+      ids[j] = 7000 + static_cast<std::int32_t>(j);
+    }
+    extract_host(
+      s.host_desc, sp.slots, sp.first_position, s.host_rotation, s.host_store, sp.id, 3, ids);
+    extract(s.device_desc,
+            sp.slots,
+            sp.first_position,
+            s.device_rotation,
+            s.device_store,
+            sp.id,
+            3,
+            ids,
+            ref);
+  }
+  // The new facts' pages, byte for byte (the other rows of their last pages are the same on both
+  // sides too: both pools start zeroed and saw the same inserts).
+  bytes const host_pool        = s.host_store.pool_to_host();
+  bytes const device_pool      = s.device_store.pool_to_host();
+  std::size_t const page_bytes = host_pool.size() / static_cast<std::size_t>(store_pages);
+  for (auto const& sp : spans) {
+    fact_record const& hf = s.host_store.at(sp.id);
+    fact_record const& df = s.device_store.at(sp.id);
+    REQUIRE(hf.pages == df.pages);
+    REQUIRE(df.token_ids == hf.token_ids);
+    for (std::int64_t page : hf.pages) {
+      CAPTURE(sp.id, page);
+      std::size_t const at = static_cast<std::size_t>(page) * page_bytes;
+      REQUIRE(std::memcmp(&host_pool[at], &device_pool[at], page_bytes) == 0);
+    }
+  }
+  REQUIRE(first_difference(host_pool, device_pool) == -1);
+  // Extraction reads the cache only.
+  REQUIRE(first_difference(s.device_bytes(stream.get()), s.host_bytes()) == -1);
+}
+
+namespace {
+
+/// Every refusal of the checked inject_async leaves the device cache as it was.
+template <class Pair>
+void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case const& g)
+{
+  CAPTURE(inferscale_test::to_string(layout), g.name);
+  scenario<Pair> s(layout, g);
+  cuda_stream stream;
+  cuda::stream_ref const ref{stream.get()};
+  injection_workspace workspace(256);
+  auto const unchanged = [&] {
+    REQUIRE(first_difference(s.device_bytes(stream.get()), s.original) == -1);
+  };
+  std::vector<std::int32_t> const blocks = unused_blocks();
+  compose_options near{};
+  near.first_position    = 40;
+  composition const plan = compose(s.device_store, {11, 13}, near);  // 8 tokens
+  auto const free_slots  = slots_from_block_table(blocks.data(), 1, block_size, 0, plan.length());
+
+  SECTION("a slot beyond the cache")
+  {
+    injection_batch batch(s.device_store);
+    auto slots = free_slots;
+    slots[5]   = s.device_desc.num_slots();
+    batch.add(plan, slots);
+    REQUIRE_THROWS_AS(
+      inject_async(s.device_store, batch, s.device_desc, s.device_rotation, workspace, ref),
+      logic_error);
+    unchanged();
+  }
+  SECTION("a position beyond the table")
+  {
+    compose_options far{};
+    far.first_position = s.device_rotation.max_position - 4;
+    injection_batch batch(s.device_store);
+    batch.add(compose(s.device_store, {11, 13}, far), free_slots);
+    REQUIRE_THROWS_AS(
+      inject_async(s.device_store, batch, s.device_desc, s.device_rotation, workspace, ref),
+      logic_error);
+    unchanged();
+  }
+  SECTION("a workspace too small for the batch")
+  {
+    injection_batch const batch = make_batch(s.device_store, 0);
+    injection_workspace small(batch.num_tokens() - 1);
+    REQUIRE_THROWS_AS(
+      inject_async(s.device_store, batch, s.device_desc, s.device_rotation, small, ref),
+      logic_error);
+    unchanged();
+  }
+  SECTION("a batch of another store, a host store")
+  {
+    injection_batch const host_batch = make_batch(s.host_store, 0);
+    REQUIRE_THROWS_AS(
+      inject_async(s.device_store, host_batch, s.device_desc, s.device_rotation, workspace, ref),
+      logic_error);
+    REQUIRE_THROWS_AS(
+      inject_async(s.host_store, host_batch, s.device_desc, s.device_rotation, workspace, ref),
+      logic_error);
+    unchanged();
+  }
+  SECTION("a stale batch, then a fresh one is accepted")
+  {
+    injection_batch const stale = make_batch(s.device_store, 0);
+    insert_fact(s.device_store, 900, 2, 3, g);
+    insert_fact(s.host_store, 900, 2, 3, g);
+    REQUIRE_THROWS_AS(
+      inject_async(s.device_store, stale, s.device_desc, s.device_rotation, workspace, ref),
+      logic_error);
+    unchanged();
+    injection_batch const fresh = make_batch(s.device_store, 0);
+    inject_async(s.device_store, fresh, s.device_desc, s.device_rotation, workspace, ref);
+    inject_host(s.host_store, make_batch(s.host_store, 0), s.host_desc, s.host_rotation);
+    REQUIRE(first_difference(s.device_bytes(stream.get()), s.host_bytes()) == -1);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a refused checked device injection leaves the cache unchanged", "[gpu][inject]")
+{
+  auto const cases = geometry_cases();
+  SECTION("vLLM FlashAttention HND, bf16 -> fp8 e4m3")
+  {
+    require_refusals_leave_cache_unchanged<bf16_to_e4m3>(engine_layout::vllm_flash_attn_hnd,
+                                                         cases[0]);
+  }
+  SECTION("vLLM legacy, fp32 -> fp32")
+  {
+    require_refusals_leave_cache_unchanged<fp32_to_fp32>(engine_layout::vllm_legacy, cases[2]);
+  }
+}

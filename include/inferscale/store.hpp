@@ -574,6 +574,9 @@ class kv_store {
                                            cudaMemcpyHostToDevice));
           }
         }
+        // A pageable host-to-device cudaMemcpy may return before the data lands: wait, so work
+        // enqueued next on any stream sees the fact (and the staging buffer may be reused).
+        if (config_.memory == memory_kind::device) { INFERSCALE_CUDA_TRY(cudaDeviceSynchronize()); }
       }
     });
   }

@@ -92,7 +92,8 @@ enum class kv_scale_convention : std::uint8_t {
 /// @brief How many scales a layer has.
 enum class kv_scale_granularity : std::uint8_t {
   none,        ///< no scaling (scale 1)
-  per_tensor,  ///< one fp32 scale per layer for K and one for V (vLLM `layer._k_scale` of shape [1])
+  per_tensor,  ///< one fp32 scale per layer for K and one for V (vLLM `layer._k_scale` of shape
+               ///< [1])
   per_head,    ///< one fp32 scale per KV head (shape [heads])
 };
 
@@ -195,9 +196,9 @@ struct paged_kv_cache {
                          std::to_string(key_scales.size()) + " and " +
                          std::to_string(value_scales.size()));
     for (std::int32_t l = 0; l < num_layers; ++l) {
-      INFERSCALE_EXPECTS(key_scales[l] != nullptr && value_scales[l] != nullptr,
-                         "paged_kv_cache::set_fp8_scales: null scale pointer for layer " +
-                           std::to_string(l));
+      INFERSCALE_EXPECTS(
+        key_scales[l] != nullptr && value_scales[l] != nullptr,
+        "paged_kv_cache::set_fp8_scales: null scale pointer for layer " + std::to_string(l));
     }
     scale_convention  = convention;
     scale_granularity = granularity;
@@ -257,12 +258,12 @@ inline void expect_shape(std::array<std::int64_t, N> const& shape,
                          char const* who)
 {
   for (std::size_t i = 0; i < N; ++i) {
-    INFERSCALE_EXPECTS(shape[i] > 0, std::string{who} + ": dimension " + std::to_string(i) +
-                                       " of the shape must be positive, got " +
-                                       std::to_string(shape[i]));
-    INFERSCALE_EXPECTS(strides[i] >= 0, std::string{who} + ": stride " + std::to_string(i) +
-                                          " must be non-negative, got " +
-                                          std::to_string(strides[i]));
+    INFERSCALE_EXPECTS(shape[i] > 0,
+                       std::string{who} + ": dimension " + std::to_string(i) +
+                         " of the shape must be positive, got " + std::to_string(shape[i]));
+    INFERSCALE_EXPECTS(strides[i] >= 0,
+                       std::string{who} + ": stride " + std::to_string(i) +
+                         " must be non-negative, got " + std::to_string(strides[i]));
   }
 }
 
@@ -272,8 +273,9 @@ inline void expect_layers(std::size_t n, std::size_t m, char const* who)
                      std::string{who} + ": between 1 and " +
                        std::to_string(paged_kv_cache::max_layers) + " layers, got " +
                        std::to_string(n));
-  INFERSCALE_EXPECTS(n == m, std::string{who} + ": " + std::to_string(n) + " key tensors but " +
-                               std::to_string(m) + " value tensors");
+  INFERSCALE_EXPECTS(n == m,
+                     std::string{who} + ": " + std::to_string(n) + " key tensors but " +
+                       std::to_string(m) + " value tensors");
 }
 
 inline void* advance(void* base, std::int64_t elements, dtype t)
@@ -358,9 +360,9 @@ inline paged_kv_cache make_vllm_flash_attn_cache(dtype cache_dtype,
   char const* who = "make_vllm_flash_attn_cache";
   detail::expect_cache_dtype(cache_dtype, who);
   detail::expect_shape(shape, strides, who);
-  INFERSCALE_EXPECTS(shape[0] == 2,
-                     std::string{who} + ": dimension 0 must be 2 (K, V), got " +
-                       std::to_string(shape[0]));
+  INFERSCALE_EXPECTS(
+    shape[0] == 2,
+    std::string{who} + ": dimension 0 must be 2 (K, V), got " + std::to_string(shape[0]));
   auto const layout = detail::block_token_head_dim_layout(
     shape[1], shape[2], shape[3], shape[4], strides[1], strides[2], strides[3], strides[4], who);
   std::vector<void*> values;
@@ -388,12 +390,24 @@ inline paged_kv_cache make_vllm_flash_attn_cache(dtype cache_dtype,
   detail::expect_cache_dtype(cache_dtype, who);
   detail::expect_shape(shape, key_strides, who);
   detail::expect_shape(shape, value_strides, who);
-  auto const k = detail::block_token_head_dim_layout(shape[0], shape[1], shape[2], shape[3],
-                                                     key_strides[0], key_strides[1],
-                                                     key_strides[2], key_strides[3], who);
-  auto const v = detail::block_token_head_dim_layout(shape[0], shape[1], shape[2], shape[3],
-                                                     value_strides[0], value_strides[1],
-                                                     value_strides[2], value_strides[3], who);
+  auto const k = detail::block_token_head_dim_layout(shape[0],
+                                                     shape[1],
+                                                     shape[2],
+                                                     shape[3],
+                                                     key_strides[0],
+                                                     key_strides[1],
+                                                     key_strides[2],
+                                                     key_strides[3],
+                                                     who);
+  auto const v = detail::block_token_head_dim_layout(shape[0],
+                                                     shape[1],
+                                                     shape[2],
+                                                     shape[3],
+                                                     value_strides[0],
+                                                     value_strides[1],
+                                                     value_strides[2],
+                                                     value_strides[3],
+                                                     who);
   auto cache   = make_paged_kv_cache(cache_dtype, key_tensors, value_tensors, k, v);
   cache.format = paged_kv_format::vllm_flash_attn;
   return cache;
@@ -414,9 +428,9 @@ inline paged_kv_cache make_vllm_flashinfer_cache(dtype cache_dtype,
   char const* who = "make_vllm_flashinfer_cache";
   detail::expect_cache_dtype(cache_dtype, who);
   detail::expect_shape(shape, strides, who);
-  INFERSCALE_EXPECTS(shape[1] == 2,
-                     std::string{who} + ": dimension 1 must be 2 (K, V), got " +
-                       std::to_string(shape[1]));
+  INFERSCALE_EXPECTS(
+    shape[1] == 2,
+    std::string{who} + ": dimension 1 must be 2 (K, V), got " + std::to_string(shape[1]));
   auto const layout = detail::block_token_head_dim_layout(
     shape[0], shape[2], shape[3], shape[4], strides[0], strides[2], strides[3], strides[4], who);
   std::vector<void*> values;
@@ -453,8 +467,9 @@ inline paged_kv_cache make_vllm_legacy_cache(dtype cache_dtype,
   std::int64_t const head_dim = key_shape[2] * x;
   INFERSCALE_EXPECTS(value_shape[0] == key_shape[0] && value_shape[1] == key_shape[1] &&
                        value_shape[2] == head_dim && value_shape[3] == key_shape[3],
-                     std::string{who} + ": value shape must be (blocks, heads, head_dim, "
-                                        "block_size) matching the key shape");
+                     std::string{who} +
+                       ": value shape must be (blocks, heads, head_dim, "
+                       "block_size) matching the key shape");
   paged_kv_layout k{};
   k.num_blocks   = key_shape[0];
   k.num_heads    = detail::narrow_dim(key_shape[1], who, "heads");
@@ -466,10 +481,15 @@ inline paged_kv_cache make_vllm_legacy_cache(dtype cache_dtype,
   k.token_stride = key_strides[3];
   k.dim_stride   = key_strides[4];
   k.dim_chunk    = static_cast<std::int32_t>(x);
-  auto const v   = detail::block_token_head_dim_layout(value_shape[0], value_shape[3],
-                                                     value_shape[1], value_shape[2],
-                                                     value_strides[0], value_strides[3],
-                                                     value_strides[1], value_strides[2], who);
+  auto const v   = detail::block_token_head_dim_layout(value_shape[0],
+                                                     value_shape[3],
+                                                     value_shape[1],
+                                                     value_shape[2],
+                                                     value_strides[0],
+                                                     value_strides[3],
+                                                     value_strides[1],
+                                                     value_strides[2],
+                                                     who);
   auto cache     = make_paged_kv_cache(cache_dtype, key_tensors, value_tensors, k, v);
   cache.format   = paged_kv_format::vllm_legacy;
   return cache;
@@ -494,9 +514,8 @@ inline paged_kv_cache make_sglang_cache(dtype cache_dtype,
   detail::expect_shape(shape, value_strides, who);
   auto const k = detail::block_token_head_dim_layout(
     shape[0], 1, shape[1], shape[2], key_strides[0], 0, key_strides[1], key_strides[2], who);
-  auto const v = detail::block_token_head_dim_layout(shape[0], 1, shape[1], shape[2],
-                                                     value_strides[0], 0, value_strides[1],
-                                                     value_strides[2], who);
+  auto const v = detail::block_token_head_dim_layout(
+    shape[0], 1, shape[1], shape[2], value_strides[0], 0, value_strides[1], value_strides[2], who);
   auto cache   = make_paged_kv_cache(cache_dtype, key_buffers, value_buffers, k, v);
   cache.format = paged_kv_format::sglang_token_pool;
   return cache;
@@ -530,23 +549,25 @@ inline paged_kv_cache make_tensorrt_llm_cache(dtype cache_dtype,
   char const* who = "make_tensorrt_llm_cache";
   detail::expect_cache_dtype(cache_dtype, who);
   detail::expect_shape(shape, strides, who);
-  INFERSCALE_EXPECTS(shape[2] == 2,
-                     std::string{who} + ": dimension 2 must be 2 (K, V), got " +
-                       std::to_string(shape[2]));
-  INFERSCALE_EXPECTS(tokens_per_block > 0 && heads > 0 && head_dim > 0 &&
-                       shape[3] == static_cast<std::int64_t>(tokens_per_block) * heads * head_dim,
-                     std::string{who} + ": dimension 3 must equal tokens_per_block * heads * "
-                                        "head_dim = " +
-                       std::to_string(static_cast<std::int64_t>(tokens_per_block) * heads *
-                                      head_dim) +
-                       ", got " + std::to_string(shape[3]));
-  std::int64_t const e = strides[3];
-  std::int64_t const token_stride =
-    order == trtllm_block_order::hnd ? head_dim * e : static_cast<std::int64_t>(heads) * head_dim * e;
-  std::int64_t const head_stride =
-    order == trtllm_block_order::hnd ? static_cast<std::int64_t>(tokens_per_block) * head_dim * e
-                                     : head_dim * e;
-  auto const layout = detail::block_token_head_dim_layout(
+  INFERSCALE_EXPECTS(
+    shape[2] == 2,
+    std::string{who} + ": dimension 2 must be 2 (K, V), got " + std::to_string(shape[2]));
+  INFERSCALE_EXPECTS(
+    tokens_per_block > 0 && heads > 0 && head_dim > 0 &&
+      shape[3] == static_cast<std::int64_t>(tokens_per_block) * heads * head_dim,
+    std::string{who} +
+      ": dimension 3 must equal tokens_per_block * heads * "
+      "head_dim = " +
+      std::to_string(static_cast<std::int64_t>(tokens_per_block) * heads * head_dim) + ", got " +
+      std::to_string(shape[3]));
+  std::int64_t const e            = strides[3];
+  std::int64_t const token_stride = order == trtllm_block_order::hnd
+                                      ? head_dim * e
+                                      : static_cast<std::int64_t>(heads) * head_dim * e;
+  std::int64_t const head_stride  = order == trtllm_block_order::hnd
+                                      ? static_cast<std::int64_t>(tokens_per_block) * head_dim * e
+                                      : head_dim * e;
+  auto const layout               = detail::block_token_head_dim_layout(
     shape[0], tokens_per_block, heads, head_dim, strides[0], token_stride, head_stride, e, who);
   INFERSCALE_EXPECTS(shape[1] <= paged_kv_cache::max_layers,
                      std::string{who} + ": at most " + std::to_string(paged_kv_cache::max_layers) +
@@ -575,9 +596,9 @@ inline paged_kv_cache make_contiguous_cache(dtype cache_dtype,
   char const* who = "make_contiguous_cache";
   detail::expect_cache_dtype(cache_dtype, who);
   detail::expect_shape(shape, strides, who);
-  INFERSCALE_EXPECTS(shape[1] == 2,
-                     std::string{who} + ": dimension 1 must be 2 (K, V), got " +
-                       std::to_string(shape[1]));
+  INFERSCALE_EXPECTS(
+    shape[1] == 2,
+    std::string{who} + ": dimension 1 must be 2 (K, V), got " + std::to_string(shape[1]));
   INFERSCALE_EXPECTS(shape[0] <= paged_kv_cache::max_layers,
                      std::string{who} + ": at most " + std::to_string(paged_kv_cache::max_layers) +
                        " layers, got " + std::to_string(shape[0]));
@@ -609,24 +630,24 @@ inline std::vector<std::int64_t> slots_from_block_table(std::int32_t const* bloc
                                                         std::int64_t start_position,
                                                         std::int64_t num_tokens)
 {
-  INFERSCALE_EXPECTS(block_size > 0, "slots_from_block_table: block size must be positive, got " +
-                                       std::to_string(block_size));
+  INFERSCALE_EXPECTS(
+    block_size > 0,
+    "slots_from_block_table: block size must be positive, got " + std::to_string(block_size));
   INFERSCALE_EXPECTS(start_position >= 0 && num_tokens >= 0 && num_block_ids >= 0,
                      "slots_from_block_table: start, token count and block count must be "
                      "non-negative");
-  INFERSCALE_EXPECTS(
-    start_position + num_tokens <= num_block_ids * block_size,
-    "slots_from_block_table: tokens " + std::to_string(start_position) + " .. " +
-      std::to_string(start_position + num_tokens) + " need " +
-      std::to_string((start_position + num_tokens + block_size - 1) / block_size) +
-      " blocks, the table has " + std::to_string(num_block_ids));
+  INFERSCALE_EXPECTS(start_position + num_tokens <= num_block_ids * block_size,
+                     "slots_from_block_table: tokens " + std::to_string(start_position) + " .. " +
+                       std::to_string(start_position + num_tokens) + " need " +
+                       std::to_string((start_position + num_tokens + block_size - 1) / block_size) +
+                       " blocks, the table has " + std::to_string(num_block_ids));
   std::vector<std::int64_t> slots(static_cast<std::size_t>(num_tokens));
   for (std::int64_t j = 0; j < num_tokens; ++j) {
     std::int64_t const p     = start_position + j;
     std::int32_t const block = block_ids[p / block_size];
-    INFERSCALE_EXPECTS(block >= 0, "slots_from_block_table: negative block id " +
-                                     std::to_string(block) + " at table index " +
-                                     std::to_string(p / block_size));
+    INFERSCALE_EXPECTS(block >= 0,
+                       "slots_from_block_table: negative block id " + std::to_string(block) +
+                         " at table index " + std::to_string(p / block_size));
     slots[static_cast<std::size_t>(j)] =
       static_cast<std::int64_t>(block) * block_size + p % block_size;
   }

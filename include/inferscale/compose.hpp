@@ -93,9 +93,9 @@ inline composition compose(kv_store const& store,
   for (std::size_t i = 0; i < order.size(); ++i) {
     std::uint64_t const id = order[i];
     bool const is_prefix   = options.instruction_prefix && i == 0;
-    INFERSCALE_EXPECTS(store.contains(id), std::string{"compose: unknown "} +
-                                             (is_prefix ? "instruction prefix" : "fact") +
-                                             " id " + std::to_string(id));
+    INFERSCALE_EXPECTS(store.contains(id),
+                       std::string{"compose: unknown "} +
+                         (is_prefix ? "instruction prefix" : "fact") + " id " + std::to_string(id));
     INFERSCALE_EXPECTS(seen.insert(id).second,
                        "compose: fact id " + std::to_string(id) +
                          " appears twice (a fact, or a fact equal to the instruction prefix)");

@@ -22,6 +22,7 @@
 #include <inferscale/store.hpp>
 
 #include <cuda/stream_ref>
+
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -41,10 +42,11 @@ class injection_workspace {
   /// @brief Allocates room for `capacity` tokens. @throw cuda_error if allocation fails.
   explicit injection_workspace(std::int64_t capacity) : capacity_{capacity}
   {
-    INFERSCALE_EXPECTS(capacity >= 0, "injection_workspace: capacity must be non-negative, got " +
-                                        std::to_string(capacity));
-    std::size_t const bytes = 3 * static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)) *
-                              sizeof(std::int64_t);
+    INFERSCALE_EXPECTS(
+      capacity >= 0,
+      "injection_workspace: capacity must be non-negative, got " + std::to_string(capacity));
+    std::size_t const bytes =
+      3 * static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)) * sizeof(std::int64_t);
     INFERSCALE_CUDA_TRY(cudaMalloc(&device_, bytes));
     cudaError_t const s = cudaMallocHost(&host_, bytes);
     if (s != cudaSuccess) {
@@ -98,9 +100,9 @@ class injection_workspace {
   void stage(injection_batch const& batch, cuda::stream_ref stream)
   {
     std::int64_t const n = batch.num_tokens();
-    INFERSCALE_EXPECTS(n <= capacity_, "injection_workspace: the batch has " + std::to_string(n) +
-                                         " tokens, the workspace holds " +
-                                         std::to_string(capacity_));
+    INFERSCALE_EXPECTS(n <= capacity_,
+                       "injection_workspace: the batch has " + std::to_string(n) +
+                         " tokens, the workspace holds " + std::to_string(capacity_));
     INFERSCALE_CUDA_TRY(cudaEventSynchronize(staged_));
     std::size_t const bytes = static_cast<std::size_t>(n) * sizeof(std::int64_t);
     if (n > 0) {
@@ -108,8 +110,11 @@ class injection_workspace {
       std::memcpy(host_ + capacity_, batch.positions().data(), bytes);
       std::memcpy(host_ + 2 * capacity_, batch.slots().data(), bytes);
       for (int a = 0; a < 3; ++a) {
-        INFERSCALE_CUDA_TRY(cudaMemcpyAsync(device_ + a * capacity_, host_ + a * capacity_, bytes,
-                                            cudaMemcpyHostToDevice, stream.get()));
+        INFERSCALE_CUDA_TRY(cudaMemcpyAsync(device_ + a * capacity_,
+                                            host_ + a * capacity_,
+                                            bytes,
+                                            cudaMemcpyHostToDevice,
+                                            stream.get()));
       }
     }
     INFERSCALE_CUDA_TRY(cudaEventRecord(staged_, stream.get()));
@@ -147,8 +152,8 @@ bool inject_vectorizable(kv_store_ref const& store,
   constexpr std::int64_t run = 16 / static_cast<std::int64_t>(sizeof(StoreT));
   std::int64_t const rotary  = rotation.rotary_dim;
   std::int64_t const dim     = store.head_dim;
-  bool const pairs_fit       = rotation.pairing == rope_pairing::halves ? (rotary / 2) % run == 0
-                                                                        : rotary % run == 0;
+  bool const pairs_fit =
+    rotation.pairing == rope_pairing::halves ? (rotary / 2) % run == 0 : rotary % run == 0;
   if (!pairs_fit || rotary % run != 0 || dim % run != 0) { return false; }
   if (reinterpret_cast<std::uintptr_t>(store.pool) % 16 != 0) { return false; }
   std::uintptr_t const align = static_cast<std::uintptr_t>(run) * sizeof(CacheT);
@@ -182,15 +187,15 @@ void inject_launch(kv_store_ref const& store,
   std::int32_t const dim    = store.head_dim;
 
   inject_kernel_args<Rotation> args{};
-  args.store        = store;
-  args.cache        = cache;
-  args.rotation     = rotation;
-  args.batch        = batch;
-  args.table_rows   = rope_table_rows(rotation);
-  args.round_each   = rope_rounds_each_operation<StoreT>(rotation, rope_op::forward);
-  args.rotary_units = vectorized ? (rotation.pairing == rope_pairing::halves ? rotary / 2 / run
-                                                                             : rotary / run)
-                                 : rotary / 2;
+  args.store      = store;
+  args.cache      = cache;
+  args.rotation   = rotation;
+  args.batch      = batch;
+  args.table_rows = rope_table_rows(rotation);
+  args.round_each = rope_rounds_each_operation<StoreT>(rotation, rope_op::forward);
+  args.rotary_units =
+    vectorized ? (rotation.pairing == rope_pairing::halves ? rotary / 2 / run : rotary / run)
+               : rotary / 2;
   args.key_units      = args.rotary_units + (dim - rotary) / run;
   args.units_per_head = args.key_units + dim / run;
   args.tile_tokens    = policy::tile_tokens;
@@ -198,14 +203,14 @@ void inject_launch(kv_store_ref const& store,
   int device = 0, sm_count = 0;
   INFERSCALE_CUDA_TRY(cudaGetDevice(&device));
   INFERSCALE_CUDA_TRY(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  std::int64_t const token_tiles = (batch.num_tokens + policy::tile_tokens - 1) / policy::tile_tokens;
+  std::int64_t const token_tiles =
+    (batch.num_tokens + policy::tile_tokens - 1) / policy::tile_tokens;
   INFERSCALE_EXPECTS(token_tiles <= std::int64_t{0x7fffffff},
                      "inject_async: " + std::to_string(batch.num_tokens) + " tokens exceed a grid");
   // Share each tile's cos/sin over as many layers as keep the grid at min_blocks_per_sm.
   std::int32_t tile_layers = std::min(policy::max_tile_layers, cache.num_layers);
-  while (tile_layers > 1 &&
-         token_tiles * ((cache.num_layers + tile_layers - 1) / tile_layers) <
-           static_cast<std::int64_t>(sm_count) * policy::min_blocks_per_sm) {
+  while (tile_layers > 1 && token_tiles * ((cache.num_layers + tile_layers - 1) / tile_layers) <
+                              static_cast<std::int64_t>(sm_count) * policy::min_blocks_per_sm) {
     tile_layers /= 2;
   }
   args.tile_layers = tile_layers;
@@ -303,8 +308,15 @@ void extract(paged_kv_cache const& cache,
              std::vector<std::int32_t> token_ids,
              cuda::stream_ref stream)
 {
-  detail::check_extraction(cache, slots, first_position, rotation, store, fact_id, token_ids,
-                           memory_kind::device, "extract");
+  detail::check_extraction(cache,
+                           slots,
+                           first_position,
+                           rotation,
+                           store,
+                           fact_id,
+                           token_ids,
+                           memory_kind::device,
+                           "extract");
   std::int64_t const n = static_cast<std::int64_t>(slots.size());
   std::vector<std::int64_t> host(static_cast<std::size_t>(3 * n));
   std::int64_t* device = nullptr;
@@ -312,12 +324,15 @@ void extract(paged_kv_cache const& cache,
   fact_record const& fact = store.reserve(fact_id, namespace_id, std::move(token_ids));
   try {
     for (std::int64_t j = 0; j < n; ++j) {
-      host[static_cast<std::size_t>(j)]         = store.store_token(fact, static_cast<std::int32_t>(j));
-      host[static_cast<std::size_t>(n + j)]     = first_position + j;
+      host[static_cast<std::size_t>(j)]     = store.store_token(fact, static_cast<std::int32_t>(j));
+      host[static_cast<std::size_t>(n + j)] = first_position + j;
       host[static_cast<std::size_t>(2 * n + j)] = slots[static_cast<std::size_t>(j)];
     }
-    INFERSCALE_CUDA_TRY(cudaMemcpyAsync(device, host.data(), host.size() * sizeof(std::int64_t),
-                                        cudaMemcpyHostToDevice, stream.get()));
+    INFERSCALE_CUDA_TRY(cudaMemcpyAsync(device,
+                                        host.data(),
+                                        host.size() * sizeof(std::int64_t),
+                                        cudaMemcpyHostToDevice,
+                                        stream.get()));
     detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
       using S      = typename decltype(s)::type;
       using C      = typename decltype(c)::type;
@@ -327,12 +342,12 @@ void extract(paged_kv_cache const& cache,
       args.cache          = cache;
       args.rotation       = rotation;
       args.tokens         = {device, device + n, device + 2 * n, n};
-      args.units_per_head = rotation.num_pairs() + (store.geometry().head_dim - rotation.rotary_dim) +
+      args.units_per_head = rotation.num_pairs() +
+                            (store.geometry().head_dim - rotation.rotary_dim) +
                             store.geometry().head_dim;
       std::int64_t const total = n * cache.num_layers * cache.num_heads() * args.units_per_head;
-      auto const blocks        = static_cast<unsigned>(
-        std::min<std::int64_t>((total + policy::extract_threads - 1) / policy::extract_threads,
-                               std::int64_t{1} << 20));
+      auto const blocks        = static_cast<unsigned>(std::min<std::int64_t>(
+        (total + policy::extract_threads - 1) / policy::extract_threads, std::int64_t{1} << 20));
       detail::extract_kernel<policy, S, C, Rotation>
         <<<blocks, policy::extract_threads, 0, stream.get()>>>(args);
       INFERSCALE_CHECK_LAUNCH();

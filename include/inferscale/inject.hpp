@@ -20,11 +20,11 @@
 #include <inferscale/store.hpp>
 
 #include <algorithm>
-#include <cstring>
-#include <type_traits>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <unordered_set>
 #include <vector>
 
@@ -77,18 +77,18 @@ class injection_batch {
     INFERSCALE_EXPECTS(static_cast<std::int64_t>(plan.sources.size()) == m,
                        "injection_batch::add: the plan has " + std::to_string(plan.sources.size()) +
                          " sources for " + std::to_string(m) + " tokens");
-    INFERSCALE_EXPECTS(num_slots >= m, "injection_batch::add: the plan has " + std::to_string(m) +
-                                         " tokens but only " + std::to_string(num_slots) +
-                                         " slots were given");
+    INFERSCALE_EXPECTS(num_slots >= m,
+                       "injection_batch::add: the plan has " + std::to_string(m) +
+                         " tokens but only " + std::to_string(num_slots) + " slots were given");
     INFERSCALE_EXPECTS(m == 0 || slot_mapping != nullptr,
                        std::string{"injection_batch::add: null slot mapping"});
 
     // Resolve and check everything into temporaries first.
     std::vector<std::int64_t> store_tokens(static_cast<std::size_t>(m));
     std::unordered_set<std::int64_t> new_slots;
-    std::uint64_t cached_id      = 0;
-    fact_record const* cached    = nullptr;
-    std::int64_t max_slot        = max_slot_;
+    std::uint64_t cached_id   = 0;
+    fact_record const* cached = nullptr;
+    std::int64_t max_slot     = max_slot_;
     for (std::int64_t j = 0; j < m; ++j) {
       token_source const& src = plan.sources[static_cast<std::size_t>(j)];
       if (cached == nullptr || cached_id != src.fact_id) {
@@ -105,9 +105,9 @@ class injection_batch {
       store_tokens[static_cast<std::size_t>(j)] = store_->store_token(*cached, src.offset);
       std::int64_t const slot                   = slot_mapping[j];
       if (slot >= 0) {
-        INFERSCALE_EXPECTS(slots_.count(slot) == 0 && new_slots.insert(slot).second,
-                           "injection_batch::add: slot " + std::to_string(slot) +
-                             " is written twice in this batch");
+        INFERSCALE_EXPECTS(
+          slots_.count(slot) == 0 && new_slots.insert(slot).second,
+          "injection_batch::add: slot " + std::to_string(slot) + " is written twice in this batch");
         max_slot = std::max(max_slot, slot);
       }
     }
@@ -137,8 +137,9 @@ class injection_batch {
            std::int32_t block_size,
            std::int64_t start_position)
   {
-    add(plan,
-        slots_from_block_table(block_ids, num_block_ids, block_size, start_position, plan.length()));
+    add(
+      plan,
+      slots_from_block_table(block_ids, num_block_ids, block_size, start_position, plan.length()));
   }
 
   std::int64_t num_tokens() const noexcept { return static_cast<std::int64_t>(slot_.size()); }
@@ -196,14 +197,13 @@ inline void check_store_cache_geometry(kv_store const& store,
 {
   cache.validate();
   kv_geometry const g = store.geometry();
-  INFERSCALE_EXPECTS(cache.num_layers == g.num_layers && cache.num_heads() == g.num_kv_heads &&
-                       cache.head_dim() == g.head_dim,
-                     std::string{who} + ": geometry mismatch: the store holds " +
-                       std::to_string(g.num_layers) + " layers x " +
-                       std::to_string(g.num_kv_heads) + " heads x " + std::to_string(g.head_dim) +
-                       ", the cache " + std::to_string(cache.num_layers) + " x " +
-                       std::to_string(cache.num_heads()) + " x " +
-                       std::to_string(cache.head_dim()));
+  INFERSCALE_EXPECTS(
+    cache.num_layers == g.num_layers && cache.num_heads() == g.num_kv_heads &&
+      cache.head_dim() == g.head_dim,
+    std::string{who} + ": geometry mismatch: the store holds " + std::to_string(g.num_layers) +
+      " layers x " + std::to_string(g.num_kv_heads) + " heads x " + std::to_string(g.head_dim) +
+      ", the cache " + std::to_string(cache.num_layers) + " x " +
+      std::to_string(cache.num_heads()) + " x " + std::to_string(cache.head_dim()));
 }
 
 /// @brief Checks a rotation against a head_dim and the largest position it will be asked for.
@@ -391,9 +391,11 @@ void with_flag(bool value, F&& f)
 }
 
 template <class Rotation>
-struct is_cos_sin_table : std::false_type {};
+struct is_cos_sin_table : std::false_type {
+};
 template <class U>
-struct is_cos_sin_table<rope_cos_sin_table<U>> : std::true_type {};
+struct is_cos_sin_table<rope_cos_sin_table<U>> : std::true_type {
+};
 
 /// @brief Turns the host loop's runtime switches into template parameters (one place).
 template <class StoreT, class CacheT, class Rotation>
@@ -405,21 +407,20 @@ void dispatch_host_inject(kv_store_ref const& store,
   constexpr bool fp8 =
     std::is_same_v<CacheT, float8_e4m3_t> || std::is_same_v<CacheT, float8_e5m2_t>;
   constexpr bool may_round = is_cos_sin_table<Rotation>::value && !std::is_same_v<StoreT, float>;
-  bool const contiguous =
-    dims_contiguous(cache.key_layout) && dims_contiguous(cache.value_layout);
+  bool const contiguous = dims_contiguous(cache.key_layout) && dims_contiguous(cache.value_layout);
   with_flag(contiguous, [&](auto c) {
     with_flag<fp8>(cache.scale_granularity != kv_scale_granularity::none, [&](auto scaled) {
       with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {
-        with_flag<may_round>(
-          rope_rounds_each_operation<StoreT>(rotation, rope_op::forward), [&](auto round_each) {
-            inject_host_typed<decltype(c)::value,
-                              decltype(c)::value,
-                              decltype(scaled)::value,
-                              decltype(halves)::value,
-                              decltype(round_each)::value,
-                              StoreT,
-                              CacheT>(store, batch, cache, rotation);
-          });
+        with_flag<may_round>(rope_rounds_each_operation<StoreT>(rotation, rope_op::forward),
+                             [&](auto round_each) {
+                               inject_host_typed<decltype(c)::value,
+                                                 decltype(c)::value,
+                                                 decltype(scaled)::value,
+                                                 decltype(halves)::value,
+                                                 decltype(round_each)::value,
+                                                 StoreT,
+                                                 CacheT>(store, batch, cache, rotation);
+                             });
       });
     });
   });
@@ -497,13 +498,15 @@ void check_extraction(paged_kv_cache const& cache,
                          std::to_string(j) + " is outside the cache's " +
                          std::to_string(cache.num_slots()) + " slots");
   }
-  INFERSCALE_EXPECTS(first_position >= 0 &&
-                       first_position <= std::numeric_limits<std::int64_t>::max() -
-                                           static_cast<std::int64_t>(slots.size()),
-                     std::string{who} + ": first position must be non-negative, got " +
-                       std::to_string(first_position));
-  check_rotation(rotation, store.geometry().head_dim,
-                 first_position + static_cast<std::int64_t>(slots.size()) - 1, who);
+  INFERSCALE_EXPECTS(
+    first_position >= 0 && first_position <= std::numeric_limits<std::int64_t>::max() -
+                                               static_cast<std::int64_t>(slots.size()),
+    std::string{who} + ": first position must be non-negative, got " +
+      std::to_string(first_position));
+  check_rotation(rotation,
+                 store.geometry().head_dim,
+                 first_position + static_cast<std::int64_t>(slots.size()) - 1,
+                 who);
   INFERSCALE_EXPECTS(!store.contains(fact_id),
                      std::string{who} + ": fact id " + std::to_string(fact_id) + " already stored");
   INFERSCALE_EXPECTS(store.pages_for(static_cast<std::int64_t>(slots.size())) <= store.free_pages(),
@@ -545,8 +548,8 @@ void extract_host_typed(paged_kv_cache const& cache,
         float const ks  = cache.scale(l, h, false);
         float const vs  = cache.scale(l, h, true);
         auto const kat  = [&](std::int32_t d) {
-          return dequantize(kbase[cache.key_layout.slot_offset(slot, h, d)], ks,
-                            cache.scale_convention);
+          return dequantize(
+            kbase[cache.key_layout.slot_offset(slot, h, d)], ks, cache.scale_convention);
         };
         for (std::int32_t p = 0; p < pairs; ++p) {
           std::int32_t first, second;
@@ -556,11 +559,12 @@ void extract_host_typed(paged_kv_cache const& cache,
           k[first]  = from_float<StoreT>(x);
           k[second] = from_float<StoreT>(y);
         }
-        for (std::int32_t d = rotary; d < dim; ++d) { k[d] = from_float<StoreT>(kat(d)); }
+        for (std::int32_t d = rotary; d < dim; ++d) {
+          k[d] = from_float<StoreT>(kat(d));
+        }
         for (std::int32_t d = 0; d < dim; ++d) {
-          v[d] = from_float<StoreT>(
-            dequantize(vbase[cache.value_layout.slot_offset(slot, h, d)], vs,
-                       cache.scale_convention));
+          v[d] = from_float<StoreT>(dequantize(
+            vbase[cache.value_layout.slot_offset(slot, h, d)], vs, cache.scale_convention));
         }
       }
     }
@@ -601,8 +605,15 @@ void extract_host(paged_kv_cache const& cache,
                   std::uint64_t namespace_id,
                   std::vector<std::int32_t> token_ids)
 {
-  detail::check_extraction(cache, slots, first_position, rotation, store, fact_id, token_ids,
-                           memory_kind::host, "extract_host");
+  detail::check_extraction(cache,
+                           slots,
+                           first_position,
+                           rotation,
+                           store,
+                           fact_id,
+                           token_ids,
+                           memory_kind::host,
+                           "extract_host");
   fact_record const& fact = store.reserve(fact_id, namespace_id, std::move(token_ids));
   std::vector<std::int64_t> const store_tokens = detail::fact_store_tokens(store, fact);
   std::vector<std::int64_t> positions(slots.size());
@@ -612,8 +623,12 @@ void extract_host(paged_kv_cache const& cache,
   detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
     using S = typename decltype(s)::type;
     using C = typename decltype(c)::type;
-    detail::extract_host_typed<S, C>(cache, slots.data(), positions.data(), store_tokens.data(),
-                                     static_cast<std::int64_t>(slots.size()), rotation,
+    detail::extract_host_typed<S, C>(cache,
+                                     slots.data(),
+                                     positions.data(),
+                                     store_tokens.data(),
+                                     static_cast<std::int64_t>(slots.size()),
+                                     rotation,
                                      store.ref());
   });
 }

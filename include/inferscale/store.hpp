@@ -75,8 +75,12 @@ template <class T>
 fact_kv_view<T> make_fact_kv_view(
   T* data, std::int64_t layers, std::int64_t tokens, std::int64_t heads, std::int64_t head_dim)
 {
-  return make_fact_kv_view(
-    data, layers, tokens, heads, head_dim, {tokens * heads * head_dim, heads * head_dim, head_dim, 1});
+  return make_fact_kv_view(data,
+                           layers,
+                           tokens,
+                           heads,
+                           head_dim,
+                           {tokens * heads * head_dim, heads * head_dim, head_dim, 1});
 }
 
 /// @brief How to build a kv_store.
@@ -85,7 +89,7 @@ struct kv_store_config {
   std::int32_t first_layer{0};
   std::int32_t num_layers{0};  ///< layers held from first_layer; 0 = through the last layer
   std::int32_t first_head{0};
-  std::int32_t num_heads{0};  ///< KV heads held from first_head; 0 = through the last head
+  std::int32_t num_heads{0};           ///< KV heads held from first_head; 0 = through the last head
   dtype store_dtype{dtype::bfloat16};  ///< float32, float16 or bfloat16
   std::int32_t page_size{16};          ///< tokens per page
   std::int64_t num_pages{0};           ///< capacity, allocated once
@@ -149,12 +153,12 @@ class kv_store {
    */
   explicit kv_store(kv_store_config const& config) : config_{resolve(config)}
   {
-    ref_.store_dtype = config_.store_dtype;
-    ref_.num_layers  = config_.num_layers;
-    ref_.num_heads   = config_.num_heads;
-    ref_.head_dim    = config_.model.head_dim;
-    ref_.page_size   = config_.page_size;
-    ref_.num_pages   = config_.num_pages;
+    ref_.store_dtype        = config_.store_dtype;
+    ref_.num_layers         = config_.num_layers;
+    ref_.num_heads          = config_.num_heads;
+    ref_.head_dim           = config_.model.head_dim;
+    ref_.page_size          = config_.page_size;
+    ref_.num_pages          = config_.num_pages;
     std::size_t const bytes = pool_bytes();
     if (config_.memory == memory_kind::device) {
       INFERSCALE_CUDA_TRY(cudaMalloc(&ref_.pool, std::max<std::size_t>(bytes, 1)));
@@ -170,7 +174,9 @@ class kv_store {
     }
     free_pages_.reserve(static_cast<std::size_t>(config_.num_pages));
     // Lowest page on top of the stack, so fresh stores fill pages in order.
-    for (std::int64_t p = config_.num_pages; p-- > 0;) { free_pages_.push_back(p); }
+    for (std::int64_t p = config_.num_pages; p-- > 0;) {
+      free_pages_.push_back(p);
+    }
   }
 
   ~kv_store()
@@ -228,8 +234,7 @@ class kv_store {
   fact_record const& at(std::uint64_t fact_id) const
   {
     auto const it = facts_.find(fact_id);
-    INFERSCALE_EXPECTS(it != facts_.end(),
-                       "kv_store: unknown fact id " + std::to_string(fact_id));
+    INFERSCALE_EXPECTS(it != facts_.end(), "kv_store: unknown fact id " + std::to_string(fact_id));
     return it->second;
   }
 
@@ -281,8 +286,8 @@ class kv_store {
    *
    * @throw logic_error if the id is already present, the views' shape matches neither the model nor
    *        the shard, keys and values disagree, `token_ids.size()` differs from the views' tokens,
-   *        the fact is empty, the element type is not allowed, or too few pages are free; nothing is
-   *        changed then. cuda_error if a copy fails (the pages are then returned and nothing is
+   *        the fact is empty, the element type is not allowed, or too few pages are free; nothing
+   * is changed then. cuda_error if a copy fails (the pages are then returned and nothing is
    *        recorded).
    * @note Waits for the copies to complete.
    */
@@ -294,28 +299,26 @@ class kv_store {
               fact_kv_view<T const> values,
               memory_kind views_memory = memory_kind::host)
   {
-    static_assert(std::is_same_v<T, float> || std::is_same_v<T, half_t> ||
-                    std::is_same_v<T, bfloat16_t>,
-                  "kv_store::insert: views hold float, half_t or bfloat16_t");
+    static_assert(
+      std::is_same_v<T, float> || std::is_same_v<T, half_t> || std::is_same_v<T, bfloat16_t>,
+      "kv_store::insert: views hold float, half_t or bfloat16_t");
     INFERSCALE_EXPECTS(!contains(fact_id),
                        "kv_store::insert: fact id " + std::to_string(fact_id) + " already stored");
     std::int64_t const tokens = keys.extent(1);
-    INFERSCALE_EXPECTS(tokens > 0, "kv_store::insert: fact " + std::to_string(fact_id) +
-                                     " has no tokens");
+    INFERSCALE_EXPECTS(tokens > 0,
+                       "kv_store::insert: fact " + std::to_string(fact_id) + " has no tokens");
     INFERSCALE_EXPECTS(static_cast<std::int64_t>(token_ids.size()) == tokens,
-                       "kv_store::insert: " + std::to_string(token_ids.size()) +
-                         " token ids for " + std::to_string(tokens) + " tokens of KV");
+                       "kv_store::insert: " + std::to_string(token_ids.size()) + " token ids for " +
+                         std::to_string(tokens) + " tokens of KV");
     for (int r = 0; r < 4; ++r) {
       INFERSCALE_EXPECTS(keys.extent(r) == values.extent(r),
                          "kv_store::insert: keys and values have different shapes (dimension " +
                            std::to_string(r) + ")");
     }
-    std::int32_t const layer_offset = shard_offset(keys.extent(0), config_.model.num_layers,
-                                                   config_.first_layer, config_.num_layers,
-                                                   "layers");
-    std::int32_t const head_offset =
-      shard_offset(keys.extent(2), config_.model.num_kv_heads, config_.first_head,
-                   config_.num_heads, "heads");
+    std::int32_t const layer_offset = shard_offset(
+      keys.extent(0), config_.model.num_layers, config_.first_layer, config_.num_layers, "layers");
+    std::int32_t const head_offset = shard_offset(
+      keys.extent(2), config_.model.num_kv_heads, config_.first_head, config_.num_heads, "heads");
     INFERSCALE_EXPECTS(keys.extent(3) == config_.model.head_dim,
                        "kv_store::insert: head_dim " + std::to_string(keys.extent(3)) +
                          " does not match the model's " + std::to_string(config_.model.head_dim));
@@ -368,8 +371,8 @@ class kv_store {
     INFERSCALE_EXPECTS(!contains(fact_id),
                        "kv_store::reserve: fact id " + std::to_string(fact_id) + " already stored");
     std::int64_t const tokens = static_cast<std::int64_t>(token_ids.size());
-    INFERSCALE_EXPECTS(tokens > 0, "kv_store::reserve: fact " + std::to_string(fact_id) +
-                                     " has no tokens");
+    INFERSCALE_EXPECTS(tokens > 0,
+                       "kv_store::reserve: fact " + std::to_string(fact_id) + " has no tokens");
     std::int64_t const pages_needed = pages_for(tokens);
     INFERSCALE_EXPECTS(pages_needed <= free_pages(),
                        "kv_store::reserve: fact " + std::to_string(fact_id) + " needs " +
@@ -394,7 +397,9 @@ class kv_store {
     auto const nit = namespaces_.find(ns);
     if (nit == namespaces_.end()) { return 0; }
     std::vector<std::uint64_t> const ids = nit->second.facts;
-    for (std::uint64_t id : ids) { remove(facts_.find(id)); }
+    for (std::uint64_t id : ids) {
+      remove(facts_.find(id));
+    }
     return static_cast<std::int64_t>(ids.size());
   }
 
@@ -436,8 +441,8 @@ class kv_store {
     if (c.num_layers == 0) { c.num_layers = c.model.num_layers - c.first_layer; }
     INFERSCALE_EXPECTS(c.num_layers > 0 && c.first_layer + c.num_layers <= c.model.num_layers,
                        "kv_store: layer range [" + std::to_string(c.first_layer) + ", " +
-                         std::to_string(c.first_layer + c.num_layers) +
-                         ") outside the model's " + std::to_string(c.model.num_layers) + " layers");
+                         std::to_string(c.first_layer + c.num_layers) + ") outside the model's " +
+                         std::to_string(c.model.num_layers) + " layers");
     INFERSCALE_EXPECTS(c.first_head >= 0 && c.first_head < c.model.num_kv_heads,
                        "kv_store: first_head " + std::to_string(c.first_head) +
                          " outside the model's " + std::to_string(c.model.num_kv_heads) +
@@ -454,14 +459,14 @@ class kv_store {
                          to_string(c.store_dtype));
     INFERSCALE_EXPECTS(c.page_size > 0,
                        "kv_store: page_size must be positive, got " + std::to_string(c.page_size));
-    INFERSCALE_EXPECTS(c.num_pages >= 0,
-                       "kv_store: num_pages must be non-negative, got " +
-                         std::to_string(c.num_pages));
+    INFERSCALE_EXPECTS(
+      c.num_pages >= 0,
+      "kv_store: num_pages must be non-negative, got " + std::to_string(c.num_pages));
     kv_geometry const shard{c.num_layers, c.num_heads, c.model.head_dim};
     // The pool's byte count must fit: bytes(num_pages * page_size tokens).
-    INFERSCALE_EXPECTS(c.num_pages == 0 ||
-                         c.page_size <= std::numeric_limits<std::int64_t>::max() / c.num_pages,
-                       "kv_store: num_pages * page_size overflows");
+    INFERSCALE_EXPECTS(
+      c.num_pages == 0 || c.page_size <= std::numeric_limits<std::int64_t>::max() / c.num_pages,
+      "kv_store: num_pages * page_size overflows");
     (void)shard.bytes(c.num_pages * c.page_size, c.store_dtype);
     return c;
   }
@@ -499,7 +504,9 @@ class kv_store {
 
   void return_pages(std::vector<std::int64_t> const& pages)
   {
-    for (auto it = pages.rbegin(); it != pages.rend(); ++it) { free_pages_.push_back(*it); }
+    for (auto it = pages.rbegin(); it != pages.rend(); ++it) {
+      free_pages_.push_back(*it);
+    }
   }
 
   fact_record const& add_record(fact_record record)
@@ -541,9 +548,8 @@ class kv_store {
         std::int32_t const ps  = config_.page_size;
         std::int32_t const d   = config_.model.head_dim;
         // Host store: write pages in place. Device store: pack one page at a time, then copy.
-        std::vector<S> staging(config_.memory == memory_kind::device
-                                 ? static_cast<std::size_t>(page_elements())
-                                 : 0);
+        std::vector<S> staging(
+          config_.memory == memory_kind::device ? static_cast<std::size_t>(page_elements()) : 0);
         for (std::size_t p = 0; p < record.pages.size(); ++p) {
           S* const page = config_.memory == memory_kind::device
                             ? staging.data()
@@ -553,7 +559,7 @@ class kv_store {
               auto const& src = kv == 0 ? keys : values;
               for (std::int32_t t = 0; t < ps; ++t) {
                 std::int64_t const token = static_cast<std::int64_t>(p) * ps + t;
-                S* const dst             = page + ((static_cast<std::int64_t>(l) * 2 + kv) * ps + t) * row;
+                S* const dst = page + ((static_cast<std::int64_t>(l) * 2 + kv) * ps + t) * row;
                 if (token >= record.length()) {
                   std::fill(dst, dst + row, S{});
                   continue;
@@ -568,10 +574,11 @@ class kv_store {
             }
           }
           if (config_.memory == memory_kind::device) {
-            INFERSCALE_CUDA_TRY(cudaMemcpy(static_cast<S*>(ref_.pool) + record.pages[p] * page_elements(),
-                                           staging.data(),
-                                           staging.size() * sizeof(S),
-                                           cudaMemcpyHostToDevice));
+            INFERSCALE_CUDA_TRY(
+              cudaMemcpy(static_cast<S*>(ref_.pool) + record.pages[p] * page_elements(),
+                         staging.data(),
+                         staging.size() * sizeof(S),
+                         cudaMemcpyHostToDevice));
           }
         }
         // A pageable host-to-device cudaMemcpy may return before the data lands: wait, so work
@@ -596,8 +603,7 @@ class kv_store {
       for (std::int32_t l = 0; l < config_.num_layers; ++l) {
         for (std::int32_t kv = 0; kv < 2; ++kv) {
           auto const& src = kv == 0 ? keys : values;
-          T* const dst    = static_cast<T*>(ref_.pool) +
-                         ref_.row_offset(record.pages[p] * ps, l, kv);
+          T* const dst = static_cast<T*>(ref_.pool) + ref_.row_offset(record.pages[p] * ps, l, kv);
           T const* const from = &src(l + layer_offset, first, head_offset, 0);
           INFERSCALE_CUDA_TRY(cudaMemcpy2D(dst,
                                            static_cast<std::size_t>(row) * sizeof(T),
@@ -607,9 +613,8 @@ class kv_store {
                                            static_cast<std::size_t>(n),
                                            cudaMemcpyDeviceToDevice));
           if (n < ps) {  // zero the unused rows, as the host path does
-            INFERSCALE_CUDA_TRY(cudaMemset(dst + n * row,
-                                           0,
-                                           static_cast<std::size_t>((ps - n) * row) * sizeof(T)));
+            INFERSCALE_CUDA_TRY(
+              cudaMemset(dst + n * row, 0, static_cast<std::size_t>((ps - n) * row) * sizeof(T)));
           }
         }
       }

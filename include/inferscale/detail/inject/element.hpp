@@ -40,23 +40,20 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float dequantize(CacheT q,
  * has no scale; otherwise widened, scaled if `scaled`, and rounded to the cache dtype.
  */
 template <class CacheT, class StoreT>
-INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE CacheT convert_stored(StoreT s,
-                                                                    bool scaled,
-                                                                    float scale,
-                                                                    kv_scale_convention convention)
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE CacheT
+convert_stored(StoreT s, bool scaled, float scale, kv_scale_convention convention)
 {
   if constexpr (std::is_same_v<StoreT, CacheT>) {
     if (!scaled) { return s; }
   }
-  return scaled ? quantize<CacheT>(to_float(s), scale, convention) : from_float<CacheT>(to_float(s));
+  return scaled ? quantize<CacheT>(to_float(s), scale, convention)
+                : from_float<CacheT>(to_float(s));
 }
 
 /// @brief A rotated fp32 key element as the cache holds it: scaled if `scaled`, then rounded.
 template <class CacheT>
-INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE CacheT convert_rotated(float x,
-                                                                     bool scaled,
-                                                                     float scale,
-                                                                     kv_scale_convention convention)
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE CacheT
+convert_rotated(float x, bool scaled, float scale, kv_scale_convention convention)
 {
   return scaled ? quantize<CacheT>(x, scale, convention) : from_float<CacheT>(x);
 }
@@ -94,11 +91,8 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void rotate_stored_pair(
 
 /// @brief Inverse rotation of a pair read from a cache (dequantized to fp32) by `cs` (from
 /// rope_op::inverse), in fp32.
-INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void unrotate_pair(float x,
-                                                                 float y,
-                                                                 rope_cos_sin cs,
-                                                                 float* out_x,
-                                                                 float* out_y)
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void unrotate_pair(
+  float x, float y, rope_cos_sin cs, float* out_x, float* out_y)
 {
   rotate_fp32(x, y, cs, out_x, out_y);
 }

@@ -53,10 +53,14 @@ INFERSCALE_DEVICE INFERSCALE_FORCEINLINE void load_run(T const* src, T (&out)[N]
   if constexpr (Vectorized) {
     auto const v = *reinterpret_cast<inject_vector<T, N> const*>(src);
 #pragma unroll
-    for (int e = 0; e < N; ++e) { out[e] = v.values[e]; }
+    for (int e = 0; e < N; ++e) {
+      out[e] = v.values[e];
+    }
   } else {
 #pragma unroll
-    for (int e = 0; e < N; ++e) { out[e] = src[e]; }
+    for (int e = 0; e < N; ++e) {
+      out[e] = src[e];
+    }
   }
 }
 
@@ -73,11 +77,15 @@ INFERSCALE_DEVICE INFERSCALE_FORCEINLINE void store_run(CacheT* base,
   if constexpr (Vectorized) {
     inject_vector<CacheT, N> v;
 #pragma unroll
-    for (int e = 0; e < N; ++e) { v.values[e] = values[e]; }
+    for (int e = 0; e < N; ++e) {
+      v.values[e] = values[e];
+    }
     *reinterpret_cast<inject_vector<CacheT, N>*>(base + layout.offset(block, token, head, dim)) = v;
   } else {
 #pragma unroll
-    for (int e = 0; e < N; ++e) { base[layout.offset(block, token, head, dim + e)] = values[e]; }
+    for (int e = 0; e < N; ++e) {
+      base[layout.offset(block, token, head, dim + e)] = values[e];
+    }
   }
 }
 
@@ -86,14 +94,15 @@ INFERSCALE_DEVICE INFERSCALE_FORCEINLINE void store_run(CacheT* base,
  *         (checked by the dispatcher); false: runs of one element / one pair.
  */
 template <class Policy, class StoreT, class CacheT, class Rotation, bool Vectorized>
-INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
+INFERSCALE_KERNEL
+void __launch_bounds__(Policy::block_threads)
   inject_kernel(__grid_constant__ inject_kernel_args<Rotation> const args)
 {
   // Elements per run: 16 bytes of the store dtype, or one element.
   constexpr int run = Vectorized ? Policy::vector_bytes / static_cast<int>(sizeof(StoreT)) : 1;
   extern __shared__ rope_cos_sin shared_cos_sin[];
-  __shared__ std::int64_t tile_slot[Policy::tile_tokens];  // -1: skip the token
-  __shared__ std::int64_t tile_block[Policy::tile_tokens];  // slot / block_size, divided once
+  __shared__ std::int64_t tile_slot[Policy::tile_tokens];    // -1: skip the token
+  __shared__ std::int64_t tile_block[Policy::tile_tokens];   // slot / block_size, divided once
   __shared__ std::int32_t tile_offset[Policy::tile_tokens];  // slot % block_size
   __shared__ std::int64_t tile_source[Policy::tile_tokens];
 
@@ -118,19 +127,19 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
     std::int64_t const position = args.batch.position[first_token + t];
     // The host cannot see device arrays: a slot outside the cache, or a position outside the
     // table, skips the token rather than writing out of bounds.
-    bool const ok    = slot_in_cache(slot, num_slots) && position >= 0 && position < args.table_rows;
-    tile_slot[t]     = ok ? slot : -1;
-    tile_block[t]    = ok ? slot / args.cache.key_layout.block_size : 0;
-    tile_offset[t]   = ok ? static_cast<std::int32_t>(slot % args.cache.key_layout.block_size) : 0;
-    tile_source[t]   = args.batch.store_token[first_token + t];
+    bool const ok  = slot_in_cache(slot, num_slots) && position >= 0 && position < args.table_rows;
+    tile_slot[t]   = ok ? slot : -1;
+    tile_block[t]  = ok ? slot / args.cache.key_layout.block_size : 0;
+    tile_offset[t] = ok ? static_cast<std::int32_t>(slot % args.cache.key_layout.block_size) : 0;
+    tile_source[t] = args.batch.store_token[first_token + t];
   }
   for (std::int32_t i = threadIdx.x; i < tokens * pairs; i += blockDim.x) {
     std::int32_t const t        = i / pairs;
     std::int64_t const position = args.batch.position[first_token + t];
-    shared_cos_sin[i]           = (position >= 0 && position < args.table_rows)
-                                    ? rope_angle_cos_sin(args.rotation, position, i - t * pairs,
-                                                         rope_op::forward)
-                                    : rope_cos_sin{1.0f, 0.0f};
+    shared_cos_sin[i] =
+      (position >= 0 && position < args.table_rows)
+        ? rope_angle_cos_sin(args.rotation, position, i - t * pairs, rope_op::forward)
+        : rope_cos_sin{1.0f, 0.0f};
   }
   __syncthreads();
 
@@ -148,17 +157,17 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
     if (tile_slot[t] < 0) { continue; }
     std::int64_t const block    = tile_block[t];
     std::int32_t const in_block = tile_offset[t];
-    std::int32_t const h = unit / args.units_per_head;
-    std::int32_t const u = unit - h * args.units_per_head;
-    std::int64_t const source = tile_source[t];
-    bool const scaled         = args.cache.scale_granularity != kv_scale_granularity::none;
-    float const scale         = scaled ? args.cache.scale(l, h, u >= args.key_units) : 1.0f;
+    std::int32_t const h        = unit / args.units_per_head;
+    std::int32_t const u        = unit - h * args.units_per_head;
+    std::int64_t const source   = tile_source[t];
+    bool const scaled           = args.cache.scale_granularity != kv_scale_granularity::none;
+    float const scale           = scaled ? args.cache.scale(l, h, u >= args.key_units) : 1.0f;
 
     if (u < args.rotary_units) {
       // Key: rotate. Halves: a run of `run` pairs (elements p.. and p+R/2..). Interleaved: a run of
       // `run` elements, i.e. run/2 adjacent pairs (a single pair on the scalar path).
-      StoreT const* const src = pool + args.store.row_offset(source, l, 0) +
-                                static_cast<std::int64_t>(h) * head_dim;
+      StoreT const* const src =
+        pool + args.store.row_offset(source, l, 0) + static_cast<std::int64_t>(h) * head_dim;
       auto* const dst             = static_cast<CacheT*>(args.cache.key_base[l]);
       rope_cos_sin const* cos_sin = shared_cos_sin + t * pairs;
       if (halves) {
@@ -194,9 +203,9 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::block_threads)
       }
     } else {
       // Key pass-through dims (rotary_dim .. head_dim) or value: convert a run.
-      bool const value       = u >= args.key_units;
-      std::int32_t const d0  = value ? (u - args.key_units) * run
-                                     : rotary_dim + (u - args.rotary_units) * run;
+      bool const value = u >= args.key_units;
+      std::int32_t const d0 =
+        value ? (u - args.key_units) * run : rotary_dim + (u - args.rotary_units) * run;
       StoreT const* const src = pool + args.store.row_offset(source, l, value ? 1 : 0) +
                                 static_cast<std::int64_t>(h) * head_dim + d0;
       auto* const dst =
@@ -227,7 +236,8 @@ struct extract_kernel_args {
 /// @brief Extraction: one thread per (token, layer, head, unit); unit = a key pair, a key
 /// pass-through dim or a value dim. Not on a latency path, so kept simple (scalar).
 template <class Policy, class StoreT, class CacheT, class Rotation>
-INFERSCALE_KERNEL void __launch_bounds__(Policy::extract_threads)
+INFERSCALE_KERNEL
+void __launch_bounds__(Policy::extract_threads)
   extract_kernel(__grid_constant__ extract_kernel_args<Rotation> const args)
 {
   std::int32_t const pairs    = args.rotation.num_pairs();
@@ -238,16 +248,15 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::extract_threads)
     static_cast<std::int64_t>(args.cache.num_layers) * heads * args.units_per_head;
   std::int64_t const total = args.tokens.num_tokens * per_token;
   auto* const pool         = static_cast<StoreT*>(args.store.pool);
-  for (std::int64_t w = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       w < total;
+  for (std::int64_t w = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; w < total;
        w += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    std::int64_t const i    = w / per_token;
-    std::int64_t rest       = w - i * per_token;
-    std::int32_t const l    = static_cast<std::int32_t>(rest / (heads * args.units_per_head));
+    std::int64_t const i = w / per_token;
+    std::int64_t rest    = w - i * per_token;
+    std::int32_t const l = static_cast<std::int32_t>(rest / (heads * args.units_per_head));
     rest -= static_cast<std::int64_t>(l) * heads * args.units_per_head;
-    std::int32_t const h    = static_cast<std::int32_t>(rest / args.units_per_head);
-    std::int32_t const u    = static_cast<std::int32_t>(rest - h * args.units_per_head);
-    std::int64_t const slot = args.tokens.slot[i];
+    std::int32_t const h         = static_cast<std::int32_t>(rest / args.units_per_head);
+    std::int32_t const u         = static_cast<std::int32_t>(rest - h * args.units_per_head);
+    std::int64_t const slot      = args.tokens.slot[i];
     std::int32_t const key_units = pairs + (head_dim - rotary);
     bool const value             = u >= key_units;
     float const scale            = args.cache.scale(l, h, value);
@@ -260,12 +269,15 @@ INFERSCALE_KERNEL void __launch_bounds__(Policy::extract_threads)
       rope_cos_sin const cs =
         rope_angle_cos_sin(args.rotation, args.tokens.position[i], u, rope_op::inverse);
       float x, y;
-      unrotate_pair(
-        dequantize(src[args.cache.key_layout.slot_offset(slot, h, first)], scale,
-                   args.cache.scale_convention),
-        dequantize(src[args.cache.key_layout.slot_offset(slot, h, second)], scale,
-                   args.cache.scale_convention),
-        cs, &x, &y);
+      unrotate_pair(dequantize(src[args.cache.key_layout.slot_offset(slot, h, first)],
+                               scale,
+                               args.cache.scale_convention),
+                    dequantize(src[args.cache.key_layout.slot_offset(slot, h, second)],
+                               scale,
+                               args.cache.scale_convention),
+                    cs,
+                    &x,
+                    &y);
       dst[first]  = from_float<StoreT>(x);
       dst[second] = from_float<StoreT>(y);
     } else {

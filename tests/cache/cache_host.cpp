@@ -3,6 +3,7 @@
 // engine_caches.hpp (written from reference/engines.md, independently of the library); the
 // descriptor must then address exactly the element the simulator's documented formula addresses,
 // for every (layer, slot, head, dim). Refusals are checked to name the offending input.
+#include "engine_cache_descriptor.hpp"
 #include "engine_caches.hpp"
 
 #include <inferscale/cache.hpp>
@@ -18,78 +19,18 @@
 
 using namespace inferscale;
 using Catch::Matchers::Contains;
+using inferscale_test::describe_engine_cache;
 using inferscale_test::engine_cache;
 using inferscale_test::engine_layout;
 using inferscale_test::tensor_desc;
+using inferscale_test::to_array;
 
 namespace {
-
-template <std::size_t N>
-std::array<std::int64_t, N> to_array(std::vector<std::int64_t> const& v)
-{
-  REQUIRE(v.size() == N);
-  std::array<std::int64_t, N> a{};
-  for (std::size_t i = 0; i < N; ++i) {
-    a[i] = v[i];
-  }
-  return a;
-}
 
 template <class T>
 void* base_of(engine_cache<T>& ec, tensor_desc const& td)
 {
   return ec.storage() + td.byte_offset;
-}
-
-/// The cache descriptor of a simulated engine cache, built by the factory for its engine from
-/// the tensors' shapes and strides (TRT-LLM in the order given).
-template <class T>
-paged_kv_cache describe(engine_cache<T>& ec, trtllm_block_order order = trtllm_block_order::hnd)
-{
-  dtype const dt = dtype_of_v<T>;
-  int const L    = ec.num_layers();
-  std::vector<void*> keys, values;
-  for (int l = 0; l < L; ++l) {
-    keys.push_back(base_of(ec, ec.key_tensor(l)));
-    values.push_back(base_of(ec, ec.value_tensor(l)));
-  }
-  tensor_desc const k = ec.key_tensor(0);
-  tensor_desc const v = ec.value_tensor(0);
-  switch (ec.layout()) {
-    case engine_layout::vllm_flash_attn_nhd:
-    case engine_layout::vllm_flash_attn_hnd:
-      return make_vllm_flash_attn_cache(dt, keys, to_array<5>(k.shape), to_array<5>(k.strides));
-    case engine_layout::vllm_flash_attn_separate:
-      return make_vllm_flash_attn_cache(
-        dt, keys, values, to_array<4>(k.shape), to_array<4>(k.strides), to_array<4>(v.strides));
-    case engine_layout::vllm_flashinfer_nhd:
-    case engine_layout::vllm_flashinfer_hnd:
-      return make_vllm_flashinfer_cache(dt, keys, to_array<5>(k.shape), to_array<5>(k.strides));
-    case engine_layout::vllm_legacy:
-      return make_vllm_legacy_cache(dt,
-                                    keys,
-                                    values,
-                                    to_array<5>(k.shape),
-                                    to_array<5>(k.strides),
-                                    to_array<4>(v.shape),
-                                    to_array<4>(v.strides));
-    case engine_layout::sglang_token_pool:
-      return make_sglang_cache(
-        dt, keys, values, to_array<3>(k.shape), to_array<3>(k.strides), to_array<3>(v.strides));
-    case engine_layout::tensorrt_llm_pool:
-      return make_tensorrt_llm_cache(dt,
-                                     keys[0],
-                                     to_array<4>(k.shape),
-                                     to_array<4>(k.strides),
-                                     ec.block_size(),
-                                     ec.num_heads(),
-                                     ec.head_dim(),
-                                     order);
-    case engine_layout::contiguous:
-      return make_contiguous_cache(dt, keys[0], to_array<5>(k.shape), to_array<5>(k.strides));
-  }
-  FAIL("unknown layout");
-  return {};
 }
 
 paged_kv_format expected_format(engine_layout layout)
@@ -133,7 +74,7 @@ TEMPLATE_TEST_CASE("every factory addresses exactly the engine's documented elem
   CAPTURE(inferscale_test::to_string(layout), block_size, heads, head_dim, sizeof(T));
 
   engine_cache<T> ec(layout, layers, nb, block_size, heads, head_dim);
-  paged_kv_cache const cache = describe(ec);
+  paged_kv_cache const cache = describe_engine_cache(ec, ec.storage());
 
   REQUIRE(cache.cache_dtype == dtype_of_v<T>);
   REQUIRE(cache.format == expected_format(layout));
@@ -193,7 +134,7 @@ TEMPLATE_TEST_CASE("TensorRT-LLM NHD blocks: [tokens, heads, head_dim] within ea
   // The simulator's pool has the engine's shape; only the in-block order differs (engines.md §6:
   // NHD view [pages, 2, page, H, D] of the pool [max_pages, L, 2, page*H*D]).
   engine_cache<T> ec(engine_layout::tensorrt_llm_pool, layers, nb, block_size, heads, head_dim);
-  paged_kv_cache const cache = describe(ec, trtllm_block_order::nhd);
+  paged_kv_cache const cache = describe_engine_cache(ec, ec.storage(), trtllm_block_order::nhd);
   REQUIRE(cache.format == paged_kv_format::tensorrt_llm);
   std::byte const* pool = ec.storage() + ec.key_tensor(0).byte_offset;
   std::int64_t const L = layers, BS = block_size, H = heads, D = head_dim;
@@ -226,7 +167,7 @@ TEST_CASE("the legacy key chunk x is 16 / element size", "[cache]")
     using T = typename decltype(tag)::type;
     engine_cache<T> ec(engine_layout::vllm_legacy, 1, 2, 4, 2, 32);
     REQUIRE(ec.key_tensor(0).shape[4] == x);
-    paged_kv_cache const cache = describe(ec);
+    paged_kv_cache const cache = describe_engine_cache(ec, ec.storage());
     REQUIRE(cache.key_layout.dim_chunk == x);
     REQUIRE(cache.value_layout.dim_chunk == 32);
   };
@@ -498,13 +439,13 @@ TEST_CASE("fp8 scales: only on fp8 caches, one pointer per layer", "[cache]")
   SECTION("a non-fp8 cache refuses scales")
   {
     engine_cache<bfloat16_t> ec(engine_layout::contiguous, L, 2, 4, H, 16);
-    paged_kv_cache cache = describe(ec);
+    paged_kv_cache cache = describe_engine_cache(ec, ec.storage());
     REQUIRE_THROWS_WITH(
       cache.set_fp8_scales(kv_scale_convention::divide, kv_scale_granularity::per_tensor, kt, vt),
       Contains("scales apply to fp8 caches"));
     REQUIRE(cache.scale_granularity == kv_scale_granularity::none);
     engine_cache<float> ef(engine_layout::contiguous, L, 2, 4, H, 16);
-    paged_kv_cache fcache = describe(ef);
+    paged_kv_cache fcache = describe_engine_cache(ef, ef.storage());
     REQUIRE_THROWS_AS(
       fcache.set_fp8_scales(kv_scale_convention::multiply, kv_scale_granularity::per_head, kh, vh),
       logic_error);
@@ -512,7 +453,7 @@ TEST_CASE("fp8 scales: only on fp8 caches, one pointer per layer", "[cache]")
   SECTION("fp8: counts must equal the layers, pointers non-null; a refusal changes nothing")
   {
     engine_cache<float8_e5m2_t> ec(engine_layout::vllm_flash_attn_hnd, L, 2, 4, H, 16);
-    paged_kv_cache cache = describe(ec);
+    paged_kv_cache cache = describe_engine_cache(ec, ec.storage());
     auto kshort          = kt;
     kshort.pop_back();
     REQUIRE_THROWS_WITH(

@@ -7,6 +7,7 @@
 //    factory fed the tensors' shape and strides, as a connector would).
 #pragma once
 
+#include "engine_cache_descriptor.hpp"
 #include "engine_caches.hpp"
 #include "float_bits.hpp"
 
@@ -17,7 +18,6 @@
 
 #include <catch2/catch.hpp>
 
-#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -244,76 +244,11 @@ inline inferscale::kv_store make_host_store(int layers,
 // ------------------------------------------------------------------------------------------------
 // Cache descriptors of simulated engine caches
 
-template <std::size_t N>
-std::array<std::int64_t, N> shape_array(std::vector<std::int64_t> const& v)
-{
-  REQUIRE(v.size() == N);
-  std::array<std::int64_t, N> a{};
-  for (std::size_t i = 0; i < N; ++i) {
-    a[i] = v[i];
-  }
-  return a;
-}
-
-/// The library's descriptor of `ec`, from the factory of its engine and the tensors' shape and
-/// strides (base = storage + byte offset), as a connector builds it from torch tensors.
+/// The library's descriptor of `ec` in its host storage (see describe_engine_cache()).
 template <class T>
 inferscale::paged_kv_cache describe_cache(engine_cache<T>& ec)
 {
-  using namespace inferscale;
-  dtype const dt = dtype_of_v<T>;
-  std::vector<void*> keys, values;
-  for (int l = 0; l < ec.num_layers(); ++l) {
-    keys.push_back(ec.storage() + ec.key_tensor(l).byte_offset);
-    values.push_back(ec.storage() + ec.value_tensor(l).byte_offset);
-  }
-  tensor_desc const k = ec.key_tensor(0);
-  tensor_desc const v = ec.value_tensor(0);
-  switch (ec.layout()) {
-    case engine_layout::vllm_flash_attn_nhd:
-    case engine_layout::vllm_flash_attn_hnd:
-      return make_vllm_flash_attn_cache(
-        dt, keys, shape_array<5>(k.shape), shape_array<5>(k.strides));
-    case engine_layout::vllm_flash_attn_separate:
-      return make_vllm_flash_attn_cache(dt,
-                                        keys,
-                                        values,
-                                        shape_array<4>(k.shape),
-                                        shape_array<4>(k.strides),
-                                        shape_array<4>(v.strides));
-    case engine_layout::vllm_flashinfer_nhd:
-    case engine_layout::vllm_flashinfer_hnd:
-      return make_vllm_flashinfer_cache(
-        dt, keys, shape_array<5>(k.shape), shape_array<5>(k.strides));
-    case engine_layout::vllm_legacy:
-      return make_vllm_legacy_cache(dt,
-                                    keys,
-                                    values,
-                                    shape_array<5>(k.shape),
-                                    shape_array<5>(k.strides),
-                                    shape_array<4>(v.shape),
-                                    shape_array<4>(v.strides));
-    case engine_layout::sglang_token_pool:
-      return make_sglang_cache(dt,
-                               keys,
-                               values,
-                               shape_array<3>(k.shape),
-                               shape_array<3>(k.strides),
-                               shape_array<3>(v.strides));
-    case engine_layout::tensorrt_llm_pool:
-      return make_tensorrt_llm_cache(dt,
-                                     keys[0],
-                                     shape_array<4>(k.shape),
-                                     shape_array<4>(k.strides),
-                                     ec.block_size(),
-                                     ec.num_heads(),
-                                     ec.head_dim(),
-                                     trtllm_block_order::hnd);
-    case engine_layout::contiguous:
-      return make_contiguous_cache(dt, keys[0], shape_array<5>(k.shape), shape_array<5>(k.strides));
-  }
-  FAIL("unknown layout");
-  return {};
+  return describe_engine_cache(ec, ec.storage());
 }
 
 template <class T>

@@ -9,6 +9,7 @@
 // extraction, and refused checked launches leaving the cache unchanged. Reported skipped by CTest
 // where no GPU is visible.
 #include "device_memory.hpp"
+#include "engine_cache_descriptor.hpp"
 #include "engine_caches.hpp"
 
 #include <inferscale/cache.hpp>
@@ -23,14 +24,12 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
-#include <stdexcept>
 #include <vector>
 
 using namespace inferscale;
@@ -38,10 +37,10 @@ using namespace inferscale;
 namespace {
 
 using inferscale_test::cuda_stream;
+using inferscale_test::describe_engine_cache;
 using inferscale_test::device_buffer;
 using inferscale_test::engine_cache;
 using inferscale_test::engine_layout;
-using inferscale_test::tensor_desc;
 
 using bytes = std::vector<unsigned char>;
 
@@ -117,65 +116,6 @@ struct fact_spec {
   std::int32_t tokens;
 };
 constexpr fact_spec facts[] = {{11, 7}, {12, 13}, {13, 1}, {14, 21}, {15, 5}, {16, 9}, {17, 17}};
-
-template <std::size_t N>
-std::array<std::int64_t, N> to_array(std::vector<std::int64_t> const& v)
-{
-  if (v.size() != N) { throw std::invalid_argument("tensor_desc rank mismatch"); }
-  std::array<std::int64_t, N> a{};
-  std::copy(v.begin(), v.end(), a.begin());
-  return a;
-}
-
-/// The library's descriptor of the simulated cache whose storage starts at `base` (the simulator's
-/// host storage, or a device copy of it), built with the factory for the engine's layout from the
-/// shapes and strides the engine reports.
-template <class C>
-paged_kv_cache describe_cache(engine_cache<C> const& cache, std::byte* base)
-{
-  dtype const t = dtype_of_v<C>;
-  std::vector<void*> keys, values;
-  for (int l = 0; l < cache.num_layers(); ++l) {
-    keys.push_back(base + cache.key_tensor(l).byte_offset);
-    values.push_back(base + cache.value_tensor(l).byte_offset);
-  }
-  tensor_desc const k = cache.key_tensor(0);
-  tensor_desc const v = cache.value_tensor(0);
-  switch (cache.layout()) {
-    case engine_layout::vllm_flash_attn_nhd:
-    case engine_layout::vllm_flash_attn_hnd:
-      return make_vllm_flash_attn_cache(t, keys, to_array<5>(k.shape), to_array<5>(k.strides));
-    case engine_layout::vllm_flash_attn_separate:
-      return make_vllm_flash_attn_cache(
-        t, keys, values, to_array<4>(k.shape), to_array<4>(k.strides), to_array<4>(v.strides));
-    case engine_layout::vllm_flashinfer_nhd:
-    case engine_layout::vllm_flashinfer_hnd:
-      return make_vllm_flashinfer_cache(t, keys, to_array<5>(k.shape), to_array<5>(k.strides));
-    case engine_layout::vllm_legacy:
-      return make_vllm_legacy_cache(t,
-                                    keys,
-                                    values,
-                                    to_array<5>(k.shape),
-                                    to_array<5>(k.strides),
-                                    to_array<4>(v.shape),
-                                    to_array<4>(v.strides));
-    case engine_layout::sglang_token_pool:
-      return make_sglang_cache(
-        t, keys, values, to_array<3>(k.shape), to_array<3>(k.strides), to_array<3>(v.strides));
-    case engine_layout::tensorrt_llm_pool:
-      return make_tensorrt_llm_cache(t,
-                                     keys[0],
-                                     to_array<4>(k.shape),
-                                     to_array<4>(k.strides),
-                                     cache.block_size(),
-                                     cache.num_heads(),
-                                     cache.head_dim(),
-                                     trtllm_block_order::hnd);
-    case engine_layout::contiguous:
-      return make_contiguous_cache(t, keys[0], to_array<5>(k.shape), to_array<5>(k.strides));
-  }
-  throw std::invalid_argument("describe_cache: unknown layout");
-}
 
 /// Deterministic pre-RoPE K and V of a fact, `[layers, tokens, model heads, head_dim]` (fp32, so
 /// both stores convert the same values to their dtype).
@@ -304,8 +244,8 @@ struct scenario {
       device_table{table},
       host_rotation{make_rope_cos_sin_table(params, table.data(), rows, g_.round_each)},
       device_rotation{make_rope_cos_sin_table(params, device_table.data(), rows, g_.round_each)},
-      host_desc{describe_cache(cache, cache.storage())},
-      device_desc{describe_cache(cache, reinterpret_cast<std::byte*>(device_storage.data()))}
+      host_desc{describe_engine_cache(cache, cache.storage())},
+      device_desc{describe_engine_cache(cache, reinterpret_cast<std::byte*>(device_storage.data()))}
   {
     set_scales(host_desc, scales.data(), g, Pair::granularity, Pair::convention);
     set_scales(device_desc, device_scales.data(), g, Pair::granularity, Pair::convention);

@@ -1,9 +1,10 @@
 // GPU tests of the KV store (inferscale/store.hpp) with device-memory pools: inserts from host
 // views and from device views (contiguous, and with padded token rows) equal the same inserts into
-// a host store byte for byte, and read back (through an accessor written here from the documented
-// layout [num_pages][layers][2][page_size][heads][head_dim]) as the input bits; refused calls
-// leave the device pool unchanged. Reported skipped by CTest where no GPU is visible.
+// a host store byte for byte, and read back (through read_pool() of store_pool.hpp, written from
+// the documented layout [num_pages][layers][2][page_size][heads][head_dim]) as the input bits;
+// refused calls leave the device pool unchanged. Reported skipped by CTest where no GPU is visible.
 #include "device_memory.hpp"
+#include "store_pool.hpp"
 
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/error.hpp>
@@ -15,7 +16,6 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
-#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -24,6 +24,8 @@ using namespace inferscale;
 namespace {
 
 using inferscale_test::device_buffer;
+using inferscale_test::pool_shape;
+using inferscale_test::read_pool;
 
 // Element bits written directly (no conversion involved): the store holds them unchanged when the
 // views already hold the store dtype. Values: random finite codes of moderate magnitude.
@@ -112,30 +114,6 @@ std::vector<std::int32_t> token_ids_for(std::uint64_t id, std::int64_t tokens)
   return ids;
 }
 
-// Bits of element (l, kv, t, h, e) of a fact from the documented pool layout.
-std::uint32_t read_pool(std::vector<unsigned char> const& pool,
-                        std::int64_t layers,
-                        std::int64_t heads,
-                        std::int64_t head_dim,
-                        std::int64_t page_size,
-                        std::size_t element_bytes,
-                        std::vector<std::int64_t> const& pages,
-                        std::int64_t l,
-                        int kv,
-                        std::int64_t t,
-                        std::int64_t h,
-                        std::int64_t e)
-{
-  std::int64_t const page = pages.at(static_cast<std::size_t>(t / page_size));
-  std::int64_t const index =
-    ((((page * layers + l) * 2 + kv) * page_size + t % page_size) * heads + h) * head_dim + e;
-  std::size_t const offset = static_cast<std::size_t>(index) * element_bytes;
-  if (offset + element_bytes > pool.size()) { throw std::out_of_range("read_pool: outside"); }
-  std::uint32_t bits = 0;
-  std::memcpy(&bits, pool.data() + offset, element_bytes);
-  return bits;
-}
-
 struct shard {
   std::int32_t first_layer, num_layers, first_head, num_heads;
 };
@@ -187,6 +165,7 @@ TEMPLATE_TEST_CASE("a device store holds what a host store holds, byte for byte"
   std::int64_t const D  = 8;
   std::int64_t const ps = 3;
   dtype const t         = dtype_of_v<TestType>;
+  pool_shape const shape{L, H, D, ps, t};
   kv_store device{make_config(t, memory_kind::device, s)};
   kv_store host{make_config(t, memory_kind::host, s)};
   clear_device_pool(device);
@@ -253,8 +232,7 @@ TEMPLATE_TEST_CASE("a device store holds what a host store holds, byte for byte"
         for (std::int64_t tok = 0; tok < f.in->tokens; ++tok) {
           for (std::int64_t h = 0; h < H; ++h) {
             for (std::int64_t e = 0; e < D; ++e) {
-              std::uint32_t const got =
-                read_pool(pool, L, H, D, ps, sizeof(TestType), pages, l, kv, tok, h, e);
+              std::uint32_t const got = read_pool(pool, shape, pages, l, kv, tok, h, e);
               if (got != bits_of_element(f.in->at(kv, l + f.l0, tok, h + f.h0, e))) {
                 ++mismatches;
               }

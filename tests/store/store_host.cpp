@@ -2,8 +2,9 @@
 // no GPU is needed.
 //
 // Every expectation is written here, never taken from the code under test:
-//  - the pool is read back through read_pool(), an accessor written from the documented layout
-//    [num_pages][layers][2 (K, V)][page_size][heads][head_dim] and the fact record's page list;
+//  - the pool is read back through read_pool() (tests/common/store_pool.hpp), an accessor written
+//    from the documented layout [num_pages][layers][2 (K, V)][page_size][heads][head_dim] and the
+//    fact record's page list;
 //  - the inputs are read through index arithmetic written here (offset + sum of index * stride),
 //    not through the views handed to the store;
 //  - half and bfloat16 values are decoded with decoders written out from the formats, and the
@@ -14,6 +15,7 @@
 //  - "unchanged" means the pool byte for byte, free_pages(), num_facts(), version() and every
 //    record, and a twin store that never saw the refused call picks the same pages next.
 #include "float_bits.hpp"
+#include "store_pool.hpp"
 
 #include <inferscale/error.hpp>
 #include <inferscale/store.hpp>
@@ -37,7 +39,10 @@
 
 using namespace inferscale;
 using inferscale_test::bits_of;
+using inferscale_test::bytes_of;
 using inferscale_test::float_from_bits;
+using inferscale_test::pool_shape;
+using inferscale_test::read_pool;
 
 namespace {
 
@@ -86,11 +91,6 @@ std::uint16_t rne_bf16(float x)
 {
   std::uint32_t const b = bits_of(x);
   return std::uint16_t((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
-std::size_t bytes_of(dtype t)
-{
-  return t == dtype::float32 ? 4u : 2u;  // the store's dtypes: float32, float16, bfloat16
 }
 
 // The exact value of an input element.
@@ -302,38 +302,7 @@ void insert_fact(kv_store& store, std::uint64_t id, std::uint64_t ns, kv_input<T
 }
 
 // ------------------------------------------------------------------------------------------------
-// The pool, read from the documented layout.
-
-struct pool_shape {
-  std::int64_t layers;  // the shard's
-  std::int64_t heads;   // the shard's
-  std::int64_t head_dim;
-  std::int64_t page_size;
-  dtype store;
-};
-
-// Bits of element (layer l, K/V kv, token t of the fact, head h, dim e) of the fact whose page
-// list is `pages`: [num_pages][layers][2][page_size][heads][head_dim].
-std::uint32_t read_pool(std::vector<unsigned char> const& pool,
-                        pool_shape const& s,
-                        std::vector<std::int64_t> const& pages,
-                        std::int64_t l,
-                        int kv,
-                        std::int64_t t,
-                        std::int64_t h,
-                        std::int64_t e)
-{
-  std::int64_t const page = pages.at(static_cast<std::size_t>(t / s.page_size));
-  std::int64_t const slot = t % s.page_size;
-  std::int64_t const index =
-    ((((page * s.layers + l) * 2 + kv) * s.page_size + slot) * s.heads + h) * s.head_dim + e;
-  std::size_t const b      = bytes_of(s.store);
-  std::size_t const offset = static_cast<std::size_t>(index) * b;
-  if (index < 0 || offset + b > pool.size()) { throw std::out_of_range("read_pool: outside"); }
-  std::uint32_t bits = 0;
-  std::memcpy(&bits, pool.data() + offset, b);  // little-endian host
-  return bits;
-}
+// The pool, read from the documented layout (pool_shape and read_pool() of store_pool.hpp).
 
 // Checks every element of a stored fact: pool element (l, kv, t, h, e) holds the rounding of
 // input element (kv, l + l0, t, h + h0, e).

@@ -27,6 +27,13 @@
 #define INFERSCALE_IS_DEVICE_CODE 0
 #endif
 
+/// @brief `#pragma unroll` in device code; nothing in host code (host compilers would warn).
+#if defined(__CUDA_ARCH__)
+#define INFERSCALE_UNROLL _Pragma("unroll")
+#else
+#define INFERSCALE_UNROLL
+#endif
+
 #if defined(__CUDACC__)
 #define INFERSCALE_FORCEINLINE __forceinline__
 #elif defined(__GNUC__)

@@ -171,6 +171,69 @@ bool inject_vectorizable(kv_store_ref const& store,
   return true;
 }
 
+/// @brief A launch of inject_kernel, fully resolved on the host (no CUDA call): the kernel's
+/// arguments, grid and dynamic shared memory, and which path it takes.
+template <class Rotation>
+struct inject_launch_config {
+  inject_kernel_args<Rotation> args{};
+  std::int64_t grid_x{};  ///< token tiles
+  std::int32_t grid_y{};  ///< layer groups
+  std::size_t shared_bytes{};
+  bool vectorized{};
+};
+
+/**
+ * @brief Resolves a launch: path (vectorized when inject_vectorizable), units per head, token tile,
+ * and layers per block (as many as keep the grid at `min_blocks_per_sm` blocks per SM, so a tile's
+ * cos/sin serve several layers without starving the GPU).
+ * @param sm_count multiprocessors of the device the kernel will run on
+ */
+template <class StoreT, class CacheT, class Rotation>
+inject_launch_config<Rotation> make_inject_launch(kv_store_ref const& store,
+                                                  injection_batch_view const& batch,
+                                                  paged_kv_cache const& cache,
+                                                  Rotation const& rotation,
+                                                  int sm_count)
+{
+  using policy = inject_policy_sm90;
+  inject_launch_config<Rotation> config{};
+  config.vectorized = inject_vectorizable<StoreT, CacheT>(store, cache, rotation);
+  std::int32_t const run =
+    config.vectorized ? policy::vector_bytes / static_cast<std::int32_t>(sizeof(StoreT)) : 1;
+  std::int32_t const rotary = rotation.rotary_dim;
+  std::int32_t const dim    = store.head_dim;
+
+  auto& args      = config.args;
+  args.store      = store;
+  args.cache      = cache;
+  args.rotation   = rotation;
+  args.batch      = batch;
+  args.table_rows = rope_table_rows(rotation);
+  args.round_each = rope_rounds_each_operation<StoreT>(rotation, rope_op::forward);
+  args.rotary_units =
+    config.vectorized ? (rotation.pairing == rope_pairing::halves ? rotary / 2 / run : rotary / run)
+                      : rotary / 2;
+  args.key_units      = args.rotary_units + (dim - rotary) / run;
+  args.units_per_head = args.key_units + dim / run;
+  args.tile_tokens    = policy::tile_tokens;
+
+  std::int64_t const token_tiles =
+    (batch.num_tokens + policy::tile_tokens - 1) / policy::tile_tokens;
+  INFERSCALE_EXPECTS(token_tiles <= std::int64_t{0x7fffffff},
+                     "inject_async: " + std::to_string(batch.num_tokens) + " tokens exceed a grid");
+  std::int32_t tile_layers = std::min(policy::max_tile_layers, cache.num_layers);
+  while (tile_layers > 1 && token_tiles * ((cache.num_layers + tile_layers - 1) / tile_layers) <
+                              static_cast<std::int64_t>(sm_count) * policy::min_blocks_per_sm) {
+    tile_layers /= 2;
+  }
+  args.tile_layers    = tile_layers;
+  config.grid_x       = token_tiles;
+  config.grid_y       = (cache.num_layers + tile_layers - 1) / tile_layers;
+  config.shared_bytes = static_cast<std::size_t>(policy::tile_tokens) *
+                        static_cast<std::size_t>(rotation.num_pairs()) * sizeof(rope_cos_sin);
+  return config;
+}
+
 template <class StoreT, class CacheT, class Rotation>
 void inject_launch(kv_store_ref const& store,
                    injection_batch_view const& batch,
@@ -180,52 +243,36 @@ void inject_launch(kv_store_ref const& store,
 {
   using policy = inject_policy_sm90;
   if (batch.num_tokens == 0) { return; }
-  bool const vectorized = inject_vectorizable<StoreT, CacheT>(store, cache, rotation);
-  std::int32_t const run =
-    vectorized ? policy::vector_bytes / static_cast<std::int32_t>(sizeof(StoreT)) : 1;
-  std::int32_t const rotary = rotation.rotary_dim;
-  std::int32_t const dim    = store.head_dim;
-
-  inject_kernel_args<Rotation> args{};
-  args.store      = store;
-  args.cache      = cache;
-  args.rotation   = rotation;
-  args.batch      = batch;
-  args.table_rows = rope_table_rows(rotation);
-  args.round_each = rope_rounds_each_operation<StoreT>(rotation, rope_op::forward);
-  args.rotary_units =
-    vectorized ? (rotation.pairing == rope_pairing::halves ? rotary / 2 / run : rotary / run)
-               : rotary / 2;
-  args.key_units      = args.rotary_units + (dim - rotary) / run;
-  args.units_per_head = args.key_units + dim / run;
-  args.tile_tokens    = policy::tile_tokens;
-
   int device = 0, sm_count = 0;
   INFERSCALE_CUDA_TRY(cudaGetDevice(&device));
   INFERSCALE_CUDA_TRY(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  std::int64_t const token_tiles =
-    (batch.num_tokens + policy::tile_tokens - 1) / policy::tile_tokens;
-  INFERSCALE_EXPECTS(token_tiles <= std::int64_t{0x7fffffff},
-                     "inject_async: " + std::to_string(batch.num_tokens) + " tokens exceed a grid");
-  // Share each tile's cos/sin over as many layers as keep the grid at min_blocks_per_sm.
-  std::int32_t tile_layers = std::min(policy::max_tile_layers, cache.num_layers);
-  while (tile_layers > 1 && token_tiles * ((cache.num_layers + tile_layers - 1) / tile_layers) <
-                              static_cast<std::int64_t>(sm_count) * policy::min_blocks_per_sm) {
-    tile_layers /= 2;
-  }
-  args.tile_layers = tile_layers;
-  dim3 const grid{static_cast<unsigned>(token_tiles),
-                  static_cast<unsigned>((cache.num_layers + tile_layers - 1) / tile_layers)};
-  auto const shared_bytes = static_cast<std::size_t>(policy::tile_tokens) *
-                            static_cast<std::size_t>(rotation.num_pairs()) * sizeof(rope_cos_sin);
-  if (vectorized) {
+  auto const config = make_inject_launch<StoreT, CacheT>(store, batch, cache, rotation, sm_count);
+  dim3 const grid{static_cast<unsigned>(config.grid_x), static_cast<unsigned>(config.grid_y)};
+  if (config.vectorized) {
     inject_kernel<policy, StoreT, CacheT, Rotation, true>
-      <<<grid, policy::block_threads, shared_bytes, stream.get()>>>(args);
+      <<<grid, policy::block_threads, config.shared_bytes, stream.get()>>>(config.args);
   } else {
     inject_kernel<policy, StoreT, CacheT, Rotation, false>
-      <<<grid, policy::block_threads, shared_bytes, stream.get()>>>(args);
+      <<<grid, policy::block_threads, config.shared_bytes, stream.get()>>>(config.args);
   }
   INFERSCALE_CHECK_LAUNCH();
+}
+
+/// @brief Arguments of extract_kernel for `tokens` (device arrays).
+template <class Rotation>
+extract_kernel_args<Rotation> make_extract_args(kv_store_ref const& store,
+                                                paged_kv_cache const& cache,
+                                                Rotation const& rotation,
+                                                injection_batch_view const& tokens)
+{
+  extract_kernel_args<Rotation> args{};
+  args.store    = store;
+  args.cache    = cache;
+  args.rotation = rotation;
+  args.tokens   = tokens;
+  args.units_per_head =
+    rotation.num_pairs() + (store.head_dim - rotation.rotary_dim) + store.head_dim;
+  return args;
 }
 
 }  // namespace detail
@@ -334,18 +381,12 @@ void extract(paged_kv_cache const& cache,
                                         cudaMemcpyHostToDevice,
                                         stream.get()));
     detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
-      using S      = typename decltype(s)::type;
-      using C      = typename decltype(c)::type;
-      using policy = detail::inject_policy_sm90;
-      detail::extract_kernel_args<Rotation> args{};
-      args.store          = store.ref();
-      args.cache          = cache;
-      args.rotation       = rotation;
-      args.tokens         = {device, device + n, device + 2 * n, n};
-      args.units_per_head = rotation.num_pairs() +
-                            (store.geometry().head_dim - rotation.rotary_dim) +
-                            store.geometry().head_dim;
-      std::int64_t const total = n * cache.num_layers * cache.num_heads() * args.units_per_head;
+      using S         = typename decltype(s)::type;
+      using C         = typename decltype(c)::type;
+      using policy    = detail::inject_policy_sm90;
+      auto const args = detail::make_extract_args(
+        store.ref(), cache, rotation, {device, device + n, device + 2 * n, n});
+      std::int64_t const total = detail::extract_units(args);
       auto const blocks        = static_cast<unsigned>(std::min<std::int64_t>(
         (total + policy::extract_threads - 1) / policy::extract_threads, std::int64_t{1} << 20));
       detail::extract_kernel<policy, S, C, Rotation>

@@ -48,16 +48,16 @@ struct alignas(sizeof(T) * N) inject_vector {
 };
 
 template <int N, bool Vectorized, class T>
-INFERSCALE_DEVICE INFERSCALE_FORCEINLINE void load_run(T const* src, T (&out)[N])
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void load_run(T const* src, T (&out)[N])
 {
   if constexpr (Vectorized) {
     auto const v = *reinterpret_cast<inject_vector<T, N> const*>(src);
-#pragma unroll
+    INFERSCALE_UNROLL
     for (int e = 0; e < N; ++e) {
       out[e] = v.values[e];
     }
   } else {
-#pragma unroll
+    INFERSCALE_UNROLL
     for (int e = 0; e < N; ++e) {
       out[e] = src[e];
     }
@@ -66,161 +66,216 @@ INFERSCALE_DEVICE INFERSCALE_FORCEINLINE void load_run(T const* src, T (&out)[N]
 
 /// @brief Writes N converted elements to dims `dim .. dim+N-1` of (slot, head) of one layer.
 template <int N, bool Vectorized, class CacheT>
-INFERSCALE_DEVICE INFERSCALE_FORCEINLINE void store_run(CacheT* base,
-                                                        paged_kv_layout const& layout,
-                                                        std::int64_t block,
-                                                        std::int32_t token,
-                                                        std::int32_t head,
-                                                        std::int32_t dim,
-                                                        CacheT const (&values)[N])
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void store_run(CacheT* base,
+                                                             paged_kv_layout const& layout,
+                                                             std::int64_t block,
+                                                             std::int32_t token,
+                                                             std::int32_t head,
+                                                             std::int32_t dim,
+                                                             CacheT const (&values)[N])
 {
   if constexpr (Vectorized) {
     inject_vector<CacheT, N> v;
-#pragma unroll
+    INFERSCALE_UNROLL
     for (int e = 0; e < N; ++e) {
       v.values[e] = values[e];
     }
     *reinterpret_cast<inject_vector<CacheT, N>*>(base + layout.offset(block, token, head, dim)) = v;
   } else {
-#pragma unroll
+    INFERSCALE_UNROLL
     for (int e = 0; e < N; ++e) {
       base[layout.offset(block, token, head, dim + e)] = values[e];
     }
   }
 }
 
+/// @brief A block's tile state (shared memory on the device; plain arrays in the host emulation).
+struct inject_tile_state {
+  rope_cos_sin* cos_sin;   ///< [tile tokens][pairs]
+  std::int64_t* slot;      ///< -1: skip the token
+  std::int64_t* block;     ///< slot / block_size, divided once per token
+  std::int32_t* in_block;  ///< slot % block_size
+  std::int64_t* source;    ///< store token
+};
+
 /**
+ * @brief One block of inject_kernel, as two phases separated by a block barrier: prepare (each
+ * thread fills part of the tile state) and work (each thread takes every `threads`-th unit). The
+ * kernel runs them on the device; the host emulation (tests) runs the same code on the CPU.
+ *
  * @tparam Vectorized true: every run is whole 16-byte store vectors and aligned cache vectors
- *         (checked by the dispatcher); false: runs of one element / one pair.
+ *         (checked by make_inject_launch); false: runs of one element / one pair.
  */
+template <class Policy, class StoreT, class CacheT, class Rotation, bool Vectorized>
+struct inject_block {
+  /// Elements per run: 16 bytes of the store dtype, or one element.
+  static constexpr int run =
+    Vectorized ? Policy::vector_bytes / static_cast<int>(sizeof(StoreT)) : 1;
+
+  INFERSCALE_HOST_DEVICE static std::int32_t tile_tokens(inject_kernel_args<Rotation> const& args,
+                                                         std::int64_t block_x)
+  {
+    std::int64_t const first_token = block_x * args.tile_tokens;
+    return static_cast<std::int32_t>(args.batch.num_tokens - first_token < args.tile_tokens
+                                       ? args.batch.num_tokens - first_token
+                                       : args.tile_tokens);
+  }
+
+  /// @brief Phase 1: the tile's slots (divided once) and cos/sin (once per token and pair).
+  INFERSCALE_HOST_DEVICE static void prepare(inject_kernel_args<Rotation> const& args,
+                                             std::int64_t block_x,
+                                             std::int32_t thread,
+                                             std::int32_t threads,
+                                             inject_tile_state const& tile)
+  {
+    std::int32_t const pairs       = args.rotation.num_pairs();
+    std::int64_t const num_slots   = args.cache.num_slots();
+    std::int64_t const first_token = block_x * args.tile_tokens;
+    std::int32_t const tokens      = tile_tokens(args, block_x);
+    for (std::int32_t t = thread; t < tokens; t += threads) {
+      std::int64_t const slot     = args.batch.slot[first_token + t];
+      std::int64_t const position = args.batch.position[first_token + t];
+      // The host cannot see device arrays: a slot outside the cache, or a position outside the
+      // table, skips the token rather than writing out of bounds.
+      bool const ok = slot_in_cache(slot, num_slots) && position >= 0 && position < args.table_rows;
+      tile.slot[t]  = ok ? slot : -1;
+      tile.block[t] = ok ? slot / args.cache.key_layout.block_size : 0;
+      tile.in_block[t] =
+        ok ? static_cast<std::int32_t>(slot % args.cache.key_layout.block_size) : 0;
+      tile.source[t] = args.batch.store_token[first_token + t];
+    }
+    for (std::int32_t i = thread; i < tokens * pairs; i += threads) {
+      std::int32_t const t        = i / pairs;
+      std::int64_t const position = args.batch.position[first_token + t];
+      tile.cos_sin[i] =
+        (position >= 0 && position < args.table_rows)
+          ? rope_angle_cos_sin(args.rotation, position, i - t * pairs, rope_op::forward)
+          : rope_cos_sin{1.0f, 0.0f};
+    }
+  }
+
+  /// @brief Phase 2: every unit of the tile's (layer, token) rows, tokens fastest (adjacent store
+  /// rows and, usually, adjacent slots).
+  INFERSCALE_HOST_DEVICE static void work(inject_kernel_args<Rotation> const& args,
+                                          std::int64_t block_x,
+                                          std::int32_t block_y,
+                                          std::int32_t thread,
+                                          std::int32_t threads,
+                                          inject_tile_state const& tile)
+  {
+    std::int32_t const pairs         = args.rotation.num_pairs();
+    std::int32_t const rotary_dim    = args.rotation.rotary_dim;
+    std::int32_t const head_dim      = args.store.head_dim;
+    std::int32_t const heads         = args.store.num_heads;
+    bool const halves                = args.rotation.pairing == rope_pairing::halves;
+    bool const scaled                = args.cache.scale_granularity != kv_scale_granularity::none;
+    std::int32_t const tokens        = tile_tokens(args, block_x);
+    std::int32_t const first_layer   = block_y * args.tile_layers;
+    std::int32_t const layers        = args.cache.num_layers - first_layer < args.tile_layers
+                                         ? args.cache.num_layers - first_layer
+                                         : args.tile_layers;
+    std::int32_t const units_per_row = heads * args.units_per_head;
+    std::int32_t const total         = tokens * layers * units_per_row;
+    auto const* const pool           = static_cast<StoreT const*>(args.store.pool);
+
+    for (std::int32_t w = thread; w < total; w += threads) {
+      std::int32_t const row  = w / units_per_row;
+      std::int32_t const unit = w - row * units_per_row;
+      std::int32_t const t    = row % tokens;
+      std::int32_t const l    = first_layer + row / tokens;
+      if (tile.slot[t] < 0) { continue; }
+      std::int64_t const block    = tile.block[t];
+      std::int32_t const in_block = tile.in_block[t];
+      std::int32_t const h        = unit / args.units_per_head;
+      std::int32_t const u        = unit - h * args.units_per_head;
+      std::int64_t const source   = tile.source[t];
+      float const scale           = scaled ? args.cache.scale(l, h, u >= args.key_units) : 1.0f;
+
+      if (u < args.rotary_units) {
+        // Key: rotate. Halves: a run of `run` pairs (elements p.. and p+R/2..). Interleaved: a run
+        // of `run` elements, i.e. run/2 adjacent pairs (a single pair on the scalar path).
+        StoreT const* const src =
+          pool + args.store.row_offset(source, l, 0) + static_cast<std::int64_t>(h) * head_dim;
+        auto* const dst             = static_cast<CacheT*>(args.cache.key_base[l]);
+        rope_cos_sin const* cos_sin = tile.cos_sin + t * pairs;
+        if (halves) {
+          std::int32_t const p0 = u * run;
+          StoreT x[run], y[run];
+          load_run<run, Vectorized>(src + p0, x);
+          load_run<run, Vectorized>(src + p0 + rotary_dim / 2, y);
+          CacheT qx[run], qy[run];
+          INFERSCALE_UNROLL
+          for (int e = 0; e < run; ++e) {
+            float rx, ry;
+            rotate_stored_pair(x[e], y[e], cos_sin[p0 + e], args.round_each, &rx, &ry);
+            qx[e] = convert_rotated<CacheT>(rx, scaled, scale, args.cache.scale_convention);
+            qy[e] = convert_rotated<CacheT>(ry, scaled, scale, args.cache.scale_convention);
+          }
+          store_run<run, Vectorized>(dst, args.cache.key_layout, block, in_block, h, p0, qx);
+          store_run<run, Vectorized>(
+            dst, args.cache.key_layout, block, in_block, h, p0 + rotary_dim / 2, qy);
+        } else {
+          constexpr int elements = Vectorized ? run : 2;
+          std::int32_t const d0  = u * elements;
+          StoreT v[elements];
+          load_run<elements, Vectorized>(src + d0, v);
+          CacheT q[elements];
+          INFERSCALE_UNROLL
+          for (int e = 0; e < elements; e += 2) {
+            float rx, ry;
+            rotate_stored_pair(v[e], v[e + 1], cos_sin[(d0 + e) / 2], args.round_each, &rx, &ry);
+            q[e]     = convert_rotated<CacheT>(rx, scaled, scale, args.cache.scale_convention);
+            q[e + 1] = convert_rotated<CacheT>(ry, scaled, scale, args.cache.scale_convention);
+          }
+          store_run<elements, Vectorized>(dst, args.cache.key_layout, block, in_block, h, d0, q);
+        }
+      } else {
+        // Key pass-through dims (rotary_dim .. head_dim) or value: convert a run.
+        bool const value = u >= args.key_units;
+        std::int32_t const d0 =
+          value ? (u - args.key_units) * run : rotary_dim + (u - args.rotary_units) * run;
+        StoreT const* const src = pool + args.store.row_offset(source, l, value ? 1 : 0) +
+                                  static_cast<std::int64_t>(h) * head_dim + d0;
+        auto* const dst =
+          static_cast<CacheT*>(value ? args.cache.value_base[l] : args.cache.key_base[l]);
+        StoreT v[run];
+        load_run<run, Vectorized>(src, v);
+        CacheT q[run];
+        INFERSCALE_UNROLL
+        for (int e = 0; e < run; ++e) {
+          q[e] = convert_stored<CacheT>(v[e], scaled, scale, args.cache.scale_convention);
+        }
+        store_run<run, Vectorized>(
+          dst, value ? args.cache.value_layout : args.cache.key_layout, block, in_block, h, d0, q);
+      }
+    }
+  }
+};
+
 template <class Policy, class StoreT, class CacheT, class Rotation, bool Vectorized>
 INFERSCALE_KERNEL
 void __launch_bounds__(Policy::block_threads)
   inject_kernel(__grid_constant__ inject_kernel_args<Rotation> const args)
 {
-  // Elements per run: 16 bytes of the store dtype, or one element.
-  constexpr int run = Vectorized ? Policy::vector_bytes / static_cast<int>(sizeof(StoreT)) : 1;
   extern __shared__ rope_cos_sin shared_cos_sin[];
-  __shared__ std::int64_t tile_slot[Policy::tile_tokens];    // -1: skip the token
-  __shared__ std::int64_t tile_block[Policy::tile_tokens];   // slot / block_size, divided once
-  __shared__ std::int32_t tile_offset[Policy::tile_tokens];  // slot % block_size
+  __shared__ std::int64_t tile_slot[Policy::tile_tokens];
+  __shared__ std::int64_t tile_block[Policy::tile_tokens];
+  __shared__ std::int32_t tile_in_block[Policy::tile_tokens];
   __shared__ std::int64_t tile_source[Policy::tile_tokens];
-
-  std::int32_t const pairs      = args.rotation.num_pairs();
-  std::int32_t const rotary_dim = args.rotation.rotary_dim;
-  std::int32_t const head_dim   = args.store.head_dim;
-  std::int32_t const heads      = args.store.num_heads;
-  std::int64_t const num_slots  = args.cache.num_slots();
-  bool const halves             = args.rotation.pairing == rope_pairing::halves;
-
-  std::int64_t const first_token = static_cast<std::int64_t>(blockIdx.x) * args.tile_tokens;
-  std::int32_t const tokens      = static_cast<std::int32_t>(
-    args.batch.num_tokens - first_token < args.tile_tokens ? args.batch.num_tokens - first_token
-                                                                : args.tile_tokens);
-  std::int32_t const first_layer = static_cast<std::int32_t>(blockIdx.y) * args.tile_layers;
-  std::int32_t const layers      = args.cache.num_layers - first_layer < args.tile_layers
-                                     ? args.cache.num_layers - first_layer
-                                     : args.tile_layers;
-
-  for (std::int32_t t = threadIdx.x; t < tokens; t += blockDim.x) {
-    std::int64_t const slot     = args.batch.slot[first_token + t];
-    std::int64_t const position = args.batch.position[first_token + t];
-    // The host cannot see device arrays: a slot outside the cache, or a position outside the
-    // table, skips the token rather than writing out of bounds.
-    bool const ok  = slot_in_cache(slot, num_slots) && position >= 0 && position < args.table_rows;
-    tile_slot[t]   = ok ? slot : -1;
-    tile_block[t]  = ok ? slot / args.cache.key_layout.block_size : 0;
-    tile_offset[t] = ok ? static_cast<std::int32_t>(slot % args.cache.key_layout.block_size) : 0;
-    tile_source[t] = args.batch.store_token[first_token + t];
-  }
-  for (std::int32_t i = threadIdx.x; i < tokens * pairs; i += blockDim.x) {
-    std::int32_t const t        = i / pairs;
-    std::int64_t const position = args.batch.position[first_token + t];
-    shared_cos_sin[i] =
-      (position >= 0 && position < args.table_rows)
-        ? rope_angle_cos_sin(args.rotation, position, i - t * pairs, rope_op::forward)
-        : rope_cos_sin{1.0f, 0.0f};
-  }
+  inject_tile_state const tile{shared_cos_sin, tile_slot, tile_block, tile_in_block, tile_source};
+  using block = inject_block<Policy, StoreT, CacheT, Rotation, Vectorized>;
+  block::prepare(args,
+                 blockIdx.x,
+                 static_cast<std::int32_t>(threadIdx.x),
+                 static_cast<std::int32_t>(blockDim.x),
+                 tile);
   __syncthreads();
-
-  // Work: (layer, token) rows, tokens fastest (adjacent store rows and, usually, adjacent slots).
-  std::int32_t const units_per_row = heads * args.units_per_head;
-  std::int32_t const total         = tokens * layers * units_per_row;
-  auto const* const pool           = static_cast<StoreT const*>(args.store.pool);
-  constexpr int pairs_per_run      = run;  // halves: a run of pairs; interleaved: see below
-
-  for (std::int32_t w = threadIdx.x; w < total; w += blockDim.x) {
-    std::int32_t const row  = w / units_per_row;
-    std::int32_t const unit = w - row * units_per_row;
-    std::int32_t const t    = row % tokens;
-    std::int32_t const l    = first_layer + row / tokens;
-    if (tile_slot[t] < 0) { continue; }
-    std::int64_t const block    = tile_block[t];
-    std::int32_t const in_block = tile_offset[t];
-    std::int32_t const h        = unit / args.units_per_head;
-    std::int32_t const u        = unit - h * args.units_per_head;
-    std::int64_t const source   = tile_source[t];
-    bool const scaled           = args.cache.scale_granularity != kv_scale_granularity::none;
-    float const scale           = scaled ? args.cache.scale(l, h, u >= args.key_units) : 1.0f;
-
-    if (u < args.rotary_units) {
-      // Key: rotate. Halves: a run of `run` pairs (elements p.. and p+R/2..). Interleaved: a run of
-      // `run` elements, i.e. run/2 adjacent pairs (a single pair on the scalar path).
-      StoreT const* const src =
-        pool + args.store.row_offset(source, l, 0) + static_cast<std::int64_t>(h) * head_dim;
-      auto* const dst             = static_cast<CacheT*>(args.cache.key_base[l]);
-      rope_cos_sin const* cos_sin = shared_cos_sin + t * pairs;
-      if (halves) {
-        std::int32_t const p0 = u * pairs_per_run;
-        StoreT x[run], y[run];
-        load_run<run, Vectorized>(src + p0, x);
-        load_run<run, Vectorized>(src + p0 + rotary_dim / 2, y);
-        CacheT qx[run], qy[run];
-#pragma unroll
-        for (int e = 0; e < run; ++e) {
-          float rx, ry;
-          rotate_stored_pair(x[e], y[e], cos_sin[p0 + e], args.round_each, &rx, &ry);
-          qx[e] = convert_rotated<CacheT>(rx, scaled, scale, args.cache.scale_convention);
-          qy[e] = convert_rotated<CacheT>(ry, scaled, scale, args.cache.scale_convention);
-        }
-        store_run<run, Vectorized>(dst, args.cache.key_layout, block, in_block, h, p0, qx);
-        store_run<run, Vectorized>(
-          dst, args.cache.key_layout, block, in_block, h, p0 + rotary_dim / 2, qy);
-      } else {
-        constexpr int elements = Vectorized ? run : 2;
-        std::int32_t const d0  = u * elements;
-        StoreT v[elements];
-        load_run<elements, Vectorized>(src + d0, v);
-        CacheT q[elements];
-#pragma unroll
-        for (int e = 0; e < elements; e += 2) {
-          float rx, ry;
-          rotate_stored_pair(v[e], v[e + 1], cos_sin[(d0 + e) / 2], args.round_each, &rx, &ry);
-          q[e]     = convert_rotated<CacheT>(rx, scaled, scale, args.cache.scale_convention);
-          q[e + 1] = convert_rotated<CacheT>(ry, scaled, scale, args.cache.scale_convention);
-        }
-        store_run<elements, Vectorized>(dst, args.cache.key_layout, block, in_block, h, d0, q);
-      }
-    } else {
-      // Key pass-through dims (rotary_dim .. head_dim) or value: convert a run.
-      bool const value = u >= args.key_units;
-      std::int32_t const d0 =
-        value ? (u - args.key_units) * run : rotary_dim + (u - args.rotary_units) * run;
-      StoreT const* const src = pool + args.store.row_offset(source, l, value ? 1 : 0) +
-                                static_cast<std::int64_t>(h) * head_dim + d0;
-      auto* const dst =
-        static_cast<CacheT*>(value ? args.cache.value_base[l] : args.cache.key_base[l]);
-      StoreT v[run];
-      load_run<run, Vectorized>(src, v);
-      CacheT q[run];
-#pragma unroll
-      for (int e = 0; e < run; ++e) {
-        q[e] = convert_stored<CacheT>(v[e], scaled, scale, args.cache.scale_convention);
-      }
-      store_run<run, Vectorized>(
-        dst, value ? args.cache.value_layout : args.cache.key_layout, block, in_block, h, d0, q);
-    }
-  }
+  block::work(args,
+              blockIdx.x,
+              static_cast<std::int32_t>(blockIdx.y),
+              static_cast<std::int32_t>(threadIdx.x),
+              static_cast<std::int32_t>(blockDim.x),
+              tile);
 }
 
 /// @brief Everything extract_kernel reads.
@@ -233,12 +288,10 @@ struct extract_kernel_args {
   std::int32_t units_per_head;  ///< pairs + pass-through dims + value dims
 };
 
-/// @brief Extraction: one thread per (token, layer, head, unit); unit = a key pair, a key
-/// pass-through dim or a value dim. Not on a latency path, so kept simple (scalar).
-template <class Policy, class StoreT, class CacheT, class Rotation>
-INFERSCALE_KERNEL
-void __launch_bounds__(Policy::extract_threads)
-  extract_kernel(__grid_constant__ extract_kernel_args<Rotation> const args)
+/// @brief Extraction of work unit `w` (token, layer, head, unit; unit = a key pair, a key
+/// pass-through dim or a value dim). Shared by extract_kernel and the host emulation.
+template <class StoreT, class CacheT, class Rotation>
+INFERSCALE_HOST_DEVICE void extract_unit(extract_kernel_args<Rotation> const& args, std::int64_t w)
 {
   std::int32_t const pairs    = args.rotation.num_pairs();
   std::int32_t const rotary   = args.rotation.rotary_dim;
@@ -246,48 +299,65 @@ void __launch_bounds__(Policy::extract_threads)
   std::int32_t const heads    = args.store.num_heads;
   std::int64_t const per_token =
     static_cast<std::int64_t>(args.cache.num_layers) * heads * args.units_per_head;
-  std::int64_t const total = args.tokens.num_tokens * per_token;
-  auto* const pool         = static_cast<StoreT*>(args.store.pool);
+  auto* const pool     = static_cast<StoreT*>(args.store.pool);
+  std::int64_t const i = w / per_token;
+  std::int64_t rest    = w - i * per_token;
+  std::int32_t const l = static_cast<std::int32_t>(rest / (heads * args.units_per_head));
+  rest -= static_cast<std::int64_t>(l) * heads * args.units_per_head;
+  std::int32_t const h         = static_cast<std::int32_t>(rest / args.units_per_head);
+  std::int32_t const u         = static_cast<std::int32_t>(rest - h * args.units_per_head);
+  std::int64_t const slot      = args.tokens.slot[i];
+  std::int32_t const key_units = pairs + (head_dim - rotary);
+  bool const value             = u >= key_units;
+  float const scale            = args.cache.scale(l, h, value);
+  StoreT* const dst = pool + args.store.row_offset(args.tokens.store_token[i], l, value ? 1 : 0) +
+                      static_cast<std::int64_t>(h) * head_dim;
+  if (u < pairs) {
+    auto const* const src = static_cast<CacheT const*>(args.cache.key_base[l]);
+    std::int32_t first, second;
+    pair_elements(args.rotation.pairing, rotary, u, &first, &second);
+    rope_cos_sin const cs =
+      rope_angle_cos_sin(args.rotation, args.tokens.position[i], u, rope_op::inverse);
+    float x, y;
+    unrotate_pair(
+      dequantize(
+        src[args.cache.key_layout.slot_offset(slot, h, first)], scale, args.cache.scale_convention),
+      dequantize(src[args.cache.key_layout.slot_offset(slot, h, second)],
+                 scale,
+                 args.cache.scale_convention),
+      cs,
+      &x,
+      &y);
+    dst[first]  = from_float<StoreT>(x);
+    dst[second] = from_float<StoreT>(y);
+  } else {
+    std::int32_t const d = value ? u - key_units : rotary + (u - pairs);
+    auto const* const src =
+      static_cast<CacheT const*>(value ? args.cache.value_base[l] : args.cache.key_base[l]);
+    auto const& layout = value ? args.cache.value_layout : args.cache.key_layout;
+    dst[d]             = from_float<StoreT>(
+      dequantize(src[layout.slot_offset(slot, h, d)], scale, args.cache.scale_convention));
+  }
+}
+
+/// @brief Units of an extraction: tokens x layers x heads x units_per_head.
+template <class Rotation>
+INFERSCALE_HOST_DEVICE std::int64_t extract_units(extract_kernel_args<Rotation> const& args)
+{
+  return args.tokens.num_tokens * args.cache.num_layers * args.store.num_heads *
+         args.units_per_head;
+}
+
+/// @brief Extraction: one thread per unit (extract_unit). Not on a latency path: kept scalar.
+template <class Policy, class StoreT, class CacheT, class Rotation>
+INFERSCALE_KERNEL
+void __launch_bounds__(Policy::extract_threads)
+  extract_kernel(__grid_constant__ extract_kernel_args<Rotation> const args)
+{
+  std::int64_t const total = extract_units(args);
   for (std::int64_t w = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; w < total;
        w += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    std::int64_t const i = w / per_token;
-    std::int64_t rest    = w - i * per_token;
-    std::int32_t const l = static_cast<std::int32_t>(rest / (heads * args.units_per_head));
-    rest -= static_cast<std::int64_t>(l) * heads * args.units_per_head;
-    std::int32_t const h         = static_cast<std::int32_t>(rest / args.units_per_head);
-    std::int32_t const u         = static_cast<std::int32_t>(rest - h * args.units_per_head);
-    std::int64_t const slot      = args.tokens.slot[i];
-    std::int32_t const key_units = pairs + (head_dim - rotary);
-    bool const value             = u >= key_units;
-    float const scale            = args.cache.scale(l, h, value);
-    StoreT* const dst = pool + args.store.row_offset(args.tokens.store_token[i], l, value ? 1 : 0) +
-                        static_cast<std::int64_t>(h) * head_dim;
-    if (u < pairs) {
-      auto const* const src = static_cast<CacheT const*>(args.cache.key_base[l]);
-      std::int32_t first, second;
-      pair_elements(args.rotation.pairing, rotary, u, &first, &second);
-      rope_cos_sin const cs =
-        rope_angle_cos_sin(args.rotation, args.tokens.position[i], u, rope_op::inverse);
-      float x, y;
-      unrotate_pair(dequantize(src[args.cache.key_layout.slot_offset(slot, h, first)],
-                               scale,
-                               args.cache.scale_convention),
-                    dequantize(src[args.cache.key_layout.slot_offset(slot, h, second)],
-                               scale,
-                               args.cache.scale_convention),
-                    cs,
-                    &x,
-                    &y);
-      dst[first]  = from_float<StoreT>(x);
-      dst[second] = from_float<StoreT>(y);
-    } else {
-      std::int32_t const d = value ? u - key_units : rotary + (u - pairs);
-      auto const* const src =
-        static_cast<CacheT const*>(value ? args.cache.value_base[l] : args.cache.key_base[l]);
-      auto const& layout = value ? args.cache.value_layout : args.cache.key_layout;
-      dst[d]             = from_float<StoreT>(
-        dequantize(src[layout.slot_offset(slot, h, d)], scale, args.cache.scale_convention));
-    }
+    extract_unit<StoreT, CacheT>(args, w);
   }
 }
 

@@ -1,0 +1,391 @@
+// The device kernels' code run on the CPU: inject_kernel's two phases (prepare, work) and
+// extract_kernel's units are __host__ __device__ functions, and make_inject_launch resolves a
+// launch without any CUDA call. Emulating every block and thread of that launch on the host, with
+// the same arguments the device would get, tests the kernel's tiling, unit indexing, vectorized
+// and scalar paths against the host backend (inject_host, extract_host) on machines without a GPU.
+// Both sides compute cos/sin with the same host functions, so the results must agree bit for bit.
+
+#include "engine_cache_descriptor.hpp"
+#include "engine_caches.hpp"
+#include "inject_common.hpp"
+
+#include <inferscale/cache.hpp>
+#include <inferscale/compose.hpp>
+#include <inferscale/inject.cuh>
+#include <inferscale/inject.hpp>
+#include <inferscale/rope.hpp>
+#include <inferscale/store.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace inferscale;
+using inferscale_test::engine_cache;
+using inferscale_test::engine_layout;
+using inferscale_test::fact_data;
+using bytes  = std::vector<unsigned char>;
+using policy = detail::inject_policy_sm90;
+
+/// Runs every block and thread of an inject_kernel launch on the CPU: phase 1 for all threads of
+/// a block, then phase 2 (the kernel's __syncthreads between them).
+template <class StoreT, class CacheT, bool Vectorized, class Rotation>
+void emulate_blocks(detail::inject_launch_config<Rotation> const& config)
+{
+  using block = detail::inject_block<policy, StoreT, CacheT, Rotation, Vectorized>;
+  std::vector<rope_cos_sin> cos_sin(
+    std::max<std::size_t>(config.shared_bytes / sizeof(rope_cos_sin), 1));
+  std::int64_t slot[policy::tile_tokens], blk[policy::tile_tokens], source[policy::tile_tokens];
+  std::int32_t in_block[policy::tile_tokens];
+  detail::inject_tile_state const tile{cos_sin.data(), slot, blk, in_block, source};
+  for (std::int64_t bx = 0; bx < config.grid_x; ++bx) {
+    for (std::int32_t by = 0; by < config.grid_y; ++by) {
+      for (std::int32_t t = 0; t < policy::block_threads; ++t) {
+        block::prepare(config.args, bx, t, policy::block_threads, tile);
+      }
+      for (std::int32_t t = 0; t < policy::block_threads; ++t) {
+        block::work(config.args, bx, by, t, policy::block_threads, tile);
+      }
+    }
+  }
+}
+
+/// Emulates inject_async's launch for a host store and a host cache on a GPU with `sm_count` SMs;
+/// returns whether the vectorized path was taken.
+template <class StoreT, class CacheT, class Rotation>
+bool emulate_inject(kv_store const& store,
+                    injection_batch const& batch,
+                    paged_kv_cache const& cache,
+                    Rotation const& rotation,
+                    int sm_count)
+{
+  auto const config = detail::make_inject_launch<StoreT, CacheT>(
+    store.ref(), batch.host_view(), cache, rotation, sm_count);
+  if (batch.num_tokens() == 0) { return config.vectorized; }
+  if (config.vectorized) {
+    emulate_blocks<StoreT, CacheT, true>(config);
+  } else {
+    emulate_blocks<StoreT, CacheT, false>(config);
+  }
+  return config.vectorized;
+}
+
+/// A store -> cache dtype pair and, for fp8 caches, the scales' granularity and convention.
+template <class StoreT,
+          class CacheT,
+          kv_scale_granularity Granularity = kv_scale_granularity::none,
+          kv_scale_convention Convention   = kv_scale_convention::divide>
+struct dtype_pair {
+  using store_t                                     = StoreT;
+  using cache_t                                     = CacheT;
+  static constexpr kv_scale_granularity granularity = Granularity;
+  static constexpr kv_scale_convention convention   = Convention;
+};
+using bf16_to_bf16 = dtype_pair<bfloat16_t, bfloat16_t>;
+using fp32_to_fp32 = dtype_pair<float, float>;
+using fp16_to_fp16 = dtype_pair<half_t, half_t>;
+using bf16_to_fp32 = dtype_pair<bfloat16_t, float>;
+using bf16_to_e4m3 = dtype_pair<bfloat16_t,
+                                float8_e4m3_t,
+                                kv_scale_granularity::per_head,
+                                kv_scale_convention::divide>;
+using fp32_to_e5m2 =
+  dtype_pair<float, float8_e5m2_t, kv_scale_granularity::per_tensor, kv_scale_convention::multiply>;
+
+struct shape_case {
+  char const* name;
+  int layers, heads, head_dim, rotary_dim;
+  rope_pairing pairing;
+  std::int64_t blocks;  // engine blocks (block size 16)
+};
+
+/// Geometries that take each path: 16-byte runs for both pairings, partial rotary with
+/// pass-through dims, a rotary half that does not split into runs (scalar path), many layers.
+std::vector<shape_case> shape_cases()
+{
+  return {{"d128 halves", 3, 2, 128, 128, rope_pairing::halves, 12},
+          {"d64 interleaved", 2, 3, 64, 64, rope_pairing::interleaved, 12},
+          {"d128 interleaved, rotary 64", 3, 1, 128, 64, rope_pairing::interleaved, 12},
+          {"d64 halves, rotary 34 (scalar)", 2, 2, 64, 34, rope_pairing::halves, 12},
+          {"d96 halves (Phi-3.5)", 2, 1, 96, 96, rope_pairing::halves, 12},
+          {"10 layers", 10, 2, 64, 64, rope_pairing::halves, 12}};
+}
+
+constexpr std::int32_t block_size = 16;
+
+/// Facts of odd lengths over pages of 8 tokens, one erased so later facts reuse its pages.
+std::vector<fact_data> make_facts(shape_case const& s)
+{
+  std::vector<fact_data> facts;
+  std::int32_t const lengths[] = {6, 7, 13, 1, 21, 5, 9, 17};
+  std::uint64_t id             = 1;
+  for (std::int32_t c : lengths) {
+    facts.emplace_back(id, s.layers, c, s.heads, s.head_dim, 0xface + id);
+    ++id;
+  }
+  return facts;
+}
+
+void populate(kv_store& store, std::vector<fact_data> const& facts, shape_case const& s)
+{
+  fact_data const filler(99, s.layers, 10, s.heads, s.head_dim, 7);
+  filler.insert_into(store);
+  facts[0].insert_into(store);
+  store.erase(99);
+  for (std::size_t i = 1; i < facts.size(); ++i) {
+    facts[i].insert_into(store);
+  }
+}
+
+/// Three requests (a block table, an explicit slot mapping with skipped slots, a block table at a
+/// larger position) over a 12-block cache.
+injection_batch make_batch(kv_store const& store, std::int64_t shift)
+{
+  injection_batch batch(store);
+  {
+    compose_options o{};
+    o.first_position            = 12 + shift;
+    o.order                     = fact_order::best_last;
+    o.instruction_prefix        = 1;
+    std::int32_t const blocks[] = {7, 2, 5};
+    batch.add(compose(store, {2, 3, 4}, o), blocks, 3, block_size, 3);
+  }
+  {
+    compose_options o{};
+    o.first_position            = shift;
+    auto const plan             = compose(store, {5, 6, 7}, o);
+    std::int32_t const blocks[] = {9, 0, 11};
+    auto slots                  = slots_from_block_table(blocks, 3, block_size, 0, plan.length());
+    for (std::size_t j = 1; j < slots.size(); j += 4) {
+      slots[j] = -1;
+    }
+    batch.add(plan, slots);
+  }
+  {
+    compose_options o{};
+    o.first_position            = 1500 + shift;
+    o.instruction_prefix        = 1;
+    std::int32_t const blocks[] = {3, 8, 1};
+    batch.add(compose(store, {8, 3}, o), blocks, 3, block_size, 5);
+  }
+  return batch;
+}
+
+std::vector<float> make_scales(shape_case const& s, kv_scale_granularity g)
+{
+  std::int32_t const count = g == kv_scale_granularity::per_head ? s.heads : 1;
+  std::vector<float> out;
+  for (int l = 0; l < s.layers; ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int i = 0; i < count; ++i) {
+        out.push_back(0.5f + 0.25f * float((l + 2 * kv + i) % 5));
+      }
+    }
+  }
+  return out;
+}
+
+template <class Pair>
+void set_scales(paged_kv_cache& cache, std::vector<float> const& scales, shape_case const& s)
+{
+  if (Pair::granularity == kv_scale_granularity::none) { return; }
+  std::int32_t const count = Pair::granularity == kv_scale_granularity::per_head ? s.heads : 1;
+  std::vector<float const*> k, v;
+  for (int l = 0; l < s.layers; ++l) {
+    k.push_back(scales.data() + (2 * l) * count);
+    v.push_back(scales.data() + (2 * l + 1) * count);
+  }
+  cache.set_fp8_scales(Pair::convention, Pair::granularity, k, v);
+}
+
+template <class C>
+bytes storage_of(engine_cache<C> const& cache)
+{
+  auto const* p = reinterpret_cast<unsigned char const*>(cache.storage());
+  return bytes(p, p + cache.storage_bytes());
+}
+
+rope_params make_params(shape_case const& s)
+{
+  rope_spec spec{};
+  spec.head_dim   = s.head_dim;
+  spec.rotary_dim = s.rotary_dim;
+  spec.theta      = 10000.0;
+  spec.pairing    = s.pairing;
+  return make_rope_params(spec);
+}
+
+/// True if the kernel should take 16-byte runs: the rotary half (halves) or the rotary dims
+/// (interleaved) split into whole runs of 16 bytes of the store dtype, and the cache's dims are
+/// contiguous (vLLM legacy's value is token-fastest, so its launch is scalar).
+template <class S>
+bool expect_vectorized(shape_case const& s, engine_layout layout)
+{
+  int const run = 16 / static_cast<int>(sizeof(S));
+  bool const fits =
+    s.pairing == rope_pairing::halves ? (s.rotary_dim / 2) % run == 0 : s.rotary_dim % run == 0;
+  return fits && s.rotary_dim % run == 0 && s.head_dim % run == 0 &&
+         layout != engine_layout::vllm_legacy;
+}
+
+template <class Pair, class Rotation>
+void check_inject(engine_layout layout,
+                  shape_case const& s,
+                  kv_store const& store,
+                  Rotation const& rotation,
+                  int sm_count)
+{
+  using S = typename Pair::store_t;
+  using C = typename Pair::cache_t;
+  engine_cache<C> by_host(layout, s.layers, s.blocks, block_size, s.heads, s.head_dim);
+  engine_cache<C> by_kernel(layout, s.layers, s.blocks, block_size, s.heads, s.head_dim);
+  by_host.fill_random(42);
+  by_kernel.fill_random(42);
+  bytes const original     = storage_of(by_host);
+  auto const scales        = make_scales(s, Pair::granularity);
+  paged_kv_cache host_desc = inferscale_test::describe_engine_cache(by_host, by_host.storage());
+  paged_kv_cache kernel_desc =
+    inferscale_test::describe_engine_cache(by_kernel, by_kernel.storage());
+  set_scales<Pair>(host_desc, scales, s);
+  set_scales<Pair>(kernel_desc, scales, s);
+
+  injection_batch const batch = make_batch(store, 0);
+  inject_host(store, batch, host_desc, rotation);
+  bool const vectorized = emulate_inject<S, C>(store, batch, kernel_desc, rotation, sm_count);
+  CAPTURE(vectorized, batch.num_tokens());
+  REQUIRE(vectorized == expect_vectorized<S>(s, layout));
+  bytes const host = storage_of(by_host);
+  REQUIRE(host != original);  // something was written
+  bytes const kernel = storage_of(by_kernel);
+  auto const m       = std::mismatch(host.begin(), host.end(), kernel.begin());
+  CAPTURE(m.first - host.begin());
+  REQUIRE(m.first == host.end());
+}
+
+template <class Pair>
+void check_all(int sm_count)
+{
+  using S                = typename Pair::store_t;
+  shape_case const s     = GENERATE(from_range(shape_cases()));
+  engine_layout const ly = GENERATE(from_range(inferscale_test::all_engine_layouts()));
+  CAPTURE(s.name, to_string(ly), sm_count);
+  kv_store store = inferscale_test::make_host_store(
+    s.layers, s.heads, s.head_dim, dtype_of_v<S>, /*page_size*/ 8, /*pages*/ 32);
+  auto const facts = make_facts(s);
+  populate(store, facts, s);
+  rope_params const params   = make_params(s);
+  std::vector<S> const table = make_rope_cos_sin_values<S>(params, 2048);
+  SECTION("computed rope_params") { check_inject<Pair>(ly, s, store, params, sm_count); }
+  SECTION("engine cos/sin table, vLLM per-operation rounding")
+  {
+    check_inject<Pair>(
+      ly, s, store, make_rope_cos_sin_table(params, table.data(), 2048, true), sm_count);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the inject kernel's code, emulated on the CPU, equals inject_host bit for bit",
+                   "[inject][emulation]",
+                   bf16_to_bf16,
+                   fp32_to_fp32,
+                   fp16_to_fp16,
+                   bf16_to_fp32,
+                   bf16_to_e4m3,
+                   fp32_to_e5m2)
+{
+  // 132 SMs (H200): few tokens, so layers per block shrink to fill the grid; 1 SM: 8 layers per
+  // block (a partial layer tile with 10 layers).
+  int const sm_count = GENERATE(132, 1);
+  check_all<TestType>(sm_count);
+}
+
+TEST_CASE("make_inject_launch: grid, tiles and units per head", "[inject][emulation]")
+{
+  shape_case const s{"d128 halves", 32, 8, 128, 128, rope_pairing::halves, 64};
+  kv_store store = inferscale_test::make_host_store(32, 8, 128, dtype::bfloat16, 16, 8);
+  engine_cache<bfloat16_t> cache(
+    engine_layout::vllm_flash_attn_nhd, 32, s.blocks, block_size, 8, 128);
+  paged_kv_cache const desc = inferscale_test::describe_engine_cache(cache, cache.storage());
+  std::vector<std::int64_t> arrays(3 * 1024, 0);
+  injection_batch_view const view{arrays.data(), arrays.data() + 1024, arrays.data() + 2048, 1024};
+  auto const c = detail::make_inject_launch<bfloat16_t, bfloat16_t>(
+    store.ref(), view, desc, make_params(s), 132);
+  REQUIRE(c.vectorized);
+  // 8 bf16 per 16-byte run: 64 rotary pairs = 8 key units, 128 value dims = 16 value units.
+  REQUIRE(c.args.rotary_units == 8);
+  REQUIRE(c.args.key_units == 8);
+  REQUIRE(c.args.units_per_head == 24);
+  REQUIRE(c.args.tile_tokens == policy::tile_tokens);
+  REQUIRE(c.grid_x == (1024 + policy::tile_tokens - 1) / policy::tile_tokens);
+  // 256 token tiles x 4 layer groups of 8 = 1024 blocks >= 132 SMs x 4: 8 layers per block.
+  REQUIRE(c.args.tile_layers == 8);
+  REQUIRE(c.grid_y == 4);
+  REQUIRE(c.shared_bytes == policy::tile_tokens * 64 * sizeof(rope_cos_sin));
+  // 128 tokens: 32 tiles; 8 layers per block gives 128 blocks < 528, so halve down to 1 layer
+  // (1024 blocks); 2 layers would give 512 < 528.
+  injection_batch_view const small{arrays.data(), arrays.data() + 1024, arrays.data() + 2048, 128};
+  auto const c2 = detail::make_inject_launch<bfloat16_t, bfloat16_t>(
+    store.ref(), small, desc, make_params(s), 132);
+  REQUIRE(c2.args.tile_layers == 1);
+  REQUIRE(c2.grid_y == 32);
+}
+
+TEMPLATE_TEST_CASE("the extract kernel's units, emulated on the CPU, equal extract_host",
+                   "[inject][emulation]",
+                   bf16_to_bf16,
+                   fp32_to_fp32,
+                   bf16_to_e4m3,
+                   fp32_to_e5m2)
+{
+  using S                = typename TestType::store_t;
+  using C                = typename TestType::cache_t;
+  shape_case const s     = GENERATE(from_range(shape_cases()));
+  engine_layout const ly = GENERATE(from_range(inferscale_test::all_engine_layouts()));
+  CAPTURE(s.name, to_string(ly));
+  engine_cache<C> cache(ly, s.layers, s.blocks, block_size, s.heads, s.head_dim);
+  cache.fill_random(7);
+  paged_kv_cache desc = inferscale_test::describe_engine_cache(cache, cache.storage());
+  auto const scales   = make_scales(s, TestType::granularity);
+  set_scales<TestType>(desc, scales, s);
+  rope_params const params = make_params(s);
+
+  auto make_store = [&] {
+    return inferscale_test::make_host_store(s.layers, s.heads, s.head_dim, dtype_of_v<S>, 8, 16);
+  };
+  kv_store by_host            = make_store();
+  kv_store by_kernel          = make_store();
+  std::int32_t const blocks[] = {4, 9, 2};
+  auto const slots            = slots_from_block_table(blocks, 3, block_size, 3, 29);
+  std::vector<std::int32_t> token_ids(slots.size());
+  for (std::size_t j = 0; j < token_ids.size(); ++j) {
+    token_ids[j] = static_cast<std::int32_t>(500 + j);
+  }
+  std::int64_t const first_position = 40;
+  extract_host(desc, slots, first_position, params, by_host, 5, 1, token_ids);
+
+  fact_record const& fact = by_kernel.reserve(5, 1, token_ids);
+  std::int64_t const n    = static_cast<std::int64_t>(slots.size());
+  std::vector<std::int64_t> arrays(static_cast<std::size_t>(3 * n));
+  for (std::int64_t j = 0; j < n; ++j) {
+    arrays[static_cast<std::size_t>(j)] = by_kernel.store_token(fact, static_cast<std::int32_t>(j));
+    arrays[static_cast<std::size_t>(n + j)]     = first_position + j;
+    arrays[static_cast<std::size_t>(2 * n + j)] = slots[static_cast<std::size_t>(j)];
+  }
+  auto const args = detail::make_extract_args(
+    by_kernel.ref(), desc, params, {arrays.data(), arrays.data() + n, arrays.data() + 2 * n, n});
+  std::int64_t const units = detail::extract_units(args);
+  // tokens x layers x heads x (pairs + pass-through dims + value dims)
+  REQUIRE(units ==
+          n * s.layers * s.heads * (s.rotary_dim / 2 + (s.head_dim - s.rotary_dim) + s.head_dim));
+  for (std::int64_t w = 0; w < units; ++w) {
+    detail::extract_unit<S, C>(args, w);
+  }
+  REQUIRE(by_kernel.at(5).pages == by_host.at(5).pages);
+  REQUIRE(by_kernel.pool_to_host() == by_host.pool_to_host());
+}

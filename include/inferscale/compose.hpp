@@ -8,6 +8,7 @@
 #include <inferscale/error.hpp>
 #include <inferscale/store.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -108,15 +109,17 @@ inline composition compose(kv_store const& store,
   composition plan;
   plan.first_position = options.first_position;
   plan.segments.reserve(order.size());
-  plan.token_ids.reserve(static_cast<std::size_t>(total));
-  plan.sources.reserve(static_cast<std::size_t>(total));
+  plan.token_ids.resize(static_cast<std::size_t>(total));
+  plan.sources.resize(static_cast<std::size_t>(total));
+  std::size_t next = 0;
   for (std::uint64_t id : order) {
     fact_record const& fact = store.at(id);
-    plan.segments.push_back({id, plan.length(), fact.length()});
+    plan.segments.push_back({id, static_cast<std::int64_t>(next), fact.length()});
+    std::copy(fact.token_ids.begin(), fact.token_ids.end(), plan.token_ids.begin() + next);
     for (std::int32_t j = 0; j < fact.length(); ++j) {
-      plan.token_ids.push_back(fact.token_ids[static_cast<std::size_t>(j)]);
-      plan.sources.push_back({id, j});
+      plan.sources[next + static_cast<std::size_t>(j)] = {id, j};
     }
+    next += static_cast<std::size_t>(fact.length());
   }
   return plan;
 }

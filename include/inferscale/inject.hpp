@@ -41,6 +41,48 @@ struct injection_batch_view {
   std::int64_t num_tokens{};
 };
 
+namespace detail {
+/**
+ * @brief The slots a batch writes, to refuse a slot written twice: a bitmap for slots below 2^28
+ * (32 MiB at most, grown as needed; engine caches hold far fewer slots), a hash set above.
+ */
+class slot_set {
+ public:
+  /// @brief Adds `slot` (>= 0); false if it was already there.
+  bool insert(std::int64_t slot)
+  {
+    if (slot >= bitmap_limit) { return large_.insert(slot).second; }
+    auto const word = static_cast<std::size_t>(slot >> 6);
+    if (word >= bits_.size()) { bits_.resize(std::max(word + 1, 2 * bits_.size()), 0); }
+    std::uint64_t const bit = std::uint64_t{1} << (slot & 63);
+    if (bits_[word] & bit) { return false; }
+    bits_[word] |= bit;
+    return true;
+  }
+  /// @brief Removes every slot, keeping the bitmap's memory.
+  void clear()
+  {
+    std::fill(bits_.begin(), bits_.end(), std::uint64_t{0});
+    large_.clear();
+  }
+  /// @brief Removes `slot` (>= 0) if present.
+  void erase(std::int64_t slot)
+  {
+    if (slot >= bitmap_limit) {
+      large_.erase(slot);
+      return;
+    }
+    auto const word = static_cast<std::size_t>(slot >> 6);
+    if (word < bits_.size()) { bits_[word] &= ~(std::uint64_t{1} << (slot & 63)); }
+  }
+
+ private:
+  static constexpr std::int64_t bitmap_limit = std::int64_t{1} << 28;
+  std::vector<std::uint64_t> bits_;
+  std::unordered_set<std::int64_t> large_;
+};
+}  // namespace detail
+
 /**
  * @brief The validated work of one scheduler step: every admitted request's plan and slots,
  * flattened to (store token, position, slot) per memory token. Built on the host.
@@ -54,6 +96,30 @@ class injection_batch {
   explicit injection_batch(kv_store const& store)
     : store_{&store}, store_identity_{store.identity()}, store_version_{store.version()}
   {
+  }
+
+  /// @brief Room for `tokens` tokens without reallocation (an engine keeps one batch per step
+  /// loop: reserve once, clear() every step).
+  void reserve(std::int64_t tokens)
+  {
+    auto const n = static_cast<std::size_t>(std::max<std::int64_t>(tokens, 0));
+    store_token_.reserve(n);
+    position_.reserve(n);
+    slot_.reserve(n);
+  }
+
+  /// @brief Empties the batch, keeping its memory, and ties it to the store's current state.
+  void clear()
+  {
+    store_token_.clear();
+    position_.clear();
+    slot_.clear();
+    request_offsets_.assign(1, 0);
+    slots_.clear();
+    max_slot_       = -1;
+    max_position_   = -1;
+    store_identity_ = store_->identity();
+    store_version_  = store_->version();
   }
 
   /**
@@ -85,7 +151,21 @@ class injection_batch {
 
     // Resolve and check everything into temporaries first.
     std::vector<std::int64_t> store_tokens(static_cast<std::size_t>(m));
-    std::unordered_set<std::int64_t> new_slots;
+    std::vector<std::int64_t> new_slots;  // taken in slots_, given back if the request is refused
+    new_slots.reserve(static_cast<std::size_t>(m));
+    struct rollback {
+      detail::slot_set& set;
+      std::vector<std::int64_t> const& taken;
+      bool committed = false;
+      ~rollback()
+      {
+        if (!committed) {
+          for (std::int64_t slot : taken) {
+            set.erase(slot);
+          }
+        }
+      }
+    } undo{slots_, new_slots};
     std::uint64_t cached_id   = 0;
     fact_record const* cached = nullptr;
     std::int64_t max_slot     = max_slot_;
@@ -106,22 +186,25 @@ class injection_batch {
       std::int64_t const slot                   = slot_mapping[j];
       if (slot >= 0) {
         INFERSCALE_EXPECTS(
-          slots_.count(slot) == 0 && new_slots.insert(slot).second,
+          slots_.insert(slot),
           "injection_batch::add: slot " + std::to_string(slot) + " is written twice in this batch");
+        new_slots.push_back(slot);
         max_slot = std::max(max_slot, slot);
       }
     }
     std::int64_t const last_position = m > 0 ? plan.position(m - 1) : -1;
 
     // Commit.
+    store_token_.insert(store_token_.end(), store_tokens.begin(), store_tokens.end());
+    slot_.insert(slot_.end(), slot_mapping, slot_mapping + m);
+    std::size_t const first = position_.size();
+    position_.resize(first + static_cast<std::size_t>(m));
     for (std::int64_t j = 0; j < m; ++j) {
-      store_token_.push_back(store_tokens[static_cast<std::size_t>(j)]);
-      position_.push_back(plan.position(j));
-      slot_.push_back(slot_mapping[j]);
+      position_[first + static_cast<std::size_t>(j)] = plan.position(j);
     }
-    slots_.insert(new_slots.begin(), new_slots.end());
-    max_slot_     = max_slot;
-    max_position_ = std::max(max_position_, last_position);
+    undo.committed = true;
+    max_slot_      = max_slot;
+    max_position_  = std::max(max_position_, last_position);
     request_offsets_.push_back(num_tokens());
   }
 
@@ -183,7 +266,7 @@ class injection_batch {
   std::vector<std::int64_t> position_;
   std::vector<std::int64_t> slot_;
   std::vector<std::int64_t> request_offsets_{0};
-  std::unordered_set<std::int64_t> slots_;
+  detail::slot_set slots_;
   std::int64_t max_slot_{-1};
   std::int64_t max_position_{-1};
 };

@@ -928,3 +928,57 @@ TEST_CASE("a store holding a layer and head shard fills the rank's cache", "[inj
                       Contains("geometry mismatch"));
   REQUIRE(full.hash() == h);
 }
+
+TEST_CASE("a batch reused across steps: clear() forgets the step, refused adds hold no slots",
+          "[inject]")
+{
+  int const L = 1, H = 1, D = 8;
+  kv_store store = make_host_store(L, H, D, dtype::float32, 4, 8);
+  fact_data const f1(1, L, 5, H, D, 1), f2(2, L, 3, H, D, 2);
+  f1.insert_into(store);
+  f2.insert_into(store);
+  composition const plan = compose(store, {1, 2});  // 8 tokens
+
+  injection_batch batch(store);
+  batch.reserve(64);
+  batch.add(plan, std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6, 7});
+  REQUIRE(batch.num_tokens() == 8);
+  REQUIRE(batch.max_slot() == 7);
+  // The same slots again in the same step: refused.
+  REQUIRE_THROWS_WITH(batch.add(plan, std::vector<std::int64_t>{8, 9, 10, 11, 12, 13, 14, 7}),
+                      Contains("slot 7 is written twice"));
+  // That refused request held none of its slots: 8 .. 14 are still free in this step.
+  batch.add(plan, std::vector<std::int64_t>{8, 9, 10, 11, 12, 13, 14, 15});
+  REQUIRE(batch.num_tokens() == 16);
+  REQUIRE(batch.num_requests() == 2);
+  // A slot repeated inside one request: refused, and its earlier slots are not held either.
+  REQUIRE_THROWS_WITH(batch.add(plan, std::vector<std::int64_t>{20, 21, 22, 20, 24, 25, 26, 27}),
+                      Contains("slot 20 is written twice"));
+  batch.add(plan, std::vector<std::int64_t>{20, 21, 22, 23, 24, 25, 26, 27});
+  REQUIRE(batch.num_tokens() == 24);
+
+  // Next step: the store changed (a fact was added), so the old contents are stale; clear()
+  // empties the batch and ties it to the new state, and last step's slots are free again.
+  fact_data const f3(3, L, 2, H, D, 3);
+  f3.insert_into(store);
+  REQUIRE_THROWS_WITH(batch.add(plan, std::vector<std::int64_t>{30, 31, 32, 33, 34, 35, 36, 37}),
+                      Contains("store changed"));
+  batch.clear();
+  REQUIRE(batch.num_tokens() == 0);
+  REQUIRE(batch.num_requests() == 0);
+  REQUIRE(batch.max_slot() == -1);
+  REQUIRE(batch.max_position() == -1);
+  composition const plan2 = compose(store, {3, 1});  // 7 tokens
+  batch.add(plan2, std::vector<std::int64_t>{7, 6, 5, 4, 3, 2, 1});
+  REQUIRE(batch.num_tokens() == 7);
+  REQUIRE(batch.slots() == std::vector<std::int64_t>{7, 6, 5, 4, 3, 2, 1});
+  REQUIRE(batch.positions() == std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6});
+  // Slots at and above the bitmap's range (2^28) are tracked too.
+  std::int64_t const big = std::int64_t{1} << 40;
+  batch.add(plan, std::vector<std::int64_t>{big, big + 1, -1, -1, big + 2, 0, 8, 9});
+  REQUIRE_THROWS_WITH(
+    batch.add(plan, std::vector<std::int64_t>{big + 1, 100, 101, 102, 103, 104, 105, 106}),
+    Contains("is written twice"));
+  REQUIRE(batch.max_slot() == big + 2);
+  REQUIRE(batch.num_requests() == 2);
+}

@@ -34,6 +34,8 @@
  *    Counters `two_pass_GB/s` (same bytes over its time) and `vs_two_pass` = two-pass seconds /
  *    fused seconds (> 1: fused is faster);
  *  - the copy ceiling of the fixture: a plain copy of the same bytes (`copy_GB/s`, `vs_copy`).
+ *  plan/host: the host planning of one step (compose every request, add it to a batch reused
+ *  across steps), what the checked injection costs before its launch; `tokens_per_second`.
  *  On the device each of the three starts with a cold L2 (the fixture's l2_flusher).
  *  After the warm-up, the fused cache and the two-pass cache are compared with the composed buffer
  *  at every injected slot, bit for bit; a mismatch fails the benchmark (SkipWithError).
@@ -864,6 +866,66 @@ void inject_checked_device_bench(benchmark::State& state, model mdl, bool batch)
   });
 }
 
+/**
+ * @brief Host planning of one scheduler step, the work the checked injection needs before the
+ * launch: compose every request (k facts of 20 tokens) and add it with its block table to a batch
+ * reused across steps (reserve once, clear every step). Only the catalogue matters, so the store
+ * holds a tiny geometry. Reported per step; `tokens_per_second` is memory tokens planned.
+ */
+void plan_host_bench(benchmark::State& state)
+{
+  std::int64_t const requests        = state.range(0);
+  std::int64_t const facts           = state.range(1);
+  constexpr std::int32_t fact_tokens = 20;
+  is::kv_store_config config{};
+  config.model       = is::kv_geometry{1, 1, 8};
+  config.store_dtype = is::dtype::bfloat16;
+  config.page_size   = store_page_size;
+  config.num_pages   = requests * facts * 2;
+  config.memory      = is::memory_kind::host;
+  is::kv_store store{config};
+  std::vector<bfloat16_t> const kv(fact_tokens * 8);
+  auto const view = is::make_fact_kv_view<bfloat16_t const>(kv.data(), 1, fact_tokens, 1, 8);
+  for (std::int64_t f = 0; f < requests * facts; ++f) {
+    store.insert<bfloat16_t>(static_cast<std::uint64_t>(f),
+                             static_cast<std::uint64_t>(f / facts),
+                             std::vector<std::int32_t>(fact_tokens, static_cast<std::int32_t>(f)),
+                             view,
+                             view);
+  }
+  std::int64_t const tokens_per_request = facts * fact_tokens;
+  std::int64_t const blocks_per_request = (tokens_per_request + block_size - 1) / block_size;
+  std::vector<std::vector<std::uint64_t>> retrieved(static_cast<std::size_t>(requests));
+  std::vector<std::vector<std::int32_t>> tables(static_cast<std::size_t>(requests));
+  for (std::int64_t r = 0; r < requests; ++r) {
+    for (std::int64_t i = 0; i < facts; ++i) {
+      retrieved[static_cast<std::size_t>(r)].push_back(static_cast<std::uint64_t>(r * facts + i));
+    }
+    for (std::int64_t b = 0; b < blocks_per_request; ++b) {
+      tables[static_cast<std::size_t>(r)].push_back(
+        static_cast<std::int32_t>(r * blocks_per_request + b));
+    }
+  }
+  is::compose_options options{};
+  options.first_position = first_position;
+  options.order          = is::fact_order::best_last;
+  is::injection_batch batch{store};
+  batch.reserve(requests * tokens_per_request);
+  for (auto _ : state) {
+    batch.clear();
+    for (std::int64_t r = 0; r < requests; ++r) {
+      is::composition const plan =
+        is::compose(store, retrieved[static_cast<std::size_t>(r)], options);
+      auto const& table = tables[static_cast<std::size_t>(r)];
+      batch.add(plan, table.data(), static_cast<std::int64_t>(table.size()), block_size, 0);
+    }
+    benchmark::DoNotOptimize(batch.slots().data());
+  }
+  state.counters["tokens"]            = static_cast<double>(batch.num_tokens());
+  state.counters["tokens_per_second"] = benchmark::Counter(
+    static_cast<double>(batch.num_tokens()), benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void register_inject_benchmarks()
 {
   for (model const* m : {&llama, &qwen}) {
@@ -900,6 +962,11 @@ void register_inject_benchmarks()
     ->Apply(ib::device_benchmark)
     ->ArgNames({"requests", "facts"})
     ->ArgsProduct({{64}, {20}});
+  benchmark::RegisterBenchmark("plan/host", plan_host_bench)
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.2)
+    ->ArgNames({"requests", "facts"})
+    ->ArgsProduct({{1, 64}, {20}});
 }
 
 }  // namespace

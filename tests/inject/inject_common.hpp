@@ -259,4 +259,29 @@ std::vector<unsigned char> storage_bytes(engine_cache<T> const& ec)
   return out;
 }
 
+/// A store -> cache dtype pair and, for fp8 caches, how its scales are given (the test matrices
+/// of inject_gpu.cu and inject_emulation.cu).
+template <class StoreT,
+          class CacheT,
+          inferscale::kv_scale_granularity Granularity = inferscale::kv_scale_granularity::none,
+          inferscale::kv_scale_convention Convention   = inferscale::kv_scale_convention::divide>
+struct dtype_pair {
+  using store_t                                                 = StoreT;
+  using cache_t                                                 = CacheT;
+  static constexpr inferscale::kv_scale_granularity granularity = Granularity;
+  static constexpr inferscale::kv_scale_convention convention   = Convention;
+};
+using bf16_to_bf16 = dtype_pair<inferscale::bfloat16_t, inferscale::bfloat16_t>;
+using fp32_to_fp32 = dtype_pair<float, float>;
+using fp16_to_fp16 = dtype_pair<inferscale::half_t, inferscale::half_t>;
+using bf16_to_fp32 = dtype_pair<inferscale::bfloat16_t, float>;
+using bf16_to_e4m3 = dtype_pair<inferscale::bfloat16_t,
+                                inferscale::float8_e4m3_t,
+                                inferscale::kv_scale_granularity::per_head,
+                                inferscale::kv_scale_convention::divide>;
+using fp32_to_e5m2 = dtype_pair<float,
+                                inferscale::float8_e5m2_t,
+                                inferscale::kv_scale_granularity::per_tensor,
+                                inferscale::kv_scale_convention::multiply>;
+
 }  // namespace inferscale_test

@@ -75,27 +75,12 @@ bool emulate_inject(kv_store const& store,
   return config.vectorized;
 }
 
-/// A store -> cache dtype pair and, for fp8 caches, the scales' granularity and convention.
-template <class StoreT,
-          class CacheT,
-          kv_scale_granularity Granularity = kv_scale_granularity::none,
-          kv_scale_convention Convention   = kv_scale_convention::divide>
-struct dtype_pair {
-  using store_t                                     = StoreT;
-  using cache_t                                     = CacheT;
-  static constexpr kv_scale_granularity granularity = Granularity;
-  static constexpr kv_scale_convention convention   = Convention;
-};
-using bf16_to_bf16 = dtype_pair<bfloat16_t, bfloat16_t>;
-using fp32_to_fp32 = dtype_pair<float, float>;
-using fp16_to_fp16 = dtype_pair<half_t, half_t>;
-using bf16_to_fp32 = dtype_pair<bfloat16_t, float>;
-using bf16_to_e4m3 = dtype_pair<bfloat16_t,
-                                float8_e4m3_t,
-                                kv_scale_granularity::per_head,
-                                kv_scale_convention::divide>;
-using fp32_to_e5m2 =
-  dtype_pair<float, float8_e5m2_t, kv_scale_granularity::per_tensor, kv_scale_convention::multiply>;
+using inferscale_test::bf16_to_bf16;
+using inferscale_test::bf16_to_e4m3;
+using inferscale_test::bf16_to_fp32;
+using inferscale_test::fp16_to_fp16;
+using inferscale_test::fp32_to_e5m2;
+using inferscale_test::fp32_to_fp32;
 
 struct shape_case {
   char const* name;

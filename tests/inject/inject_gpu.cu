@@ -11,6 +11,7 @@
 #include "device_memory.hpp"
 #include "engine_cache_descriptor.hpp"
 #include "engine_caches.hpp"
+#include "inject_common.hpp"
 
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
@@ -44,26 +45,11 @@ using inferscale_test::engine_layout;
 
 using bytes = std::vector<unsigned char>;
 
-/// A store -> cache dtype pair and, for fp8 caches, how its scales are given.
-template <class StoreT,
-          class CacheT,
-          kv_scale_granularity Granularity = kv_scale_granularity::none,
-          kv_scale_convention Convention   = kv_scale_convention::divide>
-struct dtype_pair {
-  using store_t                                     = StoreT;
-  using cache_t                                     = CacheT;
-  static constexpr kv_scale_granularity granularity = Granularity;
-  static constexpr kv_scale_convention convention   = Convention;
-};
-using bf16_to_bf16 = dtype_pair<bfloat16_t, bfloat16_t>;
-using fp32_to_fp32 = dtype_pair<float, float>;
-using bf16_to_e4m3 = dtype_pair<bfloat16_t,
-                                float8_e4m3_t,
-                                kv_scale_granularity::per_head,
-                                kv_scale_convention::divide>;
-using fp16_to_fp16 = dtype_pair<half_t, half_t>;
-using fp32_to_e5m2 =
-  dtype_pair<float, float8_e5m2_t, kv_scale_granularity::per_tensor, kv_scale_convention::multiply>;
+using inferscale_test::bf16_to_bf16;
+using inferscale_test::bf16_to_e4m3;
+using inferscale_test::fp16_to_fp16;
+using inferscale_test::fp32_to_e5m2;
+using inferscale_test::fp32_to_fp32;
 
 /// Shape of one scenario: the shard, the rotation and the cache size.
 struct geometry_case {

@@ -95,7 +95,7 @@ struct inject_tile_state {
   std::int64_t* slot;      ///< -1: skip the token
   std::int64_t* block;     ///< slot / block_size, divided once per token
   std::int32_t* in_block;  ///< slot % block_size
-  std::int64_t* source;    ///< store token
+  std::int64_t* source;    ///< offset of the store token's layer-0 key row
 };
 
 /**
@@ -142,7 +142,8 @@ struct inject_block {
       tile.block[t] = ok ? slot / args.cache.key_layout.block_size : 0;
       tile.in_block[t] =
         ok ? static_cast<std::int32_t>(slot % args.cache.key_layout.block_size) : 0;
-      tile.source[t] = args.batch.store_token[first_token + t];
+      // Offset of the token's layer-0 key row: the page division is done once per token.
+      tile.source[t] = args.store.row_offset(args.batch.store_token[first_token + t], 0, 0);
     }
     for (std::int32_t i = thread; i < tokens * pairs; i += threads) {
       std::int32_t const t        = i / pairs;
@@ -177,6 +178,9 @@ struct inject_block {
     std::int32_t const units_per_row = heads * args.units_per_head;
     std::int32_t const total         = tokens * layers * units_per_row;
     auto const* const pool           = static_cast<StoreT const*>(args.store.pool);
+    // Elements between the rows of one store token in consecutive (layer, K/V): a page holds
+    // [layers][2][page_size][heads][head_dim].
+    std::int64_t const row_stride = args.store.page_size * args.store.row_elements();
 
     for (std::int32_t w = thread; w < total; w += threads) {
       std::int32_t const row  = w / units_per_row;
@@ -195,7 +199,7 @@ struct inject_block {
         // Key: rotate. Halves: a run of `run` pairs (elements p.. and p+R/2..). Interleaved: a run
         // of `run` elements, i.e. run/2 adjacent pairs (a single pair on the scalar path).
         StoreT const* const src =
-          pool + args.store.row_offset(source, l, 0) + static_cast<std::int64_t>(h) * head_dim;
+          pool + source + row_stride * (2 * l) + static_cast<std::int64_t>(h) * head_dim;
         auto* const dst             = static_cast<CacheT*>(args.cache.key_base[l]);
         rope_cos_sin const* cos_sin = tile.cos_sin + t * pairs;
         if (halves) {
@@ -234,7 +238,7 @@ struct inject_block {
         bool const value = u >= args.key_units;
         std::int32_t const d0 =
           value ? (u - args.key_units) * run : rotary_dim + (u - args.rotary_units) * run;
-        StoreT const* const src = pool + args.store.row_offset(source, l, value ? 1 : 0) +
+        StoreT const* const src = pool + source + row_stride * (2 * l + (value ? 1 : 0)) +
                                   static_cast<std::int64_t>(h) * head_dim + d0;
         auto* const dst =
           static_cast<CacheT*>(value ? args.cache.value_base[l] : args.cache.key_base[l]);

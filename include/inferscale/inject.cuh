@@ -370,11 +370,12 @@ void extract(paged_kv_cache const& cache,
   INFERSCALE_CUDA_TRY(cudaMalloc(&device, host.size() * sizeof(std::int64_t)));
   fact_record const& fact = store.reserve(fact_id, namespace_id, std::move(token_ids));
   try {
+    std::vector<std::int64_t> const store_tokens = detail::fact_store_tokens(store, fact);
+    std::copy(store_tokens.begin(), store_tokens.end(), host.begin());
     for (std::int64_t j = 0; j < n; ++j) {
-      host[static_cast<std::size_t>(j)]     = store.store_token(fact, static_cast<std::int32_t>(j));
       host[static_cast<std::size_t>(n + j)] = first_position + j;
-      host[static_cast<std::size_t>(2 * n + j)] = slots[static_cast<std::size_t>(j)];
     }
+    std::copy(slots.begin(), slots.end(), host.begin() + 2 * n);
     INFERSCALE_CUDA_TRY(cudaMemcpyAsync(device,
                                         host.data(),
                                         host.size() * sizeof(std::int64_t),

@@ -1,0 +1,372 @@
+/**
+ * @file graph_build.hpp
+ * @brief CAGRA graph construction on the host: the exact kNN graph, rank-based pruning by detour
+ * counts, reverse edges, the merge to a fixed out-degree, and a reachability repair.
+ *
+ * `prune_node` is `__host__ __device__`: the device build runs the same function per node. The
+ * reverse/merge steps are linear in `n * degree` and deterministic here (reverse lists ordered by
+ * forward rank, then source id), unlike CAGRA's atomic appends.
+ */
+#pragma once
+
+#include <inferscale/config.hpp>
+#include <inferscale/detail/index/math.hpp>
+#include <inferscale/dtype.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace inferscale::detail::index {
+
+/// @brief Runs `fn(begin, end)` over `[0, n)` split into contiguous ranges, one per hardware thread.
+template <class Fn>
+void parallel_ranges(std::int64_t n, Fn&& fn)
+{
+  unsigned const hw   = std::max(1u, std::thread::hardware_concurrency());
+  std::int64_t const parts = std::min<std::int64_t>(hw, std::max<std::int64_t>(1, n / 64));
+  if (parts <= 1) {
+    fn(std::int64_t{0}, n);
+    return;
+  }
+  std::vector<std::thread> workers;
+  workers.reserve(static_cast<std::size_t>(parts));
+  for (std::int64_t p = 0; p < parts; ++p) {
+    std::int64_t const begin = n * p / parts;
+    std::int64_t const end   = n * (p + 1) / parts;
+    workers.emplace_back([&fn, begin, end] { fn(begin, end); });
+  }
+  for (auto& w : workers) {
+    w.join();
+  }
+}
+
+/**
+ * @brief Degrees actually used for a set of `n` vectors (CAGRA's small-N guard): the
+ * intermediate degree is at most `n - 1`, the final degree at most the intermediate one.
+ */
+struct effective_degrees {
+  std::uint32_t intermediate{0};
+  std::uint32_t final{0};
+};
+
+inline effective_degrees degrees_for(std::uint32_t intermediate,
+                                     std::uint32_t final_degree,
+                                     std::uint64_t n) noexcept
+{
+  effective_degrees e{};
+  std::uint64_t const most = n == 0 ? 0 : n - 1;
+  e.intermediate           = static_cast<std::uint32_t>(std::min<std::uint64_t>(intermediate, most));
+  e.final                  = std::min(final_degree, e.intermediate);
+  return e;
+}
+
+/**
+ * @brief Exact kNN graph on the host: for each of the `n` padded rows the `k` nearest other rows,
+ * sorted by (distance, id). Distances are computed in fp32 with sixteen interleaved partial sums
+ * (vectorisable without reassociation), so they may differ from the search's team distance in
+ * the last bits; only the ranking matters here.
+ */
+template <class T>
+void exact_knn_host(T const* rows,
+                    std::int64_t row_elements,
+                    std::int64_t n,
+                    distance_metric metric,
+                    std::uint32_t k,
+                    std::uint32_t* out)
+{
+  if (n == 0 || k == 0) { return; }
+  // fp32 copy so the inner loop is a plain float loop for both element types
+  std::vector<float> data(static_cast<std::size_t>(n * row_elements));
+  for (std::int64_t i = 0; i < n * row_elements; ++i) {
+    data[static_cast<std::size_t>(i)] = to_float(rows[i]);
+  }
+  bool const l2               = metric == distance_metric::squared_l2;
+  std::int64_t const lanes    = 16;
+  std::int64_t const blocks16 = row_elements / lanes;
+  auto distance = [&](float const* a, float const* b) {
+    float acc[16] = {};
+    if (l2) {
+      for (std::int64_t c = 0; c < blocks16; ++c) {
+        for (int j = 0; j < 16; ++j) {
+          float const d = a[c * lanes + j] - b[c * lanes + j];
+          acc[j] += d * d;
+        }
+      }
+    } else {
+      for (std::int64_t c = 0; c < blocks16; ++c) {
+        for (int j = 0; j < 16; ++j) {
+          acc[j] += a[c * lanes + j] * b[c * lanes + j];
+        }
+      }
+    }
+    float s = 0.0f;
+    for (std::int64_t e = blocks16 * lanes; e < row_elements; ++e) {
+      s += l2 ? (a[e] - b[e]) * (a[e] - b[e]) : a[e] * b[e];
+    }
+    for (int j = 0; j < 16; ++j) {
+      s += acc[j];
+    }
+    return l2 ? s : -s;  // both inner product and cosine rank by -dot
+  };
+
+  parallel_ranges(n, [&](std::int64_t begin, std::int64_t end) {
+    constexpr std::int64_t query_block = 16;
+    using entry                        = std::pair<float, std::uint32_t>;
+    std::vector<std::vector<entry>> heaps(query_block);
+    for (std::int64_t q0 = begin; q0 < end; q0 += query_block) {
+      std::int64_t const q1 = std::min(end, q0 + query_block);
+      for (auto& h : heaps) {
+        h.clear();
+      }
+      for (std::int64_t r = 0; r < n; ++r) {
+        float const* row = data.data() + r * row_elements;
+        for (std::int64_t q = q0; q < q1; ++q) {
+          if (q == r) { continue; }
+          float const d = distance(data.data() + q * row_elements, row);
+          auto& h       = heaps[static_cast<std::size_t>(q - q0)];
+          entry const e{d, static_cast<std::uint32_t>(r)};
+          if (h.size() < k) {
+            h.push_back(e);
+            std::push_heap(h.begin(), h.end());
+          } else if (e < h.front()) {
+            std::pop_heap(h.begin(), h.end());
+            h.back() = e;
+            std::push_heap(h.begin(), h.end());
+          }
+        }
+      }
+      for (std::int64_t q = q0; q < q1; ++q) {
+        auto& h = heaps[static_cast<std::size_t>(q - q0)];
+        std::sort(h.begin(), h.end());
+        for (std::uint32_t j = 0; j < k; ++j) {
+          out[q * k + j] = j < h.size() ? h[j].second : invalid_node;
+        }
+      }
+    }
+  });
+}
+
+/**
+ * @brief Rank-based pruning of one node (CAGRA step B, the paper's criterion). With `L` the
+ * node's kNN row, the edge to `L[b]` is detourable through `D = L[a]` when `a < b` and `L[b]`
+ * appears in D's kNN row at a rank `j < b` (that is, `max(rank(A->D), rank(D->B)) < rank(A->B)`).
+ * Keeps the `degree` edges with the fewest detours, ties by rank, in that order.
+ *
+ * @param knn       `[n][width]` kNN rows (node ids < n), each sorted by distance
+ * @param width     row length of `knn`; the first `k` entries are used
+ * @param scratch_ids, scratch_ranks, counts  `k` entries each (caller's scratch)
+ */
+INFERSCALE_HOST_DEVICE inline void prune_node(std::uint32_t const* knn,
+                                              std::uint32_t width,
+                                              std::uint32_t k,
+                                              std::uint32_t node,
+                                              std::uint32_t degree,
+                                              std::uint32_t* out,
+                                              std::uint32_t* scratch_ids,
+                                              std::uint32_t* scratch_ranks,
+                                              std::uint32_t* counts) noexcept
+{
+  std::uint32_t const* row = knn + std::uint64_t{node} * width;
+  // (id, rank) pairs sorted by id for the rank lookups: insertion sort (k <= a few hundred)
+  for (std::uint32_t i = 0; i < k; ++i) {
+    std::uint32_t const id = row[i];
+    std::uint32_t p        = i;
+    while (p > 0 && scratch_ids[p - 1] > id) {
+      scratch_ids[p]   = scratch_ids[p - 1];
+      scratch_ranks[p] = scratch_ranks[p - 1];
+      --p;
+    }
+    scratch_ids[p]   = id;
+    scratch_ranks[p] = i;
+    counts[i]        = 0;
+  }
+  for (std::uint32_t a = 0; a + 1 < k; ++a) {
+    std::uint32_t const via = row[a];
+    if (via == invalid_node) { continue; }
+    std::uint32_t const* via_row = knn + std::uint64_t{via} * width;
+    for (std::uint32_t j = 0; j + 1 < k; ++j) {
+      std::uint32_t const target = via_row[j];
+      if (target == invalid_node) { continue; }
+      std::uint32_t lo = 0, hi = k;  // lower bound of target among the sorted ids
+      while (lo < hi) {
+        std::uint32_t const mid = (lo + hi) / 2;
+        if (scratch_ids[mid] < target) {
+          lo = mid + 1;
+        } else {
+          hi = mid;
+        }
+      }
+      if (lo == k || scratch_ids[lo] != target) { continue; }
+      std::uint32_t const b = scratch_ranks[lo];
+      if (b > a && j < b) { ++counts[b]; }
+    }
+  }
+  // the `degree` smallest (count, rank): repeated minimum scan, stable in rank
+  std::uint32_t written = 0;
+  for (std::uint32_t c = 0; written < degree && c < k; ++c) {
+    for (std::uint32_t r = 0; r < k && written < degree; ++r) {
+      if (counts[r] == c && row[r] != invalid_node) { out[written++] = row[r]; }
+    }
+  }
+  for (std::uint32_t more = 0; written < degree; ++more) {  // counts >= k cannot happen; pad
+    out[written++] = invalid_node;
+    (void)more;
+  }
+}
+
+/// @brief Pruning of every node on the host (threads over nodes).
+inline void prune_host(std::uint32_t const* knn,
+                       std::uint32_t width,
+                       std::uint32_t k,
+                       std::uint32_t n,
+                       std::uint32_t degree,
+                       std::uint32_t* pruned)
+{
+  parallel_ranges(n, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<std::uint32_t> ids(k), ranks(k), counts(k);
+    for (std::int64_t v = begin; v < end; ++v) {
+      prune_node(knn, width, k, static_cast<std::uint32_t>(v), degree,
+                 pruned + v * degree, ids.data(), ranks.data(), counts.data());
+    }
+  });
+}
+
+/**
+ * @brief CAGRA steps C and D: reverse edges (for each node, the sources pointing at it ordered
+ * by the rank of that edge, then by source id, at most `degree`), then the merge: the first
+ * `degree / 2` pruned edges, then reverse edges, then the remaining pruned edges, skipping
+ * repeats, truncated to `degree` and padded with `invalid_node`.
+ *
+ * @param pruned `[n][degree]` pruned rows; @param out `[n][out_stride]` (the first `degree` used)
+ */
+inline void reverse_and_merge_host(std::uint32_t const* pruned,
+                                   std::uint32_t n,
+                                   std::uint32_t degree,
+                                   std::uint32_t* out,
+                                   std::uint32_t out_stride)
+{
+  // bucket the edges by target in (rank, source) order with a counting sort by rank
+  std::vector<std::uint32_t> fill(n, 0);
+  std::vector<std::uint32_t> reverse(std::size_t{n} * degree, invalid_node);
+  for (std::uint32_t r = 0; r < degree; ++r) {
+    for (std::uint32_t s = 0; s < n; ++s) {
+      std::uint32_t const t = pruned[std::size_t{s} * degree + r];
+      if (t == invalid_node || t == s) { continue; }
+      if (fill[t] < degree) { reverse[std::size_t{t} * degree + fill[t]++] = s; }
+    }
+  }
+  std::uint32_t const keep = degree / 2;
+  parallel_ranges(n, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<std::uint32_t> merged;
+    merged.reserve(3 * degree);
+    for (std::int64_t v = begin; v < end; ++v) {
+      merged.clear();
+      auto push = [&](std::uint32_t x) {
+        if (x == invalid_node || x == static_cast<std::uint32_t>(v)) { return; }
+        if (std::find(merged.begin(), merged.end(), x) != merged.end()) { return; }
+        merged.push_back(x);
+      };
+      std::uint32_t const* p = pruned + v * degree;
+      for (std::uint32_t r = 0; r < keep; ++r) {
+        push(p[r]);
+      }
+      for (std::uint32_t r = 0; r < fill[static_cast<std::size_t>(v)]; ++r) {
+        push(reverse[static_cast<std::size_t>(v) * degree + r]);
+      }
+      for (std::uint32_t r = keep; r < degree; ++r) {
+        push(p[r]);
+      }
+      std::uint32_t* o = out + v * out_stride;
+      for (std::uint32_t r = 0; r < degree; ++r) {
+        o[r] = r < merged.size() ? merged[r] : invalid_node;
+      }
+    }
+  });
+}
+
+/// @brief Nodes reachable from `start` by breadth-first search over `[n][stride]` rows.
+inline std::vector<std::uint8_t> reachable_from(std::uint32_t const* graph,
+                                                std::uint32_t n,
+                                                std::uint32_t degree,
+                                                std::uint32_t stride,
+                                                std::uint32_t start)
+{
+  std::vector<std::uint8_t> seen(n, 0);
+  if (n == 0) { return seen; }
+  std::vector<std::uint32_t> queue{start};
+  seen[start] = 1;
+  for (std::size_t head = 0; head < queue.size(); ++head) {
+    std::uint32_t const* row = graph + std::size_t{queue[head]} * stride;
+    for (std::uint32_t r = 0; r < degree; ++r) {
+      std::uint32_t const t = row[r];
+      if (t != invalid_node && t < n && !seen[t]) {
+        seen[t] = 1;
+        queue.push_back(t);
+      }
+    }
+  }
+  return seen;
+}
+
+/**
+ * @brief Makes every node reachable from node 0. While a node `u` is unreachable, its nearest
+ * reachable node `v` (by `distance(v, u)`) gets an edge to `u`: an empty slot if `v` has one,
+ * otherwise the slot in `v`'s second half whose target has the most in-edges. Deterministic.
+ *
+ * @return the number of edges added
+ */
+template <class Distance>
+std::uint32_t repair_reachability(std::uint32_t* graph,
+                                  std::uint32_t n,
+                                  std::uint32_t degree,
+                                  std::uint32_t stride,
+                                  Distance&& distance)
+{
+  if (n <= 1 || degree == 0) { return 0; }
+  std::uint32_t added = 0;
+  for (std::uint32_t round = 0; round < 4 * n; ++round) {
+    auto const seen = reachable_from(graph, n, degree, stride, 0);
+    std::uint32_t u = 0;
+    while (u < n && seen[u]) {
+      ++u;
+    }
+    if (u == n) { return added; }
+    std::vector<std::uint32_t> in_degree(n, 0);
+    for (std::size_t e = 0; e < std::size_t{n}; ++e) {
+      for (std::uint32_t r = 0; r < degree; ++r) {
+        std::uint32_t const t = graph[e * stride + r];
+        if (t != invalid_node && t < n) { ++in_degree[t]; }
+      }
+    }
+    std::uint32_t best = invalid_node;
+    float best_d       = std::numeric_limits<float>::infinity();
+    for (std::uint32_t v = 0; v < n; ++v) {
+      if (!seen[v]) { continue; }
+      float const d = distance(v, u);
+      if (best == invalid_node || d < best_d) {
+        best   = v;
+        best_d = d;
+      }
+    }
+    std::uint32_t* row = graph + std::size_t{best} * stride;
+    std::uint32_t slot = degree;
+    for (std::uint32_t r = 0; r < degree && slot == degree; ++r) {
+      if (row[r] == invalid_node) { slot = r; }
+    }
+    if (slot == degree) {
+      slot = degree - 1;
+      for (std::uint32_t r = degree / 2; r < degree; ++r) {
+        if (in_degree[row[r]] > in_degree[row[slot]]) { slot = r; }
+      }
+    }
+    row[slot] = u;
+    ++added;
+  }
+  return added;
+}
+
+}  // namespace inferscale::detail::index

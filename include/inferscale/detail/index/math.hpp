@@ -1,0 +1,258 @@
+/**
+ * @file math.hpp
+ * @brief The index's per-element math, shared by the host backend and the device kernels:
+ * distances in one fixed summation order, the seed generator and the automatic iteration bound.
+ *
+ * Host and device must return the same neighbours for the same graph and seeds, so every
+ * floating-point operation of a distance happens in the same order on both sides: a distance is
+ * computed by a *team* of `team` lanes; lane `l` accumulates the 16-byte chunks `l, l + team, ...`
+ * of the row in element order with separately rounded multiplies and adds (never fused), and the
+ * lanes' partial sums are combined by a butterfly (`p[l] + p[l ^ o]` for `o = team/2 .. 1`), which
+ * leaves the same value in every lane because fp32 addition is commutative. The device kernel does
+ * exactly this with warp shuffles; `team_distance` below does it with a loop.
+ */
+#pragma once
+
+#include <inferscale/config.hpp>
+#include <inferscale/dtype.hpp>
+
+#include <cstdint>
+
+namespace inferscale {
+
+/// @brief How two embeddings are compared. Every distance is "smaller is closer".
+enum class distance_metric : std::uint8_t {
+  inner_product,  ///< distance = -dot(q, x)
+  cosine,         ///< vectors and queries are L2-normalised on the way in; distance = 1 - dot(q, x)
+  squared_l2      ///< distance = sum((q - x)^2)
+};
+
+/// @brief Name of a metric ("inner_product", "cosine", "squared_l2").
+inline char const* to_string(distance_metric m) noexcept
+{
+  switch (m) {
+    case distance_metric::inner_product: return "inner_product";
+    case distance_metric::cosine: return "cosine";
+    case distance_metric::squared_l2: return "squared_l2";
+  }
+  return "unknown";
+}
+
+/// @brief The id reported for an empty result slot (k larger than the live set).
+inline constexpr std::uint64_t invalid_fact_id = ~std::uint64_t{0};
+
+namespace detail::index {
+
+/// @brief An empty graph slot or an unused buffer entry (local node ids are below 2^31).
+inline constexpr std::uint32_t invalid_node = 0xFFFFFFFFu;
+
+/// @brief Stored rows are padded to a multiple of 16 bytes (zeros), so the chunks are aligned.
+inline constexpr int chunk_bytes = 16;
+
+template <class T>
+inline constexpr int chunk_elements = chunk_bytes / static_cast<int>(sizeof(T));
+
+/// @brief Row length in elements after padding `dim` to whole 16-byte chunks of `T`.
+constexpr std::int64_t padded_dim(std::int64_t dim, std::size_t element_size) noexcept
+{
+  std::int64_t const per_chunk = chunk_bytes / static_cast<std::int64_t>(element_size);
+  return (dim + per_chunk - 1) / per_chunk * per_chunk;
+}
+
+/**
+ * @brief Lanes per distance for rows of `chunks` 16-byte chunks: about four chunks per lane,
+ * a power of two between 2 and 32 (CAGRA's team sizes; 384-d fp32 -> 16, 768-d fp32 -> 32).
+ */
+INFERSCALE_HOST_DEVICE constexpr int team_size_for(std::int64_t chunks) noexcept
+{
+  int team = 2;
+  while (team < 32 && std::int64_t{team} * 2 * 4 <= chunks) { team *= 2; }
+  return team;
+}
+
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float mul_rn(float a, float b) noexcept
+{
+#if INFERSCALE_IS_DEVICE_CODE
+  return __fmul_rn(a, b);
+#else
+  return a * b;  // host targets are built with -ffp-contract=off (never fused)
+#endif
+}
+
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float add_rn(float a, float b) noexcept
+{
+#if INFERSCALE_IS_DEVICE_CODE
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float sub_rn(float a, float b) noexcept
+{
+#if INFERSCALE_IS_DEVICE_CODE
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+/**
+ * @brief One lane's partial sum: chunks `lane, lane + team, ...` of a padded row against the
+ * (padded, fp32) query, elements in order. Inner product and cosine accumulate `x * q`, squared
+ * L2 accumulates `(x - q)^2`.
+ */
+template <class T>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float lane_partial(T const* row,
+                                                                 float const* query,
+                                                                 std::int64_t chunks,
+                                                                 int lane,
+                                                                 int team,
+                                                                 bool l2) noexcept
+{
+  constexpr int per_chunk = chunk_elements<T>;
+  float acc               = 0.0f;
+  for (std::int64_t c = lane; c < chunks; c += team) {
+    INFERSCALE_UNROLL
+    for (int e = 0; e < per_chunk; ++e) {
+      float const x = to_float(row[c * per_chunk + e]);
+      float const q = query[c * per_chunk + e];
+      if (l2) {
+        float const d = sub_rn(x, q);
+        acc           = add_rn(acc, mul_rn(d, d));
+      } else {
+        acc = add_rn(acc, mul_rn(x, q));
+      }
+    }
+  }
+  return acc;
+}
+
+/// @brief Maps the combined sum (a dot product or a squared L2) to the metric's distance.
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float finish_distance(float sum,
+                                                                    distance_metric m) noexcept
+{
+  switch (m) {
+    case distance_metric::inner_product: return -sum;
+    case distance_metric::cosine: return sub_rn(1.0f, sum);
+    case distance_metric::squared_l2: return sum;
+  }
+  return sum;
+}
+
+/**
+ * @brief The distance between a stored row and a query exactly as a device team computes it
+ * (lane partials, then a butterfly). This is the host backend's distance and the reference the
+ * device kernels are checked against bit for bit.
+ */
+template <class T>
+inline float team_distance(
+  T const* row, float const* query, std::int64_t chunks, int team, distance_metric m) noexcept
+{
+  bool const l2 = m == distance_metric::squared_l2;
+  float partial[32];
+  for (int l = 0; l < team; ++l) {
+    partial[l] = lane_partial(row, query, chunks, l, team, l2);
+  }
+  for (int o = team / 2; o >= 1; o /= 2) {
+    float next[32];
+    for (int l = 0; l < team; ++l) {
+      next[l] = add_rn(partial[l], partial[l ^ o]);
+    }
+    for (int l = 0; l < team; ++l) {
+      partial[l] = next[l];
+    }
+  }
+  return finish_distance(partial[0], m);
+}
+
+/**
+ * @brief Squared norm of `dim` fp32 values in double, in the order a warp computes it: element
+ * `e` goes to lane `e % 32`, each lane sums in order, then a butterfly over the 32 lanes. Used to
+ * normalise cosine queries identically on host and device (scale = float(1 / sqrt(norm2))).
+ */
+INFERSCALE_HOST_DEVICE inline double lane_norm2(float const* x, std::int64_t dim, int lane) noexcept
+{
+  double acc = 0.0;
+  for (std::int64_t e = lane; e < dim; e += 32) {
+    double const v = x[e];
+#if INFERSCALE_IS_DEVICE_CODE
+    acc = __dadd_rn(acc, __dmul_rn(v, v));
+#else
+    acc = acc + v * v;
+#endif
+  }
+  return acc;
+}
+
+/// @brief The butterfly of `lane_norm2` over 32 lanes, written as a loop (host reference).
+inline double norm2_spec(float const* x, std::int64_t dim) noexcept
+{
+  double partial[32];
+  for (int l = 0; l < 32; ++l) {
+    partial[l] = lane_norm2(x, dim, l);
+  }
+  for (int o = 16; o >= 1; o /= 2) {
+    double next[32];
+    for (int l = 0; l < 32; ++l) {
+      next[l] = partial[l] + partial[l ^ o];
+    }
+    for (int l = 0; l < 32; ++l) {
+      partial[l] = next[l];
+    }
+  }
+  return partial[0];
+}
+
+/// @brief xorshift64 (Marsaglia), the generator CAGRA draws its random seed nodes from.
+INFERSCALE_HOST_DEVICE constexpr std::uint64_t xorshift64(std::uint64_t x) noexcept
+{
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  return x;
+}
+
+/**
+ * @brief Seed draw `sampling` of buffer slot `slot`: a node in `[0, n)`. Depends only on the
+ * slot, the draw and the mask, never on the query's place in a batch, so a query gets the same
+ * answer alone or batched.
+ */
+INFERSCALE_HOST_DEVICE constexpr std::uint32_t seed_node(std::uint32_t slot,
+                                                         std::uint32_t sampling,
+                                                         std::uint32_t samplings,
+                                                         std::uint64_t xor_mask,
+                                                         std::uint32_t n) noexcept
+{
+  std::uint64_t const counter = std::uint64_t{slot} * samplings + sampling + 1;
+  return static_cast<std::uint32_t>(xorshift64(counter ^ xor_mask) % n);
+}
+
+/**
+ * @brief CAGRA's automatic iteration bound: `itopk / search_width + h`, `h` the smallest integer
+ * with `max(2, degree / 2)^h >= n`.
+ */
+INFERSCALE_HOST_DEVICE constexpr std::uint32_t auto_max_iterations(std::uint32_t itopk,
+                                                                   std::uint32_t search_width,
+                                                                   std::uint32_t degree,
+                                                                   std::uint64_t n) noexcept
+{
+  std::uint64_t const fanout = degree / 2 < 2 ? 2 : degree / 2;
+  std::uint32_t h            = 0;
+  for (std::uint64_t reach = 1; reach < n; reach *= fanout) {
+    ++h;
+  }
+  return itopk / search_width + h;
+}
+
+/// @brief Buffer entries compare by (distance, node): a total order, so sorting is unique.
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE bool entry_less(float da,
+                                                              std::uint32_t ia,
+                                                              float db,
+                                                              std::uint32_t ib) noexcept
+{
+  return da < db || (da == db && ia < ib);
+}
+
+}  // namespace detail::index
+}  // namespace inferscale

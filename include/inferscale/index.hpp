@@ -1,0 +1,1140 @@
+/**
+ * @file index.hpp
+ * @brief The fact index: a CAGRA-style proximity graph over fact embeddings, with stable 64-bit
+ * fact ids, incremental insert, delete and compaction, and many small per-user graphs (tenants,
+ * one per namespace) in one arena. This header is the data structure and the host backend; the
+ * device backend (GPU kNN build, batched beam search, exact search with RAFT) is `index.cuh`.
+ *
+ * Arena layout (host mirror always; device copies when `memory_kind::device`):
+ *  - vectors `[rows][row_elements]` of fp32 or fp16, each row padded with zeros to 16 bytes;
+ *  - graph `[rows][graph_degree]` of uint32 node ids local to the tenant (`0xFFFFFFFF` = empty);
+ *  - fact ids `[rows]` (uint64) and deleted flags `[rows]` (uint8).
+ * A tenant owns the rows `[row_begin, row_begin + capacity)`, of which the first `size` are used.
+ * A tenant that outgrows its segment moves to the end of the arena (its old segment is a hole
+ * until `compact()`).
+ *
+ * Every mutating call validates all of its input before the first write, so a refused call leaves
+ * the index unchanged (`version()` included).
+ */
+#pragma once
+
+#include <inferscale/config.hpp>
+#include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/index/graph_build.hpp>
+#include <inferscale/detail/index/math.hpp>
+#include <inferscale/detail/index/search_host.hpp>
+#include <inferscale/dtype.hpp>
+#include <inferscale/error.hpp>
+#include <inferscale/store.hpp>  // memory_kind
+#include <inferscale/views.hpp>
+
+#include <cuda/std/span>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace inferscale {
+
+/// @brief A `[rows, cols]` matrix view with a row stride (in elements): embeddings and results.
+template <class T>
+using matrix_view = cuda::std::mdspan<T, extents_t<2>, cuda::std::layout_stride>;
+
+/// @brief Makes a matrix_view; `row_stride` defaults to `cols` (contiguous rows).
+template <class T>
+matrix_view<T> make_matrix_view(T* data, std::int64_t rows, std::int64_t cols,
+                                std::int64_t row_stride = -1)
+{
+  using mapping = cuda::std::layout_stride::mapping<extents_t<2>>;
+  return matrix_view<T>{data, mapping{extents_t<2>{rows, cols},
+                                      cuda::std::array<std::int64_t, 2>{
+                                        row_stride < 0 ? cols : row_stride, std::int64_t{1}}}};
+}
+
+/// @brief Fixed properties of an index, chosen at construction.
+struct index_config {
+  std::int64_t dim{0};                                ///< embedding dimension
+  distance_metric metric{distance_metric::cosine};    ///< how embeddings compare
+  dtype vector_dtype{dtype::float32};                 ///< stored as float32 or float16
+  std::uint32_t graph_degree{32};                     ///< CAGRA `graph_degree` (final out-degree)
+  std::uint32_t intermediate_graph_degree{64};        ///< CAGRA `intermediate_graph_degree`
+  memory_kind memory{memory_kind::host};              ///< where searches run
+  /// Tenants with at most this many live facts are searched exactly (brute force); -1 = the
+  /// backend's measured default (see `exact_search_threshold()`).
+  std::int64_t exact_search_threshold{-1};
+};
+
+/// @brief Which algorithm a search uses.
+enum class search_algo : std::uint8_t {
+  automatic,  ///< exact for tenants at or below the exact-search threshold, graph otherwise
+  graph,      ///< always the graph beam search (a tenant of one fact is still answered)
+  exact       ///< always brute force
+};
+
+/// @brief Knobs of the graph search (CAGRA's names and meanings).
+struct search_params {
+  std::uint32_t itopk_size{64};            ///< internal top list; raised to k when smaller
+  std::uint32_t search_width{1};           ///< parents per iteration (1..64)
+  std::uint32_t max_iterations{0};         ///< 0 = CAGRA's automatic bound
+  std::uint32_t min_iterations{0};         ///< iterations run even with no new parent left
+  std::uint32_t num_random_samplings{4};   ///< draws per seed slot (best kept)
+  std::uint64_t rand_xor_mask{0x128394};   ///< seed generator mask
+  search_algo algo{search_algo::automatic};
+};
+
+/// @brief The graph optimisation callbacks (the device backend supplies GPU versions).
+struct graph_builder {
+  /// kNN: `(rows, n, k, out[n][k])` for the tenant's padded rows of the index dtype.
+  std::function<void(void const* rows, std::uint32_t n, std::uint32_t k, std::uint32_t* out)> knn;
+  /// Pruning: `(knn[n][k], n, k, degree, out[n][degree])`.
+  std::function<void(std::uint32_t const* knn, std::uint32_t n, std::uint32_t k,
+                     std::uint32_t degree, std::uint32_t* out)>
+    prune;
+};
+
+namespace detail::index {
+/// @brief One tenant's segment of the arena (trivially copyable: kernels read it).
+struct tenant_ref {
+  std::int64_t row_begin{0};
+  std::uint32_t size{0};  ///< rows used (live + deleted)
+  std::uint32_t live{0};
+};
+
+/// @brief Host defaults of the exact-search threshold when the config says -1 (measured by
+/// `bench_index --benchmark_filter=crossover`; see bench/results).
+inline constexpr std::int64_t default_host_exact_threshold   = 2048;
+inline constexpr std::int64_t default_device_exact_threshold = 8192;
+
+struct index_access;
+}  // namespace detail::index
+
+/**
+ * @brief Non-owning device handle of an index (pointers into the device arena).
+ */
+struct graph_index_ref {
+  void const* vectors{nullptr};        ///< `[rows][row_elements]` of the index dtype
+  std::uint32_t const* graph{nullptr}; ///< `[rows][degree]` local node ids
+  std::uint64_t const* ids{nullptr};   ///< `[rows]` fact ids
+  std::uint8_t const* deleted{nullptr};///< `[rows]` 1 = deleted
+  std::int64_t row_elements{0};
+  std::uint32_t degree{0};
+  distance_metric metric{distance_metric::cosine};
+  dtype vector_dtype{dtype::float32};
+};
+
+/**
+ * @brief The fact index (move-only owner). See the file comment for the layout and contracts.
+ *
+ * @note Host-memory indexes are searched with `search()` here; device-memory indexes with
+ * `inferscale::search` from `index.cuh`. All mutations run on the host mirror and copy the
+ * changed tenant segment to the device before returning (they synchronise).
+ */
+class graph_index {
+ public:
+  using tenant_ref = detail::index::tenant_ref;
+
+  /// @throw logic_error on a zero dimension, a dtype other than float32/float16, or degrees
+  /// outside `1 <= graph_degree <= intermediate_graph_degree <= 1024`.
+  explicit graph_index(index_config const& config) : config_(config)
+  {
+    INFERSCALE_EXPECTS(config.dim > 0 && config.dim <= (1 << 20),
+                       "index_config: dim must be in [1, 2^20], got " + std::to_string(config.dim));
+    INFERSCALE_EXPECTS(config.vector_dtype == dtype::float32 || config.vector_dtype == dtype::float16,
+                       std::string{"index_config: vectors are float32 or float16, got "} +
+                         to_string(config.vector_dtype));
+    INFERSCALE_EXPECTS(config.graph_degree >= 1 &&
+                         config.graph_degree <= config.intermediate_graph_degree &&
+                         config.intermediate_graph_degree <= 1024,
+                       "index_config: need 1 <= graph_degree (" +
+                         std::to_string(config.graph_degree) + ") <= intermediate_graph_degree (" +
+                         std::to_string(config.intermediate_graph_degree) + ") <= 1024");
+    INFERSCALE_EXPECTS(config.exact_search_threshold >= -1,
+                       "index_config: exact_search_threshold is -1 (default) or >= 0");
+    element_size_ = size_of(config.vector_dtype);
+    row_elements_ = detail::index::padded_dim(config.dim, element_size_);
+  }
+
+  graph_index(graph_index&& other) noexcept { swap(other); }
+  graph_index& operator=(graph_index&& other) noexcept
+  {
+    if (this != &other) {
+      graph_index tmp{std::move(other)};
+      swap(tmp);
+    }
+    return *this;
+  }
+  graph_index(graph_index const&)            = delete;
+  graph_index& operator=(graph_index const&) = delete;
+  ~graph_index() { free_device(); }
+
+  // ---------------------------------------------------------------------------------------------
+  // Properties
+
+  index_config const& config() const noexcept { return config_; }
+  std::int64_t dim() const noexcept { return config_.dim; }
+  std::int64_t row_elements() const noexcept { return row_elements_; }
+  /// @brief Stored graph out-degree (rows of small tenants are padded with empty slots).
+  std::uint32_t graph_degree() const noexcept { return config_.graph_degree; }
+  memory_kind memory() const noexcept { return config_.memory; }
+  /// @brief Increases on every successful mutation; a refused call leaves it unchanged.
+  std::uint64_t version() const noexcept { return version_; }
+
+  /// @brief Tenants with at most this many live facts are searched exactly under `automatic`.
+  std::int64_t exact_search_threshold() const noexcept
+  {
+    if (config_.exact_search_threshold >= 0) { return config_.exact_search_threshold; }
+    return config_.memory == memory_kind::device ? detail::index::default_device_exact_threshold
+                                                 : detail::index::default_host_exact_threshold;
+  }
+
+  /// @brief Number of namespaces with a tenant (including ones whose facts were all deleted).
+  std::size_t num_namespaces() const noexcept { return tenant_of_.size(); }
+  /// @brief The namespaces, in order of creation.
+  std::vector<std::uint64_t> namespaces() const
+  {
+    std::vector<std::uint64_t> out;
+    for (auto const& t : tenants_) {
+      if (t.alive) { out.push_back(t.ns); }
+    }
+    return out;
+  }
+  bool has_namespace(std::uint64_t ns) const noexcept { return tenant_of_.count(ns) != 0; }
+  /// @brief Live facts of a namespace (0 if unknown).
+  std::uint32_t size(std::uint64_t ns) const noexcept
+  {
+    auto it = tenant_of_.find(ns);
+    return it == tenant_of_.end() ? 0 : tenants_[it->second].ref.live;
+  }
+  /// @brief Rows a namespace occupies (live + deleted, until `compact()`).
+  std::uint32_t rows(std::uint64_t ns) const noexcept
+  {
+    auto it = tenant_of_.find(ns);
+    return it == tenant_of_.end() ? 0 : tenants_[it->second].ref.size;
+  }
+  /// @brief Live facts over all namespaces.
+  std::uint64_t total_size() const noexcept { return id_to_row_.size(); }
+  /// @brief Arena rows allocated (capacity), and rows in use by tenants, holes included.
+  std::int64_t arena_rows() const noexcept { return arena_capacity_; }
+  std::int64_t arena_rows_in_use() const noexcept { return arena_used_; }
+  /// @brief Bytes of the arena's vectors, graph, ids and flags (one copy).
+  std::uint64_t arena_bytes() const noexcept
+  {
+    return static_cast<std::uint64_t>(arena_capacity_) *
+           (static_cast<std::uint64_t>(row_elements_) * element_size_ +
+            std::uint64_t{config_.graph_degree} * 4 + 8 + 1);
+  }
+
+  bool contains(std::uint64_t id) const noexcept { return id_to_row_.count(id) != 0; }
+  /// @brief The namespace holding a live fact. @throw logic_error for an unknown id.
+  std::uint64_t namespace_of(std::uint64_t id) const
+  {
+    auto it = id_to_row_.find(id);
+    INFERSCALE_EXPECTS(it != id_to_row_.end(), "graph_index: unknown fact id " + std::to_string(id));
+    return tenants_[it->second.tenant].ns;
+  }
+  /// @brief Live fact ids of a namespace, in row order.
+  std::vector<std::uint64_t> ids(std::uint64_t ns) const
+  {
+    std::vector<std::uint64_t> out;
+    auto it = tenant_of_.find(ns);
+    if (it == tenant_of_.end()) { return out; }
+    auto const& t = tenants_[it->second].ref;
+    for (std::uint32_t v = 0; v < t.size; ++v) {
+      if (!deleted_[t.row_begin + v]) { out.push_back(ids_[t.row_begin + v]); }
+    }
+    return out;
+  }
+
+  /// @brief The tenant segment of a namespace (`size == 0` if unknown).
+  tenant_ref tenant_segment(std::uint64_t ns) const noexcept
+  {
+    auto it = tenant_of_.find(ns);
+    return it == tenant_of_.end() ? tenant_ref{} : tenants_[it->second].ref;
+  }
+  /// @brief A tenant's graph rows `[rows(ns)][graph_degree]` on the host (local node ids).
+  std::uint32_t const* graph_rows(std::uint64_t ns) const
+  {
+    auto const t = checked_tenant(ns);
+    return graph_.data() + t.row_begin * config_.graph_degree;
+  }
+  /// @brief A tenant's padded vector rows on the host (bytes of the index dtype).
+  void const* vector_rows(std::uint64_t ns) const
+  {
+    auto const t = checked_tenant(ns);
+    return vectors_.data() + static_cast<std::size_t>(t.row_begin * row_elements_) * element_size_;
+  }
+  std::uint64_t const* id_rows(std::uint64_t ns) const
+  {
+    return ids_.data() + checked_tenant(ns).row_begin;
+  }
+  std::uint8_t const* deleted_rows(std::uint64_t ns) const
+  {
+    return deleted_.data() + checked_tenant(ns).row_begin;
+  }
+
+  /// @brief Device handle (null pointers for a host index).
+  graph_index_ref ref() const noexcept
+  {
+    graph_index_ref r;
+    r.vectors      = d_vectors_;
+    r.graph        = d_graph_;
+    r.ids          = d_ids_;
+    r.deleted      = d_deleted_;
+    r.row_elements = row_elements_;
+    r.degree       = config_.graph_degree;
+    r.metric       = config_.metric;
+    r.vector_dtype = config_.vector_dtype;
+    return r;
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Mutations
+
+  /**
+   * @brief Adds facts to a namespace (creating it). A new or small namespace, or one that more than
+   * doubles, gets its graph rebuilt (kNN -> prune -> reverse -> merge); otherwise the facts are
+   * inserted one at a time into the existing graph (CAGRA-extend style: a search for neighbours,
+   * rank-based pruning, reverse edges replacing the most redundant slots).
+   *
+   * @tparam T float or half_t (converted to the index dtype)
+   * @param vectors `[m][dim]` host view; @param ids m fact ids, new to the whole index and distinct
+   * @param builder kNN/pruning backend (default: host); `index.cuh` has a device one
+   * @throw logic_error (nothing changed) on a dimension mismatch, NaN/Inf, a zero vector under the
+   * cosine metric, a repeated or existing id, `ids.size() != rows`, or a namespace over 2^31 rows
+   */
+  template <class T>
+  void add(std::uint64_t ns,
+           matrix_view<T const> vectors,
+           cuda::std::span<std::uint64_t const> ids,
+           graph_builder const& builder = {})
+  {
+    check_new_facts(vectors, ids);
+    std::uint32_t const m = static_cast<std::uint32_t>(ids.size());
+    if (m == 0) { return; }
+    auto it = tenant_of_.find(ns);
+    std::uint32_t const before = it == tenant_of_.end() ? 0 : tenants_[it->second].ref.size;
+    INFERSCALE_EXPECTS(std::uint64_t{before} + m < (std::uint64_t{1} << 31),
+                       "graph_index::add: a namespace holds fewer than 2^31 rows");
+
+    std::size_t const t = ensure_room(ns, before + m);
+    write_rows(t, before, vectors, ids);
+    auto& tr = tenants_[t].ref;
+    tr.size  = before + m;
+    tr.live += m;
+    if (before == 0 || m > before || tr.size <= rebuild_limit()) {
+      rebuild_graph(t, builder);
+    } else {
+      for (std::uint32_t v = before; v < tr.size; ++v) {
+        insert_node(t, v);
+      }
+      repair(t);
+    }
+    ++version_;
+    upload_tenant(t);
+  }
+
+  /**
+   * @brief Replaces a namespace's facts with these (a fresh build); a namespace that did not exist
+   * is created. Ids may repeat the namespace's old ids, not other namespaces' ids.
+   */
+  template <class T>
+  void build(std::uint64_t ns,
+             matrix_view<T const> vectors,
+             cuda::std::span<std::uint64_t const> ids,
+             graph_builder const& builder = {})
+  {
+    check_new_facts(vectors, ids, ns);
+    erase_namespace_rows(ns);
+    add(ns, vectors, ids, builder);
+  }
+
+  /**
+   * @brief Deletes facts: they leave search results at once (their nodes still route) and their
+   * ids can be added again; the rows are reclaimed by `compact()`.
+   * @throw logic_error (nothing changed) if any id is unknown or repeated
+   */
+  void erase(cuda::std::span<std::uint64_t const> ids)
+  {
+    std::unordered_set<std::uint64_t> seen;
+    for (auto id : ids) {
+      INFERSCALE_EXPECTS(id_to_row_.count(id) != 0,
+                         "graph_index::erase: unknown fact id " + std::to_string(id));
+      INFERSCALE_EXPECTS(seen.insert(id).second,
+                         "graph_index::erase: fact id " + std::to_string(id) + " given twice");
+    }
+    std::vector<std::size_t> touched;
+    for (auto id : ids) {
+      auto const loc = id_to_row_.at(id);
+      auto& t        = tenants_[loc.tenant];
+      deleted_[t.ref.row_begin + loc.local] = 1;
+      --t.ref.live;
+      id_to_row_.erase(id);
+      touched.push_back(loc.tenant);
+    }
+    if (!ids.empty()) { ++version_; }
+    std::sort(touched.begin(), touched.end());
+    touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+    for (auto t : touched) {
+      upload_tenant(t);
+    }
+  }
+
+  /// @brief Deletes every fact of a namespace and the namespace itself (its rows become a hole).
+  /// @return the number of live facts removed (0 for an unknown namespace).
+  std::uint32_t erase_namespace(std::uint64_t ns)
+  {
+    auto it = tenant_of_.find(ns);
+    if (it == tenant_of_.end()) { return 0; }
+    std::uint32_t const live = tenants_[it->second].ref.live;
+    erase_namespace_rows(ns);
+    tenants_[it->second].alive = false;
+    tenant_of_.erase(it);
+    ++version_;
+    return live;
+  }
+
+  /**
+   * @brief Reclaims the rows of deleted facts and the holes left by moved or erased tenants:
+   * each tenant with deletions is rebuilt from its live facts, and the arena is repacked.
+   */
+  void compact(graph_builder const& builder = {})
+  {
+    std::vector<std::size_t> order;
+    for (std::size_t t = 0; t < tenants_.size(); ++t) {
+      if (tenants_[t].alive) { order.push_back(t); }
+    }
+    std::int64_t total = 0;
+    for (auto t : order) {
+      total += tenants_[t].ref.live;
+    }
+    arena next = allocate_arena(total);
+    std::vector<tenant> next_tenants;
+    std::unordered_map<std::uint64_t, std::size_t> next_of;
+    std::int64_t cursor = 0;
+    for (auto t : order) {
+      auto const& old = tenants_[t];
+      tenant nt     = old;
+      nt.ref.row_begin = cursor;
+      nt.ref.size      = old.ref.live;
+      nt.capacity      = old.ref.live;
+      std::uint32_t out = 0;
+      for (std::uint32_t v = 0; v < old.ref.size; ++v) {
+        std::int64_t const src = old.ref.row_begin + v;
+        if (deleted_[src]) { continue; }
+        std::int64_t const dst = cursor + out++;
+        std::memcpy(next.vectors.data() + dst * row_elements_ * element_size_,
+                    vectors_.data() + src * row_elements_ * element_size_,
+                    static_cast<std::size_t>(row_elements_) * element_size_);
+        next.ids[dst] = ids_[src];
+      }
+      if (out == old.ref.size) {  // no deletions: keep the graph as it is
+        std::memcpy(next.graph.data() + cursor * config_.graph_degree,
+                    graph_.data() + old.ref.row_begin * config_.graph_degree,
+                    std::size_t{out} * config_.graph_degree * 4);
+      }
+      nt.rebuild_on_compact = out != old.ref.size;
+      next_of[nt.ns]        = next_tenants.size();
+      next_tenants.push_back(nt);
+      cursor += out;
+    }
+    std::swap(vectors_, next.vectors);
+    std::swap(graph_, next.graph);
+    std::swap(ids_, next.ids);
+    std::swap(deleted_, next.deleted);
+    arena_capacity_ = total;
+    arena_used_     = total;
+    tenants_        = std::move(next_tenants);
+    tenant_of_      = std::move(next_of);
+    id_to_row_.clear();
+    for (std::size_t t = 0; t < tenants_.size(); ++t) {
+      auto const& tr = tenants_[t].ref;
+      for (std::uint32_t v = 0; v < tr.size; ++v) {
+        id_to_row_[ids_[tr.row_begin + v]] = {t, v};
+      }
+    }
+    for (std::size_t t = 0; t < tenants_.size(); ++t) {
+      if (tenants_[t].rebuild_on_compact) {
+        rebuild_graph(t, builder);
+        tenants_[t].rebuild_on_compact = false;
+      }
+    }
+    ++version_;
+    reallocate_device();
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Host search
+
+  /**
+   * @brief Searches a host-memory index: query `q` looks in namespace `namespaces[q]` (or all in
+   * `namespaces[0]` when one namespace is given). Row `q` of the outputs gets the `k` nearest live
+   * facts sorted by distance; slots beyond the namespace's live facts get `invalid_fact_id` and
+   * +infinity.
+   *
+   * @throw logic_error (outputs untouched) for a device index, a dimension mismatch, NaN/Inf in a
+   * query, a zero query under cosine, an unknown namespace, k == 0, output shapes other than
+   * `[queries][k]`, or search_width outside 1..64
+   */
+  template <class T>
+  void search(matrix_view<T const> queries,
+              cuda::std::span<std::uint64_t const> namespaces,
+              std::uint32_t k,
+              search_params const& params,
+              matrix_view<std::uint64_t> out_ids,
+              matrix_view<float> out_distances) const
+  {
+    INFERSCALE_EXPECTS(config_.memory == memory_kind::host,
+                       "graph_index::search: this index lives in device memory; use "
+                       "inferscale::search from index.cuh");
+    std::vector<std::int64_t> tenant_index = check_search(queries, namespaces, k, params,
+                                                          out_ids.extent(0), out_ids.extent(1),
+                                                          out_distances.extent(0),
+                                                          out_distances.extent(1));
+    std::vector<float> padded = prepare_queries(queries);
+    std::int64_t const nq     = queries.extent(0);
+    detail::index::parallel_ranges(nq, [&](std::int64_t begin, std::int64_t end) {
+      detail::index::search_scratch scratch;
+      std::vector<detail::index::search_entry> result;
+      for (std::int64_t q = begin; q < end; ++q) {
+        auto const& tr = tenants_[static_cast<std::size_t>(tenant_index[q])].ref;
+        search_tenant(tr, padded.data() + q * row_elements_, k, params, scratch, result);
+        for (std::uint32_t j = 0; j < k; ++j) {
+          bool const valid       = j < result.size();
+          out_ids(q, j)          = valid ? ids_[tr.row_begin + result[j].node] : invalid_fact_id;
+          out_distances(q, j)    = valid ? result[j].distance
+                                         : std::numeric_limits<float>::infinity();
+        }
+      }
+    });
+  }
+
+  /**
+   * @brief The resolved plan of a search of one tenant of `n` rows (itopk raised to k, automatic
+   * iteration bound). Shared by both backends.
+   */
+  detail::index::search_plan plan_for(std::uint32_t n, std::uint32_t k,
+                                      search_params const& p) const noexcept
+  {
+    detail::index::search_plan plan;
+    plan.k         = k;
+    plan.itopk     = std::max(p.itopk_size, k);
+    plan.width     = p.search_width;
+    plan.samplings = std::max<std::uint32_t>(1, p.num_random_samplings);
+    plan.xor_mask  = p.rand_xor_mask;
+    plan.max_iterations = p.max_iterations != 0
+                            ? p.max_iterations
+                            : detail::index::auto_max_iterations(plan.itopk, plan.width,
+                                                                 config_.graph_degree, n);
+    plan.min_iterations = p.min_iterations;
+    return plan;
+  }
+
+  /// @brief Whether a search of this tenant runs exactly (true) or on the graph.
+  bool uses_exact(tenant_ref const& t, search_params const& p) const noexcept
+  {
+    if (p.algo == search_algo::exact) { return true; }
+    if (p.algo == search_algo::graph) { return false; }
+    return static_cast<std::int64_t>(t.live) <= exact_search_threshold();
+  }
+
+  /**
+   * @brief Queries padded to the row length and normalised for cosine, as both backends compare
+   * them (fp32). @throw logic_error on a dimension mismatch, NaN/Inf or a zero cosine query.
+   */
+  template <class T>
+  std::vector<float> prepare_queries(matrix_view<T const> queries) const
+  {
+    INFERSCALE_EXPECTS(queries.extent(1) == config_.dim,
+                       "graph_index: queries have " + std::to_string(queries.extent(1)) +
+                         " dimensions, the index " + std::to_string(config_.dim));
+    std::int64_t const nq = queries.extent(0);
+    std::vector<float> out(static_cast<std::size_t>(nq * row_elements_), 0.0f);
+    std::vector<float> row(static_cast<std::size_t>(config_.dim));
+    for (std::int64_t q = 0; q < nq; ++q) {
+      for (std::int64_t e = 0; e < config_.dim; ++e) {
+        float const x = to_float(queries(q, e));
+        INFERSCALE_EXPECTS(std::isfinite(x), "graph_index: query " + std::to_string(q) +
+                                               " has a NaN or infinite element at " +
+                                               std::to_string(e));
+        row[static_cast<std::size_t>(e)] = x;
+      }
+      // the device kernel normalises with the same double-precision lane order
+      double const norm2 = detail::index::norm2_spec(row.data(), config_.dim);
+      INFERSCALE_EXPECTS(config_.metric != distance_metric::cosine || norm2 > 0.0,
+                         "graph_index: query " + std::to_string(q) +
+                           " is a zero vector, which has no cosine");
+      float const scale = config_.metric == distance_metric::cosine
+                            ? static_cast<float>(1.0 / std::sqrt(norm2))
+                            : 1.0f;
+      for (std::int64_t e = 0; e < config_.dim; ++e) {
+        out[static_cast<std::size_t>(q * row_elements_ + e)] = row[static_cast<std::size_t>(e)] * scale;
+      }
+    }
+    return out;
+  }
+
+  /**
+   * @brief Validates a search and resolves each query's tenant (index into the tenant table).
+   * Shared by both backends. @throw logic_error as described at `search`.
+   */
+  template <class T>
+  std::vector<std::int64_t> check_search(matrix_view<T const> queries,
+                                         cuda::std::span<std::uint64_t const> namespaces,
+                                         std::uint32_t k,
+                                         search_params const& params,
+                                         std::int64_t ids_rows, std::int64_t ids_cols,
+                                         std::int64_t dist_rows, std::int64_t dist_cols) const
+  {
+    std::int64_t const nq = queries.extent(0);
+    INFERSCALE_EXPECTS(queries.extent(1) == config_.dim,
+                       "graph_index: queries have " + std::to_string(queries.extent(1)) +
+                         " dimensions, the index " + std::to_string(config_.dim));
+    INFERSCALE_EXPECTS(k >= 1, "graph_index: k must be at least 1");
+    INFERSCALE_EXPECTS(params.search_width >= 1 && params.search_width <= 64,
+                       "graph_index: search_width must be in 1..64, got " +
+                         std::to_string(params.search_width));
+    INFERSCALE_EXPECTS(std::max(params.itopk_size, k) <= 1024,
+                       "graph_index: itopk_size (raised to k) must be at most 1024");
+    INFERSCALE_EXPECTS(namespaces.size() == 1 || static_cast<std::int64_t>(namespaces.size()) == nq,
+                       "graph_index: give one namespace, or one per query (" + std::to_string(nq) +
+                         "), not " + std::to_string(namespaces.size()));
+    INFERSCALE_EXPECTS(ids_rows == nq && dist_rows == nq && ids_cols == k && dist_cols == k,
+                       "graph_index: outputs must be [queries=" + std::to_string(nq) + "][k=" +
+                         std::to_string(k) + "]");
+    std::vector<std::int64_t> tenant_index(static_cast<std::size_t>(nq));
+    for (std::int64_t q = 0; q < nq; ++q) {
+      std::uint64_t const ns = namespaces.size() == 1 ? namespaces[0] : namespaces[q];
+      auto it                = tenant_of_.find(ns);
+      INFERSCALE_EXPECTS(it != tenant_of_.end(),
+                         "graph_index: unknown namespace " + std::to_string(ns));
+      tenant_index[static_cast<std::size_t>(q)] = static_cast<std::int64_t>(it->second);
+    }
+    return tenant_index;
+  }
+
+  /// @brief The tenant table (for the device backend: index = position in `tenant_table()`).
+  std::vector<tenant_ref> tenant_table() const
+  {
+    std::vector<tenant_ref> out;
+    for (auto const& t : tenants_) {
+      out.push_back(t.ref);
+    }
+    return out;
+  }
+
+ private:
+  friend struct detail::index::index_access;
+
+  struct tenant {
+    std::uint64_t ns{0};
+    tenant_ref ref{};
+    std::uint32_t capacity{0};
+    bool alive{true};
+    bool rebuild_on_compact{false};
+  };
+  struct row_location {
+    std::size_t tenant{0};
+    std::uint32_t local{0};
+  };
+  struct arena {
+    std::vector<unsigned char> vectors;
+    std::vector<std::uint32_t> graph;
+    std::vector<std::uint64_t> ids;
+    std::vector<std::uint8_t> deleted;
+  };
+
+  void swap(graph_index& o) noexcept
+  {
+    std::swap(config_, o.config_);
+    std::swap(element_size_, o.element_size_);
+    std::swap(row_elements_, o.row_elements_);
+    std::swap(vectors_, o.vectors_);
+    std::swap(graph_, o.graph_);
+    std::swap(ids_, o.ids_);
+    std::swap(deleted_, o.deleted_);
+    std::swap(arena_capacity_, o.arena_capacity_);
+    std::swap(arena_used_, o.arena_used_);
+    std::swap(tenants_, o.tenants_);
+    std::swap(tenant_of_, o.tenant_of_);
+    std::swap(id_to_row_, o.id_to_row_);
+    std::swap(version_, o.version_);
+    std::swap(d_vectors_, o.d_vectors_);
+    std::swap(d_graph_, o.d_graph_);
+    std::swap(d_ids_, o.d_ids_);
+    std::swap(d_deleted_, o.d_deleted_);
+    std::swap(d_capacity_, o.d_capacity_);
+  }
+
+  tenant_ref checked_tenant(std::uint64_t ns) const
+  {
+    auto it = tenant_of_.find(ns);
+    INFERSCALE_EXPECTS(it != tenant_of_.end(),
+                       "graph_index: unknown namespace " + std::to_string(ns));
+    return tenants_[it->second].ref;
+  }
+
+  /// Below this many rows a namespace's graph is rebuilt on every add (cheap, and best quality).
+  std::uint32_t rebuild_limit() const noexcept
+  {
+    return std::max<std::uint32_t>(256, 2 * config_.intermediate_graph_degree);
+  }
+
+  template <class T>
+  void check_new_facts(matrix_view<T const> vectors,
+                       cuda::std::span<std::uint64_t const> ids,
+                       std::uint64_t replacing_ns = invalid_fact_id) const
+  {
+    static_assert(std::is_same_v<std::remove_cv_t<T>, float> ||
+                    std::is_same_v<std::remove_cv_t<T>, half_t>,
+                  "graph_index: vectors are float or half_t");
+    INFERSCALE_EXPECTS(vectors.extent(1) == config_.dim,
+                       "graph_index: vectors have " + std::to_string(vectors.extent(1)) +
+                         " dimensions, the index " + std::to_string(config_.dim));
+    INFERSCALE_EXPECTS(static_cast<std::int64_t>(ids.size()) == vectors.extent(0),
+                       "graph_index: " + std::to_string(ids.size()) + " ids for " +
+                         std::to_string(vectors.extent(0)) + " vectors");
+    std::unordered_set<std::uint64_t> seen;
+    seen.reserve(ids.size());
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      std::uint64_t const id = ids[i];
+      INFERSCALE_EXPECTS(id != invalid_fact_id,
+                         "graph_index: fact id 2^64-1 is reserved (invalid_fact_id)");
+      INFERSCALE_EXPECTS(seen.insert(id).second,
+                         "graph_index: fact id " + std::to_string(id) + " given twice");
+      auto it = id_to_row_.find(id);
+      INFERSCALE_EXPECTS(it == id_to_row_.end() ||
+                           (replacing_ns != invalid_fact_id &&
+                            tenants_[it->second.tenant].ns == replacing_ns),
+                         "graph_index: fact id " + std::to_string(id) + " is already indexed");
+    }
+    for (std::int64_t r = 0; r < vectors.extent(0); ++r) {
+      double norm2 = 0.0;
+      for (std::int64_t e = 0; e < config_.dim; ++e) {
+        float const x = to_float(vectors(r, e));
+        INFERSCALE_EXPECTS(std::isfinite(x), "graph_index: vector " + std::to_string(r) +
+                                               " (fact id " + std::to_string(ids[r]) +
+                                               ") has a NaN or infinite element at " +
+                                               std::to_string(e));
+        norm2 += double{x} * x;
+      }
+      INFERSCALE_EXPECTS(config_.metric != distance_metric::cosine || norm2 > 0.0,
+                         "graph_index: vector " + std::to_string(r) + " (fact id " +
+                           std::to_string(ids[r]) + ") is zero, which has no cosine");
+      if (config_.vector_dtype == dtype::float16) {
+        double const scale = config_.metric == distance_metric::cosine ? 1.0 / std::sqrt(norm2) : 1.0;
+        for (std::int64_t e = 0; e < config_.dim; ++e) {
+          float const x = static_cast<float>(to_float(vectors(r, e)) * scale);
+          INFERSCALE_EXPECTS(std::isfinite(to_float(from_float<half_t>(x))),
+                             "graph_index: vector " + std::to_string(r) +
+                               " overflows float16 at element " + std::to_string(e));
+        }
+      }
+    }
+  }
+
+  arena allocate_arena(std::int64_t rows) const
+  {
+    arena a;
+    a.vectors.assign(static_cast<std::size_t>(rows * row_elements_) * element_size_, 0);
+    a.graph.assign(static_cast<std::size_t>(rows) * config_.graph_degree, detail::index::invalid_node);
+    a.ids.assign(static_cast<std::size_t>(rows), invalid_fact_id);
+    a.deleted.assign(static_cast<std::size_t>(rows), 0);
+    return a;
+  }
+
+  void grow_arena(std::int64_t needed)
+  {
+    if (needed <= arena_capacity_) { return; }
+    std::int64_t const capacity = std::max<std::int64_t>(needed, 2 * arena_capacity_);
+    vectors_.resize(static_cast<std::size_t>(capacity * row_elements_) * element_size_, 0);
+    graph_.resize(static_cast<std::size_t>(capacity) * config_.graph_degree,
+                  detail::index::invalid_node);
+    ids_.resize(static_cast<std::size_t>(capacity), invalid_fact_id);
+    deleted_.resize(static_cast<std::size_t>(capacity), 0);
+    arena_capacity_ = capacity;
+    device_stale_   = true;
+  }
+
+  /// Finds or creates the tenant of `ns` with room for `rows` rows (moving it if needed).
+  std::size_t ensure_room(std::uint64_t ns, std::uint32_t rows)
+  {
+    auto it = tenant_of_.find(ns);
+    if (it == tenant_of_.end()) {
+      std::uint32_t const capacity = std::max<std::uint32_t>(rows, 16);
+      grow_arena(arena_used_ + capacity);
+      tenant t;
+      t.ns            = ns;
+      t.ref.row_begin = arena_used_;
+      t.capacity      = capacity;
+      arena_used_ += capacity;
+      tenant_of_[ns] = tenants_.size();
+      tenants_.push_back(t);
+      return tenants_.size() - 1;
+    }
+    std::size_t const index = it->second;
+    tenant& t               = tenants_[index];
+    if (rows <= t.capacity) { return index; }
+    bool const last = t.ref.row_begin + t.capacity == arena_used_;
+    std::uint32_t const capacity =
+      static_cast<std::uint32_t>(std::max<std::uint64_t>(rows, std::uint64_t{2} * t.capacity));
+    if (last) {  // grow in place at the end of the arena
+      grow_arena(t.ref.row_begin + capacity);
+      arena_used_ = t.ref.row_begin + capacity;
+      tenants_[index].capacity = capacity;
+      return index;
+    }
+    grow_arena(arena_used_ + capacity);
+    tenant& moved              = tenants_[index];
+    std::int64_t const from    = moved.ref.row_begin;
+    std::int64_t const to      = arena_used_;
+    std::uint32_t const used   = moved.ref.size;
+    std::memmove(vectors_.data() + static_cast<std::size_t>(to * row_elements_) * element_size_,
+                 vectors_.data() + static_cast<std::size_t>(from * row_elements_) * element_size_,
+                 static_cast<std::size_t>(used * row_elements_) * element_size_);
+    std::copy_n(graph_.begin() + from * config_.graph_degree,
+                std::size_t{used} * config_.graph_degree,
+                graph_.begin() + to * config_.graph_degree);
+    std::copy_n(ids_.begin() + from, used, ids_.begin() + to);
+    std::copy_n(deleted_.begin() + from, used, deleted_.begin() + to);
+    std::fill_n(ids_.begin() + from, moved.capacity, invalid_fact_id);  // the hole
+    std::fill_n(deleted_.begin() + from, moved.capacity, std::uint8_t{1});
+    moved.ref.row_begin = to;
+    moved.capacity      = capacity;
+    arena_used_ += capacity;
+    device_stale_ = true;
+    return index;
+  }
+
+  template <class T>
+  void write_rows(std::size_t t,
+                  std::uint32_t first,
+                  matrix_view<T const> vectors,
+                  cuda::std::span<std::uint64_t const> ids)
+  {
+    auto& tr = tenants_[t];
+    for (std::int64_t r = 0; r < vectors.extent(0); ++r) {
+      std::int64_t const row = tr.ref.row_begin + first + r;
+      double norm2           = 0.0;
+      for (std::int64_t e = 0; e < config_.dim; ++e) {
+        double const x = to_float(vectors(r, e));
+        norm2 += x * x;
+      }
+      float const scale = config_.metric == distance_metric::cosine
+                            ? static_cast<float>(1.0 / std::sqrt(norm2))
+                            : 1.0f;
+      unsigned char* dst = vectors_.data() + static_cast<std::size_t>(row * row_elements_) * element_size_;
+      std::memset(dst, 0, static_cast<std::size_t>(row_elements_) * element_size_);
+      for (std::int64_t e = 0; e < config_.dim; ++e) {
+        float const x = to_float(vectors(r, e)) * scale;
+        if (config_.vector_dtype == dtype::float32) {
+          std::memcpy(dst + e * 4, &x, 4);
+        } else {
+          half_t const h = from_float<half_t>(x);
+          std::memcpy(dst + e * 2, &h, 2);
+        }
+      }
+      ids_[row]     = ids[static_cast<std::size_t>(r)];
+      deleted_[row] = 0;
+      std::fill_n(graph_.begin() + row * config_.graph_degree, config_.graph_degree,
+                  detail::index::invalid_node);
+      id_to_row_[ids_[row]] = {t, static_cast<std::uint32_t>(first + r)};
+    }
+  }
+
+  void erase_namespace_rows(std::uint64_t ns)
+  {
+    auto it = tenant_of_.find(ns);
+    if (it == tenant_of_.end()) { return; }
+    std::size_t const index = it->second;
+    auto& t                 = tenants_[index];
+    for (std::uint32_t v = 0; v < t.ref.size; ++v) {
+      std::int64_t const row = t.ref.row_begin + v;
+      if (!deleted_[row]) { id_to_row_.erase(ids_[row]); }
+      deleted_[row] = 1;
+    }
+    t.ref.live = 0;
+    t.ref.size = 0;
+    upload_tenant(index);
+  }
+
+  template <class Fn>
+  decltype(auto) with_rows(std::size_t t, Fn&& fn) const
+  {
+    unsigned char const* base =
+      vectors_.data() + static_cast<std::size_t>(tenants_[t].ref.row_begin * row_elements_) * element_size_;
+    if (config_.vector_dtype == dtype::float32) {
+      return fn(reinterpret_cast<float const*>(base));
+    }
+    return fn(reinterpret_cast<half_t const*>(base));
+  }
+
+  /// Full CAGRA build of a tenant's graph from its rows (deleted rows included: they route).
+  void rebuild_graph(std::size_t t, graph_builder const& builder)
+  {
+    auto const& tr = tenants_[t].ref;
+    std::uint32_t const n = tr.size;
+    std::uint32_t const degree = config_.graph_degree;
+    std::uint32_t* graph = graph_.data() + tr.row_begin * degree;
+    std::fill_n(graph, std::size_t{n} * degree, detail::index::invalid_node);
+    auto const eff = detail::index::degrees_for(config_.intermediate_graph_degree, degree, n);
+    if (n <= 1 || eff.final == 0) { return; }
+    std::vector<std::uint32_t> knn(std::size_t{n} * eff.intermediate);
+    void const* rows = vectors_.data() +
+                       static_cast<std::size_t>(tr.row_begin * row_elements_) * element_size_;
+    if (builder.knn) {
+      builder.knn(rows, n, eff.intermediate, knn.data());
+    } else {
+      with_rows(t, [&](auto const* r) {
+        detail::index::exact_knn_host(r, row_elements_, n, config_.metric, eff.intermediate,
+                                      knn.data());
+      });
+    }
+    std::vector<std::uint32_t> pruned(std::size_t{n} * eff.final);
+    if (builder.prune) {
+      builder.prune(knn.data(), n, eff.intermediate, eff.final, pruned.data());
+    } else {
+      detail::index::prune_host(knn.data(), eff.intermediate, eff.intermediate, n, eff.final,
+                                pruned.data());
+    }
+    detail::index::reverse_and_merge_host(pruned.data(), n, eff.final, graph, degree);
+    repair(t);
+  }
+
+  float node_distance(std::size_t t, std::uint32_t a, std::uint32_t b) const
+  {
+    return with_rows(t, [&](auto const* rows) {
+      using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>;
+      std::vector<float> q(static_cast<std::size_t>(row_elements_));
+      for (std::int64_t e = 0; e < row_elements_; ++e) {
+        q[static_cast<std::size_t>(e)] = to_float(rows[std::int64_t{b} * row_elements_ + e]);
+      }
+      std::int64_t const chunks = row_elements_ / detail::index::chunk_elements<T>;
+      return detail::index::team_distance(rows + std::int64_t{a} * row_elements_, q.data(), chunks,
+                                          detail::index::team_size_for(chunks), config_.metric);
+    });
+  }
+
+  void repair(std::size_t t)
+  {
+    auto const& tr = tenants_[t].ref;
+    std::uint32_t* graph = graph_.data() + tr.row_begin * config_.graph_degree;
+    detail::index::repair_reachability(graph, tr.size, config_.graph_degree, config_.graph_degree,
+                                       [&](std::uint32_t a, std::uint32_t b) {
+                                         return node_distance(t, a, b);
+                                       });
+  }
+
+  /// Inserts row `v` of tenant `t` into the graph of rows `[0, v)` (CAGRA extend, sequential).
+  void insert_node(std::size_t t, std::uint32_t v)
+  {
+    auto const& tr             = tenants_[t].ref;
+    std::uint32_t const degree = config_.graph_degree;
+    std::uint32_t* graph       = graph_.data() + tr.row_begin * degree;
+    std::uint32_t const want   = std::min(config_.intermediate_graph_degree, v);
+    search_params p;
+    p.itopk_size           = std::max<std::uint32_t>(2 * want, 64);
+    p.num_random_samplings = 4;
+    auto const plan        = plan_for(v, std::min(want, p.itopk_size), p);
+    std::vector<detail::index::search_entry> top;
+    detail::index::search_scratch scratch;
+    with_rows(t, [&](auto const* rows) {
+      std::vector<float> q(static_cast<std::size_t>(row_elements_));
+      for (std::int64_t e = 0; e < row_elements_; ++e) {
+        q[static_cast<std::size_t>(e)] = to_float(rows[std::int64_t{v} * row_elements_ + e]);
+      }
+      detail::index::graph_search_host(rows, row_elements_, graph, degree, v, q.data(),
+                                       config_.metric, plan, scratch, top);
+    });
+    // candidates L (by distance); detour counts use the candidates' graph rows
+    std::vector<std::uint32_t> cand;
+    for (auto const& e : top) {
+      if (e.node != detail::index::invalid_node && cand.size() < want) { cand.push_back(e.node); }
+    }
+    std::uint32_t const k = static_cast<std::uint32_t>(cand.size());
+    std::vector<std::uint32_t> counts(k, 0);
+    std::unordered_map<std::uint32_t, std::uint32_t> rank;
+    for (std::uint32_t i = 0; i < k; ++i) {
+      rank[cand[i]] = i;
+    }
+    for (std::uint32_t a = 0; a < k; ++a) {
+      std::uint32_t const* row = graph + std::size_t{cand[a]} * degree;
+      for (std::uint32_t j = 0; j < degree; ++j) {
+        auto it = rank.find(row[j]);
+        if (it != rank.end() && it->second > a && j < it->second) { ++counts[it->second]; }
+      }
+    }
+    std::uint32_t* out    = graph + std::size_t{v} * degree;
+    std::uint32_t written = 0;
+    for (std::uint32_t c = 0; c <= k && written < degree; ++c) {
+      for (std::uint32_t r = 0; r < k && written < degree; ++r) {
+        if (counts[r] == c) { out[written++] = cand[r]; }
+      }
+    }
+    std::fill(out + written, out + degree, detail::index::invalid_node);
+    // reverse edges: each of the first degree/2 neighbours points back at v, replacing an empty
+    // slot or the second-half slot whose target has the most in-edges
+    std::vector<std::uint32_t> in_degree(v + 1, 0);
+    for (std::size_t s = 0; s < v; ++s) {
+      for (std::uint32_t r = 0; r < degree; ++r) {
+        std::uint32_t const x = graph[s * degree + r];
+        if (x != detail::index::invalid_node && x <= v) { ++in_degree[x]; }
+      }
+    }
+    std::uint32_t const back = std::max<std::uint32_t>(1, degree / 2);
+    for (std::uint32_t i = 0; i < std::min(back, written); ++i) {
+      std::uint32_t* row = graph + std::size_t{out[i]} * degree;
+      if (std::find(row, row + degree, v) != row + degree) { continue; }
+      std::uint32_t slot = degree;
+      for (std::uint32_t r = 0; r < degree && slot == degree; ++r) {
+        if (row[r] == detail::index::invalid_node) { slot = r; }
+      }
+      if (slot == degree) {
+        slot = degree - 1;
+        for (std::uint32_t r = degree / 2; r < degree; ++r) {
+          if (in_degree[row[r]] > in_degree[row[slot]]) { slot = r; }
+        }
+        --in_degree[row[slot]];
+      }
+      row[slot] = v;
+      ++in_degree[v];
+    }
+  }
+
+  template <class T>
+  void search_tenant_typed(T const* rows,
+                           tenant_ref const& tr,
+                           float const* query,
+                           std::uint32_t k,
+                           search_params const& params,
+                           detail::index::search_scratch& scratch,
+                           std::vector<detail::index::search_entry>& result) const
+  {
+    std::uint8_t const* deleted = deleted_.data() + tr.row_begin;
+    if (tr.live == 0) {
+      result.clear();
+      return;
+    }
+    if (uses_exact(tr, params)) {
+      detail::index::exact_search_host(rows, row_elements_, tr.size, deleted, query,
+                                       config_.metric, k, result);
+      return;
+    }
+    auto const plan = plan_for(tr.size, k, params);
+    std::vector<detail::index::search_entry> top;
+    detail::index::graph_search_host(rows, row_elements_,
+                                     graph_.data() + tr.row_begin * config_.graph_degree,
+                                     config_.graph_degree, tr.size, query, config_.metric, plan,
+                                     scratch, top);
+    result.clear();
+    for (auto const& e : top) {
+      if (result.size() == k) { break; }
+      if (e.node != detail::index::invalid_node && !deleted[e.node]) { result.push_back(e); }
+    }
+  }
+
+  void search_tenant(tenant_ref const& tr,
+                     float const* query,
+                     std::uint32_t k,
+                     search_params const& params,
+                     detail::index::search_scratch& scratch,
+                     std::vector<detail::index::search_entry>& result) const
+  {
+    unsigned char const* base =
+      vectors_.data() + static_cast<std::size_t>(tr.row_begin * row_elements_) * element_size_;
+    if (config_.vector_dtype == dtype::float32) {
+      search_tenant_typed(reinterpret_cast<float const*>(base), tr, query, k, params, scratch,
+                          result);
+    } else {
+      search_tenant_typed(reinterpret_cast<half_t const*>(base), tr, query, k, params, scratch,
+                          result);
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Device copies (device-memory indexes only)
+
+  void free_device() noexcept
+  {
+    if (d_vectors_ != nullptr) { (void)cudaFree(d_vectors_); }
+    if (d_graph_ != nullptr) { (void)cudaFree(d_graph_); }
+    if (d_ids_ != nullptr) { (void)cudaFree(d_ids_); }
+    if (d_deleted_ != nullptr) { (void)cudaFree(d_deleted_); }
+    d_vectors_ = nullptr;
+    d_graph_   = nullptr;
+    d_ids_     = nullptr;
+    d_deleted_ = nullptr;
+    d_capacity_ = 0;
+  }
+
+  void reallocate_device()
+  {
+    if (config_.memory != memory_kind::device) { return; }
+    free_device();
+    std::int64_t const rows = std::max<std::int64_t>(arena_capacity_, 1);
+    INFERSCALE_CUDA_TRY(cudaMalloc(&d_vectors_, static_cast<std::size_t>(rows * row_elements_) * element_size_));
+    INFERSCALE_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&d_graph_),
+                                   static_cast<std::size_t>(rows) * config_.graph_degree * 4));
+    INFERSCALE_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&d_ids_), static_cast<std::size_t>(rows) * 8));
+    INFERSCALE_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&d_deleted_), static_cast<std::size_t>(rows)));
+    d_capacity_ = rows;
+    if (arena_capacity_ > 0) { copy_rows(0, arena_capacity_); }
+    device_stale_ = false;
+  }
+
+  void copy_rows(std::int64_t begin, std::int64_t count)
+  {
+    if (count <= 0) { return; }
+    std::size_t const vb = static_cast<std::size_t>(row_elements_) * element_size_;
+    INFERSCALE_CUDA_TRY(cudaMemcpy(static_cast<unsigned char*>(d_vectors_) + begin * vb,
+                                   vectors_.data() + begin * vb, count * vb, cudaMemcpyHostToDevice));
+    INFERSCALE_CUDA_TRY(cudaMemcpy(d_graph_ + begin * config_.graph_degree,
+                                   graph_.data() + begin * config_.graph_degree,
+                                   static_cast<std::size_t>(count) * config_.graph_degree * 4,
+                                   cudaMemcpyHostToDevice));
+    INFERSCALE_CUDA_TRY(cudaMemcpy(d_ids_ + begin, ids_.data() + begin,
+                                   static_cast<std::size_t>(count) * 8, cudaMemcpyHostToDevice));
+    INFERSCALE_CUDA_TRY(cudaMemcpy(d_deleted_ + begin, deleted_.data() + begin,
+                                   static_cast<std::size_t>(count), cudaMemcpyHostToDevice));
+  }
+
+  void upload_tenant(std::size_t t)
+  {
+    if (config_.memory != memory_kind::device) { return; }
+    if (device_stale_ || d_capacity_ < arena_capacity_) {
+      reallocate_device();
+      return;
+    }
+    copy_rows(tenants_[t].ref.row_begin, tenants_[t].capacity);
+  }
+
+  index_config config_{};
+  std::size_t element_size_{4};
+  std::int64_t row_elements_{0};
+  std::vector<unsigned char> vectors_;
+  std::vector<std::uint32_t> graph_;
+  std::vector<std::uint64_t> ids_;
+  std::vector<std::uint8_t> deleted_;
+  std::int64_t arena_capacity_{0};
+  std::int64_t arena_used_{0};
+  std::vector<tenant> tenants_;
+  std::unordered_map<std::uint64_t, std::size_t> tenant_of_;
+  std::unordered_map<std::uint64_t, row_location> id_to_row_;
+  std::uint64_t version_{0};
+  bool device_stale_{false};
+  void* d_vectors_{nullptr};
+  std::uint32_t* d_graph_{nullptr};
+  std::uint64_t* d_ids_{nullptr};
+  std::uint8_t* d_deleted_{nullptr};
+  std::int64_t d_capacity_{0};
+};
+
+}  // namespace inferscale

@@ -16,6 +16,7 @@
 #include <inferscale/config.hpp>
 #include <inferscale/dtype.hpp>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace inferscale {
@@ -140,6 +141,63 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float finish_distance(float sum,
   return sum;
 }
 
+template <int Team, class T>
+inline float team_distance_fixed(T const* row, float const* query, std::int64_t chunks,
+                                 distance_metric m) noexcept
+{
+  // Lane l's chunks are l, l + Team, ...: round r holds chunk r * Team + l of every lane, so
+  // looping rounds, then elements, then lanes keeps each lane's order (chunks ascending, elements
+  // in order) while the innermost loop runs across lanes (vectorisable: Team is a constant).
+  constexpr int per_chunk = chunk_elements<T>;
+  bool const l2           = m == distance_metric::squared_l2;
+  float partial[Team]     = {};
+  std::int64_t const full = chunks / Team;
+  for (std::int64_t r = 0; r < full; ++r) {
+    T const* x     = row + r * Team * per_chunk;
+    float const* q = query + r * Team * per_chunk;
+    float xs[Team * per_chunk];
+    for (int i = 0; i < Team * per_chunk; ++i) {
+      xs[i] = to_float(x[i]);
+    }
+    for (int e = 0; e < per_chunk; ++e) {
+      if (l2) {
+        for (int l = 0; l < Team; ++l) {
+          float const d = sub_rn(xs[l * per_chunk + e], q[l * per_chunk + e]);
+          partial[l]    = add_rn(partial[l], mul_rn(d, d));
+        }
+      } else {
+        for (int l = 0; l < Team; ++l) {
+          partial[l] = add_rn(partial[l], mul_rn(xs[l * per_chunk + e], q[l * per_chunk + e]));
+        }
+      }
+    }
+  }
+  int const tail_lanes = static_cast<int>(chunks - full * Team);
+  for (int l = 0; l < tail_lanes; ++l) {
+    T const* x     = row + (full * Team + l) * per_chunk;
+    float const* q = query + (full * Team + l) * per_chunk;
+    for (int e = 0; e < per_chunk; ++e) {
+      float const v = to_float(x[e]);
+      if (l2) {
+        float const d = sub_rn(v, q[e]);
+        partial[l]    = add_rn(partial[l], mul_rn(d, d));
+      } else {
+        partial[l] = add_rn(partial[l], mul_rn(v, q[e]));
+      }
+    }
+  }
+  for (int o = Team / 2; o >= 1; o /= 2) {
+    float next[Team];
+    for (int l = 0; l < Team; ++l) {
+      next[l] = add_rn(partial[l], partial[l ^ o]);
+    }
+    for (int l = 0; l < Team; ++l) {
+      partial[l] = next[l];
+    }
+  }
+  return finish_distance(partial[0], m);
+}
+
 /**
  * @brief The distance between a stored row and a query exactly as a device team computes it
  * (lane partials, then a butterfly). This is the host backend's distance and the reference the
@@ -147,6 +205,21 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float finish_distance(float sum,
  */
 template <class T>
 inline float team_distance(
+  T const* row, float const* query, std::int64_t chunks, int team, distance_metric m) noexcept
+{
+  switch (team) {
+    case 2: return team_distance_fixed<2>(row, query, chunks, m);
+    case 4: return team_distance_fixed<4>(row, query, chunks, m);
+    case 8: return team_distance_fixed<8>(row, query, chunks, m);
+    case 16: return team_distance_fixed<16>(row, query, chunks, m);
+    default: return team_distance_fixed<32>(row, query, chunks, m);
+  }
+}
+
+/// @brief `team_distance` written lane by lane with `lane_partial` (the device's own order);
+/// the tests check that both give the same bits.
+template <class T>
+inline float team_distance_by_lane(
   T const* row, float const* query, std::int64_t chunks, int team, distance_metric m) noexcept
 {
   bool const l2 = m == distance_metric::squared_l2;

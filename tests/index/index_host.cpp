@@ -1,0 +1,885 @@
+/**
+ * @file index_host.cpp
+ * @brief The fact index's host backend against expectations written here: brute-force nearest
+ * neighbours in double precision, a breadth-first search for reachability, detour counts by
+ * definition, and the stated contracts of insert, delete, compaction, tenants and refusals.
+ */
+#include <inferscale/index.hpp>
+
+#include <gaussian_mixture.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstring>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <set>
+#include <vector>
+
+using namespace inferscale;
+using inferscale::detail::index::invalid_node;
+
+namespace {
+
+constexpr std::uint32_t k10 = 10;
+
+/// A query set and its answers, row-major [q][k].
+struct answers {
+  std::vector<std::uint64_t> ids;
+  std::vector<float> distances;
+};
+
+/// Distance by definition, in double, on the vectors as the index stores them (rounded to the
+/// index dtype, normalised for cosine).
+double reference_distance(std::vector<float> const& a, std::vector<float> const& b,
+                          distance_metric m)
+{
+  double dot = 0.0, l2 = 0.0;
+  for (std::size_t e = 0; e < a.size(); ++e) {
+    dot += double{a[e]} * b[e];
+    l2 += (double{a[e]} - b[e]) * (double{a[e]} - b[e]);
+  }
+  switch (m) {
+    case distance_metric::inner_product: return -dot;
+    case distance_metric::cosine: return 1.0 - dot;
+    case distance_metric::squared_l2: return l2;
+  }
+  return 0.0;
+}
+
+/// What the index stores for a vector: normalised (cosine) in double, then rounded to the dtype.
+std::vector<float> as_stored(float const* v, std::int64_t dim, distance_metric m, dtype t)
+{
+  double norm2 = 0.0;
+  for (std::int64_t e = 0; e < dim; ++e) {
+    norm2 += double{v[e]} * v[e];
+  }
+  double const scale = m == distance_metric::cosine ? 1.0 / std::sqrt(norm2) : 1.0;
+  std::vector<float> out(static_cast<std::size_t>(dim));
+  for (std::int64_t e = 0; e < dim; ++e) {
+    float const x = static_cast<float>(v[e] * scale);
+    out[static_cast<std::size_t>(e)] = t == dtype::float16 ? to_float(from_float<half_t>(x)) : x;
+  }
+  return out;
+}
+
+/// Brute-force k nearest (by double distance, ties by position) among `rows` for each query.
+std::vector<std::vector<std::pair<double, std::size_t>>> brute_force(
+  std::vector<std::vector<float>> const& rows,
+  std::vector<std::vector<float>> const& queries,
+  distance_metric m,
+  std::size_t k)
+{
+  std::vector<std::vector<std::pair<double, std::size_t>>> out;
+  for (auto const& q : queries) {
+    std::vector<std::pair<double, std::size_t>> all;
+    for (std::size_t r = 0; r < rows.size(); ++r) {
+      all.emplace_back(reference_distance(rows[r], q, m), r);
+    }
+    std::size_t const keep = std::min(k, all.size());
+    std::partial_sort(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(keep), all.end());
+    all.resize(keep);
+    out.push_back(all);
+  }
+  return out;
+}
+
+std::vector<std::vector<float>> split_rows(std::vector<float> const& flat, std::int64_t dim)
+{
+  std::vector<std::vector<float>> rows;
+  for (std::size_t i = 0; i < flat.size(); i += static_cast<std::size_t>(dim)) {
+    rows.emplace_back(flat.begin() + static_cast<std::ptrdiff_t>(i),
+                      flat.begin() + static_cast<std::ptrdiff_t>(i) + dim);
+  }
+  return rows;
+}
+
+answers run_search(graph_index const& index,
+                   std::vector<float> const& queries,
+                   std::vector<std::uint64_t> const& namespaces,
+                   std::uint32_t k,
+                   search_params const& p)
+{
+  std::int64_t const nq = static_cast<std::int64_t>(queries.size()) / index.dim();
+  answers a;
+  a.ids.assign(static_cast<std::size_t>(nq) * k, 12345);
+  a.distances.assign(a.ids.size(), -7.0f);
+  index.search(make_matrix_view(queries.data(), nq, index.dim()),
+               cuda::std::span<std::uint64_t const>{namespaces.data(), namespaces.size()}, k, p,
+               make_matrix_view(a.ids.data(), nq, k), make_matrix_view(a.distances.data(), nq, k));
+  return a;
+}
+
+std::vector<std::uint64_t> sequential_ids(std::size_t n, std::uint64_t first, std::uint64_t step)
+{
+  std::vector<std::uint64_t> ids(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    ids[i] = first + i * step;
+  }
+  return ids;
+}
+
+void add_all(graph_index& index, std::uint64_t ns, std::vector<float> const& data,
+             std::vector<std::uint64_t> const& ids)
+{
+  index.add(ns, make_matrix_view(data.data(), static_cast<std::int64_t>(ids.size()), index.dim()),
+            cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+}
+
+/// recall@k of `got` (fact ids) against the true neighbours (positions mapped through `ids`).
+double recall(answers const& got,
+              std::vector<std::vector<std::pair<double, std::size_t>>> const& truth,
+              std::vector<std::uint64_t> const& ids,
+              std::uint32_t k)
+{
+  std::size_t hits = 0;
+  for (std::size_t q = 0; q < truth.size(); ++q) {
+    std::set<std::uint64_t> want;
+    for (auto const& t : truth[q]) {
+      want.insert(ids[t.second]);
+    }
+    for (std::uint32_t j = 0; j < k; ++j) {
+      hits += want.count(got.ids[q * k + j]);
+    }
+  }
+  return static_cast<double>(hits) / static_cast<double>(truth.size() * k);
+}
+
+/// Nodes reachable from node 0, by a breadth-first search written here.
+std::size_t reachable_count(graph_index const& index, std::uint64_t ns)
+{
+  std::uint32_t const n      = index.rows(ns);
+  std::uint32_t const d      = index.graph_degree();
+  std::uint32_t const* graph = index.graph_rows(ns);
+  std::vector<bool> seen(n, false);
+  std::vector<std::uint32_t> frontier{0};
+  seen[0]          = true;
+  std::size_t count = 1;
+  while (!frontier.empty()) {
+    std::uint32_t const v = frontier.back();
+    frontier.pop_back();
+    for (std::uint32_t r = 0; r < d; ++r) {
+      std::uint32_t const t = graph[std::size_t{v} * d + r];
+      if (t != invalid_node && !seen[t]) {
+        seen[t] = true;
+        ++count;
+        frontier.push_back(t);
+      }
+    }
+  }
+  return count;
+}
+
+/// Structural checks of every graph row: ids in range, no self loops, no repeats.
+void check_rows_well_formed(graph_index const& index, std::uint64_t ns)
+{
+  std::uint32_t const n      = index.rows(ns);
+  std::uint32_t const d      = index.graph_degree();
+  std::uint32_t const* graph = index.graph_rows(ns);
+  for (std::uint32_t v = 0; v < n; ++v) {
+    std::set<std::uint32_t> row;
+    for (std::uint32_t r = 0; r < d; ++r) {
+      std::uint32_t const t = graph[std::size_t{v} * d + r];
+      if (t == invalid_node) { continue; }
+      CAPTURE(v, r, t);
+      REQUIRE(t < n);
+      REQUIRE(t != v);
+      REQUIRE(row.insert(t).second);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("index: exact search equals a brute-force loop for every metric and dtype", "[index]")
+{
+  auto const metric = GENERATE(distance_metric::inner_product, distance_metric::cosine,
+                               distance_metric::squared_l2);
+  auto const vdtype = GENERATE(dtype::float32, dtype::float16);
+  std::int64_t const dim = GENERATE(as<std::int64_t>{}, 3, 100, 384);
+  CAPTURE(to_string(metric), to_string(vdtype), dim);
+
+  test::gaussian_mixture mix({dim, 20, metric != distance_metric::squared_l2, 7});
+  std::size_t const n  = 700;
+  auto const data      = mix.draw(static_cast<std::int64_t>(n));
+  auto const queries   = mix.draw(25);
+  auto const ids       = sequential_ids(n, 5, 3);
+
+  index_config cfg;
+  cfg.dim          = dim;
+  cfg.metric       = metric;
+  cfg.vector_dtype = vdtype;
+  graph_index index(cfg);
+  add_all(index, 9, data, ids);
+
+  std::vector<std::vector<float>> stored;
+  for (std::size_t i = 0; i < n; ++i) {
+    stored.push_back(as_stored(data.data() + i * dim, dim, metric, vdtype));
+  }
+  std::vector<std::vector<float>> qs;
+  for (std::size_t q = 0; q < 25; ++q) {
+    qs.push_back(as_stored(queries.data() + q * dim, dim, metric, dtype::float32));
+  }
+  std::uint32_t const k = 15;
+  auto const truth      = brute_force(stored, qs, metric, k);
+  search_params p;
+  p.algo = search_algo::exact;
+  auto const got = run_search(index, queries, {9}, k, p);
+
+  for (std::size_t q = 0; q < qs.size(); ++q) {
+    for (std::uint32_t j = 0; j < k; ++j) {
+      CAPTURE(q, j);
+      double const want = truth[q][j].first;
+      // fp32 accumulation of up to 384 products: within 1e-5 relative to the operands' scale
+      double const scale = metric == distance_metric::squared_l2 ? std::max(1.0, std::abs(want)) : 1.0;
+      REQUIRE(std::abs(got.distances[q * k + j] - want) <= 2e-5 * scale);
+      if (got.ids[q * k + j] != ids[truth[q][j].second]) {
+        // a swap is only allowed between near-ties
+        auto const pos = std::find(ids.begin(), ids.end(), got.ids[q * k + j]) - ids.begin();
+        double const d = reference_distance(stored[static_cast<std::size_t>(pos)], qs[q], metric);
+        REQUIRE(std::abs(d - want) <= 4e-5 * scale);
+      }
+    }
+    // sorted by distance
+    REQUIRE(std::is_sorted(got.distances.begin() + static_cast<std::ptrdiff_t>(q * k),
+                           got.distances.begin() + static_cast<std::ptrdiff_t>((q + 1) * k)));
+  }
+}
+
+TEST_CASE("index: recall@10 >= 0.95 against exact search on Gaussian mixtures", "[index][recall]")
+{
+  struct scenario {
+    std::int64_t dim;
+    std::size_t n;
+    dtype vdtype;
+  };
+  auto const s = GENERATE(scenario{384, 20000, dtype::float32}, scenario{768, 10000, dtype::float32},
+                          scenario{384, 10000, dtype::float16});
+  CAPTURE(s.dim, s.n, to_string(s.vdtype));
+  test::gaussian_mixture mix({s.dim, 200, true, 11});
+  auto const data    = mix.draw(static_cast<std::int64_t>(s.n));
+  auto const queries = mix.draw(200);
+  auto const ids     = sequential_ids(s.n, 1, 1);
+
+  index_config cfg;
+  cfg.dim          = s.dim;
+  cfg.metric       = distance_metric::cosine;
+  cfg.vector_dtype = s.vdtype;
+  graph_index index(cfg);  // graph_degree 32, intermediate 64
+  add_all(index, 0, data, ids);
+
+  REQUIRE(reachable_count(index, 0) == s.n);
+  check_rows_well_formed(index, 0);
+
+  std::vector<std::vector<float>> stored, qs;
+  for (std::size_t i = 0; i < s.n; ++i) {
+    stored.push_back(as_stored(data.data() + i * s.dim, s.dim, cfg.metric, s.vdtype));
+  }
+  for (std::size_t q = 0; q < 200; ++q) {
+    qs.push_back(as_stored(queries.data() + q * s.dim, s.dim, cfg.metric, dtype::float32));
+  }
+  auto const truth = brute_force(stored, qs, cfg.metric, k10);
+
+  search_params p;  // the stated parameters: itopk 64, width 1, 8 samplings, automatic bound
+  p.algo         = search_algo::graph;
+  auto const got = run_search(index, queries, {0}, k10, p);
+  double const r = recall(got, truth, ids, k10);
+  CAPTURE(r);
+  CHECK(r >= 0.95);
+  // one sampling per seed slot is the cuVS default that issue #2102 reports as weak; it stays
+  // answerable, just less accurate (not asserted beyond validity)
+  p.num_random_samplings = 1;
+  auto const weak        = run_search(index, queries, {0}, k10, p);
+  for (auto id : weak.ids) {
+    REQUIRE(id <= s.n);
+  }
+}
+
+TEST_CASE("index: build is deterministic and a query's answer does not depend on its batch",
+          "[index]")
+{
+  test::gaussian_mixture mix({64, 30, true, 3});
+  auto const data    = mix.draw(3000);
+  auto const queries = mix.draw(40);
+  auto const ids     = sequential_ids(3000, 100, 1);
+  index_config cfg;
+  cfg.dim = 64;
+  graph_index a(cfg), b(cfg);
+  add_all(a, 1, data, ids);
+  add_all(b, 1, data, ids);
+  std::vector<std::uint32_t> ga(a.graph_rows(1), a.graph_rows(1) + 3000 * a.graph_degree());
+  std::vector<std::uint32_t> gb(b.graph_rows(1), b.graph_rows(1) + 3000 * b.graph_degree());
+  REQUIRE(ga == gb);
+
+  search_params p;
+  p.algo           = search_algo::graph;
+  auto const batch = run_search(a, queries, {1}, k10, p);
+  for (std::size_t q = 0; q < 40; ++q) {
+    std::vector<float> one(queries.begin() + static_cast<std::ptrdiff_t>(q * 64),
+                           queries.begin() + static_cast<std::ptrdiff_t>((q + 1) * 64));
+    auto const alone = run_search(a, one, {1}, k10, p);
+    for (std::uint32_t j = 0; j < k10; ++j) {
+      REQUIRE(alone.ids[j] == batch.ids[q * k10 + j]);
+      REQUIRE(alone.distances[j] == batch.distances[q * k10 + j]);
+    }
+  }
+}
+
+TEST_CASE("index: rank-based pruning counts detours by definition", "[index][build]")
+{
+  // random kNN rows over n nodes (not a real kNN graph: the rule is combinatorial)
+  std::uint32_t const n = 60, k = 12, degree = 5;
+  std::mt19937 rng(5);
+  std::vector<std::uint32_t> knn(std::size_t{n} * k);
+  for (std::uint32_t v = 0; v < n; ++v) {
+    std::vector<std::uint32_t> others;
+    for (std::uint32_t u = 0; u < n; ++u) {
+      if (u != v) { others.push_back(u); }
+    }
+    std::shuffle(others.begin(), others.end(), rng);
+    std::copy_n(others.begin(), k, knn.begin() + std::size_t{v} * k);
+  }
+  std::vector<std::uint32_t> pruned(std::size_t{n} * degree);
+  detail::index::prune_host(knn.data(), k, k, n, degree, pruned.data());
+  for (std::uint32_t a = 0; a < n; ++a) {
+    // detours[b] = #{d < b : L[b] is in row(L[d]) at a rank j < b}
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> key;  // (detours, rank)
+    for (std::uint32_t b = 0; b < k; ++b) {
+      std::uint32_t detours = 0;
+      for (std::uint32_t d = 0; d < b; ++d) {
+        std::uint32_t const via = knn[std::size_t{a} * k + d];
+        for (std::uint32_t j = 0; j < b; ++j) {
+          if (knn[std::size_t{via} * k + j] == knn[std::size_t{a} * k + b]) { ++detours; }
+        }
+      }
+      key.emplace_back(detours, b);
+    }
+    std::sort(key.begin(), key.end());
+    for (std::uint32_t r = 0; r < degree; ++r) {
+      CAPTURE(a, r);
+      REQUIRE(pruned[std::size_t{a} * degree + r] == knn[std::size_t{a} * k + key[r].second]);
+    }
+  }
+}
+
+TEST_CASE("index: reverse edges and the merge keep the documented order", "[index][build]")
+{
+  std::uint32_t const n = 40, degree = 6;
+  std::mt19937 rng(9);
+  std::vector<std::uint32_t> pruned(std::size_t{n} * degree);
+  for (std::uint32_t v = 0; v < n; ++v) {
+    std::vector<std::uint32_t> others;
+    for (std::uint32_t u = 0; u < n; ++u) {
+      if (u != v) { others.push_back(u); }
+    }
+    std::shuffle(others.begin(), others.end(), rng);
+    std::copy_n(others.begin(), degree, pruned.begin() + std::size_t{v} * degree);
+  }
+  std::vector<std::uint32_t> merged(std::size_t{n} * degree);
+  detail::index::reverse_and_merge_host(pruned.data(), n, degree, merged.data(), degree);
+  for (std::uint32_t v = 0; v < n; ++v) {
+    // expected, written out: first degree/2 forward edges; then sources s with s -> v, ordered by
+    // the rank of that edge in s's row and then by s, at most `degree`; then the remaining
+    // forward edges; skip repeats; truncate
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> sources;
+    for (std::uint32_t s = 0; s < n; ++s) {
+      for (std::uint32_t r = 0; r < degree; ++r) {
+        if (pruned[std::size_t{s} * degree + r] == v) { sources.emplace_back(r, s); }
+      }
+    }
+    std::sort(sources.begin(), sources.end());
+    if (sources.size() > degree) { sources.resize(degree); }
+    std::vector<std::uint32_t> want;
+    auto push = [&](std::uint32_t x) {
+      if (std::find(want.begin(), want.end(), x) == want.end()) { want.push_back(x); }
+    };
+    for (std::uint32_t r = 0; r < degree / 2; ++r) {
+      push(pruned[std::size_t{v} * degree + r]);
+    }
+    for (auto const& s : sources) {
+      push(s.second);
+    }
+    for (std::uint32_t r = degree / 2; r < degree; ++r) {
+      push(pruned[std::size_t{v} * degree + r]);
+    }
+    want.resize(degree);
+    for (std::uint32_t r = 0; r < degree; ++r) {
+      CAPTURE(v, r);
+      REQUIRE(merged[std::size_t{v} * degree + r] == want[r]);
+    }
+  }
+}
+
+TEST_CASE("index: the host kNN graph equals brute force", "[index][build]")
+{
+  auto const metric = GENERATE(distance_metric::inner_product, distance_metric::squared_l2);
+  test::gaussian_mixture mix({48, 10, metric != distance_metric::squared_l2, 21});
+  std::uint32_t const n = 500, k = 16;
+  auto const data       = mix.draw(n);
+  std::vector<std::uint32_t> knn(std::size_t{n} * k);
+  detail::index::exact_knn_host(data.data(), 48, n, metric, k, knn.data());
+  auto const rows = split_rows(data, 48);
+  for (std::uint32_t v = 0; v < n; ++v) {
+    std::vector<std::pair<double, std::uint32_t>> all;
+    for (std::uint32_t u = 0; u < n; ++u) {
+      if (u != v) { all.emplace_back(reference_distance(rows[u], rows[v], metric), u); }
+    }
+    std::sort(all.begin(), all.end());
+    for (std::uint32_t j = 0; j < k; ++j) {
+      std::uint32_t const got = knn[std::size_t{v} * k + j];
+      if (got != all[j].second) {
+        CAPTURE(v, j, got, all[j].second);
+        REQUIRE(std::abs(reference_distance(rows[got], rows[v], metric) - all[j].first) < 1e-5);
+      }
+    }
+  }
+}
+
+TEST_CASE("index: tiny namespaces (N <= degree + 1) build and answer every fact", "[index]")
+{
+  std::size_t const n = GENERATE(as<std::size_t>{}, 1, 2, 3, 17, 32, 33, 34, 65);
+  auto const algo     = GENERATE(search_algo::graph, search_algo::exact);
+  CAPTURE(n, static_cast<int>(algo));
+  test::gaussian_mixture mix({20, 4, true, n});
+  auto const data = mix.draw(static_cast<std::int64_t>(n));
+  auto const ids  = sequential_ids(n, 1000, 10);
+  index_config cfg;
+  cfg.dim = 20;
+  graph_index index(cfg);
+  add_all(index, 4, data, ids);
+  REQUIRE(index.size(4) == n);
+  REQUIRE(reachable_count(index, 4) == n);
+  check_rows_well_formed(index, 4);
+
+  // k larger than the set: every fact, sorted, then invalid_fact_id / +inf
+  std::uint32_t const k = static_cast<std::uint32_t>(n) + 3;
+  search_params p;
+  p.algo = algo;
+  auto const queries = mix.draw(5);
+  auto const got     = run_search(index, queries, {4}, k, p);
+  for (std::size_t q = 0; q < 5; ++q) {
+    std::set<std::uint64_t> seen;
+    for (std::uint32_t j = 0; j < k; ++j) {
+      std::uint64_t const id = got.ids[q * k + j];
+      if (j < n) {
+        REQUIRE(std::find(ids.begin(), ids.end(), id) != ids.end());
+        REQUIRE(seen.insert(id).second);
+        if (j > 0) { REQUIRE(got.distances[q * k + j - 1] <= got.distances[q * k + j]); }
+      } else {
+        REQUIRE(id == invalid_fact_id);
+        REQUIRE(std::isinf(got.distances[q * k + j]));
+      }
+    }
+  }
+}
+
+TEST_CASE("index: incremental insert keeps recall as the index doubles", "[index][insert]")
+{
+  std::int64_t const dim = 384;
+  test::gaussian_mixture mix({dim, 100, true, 31});
+  std::size_t const n0 = 5000;
+  auto const first     = mix.draw(static_cast<std::int64_t>(n0));
+  auto const second    = mix.draw(static_cast<std::int64_t>(n0));
+  auto const queries   = mix.draw(200);
+  auto const ids0      = sequential_ids(n0, 1, 1);
+  auto const ids1      = sequential_ids(n0, 1 + n0, 1);
+
+  index_config cfg;
+  cfg.dim = dim;
+  graph_index index(cfg);
+  add_all(index, 0, first, ids0);
+  std::uint64_t const v0 = index.version();
+  // added in four batches, each inserted into the existing graph (no rebuild: each batch is
+  // smaller than what is there)
+  for (std::size_t b = 0; b < 4; ++b) {
+    std::size_t const m = n0 / 4;
+    std::vector<float> part(second.begin() + static_cast<std::ptrdiff_t>(b * m * dim),
+                            second.begin() + static_cast<std::ptrdiff_t>((b + 1) * m * dim));
+    std::vector<std::uint64_t> pid(ids1.begin() + static_cast<std::ptrdiff_t>(b * m),
+                                   ids1.begin() + static_cast<std::ptrdiff_t>((b + 1) * m));
+    add_all(index, 0, part, pid);
+  }
+  REQUIRE(index.version() == v0 + 4);
+  REQUIRE(index.size(0) == 2 * n0);
+  REQUIRE(reachable_count(index, 0) == 2 * n0);
+  check_rows_well_formed(index, 0);
+
+  std::vector<float> all(first);
+  all.insert(all.end(), second.begin(), second.end());
+  std::vector<std::uint64_t> all_ids(ids0);
+  all_ids.insert(all_ids.end(), ids1.begin(), ids1.end());
+  std::vector<std::vector<float>> stored, qs;
+  for (std::size_t i = 0; i < 2 * n0; ++i) {
+    stored.push_back(as_stored(all.data() + i * dim, dim, cfg.metric, dtype::float32));
+  }
+  for (std::size_t q = 0; q < 200; ++q) {
+    qs.push_back(as_stored(queries.data() + q * dim, dim, cfg.metric, dtype::float32));
+  }
+  auto const truth = brute_force(stored, qs, cfg.metric, k10);
+  search_params p;
+  p.algo         = search_algo::graph;
+  double const r = recall(run_search(index, queries, {0}, k10, p), truth, all_ids, k10);
+  CAPTURE(r);
+  CHECK(r >= 0.95);
+
+  // every inserted fact finds itself first
+  std::vector<float> self(second.begin(), second.begin() + 50 * dim);
+  auto const found = run_search(index, self, {0}, 1, p);
+  for (std::size_t i = 0; i < 50; ++i) {
+    REQUIRE(found.ids[i] == ids1[i]);
+  }
+}
+
+TEST_CASE("index: deleted facts leave results at once; compaction reclaims their rows",
+          "[index][delete]")
+{
+  std::int64_t const dim = 64;
+  test::gaussian_mixture mix({dim, 20, true, 41});
+  std::size_t const n = 3000;
+  auto const data     = mix.draw(static_cast<std::int64_t>(n));
+  auto const ids      = sequential_ids(n, 50, 2);
+  index_config cfg;
+  cfg.dim = dim;
+  graph_index index(cfg);
+  add_all(index, 2, data, ids);
+
+  std::vector<std::uint64_t> gone;
+  for (std::size_t i = 0; i < n; i += 3) {
+    gone.push_back(ids[i]);
+  }
+  std::uint64_t const v0 = index.version();
+  index.erase(cuda::std::span<std::uint64_t const>{gone.data(), gone.size()});
+  REQUIRE(index.version() == v0 + 1);
+  REQUIRE(index.size(2) == n - gone.size());
+  REQUIRE(index.rows(2) == n);
+  for (auto id : gone) {
+    REQUIRE_FALSE(index.contains(id));
+  }
+  std::set<std::uint64_t> const gone_set(gone.begin(), gone.end());
+
+  // the deleted vectors themselves as queries: never returned, by either algorithm
+  std::vector<float> probes(data.begin(), data.begin() + 300 * dim);
+  for (auto algo : {search_algo::graph, search_algo::exact}) {
+    search_params p;
+    p.algo   = algo;
+    auto got = run_search(index, probes, {2}, k10, p);
+    for (auto id : got.ids) {
+      REQUIRE(gone_set.count(id) == 0);
+      REQUIRE(id != invalid_fact_id);
+    }
+  }
+
+  // an erased id can be added again (to any namespace), even before compaction
+  std::vector<float> again(data.begin(), data.begin() + dim);
+  add_all(index, 3, again, {ids[0]});
+  REQUIRE(index.namespace_of(ids[0]) == 3);
+
+  std::int64_t const arena_before = index.arena_rows();
+  index.compact();
+  REQUIRE(index.rows(2) == n - gone.size());
+  REQUIRE(index.size(2) == n - gone.size());
+  REQUIRE(index.arena_rows() < arena_before);
+  REQUIRE(index.arena_rows() == index.arena_rows_in_use());
+  REQUIRE(reachable_count(index, 2) == n - gone.size());
+  check_rows_well_formed(index, 2);
+
+  // after compaction: still never returned, and recall is that of a fresh build
+  std::vector<std::vector<float>> stored, qs;
+  std::vector<std::uint64_t> live_ids;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (gone_set.count(ids[i]) != 0) { continue; }
+    stored.push_back(as_stored(data.data() + i * dim, dim, cfg.metric, dtype::float32));
+    live_ids.push_back(ids[i]);
+  }
+  auto const queries = mix.draw(100);
+  for (std::size_t q = 0; q < 100; ++q) {
+    qs.push_back(as_stored(queries.data() + q * dim, dim, cfg.metric, dtype::float32));
+  }
+  auto const truth = brute_force(stored, qs, cfg.metric, k10);
+  search_params p;
+  p.algo         = search_algo::graph;
+  auto const got = run_search(index, queries, {2}, k10, p);
+  for (auto id : got.ids) {
+    REQUIRE(gone_set.count(id) == 0);
+  }
+  CHECK(recall(got, truth, live_ids, k10) >= 0.95);
+}
+
+TEST_CASE("index: a multi-tenant batch answers each query from its own namespace", "[index][tenant]")
+{
+  std::int64_t const dim = 32;
+  index_config cfg;
+  cfg.dim = dim;
+  graph_index index(cfg);
+  std::map<std::uint64_t, std::vector<std::uint64_t>> owned;
+  std::map<std::uint64_t, std::vector<float>> vectors;
+  std::vector<std::size_t> sizes{1, 5, 40, 300, 2500, 900};
+  for (std::size_t u = 0; u < sizes.size(); ++u) {
+    // every user draws from the same mixture: without isolation, answers would mix users
+    test::gaussian_mixture mix({dim, 10, true, 77 + u});
+    std::uint64_t const ns = 1000 + u;
+    vectors[ns]            = mix.draw(static_cast<std::int64_t>(sizes[u]));
+    owned[ns]              = sequential_ids(sizes[u], (u + 1) * 1000000, 1);
+    add_all(index, ns, vectors[ns], owned[ns]);
+  }
+  // grow one namespace after others were created (its segment moves) and delete in another
+  test::gaussian_mixture extra({dim, 10, true, 99});
+  auto const more = extra.draw(100);
+  add_all(index, 1002, more, sequential_ids(100, 3 * 1000000 + 500000, 1));
+  for (auto id : sequential_ids(100, 3 * 1000000 + 500000, 1)) {
+    owned[1002].push_back(id);
+  }
+  std::vector<std::uint64_t> gone{owned[1004][0], owned[1004][1]};
+  index.erase(cuda::std::span<std::uint64_t const>{gone.data(), gone.size()});
+
+  test::gaussian_mixture qmix({dim, 10, true, 5});
+  std::size_t const nq = 120;
+  auto const queries   = qmix.draw(static_cast<std::int64_t>(nq));
+  std::vector<std::uint64_t> targets(nq);
+  for (std::size_t q = 0; q < nq; ++q) {
+    targets[q] = 1000 + (q * 7) % sizes.size();
+  }
+  for (auto algo : {search_algo::automatic, search_algo::graph, search_algo::exact}) {
+    search_params p;
+    p.algo         = algo;
+    auto const got = run_search(index, queries, targets, k10, p);
+    for (std::size_t q = 0; q < nq; ++q) {
+      std::set<std::uint64_t> own(owned[targets[q]].begin(), owned[targets[q]].end());
+      for (std::uint32_t j = 0; j < k10; ++j) {
+        std::uint64_t const id = got.ids[q * k10 + j];
+        CAPTURE(q, j, targets[q], id);
+        if (id == invalid_fact_id) {
+          REQUIRE(j >= index.size(targets[q]));
+          continue;
+        }
+        REQUIRE(own.count(id) == 1);
+        REQUIRE(std::find(gone.begin(), gone.end(), id) == gone.end());
+      }
+      // the same query alone against its namespace gives the same answer
+      std::vector<float> one(queries.begin() + static_cast<std::ptrdiff_t>(q * dim),
+                             queries.begin() + static_cast<std::ptrdiff_t>((q + 1) * dim));
+      auto const alone = run_search(index, one, {targets[q]}, k10, p);
+      for (std::uint32_t j = 0; j < k10; ++j) {
+        REQUIRE(alone.ids[j] == got.ids[q * k10 + j]);
+      }
+    }
+  }
+  // compaction keeps every namespace's answers valid
+  index.compact();
+  REQUIRE(index.arena_rows() == index.arena_rows_in_use());
+  for (auto const& [ns, list] : owned) {
+    std::size_t const expect = ns == 1004 ? list.size() - 2 : list.size();
+    REQUIRE(index.size(ns) == expect);
+    REQUIRE(reachable_count(index, ns) == expect);
+  }
+}
+
+TEST_CASE("index: refused calls change nothing", "[index][validation]")
+{
+  std::int64_t const dim = 16;
+  index_config cfg;
+  cfg.dim = dim;
+  graph_index index(cfg);
+  test::gaussian_mixture mix({dim, 5, true, 2});
+  auto const data = mix.draw(400);
+  auto const ids  = sequential_ids(400, 1, 1);
+  add_all(index, 0, data, ids);
+  auto const queries = mix.draw(8);
+  search_params p;
+  auto const before_answers = run_search(index, queries, {0}, k10, p);
+  std::uint64_t const version = index.version();
+  std::vector<std::uint32_t> const graph_before(index.graph_rows(0),
+                                                index.graph_rows(0) + 400 * index.graph_degree());
+
+  auto unchanged = [&] {
+    REQUIRE(index.version() == version);
+    REQUIRE(index.size(0) == 400);
+    REQUIRE(index.total_size() == 400);
+    REQUIRE(std::equal(graph_before.begin(), graph_before.end(), index.graph_rows(0)));
+    auto const again = run_search(index, queries, {0}, k10, p);
+    REQUIRE(again.ids == before_answers.ids);
+  };
+
+  auto good = mix.draw(3);
+  std::vector<std::uint64_t> new_ids{9001, 9002, 9003};
+
+  SECTION("NaN and Inf vectors")
+  {
+    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      auto v = good;
+      v[dim + 5] = bad;
+      REQUIRE_THROWS_WITH(add_all(index, 0, v, new_ids), Catch::Contains("NaN or infinite"));
+      REQUIRE_THROWS_WITH(add_all(index, 7, v, new_ids), Catch::Contains("NaN or infinite"));
+    }
+    REQUIRE_FALSE(index.has_namespace(7));
+    unchanged();
+  }
+  SECTION("zero vector under cosine; float16 overflow")
+  {
+    auto v = good;
+    std::fill(v.begin() + dim, v.begin() + 2 * dim, 0.0f);
+    REQUIRE_THROWS_WITH(add_all(index, 0, v, new_ids), Catch::Contains("zero"));
+    index_config l2 = cfg;
+    l2.metric       = distance_metric::squared_l2;
+    l2.vector_dtype = dtype::float16;
+    graph_index half_index(l2);
+    auto big = good;
+    big[3]   = 1e6f;
+    REQUIRE_THROWS_WITH(add_all(half_index, 0, big, new_ids), Catch::Contains("float16"));
+    REQUIRE(half_index.total_size() == 0);
+    unchanged();
+  }
+  SECTION("dimension mismatch and id count mismatch")
+  {
+    std::vector<float> wide(3 * (dim + 1), 0.5f);
+    REQUIRE_THROWS_WITH(index.add(0, make_matrix_view<float const>(wide.data(), 3, dim + 1),
+                                  cuda::std::span<std::uint64_t const>{new_ids.data(), 3}),
+                        Catch::Contains("dimensions"));
+    REQUIRE_THROWS_WITH(index.add(0, make_matrix_view<float const>(good.data(), 3, dim),
+                                  cuda::std::span<std::uint64_t const>{new_ids.data(), 2}),
+                        Catch::Contains("ids for"));
+    unchanged();
+  }
+  SECTION("repeated, existing and reserved ids")
+  {
+    REQUIRE_THROWS_WITH(add_all(index, 0, good, {9001, 9002, 9001}), Catch::Contains("twice"));
+    REQUIRE_THROWS_WITH(add_all(index, 5, good, {9001, 9002, 17}), Catch::Contains("already"));
+    REQUIRE_THROWS_WITH(add_all(index, 0, good, {9001, 9002, invalid_fact_id}),
+                        Catch::Contains("reserved"));
+    unchanged();
+  }
+  SECTION("erase of unknown or repeated ids")
+  {
+    std::vector<std::uint64_t> mixed{1, 2, 777777};
+    REQUIRE_THROWS_WITH(index.erase(cuda::std::span<std::uint64_t const>{mixed.data(), 3}),
+                        Catch::Contains("unknown fact id 777777"));
+    std::vector<std::uint64_t> twice{1, 2, 1};
+    REQUIRE_THROWS_WITH(index.erase(cuda::std::span<std::uint64_t const>{twice.data(), 3}),
+                        Catch::Contains("twice"));
+    REQUIRE(index.contains(1));
+    unchanged();
+  }
+  SECTION("bad searches leave the outputs untouched")
+  {
+    std::vector<std::uint64_t> out_ids(8 * k10, 42);
+    std::vector<float> out_d(8 * k10, 4.2f);
+    auto attempt = [&](matrix_view<float const> q, std::vector<std::uint64_t> const& ns,
+                       std::uint32_t k, search_params const& sp, std::int64_t rows,
+                       std::int64_t cols) {
+      index.search(q, cuda::std::span<std::uint64_t const>{ns.data(), ns.size()}, k, sp,
+                   make_matrix_view(out_ids.data(), rows, cols),
+                   make_matrix_view(out_d.data(), rows, cols));
+    };
+    auto const qv = make_matrix_view(queries.data(), 8, dim);
+    REQUIRE_THROWS_WITH(attempt(qv, {0}, 0, p, 8, 0), Catch::Contains("k must be"));
+    REQUIRE_THROWS_WITH(attempt(qv, {12}, k10, p, 8, k10), Catch::Contains("unknown namespace"));
+    REQUIRE_THROWS_WITH(attempt(qv, {0, 0}, k10, p, 8, k10), Catch::Contains("one per query"));
+    REQUIRE_THROWS_WITH(attempt(qv, {0}, k10, p, 8, k10 - 1), Catch::Contains("outputs"));
+    REQUIRE_THROWS_WITH(attempt(make_matrix_view(queries.data(), 4, dim - 1), {0}, k10, p, 4, k10),
+                        Catch::Contains("dimensions"));
+    auto nan_queries = queries;
+    nan_queries[3]   = std::numeric_limits<float>::quiet_NaN();
+    REQUIRE_THROWS_WITH(attempt(make_matrix_view(nan_queries.data(), 8, dim), {0}, k10, p, 8, k10),
+                        Catch::Contains("NaN"));
+    search_params wide = p;
+    wide.search_width  = 65;
+    REQUIRE_THROWS_WITH(attempt(qv, {0}, k10, wide, 8, k10), Catch::Contains("search_width"));
+    REQUIRE(std::all_of(out_ids.begin(), out_ids.end(), [](std::uint64_t v) { return v == 42; }));
+    REQUIRE(std::all_of(out_d.begin(), out_d.end(), [](float v) { return v == 4.2f; }));
+    unchanged();
+  }
+  SECTION("a device-memory index is not searched by the host")
+  {
+    index_config dev = cfg;
+    dev.memory       = memory_kind::device;
+    graph_index device_index(dev);  // empty: allocates nothing yet
+    std::vector<std::uint64_t> out_ids(k10);
+    std::vector<float> out_d(k10);
+    std::uint64_t ns = 0;
+    REQUIRE_THROWS_WITH(device_index.search(make_matrix_view(queries.data(), 1, dim),
+                                            cuda::std::span<std::uint64_t const>{&ns, 1}, k10, p,
+                                            make_matrix_view(out_ids.data(), 1, k10),
+                                            make_matrix_view(out_d.data(), 1, k10)),
+                        Catch::Contains("device memory"));
+  }
+  SECTION("bad configurations")
+  {
+    index_config bad = cfg;
+    bad.dim          = 0;
+    REQUIRE_THROWS_WITH(graph_index{bad}, Catch::Contains("dim"));
+    bad              = cfg;
+    bad.vector_dtype = dtype::bfloat16;
+    REQUIRE_THROWS_WITH(graph_index{bad}, Catch::Contains("float32 or float16"));
+    bad                           = cfg;
+    bad.graph_degree              = 80;
+    bad.intermediate_graph_degree = 64;
+    REQUIRE_THROWS_WITH(graph_index{bad}, Catch::Contains("graph_degree"));
+  }
+}
+
+TEST_CASE("index: namespaces whose facts are all deleted answer nothing", "[index][delete]")
+{
+  index_config cfg;
+  cfg.dim = 8;
+  graph_index index(cfg);
+  test::gaussian_mixture mix({8, 3, true, 1});
+  auto const data = mix.draw(50);
+  auto const ids  = sequential_ids(50, 1, 1);
+  add_all(index, 0, data, ids);
+  index.erase(cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+  REQUIRE(index.size(0) == 0);
+  REQUIRE(index.has_namespace(0));
+  for (auto algo : {search_algo::graph, search_algo::exact}) {
+    search_params p;
+    p.algo         = algo;
+    auto const got = run_search(index, mix.draw(2), {0}, 3, p);
+    for (auto id : got.ids) {
+      REQUIRE(id == invalid_fact_id);
+    }
+  }
+  REQUIRE(index.erase_namespace(0) == 0);
+  REQUIRE_FALSE(index.has_namespace(0));
+  REQUIRE(index.total_size() == 0);
+}
+
+TEST_CASE("index: the host distance keeps the device's lane order bit for bit", "[index]")
+{
+  // team_distance (rounds x lanes, vectorisable) against team_distance_by_lane (lane_partial per
+  // lane, the order a device team uses): identical bits for every dim, dtype and metric
+  std::int64_t const dim = GENERATE(as<std::int64_t>{}, 1, 7, 64, 100, 384, 768, 1536);
+  auto const metric      = GENERATE(distance_metric::inner_product, distance_metric::cosine,
+                                    distance_metric::squared_l2);
+  test::gaussian_mixture mix({dim, 3, false, 13});
+  auto const x = mix.draw(20);
+  auto const q = mix.draw(1);
+  auto check   = [&](auto tag) {
+    using T                  = decltype(tag);
+    std::int64_t const row   = detail::index::padded_dim(dim, sizeof(T));
+    std::int64_t const chunks = row / detail::index::chunk_elements<T>;
+    std::vector<T> rows(static_cast<std::size_t>(20 * row), from_float<T>(0.0f));
+    std::vector<float> query(static_cast<std::size_t>(row), 0.0f);
+    for (std::int64_t i = 0; i < 20; ++i) {
+      for (std::int64_t e = 0; e < dim; ++e) {
+        rows[static_cast<std::size_t>(i * row + e)] = from_float<T>(x[static_cast<std::size_t>(i * dim + e)]);
+      }
+    }
+    std::copy(q.begin(), q.end(), query.begin());
+    for (int team : {2, 4, 8, 16, 32}) {
+      for (std::int64_t i = 0; i < 20; ++i) {
+        float const a = detail::index::team_distance(rows.data() + i * row, query.data(), chunks,
+                                                     team, metric);
+        float const b = detail::index::team_distance_by_lane(rows.data() + i * row, query.data(),
+                                                             chunks, team, metric);
+        CAPTURE(dim, team, i);
+        REQUIRE(std::memcmp(&a, &b, sizeof(float)) == 0);
+      }
+    }
+  };
+  check(float{});
+  check(half_t{});
+}

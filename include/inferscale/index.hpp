@@ -68,8 +68,8 @@ struct index_config {
   std::uint32_t graph_degree{32};                     ///< CAGRA `graph_degree` (final out-degree)
   std::uint32_t intermediate_graph_degree{64};        ///< CAGRA `intermediate_graph_degree`
   memory_kind memory{memory_kind::host};              ///< where searches run
-  /// Tenants with at most this many live facts are searched exactly (brute force); -1 = the
-  /// backend's measured default (see `exact_search_threshold()`).
+  /// Tenants with at most this many live facts are searched exactly (brute force); -1 = chosen
+  /// automatically per search (see `graph_index::exact_search_threshold`).
   std::int64_t exact_search_threshold{-1};
 };
 
@@ -112,10 +112,27 @@ struct tenant_ref {
   std::uint32_t live{0};
 };
 
-/// @brief Host defaults of the exact-search threshold when the config says -1 (measured by
-/// `bench_index --benchmark_filter=crossover`; see bench/results).
-inline constexpr std::int64_t default_host_exact_threshold   = 2048;
-inline constexpr std::int64_t default_device_exact_threshold = 8192;
+/**
+ * @brief The automatic exact/graph switch-over as a cost model: a graph search computes about
+ * `graph_cost_factor * estimated_graph_distances(plan)` distances' worth of work, an exact search
+ * one per live fact, so a tenant is searched exactly while `live <= factor * estimate`.
+ *
+ * Host factor, measured (bench_index `host/crossover`, and bench/results/2026-11-30-index-host.md):
+ * at the batch-1 latency parity point the ratio was 0.48-0.61 for N = 500..8000 at 384-d
+ * (itopk 64, 8 samplings, degree 32), i.e. a threshold of about 1,600 facts.
+ * Device factor: an estimate, NOT yet measured on a GPU (a CTA scans exactly with all its teams
+ * at once, while a graph iteration has only `width * degree` distances to spread over them);
+ * `bench_index device/crossover` prints the measured crossover beside it.
+ */
+inline constexpr double host_graph_cost_factor   = 0.55;
+inline constexpr double device_graph_cost_factor = 2.0;
+
+/// @brief Upper estimate of the distances a graph search computes: seeds, then every iteration.
+constexpr double estimated_graph_distances(search_plan const& plan, std::uint32_t degree) noexcept
+{
+  return static_cast<double>(plan.itopk + plan.width * degree) * plan.samplings +
+         static_cast<double>(plan.max_iterations) * plan.width * degree;
+}
 
 struct index_access;
 }  // namespace detail::index
@@ -191,12 +208,22 @@ class graph_index {
   /// @brief Increases on every successful mutation; a refused call leaves it unchanged.
   std::uint64_t version() const noexcept { return version_; }
 
-  /// @brief Tenants with at most this many live facts are searched exactly under `automatic`.
-  std::int64_t exact_search_threshold() const noexcept
+  /**
+   * @brief Under `search_algo::automatic`, a namespace of `rows` rows with at most this many live
+   * facts is searched exactly. The configured value when `index_config::exact_search_threshold`
+   * is >= 0; otherwise chosen automatically from the search parameters by the cost model of
+   * `detail::index::estimated_graph_distances` with the backend's measured factor.
+   */
+  std::int64_t exact_search_threshold(search_params const& p = {},
+                                      std::uint32_t rows = 100000) const noexcept
   {
     if (config_.exact_search_threshold >= 0) { return config_.exact_search_threshold; }
-    return config_.memory == memory_kind::device ? detail::index::default_device_exact_threshold
-                                                 : detail::index::default_host_exact_threshold;
+    double const factor = config_.memory == memory_kind::device
+                            ? detail::index::device_graph_cost_factor
+                            : detail::index::host_graph_cost_factor;
+    auto const plan = plan_for(rows, 1, p);
+    return static_cast<std::int64_t>(
+      factor * detail::index::estimated_graph_distances(plan, config_.graph_degree));
   }
 
   /// @brief Number of namespaces with a tenant (including ones whose facts were all deleted).
@@ -336,8 +363,13 @@ class graph_index {
     if (before == 0 || m > before || tr.size <= rebuild_limit()) {
       rebuild_graph(t, builder);
     } else {
+      std::vector<std::uint32_t> in_degree(tr.size, 0);
+      std::uint32_t const* graph = graph_.data() + tr.row_begin * config_.graph_degree;
+      for (std::size_t e = 0; e < std::size_t{before} * config_.graph_degree; ++e) {
+        if (graph[e] != detail::index::invalid_node) { ++in_degree[graph[e]]; }
+      }
       for (std::uint32_t v = before; v < tr.size; ++v) {
-        insert_node(t, v);
+        insert_node(t, v, in_degree);
       }
       repair(t);
     }
@@ -546,7 +578,7 @@ class graph_index {
   {
     if (p.algo == search_algo::exact) { return true; }
     if (p.algo == search_algo::graph) { return false; }
-    return static_cast<std::int64_t>(t.live) <= exact_search_threshold();
+    return static_cast<std::int64_t>(t.live) <= exact_search_threshold(p, t.size);
   }
 
   /**
@@ -936,8 +968,9 @@ class graph_index {
                                        });
   }
 
-  /// Inserts row `v` of tenant `t` into the graph of rows `[0, v)` (CAGRA extend, sequential).
-  void insert_node(std::size_t t, std::uint32_t v)
+  /// Inserts row `v` of tenant `t` into the graph of rows `[0, v)` (CAGRA extend, sequential);
+  /// `in_degree` (edges into each row) is kept up to date.
+  void insert_node(std::size_t t, std::uint32_t v, std::vector<std::uint32_t>& in_degree)
   {
     auto const& tr             = tenants_[t].ref;
     std::uint32_t const degree = config_.graph_degree;
@@ -985,12 +1018,8 @@ class graph_index {
     std::fill(out + written, out + degree, detail::index::invalid_node);
     // reverse edges: each of the first degree/2 neighbours points back at v, replacing an empty
     // slot or the second-half slot whose target has the most in-edges
-    std::vector<std::uint32_t> in_degree(v + 1, 0);
-    for (std::size_t s = 0; s < v; ++s) {
-      for (std::uint32_t r = 0; r < degree; ++r) {
-        std::uint32_t const x = graph[s * degree + r];
-        if (x != detail::index::invalid_node && x <= v) { ++in_degree[x]; }
-      }
+    for (std::uint32_t i = 0; i < written; ++i) {
+      ++in_degree[out[i]];
     }
     std::uint32_t const back = std::max<std::uint32_t>(1, degree / 2);
     for (std::uint32_t i = 0; i < std::min(back, written); ++i) {

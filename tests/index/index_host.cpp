@@ -883,3 +883,38 @@ TEST_CASE("index: the host distance keeps the device's lane order bit for bit", 
   check(float{});
   check(half_t{});
 }
+
+TEST_CASE("index: the automatic exact/graph switch follows the documented cost model", "[index]")
+{
+  index_config cfg;
+  cfg.dim = 32;
+  graph_index index(cfg);
+  search_params p;  // itopk 64, width 1, 8 samplings, automatic iterations
+  // written out: (itopk + width * degree) * samplings + (itopk / width + h) * width * degree,
+  // h = smallest integer with (degree / 2)^h >= rows; times the host factor 0.55
+  std::uint32_t const rows = 5000;  // 16^3 = 4096 < 5000 <= 16^4, so h = 4
+  double const estimate    = (64.0 + 32.0) * 8.0 + (64.0 + 4.0) * 32.0;
+  REQUIRE(index.exact_search_threshold(p, rows) == static_cast<std::int64_t>(0.55 * estimate));
+
+  // below the threshold, automatic answers exactly as exact search does; above it, as the graph
+  test::gaussian_mixture mix({32, 8, true, 4});
+  auto const small_data = mix.draw(300);
+  auto const big_data   = mix.draw(4000);
+  add_all(index, 1, small_data, sequential_ids(300, 1, 1));
+  add_all(index, 2, big_data, sequential_ids(4000, 10000, 1));
+  REQUIRE(300 <= index.exact_search_threshold(p, 300));
+  REQUIRE(4000 > index.exact_search_threshold(p, 4000));
+  auto const queries = mix.draw(30);
+  for (std::uint64_t ns : {1, 2}) {
+    search_params a = p, forced = p;
+    forced.algo     = ns == 1 ? search_algo::exact : search_algo::graph;
+    auto const got  = run_search(index, queries, {ns}, k10, a);
+    auto const want = run_search(index, queries, {ns}, k10, forced);
+    REQUIRE(got.ids == want.ids);
+    REQUIRE(std::memcmp(got.distances.data(), want.distances.data(), got.distances.size() * 4) == 0);
+  }
+  // a configured threshold wins
+  index_config fixed = cfg;
+  fixed.exact_search_threshold = 123;
+  REQUIRE(graph_index{fixed}.exact_search_threshold(p, rows) == 123);
+}

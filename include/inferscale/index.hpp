@@ -374,7 +374,7 @@ class graph_index {
       repair(t);
     }
     ++version_;
-    upload_tenant(t);
+    upload_tenant(t, before, upload_vectors | upload_graph);
   }
 
   /**
@@ -388,6 +388,8 @@ class graph_index {
              graph_builder const& builder = {})
   {
     check_new_facts(vectors, ids, ns);
+    INFERSCALE_EXPECTS(ids.size() < (std::size_t{1} << 31),
+                       "graph_index::build: a namespace holds fewer than 2^31 rows");
     erase_namespace_rows(ns);
     add(ns, vectors, ids, builder);
   }
@@ -419,7 +421,7 @@ class graph_index {
     std::sort(touched.begin(), touched.end());
     touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
     for (auto t : touched) {
-      upload_tenant(t);
+      upload_tenant(t, 0, upload_flags);
     }
   }
 
@@ -896,9 +898,9 @@ class graph_index {
       if (!deleted_[row]) { id_to_row_.erase(ids_[row]); }
       deleted_[row] = 1;
     }
+    upload_tenant(index, 0, upload_flags);
     t.ref.live = 0;
     t.ref.size = 0;
-    upload_tenant(index);
   }
 
   template <class Fn>
@@ -1122,30 +1124,48 @@ class graph_index {
     device_stale_ = false;
   }
 
-  void copy_rows(std::int64_t begin, std::int64_t count)
+  /// What a partial upload copies.
+  enum upload_part : unsigned { upload_vectors = 1, upload_graph = 2, upload_flags = 4, upload_all = 7 };
+
+  void copy_rows(std::int64_t begin, std::int64_t count, unsigned parts = upload_all)
   {
     if (count <= 0) { return; }
     std::size_t const vb = static_cast<std::size_t>(row_elements_) * element_size_;
-    INFERSCALE_CUDA_TRY(cudaMemcpy(static_cast<unsigned char*>(d_vectors_) + begin * vb,
-                                   vectors_.data() + begin * vb, count * vb, cudaMemcpyHostToDevice));
-    INFERSCALE_CUDA_TRY(cudaMemcpy(d_graph_ + begin * config_.graph_degree,
-                                   graph_.data() + begin * config_.graph_degree,
-                                   static_cast<std::size_t>(count) * config_.graph_degree * 4,
-                                   cudaMemcpyHostToDevice));
-    INFERSCALE_CUDA_TRY(cudaMemcpy(d_ids_ + begin, ids_.data() + begin,
-                                   static_cast<std::size_t>(count) * 8, cudaMemcpyHostToDevice));
-    INFERSCALE_CUDA_TRY(cudaMemcpy(d_deleted_ + begin, deleted_.data() + begin,
-                                   static_cast<std::size_t>(count), cudaMemcpyHostToDevice));
+    if (parts & upload_vectors) {
+      INFERSCALE_CUDA_TRY(cudaMemcpy(static_cast<unsigned char*>(d_vectors_) + begin * vb,
+                                     vectors_.data() + begin * vb, count * vb,
+                                     cudaMemcpyHostToDevice));
+      INFERSCALE_CUDA_TRY(cudaMemcpy(d_ids_ + begin, ids_.data() + begin,
+                                     static_cast<std::size_t>(count) * 8, cudaMemcpyHostToDevice));
+    }
+    if (parts & upload_graph) {
+      INFERSCALE_CUDA_TRY(cudaMemcpy(d_graph_ + begin * config_.graph_degree,
+                                     graph_.data() + begin * config_.graph_degree,
+                                     static_cast<std::size_t>(count) * config_.graph_degree * 4,
+                                     cudaMemcpyHostToDevice));
+    }
+    if (parts & upload_flags) {
+      INFERSCALE_CUDA_TRY(cudaMemcpy(d_deleted_ + begin, deleted_.data() + begin,
+                                     static_cast<std::size_t>(count), cudaMemcpyHostToDevice));
+    }
   }
 
-  void upload_tenant(std::size_t t)
+  /// Copies a tenant's changed rows to the device: the new rows `[first_new, size)` (vectors,
+  /// ids, flags) and the whole graph of the tenant (reverse edges touch old rows), or only the
+  /// flags after a delete. Reallocates and copies everything when the arena grew or moved rows.
+  void upload_tenant(std::size_t t, std::uint32_t first_new = 0, unsigned parts = upload_all)
   {
     if (config_.memory != memory_kind::device) { return; }
     if (device_stale_ || d_capacity_ < arena_capacity_) {
       reallocate_device();
       return;
     }
-    copy_rows(tenants_[t].ref.row_begin, tenants_[t].capacity);
+    auto const& tr = tenants_[t].ref;
+    if (parts & upload_vectors) {
+      copy_rows(tr.row_begin + first_new, std::int64_t{tr.size} - first_new, upload_vectors | upload_flags);
+    }
+    if (parts & upload_graph) { copy_rows(tr.row_begin, tr.size, upload_graph); }
+    if (parts & upload_flags) { copy_rows(tr.row_begin, tenants_[t].capacity, upload_flags); }
   }
 
   index_config config_{};

@@ -918,3 +918,44 @@ TEST_CASE("index: the automatic exact/graph switch follows the documented cost m
   fixed.exact_search_threshold = 123;
   REQUIRE(graph_index{fixed}.exact_search_threshold(p, rows) == 123);
 }
+
+TEST_CASE("index: build replaces a namespace; erase_namespace leaves the others", "[index]")
+{
+  index_config cfg;
+  cfg.dim = 24;
+  graph_index index(cfg);
+  test::gaussian_mixture mix({24, 6, true, 8});
+  auto const a = mix.draw(500), b = mix.draw(300), c = mix.draw(200);
+  add_all(index, 1, a, sequential_ids(500, 1, 1));
+  add_all(index, 2, b, sequential_ids(300, 1000, 1));
+  // rebuild namespace 1 from other data, keeping some of its old ids and adding new ones
+  auto const ids = sequential_ids(200, 401, 1);  // 401..600: 401..500 were namespace 1's
+  index.build(1, make_matrix_view(c.data(), 200, 24),
+              cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+  REQUIRE(index.size(1) == 200);
+  REQUIRE_FALSE(index.contains(1));
+  REQUIRE(index.contains(450));
+  REQUIRE(index.contains(600));
+  REQUIRE(reachable_count(index, 1) == 200);
+  // ids of another namespace are still refused
+  auto const clash = sequential_ids(200, 1100, 1);  // 1100..1299 are namespace 2's
+  REQUIRE_THROWS_WITH(index.build(1, make_matrix_view(c.data(), 200, 24),
+                                  cuda::std::span<std::uint64_t const>{clash.data(), clash.size()}),
+                      Catch::Contains("already indexed"));
+  REQUIRE(index.size(1) == 200);
+  // each fact of the rebuilt namespace finds itself
+  search_params p;
+  p.algo         = search_algo::graph;
+  auto const got = run_search(index, c, {1}, 1, p);
+  REQUIRE(got.ids == ids);
+
+  REQUIRE(index.erase_namespace(1) == 200);
+  REQUIRE_FALSE(index.has_namespace(1));
+  REQUIRE(index.size(2) == 300);
+  REQUIRE(index.total_size() == 300);
+  auto const still = run_search(index, b, {2}, 1, p);
+  REQUIRE(still.ids == sequential_ids(300, 1000, 1));
+  index.compact();
+  REQUIRE(index.arena_rows() == 300);
+  REQUIRE(run_search(index, b, {2}, 1, p).ids == sequential_ids(300, 1000, 1));
+}

@@ -1,0 +1,739 @@
+/**
+ * @file serialize.hpp
+ * @brief Persistence of a `graph_index`: `save_index` and `load_index` (included at the end of
+ * `index.hpp`; plain C++17 plus the CUDA runtime headers that `index.hpp` already needs).
+ *
+ * File format, version 1. Every integer and every vector element is little-endian whatever the
+ * host; there is no alignment padding between fields. `E` is the element size of the vector dtype
+ * (4 or 2), `W = row_elements * E` the bytes of one padded vector row, `D` the graph degree.
+ *
+ * | offset | bytes | field                                                                     |
+ * |-------:|------:|---------------------------------------------------------------------------|
+ * |      0 |     8 | magic `89 49 53 49 44 58 0D 0A` ("\x89ISIDX\r\n"; the high byte catches |
+ * |        |       | a 7-bit channel, CR LF a newline translation)                             |
+ * |      8 |     4 | format version, uint32 = 1                                                |
+ * |     12 |     4 | byte-order mark, uint32 0x01020304 (bytes `04 03 02 01`)                  |
+ * |     16 |     8 | dim, int64 (1 .. 2^20)                                                    |
+ * |     24 |     1 | metric, uint8: 0 inner_product, 1 cosine, 2 squared_l2                    |
+ * |     25 |     1 | vector dtype, uint8: 0 float32, 1 float16                                 |
+ * |     26 |     2 | reserved, 0                                                               |
+ * |     28 |     4 | graph_degree D, uint32                                                    |
+ * |     32 |     4 | intermediate_graph_degree, uint32                                         |
+ * |     36 |     4 | reserved, 0                                                               |
+ * |     40 |     8 | exact_search_threshold, int64 (-1 = the backend's default)                |
+ * |     48 |     8 | row_elements, int64: dim padded to whole 16-byte chunks of the dtype      |
+ * |     56 |     8 | tenant count T, uint64                                                    |
+ * |     64 |     8 | total rows R, uint64 (sum of the tenants' sizes)                          |
+ * |     72 |     8 | header checksum: CRC-64 of bytes [0, 72)                                  |
+ * |     80 |       | T tenant records, in the order the namespaces were created:               |
+ * |        |     8 |   namespace, uint64                                                       |
+ * |        |     4 |   size n, uint32 (rows: live + deleted, below 2^31)                       |
+ * |        |     4 |   live, uint32 (rows whose deleted flag is 0)                             |
+ * |        |  8 n  |   fact ids, uint64 per row                                                |
+ * |        |    n  |   deleted flags, uint8 per row (0 live, 1 deleted)                        |
+ * |        |  W n  |   vectors, padded rows of the dtype (padding elements are +0)             |
+ * |        |  4Dn  |   graph rows, uint32 node ids local to the tenant (0xFFFFFFFF = empty)    |
+ * |  end-8 |     8 | checksum: CRC-64 of every byte before it                                  |
+ *
+ * The file is therefore exactly `88 + 16 T + R (9 + W + 4 D)` bytes. The memory kind is not
+ * stored: `load_index` chooses it. Erased namespaces are not stored, and the loaded arena is
+ * packed (each tenant's capacity is its size), so holes and `version()` are not kept; namespaces,
+ * row order, fact ids, deleted flags, vectors and graph bytes are, so searches give identical
+ * results.
+ *
+ * CRC-64 is CRC-64/XZ: the ECMA-182 polynomial 0x42F0E1EBA9EA3693 bit-reflected
+ * (0xC96C5795D7870F42), initial value and final XOR all ones; `crc64("123456789")` is
+ * 0x995DC9BBDF1939FA. A CRC of width 64 detects every error burst of at most 64 bits, so every
+ * single-byte corruption is refused. The header has its own checksum so that a damaged header is
+ * named as such (and never sizes the rest of the read) before the body is examined.
+ *
+ * `load_index` checks, in this order, and refuses with `inferscale::logic_error` before any
+ * `graph_index` is built: the magic, the format version, the byte-order mark, the header length
+ * and checksum, the header fields, the exact file length, the file checksum, then the contents
+ * (tenant sizes summing to R, distinct namespaces, deleted flags 0 or 1, live counts, live fact
+ * ids distinct and not 2^64-1, graph ids below the tenant size or empty, finite vector elements,
+ * zero padding).
+ */
+#pragma once
+
+#include <inferscale/index.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>  // fsync
+#endif
+
+namespace inferscale {
+namespace detail::index {
+
+// -------------------------------------------------------------------------------------------------
+// CRC-64/XZ, table-driven eight bytes at a time ("slicing by 8").
+
+/// @brief `table[k][b]`: the CRC register contribution of byte `b` followed by `k` zero bytes.
+struct crc64_tables {
+  std::uint64_t table[8][256];
+};
+
+inline crc64_tables const& crc64_lookup()
+{
+  static crc64_tables const tables = [] {
+    constexpr std::uint64_t reflected_polynomial = 0xC96C5795D7870F42ull;
+    crc64_tables t{};
+    for (std::uint32_t b = 0; b < 256; ++b) {
+      std::uint64_t r = b;
+      for (int bit = 0; bit < 8; ++bit) {
+        r = (r & 1u) != 0 ? (r >> 1) ^ reflected_polynomial : r >> 1;
+      }
+      t.table[0][b] = r;
+    }
+    for (int k = 1; k < 8; ++k) {
+      for (std::uint32_t b = 0; b < 256; ++b) {
+        std::uint64_t const prev = t.table[k - 1][b];
+        t.table[k][b]            = (prev >> 8) ^ t.table[0][prev & 0xFFu];
+      }
+    }
+    return t;
+  }();
+  return tables;
+}
+
+/// @brief An incremental CRC-64/XZ (see the file comment).
+class crc64 {
+ public:
+  void update(void const* data, std::size_t bytes) noexcept
+  {
+    auto const& t          = crc64_lookup().table;
+    unsigned char const* p = static_cast<unsigned char const*>(data);
+    std::uint64_t r        = register_;
+    while (bytes >= 8) {
+      std::uint64_t word = 0;  // little-endian load: the reflected CRC consumes byte 0 first
+      for (int i = 7; i >= 0; --i) {
+        word = (word << 8) | p[i];
+      }
+      word ^= r;
+      r = t[7][word & 0xFFu] ^ t[6][(word >> 8) & 0xFFu] ^ t[5][(word >> 16) & 0xFFu] ^
+          t[4][(word >> 24) & 0xFFu] ^ t[3][(word >> 32) & 0xFFu] ^ t[2][(word >> 40) & 0xFFu] ^
+          t[1][(word >> 48) & 0xFFu] ^ t[0][word >> 56];
+      p += 8;
+      bytes -= 8;
+    }
+    for (; bytes > 0; --bytes, ++p) {
+      r = (r >> 8) ^ t[0][(r ^ *p) & 0xFFu];
+    }
+    register_ = r;
+  }
+  std::uint64_t value() const noexcept { return ~register_; }
+
+ private:
+  std::uint64_t register_{~std::uint64_t{0}};
+};
+
+/// @brief CRC-64/XZ of a byte range.
+inline std::uint64_t crc64_of(void const* data, std::size_t bytes) noexcept
+{
+  crc64 c;
+  c.update(data, bytes);
+  return c.value();
+}
+
+// -------------------------------------------------------------------------------------------------
+// Format constants and little-endian helpers.
+
+namespace format {
+inline constexpr unsigned char magic[8]     = {0x89, 'I', 'S', 'I', 'D', 'X', 0x0D, 0x0A};
+inline constexpr std::uint32_t version      = 1;
+inline constexpr std::uint32_t byte_order   = 0x01020304u;
+inline constexpr std::size_t header_fields  = 72;  ///< bytes covered by the header checksum
+inline constexpr std::size_t header_bytes   = 80;  ///< fields + header checksum
+inline constexpr std::size_t tenant_bytes   = 16;  ///< namespace, size, live
+inline constexpr std::size_t checksum_bytes = 8;
+inline constexpr std::size_t minimum_bytes  = header_bytes + checksum_bytes;
+inline constexpr std::uint8_t dtype_float32 = 0;
+inline constexpr std::uint8_t dtype_float16 = 1;
+
+inline std::uint8_t metric_code(distance_metric m) noexcept
+{
+  switch (m) {
+    case distance_metric::inner_product: return 0;
+    case distance_metric::cosine: return 1;
+    case distance_metric::squared_l2: return 2;
+  }
+  return 0xFF;
+}
+}  // namespace format
+
+inline bool host_is_little_endian() noexcept
+{
+  std::uint16_t const one = 1;
+  unsigned char first     = 0;
+  std::memcpy(&first, &one, 1);
+  return first == 1;
+}
+
+/// @brief Copies `count` elements of `width` bytes between host order and little-endian (the
+/// same operation both ways: a copy on a little-endian host, a byte reversal per element else).
+inline void copy_little_endian(void* dst, void const* src, std::size_t count, std::size_t width)
+{
+  if (count == 0) { return; }
+  if (width == 1 || host_is_little_endian()) {
+    std::memcpy(dst, src, count * width);
+    return;
+  }
+  auto* d       = static_cast<unsigned char*>(dst);
+  auto const* s = static_cast<unsigned char const*>(src);
+  for (std::size_t e = 0; e < count; ++e) {
+    for (std::size_t b = 0; b < width; ++b) {
+      d[e * width + b] = s[e * width + width - 1 - b];
+    }
+  }
+}
+
+template <class T>
+void put_le(unsigned char* dst, T value) noexcept
+{
+  auto const bits = static_cast<std::uint64_t>(value);
+  for (std::size_t b = 0; b < sizeof(T); ++b) {
+    dst[b] = static_cast<unsigned char>(bits >> (8 * b));
+  }
+}
+
+template <class T>
+T get_le(unsigned char const* src) noexcept
+{
+  std::uint64_t bits = 0;
+  for (std::size_t b = sizeof(T); b-- > 0;) {
+    bits = (bits << 8) | src[b];
+  }
+  return static_cast<T>(bits);
+}
+
+inline std::string errno_text(int error) { return std::strerror(error); }
+
+/// @brief `v` in hexadecimal with `digits` digits ("0x0000abcd").
+inline std::string hex(std::uint64_t v, int digits = 16)
+{
+  char text[24];
+  std::snprintf(text, sizeof text, "0x%0*llx", digits, static_cast<unsigned long long>(v));
+  return text;
+}
+
+/// @brief `a * b + c` unless it overflows 64 bits (then false).
+inline bool multiply_add(std::uint64_t a,
+                         std::uint64_t b,
+                         std::uint64_t c,
+                         std::uint64_t& out) noexcept
+{
+  std::uint64_t const max = ~std::uint64_t{0};
+  if (a != 0 && b > max / a) { return false; }
+  std::uint64_t const product = a * b;
+  if (product > max - c) { return false; }
+  out = product + c;
+  return true;
+}
+
+// -------------------------------------------------------------------------------------------------
+// Writing: a buffered file that checksums what it writes and cleans up after a failure.
+
+class checksummed_writer {
+ public:
+  explicit checksummed_writer(std::string path) : path_(std::move(path))
+  {
+    file_           = std::fopen(path_.c_str(), "wb");
+    int const error = errno;  // before anything else can change it
+    INFERSCALE_EXPECTS(file_ != nullptr,
+                       "save_index: cannot create '" + path_ + "': " + errno_text(error));
+    buffer_.reserve(buffer_bytes);
+  }
+  checksummed_writer(checksummed_writer const&)            = delete;
+  checksummed_writer& operator=(checksummed_writer const&) = delete;
+  /// Abandons an unfinished file (closed and removed); never throws.
+  ~checksummed_writer()
+  {
+    if (file_ != nullptr) {
+      (void)std::fclose(file_);
+      (void)std::remove(path_.c_str());
+    }
+  }
+
+  void write(void const* data, std::size_t bytes)
+  {
+    checksum_.update(data, bytes);
+    auto const* p = static_cast<unsigned char const*>(data);
+    while (bytes > 0) {
+      std::size_t const n = std::min(bytes, buffer_bytes - buffer_.size());
+      buffer_.insert(buffer_.end(), p, p + n);
+      p += n;
+      bytes -= n;
+      if (buffer_.size() == buffer_bytes) { flush_buffer(); }
+    }
+  }
+
+  /// Writes `count` elements of `width` bytes, little-endian.
+  void write_elements(void const* data, std::size_t count, std::size_t width)
+  {
+    if (width == 1 || host_is_little_endian()) {
+      write(data, count * width);
+      return;
+    }
+    std::vector<unsigned char> converted(4096 * width);
+    auto const* p = static_cast<unsigned char const*>(data);
+    for (std::size_t done = 0; done < count; done += 4096) {
+      std::size_t const n = std::min<std::size_t>(4096, count - done);
+      copy_little_endian(converted.data(), p + done * width, n, width);
+      write(converted.data(), n * width);
+    }
+  }
+
+  std::uint64_t checksum() const noexcept { return checksum_.value(); }
+
+  /// Flushes, syncs to the storage device and closes; the file is complete when this returns.
+  void finish()
+  {
+    flush_buffer();
+    fail_if(std::fflush(file_) != 0, "cannot write");
+#if defined(__unix__) || defined(__APPLE__)
+    fail_if(::fsync(::fileno(file_)) != 0, "cannot sync");
+#endif
+    std::FILE* const file = file_;
+    file_                 = nullptr;
+    if (std::fclose(file) != 0) {
+      int const error = errno;
+      (void)std::remove(path_.c_str());
+      INFERSCALE_FAIL("save_index: cannot close '" + path_ + "': " + errno_text(error));
+    }
+  }
+
+ private:
+  static constexpr std::size_t buffer_bytes = std::size_t{1} << 20;
+
+  void flush_buffer()
+  {
+    if (buffer_.empty()) { return; }
+    fail_if(std::fwrite(buffer_.data(), 1, buffer_.size(), file_) != buffer_.size(),
+            "cannot write");
+    buffer_.clear();
+  }
+
+  void fail_if(bool failed, char const* what)
+  {
+    if (failed) {
+      int const error = errno;
+      INFERSCALE_FAIL(std::string{"save_index: "} + what + " '" + path_ +
+                      "': " + errno_text(error));
+    }
+  }
+
+  std::string path_;
+  std::FILE* file_{nullptr};
+  std::vector<unsigned char> buffer_;
+  crc64 checksum_;
+};
+
+// -------------------------------------------------------------------------------------------------
+// Reading.
+
+/// @brief The contents of a checked file, in the arena layout of `graph_index` (packed).
+struct staged_index {
+  index_config config{};
+  std::vector<std::uint64_t> namespaces;
+  std::vector<tenant_ref> tenants;
+  std::vector<unsigned char> vectors;
+  std::vector<std::uint32_t> graph;
+  std::vector<std::uint64_t> ids;
+  std::vector<std::uint8_t> deleted;
+};
+
+inline std::vector<unsigned char> read_whole_file(std::string const& path)
+{
+  std::FILE* file      = std::fopen(path.c_str(), "rb");
+  int const open_error = errno;  // before anything else can change it
+  INFERSCALE_EXPECTS(file != nullptr,
+                     "load_index: cannot open '" + path + "': " + errno_text(open_error));
+  std::vector<unsigned char> bytes;
+  std::size_t constexpr chunk = std::size_t{1} << 20;
+  int error                   = 0;
+  for (;;) {
+    std::size_t const at = bytes.size();
+    bytes.resize(at + chunk);
+    errno                 = 0;
+    std::size_t const got = std::fread(bytes.data() + at, 1, chunk, file);
+    if (got < chunk && std::ferror(file) != 0) { error = errno != 0 ? errno : EIO; }
+    bytes.resize(at + got);
+    if (got < chunk) { break; }
+  }
+  (void)std::fclose(file);
+  INFERSCALE_EXPECTS(error == 0, "load_index: cannot read '" + path + "': " + errno_text(error));
+  return bytes;
+}
+
+/// @brief Checks everything the file format promises and returns the contents; throws
+/// logic_error naming the first problem found. `where` prefixes every message.
+inline staged_index parse_index_file(std::vector<unsigned char> const& file,
+                                     std::string const& where)
+{
+  std::uint64_t const file_size = file.size();
+  auto const truncated_min      = [&] {
+    return where + "truncated: expected at least " + std::to_string(format::minimum_bytes) +
+           " bytes, file has " + std::to_string(file_size);
+  };
+
+  // identification: magic, version, byte order (each as soon as its bytes are there)
+  std::size_t const magic_seen = std::min<std::size_t>(file.size(), sizeof format::magic);
+  INFERSCALE_EXPECTS(magic_seen == 0 || std::memcmp(file.data(), format::magic, magic_seen) == 0,
+                     where + "not an InferScale index file (wrong magic bytes)");
+  INFERSCALE_EXPECTS(file_size >= 12, truncated_min());
+  std::uint32_t const version = get_le<std::uint32_t>(file.data() + 8);
+  INFERSCALE_EXPECTS(version == format::version,
+                     where + "format version " + std::to_string(version) +
+                       " is not supported (this build reads " + std::to_string(format::version) +
+                       ")");
+  INFERSCALE_EXPECTS(file_size >= 16, truncated_min());
+  std::uint32_t const byte_order = get_le<std::uint32_t>(file.data() + 12);
+  INFERSCALE_EXPECTS(byte_order == format::byte_order,
+                     where + "bad byte-order mark " + hex(byte_order, 8) +
+                       " (files are little-endian, mark 0x01020304)");
+  INFERSCALE_EXPECTS(file_size >= format::minimum_bytes, truncated_min());
+
+  // the header: its own checksum first, then its fields
+  unsigned char const* h            = file.data();
+  std::uint64_t const header_stored = get_le<std::uint64_t>(h + format::header_fields);
+  std::uint64_t const header_actual = crc64_of(h, format::header_fields);
+  INFERSCALE_EXPECTS(header_stored == header_actual,
+                     where + "header checksum mismatch: stored " + hex(header_stored) +
+                       ", computed " + hex(header_actual) + " (the header is corrupted)");
+
+  staged_index s;
+  auto& c                          = s.config;
+  c.dim                            = get_le<std::int64_t>(h + 16);
+  std::uint8_t const metric        = h[24];
+  std::uint8_t const vector_type   = h[25];
+  c.graph_degree                   = get_le<std::uint32_t>(h + 28);
+  c.intermediate_graph_degree      = get_le<std::uint32_t>(h + 32);
+  c.exact_search_threshold         = get_le<std::int64_t>(h + 40);
+  std::int64_t const row_elements  = get_le<std::int64_t>(h + 48);
+  std::uint64_t const tenant_count = get_le<std::uint64_t>(h + 56);
+  std::uint64_t const total_rows   = get_le<std::uint64_t>(h + 64);
+
+  INFERSCALE_EXPECTS(get_le<std::uint16_t>(h + 26) == 0 && get_le<std::uint32_t>(h + 36) == 0,
+                     where + "header: reserved fields are not zero");
+  INFERSCALE_EXPECTS(c.dim >= 1 && c.dim <= (std::int64_t{1} << 20),
+                     where + "header: dim " + std::to_string(c.dim) + " outside [1, 2^20]");
+  INFERSCALE_EXPECTS(metric <= 2, where + "header: unknown metric code " + std::to_string(metric));
+  c.metric = metric == 0   ? distance_metric::inner_product
+             : metric == 1 ? distance_metric::cosine
+                           : distance_metric::squared_l2;
+  INFERSCALE_EXPECTS(vector_type == format::dtype_float32 || vector_type == format::dtype_float16,
+                     where + "header: unknown vector dtype code " + std::to_string(vector_type));
+  c.vector_dtype = vector_type == format::dtype_float32 ? dtype::float32 : dtype::float16;
+  INFERSCALE_EXPECTS(c.graph_degree >= 1 && c.graph_degree <= c.intermediate_graph_degree &&
+                       c.intermediate_graph_degree <= 1024,
+                     where + "header: degrees graph " + std::to_string(c.graph_degree) +
+                       ", intermediate " + std::to_string(c.intermediate_graph_degree) +
+                       " break 1 <= graph <= intermediate <= 1024");
+  INFERSCALE_EXPECTS(c.exact_search_threshold >= -1,
+                     where + "header: exact_search_threshold " +
+                       std::to_string(c.exact_search_threshold) + " below -1");
+  std::size_t const element_size = size_of(c.vector_dtype);
+  INFERSCALE_EXPECTS(row_elements == padded_dim(c.dim, element_size),
+                     where + "header: row_elements " + std::to_string(row_elements) +
+                       " is not dim " + std::to_string(c.dim) + " padded to 16 bytes");
+
+  // the exact length the header implies
+  std::uint64_t const row_bytes = 8 + 1 + static_cast<std::uint64_t>(row_elements) * element_size +
+                                  std::uint64_t{4} * c.graph_degree;
+  std::uint64_t tenant_table = 0;
+  std::uint64_t expected     = 0;
+  bool const representable =
+    multiply_add(tenant_count, format::tenant_bytes, format::minimum_bytes, tenant_table) &&
+    multiply_add(total_rows, row_bytes, tenant_table, expected);
+  INFERSCALE_EXPECTS(representable,
+                     where + "header: " + std::to_string(tenant_count) + " tenants and " +
+                       std::to_string(total_rows) + " rows do not fit in a file");
+  INFERSCALE_EXPECTS(file_size >= expected,
+                     where + "truncated: expected " + std::to_string(expected) +
+                       " bytes, file has " + std::to_string(file_size));
+  INFERSCALE_EXPECTS(file_size == expected,
+                     where + "trailing data: expected " + std::to_string(expected) +
+                       " bytes, file has " + std::to_string(file_size));
+
+  // the whole file
+  std::size_t const body_end = file.size() - format::checksum_bytes;
+  std::uint64_t const stored = get_le<std::uint64_t>(file.data() + body_end);
+  std::uint64_t const actual = crc64_of(file.data(), body_end);
+  INFERSCALE_EXPECTS(stored == actual,
+                     where + "checksum mismatch: stored " + hex(stored) + ", computed " +
+                       hex(actual) + " (the file is corrupted)");
+
+  // the contents
+  std::size_t const vector_row_bytes = static_cast<std::size_t>(row_elements) * element_size;
+  std::size_t const degree           = c.graph_degree;
+  std::size_t const rows             = static_cast<std::size_t>(total_rows);
+  s.vectors.resize(rows * vector_row_bytes);
+  s.graph.resize(rows * degree);
+  s.ids.resize(rows);
+  s.deleted.resize(rows);
+  s.namespaces.reserve(static_cast<std::size_t>(tenant_count));
+  s.tenants.reserve(static_cast<std::size_t>(tenant_count));
+
+  std::unordered_set<std::uint64_t> seen_namespaces;
+  std::unordered_set<std::uint64_t> live_ids;
+  std::size_t at          = format::header_bytes;
+  std::uint64_t row_begin = 0;
+  for (std::uint64_t t = 0; t < tenant_count; ++t) {
+    std::string const tenant_name = "tenant " + std::to_string(t);
+    std::uint64_t const ns        = get_le<std::uint64_t>(file.data() + at);
+    std::uint32_t const size      = get_le<std::uint32_t>(file.data() + at + 8);
+    std::uint32_t const live      = get_le<std::uint32_t>(file.data() + at + 12);
+    at += format::tenant_bytes;
+    INFERSCALE_EXPECTS(seen_namespaces.insert(ns).second,
+                       where + "namespace " + std::to_string(ns) + " appears twice");
+    INFERSCALE_EXPECTS(size < (std::uint32_t{1} << 31),
+                       where + tenant_name + " (namespace " + std::to_string(ns) + ") has " +
+                         std::to_string(size) + " rows, at most 2^31-1 allowed");
+    INFERSCALE_EXPECTS(
+      size <= total_rows - row_begin,
+      where + "tenants hold more rows than the header's " + std::to_string(total_rows));
+    INFERSCALE_EXPECTS(live <= size,
+                       where + tenant_name + " (namespace " + std::to_string(ns) + "): live " +
+                         std::to_string(live) + " exceeds size " + std::to_string(size));
+    std::size_t const first = static_cast<std::size_t>(row_begin);
+    std::size_t const n     = size;
+
+    copy_little_endian(s.ids.data() + first, file.data() + at, n, 8);
+    at += 8 * n;
+    std::memcpy(s.deleted.data() + first, file.data() + at, n);
+    at += n;
+    copy_little_endian(s.vectors.data() + first * vector_row_bytes,
+                       file.data() + at,
+                       n * static_cast<std::size_t>(row_elements),
+                       element_size);
+    at += n * vector_row_bytes;
+    copy_little_endian(s.graph.data() + first * degree, file.data() + at, n * degree, 4);
+    at += 4 * n * degree;
+
+    std::uint32_t counted_live = 0;
+    for (std::size_t v = 0; v < n; ++v) {
+      std::uint8_t const flag = s.deleted[first + v];
+      INFERSCALE_EXPECTS(flag <= 1,
+                         where + tenant_name + " row " + std::to_string(v) + ": deleted flag " +
+                           std::to_string(flag) + " is not 0 or 1");
+      if (flag != 0) { continue; }
+      ++counted_live;
+      std::uint64_t const id = s.ids[first + v];
+      INFERSCALE_EXPECTS(
+        id != invalid_fact_id,
+        where + tenant_name + " row " + std::to_string(v) + ": live fact id 2^64-1 is reserved");
+      INFERSCALE_EXPECTS(live_ids.insert(id).second,
+                         where + "live fact id " + std::to_string(id) + " appears twice");
+    }
+    INFERSCALE_EXPECTS(counted_live == live,
+                       where + tenant_name + " (namespace " + std::to_string(ns) +
+                         "): live count " + std::to_string(live) + " but " +
+                         std::to_string(counted_live) + " rows are not deleted");
+    std::uint32_t const* graph = s.graph.data() + first * degree;
+    for (std::size_t e = 0; e < n * degree; ++e) {
+      INFERSCALE_EXPECTS(graph[e] < size || graph[e] == invalid_node,
+                         where + tenant_name + " row " + std::to_string(e / degree) +
+                           ": graph id " + std::to_string(graph[e]) +
+                           " is neither below the tenant size " + std::to_string(size) +
+                           " nor empty (0xFFFFFFFF)");
+    }
+    // vectors: finite elements (exponent not all ones) and +0 padding, checked on the bits
+    unsigned char const* vectors = s.vectors.data() + first * vector_row_bytes;
+    for (std::size_t v = 0; v < n; ++v) {
+      for (std::int64_t e = 0; e < row_elements; ++e) {
+        unsigned char const* x =
+          vectors + v * vector_row_bytes + static_cast<std::size_t>(e) * element_size;
+        std::uint32_t bits = 0;
+        if (element_size == 4) {
+          std::memcpy(&bits, x, 4);
+        } else {
+          std::uint16_t half_bits = 0;
+          std::memcpy(&half_bits, x, 2);
+          bits = half_bits;
+        }
+        bool const finite =
+          element_size == 4 ? (bits & 0x7F800000u) != 0x7F800000u : (bits & 0x7C00u) != 0x7C00u;
+        INFERSCALE_EXPECTS(finite,
+                           where + tenant_name + " row " + std::to_string(v) + ": vector element " +
+                             std::to_string(e) + " is NaN or infinite");
+        INFERSCALE_EXPECTS(e < c.dim || bits == 0,
+                           where + tenant_name + " row " + std::to_string(v) +
+                             ": padding element " + std::to_string(e) + " is not zero");
+      }
+    }
+    s.namespaces.push_back(ns);
+    s.tenants.push_back(tenant_ref{static_cast<std::int64_t>(row_begin), size, live});
+    row_begin += size;
+  }
+  INFERSCALE_EXPECTS(row_begin == total_rows,
+                     where + "tenants hold " + std::to_string(row_begin) +
+                       " rows, the header says " + std::to_string(total_rows));
+  return s;
+}
+
+// -------------------------------------------------------------------------------------------------
+
+/// @brief What persistence needs of graph_index's private state (the class befriends it).
+struct index_access {
+  /// @brief Writes `index` in the format of the file comment (header through tenant records).
+  static void write(graph_index const& index, checksummed_writer& out)
+  {
+    auto const& c = index.config_;
+    std::vector<graph_index::tenant const*> live;
+    std::uint64_t total_rows = 0;
+    for (auto const& t : index.tenants_) {
+      if (t.alive) {
+        live.push_back(&t);
+        total_rows += t.ref.size;
+      }
+    }
+    unsigned char header[format::header_bytes] = {};
+    std::memcpy(header, format::magic, sizeof format::magic);
+    put_le(header + 8, format::version);
+    put_le(header + 12, format::byte_order);
+    put_le(header + 16, c.dim);
+    header[24] = format::metric_code(c.metric);
+    header[25] = c.vector_dtype == dtype::float32 ? format::dtype_float32 : format::dtype_float16;
+    put_le(header + 28, c.graph_degree);
+    put_le(header + 32, c.intermediate_graph_degree);
+    put_le(header + 40, c.exact_search_threshold);
+    put_le(header + 48, index.row_elements_);
+    put_le(header + 56, static_cast<std::uint64_t>(live.size()));
+    put_le(header + 64, total_rows);
+    put_le(header + format::header_fields, crc64_of(header, format::header_fields));
+    out.write(header, sizeof header);
+
+    std::size_t const vector_row_bytes =
+      static_cast<std::size_t>(index.row_elements_) * index.element_size_;
+    std::size_t const degree = c.graph_degree;
+    for (auto const* t : live) {
+      unsigned char record[format::tenant_bytes];
+      put_le(record, t->ns);
+      put_le(record + 8, t->ref.size);
+      put_le(record + 12, t->ref.live);
+      out.write(record, sizeof record);
+      std::size_t const first = static_cast<std::size_t>(t->ref.row_begin);
+      std::size_t const n     = t->ref.size;
+      out.write_elements(index.ids_.data() + first, n, 8);
+      out.write(index.deleted_.data() + first, n);
+      out.write_elements(index.vectors_.data() + first * vector_row_bytes,
+                         n * static_cast<std::size_t>(index.row_elements_),
+                         index.element_size_);
+      out.write_elements(index.graph_.data() + first * degree, n * degree, 4);
+    }
+  }
+
+  /// @brief Builds an index from checked contents (packed arena: capacity = size per tenant).
+  static graph_index assemble(staged_index&& s, memory_kind memory)
+  {
+    index_config config = s.config;
+    config.memory       = memory;
+    graph_index index{config};
+    std::int64_t const rows = static_cast<std::int64_t>(s.ids.size());
+    index.vectors_          = std::move(s.vectors);
+    index.graph_            = std::move(s.graph);
+    index.ids_              = std::move(s.ids);
+    index.deleted_          = std::move(s.deleted);
+    index.arena_capacity_   = rows;
+    index.arena_used_       = rows;
+    std::size_t live_total  = 0;
+    for (auto const& t : s.tenants) {
+      live_total += t.live;
+    }
+    index.id_to_row_.reserve(live_total);
+    index.tenants_.reserve(s.tenants.size());
+    for (std::size_t i = 0; i < s.tenants.size(); ++i) {
+      graph_index::tenant t;
+      t.ns                   = s.namespaces[i];
+      t.ref                  = s.tenants[i];
+      t.capacity             = t.ref.size;
+      index.tenant_of_[t.ns] = i;
+      for (std::uint32_t v = 0; v < t.ref.size; ++v) {
+        std::int64_t const row = t.ref.row_begin + v;
+        if (index.deleted_[static_cast<std::size_t>(row)] == 0) {
+          index.id_to_row_[index.ids_[static_cast<std::size_t>(row)]] = {i, v};
+        }
+      }
+      index.tenants_.push_back(t);
+    }
+    index.reallocate_device();  // no-op for a host index
+    return index;
+  }
+};
+
+}  // namespace detail::index
+
+/**
+ * @brief Saves the index (config, every live namespace's rows: vectors, graph, fact ids, deleted
+ * flags) to `path`, in the format described in `detail/index/serialize.hpp`.
+ *
+ * The file is written to `path + ".tmp"`, flushed to the storage device, then renamed over
+ * `path`, so a crash or a failed save never leaves a half-written file under `path` (an existing
+ * file there stays as it was until the rename).
+ *
+ * @param[in] index the index (its host mirror, which is always current, is what gets written)
+ * @param[in] path destination file
+ * @throw logic_error naming the path and the system's reason when the file cannot be created,
+ * written, synced, closed or renamed; the temporary file is removed
+ * @note Two concurrent saves to the same path share the temporary name; serialise them. The
+ * replacement relies on POSIX `rename` (atomic, replaces an existing file); the directory entry
+ * is not synced, so after a crash `path` holds either the old file or the new one, whole.
+ */
+inline void save_index(graph_index const& index, std::string const& path)
+{
+  std::string const temporary = path + ".tmp";
+  {
+    detail::index::checksummed_writer out{temporary};
+    detail::index::index_access::write(index, out);
+    unsigned char checksum[detail::index::format::checksum_bytes];
+    detail::index::put_le(checksum, out.checksum());
+    out.write(checksum, sizeof checksum);
+    out.finish();
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    int const error = errno;
+    (void)std::remove(temporary.c_str());
+    INFERSCALE_FAIL("save_index: cannot rename '" + temporary + "' to '" + path +
+                    "': " + detail::index::errno_text(error));
+  }
+}
+
+/**
+ * @brief Loads an index saved by `save_index` into host or device memory.
+ *
+ * The whole file is read and checked (magic, format version, byte order, sizes, checksums,
+ * internal consistency: graph ids below the tenant size or 0xFFFFFFFF, distinct live fact ids,
+ * live counts, deleted flags, finite vectors) before any graph_index is built, so a corrupted or
+ * truncated file is refused and nothing is half loaded.
+ *
+ * @param[in] path a file written by `save_index`
+ * @param[in] memory where the loaded index lives (`memory_kind::device` uploads the arena)
+ * @return the index: same config (memory aside), namespaces in the same order, and per namespace
+ * the same rows (fact ids, deleted flags, vectors, graph); the arena is packed
+ * @throw logic_error naming the problem ("not an InferScale index file", "format version 7 is not
+ * supported (this build reads 1)", "truncated: expected N bytes, file has M", "checksum
+ * mismatch", an I/O error with the path and the system's reason, ...)
+ * @throw cuda_error when a device index cannot be allocated or uploaded
+ * @note Peak host memory is about twice the file size (the file, then the arena).
+ */
+inline graph_index load_index(std::string const& path, memory_kind memory = memory_kind::host)
+{
+  detail::index::staged_index staged;
+  {
+    std::vector<unsigned char> const file = detail::index::read_whole_file(path);
+    staged = detail::index::parse_index_file(file, "load_index('" + path + "'): ");
+  }
+  return detail::index::index_access::assemble(std::move(staged), memory);
+}
+
+}  // namespace inferscale

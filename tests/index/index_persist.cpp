@@ -349,7 +349,9 @@ void require_same_searches(graph_index const& a, graph_index const& b, distance_
     valid += static_cast<std::size_t>(std::count_if(
       ids_a.begin(), ids_a.end(), [](std::uint64_t id) { return id != invalid_fact_id; }));
   }
-  REQUIRE(valid > 3 * 18 * k / 2);  // 18 of 24 queries look in non-empty namespaces
+  // not vacuous: at least a third of all result slots hold a fact (one namespace in four or five
+  // is empty or nearly so)
+  REQUIRE(valid >= 3 * static_cast<std::size_t>(nq) * k / 3);
 }
 
 /// The same mutations, applied to both: they must stay equal (the loaded index is fully usable).

@@ -390,8 +390,11 @@ class graph_index {
     check_new_facts(vectors, ids, ns);
     INFERSCALE_EXPECTS(ids.size() < (std::size_t{1} << 31),
                        "graph_index::build: a namespace holds fewer than 2^31 rows");
+    std::uint64_t const before = version_;
     erase_namespace_rows(ns);
+    ensure_room(ns, 0);  // an empty build still creates the namespace
     add(ns, vectors, ids, builder);
+    if (version_ == before) { ++version_; }
   }
 
   /**
@@ -709,6 +712,7 @@ class graph_index {
     std::swap(d_ids_, o.d_ids_);
     std::swap(d_deleted_, o.d_deleted_);
     std::swap(d_capacity_, o.d_capacity_);
+    std::swap(device_stale_, o.device_stale_);
   }
 
   tenant_ref checked_tenant(std::uint64_t ns) const

@@ -949,6 +949,16 @@ TEST_CASE("index: build replaces a namespace; erase_namespace leaves the others"
   auto const got = run_search(index, c, {1}, 1, p);
   REQUIRE(got.ids == ids);
 
+  // an empty build empties a namespace (and counts as a change) or creates an empty one
+  std::uint64_t const v = index.version();
+  std::vector<float> none;
+  std::vector<std::uint64_t> no_ids;
+  index.build(5, make_matrix_view<float const>(none.data(), 0, 24),
+              cuda::std::span<std::uint64_t const>{no_ids.data(), 0});
+  REQUIRE(index.has_namespace(5));
+  REQUIRE(index.size(5) == 0);
+  REQUIRE(index.version() == v + 1);
+
   REQUIRE(index.erase_namespace(1) == 200);
   REQUIRE_FALSE(index.has_namespace(1));
   REQUIRE(index.size(2) == 300);
@@ -956,6 +966,6 @@ TEST_CASE("index: build replaces a namespace; erase_namespace leaves the others"
   auto const still = run_search(index, b, {2}, 1, p);
   REQUIRE(still.ids == sequential_ids(300, 1000, 1));
   index.compact();
-  REQUIRE(index.arena_rows() == 300);
+  REQUIRE(index.arena_rows() == 300);  // namespace 5 is empty and takes no rows
   REQUIRE(run_search(index, b, {2}, 1, p).ids == sequential_ids(300, 1000, 1));
 }

@@ -223,7 +223,7 @@ inline float team_distance_by_lane(
   T const* row, float const* query, std::int64_t chunks, int team, distance_metric m) noexcept
 {
   bool const l2 = m == distance_metric::squared_l2;
-  float partial[32];
+  float partial[32] = {};
   for (int l = 0; l < team; ++l) {
     partial[l] = lane_partial(row, query, chunks, l, team, l2);
   }

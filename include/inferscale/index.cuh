@@ -12,8 +12,9 @@
  * Every call enqueues its work on the stream of the `raft::resources` it is given and takes its
  * temporary memory from their workspace resource. Queries and outputs are device memory; the
  * host checks shapes, namespaces and parameters before anything is written and never reads
- * device data, so a device query with a NaN or infinite element (or a zero query under cosine)
- * is answered with a row of `invalid_fact_id` / +infinity instead of an exception.
+ * device data, so a device query with a NaN or infinite element, a zero query under cosine, or
+ * a squared norm above 1e30 (where the host refuses) is answered with a row of `invalid_fact_id` /
+ * +infinity instead of an exception.
  */
 #pragma once
 
@@ -422,27 +423,6 @@ inline graph_builder make_device_graph_builder(raft::resources const& res,
 }
 
 /**
- * @brief A graph builder whose pruning runs on the device (`detail::index::prune_node` per node).
- *
- * @note The `graph_builder::knn` callback receives only `(rows, n, k, out)`, not the row length,
- * dtype or metric of the rows, so a builder made without the index configuration cannot run the
- * kNN on the device: its `knn` is left empty and the index uses its host kNN. Use
- * `make_device_graph_builder(res, config)` for the device kNN.
- */
-inline graph_builder make_device_graph_builder(raft::resources const& res)
-{
-  graph_builder builder;
-  builder.prune = [res](std::uint32_t const* knn,
-                        std::uint32_t n,
-                        std::uint32_t k,
-                        std::uint32_t degree,
-                        std::uint32_t* out) {
-    detail::index::device_prune(res, knn, n, k, degree, out);
-  };
-  return builder;
-}
-
-/**
  * @brief Exact search of one namespace of a device-memory index: RAFT gemm + select_k over the
  * namespace's live facts.
  *
@@ -456,7 +436,8 @@ inline graph_builder make_device_graph_builder(raft::resources const& res)
  *        `graph_index::check_search`: dimension mismatch, unknown namespace, k == 0 or above
  *        1024, output shapes other than `[q][k]`
  * @note Enqueued on the resources' stream; does not wait for completion. A query with a NaN or
- *       infinite element, or a zero query under cosine, gets a row of invalid ids / +inf.
+ *       infinite element, a zero query under cosine or a squared norm above 1e30 gets a row of
+ *       invalid ids / +inf.
  */
 inline void exact_search(raft::resources const& res,
                          graph_index const& index,

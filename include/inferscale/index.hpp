@@ -84,8 +84,9 @@ enum class search_algo : std::uint8_t {
 struct search_params {
   std::uint32_t itopk_size{64};            ///< internal top list; raised to k when smaller
   std::uint32_t search_width{1};           ///< parents per iteration (1..64)
-  std::uint32_t max_iterations{0};         ///< 0 = CAGRA's automatic bound
-  std::uint32_t min_iterations{0};         ///< iterations run even with no new parent left
+  /// 0 = CAGRA's automatic bound. (CAGRA's `min_iterations` has no counterpart: here a step
+  /// with no new parent changes nothing, so the search simply ends.)
+  std::uint32_t max_iterations{0};
   /// Draws per seed slot (the closest is kept). cuVS defaults to 1, which leaves whole clusters
   /// unseeded on clustered embeddings (cuVS issue #2102: ~60 % recall at N >= 100k); measured
   /// here on a 200-cluster mixture (20k x 384): 1 -> 0.43, 4 -> 0.90, 8 -> 0.995 recall@10.
@@ -574,7 +575,6 @@ class graph_index {
                             ? p.max_iterations
                             : detail::index::auto_max_iterations(plan.itopk, plan.width,
                                                                  config_.graph_degree, n);
-    plan.min_iterations = p.min_iterations;
     return plan;
   }
 
@@ -612,6 +612,9 @@ class graph_index {
       INFERSCALE_EXPECTS(config_.metric != distance_metric::cosine || norm2 > 0.0,
                          "graph_index: query " + std::to_string(q) +
                            " is a zero vector, which has no cosine");
+      INFERSCALE_EXPECTS(norm2 <= max_norm2,
+                         "graph_index: query " + std::to_string(q) +
+                           " has a squared norm above 1e30: its distances would overflow float32");
       float const scale = config_.metric == distance_metric::cosine
                             ? static_cast<float>(1.0 / std::sqrt(norm2))
                             : 1.0f;
@@ -723,6 +726,11 @@ class graph_index {
     return tenants_[it->second].ref;
   }
 
+  /// Vectors and queries with a larger squared norm are refused: with |q|^2, |x|^2 <= 1e30 every
+  /// dot product and squared distance stays below float32's 3.4e38 (never Inf or NaN), so the
+  /// (distance, node) order stays total.
+  static constexpr double max_norm2 = 1e30;
+
   /// Below this many rows a namespace's graph is rebuilt on every add (cheap, and best quality).
   std::uint32_t rebuild_limit() const noexcept
   {
@@ -770,6 +778,10 @@ class graph_index {
       INFERSCALE_EXPECTS(config_.metric != distance_metric::cosine || norm2 > 0.0,
                          "graph_index: vector " + std::to_string(r) + " (fact id " +
                            std::to_string(ids[r]) + ") is zero, which has no cosine");
+      INFERSCALE_EXPECTS(norm2 <= max_norm2,
+                         "graph_index: vector " + std::to_string(r) + " (fact id " +
+                           std::to_string(ids[r]) +
+                           ") has a squared norm above 1e30: its distances would overflow float32");
       if (config_.vector_dtype == dtype::float16) {
         double const scale = config_.metric == distance_metric::cosine ? 1.0 / std::sqrt(norm2) : 1.0;
         for (std::int64_t e = 0; e < config_.dim; ++e) {

@@ -683,12 +683,6 @@ TEST_CASE("index device graph builder: kNN agrees with exact_knn_host, pruning w
     detail::index::prune_host(expected.data(), k, k, n, degree, pruned_host.data());
     builder.prune(expected.data(), n, k, degree, pruned_device.data());
     REQUIRE(pruned_device == pruned_host);
-    // the one-argument builder prunes on the device and leaves the kNN to the host
-    auto const prune_only = make_device_graph_builder(res);
-    REQUIRE(!prune_only.knn);
-    std::fill(pruned_device.begin(), pruned_device.end(), 0u);
-    prune_only.prune(expected.data(), n, k, degree, pruned_device.data());
-    REQUIRE(pruned_device == pruned_host);
   }
 
   SECTION("small tiles: selections merged across query and row tiles")

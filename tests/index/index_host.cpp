@@ -731,6 +731,19 @@ TEST_CASE("index: refused calls change nothing", "[index][validation]")
     auto big = good;
     big[3]   = 1e6f;
     REQUIRE_THROWS_WITH(add_all(half_index, 0, big, new_ids), Catch::Contains("float16"));
+    auto huge = good;
+    huge[1]   = 3e15f;  // squared norm 9e30
+    REQUIRE_THROWS_WITH(add_all(index, 0, huge, new_ids), Catch::Contains("overflow"));
+    auto huge_query = queries;
+    huge_query[2]   = 3e15f;
+    std::vector<std::uint64_t> qi(8 * k10);
+    std::vector<float> qd(8 * k10);
+    std::uint64_t ns = 0;
+    REQUIRE_THROWS_WITH(index.search(make_matrix_view<float const>(huge_query.data(), 8, dim),
+                                     cuda::std::span<std::uint64_t const>{&ns, 1}, k10, p,
+                                     make_matrix_view(qi.data(), 8, k10),
+                                     make_matrix_view(qd.data(), 8, k10)),
+                        Catch::Contains("overflow"));
     REQUIRE(half_index.total_size() == 0);
     unchanged();
   }

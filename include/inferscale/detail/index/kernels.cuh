@@ -265,7 +265,7 @@ __device__ inline bool prepare_query(float const* queries,
     out[e] = x;
   }
   if (__syncthreads_or(bad) != 0) { return false; }
-  if (metric != distance_metric::cosine) { return true; }
+  bool const cosine = metric == distance_metric::cosine;
   if (threadIdx.x < 32) {
     int const lane = static_cast<int>(threadIdx.x);
     double norm2   = lane_norm2(out, dim, lane);
@@ -273,12 +273,15 @@ __device__ inline bool prepare_query(float const* queries,
       norm2 = __dadd_rn(norm2, __shfl_xor_sync(full_warp, norm2, o));
     }
     if (lane == 0) {
-      state.bad   = norm2 > 0.0 ? 0 : 1;
-      state.scale = state.bad ? 0.0f : __double2float_rn(__ddiv_rn(1.0, __dsqrt_rn(norm2)));
+      // as the host refuses: a zero cosine query, or |q|^2 > 1e30 (distances would overflow)
+      state.bad   = (cosine && !(norm2 > 0.0)) || norm2 > 1e30 ? 1 : 0;
+      state.scale = state.bad || !cosine ? 1.0f
+                                         : __double2float_rn(__ddiv_rn(1.0, __dsqrt_rn(norm2)));
     }
   }
   __syncthreads();
   if (state.bad != 0) { return false; }
+  if (!cosine) { return true; }
   float const scale = state.scale;
   for (std::int64_t e = threadIdx.x; e < dim; e += blockDim.x) {
     out[e] = __fmul_rn(out[e], scale);

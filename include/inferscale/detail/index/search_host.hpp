@@ -33,7 +33,6 @@ struct search_plan {
   std::uint32_t itopk{0};
   std::uint32_t width{1};
   std::uint32_t max_iterations{0};
-  std::uint32_t min_iterations{0};
   std::uint32_t samplings{1};
   std::uint64_t xor_mask{0};
 };

@@ -4,9 +4,14 @@
 usage: bench_summary.py [--combine OUT.json] FILE.json...
 
 Columns: benchmark name, real time per iteration, decimal GB/s (the fixture's "GB/s" counter, else
-bytes_per_second / 1e9) and the other user counters (ratios such as vs_copy, copy_GB/s). Runs that
-called SkipWithError are listed as skipped with their message. A file cut short (a benchmark killed
-by a timeout) is read up to its last complete entry. --combine writes {executable: json} to one file.
+bytes_per_second / 1e9) and the other user counters (ratios such as vs_copy, copy_GB/s), then the
+label in brackets. Runs that called SkipWithError are listed as skipped with their message. A file
+cut short (a benchmark killed by a timeout) is read up to its last complete entry. --combine writes
+{executable: json} to one file.
+
+The fact index (bench_index) gets a second table: each search figure beside its ceiling from the
+same run (recall@10, QPS, exact QPS and speedup, hnswlib QPS/recall and vs_hnswlib), the build
+rates, and the crossover N (smallest N from which graph search beats exact search at batch 1).
 """
 import json
 import os
@@ -60,6 +65,67 @@ def fmt_num(x):
     return str(x)
 
 
+# bench_index counters, in the order they are read: the figure first, then its ceilings.
+INDEX_ORDER = [
+    "recall", "recall_tol", "QPS", "us_per_query", "exact_QPS", "exact_us_per_query", "speedup",
+    "hnswlib_QPS", "hnswlib_us_per_query", "hnswlib_recall", "vs_hnswlib", "graph_us", "exact_us",
+    "wall_us_per_query", "crossover_N", "parity_cost_factor", "cost_factor", "auto_threshold",
+    "auto_picks_exact", "vectors_per_s", "build_s", "hnswlib_build_s",
+    "hnswlib_vectors_per_s", "itopk", "samplings", "hnswlib_ef", "threads",
+]
+
+
+def ordered_counters(b):
+    keys = [k for k in b if k not in STANDARD and k != "GB/s" and isinstance(b[k], (int, float))]
+    if not b.get("name", "").startswith("index/"):
+        return keys
+    rank = {k: i for i, k in enumerate(INDEX_ORDER)}
+    return sorted(keys, key=lambda k: (rank.get(k, len(INDEX_ORDER)), k))
+
+
+def index_table(entries):
+    """The bench_index figures beside their ceilings, one line per case (means of repetitions)."""
+    lines = []
+    for b in entries:
+        name = b.get("name", "?")
+        if not name.startswith("index/") or b.get("error_occurred") or b.get("skipped"):
+            continue
+        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "mean":
+            continue
+        if "QPS" in b:
+            cells = ["recall %.3f" % b.get("recall", float("nan")),
+                     "QPS %s" % fmt_num(b["QPS"]),
+                     "exact QPS %s (graph %.2fx)" % (fmt_num(b.get("exact_QPS", 0)),
+                                                     b.get("speedup", float("nan")))]
+            if "hnswlib_QPS" in b:
+                cells.append("hnswlib QPS %s at recall %.3f (graph %.2fx)" % (
+                    fmt_num(b["hnswlib_QPS"]), b.get("hnswlib_recall", float("nan")),
+                    b.get("vs_hnswlib", float("nan"))))
+        elif "graph_us" in b:
+            cells = ["graph %.1f us" % b["graph_us"], "exact %.1f us" % b.get("exact_us", 0),
+                     "graph %.2fx" % b.get("speedup", float("nan")),
+                     "recall %.3f" % b.get("recall", float("nan")),
+                     "cost factor %.3g" % b.get("cost_factor", float("nan")),
+                     "automatic: %s" % ("exact" if b.get("auto_picks_exact") else "graph")]
+        elif "crossover_N" in b:
+            cells = ["crossover N %d" % b["crossover_N"],
+                     "cost factor at parity %.3g" % b.get("parity_cost_factor", float("nan")),
+                     b.get("label", "")]
+        elif "vectors_per_s" in b:
+            cells = ["%s vectors/s (%.3g s)" % (fmt_num(b["vectors_per_s"]), b.get("build_s", 0))]
+            if "hnswlib_build_s" in b:
+                cells.append("hnswlib %.3g s (graph %.2fx)" % (b["hnswlib_build_s"],
+                                                               b.get("vs_hnswlib", float("nan"))))
+        else:
+            continue
+        lines.append((name, "; ".join(cells)))
+    if lines:
+        width = max(len(n) for n, _ in lines)
+        print("\nfact index (each figure beside its ceiling from the same run):")
+        for n, c in lines:
+            print("  " + n.ljust(width) + "  " + c)
+
+
 def main(argv):
     combine = None
     if len(argv) >= 2 and argv[0] == "--combine":
@@ -91,8 +157,9 @@ def main(argv):
             gbps = b.get("GB/s")
             if gbps is None and b.get("bytes_per_second"):
                 gbps = b["bytes_per_second"] / 1e9
-            others = ["%s=%s" % (k, fmt_num(v)) for k, v in b.items()
-                      if k not in STANDARD and k != "GB/s" and isinstance(v, (int, float))]
+            others = ["%s=%s" % (k, fmt_num(b[k])) for k in ordered_counters(b)]
+            if b.get("label"):
+                others.append("[%s]" % b["label"])
             rows.append((name, fmt_time(b), fmt_num(gbps) if gbps is not None else "-",
                          " ".join(others)))
     if combine:
@@ -109,6 +176,7 @@ def main(argv):
         print("%d runs, %d skipped, from %d file(s)" % (len(rows), skipped, len(argv)))
     else:
         print("bench_summary: no benchmark runs in %d file(s)" % len(argv))
+    index_table([b for doc in combined.values() for b in doc.get("benchmarks", [])])
     for n in notes:
         print("note: " + n)
     return 0

@@ -1,0 +1,1204 @@
+/**
+ * @file bench/index/index_bench.cu
+ * @brief The fact index: build time, search QPS / latency and recall@10 of the graph search,
+ * each beside its ceiling measured in the same run (exact search of the same queries) and, on the
+ * host, beside hnswlib at equal recall; and the crossover N below which exact search is faster.
+ *
+ * Data (reference/ann.md section 7): a Gaussian mixture (tests/common/gaussian_mixture.hpp, 100
+ * anisotropic centres, seed fixed per dimension), L2-normalised, cosine metric, fp32 vectors;
+ * 1,024 queries drawn from the same mixture first, then the N indexed points (so the data of a
+ * smaller N is a prefix of a larger one's, and the queries are the same for every N). Fact ids
+ * are row numbers, one namespace. Index: index_config defaults (graph degree 32, intermediate 64).
+ *
+ * Recall (ann.md section 3): recall@10 = mean over the 1,024 queries of |returned ∩ true top-10|
+ * / 10, the true top-10 computed here by brute force (fp32, sixteen partial sums per row), and
+ * `recall_tol`, which counts a returned fact whose true distance is within 1e-3 of the 10th
+ * true distance (ann-benchmarks' tie tolerance); distances of returned facts are recomputed here.
+ *
+ * Parameter choice, in setup and outside every timed region, once per (N, dim) and backend:
+ *  - graph: itopk in {32, 64, 128, 256} x num_random_samplings in {1, 4, 8} (search_width 1),
+ *    each timed on the whole 1,024-query batch; the fastest setting with recall@10 >= 0.95 is
+ *    used (if none reaches it, the one with the highest recall, and the label says so). The
+ *    chosen setting is printed as counters `itopk`, `samplings` and in the label; every setting
+ *    of the sweep is printed to stderr.
+ *  - hnswlib (host only; M = 16, efConstruction = 200, InnerProductSpace on the normalised data):
+ *    the smallest ef in {10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512}
+ *    with recall@10 >= 0.95 (`hnswlib_ef`).
+ *
+ * Cases (names carry the axes):
+ *  - index/host/build/dim:D/N:N: graph_index::add of N vectors into an empty namespace (exact
+ *    kNN, rank pruning, reverse edges, merge; all hardware threads), wall time, `vectors_per_s`;
+ *    beside it the hnswlib build of the same vectors with as many threads (`hnswlib_build_s`,
+ *    `vs_hnswlib` = hnswlib seconds / graph seconds, > 1: the graph builds faster). One iteration
+ *    per repetition; the index built last is kept for the search cases.
+ *  - index/host/search/dim:D/N:N/batch:B (k = 10): each iteration searches the next B queries
+ *    (cycling through the 1,024) with the graph (search_algo::graph, the chosen parameters; this
+ *    is `Time`), then exactly (search_algo::exact, same call), then with hnswlib. Counters: `QPS`,
+ *    `us_per_query` (wall time / B), `recall`, `recall_tol`; `exact_QPS`, `exact_us_per_query`,
+ *    `speedup` = exact seconds / graph seconds; `hnswlib_QPS`, `hnswlib_us_per_query`,
+ *    `hnswlib_recall`, `vs_hnswlib` = hnswlib seconds / graph seconds. Threads: graph_index::search
+ *    splits a batch over the hardware threads (one range of queries per thread, batches of 64 or
+ *    more); hnswlib runs one query per thread (ann-benchmarks' single-query mode) with the batch
+ *    split over the same threads in the same way (`threads`).
+ *  - index/host/crossover/dim:384/N:N for N = 256 .. 16,384: batch-1 latency of the graph search
+ *    (parameters chosen as above, recall >= 0.95) and of exact search, `graph_us`, `exact_us`,
+ *    `speedup`, and the index's automatic switch-over beside it (`cost_factor`, `auto_threshold`,
+ *    `auto_picks_exact`: see report_cost_model); index/host/crossover_summary/dim:384 then
+ *    reports `crossover_N`, the smallest measured N from which the graph is faster at that N and
+ *    every larger measured N, and `parity_cost_factor`, the cost factor interpolated at the
+ *    parity point (what detail::index::host_graph_cost_factor should be), every N in the label.
+ *  - index/device/build/dim:D/N:N (N up to 1,000,000): graph_index::add into a device-memory
+ *    index with make_device_graph_builder(res, config) (kNN by RAFT gemm + select_k and the
+ *    pruning kernel on the GPU; reverse edges, merge and the upload on the host), wall time.
+ *  - index/device/search/dim:D/N:N/batch:B: inferscale::search (graph, parameters chosen by the
+ *    same sweep, timed on the device) between CUDA events on the resources' stream (`Time`,
+ *    `QPS`, `us_per_query`; `wall_us_per_query`: host clock from the call to the end of the
+ *    work, launch and staging included), then inferscale::exact_search (RAFT gemm + select_k) of
+ *    the same queries (`exact_*`, `speedup`); each from a cold L2 (the fixture's l2_flusher).
+ *    Recall is measured against exact_search's answer.
+ *  - index/device/multi_tenant/dim:D: 1,024 queries over 64 namespaces of 2,000 facts each (query
+ *    q in namespace q / 16), one search call with the graph forced (2,000 is below the device's
+ *    exact-search threshold), beside the same call with search_algo::exact (`exact_*`, the
+ *    in-kernel brute force, also the recall reference) and exact_search once per namespace
+ *    (`raft_exact_us_per_query`, 64 calls).
+ *  - index/device/crossover/dim:384/N:N for N = 256 .. 65,536: batch 1, graph vs the in-kernel
+ *    exact search (search_algo::exact, what default_device_exact_threshold chooses between;
+ *    `raft_exact_us` = exact_search beside), and index/device/crossover_summary/dim:384.
+ *  Without a GPU every device case reports "no CUDA device visible".
+ *
+ * The host builds are the slow part (exact kNN is O(N^2 dim)): an index is built once per (N,
+ * dim) and process and reused by every case (the build cases replace it with the one they time).
+ * N = 100,000 on the host takes many minutes, and 1,000,000 on the device needs a minute of data
+ * generation; .ci/bench filters N >= 100,000 out by default (--benchmark_filter=-N:[0-9]{6}),
+ * .ci/device runs the device cases up to N = 100,000. Full runs:
+ *   bench_index --benchmark_filter=index/host --benchmark_repetitions=3 \
+ *               --benchmark_report_aggregates_only=true
+ *   bench_index --benchmark_filter=index/device
+ */
+#include "../common/fixture.hpp"
+
+#if INFERSCALE_BENCH_HNSWLIB
+#include "hnsw_baseline.hpp"
+#endif
+
+#include <gaussian_mixture.hpp>
+
+#include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/index/graph_build.hpp>
+#include <inferscale/error.hpp>
+#include <inferscale/index.cuh>
+#include <inferscale/index.hpp>
+
+#include <raft/core/device_resources.hpp>
+#include <raft/core/resource/cuda_stream.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace {
+
+namespace ib = inferscale::bench;
+namespace is = inferscale;
+using clock_type = std::chrono::steady_clock;
+
+constexpr std::uint32_t top_k           = 10;
+constexpr std::int64_t num_queries      = 1024;
+constexpr double target_recall          = 0.95;
+constexpr double tie_tolerance          = 1e-3;
+constexpr std::int64_t mixture_centres  = 100;
+constexpr std::uint64_t data_seed       = 20261130;
+constexpr std::uint64_t the_namespace   = 7;
+constexpr int hnsw_m                    = 16;
+constexpr int hnsw_ef_construction      = 200;
+constexpr std::uint32_t sweep_itopk[]   = {32, 64, 128, 256};
+constexpr std::uint32_t sweep_samplings[] = {1, 4, 8};
+constexpr int hnsw_efs[] = {10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512};
+
+double seconds_since(clock_type::time_point t0)
+{
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+int hardware_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
+/// @brief Threads graph_index::search (and hnswlib here) uses for a batch (detail::parallel_ranges).
+int threads_for_batch(std::int64_t batch)
+{
+  return static_cast<int>(
+    std::min<std::int64_t>(hardware_threads(), std::max<std::int64_t>(1, batch / 64)));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Data
+
+/// @brief The queries and the first `rows` points of one dimension's mixture (grown on demand).
+struct dataset {
+  std::int64_t dim;
+  is::test::gaussian_mixture mixture;
+  std::vector<float> queries;  ///< [num_queries][dim]
+  std::vector<float> base;     ///< [rows][dim]
+
+  explicit dataset(std::int64_t d)
+    : dim{d}, mixture{is::test::mixture_spec{d, mixture_centres, true, data_seed + std::uint64_t(d)}}
+  {
+    queries = mixture.draw(num_queries);
+  }
+
+  std::int64_t rows() const { return static_cast<std::int64_t>(base.size()) / dim; }
+  float const* row(std::int64_t r) const { return base.data() + r * dim; }
+  float const* query(std::int64_t q) const { return queries.data() + q * dim; }
+
+  void grow(std::int64_t n)
+  {
+    if (rows() >= n) { return; }
+    auto more = mixture.draw(n - rows());
+    base.insert(base.end(), more.begin(), more.end());
+  }
+};
+
+dataset& data_for(std::int64_t dim, std::int64_t n)
+{
+  static std::map<std::int64_t, std::unique_ptr<dataset>> all;
+  auto& d = all[dim];
+  if (!d) { d = std::make_unique<dataset>(dim); }
+  d->grow(n);
+  return *d;
+}
+
+/// @brief Dot product in fp32 with sixteen partial sums (vectorisable without reassociation).
+float dot(float const* a, float const* b, std::int64_t dim)
+{
+  float acc[16] = {};
+  std::int64_t const blocks = dim / 16;
+  for (std::int64_t c = 0; c < blocks; ++c) {
+    for (int j = 0; j < 16; ++j) {
+      acc[j] += a[c * 16 + j] * b[c * 16 + j];
+    }
+  }
+  float s = 0.0f;
+  for (std::int64_t e = blocks * 16; e < dim; ++e) {
+    s += a[e] * b[e];
+  }
+  for (float x : acc) {
+    s += x;
+  }
+  return s;
+}
+
+/// @brief Cosine distance of normalised vectors, as the index and hnswlib report it.
+float cosine_distance(float const* a, float const* b, std::int64_t dim) { return 1.0f - dot(a, b, dim); }
+
+/// @brief The true top-k of every query over the first n points: ids and the k-th distance.
+struct truth {
+  std::int64_t n{0};
+  std::vector<std::uint64_t> ids;  ///< [num_queries][top_k], closest first
+  std::vector<float> kth;          ///< [num_queries]
+};
+
+truth brute_force_truth(dataset const& data, std::int64_t n)
+{
+  truth t;
+  t.n = n;
+  t.ids.assign(static_cast<std::size_t>(num_queries * top_k), is::invalid_fact_id);
+  t.kth.assign(static_cast<std::size_t>(num_queries), std::numeric_limits<float>::infinity());
+  is::detail::index::parallel_ranges(num_queries, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<std::pair<float, std::uint64_t>> best;
+    for (std::int64_t q = begin; q < end; ++q) {
+      best.clear();
+      for (std::int64_t r = 0; r < n; ++r) {
+        std::pair<float, std::uint64_t> const e{cosine_distance(data.query(q), data.row(r), data.dim),
+                                                static_cast<std::uint64_t>(r)};
+        if (best.size() < top_k) {
+          best.insert(std::upper_bound(best.begin(), best.end(), e), e);
+        } else if (e < best.back()) {
+          best.pop_back();
+          best.insert(std::upper_bound(best.begin(), best.end(), e), e);
+        }
+      }
+      for (std::size_t j = 0; j < best.size(); ++j) {
+        t.ids[static_cast<std::size_t>(q) * top_k + j] = best[j].second;
+      }
+      t.kth[static_cast<std::size_t>(q)] = best.empty() ? 0.0f : best.back().first;
+    }
+  });
+  return t;
+}
+
+struct recall_figures {
+  double strict{0.0};
+  double tolerant{0.0};
+};
+
+/**
+ * @brief recall@10 of answers `ids` ([count][top_k]) for queries `first .. first + count - 1`
+ * against `t`; the tolerant figure recomputes each returned fact's distance here.
+ */
+recall_figures recall_of(dataset const& data,
+                         truth const& t,
+                         std::int64_t first,
+                         std::int64_t count,
+                         std::uint64_t const* ids)
+{
+  double strict = 0.0, tolerant = 0.0;
+  for (std::int64_t i = 0; i < count; ++i) {
+    std::int64_t const q  = (first + i) % num_queries;
+    auto const* expected  = t.ids.data() + q * top_k;
+    std::uint32_t hits = 0, near = 0;
+    for (std::uint32_t j = 0; j < top_k; ++j) {
+      std::uint64_t const id = ids[i * top_k + j];
+      if (id == is::invalid_fact_id || id >= static_cast<std::uint64_t>(t.n)) { continue; }
+      if (std::find(expected, expected + top_k, id) != expected + top_k) { ++hits; }
+      float const d = cosine_distance(data.query(q), data.row(static_cast<std::int64_t>(id)), data.dim);
+      if (d <= t.kth[static_cast<std::size_t>(q)] + tie_tolerance) { ++near; }
+    }
+    strict += static_cast<double>(hits) / top_k;
+    tolerant += static_cast<double>(std::min(near, top_k)) / top_k;
+  }
+  return {strict / static_cast<double>(count), tolerant / static_cast<double>(count)};
+}
+
+/**
+ * @brief Calls `measure(params)` for the sweep's settings, samplings outer, itopk ascending;
+ * `measure` returns whether the setting reached the target recall. A larger itopk with the same
+ * samplings only adds seeds and iterations (slower, never chosen over a smaller one that reached
+ * the target), so it is skipped once a smaller one has reached it.
+ */
+template <class Measure>
+void for_each_sweep_setting(Measure&& measure)
+{
+  for (std::uint32_t samplings : sweep_samplings) {
+    for (std::uint32_t itopk : sweep_itopk) {
+      is::search_params p;
+      p.itopk_size           = itopk;
+      p.num_random_samplings = samplings;
+      p.algo                 = is::search_algo::graph;
+      if (measure(p)) { break; }
+    }
+  }
+}
+
+/// @brief One setting of the parameter sweep and what it measured.
+struct sweep_point {
+  is::search_params params;
+  recall_figures recall;
+  double seconds_per_query{0.0};
+};
+
+/// @brief The sweep's choice: the fastest point reaching the target recall (else the best recall).
+struct graph_choice {
+  sweep_point chosen;
+  bool reached{false};
+};
+
+graph_choice choose(std::vector<sweep_point> const& points)
+{
+  graph_choice c;
+  for (auto const& p : points) {
+    bool const ok = p.recall.strict >= target_recall;
+    if (ok && (!c.reached || p.seconds_per_query < c.chosen.seconds_per_query)) {
+      c.chosen  = p;
+      c.reached = true;
+    } else if (!ok && !c.reached && p.recall.strict > c.chosen.recall.strict) {
+      c.chosen = p;
+    }
+  }
+  return c;
+}
+
+void print_sweep(char const* backend,
+                 std::int64_t dim,
+                 std::int64_t n,
+                 std::vector<sweep_point> const& points,
+                 graph_choice const& c)
+{
+  std::ostringstream os;
+  os << "bench_index sweep " << backend << " dim " << dim << " N " << n << " (itopk/samplings: "
+     << "recall@10, us per query over the 1024-query batch; larger itopk skipped once reached):";
+  for (auto const& p : points) {
+    os << " " << p.params.itopk_size << "/" << p.params.num_random_samplings << ": "
+       << p.recall.strict << ", " << p.seconds_per_query * 1e6 << ";";
+  }
+  os << " chosen " << c.chosen.params.itopk_size << "/" << c.chosen.params.num_random_samplings
+     << (c.reached ? "" : " (target recall not reached)") << "\n";
+  std::fputs(os.str().c_str(), stderr);
+}
+
+std::string choice_label(graph_choice const& c)
+{
+  std::ostringstream os;
+  os << "itopk=" << c.chosen.params.itopk_size << " width=" << c.chosen.params.search_width
+     << " samplings=" << c.chosen.params.num_random_samplings
+     << (c.reached ? " (fastest with recall>=0.95 of the sweep)"
+                   : " (NO setting reached recall 0.95)");
+  return os.str();
+}
+
+void report_choice(benchmark::State& state, graph_choice const& c)
+{
+  state.counters["recall"]        = c.chosen.recall.strict;
+  state.counters["recall_tol"]    = c.chosen.recall.tolerant;
+  state.counters["itopk"]         = c.chosen.params.itopk_size;
+  state.counters["samplings"]     = c.chosen.params.num_random_samplings;
+  state.counters["target_recall"] = target_recall;
+}
+
+std::vector<std::uint64_t> row_ids(std::int64_t n)
+{
+  std::vector<std::uint64_t> ids(static_cast<std::size_t>(n));
+  std::iota(ids.begin(), ids.end(), std::uint64_t{0});
+  return ids;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host cases
+
+/// @brief Everything built for one (N, dim) on the host, kept across cases.
+struct host_case {
+  std::int64_t dim{0};
+  std::int64_t n{0};
+  std::unique_ptr<is::graph_index> index;
+  std::optional<truth> gt;
+  std::optional<graph_choice> graph;
+#if INFERSCALE_BENCH_HNSWLIB
+  std::unique_ptr<ib::hnsw_baseline> hnsw;
+  std::optional<recall_figures> hnsw_recall;
+#endif
+};
+
+std::unique_ptr<is::graph_index> build_host_index(dataset const& data, std::int64_t n)
+{
+  is::index_config config;
+  config.dim    = data.dim;
+  config.metric = is::distance_metric::cosine;
+  config.memory = is::memory_kind::host;
+  auto index    = std::make_unique<is::graph_index>(config);
+  auto const ids = row_ids(n);
+  index->add(the_namespace,
+             is::make_matrix_view<float const>(data.base.data(), n, data.dim),
+             cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+  return index;
+}
+
+#if INFERSCALE_BENCH_HNSWLIB
+std::unique_ptr<ib::hnsw_baseline> build_hnsw(dataset const& data, std::int64_t n)
+{
+  auto h = std::make_unique<ib::hnsw_baseline>(data.dim, n, hnsw_m, hnsw_ef_construction);
+  h->add(data.row(0), 0);  // the entry point first, then the rest in parallel
+  is::detail::index::parallel_ranges(n - 1, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin + 1; r < end + 1; ++r) {
+      h->add(data.row(r), static_cast<std::uint64_t>(r));
+    }
+  });
+  return h;
+}
+#endif
+
+host_case& host_case_for(std::int64_t dim, std::int64_t n)
+{
+  static std::map<std::pair<std::int64_t, std::int64_t>, host_case> all;
+  auto& c = all[{dim, n}];
+  c.dim   = dim;
+  c.n     = n;
+  return c;
+}
+
+/// @brief Graph search of queries `first .. first + count - 1` (count divides num_queries).
+void host_search(is::graph_index const& index,
+                 dataset const& data,
+                 std::int64_t first,
+                 std::int64_t count,
+                 is::search_params const& params,
+                 std::uint64_t* ids,
+                 float* distances)
+{
+  std::uint64_t const ns[1] = {the_namespace};
+  index.search(is::make_matrix_view<float const>(data.query(first), count, data.dim),
+               cuda::std::span<std::uint64_t const>{ns, 1},
+               top_k,
+               params,
+               is::make_matrix_view<std::uint64_t>(ids, count, top_k),
+               is::make_matrix_view<float>(distances, count, top_k));
+}
+
+/// @brief The case's index, ground truth and chosen parameters, made on first use (untimed).
+host_case& prepare_host(std::int64_t dim, std::int64_t n, bool with_hnsw)
+{
+  host_case& c   = host_case_for(dim, n);
+  dataset& data  = data_for(dim, n);
+  if (!c.index) { c.index = build_host_index(data, n); }
+  if (!c.gt) { c.gt = brute_force_truth(data, n); }
+  std::vector<std::uint64_t> ids(static_cast<std::size_t>(num_queries * top_k));
+  std::vector<float> distances(ids.size());
+  if (!c.graph) {
+    std::vector<sweep_point> points;
+    for_each_sweep_setting([&](is::search_params const& params) {
+      sweep_point p;
+      p.params      = params;
+      auto const t0 = clock_type::now();
+      host_search(*c.index, data, 0, num_queries, p.params, ids.data(), distances.data());
+      p.seconds_per_query = seconds_since(t0) / num_queries;
+      p.recall            = recall_of(data, *c.gt, 0, num_queries, ids.data());
+      points.push_back(p);
+      return p.recall.strict >= target_recall;
+    });
+    c.graph = choose(points);
+    print_sweep("host", dim, n, points, *c.graph);
+  }
+#if INFERSCALE_BENCH_HNSWLIB
+  if (with_hnsw && !c.hnsw) { c.hnsw = build_hnsw(data, n); }
+  if (with_hnsw && !c.hnsw_recall) {
+    std::ostringstream os;
+    os << "bench_index sweep hnswlib dim " << dim << " N " << n << " (ef: recall@10):";
+    for (int ef : hnsw_efs) {
+      c.hnsw->set_ef(ef);
+      is::detail::index::parallel_ranges(num_queries, [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t q = begin; q < end; ++q) {
+          c.hnsw->search(data.query(q), top_k, ids.data() + q * top_k, distances.data() + q * top_k);
+        }
+      });
+      c.hnsw_recall = recall_of(data, *c.gt, 0, num_queries, ids.data());
+      os << " " << ef << ": " << c.hnsw_recall->strict << ";";
+      if (c.hnsw_recall->strict >= target_recall) { break; }
+    }
+    os << " chosen ef " << c.hnsw->ef() << "\n";
+    std::fputs(os.str().c_str(), stderr);
+  }
+#else
+  (void)with_hnsw;
+#endif
+  return c;
+}
+
+void host_build_bench(benchmark::State& state)
+{
+  std::int64_t const dim = state.range(0);
+  std::int64_t const n   = state.range(1);
+  ib::run_guarded(state, [&] {
+    dataset& data  = data_for(dim, n);
+    host_case& c   = host_case_for(dim, n);
+    double seconds = 0.0;
+#if INFERSCALE_BENCH_HNSWLIB
+    double hnsw_seconds = 0.0;
+#endif
+    for (auto _ : state) {
+      auto const t0 = clock_type::now();
+      auto index    = build_host_index(data, n);
+      double const s = seconds_since(t0);
+      state.SetIterationTime(s);
+      seconds += s;
+      c.index = std::move(index);
+      c.graph.reset();  // a new graph: choose its parameters again
+#if INFERSCALE_BENCH_HNSWLIB
+      auto const h0 = clock_type::now();
+      auto hnsw     = build_hnsw(data, n);
+      hnsw_seconds += seconds_since(h0);
+      c.hnsw = std::move(hnsw);
+      c.hnsw_recall.reset();
+#endif
+    }
+    auto const iterations        = static_cast<double>(state.iterations());
+    state.counters["vectors_per_s"] = static_cast<double>(n) * iterations / seconds;
+    state.counters["build_s"]       = seconds / iterations;
+    state.counters["threads"]       = hardware_threads();
+#if INFERSCALE_BENCH_HNSWLIB
+    state.counters["hnswlib_build_s"]       = hnsw_seconds / iterations;
+    state.counters["hnswlib_vectors_per_s"] = static_cast<double>(n) * iterations / hnsw_seconds;
+    state.counters["vs_hnswlib"]            = hnsw_seconds / seconds;
+    state.SetLabel("graph: exact kNN + prune + merge, degree 32/64; hnswlib M=16 efC=200; " +
+                   std::to_string(hardware_threads()) + " threads each");
+#else
+    state.SetLabel("graph: exact kNN + prune + merge, degree 32/64; hnswlib not built in");
+#endif
+    state.SetItemsProcessed(n * state.iterations());
+  });
+}
+
+void host_search_bench(benchmark::State& state)
+{
+  std::int64_t const dim   = state.range(0);
+  std::int64_t const n     = state.range(1);
+  std::int64_t const batch = state.range(2);
+  ib::run_guarded(state, [&] {
+    host_case& c  = prepare_host(dim, n, true);
+    dataset& data = data_for(dim, n);
+    is::search_params const graph_params = c.graph->chosen.params;
+    is::search_params exact_params       = graph_params;
+    exact_params.algo                    = is::search_algo::exact;
+    std::vector<std::uint64_t> ids(static_cast<std::size_t>(batch * top_k));
+    std::vector<float> distances(ids.size());
+
+    double seconds = 0.0, exact_seconds = 0.0;
+#if INFERSCALE_BENCH_HNSWLIB
+    double hnsw_seconds = 0.0;
+    auto const hnsw_batch = [&](std::int64_t first) {
+      is::detail::index::parallel_ranges(batch, [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t i = begin; i < end; ++i) {
+          c.hnsw->search(data.query(first + i), top_k, ids.data() + i * top_k,
+                         distances.data() + i * top_k);
+        }
+      });
+    };
+#endif
+    std::int64_t first = 0;
+    double exact_recall = 0.0, exact_batches = 0.0;
+    for (auto _ : state) {
+      auto const t0 = clock_type::now();
+      host_search(*c.index, data, first, batch, graph_params, ids.data(), distances.data());
+      benchmark::ClobberMemory();
+      double const s = seconds_since(t0);
+      state.SetIterationTime(s);
+      seconds += s;
+      auto const e0 = clock_type::now();
+      host_search(*c.index, data, first, batch, exact_params, ids.data(), distances.data());
+      benchmark::ClobberMemory();
+      exact_seconds += seconds_since(e0);
+      exact_recall += recall_of(data, *c.gt, first, batch, ids.data()).strict;
+      exact_batches += 1.0;
+#if INFERSCALE_BENCH_HNSWLIB
+      auto const h0 = clock_type::now();
+      hnsw_batch(first);
+      benchmark::ClobberMemory();
+      hnsw_seconds += seconds_since(h0);
+#endif
+      first = (first + batch) % num_queries;
+    }
+    double const queries = static_cast<double>(batch) * static_cast<double>(state.iterations());
+    report_choice(state, *c.graph);
+    state.counters["QPS"]                = queries / seconds;
+    state.counters["us_per_query"]       = seconds / queries * 1e6;
+    state.counters["exact_QPS"]          = queries / exact_seconds;
+    state.counters["exact_us_per_query"] = exact_seconds / queries * 1e6;
+    state.counters["exact_recall"]       = exact_recall / exact_batches;
+    state.counters["speedup"]            = exact_seconds / seconds;
+    state.counters["threads"]            = threads_for_batch(batch);
+    std::string label = "graph " + choice_label(*c.graph);
+#if INFERSCALE_BENCH_HNSWLIB
+    state.counters["hnswlib_QPS"]          = queries / hnsw_seconds;
+    state.counters["hnswlib_us_per_query"] = hnsw_seconds / queries * 1e6;
+    state.counters["hnswlib_recall"]       = c.hnsw_recall->strict;
+    state.counters["hnswlib_recall_tol"]   = c.hnsw_recall->tolerant;
+    state.counters["hnswlib_ef"]           = c.hnsw->ef();
+    state.counters["vs_hnswlib"]           = hnsw_seconds / seconds;
+    label += "; hnswlib M=16 efC=200 ef=" + std::to_string(c.hnsw->ef()) +
+             " one thread per query, batch over " + std::to_string(threads_for_batch(batch)) +
+             " thread(s)";
+#endif
+    state.SetLabel(label);
+    state.SetItemsProcessed(batch * state.iterations());
+  });
+}
+
+/// @brief What a crossover case measured: speedup (exact / graph seconds) and cost factor.
+struct crossover_point {
+  double speedup;
+  double cost_factor;
+};
+
+/// @brief Per dimension and N: the crossover cases' measurements (one per repetition).
+std::map<std::int64_t, std::map<std::int64_t, std::vector<crossover_point>>>& crossover_results(
+  bool device)
+{
+  static std::map<std::int64_t, std::map<std::int64_t, std::vector<crossover_point>>> host, dev;
+  return device ? dev : host;
+}
+
+/**
+ * @brief The index's automatic switch-over (a cost model: exact while live <= factor * the graph
+ * search's estimated distances, detail::index::estimated_graph_distances) against this
+ * measurement: `graph_distances_est` for the plan of these parameters, `cost_factor` = the factor
+ * that puts the switch-over exactly here (graph seconds / exact seconds * N / estimate; the
+ * model's host_graph_cost_factor / device_graph_cost_factor should be about this where graph and
+ * exact are close), `auto_threshold` = the index's own threshold for these parameters and
+ * `auto_picks_exact` (1 when automatic would search this N exactly).
+ */
+void report_cost_model(benchmark::State& state,
+                       is::graph_index const& index,
+                       is::search_params const& params,
+                       std::int64_t n,
+                       double graph_over_exact)
+{
+  auto const rows = static_cast<std::uint32_t>(n);
+  double const estimate =
+    is::detail::index::estimated_graph_distances(index.plan_for(rows, top_k, params),
+                                                 index.graph_degree());
+  std::int64_t const threshold = index.exact_search_threshold(params, rows);
+  state.counters["graph_distances_est"] = estimate;
+  state.counters["cost_factor"]         = graph_over_exact * static_cast<double>(n) / estimate;
+  state.counters["auto_threshold"]      = static_cast<double>(threshold);
+  state.counters["auto_picks_exact"]    = n <= threshold ? 1.0 : 0.0;
+}
+
+void host_crossover_bench(benchmark::State& state)
+{
+  std::int64_t const dim = state.range(0);
+  std::int64_t const n   = state.range(1);
+  ib::run_guarded(state, [&] {
+    host_case& c  = prepare_host(dim, n, false);
+    dataset& data = data_for(dim, n);
+    is::search_params const graph_params = c.graph->chosen.params;
+    is::search_params exact_params       = graph_params;
+    exact_params.algo                    = is::search_algo::exact;
+    std::uint64_t ids[top_k];
+    float distances[top_k];
+    double seconds = 0.0, exact_seconds = 0.0;
+    std::int64_t q = 0;
+    for (auto _ : state) {
+      auto const t0 = clock_type::now();
+      host_search(*c.index, data, q, 1, graph_params, ids, distances);
+      benchmark::ClobberMemory();
+      double const s = seconds_since(t0);
+      state.SetIterationTime(s);
+      seconds += s;
+      auto const e0 = clock_type::now();
+      host_search(*c.index, data, q, 1, exact_params, ids, distances);
+      benchmark::ClobberMemory();
+      exact_seconds += seconds_since(e0);
+      q = (q + 1) % num_queries;
+    }
+    double const iterations = static_cast<double>(state.iterations());
+    report_choice(state, *c.graph);
+    state.counters["graph_us"] = seconds / iterations * 1e6;
+    state.counters["exact_us"] = exact_seconds / iterations * 1e6;
+    state.counters["speedup"]  = exact_seconds / seconds;
+    report_cost_model(state, *c.index, graph_params, n, seconds / exact_seconds);
+    state.SetLabel("batch 1, graph " + choice_label(*c.graph));
+    crossover_results(false)[dim][n].push_back({exact_seconds / seconds,
+                                                 state.counters["cost_factor"].value});
+  });
+}
+
+/// @brief Reports the crossover from the crossover cases that ran before it in this process.
+void crossover_summary_bench(benchmark::State& state, bool device)
+{
+  if (device && !ib::require_device(state)) { return; }
+  std::int64_t const dim = state.range(0);
+  auto const& by_n       = crossover_results(device)[dim];
+  for (auto _ : state) {
+    state.SetIterationTime(1e-9);  // nothing is measured here
+  }
+  if (by_n.empty()) {
+    state.SkipWithError("no crossover case of this dimension ran before the summary");
+    return;
+  }
+  // means per N; the crossover is the smallest N from which every larger N also wins
+  struct row {
+    std::int64_t n;
+    double speedup;
+    double cost_factor;
+  };
+  std::vector<row> mean;
+  for (auto const& [n, points] : by_n) {
+    double speedup = 0.0, factor = 0.0;
+    for (auto const& p : points) {
+      speedup += p.speedup;
+      factor += p.cost_factor;
+    }
+    auto const count = static_cast<double>(points.size());
+    mean.push_back({n, speedup / count, factor / count});
+  }
+  std::int64_t crossover = 0;
+  double crossover_factor = 0.0;
+  for (auto it = mean.rbegin(); it != mean.rend() && it->speedup > 1.0; ++it) {
+    crossover = it->n;
+  }
+  // the factor at parity: interpolated between the last N where exact won and the crossover N
+  for (std::size_t i = 1; i < mean.size(); ++i) {
+    if (mean[i].n == crossover) {
+      double const a = std::log(mean[i - 1].speedup), b = std::log(mean[i].speedup);
+      double const w = b > a ? -a / (b - a) : 1.0;
+      crossover_factor = mean[i - 1].cost_factor + w * (mean[i].cost_factor - mean[i - 1].cost_factor);
+    }
+  }
+  std::ostringstream label;
+  label << "by N, speedup (exact/graph, batch 1) / cost factor:";
+  for (auto const& r : mean) {
+    label << " " << r.n << ": " << r.speedup << " / " << r.cost_factor << ";";
+  }
+  label << (crossover == 0 ? " graph not faster at the largest N" : "");
+  state.counters["crossover_N"]      = static_cast<double>(crossover);
+  state.counters["parity_cost_factor"] = crossover_factor;
+  state.counters["measured_Ns"]      = static_cast<double>(mean.size());
+  state.counters["largest_N"]        = static_cast<double>(mean.back().n);
+  state.SetLabel(label.str());
+}
+
+// ------------------------------------------------------------------------------------------------
+// Device cases
+
+constexpr std::int64_t tenants_in_batch     = 64;
+constexpr std::int64_t facts_per_tenant     = 2000;
+constexpr std::uint64_t first_tenant        = 100;
+
+/// @brief The resources every device case uses (created on first use, after require_device).
+raft::device_resources& device_res()
+{
+  // never destroyed: its destructor would run after the CUDA runtime has shut down
+  static auto* res = new raft::device_resources();
+  return *res;
+}
+
+cudaStream_t device_stream() { return raft::resource::get_cuda_stream(device_res()).get(); }
+
+std::unique_ptr<is::graph_index> new_device_index(std::int64_t dim)
+{
+  is::index_config config;
+  config.dim    = dim;
+  config.metric = is::distance_metric::cosine;
+  config.memory = is::memory_kind::device;
+  return std::make_unique<is::graph_index>(config);
+}
+
+is::graph_builder device_builder(is::graph_index const& index)
+{
+  return is::make_device_graph_builder(device_res(), index.config());
+}
+
+/// @brief Adds rows [first, first + n) of `data` to namespace `ns` with ids = row numbers.
+void device_add(is::graph_index& index, dataset const& data, std::uint64_t ns, std::int64_t first,
+                std::int64_t n)
+{
+  std::vector<std::uint64_t> ids(static_cast<std::size_t>(n));
+  std::iota(ids.begin(), ids.end(), static_cast<std::uint64_t>(first));
+  index.add(ns, is::make_matrix_view<float const>(data.row(first), n, data.dim),
+            cuda::std::span<std::uint64_t const>{ids.data(), ids.size()}, device_builder(index));
+}
+
+/// @brief Device outputs of a batch of up to num_queries queries.
+struct device_outputs {
+  ib::device_buffer<std::uint64_t> ids{static_cast<std::size_t>(num_queries * top_k)};
+  ib::device_buffer<float> distances{static_cast<std::size_t>(num_queries * top_k)};
+
+  is::matrix_view<std::uint64_t> ids_view(std::int64_t count) const
+  {
+    return is::make_matrix_view<std::uint64_t>(ids.data(), count, top_k);
+  }
+  is::matrix_view<float> distances_view(std::int64_t count) const
+  {
+    return is::make_matrix_view<float>(distances.data(), count, top_k);
+  }
+  std::vector<std::uint64_t> host_ids(std::int64_t count) const
+  {
+    std::vector<std::uint64_t> out(static_cast<std::size_t>(count * top_k));
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(device_stream()));
+    INFERSCALE_CUDA_TRY(cudaMemcpy(out.data(), ids.data(), out.size() * sizeof(std::uint64_t),
+                                   cudaMemcpyDeviceToHost));
+    return out;
+  }
+  std::vector<float> host_distances(std::int64_t count) const
+  {
+    std::vector<float> out(static_cast<std::size_t>(count * top_k));
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(device_stream()));
+    INFERSCALE_CUDA_TRY(cudaMemcpy(out.data(), distances.data(), out.size() * sizeof(float),
+                                   cudaMemcpyDeviceToHost));
+    return out;
+  }
+};
+
+/// @brief Everything built for one device (N, dim), kept across cases.
+struct device_case {
+  std::int64_t dim{0};
+  std::int64_t n{0};
+  std::unique_ptr<is::graph_index> index;
+  std::unique_ptr<ib::device_buffer<float>> queries;  ///< [num_queries][dim]
+  std::optional<truth> gt;                             ///< exact_search's answer
+  std::optional<graph_choice> graph;
+
+  is::matrix_view<float const> query_view(std::int64_t first, std::int64_t count) const
+  {
+    return is::make_matrix_view<float const>(queries->data() + first * dim, count, dim);
+  }
+};
+
+device_case& device_case_for(std::int64_t dim, std::int64_t n)
+{
+  static std::map<std::pair<std::int64_t, std::int64_t>, device_case> all;
+  auto& c = all[{dim, n}];
+  c.dim   = dim;
+  c.n     = n;
+  return c;
+}
+
+void device_graph_search(device_case const& c, std::int64_t first, std::int64_t count,
+                         is::search_params const& params, device_outputs const& out)
+{
+  std::uint64_t const ns[1] = {the_namespace};
+  is::search(device_res(), *c.index, c.query_view(first, count),
+             cuda::std::span<std::uint64_t const>{ns, 1}, top_k, params, out.ids_view(count),
+             out.distances_view(count));
+}
+
+void device_exact_search(device_case const& c, std::int64_t first, std::int64_t count,
+                         device_outputs const& out)
+{
+  is::exact_search(device_res(), *c.index, the_namespace, c.query_view(first, count), top_k,
+                   out.ids_view(count), out.distances_view(count));
+}
+
+/// @brief Seconds between two events recorded on the device stream around `work()`.
+template <class Work>
+double event_seconds(ib::cuda_event const& start, ib::cuda_event const& stop, Work&& work)
+{
+  INFERSCALE_CUDA_TRY(cudaEventRecord(start.get(), device_stream()));
+  work();
+  INFERSCALE_CUDA_TRY(cudaEventRecord(stop.get(), device_stream()));
+  INFERSCALE_CUDA_TRY(cudaEventSynchronize(stop.get()));
+  return ib::elapsed_seconds(start, stop);
+}
+
+/// @brief The truth of a device case: exact_search of all queries (ids and 10th distance).
+truth device_truth(device_case const& c, device_outputs const& out)
+{
+  device_exact_search(c, 0, num_queries, out);
+  truth t;
+  t.n   = c.n;
+  t.ids = out.host_ids(num_queries);
+  auto const d = out.host_distances(num_queries);
+  t.kth.resize(static_cast<std::size_t>(num_queries));
+  for (std::int64_t q = 0; q < num_queries; ++q) {
+    t.kth[static_cast<std::size_t>(q)] = d[static_cast<std::size_t>(q * top_k + top_k - 1)];
+  }
+  return t;
+}
+
+/// @brief The sweep of a device search over all queries: `run(params)` enqueues one batch search.
+template <class Run>
+graph_choice device_sweep(dataset const& data, truth const& gt, device_outputs const& out,
+                          std::int64_t dim, std::int64_t n, Run&& run)
+{
+  ib::cuda_event start, stop;
+  std::vector<sweep_point> points;
+  for_each_sweep_setting([&](is::search_params const& params) {
+    sweep_point p;
+    p.params = params;
+    run(p.params);  // warm-up
+    double best = std::numeric_limits<double>::infinity();
+    for (int rep = 0; rep < 3; ++rep) {
+      best = std::min(best, event_seconds(start, stop, [&] { run(p.params); }));
+    }
+    p.seconds_per_query = best / num_queries;
+    p.recall            = recall_of(data, gt, 0, num_queries, out.host_ids(num_queries).data());
+    points.push_back(p);
+    return p.recall.strict >= target_recall;
+  });
+  graph_choice const c = choose(points);
+  print_sweep("device", dim, n, points, c);
+  return c;
+}
+
+/// @brief Builds (untimed, if the build case has not), computes the truth and chooses parameters.
+device_case& prepare_device(std::int64_t dim, std::int64_t n, device_outputs const& out)
+{
+  device_case& c = device_case_for(dim, n);
+  dataset& data  = data_for(dim, n);
+  if (!c.index) {
+    c.index = new_device_index(dim);
+    device_add(*c.index, data, the_namespace, 0, n);
+  }
+  if (!c.queries) {
+    c.queries = std::make_unique<ib::device_buffer<float>>(data.queries);
+  }
+  if (!c.gt) { c.gt = device_truth(c, out); }
+  if (!c.graph) {
+    c.graph = device_sweep(data, *c.gt, out, dim, n, [&](is::search_params const& p) {
+      device_graph_search(c, 0, num_queries, p, out);
+    });
+  }
+  return c;
+}
+
+void device_build_bench(benchmark::State& state)
+{
+  if (!ib::require_device(state)) { return; }
+  std::int64_t const dim = state.range(0);
+  std::int64_t const n   = state.range(1);
+  ib::run_guarded(state, [&] {
+    dataset& data  = data_for(dim, n);
+    device_case& c = device_case_for(dim, n);
+    double seconds = 0.0;
+    for (auto _ : state) {
+      auto const t0 = clock_type::now();
+      auto index    = new_device_index(dim);
+      device_add(*index, data, the_namespace, 0, n);
+      INFERSCALE_CUDA_TRY(cudaDeviceSynchronize());
+      double const s = seconds_since(t0);
+      state.SetIterationTime(s);
+      seconds += s;
+      c.index = std::move(index);
+      c.gt.reset();
+      c.graph.reset();
+    }
+    auto const iterations           = static_cast<double>(state.iterations());
+    state.counters["vectors_per_s"] = static_cast<double>(n) * iterations / seconds;
+    state.counters["build_s"]       = seconds / iterations;
+    state.SetLabel("graph_index::add, make_device_graph_builder(res, config): kNN gemm+select_k "
+                   "and pruning on the GPU, reverse/merge on the host; wall time");
+    state.SetItemsProcessed(n * state.iterations());
+  });
+}
+
+/**
+ * @brief The timed loop of the device search cases: per iteration, from a cold L2, `graph(first)`
+ * between CUDA events (the benchmark's time) and its host wall time to the end of the work, then
+ * `exact(first)` between CUDA events; `first` cycles through the queries in steps of `batch`.
+ */
+template <class Graph, class Exact>
+void device_search_loop(benchmark::State& state, std::int64_t batch, Graph&& graph, Exact&& exact)
+{
+  ib::l2_flusher flusher;
+  ib::cuda_event g0, g1, e0, e1;
+  double seconds = 0.0, wall_seconds = 0.0, exact_seconds = 0.0;
+  std::int64_t first = 0;
+  graph(first);
+  exact(first);
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(device_stream()));
+  for (auto _ : state) {
+    flusher.flush(device_stream());
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(device_stream()));
+    auto const w0  = clock_type::now();
+    double const s = event_seconds(g0, g1, [&] { graph(first); });
+    wall_seconds += seconds_since(w0);
+    state.SetIterationTime(s);
+    seconds += s;
+    flusher.flush(device_stream());
+    exact_seconds += event_seconds(e0, e1, [&] { exact(first); });
+    first = (first + batch) % num_queries;
+  }
+  double const queries = static_cast<double>(batch) * static_cast<double>(state.iterations());
+  state.counters["QPS"]                = queries / seconds;
+  state.counters["us_per_query"]       = seconds / queries * 1e6;
+  state.counters["wall_us_per_query"]  = wall_seconds / queries * 1e6;
+  state.counters["exact_QPS"]          = queries / exact_seconds;
+  state.counters["exact_us_per_query"] = exact_seconds / queries * 1e6;
+  state.counters["speedup"]            = exact_seconds / seconds;
+  state.SetItemsProcessed(batch * state.iterations());
+}
+
+void device_search_bench(benchmark::State& state)
+{
+  if (!ib::require_device(state)) { return; }
+  std::int64_t const dim   = state.range(0);
+  std::int64_t const n     = state.range(1);
+  std::int64_t const batch = state.range(2);
+  ib::run_guarded(state, [&] {
+    device_outputs const out;
+    device_case& c = prepare_device(dim, n, out);
+    is::search_params const params = c.graph->chosen.params;
+    device_search_loop(
+      state, batch, [&](std::int64_t first) { device_graph_search(c, first, batch, params, out); },
+      [&](std::int64_t first) { device_exact_search(c, first, batch, out); });
+    report_choice(state, *c.graph);
+    state.SetLabel("graph " + choice_label(*c.graph) +
+                   "; exact = inferscale::exact_search (RAFT gemm + select_k); cold L2");
+  });
+}
+
+/**
+ * @brief 1,024 queries over 64 namespaces of 2,000 facts (query q in namespace q / 16, so each
+ * namespace's queries are contiguous), one search call with the graph forced; beside it the same
+ * call with search_algo::exact (`exact_*`: the in-kernel brute force) and exact_search once per
+ * namespace (`raft_exact_us_per_query`, 64 calls). Recall against the in-kernel exact answer.
+ */
+void device_multi_tenant_bench(benchmark::State& state)
+{
+  if (!ib::require_device(state)) { return; }
+  std::int64_t const dim = state.range(0);
+  ib::run_guarded(state, [&] {
+    std::int64_t const total = tenants_in_batch * facts_per_tenant;
+    dataset& data            = data_for(dim, total);
+    static std::map<std::int64_t, std::unique_ptr<is::graph_index>> built;
+    auto& index = built[dim];
+    if (!index) {
+      index = new_device_index(dim);
+      for (std::int64_t t = 0; t < tenants_in_batch; ++t) {
+        device_add(*index, data, first_tenant + static_cast<std::uint64_t>(t),
+                   t * facts_per_tenant, facts_per_tenant);
+      }
+    }
+    std::int64_t const per_tenant = num_queries / tenants_in_batch;
+    std::vector<std::uint64_t> namespaces(static_cast<std::size_t>(num_queries));
+    for (std::int64_t q = 0; q < num_queries; ++q) {
+      namespaces[static_cast<std::size_t>(q)] = first_tenant + static_cast<std::uint64_t>(q / per_tenant);
+    }
+    ib::device_buffer<float> const queries(data.queries);
+    auto const query_view = is::make_matrix_view<float const>(queries.data(), num_queries, dim);
+    device_outputs const out;
+    auto const run = [&](is::search_params const& p) {
+      is::search(device_res(), *index, query_view,
+                 cuda::std::span<std::uint64_t const>{namespaces.data(), namespaces.size()}, top_k,
+                 p, out.ids_view(num_queries), out.distances_view(num_queries));
+    };
+    // truth: the in-kernel exact search; ids are global row numbers, so recall_of applies
+    is::search_params exact_params;
+    exact_params.algo = is::search_algo::exact;
+    run(exact_params);
+    truth gt;
+    gt.n   = total;
+    gt.ids = out.host_ids(num_queries);
+    auto const d = out.host_distances(num_queries);
+    gt.kth.resize(static_cast<std::size_t>(num_queries));
+    for (std::int64_t q = 0; q < num_queries; ++q) {
+      gt.kth[static_cast<std::size_t>(q)] = d[static_cast<std::size_t>(q * top_k + top_k - 1)];
+    }
+    graph_choice const choice = device_sweep(data, gt, out, dim, total, run);
+
+    // exact_search once per namespace over its contiguous queries (the RAFT ceiling)
+    ib::cuda_event r0, r1;
+    auto const raft_exact = [&] {
+      for (std::int64_t t = 0; t < tenants_in_batch; ++t) {
+        is::exact_search(device_res(), *index, first_tenant + static_cast<std::uint64_t>(t),
+                         is::make_matrix_view<float const>(queries.data() + t * per_tenant * dim,
+                                                           per_tenant, dim),
+                         top_k,
+                         is::make_matrix_view<std::uint64_t>(out.ids.data() + t * per_tenant * top_k,
+                                                             per_tenant, top_k),
+                         is::make_matrix_view<float>(out.distances.data() + t * per_tenant * top_k,
+                                                     per_tenant, top_k));
+      }
+    };
+    raft_exact();
+    double raft_seconds = 0.0;
+    device_search_loop(
+      state, num_queries, [&](std::int64_t) { run(choice.chosen.params); },
+      [&](std::int64_t) { run(exact_params); });
+    for (std::int64_t i = 0; i < 5; ++i) {  // after the loop, on its own events
+      raft_seconds += event_seconds(r0, r1, raft_exact);
+    }
+    report_choice(state, choice);
+    state.counters["raft_exact_us_per_query"] = raft_seconds / 5.0 / num_queries * 1e6;
+    state.counters["namespaces"]              = static_cast<double>(tenants_in_batch);
+    state.SetLabel("graph " + choice_label(choice) +
+                   "; one call, 64 namespaces x 2000 facts; exact = same call with "
+                   "search_algo::exact; raft_exact = exact_search per namespace (64 calls)");
+  });
+}
+
+void device_crossover_bench(benchmark::State& state)
+{
+  if (!ib::require_device(state)) { return; }
+  std::int64_t const dim = state.range(0);
+  std::int64_t const n   = state.range(1);
+  ib::run_guarded(state, [&] {
+    device_outputs const out;
+    device_case& c = prepare_device(dim, n, out);
+    is::search_params const params = c.graph->chosen.params;
+    is::search_params exact_params = params;
+    exact_params.algo              = is::search_algo::exact;
+    ib::cuda_event r0, r1;
+    double raft_seconds = 0.0;
+    std::int64_t raft_first = 0;
+    device_search_loop(
+      state, 1, [&](std::int64_t first) { device_graph_search(c, first, 1, params, out); },
+      [&](std::int64_t first) { device_graph_search(c, first, 1, exact_params, out); });
+    for (std::int64_t i = 0; i < 64; ++i) {
+      raft_seconds += event_seconds(r0, r1, [&] { device_exact_search(c, raft_first, 1, out); });
+      raft_first = (raft_first + 1) % num_queries;
+    }
+    report_choice(state, *c.graph);
+    state.counters["graph_us"]      = state.counters["us_per_query"].value;
+    state.counters["exact_us"]      = state.counters["exact_us_per_query"].value;
+    state.counters["raft_exact_us"] = raft_seconds / 64.0 * 1e6;
+    report_cost_model(state, *c.index, params, n, 1.0 / state.counters["speedup"].value);
+    state.SetLabel("batch 1, graph " + choice_label(*c.graph) +
+                   "; exact = search_algo::exact (what the threshold selects); raft_exact = "
+                   "exact_search");
+    crossover_results(true)[dim][n].push_back(
+      {state.counters["speedup"].value, state.counters["cost_factor"].value});
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Registration
+
+void register_index_benchmarks()
+{
+  for (std::int64_t dim : {384, 768}) {
+    for (std::int64_t n : {1000, 10000, 100000}) {
+      auto* build = benchmark::RegisterBenchmark("index/host/build", host_build_bench)
+                      ->UseManualTime()
+                      ->Unit(benchmark::kMillisecond)
+                      ->Iterations(1)
+                      ->ArgNames({"dim", "N"})
+                      ->Args({dim, n});
+      if (n >= 100000) { build->Repetitions(1); }  // minutes per build: measured once
+      benchmark::RegisterBenchmark("index/host/search", host_search_bench)
+        ->Apply(ib::host_benchmark)
+        ->Unit(benchmark::kMicrosecond)
+        ->MinTime(0.1)
+        ->ArgNames({"dim", "N", "batch"})
+        ->ArgsProduct({{dim}, {n}, {1, 16, 1024}});
+    }
+  }
+  for (std::int64_t n : {256, 512, 1024, 2048, 4096, 8192, 16384}) {
+    benchmark::RegisterBenchmark("index/host/crossover", host_crossover_bench)
+      ->Apply(ib::host_benchmark)
+      ->Unit(benchmark::kMicrosecond)
+      ->MinTime(0.1)
+      ->ArgNames({"dim", "N"})
+      ->Args({384, n});
+  }
+  benchmark::RegisterBenchmark("index/host/crossover_summary", crossover_summary_bench, false)
+    ->UseManualTime()
+    ->Iterations(1)
+    ->ArgNames({"dim"})
+    ->Args({384});
+
+  // Device: CUDA-event time; the cheap cases first, N = 1,000,000 last.
+  constexpr double device_min_time = 0.05;
+  benchmark::RegisterBenchmark("index/device/multi_tenant", device_multi_tenant_bench)
+    ->Apply(ib::device_benchmark)
+    ->MinTime(device_min_time)
+    ->ArgNames({"dim"})
+    ->Args({384})
+    ->Args({768});
+  for (std::int64_t n : {256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536}) {
+    benchmark::RegisterBenchmark("index/device/crossover", device_crossover_bench)
+      ->Apply(ib::device_benchmark)
+      ->MinTime(device_min_time)
+      ->ArgNames({"dim", "N"})
+      ->Args({384, n});
+  }
+  benchmark::RegisterBenchmark("index/device/crossover_summary", crossover_summary_bench, true)
+    ->UseManualTime()
+    ->Iterations(1)
+    ->ArgNames({"dim"})
+    ->Args({384});
+  for (std::int64_t n : {1000, 10000, 100000, 1000000}) {
+    for (std::int64_t dim : {384, 768}) {
+      auto* build = benchmark::RegisterBenchmark("index/device/build", device_build_bench)
+                      ->UseManualTime()
+                      ->Unit(benchmark::kMillisecond)
+                      ->Iterations(1)
+                      ->ArgNames({"dim", "N"})
+                      ->Args({dim, n});
+      if (n >= 1000000) { build->Repetitions(1); }
+      benchmark::RegisterBenchmark("index/device/search", device_search_bench)
+        ->Apply(ib::device_benchmark)
+        ->MinTime(device_min_time)
+        ->ArgNames({"dim", "N", "batch"})
+        ->ArgsProduct({{dim}, {n}, {1, 16, 1024}});
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv)
+{
+  register_index_benchmarks();
+  return inferscale::bench::benchmark_main(argc, argv);
+}

@@ -43,10 +43,12 @@
  *  - index/host/crossover/dim:384/N:N for N = 256 .. 16,384: batch-1 latency of the graph search
  *    (parameters chosen as above, recall >= 0.95) and of exact search, `graph_us`, `exact_us`,
  *    `speedup`, and the index's automatic switch-over beside it (`cost_factor`, `auto_threshold`,
- *    `auto_picks_exact`: see report_cost_model); index/host/crossover_summary/dim:384 then
+ *    `auto_picks_exact`: see report_cost_model); index/host/crossover/summary/dim:384 then
  *    reports `crossover_N`, the smallest measured N from which the graph is faster at that N and
  *    every larger measured N, and `parity_cost_factor`, the cost factor interpolated at the
  *    parity point (what detail::index::host_graph_cost_factor should be), every N in the label.
+ *    index/host/crossover_default_params/...: the same with the default search_params (graph
+ *    forced), the parameters `automatic` uses when the caller sets none.
  *  - index/device/build/dim:D/N:N (N up to 1,000,000): graph_index::add into a device-memory
  *    index with make_device_graph_builder(res, config) (kNN by RAFT gemm + select_k and the
  *    pruning kernel on the GPU; reverse edges, merge and the upload on the host), wall time.
@@ -63,7 +65,8 @@
  *    (`raft_exact_us_per_query`, 64 calls).
  *  - index/device/crossover/dim:384/N:N for N = 256 .. 65,536: batch 1, graph vs the in-kernel
  *    exact search (search_algo::exact, what default_device_exact_threshold chooses between;
- *    `raft_exact_us` = exact_search beside), and index/device/crossover_summary/dim:384.
+ *    `raft_exact_us` = exact_search beside), index/device/crossover/summary/dim:384, and the
+ *    same with the default search_params (index/device/crossover_default_params/...).
  *  Without a GPU every device case reports "no CUDA device visible".
  *
  * The host builds are the slow part (exact kNN is O(N^2 dim)): an index is built once per (N,
@@ -303,6 +306,7 @@ struct sweep_point {
 struct graph_choice {
   sweep_point chosen;
   bool reached{false};
+  bool swept{true};  ///< false: the default search_params (graph forced), not a sweep's choice
 };
 
 graph_choice choose(std::vector<sweep_point> const& points)
@@ -342,10 +346,23 @@ std::string choice_label(graph_choice const& c)
 {
   std::ostringstream os;
   os << "itopk=" << c.chosen.params.itopk_size << " width=" << c.chosen.params.search_width
-     << " samplings=" << c.chosen.params.num_random_samplings
-     << (c.reached ? " (fastest with recall>=0.95 of the sweep)"
-                   : " (NO setting reached recall 0.95)");
+     << " samplings=" << c.chosen.params.num_random_samplings;
+  if (!c.swept) {
+    os << (c.reached ? " (the defaults)" : " (the defaults; recall below 0.95)");
+  } else {
+    os << (c.reached ? " (fastest with recall>=0.95 of the sweep)"
+                     : " (NO setting reached recall 0.95)");
+  }
   return os.str();
+}
+
+/// @brief The default search_params with the graph forced, as a choice (recall filled in later).
+graph_choice default_choice()
+{
+  graph_choice c;
+  c.chosen.params.algo = is::search_algo::graph;
+  c.swept              = false;
+  return c;
 }
 
 void report_choice(benchmark::State& state, graph_choice const& c)
@@ -374,6 +391,7 @@ struct host_case {
   std::unique_ptr<is::graph_index> index;
   std::optional<truth> gt;
   std::optional<graph_choice> graph;
+  std::optional<graph_choice> defaults;  ///< the default search_params, recall measured
 #if INFERSCALE_BENCH_HNSWLIB
   std::unique_ptr<ib::hnsw_baseline> hnsw;
   std::optional<recall_figures> hnsw_recall;
@@ -459,6 +477,13 @@ host_case& prepare_host(std::int64_t dim, std::int64_t n, bool with_hnsw)
     c.graph = choose(points);
     print_sweep("host", dim, n, points, *c.graph);
   }
+  if (!c.defaults) {
+    graph_choice d = default_choice();
+    host_search(*c.index, data, 0, num_queries, d.chosen.params, ids.data(), distances.data());
+    d.chosen.recall = recall_of(data, *c.gt, 0, num_queries, ids.data());
+    d.reached       = d.chosen.recall.strict >= target_recall;
+    c.defaults      = d;
+  }
 #if INFERSCALE_BENCH_HNSWLIB
   if (with_hnsw && !c.hnsw) { c.hnsw = build_hnsw(data, n); }
   if (with_hnsw && !c.hnsw_recall) {
@@ -503,6 +528,7 @@ void host_build_bench(benchmark::State& state)
       seconds += s;
       c.index = std::move(index);
       c.graph.reset();  // a new graph: choose its parameters again
+      c.defaults.reset();
 #if INFERSCALE_BENCH_HNSWLIB
       auto const h0 = clock_type::now();
       auto hnsw     = build_hnsw(data, n);
@@ -603,18 +629,24 @@ void host_search_bench(benchmark::State& state)
   });
 }
 
-/// @brief What a crossover case measured: speedup (exact / graph seconds) and cost factor.
+/// @brief What one run of a crossover case measured (Google Benchmark also calls a case with
+/// fewer iterations while it sizes the run; only the runs with the most iterations are used).
 struct crossover_point {
   double speedup;
   double cost_factor;
+  std::int64_t iterations;
 };
 
-/// @brief Per dimension and N: the crossover cases' measurements (one per repetition).
-std::map<std::int64_t, std::map<std::int64_t, std::vector<crossover_point>>>& crossover_results(
-  bool device)
+/// @brief Which crossover: host or device, parameters of the sweep or the defaults.
+enum class crossover_kind : int { host_swept, host_defaults, device_swept, device_defaults };
+
+/// @brief Per kind, dimension and N: the crossover cases' measurements.
+std::map<std::int64_t, std::vector<crossover_point>>& crossover_results(crossover_kind kind,
+                                                                         std::int64_t dim)
 {
-  static std::map<std::int64_t, std::map<std::int64_t, std::vector<crossover_point>>> host, dev;
-  return device ? dev : host;
+  static std::map<std::pair<int, std::int64_t>, std::map<std::int64_t, std::vector<crossover_point>>>
+    all;
+  return all[{static_cast<int>(kind), dim}];
 }
 
 /**
@@ -643,14 +675,15 @@ void report_cost_model(benchmark::State& state,
   state.counters["auto_picks_exact"]    = n <= threshold ? 1.0 : 0.0;
 }
 
-void host_crossover_bench(benchmark::State& state)
+void host_crossover_bench(benchmark::State& state, bool defaults)
 {
   std::int64_t const dim = state.range(0);
   std::int64_t const n   = state.range(1);
   ib::run_guarded(state, [&] {
     host_case& c  = prepare_host(dim, n, false);
     dataset& data = data_for(dim, n);
-    is::search_params const graph_params = c.graph->chosen.params;
+    graph_choice const& choice           = defaults ? *c.defaults : *c.graph;
+    is::search_params const graph_params = choice.chosen.params;
     is::search_params exact_params       = graph_params;
     exact_params.algo                    = is::search_algo::exact;
     std::uint64_t ids[top_k];
@@ -671,23 +704,25 @@ void host_crossover_bench(benchmark::State& state)
       q = (q + 1) % num_queries;
     }
     double const iterations = static_cast<double>(state.iterations());
-    report_choice(state, *c.graph);
+    report_choice(state, choice);
     state.counters["graph_us"] = seconds / iterations * 1e6;
     state.counters["exact_us"] = exact_seconds / iterations * 1e6;
     state.counters["speedup"]  = exact_seconds / seconds;
     report_cost_model(state, *c.index, graph_params, n, seconds / exact_seconds);
-    state.SetLabel("batch 1, graph " + choice_label(*c.graph));
-    crossover_results(false)[dim][n].push_back({exact_seconds / seconds,
-                                                 state.counters["cost_factor"].value});
+    state.SetLabel("batch 1, graph " + choice_label(choice));
+    crossover_results(defaults ? crossover_kind::host_defaults : crossover_kind::host_swept, dim)[n]
+      .push_back({exact_seconds / seconds, state.counters["cost_factor"].value,
+                  static_cast<std::int64_t>(state.iterations())});
   });
 }
 
 /// @brief Reports the crossover from the crossover cases that ran before it in this process.
-void crossover_summary_bench(benchmark::State& state, bool device)
+void crossover_summary_bench(benchmark::State& state, crossover_kind kind)
 {
+  bool const device = kind == crossover_kind::device_swept || kind == crossover_kind::device_defaults;
   if (device && !ib::require_device(state)) { return; }
   std::int64_t const dim = state.range(0);
-  auto const& by_n       = crossover_results(device)[dim];
+  auto const& by_n       = crossover_results(kind, dim);
   for (auto _ : state) {
     state.SetIterationTime(1e-9);  // nothing is measured here
   }
@@ -703,12 +738,17 @@ void crossover_summary_bench(benchmark::State& state, bool device)
   };
   std::vector<row> mean;
   for (auto const& [n, points] : by_n) {
-    double speedup = 0.0, factor = 0.0;
+    std::int64_t most = 0;
     for (auto const& p : points) {
+      most = std::max(most, p.iterations);
+    }
+    double speedup = 0.0, factor = 0.0, count = 0.0;
+    for (auto const& p : points) {
+      if (p.iterations != most) { continue; }  // a sizing run
       speedup += p.speedup;
       factor += p.cost_factor;
+      count += 1.0;
     }
-    auto const count = static_cast<double>(points.size());
     mean.push_back({n, speedup / count, factor / count});
   }
   std::int64_t crossover = 0;
@@ -817,6 +857,7 @@ struct device_case {
   std::unique_ptr<ib::device_buffer<float>> queries;  ///< [num_queries][dim]
   std::optional<truth> gt;                             ///< exact_search's answer
   std::optional<graph_choice> graph;
+  std::optional<graph_choice> defaults;
 
   is::matrix_view<float const> query_view(std::int64_t first, std::int64_t count) const
   {
@@ -941,6 +982,7 @@ void device_build_bench(benchmark::State& state)
       c.index = std::move(index);
       c.gt.reset();
       c.graph.reset();
+      c.defaults.reset();
     }
     auto const iterations           = static_cast<double>(state.iterations());
     state.counters["vectors_per_s"] = static_cast<double>(n) * iterations / seconds;
@@ -1087,7 +1129,7 @@ void device_multi_tenant_bench(benchmark::State& state)
   });
 }
 
-void device_crossover_bench(benchmark::State& state)
+void device_crossover_bench(benchmark::State& state, bool defaults)
 {
   if (!ib::require_device(state)) { return; }
   std::int64_t const dim = state.range(0);
@@ -1095,7 +1137,16 @@ void device_crossover_bench(benchmark::State& state)
   ib::run_guarded(state, [&] {
     device_outputs const out;
     device_case& c = prepare_device(dim, n, out);
-    is::search_params const params = c.graph->chosen.params;
+    if (!c.defaults) {
+      graph_choice d = default_choice();
+      device_graph_search(c, 0, num_queries, d.chosen.params, out);
+      d.chosen.recall = recall_of(data_for(dim, n), *c.gt, 0, num_queries,
+                                  out.host_ids(num_queries).data());
+      d.reached       = d.chosen.recall.strict >= target_recall;
+      c.defaults      = d;
+    }
+    graph_choice const& choice     = defaults ? *c.defaults : *c.graph;
+    is::search_params const params = choice.chosen.params;
     is::search_params exact_params = params;
     exact_params.algo              = is::search_algo::exact;
     ib::cuda_event r0, r1;
@@ -1108,16 +1159,18 @@ void device_crossover_bench(benchmark::State& state)
       raft_seconds += event_seconds(r0, r1, [&] { device_exact_search(c, raft_first, 1, out); });
       raft_first = (raft_first + 1) % num_queries;
     }
-    report_choice(state, *c.graph);
+    report_choice(state, choice);
     state.counters["graph_us"]      = state.counters["us_per_query"].value;
     state.counters["exact_us"]      = state.counters["exact_us_per_query"].value;
     state.counters["raft_exact_us"] = raft_seconds / 64.0 * 1e6;
     report_cost_model(state, *c.index, params, n, 1.0 / state.counters["speedup"].value);
-    state.SetLabel("batch 1, graph " + choice_label(*c.graph) +
+    state.SetLabel("batch 1, graph " + choice_label(choice) +
                    "; exact = search_algo::exact (what the threshold selects); raft_exact = "
                    "exact_search");
-    crossover_results(true)[dim][n].push_back(
-      {state.counters["speedup"].value, state.counters["cost_factor"].value});
+    crossover_results(defaults ? crossover_kind::device_defaults : crossover_kind::device_swept,
+                      dim)[n]
+      .push_back({state.counters["speedup"].value, state.counters["cost_factor"].value,
+                  static_cast<std::int64_t>(state.iterations())});
   });
 }
 
@@ -1143,19 +1196,24 @@ void register_index_benchmarks()
         ->ArgsProduct({{dim}, {n}, {1, 16, 1024}});
     }
   }
-  for (std::int64_t n : {256, 512, 1024, 2048, 4096, 8192, 16384}) {
-    benchmark::RegisterBenchmark("index/host/crossover", host_crossover_bench)
-      ->Apply(ib::host_benchmark)
-      ->Unit(benchmark::kMicrosecond)
-      ->MinTime(0.1)
-      ->ArgNames({"dim", "N"})
-      ->Args({384, n});
+  for (bool defaults : {false, true}) {
+    std::string const name = defaults ? "index/host/crossover_default_params" : "index/host/crossover";
+    for (std::int64_t n : {256, 512, 1024, 2048, 4096, 8192, 16384}) {
+      benchmark::RegisterBenchmark(name.c_str(), host_crossover_bench, defaults)
+        ->Apply(ib::host_benchmark)
+        ->Unit(benchmark::kMicrosecond)
+        ->MinTime(0.1)
+        ->ArgNames({"dim", "N"})
+        ->Args({384, n});
+    }
+    benchmark::RegisterBenchmark((name + "/summary").c_str(), crossover_summary_bench,
+                                 defaults ? crossover_kind::host_defaults
+                                          : crossover_kind::host_swept)
+      ->UseManualTime()
+      ->Iterations(1)
+      ->ArgNames({"dim"})
+      ->Args({384});
   }
-  benchmark::RegisterBenchmark("index/host/crossover_summary", crossover_summary_bench, false)
-    ->UseManualTime()
-    ->Iterations(1)
-    ->ArgNames({"dim"})
-    ->Args({384});
 
   // Device: CUDA-event time; the cheap cases first, N = 1,000,000 last.
   constexpr double device_min_time = 0.05;
@@ -1165,18 +1223,24 @@ void register_index_benchmarks()
     ->ArgNames({"dim"})
     ->Args({384})
     ->Args({768});
-  for (std::int64_t n : {256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536}) {
-    benchmark::RegisterBenchmark("index/device/crossover", device_crossover_bench)
-      ->Apply(ib::device_benchmark)
-      ->MinTime(device_min_time)
-      ->ArgNames({"dim", "N"})
-      ->Args({384, n});
+  for (bool defaults : {false, true}) {
+    std::string const name =
+      defaults ? "index/device/crossover_default_params" : "index/device/crossover";
+    for (std::int64_t n : {256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536}) {
+      benchmark::RegisterBenchmark(name.c_str(), device_crossover_bench, defaults)
+        ->Apply(ib::device_benchmark)
+        ->MinTime(device_min_time)
+        ->ArgNames({"dim", "N"})
+        ->Args({384, n});
+    }
+    benchmark::RegisterBenchmark((name + "/summary").c_str(), crossover_summary_bench,
+                                 defaults ? crossover_kind::device_defaults
+                                          : crossover_kind::device_swept)
+      ->UseManualTime()
+      ->Iterations(1)
+      ->ArgNames({"dim"})
+      ->Args({384});
   }
-  benchmark::RegisterBenchmark("index/device/crossover_summary", crossover_summary_bench, true)
-    ->UseManualTime()
-    ->Iterations(1)
-    ->ArgNames({"dim"})
-    ->Args({384});
   for (std::int64_t n : {1000, 10000, 100000, 1000000}) {
     for (std::int64_t dim : {384, 768}) {
       auto* build = benchmark::RegisterBenchmark("index/device/build", device_build_bench)

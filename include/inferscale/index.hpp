@@ -543,7 +543,9 @@ class graph_index {
     std::vector<float> padded = prepare_queries(queries);
     std::int64_t const nq     = queries.extent(0);
     detail::index::parallel_ranges(nq, [&](std::int64_t begin, std::int64_t end) {
-      detail::index::search_scratch scratch;
+      // per thread, kept across calls: single-query searches reuse the visited stamps (an epoch
+      // per query, so nothing is cleared) instead of allocating a table of n entries each time
+      thread_local detail::index::search_scratch scratch;
       std::vector<detail::index::search_entry> result;
       for (std::int64_t q = begin; q < end; ++q) {
         auto const& tr = tenants_[static_cast<std::size_t>(tenant_index[q])].ref;

@@ -214,25 +214,19 @@ void brute_force_select(raft::resources const& res,
       std::int64_t const kb = std::min<std::int64_t>(k, rcount);
       auto tile_view =
         raft::make_device_matrix_view<float const, std::int64_t>(tile.data(), qcount, rcount);
-      if (rcount == n && kb == k) {  // one tile holds every row: its selection is the answer
-        raft::matrix::select_k<float, std::int64_t>(
-          res,
-          tile_view,
-          std::nullopt,
-          raft::make_device_matrix_view<float, std::int64_t>(best_d.data(), qcount, kb),
-          raft::make_device_matrix_view<std::int64_t, std::int64_t>(best_r.data(), qcount, kb),
-          true,
-          false);
-        continue;
-      }
+      // one tile holding every row: its selection is the answer, written straight into best
+      bool const whole = rcount == n && kb == k;
       raft::matrix::select_k<float, std::int64_t>(
         res,
         tile_view,
         std::nullopt,
-        raft::make_device_matrix_view<float, std::int64_t>(tile_d.data(), qcount, kb),
-        raft::make_device_matrix_view<std::int64_t, std::int64_t>(tile_r.data(), qcount, kb),
+        raft::make_device_matrix_view<float, std::int64_t>(
+          whole ? best_d.data() : tile_d.data(), qcount, kb),
+        raft::make_device_matrix_view<std::int64_t, std::int64_t>(
+          whole ? best_r.data() : tile_r.data(), qcount, kb),
         true,
         false);
+      if (whole) { continue; }
 
       merge_selection_params merge;
       merge.best_distances   = best_d.data();

@@ -27,6 +27,7 @@
 #include <catch2/catch.hpp>
 
 #include <gaussian_mixture.hpp>
+#include <index_reference.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -311,21 +312,7 @@ std::vector<float> rows_as_float(graph_index const& index, std::uint64_t ns)
   return out;
 }
 
-/// Distance by definition in double; `rank_only`: cosine ranked by -dot (as the kNN graph).
-double reference_distance(float const* a, float const* b, std::int64_t n, distance_metric m)
-{
-  double dot = 0.0, l2 = 0.0;
-  for (std::int64_t e = 0; e < n; ++e) {
-    dot += double{a[e]} * b[e];
-    l2 += (double{a[e]} - b[e]) * (double{a[e]} - b[e]);
-  }
-  switch (m) {
-    case distance_metric::inner_product: return -dot;
-    case distance_metric::cosine: return 1.0 - dot;
-    case distance_metric::squared_l2: return l2;
-  }
-  return 0.0;
-}
+using test::reference_distance;
 
 index_config small_config(dtype t, distance_metric m, std::int64_t dim)
 {

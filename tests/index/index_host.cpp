@@ -7,6 +7,7 @@
 #include <inferscale/index.hpp>
 
 #include <gaussian_mixture.hpp>
+#include <index_reference.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -39,17 +40,7 @@ struct answers {
 double reference_distance(std::vector<float> const& a, std::vector<float> const& b,
                           distance_metric m)
 {
-  double dot = 0.0, l2 = 0.0;
-  for (std::size_t e = 0; e < a.size(); ++e) {
-    dot += double{a[e]} * b[e];
-    l2 += (double{a[e]} - b[e]) * (double{a[e]} - b[e]);
-  }
-  switch (m) {
-    case distance_metric::inner_product: return -dot;
-    case distance_metric::cosine: return 1.0 - dot;
-    case distance_metric::squared_l2: return l2;
-  }
-  return 0.0;
+  return test::reference_distance(a.data(), b.data(), static_cast<std::int64_t>(a.size()), m);
 }
 
 /// What the index stores for a vector: normalised (cosine) in double, then rounded to the dtype.

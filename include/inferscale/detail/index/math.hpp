@@ -141,6 +141,22 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float finish_distance(float sum,
   return sum;
 }
 
+/// @brief The butterfly that combines `team` lane partials (`p[l] + p[l ^ o]`, o = team/2 .. 1),
+/// written as a loop: every lane ends with the same value; lane 0's is returned.
+inline float butterfly_sum(float* partial, int team) noexcept
+{
+  for (int o = team / 2; o >= 1; o /= 2) {
+    float next[32];
+    for (int l = 0; l < team; ++l) {
+      next[l] = add_rn(partial[l], partial[l ^ o]);
+    }
+    for (int l = 0; l < team; ++l) {
+      partial[l] = next[l];
+    }
+  }
+  return partial[0];
+}
+
 template <int Team, class T>
 inline float team_distance_fixed(T const* row, float const* query, std::int64_t chunks,
                                  distance_metric m) noexcept
@@ -186,16 +202,7 @@ inline float team_distance_fixed(T const* row, float const* query, std::int64_t 
       }
     }
   }
-  for (int o = Team / 2; o >= 1; o /= 2) {
-    float next[Team];
-    for (int l = 0; l < Team; ++l) {
-      next[l] = add_rn(partial[l], partial[l ^ o]);
-    }
-    for (int l = 0; l < Team; ++l) {
-      partial[l] = next[l];
-    }
-  }
-  return finish_distance(partial[0], m);
+  return finish_distance(butterfly_sum(partial, Team), m);
 }
 
 /**
@@ -227,16 +234,7 @@ inline float team_distance_by_lane(
   for (int l = 0; l < team; ++l) {
     partial[l] = lane_partial(row, query, chunks, l, team, l2);
   }
-  for (int o = team / 2; o >= 1; o /= 2) {
-    float next[32];
-    for (int l = 0; l < team; ++l) {
-      next[l] = add_rn(partial[l], partial[l ^ o]);
-    }
-    for (int l = 0; l < team; ++l) {
-      partial[l] = next[l];
-    }
-  }
-  return finish_distance(partial[0], m);
+  return finish_distance(butterfly_sum(partial, team), m);
 }
 
 /**

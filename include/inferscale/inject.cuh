@@ -210,6 +210,7 @@ inject_launch_config<Rotation> make_inject_launch(kv_store_ref const& store,
   args.batch      = batch;
   args.table_rows = rope_table_rows(rotation);
   args.round_each = rope_rounds_each_operation<StoreT>(rotation, rope_op::forward);
+  args.fused      = rope_fuses_multiply_add(rotation, rope_op::forward);
   args.rotary_units =
     config.vectorized ? (rotation.pairing == rope_pairing::halves ? rotary / 2 / run : rotary / run)
                       : rotary / 2;

@@ -361,6 +361,7 @@ template <bool ContiguousK,
           bool Scaled,
           bool Halves,
           bool RoundEach,
+          bool Fused,
           class StoreT,
           class CacheT>
 void inject_host_head(StoreT const* __restrict k,
@@ -387,7 +388,9 @@ void inject_host_head(StoreT const* __restrict k,
     std::int32_t const first  = Halves ? p : 2 * p;
     std::int32_t const second = Halves ? p + pairs : 2 * p + 1;
     float x, y;
-    if constexpr (RoundEach) {
+    if constexpr (Fused) {
+      rotate_fp32_fused(to_float(k[first]), to_float(k[second]), cos_sin[p], &x, &y);
+    } else if constexpr (RoundEach) {
       rotate_stored_pair(k[first], k[second], cos_sin[p], true, &x, &y);
     } else {
       rotate_fp32(to_float(k[first]), to_float(k[second]), cos_sin[p], &x, &y);
@@ -413,6 +416,7 @@ template <bool ContiguousK,
           bool Scaled,
           bool Halves,
           bool RoundEach,
+          bool Fused,
           class StoreT,
           class CacheT,
           class Rotation>
@@ -442,7 +446,7 @@ void inject_host_typed(kv_store_ref const& store,
       auto* const kbase        = static_cast<CacheT*>(cache.key_base[l]);
       auto* const vbase        = static_cast<CacheT*>(cache.value_base[l]);
       for (std::int32_t h = 0; h < store.num_heads; ++h) {
-        inject_host_head<ContiguousK, ContiguousV, Scaled, Halves, RoundEach>(
+        inject_host_head<ContiguousK, ContiguousV, Scaled, Halves, RoundEach, Fused>(
           krow + static_cast<std::int64_t>(h) * dim,
           vrow + static_cast<std::int64_t>(h) * dim,
           kbase + cache.key_layout.offset(block, in_block, h, 0),
@@ -490,20 +494,25 @@ void dispatch_host_inject(kv_store_ref const& store,
   constexpr bool fp8 =
     std::is_same_v<CacheT, float8_e4m3_t> || std::is_same_v<CacheT, float8_e5m2_t>;
   constexpr bool may_round = is_cos_sin_table<Rotation>::value && !std::is_same_v<StoreT, float>;
+  constexpr bool may_fuse  = is_cos_sin_table<Rotation>::value;
   bool const contiguous = dims_contiguous(cache.key_layout) && dims_contiguous(cache.value_layout);
   with_flag(contiguous, [&](auto c) {
     with_flag<fp8>(cache.scale_granularity != kv_scale_granularity::none, [&](auto scaled) {
       with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {
-        with_flag<may_round>(rope_rounds_each_operation<StoreT>(rotation, rope_op::forward),
-                             [&](auto round_each) {
-                               inject_host_typed<decltype(c)::value,
-                                                 decltype(c)::value,
-                                                 decltype(scaled)::value,
-                                                 decltype(halves)::value,
-                                                 decltype(round_each)::value,
-                                                 StoreT,
-                                                 CacheT>(store, batch, cache, rotation);
-                             });
+        with_flag<may_round>(
+          rope_rounds_each_operation<StoreT>(rotation, rope_op::forward), [&](auto round_each) {
+            with_flag<may_fuse>(rope_fuses_multiply_add(rotation, rope_op::forward),
+                                [&](auto fused) {
+                                  inject_host_typed<decltype(c)::value,
+                                                    decltype(c)::value,
+                                                    decltype(scaled)::value,
+                                                    decltype(halves)::value,
+                                                    decltype(round_each)::value,
+                                                    decltype(fused)::value,
+                                                    StoreT,
+                                                    CacheT>(store, batch, cache, rotation);
+                                });
+          });
       });
     });
   });

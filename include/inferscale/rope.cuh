@@ -60,6 +60,7 @@ void rope_apply_async(token_head_view<T> x,
   args.rotation             = rotation;
   args.op                   = op;
   args.round_each_operation = rope_rounds_each_operation<T>(rotation, op);
+  args.fused                = rope_fuses_multiply_add(rotation, op);
 
   // 16-byte accesses need contiguous elements, aligned heads, and whole chunks of pairs.
   constexpr int vector_elements = policy::vector_bytes / static_cast<int>(sizeof(T));

@@ -176,6 +176,11 @@ struct rope_cos_sin_table {
   /// Round each product and the sum to the element type, as vLLM's `rotary_embedding` kernel does
   /// when keys are 16-bit (`x*cos - y*sin` in c10::Half/BFloat16). With fp32 keys it is a no-op.
   bool round_each_operation{true};
+  /// Compute the forward rotation with two fused multiply-adds, `x' = fma(x, c, -(y s))` and
+  /// `y' = fma(x, s, y c)`, as llama.cpp's CPU rope does when its compiler contracts
+  /// `x0*cos - x1*sin` (GCC with FMA enabled, ggml's default x86-64 build). Takes precedence over
+  /// round_each_operation; inverse and shift rotations are not fused.
+  bool fused_multiply_add{false};
 
   INFERSCALE_HOST_DEVICE constexpr std::int32_t num_pairs() const noexcept
   {
@@ -283,6 +288,15 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float add_rn(float a, float b)
   return a + b;
 #endif
 }
+/// @brief `a * b + c` with one rounding (a true fused multiply-add on both backends).
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float fma_rn(float a, float b, float c)
+{
+#if INFERSCALE_IS_DEVICE_CODE
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
 }  // namespace detail
 
 /**
@@ -356,7 +370,19 @@ template <class T, class U>
 INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE constexpr bool rounds_each_operation(
   rope_cos_sin_table<U> const& table) noexcept
 {
-  return table.round_each_operation && !std::is_same_v<T, float>;
+  return table.round_each_operation && !table.fused_multiply_add && !std::is_same_v<T, float>;
+}
+template <class Rotation>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE constexpr bool fuses_multiply_add(
+  Rotation const&) noexcept
+{
+  return false;
+}
+template <class U>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE constexpr bool fuses_multiply_add(
+  rope_cos_sin_table<U> const& table) noexcept
+{
+  return table.fused_multiply_add;
 }
 
 }  // namespace detail
@@ -387,6 +413,29 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void rope_rotate_pair(T& x,
     x = from_float<T>(add_rn(mul_rn(xf, cs.cos), -mul_rn(yf, cs.sin)));
     y = from_float<T>(add_rn(mul_rn(yf, cs.cos), mul_rn(xf, cs.sin)));
   }
+}
+
+/**
+ * @brief Rotates one pair in place with two fused multiply-adds in fp32, `x' = fma(x, c, -(y s))`,
+ * `y' = fma(x, s, y c)`, then one rounding to T (rope_cos_sin_table::fused_multiply_add).
+ */
+template <class T>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void rope_rotate_pair_fused(T& x,
+                                                                          T& y,
+                                                                          rope_cos_sin cs)
+{
+  float const xf = to_float(x);
+  float const yf = to_float(y);
+  x              = from_float<T>(detail::fma_rn(xf, cs.cos, -detail::mul_rn(yf, cs.sin)));
+  y              = from_float<T>(detail::fma_rn(xf, cs.sin, detail::mul_rn(yf, cs.cos)));
+}
+
+/// @brief Whether `op` with `rotation` is computed with fused multiply-adds (forward only).
+template <class Rotation>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE bool rope_fuses_multiply_add(Rotation const& rotation,
+                                                                           rope_op op)
+{
+  return op == rope_op::forward && detail::fuses_multiply_add(rotation);
 }
 
 /**
@@ -431,13 +480,16 @@ INFERSCALE_HOST_DEVICE inline void rope_apply_head(
   Rotation const& rotation, T* head, std::int64_t element_stride, std::int64_t position, rope_op op)
 {
   bool const round_each = rope_rounds_each_operation<T>(rotation, op);
+  bool const fused      = rope_fuses_multiply_add(rotation, op);
   for (std::int32_t pair = 0; pair < rotation.num_pairs(); ++pair) {
     std::int32_t first, second;
     detail::pair_elements(rotation.pairing, rotation.rotary_dim, pair, &first, &second);
-    rope_rotate_pair(head[first * element_stride],
-                     head[second * element_stride],
-                     rope_angle_cos_sin(rotation, position, pair, op),
-                     round_each);
+    rope_cos_sin const cs = rope_angle_cos_sin(rotation, position, pair, op);
+    if (fused) {
+      rope_rotate_pair_fused(head[first * element_stride], head[second * element_stride], cs);
+    } else {
+      rope_rotate_pair(head[first * element_stride], head[second * element_stride], cs, round_each);
+    }
   }
 }
 

@@ -66,6 +66,15 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void rotate_fp32(
   *out_y = add_rn(mul_rn(y, cs.cos), mul_rn(x, cs.sin));
 }
 
+/// @brief fp32 rotation of one pair with two fused multiply-adds: `(fma(x, c, -(y s)),
+/// fma(x, s, y c))` (rope_cos_sin_table::fused_multiply_add, llama.cpp's CPU rope).
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void rotate_fp32_fused(
+  float x, float y, rope_cos_sin cs, float* out_x, float* out_y)
+{
+  *out_x = fma_rn(x, cs.cos, -mul_rn(y, cs.sin));
+  *out_y = fma_rn(x, cs.sin, mul_rn(y, cs.cos));
+}
+
 /**
  * @brief Rotates one stored key pair `(x, y)` by `cs` (forward rotation to the virtual position)
  * and returns the rotated pair in fp32.
@@ -87,6 +96,18 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void rotate_stored_pair(
     }
   }
   rotate_fp32(to_float(x), to_float(y), cs, out_x, out_y);
+}
+
+/// @brief As rotate_stored_pair, computed with fused multiply-adds when `fused`.
+template <class StoreT>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void rotate_stored_pair(
+  StoreT x, StoreT y, rope_cos_sin cs, bool round_each, bool fused, float* out_x, float* out_y)
+{
+  if (fused) {
+    rotate_fp32_fused(to_float(x), to_float(y), cs, out_x, out_y);
+  } else {
+    rotate_stored_pair(x, y, cs, round_each, out_x, out_y);
+  }
 }
 
 /// @brief Inverse rotation of a pair read from a cache (dequantized to fp32) by `cs` (from

@@ -39,6 +39,7 @@ struct inject_kernel_args {
   std::int32_t key_units;       ///< rotary + pass-through units, per head
   std::int32_t units_per_head;  ///< key_units + value units
   bool round_each;              ///< vLLM-table per-operation rounding (16-bit store)
+  bool fused;                   ///< fused multiply-add rotation (llama.cpp's CPU rope)
 };
 
 /// @brief N elements of T moved as one aligned access.
@@ -211,7 +212,8 @@ struct inject_block {
           INFERSCALE_UNROLL
           for (int e = 0; e < run; ++e) {
             float rx, ry;
-            rotate_stored_pair(x[e], y[e], cos_sin[p0 + e], args.round_each, &rx, &ry);
+            rotate_stored_pair(
+              x[e], y[e], cos_sin[p0 + e], args.round_each, args.fused, &rx, &ry);
             qx[e] = convert_rotated<CacheT>(rx, scaled, scale, args.cache.scale_convention);
             qy[e] = convert_rotated<CacheT>(ry, scaled, scale, args.cache.scale_convention);
           }
@@ -227,7 +229,13 @@ struct inject_block {
           INFERSCALE_UNROLL
           for (int e = 0; e < elements; e += 2) {
             float rx, ry;
-            rotate_stored_pair(v[e], v[e + 1], cos_sin[(d0 + e) / 2], args.round_each, &rx, &ry);
+            rotate_stored_pair(v[e],
+                               v[e + 1],
+                               cos_sin[(d0 + e) / 2],
+                               args.round_each,
+                               args.fused,
+                               &rx,
+                               &ry);
             q[e]     = convert_rotated<CacheT>(rx, scaled, scale, args.cache.scale_convention);
             q[e + 1] = convert_rotated<CacheT>(ry, scaled, scale, args.cache.scale_convention);
           }

@@ -32,6 +32,7 @@ struct rope_kernel_args {
   Rotation rotation;
   rope_op op;
   bool round_each_operation;
+  bool fused;  ///< fused multiply-add rotation (forward with a fused table)
 };
 
 /// @brief 16 bytes of T, moved as one 128-bit access.
@@ -107,8 +108,12 @@ void __launch_bounds__(Policy::block_threads)
           vector second      = *reinterpret_cast<vector const*>(first_ptr + pairs);
 #pragma unroll
           for (int j = 0; j < n; ++j) {
-            rope_rotate_pair(
-              first.values[j], second.values[j], cos_sin[base + j], args.round_each_operation);
+            if (args.fused) {
+              rope_rotate_pair_fused(first.values[j], second.values[j], cos_sin[base + j]);
+            } else {
+              rope_rotate_pair(
+                first.values[j], second.values[j], cos_sin[base + j], args.round_each_operation);
+            }
           }
           *reinterpret_cast<vector*>(first_ptr)         = first;
           *reinterpret_cast<vector*>(first_ptr + pairs) = second;
@@ -117,18 +122,28 @@ void __launch_bounds__(Policy::block_threads)
           vector v     = *reinterpret_cast<vector const*>(ptr);
 #pragma unroll
           for (int j = 0; j < n; j += 2) {
-            rope_rotate_pair(
-              v.values[j], v.values[j + 1], cos_sin[(base + j) / 2], args.round_each_operation);
+            if (args.fused) {
+              rope_rotate_pair_fused(v.values[j], v.values[j + 1], cos_sin[(base + j) / 2]);
+            } else {
+              rope_rotate_pair(
+                v.values[j], v.values[j + 1], cos_sin[(base + j) / 2], args.round_each_operation);
+            }
           }
           *reinterpret_cast<vector*>(ptr) = v;
         }
       } else {
         std::int32_t first, second;
         pair_elements(args.rotation.pairing, rotary_dim, chunk, &first, &second);
-        rope_rotate_pair(head_ptr[first * args.element_stride],
-                         head_ptr[second * args.element_stride],
-                         cos_sin[chunk],
-                         args.round_each_operation);
+        if (args.fused) {
+          rope_rotate_pair_fused(head_ptr[first * args.element_stride],
+                                 head_ptr[second * args.element_stride],
+                                 cos_sin[chunk]);
+        } else {
+          rope_rotate_pair(head_ptr[first * args.element_stride],
+                           head_ptr[second * args.element_stride],
+                           cos_sin[chunk],
+                           args.round_each_operation);
+        }
       }
     }
     __syncthreads();  // shared_cos_sin is rewritten for the next tile

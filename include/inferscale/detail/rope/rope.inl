@@ -476,6 +476,7 @@ void rope_apply_host(token_head_view<T> x,
   std::int32_t const pairs = rotation.num_pairs();
   std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(pairs));
   bool const round_each             = rope_rounds_each_operation<T>(rotation, op);
+  bool const fused                  = rope_fuses_multiply_add(rotation, op);
   std::int64_t const element_stride = x.stride(2);
   for (std::int64_t t = 0; t < x.extent(0); ++t) {
     for (std::int32_t pair = 0; pair < pairs; ++pair) {
@@ -488,7 +489,15 @@ void rope_apply_host(token_head_view<T> x,
     }
     for (std::int64_t h = 0; h < x.extent(1); ++h) {
       T* const head = x.data_handle() + t * x.stride(0) + h * x.stride(1);
-      if (element_stride == 1 && rotation.pairing == rope_pairing::halves) {
+      if (fused) {
+        for (std::int32_t pair = 0; pair < pairs; ++pair) {
+          std::int32_t first, second;
+          detail::pair_elements(rotation.pairing, rotation.rotary_dim, pair, &first, &second);
+          rope_rotate_pair_fused(head[first * element_stride],
+                                 head[second * element_stride],
+                                 cos_sin[static_cast<std::size_t>(pair)]);
+        }
+      } else if (element_stride == 1 && rotation.pairing == rope_pairing::halves) {
         if (round_each) {
           detail::rope_rotate_halves_contiguous<true>(head, rotation.rotary_dim, cos_sin.data());
         } else {

@@ -1,0 +1,434 @@
+// The engine seam without an engine: the capture buffer, storing captured ranges, the adapter
+// traits and request flow against small hand-written adapters, the fused-multiply-add rotation,
+// and rope_spec / kv_geometry from GGUF metadata and HF config.json. Expected values are written
+// out in the tests (formulas, the configs' published numbers).
+
+#include <inferscale/engine.hpp>
+#include <inferscale/hf_config.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+using namespace inferscale;
+
+namespace {
+
+kv_geometry const small{2, 2, 4};
+
+/// A value that identifies (layer, token, head, dim) and K or V.
+float tag(int kv, std::int64_t l, std::int64_t t, std::int64_t h, std::int64_t d)
+{
+  return static_cast<float>(kv * 10000 + l * 1000 + t * 100 + h * 10 + d) * 0.25f;
+}
+
+/// Fills one layer's K or V rows of tokens [first, first + n) into a capture.
+void feed(kv_capture& c, int kv, std::int32_t layer, std::int64_t first, std::int64_t n)
+{
+  std::vector<float> rows(static_cast<std::size_t>(n * 8));
+  for (std::int64_t t = 0; t < n; ++t) {
+    for (int h = 0; h < 2; ++h) {
+      for (int d = 0; d < 4; ++d) {
+        rows[static_cast<std::size_t>(t * 8 + h * 4 + d)] = tag(kv, layer, first + t, h, d);
+      }
+    }
+  }
+  auto view = make_token_head_view<float const>(rows.data(), n, 2, 4);
+  if (kv == 0) {
+    c.write_keys(layer, first, view);
+  } else {
+    c.write_values(layer, first, view);
+  }
+}
+
+kv_store host_store(kv_geometry g, dtype t = dtype::float32, std::int64_t pages = 16)
+{
+  kv_store_config c;
+  c.model       = g;
+  c.store_dtype = t;
+  c.page_size   = 4;
+  c.num_pages   = pages;
+  c.memory      = memory_kind::host;
+  return kv_store{c};
+}
+
+/// K (kv 0) or V of store token row (layer, token of fact), element (h, d), as fp32.
+float stored(kv_store const& s, std::uint64_t id, int kv, int l, int t, int h, int d)
+{
+  std::vector<unsigned char> const pool = s.pool_to_host();
+  std::int64_t const st                 = s.store_token(s.at(id), t);
+  std::int64_t const off = s.ref().row_offset(st, l, kv) + h * s.geometry().head_dim + d;
+  if (s.store_dtype() == dtype::float32) {
+    float v;
+    std::memcpy(&v, pool.data() + off * 4, 4);
+    return v;
+  }
+  bfloat16_t v;
+  std::memcpy(&v, pool.data() + off * 2, 2);
+  return to_float(v);
+}
+
+/// A model adapter whose "forward" writes tag() values at every layer (pre-RoPE by definition).
+struct fake_model {
+  kv_geometry geometry() const { return small; }
+  rope_params rotation() const
+  {
+    rope_spec s{};
+    s.head_dim = 4;
+    return make_rope_params(s);
+  }
+  void encode(std::vector<std::int32_t> const& tokens, std::int64_t, kv_capture& out)
+  {
+    ++calls;
+    std::int64_t const n = static_cast<std::int64_t>(tokens.size());
+    for (std::int32_t l = 0; l < 2; ++l) {
+      feed(out, 0, l, 0, n);
+      if (!skip_values) { feed(out, 1, l, 0, n); }
+    }
+  }
+  int calls{0};
+  bool skip_values{false};
+};
+
+/// A cache adapter over a plain host cache of 16 slots with a block table of 4 blocks of 4.
+struct fake_cache {
+  explicit fake_cache(kv_geometry g) : data(static_cast<std::size_t>(2 * 2 * 16 * 8), 0.0f)
+  {
+    cache_ = make_contiguous_cache(dtype::float32,
+                                   data.data(),
+                                   {g.num_layers, 2, 16, g.num_kv_heads, g.head_dim},
+                                   {2 * 16 * 8, 16 * 8, 8, 4, 1});
+  }
+  std::vector<std::int64_t> allocate(std::int64_t first_position, std::int64_t tokens)
+  {
+    allocated_at = first_position;
+    std::vector<std::int64_t> s;
+    for (std::int64_t j = 0; j < tokens - short_by; ++j) {
+      s.push_back(15 - j);  // slots in reverse: the mapping, not the order, decides
+    }
+    return s;
+  }
+  paged_kv_cache const& cache() const { return cache_; }
+  void commit(std::int64_t tokens) { committed.push_back(tokens); }
+
+  std::vector<float> data;
+  paged_kv_cache cache_{};
+  std::int64_t allocated_at{-1};
+  std::int64_t short_by{0};
+  std::vector<std::int64_t> committed;
+};
+
+struct not_an_adapter {
+  int geometry() const { return 0; }
+};
+
+}  // namespace
+
+static_assert(is_model_adapter_v<fake_model>);
+static_assert(is_cache_adapter_v<fake_cache>);
+static_assert(!is_model_adapter_v<not_an_adapter>);
+static_assert(!is_cache_adapter_v<not_an_adapter>);
+
+TEST_CASE("kv_capture: rows land where written, completeness is tracked, refusals change nothing",
+          "[engine]")
+{
+  kv_capture c{small, 5};
+  CHECK_FALSE(c.complete());
+  feed(c, 0, 0, 0, 3);
+  feed(c, 0, 0, 3, 2);  // two ubatches of one layer
+  feed(c, 1, 0, 0, 5);
+  CHECK(c.complete(0, 5) == false);  // layer 1 missing
+  feed(c, 0, 1, 0, 5);
+  feed(c, 1, 1, 0, 4);
+  CHECK(c.complete(0, 4));
+  CHECK_FALSE(c.complete(0, 5));
+  CHECK_FALSE(c.complete(3, 3));  // beyond the buffer
+  feed(c, 1, 1, 4, 1);
+  CHECK(c.complete());
+  for (int l = 0; l < 2; ++l) {
+    for (int t = 0; t < 5; ++t) {
+      for (int h = 0; h < 2; ++h) {
+        for (int d = 0; d < 4; ++d) {
+          CHECK(c.keys()(l, t, h, d) == tag(0, l, t, h, d));
+          CHECK(c.values()(l, t, h, d) == tag(1, l, t, h, d));
+        }
+      }
+    }
+  }
+  auto const slice = c.keys(2, 2);
+  CHECK(slice.extent(1) == 2);
+  CHECK(slice(1, 1, 1, 3) == tag(0, 1, 3, 1, 3));
+
+  std::vector<float> rows(2 * 8, 1.0f);
+  CHECK_THROWS_AS(c.write_keys(2, 0, make_token_head_view<float const>(rows.data(), 2, 2, 4)),
+                  logic_error);
+  CHECK_THROWS_AS(c.write_keys(0, 4, make_token_head_view<float const>(rows.data(), 2, 2, 4)),
+                  logic_error);
+  CHECK_THROWS_AS(c.write_keys(0, 0, make_token_head_view<float const>(rows.data(), 2, 4, 2)),
+                  logic_error);
+  CHECK(c.keys()(0, 4, 0, 0) == tag(0, 0, 4, 0, 0));  // the refused writes wrote nothing
+  CHECK_THROWS_AS(c.keys(4, 2), logic_error);
+  CHECK_THROWS_AS(c.keys(0, 0), logic_error);
+  CHECK_THROWS_AS((kv_capture{small, 0}), logic_error);
+}
+
+TEST_CASE("store_captured_facts / encode_facts: ranges become facts, all or none", "[engine]")
+{
+  dtype const t = GENERATE(dtype::float32, dtype::bfloat16);
+  CAPTURE(to_string(t));
+  kv_store store = host_store(small, t);
+  fake_model model;
+  std::vector<std::int32_t> const tokens{10, 11, 12, 13, 14, 15};
+  std::vector<captured_fact> const facts{{1, 9, 0, {10, 11}}, {2, 9, 2, {12, 13, 14, 15}}};
+  encode_facts(model, store, tokens, 0, facts);
+  CHECK(model.calls == 1);
+  REQUIRE(store.num_facts() == 2);
+  CHECK(store.at(2).token_ids == std::vector<std::int32_t>{12, 13, 14, 15});
+  for (int l = 0; l < 2; ++l) {
+    for (int j = 0; j < 4; ++j) {
+      float const expected_k = tag(0, l, 2 + j, 1, 3);  // fact 2 starts at token 2
+      float const expected_v = tag(1, l, 2 + j, 0, 1);
+      float const rounded_k =
+        t == dtype::float32 ? expected_k : to_float(from_float<bfloat16_t>(expected_k));
+      float const rounded_v =
+        t == dtype::float32 ? expected_v : to_float(from_float<bfloat16_t>(expected_v));
+      CHECK(stored(store, 2, 0, l, j, 1, 3) == rounded_k);
+      CHECK(stored(store, 2, 1, l, j, 0, 1) == rounded_v);
+    }
+  }
+
+  std::uint64_t const version = store.version();
+  // A range whose ids differ from the encoded tokens, one outside them, a duplicate id, an id
+  // already stored: refused before the forward runs or before anything is stored.
+  CHECK_THROWS_AS(encode_facts(model, store, tokens, 0, {{3, 9, 0, {10, 99}}}), logic_error);
+  CHECK_THROWS_AS(encode_facts(model, store, tokens, 0, {{3, 9, 5, {15, 16}}}), logic_error);
+  CHECK_THROWS_AS(encode_facts(model, store, tokens, 0, {{3, 9, 0, {10}}, {3, 9, 1, {11}}}),
+                  logic_error);
+  CHECK_THROWS_AS(encode_facts(model, store, tokens, 0, {{4, 9, 0, {10}}, {1, 9, 1, {11}}}),
+                  logic_error);
+  CHECK(model.calls == 3);   // the last two ran the forward and were refused at storing
+  model.skip_values = true;  // an adapter whose hook misses V: refused, nothing stored
+  CHECK_THROWS_AS(encode_facts(model, store, tokens, 0, {{5, 9, 0, {10}}}), logic_error);
+  kv_store tiny     = host_store(small, t, 1);
+  model.skip_values = false;
+  CHECK_THROWS_AS(encode_facts(model, tiny, tokens, 0, {{1, 9, 0, {10, 11}}, {2, 9, 2, {12}}}),
+                  logic_error);  // two facts need two pages, one is free
+  CHECK(tiny.num_facts() == 0);
+  CHECK(store.version() == version);
+  CHECK(store.num_facts() == 2);
+}
+
+TEST_CASE("inject_memory_host: allocate, inject rotated keys into the adapter's slots, commit",
+          "[engine]")
+{
+  kv_store store = host_store(small);
+  fake_model model;
+  encode_facts(model, store, {1, 2, 3}, 0, {{7, 0, 0, {1, 2}}, {8, 0, 2, {3}}});
+  compose_options opts;
+  opts.first_position    = 40;
+  composition const plan = compose(store, {7, 8}, opts);
+  fake_cache cache{small};
+  inject_memory_host(store, plan, cache, model.rotation());
+  CHECK(cache.allocated_at == 40);
+  CHECK(cache.committed == std::vector<std::int64_t>{3});
+  // Token j went to slot 15 - j at position 40 + j: K rotated (adjacent... halves here: pairs
+  // (0, 2), (1, 3) with inv_freq 1 and 1e-2 for theta 1e4, head_dim 4), V copied.
+  for (int j = 0; j < 3; ++j) {
+    for (int l = 0; l < 2; ++l) {
+      for (int h = 0; h < 2; ++h) {
+        float const* k = cache.data.data() + l * 256 + (15 - j) * 8 + h * 4;
+        float const* v = k + 128;
+        for (int i = 0; i < 2; ++i) {
+          double const inv = std::pow(10000.0, -2.0 * i / 4.0);
+          double const a   = static_cast<float>(40 + j) * static_cast<float>(inv);
+          double const x = tag(0, l, j, h, i), y = tag(0, l, j, h, i + 2);
+          CAPTURE(j, l, h, i);
+          CHECK(k[i] == Approx(x * std::cos(a) - y * std::sin(a)).epsilon(1e-5).margin(1e-4));
+          CHECK(k[i + 2] == Approx(y * std::cos(a) + x * std::sin(a)).epsilon(1e-5).margin(1e-4));
+        }
+        for (int d = 0; d < 4; ++d) {
+          CHECK(v[d] == tag(1, l, j, h, d));
+        }
+      }
+    }
+  }
+  // Too few slots: refused before anything is written or committed.
+  std::vector<float> const before = cache.data;
+  cache.short_by                  = 1;
+  CHECK_THROWS_AS(inject_memory_host(store, plan, cache, model.rotation()), logic_error);
+  CHECK(cache.data == before);
+  CHECK(cache.committed.size() == 1);
+}
+
+TEST_CASE("fused multiply-add rotation: fma(x, c, -(y s)), fma(x, s, y c) on a flagged table",
+          "[engine][rope]")
+{
+  // Values where the fused and the separately rounded forms differ in fp32.
+  std::vector<float> table(2 * 4);
+  float const c = 0.8414709568f, s = 0.5403022766f;
+  table = {1, 1, 0, 0, c, c, s, s};  // row 0 identity, row 1 (cos, cos | sin, sin)
+  rope_params base{};
+  base.head_dim            = 4;
+  base.rotary_dim          = 4;
+  base.pairing             = rope_pairing::interleaved;
+  auto fused               = make_rope_cos_sin_table(base, table.data(), 2, false);
+  fused.fused_multiply_add = true;
+  auto plain               = fused;
+  plain.fused_multiply_add = false;
+  int differ               = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    float x[4];
+    for (int e = 0; e < 4; ++e) {
+      x[e] = std::ldexp(1.0f + 0.0137f * static_cast<float>(trial * 4 + e), trial % 7 - 3);
+    }
+    float a[4], b[4];
+    std::memcpy(a, x, sizeof x);
+    std::memcpy(b, x, sizeof x);
+    std::int64_t const pos = 1;
+    rope_apply_host(make_token_head_view(a, 1, 1, 4), &pos, 1, fused, rope_op::forward);
+    rope_apply_host(make_token_head_view(b, 1, 1, 4), &pos, 1, plain, rope_op::forward);
+    for (int p = 0; p < 2; ++p) {
+      float const x0 = x[2 * p], x1 = x[2 * p + 1];
+      CHECK(a[2 * p] == std::fma(x0, c, -(x1 * s)));
+      CHECK(a[2 * p + 1] == std::fma(x0, s, x1 * c));
+      float const s0 = x0 * c, s1 = x1 * s;  // separately rounded
+      CHECK(b[2 * p] == s0 - s1);
+      differ += a[2 * p] != b[2 * p] || a[2 * p + 1] != b[2 * p + 1];
+    }
+  }
+  CHECK(differ > 0);  // the flag changes results: it is not a no-op
+
+  // The injection path computes the same fused products.
+  kv_geometry const g{1, 1, 4};
+  kv_store store = host_store(g);
+  std::vector<float> k{1.37f, -2.11f, 0.093f, 5.5f}, v{1, 2, 3, 4};
+  store.insert<float>(1,
+                      0,
+                      {5},
+                      make_fact_kv_view<float const>(k.data(), 1, 1, 1, 4),
+                      make_fact_kv_view<float const>(v.data(), 1, 1, 1, 4));
+  std::vector<float> out(2 * 4 * 2, 0.0f);
+  paged_kv_cache cache =
+    make_contiguous_cache(dtype::float32, out.data(), {1, 2, 2, 1, 4}, {16, 8, 4, 4, 1});
+  compose_options opts;
+  opts.first_position = 1;
+  injection_batch batch{store};
+  batch.add(compose(store, {1}, opts), std::vector<std::int64_t>{0});
+  inject_host(store, batch, cache, fused);
+  CHECK(out[0] == std::fma(k[0], c, -(k[1] * s)));
+  CHECK(out[1] == std::fma(k[0], s, k[1] * c));
+  CHECK(out[2] == std::fma(k[2], c, -(k[3] * s)));
+  CHECK(out[3] == std::fma(k[2], s, k[3] * c));
+}
+
+TEST_CASE("kv_geometry / rope_spec from GGUF metadata", "[engine][rope]")
+{
+  // SmolLM2-135M-Instruct's keys (as llama.cpp's llama_model_meta_val_str prints them).
+  std::map<std::string, std::string> meta{{"general.architecture", "llama"},
+                                          {"llama.block_count", "30"},
+                                          {"llama.embedding_length", "576"},
+                                          {"llama.attention.head_count", "9"},
+                                          {"llama.attention.head_count_kv", "3"},
+                                          {"llama.rope.freq_base", "100000.000000"},
+                                          {"llama.rope.dimension_count", "64"},
+                                          {"llama.context_length", "8192"}};
+  auto lookup = [&](std::string const& k) -> std::optional<std::string> {
+    auto it = meta.find(k);
+    if (it == meta.end()) { return std::nullopt; }
+    return it->second;
+  };
+  CHECK(kv_geometry_from_gguf(lookup) == kv_geometry{30, 3, 64});
+  rope_spec spec = rope_spec_from_gguf(lookup, rope_pairing::interleaved);
+  CHECK(spec.head_dim == 64);
+  CHECK(spec.effective_rotary_dim() == 64);
+  CHECK(spec.theta == 100000.0);
+  CHECK(spec.scaling == rope_scaling::none);
+  CHECK(spec.pairing == rope_pairing::interleaved);
+  CHECK(spec.max_position == 8192);
+
+  meta["llama.rope.dimension_count"] = "32";  // partial rotary
+  CHECK(rope_spec_from_gguf(lookup, rope_pairing::halves).effective_rotary_dim() == 32);
+  meta["llama.rope.scaling.type"]   = "linear";
+  meta["llama.rope.scaling.factor"] = "4.0";
+  spec                              = rope_spec_from_gguf(lookup, rope_pairing::halves);
+  CHECK(spec.scaling == rope_scaling::linear);
+  CHECK(spec.factor == 4.0);
+  meta["llama.rope.scaling.type"]                    = "yarn";
+  meta["llama.rope.scaling.original_context_length"] = "2048";
+  spec = rope_spec_from_gguf(lookup, rope_pairing::halves);
+  CHECK(spec.scaling == rope_scaling::yarn);
+  CHECK(spec.original_max_position == 2048);
+  CHECK(spec.beta_fast == 32.0);
+  meta["llama.rope.scaling.type"] = "longrope";  // factors live in tensors: refused
+  CHECK_THROWS_AS(rope_spec_from_gguf(lookup, rope_pairing::halves), logic_error);
+  meta.erase("llama.rope.scaling.type");
+  meta.erase("llama.rope.scaling.factor");
+  meta["llama.attention.key_length"] = "96";
+  CHECK(kv_geometry_from_gguf(lookup).head_dim == 96);
+  meta["llama.attention.value_length"] = "64";
+  CHECK_THROWS_AS(kv_geometry_from_gguf(lookup), logic_error);
+  meta.erase("llama.attention.value_length");
+  meta["llama.block_count"] = "thirty";
+  CHECK_THROWS_AS(kv_geometry_from_gguf(lookup), logic_error);
+  meta.erase("llama.block_count");
+  CHECK_THROWS_AS(kv_geometry_from_gguf(lookup), logic_error);
+  meta.erase("general.architecture");
+  CHECK_THROWS_AS(rope_spec_from_gguf(lookup, rope_pairing::halves), logic_error);
+}
+
+TEST_CASE("rope_spec / kv_geometry from HF config.json", "[engine][rope]")
+{
+  using nlohmann::json;
+  // meta-llama/Llama-3.1-8B-Instruct (the fields rope reads).
+  json const llama = json::parse(R"({
+    "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "num_hidden_layers": 32, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"}})");
+  CHECK(kv_geometry_from_hf_config(llama) == kv_geometry{32, 8, 128});
+  rope_spec const s = rope_spec_from_hf_config(llama);
+  rope_spec const p = rope_presets::llama_3_1_8b();
+  CHECK(s.scaling == rope_scaling::llama3);
+  CHECK(s.theta == p.theta);
+  CHECK(s.factor == p.factor);
+  CHECK(s.original_max_position == p.original_max_position);
+  CHECK(s.inverse_frequencies() == p.inverse_frequencies());
+
+  // HuggingFaceTB/SmolLM2-135M-Instruct.
+  json const smol = json::parse(R"({"hidden_size": 576, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "num_hidden_layers": 30, "max_position_embeddings": 8192,
+    "rope_theta": 100000, "rope_scaling": null, "rope_interleaved": false})");
+  CHECK(kv_geometry_from_hf_config(smol) == kv_geometry{30, 3, 64});
+  CHECK(rope_spec_from_hf_config(smol).inverse_frequencies() ==
+        rope_presets::smollm2_135m().inverse_frequencies());
+
+  // YaRN without a factor: HF derives it from the two lengths; mscale 0 means absent.
+  json const yarn   = json::parse(R"({"head_dim": 128, "num_attention_heads": 32,
+    "num_hidden_layers": 2, "max_position_embeddings": 131072, "rope_theta": 10000,
+    "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 32768,
+                     "mscale": 0, "mscale_all_dim": 0}})");
+  rope_spec const y = rope_spec_from_hf_config(yarn);
+  CHECK(y.factor == 4.0);
+  CHECK_FALSE(y.mscale.has_value());
+  CHECK(y.attention_scaling() == Approx(0.1 * std::log(4.0) + 1.0));
+
+  // transformers v5: rope_parameters holds rope_theta.
+  json const v5     = json::parse(R"({"head_dim": 64, "num_attention_heads": 4,
+    "num_hidden_layers": 2, "partial_rotary_factor": 0.5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}})");
+  rope_spec const q = rope_spec_from_hf_config(v5);
+  CHECK(q.theta == 1000000.0);
+  CHECK(q.effective_rotary_dim() == 32);
+
+  CHECK_THROWS_AS(rope_spec_from_hf_config(
+                    json::parse(R"({"head_dim": 64, "rope_scaling": {"rope_type": "su-per"}})")),
+                  logic_error);
+  CHECK_THROWS_AS(kv_geometry_from_hf_config(json::parse(R"({"hidden_size": 10})")), logic_error);
+  CHECK_THROWS_AS(read_hf_config("/nonexistent/config.json"), logic_error);
+}

@@ -126,6 +126,73 @@ def index_table(entries):
             print("  " + n.ljust(width) + "  " + c)
 
 
+def usable(b):
+    if b.get("error_occurred") or b.get("skipped"):
+        return False
+    return not (b.get("run_type") == "aggregate" and b.get("aggregate_name") != "mean")
+
+
+def headline(entries):
+    """The few figures a newcomer reads first, each beside the baseline of the same run."""
+    lines = []
+    ttft = sorted((b for b in entries if b.get("name", "").startswith("engine/ttft") and usable(b)),
+                  key=lambda b: b.get("k", 0))
+    if ttft:
+        base = ttft[0].get("inferscale_ms")
+        lines.append("time to first token, llama.cpp + SmolLM2-135M (CPU, 1 thread), "
+                     "question of %d tokens:" % ttft[0].get("question_tokens", 0))
+        lines.append("  %4s %7s  %14s %16s %12s  %9s %11s %9s" % (
+            "k", "memory", "InferScale ms", "re-prefill ms", "query ms",
+            "speedup", "over floor", "vs k=%d" % ttft[0].get("k", 0)))
+        for b in ttft:
+            lines.append("  %4d %7d  %14.1f %16.1f %12.1f  %8.1fx %10.2fx %8.2fx" % (
+                b.get("k", 0), b.get("memory_tokens", 0), b.get("inferscale_ms", 0),
+                b.get("prefill_ms", 0), b.get("query_ms", 0), b.get("speedup", 0),
+                b.get("over_floor", 0), b.get("inferscale_ms", 0) / base if base else 0))
+    div = [b for b in entries if b.get("name", "").startswith("engine/divergence") and usable(b)]
+    for b in sorted(div, key=lambda b: b.get("k", 0)):
+        lines.append("divergence from joint prefill, k=%d: independently encoded facts KL %.3g "
+                     "nats/token, top-1 %.2f, greedy common %.2f; jointly encoded KL %.3g, "
+                     "top-1 %.2f" % (b.get("k", 0), b.get("kl_mean_independent", 0),
+                                     b.get("top1_independent", 0),
+                                     b.get("greedy_common_independent", 0),
+                                     b.get("kl_mean_joint", 0), b.get("top1_joint", 0)))
+    inject = [b for b in entries if b.get("name", "").startswith("inject/") and usable(b)
+              and "vs_copy" in b]
+    if inject:
+        ratios = sorted(b["vs_copy"] for b in inject)
+        lines.append("injection vs a plain copy of the same bytes (host): %.2f-%.2f of memcpy "
+                     "over %d cases" % (ratios[0], ratios[-1], len(ratios)))
+    search = [b for b in entries if b.get("name", "").startswith("index/") and usable(b)
+              and "QPS" in b]
+    if search:
+        best = max(search, key=lambda b: b.get("speedup", 0))
+        lines.append("fact index: graph search up to %.1fx exact search (%s, recall %.3f)" % (
+            best.get("speedup", 0), best.get("name", "?"), best.get("recall", 0)))
+        hn = [b for b in search if "vs_hnswlib" in b]
+        if hn:
+            r = sorted(b["vs_hnswlib"] for b in hn)
+            lines.append("fact index vs hnswlib at equal recall (host): %.2f-%.2fx over %d cases"
+                         % (r[0], r[-1], len(r)))
+    if lines:
+        print("\n==== headline ====")
+        for line in lines:
+            print(line)
+
+
+def collapse_skipped(rows):
+    """Runs skipped for the same reason (no GPU) become one line."""
+    out, skipped = [], {}
+    for r in rows:
+        if r[3].startswith("skipped: "):
+            skipped.setdefault(r[3], []).append(r[0])
+        else:
+            out.append(r)
+    for reason, names in skipped.items():
+        out.append(("%d runs" % len(names), "-", "-", reason + " (e.g. %s)" % names[0]))
+    return out
+
+
 def main(argv):
     combine = None
     if len(argv) >= 2 and argv[0] == "--combine":
@@ -165,6 +232,9 @@ def main(argv):
     if combine:
         with open(combine, "w", encoding="utf-8") as f:
             json.dump(combined, f, indent=1)
+    total_skipped = sum(1 for r in rows if r[3].startswith("skipped"))
+    total_runs = len(rows)
+    rows = collapse_skipped(rows)
     if rows:
         widths = [max(len(r[i]) for r in rows + [("benchmark", "time", "GB/s", "")])
                   for i in range(3)]
@@ -172,11 +242,12 @@ def main(argv):
         print("  ".join(h.ljust(w) for h, w in zip(header[:3], widths)) + "  " + header[3])
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
-        skipped = sum(1 for r in rows if r[3].startswith("skipped"))
-        print("%d runs, %d skipped, from %d file(s)" % (len(rows), skipped, len(argv)))
+        print("%d runs, %d skipped, from %d file(s)" % (total_runs, total_skipped, len(argv)))
     else:
         print("bench_summary: no benchmark runs in %d file(s)" % len(argv))
-    index_table([b for doc in combined.values() for b in doc.get("benchmarks", [])])
+    every = [b for doc in combined.values() for b in doc.get("benchmarks", [])]
+    index_table(every)
+    headline(every)
     for n in notes:
         print("note: " + n)
     return 0

@@ -1,0 +1,87 @@
+/**
+ * @file memory_setup.hpp
+ * @brief The demo memory (memory_data.hpp) stored through the llama.cpp adapter: the instruction
+ * prefix and every fact encoded once, each in its own forward (pre-RoPE K/V captured by the graph
+ * callback), into a host kv_store; and the same memory as plain prompt text for the baseline that
+ * re-prefills it. Shared by the demo and the TTFT benchmark.
+ */
+#pragma once
+
+#include "llama_adapter.hpp"
+#include "memory_data.hpp"
+
+#include <inferscale/compose.hpp>
+#include <inferscale/engine.hpp>
+#include <inferscale/store.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace inferscale::llama_cpp::demo {
+
+inline constexpr std::uint64_t prefix_id = 1;  ///< fact id of the instruction prefix
+inline constexpr std::uint64_t user_id   = 7;  ///< the demo user's namespace
+
+/// @brief Fact id of demo fact `i` (0-based).
+inline std::uint64_t fact_id(std::size_t i) { return 100 + i; }
+
+/// @brief A host store sized for the demo memory (fp32: the hook's K/V as captured).
+inline kv_store make_memory_store(kv_geometry const& geometry)
+{
+  kv_store_config config;
+  config.model       = geometry;
+  config.store_dtype = dtype::float32;
+  config.page_size   = 16;
+  config.num_pages   = 512;
+  config.memory      = memory_kind::host;
+  return kv_store{config};
+}
+
+/**
+ * @brief Encodes the prefix and the first `num_facts` facts, each in its own forward at position 0
+ * (a fact stored pre-RoPE carries no position), into `store`.
+ */
+inline void store_memory(model const& m,
+                         model_adapter& adapter,
+                         kv_store& store,
+                         std::size_t num_facts)
+{
+  auto const put = [&](std::string const& text, std::uint64_t id) {
+    std::vector<std::int32_t> const tokens = m.tokenize(text);
+    encode_facts(adapter, store, tokens, 0, {{id, user_id, 0, tokens}});
+  };
+  put(instruction_prefix, prefix_id);
+  for (std::size_t i = 0; i < num_facts; ++i) {
+    put(facts[i], fact_id(i));
+  }
+}
+
+/// @brief The composition of the prefix and facts `0 .. k-1` at position 0.
+inline composition compose_memory(kv_store const& store, std::size_t k)
+{
+  std::vector<std::uint64_t> ids;
+  for (std::size_t i = 0; i < k; ++i) {
+    ids.push_back(fact_id(i));
+  }
+  compose_options options;
+  options.first_position     = 0;
+  options.instruction_prefix = prefix_id;
+  return compose(store, ids, options);
+}
+
+/// @brief The baseline's prompt: the same prefix and facts as text tokens, then the question.
+inline std::vector<std::int32_t> prompt_with_memory(model const& m,
+                                                    std::size_t k,
+                                                    std::vector<std::int32_t> const& question)
+{
+  std::vector<std::int32_t> out = m.tokenize(instruction_prefix);
+  for (std::size_t i = 0; i < k; ++i) {
+    std::vector<std::int32_t> const t = m.tokenize(facts[i]);
+    out.insert(out.end(), t.begin(), t.end());
+  }
+  out.insert(out.end(), question.begin(), question.end());
+  return out;
+}
+
+}  // namespace inferscale::llama_cpp::demo

@@ -141,12 +141,13 @@ def headline(entries):
         base = ttft[0].get("inferscale_ms")
         lines.append("time to first token, llama.cpp + SmolLM2-135M (CPU, 1 thread), "
                      "question of %d tokens:" % ttft[0].get("question_tokens", 0))
-        lines.append("  %4s %7s  %14s %16s %12s  %9s %11s %9s" % (
-            "k", "memory", "InferScale ms", "re-prefill ms", "query ms",
+        lines.append("  %4s %7s  %14s %10s %12s %14s %9s  %8s %10s %8s" % (
+            "k", "memory", "InferScale ms", "(inject", "+ question)", "re-prefill ms", "query ms",
             "speedup", "over floor", "vs k=%d" % ttft[0].get("k", 0)))
         for b in ttft:
-            lines.append("  %4d %7d  %14.1f %16.1f %12.1f  %8.1fx %10.2fx %8.2fx" % (
+            lines.append("  %4d %7d  %14.1f %10.1f %12.1f %14.1f %9.1f  %7.1fx %9.2fx %7.2fx" % (
                 b.get("k", 0), b.get("memory_tokens", 0), b.get("inferscale_ms", 0),
+                b.get("inject_ms", 0), b.get("question_ms", 0),
                 b.get("prefill_ms", 0), b.get("query_ms", 0), b.get("speedup", 0),
                 b.get("over_floor", 0), b.get("inferscale_ms", 0) / base if base else 0))
     div = [b for b in entries if b.get("name", "").startswith("engine/divergence") and usable(b)]

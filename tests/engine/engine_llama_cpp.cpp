@@ -106,6 +106,24 @@ std::vector<std::uint64_t> fact_ids(segment const& s)
   return ids;
 }
 
+/// A context on the model, its model adapter, a segment of the prefix and `facts` facts, and an
+/// empty store.
+struct rig {
+  rig(bool flash_attention, std::size_t facts)
+    : m{the_model()},
+      ctx{m, options(flash_attention)},
+      adapter{ctx},
+      s{make_segment(m, facts)},
+      store{make_store(ctx.geometry())}
+  {
+  }
+  lc::model const& m;
+  lc::context ctx;
+  lc::model_adapter adapter;
+  segment s;
+  kv_store store;
+};
+
 /// Greedy answer after the sequence holds the segment: decode the question turn, generate.
 std::vector<std::int32_t> answer(lc::context& ctx,
                                  std::int32_t seq,
@@ -259,11 +277,8 @@ TEST_CASE(
 {
   bool const flash = GENERATE(true, false);
   CAPTURE(flash);
-  lc::model const& m = the_model();
-  lc::context ctx{m, options(flash)};
-  lc::model_adapter adapter{ctx};
-  segment const s = make_segment(m, 5);
-  kv_store store  = make_store(ctx.geometry());
+  rig r{flash, 5};
+  auto& [m, ctx, adapter, s, store] = r;
   // One forward over prefix + facts; each piece stored as its own fact (pre-RoPE).
   encode_facts(adapter, store, s.tokens, 0, s.pieces);
   REQUIRE(store.num_facts() == 6);
@@ -312,11 +327,8 @@ TEST_CASE(
   "prefilled there",
   "[llama]")
 {
-  lc::model const& m = the_model();
-  lc::context ctx{m, options(true)};
-  lc::model_adapter adapter{ctx};
-  segment const s = make_segment(m, 5);
-  kv_store store  = make_store(ctx.geometry());
+  rig r{true, 5};
+  auto& [m, ctx, adapter, s, store] = r;
   encode_facts(adapter, store, s.tokens, 0, s.pieces);  // encoded at 0, stored pre-RoPE
 
   std::int64_t const p0 = 1000;
@@ -438,11 +450,8 @@ TEST_CASE(
   "attention)",
   "[llama]")
 {
-  lc::model const& m = the_model();
-  lc::context ctx{m, options(true)};
-  lc::model_adapter adapter{ctx};
-  segment const s = make_segment(m, 5);
-  kv_store store  = make_store(ctx.geometry());
+  rig r{true, 5};
+  auto& [m, ctx, adapter, s, store] = r;
   // Each piece in its own forward, at position 0 (stored pre-RoPE, so the encoding position is
   // irrelevant to relocation; what is missing is the context of the pieces before it).
   for (captured_fact const& piece : s.pieces) {

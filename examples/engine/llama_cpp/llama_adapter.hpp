@@ -281,12 +281,6 @@ inline dtype cache_dtype_of(std::int32_t ggml_type_id)
   }
 }
 
-template <class T>
-void put(std::vector<std::uint8_t>& out, T v)
-{
-  auto const* p = reinterpret_cast<std::uint8_t const*>(&v);
-  out.insert(out.end(), p, p + sizeof(T));
-}
 }  // namespace detail
 
 /**
@@ -415,63 +409,73 @@ inline state_layout parse_state(std::uint8_t const* data,
 }
 
 /**
- * @brief A blob of `positions.size()` cells of sequence `seq_id` at those positions, in `format`,
- * K and V rows zeroed (to be written by injection). Returns the blob; `layout` receives where its
- * rows lie.
+ * @brief Lays out in `out` a blob of `positions.size()` cells of sequence `seq_id` at those
+ * positions, in `format`; `layout` receives where its rows lie. The K and V rows are not cleared
+ * (bytes `out` already held stay, new bytes are zero): injection overwrites every row, and reusing
+ * one buffer per sequence keeps a request from allocating and zeroing megabytes.
  */
-inline std::vector<std::uint8_t> make_state(state_format const& format,
-                                            kv_geometry const& geometry,
-                                            std::int32_t seq_id,
-                                            std::vector<std::int32_t> const& positions,
-                                            state_layout& layout)
+inline void make_state(state_format const& format,
+                       kv_geometry const& geometry,
+                       std::int32_t seq_id,
+                       std::vector<std::int32_t> const& positions,
+                       state_layout& layout,
+                       std::vector<std::uint8_t>& out)
 {
   if (positions.empty()) { throw engine_error("make_state: no cells"); }
   std::uint32_t const cells = static_cast<std::uint32_t>(positions.size());
-  std::vector<std::uint8_t> out;
   std::uint64_t const row_elements =
     static_cast<std::uint64_t>(geometry.elements_per_token_layer());
   std::uint64_t const v_bytes =
     format.v_trans ? std::uint64_t{format.v_el_bytes} * row_elements : format.v_row_bytes;
-  out.reserve(16 + 12 * cells + format.n_layer * (24 + (format.k_row_bytes + v_bytes) * cells));
+  std::uint64_t const v_header = 12;  // type + (u64 row bytes | u32 element bytes + u32 n_embd)
+  std::size_t const total      = 12 + 4 * format.n_stream + 12 * std::size_t{cells} + 8 +
+                            format.n_layer * (12 + format.k_row_bytes * cells) +
+                            format.n_layer * (v_header + v_bytes * cells);
+  out.resize(total);
+  std::size_t at = 0;
+  auto const put = [&](auto v) {
+    std::memcpy(out.data() + at, &v, sizeof(v));
+    at += sizeof(v);
+  };
   layout            = state_layout{};
   layout.format     = format;
   layout.seq_id     = seq_id;
   layout.stream     = 0;
   layout.cell_count = cells;
   layout.positions  = positions;
-  detail::put(out, state_magic);
-  detail::put(out, seq_id);
-  detail::put(out, format.n_stream);
+  put(state_magic);
+  put(seq_id);
+  put(format.n_stream);
   for (std::uint32_t s = 0; s < format.n_stream; ++s) {
-    detail::put(out, s == 0 ? cells : std::uint32_t{0});
+    put(s == 0 ? cells : std::uint32_t{0});
     if (s != 0) { continue; }
     for (std::int32_t p : positions) {
-      detail::put(out, p);
-      detail::put(out, std::uint32_t{1});
-      detail::put(out, seq_id);
+      put(p);
+      put(std::uint32_t{1});
+      put(seq_id);
     }
-    detail::put(out, format.v_trans);
-    detail::put(out, format.n_layer);
+    put(format.v_trans);
+    put(format.n_layer);
     for (std::uint32_t l = 0; l < format.n_layer; ++l) {
-      detail::put(out, format.k_type);
-      detail::put(out, format.k_row_bytes);
-      layout.key_rows.push_back(out.size());
-      out.resize(out.size() + format.k_row_bytes * cells, 0);
+      put(format.k_type);
+      put(format.k_row_bytes);
+      layout.key_rows.push_back(at);
+      at += static_cast<std::size_t>(format.k_row_bytes * cells);
     }
     for (std::uint32_t l = 0; l < format.n_layer; ++l) {
-      detail::put(out, format.v_type);
+      put(format.v_type);
       if (format.v_trans == 0) {
-        detail::put(out, format.v_row_bytes);
+        put(format.v_row_bytes);
       } else {
-        detail::put(out, format.v_el_bytes);
-        detail::put(out, format.n_embd_v);
+        put(format.v_el_bytes);
+        put(format.n_embd_v);
       }
-      layout.value_rows.push_back(out.size());
-      out.resize(out.size() + v_bytes * cells, 0);
+      layout.value_rows.push_back(at);
+      at += static_cast<std::size_t>(v_bytes * cells);
     }
   }
-  layout.size = out.size();
-  return out;
+  if (at != total) { throw engine_error("make_state: internal size mismatch"); }
+  layout.size = total;
 }
 
 /**
@@ -890,7 +894,7 @@ class sequence_cache {
     for (std::int64_t j = 0; j < tokens; ++j) {
       positions[static_cast<std::size_t>(j)] = static_cast<std::int32_t>(first_position + j);
     }
-    blob_  = make_state(ctx_->format(), ctx_->geometry(), seq_, positions, layout_);
+    make_state(ctx_->format(), ctx_->geometry(), seq_, positions, layout_, blob_);
     cache_ = describe_state(blob_.data(), layout_, ctx_->geometry());
     std::vector<std::int64_t> slots(static_cast<std::size_t>(tokens));
     for (std::int64_t j = 0; j < tokens; ++j) {

@@ -802,6 +802,11 @@ class context {
 /**
  * @brief Model adapter (engine.hpp): geometry, llama.cpp's own rotation table, and encode() —
  * one forward in the context's scratch sequence with the graph callback capturing pre-RoPE K/V.
+ *
+ * @note Bit-exact fidelity holds for a forward over the same tokens at the same positions in an
+ *       otherwise empty context: llama.cpp's CPU attention visits the masked cells of other
+ *       sequences in its unified cache and rounds differently when they are there (measured: the
+ *       keys of layers >= 1 then differ from a prefill in an empty context by up to ~0.1).
  */
 class model_adapter {
  public:

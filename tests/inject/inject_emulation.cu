@@ -271,6 +271,12 @@ void check_all(int sm_count)
     check_inject<Pair>(
       ly, s, store, make_rope_cos_sin_table(params, table.data(), 2048, true), sm_count);
   }
+  SECTION("engine cos/sin table, fused multiply-adds (llama.cpp's CPU rope)")
+  {
+    auto fused               = make_rope_cos_sin_table(params, table.data(), 2048, false);
+    fused.fused_multiply_add = true;
+    check_inject<Pair>(ly, s, store, fused, sm_count);
+  }
 }
 
 }  // namespace

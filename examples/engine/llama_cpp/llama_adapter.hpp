@@ -640,20 +640,22 @@ class context {
 
   /**
    * @brief Greedy generation after a prefill: takes the token the last logits choose, decodes it at
-   * `next_position`, and so on, `max_tokens` tokens or until an end-of-generation token.
+   * `next_position`, and so on, `max_tokens` tokens or (with `stop_at_end`) until an
+   * end-of-generation token.
    * @param logits_out if given, receives each step's logits (before choosing).
    */
   std::vector<std::int32_t> generate(std::int32_t seq,
                                      std::int64_t next_position,
                                      std::int32_t max_tokens,
-                                     std::vector<std::vector<float>>* logits_out = nullptr)
+                                     std::vector<std::vector<float>>* logits_out = nullptr,
+                                     bool stop_at_end                            = true)
   {
     std::vector<std::int32_t> out;
     for (std::int32_t i = 0; i < max_tokens; ++i) {
       if (logits_out) { logits_out->push_back(last_logits()); }
       std::int32_t const token = greedy_token();
       out.push_back(token);
-      if (model_->is_end_of_generation(token)) { break; }
+      if (stop_at_end && model_->is_end_of_generation(token)) { break; }
       decode(seq, {token}, next_position + i);
     }
     return out;

@@ -426,6 +426,29 @@ TEST_CASE("rope_spec / kv_geometry from HF config.json", "[engine][rope]")
   CHECK(q.theta == 1000000.0);
   CHECK(q.effective_rotary_dim() == 32);
 
+  // microsoft/Phi-3.5-mini-instruct: LongRoPE, original_max_position_embeddings at the top level
+  // (its factor lists as published, held by the preset).
+  rope_spec const phi = rope_presets::phi_3_5_mini();
+  json const phi_config{
+    {"hidden_size", 3072},
+    {"num_attention_heads", 32},
+    {"num_key_value_heads", 32},
+    {"num_hidden_layers", 32},
+    {"max_position_embeddings", 131072},
+    {"original_max_position_embeddings", 4096},
+    {"rope_theta", 10000.0},
+    {"rope_scaling",
+     {{"type", "longrope"}, {"short_factor", phi.short_factor}, {"long_factor", phi.long_factor}}}};
+  rope_spec const l = rope_spec_from_hf_config(phi_config);
+  CHECK(kv_geometry_from_hf_config(phi_config) == kv_geometry{32, 32, 96});
+  CHECK(l.scaling == rope_scaling::longrope);
+  CHECK(l.original_max_position == 4096);
+  for (std::int64_t length : {100, 5000}) {
+    CHECK(l.inverse_frequencies(length) == phi.inverse_frequencies(length));
+  }
+  // sqrt(1 + ln(131072 / 4096) / ln 4096), the attention factor LongRoPE derives.
+  CHECK(l.attention_scaling() == Approx(std::sqrt(1.0 + std::log(32.0) / std::log(4096.0))));
+
   CHECK_THROWS_AS(rope_spec_from_hf_config(
                     json::parse(R"({"head_dim": 64, "rope_scaling": {"rope_type": "su-per"}})")),
                   logic_error);

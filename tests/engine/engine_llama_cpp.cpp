@@ -292,22 +292,22 @@ TEST_CASE(
   composition const plan  = compose(store, fact_ids(s), opts);
   REQUIRE(plan.token_ids == s.tokens);
 
-  // Sequence 0: InferScale injection. Sequence... the same context's state is compared through
-  // blobs: prefill in sequence 0 first, read its state, clear, then inject.
+  // The engine's own prefill in this context; the injection into a fresh context of the same
+  // model, which has never seen the text.
   ctx.decode(0, s.tokens, 0);
   std::vector<std::uint8_t> const prefilled = ctx.state(0);
-  ctx.clear(0);
-  lc::sequence_cache cache{ctx, 0};
+  lc::context fresh{m, options(flash)};
+  lc::sequence_cache cache{fresh, 0};
   inject_memory_host(store, plan, cache, adapter.rotation());
-  REQUIRE(ctx.max_position(0) == static_cast<std::int32_t>(s.tokens.size()) - 1);
-  std::vector<std::uint8_t> const injected = ctx.state(0);
+  REQUIRE(fresh.max_position(0) == static_cast<std::int32_t>(s.tokens.size()) - 1);
+  std::vector<std::uint8_t> const injected = fresh.state(0);
   REQUIRE(injected.size() == prefilled.size());
   std::int64_t const differing =
     differing_halves(injected.data(), prefilled.data(), injected.size());
   CHECK(differing == 0);  // the whole sequence state, byte for byte (cells, K and V)
   CHECK(same_bytes(injected, prefilled));
 
-  // Identical greedy answers for several questions (fresh sequence state each time).
+  // Identical greedy continuations for several questions (the memory set anew each time).
   for (std::string const& q : demo::questions) {
     CAPTURE(q);
     std::vector<std::int32_t> const question = m.tokenize(demo::question_turn(q));
@@ -315,9 +315,9 @@ TEST_CASE(
     ctx.clear(0);
     ctx.decode(0, s.tokens, 0);
     std::vector<std::int32_t> const reference = answer(ctx, 0, question, p);
-    ctx.clear(0);
+    fresh.clear(0);
     inject_memory_host(store, plan, cache, adapter.rotation());
-    std::vector<std::int32_t> const ours = answer(ctx, 0, question, p);
+    std::vector<std::int32_t> const ours = answer(fresh, 0, question, p);
     INFO("engine:     " << m.detokenize(reference));
     INFO("InferScale: " << m.detokenize(ours));
     CHECK(reference.size() == 32);

@@ -198,19 +198,20 @@ TEST_CASE("llama.cpp: the engine's rotation table is the running fp32 product", 
 TEST_CASE("llama.cpp: hook-captured pre-RoPE K rotated by the library equals the engine's cache",
           "[llama]")
 {
-  bool const flash = GENERATE(true, false);
-  CAPTURE(flash);
+  bool const flash      = GENERATE(true, false);
+  std::int64_t const p0 = GENERATE(0, 5000);  // where float(p) * inv_freq drifts by ~1e-3 rad
+  CAPTURE(flash, p0);
   lc::model const& m = the_model();
   lc::context ctx{m, options(flash)};
   CHECK(ctx.format().v_trans == (flash ? 0u : 1u));  // flash attention off stores V transposed
   lc::model_adapter adapter{ctx};
   segment const s = make_segment(m, 5);
   kv_capture capture{adapter.geometry(), static_cast<std::int64_t>(s.tokens.size())};
-  adapter.encode(s.tokens, 0, capture);
+  adapter.encode(s.tokens, p0, capture);
   REQUIRE(capture.complete());
 
   // The engine's own prefill of the same tokens, read back as its sequence state.
-  ctx.decode(0, s.tokens, 0);
+  ctx.decode(0, s.tokens, p0);
   std::vector<std::uint8_t> blob = ctx.state(0);
   lc::state_layout const layout  = lc::parse_state(blob.data(), blob.size(), ctx.geometry());
   REQUIRE(layout.cell_count == s.tokens.size());
@@ -224,12 +225,14 @@ TEST_CASE("llama.cpp: hook-captured pre-RoPE K rotated by the library equals the
   std::int64_t const T                  = static_cast<std::int64_t>(s.tokens.size());
   std::vector<std::int64_t> positions(static_cast<std::size_t>(T));
   for (std::int64_t t = 0; t < T; ++t) {
-    positions[static_cast<std::size_t>(t)] = t;
+    positions[static_cast<std::size_t>(t)] = p0 + t;
   }
-  std::int64_t differ_fused = 0, differ_plain = 0, differ_v = 0, elements = 0;
+  // The library's own angles, float(p) * inv_freq as HF and vLLM form them, for comparison.
+  rope_params const hf_angles = make_rope_params(adapter.spec());
+  std::int64_t differ_fused = 0, differ_plain = 0, differ_hf = 0, differ_v = 0, elements = 0;
   double largest_plain = 0;
   for (std::int32_t l = 0; l < 30; ++l) {
-    std::vector<float> kf(static_cast<std::size_t>(T * 192)), kp;
+    std::vector<float> kf(static_cast<std::size_t>(T * 192));
     std::vector<float> v(static_cast<std::size_t>(T * 192));
     for (std::int64_t t = 0; t < T; ++t) {
       for (int e = 0; e < 192; ++e) {
@@ -237,7 +240,10 @@ TEST_CASE("llama.cpp: hook-captured pre-RoPE K rotated by the library equals the
         v[static_cast<std::size_t>(t * 192 + e)]  = capture.values()(l, t, e / 64, e % 64);
       }
     }
-    kp = kf;
+    std::vector<float> kp(kf.begin(), kf.end());
+    std::vector<float> kh(kf.begin(), kf.end());
+    rope_apply_host(
+      make_token_head_view(kh.data(), T, 3, 64), positions.data(), T, hf_angles, rope_op::forward);
     rope_apply_host(
       make_token_head_view(kf.data(), T, 3, 64), positions.data(), T, fused, rope_op::forward);
     rope_apply_host(
@@ -252,6 +258,8 @@ TEST_CASE("llama.cpp: hook-captured pre-RoPE K rotated by the library equals the
           std::size_t const i   = static_cast<std::size_t>(t * 192 + h * 64 + d);
           half_t const kf16     = from_float<half_t>(kf[i]);
           half_t const kp16     = from_float<half_t>(kp[i]);
+          half_t const kh16     = from_float<half_t>(kh[i]);
+          differ_hf += std::memcmp(&kh16, &k_engine, 2) != 0;
           differ_fused += std::memcmp(&kf16, &k_engine, 2) != 0;
           if (std::memcmp(&kp16, &k_engine, 2) != 0) {
             ++differ_plain;
@@ -265,11 +273,14 @@ TEST_CASE("llama.cpp: hook-captured pre-RoPE K rotated by the library equals the
       }
     }
   }
-  WARN("capture vs engine cache over "
-       << elements << " K elements: " << differ_fused << " differ with fused multiply-adds, "
-       << differ_plain << " (largest " << largest_plain << ") with separately rounded products");
+  WARN("capture at positions " << p0 << ".. vs engine cache over " << elements << " K elements: "
+                               << differ_fused << " differ with fused multiply-adds, "
+                               << differ_plain << " (largest " << largest_plain
+                               << ") with separately rounded products, " << differ_hf
+                               << " with float(p) * inv_freq angles");
   CHECK(elements == T * 30 * 192);
   CHECK(differ_fused == 0);
+  if (p0 > 0) { CHECK(differ_hf > differ_plain); }  // the engine's own table is what makes it exact
   CHECK(differ_v == 0);
 }
 

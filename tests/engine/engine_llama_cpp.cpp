@@ -57,11 +57,12 @@ lc::model const& the_model()
   return *m;
 }
 
-lc::context_options options(bool flash_attention)
+lc::context_options options(bool flash_attention, std::uint32_t n_batch = 512)
 {
   lc::context_options o;
   o.flash_attention = flash_attention;
   o.n_threads       = 1;
+  o.n_batch         = n_batch;
   return o;
 }
 
@@ -200,9 +201,11 @@ TEST_CASE("llama.cpp: hook-captured pre-RoPE K rotated by the library equals the
 {
   bool const flash      = GENERATE(true, false);
   std::int64_t const p0 = GENERATE(0, 5000);  // where float(p) * inv_freq drifts by ~1e-3 rad
-  CAPTURE(flash, p0);
+  // 512: one batch; 32: the 110 tokens in 4 batches, so the hook's rows arrive in pieces
+  std::uint32_t const n_batch = GENERATE(512u, 32u);
+  CAPTURE(flash, p0, n_batch);
   lc::model const& m = the_model();
-  lc::context ctx{m, options(flash)};
+  lc::context ctx{m, options(flash, n_batch)};
   CHECK(ctx.format().v_trans == (flash ? 0u : 1u));  // flash attention off stores V transposed
   lc::model_adapter adapter{ctx};
   segment const s = make_segment(m, 5);

@@ -10,6 +10,7 @@
 #   INFERSCALE_PREFIX_PATH "<site>/librmm;<site>/libraft;<site>/rapids_logger" (for CMAKE_PREFIX_PATH)
 #   INFERSCALE_JOBS        parallel build jobs (nproc)
 #
+# inferscale_engine_env installs the reference engine (.ci/engine) and exports its two paths.
 # inferscale_env refreshes the variables (call it again after .ci/setup has created the venv).
 
 INFERSCALE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -45,6 +46,21 @@ inferscale_banner() {
 # inferscale_seconds_since <epoch seconds>: elapsed seconds.
 inferscale_seconds_since() {
   echo $(( $(date +%s) - $1 ))
+}
+
+# inferscale_engine_env: runs .ci/engine (builds llama.cpp and fetches SmolLM2 once per machine,
+# cached) and exports INFERSCALE_LLAMA_CPP_DIR and INFERSCALE_SMOLLM2_GGUF, which the presets read.
+inferscale_engine_env() {
+  inferscale_banner "engine: llama.cpp + SmolLM2 (.ci/engine)"
+  local t output key value
+  t=$(date +%s)
+  output=$(bash "$INFERSCALE_ROOT/.ci/engine") || return 1
+  while IFS='=' read -r key value; do
+    if [[ $key == INFERSCALE_LLAMA_CPP_DIR || $key == INFERSCALE_SMOLLM2_GGUF ]]; then
+      export "$key=$value"
+    fi
+  done <<<"$output"
+  echo "engine: $(inferscale_seconds_since "$t") s ($INFERSCALE_LLAMA_CPP_DIR)"
 }
 
 inferscale_env

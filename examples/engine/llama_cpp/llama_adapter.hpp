@@ -20,6 +20,7 @@
  */
 #pragma once
 
+#include <inferscale/encoding.hpp>
 #include <inferscale/engine.hpp>
 
 #include <ggml-backend.h>
@@ -529,6 +530,9 @@ struct context_options {
   std::int32_t n_threads{1};   ///< one thread: 2 OpenMP threads on shared cores can collapse
   bool flash_attention{true};  ///< on: V rows as tokens; off: V stored transposed
   std::uint32_t n_seq_max{2};  ///< the last sequence is the adapter's scratch sequence
+  /// Extra sequences (ids n_seq_max .. n_seq_max + n_branch_seq - 1) for model_adapter's
+  /// encode_branches: that many facts branch off a trunk per forward; 0 = no branching.
+  std::uint32_t n_branch_seq{0};
 };
 
 /**
@@ -547,7 +551,12 @@ class context {
     params.n_ctx                = options.n_ctx;
     params.n_batch              = options.n_batch;
     params.n_ubatch             = options.n_batch;
-    params.n_seq_max            = options.n_seq_max;
+    if (options.n_seq_max + options.n_branch_seq > 256) {  // LLAMA_MAX_SEQ in llama-cparams.h
+      throw engine_error("llama_cpp::context: n_seq_max + n_branch_seq = " +
+                         std::to_string(options.n_seq_max + options.n_branch_seq) +
+                         " exceeds llama.cpp's 256 sequences");
+    }
+    params.n_seq_max            = options.n_seq_max + options.n_branch_seq;
     params.n_threads            = options.n_threads;
     params.n_threads_batch      = options.n_threads;
     params.flash_attn_type =
@@ -571,6 +580,57 @@ class context {
   std::int32_t scratch_sequence() const noexcept
   {
     return static_cast<std::int32_t>(options_.n_seq_max) - 1;
+  }
+
+  /// @brief First of the options().n_branch_seq branch sequences.
+  std::int32_t first_branch_sequence() const noexcept
+  {
+    return static_cast<std::int32_t>(options_.n_seq_max);
+  }
+
+  /// @brief Sequence `to` gets the cells of `from` at positions [p0, p1) (shared, not copied: the
+  /// cache is unified).
+  void copy_sequence(std::int32_t from, std::int32_t to, std::int64_t p0, std::int64_t p1)
+  {
+    llama_memory_seq_cp(llama_get_memory(ctx_.get()), from, to, static_cast<llama_pos>(p0),
+                        static_cast<llama_pos>(p1));
+  }
+
+  /**
+   * @brief One llama_decode of tokens of several sequences: token i of `seqs[i]` at
+   * `positions[i]` (at most n_batch tokens); logits for the last token only.
+   * @throw engine_error if llama.cpp refuses the batch or the capture hook failed.
+   */
+  void decode_tokens(std::vector<std::int32_t> const& tokens,
+                     std::vector<std::int64_t> const& positions,
+                     std::vector<std::int32_t> const& seqs)
+  {
+    std::size_t const n = tokens.size();
+    if (n == 0 || positions.size() != n || seqs.size() != n || n > options_.n_batch) {
+      throw engine_error("llama_cpp::context::decode_tokens: " + std::to_string(n) +
+                         " tokens (at most n_batch = " + std::to_string(options_.n_batch) +
+                         ", one position and sequence each)");
+    }
+    llama_batch batch = llama_batch_init(static_cast<std::int32_t>(n), 0, 1);
+    batch.n_tokens    = static_cast<std::int32_t>(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      batch.token[i]     = tokens[i];
+      batch.pos[i]       = static_cast<llama_pos>(positions[i]);
+      batch.n_seq_id[i]  = 1;
+      batch.seq_id[i][0] = seqs[i];
+      batch.logits[i]    = i + 1 == n ? 1 : 0;
+    }
+    std::int32_t const rc = llama_decode(ctx_.get(), batch);
+    llama_batch_free(batch);
+    if (!capture_error_.empty()) {
+      std::string const e = capture_error_;
+      capture_error_.clear();
+      throw engine_error("llama_cpp capture: " + e);
+    }
+    if (rc != 0) {
+      throw engine_error("llama_decode returned " + std::to_string(rc) + " for a batch of " +
+                         std::to_string(n) + " tokens of several sequences");
+    }
   }
 
   /// @brief Removes every cell of sequence `seq`.
@@ -686,15 +746,16 @@ class context {
     }
   }
 
-  /// @brief While set, the graph callback copies pre-RoPE K and V of every forward into it.
-  void begin_capture(kv_capture& capture)
+  /// @brief While set, the graph callback copies pre-RoPE K and V of every forward into it, the
+  /// first token of the next forward to row `first_row`, the following ones after it.
+  void begin_capture(kv_capture& capture, std::int64_t first_row = 0)
   {
     if (!(capture.geometry() == geometry_)) {
       throw engine_error("llama_cpp capture: the buffer's geometry differs from the model's");
     }
     capture_ = &capture;
-    key_tokens_.assign(static_cast<std::size_t>(geometry_.num_layers), 0);
-    value_tokens_.assign(static_cast<std::size_t>(geometry_.num_layers), 0);
+    key_tokens_.assign(static_cast<std::size_t>(geometry_.num_layers), first_row);
+    value_tokens_.assign(static_cast<std::size_t>(geometry_.num_layers), first_row);
     last_key_.assign(static_cast<std::size_t>(geometry_.num_layers), nullptr);
     capture_error_.clear();
   }
@@ -864,7 +925,125 @@ class model_adapter {
     }
   }
 
+  /**
+   * @brief Context-window encoding with branching (encoding.hpp's has_encode_branches_v): the
+   * trunk runs once in the scratch sequence (not captured); then up to `n_branch_seq` facts per
+   * forward, each in its own branch sequence that shares the trunk's cells at positions
+   * `[first_position, first_position + attach)` (llama_memory_seq_cp), so it sees those and
+   * itself only. The branches' pre-RoPE K/V go to `out`, branch 0's tokens first.
+   * With `n_branch_seq == 0` every branch is its own forward over `trunk[0, attach) + fact`.
+   *
+   * @note K/V agree with a separate forward per fact to llama.cpp's rounding, not bit for bit:
+   *       its CPU attention rounds differently when other sequences' cells are present.
+   */
+  void encode_branches(std::vector<std::int32_t> const& trunk,
+                       std::int64_t first_position,
+                       std::vector<encoding_branch> const& branches,
+                       kv_capture& out)
+  {
+    std::int64_t rows = 0;
+    std::int64_t longest = 0;
+    for (encoding_branch const& b : branches) {
+      if (b.attach < 0 || b.attach > static_cast<std::int64_t>(trunk.size()) ||
+          b.token_ids.empty() || b.position != first_position + b.attach) {
+        throw engine_error("model_adapter::encode_branches: fact " + std::to_string(b.fact_id) +
+                           " does not attach inside the trunk at its position");
+      }
+      rows += static_cast<std::int64_t>(b.token_ids.size());
+      longest = std::max(longest, static_cast<std::int64_t>(b.token_ids.size()));
+    }
+    if (rows != out.num_tokens()) {
+      throw engine_error("model_adapter::encode_branches: " + std::to_string(rows) +
+                         " branch tokens for a capture of " + std::to_string(out.num_tokens()));
+    }
+    context_options const& o = ctx_->options();
+    if (o.n_branch_seq == 0) {
+      std::int64_t row = 0;
+      for (encoding_branch const& b : branches) {
+        std::vector<std::int32_t> tokens(trunk.begin(), trunk.begin() + b.attach);
+        tokens.insert(tokens.end(), b.token_ids.begin(), b.token_ids.end());
+        kv_capture one{geometry(), static_cast<std::int64_t>(tokens.size())};
+        encode(tokens, first_position, one);
+        std::int64_t const n = static_cast<std::int64_t>(b.token_ids.size());
+        for (std::int32_t l = 0; l < geometry().num_layers; ++l) {
+          out.write_keys(l, row, layer_rows(one.keys(b.attach, n), l));
+          out.write_values(l, row, layer_rows(one.values(b.attach, n), l));
+        }
+        row += n;
+      }
+      return;
+    }
+    if (static_cast<std::int64_t>(trunk.size()) + static_cast<std::int64_t>(o.n_batch) >
+        static_cast<std::int64_t>(o.n_ctx)) {
+      throw engine_error("model_adapter::encode_branches: a trunk of " +
+                         std::to_string(trunk.size()) + " tokens and a batch of " +
+                         std::to_string(o.n_batch) + " branch tokens exceed the context's " +
+                         std::to_string(o.n_ctx) + " cells");
+    }
+    if (longest > static_cast<std::int64_t>(o.n_batch)) {
+      throw engine_error("model_adapter::encode_branches: a fact of " + std::to_string(longest) +
+                         " tokens exceeds n_batch = " + std::to_string(o.n_batch));
+    }
+    std::int32_t const scratch = ctx_->scratch_sequence();
+    std::int32_t const first   = ctx_->first_branch_sequence();
+    auto clear_all             = [&] {
+      ctx_->clear(scratch);
+      for (std::uint32_t i = 0; i < o.n_branch_seq; ++i) {
+        ctx_->clear(first + static_cast<std::int32_t>(i));
+      }
+    };
+    clear_all();
+    try {
+      if (!trunk.empty()) { ctx_->decode(scratch, trunk, first_position); }
+      std::int64_t row = 0;
+      std::size_t next = 0;
+      while (next < branches.size()) {
+        std::vector<std::int32_t> tokens, seqs;
+        std::vector<std::int64_t> positions;
+        std::uint32_t used = 0;
+        while (next < branches.size() && used < o.n_branch_seq &&
+               tokens.size() + branches[next].token_ids.size() <= o.n_batch) {
+          encoding_branch const& b = branches[next];
+          std::int32_t const seq   = first + static_cast<std::int32_t>(used);
+          if (b.attach > 0) {
+            ctx_->copy_sequence(scratch, seq, first_position, first_position + b.attach);
+          }
+          for (std::size_t j = 0; j < b.token_ids.size(); ++j) {
+            tokens.push_back(b.token_ids[j]);
+            positions.push_back(b.position + static_cast<std::int64_t>(j));
+            seqs.push_back(seq);
+          }
+          ++used;
+          ++next;
+        }
+        ctx_->begin_capture(out, row);
+        ctx_->decode_tokens(tokens, positions, seqs);
+        ctx_->end_capture();
+        row += static_cast<std::int64_t>(tokens.size());
+        for (std::uint32_t i = 0; i < used; ++i) {
+          ctx_->clear(first + static_cast<std::int32_t>(i));
+        }
+      }
+    } catch (...) {
+      ctx_->end_capture();
+      clear_all();
+      throw;
+    }
+    clear_all();
+    if (!out.complete()) {
+      throw engine_error(
+        "model_adapter::encode_branches: the graph callback did not deliver K and V of every "
+        "layer and branch token");
+    }
+  }
+
  private:
+  static token_head_view<float const> layer_rows(fact_kv_view<float const> v, std::int32_t l)
+  {
+    return make_token_head_view<float const>(v.data_handle() + v.mapping()(l, 0, 0, 0), v.extent(1), v.extent(2), v.extent(3),
+                                             v.stride(1), v.stride(2), v.stride(3));
+  }
+
   context* ctx_;
   rope_spec spec_;
   std::vector<float> table_values_;
@@ -936,6 +1115,7 @@ class sequence_cache {
 };
 
 static_assert(is_model_adapter_v<model_adapter>);
+static_assert(has_encode_branches_v<model_adapter>);
 static_assert(is_cache_adapter_v<sequence_cache>);
 
 }  // namespace inferscale::llama_cpp

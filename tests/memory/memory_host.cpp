@@ -105,7 +105,7 @@ struct user_data {
 user_data make_user(std::uint64_t ns, std::uint64_t base, int n)
 {
   user_data d;
-  d.c.lead = {1, 2};
+  d.c.lead = std::vector<std::int32_t>{1, 2};
   for (int u = 0; u < n; ++u) {
     d.c.turns.push_back({{1000 + 10 * u, 1001 + 10 * u, 1002 + 10 * u}, u / 4});
   }
@@ -116,8 +116,8 @@ user_data make_user(std::uint64_t ns, std::uint64_t base, int n)
     conversation_fact f;
     f.fact_id      = base + static_cast<std::uint64_t>(u);
     f.namespace_id = ns;
-    f.token_ids    = {5000 + u, 6000 + u, 7000 + u};
-    f.source_turns = {u};
+    f.token_ids    = std::vector<std::int32_t>{5000 + u, 6000 + u, 7000 + u};
+    f.source_turns = std::vector<std::int64_t>{u};
     d.facts.push_back(f);
     d.texts.push_back("topic" + std::to_string(u) + " alpha" + std::to_string(u * 7) + " beta" +
                       std::to_string(u * 13));
@@ -288,7 +288,7 @@ TEST_CASE("memory: refused additions leave the store and the index unchanged", "
   }, "non-finite embedding");
   refused([&] {
     auto facts            = b.facts;
-    facts[1].source_turns = {99};
+    facts[1].source_turns = std::vector<std::int64_t>{99};
     m.add_conversation(model, embedder, 8, b.c, facts, b.texts, o);
   }, "source turn 99");
   refused([&] {

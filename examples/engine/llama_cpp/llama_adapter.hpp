@@ -681,6 +681,52 @@ class context {
     }
   }
 
+  /**
+   * @brief Runs `tokens` of `seq` at `first_position ..` (at most n_batch tokens, one
+   * llama_decode) and returns the logits after each of the last `last_n` of them (oldest first):
+   * row i predicts the token after `tokens[size - last_n + i]`.
+   */
+  std::vector<std::vector<float>> decode_logits(std::int32_t seq,
+                                                std::vector<std::int32_t> const& tokens,
+                                                std::int64_t first_position,
+                                                std::size_t last_n)
+  {
+    std::size_t const n = tokens.size();
+    if (n == 0 || n > options_.n_batch || last_n == 0 || last_n > n) {
+      throw engine_error("llama_cpp::context::decode_logits: " + std::to_string(n) +
+                         " tokens (1 .. n_batch = " + std::to_string(options_.n_batch) +
+                         "), logits for the last " + std::to_string(last_n));
+    }
+    llama_batch batch = llama_batch_init(static_cast<std::int32_t>(n), 0, 1);
+    batch.n_tokens    = static_cast<std::int32_t>(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      batch.token[i]     = tokens[i];
+      batch.pos[i]       = static_cast<llama_pos>(first_position + static_cast<std::int64_t>(i));
+      batch.n_seq_id[i]  = 1;
+      batch.seq_id[i][0] = seq;
+      batch.logits[i]    = i + last_n >= n ? 1 : 0;
+    }
+    std::int32_t const rc = llama_decode(ctx_.get(), batch);
+    llama_batch_free(batch);
+    if (rc != 0) {
+      throw engine_error("llama_decode returned " + std::to_string(rc) + " for " +
+                         std::to_string(n) + " tokens of sequence " + std::to_string(seq));
+    }
+    std::vector<std::vector<float>> out;
+    for (std::size_t i = n - last_n; i < n; ++i) {
+      float const* l = llama_get_logits_ith(ctx_.get(), static_cast<std::int32_t>(i));
+      if (!l) { throw engine_error("llama_cpp::context::decode_logits: no logits"); }
+      out.emplace_back(l, l + model_->vocab_size());
+    }
+    return out;
+  }
+
+  /// @brief Removes the cells of `seq` at positions >= `from`.
+  void truncate(std::int32_t seq, std::int64_t from)
+  {
+    llama_memory_seq_rm(llama_get_memory(ctx_.get()), seq, static_cast<llama_pos>(from), -1);
+  }
+
   /// @brief Logits of the last decoded token (a copy).
   std::vector<float> last_logits() const
   {

@@ -1,0 +1,707 @@
+// LoCoMo end to end on the reference engine (llama.cpp + SmolLM2-135M-Instruct on the CPU) with a
+// real embedder (all-MiniLM-L6-v2 in llama.cpp) and the memory facade (memory.hpp).
+//
+//   locomo_eval --count            forward tokens of every encoding strategy and window w, all
+//                                  10 conversations, SmolLM2 tokenizer (no model forward)
+//   locomo_eval --fast             CI: conv-26's first 3 sessions, 6 questions, w in {0, 20}
+//   locomo_eval --full [options]   the figures for bench/results/
+//     --conversations conv-26,conv-30 | all   (default conv-26)
+//     --sessions N       only the first N sessions of each conversation (default: all)
+//     --questions N      at most N questions per conversation (default: all)
+//     --main-window W    the served encoding: single pass, every fact sees >= W turns (20)
+//     --windows 0,5,10,20,50   the window curve: aligned windows of W .. 1.25 W turns
+//     --k K              facts retrieved per question for answering (default 10)
+//
+// Per conversation: its observation facts are encoded with context-window encoding (single pass,
+// facts branched off the conversation), their MiniLM embeddings indexed; each question is answered
+// three ways with greedy decoding: (a) the top-k facts' KV injected, (b) the same facts' text
+// re-prefilled (the Mem0-style baseline, the same prompt token ids), (c) no memory; and, where the
+// conversation fits the context, (d) the whole conversation prefilled. Reported per category:
+// evidence recall@k, token F1 against the gold answer, (a)-(b) agreement, TTFT of (a) and (b); and
+// per window w: next-token KL and top-1 agreement of (a) against (b) and (d) over the gold answer
+// tokens (teacher-forced), and F1 of (a).
+//
+// The data set is read in place from ../shared/data/locomo (CC BY-NC 4.0, not copied). Any failure
+// (a missing model, data set or engine error) exits non-zero with the message.
+
+#include "embedder.hpp"
+#include "llama_adapter.hpp"
+#include "locomo/locomo_data.hpp"
+
+#include <inferscale/encoding.hpp>
+#include <inferscale/memory.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+using namespace inferscale;
+namespace lc = inferscale::llama_cpp;
+namespace lm = inferscale::locomo;
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+double seconds_since(clock_type::time_point t)
+{
+  return std::chrono::duration<double>(clock_type::now() - t).count();
+}
+
+std::string env_or(char const* name, char const* fallback)
+{
+  char const* v = std::getenv(name);
+  return v ? v : (fallback ? fallback : "");
+}
+
+struct run_options {
+  std::string mode;
+  std::vector<std::string> conversations{"conv-26"};
+  int sessions{0};
+  int questions{0};
+  std::vector<std::int64_t> windows{0, 5, 10, 20, 50};
+  std::uint32_t k{10};
+  std::int32_t max_new{24};
+  std::int64_t main_window{20};
+};
+
+std::vector<std::string> split(std::string const& s, char sep)
+{
+  std::vector<std::string> out;
+  std::stringstream in{s};
+  std::string x;
+  while (std::getline(in, x, sep)) {
+    if (!x.empty()) { out.push_back(x); }
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------
+// A conversation as planner input
+
+constexpr std::uint32_t n_ctx   = 8192;
+constexpr std::uint32_t n_batch = 512;
+
+struct prepared {
+  lm::sample const* s{};
+  conversation conv;
+  std::vector<conversation_fact> facts;
+  std::vector<std::string> texts;          // embedded (the fact's own sentence)
+  std::vector<std::vector<std::int64_t>> fact_turns;  // evidence turns per fact
+  std::vector<lm::question const*> questions;
+  std::int64_t turns{0};  // turns used (the first `sessions` sessions)
+};
+
+prepared prepare(lc::model const& m, lm::sample const& s, std::uint64_t ns, int sessions,
+                 std::uint64_t first_id)
+{
+  prepared p;
+  p.s         = &s;
+  p.conv.lead = m.tokenize(lm::instruction_prefix());
+  int const used_sessions =
+    sessions > 0 ? std::min<int>(sessions, static_cast<int>(s.sessions.size()))
+                 : static_cast<int>(s.sessions.size());
+  for (int si = 0; si < used_sessions; ++si) {
+    p.conv.session_headers.push_back(m.tokenize(lm::session_header(s, si)));
+  }
+  for (lm::turn const& t : s.turns) {
+    if (t.session >= used_sessions) { break; }
+    p.conv.turns.push_back({m.tokenize(lm::turn_text(t)), t.session});
+  }
+  p.turns = static_cast<std::int64_t>(p.conv.turns.size());
+  std::uint64_t id = first_id;
+  for (lm::fact const& f : s.facts) {
+    if (f.session >= used_sessions) { continue; }
+    conversation_fact cf;
+    cf.fact_id      = id++;
+    cf.namespace_id = ns;
+    cf.token_ids    = m.tokenize(lm::fact_text(s, f));
+    cf.source_turns = f.turns;
+    p.facts.push_back(cf);
+    p.texts.push_back(f.text);
+    p.fact_turns.push_back(f.turns);
+  }
+  for (lm::question const& q : s.questions) {
+    bool inside = !q.evidence.empty();
+    for (std::int64_t t : q.evidence) {
+      inside = inside && t < p.turns;
+    }
+    if (sessions > 0 && !inside) { continue; }  // a cut conversation: only its own questions
+    p.questions.push_back(&q);
+  }
+  return p;
+}
+
+// ------------------------------------------------------------------------------------------------
+// --count
+
+int count_mode(lc::model const& m, std::vector<lm::sample> const& samples)
+{
+  std::vector<std::int64_t> const windows{0, 5, 10, 20, 50};
+  struct row {
+    std::string name;
+    encoding_options o;
+  };
+  std::vector<row> rows;
+  for (std::int64_t w : windows) {
+    auto add = [&](std::string name, encoding_strategy st, std::int64_t stride, std::int64_t budget) {
+      encoding_options o;
+      o.window              = w;
+      o.strategy            = st;
+      o.stride              = stride;
+      o.max_sequence_tokens = budget;
+      rows.push_back({name, o});
+    };
+    add("per_fact (the paper)", encoding_strategy::per_fact, 0, 0);
+    add("shared_window", encoding_strategy::shared_window, 0, 0);
+    add("aligned, stride w", encoding_strategy::aligned, 0, 0);
+    add("aligned, stride 2w", encoding_strategy::aligned, std::max<std::int64_t>(1, 2 * w), 0);
+    add("single_pass, 7680-token segments", encoding_strategy::single_pass, 0, n_ctx - n_batch);
+    add("single_pass, unbounded", encoding_strategy::single_pass, 0, 0);
+  }
+  std::vector<encoding_stats> totals(rows.size());
+  std::int64_t facts = 0, turns = 0, conv_tokens = 0, fact_tokens = 0;
+  auto const t0 = clock_type::now();
+  for (std::size_t si = 0; si < samples.size(); ++si) {
+    prepared const p = prepare(m, samples[si], si + 1, 0, 1);
+    facts += static_cast<std::int64_t>(p.facts.size());
+    turns += p.turns;
+    for (auto const& t : p.conv.turns) {
+      conv_tokens += static_cast<std::int64_t>(t.token_ids.size());
+    }
+    for (auto const& f : p.facts) {
+      fact_tokens += static_cast<std::int64_t>(f.token_ids.size());
+    }
+    for (std::size_t r = 0; r < rows.size(); ++r) {
+      encoding_stats const st = plan_encoding(p.conv, p.facts, rows[r].o).stats();
+      totals[r].jobs += st.jobs;
+      totals[r].facts += st.facts;
+      totals[r].trunk_tokens += st.trunk_tokens;
+      totals[r].fact_tokens += st.fact_tokens;
+      totals[r].forward_tokens += st.forward_tokens;
+      totals[r].unbranched_tokens += st.unbranched_tokens;
+      totals[r].longest_sequence = std::max(totals[r].longest_sequence, st.longest_sequence);
+    }
+  }
+  std::printf("## Context-window encoding: forward tokens on LoCoMo (SmolLM2 tokenizer)\n\n");
+  std::printf("%zu conversations, %lld turns (%lld tokens), %lld observation facts (%lld tokens); "
+              "planned in %.1f s. Every fact sees at least the w turns before its source turn "
+              "(all of them when fewer exist).\n\n",
+              samples.size(), static_cast<long long>(turns), static_cast<long long>(conv_tokens),
+              static_cast<long long>(facts), static_cast<long long>(fact_tokens),
+              seconds_since(t0));
+  std::printf("| w | strategy | jobs | forward tokens | vs per_fact | without branching | longest sequence |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    std::size_t const base = r - r % 6;
+    double const ratio = double(totals[base].forward_tokens) / double(totals[r].forward_tokens);
+    std::printf("| %lld | %s | %lld | %lld | %.2fx fewer | %lld | %lld |\n",
+                static_cast<long long>(rows[r].o.window), rows[r].name.c_str(),
+                static_cast<long long>(totals[r].jobs),
+                static_cast<long long>(totals[r].forward_tokens), ratio,
+                static_cast<long long>(totals[r].unbranched_tokens),
+                static_cast<long long>(totals[r].longest_sequence));
+  }
+  // The goal: >= 5x fewer than one forward per fact at w = 20, in segments the engine
+  // can run (n_ctx 8192).
+  std::size_t const w20 = 3 * 6;
+  double const goal_ratio =
+    double(totals[w20].forward_tokens) / double(totals[w20 + 4].forward_tokens);
+  std::printf("\nw = 20: one forward per fact %lld tokens, single pass in 7680-token segments "
+              "%lld: %.2fx fewer (goal >= 5x: %s)\n",
+              static_cast<long long>(totals[w20].forward_tokens),
+              static_cast<long long>(totals[w20 + 4].forward_tokens), goal_ratio,
+              goal_ratio >= 5.0 ? "met" : "NOT met");
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Evaluation
+
+struct answer_run {
+  std::string text;
+  std::vector<std::vector<float>> dists;  // teacher-forced logits over the gold answer tokens
+  double ttft{0};                          // seconds to the first token's logits
+  double inject{0};                        // (a): compose + inject part of ttft
+};
+
+std::vector<double> log_softmax(std::vector<float> const& l)
+{
+  double mx = -1e300;
+  for (float x : l) {
+    mx = std::max(mx, double(x));
+  }
+  double sum = 0;
+  for (float x : l) {
+    sum += std::exp(double(x) - mx);
+  }
+  double const lse = mx + std::log(sum);
+  std::vector<double> out(l.size());
+  for (std::size_t i = 0; i < l.size(); ++i) {
+    out[i] = double(l[i]) - lse;
+  }
+  return out;
+}
+
+/// KL(p || q) of two logit rows, and whether their argmax agrees.
+std::pair<double, bool> kl_top1(std::vector<float> const& p_logits, std::vector<float> const& q_logits)
+{
+  std::vector<double> const lp = log_softmax(p_logits), lq = log_softmax(q_logits);
+  double kl = 0;
+  for (std::size_t i = 0; i < lp.size(); ++i) {
+    kl += std::exp(lp[i]) * (lp[i] - lq[i]);
+  }
+  auto const ap = std::max_element(p_logits.begin(), p_logits.end()) - p_logits.begin();
+  auto const aq = std::max_element(q_logits.begin(), q_logits.end()) - q_logits.begin();
+  return {std::max(0.0, kl), ap == aq};
+}
+
+struct evaluator {
+  lc::model const& m;
+  lc::context& ctx;
+  lc::model_adapter& adapter;
+  run_options const& opt;
+  std::int32_t const seq = 0;
+
+  std::vector<std::int32_t> answer_tokens(std::string const& gold) const
+  {
+    return gold.empty() ? std::vector<std::int32_t>{} : m.tokenize(gold + "<|im_end|>");
+  }
+
+  /// After the sequence holds the prompt up to the question's end (at `next` positions), the first
+  /// logits in `first`: generate greedily, then teacher-force the gold answer.
+  answer_run finish(std::vector<float> first, std::int64_t next, std::vector<std::int32_t> const& gold)
+  {
+    answer_run r;
+    // Greedy generation from `first`.
+    std::vector<std::int32_t> out;
+    std::vector<float> logits = first;
+    for (std::int32_t i = 0; i < opt.max_new; ++i) {
+      std::int32_t const t =
+        static_cast<std::int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      if (m.is_end_of_generation(t)) { break; }
+      out.push_back(t);
+      ctx.decode(seq, {t}, next + i);
+      logits = ctx.last_logits();
+    }
+    r.text = m.detokenize(out);
+    ctx.truncate(seq, next);
+    if (!gold.empty()) {
+      r.dists.push_back(std::move(first));
+      if (gold.size() > 1) {
+        std::vector<std::int32_t> const head(gold.begin(), gold.end() - 1);
+        for (auto& d : ctx.decode_logits(seq, head, next, head.size())) {
+          r.dists.push_back(std::move(d));
+        }
+      }
+    }
+    ctx.clear(seq);
+    return r;
+  }
+
+  /// Prefill `prompt` (text memory, no memory, or the whole conversation) + `question`.
+  answer_run prefill(std::vector<std::int32_t> const& prompt, std::vector<std::int32_t> const& q,
+                     std::vector<std::int32_t> const& gold)
+  {
+    ctx.clear(seq);
+    auto const t0 = clock_type::now();
+    std::vector<std::int32_t> all = prompt;
+    all.insert(all.end(), q.begin(), q.end());
+    ctx.decode(seq, all, 0);
+    std::vector<float> first = ctx.last_logits();
+    double const ttft = seconds_since(t0);
+    answer_run r = finish(std::move(first), static_cast<std::int64_t>(all.size()), gold);
+    r.ttft = ttft;
+    return r;
+  }
+
+  /// (a): inject the facts' KV through the memory facade, prefill only the question.
+  answer_run injected(memory const& mem, std::vector<std::uint64_t> const& ids,
+                      std::vector<std::int32_t> const& q, std::vector<std::int32_t> const& gold)
+  {
+    ctx.clear(seq);
+    lc::sequence_cache cache{ctx, seq};
+    auto const t0 = clock_type::now();
+    composition const plan = mem.prepare(ids, 0);
+    mem.inject(plan, cache, adapter.rotation());
+    double const inject = seconds_since(t0);
+    ctx.decode(seq, q, plan.length());
+    std::vector<float> first = ctx.last_logits();
+    double const ttft = seconds_since(t0);
+    answer_run r = finish(std::move(first), plan.length() + static_cast<std::int64_t>(q.size()), gold);
+    r.ttft   = ttft;
+    r.inject = inject;
+    return r;
+  }
+};
+
+struct tally {
+  double sum{0};
+  std::int64_t n{0};
+  void add(double x) { sum += x, ++n; }
+  double mean() const { return n ? sum / double(n) : std::nan(""); }
+};
+
+std::string fmt(tally const& t, char const* f = "%.3f")
+{
+  if (t.n == 0) { return "n/a"; }
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, t.mean());
+  return buf;
+}
+
+int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_options const& opt)
+{
+  lc::model embed_model{env_or("INFERSCALE_MINILM_GGUF",
+#ifdef INFERSCALE_MINILM_GGUF_DEFAULT
+                               INFERSCALE_MINILM_GGUF_DEFAULT
+#else
+                               nullptr
+#endif
+                               )};
+  lc::embedder embedder{embed_model};
+
+  lc::context_options co;
+  co.n_ctx        = n_ctx;
+  co.n_batch      = n_batch;
+  co.n_threads    = 1;
+  co.n_seq_max    = 2;
+  co.n_branch_seq = 16;
+  lc::context ctx{m, co};
+  lc::model_adapter adapter{ctx};
+  evaluator ev{m, ctx, adapter, opt};
+
+  // The served encoding (the product's path): a single pass at w = main_window, facts branched
+  // off the conversation in segments that fit the context; every fact sees >= w turns. The window
+  // curve needs windows of (about) w turns: aligned windows with stride max(1, w/4), so a fact
+  // sees between w and w + stride - 1 turns (w = 0: each fact alone).
+  struct variant {
+    std::string label;
+    encoding_options o;
+    bool main;
+  };
+  std::vector<variant> variants;
+  std::int64_t const main_w = opt.main_window;
+  {
+    encoding_options o;
+    o.window              = main_w;
+    o.strategy            = encoding_strategy::single_pass;
+    o.max_sequence_tokens = n_ctx - n_batch;
+    variants.push_back({"single pass, w >= " + std::to_string(main_w), o, true});
+  }
+  for (std::int64_t w : opt.windows) {
+    encoding_options o;
+    o.window              = w;
+    o.strategy            = w == 0 ? encoding_strategy::per_fact : encoding_strategy::aligned;
+    o.stride              = std::max<std::int64_t>(1, w / 4);
+    o.max_sequence_tokens = n_ctx - n_batch;
+    variants.push_back({w == 0 ? std::string{"alone (w = 0)"}
+                               : "aligned, " + std::to_string(w) + ".." +
+                                   std::to_string(w + o.stride - 1) + " turns",
+                        o, false});
+  }
+
+  // Per category (0 = all): the tables' cells.
+  std::map<int, tally> recall5, recall10, recall20, f1a, f1b, f1c, f1d, agree_exact, agree_f1,
+    ttft_a, ttft_b, inject_a, count;
+  struct curve_cell {
+    tally kl_b, top1_b, kl_d, top1_d, f1;
+  };
+  std::vector<curve_cell> curve(variants.size());
+  std::vector<tally> turns_seen(variants.size());
+  tally retrieve_s;
+  double encode_seconds = 0;
+  std::int64_t encode_tokens = 0, encode_facts = 0;
+  std::set<std::string> wanted(opt.conversations.begin(), opt.conversations.end());
+  bool const all = wanted.count("all") != 0;
+
+  std::uint64_t ns = 0;
+  for (lm::sample const& s : samples) {
+    if (!all && !wanted.count(s.id)) { continue; }
+    ++ns;
+    prepared const p = prepare(m, s, ns, opt.sessions, 1000);
+    std::vector<lm::question const*> qs = p.questions;
+    if (opt.questions > 0 && static_cast<int>(qs.size()) > opt.questions) {
+      // Spread over the conversation: every (n / Q)-th question.
+      std::vector<lm::question const*> pick;
+      for (int i = 0; i < opt.questions; ++i) {
+        pick.push_back(qs[static_cast<std::size_t>(i) * qs.size() / static_cast<std::size_t>(opt.questions)]);
+      }
+      qs = pick;
+    }
+    std::fprintf(stderr, "locomo: %s: %lld turns, %zu facts, %zu questions\n", s.id.c_str(),
+                 static_cast<long long>(p.turns), p.facts.size(), qs.size());
+
+    // The whole (cut) conversation as a prompt, where it fits.
+    std::vector<std::int32_t> full = p.conv.lead;
+    for (std::size_t u = 0; u < p.conv.turns.size(); ++u) {
+      if (u == 0 || p.conv.turns[u].session != p.conv.turns[u - 1].session) {
+        auto const& h = p.conv.session_headers[static_cast<std::size_t>(p.conv.turns[u].session)];
+        full.insert(full.end(), h.begin(), h.end());
+      }
+      full.insert(full.end(), p.conv.turns[u].token_ids.begin(), p.conv.turns[u].token_ids.end());
+    }
+    bool const full_fits = full.size() + 200 <= n_ctx;
+
+    // Retrieval is the same for every w (the embeddings do not depend on it): one index.
+    std::map<std::uint64_t, std::size_t> fact_index;
+    for (std::size_t i = 0; i < p.facts.size(); ++i) {
+      fact_index[p.facts[i].fact_id] = i;
+    }
+    struct per_question {
+      std::vector<std::int32_t> q, gold;
+      std::vector<std::uint64_t> ids;  // top-k for answering, best first
+      answer_run b, c, d;
+    };
+    std::vector<per_question> pq(qs.size());
+
+    for (std::size_t wi = 0; wi < variants.size(); ++wi) {
+      std::int64_t const w = variants[wi].o.window;
+      memory_config mc;
+      mc.store.model       = ctx.geometry();
+      mc.store.store_dtype = dtype::float32;
+      mc.store.page_size   = 16;
+      std::int64_t tokens  = 0;
+      for (auto const& f : p.facts) {
+        tokens += (static_cast<std::int64_t>(f.token_ids.size()) + 15) / 16;
+      }
+      std::vector<std::int32_t> const prefix_tokens = m.tokenize(lm::instruction_prefix());
+      mc.store.num_pages = tokens + static_cast<std::int64_t>(prefix_tokens.size()) / 16 + 2;
+      mc.store.memory    = memory_kind::host;
+      mc.index.dim       = embedder.dimension();
+      mc.index.metric    = distance_metric::cosine;
+      memory mem{mc};
+      mem.set_instruction_prefix(adapter, prefix_tokens, 1, 0);
+
+      encoding_options const eo = variants[wi].o;
+      for (encoding_job const& job : plan_encoding(p.conv, p.facts, eo).jobs) {
+        for (encoding_branch const& b : job.branches) {
+          turns_seen[wi].add(double(b.source_turn - b.first_turn));
+        }
+      }
+      auto const t0 = clock_type::now();
+      memory_add_report const rep =
+        mem.add_conversation(adapter, embedder, ns, p.conv, p.facts, p.texts, eo);
+      double const secs = seconds_since(t0);
+      std::fprintf(stderr,
+                   "locomo: %s %s: %lld facts encoded in %.1f s (%lld forward tokens, %.0f "
+                   "tok/s, %.2f facts/s, %lld jobs)\n",
+                   s.id.c_str(), variants[wi].label.c_str(),
+                   static_cast<long long>(rep.encode.facts), secs,
+                   static_cast<long long>(rep.encode.forward_tokens),
+                   double(rep.encode.forward_tokens) / secs, double(rep.encode.facts) / secs,
+                   static_cast<long long>(rep.encode.jobs));
+      (void)w;
+      if (variants[wi].main) {
+        encode_seconds += secs;
+        encode_tokens += rep.encode.forward_tokens;
+        encode_facts += rep.encode.facts;
+      }
+
+      for (std::size_t qi = 0; qi < qs.size(); ++qi) {
+        lm::question const& q = *qs[qi];
+        per_question& x       = pq[qi];
+        if (wi == 0) {
+          x.q    = m.tokenize(lm::question_turn(q.text));
+          x.gold = ev.answer_tokens(q.answer);
+          auto const tr = clock_type::now();
+          std::vector<std::uint64_t> const top = mem.retrieve(embedder, ns, q.text, 20);
+          retrieve_s.add(seconds_since(tr));
+          x.ids.assign(top.begin(), top.begin() + std::min<std::size_t>(opt.k, top.size()));
+          if (!q.evidence.empty()) {
+            for (std::size_t kk : {5, 10, 20}) {
+              std::set<std::int64_t> covered;
+              for (std::size_t j = 0; j < std::min(kk, top.size()); ++j) {
+                for (std::int64_t t : p.fact_turns[fact_index.at(top[j])]) {
+                  covered.insert(t);
+                }
+              }
+              std::int64_t hit = 0;
+              for (std::int64_t t : q.evidence) {
+                hit += covered.count(t) ? 1 : 0;
+              }
+              double const r = double(hit) / double(q.evidence.size());
+              auto& table    = kk == 5 ? recall5 : kk == 10 ? recall10 : recall20;
+              table[q.category].add(r);
+              table[0].add(r);
+            }
+          }
+          // (b) the same facts' text, best last as in the composition; (c) no memory; (d) all.
+          composition const plan = mem.prepare(x.ids, 0);
+          x.b = ev.prefill(plan.token_ids, x.q, x.gold);
+          x.c = ev.prefill(prefix_tokens, x.q, x.gold);
+          if (full_fits) { x.d = ev.prefill(full, x.q, x.gold); }
+        }
+        answer_run const a = ev.injected(mem, x.ids, x.q, x.gold);
+        curve_cell& cell   = curve[wi];
+        for (std::size_t j = 0; j < a.dists.size(); ++j) {
+          auto const [klb, t1b] = kl_top1(x.b.dists[j], a.dists[j]);
+          cell.kl_b.add(klb);
+          cell.top1_b.add(t1b ? 1 : 0);
+          if (full_fits) {
+            auto const [kld, t1d] = kl_top1(x.d.dists[j], a.dists[j]);
+            cell.kl_d.add(kld);
+            cell.top1_d.add(t1d ? 1 : 0);
+          }
+        }
+        bool const scored = q.category != 5 && !q.answer.empty();
+        if (scored) { cell.f1.add(lm::token_f1(a.text, q.answer)); }
+        if (variants[wi].main) {
+          for (int cat : {0, q.category}) {
+            count[cat].add(1);
+            if (scored) {
+              f1a[cat].add(lm::token_f1(a.text, q.answer));
+              f1b[cat].add(lm::token_f1(x.b.text, q.answer));
+              f1c[cat].add(lm::token_f1(x.c.text, q.answer));
+              if (full_fits) { f1d[cat].add(lm::token_f1(x.d.text, q.answer)); }
+            }
+            agree_exact[cat].add(a.text == x.b.text ? 1 : 0);
+            agree_f1[cat].add(lm::token_f1(a.text, x.b.text));
+            ttft_a[cat].add(a.ttft * 1e3);
+            inject_a[cat].add(a.inject * 1e3);
+            ttft_b[cat].add(x.b.ttft * 1e3);
+          }
+          if (opt.mode == "fast" || std::getenv("INFERSCALE_LOCOMO_VERBOSE")) {
+            std::fprintf(stderr, "  Q (cat %d) %s\n    gold: %s\n    (a) %s\n    (b) %s\n    (c) %s\n",
+                         q.category, q.text.c_str(), q.answer.c_str(), a.text.c_str(),
+                         x.b.text.c_str(), x.c.text.c_str());
+          }
+        }
+      }
+    }
+  }
+  if (count[0].n == 0) {
+    std::fprintf(stderr, "locomo: no question was evaluated (check --conversations)\n");
+    return 1;
+  }
+
+  std::printf("## LoCoMo end to end: SmolLM2-135M-Instruct (llama.cpp, CPU, 1 thread), "
+              "all-MiniLM-L6-v2 retrieval\n\n");
+  std::printf("Facts encoded with context-window encoding at w = %lld (single pass, branched); "
+              "answers from the top %u facts; greedy, at most %d new tokens. (a) injected fact "
+              "KV, (b) the same facts' text re-prefilled (same prompt token ids), (c) no memory, "
+              "(d) the whole conversation prefilled (%s).\n\n",
+              static_cast<long long>(main_w), opt.k, opt.max_new,
+              f1d[0].n ? "it fits the context" : "does not fit the 8192-token context: n/a");
+  std::printf("| category | questions | recall@5 | recall@10 | recall@20 | F1 (a) | F1 (b) | F1 (c) "
+              "| F1 (d) | (a)=(b) exact | F1(a, b) | TTFT (a) ms | of it inject ms | TTFT (b) ms |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int cat : {1, 2, 3, 4, 5, 0}) {
+    if (!count.count(cat)) { continue; }
+    std::printf("| %s | %lld | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
+                cat == 0 ? "**all**" : lm::category_name(cat),
+                static_cast<long long>(count[cat].n), fmt(recall5[cat]).c_str(),
+                fmt(recall10[cat]).c_str(), fmt(recall20[cat]).c_str(), fmt(f1a[cat]).c_str(),
+                fmt(f1b[cat]).c_str(), fmt(f1c[cat]).c_str(), fmt(f1d[cat]).c_str(),
+                fmt(agree_exact[cat]).c_str(), fmt(agree_f1[cat]).c_str(),
+                fmt(ttft_a[cat], "%.0f").c_str(), fmt(inject_a[cat], "%.0f").c_str(),
+                fmt(ttft_b[cat], "%.0f").c_str());
+  }
+  std::printf("\nF1: LoCoMo's token F1 (lower case, punctuation and a/an/the/and removed; no "
+              "stemming) against the gold answers of categories 1-4 (category 5 has none). "
+              "Retrieval (MiniLM embedding + search) %.1f ms per question, the same for (a) and "
+              "(b). TTFT ratio (b)/(a): %.2fx.\n",
+              retrieve_s.mean() * 1e3, ttft_b[0].mean() / ttft_a[0].mean());
+  std::printf("Encoding at w = %lld: %lld facts, %lld forward tokens in %.1f s: %.0f tokens/s, "
+              "%.2f facts/s.\n\n",
+              static_cast<long long>(main_w), static_cast<long long>(encode_facts),
+              static_cast<long long>(encode_tokens), encode_seconds,
+              double(encode_tokens) / encode_seconds, double(encode_facts) / encode_seconds);
+  std::printf("### Window curve: (a) injected vs (b) text re-prefill and (d) whole conversation\n\n");
+  std::printf("Next-token distributions over the gold answer tokens (teacher-forced), "
+              "categories 1-4. The first row is the served encoding of the table above.\n\n");
+  std::printf("| encoding | w | turns seen per fact (mean) | KL(b || a) nats | top-1 (a)=(b) | "
+              "KL(d || a) nats | top-1 (a)=(d) | F1 (a) | F1 (b) | F1 (d) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  for (std::size_t i = 0; i < variants.size(); ++i) {
+    curve_cell const& c = curve[i];
+    std::printf("| %s | %lld | %s | %s | %s | %s | %s | %s | %s | %s |\n", variants[i].label.c_str(),
+                static_cast<long long>(variants[i].o.window), fmt(turns_seen[i], "%.1f").c_str(),
+                fmt(c.kl_b).c_str(), fmt(c.top1_b).c_str(), fmt(c.kl_d).c_str(),
+                fmt(c.top1_d).c_str(), fmt(c.f1).c_str(), fmt(f1b[0]).c_str(),
+                fmt(f1d[0]).c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv)
+{
+  run_options opt;
+  for (int i = 1; i < argc; ++i) {
+    std::string const a = argv[i];
+    auto value          = [&]() -> std::string {
+      if (i + 1 >= argc) { throw std::runtime_error(a + " needs a value"); }
+      return argv[++i];
+    };
+    try {
+      if (a == "--count" || a == "--fast" || a == "--full") {
+        opt.mode = a.substr(2);
+      } else if (a == "--conversations") {
+        opt.conversations = split(value(), ',');
+      } else if (a == "--sessions") {
+        opt.sessions = std::stoi(value());
+      } else if (a == "--questions") {
+        opt.questions = std::stoi(value());
+      } else if (a == "--windows") {
+        opt.windows.clear();
+        for (auto const& w : split(value(), ',')) {
+          opt.windows.push_back(std::stoll(w));
+        }
+      } else if (a == "--main-window") {
+        opt.main_window = std::stoll(value());
+      } else if (a == "--k") {
+        opt.k = static_cast<std::uint32_t>(std::stoul(value()));
+      } else {
+        std::fprintf(stderr, "locomo_eval: unknown argument '%s' (see the file's header)\n", a.c_str());
+        return 2;
+      }
+    } catch (std::exception const& e) {
+      std::fprintf(stderr, "locomo_eval: %s: %s\n", a.c_str(), e.what());
+      return 2;
+    }
+  }
+  if (opt.mode.empty()) {
+    std::fprintf(stderr, "usage: locomo_eval --count | --fast | --full [options]\n");
+    return 2;
+  }
+  if (opt.mode == "fast") {
+    opt.conversations = {"conv-26"};
+    opt.sessions      = 3;
+    opt.questions     = 6;
+    opt.windows       = {0, 20};
+  }
+  if (opt.k == 0 || opt.main_window < 0) {
+    std::fprintf(stderr, "locomo_eval: --k must be positive and --main-window non-negative\n");
+    return 2;
+  }
+  try {
+    std::string const model_path = env_or("INFERSCALE_SMOLLM2_GGUF",
+#ifdef INFERSCALE_SMOLLM2_GGUF_DEFAULT
+                                          INFERSCALE_SMOLLM2_GGUF_DEFAULT
+#else
+                                          nullptr
+#endif
+    );
+    std::vector<lm::sample> const samples = lm::load(lm::default_path());
+    llama_backend_init();
+    lc::quiet_logs();
+    lc::model const m{model_path};
+    int const rc = opt.mode == "count" ? count_mode(m, samples) : eval_mode(m, samples, opt);
+    llama_backend_free();
+    return rc;
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "locomo_eval: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -3,6 +3,7 @@
 //
 //   locomo_eval --count            forward tokens of every encoding strategy and window w, all
 //                                  10 conversations, SmolLM2 tokenizer (no model forward)
+//   locomo_eval --retrieval        evidence recall@5/10/20 of MiniLM retrieval, all conversations
 //   locomo_eval --fast             CI: conv-26's first 3 sessions, 6 questions, w in {0, 20}
 //   locomo_eval --full [options]   the figures for bench/results/
 //     --conversations conv-26,conv-30 | all   (default conv-26)
@@ -223,6 +224,29 @@ int count_mode(lc::model const& m, std::vector<lm::sample> const& samples)
               goal_ratio >= 5.0 ? "met" : "NOT met");
   return 0;
 }
+
+// ------------------------------------------------------------------------------------------------
+// --retrieval: evidence recall@k of MiniLM retrieval over every conversation (no SmolLM2 forward)
+
+double evidence_recall(std::vector<std::uint64_t> const& top, std::size_t k,
+                       std::map<std::uint64_t, std::size_t> const& fact_index,
+                       std::vector<std::vector<std::int64_t>> const& fact_turns,
+                       std::vector<std::int64_t> const& evidence)
+{
+  std::set<std::int64_t> covered;
+  for (std::size_t j = 0; j < std::min(k, top.size()); ++j) {
+    for (std::int64_t t : fact_turns[fact_index.at(top[j])]) {
+      covered.insert(t);
+    }
+  }
+  std::int64_t hit = 0;
+  for (std::int64_t t : evidence) {
+    hit += covered.count(t) ? 1 : 0;
+  }
+  return double(hit) / double(evidence.size());
+}
+
+int retrieval_mode(lc::model const& m, std::vector<lm::sample> const& samples);
 
 // ------------------------------------------------------------------------------------------------
 // Evaluation
@@ -519,17 +543,7 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
           x.ids.assign(top.begin(), top.begin() + std::min<std::size_t>(opt.k, top.size()));
           if (!q.evidence.empty()) {
             for (std::size_t kk : {5, 10, 20}) {
-              std::set<std::int64_t> covered;
-              for (std::size_t j = 0; j < std::min(kk, top.size()); ++j) {
-                for (std::int64_t t : p.fact_turns[fact_index.at(top[j])]) {
-                  covered.insert(t);
-                }
-              }
-              std::int64_t hit = 0;
-              for (std::int64_t t : q.evidence) {
-                hit += covered.count(t) ? 1 : 0;
-              }
-              double const r = double(hit) / double(q.evidence.size());
+              double const r = evidence_recall(top, kk, fact_index, p.fact_turns, q.evidence);
               auto& table    = kk == 5 ? recall5 : kk == 10 ? recall10 : recall20;
               table[q.category].add(r);
               table[0].add(r);
@@ -633,6 +647,91 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
   return 0;
 }
 
+std::string model_default(char const* env, char const* compiled)
+{
+  return env_or(env, compiled);
+}
+
+int retrieval_mode(lc::model const& m, std::vector<lm::sample> const& samples)
+{
+  lc::model embed_model{model_default("INFERSCALE_MINILM_GGUF",
+#ifdef INFERSCALE_MINILM_GGUF_DEFAULT
+                                      INFERSCALE_MINILM_GGUF_DEFAULT
+#else
+                                      nullptr
+#endif
+                                      )};
+  lc::embedder embedder{embed_model};
+  index_config ic;
+  ic.dim    = embedder.dimension();
+  ic.metric = distance_metric::cosine;
+  graph_index index{ic};
+  std::map<int, tally> r5, r10, r20, ceiling;
+  std::int64_t questions = 0, without = 0, facts = 0;
+  auto const t0 = clock_type::now();
+  for (std::size_t si = 0; si < samples.size(); ++si) {
+    prepared const p = prepare(m, samples[si], si + 1, 0, 1000000 * (si + 1));
+    std::vector<float> rows;
+    std::vector<std::uint64_t> ids;
+    std::map<std::uint64_t, std::size_t> fact_index;
+    for (std::size_t i = 0; i < p.facts.size(); ++i) {
+      std::vector<float> const v = embedder.embed(p.texts[i]);
+      rows.insert(rows.end(), v.begin(), v.end());
+      ids.push_back(p.facts[i].fact_id);
+      fact_index[p.facts[i].fact_id] = i;
+    }
+    facts += static_cast<std::int64_t>(ids.size());
+    index.add<float>(si + 1,
+                     make_matrix_view<float const>(rows.data(), static_cast<std::int64_t>(ids.size()),
+                                                   ic.dim),
+                     cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+    for (lm::question const* q : p.questions) {
+      ++questions;
+      if (q->evidence.empty()) {
+        ++without;
+        continue;
+      }
+      std::vector<float> const v = embedder.embed(q->text);
+      std::vector<std::uint64_t> top(20);
+      std::vector<float> dist(20);
+      std::uint64_t const ns = si + 1;
+      index.search<float>(make_matrix_view<float const>(v.data(), 1, ic.dim),
+                          cuda::std::span<std::uint64_t const>{&ns, 1}, 20, search_params{},
+                          make_matrix_view<std::uint64_t>(top.data(), 1, 20),
+                          make_matrix_view<float>(dist.data(), 1, 20));
+      std::set<std::int64_t> cited;  // turns any fact of the conversation cites
+      for (auto const& turns : p.fact_turns) {
+        cited.insert(turns.begin(), turns.end());
+      }
+      std::int64_t citable = 0;
+      for (std::int64_t t : q->evidence) {
+        citable += cited.count(t) ? 1 : 0;
+      }
+      for (int cat : {0, q->category}) {
+        ceiling[cat].add(double(citable) / double(q->evidence.size()));
+        r5[cat].add(evidence_recall(top, 5, fact_index, p.fact_turns, q->evidence));
+        r10[cat].add(evidence_recall(top, 10, fact_index, p.fact_turns, q->evidence));
+        r20[cat].add(evidence_recall(top, 20, fact_index, p.fact_turns, q->evidence));
+      }
+    }
+  }
+  std::printf("## LoCoMo retrieval: all-MiniLM-L6-v2 (llama.cpp) over the observation facts\n\n");
+  std::printf("%zu conversations, %lld facts indexed (one namespace each), %lld questions (%lld "
+              "without usable evidence left out); %.1f s. Evidence recall@k: the share of a "
+              "question's evidence turns cited by the top-k facts; ceiling: the share cited by "
+              "any fact of the conversation (the observations do not cover every turn).\n\n",
+              samples.size(), static_cast<long long>(facts), static_cast<long long>(questions),
+              static_cast<long long>(without), seconds_since(t0));
+  std::printf("| category | questions | recall@5 | recall@10 | recall@20 | ceiling |\n"
+              "|---|---|---|---|---|---|\n");
+  for (int cat : {1, 2, 3, 4, 5, 0}) {
+    std::printf("| %s | %lld | %s | %s | %s | %s |\n", cat == 0 ? "**all**" : lm::category_name(cat),
+                static_cast<long long>(r5[cat].n), fmt(r5[cat]).c_str(), fmt(r10[cat]).c_str(),
+                fmt(r20[cat]).c_str(), fmt(ceiling[cat]).c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv)
@@ -645,7 +744,7 @@ int main(int argc, char** argv)
       return argv[++i];
     };
     try {
-      if (a == "--count" || a == "--fast" || a == "--full") {
+      if (a == "--count" || a == "--fast" || a == "--full" || a == "--retrieval") {
         opt.mode = a.substr(2);
       } else if (a == "--conversations") {
         opt.conversations = split(value(), ',');
@@ -672,7 +771,7 @@ int main(int argc, char** argv)
     }
   }
   if (opt.mode.empty()) {
-    std::fprintf(stderr, "usage: locomo_eval --count | --fast | --full [options]\n");
+    std::fprintf(stderr, "usage: locomo_eval --count | --retrieval | --fast | --full [options]\n");
     return 2;
   }
   if (opt.mode == "fast") {
@@ -697,7 +796,9 @@ int main(int argc, char** argv)
     llama_backend_init();
     lc::quiet_logs();
     lc::model const m{model_path};
-    int const rc = opt.mode == "count" ? count_mode(m, samples) : eval_mode(m, samples, opt);
+    int const rc = opt.mode == "count"       ? count_mode(m, samples)
+                   : opt.mode == "retrieval" ? retrieval_mode(m, samples)
+                                             : eval_mode(m, samples, opt);
     llama_backend_free();
     return rc;
   } catch (std::exception const& e) {

@@ -644,6 +644,17 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
                 fmt(c.top1_d).c_str(), fmt(c.f1).c_str(), fmt(f1b[0]).c_str(),
                 fmt(f1d[0]).c_str());
   }
+  // A broken path shows as a missing or non-finite figure: fail then, do not print a table of NaN.
+  for (std::size_t i = 0; i < variants.size(); ++i) {
+    if (curve[i].kl_b.n == 0 || !std::isfinite(curve[i].kl_b.mean()) || curve[i].f1.n == 0) {
+      std::fprintf(stderr, "locomo: %s produced no finite KL or F1\n", variants[i].label.c_str());
+      return 1;
+    }
+  }
+  if (f1b[0].n == 0 || f1c[0].n == 0 || ttft_a[0].n != count[0].n) {
+    std::fprintf(stderr, "locomo: a baseline produced no answers\n");
+    return 1;
+  }
   return 0;
 }
 

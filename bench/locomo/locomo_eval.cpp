@@ -64,6 +64,24 @@ std::string env_or(char const* name, char const* fallback)
   return v ? v : (fallback ? fallback : "");
 }
 
+/// The models .ci/engine installed (compiled in), unless the environment names others.
+std::string minilm_path()
+{
+#ifdef INFERSCALE_MINILM_GGUF_DEFAULT
+  return env_or("INFERSCALE_MINILM_GGUF", INFERSCALE_MINILM_GGUF_DEFAULT);
+#else
+  return env_or("INFERSCALE_MINILM_GGUF", nullptr);
+#endif
+}
+std::string smollm_path()
+{
+#ifdef INFERSCALE_SMOLLM2_GGUF_DEFAULT
+  return env_or("INFERSCALE_SMOLLM2_GGUF", INFERSCALE_SMOLLM2_GGUF_DEFAULT);
+#else
+  return env_or("INFERSCALE_SMOLLM2_GGUF", nullptr);
+#endif
+}
+
 struct run_options {
   std::string mode;
   std::vector<std::string> conversations{"conv-26"};
@@ -385,13 +403,7 @@ std::string fmt(tally const& t, char const* f = "%.3f")
 
 int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_options const& opt)
 {
-  lc::model embed_model{env_or("INFERSCALE_MINILM_GGUF",
-#ifdef INFERSCALE_MINILM_GGUF_DEFAULT
-                               INFERSCALE_MINILM_GGUF_DEFAULT
-#else
-                               nullptr
-#endif
-                               )};
+  lc::model embed_model{minilm_path()};
   lc::embedder embedder{embed_model};
 
   lc::context_options co;
@@ -658,20 +670,9 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
   return 0;
 }
 
-std::string model_default(char const* env, char const* compiled)
-{
-  return env_or(env, compiled);
-}
-
 int retrieval_mode(lc::model const& m, std::vector<lm::sample> const& samples)
 {
-  lc::model embed_model{model_default("INFERSCALE_MINILM_GGUF",
-#ifdef INFERSCALE_MINILM_GGUF_DEFAULT
-                                      INFERSCALE_MINILM_GGUF_DEFAULT
-#else
-                                      nullptr
-#endif
-                                      )};
+  lc::model embed_model{minilm_path()};
   lc::embedder embedder{embed_model};
   index_config ic;
   ic.dim    = embedder.dimension();
@@ -796,13 +797,7 @@ int main(int argc, char** argv)
     return 2;
   }
   try {
-    std::string const model_path = env_or("INFERSCALE_SMOLLM2_GGUF",
-#ifdef INFERSCALE_SMOLLM2_GGUF_DEFAULT
-                                          INFERSCALE_SMOLLM2_GGUF_DEFAULT
-#else
-                                          nullptr
-#endif
-    );
+    std::string const model_path = smollm_path();
     std::vector<lm::sample> const samples = lm::load(lm::default_path());
     llama_backend_init();
     lc::quiet_logs();

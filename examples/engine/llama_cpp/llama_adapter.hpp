@@ -620,17 +620,7 @@ class context {
       batch.seq_id[i][0] = seqs[i];
       batch.logits[i]    = i + 1 == n ? 1 : 0;
     }
-    std::int32_t const rc = llama_decode(ctx_.get(), batch);
-    llama_batch_free(batch);
-    if (!capture_error_.empty()) {
-      std::string const e = capture_error_;
-      capture_error_.clear();
-      throw engine_error("llama_cpp capture: " + e);
-    }
-    if (rc != 0) {
-      throw engine_error("llama_decode returned " + std::to_string(rc) + " for a batch of " +
-                         std::to_string(n) + " tokens of several sequences");
-    }
+    run_batch(batch, "a batch of " + std::to_string(n) + " tokens of several sequences");
   }
 
   /// @brief Removes every cell of sequence `seq`.
@@ -664,19 +654,9 @@ class context {
         batch.seq_id[i][0] = seq;
         batch.logits[i]    = (done + i + 1 == tokens.size()) ? 1 : 0;
       }
-      std::int32_t const rc = llama_decode(ctx_.get(), batch);
-      llama_batch_free(batch);
-      if (!capture_error_.empty()) {
-        std::string const e = capture_error_;
-        capture_error_.clear();
-        throw engine_error("llama_cpp capture: " + e);
-      }
-      if (rc != 0) {
-        throw engine_error("llama_decode returned " + std::to_string(rc) + " for " +
-                           std::to_string(n) + " tokens of sequence " + std::to_string(seq) +
-                           " at position " +
-                           std::to_string(first_position + static_cast<std::int64_t>(done)));
-      }
+      run_batch(batch, std::to_string(n) + " tokens of sequence " + std::to_string(seq) +
+                         " at position " +
+                         std::to_string(first_position + static_cast<std::int64_t>(done)));
       done += n;
     }
   }
@@ -706,12 +686,7 @@ class context {
       batch.seq_id[i][0] = seq;
       batch.logits[i]    = i + last_n >= n ? 1 : 0;
     }
-    std::int32_t const rc = llama_decode(ctx_.get(), batch);
-    llama_batch_free(batch);
-    if (rc != 0) {
-      throw engine_error("llama_decode returned " + std::to_string(rc) + " for " +
-                         std::to_string(n) + " tokens of sequence " + std::to_string(seq));
-    }
+    run_batch(batch, std::to_string(n) + " tokens of sequence " + std::to_string(seq));
     std::vector<std::vector<float>> out;
     for (std::size_t i = n - last_n; i < n; ++i) {
       float const* l = llama_get_logits_ith(ctx_.get(), static_cast<std::int32_t>(i));
@@ -808,6 +783,22 @@ class context {
   void end_capture() noexcept { capture_ = nullptr; }
 
  private:
+  /// @brief llama_decode of `batch` (freed here).
+  /// @throw engine_error if the capture hook failed or llama.cpp refused `what`.
+  void run_batch(llama_batch batch, std::string const& what)
+  {
+    std::int32_t const rc = llama_decode(ctx_.get(), batch);
+    llama_batch_free(batch);
+    if (!capture_error_.empty()) {
+      std::string const e = capture_error_;
+      capture_error_.clear();
+      throw engine_error("llama_cpp capture: " + e);
+    }
+    if (rc != 0) {
+      throw engine_error("llama_decode returned " + std::to_string(rc) + " for " + what);
+    }
+  }
+
   void probe_format()
   {
     std::int32_t const seq = scratch_sequence();

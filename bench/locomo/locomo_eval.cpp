@@ -192,6 +192,7 @@ int count_mode(lc::model const& m, std::vector<lm::sample> const& samples)
   std::size_t const per_w = rows.size() / windows.size();
   std::size_t const served = per_w - 2;  // single_pass in 7680-token segments (what runs)
   std::vector<encoding_stats> totals(rows.size());
+  std::vector<std::string> unfit(rows.size());  // the first conversation a row's budget refused
   std::int64_t facts = 0, turns = 0, conv_tokens = 0, fact_tokens = 0;
   auto const t0 = clock_type::now();
   for (std::size_t si = 0; si < samples.size(); ++si) {
@@ -205,7 +206,15 @@ int count_mode(lc::model const& m, std::vector<lm::sample> const& samples)
       fact_tokens += static_cast<std::int64_t>(f.token_ids.size());
     }
     for (std::size_t r = 0; r < rows.size(); ++r) {
-      encoding_stats const st = plan_encoding(p.conv, p.facts, rows[r].o).stats();
+      if (!unfit[r].empty()) { continue; }
+      encoding_stats st;
+      try {
+        st = plan_encoding(p.conv, p.facts, rows[r].o).stats();
+      } catch (inferscale::logic_error const&) {
+        // A segment budget below one fact's window: the planner refuses it, as it should.
+        unfit[r] = samples[si].id;
+        continue;
+      }
       totals[r].jobs += st.jobs;
       totals[r].facts += st.facts;
       totals[r].trunk_tokens += st.trunk_tokens;
@@ -225,6 +234,13 @@ int count_mode(lc::model const& m, std::vector<lm::sample> const& samples)
   std::printf("| w | strategy | jobs | forward tokens | vs per_fact | without branching | longest sequence |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   for (std::size_t r = 0; r < rows.size(); ++r) {
+    if (!unfit[r].empty()) {
+      std::printf("| %lld | %s | refused: a fact of %s needs its %lld-turn window and itself in "
+                  "more tokens than the segment | | | | |\n",
+                  static_cast<long long>(rows[r].o.window), rows[r].name.c_str(),
+                  unfit[r].c_str(), static_cast<long long>(rows[r].o.window));
+      continue;
+    }
     std::size_t const base = r - r % per_w;
     double const ratio = double(totals[base].forward_tokens) / double(totals[r].forward_tokens);
     std::printf("| %lld | %s | %lld | %lld | %.2fx fewer | %lld | %lld |\n",

@@ -665,8 +665,8 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
   std::printf("### Window curve: (a) injected vs (b) text re-prefill and (d) whole conversation\n\n");
   std::printf("Next-token distributions over the gold answer tokens (teacher-forced), "
               "categories 1-4. The first row is the served encoding of the table above.\n\n");
-  std::printf("| encoding | w | turns seen per fact (mean) | KL(b || a) nats | top-1 (a)=(b) | "
-              "KL(d || a) nats | top-1 (a)=(d) | F1 (a) | F1 (b) | F1 (d) |\n");
+  std::printf("| encoding | w | turns seen per fact (mean) | KL(b ‖ a) nats | top-1 (a)=(b) | "
+              "KL(d ‖ a) nats | top-1 (a)=(d) | F1 (a) | F1 (b) | F1 (d) |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (std::size_t i = 0; i < variants.size(); ++i) {
     curve_cell const& c = curve[i];

@@ -93,8 +93,9 @@ int main()
       ctx.decode(0, question, req.plan.length());
       double const ttft =
         1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
-      std::vector<std::int32_t> const answer =
+      std::vector<std::int32_t> answer =
         ctx.generate(0, req.plan.length() + static_cast<std::int64_t>(question.size()), 40);
+      if (!answer.empty() && smollm.is_end_of_generation(answer.back())) { answer.pop_back(); }
       std::string text = smollm.detokenize(answer);
       for (char& ch : text) {
         if (ch == '\n') { ch = ' '; }

@@ -27,6 +27,7 @@
 
 #include "embedder.hpp"
 #include "llama_adapter.hpp"
+#include "model_paths.hpp"
 #include "locomo/locomo_data.hpp"
 
 #include <inferscale/encoding.hpp>
@@ -56,30 +57,6 @@ using clock_type = std::chrono::steady_clock;
 double seconds_since(clock_type::time_point t)
 {
   return std::chrono::duration<double>(clock_type::now() - t).count();
-}
-
-std::string env_or(char const* name, char const* fallback)
-{
-  char const* v = std::getenv(name);
-  return v ? v : (fallback ? fallback : "");
-}
-
-/// The models .ci/engine installed (compiled in), unless the environment names others.
-std::string minilm_path()
-{
-#ifdef INFERSCALE_MINILM_GGUF_DEFAULT
-  return env_or("INFERSCALE_MINILM_GGUF", INFERSCALE_MINILM_GGUF_DEFAULT);
-#else
-  return env_or("INFERSCALE_MINILM_GGUF", nullptr);
-#endif
-}
-std::string smollm_path()
-{
-#ifdef INFERSCALE_SMOLLM2_GGUF_DEFAULT
-  return env_or("INFERSCALE_SMOLLM2_GGUF", INFERSCALE_SMOLLM2_GGUF_DEFAULT);
-#else
-  return env_or("INFERSCALE_SMOLLM2_GGUF", nullptr);
-#endif
 }
 
 struct run_options {
@@ -423,7 +400,7 @@ std::string fmt(tally const& t, char const* f = "%.3f")
 
 int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_options const& opt)
 {
-  lc::model embed_model{minilm_path()};
+  lc::model embed_model{lc::minilm_path()};
   lc::embedder embedder{embed_model};
 
   lc::context_options co;
@@ -692,7 +669,7 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
 
 int retrieval_mode(lc::model const& m, std::vector<lm::sample> const& samples)
 {
-  lc::model embed_model{minilm_path()};
+  lc::model embed_model{lc::minilm_path()};
   lc::embedder embedder{embed_model};
   index_config ic;
   ic.dim    = embedder.dimension();
@@ -817,7 +794,7 @@ int main(int argc, char** argv)
     return 2;
   }
   try {
-    std::string const model_path = smollm_path();
+    std::string const model_path = lc::smollm2_path();
     std::vector<lm::sample> const samples = lm::load(lm::default_path());
     llama_backend_init();
     lc::quiet_logs();

@@ -10,6 +10,7 @@
 
 #include "embedder.hpp"
 #include "llama_adapter.hpp"
+#include "model_paths.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -29,25 +30,8 @@ namespace lc = inferscale::llama_cpp;
 
 namespace {
 
-std::string minilm_path()
-{
-  if (char const* p = std::getenv("INFERSCALE_MINILM_GGUF")) { return p; }
-#ifdef INFERSCALE_MINILM_GGUF_DEFAULT
-  return INFERSCALE_MINILM_GGUF_DEFAULT;
-#else
-  return {};
-#endif
-}
-
-std::string smollm2_path()
-{
-  if (char const* p = std::getenv("INFERSCALE_SMOLLM2_GGUF")) { return p; }
-#ifdef INFERSCALE_SMOLLM2_GGUF_DEFAULT
-  return INFERSCALE_SMOLLM2_GGUF_DEFAULT;
-#else
-  return {};
-#endif
-}
+using lc::minilm_path;
+using lc::smollm2_path;
 
 std::string reference_path()
 {

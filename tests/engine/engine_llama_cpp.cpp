@@ -7,6 +7,7 @@
 
 #include "llama_adapter.hpp"
 #include "memory_data.hpp"
+#include "model_paths.hpp"
 
 #include <inferscale/compose.hpp>
 #include <inferscale/encoding.hpp>
@@ -32,15 +33,7 @@ namespace demo = inferscale::llama_cpp::demo;
 
 namespace {
 
-std::string model_path()
-{
-  if (char const* p = std::getenv("INFERSCALE_SMOLLM2_GGUF")) { return p; }
-#ifdef INFERSCALE_SMOLLM2_GGUF_DEFAULT
-  return INFERSCALE_SMOLLM2_GGUF_DEFAULT;
-#else
-  return {};
-#endif
-}
+std::string model_path() { return lc::smollm2_path(); }
 
 lc::model const& the_model()
 {

@@ -11,6 +11,7 @@
 #include "embedder.hpp"
 #include "llama_adapter.hpp"
 #include "memory_data.hpp"
+#include "model_paths.hpp"
 
 #include <inferscale/memory.hpp>
 
@@ -24,21 +25,13 @@ using namespace inferscale;
 namespace lc   = inferscale::llama_cpp;
 namespace demo = inferscale::llama_cpp::demo;
 
-namespace {
-std::string path_of(char const* env, char const* fallback)
-{
-  if (char const* p = std::getenv(env)) { return p; }
-  return fallback;
-}
-}  // namespace
-
 int main()
 {
   try {
     llama_backend_init();
     lc::quiet_logs();
-    lc::model const smollm{path_of("INFERSCALE_SMOLLM2_GGUF", INFERSCALE_SMOLLM2_GGUF_DEFAULT)};
-    lc::model const minilm{path_of("INFERSCALE_MINILM_GGUF", INFERSCALE_MINILM_GGUF_DEFAULT)};
+    lc::model const smollm{lc::smollm2_path()};
+    lc::model const minilm{lc::minilm_path()};
     lc::embedder embedder{minilm};
 
     lc::context_options co;

@@ -694,6 +694,10 @@ int retrieval_mode(lc::model const& m, std::vector<lm::sample> const& samples)
                      make_matrix_view<float const>(rows.data(), static_cast<std::int64_t>(ids.size()),
                                                    ic.dim),
                      cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+    std::set<std::int64_t> cited;  // turns any fact of the conversation cites
+    for (auto const& turns : p.fact_turns) {
+      cited.insert(turns.begin(), turns.end());
+    }
     for (lm::question const* q : p.questions) {
       ++questions;
       if (q->evidence.empty()) {
@@ -708,10 +712,6 @@ int retrieval_mode(lc::model const& m, std::vector<lm::sample> const& samples)
                           cuda::std::span<std::uint64_t const>{&ns, 1}, 20, search_params{},
                           make_matrix_view<std::uint64_t>(top.data(), 1, 20),
                           make_matrix_view<float>(dist.data(), 1, 20));
-      std::set<std::int64_t> cited;  // turns any fact of the conversation cites
-      for (auto const& turns : p.fact_turns) {
-        cited.insert(turns.begin(), turns.end());
-      }
       std::int64_t citable = 0;
       for (std::int64_t t : q->evidence) {
         citable += cited.count(t) ? 1 : 0;

@@ -25,7 +25,7 @@
 #include <inferscale/detail/index/search_host.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
-#include <inferscale/store.hpp>  // memory_kind
+#include <inferscale/memory_kind.hpp>
 #include <inferscale/views.hpp>
 
 #include <cuda/std/span>

@@ -20,6 +20,7 @@
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/geometry.hpp>
+#include <inferscale/memory_kind.hpp>
 #include <inferscale/views.hpp>
 
 #include <cuda_runtime_api.h>
@@ -37,15 +38,6 @@
 #include <vector>
 
 namespace inferscale {
-
-/// @brief Where a buffer lives.
-enum class memory_kind : std::uint8_t { host, device };
-
-/// @brief Name of a memory kind.
-inline char const* to_string(memory_kind m) noexcept
-{
-  return m == memory_kind::host ? "host" : "device";
-}
 
 /**
  * @brief A fact's keys or values for every layer: `[layers, tokens, heads, head_dim]` with any

@@ -31,6 +31,23 @@
  * | shared_window | one per source turn: its facts are sibling branches of one window | exactly `min(w, t)` turns |
  * | aligned | one per window start rounded down to `stride`: trunk `[a, t_max)`, facts branch at their own turn | `[a, t)` ⊇ `[t-w, t)` |
  * | single_pass | one causal pass over the conversation, cut into segments that fit `max_sequence_tokens`, consecutive segments overlapping by `w` turns | `[a, t)` ⊇ `[t-w, t)` |
+ *
+ * ## Which turns a fact's K/V depend on (the fact lifecycle)
+ *
+ * A branch sees `trunk[0, attach)`: the lead, then turns `[first_turn, source_turn)` with the
+ * session headers written among them (and the header of `source_turn`'s session when that turn
+ * opens a session after the window's first turn). So its K/V depend on exactly the turns
+ * `[b.first_turn, b.source_turn)` of the conversation — the same rule for every strategy, which
+ * only decides `first_turn`:
+ *  - per_fact, shared_window: `max(0, t - w)` (`t` when `w == 0`);
+ *  - aligned: `max(0, t - w)` rounded down to a multiple of the stride (`t` when `w == 0`);
+ *  - single_pass: the start of the fact's segment, `max(0, t0 - w)` for the anchor `t0` of the
+ *    segment's first fact (a later fact of a long segment sees every turn since then: with an
+ *    unbounded budget, a fact at turn `t` of a one-segment pass sees turns `[0, t)`).
+ * A fact's own source turn is not in its window (it attaches where that turn would start), and
+ * neither is any later turn. Changing the tokens of turn `u` (sessions unchanged) therefore changes
+ * the K/V of exactly the facts with `first_turn <= u < source_turn`, and moves no other fact's
+ * attach point or position; memory::update_turns re-encodes those with plan_encoding_at().
  */
 #pragma once
 
@@ -309,6 +326,41 @@ inline void check_fits(encoding_job const& job, encoding_options const& o)
   }
 }
 
+/// @brief A job over turns [a, ..) for `facts[members]` (anchors >= a), trunk to the largest
+/// anchor; every branch attaches at its anchor's attach point. Refuses a branch over the budget.
+inline encoding_job make_job(trunk_builder const& builder,
+                             std::vector<conversation_fact> const& facts,
+                             std::int64_t a,
+                             std::vector<std::size_t> const& members,
+                             encoding_options const& options)
+{
+  std::int64_t b = a;
+  for (std::size_t i : members) {
+    b = std::max(b, anchor_of(facts[i]));
+  }
+  encoding_job job;
+  job.first_position = options.first_position;
+  job.first_turn     = a;
+  job.end_turn       = b;
+  std::vector<std::int64_t> attach;
+  job.trunk = builder.build(a, b, attach);
+  for (std::size_t i : members) {
+    conversation_fact const& f = facts[i];
+    std::int64_t const t       = anchor_of(f);
+    encoding_branch br;
+    br.fact_id      = f.fact_id;
+    br.namespace_id = f.namespace_id;
+    br.token_ids    = f.token_ids;
+    br.attach       = attach[static_cast<std::size_t>(t - a)];
+    br.position     = options.first_position + br.attach;
+    br.first_turn   = a;
+    br.source_turn  = t;
+    job.branches.push_back(std::move(br));
+  }
+  check_fits(job, options);
+  return job;
+}
+
 }  // namespace detail::encoding
 
 /**
@@ -345,31 +397,7 @@ inline encoding_plan plan_encoding(conversation const& c,
 
   // Builds a job over turns [a, ..) for the facts `members` (anchors >= a), trunk to the largest.
   auto make_job = [&](std::int64_t a, std::vector<std::size_t> const& members) {
-    std::int64_t b = a;
-    for (std::size_t i : members) {
-      b = std::max(b, anchor_of(facts[i]));
-    }
-    encoding_job job;
-    job.first_position = options.first_position;
-    job.first_turn     = a;
-    job.end_turn       = b;
-    std::vector<std::int64_t> attach;
-    job.trunk = builder.build(a, b, attach);
-    for (std::size_t i : members) {
-      conversation_fact const& f = facts[i];
-      std::int64_t const t       = anchor_of(f);
-      encoding_branch br;
-      br.fact_id      = f.fact_id;
-      br.namespace_id = f.namespace_id;
-      br.token_ids    = f.token_ids;
-      br.attach       = attach[static_cast<std::size_t>(t - a)];
-      br.position     = options.first_position + br.attach;
-      br.first_turn   = a;
-      br.source_turn  = t;
-      job.branches.push_back(std::move(br));
-    }
-    detail::encoding::check_fits(job, options);
-    plan.jobs.push_back(std::move(job));
+    plan.jobs.push_back(detail::encoding::make_job(builder, facts, a, members, options));
   };
   auto window_start = [&](std::int64_t t) { return std::max<std::int64_t>(0, t - w); };
 
@@ -427,6 +455,80 @@ inline encoding_plan plan_encoding(conversation const& c,
 }
 
 // ------------------------------------------------------------------------------------------------
+// Re-planning facts with known windows (the fact lifecycle, memory.hpp)
+
+/**
+ * @brief The first turn of the window plan_encoding() gives a fact anchored at turn `anchor` when
+ * it is planned alone: `max(0, anchor - w)`, rounded down to the stride for `aligned`, and
+ * `anchor` itself when `w == 0`.
+ *
+ * For per_fact, shared_window and aligned this is also the window the fact gets among other
+ * facts (their window starts depend on the anchor only). For single_pass it is a lower bound on
+ * the fact's context only when the fact opens its segment: a later fact of a segment keeps the
+ * segment's start, `max(0, t0 - w)` for the anchor `t0` of the segment's first fact, and so sees
+ * more turns. The branch a plan made (encoding_branch::first_turn) is therefore the record to
+ * keep; this function is for a fact that was never planned with others (e.g. a superseding fact
+ * from a new source turn).
+ * @throw logic_error for a negative anchor or invalid options (as plan_encoding).
+ */
+inline std::int64_t planned_window_start(encoding_options const& options, std::int64_t anchor)
+{
+  INFERSCALE_EXPECTS(anchor >= 0, "planned_window_start: the anchor turn must be non-negative, got " +
+                                    std::to_string(anchor));
+  INFERSCALE_EXPECTS(options.window >= 0 && options.stride >= 0,
+                     "planned_window_start: the window and the stride must be non-negative, got " +
+                       std::to_string(options.window) + " and " + std::to_string(options.stride));
+  std::int64_t const w = options.window;
+  if (w == 0) { return anchor; }
+  std::int64_t const a = std::max<std::int64_t>(0, anchor - w);
+  if (options.strategy != encoding_strategy::aligned) { return a; }
+  std::int64_t const stride = options.stride > 0 ? options.stride : std::max<std::int64_t>(1, w);
+  return a / stride * stride;
+}
+
+/**
+ * @brief Plans `facts` of conversation `c` behind windows that are already decided: fact `i`
+ * attaches at its anchor (earliest source turn) `t` behind turns `[first_turns[i], t)`, exactly
+ * as a branch of plan_encoding() with `first_turn == first_turns[i]` attaches (same trunk
+ * prefix, same attach point, same position), whatever the strategy in `options`.
+ *
+ * This is how a fact is re-encoded with the window it was first planned with after the
+ * conversation changed (memory::update_turns) or its text changed (memory::update_fact): a fresh
+ * plan_encoding() of only the affected facts would regroup single_pass segments and give them
+ * other windows. One job per distinct first turn, in increasing order; within a job the facts
+ * keep their given order.
+ *
+ * @throw logic_error as plan_encoding, and if `first_turns` differs in length from `facts` or a
+ *        first turn is negative or after its fact's anchor.
+ */
+inline encoding_plan plan_encoding_at(conversation const& c,
+                                      std::vector<conversation_fact> const& facts,
+                                      std::vector<std::int64_t> const& first_turns,
+                                      encoding_options const& options = {})
+{
+  detail::encoding::validate(c, facts, options);
+  INFERSCALE_EXPECTS(first_turns.size() == facts.size(),
+                     "plan_encoding_at: " + std::to_string(facts.size()) + " facts but " +
+                       std::to_string(first_turns.size()) + " first turns");
+  std::map<std::int64_t, std::vector<std::size_t>> groups;
+  for (std::size_t i = 0; i < facts.size(); ++i) {
+    std::int64_t const t = detail::encoding::anchor_of(facts[i]);
+    INFERSCALE_EXPECTS(first_turns[i] >= 0 && first_turns[i] <= t,
+                       "plan_encoding_at: fact " + std::to_string(facts[i].fact_id) +
+                         "'s window starts at turn " + std::to_string(first_turns[i]) +
+                         ", outside [0, " + std::to_string(t) + "] (its anchor turn)");
+    groups[first_turns[i]].push_back(i);
+  }
+  detail::encoding::trunk_builder const builder{c};
+  encoding_plan plan;
+  plan.options = options;
+  for (auto const& [a, members] : groups) {
+    plan.jobs.push_back(detail::encoding::make_job(builder, facts, a, members, options));
+  }
+  return plan;
+}
+
+// ------------------------------------------------------------------------------------------------
 // Executing a plan
 
 namespace detail {
@@ -442,6 +544,40 @@ struct has_encode_branches<
     std::declval<std::vector<encoding_branch> const&>(),
     std::declval<kv_capture&>()))>> : std::true_type {
 };
+}  // namespace detail
+
+namespace detail {
+/// @brief Refuses a branch that is empty, attaches outside its trunk or sits at another position.
+inline void check_branch(encoding_job const& job, encoding_branch const& b, std::string const& which)
+{
+  INFERSCALE_EXPECTS(!b.token_ids.empty(), which + " has no tokens");
+  INFERSCALE_EXPECTS(b.attach >= 0 && b.attach <= static_cast<std::int64_t>(job.trunk.size()),
+                     which + " attaches at " + std::to_string(b.attach) +
+                       ", outside its trunk of " + std::to_string(job.trunk.size()) + " tokens");
+  INFERSCALE_EXPECTS(b.position == job.first_position + b.attach,
+                     which + " is at position " + std::to_string(b.position) +
+                       ", its attach point is position " +
+                       std::to_string(job.first_position + b.attach));
+}
+
+/// @brief Tokens [begin, begin + count) of `src` as a capture of their own (all layers).
+inline kv_capture copy_capture_rows(kv_capture const& src, std::int64_t begin, std::int64_t count)
+{
+  kv_geometry const g = src.geometry();
+  kv_capture out{g, count};
+  fact_kv_view<float const> const k = src.keys(begin, count);
+  fact_kv_view<float const> const v = src.values(begin, count);
+  for (std::int32_t l = 0; l < g.num_layers; ++l) {
+    out.write_keys(l, 0, make_token_head_view<float const>(&k(l, 0, 0, 0), count, g.num_kv_heads,
+                                                           g.head_dim, k.stride(1), k.stride(2),
+                                                           k.stride(3)));
+    out.write_values(l, 0, make_token_head_view<float const>(&v(l, 0, 0, 0), count,
+                                                             g.num_kv_heads, g.head_dim,
+                                                             v.stride(1), v.stride(2),
+                                                             v.stride(3)));
+  }
+  return out;
+}
 }  // namespace detail
 
 /**
@@ -488,15 +624,7 @@ encode_report encode_plan(ModelAdapter& model, kv_store& store, encoding_plan co
   for (encoding_job const& job : plan.jobs) {
     for (encoding_branch const& b : job.branches) {
       std::string const which = "encode_plan: fact " + std::to_string(b.fact_id);
-      INFERSCALE_EXPECTS(!b.token_ids.empty(), which + " has no tokens");
-      INFERSCALE_EXPECTS(b.attach >= 0 && b.attach <= static_cast<std::int64_t>(job.trunk.size()),
-                         which + " attaches at " + std::to_string(b.attach) +
-                           ", outside its trunk of " + std::to_string(job.trunk.size()) +
-                           " tokens");
-      INFERSCALE_EXPECTS(b.position == job.first_position + b.attach,
-                         which + " is at position " + std::to_string(b.position) +
-                           ", its attach point is position " +
-                           std::to_string(job.first_position + b.attach));
+      detail::check_branch(job, b, which);
       INFERSCALE_EXPECTS(!store.contains(b.fact_id), which + " is already stored");
       INFERSCALE_EXPECTS(ids.insert(b.fact_id).second, which + " appears twice in the plan");
       pages += store.pages_for(static_cast<std::int64_t>(b.token_ids.size()));
@@ -547,6 +675,86 @@ encode_report encode_plan(ModelAdapter& model, kv_store& store, encoding_plan co
     throw;
   }
   return report;
+}
+
+/**
+ * @brief A plan's facts encoded but not stored: fact `i` is `facts[i]` (its id, namespace and
+ * token ids; `begin == 0`) and its pre-RoPE K/V are the whole of `captures[i]` (fp32, only the
+ * fact's own rows: the context rows of the forward are dropped).
+ */
+struct captured_plan {
+  std::vector<captured_fact> facts;  ///< in plan order: job by job, branch by branch
+  std::vector<kv_capture> captures;  ///< one per fact, `facts[i].token_ids.size()` tokens
+  encode_report report{};            ///< what the adapter ran
+};
+
+/**
+ * @brief Runs a plan through a model adapter, as encode_plan() does, but keeps every fact's K/V
+ * in host memory instead of storing it, so a caller can validate everything, run the model, and
+ * only then change the store (the fact lifecycle in memory.hpp replaces stored facts this way).
+ *
+ * Host memory held: `2 * L * h * d * 4` bytes per fact token (fp32), for the whole plan at once,
+ * plus one forward's capture at a time.
+ *
+ * @throw logic_error (before the first forward) if a branch is empty, attaches outside its trunk
+ *        or sits at another position than `first_position + attach`, or ids repeat; after a
+ *        forward, if the adapter did not deliver K and V of every layer for a fact's tokens.
+ *        Whatever the adapter throws. Nothing outside the returned value is changed.
+ */
+template <class ModelAdapter>
+captured_plan capture_plan(ModelAdapter& model, encoding_plan const& plan)
+{
+  static_assert(is_model_adapter_v<ModelAdapter>,
+                "capture_plan: ModelAdapter needs geometry(), rotation() and "
+                "encode(tokens, first_position, kv_capture&) (see engine.hpp)");
+  std::unordered_set<std::uint64_t> ids;
+  for (encoding_job const& job : plan.jobs) {
+    for (encoding_branch const& b : job.branches) {
+      std::string const which = "capture_plan: fact " + std::to_string(b.fact_id);
+      detail::check_branch(job, b, which);
+      INFERSCALE_EXPECTS(ids.insert(b.fact_id).second, which + " appears twice in the plan");
+    }
+  }
+  captured_plan out;
+  out.report.branched = has_encode_branches_v<ModelAdapter>;
+  auto keep = [&](kv_capture const& capture, encoding_branch const& b, std::int64_t begin) {
+    std::int64_t const count = static_cast<std::int64_t>(b.token_ids.size());
+    INFERSCALE_EXPECTS(capture.complete(begin, count),
+                       "capture_plan: fact " + std::to_string(b.fact_id) +
+                         ": the model adapter did not deliver K and V of every layer for its "
+                         "tokens");
+    out.captures.push_back(detail::copy_capture_rows(capture, begin, count));
+    out.facts.push_back({b.fact_id, b.namespace_id, 0, b.token_ids});
+  };
+  for (encoding_job const& job : plan.jobs) {
+    if (job.branches.empty()) { continue; }
+    ++out.report.jobs;
+    if constexpr (has_encode_branches_v<ModelAdapter>) {
+      std::int64_t rows = 0;
+      for (encoding_branch const& b : job.branches) {
+        rows += static_cast<std::int64_t>(b.token_ids.size());
+      }
+      kv_capture capture{model.geometry(), rows};
+      model.encode_branches(job.trunk, job.first_position, job.branches, capture);
+      std::int64_t begin = 0;
+      for (encoding_branch const& b : job.branches) {
+        keep(capture, b, begin);
+        begin += static_cast<std::int64_t>(b.token_ids.size());
+      }
+      out.report.forward_tokens += job.forward_tokens();
+    } else {
+      for (encoding_branch const& b : job.branches) {
+        std::vector<std::int32_t> tokens(job.trunk.begin(), job.trunk.begin() + b.attach);
+        tokens.insert(tokens.end(), b.token_ids.begin(), b.token_ids.end());
+        kv_capture capture{model.geometry(), static_cast<std::int64_t>(tokens.size())};
+        model.encode(tokens, job.first_position, capture);
+        keep(capture, b, b.attach);
+        out.report.forward_tokens += static_cast<std::int64_t>(tokens.size());
+      }
+    }
+    out.report.facts += static_cast<std::int64_t>(job.branches.size());
+  }
+  return out;
 }
 
 }  // namespace inferscale

@@ -3,7 +3,8 @@
 // encoding, each behind the turns before it, branched off one pass over the conversation; their
 // MiniLM embeddings indexed), and each question is served by retrieving the user's top facts,
 // composing them behind the instruction prefix and injecting their KV into llama.cpp's sequence.
-// The engine prefills only the question.
+// The engine prefills only the question. Then the fact lifecycle: a corrected turn re-encodes
+// the facts whose window held it, a changed fact supersedes the old one, the old one is erased.
 //
 // usage: example_engine_memory   (models from .ci/engine; INFERSCALE_SMOLLM2_GGUF and
 // INFERSCALE_MINILM_GGUF override the paths)
@@ -77,7 +78,7 @@ int main()
                 static_cast<long long>(r.plan.unbranched_tokens),
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 
-    for (std::string const& q : demo::questions) {
+    auto ask = [&](std::string const& q) {
       ctx.clear(0);
       lc::sequence_cache cache{ctx, 0};
       auto const t1 = std::chrono::steady_clock::now();
@@ -98,7 +99,43 @@ int main()
                   q.c_str(), static_cast<unsigned long long>(req.fact_ids.at(0)),
                   static_cast<unsigned long long>(req.fact_ids.at(1)),
                   static_cast<long long>(req.plan.length()), ttft, text.c_str());
+    };
+    for (std::string const& q : demo::questions) {
+      ask(q);
     }
+
+    // The fact lifecycle. A turn is corrected: exactly the facts whose window held it are
+    // re-encoded over the corrected conversation, every other fact keeps its bytes.
+    std::string const corrected = "Assistant: Congratulations! How old is Pepper, and how is she "
+                                  "settling in?";
+    std::vector<std::uint64_t> const seeing = mem.facts_seeing_turn(r.conversation, 1);
+    lifecycle_report const turns =
+      mem.update_turns(model, r.conversation, {{1, smollm.tokenize(corrected + "\n")}});
+    std::printf("\nturn 1 corrected: %zu facts saw it, %zu re-encoded (%lld forward tokens):",
+                seeing.size(), turns.reencoded.size(),
+                static_cast<long long>(turns.encode.forward_tokens));
+    for (std::uint64_t id : turns.reencoded) {
+      std::printf(" %llu", static_cast<unsigned long long>(id));
+    }
+    std::printf("\n");
+
+    // A fact changes: the new version (from turn 4, re-encoded behind its window and re-embedded)
+    // supersedes fact 103, which stays in the store for audit but is never retrieved again.
+    std::string const moved = "Memory: The user's sister Clara moved from Porto to Lisbon this month.\n";
+    fact_update change;
+    change.fact_id   = 103;
+    change.new_id    = 200;  // 103 itself would replace the fact in place
+    change.token_ids = smollm.tokenize(moved);
+    change.text      = moved;
+    mem.update_fact(model, embedder, change);
+    std::printf("fact 103 superseded by fact %llu (kept for audit: %s, retrievable: %s)\n",
+                static_cast<unsigned long long>(mem.fact(103).superseded_by.value_or(0)),
+                mem.store().contains(103) ? "yes" : "no", mem.fact(103).retrievable() ? "yes" : "no");
+    ask("Where does my sister live now?");
+    mem.erase_fact(103);  // the audit record goes; fact 200 still names it as the one it superseded
+    std::printf("fact 103 erased: %lld facts left for user %llu\n",
+                static_cast<long long>(mem.store().namespace_facts(user)),
+                static_cast<unsigned long long>(user));
     llama_backend_free();
     return 0;
   } catch (std::exception const& e) {

@@ -76,7 +76,7 @@ struct memory_add_report {
   encode_report encode{};   ///< what the model adapter ran
   std::int64_t embedded{0};  ///< fact texts embedded
   /// The handle of the conversation kept for the fact lifecycle (update_turns, conversation_of);
-  /// 0 from add_facts(), which has no conversation.
+  /// 0 from add_facts(), which has no conversation, and for a conversation without facts.
   std::uint64_t conversation{0};
 };
 
@@ -990,6 +990,7 @@ class memory {
                                       encoding_options const& options,
                                       encoding_plan const& plan)
   {
+    if (plan.stats().facts == 0) { return 0; }  // nothing to re-encode: keep nothing
     std::uint64_t const handle = next_conversation_++;
     conversation_entry ce{ns, c, options, {}};
     for (encoding_job const& job : plan.jobs) {

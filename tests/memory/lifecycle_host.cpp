@@ -612,6 +612,10 @@ TEST_CASE("lifecycle: directly added facts follow the caller's turn map", "[memo
   CHECK(m.direct_facts_seeing_turn(5, 0) == std::vector<std::uint64_t>{31});
   CHECK(m.direct_facts_seeing_turn(5, 2).empty());
   CHECK(m.direct_facts_seeing_turn(6, 1).empty());
+  // A conversation without facts has nothing to re-encode: nothing is kept for it.
+  user_data const empty = make_user(5, 700, 4);
+  CHECK(m.add_conversation(model, embedder, 5, empty.c, {}, {}).conversation == 0);
+  CHECK(m.conversations(5).empty());
 
   // Turn 1 changed in the caller's conversation: the two facts that saw it get new contexts.
   std::vector<unsigned char> const third = fact_bytes_of(m.store(), 33);

@@ -473,8 +473,9 @@ inline encoding_plan plan_encoding(conversation const& c,
  */
 inline std::int64_t planned_window_start(encoding_options const& options, std::int64_t anchor)
 {
-  INFERSCALE_EXPECTS(anchor >= 0, "planned_window_start: the anchor turn must be non-negative, got " +
-                                    std::to_string(anchor));
+  INFERSCALE_EXPECTS(
+    anchor >= 0,
+    "planned_window_start: the anchor turn must be non-negative, got " + std::to_string(anchor));
   INFERSCALE_EXPECTS(options.window >= 0 && options.stride >= 0,
                      "planned_window_start: the window and the stride must be non-negative, got " +
                        std::to_string(options.window) + " and " + std::to_string(options.stride));
@@ -548,7 +549,9 @@ struct has_encode_branches<
 
 namespace detail {
 /// @brief Refuses a branch that is empty, attaches outside its trunk or sits at another position.
-inline void check_branch(encoding_job const& job, encoding_branch const& b, std::string const& which)
+inline void check_branch(encoding_job const& job,
+                         encoding_branch const& b,
+                         std::string const& which)
 {
   INFERSCALE_EXPECTS(!b.token_ids.empty(), which + " has no tokens");
   INFERSCALE_EXPECTS(b.attach >= 0 && b.attach <= static_cast<std::int64_t>(job.trunk.size()),
@@ -568,13 +571,16 @@ inline kv_capture copy_capture_rows(kv_capture const& src, std::int64_t begin, s
   fact_kv_view<float const> const k = src.keys(begin, count);
   fact_kv_view<float const> const v = src.values(begin, count);
   for (std::int32_t l = 0; l < g.num_layers; ++l) {
-    out.write_keys(l, 0, make_token_head_view<float const>(&k(l, 0, 0, 0), count, g.num_kv_heads,
-                                                           g.head_dim, k.stride(1), k.stride(2),
-                                                           k.stride(3)));
-    out.write_values(l, 0, make_token_head_view<float const>(&v(l, 0, 0, 0), count,
-                                                             g.num_kv_heads, g.head_dim,
-                                                             v.stride(1), v.stride(2),
-                                                             v.stride(3)));
+    out.write_keys(
+      l,
+      0,
+      make_token_head_view<float const>(
+        &k(l, 0, 0, 0), count, g.num_kv_heads, g.head_dim, k.stride(1), k.stride(2), k.stride(3)));
+    out.write_values(
+      l,
+      0,
+      make_token_head_view<float const>(
+        &v(l, 0, 0, 0), count, g.num_kv_heads, g.head_dim, v.stride(1), v.stride(2), v.stride(3)));
   }
   return out;
 }

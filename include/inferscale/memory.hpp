@@ -11,6 +11,12 @@
  * them through the paged-cache adapter; the engine then prefills only the query. `retrieve`,
  * `prepare` and `inject` are the same steps one at a time (a GPU engine calls `prepare` and
  * inject.cuh's `inject_async` itself).
+ * Over time (the fact lifecycle): `update_fact` re-encodes and re-embeds a changed fact, in place
+ * or under a superseding id that keeps the old version for audit; `update_turns` re-encodes exactly
+ * the facts whose encoding window held a changed conversation turn (the memory keeps each added
+ * conversation and every fact's window for it); `add_facts` / `reencode_facts` do the same for
+ * facts encoded without the planner, from the caller's fact -> turns map; `erase_fact` and
+ * `erase_namespace` leave no K/V behind in the store.
  *
  * The library holds no model: an embedder adapter `E` provides
  *  - `std::int64_t E::dimension() const` (any integer type) and
@@ -264,7 +270,7 @@ class memory {
                         cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
     } catch (...) {
       for (std::uint64_t id : ids) {
-        store_.erase(id);
+        erase_and_scrub(id);
       }
       throw;
     }
@@ -320,10 +326,11 @@ class memory {
   {
     for (std::uint64_t id : fact_ids) {
       auto const it = facts_.find(id);
-      INFERSCALE_EXPECTS(it == facts_.end() || !it->second.superseded_by,
-                         "memory::prepare: fact " + std::to_string(id) + " is superseded by fact " +
-                           std::to_string(it == facts_.end() ? 0 : it->second.superseded_by.value_or(0)) +
-                           " (kept for audit, not for requests)");
+      INFERSCALE_EXPECTS(
+        it == facts_.end() || !it->second.superseded_by,
+        "memory::prepare: fact " + std::to_string(id) + " is superseded by fact " +
+          std::to_string(it == facts_.end() ? 0 : it->second.superseded_by.value_or(0)) +
+          " (kept for audit, not for requests)");
     }
     compose_options o;
     o.first_position     = first_position;
@@ -484,8 +491,9 @@ class memory {
     std::int64_t pages = 0;
     for (direct_fact const& f : facts) {
       check_new_id(f.fact_id, who);
-      INFERSCALE_EXPECTS(std::find(ids.begin(), ids.end(), f.fact_id) == ids.end(),
-                         std::string{who} + ": fact " + std::to_string(f.fact_id) + " appears twice");
+      INFERSCALE_EXPECTS(
+        std::find(ids.begin(), ids.end(), f.fact_id) == ids.end(),
+        std::string{who} + ": fact " + std::to_string(f.fact_id) + " appears twice");
       plan.jobs.push_back(direct_job(f.fact_id, ns, f.context, f.token_ids, f.first_position, who));
       ids.push_back(f.fact_id);
       pages += store_.pages_for(static_cast<std::int64_t>(f.token_ids.size()));
@@ -496,11 +504,15 @@ class memory {
     captured_plan const captured = capture_plan(model, plan);
 
     for (std::size_t i = 0; i < ids.size(); ++i) {
-      store_.insert<float>(ids[i], ns, captured.facts[i].token_ids, captured.captures[i].keys(),
+      store_.insert<float>(ids[i],
+                           ns,
+                           captured.facts[i].token_ids,
+                           captured.captures[i].keys(),
                            captured.captures[i].values());
     }
     try {
-      index_.add<float>(ns, matrix_of(vectors, ids.size()),
+      index_.add<float>(ns,
+                        matrix_of(vectors, ids.size()),
                         cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
     } catch (...) {
       for (std::uint64_t id : ids) {
@@ -510,10 +522,10 @@ class memory {
     }
     for (direct_fact const& f : facts) {
       fact_entry e;
-      e.ns             = ns;
-      e.context        = f.context;
-      e.first_position = f.first_position;
-      e.turns          = f.turns;
+      e.ns              = ns;
+      e.context         = f.context;
+      e.first_position  = f.first_position;
+      e.turns           = f.turns;
       facts_[f.fact_id] = std::move(e);
     }
     memory_add_report report;
@@ -540,7 +552,8 @@ class memory {
   template <class ModelAdapter, class Embedder>
   lifecycle_report update_fact(ModelAdapter& model, Embedder& embedder, fact_update const& u)
   {
-    static_assert(is_embedder_v<Embedder>, "memory::update_fact: Embedder requirements (memory.hpp)");
+    static_assert(is_embedder_v<Embedder>,
+                  "memory::update_fact: Embedder requirements (memory.hpp)");
     char const* const who = "memory::update_fact";
     fact_entry const& old = retrievable_entry(u.fact_id, who);
     bool const in_place   = u.new_id == u.fact_id;
@@ -549,7 +562,7 @@ class memory {
     INFERSCALE_EXPECTS(!u.token_ids.empty(),
                        std::string{who} + ": the new version of fact " + std::to_string(u.fact_id) +
                          " has no tokens");
-    fact_entry next = old;
+    fact_entry next    = old;
     next.supersedes    = in_place ? old.supersedes : std::optional<std::uint64_t>{u.fact_id};
     next.superseded_by = std::nullopt;
     encoding_plan plan;
@@ -561,8 +574,8 @@ class memory {
       conversation_entry const& ce = conversation_entries_.at(*old.conversation);
       if (!u.source_turns.empty()) {
         std::int64_t const t = anchor(u.source_turns);
-        INFERSCALE_EXPECTS(t >= 0, std::string{who} + ": source turn " + std::to_string(t) +
-                                     " is negative");
+        INFERSCALE_EXPECTS(
+          t >= 0, std::string{who} + ": source turn " + std::to_string(t) + " is negative");
         if (t != anchor(old.source_turns)) {
           next.first_turn = planned_window_start(ce.options, t);
         }
@@ -581,27 +594,30 @@ class memory {
         direct_job(u.new_id, old.ns, next.context, u.token_ids, next.first_position, who));
     }
     std::int64_t const pages = store_.pages_for(static_cast<std::int64_t>(u.token_ids.size()));
-    check_pages(pages, in_place ? static_cast<std::int64_t>(store_.at(u.fact_id).pages.size()) : 0,
-                who);
+    check_pages(
+      pages, in_place ? static_cast<std::int64_t>(store_.at(u.fact_id).pages.size()) : 0, who);
     std::vector<float> const vector = embed_all(embedder, {u.text}, who);
     probe(vector, {u.new_id});
     captured_plan const captured = capture_plan(model, plan);
 
     // Commit: nothing below is refused (all of it was validated above).
-    std::uint64_t const ns = old.ns;
+    std::uint64_t const ns                  = old.ns;
     std::optional<std::uint64_t> const conv = old.conversation;
     if (in_place) {
       replace_stored(u.fact_id, ns, captured.facts[0].token_ids, captured.captures[0]);
       index_.erase(cuda::std::span<std::uint64_t const>{&u.fact_id, 1});
-      index_.add<float>(ns, matrix_of(vector, 1),
-                        cuda::std::span<std::uint64_t const>{&u.new_id, 1});
+      index_.add<float>(
+        ns, matrix_of(vector, 1), cuda::std::span<std::uint64_t const>{&u.new_id, 1});
       facts_[u.fact_id] = std::move(next);
     } else {
-      store_.insert<float>(u.new_id, ns, captured.facts[0].token_ids, captured.captures[0].keys(),
+      store_.insert<float>(u.new_id,
+                           ns,
+                           captured.facts[0].token_ids,
+                           captured.captures[0].keys(),
                            captured.captures[0].values());
       try {
-        index_.add<float>(ns, matrix_of(vector, 1),
-                          cuda::std::span<std::uint64_t const>{&u.new_id, 1});
+        index_.add<float>(
+          ns, matrix_of(vector, 1), cuda::std::span<std::uint64_t const>{&u.new_id, 1});
       } catch (...) {
         erase_and_scrub(u.new_id);
         throw;
@@ -647,9 +663,9 @@ class memory {
                            std::to_string(updated.turns.size()) + " turns");
       INFERSCALE_EXPECTS(std::find(turns.begin(), turns.end(), ch.turn) == turns.end(),
                          std::string{who} + ": turn " + std::to_string(ch.turn) + " changes twice");
-      INFERSCALE_EXPECTS(!ch.token_ids.empty(),
-                         std::string{who} + ": turn " + std::to_string(ch.turn) +
-                           " would have no tokens");
+      INFERSCALE_EXPECTS(
+        !ch.token_ids.empty(),
+        std::string{who} + ": turn " + std::to_string(ch.turn) + " would have no tokens");
       turns.push_back(ch.turn);
       updated.turns[static_cast<std::size_t>(ch.turn)].token_ids = ch.token_ids;
     }
@@ -659,20 +675,21 @@ class memory {
       fact_entry const& e = facts_.at(id);
       if (e.superseded_by) { continue; }
       std::int64_t const t = anchor(e.source_turns);
-      bool const saw = std::any_of(turns.begin(), turns.end(), [&](std::int64_t u) {
-        return e.first_turn <= u && u < t;
-      });
+      bool const saw       = std::any_of(
+        turns.begin(), turns.end(), [&](std::int64_t u) { return e.first_turn <= u && u < t; });
       if (!saw) { continue; }
       facts.push_back({id, e.ns, store_.at(id).token_ids, e.source_turns});
       first_turns.push_back(e.first_turn);
     }
     lifecycle_report r;
     if (!facts.empty()) {
-      encoding_plan const plan = plan_encoding_at(updated, facts, first_turns, ce.options);
+      encoding_plan const plan     = plan_encoding_at(updated, facts, first_turns, ce.options);
       captured_plan const captured = capture_plan(model, plan);
       for (std::size_t i = 0; i < captured.facts.size(); ++i) {
-        replace_stored(captured.facts[i].fact_id, captured.facts[i].namespace_id,
-                       captured.facts[i].token_ids, captured.captures[i]);
+        replace_stored(captured.facts[i].fact_id,
+                       captured.facts[i].namespace_id,
+                       captured.facts[i].token_ids,
+                       captured.captures[i]);
         r.reencoded.push_back(captured.facts[i].fact_id);
       }
       r.encode = captured.report;
@@ -702,18 +719,20 @@ class memory {
                          std::string{who} + ": fact " + std::to_string(fc.fact_id) +
                            " was planned from conversation " + std::to_string(*e.conversation) +
                            ": change its turns with update_turns()");
-      INFERSCALE_EXPECTS(std::find(ids.begin(), ids.end(), fc.fact_id) == ids.end(),
-                         std::string{who} + ": fact " + std::to_string(fc.fact_id) +
-                           " appears twice");
+      INFERSCALE_EXPECTS(
+        std::find(ids.begin(), ids.end(), fc.fact_id) == ids.end(),
+        std::string{who} + ": fact " + std::to_string(fc.fact_id) + " appears twice");
       ids.push_back(fc.fact_id);
-      plan.jobs.push_back(direct_job(fc.fact_id, e.ns, fc.context, store_.at(fc.fact_id).token_ids,
-                                     fc.first_position, who));
+      plan.jobs.push_back(direct_job(
+        fc.fact_id, e.ns, fc.context, store_.at(fc.fact_id).token_ids, fc.first_position, who));
     }
     captured_plan const captured = capture_plan(model, plan);
     lifecycle_report r;
     for (std::size_t i = 0; i < captured.facts.size(); ++i) {
-      replace_stored(captured.facts[i].fact_id, captured.facts[i].namespace_id,
-                     captured.facts[i].token_ids, captured.captures[i]);
+      replace_stored(captured.facts[i].fact_id,
+                     captured.facts[i].namespace_id,
+                     captured.facts[i].token_ids,
+                     captured.captures[i]);
       fact_entry& e    = facts_.at(captured.facts[i].fact_id);
       e.context        = contexts[i].context;
       e.first_position = contexts[i].first_position;
@@ -733,7 +752,7 @@ class memory {
    */
   void erase_fact(std::uint64_t id)
   {
-    fact_entry const& e = entry(id, "memory::erase_fact");
+    fact_entry const& e                     = entry(id, "memory::erase_fact");
     std::optional<std::uint64_t> const conv = e.conversation;
     if (index_.contains(id)) { index_.erase(cuda::std::span<std::uint64_t const>{&id, 1}); }
     erase_and_scrub(id);
@@ -839,7 +858,8 @@ class memory {
   {
     auto const it = facts_.find(id);
     INFERSCALE_EXPECTS(it != facts_.end(),
-                       std::string{who} + ": fact " + std::to_string(id) + " is not a fact of "
+                       std::string{who} + ": fact " + std::to_string(id) +
+                         " is not a fact of "
                          "this memory" +
                          (prefix_ && *prefix_ == id ? " (it is the instruction prefix)" : ""));
     return it->second;
@@ -893,8 +913,8 @@ class memory {
   void check_pages(std::int64_t pages, std::int64_t released, char const* who) const
   {
     INFERSCALE_EXPECTS(pages <= store_.free_pages() + released,
-                       std::string{who} + ": the facts need " + std::to_string(pages) +
-                         " pages, " + std::to_string(store_.free_pages() + released) +
+                       std::string{who} + ": the facts need " + std::to_string(pages) + " pages, " +
+                         std::to_string(store_.free_pages() + released) +
                          " free (capacity exhausted)");
   }
 
@@ -908,9 +928,9 @@ class memory {
   {
     INFERSCALE_EXPECTS(!tokens.empty(),
                        std::string{who} + ": fact " + std::to_string(id) + " has no tokens");
-    INFERSCALE_EXPECTS(first_position >= 0, std::string{who} + ": fact " + std::to_string(id) +
-                                              "'s first position " +
-                                              std::to_string(first_position) + " is negative");
+    INFERSCALE_EXPECTS(first_position >= 0,
+                       std::string{who} + ": fact " + std::to_string(id) + "'s first position " +
+                         std::to_string(first_position) + " is negative");
     encoding_job job;
     job.first_position = first_position;
     job.trunk          = context;
@@ -926,8 +946,8 @@ class memory {
 
   matrix_view<float const> matrix_of(std::vector<float> const& vectors, std::size_t rows) const
   {
-    return make_matrix_view<float const>(vectors.data(), static_cast<std::int64_t>(rows),
-                                         index_.dim());
+    return make_matrix_view<float const>(
+      vectors.data(), static_cast<std::int64_t>(rows), index_.dim());
   }
 
   /// Applies the index's own checks (dimension, finite, non-zero under cosine, norm, fp16 range)
@@ -937,7 +957,8 @@ class memory {
     index_config c = index_.config();
     c.memory       = memory_kind::host;
     graph_index scratch{c};
-    scratch.add<float>(0, matrix_of(vectors, ids.size()),
+    scratch.add<float>(0,
+                       matrix_of(vectors, ids.size()),
                        cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
   }
 

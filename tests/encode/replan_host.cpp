@@ -3,6 +3,8 @@
 // built on. Contexts are checked against the window rule written out here; captured K/V against
 // the fake model's formula (tests/common/fake_model.hpp).
 
+#include "fake_model.hpp"
+
 #include <inferscale/encoding.hpp>
 
 #include <catch2/catch.hpp>
@@ -12,8 +14,6 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#include "fake_model.hpp"
 
 using namespace inferscale;
 using namespace inferscale_test::fake;
@@ -101,8 +101,10 @@ TEST_CASE("planned_window_start: the window start of a fact planned alone", "[en
 
   // It is what plan_encoding gives a lone fact, for every strategy and window.
   data const d = make_data();
-  for (encoding_strategy s : {encoding_strategy::per_fact, encoding_strategy::shared_window,
-                              encoding_strategy::aligned, encoding_strategy::single_pass}) {
+  for (encoding_strategy s : {encoding_strategy::per_fact,
+                              encoding_strategy::shared_window,
+                              encoding_strategy::aligned,
+                              encoding_strategy::single_pass}) {
     for (std::int64_t w : {0, 1, 3, 7}) {
       encoding_options p;
       p.window   = w;
@@ -110,7 +112,8 @@ TEST_CASE("planned_window_start: the window start of a fact planned alone", "[en
       for (conversation_fact const& f : d.facts) {
         CAPTURE(to_string(s), w, f.fact_id);
         encoding_plan const plan = plan_encoding(d.c, {f}, p);
-        CHECK(plan.jobs.at(0).branches.at(0).first_turn == planned_window_start(p, f.source_turns[0]));
+        CHECK(plan.jobs.at(0).branches.at(0).first_turn ==
+              planned_window_start(p, f.source_turns[0]));
       }
     }
   }
@@ -120,8 +123,10 @@ TEST_CASE("plan_encoding_at: facts re-planned behind their windows attach as fir
           "[encode]")
 {
   data const d = make_data();
-  for (encoding_strategy s : {encoding_strategy::per_fact, encoding_strategy::shared_window,
-                              encoding_strategy::aligned, encoding_strategy::single_pass}) {
+  for (encoding_strategy s : {encoding_strategy::per_fact,
+                              encoding_strategy::shared_window,
+                              encoding_strategy::aligned,
+                              encoding_strategy::single_pass}) {
     for (std::int64_t budget : {0, 30}) {
       encoding_options o;
       o.window              = 3;
@@ -136,8 +141,10 @@ TEST_CASE("plan_encoding_at: facts re-planned behind their windows attach as fir
       std::vector<std::vector<std::int32_t>> original_prefix;
       for (encoding_job const& job : plan.jobs) {
         for (encoding_branch const& b : job.branches) {
-          auto const it = std::find_if(d.facts.begin(), d.facts.end(),
-                                       [&](conversation_fact const& f) { return f.fact_id == b.fact_id; });
+          auto const it =
+            std::find_if(d.facts.begin(), d.facts.end(), [&](conversation_fact const& f) {
+              return f.fact_id == b.fact_id;
+            });
           facts.push_back(*it);
           first.push_back(b.first_turn);
           original.push_back(b);
@@ -147,13 +154,14 @@ TEST_CASE("plan_encoding_at: facts re-planned behind their windows attach as fir
       // All at once, and one at a time: same context, attach point and position as first planned,
       // and the context is the window rule's.
       encoding_plan const again = plan_encoding_at(d.c, facts, first, o);
-      std::size_t n = 0;
+      std::size_t n             = 0;
       for (encoding_job const& job : again.jobs) {
         CHECK(job.first_position == 2);
         for (encoding_branch const& b : job.branches) {
           ++n;
           std::size_t const i = static_cast<std::size_t>(
-            std::find_if(original.begin(), original.end(),
+            std::find_if(original.begin(),
+                         original.end(),
                          [&](encoding_branch const& x) { return x.fact_id == b.fact_id; }) -
             original.begin());
           REQUIRE(i < original.size());
@@ -178,23 +186,27 @@ TEST_CASE("plan_encoding_at: facts re-planned behind their windows attach as fir
   }
 
   encoding_options o;
-  o.window = 3;
+  o.window                  = 3;
   conversation_fact const f = d.facts[10];  // anchored at turn 7
   REQUIRE(f.source_turns[0] == 7);
-  CHECK_THROWS_WITH(plan_encoding_at(d.c, {f}, {}, o), Catch::Contains("1 facts but 0 first turns"));
+  CHECK_THROWS_WITH(plan_encoding_at(d.c, {f}, {}, o),
+                    Catch::Contains("1 facts but 0 first turns"));
   CHECK_THROWS_WITH(plan_encoding_at(d.c, {f}, {8}, o),
                     Catch::Contains("window starts at turn 8, outside [0, 7]"));
   CHECK_THROWS_WITH(plan_encoding_at(d.c, {f}, {-1}, o), Catch::Contains("outside [0, 7]"));
   o.max_sequence_tokens = 8;  // lead 3 + 2 headers + turns 4..6 (1 + 2 + 3) + 2 fact tokens > 8
-  CHECK_THROWS_WITH(plan_encoding_at(d.c, {f}, {4}, o), Catch::Contains("more than max_sequence_tokens = 8"));
+  CHECK_THROWS_WITH(plan_encoding_at(d.c, {f}, {4}, o),
+                    Catch::Contains("more than max_sequence_tokens = 8"));
   CHECK_NOTHROW(plan_encoding_at(d.c, {f}, {7}, o));  // an empty window fits
 }
 
 namespace {
 /// Delivers every layer but the last for the second branch: an incomplete capture.
 struct forgetful_model : plain_model {
-  void encode_branches(std::vector<std::int32_t> const& trunk, std::int64_t,
-                       std::vector<encoding_branch> const& branches, kv_capture& out)
+  void encode_branches(std::vector<std::int32_t> const& trunk,
+                       std::int64_t,
+                       std::vector<encoding_branch> const& branches,
+                       kv_capture& out)
   {
     std::int64_t row = 0;
     for (std::size_t i = 0; i < branches.size(); ++i) {
@@ -214,14 +226,16 @@ struct forgetful_model : plain_model {
 };
 }  // namespace
 
-TEMPLATE_TEST_CASE("capture_plan: the facts' K/V in host buffers, nothing stored", "[encode]",
-                   plain_model, branching_model)
+TEMPLATE_TEST_CASE("capture_plan: the facts' K/V in host buffers, nothing stored",
+                   "[encode]",
+                   plain_model,
+                   branching_model)
 {
   data const d = make_data();
   encoding_options o;
-  o.window         = 4;
-  o.strategy       = encoding_strategy::aligned;
-  o.first_position = 5;
+  o.window                 = 4;
+  o.strategy               = encoding_strategy::aligned;
+  o.first_position         = 5;
   encoding_plan const plan = plan_encoding(d.c, d.facts, o);
   TestType model;
   captured_plan const got = capture_plan(model, plan);
@@ -231,7 +245,8 @@ TEMPLATE_TEST_CASE("capture_plan: the facts' K/V in host buffers, nothing stored
   CHECK(got.report.jobs == static_cast<std::int64_t>(plan.jobs.size()));
   CHECK(got.report.branched == has_encode_branches_v<TestType>);
   CHECK(got.report.forward_tokens ==
-        (has_encode_branches_v<TestType> ? plan.stats().forward_tokens : plan.stats().unbranched_tokens));
+        (has_encode_branches_v<TestType> ? plan.stats().forward_tokens
+                                         : plan.stats().unbranched_tokens));
 
   std::size_t i = 0;
   for (encoding_job const& job : plan.jobs) {
@@ -246,7 +261,7 @@ TEMPLATE_TEST_CASE("capture_plan: the facts' K/V in host buffers, nothing stored
       REQUIRE(cap.num_tokens() == static_cast<std::int64_t>(b.token_ids.size()));
       CHECK(cap.complete());
       std::vector<std::int32_t> seen = window_tokens(d.c, b.first_turn, b.source_turn);
-      std::int64_t const p0 = 5 + static_cast<std::int64_t>(seen.size());
+      std::int64_t const p0          = 5 + static_cast<std::int64_t>(seen.size());
       for (std::size_t j = 0; j < b.token_ids.size(); ++j) {
         seen.push_back(b.token_ids[j]);
         for (std::int32_t l = 0; l < 2; ++l) {
@@ -279,6 +294,7 @@ TEST_CASE("capture_plan: an incomplete capture is refused", "[encode]")
   o.window   = 2;
   o.strategy = encoding_strategy::single_pass;
   forgetful_model model;
-  CHECK_THROWS_WITH(capture_plan(model, plan_encoding(d.c, d.facts, o)),
-                    Catch::Contains("fact 2: the model adapter did not deliver K and V of every layer"));
+  CHECK_THROWS_WITH(
+    capture_plan(model, plan_encoding(d.c, d.facts, o)),
+    Catch::Contains("fact 2: the model adapter did not deliver K and V of every layer"));
 }

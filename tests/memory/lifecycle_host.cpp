@@ -6,6 +6,8 @@
 // untouched facts are checked byte for byte, and every refusal or adapter failure is checked to
 // leave the store, the index and the memory's own records exactly as they were.
 
+#include "fake_model.hpp"
+
 #include <inferscale/memory.hpp>
 
 #include <catch2/catch.hpp>
@@ -21,8 +23,6 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#include "fake_model.hpp"
 
 using namespace inferscale;
 using namespace inferscale_test::fake;
@@ -141,19 +141,23 @@ std::int64_t window_start(encoding_strategy s, std::int64_t t)
 }
 
 /// Row `token` of fact `id`'s K (kv = 0) or V (kv = 1) in layer `l`, read from the fp32 pool.
-std::vector<float> stored_row(kv_store const& store, std::uint64_t id, std::int32_t token,
-                              std::int32_t l, std::int32_t kv)
+std::vector<float> stored_row(
+  kv_store const& store, std::uint64_t id, std::int32_t token, std::int32_t l, std::int32_t kv)
 {
-  fact_record const& r = store.at(id);
+  fact_record const& r   = store.at(id);
   kv_store_ref const ref = store.ref();
-  float const* p = static_cast<float const*>(ref.pool) + ref.row_offset(store.store_token(r, token), l, kv);
+  float const* p =
+    static_cast<float const*>(ref.pool) + ref.row_offset(store.store_token(r, token), l, kv);
   return std::vector<float>(p, p + 4);
 }
 
 /// True when fact `id` holds exactly the fake model's K/V of `tokens` behind `context`, the first
 /// context token at position `p0`.
-bool holds_encoding(kv_store const& store, std::uint64_t id, std::vector<std::int32_t> context,
-                    std::vector<std::int32_t> const& tokens, std::int64_t p0)
+bool holds_encoding(kv_store const& store,
+                    std::uint64_t id,
+                    std::vector<std::int32_t> context,
+                    std::vector<std::int32_t> const& tokens,
+                    std::int64_t p0)
 {
   if (store.at(id).token_ids != tokens) { return false; }
   std::int64_t const attach = static_cast<std::int64_t>(context.size());
@@ -162,8 +166,10 @@ bool holds_encoding(kv_store const& store, std::uint64_t id, std::vector<std::in
     for (std::int32_t l = 0; l < 2; ++l) {
       float k[4], v[4];
       fake_row(context, p0 + attach + static_cast<std::int64_t>(j), l, k, v);
-      if (stored_row(store, id, static_cast<std::int32_t>(j), l, 0) != std::vector<float>(k, k + 4) ||
-          stored_row(store, id, static_cast<std::int32_t>(j), l, 1) != std::vector<float>(v, v + 4)) {
+      if (stored_row(store, id, static_cast<std::int32_t>(j), l, 0) !=
+            std::vector<float>(k, k + 4) ||
+          stored_row(store, id, static_cast<std::int32_t>(j), l, 1) !=
+            std::vector<float>(v, v + 4)) {
         return false;
       }
     }
@@ -175,10 +181,11 @@ bool holds_encoding(kv_store const& store, std::uint64_t id, std::vector<std::in
 std::vector<unsigned char> fact_bytes_of(kv_store const& store, std::uint64_t id)
 {
   std::vector<unsigned char> const pool = store.pool_to_host();
-  std::size_t const page = pool.size() / static_cast<std::size_t>(store.num_pages());
+  std::size_t const page                = pool.size() / static_cast<std::size_t>(store.num_pages());
   std::vector<unsigned char> out;
   for (std::int64_t p : store.at(id).pages) {
-    out.insert(out.end(), pool.begin() + static_cast<std::ptrdiff_t>(p * page),
+    out.insert(out.end(),
+               pool.begin() + static_cast<std::ptrdiff_t>(p * page),
                pool.begin() + static_cast<std::ptrdiff_t>((p + 1) * page));
   }
   return out;
@@ -273,15 +280,16 @@ std::int64_t kv_bytes(std::int64_t c) { return 2 * 2 * c * 1 * 4 * 4; }
 TEST_CASE("lifecycle: a fact updated in place is re-encoded behind its window and re-embedded",
           "[memory][lifecycle]")
 {
-  encoding_strategy const strategy =
-    GENERATE(encoding_strategy::per_fact, encoding_strategy::shared_window,
-             encoding_strategy::aligned, encoding_strategy::single_pass);
+  encoding_strategy const strategy = GENERATE(encoding_strategy::per_fact,
+                                              encoding_strategy::shared_window,
+                                              encoding_strategy::aligned,
+                                              encoding_strategy::single_pass);
   CAPTURE(to_string(strategy));
   memory m = make_memory();
   branching_model model;
   word_embedder embedder;
-  user_data const a     = make_user(7, 100, 12);
-  encoding_options const o = options_for(strategy);
+  user_data const a             = make_user(7, 100, 12);
+  encoding_options const o      = options_for(strategy);
   memory_add_report const added = m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o);
   REQUIRE(added.conversation != 0);
   CHECK(m.conversations(7) == std::vector<std::uint64_t>{added.conversation});
@@ -289,13 +297,14 @@ TEST_CASE("lifecycle: a fact updated in place is re-encoded behind its window an
   // Every planned fact's recorded window is the documented one, and its K/V are what the fake
   // model gives behind it.
   for (conversation_fact const& f : a.facts) {
-    std::int64_t const t  = f.source_turns[0];
-    fact_state const s    = m.fact(f.fact_id);
+    std::int64_t const t = f.source_turns[0];
+    fact_state const s   = m.fact(f.fact_id);
     CHECK(s.conversation == std::optional<std::uint64_t>{added.conversation});
     CHECK(s.first_turn == window_start(strategy, t));
     CHECK(s.source_turn == t);
     CHECK(static_cast<std::int64_t>(s.turns.size()) == t - s.first_turn);
-    CHECK(holds_encoding(m.store(), f.fact_id, window_tokens(a.c, s.first_turn, t), f.token_ids, 3));
+    CHECK(
+      holds_encoding(m.store(), f.fact_id, window_tokens(a.c, s.first_turn, t), f.token_ids, 3));
   }
 
   std::uint64_t const id = 106;  // the fact of turn 6
@@ -308,16 +317,17 @@ TEST_CASE("lifecycle: a fact updated in place is re-encoded behind its window an
 
   // Five tokens instead of three: two pages instead of one, in place.
   fact_update u;
-  u.fact_id   = id;
-  u.new_id    = id;
-  u.token_ids = std::vector<std::int32_t>{8101, 8102, 8103, 8104, 8105};
-  u.text      = "moved to lisbon in spring";
+  u.fact_id                = id;
+  u.new_id                 = id;
+  u.token_ids              = std::vector<std::int32_t>{8101, 8102, 8103, 8104, 8105};
+  u.text                   = "moved to lisbon in spring";
   lifecycle_report const r = m.update_fact(model, embedder, u);
   CHECK(r.reencoded == std::vector<std::uint64_t>{id});
   CHECK(r.embedded == 1);
   CHECK(r.encode.facts == 1);
 
-  CHECK(holds_encoding(m.store(), id, window_tokens(a.c, window_start(strategy, 6), 6), u.token_ids, 3));
+  CHECK(holds_encoding(
+    m.store(), id, window_tokens(a.c, window_start(strategy, 6), 6), u.token_ids, 3));
   for (auto const& [other, bytes] : others) {
     CHECK(fact_bytes_of(m.store(), other) == bytes);
   }
@@ -345,7 +355,8 @@ TEST_CASE("lifecycle: a fact updated in place is re-encoded behind its window an
   CHECK(std::all_of(pool.begin() + static_cast<std::ptrdiff_t>(two_pages[1] * page),
                     pool.begin() + static_cast<std::ptrdiff_t>((two_pages[1] + 1) * page),
                     [](unsigned char b) { return b == 0; }));
-  CHECK(holds_encoding(m.store(), id, window_tokens(a.c, window_start(strategy, 6), 6), u.token_ids, 3));
+  CHECK(holds_encoding(
+    m.store(), id, window_tokens(a.c, window_start(strategy, 6), 6), u.token_ids, 3));
 }
 
 TEST_CASE("lifecycle: a superseding id keeps the old fact for audit until it is erased",
@@ -356,10 +367,11 @@ TEST_CASE("lifecycle: a superseding id keeps the old fact for audit until it is 
   word_embedder embedder;
   user_data const a        = make_user(7, 100, 12);
   encoding_options const o = options_for(encoding_strategy::per_fact);
-  std::uint64_t const conv = m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o).conversation;
+  std::uint64_t const conv =
+    m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o).conversation;
   m.set_instruction_prefix(model, {11, 12}, 1, 0);
 
-  std::uint64_t const old_id = 104;
+  std::uint64_t const old_id                 = 104;
   std::vector<unsigned char> const old_bytes = fact_bytes_of(m.store(), old_id);
   fact_record const old_record               = m.store().at(old_id);
   std::int64_t const free_before             = m.store().free_pages();
@@ -401,7 +413,8 @@ TEST_CASE("lifecycle: a superseding id keeps the old fact for audit until it is 
   CHECK_THROWS_WITH(m.prepare({103, old_id}, 0), Catch::Contains("superseded by fact 500"));
   fact_update again = u;
   again.new_id      = 501;
-  CHECK_THROWS_WITH(m.update_fact(model, embedder, again), Catch::Contains("is superseded by fact 500"));
+  CHECK_THROWS_WITH(m.update_fact(model, embedder, again),
+                    Catch::Contains("is superseded by fact 500"));
 
   // A turn both versions' windows hold is re-encoded into the current version only: the audit
   // record keeps its bytes. Turn 2 is in [1, 4) (old) and not in [6, 9) (new): nothing changes.
@@ -430,11 +443,12 @@ TEST_CASE("lifecycle: a superseding id keeps the old fact for audit until it is 
 TEST_CASE("lifecycle: a changed turn re-encodes exactly the facts whose window held it",
           "[memory][lifecycle]")
 {
-  encoding_strategy const strategy =
-    GENERATE(encoding_strategy::per_fact, encoding_strategy::shared_window,
-             encoding_strategy::aligned, encoding_strategy::single_pass);
-  bool const branching = GENERATE(false, true);
-  std::int64_t const new_length = GENERATE(3, 5);  // same length, or later positions move
+  encoding_strategy const strategy = GENERATE(encoding_strategy::per_fact,
+                                              encoding_strategy::shared_window,
+                                              encoding_strategy::aligned,
+                                              encoding_strategy::single_pass);
+  bool const branching             = GENERATE(false, true);
+  std::int64_t const new_length    = GENERATE(3, 5);  // same length, or later positions move
   CAPTURE(to_string(strategy), branching, new_length);
 
   memory m = make_memory();
@@ -449,9 +463,9 @@ TEST_CASE("lifecycle: a changed turn re-encodes exactly the facts whose window h
   a.texts.push_back("fact from turns eight and nine");
   user_data const b        = make_user(8, 200, 9);  // another user, untouched throughout
   encoding_options const o = options_for(strategy);
-  auto add = [&](user_data const& d, std::uint64_t ns) {
+  auto add                 = [&](user_data const& d, std::uint64_t ns) {
     return branching ? m.add_conversation(branched, embedder, ns, d.c, d.facts, d.texts, o)
-                     : m.add_conversation(plain, embedder, ns, d.c, d.facts, d.texts, o);
+                                     : m.add_conversation(plain, embedder, ns, d.c, d.facts, d.texts, o);
   };
   std::uint64_t const conv = add(a, 7).conversation;
   add(b, 8);
@@ -492,7 +506,7 @@ TEST_CASE("lifecycle: a changed turn re-encodes exactly the facts whose window h
   CHECK(r.encode.branched == branching);
   CHECK(r.embedded == 0);
 
-  conversation updated = a.c;
+  conversation updated             = a.c;
   updated.turns[changed].token_ids = tokens;
   CHECK(m.conversation_of(conv).turns[changed].token_ids == tokens);
   CHECK(m.index().version() == index_version);  // texts unchanged: the index is not touched
@@ -505,8 +519,11 @@ TEST_CASE("lifecycle: a changed turn re-encodes exactly the facts whose window h
     CHECK(m.store().at(id).pages == pages_before[id]);
     if (expected.count(id)) {
       std::int64_t const t = anchor[id];
-      CHECK(holds_encoding(m.store(), id, window_tokens(updated, window_start(strategy, t), t),
-                           m.store().at(id).token_ids, 3));
+      CHECK(holds_encoding(m.store(),
+                           id,
+                           window_tokens(updated, window_start(strategy, t), t),
+                           m.store().at(id).token_ids,
+                           3));
       CHECK(fact_bytes_of(m.store(), id) != bytes);
     } else {
       CHECK(fact_bytes_of(m.store(), id) == bytes);
@@ -534,10 +551,11 @@ TEST_CASE("lifecycle: single_pass segments keep their windows when a turn change
   memory m = make_memory();
   branching_model model;
   word_embedder embedder;
-  user_data const a = make_user(7, 100, 16);
-  encoding_options o = options_for(encoding_strategy::single_pass);
+  user_data const a     = make_user(7, 100, 16);
+  encoding_options o    = options_for(encoding_strategy::single_pass);
   o.max_sequence_tokens = 24;
-  std::uint64_t const conv = m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o).conversation;
+  std::uint64_t const conv =
+    m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o).conversation;
   encoding_plan const plan = plan_encoding(a.c, a.facts, o);
   REQUIRE(plan.jobs.size() > 2);
   std::map<std::uint64_t, std::int64_t> first;
@@ -567,8 +585,8 @@ TEST_CASE("lifecycle: single_pass segments keep their windows when a turn change
     for (auto const& [id, f] : first) {
       std::int64_t const t = static_cast<std::int64_t>(id - 100);
       if (expected.count(id)) {
-        CHECK(holds_encoding(m.store(), id, window_tokens(updated, f, t),
-                             m.store().at(id).token_ids, 3));
+        CHECK(holds_encoding(
+          m.store(), id, window_tokens(updated, f, t), m.store().at(id).token_ids, 3));
       } else {
         CHECK(fact_bytes_of(m.store(), id) == before[id]);
       }
@@ -597,7 +615,7 @@ TEST_CASE("lifecycle: directly added facts follow the caller's turn map", "[memo
     {33, {}, {5008}, 9, {}},
   };
   std::vector<std::string> const texts = {"likes green tea", "has a cat named tom", "born in 1990"};
-  memory_add_report const added = m.add_facts(model, embedder, 5, facts, texts);
+  memory_add_report const added        = m.add_facts(model, embedder, 5, facts, texts);
   CHECK(added.conversation == 0);
   CHECK(added.embedded == 3);
   for (direct_fact const& f : facts) {
@@ -619,9 +637,11 @@ TEST_CASE("lifecycle: directly added facts follow the caller's turn map", "[memo
 
   // Turn 1 changed in the caller's conversation: the two facts that saw it get new contexts.
   std::vector<unsigned char> const third = fact_bytes_of(m.store(), 33);
-  std::uint64_t const version = m.index().version();
-  lifecycle_report const r = m.reencode_facts(
-    model, {{31, {1, 2, 101, 102, 121, 122, 123}, 4, std::nullopt}, {32, {1, 2, 121, 122, 123}, 0, std::vector<std::int64_t>{1}}});
+  std::uint64_t const version            = m.index().version();
+  lifecycle_report const r =
+    m.reencode_facts(model,
+                     {{31, {1, 2, 101, 102, 121, 122, 123}, 4, std::nullopt},
+                      {32, {1, 2, 121, 122, 123}, 0, std::vector<std::int64_t>{1}}});
   CHECK(r.reencoded == std::vector<std::uint64_t>{31, 32});
   CHECK(holds_encoding(m.store(), 31, {1, 2, 101, 102, 121, 122, 123}, facts[0].token_ids, 4));
   CHECK(holds_encoding(m.store(), 32, {1, 2, 121, 122, 123}, facts[1].token_ids, 0));
@@ -657,7 +677,8 @@ TEST_CASE("lifecycle: erasing a fact or a namespace leaves nothing behind", "[me
   branching_model model;
   word_embedder embedder;
   user_data const keep = make_user(8, 200, 9);
-  m.add_conversation(model, embedder, 8, keep.c, keep.facts, keep.texts, options_for(encoding_strategy::aligned));
+  m.add_conversation(
+    model, embedder, 8, keep.c, keep.facts, keep.texts, options_for(encoding_strategy::aligned));
   std::vector<std::uint64_t> keep_ids;
   for (auto const& f : keep.facts) {
     keep_ids.push_back(f.fact_id);
@@ -670,10 +691,17 @@ TEST_CASE("lifecycle: erasing a fact or a namespace leaves nothing behind", "[me
   std::uint64_t const total0             = m.index().total_size();
   snapshot const keep0                   = snap(m, {8});
 
-  user_data const gone = make_user(9, 300, 14);
-  std::uint64_t const conv =
-    m.add_conversation(model, embedder, 9, gone.c, gone.facts, gone.texts, options_for(encoding_strategy::single_pass)).conversation;
-  m.add_facts(model, embedder, 9, {{390, {1, 2, 3}, {4, 5, 6, 7, 8, 9}, 0, {0}}}, {"a direct fact"});
+  user_data const gone     = make_user(9, 300, 14);
+  std::uint64_t const conv = m.add_conversation(model,
+                                                embedder,
+                                                9,
+                                                gone.c,
+                                                gone.facts,
+                                                gone.texts,
+                                                options_for(encoding_strategy::single_pass))
+                               .conversation;
+  m.add_facts(
+    model, embedder, 9, {{390, {1, 2, 3}, {4, 5, 6, 7, 8, 9}, 0, {0}}}, {"a direct fact"});
   fact_update u;
   u.fact_id   = 305;
   u.new_id    = 305;
@@ -731,7 +759,7 @@ TEST_CASE("lifecycle: erasing a fact or a namespace leaves nothing behind", "[me
     CHECK_FALSE(m.store().contains(static_cast<std::uint64_t>(id)));
   }
   CHECK_THROWS(m.retrieve(embedder, 9, gone.texts[0], 5));  // the namespace is gone
-  snapshot keep1 = snap(m, {8});
+  snapshot keep1      = snap(m, {8});
   keep1.index_version = keep0.index_version;  // the index's version moved on, namespace 8 did not
   CHECK(keep1 == keep0);
   for (std::string const& q : {gone.texts[2], keep.texts[1]}) {
@@ -758,11 +786,15 @@ TEST_CASE("lifecycle: every operation is all or nothing", "[memory][lifecycle]")
   plain_model model;
   branching_model branched;
   word_embedder embedder;
-  user_data const a = make_user(7, 100, 12);
-  encoding_options o = options_for(encoding_strategy::per_fact);
+  user_data const a     = make_user(7, 100, 12);
+  encoding_options o    = options_for(encoding_strategy::per_fact);
   o.max_sequence_tokens = 40;
-  std::uint64_t const conv = m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o).conversation;
-  m.add_facts(model, embedder, 7, {{60, {1, 2}, {5, 6}, 0, {3}}, {61, {1, 2, 9}, {5, 7}, 0, {3}}},
+  std::uint64_t const conv =
+    m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o).conversation;
+  m.add_facts(model,
+              embedder,
+              7,
+              {{60, {1, 2}, {5, 6}, 0, {3}}, {61, {1, 2, 9}, {5, 7}, 0, {3}}},
               {"direct one", "direct two"});
   m.set_instruction_prefix(model, {11, 12}, 1, 0);
   fact_update sup;
@@ -782,7 +814,7 @@ TEST_CASE("lifecycle: every operation is all or nothing", "[memory][lifecycle]")
   u.new_id    = 105;
   u.token_ids = std::vector<std::int32_t>{8001, 8002, 8003, 8004, 8005};
   u.text      = "a new version";
-  auto with = [&](auto change) {
+  auto with   = [&](auto change) {
     fact_update v = u;
     change(v);
     return v;
@@ -793,135 +825,218 @@ TEST_CASE("lifecycle: every operation is all or nothing", "[memory][lifecycle]")
     for (std::uint64_t new_id : {std::uint64_t{105}, std::uint64_t{450}}) {
       CAPTURE(new_id);
       fact_update const v = with([&](fact_update& x) { x.new_id = new_id; });
-      refused([&] {
-        plain_model failing;
-        failing.fail_at = 0;
-        m.update_fact(failing, embedder, v);
-      }, "fake engine failure");
-      refused([&] {
-        branching_model failing;
-        failing.fail_at = 0;
-        m.update_fact(failing, embedder, v);
-      }, "fake engine failure");
-      refused([&] {
-        word_embedder e;
-        e.throw_for = v.text;
-        m.update_fact(model, e, v);
-      }, "fake embedder failure");
-      refused([&] {
-        word_embedder e;
-        e.nan_for = v.text;
-        m.update_fact(model, e, v);
-      }, "non-finite embedding");
-      refused([&] {  // the index's rule: a zero vector has no cosine
-        word_embedder e;
-        e.zero_for = v.text;
-        m.update_fact(model, e, v);
-      }, "is zero, which has no cosine");
-      refused([&] {
-        word_embedder e;
-        e.dim = 16;
-        m.update_fact(model, e, v);
-      }, "the embedder gives 16-d vectors, the index holds 32-d");
-      refused([&] { m.update_fact(model, embedder, with([&](fact_update& x) { x.new_id = new_id; x.token_ids.clear(); })); },
-              "has no tokens");
-      refused([&] {
-        m.update_fact(model, embedder, with([&](fact_update& x) {
-          x.new_id       = new_id;
-          x.source_turns = std::vector<std::int64_t>{12};
-        }));
-      }, "source turn 12 is not one of the 12 turns");
-      refused([&] {  // a window of 3 turns (9 + 2 header + 2 lead) and 30 tokens > 40
-        m.update_fact(model, embedder, with([&](fact_update& x) {
-          x.new_id    = new_id;
-          x.token_ids = std::vector<std::int32_t>(30, 4242);
-        }));
-      }, "more than max_sequence_tokens = 40");
-      refused([&] {
-        m.update_fact(model, embedder, with([&](fact_update& x) {
-          x.new_id  = new_id;
-          x.context = std::vector<std::int32_t>{1};
-        }));
-      }, "its window comes from there");
+      refused(
+        [&] {
+          plain_model failing;
+          failing.fail_at = 0;
+          m.update_fact(failing, embedder, v);
+        },
+        "fake engine failure");
+      refused(
+        [&] {
+          branching_model failing;
+          failing.fail_at = 0;
+          m.update_fact(failing, embedder, v);
+        },
+        "fake engine failure");
+      refused(
+        [&] {
+          word_embedder e;
+          e.throw_for = v.text;
+          m.update_fact(model, e, v);
+        },
+        "fake embedder failure");
+      refused(
+        [&] {
+          word_embedder e;
+          e.nan_for = v.text;
+          m.update_fact(model, e, v);
+        },
+        "non-finite embedding");
+      refused(
+        [&] {  // the index's rule: a zero vector has no cosine
+          word_embedder e;
+          e.zero_for = v.text;
+          m.update_fact(model, e, v);
+        },
+        "is zero, which has no cosine");
+      refused(
+        [&] {
+          word_embedder e;
+          e.dim = 16;
+          m.update_fact(model, e, v);
+        },
+        "the embedder gives 16-d vectors, the index holds 32-d");
+      refused(
+        [&] {
+          m.update_fact(model, embedder, with([&](fact_update& x) {
+                          x.new_id = new_id;
+                          x.token_ids.clear();
+                        }));
+        },
+        "has no tokens");
+      refused(
+        [&] {
+          m.update_fact(model, embedder, with([&](fact_update& x) {
+                          x.new_id       = new_id;
+                          x.source_turns = std::vector<std::int64_t>{12};
+                        }));
+        },
+        "source turn 12 is not one of the 12 turns");
+      refused(
+        [&] {  // a window of 3 turns (9 + 2 header + 2 lead) and 30 tokens > 40
+          m.update_fact(model, embedder, with([&](fact_update& x) {
+                          x.new_id    = new_id;
+                          x.token_ids = std::vector<std::int32_t>(30, 4242);
+                        }));
+        },
+        "more than max_sequence_tokens = 40");
+      refused(
+        [&] {
+          m.update_fact(model, embedder, with([&](fact_update& x) {
+                          x.new_id  = new_id;
+                          x.context = std::vector<std::int32_t>{1};
+                        }));
+        },
+        "its window comes from there");
     }
-    refused([&] { m.update_fact(model, embedder, with([](fact_update& x) { x.fact_id = 999; x.new_id = 999; })); },
-            "fact 999 is not a fact of this memory");
-    refused([&] { m.update_fact(model, embedder, with([](fact_update& x) { x.fact_id = 1; x.new_id = 1; })); },
-            "(it is the instruction prefix)");
-    refused([&] { m.update_fact(model, embedder, with([](fact_update& x) { x.fact_id = 102; x.new_id = 102; })); },
-            "is superseded by fact 400");
+    refused(
+      [&] {
+        m.update_fact(model, embedder, with([](fact_update& x) {
+                        x.fact_id = 999;
+                        x.new_id  = 999;
+                      }));
+      },
+      "fact 999 is not a fact of this memory");
+    refused(
+      [&] {
+        m.update_fact(model, embedder, with([](fact_update& x) {
+                        x.fact_id = 1;
+                        x.new_id  = 1;
+                      }));
+      },
+      "(it is the instruction prefix)");
+    refused(
+      [&] {
+        m.update_fact(model, embedder, with([](fact_update& x) {
+                        x.fact_id = 102;
+                        x.new_id  = 102;
+                      }));
+      },
+      "is superseded by fact 400");
     refused([&] { m.update_fact(model, embedder, with([](fact_update& x) { x.new_id = 102; })); },
             "fact id 102 is already taken");
     refused([&] { m.update_fact(model, embedder, with([](fact_update& x) { x.new_id = 106; })); },
             "fact id 106 is already taken");
     refused([&] { m.update_fact(model, embedder, with([](fact_update& x) { x.new_id = 1; })); },
             "is the instruction prefix");
-    refused([&] {
-      m.update_fact(model, embedder, with([](fact_update& x) { x.fact_id = 60; x.new_id = 60; x.source_turns = {1}; }));
-    }, "was added directly");
-    refused([&] {  // more pages than are free
-      m.update_fact(model, embedder, with([&](fact_update& x) {
-        x.new_id    = 451;
-        x.fact_id   = 60;
-        x.token_ids = std::vector<std::int32_t>(4 * static_cast<std::size_t>(m.store().free_pages()) + 1, 3);
-      }));
-    }, "capacity exhausted");
-    refused([&] {
-      struct other_model : plain_model {
-        kv_geometry geometry() const { return kv_geometry{3, 1, 4}; }
-      } wrong;
-      m.update_fact(wrong, embedder, u);
-    }, "the model's KV geometry differs from the store's");
+    refused(
+      [&] {
+        m.update_fact(model, embedder, with([](fact_update& x) {
+                        x.fact_id      = 60;
+                        x.new_id       = 60;
+                        x.source_turns = {1};
+                      }));
+      },
+      "was added directly");
+    refused(
+      [&] {  // more pages than are free
+        m.update_fact(model, embedder, with([&](fact_update& x) {
+                        x.new_id    = 451;
+                        x.fact_id   = 60;
+                        x.token_ids = std::vector<std::int32_t>(
+                          4 * static_cast<std::size_t>(m.store().free_pages()) + 1, 3);
+                      }));
+      },
+      "capacity exhausted");
+    refused(
+      [&] {
+        struct other_model : plain_model {
+          kv_geometry geometry() const { return kv_geometry{3, 1, 4}; }
+        } wrong;
+        m.update_fact(wrong, embedder, u);
+      },
+      "the model's KV geometry differs from the store's");
   }
 
   SECTION("update_turns")
   {
-    refused([&] {  // part-way: the third fact's forward fails after two were captured
-      plain_model failing;
-      failing.fail_at = 2;
-      m.update_turns(failing, conv, {{4, {1, 2, 3}}});
-    }, "fake engine failure");
-    refused([&] {
-      branching_model failing;
-      failing.fail_at = 1;
-      m.update_turns(failing, conv, {{4, {1, 2, 3}}});
-    }, "fake engine failure");
+    refused(
+      [&] {  // part-way: the third fact's forward fails after two were captured
+        plain_model failing;
+        failing.fail_at = 2;
+        m.update_turns(failing, conv, {{4, {1, 2, 3}}});
+      },
+      "fake engine failure");
+    refused(
+      [&] {
+        branching_model failing;
+        failing.fail_at = 1;
+        m.update_turns(failing, conv, {{4, {1, 2, 3}}});
+      },
+      "fake engine failure");
     refused([&] { m.update_turns(model, conv + 1, {{4, {1, 2, 3}}}); }, "no conversation");
-    refused([&] { m.update_turns(model, conv, {{12, {1}}}); }, "turn 12 is not one of the conversation's 12 turns");
+    refused(
+      [&] {
+        m.update_turns(model, conv, {{12, {1}}});
+      },
+      "turn 12 is not one of the conversation's 12 turns");
     refused([&] { m.update_turns(model, conv, {{-1, {1}}}); }, "turn -1 is not one of");
     refused([&] { m.update_turns(model, conv, {{4, {1}}, {4, {2}}}); }, "turn 4 changes twice");
     refused([&] { m.update_turns(model, conv, {{4, {}}}); }, "turn 4 would have no tokens");
-    refused([&] {  // the longer turn no longer fits the windows of the facts after it
-      m.update_turns(model, conv, {{4, std::vector<std::int32_t>(30, 77)}});
-    }, "more than max_sequence_tokens = 40");
+    refused(
+      [&] {  // the longer turn no longer fits the windows of the facts after it
+        m.update_turns(model, conv, {{4, std::vector<std::int32_t>(30, 77)}});
+      },
+      "more than max_sequence_tokens = 40");
   }
 
   SECTION("reencode_facts, add_facts, erase")
   {
-    refused([&] {  // part-way: the second fact's forward fails
-      plain_model failing;
-      failing.fail_at = 1;
-      m.reencode_facts(failing, {{60, {9, 9}, 0, std::nullopt}, {61, {8, 8}, 0, std::nullopt}});
-    }, "fake engine failure");
-    refused([&] { m.reencode_facts(model, {{60, {9}, 0, std::nullopt}, {60, {8}, 0, std::nullopt}}); },
-            "fact 60 appears twice");
-    refused([&] { m.reencode_facts(model, {{60, {9}, 0, std::nullopt}, {103, {8}, 0, std::nullopt}}); },
-            "change its turns with update_turns()");
+    refused(
+      [&] {  // part-way: the second fact's forward fails
+        plain_model failing;
+        failing.fail_at = 1;
+        m.reencode_facts(failing, {{60, {9, 9}, 0, std::nullopt}, {61, {8, 8}, 0, std::nullopt}});
+      },
+      "fake engine failure");
+    refused(
+      [&] {
+        m.reencode_facts(model, {{60, {9}, 0, std::nullopt}, {60, {8}, 0, std::nullopt}});
+      },
+      "fact 60 appears twice");
+    refused(
+      [&] {
+        m.reencode_facts(model, {{60, {9}, 0, std::nullopt}, {103, {8}, 0, std::nullopt}});
+      },
+      "change its turns with update_turns()");
     refused([&] { m.reencode_facts(model, {{60, {9}, -2, std::nullopt}}); }, "is negative");
-    refused([&] {
-      plain_model failing;
-      failing.fail_at = 1;
-      m.add_facts(failing, embedder, 7, {{70, {1}, {2}, 0, {}}, {71, {1}, {3}, 0, {}}}, {"x one", "x two"});
-    }, "fake engine failure");
-    refused([&] {  // the index refuses the second vector: nothing of the first is left either
-      word_embedder e;
-      e.zero_for = "x two";
-      m.add_facts(model, e, 7, {{70, {1}, {2}, 0, {}}, {71, {1}, {3}, 0, {}}}, {"x one", "x two"});
-    }, "is zero, which has no cosine");
-    refused([&] { m.add_facts(model, embedder, 7, {{70, {}, {2}, 0, {}}, {70, {}, {3}, 0, {}}}, {"a", "b"}); },
-            "fact 70 appears twice");
-    refused([&] { m.add_facts(model, embedder, 7, {{102, {}, {2}, 0, {}}}, {"a"}); },
-            "fact id 102 is already taken");
+    refused(
+      [&] {
+        plain_model failing;
+        failing.fail_at = 1;
+        m.add_facts(
+          failing, embedder, 7, {{70, {1}, {2}, 0, {}}, {71, {1}, {3}, 0, {}}}, {"x one", "x two"});
+      },
+      "fake engine failure");
+    refused(
+      [&] {  // the index refuses the second vector: nothing of the first is left either
+        word_embedder e;
+        e.zero_for = "x two";
+        m.add_facts(
+          model, e, 7, {{70, {1}, {2}, 0, {}}, {71, {1}, {3}, 0, {}}}, {"x one", "x two"});
+      },
+      "is zero, which has no cosine");
+    refused(
+      [&] {
+        m.add_facts(model, embedder, 7, {{70, {}, {2}, 0, {}}, {70, {}, {3}, 0, {}}}, {"a", "b"});
+      },
+      "fact 70 appears twice");
+    refused(
+      [&] {
+        m.add_facts(model, embedder, 7, {{102, {}, {2}, 0, {}}}, {"a"});
+      },
+      "fact id 102 is already taken");
     refused([&] { m.erase_fact(12345); }, "is not a fact of this memory");
     refused([&] { m.erase_fact(1); }, "instruction prefix");
     refused([&] { m.erase_namespace(0); }, "holds the instruction prefix");

@@ -106,13 +106,15 @@ int main()
 
     // The fact lifecycle. A turn is corrected: exactly the facts whose window held it are
     // re-encoded over the corrected conversation, every other fact keeps its bytes.
-    std::string const corrected = "Assistant: Congratulations! How old is Pepper, and how is she "
-                                  "settling in?";
+    std::string const corrected =
+      "Assistant: Congratulations! How old is Pepper, and how is she "
+      "settling in?";
     std::vector<std::uint64_t> const seeing = mem.facts_seeing_turn(r.conversation, 1);
     lifecycle_report const turns =
       mem.update_turns(model, r.conversation, {{1, smollm.tokenize(corrected + "\n")}});
     std::printf("\nturn 1 corrected: %zu facts saw it, %zu re-encoded (%lld forward tokens):",
-                seeing.size(), turns.reencoded.size(),
+                seeing.size(),
+                turns.reencoded.size(),
                 static_cast<long long>(turns.encode.forward_tokens));
     for (std::uint64_t id : turns.reencoded) {
       std::printf(" %llu", static_cast<unsigned long long>(id));
@@ -121,7 +123,8 @@ int main()
 
     // A fact changes: the new version (from turn 4, re-encoded behind its window and re-embedded)
     // supersedes fact 103, which stays in the store for audit but is never retrieved again.
-    std::string const moved = "Memory: The user's sister Clara moved from Porto to Lisbon this month.\n";
+    std::string const moved =
+      "Memory: The user's sister Clara moved from Porto to Lisbon this month.\n";
     fact_update change;
     change.fact_id   = 103;
     change.new_id    = 200;  // 103 itself would replace the fact in place
@@ -130,7 +133,8 @@ int main()
     mem.update_fact(model, embedder, change);
     std::printf("fact 103 superseded by fact %llu (kept for audit: %s, retrievable: %s)\n",
                 static_cast<unsigned long long>(mem.fact(103).superseded_by.value_or(0)),
-                mem.store().contains(103) ? "yes" : "no", mem.fact(103).retrievable() ? "yes" : "no");
+                mem.store().contains(103) ? "yes" : "no",
+                mem.fact(103).retrievable() ? "yes" : "no");
     ask("Where does my sister live now?");
     mem.erase_fact(103);  // the audit record goes; fact 200 still names it as the one it superseded
     std::printf("fact 103 erased: %lld facts left for user %llu\n",

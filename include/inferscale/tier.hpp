@@ -532,16 +532,22 @@ class tiered_store {
   }
 
   /**
-   * @brief Host tiers: copies the request's runs now, all layers (what the device does per
-   * layer). Used by pin() and by inject_tiered_host's caller when it wants the copies first.
+   * @brief Host tiers: copies the request's runs now, all layers at once (the device copies per
+   * layer). Used by pin() and inject_tiered_host, or by a caller that wants the copies first.
    */
   void stage_host(tier_request& r)
   {
     INFERSCALE_EXPECTS(config_.device.memory == memory_kind::host,
                        "tiered_store::stage_host: the device tier is in device memory; use "
                        "stage_async");
-    for (std::int32_t l = 0; l < device_.geometry().num_layers; ++l) {
-      copy_layer_host(r, l);
+    // Whole runs: every layer of consecutive pages is one contiguous block in both pools.
+    std::size_t const page_bytes = page_bytes_();
+    auto* const dst              = static_cast<unsigned char*>(device_.ref().pool);
+    auto const* const src        = static_cast<unsigned char const*>(host_.ref().pool);
+    for (tier_copy_run const& run : r.runs) {
+      std::memcpy(dst + static_cast<std::size_t>(run.device_page) * page_bytes,
+                  src + static_cast<std::size_t>(run.host_page) * page_bytes,
+                  static_cast<std::size_t>(run.pages) * page_bytes);
     }
     r.copies_issued = true;
   }
@@ -821,10 +827,21 @@ class tiered_store {
   cudaEvent_t compute_mark_{};
 };
 
+/// @brief How inject_tiered_host orders its copies and writes.
+enum class tier_host_order : std::uint8_t {
+  /// Copy every staged page, then inject the whole batch in one all-layer pass (the fastest on
+  /// the host: one cos/sin per token and pair, as inject_host).
+  whole,
+  /// The device's order: the resident tokens in one all-layer pass, then per layer the layer's
+  /// copies and a one-layer pass over the staged tokens through tier_layer_view (what
+  /// inject_tiered_async enqueues; the host tests check it here).
+  per_layer,
+};
+
 /**
- * @brief Host backend of tiered injection: copies the request's staged facts layer by layer and
- * injects each layer as soon as it is copied (the resident facts first, all layers at once).
- * The cache bytes equal those of inject_host from one store holding every fact.
+ * @brief Host backend of tiered injection: copies the request's staged facts into the device
+ * tier and writes the batch (in the order `order` names). The cache bytes equal those of
+ * inject_host from one store holding every fact, in either order.
  *
  * @param tiers    host tiers (`config().device.memory == host`)
  * @param request  what admit() returned for the facts of `batch`
@@ -836,7 +853,8 @@ void inject_tiered_host(tiered_store& tiers,
                         tier_request& request,
                         injection_batch const& batch,
                         paged_kv_cache const& cache,
-                        Rotation const& rotation)
+                        Rotation const& rotation,
+                        tier_host_order order = tier_host_order::whole)
 {
   char const* const who = "inject_tiered_host";
   kv_store const& store = tiers.device_tier();
@@ -846,6 +864,11 @@ void inject_tiered_host(tiered_store& tiers,
   detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
     using S = typename decltype(s)::type;
     using C = typename decltype(c)::type;
+    if (order == tier_host_order::whole) {
+      if (!request.copies_issued) { tiers.stage_host(request); }
+      detail::dispatch_host_inject<S, C>(ref, batch.host_view(), cache, rotation);
+      return;
+    }
     if (split.resident > 0) {
       detail::dispatch_host_inject<S, C>(ref, split.resident_view(), cache, rotation);
     }

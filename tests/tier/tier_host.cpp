@@ -504,7 +504,8 @@ TEST_CASE("tier: tiered host injection equals injection from one store holding e
     injection_batch want_batch{reference};
     want_batch.add(want_plan, slots);
     host_cache got, want;
-    inject_tiered_host(s, r, batch, got.desc, rot);
+    tier_host_order const order = step % 2 == 0 ? tier_host_order::per_layer : tier_host_order::whole;
+    inject_tiered_host(s, r, batch, got.desc, rot, order);
     inject_host(reference, want_batch, want.desc, rot);
     REQUIRE(got.bytes() == want.bytes());
     // Something was written (the cache started at -7 everywhere).

@@ -67,6 +67,8 @@
 #include <inferscale/inject.hpp>
 #include <inferscale/rope.hpp>
 #include <inferscale/store.hpp>
+#include <inferscale/tier.cuh>
+#include <inferscale/tier.hpp>
 
 #include <benchmark/benchmark.h>
 
@@ -926,6 +928,219 @@ void plan_host_bench(benchmark::State& state)
     static_cast<double>(batch.num_tokens()), benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// ------------------------------------------------------------------------------------------------
+// Tiers: the cost per request of a host-resident fact set against a device-resident one.
+
+/**
+ * @brief One m-token request (segment_fact_lengths(m) facts, Llama-3.1-8B geometry, bf16) in a
+ * tiered store whose device tier holds exactly the request and whose host tier holds it too.
+ * `resident`: every iteration finds the facts on the device (admit only touches them);
+ * otherwise their device copies are evicted before each iteration (outside the timing), so the
+ * timed call admits them (catalogue), stages them layer by layer and injects: the request path of
+ * a user whose memory lives in the host tier.
+ */
+struct tier_case {
+  is::tiered_store tiers;
+  std::vector<std::uint64_t> ids;
+  is::rope_params rotation;
+  std::int64_t tokens{};
+  std::vector<std::int64_t> slots;
+
+  tier_case(model const& mdl, std::int64_t m, is::memory_kind memory)
+    : tiers{make_config(mdl, m, memory)}, rotation{is::make_rope_params(mdl.rope())}
+  {
+    std::vector<std::int32_t> const lengths = segment_fact_lengths(m);
+    is::kv_geometry const g                 = mdl.geometry;
+    std::uint64_t next = 1;
+    for (std::int32_t length : lengths) {
+      std::size_t const n = static_cast<std::size_t>(g.num_layers) * length * g.num_kv_heads *
+                            g.head_dim;
+      std::vector<bfloat16_t> k(n), v(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        k[i] = random_value(next * 1000003 + i);
+        v[i] = random_value(next * 1000033 + i + n);
+      }
+      auto const kv = is::make_fact_kv_view<bfloat16_t const>(
+        k.data(), g.num_layers, length, g.num_kv_heads, g.head_dim);
+      auto const vv = is::make_fact_kv_view<bfloat16_t const>(
+        v.data(), g.num_layers, length, g.num_kv_heads, g.head_dim);
+      std::vector<std::int32_t> token_ids(static_cast<std::size_t>(length));
+      std::iota(token_ids.begin(), token_ids.end(), static_cast<std::int32_t>(next * 100));
+      tiers.insert<bfloat16_t>(next, 0, std::move(token_ids), kv, vv, is::fact_residency::host);
+      ids.push_back(next++);
+      tokens += length;
+    }
+    slots.resize(static_cast<std::size_t>(tokens));
+    std::iota(slots.begin(), slots.end(), first_position);
+  }
+
+  static is::tiered_store_config make_config(model const& mdl, std::int64_t m, is::memory_kind memory)
+  {
+    std::int64_t pages = 0;
+    for (std::int32_t length : segment_fact_lengths(m)) {
+      pages += (length + store_page_size - 1) / store_page_size;
+    }
+    is::tiered_store_config c;
+    c.device.model       = mdl.geometry;
+    c.device.store_dtype = is::dtype::bfloat16;
+    c.device.page_size   = store_page_size;
+    c.device.num_pages   = pages;
+    c.device.memory      = memory;
+    c.host_pages         = pages;
+    return c;
+  }
+
+  /// Drops every device copy (the facts stay in the host tier).
+  void evict_all()
+  {
+    for (std::uint64_t id : ids) {
+      if (tiers.residency(id) == is::fact_residency::both) { tiers.evict(id); }
+    }
+  }
+
+  /// Cache slots: p0 .. p0 + m - 1 of a contiguous cache.
+  std::int64_t cache_slots() const { return first_position + tokens; }
+
+  is::paged_kv_cache make_cache(bfloat16_t* base) const
+  {
+    is::kv_geometry const g = tiers.device_tier().geometry();
+    std::int64_t const h = g.num_kv_heads, d = g.head_dim, n = cache_slots();
+    return is::make_contiguous_cache(is::dtype::bfloat16, base, {g.num_layers, 2, n, h, d},
+                                     {2 * n * h * d, n * h * d, h * d, d, 1});
+  }
+
+  /// Bytes staged by a host-resident request: K and V of its tokens, all layers.
+  std::int64_t staged_bytes() const
+  {
+    return tiers.device_tier().geometry().bytes(tokens, is::dtype::bfloat16);
+  }
+
+  /// Composition and batch of the request against the device tier (after admit).
+  is::injection_batch plan() const
+  {
+    is::compose_options o;
+    o.first_position = first_position;
+    is::composition const c = is::compose(tiers.device_tier(), ids, o);
+    is::injection_batch batch{tiers.device_tier()};
+    batch.add(c, slots);
+    return batch;
+  }
+};
+
+void report_tier(benchmark::State& state, double seconds, double resident_seconds,
+                 double copy_seconds, std::int64_t staged_bytes, bool resident, std::int64_t tokens,
+                 bool device)
+{
+  if (state.error_occurred() || seconds <= 0.0) { return; }
+  double const it = static_cast<double>(state.iterations());
+  state.counters["tokens"] = benchmark::Counter(static_cast<double>(tokens));
+  if (!resident) {
+    state.counters["resident_us"]   = benchmark::Counter(resident_seconds / it * 1e6);
+    state.counters["copy_us"]       = benchmark::Counter(copy_seconds / it * 1e6);
+    state.counters["copy_GB/s"]     = benchmark::Counter(static_cast<double>(staged_bytes) * it / copy_seconds / 1e9);
+    state.counters["vs_resident"]   = benchmark::Counter(resident_seconds / seconds);
+    // Device: perfect overlap costs max(copy, resident); 1.0 = staging added nothing beyond
+    // that. The host copies and writes in turn: its bound is copy + resident.
+    double const bound = device ? std::max(copy_seconds, resident_seconds)
+                                : copy_seconds + resident_seconds;
+    state.counters[device ? "vs_overlap" : "vs_copy_plus_resident"] =
+      benchmark::Counter(bound / seconds);
+  }
+}
+
+/// Host tiers: the staging is memcpy per layer and run, the injection inject_host per layer.
+void tier_host_bench(benchmark::State& state, model mdl, bool resident)
+{
+  ib::run_guarded(state, [&] {
+    using clock = std::chrono::steady_clock;
+    std::int64_t const m = state.range(0);
+    tier_case c{mdl, m, is::memory_kind::host};
+    std::vector<bfloat16_t> cache(static_cast<std::size_t>(
+      c.tiers.device_tier().geometry().elements_per_token() * c.cache_slots()));
+    is::paged_kv_cache const desc = c.make_cache(cache.data());
+    std::size_t const bytes       = static_cast<std::size_t>(c.staged_bytes());
+    std::vector<std::byte> copy_from(bytes), copy_to(bytes);
+    auto const request = [&] {
+      is::tier_request r          = c.tiers.admit(c.ids);
+      is::injection_batch const b = c.plan();
+      is::inject_tiered_host(c.tiers, r, b, desc, c.rotation);
+    };
+    request();  // warm: the facts are on the device now
+    double seconds = 0.0, resident_seconds = 0.0, copy_seconds = 0.0;
+    for (auto _ : state) {
+      if (!resident) { c.evict_all(); }
+      auto const t0 = clock::now();
+      request();
+      double const s = std::chrono::duration<double>(clock::now() - t0).count();
+      state.SetIterationTime(s);
+      seconds += s;
+      if (!resident) {
+        auto const r0 = clock::now();
+        request();  // now resident
+        resident_seconds += std::chrono::duration<double>(clock::now() - r0).count();
+        auto const c0 = clock::now();
+        std::memcpy(copy_to.data(), copy_from.data(), bytes);
+        benchmark::DoNotOptimize(copy_to.data());
+        benchmark::ClobberMemory();
+        copy_seconds += std::chrono::duration<double>(clock::now() - c0).count();
+      }
+    }
+    report_tier(state, seconds, resident_seconds, copy_seconds, c.staged_bytes(), resident, c.tokens,
+                false);
+  });
+}
+
+/// Device tier + pinned host tier: host wall time from the call to the end of the stream's work;
+/// ceiling: a pinned host-to-device copy of the staged bytes and the resident request, same run.
+void tier_device_bench(benchmark::State& state, model mdl, bool resident)
+{
+  if (!ib::require_device(state)) { return; }
+  ib::run_guarded(state, [&] {
+    using clock = std::chrono::steady_clock;
+    std::int64_t const m = state.range(0);
+    tier_case c{mdl, m, is::memory_kind::device};
+    ib::device_buffer<bfloat16_t> cache(static_cast<std::size_t>(
+      c.tiers.device_tier().geometry().elements_per_token() * c.cache_slots()));
+    is::paged_kv_cache const desc = c.make_cache(cache.data());
+    is::injection_workspace workspace{c.tokens};
+    ib::cuda_stream compute, copy;
+    ib::cuda_event c0, c1;
+    std::size_t const bytes = static_cast<std::size_t>(c.staged_bytes());
+    ib::device_buffer<std::byte> copy_to(bytes);
+    void const* const copy_from = c.tiers.host_tier().ref().pool;  // pinned, >= bytes
+    auto const request = [&] {
+      is::tier_request r          = c.tiers.admit(c.ids);
+      is::injection_batch const b = c.plan();
+      is::inject_tiered_async(c.tiers, r, b, desc, c.rotation, workspace,
+                              cuda::stream_ref{compute.get()}, copy.get());
+      INFERSCALE_CUDA_TRY(cudaStreamSynchronize(compute.get()));
+    };
+    request();
+    double seconds = 0.0, resident_seconds = 0.0, copy_seconds = 0.0;
+    for (auto _ : state) {
+      if (!resident) { c.evict_all(); }
+      auto const t0 = clock::now();
+      request();
+      double const s = std::chrono::duration<double>(clock::now() - t0).count();
+      state.SetIterationTime(s);
+      seconds += s;
+      if (!resident) {
+        auto const r0 = clock::now();
+        request();
+        resident_seconds += std::chrono::duration<double>(clock::now() - r0).count();
+        INFERSCALE_CUDA_TRY(cudaEventRecord(c0.get(), copy.get()));
+        INFERSCALE_CUDA_TRY(cudaMemcpyAsync(copy_to.data(), copy_from, bytes,
+                                            cudaMemcpyHostToDevice, copy.get()));
+        INFERSCALE_CUDA_TRY(cudaEventRecord(c1.get(), copy.get()));
+        INFERSCALE_CUDA_TRY(cudaStreamSynchronize(copy.get()));
+        copy_seconds += ib::elapsed_seconds(c0, c1);
+      }
+    }
+    report_tier(state, seconds, resident_seconds, copy_seconds, c.staged_bytes(), resident, c.tokens,
+                true);
+  });
+}
+
 void register_inject_benchmarks()
 {
   for (model const* m : {&llama, &qwen}) {
@@ -962,6 +1177,21 @@ void register_inject_benchmarks()
     ->Apply(ib::device_benchmark)
     ->ArgNames({"requests", "facts"})
     ->ArgsProduct({{64}, {20}});
+  for (bool resident : {true, false}) {
+    std::string const where = resident ? "/device_resident" : "/host_resident";
+    benchmark::RegisterBenchmark(("tier/host" + suffix + where).c_str(), tier_host_bench, llama,
+                                 resident)
+      ->Apply(ib::host_benchmark)
+      ->ArgNames({"m"})
+      ->ArgsProduct({{1024}});
+    benchmark::RegisterBenchmark(("tier/device" + suffix + where).c_str(), tier_device_bench,
+                                 llama, resident)
+      ->UseManualTime()
+      ->Unit(benchmark::kMicrosecond)
+      ->MinTime(0.1)
+      ->ArgNames({"m"})
+      ->ArgsProduct({{128, 1024, 4096}});
+  }
   benchmark::RegisterBenchmark("plan/host", plan_host_bench)
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.2)

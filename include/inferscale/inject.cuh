@@ -99,16 +99,29 @@ class injection_workspace {
    */
   void stage(injection_batch const& batch, cuda::stream_ref stream)
   {
-    std::int64_t const n = batch.num_tokens();
-    INFERSCALE_EXPECTS(n <= capacity_,
+    stage(batch.host_view(), stream);
+  }
+
+  /**
+   * @brief Copies three host arrays (store tokens, positions, slots) to the device on `stream`, as
+   * stage(batch) does; for callers that build the arrays themselves (tiered injection).
+   * @throw logic_error if the arrays exceed the capacity or a pointer is null (nothing copied).
+   */
+  void stage(injection_batch_view const& host_arrays, cuda::stream_ref stream)
+  {
+    std::int64_t const n = host_arrays.num_tokens;
+    INFERSCALE_EXPECTS(n >= 0 && n <= capacity_,
                        "injection_workspace: the batch has " + std::to_string(n) +
                          " tokens, the workspace holds " + std::to_string(capacity_));
+    INFERSCALE_EXPECTS(n == 0 || (host_arrays.store_token != nullptr &&
+                                  host_arrays.position != nullptr && host_arrays.slot != nullptr),
+                       std::string{"injection_workspace: null host array"});
     INFERSCALE_CUDA_TRY(cudaEventSynchronize(staged_));
     std::size_t const bytes = static_cast<std::size_t>(n) * sizeof(std::int64_t);
     if (n > 0) {
-      std::memcpy(host_, batch.store_tokens().data(), bytes);
-      std::memcpy(host_ + capacity_, batch.positions().data(), bytes);
-      std::memcpy(host_ + 2 * capacity_, batch.slots().data(), bytes);
+      std::memcpy(host_, host_arrays.store_token, bytes);
+      std::memcpy(host_ + capacity_, host_arrays.position, bytes);
+      std::memcpy(host_ + 2 * capacity_, host_arrays.slot, bytes);
       for (int a = 0; a < 3; ++a) {
         INFERSCALE_CUDA_TRY(cudaMemcpyAsync(device_ + a * capacity_,
                                             host_ + a * capacity_,

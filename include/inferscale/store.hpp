@@ -86,6 +86,9 @@ struct kv_store_config {
   std::int32_t page_size{16};          ///< tokens per page
   std::int64_t num_pages{0};           ///< capacity, allocated once
   memory_kind memory{memory_kind::device};
+  /// Host pools only: allocate the pool page-locked (`cudaMallocHost`), so copies between it and
+  /// the device are truly asynchronous (the host tier of tier.hpp). Needs a CUDA device.
+  bool pinned{false};
 };
 
 /**
@@ -160,6 +163,10 @@ class kv_store {
         (void)cudaFree(ref_.pool);
         INFERSCALE_CUDA_TRY(s);
       }
+    } else if (config_.pinned) {
+      INFERSCALE_CUDA_TRY(cudaMallocHost(&pinned_pool_, std::max<std::size_t>(bytes, 1)));
+      std::memset(pinned_pool_, 0, std::max<std::size_t>(bytes, 1));
+      ref_.pool = pinned_pool_;
     } else {
       host_pool_.reset(new unsigned char[std::max<std::size_t>(bytes, 1)]());
       ref_.pool = host_pool_.get();
@@ -174,6 +181,7 @@ class kv_store {
   ~kv_store()
   {
     if (config_.memory == memory_kind::device && ref_.pool) { (void)cudaFree(ref_.pool); }
+    if (pinned_pool_) { (void)cudaFreeHost(pinned_pool_); }
   }
 
   kv_store(kv_store&& other) noexcept { swap(other); }
@@ -449,6 +457,8 @@ class kv_store {
                        std::string{"kv_store: store dtype must be float32, float16 or bfloat16, "
                                    "got "} +
                          to_string(c.store_dtype));
+    INFERSCALE_EXPECTS(!c.pinned || c.memory == memory_kind::host,
+                       "kv_store: pinned applies to host pools only");
     INFERSCALE_EXPECTS(c.page_size > 0,
                        "kv_store: page_size must be positive, got " + std::to_string(c.page_size));
     INFERSCALE_EXPECTS(
@@ -619,6 +629,7 @@ class kv_store {
     std::swap(config_, other.config_);
     std::swap(ref_, other.ref_);
     std::swap(host_pool_, other.host_pool_);
+    std::swap(pinned_pool_, other.pinned_pool_);
     std::swap(free_pages_, other.free_pages_);
     std::swap(facts_, other.facts_);
     std::swap(namespaces_, other.namespaces_);
@@ -635,6 +646,7 @@ class kv_store {
   kv_store_config config_{};
   kv_store_ref ref_{};
   std::unique_ptr<unsigned char[]> host_pool_;
+  void* pinned_pool_{};  ///< the pool when config_.pinned (freed with cudaFreeHost)
   std::vector<std::int64_t> free_pages_;
   std::unordered_map<std::uint64_t, fact_record> facts_;
   std::unordered_map<std::uint64_t, namespace_state> namespaces_;

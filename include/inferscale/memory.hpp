@@ -27,10 +27,14 @@
 #include <inferscale/engine.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/index.hpp>
+#include <inferscale/snapshot.hpp>
 #include <inferscale/store.hpp>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -273,6 +277,139 @@ class memory {
     return store_.erase_namespace(ns);
   }
 
+  // ---- snapshots: restart a deployment without re-encoding ------------------------------------
+
+  /**
+   * @brief Saves the deployment to `directory` (which must exist): the store (save_store), the
+   * index (save_index) and a manifest `memory.ismem` naming them and the instruction prefix.
+   *
+   * The store and index files are named after their checksums (`store-<crc>.iskv`,
+   * `index-<crc>.isx`); each is written atomically, then the manifest (atomically, last), and
+   * only then the files of the previous snapshot in the directory are removed. A crash or a
+   * failure at any point leaves the previous snapshot loadable (its manifest and files are
+   * untouched until the new manifest has replaced it), or the new one whole.
+   *
+   * Manifest `memory.ismem`, 56 bytes, little-endian:
+   *
+   * | offset | bytes | field                                                             |
+   * |-------:|------:|-------------------------------------------------------------------|
+   * |      0 |     8 | magic `89 49 53 4D 45 4D 0D 0A` ("\x89ISMEM\r\n")              |
+   * |      8 |     4 | format version, uint32 = 1                                        |
+   * |     12 |     4 | byte-order mark, uint32 0x01020304                                |
+   * |     16 |     1 | 1 if an instruction prefix is set, else 0                         |
+   * |     17 |     7 | reserved, 0                                                       |
+   * |     24 |     8 | the prefix's fact id, uint64 (0 without a prefix)                 |
+   * |     32 |     8 | the store file's checksum (its last 8 bytes)                      |
+   * |     40 |     8 | the index file's checksum (its last 8 bytes)                      |
+   * |     48 |     8 | CRC-64 of bytes [0, 48)                                           |
+   *
+   * @throw logic_error as save_store and save_index, naming the file and the system's reason
+   * @note Serialise saves to one directory.
+   */
+  void save(std::string const& directory) const
+  {
+    std::string const who = "memory::save('" + directory + "')";
+    std::string const manifest_path = directory + "/" + manifest_name;
+    std::optional<snapshot_manifest> const previous = try_read_manifest(manifest_path);
+
+    // The store and the index, each atomically, then renamed after their checksums.
+    std::string const store_pending = directory + "/store.pending.iskv";
+    std::string const index_pending = directory + "/index.pending.isx";
+    snapshot_manifest m;
+    m.prefix = prefix_;
+    try {
+      save_store(store_, store_pending);
+      m.store_checksum = trailing_checksum(store_pending, who);
+      save_index(index_, index_pending);
+      m.index_checksum = trailing_checksum(index_pending, who);
+      rename_into(store_pending, directory + "/" + store_file_name(m.store_checksum), who);
+      rename_into(index_pending, directory + "/" + index_file_name(m.index_checksum), who);
+    } catch (...) {
+      (void)std::remove(store_pending.c_str());
+      (void)std::remove(index_pending.c_str());
+      throw;
+    }
+    detail::serial::sync_directory_of(manifest_path, who);
+
+    unsigned char bytes[manifest_bytes];
+    encode_manifest(m, bytes);
+    (void)detail::serial::write_file_atomically(
+      manifest_path, who, true, [&](detail::serial::checksummed_writer& out) {
+        out.write(bytes, sizeof bytes);
+      });
+
+    // The previous snapshot's files, unless the new one reuses them (same contents, same name).
+    if (previous) {
+      if (previous->store_checksum != m.store_checksum) {
+        (void)std::remove((directory + "/" + store_file_name(previous->store_checksum)).c_str());
+      }
+      if (previous->index_checksum != m.index_checksum) {
+        (void)std::remove((directory + "/" + index_file_name(previous->index_checksum)).c_str());
+      }
+    }
+  }
+
+  /**
+   * @brief Restarts a deployment from a snapshot written by save(): the store and the index are
+   * loaded (every check of load_store and load_index), nothing is re-encoded or re-embedded.
+   *
+   * `config` is the deployment's configuration, as given to the constructor: the store file must
+   * match `config.store` (geometry, shard, page size, capacity; the dtype is converted as
+   * load_store does, the memory kind is `config.store.memory`); the index file must have
+   * `config.index`'s dim, metric and vector dtype (its graph degrees and exact-search threshold
+   * are the file's; the memory kind is `config.index.memory`); search parameters and fact order
+   * are `config`'s.
+   *
+   * @throw logic_error when the manifest is missing, corrupted, of another version, or names
+   * files that are missing or do not carry its checksums (a store and an index of different
+   * saves are never paired); as load_store / load_index; when the configuration differs as said;
+   * or when the snapshot is inconsistent (an indexed fact missing from the store or in another
+   * namespace there, a prefix missing from the store or indexed)
+   */
+  static memory load(std::string const& directory, memory_config const& config)
+  {
+    std::string const who = "memory::load('" + directory + "')";
+    std::string const where = who + ": ";
+    snapshot_manifest const m =
+      parse_manifest(detail::serial::read_whole_file(directory + "/" + manifest_name, who), where);
+    std::string const store_path = directory + "/" + store_file_name(m.store_checksum);
+    std::string const index_path = directory + "/" + index_file_name(m.index_checksum);
+    INFERSCALE_EXPECTS(trailing_checksum(store_path, who) == m.store_checksum &&
+                         trailing_checksum(index_path, who) == m.index_checksum,
+                       where + "the store or index file does not carry the manifest's checksum "
+                               "(files of different saves are never paired)");
+
+    kv_store store    = load_store(store_path, config.store);
+    graph_index index = load_index(index_path, config.index.memory);
+    index_config const& ic = index.config();
+    INFERSCALE_EXPECTS(ic.dim == config.index.dim && ic.metric == config.index.metric &&
+                         ic.vector_dtype == config.index.vector_dtype,
+                       where + "the index holds " + std::to_string(ic.dim) + "-d " +
+                         to_string(ic.vector_dtype) + " vectors (metric " +
+                         std::to_string(static_cast<int>(ic.metric)) + "), the configuration " +
+                         std::to_string(config.index.dim) + "-d " +
+                         to_string(config.index.vector_dtype) + " (metric " +
+                         std::to_string(static_cast<int>(config.index.metric)) + ")");
+    for (std::uint64_t ns : index.namespaces()) {
+      for (std::uint64_t id : index.ids(ns)) {
+        INFERSCALE_EXPECTS(store.contains(id) && store.at(id).namespace_id == ns,
+                           where + "indexed fact " + std::to_string(id) + " of namespace " +
+                             std::to_string(ns) + " is not in the store's namespace " +
+                             std::to_string(ns));
+      }
+    }
+    if (m.prefix) {
+      INFERSCALE_EXPECTS(store.contains(*m.prefix) && !index.contains(*m.prefix),
+                         where + "the instruction prefix, fact " + std::to_string(*m.prefix) +
+                           ", is missing from the store or indexed");
+    }
+    memory_config resolved = config;
+    resolved.store         = store.config();
+    resolved.index         = ic;
+    return memory{resolved, std::move(store), std::move(index), m.prefix};
+  }
+  // ---- end of snapshots -----------------------------------------------------------------------
+
  private:
   template <class Embedder>
   std::vector<float> embed_all(Embedder& embedder,
@@ -299,6 +436,118 @@ class memory {
     }
     return out;
   }
+
+  // ---- snapshots (see save / load) -------------------------------------------------------------
+  static constexpr char const* manifest_name  = "memory.ismem";
+  static constexpr std::size_t manifest_bytes = 56;
+
+  struct snapshot_manifest {
+    std::optional<std::uint64_t> prefix;
+    std::uint64_t store_checksum{};
+    std::uint64_t index_checksum{};
+  };
+
+  memory(memory_config const& config,
+         kv_store&& store,
+         graph_index&& index,
+         std::optional<std::uint64_t> prefix)
+    : config_{config}, store_{std::move(store)}, index_{std::move(index)}, prefix_{prefix}
+  {
+  }
+
+  static std::string checksum_text(std::uint64_t v)
+  {
+    char text[20];
+    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
+    return text;
+  }
+  static std::string store_file_name(std::uint64_t c) { return "store-" + checksum_text(c) + ".iskv"; }
+  static std::string index_file_name(std::uint64_t c) { return "index-" + checksum_text(c) + ".isx"; }
+
+  /// The last 8 bytes of a saved file: its stored checksum.
+  static std::uint64_t trailing_checksum(std::string const& path, std::string const& who)
+  {
+    std::FILE* file = std::fopen(path.c_str(), "rb");
+    int const error = errno;
+    INFERSCALE_EXPECTS(file != nullptr, who + ": cannot open '" + path + "': " +
+                                          detail::serial::errno_text(error));
+    unsigned char bytes[8] = {};
+    bool const read = std::fseek(file, -8, SEEK_END) == 0 && std::fread(bytes, 1, 8, file) == 8;
+    (void)std::fclose(file);
+    INFERSCALE_EXPECTS(read, who + ": cannot read the checksum at the end of '" + path + "'");
+    return detail::serial::get_le<std::uint64_t>(bytes);
+  }
+
+  static void rename_into(std::string const& from, std::string const& to, std::string const& who)
+  {
+    if (std::rename(from.c_str(), to.c_str()) != 0) {
+      int const error = errno;
+      (void)std::remove(from.c_str());
+      INFERSCALE_FAIL(who + ": cannot rename '" + from + "' to '" + to +
+                      "': " + detail::serial::errno_text(error));
+    }
+  }
+
+  static void encode_manifest(snapshot_manifest const& m, unsigned char* bytes)
+  {
+    namespace s = detail::serial;
+    std::memset(bytes, 0, manifest_bytes);
+    std::memcpy(bytes, manifest_magic, 8);
+    s::put_le(bytes + 8, std::uint32_t{1});
+    s::put_le(bytes + 12, std::uint32_t{0x01020304u});
+    bytes[16] = m.prefix ? 1 : 0;
+    s::put_le(bytes + 24, m.prefix.value_or(0));
+    s::put_le(bytes + 32, m.store_checksum);
+    s::put_le(bytes + 40, m.index_checksum);
+    s::put_le(bytes + 48, s::crc64_of(bytes, 48));
+  }
+
+  static snapshot_manifest parse_manifest(std::vector<unsigned char> const& b,
+                                          std::string const& where)
+  {
+    namespace s = detail::serial;
+    std::string const what = where + "manifest " + manifest_name + ": ";
+    INFERSCALE_EXPECTS(b.size() == manifest_bytes,
+                       what + std::to_string(b.size()) + " bytes, expected " +
+                         std::to_string(manifest_bytes));
+    INFERSCALE_EXPECTS(std::memcmp(b.data(), manifest_magic, 8) == 0,
+                       what + "not an InferScale memory manifest (wrong magic bytes)");
+    std::uint32_t const version = s::get_le<std::uint32_t>(b.data() + 8);
+    INFERSCALE_EXPECTS(version == 1, what + "format version " + std::to_string(version) +
+                                       " is not supported (this build reads 1)");
+    INFERSCALE_EXPECTS(s::get_le<std::uint32_t>(b.data() + 12) == 0x01020304u,
+                       what + "bad byte-order mark");
+    INFERSCALE_EXPECTS(s::get_le<std::uint64_t>(b.data() + 48) == s::crc64_of(b.data(), 48),
+                       what + "checksum mismatch (the manifest is corrupted)");
+    bool reserved_zero = true;
+    for (std::size_t i = 17; i < 24; ++i) {
+      reserved_zero = reserved_zero && b[i] == 0;
+    }
+    std::uint64_t const prefix = s::get_le<std::uint64_t>(b.data() + 24);
+    INFERSCALE_EXPECTS(reserved_zero && b[16] <= 1 && (b[16] == 1 || prefix == 0),
+                       what + "bad prefix flag or reserved bytes");
+    snapshot_manifest m;
+    if (b[16] == 1) { m.prefix = prefix; }
+    m.store_checksum = s::get_le<std::uint64_t>(b.data() + 32);
+    m.index_checksum = s::get_le<std::uint64_t>(b.data() + 40);
+    return m;
+  }
+
+  /// The manifest at `path` if there is a valid one (what a save replaces), else nothing.
+  static std::optional<snapshot_manifest> try_read_manifest(std::string const& path)
+  {
+    std::FILE* file = std::fopen(path.c_str(), "rb");
+    if (file == nullptr) { return std::nullopt; }
+    (void)std::fclose(file);
+    try {
+      return parse_manifest(detail::serial::read_whole_file(path, "memory::save"), "");
+    } catch (logic_error const&) {
+      return std::nullopt;
+    }
+  }
+
+  static constexpr unsigned char manifest_magic[8] = {0x89, 'I', 'S', 'M', 'E', 'M', 0x0D, 0x0A};
+  // ---- end of snapshots -----------------------------------------------------------------------
 
   memory_config config_;
   kv_store store_;

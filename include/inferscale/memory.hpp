@@ -283,13 +283,14 @@ class memory {
    * @brief Saves the deployment to `directory` (which must exist): the store (save_store), the
    * index (save_index) and a manifest `memory.ismem` naming them and the instruction prefix.
    *
-   * The store and index files are named after their checksums (`store-<crc>.iskv`,
-   * `index-<crc>.isx`); each is written atomically, then the manifest (atomically, last), and
+   * The store and index files are named after their checksums (`store-<file crc>.iskv`,
+   * `index-<header crc>-<file crc>.isx`: the index's file checksum does not cover its header,
+   * whose own checksum does); each is written atomically, then the manifest (atomically, last), and
    * only then the files of the previous snapshot in the directory are removed. A crash or a
    * failure at any point leaves the previous snapshot loadable (its manifest and files are
    * untouched until the new manifest has replaced it), or the new one whole.
    *
-   * Manifest `memory.ismem`, 56 bytes, little-endian:
+   * Manifest `memory.ismem`, 64 bytes, little-endian:
    *
    * | offset | bytes | field                                                             |
    * |-------:|------:|-------------------------------------------------------------------|
@@ -300,8 +301,9 @@ class memory {
    * |     17 |     7 | reserved, 0                                                       |
    * |     24 |     8 | the prefix's fact id, uint64 (0 without a prefix)                 |
    * |     32 |     8 | the store file's checksum (its last 8 bytes)                      |
-   * |     40 |     8 | the index file's checksum (its last 8 bytes)                      |
-   * |     48 |     8 | CRC-64 of bytes [0, 48)                                           |
+   * |     40 |     8 | the index file's header checksum (its bytes 72 .. 80)             |
+   * |     48 |     8 | the index file's checksum (its last 8 bytes)                      |
+   * |     56 |     8 | CRC-64 of bytes [0, 56)                                           |
    *
    * @throw logic_error as save_store and save_index, naming the file and the system's reason
    * @note Serialise saves to one directory.
@@ -319,11 +321,12 @@ class memory {
     m.prefix = prefix_;
     try {
       save_store(store_, store_pending);
-      m.store_checksum = trailing_checksum(store_pending, who);
+      m.store_checksum = checksum_at(store_pending, -8, who);
       save_index(index_, index_pending);
-      m.index_checksum = trailing_checksum(index_pending, who);
-      rename_into(store_pending, directory + "/" + store_file_name(m.store_checksum), who);
-      rename_into(index_pending, directory + "/" + index_file_name(m.index_checksum), who);
+      m.index_header_checksum = checksum_at(index_pending, 72, who);
+      m.index_checksum        = checksum_at(index_pending, -8, who);
+      rename_into(store_pending, directory + "/" + store_file_name(m), who);
+      rename_into(index_pending, directory + "/" + index_file_name(m), who);
     } catch (...) {
       (void)std::remove(store_pending.c_str());
       (void)std::remove(index_pending.c_str());
@@ -340,11 +343,11 @@ class memory {
 
     // The previous snapshot's files, unless the new one reuses them (same contents, same name).
     if (previous) {
-      if (previous->store_checksum != m.store_checksum) {
-        (void)std::remove((directory + "/" + store_file_name(previous->store_checksum)).c_str());
+      if (store_file_name(*previous) != store_file_name(m)) {
+        (void)std::remove((directory + "/" + store_file_name(*previous)).c_str());
       }
-      if (previous->index_checksum != m.index_checksum) {
-        (void)std::remove((directory + "/" + index_file_name(previous->index_checksum)).c_str());
+      if (index_file_name(*previous) != index_file_name(m)) {
+        (void)std::remove((directory + "/" + index_file_name(*previous)).c_str());
       }
     }
   }
@@ -372,10 +375,11 @@ class memory {
     std::string const where = who + ": ";
     snapshot_manifest const m =
       parse_manifest(detail::serial::read_whole_file(directory + "/" + manifest_name, who), where);
-    std::string const store_path = directory + "/" + store_file_name(m.store_checksum);
-    std::string const index_path = directory + "/" + index_file_name(m.index_checksum);
-    INFERSCALE_EXPECTS(trailing_checksum(store_path, who) == m.store_checksum &&
-                         trailing_checksum(index_path, who) == m.index_checksum,
+    std::string const store_path = directory + "/" + store_file_name(m);
+    std::string const index_path = directory + "/" + index_file_name(m);
+    INFERSCALE_EXPECTS(checksum_at(store_path, -8, who) == m.store_checksum &&
+                         checksum_at(index_path, 72, who) == m.index_header_checksum &&
+                         checksum_at(index_path, -8, who) == m.index_checksum,
                        where + "the store or index file does not carry the manifest's checksum "
                                "(files of different saves are never paired)");
 
@@ -439,11 +443,12 @@ class memory {
 
   // ---- snapshots (see save / load) -------------------------------------------------------------
   static constexpr char const* manifest_name  = "memory.ismem";
-  static constexpr std::size_t manifest_bytes = 56;
+  static constexpr std::size_t manifest_bytes = 64;
 
   struct snapshot_manifest {
     std::optional<std::uint64_t> prefix;
     std::uint64_t store_checksum{};
+    std::uint64_t index_header_checksum{};
     std::uint64_t index_checksum{};
   };
 
@@ -461,20 +466,29 @@ class memory {
     std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
     return text;
   }
-  static std::string store_file_name(std::uint64_t c) { return "store-" + checksum_text(c) + ".iskv"; }
-  static std::string index_file_name(std::uint64_t c) { return "index-" + checksum_text(c) + ".isx"; }
+  static std::string store_file_name(snapshot_manifest const& m)
+  {
+    return "store-" + checksum_text(m.store_checksum) + ".iskv";
+  }
+  static std::string index_file_name(snapshot_manifest const& m)
+  {
+    return "index-" + checksum_text(m.index_header_checksum) + "-" +
+           checksum_text(m.index_checksum) + ".isx";
+  }
 
-  /// The last 8 bytes of a saved file: its stored checksum.
-  static std::uint64_t trailing_checksum(std::string const& path, std::string const& who)
+  /// The checksum stored in a saved file at `offset` (negative: from the end).
+  static std::uint64_t checksum_at(std::string const& path, long offset, std::string const& who)
   {
     std::FILE* file = std::fopen(path.c_str(), "rb");
     int const error = errno;
     INFERSCALE_EXPECTS(file != nullptr, who + ": cannot open '" + path + "': " +
                                           detail::serial::errno_text(error));
     unsigned char bytes[8] = {};
-    bool const read = std::fseek(file, -8, SEEK_END) == 0 && std::fread(bytes, 1, 8, file) == 8;
+    bool const read = std::fseek(file, offset, offset < 0 ? SEEK_END : SEEK_SET) == 0 &&
+                      std::fread(bytes, 1, 8, file) == 8;
     (void)std::fclose(file);
-    INFERSCALE_EXPECTS(read, who + ": cannot read the checksum at the end of '" + path + "'");
+    INFERSCALE_EXPECTS(read, who + ": cannot read the checksum at byte " + std::to_string(offset) +
+                               " of '" + path + "'");
     return detail::serial::get_le<std::uint64_t>(bytes);
   }
 
@@ -498,8 +512,9 @@ class memory {
     bytes[16] = m.prefix ? 1 : 0;
     s::put_le(bytes + 24, m.prefix.value_or(0));
     s::put_le(bytes + 32, m.store_checksum);
-    s::put_le(bytes + 40, m.index_checksum);
-    s::put_le(bytes + 48, s::crc64_of(bytes, 48));
+    s::put_le(bytes + 40, m.index_header_checksum);
+    s::put_le(bytes + 48, m.index_checksum);
+    s::put_le(bytes + 56, s::crc64_of(bytes, 56));
   }
 
   static snapshot_manifest parse_manifest(std::vector<unsigned char> const& b,
@@ -517,7 +532,7 @@ class memory {
                                        " is not supported (this build reads 1)");
     INFERSCALE_EXPECTS(s::get_le<std::uint32_t>(b.data() + 12) == 0x01020304u,
                        what + "bad byte-order mark");
-    INFERSCALE_EXPECTS(s::get_le<std::uint64_t>(b.data() + 48) == s::crc64_of(b.data(), 48),
+    INFERSCALE_EXPECTS(s::get_le<std::uint64_t>(b.data() + 56) == s::crc64_of(b.data(), 56),
                        what + "checksum mismatch (the manifest is corrupted)");
     bool reserved_zero = true;
     for (std::size_t i = 17; i < 24; ++i) {
@@ -528,8 +543,9 @@ class memory {
                        what + "bad prefix flag or reserved bytes");
     snapshot_manifest m;
     if (b[16] == 1) { m.prefix = prefix; }
-    m.store_checksum = s::get_le<std::uint64_t>(b.data() + 32);
-    m.index_checksum = s::get_le<std::uint64_t>(b.data() + 40);
+    m.store_checksum        = s::get_le<std::uint64_t>(b.data() + 32);
+    m.index_header_checksum = s::get_le<std::uint64_t>(b.data() + 40);
+    m.index_checksum        = s::get_le<std::uint64_t>(b.data() + 48);
     return m;
   }
 

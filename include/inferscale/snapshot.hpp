@@ -46,7 +46,8 @@
  * |        |     8 | catalogue checksum: CRC-64 of the catalogue (from byte 104)               |
  * |        |   U B | the pages in use, ascending page id, each `[L][2][page_size][H][head_dim]` |
  * |        |       | of the store dtype (whole pages: the zeroed rows past a fact's end too)   |
- * |  end-8 |     8 | checksum: CRC-64 of every byte before it                                  |
+ * |  end-8 |     8 | file checksum: CRC-64 of every byte before it except the two checksums   |
+ * |        |       | above (the header's at 96 and the catalogue's)                            |
  *
  * The file is therefore exactly `120 + 16 N + 16 F + 4 T + 8 P + U B` bytes. Only the pages in
  * use are stored, so a snapshot never carries the KV of erased facts; free pages load as zeros.
@@ -60,7 +61,11 @@
  *
  * CRC-64 is CRC-64/XZ (detail/serialize.hpp). The header and the catalogue have their own
  * checksums, so that damage there is named as such before it can size or steer the rest of the
- * read; the file checksum covers the pool.
+ * read. The file checksum skips those two fields: a CRC is affine, so a range followed by its
+ * own CRC drives the register to a state independent of the range's contents, and a file CRC
+ * over the embedded checksums would not see the header or the catalogue. Skipping them, it
+ * covers every field and every pool byte, so it also identifies the file's contents (the memory
+ * facade's manifest uses it).
  *
  * `load_store` checks, in this order, and refuses with `inferscale::logic_error` before the store
  * is handed out (nothing is half loaded): the magic, the format version, the byte-order mark, the
@@ -319,11 +324,12 @@ struct store_access {
     auto const* pool = static_cast<unsigned char const*>(store.ref().pool);
 
     (void)serial::write_file_atomically(path, who, true, [&](serial::checksummed_writer& out) {
-      out.write(header, sizeof header);
+      out.write(header, store_format::header_fields);
+      out.write_excluded(header + store_format::header_fields, store_format::checksum_bytes);
       out.write(catalogue.data(), catalogue.size());
       unsigned char checksum[store_format::checksum_bytes];
       serial::put_le(checksum, serial::crc64_of(catalogue.data(), catalogue.size()));
-      out.write(checksum, sizeof checksum);
+      out.write_excluded(checksum, sizeof checksum);
 
       // The pages in use, ascending, in runs of consecutive pages (one write or copy per run).
       std::int64_t p = 0;
@@ -355,7 +361,7 @@ struct store_access {
         p = run_end;
       }
       serial::put_le(checksum, out.checksum());
-      out.write(checksum, sizeof checksum);
+      out.write_excluded(checksum, sizeof checksum);
     });
   }
 
@@ -606,14 +612,17 @@ struct store_access {
     std::uint64_t const size = in.size();
 
     unsigned char h[store_format::header_bytes] = {};
-    in.read(h, static_cast<std::size_t>(std::min<std::uint64_t>(size, sizeof h)));
+    std::size_t const available = static_cast<std::size_t>(std::min<std::uint64_t>(size, sizeof h));
+    std::size_t const fields    = std::min(available, store_format::header_fields);
+    in.read(h, fields);
+    in.read_excluded(h + fields, available - fields);
     parsed_header const header = parse_header(h, size, where);
     kv_store_config const& fc  = header.config;
 
     std::vector<unsigned char> catalogue(static_cast<std::size_t>(header.catalogue_bytes));
     in.read(catalogue.data(), catalogue.size());
     unsigned char checksum[store_format::checksum_bytes];
-    in.read(checksum, sizeof checksum);
+    in.read_excluded(checksum, sizeof checksum);
     std::uint64_t const catalogue_stored = serial::get_le<std::uint64_t>(checksum);
     std::uint64_t const catalogue_actual = serial::crc64_of(catalogue.data(), catalogue.size());
     INFERSCALE_EXPECTS(catalogue_stored == catalogue_actual,
@@ -696,7 +705,7 @@ struct store_access {
       i = run_end;
     }
     std::uint64_t const file_actual = in.checksum();
-    in.read(checksum, sizeof checksum);
+    in.read_excluded(checksum, sizeof checksum);
     std::uint64_t const file_stored = serial::get_le<std::uint64_t>(checksum);
     INFERSCALE_EXPECTS(file_stored == file_actual,
                        where + "checksum mismatch: stored " + serial::hex(file_stored) +

@@ -213,6 +213,17 @@ class checksummed_writer {
   void write(void const* data, std::size_t bytes)
   {
     checksum_.update(data, bytes);
+    write_excluded(data, bytes);
+  }
+
+  /**
+   * Writes bytes that the running checksum leaves out. A format whose file checksum follows
+   * embedded checksums needs this: CRC-64 is affine, so a range followed by its own CRC-64 leaves
+   * the register in a state that does not depend on the range's contents, and a file checksum
+   * over it would not depend on them either.
+   */
+  void write_excluded(void const* data, std::size_t bytes)
+  {
     auto const* p = static_cast<unsigned char const*>(data);
     if (bytes >= buffer_bytes) {  // large blocks (pool pages) go to the file without a copy
       flush_buffer();
@@ -432,6 +443,14 @@ class checksummed_reader {
   /// Reads exactly `bytes` bytes (the caller has checked the length against size()).
   void read(void* data, std::size_t bytes)
   {
+    read_excluded(data, bytes);
+    checksum_.update(data, bytes);
+  }
+
+  /// Reads exactly `bytes` bytes that the running checksum leaves out (see
+  /// checksummed_writer::write_excluded).
+  void read_excluded(void* data, std::size_t bytes)
+  {
     if (bytes == 0) { return; }
     errno                 = 0;
     std::size_t const got = std::fread(data, 1, bytes, file_);
@@ -441,7 +460,6 @@ class checksummed_reader {
                          std::to_string(position_ + got) + ": " +
                          (std::ferror(file_) != 0 ? errno_text(error != 0 ? error : EIO)
                                                   : std::string{"the file became shorter"}));
-    checksum_.update(data, bytes);
     position_ += bytes;
   }
 

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -196,6 +197,36 @@ std::uint16_t rne_bf16(double x)
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
+
+TEST_CASE("snapshot: the checksum is CRC-64/XZ, folded or by tables", "[snapshot]")
+{
+  namespace serial = detail::serial;
+  auto const check = reinterpret_cast<unsigned char const*>("123456789");
+  REQUIRE(reference_crc64(check, 9) == 0x995DC9BBDF1939FAull);  // the published check value
+  REQUIRE(serial::crc64_of(check, 9) == 0x995DC9BBDF1939FAull);
+  std::mt19937_64 rng(17);
+  std::vector<unsigned char> data(70001);
+  for (auto& x : data) {
+    x = static_cast<unsigned char>(rng());
+  }
+  // lengths around the folding's steps (64-byte loop, 16-byte blocks, the 256-byte threshold)
+  for (std::size_t n : {0, 1, 15, 16, 63, 64, 65, 127, 128, 255, 256, 257, 271, 319, 320, 1000,
+                        4096, 4109, 65537, 70000}) {
+    for (std::size_t offset : {0, 1, 7}) {
+      CAPTURE(n, offset);
+      unsigned char const* p   = data.data() + offset;
+      std::uint64_t const want = reference_crc64(p, n);
+      REQUIRE(serial::crc64_of(p, n) == want);
+      REQUIRE(serial::crc64_by_tables(p, n) == want);
+      serial::crc64 pieces;  // uneven incremental updates, some folded, some by tables
+      std::size_t const a = n / 5, b = n / 2;
+      pieces.update(p, a);
+      pieces.update(p + a, b - a);
+      pieces.update(p + b, n - b);
+      REQUIRE(pieces.value() == want);
+    }
+  }
+}
 
 TEST_CASE("snapshot: the file follows the documented byte table", "[snapshot]")
 {

@@ -10,7 +10,11 @@
  * CRC-64/XZ: the ECMA-182 polynomial 0x42F0E1EBA9EA3693 bit-reflected (0xC96C5795D7870F42),
  * initial value and final XOR all ones; `crc64("123456789")` is 0x995DC9BBDF1939FA. A CRC of
  * width 64 detects every error burst of at most 64 bits, so every single-byte corruption of a
- * checksummed range is detected.
+ * checksummed range is detected. It is computed eight bytes at a time from tables ("slicing by
+ * 8", about 1.5 GB/s on one EPYC core) or, on x86-64 processors with PCLMULQDQ (checked at run
+ * time), by folding 64 bytes at a time with carry-less multiplications (the method of Intel's
+ * "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ"), the last 16 bytes and the
+ * tail then going through the tables; both give the same values.
  *
  * Every message starts with the caller's name (`who`: "save_index", "load_store('a.iskv')", ...)
  * so an error says which operation and which file failed.
@@ -27,6 +31,11 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define INFERSCALE_CRC64_CLMUL 1
+#include <immintrin.h>  // PCLMULQDQ folding (chosen at run time, see crc64)
+#endif
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <fcntl.h>     // open (a directory, to sync it)
@@ -67,36 +76,148 @@ inline crc64_tables const& crc64_lookup()
   return tables;
 }
 
+/// @brief CRC-64/XZ register update by the tables, eight bytes at a time.
+inline std::uint64_t crc64_tables_update(std::uint64_t r, unsigned char const* p, std::size_t bytes)
+{
+  auto const& t = crc64_lookup().table;
+  while (bytes >= 8) {
+    std::uint64_t word = 0;  // little-endian load: the reflected CRC consumes byte 0 first
+    for (int i = 7; i >= 0; --i) {
+      word = (word << 8) | p[i];
+    }
+    word ^= r;
+    r = t[7][word & 0xFFu] ^ t[6][(word >> 8) & 0xFFu] ^ t[5][(word >> 16) & 0xFFu] ^
+        t[4][(word >> 24) & 0xFFu] ^ t[3][(word >> 32) & 0xFFu] ^ t[2][(word >> 40) & 0xFFu] ^
+        t[1][(word >> 48) & 0xFFu] ^ t[0][word >> 56];
+    p += 8;
+    bytes -= 8;
+  }
+  for (; bytes > 0; --bytes, ++p) {
+    r = (r >> 8) ^ t[0][(r ^ *p) & 0xFFu];
+  }
+  return r;
+}
+
+#if defined(INFERSCALE_CRC64_CLMUL)
+/**
+ * @brief Folding constants: for a fold over `D` bits, the low half of a 128-bit block (its first
+ * 8 bytes, the higher powers) is multiplied by x^(D+63) mod P and the high half by x^(D-1) mod P,
+ * both bit-reflected (one power less than the shift because a carry-less product of reflected
+ * operands comes out multiplied by x). Computed once from the polynomial.
+ */
+struct crc64_fold_constants {
+  std::uint64_t k[4][2];  ///< [fold over 128, 256, 384, 512 bits][low half, high half]
+};
+
+inline crc64_fold_constants const& crc64_folding()
+{
+  static crc64_fold_constants const constants = [] {
+    auto const reflected_x_power = [](unsigned n) {
+      std::uint64_t r = 1;  // x^0, normal representation, reduced by x^64 + 0x42F0E1EBA9EA3693
+      for (unsigned i = 0; i < n; ++i) {
+        bool const carry = (r >> 63) != 0;
+        r <<= 1;
+        if (carry) { r ^= 0x42F0E1EBA9EA3693ull; }
+      }
+      std::uint64_t reflected = 0;
+      for (int b = 0; b < 64; ++b) {
+        reflected |= ((r >> b) & 1u) << (63 - b);
+      }
+      return reflected;
+    };
+    crc64_fold_constants c{};
+    for (unsigned j = 0; j < 4; ++j) {
+      unsigned const bits = 128 * (j + 1);
+      c.k[j][0]           = reflected_x_power(bits + 63);
+      c.k[j][1]           = reflected_x_power(bits - 1);
+    }
+    return c;
+  }();
+  return constants;
+}
+
+inline bool crc64_has_clmul() noexcept
+{
+  static bool const has = __builtin_cpu_supports("pclmul") != 0;
+  return has;
+}
+
+/// @brief `a` moved forward over the bits whose constants `k` holds (low half, high half).
+__attribute__((target("pclmul,sse2"))) inline __m128i crc64_fold(__m128i a, __m128i k)
+{
+  return _mm_xor_si128(_mm_clmulepi64_si128(a, k, 0x00), _mm_clmulepi64_si128(a, k, 0x11));
+}
+
+/// @brief CRC-64/XZ register update by folding (`bytes` >= 64).
+__attribute__((target("pclmul,sse2"))) inline std::uint64_t crc64_clmul_update(
+  std::uint64_t r, unsigned char const* p, std::size_t bytes)
+{
+  crc64_fold_constants const& c = crc64_folding();
+#define INFERSCALE_CRC64_CONSTANT(j) \
+  _mm_set_epi64x(static_cast<long long>(c.k[j][1]), static_cast<long long>(c.k[j][0]))
+#define INFERSCALE_CRC64_LOAD(q) _mm_loadu_si128(reinterpret_cast<__m128i const*>(q))
+  // the register's state is the same as XOR-ing it into the next 8 message bytes
+  __m128i a0 =
+    _mm_xor_si128(INFERSCALE_CRC64_LOAD(p), _mm_set_epi64x(0, static_cast<long long>(r)));
+  __m128i a1 = INFERSCALE_CRC64_LOAD(p + 16);
+  __m128i a2 = INFERSCALE_CRC64_LOAD(p + 32);
+  __m128i a3 = INFERSCALE_CRC64_LOAD(p + 48);
+  p += 64;
+  bytes -= 64;
+  __m128i const k512 = INFERSCALE_CRC64_CONSTANT(3);
+  while (bytes >= 64) {
+    a0 = _mm_xor_si128(crc64_fold(a0, k512), INFERSCALE_CRC64_LOAD(p));
+    a1 = _mm_xor_si128(crc64_fold(a1, k512), INFERSCALE_CRC64_LOAD(p + 16));
+    a2 = _mm_xor_si128(crc64_fold(a2, k512), INFERSCALE_CRC64_LOAD(p + 32));
+    a3 = _mm_xor_si128(crc64_fold(a3, k512), INFERSCALE_CRC64_LOAD(p + 48));
+    p += 64;
+    bytes -= 64;
+  }
+  __m128i const k128 = INFERSCALE_CRC64_CONSTANT(0);
+  __m128i acc        = _mm_xor_si128(
+    _mm_xor_si128(crc64_fold(a0, INFERSCALE_CRC64_CONSTANT(2)),
+                  crc64_fold(a1, INFERSCALE_CRC64_CONSTANT(1))),
+    _mm_xor_si128(crc64_fold(a2, k128), a3));
+  while (bytes >= 16) {
+    acc = _mm_xor_si128(crc64_fold(acc, k128), INFERSCALE_CRC64_LOAD(p));
+    p += 16;
+    bytes -= 16;
+  }
+#undef INFERSCALE_CRC64_CONSTANT
+#undef INFERSCALE_CRC64_LOAD
+  // acc is congruent to the message so far: its 16 bytes, then the tail, through the tables
+  unsigned char rest[16];
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(rest), acc);
+  return crc64_tables_update(crc64_tables_update(0, rest, 16), p, bytes);
+}
+#endif
+
 /// @brief An incremental CRC-64/XZ (see the file comment).
 class crc64 {
  public:
   void update(void const* data, std::size_t bytes) noexcept
   {
-    auto const& t          = crc64_lookup().table;
     unsigned char const* p = static_cast<unsigned char const*>(data);
-    std::uint64_t r        = register_;
-    while (bytes >= 8) {
-      std::uint64_t word = 0;  // little-endian load: the reflected CRC consumes byte 0 first
-      for (int i = 7; i >= 0; --i) {
-        word = (word << 8) | p[i];
-      }
-      word ^= r;
-      r = t[7][word & 0xFFu] ^ t[6][(word >> 8) & 0xFFu] ^ t[5][(word >> 16) & 0xFFu] ^
-          t[4][(word >> 24) & 0xFFu] ^ t[3][(word >> 32) & 0xFFu] ^ t[2][(word >> 40) & 0xFFu] ^
-          t[1][(word >> 48) & 0xFFu] ^ t[0][word >> 56];
-      p += 8;
-      bytes -= 8;
+#if defined(INFERSCALE_CRC64_CLMUL)
+    if (bytes >= 256 && crc64_has_clmul()) {
+      register_ = crc64_clmul_update(register_, p, bytes);
+      return;
     }
-    for (; bytes > 0; --bytes, ++p) {
-      r = (r >> 8) ^ t[0][(r ^ *p) & 0xFFu];
-    }
-    register_ = r;
+#endif
+    register_ = crc64_tables_update(register_, p, bytes);
   }
   std::uint64_t value() const noexcept { return ~register_; }
 
  private:
   std::uint64_t register_{~std::uint64_t{0}};
 };
+
+/// @brief The table-driven CRC-64/XZ of a byte range (the reference the folding is tested
+/// against).
+inline std::uint64_t crc64_by_tables(void const* data, std::size_t bytes) noexcept
+{
+  return ~crc64_tables_update(~std::uint64_t{0}, static_cast<unsigned char const*>(data), bytes);
+}
 
 /// @brief CRC-64/XZ of a byte range.
 inline std::uint64_t crc64_of(void const* data, std::size_t bytes) noexcept

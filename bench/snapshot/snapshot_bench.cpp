@@ -1,14 +1,17 @@
 // Store snapshots (snapshot.hpp): save_store and load_store of a 1 GiB host store, each timed
 // next to the ceiling measured in the same iteration on the same bytes:
 //   - save: save_store (catalogue, CRC-64 and finiteness check of every pool byte, write, fsync of
-//     the file, rename, fsync of the directory) vs a plain write() of the same byte count to a
-//     fresh file + fsync ("write_fsync_GB/s", "vs_write_fsync" = its time / save's time: 1 means
-//     save runs at the speed of the disk);
+//     the file, rename over the previous snapshot, fsync of the directory) vs the same atomic
+//     replacement done plainly: write() of the same byte count to a temporary, fsync, rename over
+//     the previous file, fsync of the directory ("write_fsync_GB/s", "vs_write_fsync" = its time
+//     / save's time: 1 means save runs at the speed of the disk);
 //   - load, warm (the file in the page cache, as right after a save) and cold (the file's pages
 //     dropped with posix_fadvise(DONTNEED) before each load and each ceiling read, so both read
 //     from the disk): load_store into a new host store (allocation and zeroing of the pool, the
-//     checks, the CRC, the copy) vs a plain read() of the same file into a pre-touched buffer
-//     ("read_GB/s", "vs_read");
+//     checks, the CRC, the copy) vs a plain read() of the same file into a new allocation (its
+//     page faults included: any loader builds a new pool; "read_GB/s", "vs_read" = its time /
+//     load's time) and into a pre-touched buffer ("read_touched_GB/s", the page cache's or the
+//     disk's own speed);
 //   - load with conversion (bf16 file -> float32 store), warm;
 //   - every case also reports memcpy of the same bytes between pre-touched buffers
 //     ("memcpy_GB/s") and the CRC-64 alone over the pool ("crc64_GB/s"), the two in-memory
@@ -108,13 +111,13 @@ void fail_if(bool failed, char const* what)
   if (failed) { throw std::runtime_error(std::string{what} + ": " + std::strerror(errno)); }
 }
 
-/// write() of `bytes` from `data` to a fresh file, fsync, close: the save ceiling.
+/// write() of `bytes` from `data` to `path + ".tmp"`, fsync, rename over `path`, fsync of the
+/// directory: the save ceiling (the same atomic replacement, without format or checks).
 double timed_write_fsync(std::string const& path, unsigned char const* data, std::size_t bytes)
 {
-  std::error_code ignored;
-  fs::remove(path, ignored);
+  std::string const temporary = path + ".tmp";
   auto const t0 = clock_type::now();
-  int const fd  = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  int const fd  = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   fail_if(fd < 0, "open");
   for (std::size_t done = 0; done < bytes;) {
     ssize_t const n = ::write(fd, data + done, std::min<std::size_t>(bytes - done, 1u << 30));
@@ -123,7 +126,31 @@ double timed_write_fsync(std::string const& path, unsigned char const* data, std
   }
   fail_if(::fsync(fd) != 0, "fsync");
   fail_if(::close(fd) != 0, "close");
+  fail_if(std::rename(temporary.c_str(), path.c_str()) != 0, "rename");
+  int const directory = ::open(fs::path(path).parent_path().c_str(), O_RDONLY | O_DIRECTORY);
+  fail_if(directory < 0, "open directory");
+  fail_if(::fsync(directory) != 0, "fsync directory");
+  fail_if(::close(directory) != 0, "close directory");
   return seconds_since(t0);
+}
+
+/// read() of the whole file into a new allocation (not pre-touched: the page faults count).
+double timed_read_new(std::string const& path, std::size_t bytes)
+{
+  auto const t0 = clock_type::now();
+  std::unique_ptr<unsigned char[]> buffer(new unsigned char[bytes]);
+  int const fd = ::open(path.c_str(), O_RDONLY);
+  fail_if(fd < 0, "open");
+  for (std::size_t done = 0; done < bytes;) {
+    ssize_t const n = ::read(fd, buffer.get() + done, std::min<std::size_t>(bytes - done, 1u << 30));
+    fail_if(n <= 0, "read");
+    done += static_cast<std::size_t>(n);
+  }
+  fail_if(::close(fd) != 0, "close");
+  benchmark::DoNotOptimize(buffer.get());
+  double const t = seconds_since(t0);
+  buffer.reset();
+  return t;
 }
 
 /// read() of the whole file into `buffer` (pre-touched): the load ceiling.
@@ -205,6 +232,7 @@ struct scratch {
     std::error_code ignored;
     fs::remove(snapshot, ignored);
     fs::remove(ceiling, ignored);
+    fs::remove(ceiling + ".tmp", ignored);
   }
 };
 
@@ -216,6 +244,7 @@ void save_bench(benchmark::State& state)
     std::size_t const pool_bytes = store.pool_bytes();
     scratch s{"save", pool_bytes};
     inferscale::save_store(store, s.snapshot);  // warm-up (and the file size)
+    (void)timed_write_fsync(s.ceiling, pool, pool_bytes);  // so each timed ceiling replaces a file
     std::size_t const file_bytes = static_cast<std::size_t>(fs::file_size(s.snapshot));
     s.buffer.resize(file_bytes, 1);
     double seconds = 0, ceiling = 0;
@@ -258,7 +287,7 @@ void load_bench(benchmark::State& state, bool cold, bool convert)
         }
       }
     }
-    double seconds = 0, ceiling = 0;
+    double seconds = 0, ceiling = 0, touched = 0;
     floors total;
     for (auto _ : state) {
       if (cold) { drop_cached(s.snapshot); }
@@ -271,12 +300,16 @@ void load_bench(benchmark::State& state, bool cold, bool convert)
         seconds += t;
       }  // the store is freed outside the timing
       if (cold) { drop_cached(s.snapshot); }
-      ceiling += timed_read(s.snapshot, s.buffer.data(), file_bytes);
+      ceiling += timed_read_new(s.snapshot, file_bytes);
+      if (cold) { drop_cached(s.snapshot); }
+      touched += timed_read(s.snapshot, s.buffer.data(), file_bytes);
       floors const f = time_floors(pool, s.copy.data(), pool_bytes);
       total.memcpy_seconds += f.memcpy_seconds;
       total.crc_seconds += f.crc_seconds;
     }
     report(state, static_cast<double>(file_bytes), seconds, ceiling, "read_GB/s", "vs_read", total);
+    state.counters["read_touched_GB/s"] =
+      static_cast<double>(file_bytes) * static_cast<double>(state.iterations()) / touched / 1e9;
   });
 }
 

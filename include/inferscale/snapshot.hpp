@@ -202,14 +202,19 @@ inline std::size_t convert_elements(unsigned char const* src,
                      std::is_same_v<S, bfloat16_t>) &&
                     (std::is_same_v<D, float> || std::is_same_v<D, half_t> ||
                      std::is_same_v<D, bfloat16_t>)) {
+        // only float16 targets, and bfloat16 from float32, can overflow
+        constexpr bool may_overflow =
+          std::is_same_v<D, half_t> || (std::is_same_v<D, bfloat16_t> && std::is_same_v<S, float>);
         for (std::size_t e = 0; e < count; ++e) {
           S s;
           std::memcpy(&s, src + sizeof(S) * e, sizeof(S));
           float const x = to_float(s);
           D const d     = from_float<D>(x);
           std::memcpy(dst + sizeof(D) * e, &d, sizeof(D));
-          if (overflow == count && std::isfinite(x) && !std::isfinite(to_float(d))) {
-            overflow = e;
+          if constexpr (may_overflow) {
+            if (overflow == count && std::isfinite(x) && !std::isfinite(to_float(d))) {
+              overflow = e;
+            }
           }
         }
       }

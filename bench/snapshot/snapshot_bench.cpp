@@ -90,16 +90,16 @@ kv_store const& bench_store()
       ++id;
     }
     // xorshift bits with the exponent kept in [2^-8, 2^8): finite, varied
-    auto* p           = static_cast<std::uint16_t*>(s.ref().pool);
+    auto* p             = static_cast<std::uint16_t*>(s.ref().pool);
     std::size_t const n = s.pool_bytes() / 2;
-    std::uint64_t x   = 0x9E3779B97F4A7C15ull;
+    std::uint64_t x     = 0x9E3779B97F4A7C15ull;
     for (std::size_t i = 0; i < n; ++i) {
       x ^= x << 13;
       x ^= x >> 7;
       x ^= x << 17;
       std::uint16_t const sign     = static_cast<std::uint16_t>((x >> 20) & 0x8000u);
       std::uint16_t const exponent = static_cast<std::uint16_t>(119 + (x >> 40) % 16) << 7;
-      p[i] = static_cast<std::uint16_t>(sign | exponent | (x & 0x7Fu));
+      p[i]                         = static_cast<std::uint16_t>(sign | exponent | (x & 0x7Fu));
     }
     return s;
   }();
@@ -116,8 +116,8 @@ void fail_if(bool failed, char const* what)
 double timed_write_fsync(std::string const& path, unsigned char const* data, std::size_t bytes)
 {
   std::string const temporary = path + ".tmp";
-  auto const t0 = clock_type::now();
-  int const fd  = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  auto const t0               = clock_type::now();
+  int const fd                = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   fail_if(fd < 0, "open");
   for (std::size_t done = 0; done < bytes;) {
     ssize_t const n = ::write(fd, data + done, std::min<std::size_t>(bytes - done, 1u << 30));
@@ -142,7 +142,8 @@ double timed_read_new(std::string const& path, std::size_t bytes)
   int const fd = ::open(path.c_str(), O_RDONLY);
   fail_if(fd < 0, "open");
   for (std::size_t done = 0; done < bytes;) {
-    ssize_t const n = ::read(fd, buffer.get() + done, std::min<std::size_t>(bytes - done, 1u << 30));
+    ssize_t const n =
+      ::read(fd, buffer.get() + done, std::min<std::size_t>(bytes - done, 1u << 30));
     fail_if(n <= 0, "read");
     done += static_cast<std::size_t>(n);
   }
@@ -191,8 +192,8 @@ floors time_floors(unsigned char const* source, unsigned char* destination, std:
   std::memcpy(destination, source, bytes);
   benchmark::DoNotOptimize(destination);
   benchmark::ClobberMemory();
-  f.memcpy_seconds = seconds_since(t0);
-  t0               = clock_type::now();
+  f.memcpy_seconds        = seconds_since(t0);
+  t0                      = clock_type::now();
   std::uint64_t const crc = inferscale::detail::serial::crc64_of(source, bytes);
   benchmark::DoNotOptimize(crc);
   f.crc_seconds = seconds_since(t0);
@@ -209,9 +210,9 @@ void report(benchmark::State& state,
 {
   double const n = static_cast<double>(state.iterations());
   state.SetBytesProcessed(static_cast<std::int64_t>(file_bytes * n));
-  state.counters["GB/s"]       = file_bytes * n / seconds / 1e9;
-  state.counters[ceiling_name] = file_bytes * n / ceiling_seconds / 1e9;
-  state.counters[ratio_name]   = ceiling_seconds / seconds;
+  state.counters["GB/s"]        = file_bytes * n / seconds / 1e9;
+  state.counters[ceiling_name]  = file_bytes * n / ceiling_seconds / 1e9;
+  state.counters[ratio_name]    = ceiling_seconds / seconds;
   state.counters["memcpy_GB/s"] = file_bytes * n / total.memcpy_seconds / 1e9;
   state.counters["crc64_GB/s"]  = file_bytes * n / total.crc_seconds / 1e9;
   state.counters["file_MB"]     = file_bytes / 1e6;
@@ -239,11 +240,11 @@ struct scratch {
 void save_bench(benchmark::State& state)
 {
   ib::run_guarded(state, [&] {
-    kv_store const& store = bench_store();
-    auto const* pool      = static_cast<unsigned char const*>(store.ref().pool);
+    kv_store const& store        = bench_store();
+    auto const* pool             = static_cast<unsigned char const*>(store.ref().pool);
     std::size_t const pool_bytes = store.pool_bytes();
     scratch s{"save", pool_bytes};
-    inferscale::save_store(store, s.snapshot);  // warm-up (and the file size)
+    inferscale::save_store(store, s.snapshot);             // warm-up (and the file size)
     (void)timed_write_fsync(s.ceiling, pool, pool_bytes);  // so each timed ceiling replaces a file
     std::size_t const file_bytes = static_cast<std::size_t>(fs::file_size(s.snapshot));
     s.buffer.resize(file_bytes, 1);
@@ -260,18 +261,24 @@ void save_bench(benchmark::State& state)
       total.memcpy_seconds += f.memcpy_seconds;
       total.crc_seconds += f.crc_seconds;
     }
-    report(state, static_cast<double>(file_bytes), seconds, ceiling, "write_fsync_GB/s",
-           "vs_write_fsync", total);
+    report(state,
+           static_cast<double>(file_bytes),
+           seconds,
+           ceiling,
+           "write_fsync_GB/s",
+           "vs_write_fsync",
+           total);
   });
 }
 
 void load_bench(benchmark::State& state, bool cold, bool convert)
 {
   ib::run_guarded(state, [&] {
-    kv_store const& store = bench_store();
-    auto const* pool      = static_cast<unsigned char const*>(store.ref().pool);
+    kv_store const& store        = bench_store();
+    auto const* pool             = static_cast<unsigned char const*>(store.ref().pool);
     std::size_t const pool_bytes = store.pool_bytes();
-    std::string const name = std::string{"load-"} + (cold ? "cold" : "warm") + (convert ? "-f32" : "");
+    std::string const name =
+      std::string{"load-"} + (cold ? "cold" : "warm") + (convert ? "-f32" : "");
     inferscale::store_load_options options;
     if (convert) { options.store_dtype = dtype::float32; }
     scratch s{name, pool_bytes + (std::size_t{1} << 20)};
@@ -319,15 +326,15 @@ void register_benchmarks()
     b->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(3);
   };
   benchmark::RegisterBenchmark("snapshot/save/host/bf16/GiB:1", save_bench)->Apply(shape);
-  benchmark::RegisterBenchmark("snapshot/load/host/bf16/GiB:1/warm",
-                               [](benchmark::State& s) { load_bench(s, false, false); })
-    ->Apply(shape);
-  benchmark::RegisterBenchmark("snapshot/load/host/bf16/GiB:1/cold",
-                               [](benchmark::State& s) { load_bench(s, true, false); })
-    ->Apply(shape);
-  benchmark::RegisterBenchmark("snapshot/load/host/bf16->f32/GiB:1/warm",
-                               [](benchmark::State& s) { load_bench(s, false, true); })
-    ->Apply(shape);
+  benchmark::RegisterBenchmark("snapshot/load/host/bf16/GiB:1/warm", [](benchmark::State& s) {
+    load_bench(s, false, false);
+  })->Apply(shape);
+  benchmark::RegisterBenchmark("snapshot/load/host/bf16/GiB:1/cold", [](benchmark::State& s) {
+    load_bench(s, true, false);
+  })->Apply(shape);
+  benchmark::RegisterBenchmark("snapshot/load/host/bf16->f32/GiB:1/warm", [](benchmark::State& s) {
+    load_bench(s, false, true);
+  })->Apply(shape);
 }
 
 }  // namespace

@@ -98,6 +98,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -117,15 +118,15 @@ struct store_load_options {
 namespace detail {
 
 namespace store_format {
-inline constexpr unsigned char magic[8]          = {0x89, 'I', 'S', 'K', 'V', 'S', 0x0D, 0x0A};
-inline constexpr std::uint32_t version           = 1;
-inline constexpr std::uint32_t byte_order        = 0x01020304u;
-inline constexpr std::size_t header_fields       = 96;  ///< bytes covered by the header checksum
-inline constexpr std::size_t header_bytes        = 104;  ///< fields + header checksum
-inline constexpr std::size_t namespace_bytes     = 16;   ///< namespace id, fact count
-inline constexpr std::size_t fact_bytes          = 16;   ///< fact id, tokens, page count
-inline constexpr std::size_t checksum_bytes      = 8;
-inline constexpr std::size_t minimum_bytes       = header_bytes + 2 * checksum_bytes;
+inline constexpr unsigned char magic[8]      = {0x89, 'I', 'S', 'K', 'V', 'S', 0x0D, 0x0A};
+inline constexpr std::uint32_t version       = 1;
+inline constexpr std::uint32_t byte_order    = 0x01020304u;
+inline constexpr std::size_t header_fields   = 96;   ///< bytes covered by the header checksum
+inline constexpr std::size_t header_bytes    = 104;  ///< fields + header checksum
+inline constexpr std::size_t namespace_bytes = 16;   ///< namespace id, fact count
+inline constexpr std::size_t fact_bytes      = 16;   ///< fact id, tokens, page count
+inline constexpr std::size_t checksum_bytes  = 8;
+inline constexpr std::size_t minimum_bytes   = header_bytes + 2 * checksum_bytes;
 /// Pool bytes read or written per piece: small enough that the checksum and the finiteness check
 /// find them still in the cache after the copy, large enough to keep system calls rare.
 inline constexpr std::size_t pool_chunk_bytes = std::size_t{8} << 20;
@@ -148,8 +149,8 @@ inline void to_host_order(unsigned char* p, std::size_t count, std::size_t width
 template <class Bits>
 bool any_exponent_all_ones(unsigned char const* p, std::size_t count, Bits mask) noexcept
 {
-  // No early exit and a narrow accumulator: the loop vectorises (about 8 GB/s on one EPYC core,
-  // against 2.5 GB/s with a bool accumulator).
+  // No early exit and a narrow accumulator: the loop vectorises (about 8 GB/s on one core of the
+  // 2-core Xeon CI machine, against 2.5 GB/s with a bool accumulator).
   Bits acc = 0;
   for (std::size_t e = 0; e < count; ++e) {
     Bits b;
@@ -170,9 +171,9 @@ inline std::size_t first_non_finite(unsigned char const* p, std::size_t count, d
   for (std::size_t begin = 0; begin < count; begin += block) {
     std::size_t const n          = std::min(block, count - begin);
     unsigned char const* const q = p + width * begin;
-    bool const bad = width == 4 ? any_exponent_all_ones<std::uint32_t>(q, n, mask)
-                                : any_exponent_all_ones<std::uint16_t>(
-                                    q, n, static_cast<std::uint16_t>(mask));
+    bool const bad =
+      width == 4 ? any_exponent_all_ones<std::uint32_t>(q, n, mask)
+                 : any_exponent_all_ones<std::uint16_t>(q, n, static_cast<std::uint16_t>(mask));
     if (!bad) { continue; }
     for (std::size_t e = 0; e < n; ++e) {
       std::uint32_t b = 0;
@@ -183,25 +184,24 @@ inline std::size_t first_non_finite(unsigned char const* p, std::size_t count, d
   return count;
 }
 
+/// @brief True for the element types a store holds (float, half_t, bfloat16_t).
+template <class T>
+inline constexpr bool is_store_element_v =
+  std::is_same_v<T, float> || std::is_same_v<T, half_t> || std::is_same_v<T, bfloat16_t>;
+
 /**
  * @brief Converts `count` elements of `from` at `src` (host order) to `to` at `dst`; returns the
  * index of the first finite element that overflows `to`, or `count`.
  */
-inline std::size_t convert_elements(unsigned char const* src,
-                                    dtype from,
-                                    unsigned char* dst,
-                                    dtype to,
-                                    std::size_t count)
+inline std::size_t convert_elements(
+  unsigned char const* src, dtype from, unsigned char* dst, dtype to, std::size_t count)
 {
   return dispatch_dtype(from, [&](auto source_tag) {
     using S = typename decltype(source_tag)::type;
     return dispatch_dtype(to, [&](auto target_tag) {
       using D              = typename decltype(target_tag)::type;
       std::size_t overflow = count;
-      if constexpr ((std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
-                     std::is_same_v<S, bfloat16_t>) &&
-                    (std::is_same_v<D, float> || std::is_same_v<D, half_t> ||
-                     std::is_same_v<D, bfloat16_t>)) {
+      if constexpr (is_store_element_v<S> && is_store_element_v<D>) {
         // only float16 targets, and bfloat16 from float32, can overflow
         constexpr bool may_overflow =
           std::is_same_v<D, half_t> || (std::is_same_v<D, bfloat16_t> && std::is_same_v<S, float>);
@@ -262,12 +262,12 @@ struct store_access {
 
   static void save(kv_store const& store, std::string const& path)
   {
-    std::string const who     = "save_store('" + path + "')";
-    kv_store_config const& c  = store.config();
-    std::int64_t const P      = store.num_pages();
-    std::size_t const B       = page_bytes(store);
-    dtype const t             = store.store_dtype();
-    std::size_t const E       = size_of(t);
+    std::string const who                       = "save_store('" + path + "')";
+    kv_store_config const& c                    = store.config();
+    std::int64_t const P                        = store.num_pages();
+    std::size_t const B                         = page_bytes(store);
+    dtype const t                               = store.store_dtype();
+    std::size_t const E                         = size_of(t);
     std::vector<std::uint64_t> const namespaces = namespace_ids(store);
 
     // The catalogue, in memory first (it is small beside the pool) so its checksum is at hand.
@@ -354,8 +354,8 @@ struct store_access {
                static_cast<std::size_t>(run_end - p) < pages_per_chunk) {
           ++run_end;
         }
-        std::size_t const n     = static_cast<std::size_t>(run_end - p);
-        std::size_t const bytes = n * B;
+        std::size_t const n       = static_cast<std::size_t>(run_end - p);
+        std::size_t const bytes   = n * B;
         unsigned char const* data = pool + static_cast<std::size_t>(p) * B;
         if (device) {
           INFERSCALE_CUDA_TRY(cudaMemcpy(staging.data(), data, bytes, cudaMemcpyDeviceToHost));
@@ -393,9 +393,8 @@ struct store_access {
                                     std::string const& where)
   {
     auto const truncated_min = [&] {
-      return where + "truncated: expected at least " +
-             std::to_string(store_format::minimum_bytes) + " bytes, file has " +
-             std::to_string(file_size);
+      return where + "truncated: expected at least " + std::to_string(store_format::minimum_bytes) +
+             " bytes, file has " + std::to_string(file_size);
     };
     std::size_t const magic_seen =
       static_cast<std::size_t>(std::min<std::uint64_t>(file_size, sizeof store_format::magic));
@@ -421,51 +420,52 @@ struct store_access {
                          ", computed " + serial::hex(header_actual) + " (the header is corrupted)");
 
     parsed_header r;
-    kv_store_config& c    = r.config;
-    c.model.num_layers    = serial::get_le<std::int32_t>(h + 16);
-    c.model.num_kv_heads  = serial::get_le<std::int32_t>(h + 20);
-    c.model.head_dim      = serial::get_le<std::int32_t>(h + 24);
-    c.first_layer         = serial::get_le<std::int32_t>(h + 28);
-    c.num_layers          = serial::get_le<std::int32_t>(h + 32);
-    c.first_head          = serial::get_le<std::int32_t>(h + 36);
-    c.num_heads           = serial::get_le<std::int32_t>(h + 40);
-    c.page_size           = serial::get_le<std::int32_t>(h + 44);
-    c.num_pages           = serial::get_le<std::int64_t>(h + 48);
+    kv_store_config& c      = r.config;
+    c.model.num_layers      = serial::get_le<std::int32_t>(h + 16);
+    c.model.num_kv_heads    = serial::get_le<std::int32_t>(h + 20);
+    c.model.head_dim        = serial::get_le<std::int32_t>(h + 24);
+    c.first_layer           = serial::get_le<std::int32_t>(h + 28);
+    c.num_layers            = serial::get_le<std::int32_t>(h + 32);
+    c.first_head            = serial::get_le<std::int32_t>(h + 36);
+    c.num_heads             = serial::get_le<std::int32_t>(h + 40);
+    c.page_size             = serial::get_le<std::int32_t>(h + 44);
+    c.num_pages             = serial::get_le<std::int64_t>(h + 48);
     std::uint8_t const code = h[56];
-    r.namespaces          = serial::get_le<std::uint64_t>(h + 64);
-    r.facts               = serial::get_le<std::uint64_t>(h + 72);
-    r.tokens              = serial::get_le<std::uint64_t>(h + 80);
-    r.pages_in_use        = serial::get_le<std::uint64_t>(h + 88);
-    bool reserved_zero    = true;
+    r.namespaces            = serial::get_le<std::uint64_t>(h + 64);
+    r.facts                 = serial::get_le<std::uint64_t>(h + 72);
+    r.tokens                = serial::get_le<std::uint64_t>(h + 80);
+    r.pages_in_use          = serial::get_le<std::uint64_t>(h + 88);
+    bool reserved_zero      = true;
     for (std::size_t b = 57; b < 64; ++b) {
       reserved_zero = reserved_zero && h[b] == 0;
     }
     INFERSCALE_EXPECTS(reserved_zero, where + "header: reserved bytes are not zero");
-    INFERSCALE_EXPECTS(code <= 2, where + "header: unknown store dtype code " +
-                                    std::to_string(code));
+    INFERSCALE_EXPECTS(code <= 2,
+                       where + "header: unknown store dtype code " + std::to_string(code));
     c.store_dtype = code == 0 ? dtype::float32 : code == 1 ? dtype::float16 : dtype::bfloat16;
 
     std::string const model = std::to_string(c.model.num_layers) + " layers x " +
                               std::to_string(c.model.num_kv_heads) + " KV heads x head_dim " +
                               std::to_string(c.model.head_dim);
-    INFERSCALE_EXPECTS(c.model.num_layers > 0 && c.model.num_kv_heads > 0 &&
-                         c.model.head_dim > 0 && c.model.head_dim % 2 == 0,
-                       where + "header: model geometry " + model +
-                         " is invalid (positive, head_dim even)");
-    INFERSCALE_EXPECTS(c.first_layer >= 0 && c.num_layers > 0 &&
-                         c.num_layers <= c.model.num_layers - c.first_layer,
-                       where + "header: layer range from " + std::to_string(c.first_layer) +
-                         ", " + std::to_string(c.num_layers) + " layers, outside the model's " +
-                         std::to_string(c.model.num_layers));
-    INFERSCALE_EXPECTS(c.first_head >= 0 && c.num_heads > 0 &&
-                         c.num_heads <= c.model.num_kv_heads - c.first_head,
-                       where + "header: head range from " + std::to_string(c.first_head) + ", " +
-                         std::to_string(c.num_heads) + " heads, outside the model's " +
-                         std::to_string(c.model.num_kv_heads));
-    INFERSCALE_EXPECTS(c.page_size > 0, where + "header: page_size " +
-                                          std::to_string(c.page_size) + " is not positive");
-    INFERSCALE_EXPECTS(c.num_pages >= 0, where + "header: num_pages " +
-                                           std::to_string(c.num_pages) + " is negative");
+    INFERSCALE_EXPECTS(
+      c.model.num_layers > 0 && c.model.num_kv_heads > 0 && c.model.head_dim > 0 &&
+        c.model.head_dim % 2 == 0,
+      where + "header: model geometry " + model + " is invalid (positive, head_dim even)");
+    INFERSCALE_EXPECTS(
+      c.first_layer >= 0 && c.num_layers > 0 && c.num_layers <= c.model.num_layers - c.first_layer,
+      where + "header: layer range from " + std::to_string(c.first_layer) + ", " +
+        std::to_string(c.num_layers) + " layers, outside the model's " +
+        std::to_string(c.model.num_layers));
+    INFERSCALE_EXPECTS(
+      c.first_head >= 0 && c.num_heads > 0 && c.num_heads <= c.model.num_kv_heads - c.first_head,
+      where + "header: head range from " + std::to_string(c.first_head) + ", " +
+        std::to_string(c.num_heads) + " heads, outside the model's " +
+        std::to_string(c.model.num_kv_heads));
+    INFERSCALE_EXPECTS(
+      c.page_size > 0,
+      where + "header: page_size " + std::to_string(c.page_size) + " is not positive");
+    INFERSCALE_EXPECTS(c.num_pages >= 0,
+                       where + "header: num_pages " + std::to_string(c.num_pages) + " is negative");
     // page bytes = 2 * L * page_size * H * D * E; the pool P * page bytes must fit in an int64
     std::uint64_t page = 0;
     bool ok            = serial::multiply_add(2u * static_cast<std::uint64_t>(c.num_layers),
@@ -478,14 +478,16 @@ struct store_access {
     std::uint64_t pool = 0;
     ok = ok && serial::multiply_add(page, static_cast<std::uint64_t>(c.num_pages), 0, pool) &&
          pool <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
-    INFERSCALE_EXPECTS(ok, where + "header: a pool of " + std::to_string(c.num_pages) +
-                             " pages of this geometry overflows a 64-bit byte count");
-    r.page_bytes           = page;
-    std::uint64_t const P  = static_cast<std::uint64_t>(c.num_pages);
+    INFERSCALE_EXPECTS(ok,
+                       where + "header: a pool of " + std::to_string(c.num_pages) +
+                         " pages of this geometry overflows a 64-bit byte count");
+    r.page_bytes          = page;
+    std::uint64_t const P = static_cast<std::uint64_t>(c.num_pages);
     INFERSCALE_EXPECTS(r.namespaces <= r.facts && r.facts <= r.pages_in_use &&
                          r.pages_in_use <= P && r.facts <= r.tokens,
-                       where + "header: counts break namespaces <= facts <= pages in use <= "
-                               "capacity and facts <= tokens (" +
+                       where +
+                         "header: counts break namespaces <= facts <= pages in use <= "
+                         "capacity and facts <= tokens (" +
                          std::to_string(r.namespaces) + ", " + std::to_string(r.facts) + ", " +
                          std::to_string(r.pages_in_use) + ", " + std::to_string(P) + "; " +
                          std::to_string(r.tokens) + " tokens)");
@@ -501,8 +503,8 @@ struct store_access {
     r.catalogue_bytes = catalogue;
     r.file_bytes      = file;
     INFERSCALE_EXPECTS(file_size >= file,
-                       where + "truncated: expected " + std::to_string(file) +
-                         " bytes, file has " + std::to_string(file_size));
+                       where + "truncated: expected " + std::to_string(file) + " bytes, file has " +
+                         std::to_string(file_size));
     INFERSCALE_EXPECTS(file_size == file,
                        where + "trailing data: expected " + std::to_string(file) +
                          " bytes, file has " + std::to_string(file_size));
@@ -534,7 +536,7 @@ struct store_access {
                            " is held twice (pages are never shared)");
       seen[static_cast<std::size_t>(page)] = 1;
     };
-    bool first = true;
+    bool first                = true;
     std::uint64_t previous_ns = 0;
     for (std::uint64_t n = 0; n < h.namespaces; ++n) {
       std::uint64_t const ns    = serial::get_le<std::uint64_t>(p);
@@ -559,8 +561,9 @@ struct store_access {
         std::string const fact = "fact " + std::to_string(r.fact_id);
         INFERSCALE_EXPECTS(ids.insert(r.fact_id).second,
                            where + fact + " appears twice (fact ids are unique)");
-        INFERSCALE_EXPECTS(length >= 1, where + fact + " has " + std::to_string(length) +
-                                          " tokens, at least 1 expected");
+        INFERSCALE_EXPECTS(
+          length >= 1,
+          where + fact + " has " + std::to_string(length) + " tokens, at least 1 expected");
         std::uint64_t const expected_pages = (static_cast<std::uint64_t>(length) + ps - 1) / ps;
         INFERSCALE_EXPECTS(npages == expected_pages,
                            where + fact + ": " + std::to_string(npages) + " pages for " +
@@ -569,9 +572,10 @@ struct store_access {
                              ") = " + std::to_string(expected_pages));
         INFERSCALE_EXPECTS(static_cast<std::uint64_t>(length) <= h.tokens - tokens &&
                              npages <= h.pages_in_use - pages,
-                           where + fact + ": the facts hold more tokens or pages than the "
-                                         "header's " + std::to_string(h.tokens) + " and " +
-                             std::to_string(h.pages_in_use));
+                           where + fact +
+                             ": the facts hold more tokens or pages than the "
+                             "header's " +
+                             std::to_string(h.tokens) + " and " + std::to_string(h.pages_in_use));
         r.namespace_id = ns;
         r.token_ids.resize(static_cast<std::size_t>(length));
         serial::copy_little_endian(r.token_ids.data(), p, r.token_ids.size(), 4);
@@ -656,16 +660,16 @@ struct store_access {
     if (expect != nullptr) { check_target(fc, *expect, where); }
 
     kv_store store{target};  // zeroed pool; handed out only once every check below has passed
-    dtype const from       = fc.store_dtype;
-    dtype const to         = target.store_dtype;
-    std::size_t const B    = static_cast<std::size_t>(header.page_bytes);
-    std::size_t const Eto  = size_of(to);
-    std::size_t const Bto  = B / size_of(from) * Eto;
+    dtype const from      = fc.store_dtype;
+    dtype const to        = target.store_dtype;
+    std::size_t const B   = static_cast<std::size_t>(header.page_bytes);
+    std::size_t const Eto = size_of(to);
+    std::size_t const Bto = B / size_of(from) * Eto;
     std::size_t const per_chunk =
       B == 0 ? 1 : std::max<std::size_t>(1, store_format::pool_chunk_bytes / B);
-    bool const device      = memory == memory_kind::device;
-    bool const direct      = !device && from == to && serial::host_is_little_endian();
-    auto* const pool       = static_cast<unsigned char*>(store.ref().pool);
+    bool const device = memory == memory_kind::device;
+    bool const direct = !device && from == to && serial::host_is_little_endian();
+    auto* const pool  = static_cast<unsigned char*>(store.ref().pool);
     std::vector<unsigned char> raw(direct ? 0 : std::min(staged.used_pages.size(), per_chunk) * B);
     std::vector<unsigned char> converted(device && from != to ? raw.size() / size_of(from) * Eto
                                                               : 0);
@@ -680,39 +684,38 @@ struct store_access {
              run_end - i < per_chunk) {
         ++run_end;
       }
-      std::size_t const n       = run_end - i;
-      std::size_t const first   = static_cast<std::size_t>(used[i]);
-      unsigned char* const dst  = pool + first * Bto;
-      unsigned char* source     = direct ? dst : raw.data();
+      std::size_t const n      = run_end - i;
+      std::size_t const first  = static_cast<std::size_t>(used[i]);
+      unsigned char* const dst = pool + first * Bto;
+      unsigned char* source    = direct ? dst : raw.data();
       in.read(source, n * B);
-      if (!serial::host_is_little_endian()) { to_host_order(source, n * B / size_of(from), size_of(from)); }
+      if (!serial::host_is_little_endian()) {
+        to_host_order(source, n * B / size_of(from), size_of(from));
+      }
       if (pool_problem.empty()) {
         std::size_t const elements = n * B / size_of(from);
         std::size_t const bad      = first_non_finite(source, elements, from);
         if (bad != elements) {
           std::size_t const page = first + bad * size_of(from) / B;
-          pool_problem = "fact " + std::to_string(staged.page_owner[page]) +
+          pool_problem           = "fact " + std::to_string(staged.page_owner[page]) +
                          " holds a non-finite value (page " + std::to_string(page) + ")";
         }
       }
       unsigned char const* ready = source;
       if (from != to) {
-        unsigned char* const out = device ? converted.data() : dst;
+        unsigned char* const out   = device ? converted.data() : dst;
         std::size_t const elements = n * B / size_of(from);
         std::size_t const overflow = convert_elements(source, from, out, to, elements);
         if (overflow != elements && pool_problem.empty()) {
           std::size_t const page = first + overflow * size_of(from) / B;
-          pool_problem = "fact " + std::to_string(staged.page_owner[page]) + " (page " +
-                         std::to_string(page) + ") holds a value that overflows " +
-                         to_string(to) + " (largest finite " +
-                         (to == dtype::float16 ? "65504" : "3.39e38") +
+          pool_problem           = "fact " + std::to_string(staged.page_owner[page]) + " (page " +
+                         std::to_string(page) + ") holds a value that overflows " + to_string(to) +
+                         " (largest finite " + (to == dtype::float16 ? "65504" : "3.39e38") +
                          "); load it into a wider dtype";
         }
         ready = out;
       }
-      if (device) {
-        INFERSCALE_CUDA_TRY(cudaMemcpy(dst, ready, n * Bto, cudaMemcpyHostToDevice));
-      }
+      if (device) { INFERSCALE_CUDA_TRY(cudaMemcpy(dst, ready, n * Bto, cudaMemcpyHostToDevice)); }
       i = run_end;
     }
     std::uint64_t const file_actual = in.checksum();
@@ -744,14 +747,13 @@ struct store_access {
     INFERSCALE_EXPECTS(file.model == want.model,
                        where + "the snapshot is of a model with " + geometry(file.model) +
                          ", the target store's model has " + geometry(want.model));
-    INFERSCALE_EXPECTS(file.first_layer == want.first_layer && file.num_layers == want.num_layers &&
-                         file.first_head == want.first_head && file.num_heads == want.num_heads,
-                       where + "the snapshot holds layers " +
-                         range(file.first_layer, file.num_layers) + " and KV heads " +
-                         range(file.first_head, file.num_heads) +
-                         ", the target store's shard is layers " +
-                         range(want.first_layer, want.num_layers) + " and KV heads " +
-                         range(want.first_head, want.num_heads));
+    INFERSCALE_EXPECTS(
+      file.first_layer == want.first_layer && file.num_layers == want.num_layers &&
+        file.first_head == want.first_head && file.num_heads == want.num_heads,
+      where + "the snapshot holds layers " + range(file.first_layer, file.num_layers) +
+        " and KV heads " + range(file.first_head, file.num_heads) +
+        ", the target store's shard is layers " + range(want.first_layer, want.num_layers) +
+        " and KV heads " + range(want.first_head, want.num_heads));
     INFERSCALE_EXPECTS(file.page_size == want.page_size,
                        where + "the snapshot has pages of " + std::to_string(file.page_size) +
                          " tokens, the target store " + std::to_string(want.page_size));

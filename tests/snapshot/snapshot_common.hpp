@@ -57,7 +57,8 @@ inline void write_bytes(std::string const& path, std::vector<unsigned char> cons
   std::error_code ignored;
   fs::remove(path, ignored);
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(reinterpret_cast<char const*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  out.write(reinterpret_cast<char const*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
 }
 
 /// @brief CRC-64/XZ one bit at a time: reflected polynomial 0xC96C5795D7870F42, init and final
@@ -100,8 +101,8 @@ struct layout {
   std::size_t catalogue_begin{104};
   std::size_t catalogue_end() const
   {
-    return catalogue_begin + static_cast<std::size_t>(16 * namespaces + 16 * facts + 4 * tokens +
-                                                      8 * capacity);
+    return catalogue_begin +
+           static_cast<std::size_t>(16 * namespaces + 16 * facts + 4 * tokens + 8 * capacity);
   }
   std::size_t pool_begin() const { return catalogue_end() + 8; }
 };
@@ -121,9 +122,11 @@ inline std::uint64_t reference_file_checksum(std::vector<unsigned char> const& f
 {
   layout const l = layout_of(file);
   std::vector<unsigned char> covered(file.begin(), file.begin() + 96);
-  covered.insert(covered.end(), file.begin() + 104,
+  covered.insert(covered.end(),
+                 file.begin() + 104,
                  file.begin() + static_cast<std::ptrdiff_t>(l.catalogue_end()));
-  covered.insert(covered.end(), file.begin() + static_cast<std::ptrdiff_t>(l.catalogue_end() + 8),
+  covered.insert(covered.end(),
+                 file.begin() + static_cast<std::ptrdiff_t>(l.catalogue_end() + 8),
                  file.end() - 8);
   return reference_crc64(covered.data(), covered.size());
 }
@@ -133,17 +136,18 @@ inline void refresh_checksums(std::vector<unsigned char>& file)
 {
   set(file, 96, reference_crc64(file.data(), 96));
   layout const l = layout_of(file);
-  set(file, l.catalogue_end(),
+  set(file,
+      l.catalogue_end(),
       reference_crc64(file.data() + l.catalogue_begin, l.catalogue_end() - l.catalogue_begin));
   set(file, file.size() - 8, reference_file_checksum(file));
 }
 
 /// @brief The model of the tests: 3 layers, 4 KV heads, head_dim 4; the store holds the shard
 /// layers [1, 3), heads [1, 3), so the shard fields are exercised.
-inline inferscale::kv_store_config shard_config(inferscale::dtype t,
-                                                std::int64_t pages,
-                                                inferscale::memory_kind memory =
-                                                  inferscale::memory_kind::host)
+inline inferscale::kv_store_config shard_config(
+  inferscale::dtype t,
+  std::int64_t pages,
+  inferscale::memory_kind memory = inferscale::memory_kind::host)
 {
   inferscale::kv_store_config c;
   c.model       = inferscale::kv_geometry{3, 4, 4};
@@ -192,23 +196,22 @@ inline std::vector<std::uint64_t> const scrambled_namespaces{0, 1, 2, 3, 5, 99};
 /// @brief A store whose history scrambles the free-page stack: inserts, erasures (one page
 /// reused, stale bytes left in free pages), a namespace emptied, a reservation (its pages keep
 /// whatever they held), fact id 0.
-inline inferscale::kv_store scrambled_store(inferscale::dtype t,
-                                            inferscale::memory_kind memory =
-                                              inferscale::memory_kind::host)
+inline inferscale::kv_store scrambled_store(
+  inferscale::dtype t, inferscale::memory_kind memory = inferscale::memory_kind::host)
 {
   inferscale::kv_store store{shard_config(t, 16, memory)};
-  insert_fact(store, 10, 1, 5);   // 2 pages
-  insert_fact(store, 11, 2, 3);   // 1
-  insert_fact(store, 12, 1, 9);   // 3
-  insert_fact(store, 13, 3, 1);   // 1
-  insert_fact(store, 14, 2, 4);   // 1
+  insert_fact(store, 10, 1, 5);  // 2 pages
+  insert_fact(store, 11, 2, 3);  // 1
+  insert_fact(store, 12, 1, 9);  // 3
+  insert_fact(store, 13, 3, 1);  // 1
+  insert_fact(store, 14, 2, 4);  // 1
   store.erase(11);
-  insert_fact(store, 15, 1, 6);   // 2: takes 11's page, then a fresh one
-  store.erase(13);                // namespace 3 is empty now; its page keeps stale bytes
+  insert_fact(store, 15, 1, 6);  // 2: takes 11's page, then a fresh one
+  store.erase(13);               // namespace 3 is empty now; its page keeps stale bytes
   (void)store.reserve(16, 0, std::vector<std::int32_t>{7, 8});  // takes 13's page
-  insert_fact(store, 0, 5, 2);    // 1
-  store.erase(10);                // two stale free pages on top of the stack
-  insert_fact(store, 10, 1, 3);   // id 10 again, now 1 page: one stale page stays free
+  insert_fact(store, 0, 5, 2);                                  // 1
+  store.erase(10);               // two stale free pages on top of the stack
+  insert_fact(store, 10, 1, 3);  // id 10 again, now 1 page: one stale page stays free
   return store;
 }
 

@@ -29,7 +29,7 @@ TEST_CASE("snapshot: device stores save and load the bytes host stores do", "[gp
   for (dtype to : {dtype::float32, dtype::float16, dtype::bfloat16}) {
     CAPTURE(to_string(to));
     store_load_options on_host;
-    on_host.store_dtype = to;
+    on_host.store_dtype          = to;
     store_load_options on_device = on_host;
     on_device.memory             = memory_kind::device;
     kv_store const a             = load_store(dir.file("host.iskv"), on_host);

@@ -112,9 +112,8 @@ void require_same_store(kv_store const& original,
     if (in[p] != 0) {
       CHECK(std::equal(pa.begin() + first, pa.begin() + last, pb.begin() + first));
     } else {
-      CHECK(std::all_of(pb.begin() + first, pb.begin() + last, [](unsigned char c) {
-        return c == 0;
-      }));
+      CHECK(
+        std::all_of(pb.begin() + first, pb.begin() + last, [](unsigned char c) { return c == 0; }));
     }
   }
 }
@@ -210,8 +209,8 @@ TEST_CASE("snapshot: the checksum is CRC-64/XZ, folded or by tables", "[snapshot
     x = static_cast<unsigned char>(rng());
   }
   // lengths around the folding's steps (64-byte loop, 16-byte blocks, the 256-byte threshold)
-  for (std::size_t n : {0, 1, 15, 16, 63, 64, 65, 127, 128, 255, 256, 257, 271, 319, 320, 1000,
-                        4096, 4109, 65537, 70000}) {
+  for (std::size_t n : {0,   1,   15,  16,  63,  64,   65,   127,  128,   255,
+                        256, 257, 271, 319, 320, 1000, 4096, 4109, 65537, 70000}) {
     for (std::size_t offset : {0, 1, 7}) {
       CAPTURE(n, offset);
       unsigned char const* p   = data.data() + offset;
@@ -233,7 +232,7 @@ TEST_CASE("snapshot: the file follows the documented byte table", "[snapshot]")
   scratch_dir dir;
   dtype const t = GENERATE(dtype::float32, dtype::float16, dtype::bfloat16);
   CAPTURE(to_string(t));
-  kv_store const store = scrambled_store(t);
+  kv_store const store   = scrambled_store(t);
   std::string const path = dir.file("store.iskv");
   save_store(store, path);
   std::vector<unsigned char> const f = read_bytes(path);
@@ -315,8 +314,8 @@ TEST_CASE("snapshot: the file follows the documented byte table", "[snapshot]")
   }
   kv_store probe = scrambled_store(t);
   insert_fact(probe, 77, 9, 4 * 2);  // two pages: the top two of the stack, top first
-  CHECK(probe.at(77).pages ==
-        std::vector<std::int64_t>{free_stack[free_stack.size() - 1], free_stack[free_stack.size() - 2]});
+  CHECK(probe.at(77).pages == std::vector<std::int64_t>{free_stack[free_stack.size() - 1],
+                                                        free_stack[free_stack.size() - 2]});
   CHECK(get<std::uint64_t>(f, at) == reference_crc64(f.data() + 104, at - 104));
   at += 8;
 
@@ -325,9 +324,10 @@ TEST_CASE("snapshot: the file follows the documented byte table", "[snapshot]")
   std::vector<unsigned char> const pool = store.pool_to_host();
   for (std::int64_t p : pages_in_file) {
     CAPTURE(p);
-    CHECK(std::equal(pool.begin() + static_cast<std::ptrdiff_t>(p * static_cast<std::int64_t>(B)),
-                     pool.begin() + static_cast<std::ptrdiff_t>((p + 1) * static_cast<std::int64_t>(B)),
-                     f.begin() + static_cast<std::ptrdiff_t>(at)));
+    CHECK(
+      std::equal(pool.begin() + static_cast<std::ptrdiff_t>(p * static_cast<std::int64_t>(B)),
+                 pool.begin() + static_cast<std::ptrdiff_t>((p + 1) * static_cast<std::int64_t>(B)),
+                 f.begin() + static_cast<std::ptrdiff_t>(at)));
     at += B;
   }
   CHECK(at + 8 == f.size());
@@ -393,7 +393,7 @@ TEST_CASE("snapshot: composition and host injection from a reloaded store give i
   kv_store const loaded = load_store(dir.file("s.iskv"));
 
   rope_spec spec;
-  spec.head_dim            = 4;
+  spec.head_dim              = 4;
   rope_params const rotation = make_rope_params(spec);
   compose_options o;
   o.first_position     = 37;
@@ -420,10 +420,8 @@ TEST_CASE("snapshot: composition and host injection from a reloaded store give i
   auto const [tokens_b, cache_b] = run(loaded);
   CHECK(tokens_a == tokens_b);
   CHECK(tokens_a.size() == 2 + 9 + 2 + 6 + 3);
-  std::size_t const written =
-    static_cast<std::size_t>(std::count_if(cache_a.begin(), cache_a.end(), [](float x) {
-      return x != -7.0f;
-    }));
+  std::size_t const written = static_cast<std::size_t>(
+    std::count_if(cache_a.begin(), cache_a.end(), [](float x) { return x != -7.0f; }));
   CHECK(written > 0);  // the comparison below is of real injected bytes
   REQUIRE(cache_a.size() == cache_b.size());
   CHECK(std::memcmp(cache_a.data(), cache_b.data(), cache_a.size() * sizeof(float)) == 0);
@@ -444,7 +442,8 @@ TEST_CASE("snapshot: every single-byte corruption is refused and named", "[snaps
   std::string const bad = dir.file("bad.iskv");
   std::size_t refused   = 0;
   for (std::size_t at = 0; at < good.size(); ++at) {
-    for (unsigned char flip : {static_cast<unsigned char>(0xFF), static_cast<unsigned char>(0x01)}) {
+    for (unsigned char flip :
+         {static_cast<unsigned char>(0xFF), static_cast<unsigned char>(0x01)}) {
       std::vector<unsigned char> corrupted = good;
       corrupted[at] ^= flip;
       write_bytes(bad, corrupted);
@@ -476,13 +475,15 @@ TEST_CASE("snapshot: every truncation and any trailing data is refused", "[snaps
   std::vector<unsigned char> const good = read_bytes(path);
   std::string const cut                 = dir.file("cut.iskv");
   for (std::size_t n = 0; n < good.size(); ++n) {
-    write_bytes(cut, std::vector<unsigned char>(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(n)));
+    write_bytes(
+      cut, std::vector<unsigned char>(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(n)));
     std::string const e = load_error(cut);
     CAPTURE(n, e);
     REQUIRE_THAT(e, Contains("truncated"));
     if (n >= 120) {
-      CHECK_THAT(e, Contains("expected " + std::to_string(good.size()) + " bytes, file has " +
-                             std::to_string(n)));
+      CHECK_THAT(e,
+                 Contains("expected " + std::to_string(good.size()) + " bytes, file has " +
+                          std::to_string(n)));
     }
   }
   std::vector<unsigned char> longer = good;
@@ -533,19 +534,23 @@ TEST_CASE("snapshot: forged files with valid checksums are refused by the consis
   forged([&](auto& f) { set(f, 44, std::int32_t{0}); }, "page_size 0 is not positive");
   forged([&](auto& f) { set(f, 48, std::int64_t{-1}); }, "num_pages -1 is negative");
   forged([&](auto& f) { set(f, 48, std::int64_t{3}); }, "counts break");  // 4 pages in use
-  forged([&](auto& f) { set(f, 72, std::uint64_t{2}); }, "trailing data");  // sizes follow the header
+  forged([&](auto& f) { set(f, 72, std::uint64_t{2}); },
+         "trailing data");  // sizes follow the header
   forged([&](auto& f) { set(f, fact6_page, get<std::int64_t>(f, fact3_page)); }, "is held twice");
   forged([&](auto& f) { set(f, fact6_page, std::int64_t{8}); }, "outside the capacity of 8 pages");
   forged([&](auto& f) { set(f, fact6_page, std::int64_t{-1}); }, "outside the capacity");
   forged([&](auto& f) { set(f, fact6, std::uint64_t{3}); }, "fact 3 appears twice");
-  forged([&](auto& f) { set(f, ns2, std::uint64_t{1}); }, "namespaces are stored once each, ascending");
-  forged([&](auto& f) { set(f, ns2, std::uint64_t{0}); }, "namespaces are stored once each, ascending");
+  forged([&](auto& f) { set(f, ns2, std::uint64_t{1}); },
+         "namespaces are stored once each, ascending");
+  forged([&](auto& f) { set(f, ns2, std::uint64_t{0}); },
+         "namespaces are stored once each, ascending");
   forged([&](auto& f) { set(f, fact3 + 12, std::uint32_t{2}); }, "2 pages for 2 tokens");
   forged([&](auto& f) { set(f, fact3 + 8, std::int32_t{0}); }, "has 0 tokens");
   forged([&](auto& f) { set(f, ns1 + 8, std::uint64_t{0}); }, "holds no facts");
   // a free page replaced by a page in use
   layout const l = layout_of(good);
-  std::size_t const free_first = l.catalogue_end() - 8 * static_cast<std::size_t>(l.capacity - l.pages_in_use);
+  std::size_t const free_first =
+    l.catalogue_end() - 8 * static_cast<std::size_t>(l.capacity - l.pages_in_use);
   forged([&](auto& f) { set(f, free_first, get<std::int64_t>(f, fact3_page)); }, "free-page stack");
   // non-finite elements in the pool (first element of the first page in use)
   forged([&](auto& f) { set(f, l.pool_begin(), std::uint32_t{0x7FC00000u}); }, "non-finite value");
@@ -560,10 +565,18 @@ TEST_CASE("snapshot: loading into another dtype rounds to nearest even", "[snaps
   // fp32 values with known roundings: binary16 and bfloat16 ties (to even, both ways), values
   // between codes, a binary16 subnormal, an fp32 subnormal, the largest finite binary16, and
   // 65519 (just below the binary16 overflow threshold 65520: rounds to 65504)
-  std::vector<float> const special{1.0f + 0x1p-11f, 1.0f + 0x3p-11f, 1.0f + 0x1p-8f,
-                                   1.0f + 0x3p-8f,  -2.5f + 0x1p-10f, 0x1p-20f,
-                                   0x1p-130f,       65504.0f,        -65519.0f,
-                                   0.1f,            -1.0f / 3.0f,    3.14159265f};
+  std::vector<float> const special{1.0f + 0x1p-11f,
+                                   1.0f + 0x3p-11f,
+                                   1.0f + 0x1p-8f,
+                                   1.0f + 0x3p-8f,
+                                   -2.5f + 0x1p-10f,
+                                   0x1p-20f,
+                                   0x1p-130f,
+                                   65504.0f,
+                                   -65519.0f,
+                                   0.1f,
+                                   -1.0f / 3.0f,
+                                   3.14159265f};
   kv_store source{shard_config(dtype::float32, 8)};
   insert_fact(source, 1, 1, 3, &special);
   insert_fact(source, 2, 2, 6);
@@ -573,7 +586,7 @@ TEST_CASE("snapshot: loading into another dtype rounds to nearest even", "[snaps
   for (dtype to : {dtype::float16, dtype::bfloat16}) {
     CAPTURE(to_string(to));
     store_load_options o;
-    o.store_dtype     = to;
+    o.store_dtype            = to;
     kv_store const converted = load_store(dir.file("f32.iskv"), o);
     CHECK(converted.store_dtype() == to);
     require_same_store(source, converted, {1, 2}, false);
@@ -595,7 +608,8 @@ TEST_CASE("snapshot: loading into another dtype rounds to nearest even", "[snaps
     save_store(converted, dir.file("narrow.iskv"));
     store_load_options wide;
     wide.store_dtype = dtype::float32;
-    std::vector<unsigned char> const widened = load_store(dir.file("narrow.iskv"), wide).pool_to_host();
+    std::vector<unsigned char> const widened =
+      load_store(dir.file("narrow.iskv"), wide).pool_to_host();
     for (std::size_t e = 0; e < elements; ++e) {
       float y;
       std::memcpy(&y, widened.data() + 4 * e, 4);
@@ -611,8 +625,8 @@ TEST_CASE("snapshot: loading into another dtype rounds to nearest even", "[snaps
   to_half.store_dtype = dtype::float16;
   save_store(load_store(dir.file("f32.iskv"), to_half), dir.file("f16.iskv"));
   store_load_options to_bf16;
-  to_bf16.store_dtype = dtype::bfloat16;
-  kv_store const half_store = load_store(dir.file("f16.iskv"));
+  to_bf16.store_dtype                = dtype::bfloat16;
+  kv_store const half_store          = load_store(dir.file("f16.iskv"));
   std::vector<unsigned char> const h = half_store.pool_to_host();
   std::vector<unsigned char> const b = load_store(dir.file("f16.iskv"), to_bf16).pool_to_host();
   for (std::size_t e = 0; e < h.size() / 2; ++e) {
@@ -654,13 +668,13 @@ TEST_CASE("snapshot: another geometry, shard, page size or capacity is refused",
   CHECK(refused(same).empty());
   kv_store_config c = same;
   c.model.head_dim  = 8;
-  CHECK_THAT(refused(c), Contains("model with 3 layers x 4 KV heads x head_dim 4") &&
-                           Contains("head_dim 8"));
+  CHECK_THAT(refused(c),
+             Contains("model with 3 layers x 4 KV heads x head_dim 4") && Contains("head_dim 8"));
   c            = same;
   c.first_head = 0;
   CHECK_THAT(refused(c), Contains("KV heads [1, 3)") && Contains("KV heads [0, 2)"));
-  c             = same;
-  c.num_layers  = 0;  // through the last layer: [1, 3), the same shard
+  c            = same;
+  c.num_layers = 0;  // through the last layer: [1, 3), the same shard
   CHECK(refused(c).empty());
   c.first_layer = 0;
   c.num_layers  = 0;  // [0, 3)
@@ -672,11 +686,11 @@ TEST_CASE("snapshot: another geometry, shard, page size or capacity is refused",
   c.num_pages = 9;
   CHECK_THAT(refused(c), Contains("capacity of 8 pages, the target store 9"));
   // another dtype converts
-  c             = same;
-  c.store_dtype = dtype::float32;
+  c                   = same;
+  c.store_dtype       = dtype::float32;
   kv_store const wide = load_store(dir.file("s.iskv"), c);
   CHECK(wide.store_dtype() == dtype::float32);
-  std::vector<unsigned char> const narrow = store.pool_to_host();
+  std::vector<unsigned char> const narrow  = store.pool_to_host();
   std::vector<unsigned char> const widened = wide.pool_to_host();
   for (std::size_t e = 0; e < narrow.size() / 2; ++e) {
     float y;
@@ -724,9 +738,11 @@ TEST_CASE("snapshot: a failed save throws, leaves no temporary and the old file 
   float const nan      = std::numeric_limits<float>::quiet_NaN();
   std::memcpy(static_cast<unsigned char*>(poisoned.ref().pool) +
                 static_cast<std::size_t>(r.pages[1]) * page_bytes(dtype::float32) + 20,
-              &nan, 4);
-  CHECK_THAT(save_error(poisoned, path), Contains("fact 22 holds a non-finite value") &&
-                                           Contains("page " + std::to_string(r.pages[1])));
+              &nan,
+              4);
+  CHECK_THAT(
+    save_error(poisoned, path),
+    Contains("fact 22 holds a non-finite value") && Contains("page " + std::to_string(r.pages[1])));
   CHECK(read_bytes(path) == good);
   CHECK_FALSE(fs::exists(path + ".tmp"));
 

@@ -2,9 +2,8 @@
 // the same facts, plans and cache bytes after a reload, nothing is re-encoded or re-embedded (the
 // adapters are not called), the directory holds exactly the current snapshot, and mismatched,
 // corrupted or interrupted snapshots are refused or leave the previous one loadable.
-#include "snapshot_common.hpp"
-
 #include "fake_model.hpp"
+#include "snapshot_common.hpp"
 
 #include <inferscale/memory.hpp>
 
@@ -54,8 +53,8 @@ struct word_embedder {
 struct host_cache {
   host_cache() : data(static_cast<std::size_t>(2 * 2 * 256 * 4), -1.0f)
   {
-    cache_ = make_contiguous_cache(dtype::float32, data.data(), {2, 2, 256, 1, 4},
-                                   {2 * 256 * 4, 256 * 4, 4, 4, 1});
+    cache_ = make_contiguous_cache(
+      dtype::float32, data.data(), {2, 2, 256, 1, 4}, {2 * 256 * 4, 256 * 4, 4, 4, 1});
   }
   std::vector<std::int64_t> allocate(std::int64_t, std::int64_t n)
   {
@@ -189,8 +188,11 @@ TEST_CASE("memory snapshot: a restarted deployment serves the same requests", "[
   std::set<std::string> const second_files = files_in(dir.path());
   CHECK(second_files.size() == 3);
   std::vector<std::string> common;
-  std::set_intersection(first_files.begin(), first_files.end(), second_files.begin(),
-                        second_files.end(), std::back_inserter(common));
+  std::set_intersection(first_files.begin(),
+                        first_files.end(),
+                        second_files.begin(),
+                        second_files.end(),
+                        std::back_inserter(common));
   CHECK(common == std::vector<std::string>{"memory.ismem"});
   memory third = memory::load(dir.path(), config);
   CHECK_FALSE(third.index().has_namespace(8));
@@ -248,15 +250,19 @@ TEST_CASE("memory snapshot: mismatched, corrupted and interrupted snapshots", "[
 
   // a store file of another save under the manifest's name is never paired with the index
   memory other{config};
-  other.add_conversation(model, embedder, 9, a.c,
-                         [&] {
-                           auto f = a.facts;
-                           for (auto& x : f) {
-                             x.namespace_id = 9;
-                           }
-                           return f;
-                         }(),
-                         a.texts);
+  other.add_conversation(
+    model,
+    embedder,
+    9,
+    a.c,
+    [&] {
+      auto f = a.facts;
+      for (auto& x : f) {
+        x.namespace_id = 9;
+      }
+      return f;
+    }(),
+    a.texts);
   save_store(other.store(), dir.file("other.iskv"));
   fs::rename(store_file, dir.file("kept.iskv"));
   fs::rename(dir.file("other.iskv"), store_file);

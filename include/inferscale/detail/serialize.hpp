@@ -11,10 +11,11 @@
  * initial value and final XOR all ones; `crc64("123456789")` is 0x995DC9BBDF1939FA. A CRC of
  * width 64 detects every error burst of at most 64 bits, so every single-byte corruption of a
  * checksummed range is detected. It is computed eight bytes at a time from tables ("slicing by
- * 8", about 1.5 GB/s on one EPYC core) or, on x86-64 processors with PCLMULQDQ (checked at run
- * time), by folding 64 bytes at a time with carry-less multiplications (the method of Intel's
- * "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ"), the last 16 bytes and the
- * tail then going through the tables; both give the same values.
+ * 8", about 1 to 1.5 GB/s on one core of the 2-core Xeon CI machine) or, on x86-64 processors
+ * with PCLMULQDQ (checked at run time), by folding 64 bytes at a time with carry-less
+ * multiplications (the method of Intel's "Fast CRC Computation for Generic Polynomials Using
+ * PCLMULQDQ"; 6 to 8 GB/s there), the last 16 bytes and the tail then going through the tables;
+ * both give the same values.
  *
  * Every message starts with the caller's name (`who`: "save_index", "load_store('a.iskv')", ...)
  * so an error says which operation and which file failed.
@@ -174,10 +175,9 @@ __attribute__((target("pclmul,sse2"))) inline std::uint64_t crc64_clmul_update(
     bytes -= 64;
   }
   __m128i const k128 = INFERSCALE_CRC64_CONSTANT(0);
-  __m128i acc        = _mm_xor_si128(
-    _mm_xor_si128(crc64_fold(a0, INFERSCALE_CRC64_CONSTANT(2)),
-                  crc64_fold(a1, INFERSCALE_CRC64_CONSTANT(1))),
-    _mm_xor_si128(crc64_fold(a2, k128), a3));
+  __m128i acc        = _mm_xor_si128(_mm_xor_si128(crc64_fold(a0, INFERSCALE_CRC64_CONSTANT(2)),
+                                            crc64_fold(a1, INFERSCALE_CRC64_CONSTANT(1))),
+                              _mm_xor_si128(crc64_fold(a2, k128), a3));
   while (bytes >= 16) {
     acc = _mm_xor_si128(crc64_fold(acc, k128), INFERSCALE_CRC64_LOAD(p));
     p += 16;
@@ -443,15 +443,15 @@ inline void sync_directory_of(std::string const& path, std::string const& who)
   std::string const directory = directory_of(path);
   int const fd                = ::open(directory.c_str(), O_RDONLY | O_DIRECTORY);
   int const open_error        = errno;
-  INFERSCALE_EXPECTS(fd >= 0,
-                     who + ": cannot open directory '" + directory + "' to sync it: " +
-                       errno_text(open_error));
+  INFERSCALE_EXPECTS(
+    fd >= 0,
+    who + ": cannot open directory '" + directory + "' to sync it: " + errno_text(open_error));
   int const synced     = ::fsync(fd);
   int const sync_error = errno;
   (void)::close(fd);
-  INFERSCALE_EXPECTS(synced == 0 || sync_error == EINVAL || sync_error == ENOTSUP,
-                     who + ": cannot sync directory '" + directory + "': " +
-                       errno_text(sync_error));
+  INFERSCALE_EXPECTS(
+    synced == 0 || sync_error == EINVAL || sync_error == ENOTSUP,
+    who + ": cannot sync directory '" + directory + "': " + errno_text(sync_error));
 #else
   (void)path;
   (void)who;
@@ -535,7 +535,7 @@ class checksummed_reader {
     // unbuffered: the pieces are either tiny (header fields, read once) or large (pool pages)
     (void)std::setvbuf(file_, nullptr, _IONBF, 0);
 #if defined(__unix__) || defined(__APPLE__)
-    struct stat info{};
+    struct stat info {};
     if (::fstat(::fileno(file_), &info) != 0) {
       int const error = errno;
       (void)std::fclose(file_);

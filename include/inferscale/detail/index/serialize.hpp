@@ -45,7 +45,13 @@
  * (0xC96C5795D7870F42), initial value and final XOR all ones; `crc64("123456789")` is
  * 0x995DC9BBDF1939FA. A CRC of width 64 detects every error burst of at most 64 bits, so every
  * single-byte corruption is refused. The header has its own checksum so that a damaged header is
- * named as such (and never sizes the rest of the read) before the body is examined.
+ * named as such (and never sizes the rest of the read) before the body is examined. (A CRC is
+ * affine: a range followed by its own CRC leaves the register in a state that does not depend on
+ * the range, so the file checksum, which runs over the header and its checksum, depends on the
+ * tenant records only; the header checksum covers the header. Both together identify a file's
+ * contents, which is how the memory facade's manifest names an index file. The store snapshot's
+ * file checksum skips its embedded checksums instead; see snapshot.hpp.) The CRC code is shared
+ * with the store snapshot: detail/serialize.hpp.
  *
  * `load_index` checks, in this order, and refuses with `inferscale::logic_error` before any
  * `graph_index` is built: the magic, the format version, the byte-order mark, the header length

@@ -33,11 +33,14 @@
 #include <inferscale/engine.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/index.hpp>
+#include <inferscale/snapshot.hpp>
 #include <inferscale/store.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <iterator>
 #include <optional>
@@ -798,6 +801,180 @@ class memory {
   /// (graph_index::compact): afterwards the index holds no vector of them at all.
   void compact_index() { index_.compact(); }
 
+  // ---- snapshots: restart a deployment without re-encoding ------------------------------------
+
+  /**
+   * @brief Saves the deployment to `directory` (which must exist): the store (save_store), the
+   * index (save_index), the lifecycle state (`lifecycle-<file crc>.islc`: the kept conversations
+   * and every tracked fact's window and links, so update_fact / update_turns work after a
+   * restart; format below) and a manifest `memory.ismem` naming them and the instruction prefix.
+   *
+   * The store and index files are named after their checksums (`store-<file crc>.iskv`,
+   * `index-<header crc>-<file crc>.isx`: the index's file checksum does not cover its header,
+   * whose own checksum does); each is written atomically, then the manifest (atomically, last), and
+   * only then the files of the previous snapshot in the directory are removed. A crash or a
+   * failure at any point leaves the previous snapshot loadable (its manifest and files are
+   * untouched until the new manifest has replaced it), or the new one whole.
+   *
+   * Manifest `memory.ismem`, 72 bytes, little-endian:
+   *
+   * | offset | bytes | field                                                             |
+   * |-------:|------:|-------------------------------------------------------------------|
+   * |      0 |     8 | magic `89 49 53 4D 45 4D 0D 0A` ("\x89ISMEM\r\n")              |
+   * |      8 |     4 | format version, uint32 = 1                                        |
+   * |     12 |     4 | byte-order mark, uint32 0x01020304                                |
+   * |     16 |     1 | 1 if an instruction prefix is set, else 0                         |
+   * |     17 |     7 | reserved, 0                                                       |
+   * |     24 |     8 | the prefix's fact id, uint64 (0 without a prefix)                 |
+   * |     32 |     8 | the store file's checksum (its last 8 bytes)                      |
+   * |     40 |     8 | the index file's header checksum (its bytes 72 .. 80)             |
+   * |     48 |     8 | the index file's checksum (its last 8 bytes)                      |
+   * |     56 |     8 | the lifecycle file's checksum (its last 8 bytes)                  |
+   * |     64 |     8 | CRC-64 of bytes [0, 64)                                           |
+   *
+   * Lifecycle file, little-endian, version 1: magic `89 49 53 4C 43 59 0D 0A` ("\x89ISLCY\r\n"),
+   * version uint32 = 1, byte-order mark uint32 0x01020304, the next conversation handle uint64,
+   * the conversation count C uint64, the fact count F uint64; then C conversation records in
+   * ascending handle order — handle, namespace (uint64 each), window, strategy (uint8 + 7 zero
+   * bytes), stride, max_sequence_tokens, first_position (int64 each), the lead (count uint64 +
+   * int32 tokens), the session headers (count uint64; each a count + int32 tokens), the turns
+   * (count uint64; each session int32, 4 zero bytes, count uint64 + int32 tokens), the planned
+   * facts (count uint64 + uint64 ids); then F fact records in ascending id order — id, namespace
+   * (uint64), flags uint8 (bit 0 planned from a conversation, bit 1 supersedes, bit 2 superseded)
+   * + 7 zero bytes, conversation, supersedes, superseded_by (uint64, 0 where the flag is clear),
+   * first_turn, first_position (int64), source turns (count uint64 + int64), context (count uint64
+   * + int32), turn map (count uint64 + int64); then the CRC-64 of every byte before it. load()
+   * checks the checksum first, then every count against the bytes left, the flags and reserved
+   * bytes, and that the state agrees with the store and index: each tracked fact is in the store
+   * in its namespace and is indexed exactly when it is not superseded, each planned fact names a
+   * kept conversation that lists it, with its window inside the conversation.
+   *
+   * @throw logic_error as save_store and save_index, naming the file and the system's reason
+   * @note Serialise saves to one directory.
+   */
+  void save(std::string const& directory) const
+  {
+    std::string const who = "memory::save('" + directory + "')";
+    std::string const manifest_path = directory + "/" + manifest_name;
+    std::optional<snapshot_manifest> const previous = try_read_manifest(manifest_path);
+
+    // The store and the index, each atomically, then renamed after their checksums.
+    std::string const store_pending     = directory + "/store.pending.iskv";
+    std::string const index_pending     = directory + "/index.pending.isx";
+    std::string const lifecycle_pending = directory + "/lifecycle.pending.islc";
+    snapshot_manifest m;
+    m.prefix = prefix_;
+    try {
+      save_store(store_, store_pending);
+      m.store_checksum = checksum_at(store_pending, -8, who);
+      save_index(index_, index_pending);
+      m.index_header_checksum = checksum_at(index_pending, 72, who);
+      m.index_checksum        = checksum_at(index_pending, -8, who);
+      std::vector<unsigned char> const lifecycle = encode_lifecycle();
+      (void)detail::serial::write_file_atomically(
+        lifecycle_pending, who, false, [&](detail::serial::checksummed_writer& out) {
+          out.write(lifecycle.data(), lifecycle.size());
+        });
+      m.lifecycle_checksum = checksum_at(lifecycle_pending, -8, who);
+      rename_into(store_pending, directory + "/" + store_file_name(m), who);
+      rename_into(index_pending, directory + "/" + index_file_name(m), who);
+      rename_into(lifecycle_pending, directory + "/" + lifecycle_file_name(m), who);
+    } catch (...) {
+      (void)std::remove(store_pending.c_str());
+      (void)std::remove(index_pending.c_str());
+      (void)std::remove(lifecycle_pending.c_str());
+      throw;
+    }
+    detail::serial::sync_directory_of(manifest_path, who);
+
+    unsigned char bytes[manifest_bytes];
+    encode_manifest(m, bytes);
+    (void)detail::serial::write_file_atomically(
+      manifest_path, who, true, [&](detail::serial::checksummed_writer& out) {
+        out.write(bytes, sizeof bytes);
+      });
+
+    // The previous snapshot's files, unless the new one reuses them (same contents, same name).
+    if (previous) {
+      if (store_file_name(*previous) != store_file_name(m)) {
+        (void)std::remove((directory + "/" + store_file_name(*previous)).c_str());
+      }
+      if (index_file_name(*previous) != index_file_name(m)) {
+        (void)std::remove((directory + "/" + index_file_name(*previous)).c_str());
+      }
+      if (lifecycle_file_name(*previous) != lifecycle_file_name(m)) {
+        (void)std::remove((directory + "/" + lifecycle_file_name(*previous)).c_str());
+      }
+    }
+  }
+
+  /**
+   * @brief Restarts a deployment from a snapshot written by save(): the store and the index are
+   * loaded (every check of load_store and load_index), nothing is re-encoded or re-embedded.
+   *
+   * `config` is the deployment's configuration, as given to the constructor: the store file must
+   * match `config.store` (geometry, shard, page size, capacity; the dtype is converted as
+   * load_store does, the memory kind is `config.store.memory`); the index file must have
+   * `config.index`'s dim, metric and vector dtype (its graph degrees and exact-search threshold
+   * are the file's; the memory kind is `config.index.memory`); search parameters and fact order
+   * are `config`'s.
+   *
+   * @throw logic_error when the manifest is missing, corrupted, of another version, or names
+   * files that are missing or do not carry its checksums (a store and an index of different
+   * saves are never paired); as load_store / load_index; when the configuration differs as said;
+   * or when the snapshot is inconsistent (an indexed fact missing from the store or in another
+   * namespace there, a prefix missing from the store or indexed)
+   */
+  static memory load(std::string const& directory, memory_config const& config)
+  {
+    std::string const who = "memory::load('" + directory + "')";
+    std::string const where = who + ": ";
+    snapshot_manifest const m =
+      parse_manifest(detail::serial::read_whole_file(directory + "/" + manifest_name, who), where);
+    std::string const store_path = directory + "/" + store_file_name(m);
+    std::string const index_path = directory + "/" + index_file_name(m);
+    std::string const lifecycle_path = directory + "/" + lifecycle_file_name(m);
+    INFERSCALE_EXPECTS(checksum_at(store_path, -8, who) == m.store_checksum &&
+                         checksum_at(index_path, 72, who) == m.index_header_checksum &&
+                         checksum_at(index_path, -8, who) == m.index_checksum &&
+                         checksum_at(lifecycle_path, -8, who) == m.lifecycle_checksum,
+                       where + "the store or index file does not carry the manifest's checksum "
+                               "(files of different saves are never paired)");
+
+    kv_store store    = load_store(store_path, config.store);
+    graph_index index = load_index(index_path, config.index.memory);
+    index_config const& ic = index.config();
+    INFERSCALE_EXPECTS(ic.dim == config.index.dim && ic.metric == config.index.metric &&
+                         ic.vector_dtype == config.index.vector_dtype,
+                       where + "the index holds " + std::to_string(ic.dim) + "-d " +
+                         to_string(ic.vector_dtype) + " vectors (metric " +
+                         std::to_string(static_cast<int>(ic.metric)) + "), the configuration " +
+                         std::to_string(config.index.dim) + "-d " +
+                         to_string(config.index.vector_dtype) + " (metric " +
+                         std::to_string(static_cast<int>(config.index.metric)) + ")");
+    for (std::uint64_t ns : index.namespaces()) {
+      for (std::uint64_t id : index.ids(ns)) {
+        INFERSCALE_EXPECTS(store.contains(id) && store.at(id).namespace_id == ns,
+                           where + "indexed fact " + std::to_string(id) + " of namespace " +
+                             std::to_string(ns) + " is not in the store's namespace " +
+                             std::to_string(ns));
+      }
+    }
+    if (m.prefix) {
+      INFERSCALE_EXPECTS(store.contains(*m.prefix) && !index.contains(*m.prefix),
+                         where + "the instruction prefix, fact " + std::to_string(*m.prefix) +
+                           ", is missing from the store or indexed");
+    }
+    memory_config resolved = config;
+    resolved.store         = store.config();
+    resolved.index         = ic;
+    memory loaded{resolved, std::move(store), std::move(index), m.prefix};
+    loaded.decode_lifecycle(detail::serial::read_whole_file(lifecycle_path, who),
+                            where + "lifecycle file '" + lifecycle_path + "': ");
+    return loaded;
+  }
+  // ---- end of snapshots -----------------------------------------------------------------------
+
  private:
   template <class Embedder>
   std::vector<float> embed_all(Embedder& embedder,
@@ -1032,6 +1209,401 @@ class memory {
   std::unordered_map<std::uint64_t, fact_entry> facts_;
   std::unordered_map<std::uint64_t, conversation_entry> conversation_entries_;
   std::uint64_t next_conversation_{1};
+
+  // ---- snapshots (see save / load) -------------------------------------------------------------
+  static constexpr char const* manifest_name  = "memory.ismem";
+  static constexpr std::size_t manifest_bytes = 72;
+
+  struct snapshot_manifest {
+    std::optional<std::uint64_t> prefix;
+    std::uint64_t store_checksum{};
+    std::uint64_t index_header_checksum{};
+    std::uint64_t index_checksum{};
+    std::uint64_t lifecycle_checksum{};
+  };
+
+  memory(memory_config const& config,
+         kv_store&& store,
+         graph_index&& index,
+         std::optional<std::uint64_t> prefix)
+    : config_{config}, store_{std::move(store)}, index_{std::move(index)}, prefix_{prefix}
+  {
+  }
+
+  static std::string checksum_text(std::uint64_t v)
+  {
+    char text[20];
+    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
+    return text;
+  }
+  static std::string store_file_name(snapshot_manifest const& m)
+  {
+    return "store-" + checksum_text(m.store_checksum) + ".iskv";
+  }
+  static std::string index_file_name(snapshot_manifest const& m)
+  {
+    return "index-" + checksum_text(m.index_header_checksum) + "-" +
+           checksum_text(m.index_checksum) + ".isx";
+  }
+
+  static std::string lifecycle_file_name(snapshot_manifest const& m)
+  {
+    return "lifecycle-" + checksum_text(m.lifecycle_checksum) + ".islc";
+  }
+
+  /// The checksum stored in a saved file at `offset` (negative: from the end).
+  static std::uint64_t checksum_at(std::string const& path, long offset, std::string const& who)
+  {
+    std::FILE* file = std::fopen(path.c_str(), "rb");
+    int const error = errno;
+    INFERSCALE_EXPECTS(file != nullptr, who + ": cannot open '" + path + "': " +
+                                          detail::serial::errno_text(error));
+    unsigned char bytes[8] = {};
+    bool const read = std::fseek(file, offset, offset < 0 ? SEEK_END : SEEK_SET) == 0 &&
+                      std::fread(bytes, 1, 8, file) == 8;
+    (void)std::fclose(file);
+    INFERSCALE_EXPECTS(read, who + ": cannot read the checksum at byte " + std::to_string(offset) +
+                               " of '" + path + "'");
+    return detail::serial::get_le<std::uint64_t>(bytes);
+  }
+
+  static void rename_into(std::string const& from, std::string const& to, std::string const& who)
+  {
+    if (std::rename(from.c_str(), to.c_str()) != 0) {
+      int const error = errno;
+      (void)std::remove(from.c_str());
+      INFERSCALE_FAIL(who + ": cannot rename '" + from + "' to '" + to +
+                      "': " + detail::serial::errno_text(error));
+    }
+  }
+
+  static void encode_manifest(snapshot_manifest const& m, unsigned char* bytes)
+  {
+    namespace s = detail::serial;
+    std::memset(bytes, 0, manifest_bytes);
+    std::memcpy(bytes, manifest_magic, 8);
+    s::put_le(bytes + 8, std::uint32_t{1});
+    s::put_le(bytes + 12, std::uint32_t{0x01020304u});
+    bytes[16] = m.prefix ? 1 : 0;
+    s::put_le(bytes + 24, m.prefix.value_or(0));
+    s::put_le(bytes + 32, m.store_checksum);
+    s::put_le(bytes + 40, m.index_header_checksum);
+    s::put_le(bytes + 48, m.index_checksum);
+    s::put_le(bytes + 56, m.lifecycle_checksum);
+    s::put_le(bytes + 64, s::crc64_of(bytes, 64));
+  }
+
+  static snapshot_manifest parse_manifest(std::vector<unsigned char> const& b,
+                                          std::string const& where)
+  {
+    namespace s = detail::serial;
+    std::string const what = where + "manifest " + manifest_name + ": ";
+    INFERSCALE_EXPECTS(b.size() == manifest_bytes,
+                       what + std::to_string(b.size()) + " bytes, expected " +
+                         std::to_string(manifest_bytes));
+    INFERSCALE_EXPECTS(std::memcmp(b.data(), manifest_magic, 8) == 0,
+                       what + "not an InferScale memory manifest (wrong magic bytes)");
+    std::uint32_t const version = s::get_le<std::uint32_t>(b.data() + 8);
+    INFERSCALE_EXPECTS(version == 1, what + "format version " + std::to_string(version) +
+                                       " is not supported (this build reads 1)");
+    INFERSCALE_EXPECTS(s::get_le<std::uint32_t>(b.data() + 12) == 0x01020304u,
+                       what + "bad byte-order mark");
+    INFERSCALE_EXPECTS(s::get_le<std::uint64_t>(b.data() + 64) == s::crc64_of(b.data(), 64),
+                       what + "checksum mismatch (the manifest is corrupted)");
+    bool reserved_zero = true;
+    for (std::size_t i = 17; i < 24; ++i) {
+      reserved_zero = reserved_zero && b[i] == 0;
+    }
+    std::uint64_t const prefix = s::get_le<std::uint64_t>(b.data() + 24);
+    INFERSCALE_EXPECTS(reserved_zero && b[16] <= 1 && (b[16] == 1 || prefix == 0),
+                       what + "bad prefix flag or reserved bytes");
+    snapshot_manifest m;
+    if (b[16] == 1) { m.prefix = prefix; }
+    m.store_checksum        = s::get_le<std::uint64_t>(b.data() + 32);
+    m.index_header_checksum = s::get_le<std::uint64_t>(b.data() + 40);
+    m.index_checksum        = s::get_le<std::uint64_t>(b.data() + 48);
+    m.lifecycle_checksum    = s::get_le<std::uint64_t>(b.data() + 56);
+    return m;
+  }
+
+  /// The manifest at `path` if there is a valid one (what a save replaces), else nothing.
+  static std::optional<snapshot_manifest> try_read_manifest(std::string const& path)
+  {
+    std::FILE* file = std::fopen(path.c_str(), "rb");
+    if (file == nullptr) { return std::nullopt; }
+    (void)std::fclose(file);
+    try {
+      return parse_manifest(detail::serial::read_whole_file(path, "memory::save"), "");
+    } catch (logic_error const&) {
+      return std::nullopt;
+    }
+  }
+
+  static constexpr unsigned char manifest_magic[8] = {0x89, 'I', 'S', 'M', 'E', 'M', 0x0D, 0x0A};
+  static constexpr unsigned char lifecycle_magic[8] = {0x89, 'I', 'S', 'L', 'C', 'Y', 0x0D, 0x0A};
+
+  /// Little-endian appends for the lifecycle file.
+  struct lifecycle_out {
+    std::vector<unsigned char> bytes;
+    template <class T>
+    void put(T v)
+    {
+      unsigned char b[sizeof(T)];
+      detail::serial::put_le(b, v);
+      bytes.insert(bytes.end(), b, b + sizeof(T));
+    }
+    template <class T>
+    void put_list(std::vector<T> const& v)
+    {
+      put(static_cast<std::uint64_t>(v.size()));
+      for (T x : v) {
+        put(x);
+      }
+    }
+  };
+
+  /// Bounds-checked little-endian reads of the lifecycle file (every count against what is left).
+  struct lifecycle_in {
+    std::vector<unsigned char> const& bytes;
+    std::size_t at;
+    std::size_t end;
+    std::string const& what;
+    template <class T>
+    T get()
+    {
+      INFERSCALE_EXPECTS(end - at >= sizeof(T), what + "truncated record at byte " +
+                                                   std::to_string(at));
+      T const v = detail::serial::get_le<T>(bytes.data() + at);
+      at += sizeof(T);
+      return v;
+    }
+    template <class T>
+    std::vector<T> get_list()
+    {
+      std::uint64_t const n = get<std::uint64_t>();
+      INFERSCALE_EXPECTS(n <= (end - at) / sizeof(T),
+                         what + "a list of " + std::to_string(n) + " entries at byte " +
+                           std::to_string(at) + " runs past the end");
+      std::vector<T> v(static_cast<std::size_t>(n));
+      for (auto& x : v) {
+        x = get<T>();
+      }
+      return v;
+    }
+    void zeros(std::size_t n)
+    {
+      for (std::size_t i = 0; i < n; ++i) {
+        INFERSCALE_EXPECTS(get<std::uint8_t>() == 0, what + "reserved byte " +
+                                                       std::to_string(at - 1) + " is not zero");
+      }
+    }
+  };
+
+  std::vector<unsigned char> encode_lifecycle() const
+  {
+    lifecycle_out o;
+    o.bytes.insert(o.bytes.end(), lifecycle_magic, lifecycle_magic + 8);
+    o.put(std::uint32_t{1});
+    o.put(std::uint32_t{0x01020304u});
+    o.put(next_conversation_);
+    o.put(static_cast<std::uint64_t>(conversation_entries_.size()));
+    o.put(static_cast<std::uint64_t>(facts_.size()));
+    std::vector<std::uint64_t> handles;
+    for (auto const& [h, c] : conversation_entries_) {
+      handles.push_back(h);
+    }
+    std::sort(handles.begin(), handles.end());
+    for (std::uint64_t h : handles) {
+      conversation_entry const& ce = conversation_entries_.at(h);
+      o.put(h);
+      o.put(ce.ns);
+      o.put(ce.options.window);
+      o.put(static_cast<std::uint8_t>(ce.options.strategy));
+      for (int i = 0; i < 7; ++i) {
+        o.put(std::uint8_t{0});
+      }
+      o.put(ce.options.stride);
+      o.put(ce.options.max_sequence_tokens);
+      o.put(ce.options.first_position);
+      o.put_list(ce.c.lead);
+      o.put(static_cast<std::uint64_t>(ce.c.session_headers.size()));
+      for (auto const& header : ce.c.session_headers) {
+        o.put_list(header);
+      }
+      o.put(static_cast<std::uint64_t>(ce.c.turns.size()));
+      for (auto const& turn : ce.c.turns) {
+        o.put(turn.session);
+        o.put(std::uint32_t{0});
+        o.put_list(turn.token_ids);
+      }
+      o.put_list(ce.facts);
+    }
+    std::vector<std::uint64_t> ids;
+    for (auto const& [id, e] : facts_) {
+      ids.push_back(id);
+    }
+    std::sort(ids.begin(), ids.end());
+    for (std::uint64_t id : ids) {
+      fact_entry const& e = facts_.at(id);
+      o.put(id);
+      o.put(e.ns);
+      o.put(static_cast<std::uint8_t>((e.conversation ? 1 : 0) | (e.supersedes ? 2 : 0) |
+                                      (e.superseded_by ? 4 : 0)));
+      for (int i = 0; i < 7; ++i) {
+        o.put(std::uint8_t{0});
+      }
+      o.put(e.conversation.value_or(0));
+      o.put(e.supersedes.value_or(0));
+      o.put(e.superseded_by.value_or(0));
+      o.put(e.first_turn);
+      o.put(e.first_position);
+      o.put_list(e.source_turns);
+      o.put_list(e.context);
+      o.put_list(e.turns);
+    }
+    o.put(detail::serial::crc64_of(o.bytes.data(), o.bytes.size()));
+    return std::move(o.bytes);
+  }
+
+  /// Rebuilds the lifecycle state of a freshly loaded memory (store and index already checked);
+  /// everything is parsed and checked into locals first, then moved in.
+  void decode_lifecycle(std::vector<unsigned char> const& b, std::string const& what)
+  {
+    INFERSCALE_EXPECTS(b.size() >= 48, what + std::to_string(b.size()) +
+                                         " bytes, shorter than the 48-byte header and checksum");
+    INFERSCALE_EXPECTS(detail::serial::get_le<std::uint64_t>(b.data() + b.size() - 8) ==
+                         detail::serial::crc64_of(b.data(), b.size() - 8),
+                       what + "checksum mismatch (the file is corrupted)");
+    INFERSCALE_EXPECTS(std::memcmp(b.data(), lifecycle_magic, 8) == 0,
+                       what + "not an InferScale lifecycle file (wrong magic bytes)");
+    lifecycle_in in{b, 8, b.size() - 8, what};
+    std::uint32_t const version = in.get<std::uint32_t>();
+    INFERSCALE_EXPECTS(version == 1, what + "format version " + std::to_string(version) +
+                                       " is not supported (this build reads 1)");
+    INFERSCALE_EXPECTS(in.get<std::uint32_t>() == 0x01020304u, what + "bad byte-order mark");
+    std::uint64_t const next = in.get<std::uint64_t>();
+    std::uint64_t const nc   = in.get<std::uint64_t>();
+    std::uint64_t const nf   = in.get<std::uint64_t>();
+    INFERSCALE_EXPECTS(next >= 1 && nc < next && nc <= b.size() && nf <= b.size(),
+                       what + "bad counts (next handle " + std::to_string(next) + ", " +
+                         std::to_string(nc) + " conversations, " + std::to_string(nf) + " facts)");
+    std::unordered_map<std::uint64_t, conversation_entry> conversations;
+    std::uint64_t previous = 0;
+    for (std::uint64_t i = 0; i < nc; ++i) {
+      std::uint64_t const h = in.get<std::uint64_t>();
+      INFERSCALE_EXPECTS(h > previous && h < next,
+                         what + "conversation handle " + std::to_string(h) +
+                           " out of order or not below the next handle " + std::to_string(next));
+      previous = h;
+      conversation_entry ce;
+      ce.ns               = in.get<std::uint64_t>();
+      ce.options.window   = in.get<std::int64_t>();
+      std::uint8_t const strategy = in.get<std::uint8_t>();
+      INFERSCALE_EXPECTS(strategy <= static_cast<std::uint8_t>(encoding_strategy::single_pass),
+                         what + "bad encoding strategy " + std::to_string(strategy));
+      ce.options.strategy = static_cast<encoding_strategy>(strategy);
+      in.zeros(7);
+      ce.options.stride              = in.get<std::int64_t>();
+      ce.options.max_sequence_tokens = in.get<std::int64_t>();
+      ce.options.first_position      = in.get<std::int64_t>();
+      ce.c.lead                      = in.get_list<std::int32_t>();
+      std::uint64_t const headers    = in.get<std::uint64_t>();
+      INFERSCALE_EXPECTS(headers <= (in.end - in.at) / 8, what + "too many session headers");
+      for (std::uint64_t k = 0; k < headers; ++k) {
+        ce.c.session_headers.push_back(in.get_list<std::int32_t>());
+      }
+      std::uint64_t const turns = in.get<std::uint64_t>();
+      INFERSCALE_EXPECTS(turns <= (in.end - in.at) / 16, what + "too many turns");
+      for (std::uint64_t k = 0; k < turns; ++k) {
+        conversation_turn t;
+        t.session = in.get<std::int32_t>();
+        in.zeros(4);
+        t.token_ids = in.get_list<std::int32_t>();
+        ce.c.turns.push_back(std::move(t));
+      }
+      ce.facts = in.get_list<std::uint64_t>();
+      conversations.emplace(h, std::move(ce));
+    }
+    std::unordered_map<std::uint64_t, fact_entry> facts;
+    bool first = true;
+    std::uint64_t last_id = 0;
+    for (std::uint64_t i = 0; i < nf; ++i) {
+      std::uint64_t const id = in.get<std::uint64_t>();
+      INFERSCALE_EXPECTS(first || id > last_id, what + "fact ids out of order at " +
+                                                  std::to_string(id));
+      first   = false;
+      last_id = id;
+      fact_entry e;
+      e.ns                     = in.get<std::uint64_t>();
+      std::uint8_t const flags = in.get<std::uint8_t>();
+      INFERSCALE_EXPECTS(flags <= 7, what + "bad flags " + std::to_string(flags) + " of fact " +
+                                       std::to_string(id));
+      in.zeros(7);
+      std::uint64_t const conversation  = in.get<std::uint64_t>();
+      std::uint64_t const supersedes    = in.get<std::uint64_t>();
+      std::uint64_t const superseded_by = in.get<std::uint64_t>();
+      INFERSCALE_EXPECTS(((flags & 1) || conversation == 0) && ((flags & 2) || supersedes == 0) &&
+                           ((flags & 4) || superseded_by == 0),
+                         what + "fact " + std::to_string(id) + " has a link without its flag");
+      if (flags & 1) { e.conversation = conversation; }
+      if (flags & 2) { e.supersedes = supersedes; }
+      if (flags & 4) { e.superseded_by = superseded_by; }
+      e.first_turn     = in.get<std::int64_t>();
+      e.first_position = in.get<std::int64_t>();
+      e.source_turns   = in.get_list<std::int64_t>();
+      e.context        = in.get_list<std::int32_t>();
+      e.turns          = in.get_list<std::int64_t>();
+      facts.emplace(id, std::move(e));
+    }
+    INFERSCALE_EXPECTS(in.at == in.end, what + std::to_string(in.end - in.at) +
+                                          " bytes after the last record");
+
+    // Agreement with the store, the index and itself.
+    for (auto const& [id, e] : facts) {
+      std::string const f = what + "fact " + std::to_string(id) + ": ";
+      INFERSCALE_EXPECTS(store_.contains(id) && store_.at(id).namespace_id == e.ns,
+                         f + "not in the store's namespace " + std::to_string(e.ns));
+      INFERSCALE_EXPECTS(!prefix_ || *prefix_ != id, f + "is the instruction prefix");
+      INFERSCALE_EXPECTS(index_.contains(id) == !e.superseded_by,
+                         f + (e.superseded_by ? "superseded but still indexed"
+                                              : "retrievable but not indexed"));
+      if (e.superseded_by) {
+        INFERSCALE_EXPECTS(facts.count(*e.superseded_by) != 0,
+                           f + "superseded by untracked fact " + std::to_string(*e.superseded_by));
+      }
+      if (e.conversation) {
+        auto const cit = conversations.find(*e.conversation);
+        INFERSCALE_EXPECTS(cit != conversations.end() && cit->second.ns == e.ns,
+                           f + "planned from conversation " + std::to_string(*e.conversation) +
+                             ", which is not kept for its namespace");
+        auto const& listed = cit->second.facts;
+        INFERSCALE_EXPECTS(std::find(listed.begin(), listed.end(), id) != listed.end(),
+                           f + "not listed by its conversation");
+        std::int64_t const turns = static_cast<std::int64_t>(cit->second.c.turns.size());
+        INFERSCALE_EXPECTS(!e.source_turns.empty(), f + "no source turn");
+        for (std::int64_t t : e.source_turns) {
+          INFERSCALE_EXPECTS(t >= 0 && t < turns, f + "source turn " + std::to_string(t) +
+                                                    " outside the conversation's " +
+                                                    std::to_string(turns) + " turns");
+        }
+        INFERSCALE_EXPECTS(e.first_turn >= 0 && e.first_turn <= anchor(e.source_turns),
+                           f + "window start " + std::to_string(e.first_turn) +
+                             " after its source turn");
+      }
+    }
+    for (auto const& [h, ce] : conversations) {
+      for (std::uint64_t id : ce.facts) {
+        auto const fit = facts.find(id);
+        INFERSCALE_EXPECTS(fit != facts.end() && fit->second.conversation == h,
+                           what + "conversation " + std::to_string(h) + " lists fact " +
+                             std::to_string(id) + ", which is not planned from it");
+      }
+    }
+    facts_                = std::move(facts);
+    conversation_entries_ = std::move(conversations);
+    next_conversation_    = next;
+  }
+  // ---- end of snapshots -----------------------------------------------------------------------
 
   memory_config config_;
   kv_store store_;

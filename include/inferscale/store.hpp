@@ -133,6 +133,10 @@ struct fact_record {
   std::int32_t length() const noexcept { return static_cast<std::int32_t>(token_ids.size()); }
 };
 
+namespace detail {
+struct store_access;  // snapshot.hpp: save_store / load_store
+}  // namespace detail
+
 /**
  * @brief Move-only owner of a page pool and its catalogue.
  *
@@ -636,6 +640,26 @@ class kv_store {
     std::swap(version_, other.version_);
     std::swap(identity_, other.identity_);
   }
+
+  // ---- snapshot restore (snapshot.hpp) ------------------------------------------------------
+  friend struct detail::store_access;
+
+  /**
+   * @brief Rebuilds the catalogue of a freshly constructed, empty store from a snapshot: `records`
+   * in the order they are to be recorded (per namespace, insertion order), `free_pages` the free
+   * stack bottom first (the next insert takes the last). The snapshot loader has checked that
+   * the pages of the records and the free stack are every page exactly once.
+   */
+  void restore_catalogue(std::vector<fact_record> records, std::vector<std::int64_t> free_pages)
+  {
+    INFERSCALE_EXPECTS(facts_.empty(), "kv_store: a catalogue is restored into an empty store");
+    free_pages_ = std::move(free_pages);
+    facts_.reserve(records.size());
+    for (fact_record& r : records) {
+      add_record(std::move(r));
+    }
+  }
+  // ---- end of snapshot restore ---------------------------------------------------------------
 
   static std::uint64_t next_identity() noexcept
   {

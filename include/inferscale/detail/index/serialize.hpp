@@ -45,7 +45,13 @@
  * (0xC96C5795D7870F42), initial value and final XOR all ones; `crc64("123456789")` is
  * 0x995DC9BBDF1939FA. A CRC of width 64 detects every error burst of at most 64 bits, so every
  * single-byte corruption is refused. The header has its own checksum so that a damaged header is
- * named as such (and never sizes the rest of the read) before the body is examined.
+ * named as such (and never sizes the rest of the read) before the body is examined. (A CRC is
+ * affine: a range followed by its own CRC leaves the register in a state that does not depend on
+ * the range, so the file checksum, which runs over the header and its checksum, depends on the
+ * tenant records only; the header checksum covers the header. Both together identify a file's
+ * contents, which is how the memory facade's manifest names an index file. The store snapshot's
+ * file checksum skips its embedded checksums instead; see snapshot.hpp.) The CRC code is shared
+ * with the store snapshot: detail/serialize.hpp.
  *
  * `load_index` checks, in this order, and refuses with `inferscale::logic_error` before any
  * `graph_index` is built: the magic, the format version, the byte-order mark, the header length
@@ -56,6 +62,7 @@
  */
 #pragma once
 
+#include <inferscale/detail/serialize.hpp>
 #include <inferscale/index.hpp>
 
 #include <algorithm>
@@ -68,82 +75,20 @@
 #include <utility>
 #include <vector>
 
-#if defined(__unix__) || defined(__APPLE__)
-#include <unistd.h>  // fsync
-#endif
-
 namespace inferscale {
 namespace detail::index {
 
-// -------------------------------------------------------------------------------------------------
-// CRC-64/XZ, table-driven eight bytes at a time ("slicing by 8").
-
-/// @brief `table[k][b]`: the CRC register contribution of byte `b` followed by `k` zero bytes.
-struct crc64_tables {
-  std::uint64_t table[8][256];
-};
-
-inline crc64_tables const& crc64_lookup()
-{
-  static crc64_tables const tables = [] {
-    constexpr std::uint64_t reflected_polynomial = 0xC96C5795D7870F42ull;
-    crc64_tables t{};
-    for (std::uint32_t b = 0; b < 256; ++b) {
-      std::uint64_t r = b;
-      for (int bit = 0; bit < 8; ++bit) {
-        r = (r & 1u) != 0 ? (r >> 1) ^ reflected_polynomial : r >> 1;
-      }
-      t.table[0][b] = r;
-    }
-    for (int k = 1; k < 8; ++k) {
-      for (std::uint32_t b = 0; b < 256; ++b) {
-        std::uint64_t const prev = t.table[k - 1][b];
-        t.table[k][b]            = (prev >> 8) ^ t.table[0][prev & 0xFFu];
-      }
-    }
-    return t;
-  }();
-  return tables;
-}
-
-/// @brief An incremental CRC-64/XZ (see the file comment).
-class crc64 {
- public:
-  void update(void const* data, std::size_t bytes) noexcept
-  {
-    auto const& t          = crc64_lookup().table;
-    unsigned char const* p = static_cast<unsigned char const*>(data);
-    std::uint64_t r        = register_;
-    while (bytes >= 8) {
-      std::uint64_t word = 0;  // little-endian load: the reflected CRC consumes byte 0 first
-      for (int i = 7; i >= 0; --i) {
-        word = (word << 8) | p[i];
-      }
-      word ^= r;
-      r = t[7][word & 0xFFu] ^ t[6][(word >> 8) & 0xFFu] ^ t[5][(word >> 16) & 0xFFu] ^
-          t[4][(word >> 24) & 0xFFu] ^ t[3][(word >> 32) & 0xFFu] ^ t[2][(word >> 40) & 0xFFu] ^
-          t[1][(word >> 48) & 0xFFu] ^ t[0][word >> 56];
-      p += 8;
-      bytes -= 8;
-    }
-    for (; bytes > 0; --bytes, ++p) {
-      r = (r >> 8) ^ t[0][(r ^ *p) & 0xFFu];
-    }
-    register_ = r;
-  }
-  std::uint64_t value() const noexcept { return ~register_; }
-
- private:
-  std::uint64_t register_{~std::uint64_t{0}};
-};
-
-/// @brief CRC-64/XZ of a byte range.
-inline std::uint64_t crc64_of(void const* data, std::size_t bytes) noexcept
-{
-  crc64 c;
-  c.update(data, bytes);
-  return c.value();
-}
+// The generic pieces (CRC-64, little-endian fields, the checksumming writer) are shared with the
+// store snapshot: detail/serialize.hpp.
+using serial::checksummed_writer;
+using serial::copy_little_endian;
+using serial::crc64;
+using serial::crc64_of;
+using serial::get_le;
+using serial::hex;
+using serial::host_is_little_endian;
+using serial::multiply_add;
+using serial::put_le;
 
 // -------------------------------------------------------------------------------------------------
 // Format constants and little-endian helpers.
@@ -171,173 +116,6 @@ inline std::uint8_t metric_code(distance_metric m) noexcept
 }
 }  // namespace format
 
-inline bool host_is_little_endian() noexcept
-{
-  std::uint16_t const one = 1;
-  unsigned char first     = 0;
-  std::memcpy(&first, &one, 1);
-  return first == 1;
-}
-
-/// @brief Copies `count` elements of `width` bytes between host order and little-endian (the
-/// same operation both ways: a copy on a little-endian host, a byte reversal per element else).
-inline void copy_little_endian(void* dst, void const* src, std::size_t count, std::size_t width)
-{
-  if (count == 0) { return; }
-  if (width == 1 || host_is_little_endian()) {
-    std::memcpy(dst, src, count * width);
-    return;
-  }
-  auto* d       = static_cast<unsigned char*>(dst);
-  auto const* s = static_cast<unsigned char const*>(src);
-  for (std::size_t e = 0; e < count; ++e) {
-    for (std::size_t b = 0; b < width; ++b) {
-      d[e * width + b] = s[e * width + width - 1 - b];
-    }
-  }
-}
-
-template <class T>
-void put_le(unsigned char* dst, T value) noexcept
-{
-  auto const bits = static_cast<std::uint64_t>(value);
-  for (std::size_t b = 0; b < sizeof(T); ++b) {
-    dst[b] = static_cast<unsigned char>(bits >> (8 * b));
-  }
-}
-
-template <class T>
-T get_le(unsigned char const* src) noexcept
-{
-  std::uint64_t bits = 0;
-  for (std::size_t b = sizeof(T); b-- > 0;) {
-    bits = (bits << 8) | src[b];
-  }
-  return static_cast<T>(bits);
-}
-
-inline std::string errno_text(int error) { return std::strerror(error); }
-
-/// @brief `v` in hexadecimal with `digits` digits ("0x0000abcd").
-inline std::string hex(std::uint64_t v, int digits = 16)
-{
-  char text[24];
-  std::snprintf(text, sizeof text, "0x%0*llx", digits, static_cast<unsigned long long>(v));
-  return text;
-}
-
-/// @brief `a * b + c` unless it overflows 64 bits (then false).
-inline bool multiply_add(std::uint64_t a,
-                         std::uint64_t b,
-                         std::uint64_t c,
-                         std::uint64_t& out) noexcept
-{
-  std::uint64_t const max = ~std::uint64_t{0};
-  if (a != 0 && b > max / a) { return false; }
-  std::uint64_t const product = a * b;
-  if (product > max - c) { return false; }
-  out = product + c;
-  return true;
-}
-
-// -------------------------------------------------------------------------------------------------
-// Writing: a buffered file that checksums what it writes and cleans up after a failure.
-
-class checksummed_writer {
- public:
-  explicit checksummed_writer(std::string path) : path_(std::move(path))
-  {
-    file_           = std::fopen(path_.c_str(), "wb");
-    int const error = errno;  // before anything else can change it
-    INFERSCALE_EXPECTS(file_ != nullptr,
-                       "save_index: cannot create '" + path_ + "': " + errno_text(error));
-    buffer_.reserve(buffer_bytes);
-  }
-  checksummed_writer(checksummed_writer const&)            = delete;
-  checksummed_writer& operator=(checksummed_writer const&) = delete;
-  /// Abandons an unfinished file (closed and removed); never throws.
-  ~checksummed_writer()
-  {
-    if (file_ != nullptr) {
-      (void)std::fclose(file_);
-      (void)std::remove(path_.c_str());
-    }
-  }
-
-  void write(void const* data, std::size_t bytes)
-  {
-    checksum_.update(data, bytes);
-    auto const* p = static_cast<unsigned char const*>(data);
-    while (bytes > 0) {
-      std::size_t const n = std::min(bytes, buffer_bytes - buffer_.size());
-      buffer_.insert(buffer_.end(), p, p + n);
-      p += n;
-      bytes -= n;
-      if (buffer_.size() == buffer_bytes) { flush_buffer(); }
-    }
-  }
-
-  /// Writes `count` elements of `width` bytes, little-endian.
-  void write_elements(void const* data, std::size_t count, std::size_t width)
-  {
-    if (width == 1 || host_is_little_endian()) {
-      write(data, count * width);
-      return;
-    }
-    std::vector<unsigned char> converted(4096 * width);
-    auto const* p = static_cast<unsigned char const*>(data);
-    for (std::size_t done = 0; done < count; done += 4096) {
-      std::size_t const n = std::min<std::size_t>(4096, count - done);
-      copy_little_endian(converted.data(), p + done * width, n, width);
-      write(converted.data(), n * width);
-    }
-  }
-
-  std::uint64_t checksum() const noexcept { return checksum_.value(); }
-
-  /// Flushes, syncs to the storage device and closes; the file is complete when this returns.
-  void finish()
-  {
-    flush_buffer();
-    fail_if(std::fflush(file_) != 0, "cannot write");
-#if defined(__unix__) || defined(__APPLE__)
-    fail_if(::fsync(::fileno(file_)) != 0, "cannot sync");
-#endif
-    std::FILE* const file = file_;
-    file_                 = nullptr;
-    if (std::fclose(file) != 0) {
-      int const error = errno;
-      (void)std::remove(path_.c_str());
-      INFERSCALE_FAIL("save_index: cannot close '" + path_ + "': " + errno_text(error));
-    }
-  }
-
- private:
-  static constexpr std::size_t buffer_bytes = std::size_t{1} << 20;
-
-  void flush_buffer()
-  {
-    if (buffer_.empty()) { return; }
-    fail_if(std::fwrite(buffer_.data(), 1, buffer_.size(), file_) != buffer_.size(),
-            "cannot write");
-    buffer_.clear();
-  }
-
-  void fail_if(bool failed, char const* what)
-  {
-    if (failed) {
-      int const error = errno;
-      INFERSCALE_FAIL(std::string{"save_index: "} + what + " '" + path_ +
-                      "': " + errno_text(error));
-    }
-  }
-
-  std::string path_;
-  std::FILE* file_{nullptr};
-  std::vector<unsigned char> buffer_;
-  crc64 checksum_;
-};
-
 // -------------------------------------------------------------------------------------------------
 // Reading.
 
@@ -351,29 +129,6 @@ struct staged_index {
   std::vector<std::uint64_t> ids;
   std::vector<std::uint8_t> deleted;
 };
-
-inline std::vector<unsigned char> read_whole_file(std::string const& path)
-{
-  std::FILE* file      = std::fopen(path.c_str(), "rb");
-  int const open_error = errno;  // before anything else can change it
-  INFERSCALE_EXPECTS(file != nullptr,
-                     "load_index: cannot open '" + path + "': " + errno_text(open_error));
-  std::vector<unsigned char> bytes;
-  std::size_t constexpr chunk = std::size_t{1} << 20;
-  int error                   = 0;
-  for (;;) {
-    std::size_t const at = bytes.size();
-    bytes.resize(at + chunk);
-    errno                 = 0;
-    std::size_t const got = std::fread(bytes.data() + at, 1, chunk, file);
-    if (got < chunk && std::ferror(file) != 0) { error = errno != 0 ? errno : EIO; }
-    bytes.resize(at + got);
-    if (got < chunk) { break; }
-  }
-  (void)std::fclose(file);
-  INFERSCALE_EXPECTS(error == 0, "load_index: cannot read '" + path + "': " + errno_text(error));
-  return bytes;
-}
 
 /// @brief Checks everything the file format promises and returns the contents; throws
 /// logic_error naming the first problem found. `where` prefixes every message.
@@ -686,26 +441,18 @@ struct index_access {
  * @throw logic_error naming the path and the system's reason when the file cannot be created,
  * written, synced, closed or renamed; the temporary file is removed
  * @note Two concurrent saves to the same path share the temporary name; serialise them. The
- * replacement relies on POSIX `rename` (atomic, replaces an existing file); the directory entry
- * is not synced, so after a crash `path` holds either the old file or the new one, whole.
+ * replacement relies on POSIX `rename` (atomic, replaces an existing file), and the directory is
+ * synced after it, so after a crash `path` holds either the old file or the new one, whole.
  */
 inline void save_index(graph_index const& index, std::string const& path)
 {
-  std::string const temporary = path + ".tmp";
-  {
-    detail::index::checksummed_writer out{temporary};
-    detail::index::index_access::write(index, out);
-    unsigned char checksum[detail::index::format::checksum_bytes];
-    detail::index::put_le(checksum, out.checksum());
-    out.write(checksum, sizeof checksum);
-    out.finish();
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    int const error = errno;
-    (void)std::remove(temporary.c_str());
-    INFERSCALE_FAIL("save_index: cannot rename '" + temporary + "' to '" + path +
-                    "': " + detail::index::errno_text(error));
-  }
+  (void)detail::serial::write_file_atomically(
+    path, "save_index", true, [&](detail::serial::checksummed_writer& out) {
+      detail::index::index_access::write(index, out);
+      unsigned char checksum[detail::index::format::checksum_bytes];
+      detail::index::put_le(checksum, out.checksum());
+      out.write(checksum, sizeof checksum);
+    });
 }
 
 /**
@@ -730,7 +477,7 @@ inline graph_index load_index(std::string const& path, memory_kind memory = memo
 {
   detail::index::staged_index staged;
   {
-    std::vector<unsigned char> const file = detail::index::read_whole_file(path);
+    std::vector<unsigned char> const file = detail::serial::read_whole_file(path, "load_index");
     staged = detail::index::parse_index_file(file, "load_index('" + path + "'): ");
   }
   return detail::index::index_access::assemble(std::move(staged), memory);

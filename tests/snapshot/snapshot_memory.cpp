@@ -1,0 +1,366 @@
+// The memory facade restarts from a snapshot (memory::save / memory::load): the same requests give
+// the same facts, plans and cache bytes after a reload, nothing is re-encoded or re-embedded (the
+// adapters are not called), the directory holds exactly the current snapshot, and mismatched,
+// corrupted or interrupted snapshots are refused or leave the previous one loadable.
+#include "fake_model.hpp"
+#include "snapshot_common.hpp"
+
+#include <inferscale/memory.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+using namespace inferscale;
+using namespace inferscale_test::fake;
+using namespace inferscale_test::snapshot;
+using Catch::Matchers::Contains;
+
+namespace {
+
+/// Bag of words hashed into 32 buckets, L2-normalised; counts its calls.
+struct word_embedder {
+  std::int64_t calls{0};
+  std::int64_t dimension() const { return 32; }
+  std::vector<float> embed(std::string const& text)
+  {
+    ++calls;
+    std::vector<float> v(32, 0.0f);
+    std::istringstream in{text};
+    std::string w;
+    while (in >> w) {
+      v[std::hash<std::string>{}(w) % 32] += 1.0f;
+    }
+    double n = 0;
+    for (float x : v) {
+      n += double(x) * x;
+    }
+    for (float& x : v) {
+      x = static_cast<float>(x / std::sqrt(n));
+    }
+    return v;
+  }
+};
+
+/// A contiguous float32 host cache of 256 slots (the fake model's 2 layers, 1 head, head_dim 4).
+struct host_cache {
+  host_cache() : data(static_cast<std::size_t>(2 * 2 * 256 * 4), -1.0f)
+  {
+    cache_ = make_contiguous_cache(
+      dtype::float32, data.data(), {2, 2, 256, 1, 4}, {2 * 256 * 4, 256 * 4, 4, 4, 1});
+  }
+  std::vector<std::int64_t> allocate(std::int64_t, std::int64_t n)
+  {
+    std::vector<std::int64_t> s;
+    for (std::int64_t j = 0; j < n; ++j) {
+      s.push_back(3 * j + 1);
+    }
+    return s;
+  }
+  paged_kv_cache const& cache() const { return cache_; }
+  void commit(std::int64_t n) { committed.push_back(n); }
+  std::vector<float> data;
+  paged_kv_cache cache_{};
+  std::vector<std::int64_t> committed;
+};
+
+memory_config make_config()
+{
+  memory_config c;
+  c.store.model       = tiny;
+  c.store.store_dtype = dtype::bfloat16;
+  c.store.page_size   = 4;
+  c.store.num_pages   = 256;
+  c.store.memory      = memory_kind::host;
+  c.index.dim         = 32;
+  c.index.metric      = distance_metric::cosine;
+  return c;
+}
+
+struct user_data {
+  conversation c;
+  std::vector<conversation_fact> facts;
+  std::vector<std::string> texts;
+};
+
+user_data make_user(std::uint64_t ns, std::uint64_t base, int n)
+{
+  user_data d;
+  d.c.lead = std::vector<std::int32_t>{1, 2};
+  for (int u = 0; u < n; ++u) {
+    d.c.turns.push_back({{1000 + 10 * u, 1001 + 10 * u, 1002 + 10 * u}, u / 4});
+  }
+  for (int s = 0; s <= (n - 1) / 4; ++s) {
+    d.c.session_headers.push_back({900 + s});
+  }
+  for (int u = 1; u < n; ++u) {
+    conversation_fact f;
+    f.fact_id      = base + static_cast<std::uint64_t>(u);
+    f.namespace_id = ns;
+    f.token_ids    = std::vector<std::int32_t>{5000 + u, 6000 + u, 7000 + u, 8000 + u, 9000 + u};
+    f.source_turns = std::vector<std::int64_t>{u};
+    d.facts.push_back(f);
+    d.texts.push_back("topic" + std::to_string(u) + " alpha" + std::to_string(u * 7) + " beta" +
+                      std::to_string(u * 13));
+  }
+  return d;
+}
+
+std::set<std::string> files_in(std::string const& directory)
+{
+  std::set<std::string> names;
+  for (auto const& entry : fs::directory_iterator(directory)) {
+    names.insert(entry.path().filename().string());
+  }
+  return names;
+}
+
+std::string load_error(std::string const& directory, memory_config const& c)
+{
+  try {
+    (void)memory::load(directory, c);
+  } catch (logic_error const& e) {
+    return e.what();
+  }
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("memory snapshot: a restarted deployment serves the same requests", "[snapshot][memory]")
+{
+  scratch_dir dir;
+  memory_config const config = make_config();
+  memory m{config};
+  branching_model model;
+  word_embedder embedder;
+  m.set_instruction_prefix(model, {11, 12, 13}, 1, 0);
+  user_data const a = make_user(7, 100, 12);
+  user_data const b = make_user(8, 200, 9);
+  encoding_options o;
+  o.window = 3;
+  m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o);
+  m.add_conversation(model, embedder, 8, b.c, b.facts, b.texts, o);
+  m.erase_fact(105);  // a hole in the store and a deleted row in the index
+
+  m.save(dir.path());
+  std::int64_t const forwards = model.forwards;
+  std::int64_t const embeds   = embedder.calls;
+  memory restarted            = memory::load(dir.path(), config);
+  CHECK(model.forwards == forwards);  // nothing re-encoded
+  CHECK(restarted.instruction_prefix() == std::optional<std::uint64_t>{1});
+  CHECK(restarted.store().num_facts() == m.store().num_facts());
+  CHECK(restarted.index().total_size() == m.index().total_size());
+  CHECK(restarted.store().free_pages() == m.store().free_pages());
+
+  for (std::size_t i = 0; i < a.texts.size(); ++i) {
+    CAPTURE(i);
+    host_cache c1, c2;
+    memory_request const r1 = m.serve(embedder, 7, a.texts[i], 3, 9, c1, model.rotation());
+    memory_request const r2 = restarted.serve(embedder, 7, a.texts[i], 3, 9, c2, model.rotation());
+    CHECK(r1.fact_ids == r2.fact_ids);
+    CHECK(r1.plan.token_ids == r2.plan.token_ids);
+    CHECK(r1.plan.length() == 3 + 3 * 5);
+    CHECK(c1.committed == c2.committed);
+    CHECK(c1.data == c2.data);
+    CHECK(std::count(c1.data.begin(), c1.data.end(), -1.0f) <
+          static_cast<std::ptrdiff_t>(c1.data.size()));  // something was injected
+  }
+  CHECK(embedder.calls == embeds + 2 * static_cast<std::int64_t>(a.texts.size()));  // queries only
+
+  // the directory holds the manifest and the three files it names, nothing else
+  std::set<std::string> const first_files = files_in(dir.path());
+  CHECK(first_files.size() == 4);
+  CHECK(first_files.count("memory.ismem") == 1);
+
+  // a changed deployment saved over it: the previous files are removed, the new ones load
+  CHECK(restarted.erase_namespace(8) == 8);
+  restarted.save(dir.path());
+  std::set<std::string> const second_files = files_in(dir.path());
+  CHECK(second_files.size() == 4);
+  std::vector<std::string> common;
+  std::set_intersection(first_files.begin(),
+                        first_files.end(),
+                        second_files.begin(),
+                        second_files.end(),
+                        std::back_inserter(common));
+  CHECK(common == std::vector<std::string>{"memory.ismem"});
+  memory third = memory::load(dir.path(), config);
+  CHECK_FALSE(third.index().has_namespace(8));
+  CHECK(third.store().namespace_facts(8) == 0);
+  CHECK(third.store().namespace_facts(7) == 10);
+  // saving an unchanged deployment keeps the same files
+  third.save(dir.path());
+  CHECK(files_in(dir.path()) == second_files);
+}
+
+TEST_CASE("memory snapshot: mismatched, corrupted and interrupted snapshots", "[snapshot][memory]")
+{
+  scratch_dir dir;
+  memory_config const config = make_config();
+  memory m{config};
+  branching_model model;
+  word_embedder embedder;
+  user_data const a = make_user(7, 100, 8);
+  m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts);
+  m.save(dir.path());
+  std::set<std::string> const files = files_in(dir.path());
+  std::string store_file, index_file;
+  for (std::string const& f : files) {
+    if (f.rfind("store-", 0) == 0) { store_file = dir.file(f); }
+    if (f.rfind("index-", 0) == 0) { index_file = dir.file(f); }
+  }
+  REQUIRE_FALSE(store_file.empty());
+  REQUIRE_FALSE(index_file.empty());
+
+  // the configuration must describe the saved deployment
+  memory_config c = config;
+  c.index.dim     = 16;
+  CHECK_THAT(load_error(dir.path(), c), Contains("32-d") && Contains("16-d"));
+  c                 = config;
+  c.store.page_size = 8;
+  CHECK_THAT(load_error(dir.path(), c), Contains("pages of 4 tokens, the target store 8"));
+  c                   = config;
+  c.store.store_dtype = dtype::float32;  // converts
+  CHECK(memory::load(dir.path(), c).store().store_dtype() == dtype::float32);
+
+  // a corrupted manifest, at every byte
+  std::vector<unsigned char> const manifest = read_bytes(dir.file("memory.ismem"));
+  REQUIRE(manifest.size() == 72);
+  for (std::size_t at = 0; at < manifest.size(); ++at) {
+    std::vector<unsigned char> bad = manifest;
+    bad[at] ^= 0x5A;
+    write_bytes(dir.file("memory.ismem"), bad);
+    CAPTURE(at);
+    CHECK_FALSE(load_error(dir.path(), config).empty());
+  }
+  write_bytes(dir.file("memory.ismem"), {manifest.begin(), manifest.begin() + 40});
+  CHECK_THAT(load_error(dir.path(), config), Contains("40 bytes, expected 72"));
+  write_bytes(dir.file("memory.ismem"), manifest);
+  CHECK(load_error(dir.path(), config).empty());
+
+  // a store file of another save under the manifest's name is never paired with the index
+  memory other{config};
+  other.add_conversation(
+    model,
+    embedder,
+    9,
+    a.c,
+    [&] {
+      auto f = a.facts;
+      for (auto& x : f) {
+        x.namespace_id = 9;
+      }
+      return f;
+    }(),
+    a.texts);
+  save_store(other.store(), dir.file("other.iskv"));
+  fs::rename(store_file, dir.file("kept.iskv"));
+  fs::rename(dir.file("other.iskv"), store_file);
+  CHECK_THAT(load_error(dir.path(), config), Contains("does not carry the manifest's checksum"));
+  fs::rename(dir.file("kept.iskv"), store_file);
+  CHECK(load_error(dir.path(), config).empty());
+
+  // an interrupted save (the index cannot be written): the previous snapshot stays loadable and
+  // no pending file is left
+  fs::create_directory(dir.file("index.pending.isx.tmp"));
+  CHECK_THROWS_WITH(other.save(dir.path()), Contains("index.pending.isx.tmp"));
+  fs::remove(dir.file("index.pending.isx.tmp"));
+  CHECK(files_in(dir.path()) == files);
+  memory const back = memory::load(dir.path(), config);
+  CHECK(back.store().namespace_facts(7) == 7);
+  CHECK(back.store().namespace_facts(9) == 0);
+
+  // a missing directory
+  CHECK_THAT(load_error(dir.file("nowhere"), config), Contains("cannot open"));
+  CHECK_THROWS_WITH(m.save(dir.file("nowhere")), Contains("cannot create"));
+}
+
+TEST_CASE("memory snapshot: the lifecycle state survives a restart", "[snapshot][memory]")
+{
+  scratch_dir dir;
+  memory_config const config = make_config();
+  memory m{config};
+  branching_model model;
+  word_embedder embedder;
+  user_data const a = make_user(7, 100, 10);
+  encoding_options o;
+  o.window   = 2;
+  o.strategy = encoding_strategy::per_fact;
+  std::uint64_t const conv = m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o).conversation;
+  REQUIRE(conv != 0);
+  // a superseded fact (kept for audit) and an updated turn before the save
+  fact_update change;
+  change.fact_id   = 104;
+  change.new_id    = 500;
+  change.token_ids = std::vector<std::int32_t>{4242, 4343};
+  change.text      = "moved to lisbon";
+  m.update_fact(model, embedder, change);
+  m.update_turns(model, conv, {{2, std::vector<std::int32_t>{77, 78}}});
+  m.save(dir.path());
+
+  memory r = memory::load(dir.path(), config);
+  for (std::uint64_t id : {101, 102, 103, 104, 105, 106, 107, 108, 109, 500}) {
+    CAPTURE(id);
+    REQUIRE(r.tracks(id) == m.tracks(id));
+    fact_state const x = m.fact(id), y = r.fact(id);
+    CHECK(x.namespace_id == y.namespace_id);
+    CHECK(x.conversation == y.conversation);
+    CHECK(x.first_turn == y.first_turn);
+    CHECK(x.source_turn == y.source_turn);
+    CHECK(x.turns == y.turns);
+    CHECK(x.supersedes == y.supersedes);
+    CHECK(x.superseded_by == y.superseded_by);
+  }
+  CHECK(r.fact(104).superseded_by == std::optional<std::uint64_t>{500});
+  CHECK(r.conversations(7) == m.conversations(7));
+  CHECK(r.conversation_of(conv).turns[2].token_ids == std::vector<std::int32_t>{77, 78});
+  CHECK(r.facts_seeing_turn(conv, 5) == m.facts_seeing_turn(conv, 5));
+
+  // The same lifecycle calls on both give the same store bytes: a turn change after the restart
+  // re-encodes exactly what it would have without one.
+  std::vector<turn_change> const later{{5, std::vector<std::int32_t>{91, 92, 93, 94}}};
+  m.update_turns(model, conv, later);
+  r.update_turns(model, conv, later);
+  for (std::uint64_t id : m.store().namespace_fact_ids(7)) {
+    CAPTURE(id);
+    REQUIRE(r.store().contains(id));
+    fact_record const& f1 = m.store().at(id);
+    fact_record const& f2 = r.store().at(id);
+    CHECK(f1.token_ids == f2.token_ids);
+    auto const p1 = m.store().pool_to_host(), p2 = r.store().pool_to_host();
+    std::size_t const page = m.store().pool_bytes() / static_cast<std::size_t>(m.store().num_pages());
+    for (std::size_t i = 0; i < f1.pages.size(); ++i) {
+      CHECK(std::equal(p1.begin() + f1.pages[i] * page, p1.begin() + (f1.pages[i] + 1) * page,
+                       p2.begin() + f2.pages[i] * page));
+    }
+  }
+  r.erase_fact(104);
+  CHECK_FALSE(r.tracks(104));
+
+  // every single-byte corruption of the lifecycle file is refused
+  std::string lifecycle;
+  for (std::string const& f : files_in(dir.path())) {
+    if (f.rfind("lifecycle-", 0) == 0) { lifecycle = dir.file(f); }
+  }
+  REQUIRE_FALSE(lifecycle.empty());
+  std::vector<unsigned char> const bytes = read_bytes(lifecycle);
+  for (std::size_t at = 0; at < bytes.size(); ++at) {
+    std::vector<unsigned char> bad = bytes;
+    bad[at] ^= 0x01;
+    write_bytes(lifecycle, bad);
+    CAPTURE(at);
+    CHECK_FALSE(load_error(dir.path(), config).empty());
+  }
+  write_bytes(lifecycle, {bytes.begin(), bytes.end() - 9});
+  CHECK_FALSE(load_error(dir.path(), config).empty());
+  write_bytes(lifecycle, bytes);
+  CHECK(load_error(dir.path(), config).empty());
+}

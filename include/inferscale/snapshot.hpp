@@ -651,6 +651,7 @@ struct store_access {
     // the target
     kv_store_config target = fc;
     target.memory          = memory;
+    target.pinned          = expect != nullptr && expect->pinned;  // placement, not content
     target.store_dtype     = store_dtype.value_or(fc.store_dtype);
     INFERSCALE_EXPECTS(target.store_dtype == dtype::float32 ||
                          target.store_dtype == dtype::float16 ||
@@ -814,7 +815,8 @@ inline kv_store load_store(std::string const& path, store_load_options const& op
  * @brief Loads a store saved by save_store into a store configured as `target`: the file must
  * hold the same model geometry, the same shard (layer and head ranges, 0 counts resolved as
  * kv_store does), the same page size and capacity; the pool is converted to
- * `target.store_dtype` (as store_load_options::store_dtype) and placed in `target.memory`.
+ * `target.store_dtype` (as store_load_options::store_dtype) and placed in `target.memory`
+ * (page-locked if `target.pinned`).
  *
  * @throw logic_error as the other overload, and naming both sides when the geometry, the shard,
  * the page size or the capacity differ (a snapshot of another shard is never re-sliced)

@@ -407,6 +407,18 @@ class kv_store {
     return static_cast<std::int64_t>(ids.size());
   }
 
+  /// @brief The namespaces holding at least one fact, ascending.
+  std::vector<std::uint64_t> namespace_ids() const
+  {
+    std::vector<std::uint64_t> out;
+    out.reserve(namespaces_.size());
+    for (auto const& [ns, state] : namespaces_) {
+      out.push_back(ns);
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
   /// @brief Ids of the facts of namespace `ns`, in insertion order.
   std::vector<std::uint64_t> namespace_fact_ids(std::uint64_t ns) const
   {

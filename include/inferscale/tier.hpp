@@ -44,12 +44,15 @@
 #include <inferscale/error.hpp>
 #include <inferscale/inject.hpp>
 #include <inferscale/memory_kind.hpp>
+#include <inferscale/snapshot.hpp>
 #include <inferscale/store.hpp>
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <list>
@@ -203,13 +206,7 @@ class tiered_store {
   explicit tiered_store(tiered_store_config const& config)
     : config_{check(config)}, device_{config_.device}, host_{host_config(config_)}
   {
-    if (config_.device.memory == memory_kind::device) {
-      copy_done_.resize(static_cast<std::size_t>(device_.geometry().num_layers));
-      for (auto& e : copy_done_) {
-        INFERSCALE_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-      }
-      INFERSCALE_CUDA_TRY(cudaEventCreateWithFlags(&compute_mark_, cudaEventDisableTiming));
-    }
+    create_events();
   }
 
   ~tiered_store() { release_events(); }
@@ -333,7 +330,9 @@ class tiered_store {
     link(id, facts_.emplace(id, e).first->second);
   }
 
-  /// @brief Removes a fact from both tiers. @throw logic_error if unknown.
+  /// @brief Removes a fact from both tiers, zeroing its pages. @throw logic_error if unknown.
+  /// @note Not for the request path: on the device the zeroing is a cudaMemset on the default
+  ///       stream; erase only facts no injection in flight still reads.
   void erase(std::uint64_t id)
   {
     auto const it = facts_.find(id);
@@ -342,7 +341,8 @@ class tiered_store {
     drop(it);
   }
 
-  /// @brief Removes every fact of namespace `ns` from both tiers; returns how many.
+  /// @brief Removes every fact of namespace `ns` from both tiers (pages zeroed, as erase);
+  /// returns how many.
   std::int64_t erase_namespace(std::uint64_t ns)
   {
     std::vector<std::uint64_t> ids;
@@ -587,6 +587,107 @@ class tiered_store {
     r.copies_issued = true;
   }
 
+  // ---- snapshots -----------------------------------------------------------------------------
+
+  /**
+   * @brief Saves both tiers and the residency state to `directory` (which must exist): each tier
+   * with save_store (`device-<crc>.iskv`, `host-<crc>.iskv`, named after their file checksums),
+   * then the manifest `tiers.istr` atomically, last; only then are the previous snapshot's tier
+   * files removed, so a failed or interrupted save leaves the previous snapshot loadable.
+   *
+   * Manifest, little-endian, version 1: magic `89 49 53 54 49 52 0D 0A` ("\x89ISTIR\r\n"),
+   * version uint32 = 1, byte-order mark uint32 0x01020304, the device tier file's checksum, the
+   * host tier file's checksum, the LRU clock (uint64 each), the namespace count N and the pinned
+   * count P (uint64); N records in ascending namespace order — namespace, last use, LRU length n
+   * (uint64 each) and n fact ids, most recent first; P pinned fact ids ascending; then the CRC-64
+   * of every byte before it. Residency is not stored: it is which tier files hold a fact.
+   *
+   * @throw logic_error as save_store, naming the file and the system's reason
+   * @note Waits for the device. Serialise saves to one directory.
+   */
+  void save(std::string const& directory) const
+  {
+    std::string const who      = "tiered_store::save('" + directory + "')";
+    std::string const manifest = directory + "/" + manifest_name;
+    std::optional<std::pair<std::uint64_t, std::uint64_t>> previous;
+    try {
+      auto const old = parse_manifest(detail::serial::read_whole_file(manifest, who), "");
+      previous       = std::make_pair(old.device_checksum, old.host_checksum);
+    } catch (logic_error const&) {
+    }
+    std::string const device_pending = directory + "/device.pending.iskv";
+    std::string const host_pending   = directory + "/host.pending.iskv";
+    manifest_data m;
+    try {
+      save_store(device_, device_pending);
+      m.device_checksum = trailing_checksum(device_pending, who);
+      save_store(host_, host_pending);
+      m.host_checksum = trailing_checksum(host_pending, who);
+      rename_or_fail(device_pending, directory + "/" + tier_file("device", m.device_checksum), who);
+      rename_or_fail(host_pending, directory + "/" + tier_file("host", m.host_checksum), who);
+    } catch (...) {
+      (void)std::remove(device_pending.c_str());
+      (void)std::remove(host_pending.c_str());
+      throw;
+    }
+    m.clock = clock_;
+    std::vector<std::uint64_t> nss;
+    for (auto const& [ns, n] : namespaces_) {
+      nss.push_back(ns);
+    }
+    std::sort(nss.begin(), nss.end());
+    for (std::uint64_t ns : nss) {
+      namespace_tier const& n = namespaces_.at(ns);
+      m.namespaces.push_back({ns, n.last_use, {n.lru.begin(), n.lru.end()}});
+    }
+    for (auto const& [id, e] : facts_) {
+      if (e.pinned) { m.pinned.push_back(id); }
+    }
+    std::sort(m.pinned.begin(), m.pinned.end());
+    std::vector<unsigned char> const bytes = encode_manifest(m);
+    detail::serial::sync_directory_of(manifest, who);
+    (void)detail::serial::write_file_atomically(
+      manifest, who, true, [&](detail::serial::checksummed_writer& out) {
+        out.write(bytes.data(), bytes.size());
+      });
+    if (previous) {
+      if (previous->first != m.device_checksum) {
+        (void)std::remove((directory + "/" + tier_file("device", previous->first)).c_str());
+      }
+      if (previous->second != m.host_checksum) {
+        (void)std::remove((directory + "/" + tier_file("host", previous->second)).c_str());
+      }
+    }
+  }
+
+  /**
+   * @brief Restarts tiers from a snapshot written by save(): both tier files are loaded against
+   * `config` (load_store(path, target): the same geometry, shard, page size and capacities; the
+   * dtype converted; the memory kind and pinning from `config`), then the residency state is
+   * checked against them before the tiered store is built: a fact in both tiers has the same
+   * namespace and tokens in each; pinned facts have a device copy; each namespace's LRU list is
+   * exactly its unpinned facts held in both tiers, once each; last uses are below the clock.
+   * @throw logic_error when the manifest is missing, corrupted or names files that do not carry
+   * its checksums; as load_store; or when the state is inconsistent as said (nothing is built).
+   */
+  static tiered_store load(std::string const& directory, tiered_store_config const& config)
+  {
+    std::string const who   = "tiered_store::load('" + directory + "')";
+    std::string const where = who + ": ";
+    tiered_store_config const c = check(config);
+    manifest_data const m =
+      parse_manifest(detail::serial::read_whole_file(directory + "/" + manifest_name, who), where);
+    std::string const device_path = directory + "/" + tier_file("device", m.device_checksum);
+    std::string const host_path   = directory + "/" + tier_file("host", m.host_checksum);
+    INFERSCALE_EXPECTS(trailing_checksum(device_path, who) == m.device_checksum &&
+                         trailing_checksum(host_path, who) == m.host_checksum,
+                       where + "a tier file does not carry the manifest's checksum (files of "
+                               "different saves are never paired)");
+    kv_store device = load_store(device_path, c.device);
+    kv_store host   = load_store(host_path, host_config(c));
+    return tiered_store{c, std::move(device), std::move(host), m, where};
+  }
+
   /// @brief The event recorded when layer `l` of the last staging had landed (device tiers).
   cudaEvent_t layer_ready(std::int32_t l) const noexcept
   {
@@ -667,6 +768,204 @@ class tiered_store {
     std::uint64_t last_use{};
   };
 
+  static constexpr char const* manifest_name   = "tiers.istr";
+  static constexpr unsigned char manifest_magic[8] = {0x89, 'I', 'S', 'T', 'I', 'R', 0x0D, 0x0A};
+
+  struct manifest_namespace {
+    std::uint64_t ns{};
+    std::uint64_t last_use{};
+    std::vector<std::uint64_t> lru;  ///< most recent first
+  };
+  struct manifest_data {
+    std::uint64_t device_checksum{};
+    std::uint64_t host_checksum{};
+    std::uint64_t clock{};
+    std::vector<manifest_namespace> namespaces;
+    std::vector<std::uint64_t> pinned;
+  };
+
+  static std::string tier_file(char const* tier, std::uint64_t checksum)
+  {
+    char text[20];
+    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(checksum));
+    return std::string{tier} + "-" + text + ".iskv";
+  }
+
+  static std::uint64_t trailing_checksum(std::string const& path, std::string const& who)
+  {
+    std::FILE* file = std::fopen(path.c_str(), "rb");
+    int const error = errno;
+    INFERSCALE_EXPECTS(file != nullptr, who + ": cannot open '" + path + "': " +
+                                          detail::serial::errno_text(error));
+    unsigned char bytes[8] = {};
+    bool const read = std::fseek(file, -8, SEEK_END) == 0 && std::fread(bytes, 1, 8, file) == 8;
+    (void)std::fclose(file);
+    INFERSCALE_EXPECTS(read, who + ": cannot read the checksum of '" + path + "'");
+    return detail::serial::get_le<std::uint64_t>(bytes);
+  }
+
+  static void rename_or_fail(std::string const& from, std::string const& to, std::string const& who)
+  {
+    if (std::rename(from.c_str(), to.c_str()) != 0) {
+      int const error = errno;
+      (void)std::remove(from.c_str());
+      INFERSCALE_FAIL(who + ": cannot rename '" + from + "' to '" + to +
+                      "': " + detail::serial::errno_text(error));
+    }
+  }
+
+  static std::vector<unsigned char> encode_manifest(manifest_data const& m)
+  {
+    std::vector<unsigned char> b(manifest_magic, manifest_magic + 8);
+    auto put = [&](auto v) {
+      unsigned char x[sizeof(v)];
+      detail::serial::put_le(x, v);
+      b.insert(b.end(), x, x + sizeof(v));
+    };
+    put(std::uint32_t{1});
+    put(std::uint32_t{0x01020304u});
+    put(m.device_checksum);
+    put(m.host_checksum);
+    put(m.clock);
+    put(static_cast<std::uint64_t>(m.namespaces.size()));
+    put(static_cast<std::uint64_t>(m.pinned.size()));
+    for (manifest_namespace const& n : m.namespaces) {
+      put(n.ns);
+      put(n.last_use);
+      put(static_cast<std::uint64_t>(n.lru.size()));
+      for (std::uint64_t id : n.lru) {
+        put(id);
+      }
+    }
+    for (std::uint64_t id : m.pinned) {
+      put(id);
+    }
+    put(detail::serial::crc64_of(b.data(), b.size()));
+    return b;
+  }
+
+  static manifest_data parse_manifest(std::vector<unsigned char> const& b, std::string const& where)
+  {
+    std::string const what = where + "manifest " + manifest_name + ": ";
+    INFERSCALE_EXPECTS(b.size() >= 64, what + std::to_string(b.size()) +
+                                         " bytes, shorter than its 64-byte minimum");
+    INFERSCALE_EXPECTS(detail::serial::get_le<std::uint64_t>(b.data() + b.size() - 8) ==
+                         detail::serial::crc64_of(b.data(), b.size() - 8),
+                       what + "checksum mismatch (the manifest is corrupted)");
+    INFERSCALE_EXPECTS(std::memcmp(b.data(), manifest_magic, 8) == 0,
+                       what + "not an InferScale tiers manifest (wrong magic bytes)");
+    std::size_t at        = 8;
+    std::size_t const end = b.size() - 8;
+    auto get64 = [&]() {
+      INFERSCALE_EXPECTS(end - at >= 8, what + "truncated at byte " + std::to_string(at));
+      std::uint64_t const v = detail::serial::get_le<std::uint64_t>(b.data() + at);
+      at += 8;
+      return v;
+    };
+    std::uint64_t const version_and_bom = get64();
+    INFERSCALE_EXPECTS(static_cast<std::uint32_t>(version_and_bom) == 1,
+                       what + "format version " +
+                         std::to_string(static_cast<std::uint32_t>(version_and_bom)) +
+                         " is not supported (this build reads 1)");
+    INFERSCALE_EXPECTS((version_and_bom >> 32) == 0x01020304u, what + "bad byte-order mark");
+    manifest_data m;
+    m.device_checksum     = get64();
+    m.host_checksum       = get64();
+    m.clock               = get64();
+    std::uint64_t const n = get64();
+    std::uint64_t const p = get64();
+    INFERSCALE_EXPECTS(n <= (end - at) / 24 && p <= (end - at) / 8,
+                       what + "counts " + std::to_string(n) + " and " + std::to_string(p) +
+                         " run past the end");
+    for (std::uint64_t i = 0; i < n; ++i) {
+      manifest_namespace ns;
+      ns.ns                   = get64();
+      ns.last_use             = get64();
+      std::uint64_t const len = get64();
+      INFERSCALE_EXPECTS(len <= (end - at) / 8, what + "an LRU list runs past the end");
+      for (std::uint64_t k = 0; k < len; ++k) {
+        ns.lru.push_back(get64());
+      }
+      INFERSCALE_EXPECTS(m.namespaces.empty() || m.namespaces.back().ns < ns.ns,
+                         what + "namespaces out of order");
+      m.namespaces.push_back(std::move(ns));
+    }
+    for (std::uint64_t i = 0; i < p; ++i) {
+      m.pinned.push_back(get64());
+      INFERSCALE_EXPECTS(i == 0 || m.pinned[i - 1] < m.pinned[i],
+                         what + "pinned ids out of order");
+    }
+    INFERSCALE_EXPECTS(at == end, what + std::to_string(end - at) + " bytes after the last record");
+    return m;
+  }
+
+  /// Builds tiers from loaded stores and a parsed manifest, after checking they agree.
+  tiered_store(tiered_store_config const& config,
+               kv_store&& device,
+               kv_store&& host,
+               manifest_data const& m,
+               std::string const& where)
+    : config_{config}, device_{std::move(device)}, host_{std::move(host)}
+  {
+    std::unordered_map<std::uint64_t, entry> facts;
+    auto collect = [&](kv_store const& tier, bool on_device) {
+      for (std::uint64_t ns : tier.namespace_ids()) {
+        for (std::uint64_t id : tier.namespace_fact_ids(ns)) {
+          fact_record const& r = tier.at(id);
+          entry& e             = facts[id];
+          if (e.on_device || e.on_host) {
+            fact_record const& other = (on_device ? host_ : device_).at(id);
+            INFERSCALE_EXPECTS(other.namespace_id == r.namespace_id &&
+                                 other.token_ids == r.token_ids,
+                               where + "fact " + std::to_string(id) +
+                                 " differs between the tiers (namespace or tokens)");
+          }
+          e.ns     = r.namespace_id;
+          e.tokens = r.length();
+          (on_device ? e.on_device : e.on_host) = true;
+        }
+      }
+    };
+    collect(device_, true);
+    collect(host_, false);
+    for (std::uint64_t id : m.pinned) {
+      auto const it = facts.find(id);
+      INFERSCALE_EXPECTS(it != facts.end() && it->second.on_device,
+                         where + "pinned fact " + std::to_string(id) + " has no device copy");
+      it->second.pinned = true;
+    }
+    std::unordered_map<std::uint64_t, namespace_tier> namespaces;
+    std::unordered_set<std::uint64_t> listed;
+    for (manifest_namespace const& n : m.namespaces) {
+      INFERSCALE_EXPECTS(n.last_use <= m.clock, where + "namespace " + std::to_string(n.ns) +
+                                                  " was last used after the clock");
+      namespace_tier& t = namespaces[n.ns];
+      t.last_use        = n.last_use;
+      for (std::uint64_t id : n.lru) {
+        auto const it = facts.find(id);
+        INFERSCALE_EXPECTS(it != facts.end() && it->second.ns == n.ns && evictable(it->second) &&
+                             listed.insert(id).second,
+                           where + "LRU entry " + std::to_string(id) + " of namespace " +
+                             std::to_string(n.ns) +
+                             " is not an unpinned fact of it held in both tiers, once");
+        it->second.lru_it = t.lru.insert(t.lru.end(), id);
+        it->second.linked = true;
+      }
+    }
+    for (auto const& [id, e] : facts) {
+      INFERSCALE_EXPECTS(!evictable(e) || e.linked,
+                         where + "fact " + std::to_string(id) +
+                           " is held in both tiers and unpinned but in no LRU list");
+      INFERSCALE_EXPECTS(namespaces.count(e.ns) != 0,
+                         where + "namespace " + std::to_string(e.ns) + " of fact " +
+                           std::to_string(id) + " has no record");
+    }
+    facts_      = std::move(facts);
+    namespaces_ = std::move(namespaces);
+    clock_      = m.clock;
+    create_events();
+  }
+
   static tiered_store_config check(tiered_store_config c)
   {
     INFERSCALE_EXPECTS(c.host_pages >= 0, "tiered_store: host_pages must be non-negative, got " +
@@ -743,13 +1042,34 @@ class tiered_store {
     e.on_device = false;
   }
 
+  /// Erasing a fact zeroes its pages in both tiers, so no erased K/V stays in either pool.
   void drop(std::unordered_map<std::uint64_t, entry>::iterator it)
   {
     entry& e = it->second;
     unlink(e);
-    if (e.on_device) { device_.erase(it->first); }
-    if (e.on_host) { host_.erase(it->first); }
+    if (e.on_device) {
+      zero_pages(device_, device_.at(it->first).pages);
+      device_.erase(it->first);
+    }
+    if (e.on_host) {
+      zero_pages(host_, host_.at(it->first).pages);
+      host_.erase(it->first);
+    }
     facts_.erase(it);
+  }
+
+  void zero_pages(kv_store& tier, std::vector<std::int64_t> const& pages)
+  {
+    std::size_t const page_bytes = page_bytes_();
+    auto* const pool             = static_cast<unsigned char*>(tier.ref().pool);
+    for (std::int64_t p : pages) {
+      unsigned char* const at = pool + static_cast<std::size_t>(p) * page_bytes;
+      if (tier.memory() == memory_kind::device) {
+        INFERSCALE_CUDA_TRY(cudaMemset(at, 0, page_bytes));
+      } else {
+        std::memset(at, 0, page_bytes);
+      }
+    }
   }
 
   static void append_runs(std::vector<tier_copy_run>& runs,
@@ -804,6 +1124,22 @@ class tiered_store {
   {
     if (config_.device.memory == memory_kind::device) {
       INFERSCALE_CUDA_TRY(cudaDeviceSynchronize());
+    }
+  }
+
+  /// Device tiers: one event per layer and the compute-stream mark (none for host tiers).
+  void create_events()
+  {
+    if (config_.device.memory != memory_kind::device) { return; }
+    try {
+      copy_done_.assign(static_cast<std::size_t>(device_.geometry().num_layers), nullptr);
+      for (auto& e : copy_done_) {
+        INFERSCALE_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      }
+      INFERSCALE_CUDA_TRY(cudaEventCreateWithFlags(&compute_mark_, cudaEventDisableTiming));
+    } catch (...) {
+      release_events();
+      throw;
     }
   }
 

@@ -11,6 +11,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "../snapshot/snapshot_common.hpp"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -243,6 +245,12 @@ TEST_CASE("tier: placement, accounting and erasure", "[tier]")
   CHECK(e.host_bytes == 0);
   CHECK(s.device_tier().num_facts() == 0);
   CHECK(s.host_tier().num_facts() == 0);
+  // Nothing of the erased facts is left in either pool.
+  auto const zero = [](std::vector<unsigned char> const& b) {
+    return std::all_of(b.begin(), b.end(), [](unsigned char x) { return x == 0; });
+  };
+  CHECK(zero(s.device_tier().pool_to_host()));
+  CHECK(zero(s.host_tier().pool_to_host()));
 }
 
 TEST_CASE("tier: admission evicts by namespace recency, then LRU order, never what must stay",
@@ -531,4 +539,70 @@ TEST_CASE("tier: a request admitted before another is stale", "[tier]")
                     Catch::Contains("changed since"));
   CHECK(c.bytes() == before);
   (void)r2;
+}
+
+TEST_CASE("tier: a snapshot restores both tiers, residency, pins and the LRU state", "[tier]")
+{
+  using inferscale_test::snapshot::read_bytes;
+  using inferscale_test::snapshot::scratch_dir;
+  using inferscale_test::snapshot::write_bytes;
+  tiered_store_config const config = make_config(6, 32);
+  tiered_store s{config};
+  for (std::uint64_t id : {11, 12, 13}) { add(s, id, 1, 4, fact_residency::both); }
+  add(s, 21, 2, 7, fact_residency::device);
+  for (std::uint64_t id : {14, 15, 22, 23}) { add(s, id, id / 10, 5, fact_residency::host); }
+  s.pin(12);
+  (void)s.admit({13, 11});
+  s.erase(15);
+  std::vector<std::uint64_t> const ids{11, 12, 13, 14, 15, 21, 22, 23};
+  std::vector<std::uint64_t> const nss{1, 2};
+  scratch_dir dir;
+  s.save(dir.path());
+  tiered_store r = tiered_store::load(dir.path(), config);
+  CHECK(snapshot::of(r, ids, nss).residency == snapshot::of(s, ids, nss).residency);
+  CHECK(r.device_tier().pool_to_host() == s.device_tier().pool_to_host());
+  CHECK(r.host_tier().pool_to_host() == s.host_tier().pool_to_host());
+  for (std::uint64_t ns : nss) { CHECK(r.lru_order(ns) == s.lru_order(ns)); }
+  tier_usage const a = s.usage(), b = r.usage();
+  CHECK(a.device_pages == b.device_pages);
+  CHECK(a.host_pages == b.host_pages);
+  CHECK(a.evictable_pages == b.evictable_pages);
+  CHECK(a.device_bytes == b.device_bytes);
+  // The policy continues identically: the same requests evict the same facts.
+  for (auto const& request : std::vector<std::vector<std::uint64_t>>{{14}, {22}, {23}, {11, 13}}) {
+    CAPTURE(request);
+    tier_request const x = s.admit(request);
+    tier_request const y = r.admit(request);
+    CHECK(x.evicted == y.evicted);
+    CHECK(x.staged == y.staged);
+    CHECK_FALSE(x.evicted.empty());
+  }
+  // Saving again over it keeps exactly one snapshot's files.
+  r.save(dir.path());
+  std::size_t files = 0;
+  for (auto const& f : std::filesystem::directory_iterator(dir.path())) {
+    (void)f;
+    ++files;
+  }
+  CHECK(files == 3);
+
+  // every single-byte corruption and every truncation of the manifest is refused
+  std::string const manifest = dir.file("tiers.istr");
+  std::vector<unsigned char> const bytes = read_bytes(manifest);
+  for (std::size_t at = 0; at < bytes.size(); ++at) {
+    std::vector<unsigned char> bad = bytes;
+    bad[at] ^= 0x10;
+    write_bytes(manifest, bad);
+    CAPTURE(at);
+    CHECK_THROWS_AS(tiered_store::load(dir.path(), config), logic_error);
+  }
+  for (std::size_t n = 0; n < bytes.size(); ++n) {
+    write_bytes(manifest, {bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(n)});
+    CAPTURE(n);
+    CHECK_THROWS_AS(tiered_store::load(dir.path(), config), logic_error);
+  }
+  write_bytes(manifest, bytes);
+  CHECK_NOTHROW(tiered_store::load(dir.path(), config));
+  // another capacity is refused by the tier file
+  CHECK_THROWS_WITH(tiered_store::load(dir.path(), make_config(7, 32)), Catch::Contains("capacity"));
 }

@@ -471,8 +471,9 @@ inline void expect_layers(std::size_t n, std::size_t m, char const* who)
                        std::to_string(paged_kv_cache::max_layers) + " layers, got " +
                        std::to_string(n));
   INFERSCALE_EXPECTS(n == m,
-                     std::string{who} + ": " + std::to_string(n) + " key tensors but " +
-                       std::to_string(m) + " value tensors");
+                     std::string{who} + ": " +
+                       detail::count_of(static_cast<std::int64_t>(n), "key tensor") + " but " +
+                       detail::count_of(static_cast<std::int64_t>(m), "value tensor"));
 }
 
 inline void* advance(void* base, std::int64_t elements, dtype t)
@@ -817,9 +818,9 @@ inline paged_kv_cache make_contiguous_cache(dtype cache_dtype,
  * from its block table: `block_ids[p / block_size] * block_size + p % block_size` (vLLM connector,
  * LMCache, SGLang paged mode).
  *
- * @throw logic_error if the table covers fewer than `start_position + num_tokens` tokens (the plan
- *        is longer than the slots given), a block id is negative, or the block size is not
- *        positive.
+ * @throw logic_error if the table is null (with tokens to map) or covers fewer than
+ *        `start_position + num_tokens` tokens (the plan is longer than the slots given), a block id
+ *        is negative, the block size is not positive, or the counts overflow 64 bits.
  */
 inline std::vector<std::int64_t> slots_from_block_table(std::int32_t const* block_ids,
                                                         std::int64_t num_block_ids,
@@ -833,11 +834,20 @@ inline std::vector<std::int64_t> slots_from_block_table(std::int32_t const* bloc
   INFERSCALE_EXPECTS(start_position >= 0 && num_tokens >= 0 && num_block_ids >= 0,
                      "slots_from_block_table: start, token count and block count must be "
                      "non-negative");
+  INFERSCALE_EXPECTS(num_tokens == 0 || block_ids != nullptr,
+                     std::string{"slots_from_block_table: null block table"});
+  INFERSCALE_EXPECTS(start_position <= std::numeric_limits<std::int64_t>::max() - num_tokens &&
+                       num_block_ids <= std::numeric_limits<std::int64_t>::max() / block_size,
+                     "slots_from_block_table: start " + std::to_string(start_position) + " + " +
+                       std::to_string(num_tokens) + " tokens, or " +
+                       std::to_string(num_block_ids) + " blocks of " +
+                       std::to_string(block_size) + ", overflow 64 bits");
   INFERSCALE_EXPECTS(start_position + num_tokens <= num_block_ids * block_size,
                      "slots_from_block_table: tokens " + std::to_string(start_position) + " .. " +
                        std::to_string(start_position + num_tokens) + " need " +
-                       std::to_string((start_position + num_tokens + block_size - 1) / block_size) +
-                       " blocks, the table has " + std::to_string(num_block_ids));
+                       detail::count_of((start_position + num_tokens + block_size - 1) / block_size,
+                                        "block") +
+                       ", the table has " + std::to_string(num_block_ids));
   std::vector<std::int64_t> slots(static_cast<std::size_t>(num_tokens));
   for (std::int64_t j = 0; j < num_tokens; ++j) {
     std::int64_t const p     = start_position + j;

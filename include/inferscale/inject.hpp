@@ -42,6 +42,33 @@ struct injection_batch_view {
   std::int64_t num_tokens{};
 };
 
+/**
+ * @brief What the device injection skipped, counted by the kernel (device memory, zeroed by the
+ * caller before the launch; pass null to skip silently). The host cannot read the device's
+ * arrays before a launch, and a kernel cannot throw, so a token the host did not validate is
+ * skipped (nothing of it is written) and counted here, to be read back after the launch:
+ *  - `bad_slot`: slot at or beyond the cache's slots (a negative slot is a deliberate skip, not
+ *    counted);
+ *  - `bad_position`: position negative or at or beyond the cos/sin table's rows;
+ *  - `bad_store_token`: store token outside the pool (`[0, num_pages * page_size)`);
+ *  - `bad_scale`: (token, layer, head, K or V) rows not written because their fp8 scale is zero,
+ *    negative or not finite.
+ * A token is counted once, under the first failing check in the order slot, position, store
+ * token. Counts are atomic increments, so any number of launches may share one.
+ */
+struct inject_device_errors {
+  unsigned long long bad_slot{};
+  unsigned long long bad_position{};
+  unsigned long long bad_store_token{};
+  unsigned long long bad_scale{};
+
+  /// @brief Everything skipped (0 after a clean launch).
+  INFERSCALE_HOST_DEVICE constexpr unsigned long long total() const noexcept
+  {
+    return bad_slot + bad_position + bad_store_token + bad_scale;
+  }
+};
+
 namespace detail {
 /**
  * @brief The slots a batch writes, to refuse a slot written twice: a bitmap for slots below 2^28

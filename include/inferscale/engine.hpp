@@ -182,11 +182,11 @@ class kv_capture {
     INFERSCALE_EXPECTS(first_token >= 0 && count >= 0 && first_token <= num_tokens_ - count,
                        std::string{who} + ": tokens [" + std::to_string(first_token) + ", " +
                          std::to_string(first_token + count) + ") are outside the buffer's " +
-                         std::to_string(num_tokens_) + " tokens");
+                         detail::count_of(num_tokens_, "token"));
     INFERSCALE_EXPECTS(
       rows.extent(1) == geometry_.num_kv_heads && rows.extent(2) == geometry_.head_dim,
-      std::string{who} + ": rows of " + std::to_string(rows.extent(1)) + " heads x " +
-        std::to_string(rows.extent(2)) + " dims, the geometry has " +
+      std::string{who} + ": rows of " + detail::count_of(rows.extent(1), "head") + " x " +
+        detail::count_of(rows.extent(2), "dim") + ", the geometry has " +
         std::to_string(geometry_.num_kv_heads) + " x " + std::to_string(geometry_.head_dim));
     INFERSCALE_EXPECTS(count == 0 || rows.data_handle() != nullptr,
                        std::string{who} + ": null data");
@@ -276,8 +276,8 @@ inline void store_captured_facts(kv_store& store,
     pages += store.pages_for(count);
   }
   INFERSCALE_EXPECTS(pages <= store.free_pages(),
-                     "store_captured_facts: the facts need " + std::to_string(pages) + " pages, " +
-                       std::to_string(store.free_pages()) + " free (capacity exhausted)");
+                     "store_captured_facts: the facts need " + detail::count_of(pages, "page") +
+                       ", " + std::to_string(store.free_pages()) + " free (capacity exhausted)");
   for (captured_fact const& f : facts) {
     std::int64_t const count = static_cast<std::int64_t>(f.token_ids.size());
     store.insert<float>(f.fact_id,
@@ -394,8 +394,8 @@ void inject_memory_host(kv_store const& store,
     cache_adapter.allocate(plan.first_position, plan.length());
   INFERSCALE_EXPECTS(static_cast<std::int64_t>(slots.size()) == plan.length(),
                      "inject_memory_host: the cache adapter allocated " +
-                       std::to_string(slots.size()) + " slots for " +
-                       std::to_string(plan.length()) + " tokens");
+                       detail::count_of(static_cast<std::int64_t>(slots.size()), "slot") + " for " +
+                       detail::count_of(plan.length(), "token"));
   injection_batch batch{store};
   batch.add(plan, slots);
   inject_host(store, batch, cache_adapter.cache(), rotation);

@@ -113,8 +113,8 @@ class injection_workspace {
   {
     std::int64_t const n = batch.num_tokens();
     INFERSCALE_EXPECTS(n <= capacity_,
-                       "injection_workspace: the batch has " + std::to_string(n) +
-                         " tokens, the workspace holds " + std::to_string(capacity_));
+                       "injection_workspace: the batch has " + detail::count_of(n, "token") +
+                         ", the workspace holds " + std::to_string(capacity_));
     INFERSCALE_CUDA_TRY(cudaEventSynchronize(staged_));
     std::size_t const bytes = static_cast<std::size_t>(n) * sizeof(std::int64_t);
     if (n > 0) {
@@ -389,8 +389,8 @@ void inject_async(kv_store const& store,
 {
   detail::check_injection(store, batch, cache, rotation, memory_kind::device, "inject_async");
   INFERSCALE_EXPECTS(batch.num_tokens() <= workspace.capacity(),
-                     "inject_async: the batch has " + std::to_string(batch.num_tokens()) +
-                       " tokens, the workspace holds " + std::to_string(workspace.capacity()));
+                     "inject_async: the batch has " + detail::count_of(batch.num_tokens(), "token") +
+                       ", the workspace holds " + std::to_string(workspace.capacity()));
   workspace.stage(batch, stream);
   inject_async(store.ref(), workspace.view(), cache, rotation, workspace.device_errors(), stream);
 }

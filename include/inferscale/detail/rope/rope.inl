@@ -117,7 +117,8 @@ inline void rope_spec::validate() const
       auto const pairs = static_cast<std::size_t>(d / 2);
       INFERSCALE_EXPECTS(short_factor.size() == pairs && long_factor.size() == pairs,
                          "rope_spec.short_factor/long_factor: longrope needs rotary_dim/2 = " +
-                           std::to_string(pairs) + " entries each, got " +
+                           detail::count_of(static_cast<std::int64_t>(pairs), "entry", "entries") +
+                           " each, got " +
                            std::to_string(short_factor.size()) + " and " +
                            std::to_string(long_factor.size()));
       auto const positive = [](double v) { return std::isfinite(v) && v > 0; };
@@ -426,8 +427,8 @@ void rope_check_batch(token_head_view<T> x,
                        " differs from the rotation's head_dim " +
                        std::to_string(rotation.head_dim));
   INFERSCALE_EXPECTS(num_positions == x.extent(0),
-                     "rope: " + std::to_string(num_positions) + " positions given for " +
-                       std::to_string(x.extent(0)) + " tokens");
+                     "rope: " + detail::count_of(num_positions, "position") + " given for " +
+                       detail::count_of(x.extent(0), "token"));
   INFERSCALE_EXPECTS(x.size() == 0 || x.data_handle() != nullptr, std::string{"rope: null data"});
   (void)op;
 }
@@ -446,7 +447,7 @@ void rope_check_host_positions(std::int64_t const* positions,
     if (op == rope_op::shift) {
       INFERSCALE_EXPECTS(p > std::numeric_limits<std::int64_t>::min() && (p < 0 ? -p : p) < rows,
                          "rope: shift " + std::to_string(p) + " of token " + std::to_string(t) +
-                           " is beyond the cos/sin table (" + std::to_string(rows) + " rows)");
+                           " is beyond the cos/sin table (" + detail::count_of(rows, "row") + ")");
     } else {
       INFERSCALE_EXPECTS(p >= 0 && p < rows,
                          "rope: position " + std::to_string(p) + " of token " + std::to_string(t) +

@@ -245,7 +245,8 @@ struct captured_fact {
  * dtype).
  *
  * Every range is checked first (inside the capture and completely captured, ids new and
- * distinct, enough free pages for all of them), so a refused call stores none of them.
+ * distinct, enough free pages for all of them, every element finite in the store dtype), so a
+ * refused call stores none of them.
  * @throw logic_error naming the first problem; the store is then unchanged.
  */
 inline void store_captured_facts(kv_store& store,
@@ -278,6 +279,32 @@ inline void store_captured_facts(kv_store& store,
   INFERSCALE_EXPECTS(pages <= store.free_pages(),
                      "store_captured_facts: the facts need " + detail::count_of(pages, "page") +
                        ", " + std::to_string(store.free_pages()) + " free (capacity exhausted)");
+  // kv_store::insert refuses NaN, infinities and values beyond the store dtype; check every fact
+  // first, so that a model that produced one stores none of them rather than some.
+  dispatch_dtype(store.store_dtype(), [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    for (captured_fact const& f : facts) {
+      std::int64_t const count = static_cast<std::int64_t>(f.token_ids.size());
+      for (auto const& kv : {capture.keys(f.begin, count), capture.values(f.begin, count)}) {
+        for (std::int64_t l = 0; l < kv.extent(0); ++l) {
+          for (std::int64_t t = 0; t < kv.extent(1); ++t) {
+            for (std::int64_t h = 0; h < kv.extent(2); ++h) {
+              for (std::int64_t e = 0; e < kv.extent(3); ++e) {
+                float const x = kv(l, t, h, e);
+                INFERSCALE_EXPECTS(
+                  std::isfinite(x) && std::isfinite(to_float(from_float<S>(x))),
+                  "store_captured_facts: fact " + std::to_string(f.fact_id) +
+                    " holds a NaN, an infinity or a value beyond the store dtype " +
+                    to_string(store.store_dtype()) + " at layer " + std::to_string(l) +
+                    ", token " + std::to_string(t) + ", head " + std::to_string(h) + ", dim " +
+                    std::to_string(e) + "; none of the facts is stored");
+              }
+            }
+          }
+        }
+      }
+    }
+  });
   for (captured_fact const& f : facts) {
     std::int64_t const count = static_cast<std::int64_t>(f.token_ids.size());
     store.insert<float>(f.fact_id,

@@ -6,8 +6,10 @@
  * Two levels:
  *  - inject_async(store_ref, device batch view, cache, rotation, stream): the raw launch. No
  *    allocation, no host synchronisation, nothing read on the host: capturable in a CUDA graph
- *    (update the workspace's arrays, replay). Tokens whose device slot lies outside the cache or
- *    whose position lies outside the table are skipped.
+ *    (update the workspace's arrays, replay). Tokens whose device slot lies outside the cache,
+ *    whose position lies outside the table or whose store token lies outside the pool, and rows
+ *    whose fp8 scale is not positive and finite, are skipped and counted in an optional
+ *    inject_device_errors (device memory) the caller reads back: the device cannot throw.
  *  - inject_async(store, batch, cache, rotation, workspace, stream): validates the host batch
  *    completely (as inject_host does), stages its arrays into the workspace, then launches.
  */

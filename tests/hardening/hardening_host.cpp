@@ -13,6 +13,7 @@
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
 #include <inferscale/dtype.hpp>
+#include <inferscale/engine.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/geometry.hpp>
 #include <inferscale/hf_config.hpp>
@@ -604,6 +605,43 @@ void batch_cases()
     b.add(compose(s, {3}), std::vector<std::int64_t>{-1, 40, -1, 41, 42, 43, -5});
     require(b.num_tokens() == 8 + 7 && b.max_slot() == 43, "negative slots were not kept as skips");
   });
+}
+
+/// A capture of 8 tokens, every row written with finite values; `poison` sets one key element.
+kv_capture make_capture(std::int64_t poison_token = -1, float poison = 0.0f)
+{
+  kv_capture capture(kv_geometry{layers, heads, head_dim}, 8);
+  std::vector<float> rowsv(static_cast<std::size_t>(8 * heads * head_dim));
+  for (std::size_t i = 0; i < rowsv.size(); ++i) {
+    rowsv[i] = 0.01f * static_cast<float>(i % 97);
+  }
+  for (std::int32_t l = 0; l < layers; ++l) {
+    std::vector<float> k = rowsv;
+    if (l == 1 && poison_token >= 0) { k[static_cast<std::size_t>(poison_token * heads * head_dim + 3)] = poison; }
+    capture.write_keys(l, 0, make_token_head_view<float const>(k.data(), 8, heads, head_dim));
+    capture.write_values(l, 0, make_token_head_view<float const>(rowsv.data(), 8, heads, head_dim));
+  }
+  return capture;
+}
+
+void engine_cases()
+{
+  auto const captured = [](std::string name, char const* words, std::int64_t poison_token, float poison,
+                           dtype t) {
+    add("store", "store_captured_facts: " + name, [=] {
+      kv_store s = make_store(t);
+      store_guard const g{s};
+      kv_capture const capture = make_capture(poison_token, poison);
+      // fact 20 (tokens 0..2) is clean; fact 21 (tokens 3..7) holds the poisoned element
+      std::vector<captured_fact> const facts{{20, 1, 0, token_ids(3)}, {21, 1, 3, token_ids(5)}};
+      expect_refused([&] { store_captured_facts(s, capture, facts); }, words);
+      g.check();
+    });
+  };
+  captured("NaN in the second fact: none stored", "none of the facts is stored", 5,
+           std::numeric_limits<float>::quiet_NaN(), dtype::bfloat16);
+  captured("1e5 into float16 in the second fact: none stored", "beyond the store dtype float16", 6, 1e5f,
+           dtype::float16);
 }
 
 /// An injection refusal: the store, the cache and the batch unchanged.
@@ -1220,6 +1258,7 @@ std::string run_isolated(test_case const& c)
 int main(int argc, char** argv)
 {
   store_cases();
+  engine_cases();
   compose_cases();
   batch_cases();
   inject_cases();

@@ -48,7 +48,7 @@ void emulate_blocks(detail::inject_launch_config<Rotation> const& config)
   for (std::int64_t bx = 0; bx < config.grid_x; ++bx) {
     for (std::int32_t by = 0; by < config.grid_y; ++by) {
       for (std::int32_t t = 0; t < policy::block_threads; ++t) {
-        block::prepare(config.args, bx, t, policy::block_threads, tile);
+        block::prepare(config.args, bx, by, t, policy::block_threads, tile);
       }
       for (std::int32_t t = 0; t < policy::block_threads; ++t) {
         block::work(config.args, bx, by, t, policy::block_threads, tile);
@@ -564,5 +564,7 @@ TEST_CASE("the rope kernel's position rule refuses INT64_MIN and rows beyond the
   // -INT64_MIN overflows: it must not pass as a negative magnitude below the row count.
   CHECK_FALSE(detail::rope_position_ok(min, rows, rope_op::shift));
   CHECK_FALSE(detail::rope_position_ok(min, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
-  CHECK(detail::rope_position_ok(min + 1, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
+  // |INT64_MIN + 2| = INT64_MAX - 1 is below INT64_MAX rows (computed rotations have no table).
+  CHECK(detail::rope_position_ok(min + 2, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
+  CHECK_FALSE(detail::rope_position_ok(min + 1, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
 }

@@ -126,6 +126,7 @@ struct inject_block {
   /// @brief Phase 1: the tile's slots (divided once) and cos/sin (once per token and pair).
   INFERSCALE_HOST_DEVICE static void prepare(inject_kernel_args<Rotation> const& args,
                                              std::int64_t block_x,
+                                             std::int32_t block_y,
                                              std::int32_t thread,
                                              std::int32_t threads,
                                              inject_tile_state const& tile)
@@ -146,7 +147,8 @@ struct inject_block {
       bool const position_ok = position >= 0 && position < args.table_rows;
       bool const token_ok    = store_token >= 0 && store_token < pool_tokens;
       bool const ok          = slot_ok && position_ok && token_ok;
-      if (!ok && slot >= 0 && args.errors != nullptr) {
+      // Every layer group (block_y) prepares the same tokens: the first one counts them.
+      if (!ok && slot >= 0 && block_y == 0 && args.errors != nullptr) {
         count_device_error(!slot_ok       ? &args.errors->bad_slot
                            : !position_ok ? &args.errors->bad_position
                                           : &args.errors->bad_store_token);
@@ -298,6 +300,7 @@ void __launch_bounds__(Policy::block_threads)
   using block = inject_block<Policy, StoreT, CacheT, Rotation, Vectorized>;
   block::prepare(args,
                  blockIdx.x,
+                 static_cast<std::int32_t>(blockIdx.y),
                  static_cast<std::int32_t>(threadIdx.x),
                  static_cast<std::int32_t>(blockDim.x),
                  tile);

@@ -507,7 +507,10 @@ inline paged_kv_cache make_paged_kv_cache(dtype cache_dtype,
   cache.num_layers   = static_cast<std::int32_t>(key_bases.size());
   cache.key_layout   = key_layout;
   cache.value_layout = value_layout;
-  for (std::size_t l = 0; l < key_bases.size(); ++l) {
+  // expect_layers bounds the count; the min tells the compiler so too (it cannot see the throw).
+  std::size_t const count =
+    std::min(key_bases.size(), static_cast<std::size_t>(paged_kv_cache::max_layers));
+  for (std::size_t l = 0; l < count; ++l) {
     cache.key_base[l]   = key_bases[l];
     cache.value_base[l] = value_bases[l];
   }

@@ -328,8 +328,9 @@ extract_kernel_args<Rotation> make_extract_args(kv_store_ref const& store,
  * @param cache    the engine's cache for the store's shard
  * @param rotation rope_params (by value) or a rope_cos_sin_table with device data
  * @param stream   the stream the kernel is enqueued on
- * @throw logic_error if the store and cache disagree on geometry or the rotation on head_dim
- *        (nothing is launched); cuda_error if the launch fails.
+ * @throw logic_error if the store and cache disagree on geometry or the rotation on head_dim, or
+ *        the batch arrays or the pool are null (nothing is launched); cuda_error if the launch
+ *        fails.
  * @param errors   device counters of what was skipped (inject_device_errors), or null; the
  *                 caller zeroes them and reads them back after the kernel
  * @note Never waits, allocates nothing and reads nothing on the host beyond its arguments:
@@ -353,6 +354,12 @@ void inject_async(kv_store_ref const& store,
                      "inject_async: geometry mismatch between the store and the cache");
   detail::check_rotation(rotation, store.head_dim, -1, "inject_async");
   INFERSCALE_EXPECTS(batch.num_tokens >= 0, std::string{"inject_async: negative token count"});
+  // Device pointers cannot be dereferenced here, but a null one can be refused.
+  INFERSCALE_EXPECTS(batch.num_tokens == 0 || (batch.store_token != nullptr &&
+                                               batch.position != nullptr && batch.slot != nullptr),
+                     std::string{"inject_async: null batch arrays"});
+  INFERSCALE_EXPECTS(batch.num_tokens == 0 || store.pool != nullptr,
+                     std::string{"inject_async: the store's pool is null"});
   detail::dispatch_store_cache(store.store_dtype, cache.cache_dtype, [&](auto s, auto c) {
     using S = typename decltype(s)::type;
     using C = typename decltype(c)::type;

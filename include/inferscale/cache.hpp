@@ -16,12 +16,65 @@
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
 namespace inferscale {
+
+namespace detail {
+/// @brief One dimension of a strided address map: `extent` indices, `stride` bytes apart.
+struct stride_dimension {
+  std::int64_t extent{};
+  std::int64_t stride{};
+};
+
+/**
+ * @brief Whether a strided map of elements of `element_bytes` bytes touches every byte at most
+ * once, by a sufficient rule: take the dimensions of extent > 1 by increasing stride; each
+ * stride must exceed the reach of all smaller ones (`element_bytes - 1 + sum stride * (extent -
+ * 1)` over them), so that, as in a mixed-radix number, no two index tuples give overlapping
+ * elements. Every padded or permuted nesting of dimensions passes; a zero stride, or strides that
+ * interleave (e.g. a token stride smaller than heads * head_dim with head stride head_dim), fail.
+ * @param reach set to the byte offset of the last byte the map touches (when it passes)
+ * @return false if the rule fails or the reach overflows 64 bits
+ */
+inline bool strides_disjoint(stride_dimension* dims,
+                             int count,
+                             std::int64_t element_bytes,
+                             std::int64_t* reach)
+{
+  // Insertion sort: at most six dimensions.
+  for (int i = 1; i < count; ++i) {
+    for (int j = i; j > 0 && dims[j].stride < dims[j - 1].stride; --j) {
+      stride_dimension const t = dims[j];
+      dims[j]                  = dims[j - 1];
+      dims[j - 1]              = t;
+    }
+  }
+  std::int64_t r = element_bytes - 1;
+  for (int i = 0; i < count; ++i) {
+    if (dims[i].extent <= 1) { continue; }
+    if (dims[i].stride <= r) { return false; }
+    std::int64_t const n = dims[i].extent - 1;
+    if (dims[i].stride > (std::numeric_limits<std::int64_t>::max() - r) / n) { return false; }
+    r += dims[i].stride * n;
+  }
+  *reach = r;
+  return true;
+}
+/// @brief "the key of layer 3" / "the value of layer 0" for messages about region `r` (K, V of
+/// layer r / 2).
+inline std::string cache_region_name(std::int32_t r)
+{
+  return std::string{r % 2 == 0 ? "the key" : "the value"} + " of layer " + std::to_string(r / 2);
+}
+
+}  // namespace detail
 
 /**
  * @brief Where element (block, token in block, head, dim) of one layer's K (or V) lies, in elements
@@ -65,10 +118,25 @@ struct paged_kv_layout {
   }
 
   /**
-   * @brief Checks every field (positive sizes, non-negative strides, chunk dividing head_dim).
+   * @brief The address map's five dimensions (blocks, tokens, heads, dims within a chunk,
+   * chunks) with strides in bytes for elements of `element_bytes` bytes.
+   */
+  void dimensions(std::int64_t element_bytes, detail::stride_dimension* out) const noexcept
+  {
+    out[0] = {num_blocks, block_stride * element_bytes};
+    out[1] = {block_size, token_stride * element_bytes};
+    out[2] = {num_heads, head_stride * element_bytes};
+    out[3] = {dim_chunk, dim_stride * element_bytes};
+    out[4] = {dim_chunk > 0 ? head_dim / dim_chunk : 0, chunk_stride * element_bytes};
+  }
+
+  /**
+   * @brief Checks every field (positive sizes, non-negative strides, chunk dividing head_dim) and
+   * that no two (block, token, head, dim) share memory (detail::strides_disjoint: sorted by
+   * stride, each stride exceeds the reach of the smaller ones), for elements of `element_bytes`.
    * @throw logic_error naming the field; `what` prefixes the message.
    */
-  void validate(std::string const& what) const
+  void validate(std::string const& what, std::int64_t element_bytes = 1) const
   {
     INFERSCALE_EXPECTS(num_blocks > 0 && block_size > 0 && num_heads > 0 && head_dim > 0,
                        what + ": blocks, block size, heads and head_dim must be positive, got " +
@@ -80,6 +148,42 @@ struct paged_kv_layout {
     INFERSCALE_EXPECTS(dim_chunk > 0 && head_dim % dim_chunk == 0,
                        what + ": dim_chunk " + std::to_string(dim_chunk) +
                          " must divide head_dim " + std::to_string(head_dim));
+    constexpr std::int64_t limit = std::numeric_limits<std::int64_t>::max() / 16;
+    INFERSCALE_EXPECTS(block_stride <= limit && token_stride <= limit && head_stride <= limit &&
+                         dim_stride <= limit && chunk_stride <= limit,
+                       what + ": a stride exceeds 2^59 elements");
+    detail::stride_dimension dims[5];
+    dimensions(element_bytes, dims);
+    std::int64_t reach = 0;
+    INFERSCALE_EXPECTS(
+      detail::strides_disjoint(dims, 5, element_bytes, &reach),
+      what + ": elements overlap in memory (or the span overflows 64 bits): block, token, head, " +
+        "dim and chunk strides " + std::to_string(block_stride) + ", " +
+        std::to_string(token_stride) + ", " + std::to_string(head_stride) + ", " +
+        std::to_string(dim_stride) + ", " + std::to_string(chunk_stride) + " for extents " +
+        std::to_string(num_blocks) + ", " + std::to_string(block_size) + ", " +
+        std::to_string(num_heads) + ", " + std::to_string(dim_chunk) + ", " +
+        std::to_string(head_dim / dim_chunk) +
+        " must nest (sorted by stride, each larger than the span of the smaller ones) so that "
+        "heads, tokens and blocks never share an element");
+  }
+
+  /// @brief Bytes from an element's base to the last byte the layout touches, plus one.
+  std::int64_t span_bytes(std::int64_t element_bytes) const noexcept
+  {
+    detail::stride_dimension dims[5];
+    dimensions(element_bytes, dims);
+    std::int64_t reach = 0;
+    return detail::strides_disjoint(dims, 5, element_bytes, &reach) ? reach + 1 : -1;
+  }
+
+  friend constexpr bool operator==(paged_kv_layout const& a, paged_kv_layout const& b) noexcept
+  {
+    return a.num_blocks == b.num_blocks && a.block_size == b.block_size &&
+           a.num_heads == b.num_heads && a.head_dim == b.head_dim &&
+           a.block_stride == b.block_stride && a.token_stride == b.token_stride &&
+           a.head_stride == b.head_stride && a.dim_stride == b.dim_stride &&
+           a.dim_chunk == b.dim_chunk && a.chunk_stride == b.chunk_stride;
   }
 };
 
@@ -209,8 +313,98 @@ struct paged_kv_cache {
   }
 
   /**
+   * @brief Reads the fp8 scales (host memory: the host backend's, or a host copy) and refuses a
+   * zero, negative or non-finite one: dividing by it (or multiplying) would store infinities or
+   * NaN in the engine's cache, or zero every element.
+   * @throw logic_error naming the layer, head and value; `who` prefixes the message.
+   */
+  void check_scale_values(std::string const& who) const
+  {
+    if (scale_granularity == kv_scale_granularity::none) { return; }
+    std::int32_t const count =
+      scale_granularity == kv_scale_granularity::per_head ? key_layout.num_heads : 1;
+    for (std::int32_t l = 0; l < num_layers; ++l) {
+      for (int kv = 0; kv < 2; ++kv) {
+        float const* const s = kv == 0 ? key_scale[l] : value_scale[l];
+        INFERSCALE_EXPECTS(s != nullptr,
+                           who + ": null scale pointer for layer " + std::to_string(l));
+        for (std::int32_t h = 0; h < count; ++h) {
+          INFERSCALE_EXPECTS(std::isfinite(s[h]) && s[h] > 0.0f,
+                             who + ": the " + (kv == 0 ? "key" : "value") + " scale of layer " +
+                               std::to_string(l) + (count > 1 ? ", head " + std::to_string(h) : "") +
+                               " is " + std::to_string(s[h]) +
+                               "; fp8 scales must be positive and finite");
+        }
+      }
+    }
+  }
+
+  /// @brief The overlap rule of validate() over the K and V regions of every layer.
+  void check_regions_disjoint(std::int64_t element_bytes) const
+  {
+    std::int32_t const regions = 2 * num_layers;
+    auto const base            = [&](std::int32_t r) {
+      return static_cast<std::int64_t>(
+        reinterpret_cast<std::uintptr_t>(r % 2 == 0 ? key_base[r / 2] : value_base[r / 2]));
+    };
+    auto const layout = [&](std::int32_t r) -> paged_kv_layout const& {
+      return r % 2 == 0 ? key_layout : value_layout;
+    };
+    std::int64_t const key_span   = key_layout.span_bytes(element_bytes);
+    std::int64_t const value_span = value_layout.span_bytes(element_bytes);
+    // Fast path: byte ranges sorted by start; if none meets the next, all are disjoint.
+    struct range {
+      std::int64_t begin, end;
+    };
+    std::vector<range> ranges(static_cast<std::size_t>(regions));
+    for (std::int32_t r = 0; r < regions; ++r) {
+      std::int64_t const b = base(r);
+      std::int64_t const n = r % 2 == 0 ? key_span : value_span;
+      ranges[static_cast<std::size_t>(r)] = {
+        b, n <= std::numeric_limits<std::int64_t>::max() - b ? b + n
+                                                              : std::numeric_limits<std::int64_t>::max()};
+    }
+    std::vector<range> sorted = ranges;
+    std::sort(sorted.begin(), sorted.end(), [](range a, range b) { return a.begin < b.begin; });
+    bool meet = false;
+    for (std::size_t i = 1; i < sorted.size() && !meet; ++i) {
+      meet = sorted[i].begin < sorted[i - 1].end;
+    }
+    if (!meet) { return; }
+    for (std::int32_t i = 0; i < regions; ++i) {
+      for (std::int32_t j = i + 1; j < regions; ++j) {
+        range const a = ranges[static_cast<std::size_t>(i)];
+        range const b = ranges[static_cast<std::size_t>(j)];
+        if (a.end <= b.begin || b.end <= a.begin) { continue; }
+        bool disjoint = false;
+        if (layout(i) == layout(j)) {
+          std::int64_t const difference = base(j) - base(i);
+          detail::stride_dimension dims[6];
+          layout(i).dimensions(element_bytes, dims);
+          dims[5]            = {2, difference < 0 ? -difference : difference};
+          std::int64_t reach = 0;
+          disjoint = difference != 0 && detail::strides_disjoint(dims, 6, element_bytes, &reach);
+        }
+        INFERSCALE_EXPECTS(disjoint,
+                           "paged_kv_cache: " + detail::cache_region_name(i) + " and " +
+                             detail::cache_region_name(j) +
+                             " overlap in memory (bases " + std::to_string(base(j) - base(i)) +
+                             " bytes apart); every layer's K and V must be disjoint");
+      }
+    }
+  }
+
+  /**
    * @brief Checks the descriptor: dtype, layer count, both layouts, matching heads/head_dim/block
-   * size, non-null bases.
+   * size, non-null bases, and that nothing the injection writes shares memory.
+   *
+   * The overlap rule: each layout alone must pass paged_kv_layout::validate (heads, tokens and
+   * blocks nest, so no two of them share an element); and the 2 * num_layers regions (the K and
+   * the V of every layer, each the byte set its base and layout address) must be pairwise
+   * disjoint. Two regions with the same layout are disjoint when the layout extended by one more
+   * dimension, of extent 2 and stride |base difference|, still nests (K and V interleaved by
+   * blocks, as vLLM's FlashInfer layout, or layers interleaved in pages, as TensorRT-LLM's pool,
+   * pass); regions with different layouts must lie in disjoint byte ranges `[base, base + span)`.
    * @throw logic_error naming what is wrong.
    */
   void validate() const
@@ -218,8 +412,10 @@ struct paged_kv_cache {
     INFERSCALE_EXPECTS(num_layers > 0 && num_layers <= max_layers,
                        "paged_kv_cache: num_layers must be in [1, " + std::to_string(max_layers) +
                          "], got " + std::to_string(num_layers));
-    key_layout.validate("paged_kv_cache key layout");
-    value_layout.validate("paged_kv_cache value layout");
+    auto const element_bytes = static_cast<std::int64_t>(size_of(cache_dtype));
+    INFERSCALE_EXPECTS(element_bytes > 0, std::string{"paged_kv_cache: unknown cache dtype"});
+    key_layout.validate("paged_kv_cache key layout", element_bytes);
+    value_layout.validate("paged_kv_cache value layout", element_bytes);
     INFERSCALE_EXPECTS(key_layout.num_heads == value_layout.num_heads &&
                          key_layout.head_dim == value_layout.head_dim &&
                          key_layout.block_size == value_layout.block_size &&
@@ -230,6 +426,7 @@ struct paged_kv_cache {
       INFERSCALE_EXPECTS(key_base[l] != nullptr && value_base[l] != nullptr,
                          "paged_kv_cache: null base address for layer " + std::to_string(l));
     }
+    check_regions_disjoint(element_bytes);
     if (scale_granularity != kv_scale_granularity::none) {
       INFERSCALE_EXPECTS(cache_dtype == dtype::float8_e4m3 || cache_dtype == dtype::float8_e5m2,
                          std::string{"paged_kv_cache: scales apply to fp8 caches, this one is "} +
@@ -274,8 +471,9 @@ inline void expect_layers(std::size_t n, std::size_t m, char const* who)
                        std::to_string(paged_kv_cache::max_layers) + " layers, got " +
                        std::to_string(n));
   INFERSCALE_EXPECTS(n == m,
-                     std::string{who} + ": " + std::to_string(n) + " key tensors but " +
-                       std::to_string(m) + " value tensors");
+                     std::string{who} + ": " +
+                       detail::count_of(static_cast<std::int64_t>(n), "key tensor") + " but " +
+                       detail::count_of(static_cast<std::int64_t>(m), "value tensor"));
 }
 
 inline void* advance(void* base, std::int64_t elements, dtype t)
@@ -309,7 +507,10 @@ inline paged_kv_cache make_paged_kv_cache(dtype cache_dtype,
   cache.num_layers   = static_cast<std::int32_t>(key_bases.size());
   cache.key_layout   = key_layout;
   cache.value_layout = value_layout;
-  for (std::size_t l = 0; l < key_bases.size(); ++l) {
+  // expect_layers bounds the count; the min tells the compiler so too (it cannot see the throw).
+  std::size_t const count =
+    std::min(key_bases.size(), static_cast<std::size_t>(paged_kv_cache::max_layers));
+  for (std::size_t l = 0; l < count; ++l) {
     cache.key_base[l]   = key_bases[l];
     cache.value_base[l] = value_bases[l];
   }
@@ -620,9 +821,9 @@ inline paged_kv_cache make_contiguous_cache(dtype cache_dtype,
  * from its block table: `block_ids[p / block_size] * block_size + p % block_size` (vLLM connector,
  * LMCache, SGLang paged mode).
  *
- * @throw logic_error if the table covers fewer than `start_position + num_tokens` tokens (the plan
- *        is longer than the slots given), a block id is negative, or the block size is not
- *        positive.
+ * @throw logic_error if the table is null (with tokens to map) or covers fewer than
+ *        `start_position + num_tokens` tokens (the plan is longer than the slots given), a block id
+ *        is negative, the block size is not positive, or the counts overflow 64 bits.
  */
 inline std::vector<std::int64_t> slots_from_block_table(std::int32_t const* block_ids,
                                                         std::int64_t num_block_ids,
@@ -636,11 +837,20 @@ inline std::vector<std::int64_t> slots_from_block_table(std::int32_t const* bloc
   INFERSCALE_EXPECTS(start_position >= 0 && num_tokens >= 0 && num_block_ids >= 0,
                      "slots_from_block_table: start, token count and block count must be "
                      "non-negative");
+  INFERSCALE_EXPECTS(num_tokens == 0 || block_ids != nullptr,
+                     std::string{"slots_from_block_table: null block table"});
+  INFERSCALE_EXPECTS(start_position <= std::numeric_limits<std::int64_t>::max() - num_tokens &&
+                       num_block_ids <= std::numeric_limits<std::int64_t>::max() / block_size,
+                     "slots_from_block_table: start " + std::to_string(start_position) + " + " +
+                       std::to_string(num_tokens) + " tokens, or " +
+                       std::to_string(num_block_ids) + " blocks of " +
+                       std::to_string(block_size) + ", overflow 64 bits");
   INFERSCALE_EXPECTS(start_position + num_tokens <= num_block_ids * block_size,
                      "slots_from_block_table: tokens " + std::to_string(start_position) + " .. " +
                        std::to_string(start_position + num_tokens) + " need " +
-                       std::to_string((start_position + num_tokens + block_size - 1) / block_size) +
-                       " blocks, the table has " + std::to_string(num_block_ids));
+                       detail::count_of((start_position + num_tokens + block_size - 1) / block_size,
+                                        "block") +
+                       ", the table has " + std::to_string(num_block_ids));
   std::vector<std::int64_t> slots(static_cast<std::size_t>(num_tokens));
   for (std::int64_t j = 0; j < num_tokens; ++j) {
     std::int64_t const p     = start_position + j;

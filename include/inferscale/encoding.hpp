@@ -320,7 +320,7 @@ inline void check_fits(encoding_job const& job, encoding_options const& o)
     std::int64_t const n = b.attach + static_cast<std::int64_t>(b.token_ids.size());
     INFERSCALE_EXPECTS(n <= o.max_sequence_tokens,
                        "plan_encoding: fact " + std::to_string(b.fact_id) + " needs " +
-                         std::to_string(n) + " tokens (its " + std::to_string(o.window) +
+                         detail::count_of(n, "token") + " (its " + std::to_string(o.window) +
                          "-turn window and itself), more than max_sequence_tokens = " +
                          std::to_string(o.max_sequence_tokens));
   }
@@ -556,7 +556,8 @@ inline void check_branch(encoding_job const& job,
   INFERSCALE_EXPECTS(!b.token_ids.empty(), which + " has no tokens");
   INFERSCALE_EXPECTS(b.attach >= 0 && b.attach <= static_cast<std::int64_t>(job.trunk.size()),
                      which + " attaches at " + std::to_string(b.attach) +
-                       ", outside its trunk of " + std::to_string(job.trunk.size()) + " tokens");
+                       ", outside its trunk of " +
+                       detail::count_of(static_cast<std::int64_t>(job.trunk.size()), "token"));
   INFERSCALE_EXPECTS(b.position == job.first_position + b.attach,
                      which + " is at position " + std::to_string(b.position) +
                        ", its attach point is position " +
@@ -637,7 +638,7 @@ encode_report encode_plan(ModelAdapter& model, kv_store& store, encoding_plan co
     }
   }
   INFERSCALE_EXPECTS(pages <= store.free_pages(),
-                     "encode_plan: the facts need " + std::to_string(pages) + " pages, " +
+                     "encode_plan: the facts need " + detail::count_of(pages, "page") + ", " +
                        std::to_string(store.free_pages()) + " free (capacity exhausted)");
 
   encode_report report;

@@ -182,11 +182,11 @@ class kv_capture {
     INFERSCALE_EXPECTS(first_token >= 0 && count >= 0 && first_token <= num_tokens_ - count,
                        std::string{who} + ": tokens [" + std::to_string(first_token) + ", " +
                          std::to_string(first_token + count) + ") are outside the buffer's " +
-                         std::to_string(num_tokens_) + " tokens");
+                         detail::count_of(num_tokens_, "token"));
     INFERSCALE_EXPECTS(
       rows.extent(1) == geometry_.num_kv_heads && rows.extent(2) == geometry_.head_dim,
-      std::string{who} + ": rows of " + std::to_string(rows.extent(1)) + " heads x " +
-        std::to_string(rows.extent(2)) + " dims, the geometry has " +
+      std::string{who} + ": rows of " + detail::count_of(rows.extent(1), "head") + " x " +
+        detail::count_of(rows.extent(2), "dim") + ", the geometry has " +
         std::to_string(geometry_.num_kv_heads) + " x " + std::to_string(geometry_.head_dim));
     INFERSCALE_EXPECTS(count == 0 || rows.data_handle() != nullptr,
                        std::string{who} + ": null data");
@@ -245,7 +245,8 @@ struct captured_fact {
  * dtype).
  *
  * Every range is checked first (inside the capture and completely captured, ids new and
- * distinct, enough free pages for all of them), so a refused call stores none of them.
+ * distinct, enough free pages for all of them, every element finite in the store dtype), so a
+ * refused call stores none of them.
  * @throw logic_error naming the first problem; the store is then unchanged.
  */
 inline void store_captured_facts(kv_store& store,
@@ -276,8 +277,34 @@ inline void store_captured_facts(kv_store& store,
     pages += store.pages_for(count);
   }
   INFERSCALE_EXPECTS(pages <= store.free_pages(),
-                     "store_captured_facts: the facts need " + std::to_string(pages) + " pages, " +
-                       std::to_string(store.free_pages()) + " free (capacity exhausted)");
+                     "store_captured_facts: the facts need " + detail::count_of(pages, "page") +
+                       ", " + std::to_string(store.free_pages()) + " free (capacity exhausted)");
+  // kv_store::insert refuses NaN, infinities and values beyond the store dtype; check every fact
+  // first, so that a model that produced one stores none of them rather than some.
+  dispatch_dtype(store.store_dtype(), [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    for (captured_fact const& f : facts) {
+      std::int64_t const count = static_cast<std::int64_t>(f.token_ids.size());
+      for (auto const& kv : {capture.keys(f.begin, count), capture.values(f.begin, count)}) {
+        for (std::int64_t l = 0; l < kv.extent(0); ++l) {
+          for (std::int64_t t = 0; t < kv.extent(1); ++t) {
+            for (std::int64_t h = 0; h < kv.extent(2); ++h) {
+              for (std::int64_t e = 0; e < kv.extent(3); ++e) {
+                float const x = kv(l, t, h, e);
+                INFERSCALE_EXPECTS(
+                  std::isfinite(x) && std::isfinite(to_float(from_float<S>(x))),
+                  "store_captured_facts: fact " + std::to_string(f.fact_id) +
+                    " holds a NaN, an infinity or a value beyond the store dtype " +
+                    to_string(store.store_dtype()) + " at layer " + std::to_string(l) +
+                    ", token " + std::to_string(t) + ", head " + std::to_string(h) + ", dim " +
+                    std::to_string(e) + "; none of the facts is stored");
+              }
+            }
+          }
+        }
+      }
+    }
+  });
   for (captured_fact const& f : facts) {
     std::int64_t const count = static_cast<std::int64_t>(f.token_ids.size());
     store.insert<float>(f.fact_id,
@@ -394,8 +421,8 @@ void inject_memory_host(kv_store const& store,
     cache_adapter.allocate(plan.first_position, plan.length());
   INFERSCALE_EXPECTS(static_cast<std::int64_t>(slots.size()) == plan.length(),
                      "inject_memory_host: the cache adapter allocated " +
-                       std::to_string(slots.size()) + " slots for " +
-                       std::to_string(plan.length()) + " tokens");
+                       detail::count_of(static_cast<std::int64_t>(slots.size()), "slot") + " for " +
+                       detail::count_of(plan.length(), "token"));
   injection_batch batch{store};
   batch.add(plan, slots);
   inject_host(store, batch, cache_adapter.cache(), rotation);

@@ -7,6 +7,7 @@
  */
 #pragma once
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -31,6 +32,17 @@ namespace detail {
   throw inferscale::logic_error(std::string{"InferScale failure at "} + file + ":" +
                                 std::to_string(line) + ": " + reason + " (violated: " + condition +
                                 ")");
+}
+
+/**
+ * @brief A count and its noun for messages: "1 head", "2 heads", "0 heads" (`plural` when the
+ * noun does not just take an "s", e.g. "entry" / "entries").
+ */
+inline std::string count_of(std::int64_t n, char const* singular, char const* plural = nullptr)
+{
+  std::string text = std::to_string(n) + " ";
+  if (n == 1 || n == -1) { return text + singular; }
+  return plural ? text + plural : text + singular + "s";
 }
 }  // namespace detail
 

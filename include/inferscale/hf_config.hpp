@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -95,7 +96,11 @@ inline kv_geometry kv_geometry_from_hf_config(nlohmann::json const& config)
 }
 
 /**
- * @brief The rotation a config describes, as transformers computes it.
+ * @brief The rotation a config describes, as transformers computes it. Where HF reads a field
+ * unlike a plain reading of the JSON, this follows HF: YaRN without `factor` takes
+ * `max_position_embeddings / original_max_position_embeddings`; YaRN `mscale` or `mscale_all_dim`
+ * of 0 means absent, and `beta_fast` / `beta_slow` of 0 take their defaults 32 and 1 (Python's
+ * `or`); LongRoPE's explicit `factor` gives the attention factor `sqrt(1 + ln f / ln L0)`.
  * @param pairing halves for HF models (rotate_half); interleaved where the weights pair adjacent
  *        elements
  * @throw logic_error for a missing or malformed field, an unknown `rope_type`, or a spec that fails
@@ -172,8 +177,11 @@ inline rope_spec rope_spec_from_hf_config(nlohmann::json const& config,
         static_cast<double>(spec.max_position) / static_cast<double>(spec.original_max_position);
     }
     spec.factor    = *factor;
-    spec.beta_fast = optional("beta_fast").value_or(32.0);
-    spec.beta_slow = optional("beta_slow").value_or(1.0);
+    // HF: `beta_fast or 32`, `beta_slow or 1`: 0 (or absent) takes the default.
+    spec.beta_fast = optional("beta_fast").value_or(0.0);
+    spec.beta_slow = optional("beta_slow").value_or(0.0);
+    if (spec.beta_fast == 0.0) { spec.beta_fast = 32.0; }
+    if (spec.beta_slow == 0.0) { spec.beta_slow = 1.0; }
     if (std::optional<double> a = optional("attention_factor")) { spec.attention_factor = *a; }
     // mscale 0 (or absent) means "not given" in HF's YaRN.
     std::optional<double> const mscale     = optional("mscale");
@@ -194,6 +202,21 @@ inline rope_spec rope_spec_from_hf_config(nlohmann::json const& config,
             hf_optional_number(config, "original_max_position_embeddings")) {
         spec.original_max_position = static_cast<std::int64_t>(*l0);
       }
+    }
+    // HF: an explicit `factor` sets the attention factor sqrt(1 + ln f / ln L0) (1 for f <= 1);
+    // without one, f = max_position_embeddings / L0 (rope_spec's own rule). An older config
+    // without L0 takes L0 = max_position_embeddings.
+    if (spec.original_max_position == 0) { spec.original_max_position = spec.max_position; }
+    std::optional<double> const factor = optional("factor");
+    if (factor && !spec.attention_factor) {
+      INFERSCALE_EXPECTS(*factor > 0,
+                         "config.json: rope_scaling.factor of LongRoPE must be positive, got " +
+                           std::to_string(*factor));
+      spec.attention_factor =
+        *factor <= 1.0 ? 1.0
+                       : std::sqrt(1.0 + std::log(*factor) /
+                                           std::log(static_cast<double>(
+                                             std::max<std::int64_t>(spec.original_max_position, 2))));
     }
   } else {
     INFERSCALE_FAIL("config.json: rope type '" + type +

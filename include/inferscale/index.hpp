@@ -405,6 +405,8 @@ class graph_index {
    */
   void erase(cuda::std::span<std::uint64_t const> ids)
   {
+    INFERSCALE_EXPECTS(ids.empty() || ids.data() != nullptr,
+                       std::string{"graph_index::erase: null ids"});
     std::unordered_set<std::uint64_t> seen;
     for (auto id : ids) {
       INFERSCALE_EXPECTS(id_to_row_.count(id) != 0,
@@ -540,6 +542,9 @@ class graph_index {
                                                           out_ids.extent(0), out_ids.extent(1),
                                                           out_distances.extent(0),
                                                           out_distances.extent(1));
+    INFERSCALE_EXPECTS(queries.extent(0) == 0 ||
+                         (out_ids.data_handle() != nullptr && out_distances.data_handle() != nullptr),
+                       std::string{"graph_index::search: null output"});
     std::vector<float> padded = prepare_queries(queries);
     std::int64_t const nq     = queries.extent(0);
     detail::index::parallel_ranges(nq, [&](std::int64_t begin, std::int64_t end) {
@@ -596,8 +601,10 @@ class graph_index {
   std::vector<float> prepare_queries(matrix_view<T const> queries) const
   {
     INFERSCALE_EXPECTS(queries.extent(1) == config_.dim,
-                       "graph_index: queries have " + std::to_string(queries.extent(1)) +
-                         " dimensions, the index " + std::to_string(config_.dim));
+                       "graph_index: queries have " + detail::count_of(queries.extent(1), "dimension") +
+                         ", the index " + std::to_string(config_.dim));
+    INFERSCALE_EXPECTS(queries.size() == 0 || queries.data_handle() != nullptr,
+                       std::string{"graph_index: null query data"});
     std::int64_t const nq = queries.extent(0);
     std::vector<float> out(static_cast<std::size_t>(nq * row_elements_), 0.0f);
     std::vector<float> row(static_cast<std::size_t>(config_.dim));
@@ -641,8 +648,12 @@ class graph_index {
   {
     std::int64_t const nq = queries.extent(0);
     INFERSCALE_EXPECTS(queries.extent(1) == config_.dim,
-                       "graph_index: queries have " + std::to_string(queries.extent(1)) +
-                         " dimensions, the index " + std::to_string(config_.dim));
+                       "graph_index: queries have " + detail::count_of(queries.extent(1), "dimension") +
+                         ", the index " + std::to_string(config_.dim));
+    INFERSCALE_EXPECTS(queries.size() == 0 || queries.data_handle() != nullptr,
+                       std::string{"graph_index: null query data"});
+    INFERSCALE_EXPECTS(namespaces.empty() || namespaces.data() != nullptr,
+                       std::string{"graph_index: null namespaces"});
     INFERSCALE_EXPECTS(k >= 1, "graph_index: k must be at least 1");
     INFERSCALE_EXPECTS(params.search_width >= 1 && params.search_width <= 64,
                        "graph_index: search_width must be in 1..64, got " +
@@ -748,11 +759,15 @@ class graph_index {
                     std::is_same_v<std::remove_cv_t<T>, half_t>,
                   "graph_index: vectors are float or half_t");
     INFERSCALE_EXPECTS(vectors.extent(1) == config_.dim,
-                       "graph_index: vectors have " + std::to_string(vectors.extent(1)) +
-                         " dimensions, the index " + std::to_string(config_.dim));
+                       "graph_index: vectors have " + detail::count_of(vectors.extent(1), "dimension") +
+                         ", the index " + std::to_string(config_.dim));
     INFERSCALE_EXPECTS(static_cast<std::int64_t>(ids.size()) == vectors.extent(0),
-                       "graph_index: " + std::to_string(ids.size()) + " ids for " +
-                         std::to_string(vectors.extent(0)) + " vectors");
+                       "graph_index: " +
+                         detail::count_of(static_cast<std::int64_t>(ids.size()), "id") + " for " +
+                         detail::count_of(vectors.extent(0), "vector"));
+    INFERSCALE_EXPECTS(vectors.size() == 0 || vectors.data_handle() != nullptr,
+                       std::string{"graph_index: null vector data"});
+    INFERSCALE_EXPECTS(ids.empty() || ids.data() != nullptr, std::string{"graph_index: null ids"});
     std::unordered_set<std::uint64_t> seen;
     seen.reserve(ids.size());
     for (std::size_t i = 0; i < ids.size(); ++i) {

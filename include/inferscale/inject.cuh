@@ -6,8 +6,10 @@
  * Two levels:
  *  - inject_async(store_ref, device batch view, cache, rotation, stream): the raw launch. No
  *    allocation, no host synchronisation, nothing read on the host: capturable in a CUDA graph
- *    (update the workspace's arrays, replay). Tokens whose device slot lies outside the cache or
- *    whose position lies outside the table are skipped.
+ *    (update the workspace's arrays, replay). Tokens whose device slot lies outside the cache,
+ *    whose position lies outside the table or whose store token lies outside the pool, and rows
+ *    whose fp8 scale is not positive and finite, are skipped and counted in an optional
+ *    inject_device_errors (device memory) the caller reads back: the device cannot throw.
  *  - inject_async(store, batch, cache, rotation, workspace, stream): validates the host batch
  *    completely (as inject_host does), stages its arrays into the workspace, then launches.
  */
@@ -59,9 +61,19 @@ class injection_workspace {
       (void)cudaFreeHost(host_);
       INFERSCALE_CUDA_TRY(e);
     }
+    cudaError_t const z = cudaMalloc(&errors_, sizeof(inject_device_errors));
+    cudaError_t const m = z == cudaSuccess ? cudaMemset(errors_, 0, sizeof(inject_device_errors)) : z;
+    if (m != cudaSuccess) {
+      (void)cudaEventDestroy(staged_);
+      (void)cudaFree(device_);
+      (void)cudaFreeHost(host_);
+      if (z == cudaSuccess) { (void)cudaFree(errors_); }
+      INFERSCALE_CUDA_TRY(m);
+    }
   }
   ~injection_workspace()
   {
+    if (errors_) { (void)cudaFree(errors_); }
     if (staged_) { (void)cudaEventDestroy(staged_); }
     if (device_) { (void)cudaFree(device_); }
     if (host_) { (void)cudaFreeHost(host_); }
@@ -71,7 +83,8 @@ class injection_workspace {
       count_{std::exchange(o.count_, 0)},
       device_{std::exchange(o.device_, nullptr)},
       host_{std::exchange(o.host_, nullptr)},
-      staged_{std::exchange(o.staged_, nullptr)}
+      staged_{std::exchange(o.staged_, nullptr)},
+      errors_{std::exchange(o.errors_, nullptr)}
   {
   }
   injection_workspace& operator=(injection_workspace&& o) noexcept
@@ -83,6 +96,7 @@ class injection_workspace {
       std::swap(device_, tmp.device_);
       std::swap(host_, tmp.host_);
       std::swap(staged_, tmp.staged_);
+      std::swap(errors_, tmp.errors_);
     }
     return *this;
   }
@@ -111,8 +125,8 @@ class injection_workspace {
   {
     std::int64_t const n = host_arrays.num_tokens;
     INFERSCALE_EXPECTS(n >= 0 && n <= capacity_,
-                       "injection_workspace: the batch has " + std::to_string(n) +
-                         " tokens, the workspace holds " + std::to_string(capacity_));
+                       "injection_workspace: the batch has " + detail::count_of(n, "token") +
+                         ", the workspace holds " + std::to_string(capacity_));
     INFERSCALE_EXPECTS(n == 0 || (host_arrays.store_token != nullptr &&
                                   host_arrays.position != nullptr && host_arrays.slot != nullptr),
                        std::string{"injection_workspace: null host array"});
@@ -134,6 +148,28 @@ class injection_workspace {
     count_ = n;
   }
 
+  /**
+   * @brief The device counters the checked inject_async passes to its kernel; they accumulate
+   * over launches until reset_errors_async().
+   */
+  inject_device_errors* device_errors() const noexcept { return errors_; }
+
+  /// @brief Zeroes the device counters on `stream`. Never waits.
+  void reset_errors_async(cuda::stream_ref stream)
+  {
+    INFERSCALE_CUDA_TRY(cudaMemsetAsync(errors_, 0, sizeof(inject_device_errors), stream.get()));
+  }
+
+  /// @brief Copies the device counters to the host. @note Waits for `stream`.
+  inject_device_errors read_errors(cuda::stream_ref stream) const
+  {
+    inject_device_errors out{};
+    INFERSCALE_CUDA_TRY(
+      cudaMemcpyAsync(&out, errors_, sizeof out, cudaMemcpyDeviceToHost, stream.get()));
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+    return out;
+  }
+
   /// @brief The staged arrays (device memory), valid for kernels enqueued after stage().
   injection_batch_view view() const noexcept
   {
@@ -152,6 +188,7 @@ class injection_workspace {
   std::int64_t* device_{};
   std::int64_t* host_{};
   cudaEvent_t staged_{};
+  inject_device_errors* errors_{};
 };
 
 namespace detail {
@@ -206,7 +243,8 @@ inject_launch_config<Rotation> make_inject_launch(kv_store_ref const& store,
                                                   injection_batch_view const& batch,
                                                   paged_kv_cache const& cache,
                                                   Rotation const& rotation,
-                                                  int sm_count)
+                                                  int sm_count,
+                                                  inject_device_errors* errors = nullptr)
 {
   using policy = inject_policy_sm90;
   inject_launch_config<Rotation> config{};
@@ -224,6 +262,7 @@ inject_launch_config<Rotation> make_inject_launch(kv_store_ref const& store,
   args.table_rows = rope_table_rows(rotation);
   args.round_each = rope_rounds_each_operation<StoreT>(rotation, rope_op::forward);
   args.fused      = rope_fuses_multiply_add(rotation, rope_op::forward);
+  args.errors     = errors;
   args.rotary_units =
     config.vectorized ? (rotation.pairing == rope_pairing::halves ? rotary / 2 / run : rotary / run)
                       : rotary / 2;
@@ -253,6 +292,7 @@ void inject_launch(kv_store_ref const& store,
                    injection_batch_view const& batch,
                    paged_kv_cache const& cache,
                    Rotation const& rotation,
+                   inject_device_errors* errors,
                    cuda::stream_ref stream)
 {
   using policy = inject_policy_sm90;
@@ -260,7 +300,8 @@ void inject_launch(kv_store_ref const& store,
   int device = 0, sm_count = 0;
   INFERSCALE_CUDA_TRY(cudaGetDevice(&device));
   INFERSCALE_CUDA_TRY(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  auto const config = make_inject_launch<StoreT, CacheT>(store, batch, cache, rotation, sm_count);
+  auto const config =
+    make_inject_launch<StoreT, CacheT>(store, batch, cache, rotation, sm_count, errors);
   dim3 const grid{static_cast<unsigned>(config.grid_x), static_cast<unsigned>(config.grid_y)};
   if (config.vectorized) {
     inject_kernel<policy, StoreT, CacheT, Rotation, true>
@@ -300,18 +341,24 @@ extract_kernel_args<Rotation> make_extract_args(kv_store_ref const& store,
  * @param cache    the engine's cache for the store's shard
  * @param rotation rope_params (by value) or a rope_cos_sin_table with device data
  * @param stream   the stream the kernel is enqueued on
- * @throw logic_error if the store and cache disagree on geometry or the rotation on head_dim
- *        (nothing is launched); cuda_error if the launch fails.
+ * @throw logic_error if the store and cache disagree on geometry or the rotation on head_dim, or
+ *        the batch arrays or the pool are null (nothing is launched); cuda_error if the launch
+ *        fails.
+ * @param errors   device counters of what was skipped (inject_device_errors), or null; the
+ *                 caller zeroes them and reads them back after the kernel
  * @note Never waits, allocates nothing and reads nothing on the host beyond its arguments:
- *       CUDA-graph capturable. Tokens whose slot is negative or beyond the cache, or whose position
- *       is beyond the table, are skipped (the host cannot check device arrays; use the checked
- *       overload to have them refused).
+ *       CUDA-graph capturable. Tokens whose slot is negative are skipped; tokens whose slot is
+ *       beyond the cache, whose position is negative or beyond the table, or whose store token
+ *       lies outside the pool are skipped and counted in `errors`, as are rows whose fp8 scale is
+ *       not positive and finite (the host cannot check device arrays; use the checked overload to
+ *       have the batch refused).
  */
 template <class Rotation>
 void inject_async(kv_store_ref const& store,
                   injection_batch_view const& batch,
                   paged_kv_cache const& cache,
                   Rotation const& rotation,
+                  inject_device_errors* errors,
                   cuda::stream_ref stream)
 {
   cache.validate();
@@ -320,17 +367,37 @@ void inject_async(kv_store_ref const& store,
                      "inject_async: geometry mismatch between the store and the cache");
   detail::check_rotation(rotation, store.head_dim, -1, "inject_async");
   INFERSCALE_EXPECTS(batch.num_tokens >= 0, std::string{"inject_async: negative token count"});
+  // Device pointers cannot be dereferenced here, but a null one can be refused.
+  INFERSCALE_EXPECTS(batch.num_tokens == 0 || (batch.store_token != nullptr &&
+                                               batch.position != nullptr && batch.slot != nullptr),
+                     std::string{"inject_async: null batch arrays"});
+  INFERSCALE_EXPECTS(batch.num_tokens == 0 || store.pool != nullptr,
+                     std::string{"inject_async: the store's pool is null"});
   detail::dispatch_store_cache(store.store_dtype, cache.cache_dtype, [&](auto s, auto c) {
     using S = typename decltype(s)::type;
     using C = typename decltype(c)::type;
-    detail::inject_launch<S, C>(store, batch, cache, rotation, stream);
+    detail::inject_launch<S, C>(store, batch, cache, rotation, errors, stream);
   });
+}
+
+/// @brief As inject_async(store, batch, cache, rotation, errors, stream) without error counters:
+/// what is skipped is not counted.
+template <class Rotation>
+void inject_async(kv_store_ref const& store,
+                  injection_batch_view const& batch,
+                  paged_kv_cache const& cache,
+                  Rotation const& rotation,
+                  cuda::stream_ref stream)
+{
+  inject_async(store, batch, cache, rotation, static_cast<inject_device_errors*>(nullptr), stream);
 }
 
 /**
  * @brief Device backend, checked: validates the host batch as inject_host does (stale batch,
  * memory kind, geometry, slots within the cache, positions within the table), stages its arrays
- * into `workspace` and launches.
+ * into `workspace` and launches. The only thing left to the device is the fp8 scale values
+ * (device memory): rows with an unusable scale are skipped and counted in the workspace's
+ * counters (injection_workspace::read_errors).
  * @throw logic_error on any mismatch (nothing is staged or launched); cuda_error on a CUDA failure.
  * @note Does not wait for the kernel (staging may wait for the previous staging's copy).
  */
@@ -344,18 +411,20 @@ void inject_async(kv_store const& store,
 {
   detail::check_injection(store, batch, cache, rotation, memory_kind::device, "inject_async");
   INFERSCALE_EXPECTS(batch.num_tokens() <= workspace.capacity(),
-                     "inject_async: the batch has " + std::to_string(batch.num_tokens()) +
-                       " tokens, the workspace holds " + std::to_string(workspace.capacity()));
+                     "inject_async: the batch has " + detail::count_of(batch.num_tokens(), "token") +
+                       ", the workspace holds " + std::to_string(workspace.capacity()));
   workspace.stage(batch, stream);
-  inject_async(store.ref(), workspace.view(), cache, rotation, stream);
+  inject_async(store.ref(), workspace.view(), cache, rotation, workspace.device_errors(), stream);
 }
 
 /**
  * @brief Device backend of extraction: reads the tokens in `slots` (absolute positions
  * `first_position ..`) from the engine's cache (device memory), dequantizes, de-rotates the keys
  * and stores them as a new fact of the device store.
- * @throw logic_error as extract_host (nothing is changed); cuda_error on a CUDA failure (the fact
- *        is then removed again).
+ * @throw logic_error as extract_host (nothing is changed), fp8 scales included (copied to the
+ *        host to be checked); cuda_error on a CUDA failure (the fact is then removed again).
+ * @note Unlike extract_host, the cache's elements are not checked for NaN or infinity (they are
+ *       device memory; a dry run would need a kernel of its own).
  * @note Waits for completion; allocates a small temporary device buffer (not a hot path).
  */
 template <class Rotation>
@@ -378,6 +447,25 @@ void extract(paged_kv_cache const& cache,
                            token_ids,
                            memory_kind::device,
                            "extract");
+  if (cache.scale_granularity != kv_scale_granularity::none) {
+    // The fp8 scales are device memory: check a host copy of their values before anything is
+    // reserved (extraction waits anyway), as extract_host checks its host scales.
+    std::int32_t const count =
+      cache.scale_granularity == kv_scale_granularity::per_head ? cache.num_heads() : 1;
+    std::vector<float> values(static_cast<std::size_t>(2 * cache.num_layers * count));
+    paged_kv_cache host_scales = cache;
+    for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+      float* const k = values.data() + static_cast<std::size_t>(2 * l) * count;
+      float* const v = k + count;
+      INFERSCALE_CUDA_TRY(
+        cudaMemcpy(k, cache.key_scale[l], count * sizeof(float), cudaMemcpyDeviceToHost));
+      INFERSCALE_CUDA_TRY(
+        cudaMemcpy(v, cache.value_scale[l], count * sizeof(float), cudaMemcpyDeviceToHost));
+      host_scales.key_scale[l]   = k;
+      host_scales.value_scale[l] = v;
+    }
+    host_scales.check_scale_values("extract");
+  }
   std::int64_t const n = static_cast<std::int64_t>(slots.size());
   std::vector<std::int64_t> host(static_cast<std::size_t>(3 * n));
   std::int64_t* device = nullptr;

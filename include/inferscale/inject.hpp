@@ -20,6 +20,7 @@
 #include <inferscale/store.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -39,6 +40,33 @@ struct injection_batch_view {
   std::int64_t const* position{};     ///< virtual position the key is rotated to
   std::int64_t const* slot{};         ///< destination slot in the cache; negative = skip
   std::int64_t num_tokens{};
+};
+
+/**
+ * @brief What the device injection skipped, counted by the kernel (device memory, zeroed by the
+ * caller before the launch; pass null to skip silently). The host cannot read the device's
+ * arrays before a launch, and a kernel cannot throw, so a token the host did not validate is
+ * skipped (nothing of it is written) and counted here, to be read back after the launch:
+ *  - `bad_slot`: slot at or beyond the cache's slots (a negative slot is a deliberate skip, not
+ *    counted);
+ *  - `bad_position`: position negative or at or beyond the cos/sin table's rows;
+ *  - `bad_store_token`: store token outside the pool (`[0, num_pages * page_size)`);
+ *  - `bad_scale`: (token, layer, head, K or V) rows not written because their fp8 scale is zero,
+ *    negative or not finite.
+ * A token is counted once, under the first failing check in the order slot, position, store
+ * token. Counts are atomic increments, so any number of launches may share one.
+ */
+struct inject_device_errors {
+  unsigned long long bad_slot{};
+  unsigned long long bad_position{};
+  unsigned long long bad_store_token{};
+  unsigned long long bad_scale{};
+
+  /// @brief Everything skipped (0 after a clean launch).
+  INFERSCALE_HOST_DEVICE constexpr unsigned long long total() const noexcept
+  {
+    return bad_slot + bad_position + bad_store_token + bad_scale;
+  }
 };
 
 namespace detail {
@@ -127,8 +155,11 @@ class injection_batch {
    * entries past m belong to the query tokens the engine prefills and are not read).
    *
    * @throw logic_error if the store changed since the batch was made, a fact of the plan is not
-   *        in the store (or shorter than the plan says), the mapping has fewer than m entries, or a
-   *        slot repeats within the batch; the batch is unchanged then.
+   *        in the store (or shorter than the plan says), the plan's sources and tokens disagree,
+   *        its first position is negative or its last overflows 64 bits, the mapping is null or
+   *        has fewer than m entries, or a slot repeats within the batch; the batch is unchanged
+   *        then. (Slots beyond the cache and positions beyond a table are refused at injection,
+   *        which knows the cache and the rotation.)
    */
   void add(composition const& plan, std::vector<std::int64_t> const& slot_mapping)
   {
@@ -141,13 +172,21 @@ class injection_batch {
     check_store("injection_batch::add");
     std::int64_t const m = plan.length();
     INFERSCALE_EXPECTS(static_cast<std::int64_t>(plan.sources.size()) == m,
-                       "injection_batch::add: the plan has " + std::to_string(plan.sources.size()) +
-                         " sources for " + std::to_string(m) + " tokens");
+                       "injection_batch::add: the plan has " +
+                         detail::count_of(static_cast<std::int64_t>(plan.sources.size()), "source") +
+                         " for " + detail::count_of(m, "token"));
     INFERSCALE_EXPECTS(num_slots >= m,
-                       "injection_batch::add: the plan has " + std::to_string(m) +
-                         " tokens but only " + std::to_string(num_slots) + " slots were given");
+                       "injection_batch::add: the plan has " + detail::count_of(m, "token") +
+                         " but only " + detail::count_of(num_slots, "slot") + " were given");
     INFERSCALE_EXPECTS(m == 0 || slot_mapping != nullptr,
                        std::string{"injection_batch::add: null slot mapping"});
+    // A hand-built plan can hold any p0: its positions p0 .. p0 + m - 1 must be valid positions
+    // (non-negative, no overflow) before they reach a rotation or an engine's cos/sin table.
+    INFERSCALE_EXPECTS(
+      m == 0 || (plan.first_position >= 0 &&
+                 plan.first_position <= std::numeric_limits<std::int64_t>::max() - (m - 1)),
+      "injection_batch::add: the plan's positions " + std::to_string(plan.first_position) +
+        " .. p0 + " + std::to_string(m - 1) + " must be non-negative and fit 64 bits");
 
     // Resolve and check everything into temporaries first.
     std::vector<std::int64_t> store_tokens(static_cast<std::size_t>(m));
@@ -181,7 +220,7 @@ class injection_batch {
       INFERSCALE_EXPECTS(src.offset >= 0 && src.offset < cached->length(),
                          "injection_batch::add: token " + std::to_string(j) + " reads offset " +
                            std::to_string(src.offset) + " of fact " + std::to_string(src.fact_id) +
-                           ", which has " + std::to_string(cached->length()) + " tokens");
+                           ", which has " + detail::count_of(cached->length(), "token"));
       store_tokens[static_cast<std::size_t>(j)] = store_->store_token(*cached, src.offset);
       std::int64_t const slot                   = slot_mapping[j];
       if (slot >= 0) {
@@ -283,8 +322,9 @@ inline void check_store_cache_geometry(kv_store const& store,
   INFERSCALE_EXPECTS(
     cache.num_layers == g.num_layers && cache.num_heads() == g.num_kv_heads &&
       cache.head_dim() == g.head_dim,
-    std::string{who} + ": geometry mismatch: the store holds " + std::to_string(g.num_layers) +
-      " layers x " + std::to_string(g.num_kv_heads) + " heads x " + std::to_string(g.head_dim) +
+    std::string{who} + ": geometry mismatch: the store holds " +
+      detail::count_of(g.num_layers, "layer") + " x " + detail::count_of(g.num_kv_heads, "head") +
+      " x " + std::to_string(g.head_dim) +
       ", the cache " + std::to_string(cache.num_layers) + " x " +
       std::to_string(cache.num_heads()) + " x " + std::to_string(cache.head_dim()));
 }
@@ -310,7 +350,7 @@ void check_rotation(Rotation const& rotation,
   INFERSCALE_EXPECTS(max_position < rope_table_rows(rotation),
                      std::string{who} + ": position " + std::to_string(max_position) +
                        " is beyond the cos/sin table (" +
-                       std::to_string(rope_table_rows(rotation)) + " rows)");
+                       detail::count_of(rope_table_rows(rotation), "row") + ")");
 }
 
 /// @brief Everything inject_host and inject_async check before writing.
@@ -331,8 +371,12 @@ void check_injection(kv_store const& store,
   check_store_cache_geometry(store, cache, who);
   INFERSCALE_EXPECTS(batch.max_slot() < cache.num_slots(),
                      std::string{who} + ": slot " + std::to_string(batch.max_slot()) +
-                       " is beyond the cache's " + std::to_string(cache.num_slots()) + " slots");
+                       " is beyond the cache's " + detail::count_of(cache.num_slots(), "slot"));
   check_rotation(rotation, store.geometry().head_dim, batch.max_position(), who);
+  // The host backend reads its scales from host memory: check their values. The device backend's
+  // scales are device memory the host does not read; its kernel skips and counts a row whose
+  // scale is not positive and finite (inject_device_errors).
+  if (backend == memory_kind::host) { cache.check_scale_values(who); }
 }
 
 /// @brief Offset of dim `d` within a head (the part of paged_kv_layout::offset that depends on d).
@@ -617,13 +661,14 @@ void check_extraction(paged_kv_cache const& cache,
   check_store_cache_geometry(store, cache, who);
   INFERSCALE_EXPECTS(!token_ids.empty(), std::string{who} + ": no tokens to extract");
   INFERSCALE_EXPECTS(slots.size() == token_ids.size(),
-                     std::string{who} + ": " + std::to_string(slots.size()) + " slots for " +
-                       std::to_string(token_ids.size()) + " token ids");
+                     std::string{who} + ": " +
+                       detail::count_of(static_cast<std::int64_t>(slots.size()), "slot") + " for " +
+                       detail::count_of(static_cast<std::int64_t>(token_ids.size()), "token id"));
   for (std::size_t j = 0; j < slots.size(); ++j) {
     INFERSCALE_EXPECTS(slots[j] >= 0 && slots[j] < cache.num_slots(),
                        std::string{who} + ": slot " + std::to_string(slots[j]) + " of token " +
                          std::to_string(j) + " is outside the cache's " +
-                         std::to_string(cache.num_slots()) + " slots");
+                         detail::count_of(cache.num_slots(), "slot"));
   }
   INFERSCALE_EXPECTS(
     first_position >= 0 && first_position <= std::numeric_limits<std::int64_t>::max() -
@@ -638,20 +683,37 @@ void check_extraction(paged_kv_cache const& cache,
                      std::string{who} + ": fact id " + std::to_string(fact_id) + " already stored");
   INFERSCALE_EXPECTS(store.pages_for(static_cast<std::int64_t>(slots.size())) <= store.free_pages(),
                      std::string{who} + ": fact " + std::to_string(fact_id) + " needs " +
-                       std::to_string(store.pages_for(static_cast<std::int64_t>(slots.size()))) +
-                       " pages, " + std::to_string(store.free_pages()) +
-                       " free (capacity exhausted)");
+                       detail::count_of(store.pages_for(static_cast<std::int64_t>(slots.size())),
+                                        "page") +
+                       ", " + std::to_string(store.free_pages()) + " free (capacity exhausted)");
+  if (backend == memory_kind::host) { cache.check_scale_values(who); }
 }
 
-/// @brief Host backend of extraction for one token: de-rotated key and value of every layer/head.
-template <class StoreT, class CacheT, class Rotation>
+/// @brief Where a dry run of extraction met the first element it would store as NaN or infinity.
+struct extraction_fault {
+  bool found{false};
+  std::int64_t token{};
+  std::int32_t layer{};
+  std::int32_t head{};
+  bool value{};
+  float element{};
+};
+
+/**
+ * @brief Host backend of extraction: de-rotated key and value of every token, layer and head.
+ * `CheckOnly`: a dry run that writes nothing and reports in `fault` the first element that would
+ * be stored non-finite (a NaN or infinity in the cache, or a value beyond the store dtype), so
+ * extraction refuses such a fact before reserving it, as kv_store::insert does.
+ */
+template <bool CheckOnly, class StoreT, class CacheT, class Rotation>
 void extract_host_typed(paged_kv_cache const& cache,
                         std::int64_t const* slots,
                         std::int64_t const* positions,
                         std::int64_t const* store_tokens,
                         std::int64_t n,
                         Rotation const& rotation,
-                        kv_store_ref const& store)
+                        kv_store_ref const& store,
+                        extraction_fault* fault = nullptr)
 {
   std::int32_t const pairs  = rotation.num_pairs();
   std::int32_t const rotary = rotation.rotary_dim;
@@ -665,36 +727,51 @@ void extract_host_typed(paged_kv_cache const& cache,
         rope_angle_cos_sin(rotation, positions[i], p, rope_op::inverse);
     }
     for (std::int32_t l = 0; l < cache.num_layers; ++l) {
-      StoreT* const krow      = pool + store.row_offset(store_tokens[i], l, 0);
-      StoreT* const vrow      = pool + store.row_offset(store_tokens[i], l, 1);
+      StoreT* const krow      = CheckOnly ? nullptr : pool + store.row_offset(store_tokens[i], l, 0);
+      StoreT* const vrow      = CheckOnly ? nullptr : pool + store.row_offset(store_tokens[i], l, 1);
       auto const* const kbase = static_cast<CacheT const*>(cache.key_base[l]);
       auto const* const vbase = static_cast<CacheT const*>(cache.value_base[l]);
       for (std::int32_t h = 0; h < store.num_heads; ++h) {
-        StoreT* const k = krow + static_cast<std::int64_t>(h) * dim;
-        StoreT* const v = vrow + static_cast<std::int64_t>(h) * dim;
+        StoreT* const k = CheckOnly ? nullptr : krow + static_cast<std::int64_t>(h) * dim;
+        StoreT* const v = CheckOnly ? nullptr : vrow + static_cast<std::int64_t>(h) * dim;
         float const ks  = cache.scale(l, h, false);
         float const vs  = cache.scale(l, h, true);
         auto const kat  = [&](std::int32_t d) {
           return dequantize(
             kbase[cache.key_layout.slot_offset(slot, h, d)], ks, cache.scale_convention);
         };
+        // Stores element d of the key (or value) row, or, in a dry run, checks it.
+        auto const put = [&](StoreT* row, std::int32_t d, float x, bool is_value) {
+          StoreT const q = from_float<StoreT>(x);
+          if constexpr (CheckOnly) {
+            if (!fault->found && !std::isfinite(to_float(q))) {
+              *fault = extraction_fault{true, i, l, h, is_value, x};
+            }
+          } else {
+            row[d] = q;
+          }
+        };
         for (std::int32_t p = 0; p < pairs; ++p) {
           std::int32_t first, second;
           pair_elements(rotation.pairing, rotary, p, &first, &second);
           float x, y;
           unrotate_pair(kat(first), kat(second), cos_sin[static_cast<std::size_t>(p)], &x, &y);
-          k[first]  = from_float<StoreT>(x);
-          k[second] = from_float<StoreT>(y);
+          put(k, first, x, false);
+          put(k, second, y, false);
         }
         for (std::int32_t d = rotary; d < dim; ++d) {
-          k[d] = from_float<StoreT>(kat(d));
+          put(k, d, kat(d), false);
         }
         for (std::int32_t d = 0; d < dim; ++d) {
-          v[d] = from_float<StoreT>(dequantize(
-            vbase[cache.value_layout.slot_offset(slot, h, d)], vs, cache.scale_convention));
+          put(v,
+              d,
+              dequantize(
+                vbase[cache.value_layout.slot_offset(slot, h, d)], vs, cache.scale_convention),
+              true);
         }
       }
     }
+    if (CheckOnly && fault->found) { return; }
   }
 }
 
@@ -719,8 +796,10 @@ inline std::vector<std::int64_t> fact_store_tokens(kv_store const& store, fact_r
  * (with its context window) normally, then extract its token range.
  *
  * @throw logic_error if the store is not in host memory, geometries differ, the counts differ, a
- *        slot is negative or beyond the cache, a position is beyond the table, the id exists or
- *        capacity is exhausted; nothing is changed then.
+ *        slot is negative or beyond the cache, a position is beyond the table, the id exists,
+ *        capacity is exhausted, an fp8 scale is zero, negative or non-finite, or an element would
+ *        be stored as NaN or infinity (non-finite in the cache, or beyond the store dtype); nothing
+ *        is changed then.
  */
 template <class Rotation>
 void extract_host(paged_kv_cache const& cache,
@@ -741,16 +820,40 @@ void extract_host(paged_kv_cache const& cache,
                            token_ids,
                            memory_kind::host,
                            "extract_host");
-  fact_record const& fact = store.reserve(fact_id, namespace_id, std::move(token_ids));
-  std::vector<std::int64_t> const store_tokens = detail::fact_store_tokens(store, fact);
   std::vector<std::int64_t> positions(slots.size());
   for (std::size_t j = 0; j < slots.size(); ++j) {
     positions[j] = first_position + static_cast<std::int64_t>(j);
   }
+  // A dry run first: a NaN or infinity in the cache (or a value the store dtype cannot hold) is
+  // refused before anything is reserved or written, as kv_store::insert refuses it.
+  detail::extraction_fault fault{};
   detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
     using S = typename decltype(s)::type;
     using C = typename decltype(c)::type;
-    detail::extract_host_typed<S, C>(cache,
+    detail::extract_host_typed<true, S, C>(cache,
+                                           slots.data(),
+                                           positions.data(),
+                                           nullptr,
+                                           static_cast<std::int64_t>(slots.size()),
+                                           rotation,
+                                           store.ref(),
+                                           &fault);
+  });
+  INFERSCALE_EXPECTS(!fault.found,
+                     "extract_host: token " + std::to_string(fault.token) + " (slot " +
+                       std::to_string(fault.found ? slots[static_cast<std::size_t>(fault.token)]
+                                                  : 0) +
+                       ") would store a non-finite " + (fault.value ? "value" : "key") +
+                       " element (" + std::to_string(fault.element) + ") at layer " +
+                       std::to_string(fault.layer) + ", head " + std::to_string(fault.head) +
+                       " in the store dtype " + to_string(store.store_dtype()) +
+                       "; NaN, infinities and overflowing values are refused");
+  fact_record const& fact = store.reserve(fact_id, namespace_id, std::move(token_ids));
+  std::vector<std::int64_t> const store_tokens = detail::fact_store_tokens(store, fact);
+  detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
+    using S = typename decltype(s)::type;
+    using C = typename decltype(c)::type;
+    detail::extract_host_typed<false, S, C>(cache,
                                      slots.data(),
                                      positions.data(),
                                      store_tokens.data(),

@@ -244,8 +244,9 @@ class memory {
                   "memory::add_conversation: Embedder needs dimension() and "
                   "embed(std::string const&) -> std::vector<float> (see memory.hpp)");
     INFERSCALE_EXPECTS(texts.size() == facts.size(),
-                       "memory::add_conversation: " + std::to_string(facts.size()) +
-                         " facts but " + std::to_string(texts.size()) + " texts");
+                       "memory::add_conversation: " +
+                         detail::count_of(static_cast<std::int64_t>(facts.size()), "fact") + " but " +
+                         detail::count_of(static_cast<std::int64_t>(texts.size()), "text"));
     std::vector<std::uint64_t> ids;
     ids.reserve(facts.size());
     for (conversation_fact const& f : facts) {

@@ -30,9 +30,11 @@ namespace inferscale {
  * @param[in]     op        forward, inverse or shift
  * @param[in]     stream    the stream the kernel is enqueued on
  * @throw logic_error if shapes disagree (nothing is launched); cuda_error if the launch fails.
+ * @param[out]    bad_positions device counter of the tokens left unchanged for a bad position,
+ *                              or null (zeroed by the caller, read back after the kernel)
  * @note Never waits and allocates nothing (CUDA-graph capturable). Positions live on the device
  *       and are not read by the host: a token whose position is negative or beyond the table
- *       (|delta| for shift) is left unchanged.
+ *       (|delta| for shift, and a shift of INT64_MIN) is left unchanged and counted.
  */
 template <class T, class Rotation>
 void rope_apply_async(token_head_view<T> x,
@@ -40,6 +42,7 @@ void rope_apply_async(token_head_view<T> x,
                       std::int64_t num_positions,
                       Rotation const& rotation,
                       rope_op op,
+                      unsigned long long* bad_positions,
                       cuda::stream_ref stream)
 {
   rope_check_batch(x, num_positions, rotation, op);
@@ -61,6 +64,7 @@ void rope_apply_async(token_head_view<T> x,
   args.op                   = op;
   args.round_each_operation = rope_rounds_each_operation<T>(rotation, op);
   args.fused                = rope_fuses_multiply_add(rotation, op);
+  args.bad_positions        = bad_positions;
 
   // 16-byte accesses need contiguous elements, aligned heads, and whole chunks of pairs.
   constexpr int vector_elements = policy::vector_bytes / static_cast<int>(sizeof(T));
@@ -99,6 +103,19 @@ void rope_apply_async(token_head_view<T> x,
       <<<grid, policy::block_threads, shared_bytes, stream.get()>>>(args);
   }
   INFERSCALE_CHECK_LAUNCH();
+}
+
+/// @brief As rope_apply_async with a counter, without one: tokens with a bad position are left
+/// unchanged, uncounted.
+template <class T, class Rotation>
+void rope_apply_async(token_head_view<T> x,
+                      std::int64_t const* positions,
+                      std::int64_t num_positions,
+                      Rotation const& rotation,
+                      rope_op op,
+                      cuda::stream_ref stream)
+{
+  rope_apply_async(x, positions, num_positions, rotation, op, nullptr, stream);
 }
 
 }  // namespace inferscale

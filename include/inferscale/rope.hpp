@@ -71,7 +71,8 @@ struct rope_spec {
   double theta{10000.0};      ///< rope_theta
   rope_pairing pairing{rope_pairing::halves};
   rope_scaling scaling{rope_scaling::none};
-  double factor{1.0};                        ///< scaling factor f (linear, dynamic, llama3, yarn)
+  double factor{1.0};  ///< scaling factor f (linear, dynamic, llama3, yarn); yarn: 0 = absent,
+                       ///< derived as max_position / original_max_position (as HF does)
   double low_freq_factor{1.0};               ///< llama3
   double high_freq_factor{4.0};              ///< llama3
   std::int64_t original_max_position{};      ///< L0 (llama3, yarn, longrope)
@@ -80,8 +81,8 @@ struct rope_spec {
   double beta_slow{1.0};                     ///< yarn
   bool truncate{true};                       ///< yarn: floor/ceil the correction range
   std::optional<double> attention_factor{};  ///< yarn, longrope: overrides the derived factor
-  std::optional<double> mscale{};            ///< yarn (DeepSeek style)
-  std::optional<double> mscale_all_dim{};    ///< yarn (DeepSeek style)
+  std::optional<double> mscale{};            ///< yarn (DeepSeek style); 0 = absent (as HF)
+  std::optional<double> mscale_all_dim{};    ///< yarn (DeepSeek style); 0 = absent (as HF)
   std::vector<double> short_factor{};        ///< longrope, rotary_dim/2 entries
   std::vector<double> long_factor{};         ///< longrope, rotary_dim/2 entries
   rope_angle_mode angle_mode{rope_angle_mode::fp32};
@@ -90,6 +91,18 @@ struct rope_spec {
   std::int32_t effective_rotary_dim() const noexcept
   {
     return rotary_dim == 0 ? head_dim : rotary_dim;
+  }
+
+  /**
+   * @brief The scaling factor in effect: `factor`, except a YaRN spec whose factor is 0 (HF's
+   * absent `factor`), which takes `max_position / original_max_position`.
+   */
+  double effective_factor() const noexcept
+  {
+    if (scaling == rope_scaling::yarn && factor == 0.0 && original_max_position > 0) {
+      return static_cast<double>(max_position) / static_cast<double>(original_max_position);
+    }
+    return factor;
   }
 
   /// @brief True when the frequencies depend on the total sequence length.
@@ -113,7 +126,12 @@ struct rope_spec {
    */
   inline std::vector<double> inverse_frequencies(std::int64_t total_length = 0) const;
 
-  /// @brief The attention factor `a` multiplying cos and sin (1 except yarn and longrope).
+  /**
+   * @brief The attention factor `a` multiplying cos and sin (1 except yarn and longrope): yarn
+   * `m(f, mscale) / m(f, mscale_all_dim)` when both are given and non-zero, else `m(f, 1)`, with
+   * `m(f, k) = 0.1 k ln f + 1`; longrope `sqrt(1 + ln(Lmax / L0) / ln L0)` (rope_spec_from_hf_config
+   * sets `attention_factor` from an explicit LongRoPE `factor`, as HF derives it from that).
+   */
   inline double attention_scaling(std::int64_t total_length = 0) const;
 };
 

@@ -28,7 +28,9 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -290,9 +292,14 @@ class kv_store {
    *
    * @throw logic_error if the id is already present, the views' shape matches neither the model nor
    *        the shard, keys and values disagree, `token_ids.size()` differs from the views' tokens,
-   *        the fact is empty, the element type is not allowed, or too few pages are free; nothing
-   * is changed then. cuda_error if a copy fails (the pages are then returned and nothing is
-   *        recorded).
+   *        the fact is empty, the element type is not allowed, a view's data is null or a stride
+   *        negative, an element is NaN or infinite or overflows the store dtype when converted
+   *        (e.g. 1e6 into float16, whose largest finite value is 65504), or too few pages are
+   *        free; nothing is changed then. cuda_error if a copy fails (the pages are then returned
+   *        and nothing is recorded).
+   * @note Non-finite KV is refused as the index refuses non-finite embeddings: a NaN or an
+   *       infinity stored here would be injected into every request that retrieves the fact and
+   *       poison the engine's attention. Device views are copied to the host once for this check.
    * @note Waits for the copies to complete.
    */
   template <class T>
@@ -312,20 +319,31 @@ class kv_store {
     INFERSCALE_EXPECTS(tokens > 0,
                        "kv_store::insert: fact " + std::to_string(fact_id) + " has no tokens");
     INFERSCALE_EXPECTS(static_cast<std::int64_t>(token_ids.size()) == tokens,
-                       "kv_store::insert: " + std::to_string(token_ids.size()) + " token ids for " +
-                         std::to_string(tokens) + " tokens of KV");
+                       "kv_store::insert: " +
+                         detail::count_of(static_cast<std::int64_t>(token_ids.size()), "token id") +
+                         " for " + detail::count_of(tokens, "token") + " of KV");
     for (int r = 0; r < 4; ++r) {
       INFERSCALE_EXPECTS(keys.extent(r) == values.extent(r),
                          "kv_store::insert: keys and values have different shapes (dimension " +
                            std::to_string(r) + ")");
     }
     std::int32_t const layer_offset = shard_offset(
-      keys.extent(0), config_.model.num_layers, config_.first_layer, config_.num_layers, "layers");
+      keys.extent(0), config_.model.num_layers, config_.first_layer, config_.num_layers, "layer");
     std::int32_t const head_offset = shard_offset(
-      keys.extent(2), config_.model.num_kv_heads, config_.first_head, config_.num_heads, "heads");
+      keys.extent(2), config_.model.num_kv_heads, config_.first_head, config_.num_heads, "head");
     INFERSCALE_EXPECTS(keys.extent(3) == config_.model.head_dim,
                        "kv_store::insert: head_dim " + std::to_string(keys.extent(3)) +
                          " does not match the model's " + std::to_string(config_.model.head_dim));
+    INFERSCALE_EXPECTS(keys.data_handle() != nullptr && values.data_handle() != nullptr,
+                       "kv_store::insert: fact " + std::to_string(fact_id) +
+                         " has null key or value data");
+    for (auto const* v : {&keys, &values}) {
+      for (int r = 0; r < 4; ++r) {
+        INFERSCALE_EXPECTS(v->stride(r) >= 0,
+                           "kv_store::insert: view stride " + std::to_string(r) + " is negative (" +
+                             std::to_string(v->stride(r)) + ")");
+      }
+    }
     if (views_memory == memory_kind::device) {
       INFERSCALE_EXPECTS(dtype_of_v<T> == config_.store_dtype,
                          std::string{"kv_store::insert: device views must hold the store dtype "} +
@@ -345,8 +363,9 @@ class kv_store {
     std::int64_t const pages_needed = pages_for(tokens);
     INFERSCALE_EXPECTS(pages_needed <= free_pages(),
                        "kv_store::insert: fact " + std::to_string(fact_id) + " needs " +
-                         std::to_string(pages_needed) + " pages, " + std::to_string(free_pages()) +
-                         " free (capacity exhausted)");
+                         detail::count_of(pages_needed, "page") + ", " +
+                         std::to_string(free_pages()) + " free (capacity exhausted)");
+    check_finite(fact_id, keys, values, layer_offset, head_offset, views_memory);
 
     // Everything checked: take pages, write, then record.
     fact_record record{fact_id, namespace_id, std::move(token_ids), take_pages(pages_needed)};
@@ -380,8 +399,8 @@ class kv_store {
     std::int64_t const pages_needed = pages_for(tokens);
     INFERSCALE_EXPECTS(pages_needed <= free_pages(),
                        "kv_store::reserve: fact " + std::to_string(fact_id) + " needs " +
-                         std::to_string(pages_needed) + " pages, " + std::to_string(free_pages()) +
-                         " free (capacity exhausted)");
+                         detail::count_of(pages_needed, "page") + ", " +
+                         std::to_string(free_pages()) + " free (capacity exhausted)");
     fact_record record{fact_id, namespace_id, std::move(token_ids), take_pages(pages_needed)};
     return add_record(std::move(record));
   }
@@ -497,9 +516,10 @@ class kv_store {
   {
     if (extent == count) { return 0; }
     INFERSCALE_EXPECTS(extent == model_count,
-                       std::string{"kv_store::insert: views have "} + std::to_string(extent) + " " +
-                         what + ", expected the model's " + std::to_string(model_count) +
-                         " or this shard's " + std::to_string(count));
+                       std::string{"kv_store::insert: views have "} +
+                         detail::count_of(extent, what) + ", expected the model's " +
+                         std::to_string(model_count) + " or this shard's " +
+                         std::to_string(count));
     return first;
   }
 
@@ -549,6 +569,65 @@ class kv_store {
     return_pages(record.pages);
     facts_.erase(it);
     ++version_;
+  }
+
+  /// @brief Refuses NaN, infinities and values that overflow the store dtype, before any write.
+  template <class T>
+  void check_finite(std::uint64_t fact_id,
+                    fact_kv_view<T const> keys,
+                    fact_kv_view<T const> values,
+                    std::int32_t layer_offset,
+                    std::int32_t head_offset,
+                    memory_kind views_memory) const
+  {
+    dispatch_dtype(config_.store_dtype, [&](auto tag) {
+      using S = typename decltype(tag)::type;
+      if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
+                    std::is_same_v<S, bfloat16_t>) {
+        std::int64_t const tokens = keys.extent(1);
+        std::int32_t const heads  = config_.num_heads;
+        std::int32_t const d      = config_.model.head_dim;
+        std::int64_t const row    = ref_.row_elements();
+        bool const device         = views_memory == memory_kind::device;
+        std::vector<T> staging(device ? static_cast<std::size_t>(tokens * row) : 0);
+        for (std::int32_t l = 0; l < config_.num_layers; ++l) {
+          for (std::int32_t kv = 0; kv < 2; ++kv) {
+            auto const& src = kv == 0 ? keys : values;
+            if (device) {  // each token's [heads, head_dim] is contiguous (checked by insert)
+              INFERSCALE_CUDA_TRY(cudaMemcpy2D(staging.data(),
+                                               static_cast<std::size_t>(row) * sizeof(T),
+                                               &src(l + layer_offset, 0, head_offset, 0),
+                                               static_cast<std::size_t>(src.stride(1)) * sizeof(T),
+                                               static_cast<std::size_t>(row) * sizeof(T),
+                                               static_cast<std::size_t>(tokens),
+                                               cudaMemcpyDeviceToHost));
+            }
+            for (std::int64_t t = 0; t < tokens; ++t) {
+              for (std::int32_t h = 0; h < heads; ++h) {
+                for (std::int32_t e = 0; e < d; ++e) {
+                  float const x =
+                    device ? to_float(staging[static_cast<std::size_t>(t * row + h * d + e)])
+                           : to_float(src(l + layer_offset, t, h + head_offset, e));
+                  if (std::isfinite(x) && std::isfinite(to_float(from_float<S>(x)))) { continue; }
+                  char text[48], limit[48];
+                  std::snprintf(text, sizeof text, "%g", static_cast<double>(x));
+                  std::snprintf(limit, sizeof limit, "%g", static_cast<double>(max_finite<S>()));
+                  INFERSCALE_FAIL(
+                    "kv_store::insert: fact " + std::to_string(fact_id) + " has a " +
+                    (kv == 0 ? "key" : "value") + " element " + text + " at layer " +
+                    std::to_string(l + layer_offset) + ", token " + std::to_string(t) +
+                    ", head " + std::to_string(h + head_offset) + ", dim " + std::to_string(e) +
+                    (std::isfinite(x) ? std::string{" that overflows the store dtype "} +
+                                          to_string(config_.store_dtype) + " (largest finite " +
+                                          limit + ")"
+                                      : std::string{": NaN and infinities are refused"}));
+                }
+              }
+            }
+          }
+        }
+      }
+    });
   }
 
   template <class T>

@@ -32,7 +32,8 @@ namespace inferscale {
  *
  * @throw logic_error as the checked inject_async, or if the request is stale (nothing is
  *        enqueued then); cuda_error on a CUDA failure.
- * @note `workspace` holds the split arrays: at least `batch.num_tokens()` tokens.
+ * @note `workspace` holds the split arrays: at least `batch.num_tokens()` tokens; its device
+ *       error counters (injection_workspace::read_errors) count what the launches skipped.
  */
 template <class Rotation>
 void inject_tiered_async(tiered_store& tiers,
@@ -61,7 +62,7 @@ void inject_tiered_async(tiered_store& tiers,
   kv_store_ref const ref         = store.ref();
   if (split.resident > 0) {
     inject_async(ref, injection_batch_view{all.store_token, all.position, all.slot, split.resident},
-                 cache, rotation, stream);
+                 cache, rotation, workspace.device_errors(), stream);
   }
   std::int64_t const staged = split.num_tokens() - split.resident;
   if (staged == 0) { return; }
@@ -71,7 +72,9 @@ void inject_tiered_async(tiered_store& tiers,
                                   staged};
   for (std::int32_t l = 0; l < ref.num_layers; ++l) {
     INFERSCALE_CUDA_TRY(cudaStreamWaitEvent(stream.get(), tiers.layer_ready(l), 0));
-    inject_async(tier_layer_view(ref, l), tail, tier_cache_layer(cache, l), rotation, stream);
+    // A bad token would be skipped by every layer's launch: only the first one counts it.
+    inject_async(tier_layer_view(ref, l), tail, tier_cache_layer(cache, l), rotation,
+                 l == 0 ? workspace.device_errors() : nullptr, stream);
   }
 }
 

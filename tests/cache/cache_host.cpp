@@ -297,13 +297,18 @@ TEST_CASE("factories refuse malformed engine tensors", "[cache]")
   }
   SECTION("layer counts: 1 .. 128, as many value tensors as key tensors")
   {
-    engine_cache<T> ec(engine_layout::vllm_flash_attn_separate, 1, 3, 4, 2, 16);
+    engine_cache<T> ec(engine_layout::vllm_flash_attn_separate, 128, 3, 4, 2, 16);
     void* kb           = base_of(ec, ec.key_tensor(0));
     void* vb           = base_of(ec, ec.value_tensor(0));
     auto const shape   = to_array<4>(ec.key_tensor(0).shape);
     auto const strides = to_array<4>(ec.key_tensor(0).strides);
-    // Every layer may alias the same tensor for this check; 128 is accepted, 129 refused.
-    std::vector<void*> k128(128, kb), v128(128, vb), k129(129, kb), v129(129, vb);
+    // 128 layers are accepted, 129 refused (the count is checked before the tensors; aliased
+    // layers would be refused as overlapping).
+    std::vector<void*> k128, v128, k129(129, kb), v129(129, vb);
+    for (int l = 0; l < 128; ++l) {
+      k128.push_back(base_of(ec, ec.key_tensor(l)));
+      v128.push_back(base_of(ec, ec.value_tensor(l)));
+    }
     REQUIRE(make_vllm_flash_attn_cache(dt, k128, v128, shape, strides, strides).num_layers == 128);
     REQUIRE_THROWS_WITH(make_vllm_flash_attn_cache(dt, k129, v129, shape, strides, strides),
                         Contains("129"));

@@ -13,6 +13,7 @@
 #include <inferscale/compose.hpp>
 #include <inferscale/inject.cuh>
 #include <inferscale/inject.hpp>
+#include <inferscale/rope.cuh>
 #include <inferscale/rope.hpp>
 #include <inferscale/store.hpp>
 
@@ -21,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -46,7 +48,7 @@ void emulate_blocks(detail::inject_launch_config<Rotation> const& config)
   for (std::int64_t bx = 0; bx < config.grid_x; ++bx) {
     for (std::int32_t by = 0; by < config.grid_y; ++by) {
       for (std::int32_t t = 0; t < policy::block_threads; ++t) {
-        block::prepare(config.args, bx, t, policy::block_threads, tile);
+        block::prepare(config.args, bx, by, t, policy::block_threads, tile);
       }
       for (std::int32_t t = 0; t < policy::block_threads; ++t) {
         block::work(config.args, bx, by, t, policy::block_threads, tile);
@@ -379,4 +381,190 @@ TEMPLATE_TEST_CASE("the extract kernel's units, emulated on the CPU, equal extra
   }
   REQUIRE(by_kernel.at(5).pages == by_host.at(5).pages);
   REQUIRE(by_kernel.pool_to_host() == by_host.pool_to_host());
+}
+
+namespace {
+/// Element offsets (within a layer's base) of (slot, head, dim) for every dim of one head row.
+template <class C>
+void restore_row(bytes& expected,
+                 bytes const& original,
+                 engine_cache<C> const& ec,
+                 void const* base,
+                 paged_kv_layout const& layout,
+                 std::int64_t slot,
+                 std::int32_t head)
+{
+  auto const* storage = reinterpret_cast<unsigned char const*>(ec.storage());
+  for (std::int32_t d = 0; d < layout.head_dim; ++d) {
+    std::size_t const at =
+      static_cast<std::size_t>(static_cast<unsigned char const*>(base) - storage) +
+      static_cast<std::size_t>(layout.slot_offset(slot, head, d)) * sizeof(C);
+    std::memcpy(expected.data() + at, original.data() + at, sizeof(C));
+  }
+}
+}  // namespace
+
+TEST_CASE("the inject kernel's code skips and counts what the host did not validate",
+          "[inject][emulation]")
+{
+  // Device arrays are never read by the host: a kernel handed a bad slot, position or store token
+  // must skip the token (write nothing of it) and count it in inject_device_errors. The expected
+  // cache is what the host backend writes for the same arrays with those tokens' slots set to -1
+  // (its plain skip), and the counts are those of the corruptions made below.
+  using S                = bfloat16_t;
+  using C                = bfloat16_t;
+  shape_case const s     = {"d64 halves", 2, 2, 64, 64, rope_pairing::halves, 12};
+  engine_layout const ly = GENERATE(engine_layout::vllm_flash_attn_nhd, engine_layout::vllm_legacy);
+  int const sm_count     = GENERATE(132, 1);
+  CAPTURE(to_string(ly), sm_count);
+  kv_store store = inferscale_test::make_host_store(s.layers, s.heads, s.head_dim, dtype::bfloat16, 8, 32);
+  populate(store, make_facts(s), s);
+  rope_params const params   = make_params(s);
+  std::int64_t const rows    = 2048;
+  std::vector<S> const table = make_rope_cos_sin_values<S>(params, rows);
+  auto const rotation        = make_rope_cos_sin_table(params, table.data(), rows, true);
+  injection_batch const batch = make_batch(store, 0);
+
+  engine_cache<C> by_host(ly, s.layers, s.blocks, block_size, s.heads, s.head_dim);
+  engine_cache<C> by_kernel(ly, s.layers, s.blocks, block_size, s.heads, s.head_dim);
+  by_host.fill_random(3);
+  by_kernel.fill_random(3);
+  bytes const original = storage_of(by_host);
+  paged_kv_cache const host_desc = inferscale_test::describe_engine_cache(by_host, by_host.storage());
+  paged_kv_cache const kernel_desc =
+    inferscale_test::describe_engine_cache(by_kernel, by_kernel.storage());
+
+  std::vector<std::int64_t> store_tokens = batch.store_tokens();
+  std::vector<std::int64_t> positions    = batch.positions();
+  std::vector<std::int64_t> slots        = batch.slots();
+  std::vector<std::int64_t> reference    = slots;  // the host backend's slots: corrupted -> -1
+  std::vector<std::size_t> written;                 // tokens with a slot, in order
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] >= 0) { written.push_back(i); }
+  }
+  REQUIRE(written.size() >= 12);
+  std::int64_t const pool_tokens = store.num_pages() * store.page_size();
+  slots[written[0]]        = host_desc.num_slots();                      // bad slot
+  slots[written[1]]        = std::numeric_limits<std::int64_t>::max();   // bad slot
+  positions[written[2]]    = -1;                                         // bad position
+  positions[written[3]]    = rows;                                       // bad position
+  positions[written[4]]    = std::numeric_limits<std::int64_t>::min();   // bad position
+  store_tokens[written[5]] = pool_tokens;                                // bad store token
+  store_tokens[written[6]] = -5;                                         // bad store token
+  slots[written[7]]        = -1;  // a plain skip, with a bad position too: not counted
+  positions[written[7]]    = -7;
+  for (int c = 0; c < 8; ++c) {
+    reference[written[static_cast<std::size_t>(c)]] = -1;
+  }
+
+  injection_batch_view const corrupted{
+    store_tokens.data(), positions.data(), slots.data(), static_cast<std::int64_t>(slots.size())};
+  injection_batch_view const host_view{
+    batch.store_tokens().data(), batch.positions().data(), reference.data(), batch.num_tokens()};
+  detail::dispatch_host_inject<S, C>(store.ref(), host_view, host_desc, rotation);
+
+  inject_device_errors errors{};
+  auto const config = detail::make_inject_launch<S, C>(
+    store.ref(), corrupted, kernel_desc, rotation, sm_count, &errors);
+  if (config.vectorized) {
+    emulate_blocks<S, C, true>(config);
+  } else {
+    emulate_blocks<S, C, false>(config);
+  }
+  CHECK(errors.bad_slot == 2);
+  CHECK(errors.bad_position == 3);
+  CHECK(errors.bad_store_token == 2);
+  CHECK(errors.bad_scale == 0);
+  CHECK(errors.total() == 7);
+  bytes const host = storage_of(by_host);
+  REQUIRE(host != original);
+  REQUIRE(storage_of(by_kernel) == host);
+
+  SECTION("null counters: the same skips, uncounted")
+  {
+    engine_cache<C> quiet(ly, s.layers, s.blocks, block_size, s.heads, s.head_dim);
+    quiet.fill_random(3);
+    auto const cfg = detail::make_inject_launch<S, C>(
+      store.ref(), corrupted, inferscale_test::describe_engine_cache(quiet, quiet.storage()),
+      rotation, sm_count, nullptr);
+    if (cfg.vectorized) {
+      emulate_blocks<S, C, true>(cfg);
+    } else {
+      emulate_blocks<S, C, false>(cfg);
+    }
+    REQUIRE(storage_of(quiet) == host);
+  }
+}
+
+TEST_CASE("the inject kernel's code skips and counts rows whose fp8 scale is unusable",
+          "[inject][emulation]")
+{
+  // Device scales are not read by the host. Layer 0's key scale is NaN and layer 1's value scale
+  // is 0 (per tensor): those rows must keep their old bytes, every other row must equal the host
+  // backend's with usable scales, and each skipped (token, layer, head, K/V) row counts once.
+  using S            = bfloat16_t;
+  using C            = float8_e4m3_t;
+  shape_case const s = {"d64 halves", 2, 2, 64, 64, rope_pairing::halves, 12};
+  engine_layout const ly = engine_layout::vllm_flash_attn_nhd;
+  kv_store store = inferscale_test::make_host_store(s.layers, s.heads, s.head_dim, dtype::bfloat16, 8, 32);
+  populate(store, make_facts(s), s);
+  rope_params const params    = make_params(s);
+  injection_batch const batch = make_batch(store, 0);
+
+  engine_cache<C> by_host(ly, s.layers, s.blocks, block_size, s.heads, s.head_dim);
+  engine_cache<C> by_kernel(ly, s.layers, s.blocks, block_size, s.heads, s.head_dim);
+  by_host.fill_random(5);
+  by_kernel.fill_random(5);
+  bytes const original = storage_of(by_host);
+  paged_kv_cache host_desc   = inferscale_test::describe_engine_cache(by_host, by_host.storage());
+  paged_kv_cache kernel_desc = inferscale_test::describe_engine_cache(by_kernel, by_kernel.storage());
+  float const good[4] = {0.5f, 0.75f, 1.25f, 2.0f};  // K0, V0, K1, V1
+  float const bad[4]  = {std::numeric_limits<float>::quiet_NaN(), 0.75f, 1.25f, 0.0f};
+  host_desc.set_fp8_scales(kv_scale_convention::divide, kv_scale_granularity::per_tensor,
+                           {good + 0, good + 2}, {good + 1, good + 3});
+  kernel_desc.set_fp8_scales(kv_scale_convention::divide, kv_scale_granularity::per_tensor,
+                             {bad + 0, bad + 2}, {bad + 1, bad + 3});
+  inject_host(store, batch, host_desc, params);
+
+  inject_device_errors errors{};
+  auto const config = detail::make_inject_launch<S, C>(
+    store.ref(), batch.host_view(), kernel_desc, params, GENERATE(132, 1), &errors);
+  if (config.vectorized) {
+    emulate_blocks<S, C, true>(config);
+  } else {
+    emulate_blocks<S, C, false>(config);
+  }
+  bytes expected = storage_of(by_host);
+  std::int64_t tokens = 0;
+  for (std::int64_t slot : batch.slots()) {
+    if (slot < 0) { continue; }
+    ++tokens;
+    for (std::int32_t h = 0; h < s.heads; ++h) {
+      restore_row(expected, original, by_host, host_desc.key_base[0], host_desc.key_layout, slot, h);
+      restore_row(expected, original, by_host, host_desc.value_base[1], host_desc.value_layout, slot, h);
+    }
+  }
+  CHECK(errors.bad_scale == static_cast<unsigned long long>(tokens * s.heads * 2));
+  CHECK(errors.bad_slot + errors.bad_position + errors.bad_store_token == 0);
+  REQUIRE(storage_of(by_kernel) == expected);
+}
+
+TEST_CASE("the rope kernel's position rule refuses INT64_MIN and rows beyond the table",
+          "[inject][emulation][rope]")
+{
+  // rope_position_ok decides, on the device, which tokens rope_apply_async rotates.
+  std::int64_t const rows = 100;
+  std::int64_t const min  = std::numeric_limits<std::int64_t>::min();
+  CHECK(detail::rope_position_ok(0, rows, rope_op::forward));
+  CHECK(detail::rope_position_ok(99, rows, rope_op::inverse));
+  CHECK_FALSE(detail::rope_position_ok(100, rows, rope_op::forward));
+  CHECK_FALSE(detail::rope_position_ok(-1, rows, rope_op::forward));
+  CHECK(detail::rope_position_ok(-99, rows, rope_op::shift));
+  CHECK_FALSE(detail::rope_position_ok(-100, rows, rope_op::shift));
+  // -INT64_MIN overflows: it must not pass as a negative magnitude below the row count.
+  CHECK_FALSE(detail::rope_position_ok(min, rows, rope_op::shift));
+  CHECK_FALSE(detail::rope_position_ok(min, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
+  // |INT64_MIN + 2| = INT64_MAX - 1 is below INT64_MAX rows (computed rotations have no table).
+  CHECK(detail::rope_position_ok(min + 2, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
+  CHECK_FALSE(detail::rope_position_ok(min + 1, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
 }

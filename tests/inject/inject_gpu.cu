@@ -635,8 +635,26 @@ void require_raw_launch_skips(engine_layout layout, geometry_case const& g)
   injection_batch_view const view{
     device_arrays.data(), device_arrays.data() + n, device_arrays.data() + 2 * n, n};
   cuda_stream stream;
-  inject_async(
-    s.device_store.ref(), view, s.device_desc, s.device_rotation, cuda::stream_ref{stream.get()});
+  device_buffer<inject_device_errors> errors(std::vector<inject_device_errors>(1));
+  inject_async(s.device_store.ref(),
+               view,
+               s.device_desc,
+               s.device_rotation,
+               errors.data(),
+               cuda::stream_ref{stream.get()});
+  inject_device_errors counted{};
+  INFERSCALE_CUDA_TRY(
+    cudaMemcpy(&counted, errors.data(), sizeof counted, cudaMemcpyDeviceToHost));
+  // Every corrupted token is counted once: i % 6 == 1 or 3 (positions), i % 6 == 5 (slots).
+  unsigned long long bad_positions = 0, bad_slots = 0;
+  for (std::int64_t t = 0; t < n; ++t) {
+    bad_positions += (t % 6 == 1 || t % 6 == 3) ? 1 : 0;
+    bad_slots += t % 6 == 5 ? 1 : 0;
+  }
+  CHECK(counted.bad_position == bad_positions);
+  CHECK(counted.bad_slot == bad_slots);
+  CHECK(counted.bad_store_token == 0);
+  CHECK(counted.bad_scale == 0);
 
   // Expected: the host backend on the same requests with the skipped tokens' slots negative.
   injection_batch expected(s.host_store);

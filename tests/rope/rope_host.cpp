@@ -636,7 +636,7 @@ TEST_CASE("bad specs and bad batches are refused with a clear message", "[rope]"
     auto const view   = make_token_head_view(x.data(), 2, 1, 128);
     std::vector<std::int64_t> one{3};
     REQUIRE_THROWS_WITH(rope_apply_host(view, one.data(), 1, params, rope_op::forward),
-                        Contains("1 positions given for 2 tokens"));
+                        Contains("1 position given for 2 tokens"));
     std::vector<std::int64_t> negative{3, -1};
     REQUIRE_THROWS_WITH(rope_apply_host(view, negative.data(), 2, params, rope_op::forward),
                         Contains("position -1"));

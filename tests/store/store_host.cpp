@@ -546,7 +546,7 @@ TEST_CASE("float inputs at rounding ties are stored with the literal RNE bits", 
     {std::ldexp(1.0f, -25), 0x3300, 0x0000},              // half the least fp16 subnormal -> 0
     {3 * std::ldexp(1.0f, -25), 0x33c0, 0x0002},          // 1.5 subnormal units -> 2 (even)
     {65504.0f, 0x4780, 0x7bff},                           // largest fp16 (bf16: 65536)
-    {65520.0f, 0x4780, 0x7c00},                           // fp16 overflow tie -> infinity
+    {65519.0f, 0x4780, 0x7bff},                           // just below the fp16 overflow tie
     {0.0f, 0x0000, 0x0000},
     {-0.0f, 0x8000, 0x8000},
   };
@@ -576,6 +576,26 @@ TEST_CASE("float inputs at rounding ties are stored with the literal RNE bits", 
     REQUIRE(read_pool(pool, shape, store.at(1).pages, 0, 1, 0, 0, e) == (want ^ 0x8000u));
     // The references agree with the literal table.
     REQUIRE(expected_store_bits(c.x, store_dtype) == want);
+  }
+  // 65520, the fp16 overflow tie, rounds to infinity in fp16: insert refuses it there (a stored
+  // infinity would be injected); bf16 holds it (0x4780 = 65536).
+  REQUIRE(expected_store_bits(65520.0f, dtype::float16) == 0x7c00u);
+  std::vector<float> const tie(static_cast<std::size_t>(d), 65520.0f);
+  auto const insert_tie = [&](kv_store& s) {
+    s.insert(2,
+             0,
+             {43},
+             make_fact_kv_view<float const>(tie.data(), 1, 1, 1, d),
+             make_fact_kv_view<float const>(tie.data(), 1, 1, 1, d));
+  };
+  if (store_dtype == dtype::float16) {
+    REQUIRE_THROWS_WITH(insert_tie(store), Catch::Contains("overflows the store dtype float16"));
+    REQUIRE_FALSE(store.contains(2));
+    REQUIRE(store.pool_to_host() == pool);
+  } else {
+    insert_tie(store);
+    auto const after = store.pool_to_host();
+    REQUIRE(read_pool(after, shape, store.at(2).pages, 0, 0, 0, 0, 0) == 0x4780u);
   }
 }
 

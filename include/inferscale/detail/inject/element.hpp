@@ -118,6 +118,23 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void unrotate_pair(
   rotate_fp32(x, y, cs, out_x, out_y);
 }
 
+/// @brief Adds one to a device-side error counter (atomically; nothing when it is null).
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void count_device_error(unsigned long long* counter)
+{
+  if (counter == nullptr) { return; }
+#if INFERSCALE_IS_DEVICE_CODE
+  atomicAdd(counter, 1ull);
+#else
+  __atomic_fetch_add(counter, 1ull, __ATOMIC_RELAXED);  // the host emulation of the kernels
+#endif
+}
+
+/// @brief True for an fp8 scale the kernels may apply: positive and finite (NaN fails both).
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE bool scale_usable(float scale)
+{
+  return scale > 0.0f && scale <= 3.40282346638528859812e+38f;
+}
+
 /// @brief True if a slot can be written: not skipped (negative) and inside the cache.
 INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE bool slot_in_cache(std::int64_t slot,
                                                                  std::int64_t num_slots)

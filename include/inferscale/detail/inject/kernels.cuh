@@ -40,6 +40,7 @@ struct inject_kernel_args {
   std::int32_t units_per_head;  ///< key_units + value units
   bool round_each;              ///< vLLM-table per-operation rounding (16-bit store)
   bool fused;                   ///< fused multiply-add rotation (llama.cpp's CPU rope)
+  inject_device_errors* errors;  ///< skipped work is counted here (device memory); may be null
 };
 
 /// @brief N elements of T moved as one aligned access.
@@ -125,6 +126,7 @@ struct inject_block {
   /// @brief Phase 1: the tile's slots (divided once) and cos/sin (once per token and pair).
   INFERSCALE_HOST_DEVICE static void prepare(inject_kernel_args<Rotation> const& args,
                                              std::int64_t block_x,
+                                             std::int32_t block_y,
                                              std::int32_t thread,
                                              std::int32_t threads,
                                              inject_tile_state const& tile)
@@ -133,18 +135,30 @@ struct inject_block {
     std::int64_t const num_slots   = args.cache.num_slots();
     std::int64_t const first_token = block_x * args.tile_tokens;
     std::int32_t const tokens      = tile_tokens(args, block_x);
+    std::int64_t const pool_tokens = args.store.num_pages * args.store.page_size;
     for (std::int32_t t = thread; t < tokens; t += threads) {
-      std::int64_t const slot     = args.batch.slot[first_token + t];
-      std::int64_t const position = args.batch.position[first_token + t];
-      // The host cannot see device arrays: a slot outside the cache, or a position outside the
-      // table, skips the token rather than writing out of bounds.
-      bool const ok = slot_in_cache(slot, num_slots) && position >= 0 && position < args.table_rows;
+      std::int64_t const slot        = args.batch.slot[first_token + t];
+      std::int64_t const position    = args.batch.position[first_token + t];
+      std::int64_t const store_token = args.batch.store_token[first_token + t];
+      // The host cannot see device arrays: a slot outside the cache, a position outside the
+      // table or a store token outside the pool skips the token rather than reading or writing
+      // out of bounds, and is counted (inject_device_errors); a negative slot is a plain skip.
+      bool const slot_ok     = slot_in_cache(slot, num_slots);
+      bool const position_ok = position >= 0 && position < args.table_rows;
+      bool const token_ok    = store_token >= 0 && store_token < pool_tokens;
+      bool const ok          = slot_ok && position_ok && token_ok;
+      // Every layer group (block_y) prepares the same tokens: the first one counts them.
+      if (!ok && slot >= 0 && block_y == 0 && args.errors != nullptr) {
+        count_device_error(!slot_ok       ? &args.errors->bad_slot
+                           : !position_ok ? &args.errors->bad_position
+                                          : &args.errors->bad_store_token);
+      }
       tile.slot[t]  = ok ? slot : -1;
       tile.block[t] = ok ? slot / args.cache.key_layout.block_size : 0;
       tile.in_block[t] =
         ok ? static_cast<std::int32_t>(slot % args.cache.key_layout.block_size) : 0;
       // Offset of the token's layer-0 key row: the page division is done once per token.
-      tile.source[t] = args.store.row_offset(args.batch.store_token[first_token + t], 0, 0);
+      tile.source[t] = ok ? args.store.row_offset(store_token, 0, 0) : 0;
     }
     for (std::int32_t i = thread; i < tokens * pairs; i += threads) {
       std::int32_t const t        = i / pairs;
@@ -195,6 +209,14 @@ struct inject_block {
       std::int32_t const u        = unit - h * args.units_per_head;
       std::int64_t const source   = tile.source[t];
       float const scale           = scaled ? args.cache.scale(l, h, u >= args.key_units) : 1.0f;
+      if (scaled && !scale_usable(scale)) {
+        // A zero, negative or non-finite fp8 scale (device memory the host does not read): the
+        // row is left as it was, and counted once, by its first unit.
+        if ((u == 0 || u == args.key_units) && args.errors != nullptr) {
+          count_device_error(&args.errors->bad_scale);
+        }
+        continue;
+      }
 
       if (u < args.rotary_units) {
         // Key: rotate. Halves: a run of `run` pairs (elements p.. and p+R/2..). Interleaved: a run
@@ -278,6 +300,7 @@ void __launch_bounds__(Policy::block_threads)
   using block = inject_block<Policy, StoreT, CacheT, Rotation, Vectorized>;
   block::prepare(args,
                  blockIdx.x,
+                 static_cast<std::int32_t>(blockIdx.y),
                  static_cast<std::int32_t>(threadIdx.x),
                  static_cast<std::int32_t>(blockDim.x),
                  tile);

@@ -33,6 +33,8 @@ struct rope_kernel_args {
   rope_op op;
   bool round_each_operation;
   bool fused;  ///< fused multiply-add rotation (forward with a fused table)
+  /// Tokens left unchanged for a bad position are counted here (device memory); may be null.
+  unsigned long long* bad_positions;
 };
 
 /// @brief 16 bytes of T, moved as one 128-bit access.
@@ -41,11 +43,18 @@ struct alignas(16) rope_vector {
   T values[N];
 };
 
-INFERSCALE_DEVICE INFERSCALE_FORCEINLINE bool rope_position_ok(std::int64_t position,
-                                                               std::int64_t rows,
-                                                               rope_op op)
+/**
+ * @brief Whether the kernel may rotate a token by `position`: forward and inverse need a position
+ * in `[0, rows)`, shift a delta with `|delta| < rows` (table row |delta|); INT64_MIN, whose
+ * magnitude does not fit 64 bits, is never valid. Shared with the host tests.
+ */
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE bool rope_position_ok(std::int64_t position,
+                                                                    std::int64_t rows,
+                                                                    rope_op op)
 {
-  if (op == rope_op::shift) { return (position < 0 ? -position : position) < rows; }
+  if (op == rope_op::shift) {
+    return position != (-0x7fffffffffffffffLL - 1) && (position < 0 ? -position : position) < rows;
+  }
   return position >= 0 && position < rows;
 }
 
@@ -83,6 +92,8 @@ void __launch_bounds__(Policy::block_threads)
       if (rope_position_ok(position, args.table_rows, args.op)) {
         shared_cos_sin[index] = rope_angle_cos_sin(
           args.rotation, position, static_cast<std::int32_t>(index % pairs), args.op);
+      } else if (index % pairs == 0 && args.bad_positions != nullptr) {
+        atomicAdd(args.bad_positions, 1ull);  // once per token
       }
     }
     __syncthreads();

@@ -58,9 +58,19 @@ inline void rope_spec::validate() const
   bool const needs_factor = scaling == rope_scaling::linear ||
                             scaling == rope_scaling::dynamic_ntk ||
                             scaling == rope_scaling::llama3 || scaling == rope_scaling::yarn;
+  if (scaling == rope_scaling::yarn && factor == 0.0) {
+    // HF (transformers v5): a YaRN config without `factor` takes Lmax / L0.
+    INFERSCALE_EXPECTS(
+      max_position > 0 && original_max_position > 0,
+      rope_field("factor", factor) +
+        ": yarn without a factor (0) derives it as max_position / original_max_position, which "
+        "needs both > 0 (got " +
+        std::to_string(max_position) + " and " + std::to_string(original_max_position) + ")");
+  }
   if (needs_factor) {
-    INFERSCALE_EXPECTS(std::isfinite(factor) && factor >= 1.0,
-                       rope_field("factor", factor) + ": must be >= 1 for this rope type");
+    double const f = effective_factor();
+    INFERSCALE_EXPECTS(std::isfinite(f) && f >= 1.0,
+                       rope_field("factor", f) + ": must be >= 1 for this rope type");
   }
   switch (scaling) {
     case rope_scaling::none:
@@ -90,8 +100,13 @@ inline void rope_spec::validate() const
                          rope_field("beta_fast", beta_fast) +
                            ": yarn needs beta_fast >= beta_slow > 0 (beta_slow = " +
                            std::to_string(beta_slow) + ")");
-      INFERSCALE_EXPECTS(!mscale || !mscale_all_dim || (*mscale > 0 && *mscale_all_dim > 0),
-                         std::string{"rope_spec.mscale/mscale_all_dim: must be positive"});
+      // HF reads `if mscale and mscale_all_dim`: 0 is "absent", as a missing key.
+      INFERSCALE_EXPECTS(
+        (!mscale || (std::isfinite(*mscale) && *mscale >= 0)) &&
+          (!mscale_all_dim || (std::isfinite(*mscale_all_dim) && *mscale_all_dim >= 0)),
+        rope_field("mscale", mscale.value_or(0)) + ", mscale_all_dim = " +
+          std::to_string(mscale_all_dim.value_or(0)) +
+          ": must be finite and non-negative (0 means absent)");
       break;
     case rope_scaling::longrope: {
       INFERSCALE_EXPECTS(
@@ -102,7 +117,8 @@ inline void rope_spec::validate() const
       auto const pairs = static_cast<std::size_t>(d / 2);
       INFERSCALE_EXPECTS(short_factor.size() == pairs && long_factor.size() == pairs,
                          "rope_spec.short_factor/long_factor: longrope needs rotary_dim/2 = " +
-                           std::to_string(pairs) + " entries each, got " +
+                           detail::count_of(static_cast<std::int64_t>(pairs), "entry", "entries") +
+                           " each, got " +
                            std::to_string(short_factor.size()) + " and " +
                            std::to_string(long_factor.size()));
       auto const positive = [](double v) { return std::isfinite(v) && v > 0; };
@@ -175,10 +191,11 @@ inline std::vector<double> rope_spec::inverse_frequencies(std::int64_t total_len
       low  = std::max(low, 0.0);
       high = std::min(high, dd - 1.0);
       if (low == high) { high += 0.001; }
+      double const f = effective_factor();
       for (std::size_t i = 0; i < inv.size(); ++i) {
         double const ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
         double const extrapolation = 1.0 - ramp;
-        inv[i] = inv[i] / factor * (1.0 - extrapolation) + inv[i] * extrapolation;
+        inv[i] = inv[i] / f * (1.0 - extrapolation) + inv[i] * extrapolation;
       }
       break;
     }
@@ -198,10 +215,11 @@ inline double rope_spec::attention_scaling(std::int64_t /*total_length*/) const
   validate();
   if (attention_factor) { return *attention_factor; }
   if (scaling == rope_scaling::yarn) {
-    if (mscale && mscale_all_dim) {
-      return detail::yarn_mscale(factor, *mscale) / detail::yarn_mscale(factor, *mscale_all_dim);
+    double const f = effective_factor();
+    if (mscale.value_or(0) != 0 && mscale_all_dim.value_or(0) != 0) {
+      return detail::yarn_mscale(f, *mscale) / detail::yarn_mscale(f, *mscale_all_dim);
     }
-    return detail::yarn_mscale(factor, 1.0);
+    return detail::yarn_mscale(f, 1.0);
   }
   if (scaling == rope_scaling::longrope) {
     double const f = static_cast<double>(max_position) / static_cast<double>(original_max_position);
@@ -409,8 +427,8 @@ void rope_check_batch(token_head_view<T> x,
                        " differs from the rotation's head_dim " +
                        std::to_string(rotation.head_dim));
   INFERSCALE_EXPECTS(num_positions == x.extent(0),
-                     "rope: " + std::to_string(num_positions) + " positions given for " +
-                       std::to_string(x.extent(0)) + " tokens");
+                     "rope: " + detail::count_of(num_positions, "position") + " given for " +
+                       detail::count_of(x.extent(0), "token"));
   INFERSCALE_EXPECTS(x.size() == 0 || x.data_handle() != nullptr, std::string{"rope: null data"});
   (void)op;
 }
@@ -429,7 +447,7 @@ void rope_check_host_positions(std::int64_t const* positions,
     if (op == rope_op::shift) {
       INFERSCALE_EXPECTS(p > std::numeric_limits<std::int64_t>::min() && (p < 0 ? -p : p) < rows,
                          "rope: shift " + std::to_string(p) + " of token " + std::to_string(t) +
-                           " is beyond the cos/sin table (" + std::to_string(rows) + " rows)");
+                           " is beyond the cos/sin table (" + detail::count_of(rows, "row") + ")");
     } else {
       INFERSCALE_EXPECTS(p >= 0 && p < rows,
                          "rope: position " + std::to_string(p) + " of token " + std::to_string(t) +

@@ -867,19 +867,19 @@ class memory {
     m.prefix = prefix_;
     try {
       save_store(store_, store_pending);
-      m.store_checksum = checksum_at(store_pending, -8, who);
+      m.store_checksum = detail::serial::stored_checksum(store_pending, -8, who);
       save_index(index_, index_pending);
-      m.index_header_checksum = checksum_at(index_pending, 72, who);
-      m.index_checksum        = checksum_at(index_pending, -8, who);
+      m.index_header_checksum = detail::serial::stored_checksum(index_pending, 72, who);
+      m.index_checksum        = detail::serial::stored_checksum(index_pending, -8, who);
       std::vector<unsigned char> const lifecycle = encode_lifecycle();
       (void)detail::serial::write_file_atomically(
         lifecycle_pending, who, false, [&](detail::serial::checksummed_writer& out) {
           out.write(lifecycle.data(), lifecycle.size());
         });
-      m.lifecycle_checksum = checksum_at(lifecycle_pending, -8, who);
-      rename_into(store_pending, directory + "/" + store_file_name(m), who);
-      rename_into(index_pending, directory + "/" + index_file_name(m), who);
-      rename_into(lifecycle_pending, directory + "/" + lifecycle_file_name(m), who);
+      m.lifecycle_checksum = detail::serial::stored_checksum(lifecycle_pending, -8, who);
+      detail::serial::rename_or_fail(store_pending, directory + "/" + store_file_name(m), who);
+      detail::serial::rename_or_fail(index_pending, directory + "/" + index_file_name(m), who);
+      detail::serial::rename_or_fail(lifecycle_pending, directory + "/" + lifecycle_file_name(m), who);
     } catch (...) {
       (void)std::remove(store_pending.c_str());
       (void)std::remove(index_pending.c_str());
@@ -935,10 +935,10 @@ class memory {
     std::string const store_path = directory + "/" + store_file_name(m);
     std::string const index_path = directory + "/" + index_file_name(m);
     std::string const lifecycle_path = directory + "/" + lifecycle_file_name(m);
-    INFERSCALE_EXPECTS(checksum_at(store_path, -8, who) == m.store_checksum &&
-                         checksum_at(index_path, 72, who) == m.index_header_checksum &&
-                         checksum_at(index_path, -8, who) == m.index_checksum &&
-                         checksum_at(lifecycle_path, -8, who) == m.lifecycle_checksum,
+    INFERSCALE_EXPECTS(detail::serial::stored_checksum(store_path, -8, who) == m.store_checksum &&
+                         detail::serial::stored_checksum(index_path, 72, who) == m.index_header_checksum &&
+                         detail::serial::stored_checksum(index_path, -8, who) == m.index_checksum &&
+                         detail::serial::stored_checksum(lifecycle_path, -8, who) == m.lifecycle_checksum,
                        where + "the store or index file does not carry the manifest's checksum "
                                "(files of different saves are never paired)");
 
@@ -1231,51 +1231,19 @@ class memory {
   {
   }
 
-  static std::string checksum_text(std::uint64_t v)
-  {
-    char text[20];
-    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
-    return text;
-  }
   static std::string store_file_name(snapshot_manifest const& m)
   {
-    return "store-" + checksum_text(m.store_checksum) + ".iskv";
+    return "store-" + detail::serial::checksum_digits(m.store_checksum) + ".iskv";
   }
   static std::string index_file_name(snapshot_manifest const& m)
   {
-    return "index-" + checksum_text(m.index_header_checksum) + "-" +
-           checksum_text(m.index_checksum) + ".isx";
+    return "index-" + detail::serial::checksum_digits(m.index_header_checksum) + "-" +
+           detail::serial::checksum_digits(m.index_checksum) + ".isx";
   }
 
   static std::string lifecycle_file_name(snapshot_manifest const& m)
   {
-    return "lifecycle-" + checksum_text(m.lifecycle_checksum) + ".islc";
-  }
-
-  /// The checksum stored in a saved file at `offset` (negative: from the end).
-  static std::uint64_t checksum_at(std::string const& path, long offset, std::string const& who)
-  {
-    std::FILE* file = std::fopen(path.c_str(), "rb");
-    int const error = errno;
-    INFERSCALE_EXPECTS(file != nullptr, who + ": cannot open '" + path + "': " +
-                                          detail::serial::errno_text(error));
-    unsigned char bytes[8] = {};
-    bool const read = std::fseek(file, offset, offset < 0 ? SEEK_END : SEEK_SET) == 0 &&
-                      std::fread(bytes, 1, 8, file) == 8;
-    (void)std::fclose(file);
-    INFERSCALE_EXPECTS(read, who + ": cannot read the checksum at byte " + std::to_string(offset) +
-                               " of '" + path + "'");
-    return detail::serial::get_le<std::uint64_t>(bytes);
-  }
-
-  static void rename_into(std::string const& from, std::string const& to, std::string const& who)
-  {
-    if (std::rename(from.c_str(), to.c_str()) != 0) {
-      int const error = errno;
-      (void)std::remove(from.c_str());
-      INFERSCALE_FAIL(who + ": cannot rename '" + from + "' to '" + to +
-                      "': " + detail::serial::errno_text(error));
-    }
+    return "lifecycle-" + detail::serial::checksum_digits(m.lifecycle_checksum) + ".islc";
   }
 
   static void encode_manifest(snapshot_manifest const& m, unsigned char* bytes)

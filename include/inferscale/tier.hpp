@@ -620,11 +620,11 @@ class tiered_store {
     manifest_data m;
     try {
       save_store(device_, device_pending);
-      m.device_checksum = trailing_checksum(device_pending, who);
+      m.device_checksum = detail::serial::stored_checksum(device_pending, -8, who);
       save_store(host_, host_pending);
-      m.host_checksum = trailing_checksum(host_pending, who);
-      rename_or_fail(device_pending, directory + "/" + tier_file("device", m.device_checksum), who);
-      rename_or_fail(host_pending, directory + "/" + tier_file("host", m.host_checksum), who);
+      m.host_checksum = detail::serial::stored_checksum(host_pending, -8, who);
+      detail::serial::rename_or_fail(device_pending, directory + "/" + tier_file("device", m.device_checksum), who);
+      detail::serial::rename_or_fail(host_pending, directory + "/" + tier_file("host", m.host_checksum), who);
     } catch (...) {
       (void)std::remove(device_pending.c_str());
       (void)std::remove(host_pending.c_str());
@@ -679,8 +679,8 @@ class tiered_store {
       parse_manifest(detail::serial::read_whole_file(directory + "/" + manifest_name, who), where);
     std::string const device_path = directory + "/" + tier_file("device", m.device_checksum);
     std::string const host_path   = directory + "/" + tier_file("host", m.host_checksum);
-    INFERSCALE_EXPECTS(trailing_checksum(device_path, who) == m.device_checksum &&
-                         trailing_checksum(host_path, who) == m.host_checksum,
+    INFERSCALE_EXPECTS(detail::serial::stored_checksum(device_path, -8, who) == m.device_checksum &&
+                         detail::serial::stored_checksum(host_path, -8, who) == m.host_checksum,
                        where + "a tier file does not carry the manifest's checksum (files of "
                                "different saves are never paired)");
     kv_store device = load_store(device_path, c.device);
@@ -786,32 +786,7 @@ class tiered_store {
 
   static std::string tier_file(char const* tier, std::uint64_t checksum)
   {
-    char text[20];
-    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(checksum));
-    return std::string{tier} + "-" + text + ".iskv";
-  }
-
-  static std::uint64_t trailing_checksum(std::string const& path, std::string const& who)
-  {
-    std::FILE* file = std::fopen(path.c_str(), "rb");
-    int const error = errno;
-    INFERSCALE_EXPECTS(file != nullptr, who + ": cannot open '" + path + "': " +
-                                          detail::serial::errno_text(error));
-    unsigned char bytes[8] = {};
-    bool const read = std::fseek(file, -8, SEEK_END) == 0 && std::fread(bytes, 1, 8, file) == 8;
-    (void)std::fclose(file);
-    INFERSCALE_EXPECTS(read, who + ": cannot read the checksum of '" + path + "'");
-    return detail::serial::get_le<std::uint64_t>(bytes);
-  }
-
-  static void rename_or_fail(std::string const& from, std::string const& to, std::string const& who)
-  {
-    if (std::rename(from.c_str(), to.c_str()) != 0) {
-      int const error = errno;
-      (void)std::remove(from.c_str());
-      INFERSCALE_FAIL(who + ": cannot rename '" + from + "' to '" + to +
-                      "': " + detail::serial::errno_text(error));
-    }
+    return std::string{tier} + "-" + detail::serial::checksum_digits(checksum) + ".iskv";
   }
 
   static std::vector<unsigned char> encode_manifest(manifest_data const& m)

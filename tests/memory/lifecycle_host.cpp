@@ -7,6 +7,7 @@
 // leave the store, the index and the memory's own records exactly as they were.
 
 #include "fake_model.hpp"
+#include "memory_fixtures.hpp"
 
 #include <inferscale/memory.hpp>
 
@@ -26,38 +27,9 @@
 
 using namespace inferscale;
 using namespace inferscale_test::fake;
+using namespace inferscale_test::memory_fixtures;
 
 namespace {
-
-/// Bag of words hashed into 32 buckets, L2-normalised; one text can be made to give NaN, zeros,
-/// or to throw.
-struct word_embedder {
-  std::int64_t dim{32};
-  std::string nan_for;
-  std::string zero_for;
-  std::string throw_for;
-  std::int64_t dimension() const { return dim; }
-  std::vector<float> embed(std::string const& text)
-  {
-    if (text == throw_for) { throw std::runtime_error("fake embedder failure"); }
-    std::vector<float> v(static_cast<std::size_t>(dim), 0.0f);
-    if (text == zero_for) { return v; }
-    std::istringstream in{text};
-    std::string w;
-    while (in >> w) {
-      v[std::hash<std::string>{}(w) % static_cast<std::size_t>(dim)] += 1.0f;
-    }
-    double n = 0;
-    for (float x : v) {
-      n += double(x) * x;
-    }
-    for (float& x : v) {
-      x = static_cast<float>(x / std::sqrt(n));
-    }
-    if (text == nan_for) { v[0] = std::numeric_limits<float>::quiet_NaN(); }
-    return v;
-  }
-};
 
 memory make_memory(std::int64_t pages = 512, search_algo algo = search_algo::automatic)
 {
@@ -71,37 +43,6 @@ memory make_memory(std::int64_t pages = 512, search_algo algo = search_algo::aut
   c.index.metric      = distance_metric::cosine;
   c.search.algo       = algo;
   return memory{c};
-}
-
-/// A conversation of `n` turns (turn u: tokens 1000 + 10 u + j, session u / 4, header 900 + s)
-/// behind the lead {1, 2}, and one fact per turn u >= 1 (ids base + u, tokens 5000 + u ..).
-struct user_data {
-  conversation c;
-  std::vector<conversation_fact> facts;
-  std::vector<std::string> texts;
-};
-
-user_data make_user(std::uint64_t ns, std::uint64_t base, int n)
-{
-  user_data d;
-  d.c.lead = std::vector<std::int32_t>{1, 2};
-  for (int u = 0; u < n; ++u) {
-    d.c.turns.push_back({{1000 + 10 * u, 1001 + 10 * u, 1002 + 10 * u}, u / 4});
-  }
-  for (int s = 0; s <= (n - 1) / 4; ++s) {
-    d.c.session_headers.push_back({900 + s});
-  }
-  for (int u = 1; u < n; ++u) {
-    conversation_fact f;
-    f.fact_id      = base + static_cast<std::uint64_t>(u);
-    f.namespace_id = ns;
-    f.token_ids    = std::vector<std::int32_t>{5000 + u, 6000 + u, 7000 + u};
-    f.source_turns = std::vector<std::int64_t>{u};
-    d.facts.push_back(f);
-    d.texts.push_back("topic" + std::to_string(u) + " alpha" + std::to_string(u * 7) + " beta" +
-                      std::to_string(u * 13));
-  }
-  return d;
 }
 
 /// The context a fact at turn t sees behind a window starting at turn a, written out from the

@@ -3,6 +3,7 @@
 // adapters are not called), the directory holds exactly the current snapshot, and mismatched,
 // corrupted or interrupted snapshots are refused or leave the previous one loadable.
 #include "fake_model.hpp"
+#include "memory_fixtures.hpp"
 #include "snapshot_common.hpp"
 
 #include <inferscale/memory.hpp>
@@ -20,34 +21,11 @@
 
 using namespace inferscale;
 using namespace inferscale_test::fake;
+using namespace inferscale_test::memory_fixtures;
 using namespace inferscale_test::snapshot;
 using Catch::Matchers::Contains;
 
 namespace {
-
-/// Bag of words hashed into 32 buckets, L2-normalised; counts its calls.
-struct word_embedder {
-  std::int64_t calls{0};
-  std::int64_t dimension() const { return 32; }
-  std::vector<float> embed(std::string const& text)
-  {
-    ++calls;
-    std::vector<float> v(32, 0.0f);
-    std::istringstream in{text};
-    std::string w;
-    while (in >> w) {
-      v[std::hash<std::string>{}(w) % 32] += 1.0f;
-    }
-    double n = 0;
-    for (float x : v) {
-      n += double(x) * x;
-    }
-    for (float& x : v) {
-      x = static_cast<float>(x / std::sqrt(n));
-    }
-    return v;
-  }
-};
 
 /// A contiguous float32 host cache of 256 slots (the fake model's 2 layers, 1 head, head_dim 4).
 struct host_cache {
@@ -84,35 +62,6 @@ memory_config make_config()
   return c;
 }
 
-struct user_data {
-  conversation c;
-  std::vector<conversation_fact> facts;
-  std::vector<std::string> texts;
-};
-
-user_data make_user(std::uint64_t ns, std::uint64_t base, int n)
-{
-  user_data d;
-  d.c.lead = std::vector<std::int32_t>{1, 2};
-  for (int u = 0; u < n; ++u) {
-    d.c.turns.push_back({{1000 + 10 * u, 1001 + 10 * u, 1002 + 10 * u}, u / 4});
-  }
-  for (int s = 0; s <= (n - 1) / 4; ++s) {
-    d.c.session_headers.push_back({900 + s});
-  }
-  for (int u = 1; u < n; ++u) {
-    conversation_fact f;
-    f.fact_id      = base + static_cast<std::uint64_t>(u);
-    f.namespace_id = ns;
-    f.token_ids    = std::vector<std::int32_t>{5000 + u, 6000 + u, 7000 + u, 8000 + u, 9000 + u};
-    f.source_turns = std::vector<std::int64_t>{u};
-    d.facts.push_back(f);
-    d.texts.push_back("topic" + std::to_string(u) + " alpha" + std::to_string(u * 7) + " beta" +
-                      std::to_string(u * 13));
-  }
-  return d;
-}
-
 std::set<std::string> files_in(std::string const& directory)
 {
   std::set<std::string> names;
@@ -142,8 +91,8 @@ TEST_CASE("memory snapshot: a restarted deployment serves the same requests", "[
   branching_model model;
   word_embedder embedder;
   m.set_instruction_prefix(model, {11, 12, 13}, 1, 0);
-  user_data const a = make_user(7, 100, 12);
-  user_data const b = make_user(8, 200, 9);
+  user_data const a = make_user(7, 100, 12, 5);
+  user_data const b = make_user(8, 200, 9, 5);
   encoding_options o;
   o.window = 3;
   m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o);
@@ -208,7 +157,7 @@ TEST_CASE("memory snapshot: mismatched, corrupted and interrupted snapshots", "[
   memory m{config};
   branching_model model;
   word_embedder embedder;
-  user_data const a = make_user(7, 100, 8);
+  user_data const a = make_user(7, 100, 8, 5);
   m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts);
   m.save(dir.path());
   std::set<std::string> const files = files_in(dir.path());
@@ -290,7 +239,7 @@ TEST_CASE("memory snapshot: the lifecycle state survives a restart", "[snapshot]
   memory m{config};
   branching_model model;
   word_embedder embedder;
-  user_data const a = make_user(7, 100, 10);
+  user_data const a = make_user(7, 100, 10, 5);
   encoding_options o;
   o.window   = 2;
   o.strategy = encoding_strategy::per_fact;

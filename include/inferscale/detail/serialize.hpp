@@ -459,6 +459,47 @@ inline void sync_directory_of(std::string const& path, std::string const& who)
 }
 
 /**
+ * @brief Renames `from` to `to` (replacing it); on failure removes `from` and throws.
+ * @throw logic_error naming `who`, both paths and the system's reason
+ */
+inline void rename_or_fail(std::string const& from, std::string const& to, std::string const& who)
+{
+  if (std::rename(from.c_str(), to.c_str()) != 0) {
+    int const error = errno;
+    (void)std::remove(from.c_str());
+    INFERSCALE_FAIL(who + ": cannot rename '" + from + "' to '" + to + "': " + errno_text(error));
+  }
+}
+
+/**
+ * @brief The 64-bit little-endian checksum stored at byte `offset` of a saved file (a negative
+ * offset counts from the end: -8 is the trailing file checksum). Reads 8 bytes only, so a
+ * manifest can check which file it names before that file is loaded.
+ * @throw logic_error naming `who` and the path when the file cannot be opened or is too short
+ */
+inline std::uint64_t stored_checksum(std::string const& path, long offset, std::string const& who)
+{
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  int const error = errno;
+  INFERSCALE_EXPECTS(file != nullptr, who + ": cannot open '" + path + "': " + errno_text(error));
+  unsigned char bytes[8] = {};
+  bool const read = std::fseek(file, offset, offset < 0 ? SEEK_END : SEEK_SET) == 0 &&
+                    std::fread(bytes, 1, 8, file) == 8;
+  (void)std::fclose(file);
+  INFERSCALE_EXPECTS(read, who + ": cannot read the checksum at byte " + std::to_string(offset) +
+                             " of '" + path + "'");
+  return get_le<std::uint64_t>(bytes);
+}
+
+/// @brief `v` as 16 lower-case hexadecimal digits (file names after checksums).
+inline std::string checksum_digits(std::uint64_t v)
+{
+  char text[20];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
+  return text;
+}
+
+/**
  * @brief Writes a file atomically: `write(out)` fills `path + ".tmp"` (a checksummed_writer, in
  * the same directory, so the rename never crosses file systems), which is then synced, renamed
  * over `path` and, with `sync_directory`, the directory synced.

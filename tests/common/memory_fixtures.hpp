@@ -1,0 +1,86 @@
+// Test-side fixtures of the memory facade tests (memory, lifecycle, snapshot): a bag-of-words
+// embedder with switches for bad output, and a synthetic conversation with one fact per turn.
+// Free of Catch macros.
+#pragma once
+
+#include <inferscale/encoding.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace inferscale_test::memory_fixtures {
+
+/// Bag of words hashed into `dim` buckets, L2-normalised; counts its calls. One text can be made
+/// to give NaN (`nan_for`), zeros (`zero_for`) or to throw (`throw_for`).
+struct word_embedder {
+  std::int64_t dim{32};
+  std::string nan_for;
+  std::string zero_for;
+  std::string throw_for;
+  std::int64_t calls{0};
+  std::int64_t dimension() const { return dim; }
+  std::vector<float> embed(std::string const& text)
+  {
+    ++calls;
+    if (text == throw_for) { throw std::runtime_error("fake embedder failure"); }
+    std::vector<float> v(static_cast<std::size_t>(dim), 0.0f);
+    if (text == zero_for) { return v; }
+    std::istringstream in{text};
+    std::string w;
+    while (in >> w) {
+      v[std::hash<std::string>{}(w) % static_cast<std::size_t>(dim)] += 1.0f;
+    }
+    double n = 0;
+    for (float x : v) {
+      n += double(x) * x;
+    }
+    for (float& x : v) {
+      x = static_cast<float>(x / std::sqrt(n));
+    }
+    if (text == nan_for) { v[0] = std::numeric_limits<float>::quiet_NaN(); }
+    return v;
+  }
+};
+
+/// A conversation, its facts and their texts.
+struct user_data {
+  inferscale::conversation c;
+  std::vector<inferscale::conversation_fact> facts;
+  std::vector<std::string> texts;
+};
+
+/// A conversation of `n` turns (turn u: tokens 1000 + 10 u + j, session u / 4, header 900 + s)
+/// behind the lead {1, 2}, and one fact per turn u >= 1 (id base + u, namespace `ns`, tokens
+/// 5000 + u, 6000 + u, .. — `fact_tokens` of them — and its own words).
+inline user_data make_user(std::uint64_t ns, std::uint64_t base, int n, int fact_tokens = 3)
+{
+  user_data d;
+  d.c.lead = std::vector<std::int32_t>{1, 2};
+  for (int u = 0; u < n; ++u) {
+    d.c.turns.push_back({{1000 + 10 * u, 1001 + 10 * u, 1002 + 10 * u}, u / 4});
+  }
+  for (int s = 0; s <= (n - 1) / 4; ++s) {
+    d.c.session_headers.push_back({900 + s});
+  }
+  for (int u = 1; u < n; ++u) {
+    inferscale::conversation_fact f;
+    f.fact_id      = base + static_cast<std::uint64_t>(u);
+    f.namespace_id = ns;
+    for (int j = 0; j < fact_tokens; ++j) {
+      f.token_ids.push_back(5000 + 1000 * j + u);
+    }
+    f.source_turns = std::vector<std::int64_t>{u};
+    d.facts.push_back(f);
+    d.texts.push_back("topic" + std::to_string(u) + " alpha" + std::to_string(u * 7) + " beta" +
+                      std::to_string(u * 13));
+  }
+  return d;
+}
+
+}  // namespace inferscale_test::memory_fixtures

@@ -1048,45 +1048,61 @@ void report_tier(benchmark::State& state, double seconds, double resident_second
   }
 }
 
-/// Host tiers: the staging is memcpy per layer and run, the injection inject_host per layer.
+/**
+ * The measurement loop of both backends: `request()` runs one whole request (and waits for it),
+ * `copy()` returns the seconds of one bare copy of the staged bytes. Host-resident iterations evict
+ * first (untimed), then time the request, the same request again (resident now) and the copy.
+ */
+template <class Request, class Copy>
+void tier_loop(benchmark::State& state, tier_case& c, bool resident, bool device,
+               Request&& request, Copy&& copy)
+{
+  using clock = std::chrono::steady_clock;
+  auto const timed = [&] {
+    auto const t0 = clock::now();
+    request();
+    return std::chrono::duration<double>(clock::now() - t0).count();
+  };
+  request();  // warm: the facts are on the device now
+  double seconds = 0.0, resident_seconds = 0.0, copy_seconds = 0.0;
+  for (auto _ : state) {
+    if (!resident) { c.evict_all(); }
+    double const s = timed();
+    state.SetIterationTime(s);
+    seconds += s;
+    if (!resident) {
+      resident_seconds += timed();
+      copy_seconds += copy();
+    }
+  }
+  report_tier(state, seconds, resident_seconds, copy_seconds, c.staged_bytes(), resident, c.tokens,
+              device);
+}
+
+/// Host tiers: staging is memcpy of whole page runs, then one all-layer inject_host pass.
 void tier_host_bench(benchmark::State& state, model mdl, bool resident)
 {
   ib::run_guarded(state, [&] {
-    using clock = std::chrono::steady_clock;
-    std::int64_t const m = state.range(0);
-    tier_case c{mdl, m, is::memory_kind::host};
+    tier_case c{mdl, state.range(0), is::memory_kind::host};
     std::vector<bfloat16_t> cache(static_cast<std::size_t>(
       c.tiers.device_tier().geometry().elements_per_token() * c.cache_slots()));
     is::paged_kv_cache const desc = c.make_cache(cache.data());
     std::size_t const bytes       = static_cast<std::size_t>(c.staged_bytes());
     std::vector<std::byte> copy_from(bytes), copy_to(bytes);
-    auto const request = [&] {
-      is::tier_request r          = c.tiers.admit(c.ids);
-      is::injection_batch const b = c.plan();
-      is::inject_tiered_host(c.tiers, r, b, desc, c.rotation);
-    };
-    request();  // warm: the facts are on the device now
-    double seconds = 0.0, resident_seconds = 0.0, copy_seconds = 0.0;
-    for (auto _ : state) {
-      if (!resident) { c.evict_all(); }
-      auto const t0 = clock::now();
-      request();
-      double const s = std::chrono::duration<double>(clock::now() - t0).count();
-      state.SetIterationTime(s);
-      seconds += s;
-      if (!resident) {
-        auto const r0 = clock::now();
-        request();  // now resident
-        resident_seconds += std::chrono::duration<double>(clock::now() - r0).count();
-        auto const c0 = clock::now();
+    tier_loop(
+      state, c, resident, false,
+      [&] {
+        is::tier_request r          = c.tiers.admit(c.ids);
+        is::injection_batch const b = c.plan();
+        is::inject_tiered_host(c.tiers, r, b, desc, c.rotation);
+      },
+      [&] {
+        auto const c0 = std::chrono::steady_clock::now();
         std::memcpy(copy_to.data(), copy_from.data(), bytes);
         benchmark::DoNotOptimize(copy_to.data());
         benchmark::ClobberMemory();
-        copy_seconds += std::chrono::duration<double>(clock::now() - c0).count();
-      }
-    }
-    report_tier(state, seconds, resident_seconds, copy_seconds, c.staged_bytes(), resident, c.tokens,
-                false);
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
+      });
   });
 }
 
@@ -1096,9 +1112,7 @@ void tier_device_bench(benchmark::State& state, model mdl, bool resident)
 {
   if (!ib::require_device(state)) { return; }
   ib::run_guarded(state, [&] {
-    using clock = std::chrono::steady_clock;
-    std::int64_t const m = state.range(0);
-    tier_case c{mdl, m, is::memory_kind::device};
+    tier_case c{mdl, state.range(0), is::memory_kind::device};
     ib::device_buffer<bfloat16_t> cache(static_cast<std::size_t>(
       c.tiers.device_tier().geometry().elements_per_token() * c.cache_slots()));
     is::paged_kv_cache const desc = c.make_cache(cache.data());
@@ -1108,36 +1122,23 @@ void tier_device_bench(benchmark::State& state, model mdl, bool resident)
     std::size_t const bytes = static_cast<std::size_t>(c.staged_bytes());
     ib::device_buffer<std::byte> copy_to(bytes);
     void const* const copy_from = c.tiers.host_tier().ref().pool;  // pinned, >= bytes
-    auto const request = [&] {
-      is::tier_request r          = c.tiers.admit(c.ids);
-      is::injection_batch const b = c.plan();
-      is::inject_tiered_async(c.tiers, r, b, desc, c.rotation, workspace,
-                              cuda::stream_ref{compute.get()}, copy.get());
-      INFERSCALE_CUDA_TRY(cudaStreamSynchronize(compute.get()));
-    };
-    request();
-    double seconds = 0.0, resident_seconds = 0.0, copy_seconds = 0.0;
-    for (auto _ : state) {
-      if (!resident) { c.evict_all(); }
-      auto const t0 = clock::now();
-      request();
-      double const s = std::chrono::duration<double>(clock::now() - t0).count();
-      state.SetIterationTime(s);
-      seconds += s;
-      if (!resident) {
-        auto const r0 = clock::now();
-        request();
-        resident_seconds += std::chrono::duration<double>(clock::now() - r0).count();
+    tier_loop(
+      state, c, resident, true,
+      [&] {
+        is::tier_request r          = c.tiers.admit(c.ids);
+        is::injection_batch const b = c.plan();
+        is::inject_tiered_async(c.tiers, r, b, desc, c.rotation, workspace,
+                                cuda::stream_ref{compute.get()}, copy.get());
+        INFERSCALE_CUDA_TRY(cudaStreamSynchronize(compute.get()));
+      },
+      [&] {
         INFERSCALE_CUDA_TRY(cudaEventRecord(c0.get(), copy.get()));
-        INFERSCALE_CUDA_TRY(cudaMemcpyAsync(copy_to.data(), copy_from, bytes,
-                                            cudaMemcpyHostToDevice, copy.get()));
+        INFERSCALE_CUDA_TRY(
+          cudaMemcpyAsync(copy_to.data(), copy_from, bytes, cudaMemcpyHostToDevice, copy.get()));
         INFERSCALE_CUDA_TRY(cudaEventRecord(c1.get(), copy.get()));
         INFERSCALE_CUDA_TRY(cudaStreamSynchronize(copy.get()));
-        copy_seconds += ib::elapsed_seconds(c0, c1);
-      }
-    }
-    report_tier(state, seconds, resident_seconds, copy_seconds, c.staged_bytes(), resident, c.tokens,
-                true);
+        return ib::elapsed_seconds(c0, c1);
+      });
   });
 }
 

@@ -3,6 +3,7 @@
 // Free of Catch macros.
 #pragma once
 
+#include <inferscale/cache.hpp>
 #include <inferscale/encoding.hpp>
 
 #include <cmath>
@@ -82,5 +83,40 @@ inline user_data make_user(std::uint64_t ns, std::uint64_t base, int n, int fact
   }
   return d;
 }
+
+/// A paged-cache adapter over a contiguous float32 host cache of 256 slots (the fake model's 2
+/// layers, 1 head, head_dim 4), every element -1 at first; allocate(p0, n) hands out slots
+/// `slot_offset + slot_stride * j`.
+struct host_cache {
+  explicit host_cache(std::int64_t slot_stride = 1, std::int64_t slot_offset = 0)
+    : stride{slot_stride}, offset{slot_offset}, data(static_cast<std::size_t>(2 * 2 * 256 * 4), -1.0f)
+  {
+    cache_ = inferscale::make_contiguous_cache(
+      inferscale::dtype::float32, data.data(), {2, 2, 256, 1, 4}, {2 * 256 * 4, 256 * 4, 4, 4, 1});
+  }
+  std::vector<std::int64_t> allocate(std::int64_t p0, std::int64_t n)
+  {
+    first = p0;
+    std::vector<std::int64_t> s;
+    for (std::int64_t j = 0; j < n; ++j) {
+      s.push_back(offset + stride * j);
+    }
+    return s;
+  }
+  inferscale::paged_kv_cache const& cache() const { return cache_; }
+  void commit(std::int64_t n) { committed.push_back(n); }
+  /// V element `d` of slot `slot` in layer `layer`.
+  float value(std::int64_t layer, std::int64_t slot, std::int64_t d) const
+  {
+    return data[static_cast<std::size_t>(((layer * 2 + 1) * 256 + slot) * 4 + d)];
+  }
+
+  std::int64_t stride{1};
+  std::int64_t offset{0};
+  std::vector<float> data;
+  inferscale::paged_kv_cache cache_{};
+  std::int64_t first{-1};
+  std::vector<std::int64_t> committed;
+};
 
 }  // namespace inferscale_test::memory_fixtures

@@ -25,35 +25,6 @@ using namespace inferscale_test::memory_fixtures;
 
 namespace {
 
-/// A contiguous host cache of 256 slots; allocate() hands out slots 0 .. n-1.
-struct host_cache {
-  host_cache() : data(static_cast<std::size_t>(2 * 2 * 256 * 4), -1.0f)
-  {
-    cache_ = make_contiguous_cache(dtype::float32, data.data(), {2, 2, 256, 1, 4},
-                                   {2 * 256 * 4, 256 * 4, 4, 4, 1});
-  }
-  std::vector<std::int64_t> allocate(std::int64_t p0, std::int64_t n)
-  {
-    first = p0;
-    std::vector<std::int64_t> s;
-    for (std::int64_t j = 0; j < n; ++j) {
-      s.push_back(j);
-    }
-    return s;
-  }
-  paged_kv_cache const& cache() const { return cache_; }
-  void commit(std::int64_t n) { committed.push_back(n); }
-  float value(std::int64_t layer, std::int64_t slot, std::int64_t d) const
-  {
-    return data[static_cast<std::size_t>(((layer * 2 + 1) * 256 + slot) * 4 + d)];
-  }
-
-  std::vector<float> data;
-  paged_kv_cache cache_{};
-  std::int64_t first{-1};
-  std::vector<std::int64_t> committed;
-};
-
 memory make_memory()
 {
   memory_config c;

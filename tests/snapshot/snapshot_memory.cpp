@@ -27,28 +27,6 @@ using Catch::Matchers::Contains;
 
 namespace {
 
-/// A contiguous float32 host cache of 256 slots (the fake model's 2 layers, 1 head, head_dim 4).
-struct host_cache {
-  host_cache() : data(static_cast<std::size_t>(2 * 2 * 256 * 4), -1.0f)
-  {
-    cache_ = make_contiguous_cache(
-      dtype::float32, data.data(), {2, 2, 256, 1, 4}, {2 * 256 * 4, 256 * 4, 4, 4, 1});
-  }
-  std::vector<std::int64_t> allocate(std::int64_t, std::int64_t n)
-  {
-    std::vector<std::int64_t> s;
-    for (std::int64_t j = 0; j < n; ++j) {
-      s.push_back(3 * j + 1);
-    }
-    return s;
-  }
-  paged_kv_cache const& cache() const { return cache_; }
-  void commit(std::int64_t n) { committed.push_back(n); }
-  std::vector<float> data;
-  paged_kv_cache cache_{};
-  std::vector<std::int64_t> committed;
-};
-
 memory_config make_config()
 {
   memory_config c;
@@ -111,7 +89,7 @@ TEST_CASE("memory snapshot: a restarted deployment serves the same requests", "[
 
   for (std::size_t i = 0; i < a.texts.size(); ++i) {
     CAPTURE(i);
-    host_cache c1, c2;
+    host_cache c1{3, 1}, c2{3, 1};
     memory_request const r1 = m.serve(embedder, 7, a.texts[i], 3, 9, c1, model.rotation());
     memory_request const r2 = restarted.serve(embedder, 7, a.texts[i], 3, 9, c2, model.rotation());
     CHECK(r1.fact_ids == r2.fact_ids);

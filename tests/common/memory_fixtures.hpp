@@ -84,6 +84,28 @@ inline user_data make_user(std::uint64_t ns, std::uint64_t base, int n, int fact
   return d;
 }
 
+/// The context a fact at turn t sees behind a window starting at turn a, written out from the
+/// rule in encoding.hpp's file comment (independently of the planner's code): the lead; nothing
+/// more when t == a; otherwise the header of a's session, turns a .. t-1 with the header of every
+/// session that opens among them, and the header of t's session when t opens a session.
+inline std::vector<std::int32_t> window_tokens(inferscale::conversation const& c, std::int64_t a, std::int64_t t)
+{
+  std::vector<std::int32_t> out = c.lead;
+  if (t == a) { return out; }
+  auto session = [&](std::int64_t u) { return c.turns[static_cast<std::size_t>(u)].session; };
+  auto header  = [&](std::int64_t u) {
+    auto const& h = c.session_headers[static_cast<std::size_t>(session(u))];
+    out.insert(out.end(), h.begin(), h.end());
+  };
+  for (std::int64_t u = a; u < t; ++u) {
+    if (!c.session_headers.empty() && (u == a || session(u) != session(u - 1))) { header(u); }
+    auto const& tok = c.turns[static_cast<std::size_t>(u)].token_ids;
+    out.insert(out.end(), tok.begin(), tok.end());
+  }
+  if (!c.session_headers.empty() && session(t) != session(t - 1)) { header(t); }
+  return out;
+}
+
 /// A paged-cache adapter over a contiguous float32 host cache of 256 slots (the fake model's 2
 /// layers, 1 head, head_dim 4), every element -1 at first; allocate(p0, n) hands out slots
 /// `slot_offset + slot_stride * j`.

@@ -4,6 +4,7 @@
 // the fake model's formula (tests/common/fake_model.hpp).
 
 #include "fake_model.hpp"
+#include "memory_fixtures.hpp"
 
 #include <inferscale/encoding.hpp>
 
@@ -17,6 +18,7 @@
 
 using namespace inferscale;
 using namespace inferscale_test::fake;
+using inferscale_test::memory_fixtures::window_tokens;
 
 namespace {
 
@@ -51,26 +53,6 @@ data make_data()
   return d;
 }
 
-/// The window rule of encoding.hpp's file comment, written out: the lead; for t > a the header
-/// of a's session, turns a .. t-1 with the header of every session opening among them, and the
-/// header of t's session when t opens one.
-std::vector<std::int32_t> window_tokens(conversation const& c, std::int64_t a, std::int64_t t)
-{
-  std::vector<std::int32_t> out = c.lead;
-  if (t == a) { return out; }
-  auto session = [&](std::int64_t u) { return c.turns[static_cast<std::size_t>(u)].session; };
-  auto header  = [&](std::int64_t u) {
-    auto const& h = c.session_headers[static_cast<std::size_t>(session(u))];
-    out.insert(out.end(), h.begin(), h.end());
-  };
-  for (std::int64_t u = a; u < t; ++u) {
-    if (u == a || session(u) != session(u - 1)) { header(u); }
-    auto const& tok = c.turns[static_cast<std::size_t>(u)].token_ids;
-    out.insert(out.end(), tok.begin(), tok.end());
-  }
-  if (session(t) != session(t - 1)) { header(t); }
-  return out;
-}
 
 std::vector<std::int32_t> prefix(encoding_job const& job, encoding_branch const& b)
 {

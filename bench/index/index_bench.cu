@@ -30,7 +30,8 @@
  *    exact up to 10,000 rows, NN-descent above; rank pruning, reverse edges, merge; all hardware
  *    threads), wall time, `vectors_per_s`; beside it the hnswlib build of the same vectors with
  *    as many threads (`hnswlib_build_s`, `vs_hnswlib` = hnswlib seconds / graph seconds, > 1: the
- *    graph builds faster). One iteration per repetition; the index built last is kept for the search cases.
+ *    graph builds faster). One iteration per repetition; the index built last is kept for the
+ *    search cases.
  *  - index/host/build_cpu/dim:D/N:N/exact:E: CPU seconds of the NN-descent build (and of the
  *    exact one when E = 1) beside hnswlib's build, recall@10 after pruning at a fixed setting
  *    beside hnswlib's at the matched ef (see host_build_cpu_bench).

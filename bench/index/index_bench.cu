@@ -32,7 +32,7 @@
  *    as many threads (`hnswlib_build_s`, `vs_hnswlib` = hnswlib seconds / graph seconds, > 1: the
  *    graph builds faster). One iteration per repetition; the index built last is kept for the
  *    search cases.
- *  - index/host/build_cpu/dim:D/N:N/exact:E: CPU seconds of the NN-descent build (and of the
+ *  - index/host/build_cpu/dim:D/N:N/exact:E/rho_pct:R: CPU seconds of the NN-descent build (and of the
  *    exact one when E = 1) beside hnswlib's build, recall@10 after pruning at a fixed setting
  *    beside hnswlib's at the matched ef (see host_build_cpu_bench).
  *  - index/host/search/dim:D/N:N/batch:B (k = 10): each iteration searches the next B queries
@@ -404,13 +404,15 @@ struct host_case {
 };
 
 std::unique_ptr<is::graph_index> build_host_index(dataset const& data, std::int64_t n,
-                                                  is::knn_build knn = is::knn_build::automatic)
+                                                  is::knn_build knn = is::knn_build::automatic,
+                                                  float rho = is::nn_descent_params{}.rho)
 {
   is::index_config config;
   config.dim      = data.dim;
   config.metric   = is::distance_metric::cosine;
   config.memory   = is::memory_kind::host;
   config.host_knn = knn;
+  config.nn_descent.rho = rho;
   auto index    = std::make_unique<is::graph_index>(config);
   auto const ids = row_ids(n);
   index->add(the_namespace,
@@ -576,7 +578,8 @@ recall_figures host_recall(is::graph_index const& index, dataset const& data, tr
 }
 
 /**
- * @brief index/host/build_cpu/dim:D/N:N/exact:E (issue 12, item 2): CPU seconds (std::clock,
+ * @brief index/host/build_cpu/dim:D/N:N/exact:E/rho_pct:R (issue 12, item 2; R = NN-descent's
+ * sampling rate rho in percent, 50 = the default): CPU seconds (std::clock,
  * every thread) of graph_index::add of N vectors with the NN-descent kNN (`knn_build::nn_descent`,
  * single-threaded; pruning and the merge on all threads), with the exact kNN when E = 1 (O(N^2),
  * 12 CPU-minutes at 100k x 384, so off by default there), and of the hnswlib build (M 16, efC 200,
@@ -590,6 +593,7 @@ void host_build_cpu_bench(benchmark::State& state)
   std::int64_t const dim  = state.range(0);
   std::int64_t const n    = state.range(1);
   bool const with_exact   = state.range(2) != 0;
+  float const rho         = static_cast<float>(state.range(3)) / 100.0f;
   ib::run_guarded(state, [&] {
     dataset& data = data_for(dim, n);
     host_case& c  = host_case_for(dim, n);
@@ -605,7 +609,7 @@ void host_build_cpu_bench(benchmark::State& state)
     for (auto _ : state) {
       double const c0 = cpu_seconds();
       auto const t0   = clock_type::now();
-      auto index      = build_host_index(data, n, is::knn_build::nn_descent);
+      auto index      = build_host_index(data, n, is::knn_build::nn_descent, rho);
       nnd_wall        = seconds_since(t0);
       nnd_cpu         = cpu_seconds() - c0;
       state.SetIterationTime(nnd_wall);
@@ -646,7 +650,8 @@ void host_build_cpu_bench(benchmark::State& state)
       state.counters["nnd_vs_exact"] = nnd_cpu / exact_cpu;
     }
     std::ostringstream os;
-    os << "bench_index build_cpu dim " << dim << " N " << n << ": nn_descent " << nnd_cpu
+    os << "bench_index build_cpu dim " << dim << " N " << n << " rho " << rho << ": nn_descent "
+       << nnd_cpu
        << " cpu-s (" << nnd_wall << " s wall, " << iterations << " iterations), recall@10 "
        << nnd_recall.strict << " at itopk 64/4 samplings";
     if (with_exact) { os << "; exact " << exact_cpu << " cpu-s, recall@10 " << exact_recall.strict; }
@@ -1309,13 +1314,14 @@ void register_index_benchmarks()
     }
   }
   for (std::int64_t dim : {384, 768}) {
-    for (auto const& [n, exact] : {std::pair<std::int64_t, int>{20000, 1}, {100000, 0}}) {
+    // the default rho (50 %) with and without the exact build, and a lower sampling rate
+    for (auto const& a : {std::vector<std::int64_t>{20000, 1, 50}, {100000, 0, 50}, {100000, 0, 35}}) {
       benchmark::RegisterBenchmark("index/host/build_cpu", host_build_cpu_bench)
         ->UseManualTime()
         ->Unit(benchmark::kSecond)
         ->Iterations(1)
-        ->ArgNames({"dim", "N", "exact"})
-        ->Args({dim, n, exact});
+        ->ArgNames({"dim", "N", "exact", "rho_pct"})
+        ->Args({dim, a[0], a[1], a[2]});
     }
   }
   for (bool defaults : {false, true}) {

@@ -26,11 +26,15 @@
  *    with recall@10 >= 0.95 (`hnswlib_ef`).
  *
  * Cases (names carry the axes):
- *  - index/host/build/dim:D/N:N: graph_index::add of N vectors into an empty namespace (exact
- *    kNN, rank pruning, reverse edges, merge; all hardware threads), wall time, `vectors_per_s`;
- *    beside it the hnswlib build of the same vectors with as many threads (`hnswlib_build_s`,
- *    `vs_hnswlib` = hnswlib seconds / graph seconds, > 1: the graph builds faster). One iteration
- *    per repetition; the index built last is kept for the search cases.
+ *  - index/host/build/dim:D/N:N: graph_index::add of N vectors into an empty namespace (kNN:
+ *    exact up to 10,000 rows, NN-descent above; rank pruning, reverse edges, merge; all hardware
+ *    threads), wall time, `vectors_per_s`; beside it the hnswlib build of the same vectors with
+ *    as many threads (`hnswlib_build_s`, `vs_hnswlib` = hnswlib seconds / graph seconds, > 1: the
+ *    graph builds faster). One iteration per repetition; the index built last is kept for the
+ *    search cases.
+ *  - index/host/build_cpu/dim:D/N:N/exact:E/rho_pct:R: CPU seconds of the NN-descent build (and of the
+ *    exact one when E = 1) beside hnswlib's build, recall@10 after pruning at a fixed setting
+ *    beside hnswlib's at the matched ef (see host_build_cpu_bench).
  *  - index/host/search/dim:D/N:N/batch:B (k = 10): each iteration searches the next B queries
  *    (cycling through the 1,024) with the graph (search_algo::graph, the chosen parameters; this
  *    is `Time`), then exactly (search_algo::exact, same call), then with hnswlib. Counters: `QPS`,
@@ -102,6 +106,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <ctime>
 #include <limits>
 #include <map>
 #include <memory>
@@ -398,12 +403,16 @@ struct host_case {
 #endif
 };
 
-std::unique_ptr<is::graph_index> build_host_index(dataset const& data, std::int64_t n)
+std::unique_ptr<is::graph_index> build_host_index(dataset const& data, std::int64_t n,
+                                                  is::knn_build knn = is::knn_build::automatic,
+                                                  float rho = is::nn_descent_params{}.rho)
 {
   is::index_config config;
-  config.dim    = data.dim;
-  config.metric = is::distance_metric::cosine;
-  config.memory = is::memory_kind::host;
+  config.dim      = data.dim;
+  config.metric   = is::distance_metric::cosine;
+  config.memory   = is::memory_kind::host;
+  config.host_knn = knn;
+  config.nn_descent.rho = rho;
   auto index    = std::make_unique<is::graph_index>(config);
   auto const ids = row_ids(n);
   index->add(the_namespace,
@@ -545,12 +554,120 @@ void host_build_bench(benchmark::State& state)
     state.counters["hnswlib_build_s"]       = hnsw_seconds / iterations;
     state.counters["hnswlib_vectors_per_s"] = static_cast<double>(n) * iterations / hnsw_seconds;
     state.counters["vs_hnswlib"]            = hnsw_seconds / seconds;
-    state.SetLabel("graph: exact kNN + prune + merge, degree 32/64; hnswlib M=16 efC=200; " +
+    state.SetLabel("graph: automatic kNN (exact <= 10,000 rows, NN-descent above) + prune + "
+                   "merge, degree 32/64; hnswlib M=16 efC=200; " +
                    std::to_string(hardware_threads()) + " threads each");
 #else
-    state.SetLabel("graph: exact kNN + prune + merge, degree 32/64; hnswlib not built in");
+    state.SetLabel("graph: automatic kNN + prune + merge, degree 32/64; hnswlib not built in");
 #endif
     state.SetItemsProcessed(n * state.iterations());
+  });
+}
+
+/// @brief CPU seconds of the whole process (every thread), the build comparison's measure.
+double cpu_seconds() { return static_cast<double>(std::clock()) / CLOCKS_PER_SEC; }
+
+/// @brief recall@10 over the 1,024 queries of a host index at fixed search parameters.
+recall_figures host_recall(is::graph_index const& index, dataset const& data, truth const& gt,
+                           is::search_params const& params)
+{
+  std::vector<std::uint64_t> ids(static_cast<std::size_t>(num_queries * top_k));
+  std::vector<float> distances(ids.size());
+  host_search(index, data, 0, num_queries, params, ids.data(), distances.data());
+  return recall_of(data, gt, 0, num_queries, ids.data());
+}
+
+/**
+ * @brief index/host/build_cpu/dim:D/N:N/exact:E/rho_pct:R (issue 12, item 2; R = NN-descent's
+ * sampling rate rho in percent, 50 = the default): CPU seconds (std::clock,
+ * every thread) of graph_index::add of N vectors with the NN-descent kNN (`knn_build::nn_descent`,
+ * single-threaded; pruning and the merge on all threads), with the exact kNN when E = 1 (O(N^2),
+ * 12 CPU-minutes at 100k x 384, so off by default there), and of the hnswlib build (M 16, efC 200,
+ * all threads), in the same iteration; then recall@10 after pruning at a fixed search setting
+ * (itopk 64, width 1, 4 samplings, graph forced) and hnswlib's at the smallest ef of the list
+ * reaching the NN-descent graph's recall (`hnswlib_ef`, the matched ef). `nnd_vs_hnswlib` = NN-descent
+ * CPU seconds / hnswlib CPU seconds (target <= 1.5). Time = the NN-descent build's wall time.
+ */
+void host_build_cpu_bench(benchmark::State& state)
+{
+  std::int64_t const dim  = state.range(0);
+  std::int64_t const n    = state.range(1);
+  bool const with_exact   = state.range(2) != 0;
+  float const rho         = static_cast<float>(state.range(3)) / 100.0f;
+  ib::run_guarded(state, [&] {
+    dataset& data = data_for(dim, n);
+    host_case& c  = host_case_for(dim, n);
+    if (!c.gt) { c.gt = brute_force_truth(data, n); }
+    is::search_params fixed;
+    fixed.itopk_size           = 64;
+    fixed.num_random_samplings = 4;
+    fixed.algo                 = is::search_algo::graph;
+    double nnd_cpu = 0.0, nnd_wall = 0.0, exact_cpu = 0.0, hnsw_cpu = 0.0;
+    recall_figures nnd_recall, exact_recall, hnsw_recall;
+    std::uint32_t iterations = 0;
+    int ef_matched           = 0;
+    for (auto _ : state) {
+      double const c0 = cpu_seconds();
+      auto const t0   = clock_type::now();
+      auto index      = build_host_index(data, n, is::knn_build::nn_descent, rho);
+      nnd_wall        = seconds_since(t0);
+      nnd_cpu         = cpu_seconds() - c0;
+      state.SetIterationTime(nnd_wall);
+      iterations = index->last_nn_descent().iterations;
+      nnd_recall = host_recall(*index, data, *c.gt, fixed);
+      index.reset();
+      if (with_exact) {
+        double const e0 = cpu_seconds();
+        auto exact      = build_host_index(data, n, is::knn_build::exact);
+        exact_cpu       = cpu_seconds() - e0;
+        exact_recall    = host_recall(*exact, data, *c.gt, fixed);
+      }
+#if INFERSCALE_BENCH_HNSWLIB
+      double const h0 = cpu_seconds();
+      auto hnsw       = build_hnsw(data, n);
+      hnsw_cpu        = cpu_seconds() - h0;
+      std::vector<std::uint64_t> ids(static_cast<std::size_t>(num_queries * top_k));
+      std::vector<float> distances(ids.size());
+      for (int ef : hnsw_efs) {
+        hnsw->set_ef(ef);
+        for (std::int64_t q = 0; q < num_queries; ++q) {
+          hnsw->search(data.query(q), top_k, ids.data() + q * top_k, distances.data() + q * top_k);
+        }
+        hnsw_recall = recall_of(data, *c.gt, 0, num_queries, ids.data());
+        ef_matched  = ef;
+        if (hnsw_recall.strict >= nnd_recall.strict) { break; }
+      }
+#endif
+    }
+    state.counters["nnd_cpu_s"]        = nnd_cpu;
+    state.counters["nnd_wall_s"]       = nnd_wall;
+    state.counters["nnd_iterations"]   = iterations;
+    state.counters["nnd_recall"]       = nnd_recall.strict;
+    state.counters["nnd_recall_tol"]   = nnd_recall.tolerant;
+    if (with_exact) {
+      state.counters["exact_cpu_s"]  = exact_cpu;
+      state.counters["exact_recall"] = exact_recall.strict;
+      state.counters["nnd_vs_exact"] = nnd_cpu / exact_cpu;
+    }
+    std::ostringstream os;
+    os << "bench_index build_cpu dim " << dim << " N " << n << " rho " << rho << ": nn_descent "
+       << nnd_cpu
+       << " cpu-s (" << nnd_wall << " s wall, " << iterations << " iterations), recall@10 "
+       << nnd_recall.strict << " at itopk 64/4 samplings";
+    if (with_exact) { os << "; exact " << exact_cpu << " cpu-s, recall@10 " << exact_recall.strict; }
+#if INFERSCALE_BENCH_HNSWLIB
+    state.counters["hnswlib_cpu_s"]  = hnsw_cpu;
+    state.counters["hnswlib_ef"]     = ef_matched;
+    state.counters["hnswlib_recall"] = hnsw_recall.strict;
+    state.counters["nnd_vs_hnswlib"] = nnd_cpu / hnsw_cpu;
+    if (with_exact) { state.counters["exact_vs_hnswlib"] = exact_cpu / hnsw_cpu; }
+    os << "; hnswlib " << hnsw_cpu << " cpu-s, recall@10 " << hnsw_recall.strict << " at ef "
+       << ef_matched << "; nn_descent / hnswlib " << nnd_cpu / hnsw_cpu;
+#endif
+    os << "\n";
+    std::fputs(os.str().c_str(), stderr);
+    state.SetLabel("CPU seconds: NN-descent (1 thread) + prune/merge (all threads) vs hnswlib M=16 "
+                   "efC=200 (all threads); recall@10 at itopk 64, 4 samplings vs hnswlib's matched ef");
   });
 }
 
@@ -1194,6 +1311,17 @@ void register_index_benchmarks()
         ->MinTime(0.1)
         ->ArgNames({"dim", "N", "batch"})
         ->ArgsProduct({{dim}, {n}, {1, 16, 1024}});
+    }
+  }
+  for (std::int64_t dim : {384, 768}) {
+    // the default rho (50 %) with and without the exact build, and a lower sampling rate
+    for (auto const& a : {std::vector<std::int64_t>{20000, 1, 50}, {100000, 0, 50}, {100000, 0, 35}}) {
+      benchmark::RegisterBenchmark("index/host/build_cpu", host_build_cpu_bench)
+        ->UseManualTime()
+        ->Unit(benchmark::kSecond)
+        ->Iterations(1)
+        ->ArgNames({"dim", "N", "exact", "rho_pct"})
+        ->Args({dim, a[0], a[1], a[2]});
     }
   }
   for (bool defaults : {false, true}) {

@@ -60,6 +60,39 @@ matrix_view<T> make_matrix_view(T* data, std::int64_t rows, std::int64_t cols,
                                         row_stride < 0 ? cols : row_stride, std::int64_t{1}}}};
 }
 
+/// @brief How the host builds the kNN graph a namespace's graph is pruned from (a
+/// `graph_builder` with a `knn` callback, such as the device one, replaces it).
+enum class knn_build : std::uint8_t {
+  /// exact up to `exact_knn_max_rows` rows, NN-descent above (see `graph_index::uses_nn_descent`)
+  automatic,
+  exact,      ///< brute force, O(n^2 dim); the device builder's kNN graph, up to near-ties
+  nn_descent  ///< approximate, `detail::index::nn_descent_knn_host`; host-only graphs
+};
+
+/// @brief Name of a kNN build ("automatic", "exact", "nn_descent").
+inline char const* to_string(knn_build b) noexcept
+{
+  switch (b) {
+    case knn_build::automatic: return "automatic";
+    case knn_build::exact: return "exact";
+    case knn_build::nn_descent: return "nn_descent";
+  }
+  return "unknown";
+}
+
+/**
+ * @brief Under `knn_build::automatic`, namespaces of at most this many rows get the exact kNN
+ * graph. Measured (single-threaded NN-descent vs the exact kNN on both cores, CPU seconds, 384-d
+ * Gaussian mixture, k 64): 5,000 rows 1.51 vs 0.78, 10,000 rows 2.61 vs 2.98, 20,000 rows 7.0
+ * vs 12.2 (bench/results/2026-12-01-index-build-host.md); so exact below the crossover, where it
+ * is also the best graph.
+ */
+inline constexpr std::uint32_t exact_knn_max_rows = 10000;
+
+/// @brief NN-descent's knobs (`rho`, `delta`, `max_iterations`, `seed`): see
+/// `detail::index::nn_descent_knobs`.
+using nn_descent_params = detail::index::nn_descent_knobs;
+
 /// @brief Fixed properties of an index, chosen at construction.
 struct index_config {
   std::int64_t dim{0};                                ///< embedding dimension
@@ -71,6 +104,10 @@ struct index_config {
   /// Tenants with at most this many live facts are searched exactly (brute force); -1 = chosen
   /// automatically per search (see `graph_index::exact_search_threshold`).
   std::int64_t exact_search_threshold{-1};
+  /// How the host builds a namespace's kNN graph. Not stored by `save_index` (like `memory`):
+  /// a loaded index has the defaults.
+  knn_build host_knn{knn_build::automatic};
+  nn_descent_params nn_descent{};  ///< used when the host builds with NN-descent
 };
 
 /// @brief Which algorithm a search uses.
@@ -180,6 +217,19 @@ class graph_index {
                          std::to_string(config.intermediate_graph_degree) + ") <= 1024");
     INFERSCALE_EXPECTS(config.exact_search_threshold >= -1,
                        "index_config: exact_search_threshold is -1 (default) or >= 0");
+    INFERSCALE_EXPECTS(config.host_knn == knn_build::automatic ||
+                         config.host_knn == knn_build::exact ||
+                         config.host_knn == knn_build::nn_descent,
+                       "index_config: unknown host_knn code " +
+                         std::to_string(static_cast<int>(config.host_knn)));
+    INFERSCALE_EXPECTS(config.nn_descent.rho > 0.0f && config.nn_descent.rho <= 1.0f,
+                       "index_config: nn_descent.rho (the sampling rate) must be in (0, 1], got " +
+                         std::to_string(config.nn_descent.rho));
+    INFERSCALE_EXPECTS(config.nn_descent.delta >= 0.0f && config.nn_descent.delta <= 1.0f,
+                       "index_config: nn_descent.delta (the stop fraction) must be in [0, 1], got " +
+                         std::to_string(config.nn_descent.delta));
+    INFERSCALE_EXPECTS(config.nn_descent.max_iterations >= 1,
+                       std::string{"index_config: nn_descent.max_iterations must be at least 1"});
     element_size_ = size_of(config.vector_dtype);
     row_elements_ = detail::index::padded_dim(config.dim, element_size_);
   }
@@ -225,6 +275,23 @@ class graph_index {
     auto const plan = plan_for(rows, 1, p);
     return static_cast<std::int64_t>(
       factor * detail::index::estimated_graph_distances(plan, config_.graph_degree));
+  }
+
+  /**
+   * @brief Whether the host builds the kNN graph of a namespace of `rows` rows with NN-descent
+   * (true) or exactly: `host_knn`, and under `automatic` NN-descent above `exact_knn_max_rows`.
+   * A `graph_builder` with a `knn` callback overrides both.
+   */
+  bool uses_nn_descent(std::uint32_t rows) const noexcept
+  {
+    if (config_.host_knn == knn_build::automatic) { return rows > exact_knn_max_rows; }
+    return config_.host_knn == knn_build::nn_descent;
+  }
+
+  /// @brief What the last host NN-descent build did (zeros if none ran).
+  detail::index::nn_descent_report const& last_nn_descent() const noexcept
+  {
+    return last_nn_descent_;
   }
 
   /// @brief Number of namespaces with a tenant (including ones whose facts were all deleted).
@@ -338,7 +405,8 @@ class graph_index {
    *
    * @tparam T float or half_t (converted to the index dtype)
    * @param vectors `[m][dim]` host view; @param ids m fact ids, new to the whole index and distinct
-   * @param builder kNN/pruning backend (default: host); `index.cuh` has a device one
+   * @param builder kNN/pruning backend (default: host, exact or NN-descent as
+   *                `uses_nn_descent` says); `index.cuh` has a device one
    * @throw logic_error (nothing changed) on a dimension mismatch, NaN/Inf, a zero vector under the
    * cosine metric, a repeated or existing id, `ids.size() != rows`, or a namespace over 2^31 rows
    */
@@ -729,6 +797,7 @@ class graph_index {
     std::swap(d_deleted_, o.d_deleted_);
     std::swap(d_capacity_, o.d_capacity_);
     std::swap(device_stale_, o.device_stale_);
+    std::swap(last_nn_descent_, o.last_nn_descent_);
   }
 
   tenant_ref checked_tenant(std::uint64_t ns) const
@@ -962,6 +1031,11 @@ class graph_index {
                        static_cast<std::size_t>(tr.row_begin * row_elements_) * element_size_;
     if (builder.knn) {
       builder.knn(rows, n, eff.intermediate, knn.data());
+    } else if (uses_nn_descent(n)) {
+      with_rows(t, [&](auto const* r) {
+        last_nn_descent_ = detail::index::nn_descent_knn_host(
+          r, row_elements_, n, config_.metric, eff.intermediate, config_.nn_descent, knn.data());
+      });
     } else {
       with_rows(t, [&](auto const* r) {
         detail::index::exact_knn_host(r, row_elements_, n, config_.metric, eff.intermediate,
@@ -1220,6 +1294,7 @@ class graph_index {
   std::uint64_t* d_ids_{nullptr};
   std::uint8_t* d_deleted_{nullptr};
   std::int64_t d_capacity_{0};
+  detail::index::nn_descent_report last_nn_descent_{};
 };
 
 }  // namespace inferscale

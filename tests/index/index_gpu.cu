@@ -97,6 +97,9 @@ index_pair make_index_pair(index_config config,
   index_config device_config = config;
   host_config.memory         = memory_kind::host;
   device_config.memory       = memory_kind::device;
+  // the reference mode: both graphs from the exact kNN (NN-descent graphs are host-only)
+  host_config.host_knn   = knn_build::exact;
+  device_config.host_knn = knn_build::exact;
   index_pair pair{graph_index{host_config}, graph_index{device_config}, {}};
   test::gaussian_mixture mixture{mixture_for(config, seed)};
   std::int64_t const dim = config.dim;

@@ -14,6 +14,7 @@
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
 #include <inferscale/detail/inject/element.hpp>
+#include <inferscale/detail/rope/rotate_simd.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/rope.hpp>
@@ -507,6 +508,132 @@ INFERSCALE_FORCEINLINE void inject_host_typed(kv_store_ref const& store,
   }
 }
 
+#if INFERSCALE_HOST_X86_SIMD
+namespace simd {
+
+/// @brief Scales (when `Scaled`) fp32 lanes as quantize does, before the rounding to the cache dtype.
+template <bool Scaled>
+INFERSCALE_TARGET_AVX2 inline __m256 apply_scale(__m256 x,
+                                                 float scale,
+                                                 kv_scale_convention convention)
+{
+  if constexpr (!Scaled) {
+    return x;
+  } else {
+    __m256 const s = _mm256_set1_ps(scale);
+    return convention == kv_scale_convention::divide ? _mm256_div_ps(x, s) : _mm256_mul_ps(x, s);
+  }
+}
+
+/// @brief `n` stored elements as the cache holds them (convert_stored, eight at a time): bytes
+/// copied when the dtypes match and there is no scale.
+template <bool Scaled, class StoreT, class CacheT>
+INFERSCALE_TARGET_AVX2 inline void convert_row(StoreT const* __restrict src,
+                                               CacheT* __restrict dst,
+                                               std::int32_t n,
+                                               float scale,
+                                               kv_scale_convention convention)
+{
+  if constexpr (!Scaled && std::is_same_v<StoreT, CacheT>) {
+    std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(StoreT));
+  } else {
+    for (std::int32_t d = 0; d < n; d += 8) {
+      std::int32_t const count = n - d < 8 ? n - d : 8;
+      store_n(dst + d, apply_scale<Scaled>(load_n(src + d, count), scale, convention), count);
+    }
+  }
+}
+
+/**
+ * @brief The vector form of inject_host_head for contiguous dims and the halves pairing: every
+ * layer and head of one token (keys rotated by `cos`/`sin`, one entry per pair, scaled and
+ * converted; values converted).
+ */
+template <bool Scaled, rotate_mode Mode, class StoreT, class CacheT>
+INFERSCALE_TARGET_AVX2 void inject_token(kv_store_ref const& store,
+                                         std::int64_t store_token,
+                                         paged_kv_cache const& cache,
+                                         std::int64_t block,
+                                         std::int32_t in_block,
+                                         std::int32_t rotary,
+                                         float const* cos,
+                                         float const* sin)
+{
+  std::int32_t const dim  = store.head_dim;
+  std::int32_t const half = rotary / 2;
+  auto const* const pool  = static_cast<StoreT const*>(store.pool);
+  kv_scale_convention const convention = cache.scale_convention;
+  for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+    StoreT const* const krow = pool + store.row_offset(store_token, l, 0);
+    StoreT const* const vrow = pool + store.row_offset(store_token, l, 1);
+    auto* const kbase        = static_cast<CacheT*>(cache.key_base[l]);
+    auto* const vbase        = static_cast<CacheT*>(cache.value_base[l]);
+    for (std::int32_t h = 0; h < store.num_heads; ++h) {
+      StoreT const* const k = krow + static_cast<std::int64_t>(h) * dim;
+      CacheT* const kdst    = kbase + cache.key_layout.offset(block, in_block, h, 0);
+      float const key_scale = cache.scale(l, h, false);
+      for (std::int32_t p = 0; p < half; p += 8) {
+        std::int32_t const n = half - p < 8 ? half - p : 8;
+        __m256 x, y;
+        rotate8<Mode, StoreT>(
+          load_n(k + p, n), load_n(k + half + p, n), load_n(cos + p, n), load_n(sin + p, n), &x, &y);
+        store_n(kdst + p, apply_scale<Scaled>(x, key_scale, convention), n);
+        store_n(kdst + half + p, apply_scale<Scaled>(y, key_scale, convention), n);
+      }
+      if (rotary < dim) {
+        convert_row<Scaled>(k + rotary, kdst + rotary, dim - rotary, key_scale, convention);
+      }
+      convert_row<Scaled>(vrow + static_cast<std::int64_t>(h) * dim,
+                          vbase + cache.value_layout.offset(block, in_block, h, 0),
+                          dim,
+                          cache.scale(l, h, true),
+                          convention);
+    }
+  }
+}
+
+}  // namespace simd
+
+/**
+ * @brief inject_host_typed for contiguous dims and the halves pairing on a CPU with AVX2 (chosen
+ * at run time): cos/sin once per token (shared by every layer and head, as in the scalar loop),
+ * then the token's layers and heads eight pairs at a time. Same bits as the scalar loop.
+ */
+template <bool Scaled, bool RoundEach, bool Fused, class StoreT, class CacheT, class Rotation>
+void inject_host_typed_simd(kv_store_ref const& store,
+                            injection_batch_view const& batch,
+                            paged_kv_cache const& cache,
+                            Rotation const& rotation)
+{
+  using simd::rotate_mode;
+  constexpr rotate_mode mode = Fused       ? rotate_mode::fused
+                               : RoundEach ? rotate_mode::round_each
+                                           : rotate_mode::fp32;
+  std::int32_t const pairs   = rotation.num_pairs();
+  std::int64_t const n_slots = cache.num_slots();
+  std::int32_t const bs      = cache.key_layout.block_size;
+  std::vector<float> cos(static_cast<std::size_t>(pairs));
+  std::vector<float> sin(static_cast<std::size_t>(pairs));
+  for (std::int64_t i = 0; i < batch.num_tokens; ++i) {
+    std::int64_t const slot = batch.slot[i];
+    if (!slot_in_cache(slot, n_slots)) { continue; }
+    for (std::int32_t p = 0; p < pairs; ++p) {
+      rope_cos_sin const cs = rope_angle_cos_sin(rotation, batch.position[i], p, rope_op::forward);
+      cos[static_cast<std::size_t>(p)] = cs.cos;
+      sin[static_cast<std::size_t>(p)] = cs.sin;
+    }
+    simd::inject_token<Scaled, mode, StoreT, CacheT>(store,
+                                                     batch.store_token[i],
+                                                     cache,
+                                                     slot / bs,
+                                                     static_cast<std::int32_t>(slot % bs),
+                                                     rotation.rotary_dim,
+                                                     cos.data(),
+                                                     sin.data());
+  }
+}
+#endif  // INFERSCALE_HOST_X86_SIMD
+
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__FMA__) && \
   !defined(__CUDA_ARCH__)
 #define INFERSCALE_HOST_FMA_DISPATCH 1
@@ -580,6 +707,14 @@ void dispatch_host_inject(kv_store_ref const& store,
                 constexpr bool H = decltype(halves)::value;
                 constexpr bool R = decltype(round_each)::value;
                 constexpr bool F = decltype(fused)::value;
+#if INFERSCALE_HOST_X86_SIMD
+                if constexpr (C && H) {
+                  if (active_host_simd() == host_simd::avx2) {
+                    inject_host_typed_simd<S, R, F, StoreT, CacheT>(store, batch, cache, rotation);
+                    return;
+                  }
+                }
+#endif
 #if INFERSCALE_HOST_FMA_DISPATCH
                 if constexpr (F) {
                   if (__builtin_cpu_supports("fma")) {

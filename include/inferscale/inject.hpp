@@ -511,17 +511,43 @@ INFERSCALE_FORCEINLINE void inject_host_typed(kv_store_ref const& store,
 #if INFERSCALE_HOST_X86_SIMD
 namespace simd {
 
+/**
+ * @brief One scaling of quantize, prepared for a row: `x / scale` or `x * scale` as the
+ * convention says. A division by a power of two whose reciprocal is a normal float is the
+ * multiplication by that reciprocal: both are the correctly rounded value of the same real
+ * product `x 2^-k` (flush-to-zero and denormals-are-zero modes treat both alike), and a vector
+ * multiplication costs a fraction of a division (vLLM's uncalibrated scale is 1).
+ */
+struct scale_step {
+  float factor{1.0f};
+  bool divide{false};
+
+  scale_step() = default;
+  scale_step(float scale, kv_scale_convention convention)
+  {
+    std::uint32_t const bits     = float_bits(scale);
+    std::uint32_t const exponent = (bits >> 23) & 0xffu;
+    bool const power_of_two = (bits & 0x807fffffu) == 0 && exponent >= 1 && exponent <= 253;
+    if (convention == kv_scale_convention::multiply) {
+      factor = scale;
+    } else if (power_of_two) {
+      factor = bits_to_float((254u - exponent) << 23);  // 2^-k
+    } else {
+      factor = scale;
+      divide = true;
+    }
+  }
+};
+
 /// @brief Scales (when `Scaled`) fp32 lanes as quantize does, before the rounding to the cache dtype.
 template <bool Scaled>
-INFERSCALE_TARGET_AVX2 inline __m256 apply_scale(__m256 x,
-                                                 float scale,
-                                                 kv_scale_convention convention)
+INFERSCALE_TARGET_AVX2 inline __m256 apply_scale(__m256 x, scale_step const& step)
 {
   if constexpr (!Scaled) {
     return x;
   } else {
-    __m256 const s = _mm256_set1_ps(scale);
-    return convention == kv_scale_convention::divide ? _mm256_div_ps(x, s) : _mm256_mul_ps(x, s);
+    __m256 const f = _mm256_set1_ps(step.factor);
+    return step.divide ? _mm256_div_ps(x, f) : _mm256_mul_ps(x, f);
   }
 }
 
@@ -531,15 +557,14 @@ template <bool Scaled, class StoreT, class CacheT>
 INFERSCALE_TARGET_AVX2 inline void convert_row(StoreT const* __restrict src,
                                                CacheT* __restrict dst,
                                                std::int32_t n,
-                                               float scale,
-                                               kv_scale_convention convention)
+                                               scale_step const& step)
 {
   if constexpr (!Scaled && std::is_same_v<StoreT, CacheT>) {
     std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(StoreT));
   } else {
     for (std::int32_t d = 0; d < n; d += 8) {
       std::int32_t const count = n - d < 8 ? n - d : 8;
-      store_n(dst + d, apply_scale<Scaled>(load_n(src + d, count), scale, convention), count);
+      store_n(dst + d, apply_scale<Scaled>(load_n(src + d, count), step), count);
     }
   }
 }
@@ -571,39 +596,124 @@ INFERSCALE_TARGET_AVX2 void inject_token(kv_store_ref const& store,
     for (std::int32_t h = 0; h < store.num_heads; ++h) {
       StoreT const* const k = krow + static_cast<std::int64_t>(h) * dim;
       CacheT* const kdst    = kbase + cache.key_layout.offset(block, in_block, h, 0);
-      float const key_scale = cache.scale(l, h, false);
+      scale_step const key_scale =
+        Scaled ? scale_step{cache.scale(l, h, false), convention} : scale_step{};
       for (std::int32_t p = 0; p < half; p += 8) {
         std::int32_t const n = half - p < 8 ? half - p : 8;
         __m256 x, y;
         rotate8<Mode, StoreT>(
           load_n(k + p, n), load_n(k + half + p, n), load_n(cos + p, n), load_n(sin + p, n), &x, &y);
-        store_n(kdst + p, apply_scale<Scaled>(x, key_scale, convention), n);
-        store_n(kdst + half + p, apply_scale<Scaled>(y, key_scale, convention), n);
+        store_n(kdst + p, apply_scale<Scaled>(x, key_scale), n);
+        store_n(kdst + half + p, apply_scale<Scaled>(y, key_scale), n);
       }
       if (rotary < dim) {
-        convert_row<Scaled>(k + rotary, kdst + rotary, dim - rotary, key_scale, convention);
+        convert_row<Scaled>(k + rotary, kdst + rotary, dim - rotary, key_scale);
       }
       convert_row<Scaled>(vrow + static_cast<std::int64_t>(h) * dim,
                           vbase + cache.value_layout.offset(block, in_block, h, 0),
                           dim,
-                          cache.scale(l, h, true),
-                          convention);
+                          Scaled ? scale_step{cache.scale(l, h, true), convention} : scale_step{});
     }
   }
 }
 
 }  // namespace simd
 
+namespace simd512 {
+
+using simd::scale_step;
+
+/// @brief As simd::apply_scale, sixteen lanes.
+template <bool Scaled>
+INFERSCALE_TARGET_AVX512 inline __m512 apply_scale(__m512 x, scale_step const& step)
+{
+  if constexpr (!Scaled) {
+    return x;
+  } else {
+    __m512 const f = _mm512_set1_ps(step.factor);
+    return step.divide ? _mm512_div_ps(x, f) : _mm512_mul_ps(x, f);
+  }
+}
+
+/// @brief `n` stored elements as the cache holds them (convert_stored, sixteen at a time): bytes
+/// copied when the dtypes match and there is no scale.
+template <bool Scaled, class StoreT, class CacheT>
+INFERSCALE_TARGET_AVX512 inline void convert_row(StoreT const* __restrict src,
+                                               CacheT* __restrict dst,
+                                               std::int32_t n,
+                                               scale_step const& step)
+{
+  if constexpr (!Scaled && std::is_same_v<StoreT, CacheT>) {
+    std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(StoreT));
+  } else {
+    for (std::int32_t d = 0; d < n; d += 16) {
+      std::int32_t const count = n - d < 16 ? n - d : 16;
+      store_n(dst + d, simd512::apply_scale<Scaled>(load_n(src + d, count), step), count);
+    }
+  }
+}
+
 /**
- * @brief inject_host_typed for contiguous dims and the halves pairing on a CPU with AVX2 (chosen
- * at run time): cos/sin once per token (shared by every layer and head, as in the scalar loop),
- * then the token's layers and heads eight pairs at a time. Same bits as the scalar loop.
+ * @brief The vector form of inject_host_head (sixteen lanes) for contiguous dims and the halves pairing: every
+ * layer and head of one token (keys rotated by `cos`/`sin`, one entry per pair, scaled and
+ * converted; values converted).
+ */
+template <bool Scaled, rotate_mode Mode, class StoreT, class CacheT>
+INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
+                                         std::int64_t store_token,
+                                         paged_kv_cache const& cache,
+                                         std::int64_t block,
+                                         std::int32_t in_block,
+                                         std::int32_t rotary,
+                                         float const* cos,
+                                         float const* sin)
+{
+  std::int32_t const dim  = store.head_dim;
+  std::int32_t const half = rotary / 2;
+  auto const* const pool  = static_cast<StoreT const*>(store.pool);
+  kv_scale_convention const convention = cache.scale_convention;
+  for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+    StoreT const* const krow = pool + store.row_offset(store_token, l, 0);
+    StoreT const* const vrow = pool + store.row_offset(store_token, l, 1);
+    auto* const kbase        = static_cast<CacheT*>(cache.key_base[l]);
+    auto* const vbase        = static_cast<CacheT*>(cache.value_base[l]);
+    for (std::int32_t h = 0; h < store.num_heads; ++h) {
+      StoreT const* const k = krow + static_cast<std::int64_t>(h) * dim;
+      CacheT* const kdst    = kbase + cache.key_layout.offset(block, in_block, h, 0);
+      scale_step const key_scale =
+        Scaled ? scale_step{cache.scale(l, h, false), convention} : scale_step{};
+      for (std::int32_t p = 0; p < half; p += 16) {
+        std::int32_t const n = half - p < 16 ? half - p : 16;
+        __m512 x, y;
+        rotate16<Mode, StoreT>(
+          load_n(k + p, n), load_n(k + half + p, n), load_n(cos + p, n), load_n(sin + p, n), &x, &y);
+        store_n(kdst + p, simd512::apply_scale<Scaled>(x, key_scale), n);
+        store_n(kdst + half + p, simd512::apply_scale<Scaled>(y, key_scale), n);
+      }
+      if (rotary < dim) {
+        simd512::convert_row<Scaled>(k + rotary, kdst + rotary, dim - rotary, key_scale);
+      }
+      simd512::convert_row<Scaled>(vrow + static_cast<std::int64_t>(h) * dim,
+                          vbase + cache.value_layout.offset(block, in_block, h, 0),
+                          dim,
+                          Scaled ? scale_step{cache.scale(l, h, true), convention} : scale_step{});
+    }
+  }
+}
+
+}  // namespace simd512
+
+/**
+ * @brief inject_host_typed for contiguous dims and the halves pairing on a CPU with AVX-512F or
+ * AVX2 (`level`, chosen at run time): cos/sin once per token (shared by every layer and head, as in the scalar loop),
+ * then the token's layers and heads 16 or 8 pairs at a time. Same bits as the scalar loop.
  */
 template <bool Scaled, bool RoundEach, bool Fused, class StoreT, class CacheT, class Rotation>
 void inject_host_typed_simd(kv_store_ref const& store,
                             injection_batch_view const& batch,
                             paged_kv_cache const& cache,
-                            Rotation const& rotation)
+                            Rotation const& rotation,
+                            host_simd level)
 {
   using simd::rotate_mode;
   constexpr rotate_mode mode = Fused       ? rotate_mode::fused
@@ -622,14 +732,27 @@ void inject_host_typed_simd(kv_store_ref const& store,
       cos[static_cast<std::size_t>(p)] = cs.cos;
       sin[static_cast<std::size_t>(p)] = cs.sin;
     }
-    simd::inject_token<Scaled, mode, StoreT, CacheT>(store,
-                                                     batch.store_token[i],
-                                                     cache,
-                                                     slot / bs,
-                                                     static_cast<std::int32_t>(slot % bs),
-                                                     rotation.rotary_dim,
-                                                     cos.data(),
-                                                     sin.data());
+    std::int64_t const block    = slot / bs;
+    std::int32_t const in_block = static_cast<std::int32_t>(slot % bs);
+    if (level == host_simd::avx512) {
+      simd512::inject_token<Scaled, mode, StoreT, CacheT>(store,
+                                                          batch.store_token[i],
+                                                          cache,
+                                                          block,
+                                                          in_block,
+                                                          rotation.rotary_dim,
+                                                          cos.data(),
+                                                          sin.data());
+    } else {
+      simd::inject_token<Scaled, mode, StoreT, CacheT>(store,
+                                                       batch.store_token[i],
+                                                       cache,
+                                                       block,
+                                                       in_block,
+                                                       rotation.rotary_dim,
+                                                       cos.data(),
+                                                       sin.data());
+    }
   }
 }
 #endif  // INFERSCALE_HOST_X86_SIMD
@@ -709,8 +832,10 @@ void dispatch_host_inject(kv_store_ref const& store,
                 constexpr bool F = decltype(fused)::value;
 #if INFERSCALE_HOST_X86_SIMD
                 if constexpr (C && H) {
-                  if (active_host_simd() == host_simd::avx2) {
-                    inject_host_typed_simd<S, R, F, StoreT, CacheT>(store, batch, cache, rotation);
+                  host_simd const level = active_host_simd();
+                  if (level != host_simd::scalar) {
+                    inject_host_typed_simd<S, R, F, StoreT, CacheT>(
+                      store, batch, cache, rotation, level);
                     return;
                   }
                 }

@@ -499,10 +499,11 @@ void rope_apply_host(token_head_view<T> x,
   bool const fused                  = rope_fuses_multiply_add(rotation, op);
   std::int64_t const element_stride = x.stride(2);
 #if INFERSCALE_HOST_X86_SIMD
-  // The common layout (contiguous dims, halves pairing) rotates eight pairs at a time where the
-  // CPU has AVX2 (chosen at run time); same operations, same bits.
+  // The common layout (contiguous dims, halves pairing) rotates 16 or 8 pairs at a time where the
+  // CPU has AVX-512F or AVX2 (chosen at run time); same operations, same bits.
+  detail::host_simd const level = detail::active_host_simd();
   bool const vector = element_stride == 1 && rotation.pairing == rope_pairing::halves &&
-                      detail::active_host_simd() == detail::host_simd::avx2;
+                      level != detail::host_simd::scalar;
   std::vector<float> cos_values(vector ? static_cast<std::size_t>(pairs) : 0);
   std::vector<float> sin_values(vector ? static_cast<std::size_t>(pairs) : 0);
 #endif
@@ -524,8 +525,13 @@ void rope_apply_host(token_head_view<T> x,
       T* const token = x.data_handle() + t * x.stride(0);
       using detail::simd::rotate_mode;
       auto const run = [&](auto mode) {
-        detail::simd::rotate_token_halves<decltype(mode)::value, T>(
-          token, x.extent(1), x.stride(1), pairs, cos_values.data(), sin_values.data());
+        if (level == detail::host_simd::avx512) {
+          detail::simd512::rotate_token_halves<decltype(mode)::value, T>(
+            token, x.extent(1), x.stride(1), pairs, cos_values.data(), sin_values.data());
+        } else {
+          detail::simd::rotate_token_halves<decltype(mode)::value, T>(
+            token, x.extent(1), x.stride(1), pairs, cos_values.data(), sin_values.data());
+        }
       };
       if (fused) {
         run(std::integral_constant<rotate_mode, rotate_mode::fused>{});

@@ -163,6 +163,11 @@ TEMPLATE_TEST_CASE("the vector host injection writes the scalar loop's bytes",
           geometry.second,
           to_string(layout),
           static_cast<int>(scales));
+  // vLLM's legacy key layout splits heads into chunks of 16 bytes (its dims are not contiguous, so
+  // it takes the scalar loop at every level): only head dims it can hold.
+  if (layout == engine_layout::vllm_legacy && geometry.first % (16 / int(sizeof(CacheT))) != 0) {
+    return;
+  }
   check_injection<CacheT>(store_dt, layout, geometry.first, geometry.second, rotation, scales);
 }
 

@@ -28,7 +28,14 @@
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDA_ARCH__)
 #define INFERSCALE_HOST_X86_SIMD 1
+// GCC 12 warns, where an AVX-512 intrinsic is inlined, that its _mm512_undefined_*() operand is
+// uninitialized (a false positive: the lanes are overwritten). The warning points into the
+// intrinsics header, so it is silenced for that header's text only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #else
 #define INFERSCALE_HOST_X86_SIMD 0
 #endif

@@ -21,7 +21,7 @@
  *  - run_guarded: turns an exception (inferscale::cuda_error, logic_error, std::bad_alloc) into
  *    SkipWithError instead of terminating the whole executable;
  *  - INFERSCALE_BENCHMARK_MAIN(): main() that also records the GPU in the JSON context, and the
- *    host vector level in use (`host_simd`: avx2 or scalar); `INFERSCALE_BENCH_HOST_SIMD=scalar`
+ *    host vector level in use (`host_simd`: avx512, avx2 or scalar); `INFERSCALE_BENCH_HOST_SIMD=scalar`
  *    in the environment caps the host backend to its scalar loops (the "before" of the vector
  *    paths, measured with the same binary).
  *
@@ -436,10 +436,13 @@ inline int benchmark_main(int argc, char** argv)
   if (simd != nullptr && std::string{simd} == "scalar") {
     ::inferscale::detail::set_host_simd_cap(::inferscale::detail::host_simd::scalar);
   }
-  benchmark::AddCustomContext(
-    "host_simd",
-    ::inferscale::detail::active_host_simd() == ::inferscale::detail::host_simd::avx2 ? "avx2"
-                                                                                     : "scalar");
+  switch (::inferscale::detail::active_host_simd()) {
+    case ::inferscale::detail::host_simd::avx512:
+      benchmark::AddCustomContext("host_simd", "avx512");
+      break;
+    case ::inferscale::detail::host_simd::avx2: benchmark::AddCustomContext("host_simd", "avx2"); break;
+    default: benchmark::AddCustomContext("host_simd", "scalar");
+  }
   add_device_context();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -571,24 +571,26 @@ INFERSCALE_TARGET_AVX2 inline void convert_row(StoreT const* __restrict src,
 
 /**
  * @brief The vector form of inject_host_head for contiguous dims and the halves pairing: every
- * layer and head of one token (keys rotated by `cos`/`sin`, one entry per pair, scaled and
+ * head of one token in one layer (keys rotated by `cos`/`sin`, one entry per pair, scaled and
  * converted; values converted).
  */
 template <bool Scaled, rotate_mode Mode, class StoreT, class CacheT>
 INFERSCALE_TARGET_AVX2 void inject_token(kv_store_ref const& store,
-                                         std::int64_t store_token,
-                                         paged_kv_cache const& cache,
-                                         std::int64_t block,
-                                         std::int32_t in_block,
-                                         std::int32_t rotary,
-                                         float const* cos,
-                                         float const* sin)
+                  std::int64_t store_token,
+                  paged_kv_cache const& cache,
+                  std::int32_t layer,
+                  std::int64_t block,
+                  std::int32_t in_block,
+                  std::int32_t rotary,
+                  float const* cos,
+                  float const* sin)
 {
   std::int32_t const dim  = store.head_dim;
   std::int32_t const half = rotary / 2;
   auto const* const pool  = static_cast<StoreT const*>(store.pool);
   kv_scale_convention const convention = cache.scale_convention;
-  for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+  {
+    std::int32_t const l     = layer;
     StoreT const* const krow = pool + store.row_offset(store_token, l, 0);
     StoreT const* const vrow = pool + store.row_offset(store_token, l, 1);
     auto* const kbase        = static_cast<CacheT*>(cache.key_base[l]);
@@ -654,15 +656,16 @@ INFERSCALE_TARGET_AVX512 inline void convert_row(StoreT const* __restrict src,
 }
 
 /**
- * @brief The vector form of inject_host_head (sixteen lanes) for contiguous dims and the halves pairing: every
- * layer and head of one token (keys rotated by `cos`/`sin`, one entry per pair, scaled and
+ * @brief The vector form of inject_host_head (sixteen lanes) for contiguous dims and the halves
+ * pairing: every head of one token in one layer (keys rotated by `cos`/`sin`, one entry per pair, scaled and
  * converted; values converted).
  */
 template <bool Scaled, rotate_mode Mode, class StoreT, class CacheT>
 INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
-                                         std::int64_t store_token,
-                                         paged_kv_cache const& cache,
-                                         std::int64_t block,
+                                           std::int64_t store_token,
+                                           paged_kv_cache const& cache,
+                                           std::int32_t layer,
+                                           std::int64_t block,
                                          std::int32_t in_block,
                                          std::int32_t rotary,
                                          float const* cos,
@@ -672,7 +675,8 @@ INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
   std::int32_t const half = rotary / 2;
   auto const* const pool  = static_cast<StoreT const*>(store.pool);
   kv_scale_convention const convention = cache.scale_convention;
-  for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+  {
+    std::int32_t const l     = layer;
     StoreT const* const krow = pool + store.row_offset(store_token, l, 0);
     StoreT const* const vrow = pool + store.row_offset(store_token, l, 1);
     auto* const kbase        = static_cast<CacheT*>(cache.key_base[l]);
@@ -705,8 +709,9 @@ INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
 
 /**
  * @brief inject_host_typed for contiguous dims and the halves pairing on a CPU with AVX-512F or
- * AVX2 (`level`, chosen at run time): cos/sin once per token (shared by every layer and head, as in the scalar loop),
- * then the token's layers and heads 16 or 8 pairs at a time. Same bits as the scalar loop.
+ * AVX2 (`level`, chosen at run time): cos/sin once per token (shared by every layer and head, as
+ * in the scalar loop), then layer by layer over a chunk of tokens, 16 or 8 pairs at a time. Same
+ * bits as the scalar loop.
  */
 template <bool Scaled, bool RoundEach, bool Fused, class StoreT, class CacheT, class Rotation>
 void inject_host_typed_simd(kv_store_ref const& store,
@@ -719,39 +724,57 @@ void inject_host_typed_simd(kv_store_ref const& store,
   constexpr rotate_mode mode = Fused       ? rotate_mode::fused
                                : RoundEach ? rotate_mode::round_each
                                            : rotate_mode::fp32;
-  std::int32_t const pairs   = rotation.num_pairs();
-  std::int64_t const n_slots = cache.num_slots();
-  std::int32_t const bs      = cache.key_layout.block_size;
-  std::vector<float> cos(static_cast<std::size_t>(pairs));
-  std::vector<float> sin(static_cast<std::size_t>(pairs));
-  for (std::int64_t i = 0; i < batch.num_tokens; ++i) {
-    std::int64_t const slot = batch.slot[i];
-    if (!slot_in_cache(slot, n_slots)) { continue; }
-    for (std::int32_t p = 0; p < pairs; ++p) {
-      rope_cos_sin const cs = rope_angle_cos_sin(rotation, batch.position[i], p, rope_op::forward);
-      cos[static_cast<std::size_t>(p)] = cs.cos;
-      sin[static_cast<std::size_t>(p)] = cs.sin;
+  // Tokens in chunks whose cos/sin (8 bytes per pair) stay in the L2; within a chunk, layer by
+  // layer: a fact's tokens sit next to each other in a store page and, in order, in a cache
+  // block, so each layer of a chunk reads and writes long runs instead of 2 KiB rows strided by
+  // the layer pitch. cos/sin are still computed once per token and pair.
+  constexpr std::int64_t chunk = 256;
+  std::int32_t const pairs     = rotation.num_pairs();
+  std::int64_t const n_slots   = cache.num_slots();
+  std::int32_t const bs        = cache.key_layout.block_size;
+  std::vector<float> cos(static_cast<std::size_t>(chunk * pairs));
+  std::vector<float> sin(static_cast<std::size_t>(chunk * pairs));
+  for (std::int64_t first = 0; first < batch.num_tokens; first += chunk) {
+    std::int64_t const last = std::min(batch.num_tokens, first + chunk);
+    for (std::int64_t i = first; i < last; ++i) {
+      if (!slot_in_cache(batch.slot[i], n_slots)) { continue; }
+      std::size_t const row = static_cast<std::size_t>((i - first) * pairs);
+      for (std::int32_t p = 0; p < pairs; ++p) {
+        rope_cos_sin const cs =
+          rope_angle_cos_sin(rotation, batch.position[i], p, rope_op::forward);
+        cos[row + static_cast<std::size_t>(p)] = cs.cos;
+        sin[row + static_cast<std::size_t>(p)] = cs.sin;
+      }
     }
-    std::int64_t const block    = slot / bs;
-    std::int32_t const in_block = static_cast<std::int32_t>(slot % bs);
-    if (level == host_simd::avx512) {
-      simd512::inject_token<Scaled, mode, StoreT, CacheT>(store,
-                                                          batch.store_token[i],
-                                                          cache,
-                                                          block,
-                                                          in_block,
-                                                          rotation.rotary_dim,
-                                                          cos.data(),
-                                                          sin.data());
-    } else {
-      simd::inject_token<Scaled, mode, StoreT, CacheT>(store,
-                                                       batch.store_token[i],
-                                                       cache,
-                                                       block,
-                                                       in_block,
-                                                       rotation.rotary_dim,
-                                                       cos.data(),
-                                                       sin.data());
+    for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+      for (std::int64_t i = first; i < last; ++i) {
+        std::int64_t const slot = batch.slot[i];
+        if (!slot_in_cache(slot, n_slots)) { continue; }
+        std::size_t const row       = static_cast<std::size_t>((i - first) * pairs);
+        std::int64_t const block    = slot / bs;
+        std::int32_t const in_block = static_cast<std::int32_t>(slot % bs);
+        if (level == host_simd::avx512) {
+          simd512::inject_token<Scaled, mode, StoreT, CacheT>(store,
+                                                              batch.store_token[i],
+                                                              cache,
+                                                              l,
+                                                              block,
+                                                              in_block,
+                                                              rotation.rotary_dim,
+                                                              cos.data() + row,
+                                                              sin.data() + row);
+        } else {
+          simd::inject_token<Scaled, mode, StoreT, CacheT>(store,
+                                                           batch.store_token[i],
+                                                           cache,
+                                                           l,
+                                                           block,
+                                                           in_block,
+                                                           rotation.rotary_dim,
+                                                           cos.data() + row,
+                                                           sin.data() + row);
+        }
+      }
     }
   }
 }

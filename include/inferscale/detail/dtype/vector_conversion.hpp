@@ -14,8 +14,8 @@
  * whose operands and results are normal floats. tests/dtype checks every 16-bit input and a large
  * set of fp32 inputs against the scalar routines.
  *
- * Elsewhere (nvcc's device pass, non-x86 targets, other compilers) INFERSCALE_HOST_X86_SIMD is 0
- * and the callers keep their scalar loops.
+ * Elsewhere (nvcc's device pass, non-x86 targets, other compilers, or with INFERSCALE_NO_HOST_SIMD
+ * defined) INFERSCALE_HOST_X86_SIMD is 0 and the callers keep their scalar loops.
  */
 #pragma once
 
@@ -26,7 +26,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDA_ARCH__)
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDA_ARCH__) && \
+  !defined(INFERSCALE_NO_HOST_SIMD)
 #define INFERSCALE_HOST_X86_SIMD 1
 // GCC 12 warns, where an AVX-512 intrinsic is inlined, that its _mm512_undefined_*() operand is
 // uninitialized (a false positive: the lanes are overwritten). The warning points into the

@@ -7,12 +7,12 @@
 //    pattern as the top half of an fp32 with the low halves that decide bf16 rounding (0, 1,
 //    ties 0x8000 and their neighbours, 0xffff), every fp16, e4m3 and e5m2 value, the midpoints
 //    between neighbouring values and the fp32 numbers next to them (the rounding boundaries,
-//    ties included), subnormal and overflow ranges, NaNs with payloads, infinities, and 16 M
-//    random fp32 bit patterns;
+//    ties included), subnormal and overflow ranges, NaNs with payloads, infinities, 2 M random
+//    fp32 bit patterns and 256 K small numbers;
 //  - all of it once more with flush-to-zero and denormals-are-zero set in MXCSR, as some
 //    frameworks leave them.
-// A hidden case ([.exhaustive], run by hand: test_dtype "[.exhaustive]") sweeps all 2^32 fp32
-// inputs for every format.
+// A hidden case ([.exhaustive], run by hand: INFERSCALE_EXHAUSTIVE=1 test_dtype "[.exhaustive]")
+// sweeps all 2^32 fp32 inputs for every format at every vector level.
 #include "float_bits.hpp"
 
 #include <inferscale/detail/dtype/vector_conversion.hpp>
@@ -22,6 +22,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -218,11 +219,11 @@ std::vector<float> boundary_and_random_inputs()
     push_bits(b);
   }
   std::mt19937 rng(20261201);
-  for (int i = 0; i < (1 << 24); ++i) {
+  for (int i = 0; i < (1 << 21); ++i) {
     push_bits(rng());
   }
   std::uniform_int_distribution<int> exponent(-40, 0);
-  for (int i = 0; i < (1 << 20); ++i) {  // the narrow formats' subnormal and small normal range
+  for (int i = 0; i < (1 << 18); ++i) {  // the narrow formats' subnormal and small normal range
     float const x = std::ldexp(static_cast<float>(rng() & 0xffffffu), exponent(rng) - 24);
     in.push_back((rng() & 1u) ? x : -x);
   }
@@ -270,7 +271,7 @@ TEST_CASE("vector conversions give the scalar routines' bits", "[dtype][simd]")
 {
   if (!have_avx2()) { return; }
   static std::vector<float> const inputs = boundary_and_random_inputs();
-  REQUIRE(inputs.size() > (std::size_t{1} << 24));
+  REQUIRE(inputs.size() > (std::size_t{3} << 20));
   bool const flush = GENERATE(false, true);
   CAPTURE(flush);
   flush_denormals const mode{flush};
@@ -289,6 +290,13 @@ TEST_CASE("vector rounding of every fp32 input gives the scalar routines' bits",
           "[.exhaustive][dtype][simd]")
 {
   if (!have_avx2()) { return; }
+  // Catch2 runs hidden cases under exclusion-only filters too (ctest's "~[gpu]"): the sweep (about
+  // 100 s on the 2-core CI machine) runs only when asked for.
+  char const* const asked = std::getenv("INFERSCALE_EXHAUSTIVE");
+  if (asked == nullptr || std::string{asked} != "1") {
+    WARN("the 2^32 sweep runs with INFERSCALE_EXHAUSTIVE=1 in the environment");
+    return;
+  }
   std::vector<float> chunk(std::size_t{1} << 24);
   for (std::uint64_t start = 0; start < (std::uint64_t{1} << 32); start += chunk.size()) {
     for (std::size_t i = 0; i < chunk.size(); ++i) {

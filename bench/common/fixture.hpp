@@ -20,7 +20,10 @@
  *    bytes_per_second is printed in binary GiB/s);
  *  - run_guarded: turns an exception (inferscale::cuda_error, logic_error, std::bad_alloc) into
  *    SkipWithError instead of terminating the whole executable;
- *  - INFERSCALE_BENCHMARK_MAIN(): main() that also records the GPU in the JSON context.
+ *  - INFERSCALE_BENCHMARK_MAIN(): main() that also records the GPU in the JSON context, and the
+ *    host vector level in use (`host_simd`: avx512, avx2 or scalar); `INFERSCALE_BENCH_HOST_SIMD=scalar`
+ *    in the environment caps the host backend to its scalar loops (the "before" of the vector
+ *    paths, measured with the same binary).
  *
  * Byte counting: `traffic::bytes` is what one call of the measured operation reads plus what it
  * writes. The copy ceiling copies `bytes / 2` bytes, which reads and writes `bytes` in total, so
@@ -36,6 +39,7 @@
 
 #include <inferscale/config.hpp>
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/dtype/vector_conversion.hpp>
 #include <inferscale/dtype.hpp>
 
 #include <cuda_runtime_api.h>
@@ -45,6 +49,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <optional>
@@ -427,6 +432,17 @@ inline int benchmark_main(int argc, char** argv)
 {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) { return 1; }
+  char const* const simd = std::getenv("INFERSCALE_BENCH_HOST_SIMD");
+  if (simd != nullptr && std::string{simd} == "scalar") {
+    ::inferscale::detail::set_host_simd_cap(::inferscale::detail::host_simd::scalar);
+  }
+  switch (::inferscale::detail::active_host_simd()) {
+    case ::inferscale::detail::host_simd::avx512:
+      benchmark::AddCustomContext("host_simd", "avx512");
+      break;
+    case ::inferscale::detail::host_simd::avx2: benchmark::AddCustomContext("host_simd", "avx2"); break;
+    default: benchmark::AddCustomContext("host_simd", "scalar");
+  }
   add_device_context();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -50,6 +50,11 @@
  * counter). The issue's target, ">= 80% of copy bandwidth at m = 1024 on an H200", is printed as
  * `target_vs_copy=0.8` beside `vs_copy` in the device m = 1024 rows.
  *
+ * inject/host/llama3.1-8b/bf16-fp8e4m3/m:<m>/calibrated:<0|1>: the same segment into an fp8 e4m3
+ * cache with per-tensor scales (vLLM's divide convention; 1.0, or calibrated-looking values that
+ * are not powers of two); bytes = bf16 K+V read + e4m3 K+V written;
+ * copy ceiling of the same bytes; checked bit for bit against a brute-force recomputation.
+ *
  * Names: inject/<backend>/<model>/bf16/m:<m>, inject_checked/device/<model>/bf16/m:<m>,
  * inject_batch/<backend>/llama3.1-8b/bf16/requests:<R>/facts:20 (R = 64 on the device, 8 on the
  * host to keep the host run short).
@@ -280,7 +285,8 @@ struct scenario {
   std::int64_t composed_elements() const { return geometry().elements_per_token() * tokens; }
 
   /// @brief The vLLM FlashAttention NHD descriptor of a cache at `base` (L tensors back to back).
-  is::paged_kv_cache make_cache(bfloat16_t* base) const
+  template <class CacheT = bfloat16_t>
+  is::paged_kv_cache make_cache(CacheT* base) const
   {
     std::int64_t const h = geometry().num_kv_heads;
     std::int64_t const d = geometry().head_dim;
@@ -291,7 +297,7 @@ struct scenario {
     std::array<std::int64_t, 5> const shape{2, num_blocks, block_size, h, d};
     std::array<std::int64_t, 5> const strides{
       num_blocks * block_size * h * d, block_size * h * d, h * d, d, 1};
-    auto cache = is::make_vllm_flash_attn_cache(is::dtype::bfloat16, layers, shape, strides);
+    auto cache = is::make_vllm_flash_attn_cache(is::dtype_of_v<CacheT>, layers, shape, strides);
     for (auto const* layout : {&cache.key_layout, &cache.value_layout}) {
       INFERSCALE_EXPECTS(layout->dim_stride == 1 && layout->dim_chunk == layout->head_dim,
                          "inject_bench: the scatter pass copies contiguous head rows");
@@ -717,6 +723,119 @@ void inject_host_bench(benchmark::State& state, model mdl, bool batch)
     }
     ib::report_throughput(state, t, seconds, copy_seconds);
     report_two_pass(state, t, seconds, two_pass_seconds);
+    report_common(state, s, false);
+  });
+}
+
+/**
+ * @brief Elements of an fp8 e4m3 cache with per-tensor scales (vLLM's divide convention) at the
+ * batch's slots that differ from a brute-force recomputation: key pairs rotated in fp32
+ * (rope_angle_cos_sin, detail::rotate_fp32), every element divided by its scale and rounded to
+ * e4m3 (from_float: nearest even, saturating).
+ */
+std::int64_t mismatches_fp8_host(is::kv_store_ref const& store,
+                                 is::injection_batch_view const& batch,
+                                 is::paged_kv_cache const& cache,
+                                 is::rope_params const& rotation,
+                                 float key_scale,
+                                 float value_scale)
+{
+  using is::float8_e4m3_t;
+  std::int32_t const pairs = rotation.num_pairs();
+  std::int32_t const dim   = store.head_dim;
+  auto const* const pool   = static_cast<bfloat16_t const*>(store.pool);
+  std::int64_t bad         = 0;
+  for (std::int64_t i = 0; i < batch.num_tokens; ++i) {
+    std::int64_t const slot = batch.slot[i];
+    if (slot < 0) { continue; }
+    for (std::int32_t l = 0; l < store.num_layers; ++l) {
+      auto const* const kbase = static_cast<float8_e4m3_t const*>(cache.key_base[l]);
+      auto const* const vbase = static_cast<float8_e4m3_t const*>(cache.value_base[l]);
+      for (std::int32_t h = 0; h < store.num_heads; ++h) {
+        bfloat16_t const* const k = pool + store.row_offset(batch.store_token[i], l, 0) + h * dim;
+        bfloat16_t const* const v = pool + store.row_offset(batch.store_token[i], l, 1) + h * dim;
+        for (std::int32_t p = 0; p < pairs; ++p) {
+          float x, y;
+          is::detail::rotate_fp32(is::to_float(k[p]),
+                                  is::to_float(k[p + pairs]),
+                                  is::rope_angle_cos_sin(rotation, batch.position[i], p,
+                                                         is::rope_op::forward),
+                                  &x,
+                                  &y);
+          bad += kbase[cache.key_layout.slot_offset(slot, h, p)].bits !=
+                 is::from_float<float8_e4m3_t>(x / key_scale).bits;
+          bad += kbase[cache.key_layout.slot_offset(slot, h, p + pairs)].bits !=
+                 is::from_float<float8_e4m3_t>(y / key_scale).bits;
+        }
+        for (std::int32_t d = 0; d < dim; ++d) {
+          bad += vbase[cache.value_layout.slot_offset(slot, h, d)].bits !=
+                 is::from_float<float8_e4m3_t>(is::to_float(v[d]) / value_scale).bits;
+        }
+      }
+    }
+  }
+  return bad;
+}
+
+/**
+ * @brief inject_host of a bf16 store into an fp8 e4m3 cache with per-tensor scales (vLLM's
+ * `kv_cache_dtype="fp8"`, divide convention): `calibrated:0` vLLM's default scales (1.0, 1.0),
+ * `calibrated:1` calibrated-looking ones (k 0.0537, v 0.0213), against memcpy of the same bytes
+ * (bf16 K+V read, e4m3 K+V written) in the same iterations; checked bit for bit against a
+ * brute-force recomputation after the warm-up.
+ */
+void inject_host_fp8_bench(benchmark::State& state, model mdl)
+{
+  ib::run_guarded(state, [&] {
+    using clock = std::chrono::steady_clock;
+    scenario const s{mdl, requests_of(state, false), is::memory_kind::host};
+    std::vector<is::float8_e4m3_t> cache_data(static_cast<std::size_t>(s.cache_elements()));
+    auto desc                 = s.make_cache(cache_data.data());
+    bool const calibrated     = state.range(1) != 0;
+    float const key_scale     = calibrated ? 0.0537f : 1.0f;
+    float const value_scale   = calibrated ? 0.0213f : 1.0f;
+    auto const layers         = static_cast<std::size_t>(s.geometry().num_layers);
+    std::vector<float const*> const key_scales(layers, &key_scale);
+    std::vector<float const*> const value_scales(layers, &value_scale);
+    desc.set_fp8_scales(is::kv_scale_convention::divide,
+                        is::kv_scale_granularity::per_tensor,
+                        key_scales,
+                        value_scales);
+    ib::traffic const t{s.geometry().bytes(s.tokens, is::dtype::bfloat16) +
+                          s.geometry().bytes(s.tokens, is::dtype::float8_e4m3),
+                        s.tokens};
+    std::size_t const copy_bytes = static_cast<std::size_t>(t.bytes / 2);
+    std::vector<std::byte> copy_destination(copy_bytes);
+    void const* const copy_source = s.store.ref().pool;  // pool_bytes >= copy_bytes
+
+    auto const fused = [&] { is::inject_host(s.store, s.batch, desc, s.rotation); };
+    auto const copy  = [&] {
+      std::memcpy(copy_destination.data(), copy_source, copy_bytes);
+      benchmark::DoNotOptimize(copy_destination.data());
+      benchmark::ClobberMemory();
+    };
+    fused();
+    copy();
+    std::int64_t const bad = mismatches_fp8_host(
+      s.store.ref(), s.batch.host_view(), desc, s.rotation, key_scale, value_scale);
+    INFERSCALE_EXPECTS(bad == 0,
+                       "inject_bench: the fp8 cache differs from the recomputation in " +
+                         std::to_string(bad) + " elements");
+
+    double seconds = 0.0, copy_seconds = 0.0;
+    for (auto _ : state) {
+      auto const f0 = clock::now();
+      fused();
+      benchmark::ClobberMemory();
+      auto const f1 = clock::now();
+      copy();
+      auto const c1  = clock::now();
+      double const f = std::chrono::duration<double>(f1 - f0).count();
+      state.SetIterationTime(f);
+      seconds += f;
+      copy_seconds += std::chrono::duration<double>(c1 - f1).count();
+    }
+    ib::report_throughput(state, t, seconds, copy_seconds);
     report_common(state, s, false);
   });
 }
@@ -1162,6 +1281,13 @@ void register_inject_benchmarks()
       ->ArgsProduct({{128, 1024, 4096}});
   }
   std::string const suffix = std::string{"/"} + llama.name + "/bf16";
+  benchmark::RegisterBenchmark(("inject/host/" + std::string{llama.name} + "/bf16-fp8e4m3").c_str(),
+                               inject_host_fp8_bench,
+                               llama)
+    ->Apply(ib::host_benchmark)
+    ->MinTime(0.1)
+    ->ArgNames({"m", "calibrated"})
+    ->ArgsProduct({{128, 1024}, {0, 1}});
   benchmark::RegisterBenchmark(
     ("inject_batch/host" + suffix).c_str(), inject_host_bench, llama, true)
     ->Apply(ib::host_benchmark)

@@ -5,6 +5,8 @@
  */
 #pragma once
 
+#include <inferscale/detail/rope/rotate_simd.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -496,6 +498,15 @@ void rope_apply_host(token_head_view<T> x,
   bool const round_each             = rope_rounds_each_operation<T>(rotation, op);
   bool const fused                  = rope_fuses_multiply_add(rotation, op);
   std::int64_t const element_stride = x.stride(2);
+#if INFERSCALE_HOST_X86_SIMD
+  // The common layout (contiguous dims, halves pairing) rotates 16 or 8 pairs at a time where the
+  // CPU has AVX-512F or AVX2 (chosen at run time); same operations, same bits.
+  detail::host_simd const level = detail::active_host_simd();
+  bool const vector = element_stride == 1 && rotation.pairing == rope_pairing::halves &&
+                      level != detail::host_simd::scalar;
+  std::vector<float> cos_values(vector ? static_cast<std::size_t>(pairs) : 0);
+  std::vector<float> sin_values(vector ? static_cast<std::size_t>(pairs) : 0);
+#endif
   for (std::int64_t t = 0; t < x.extent(0); ++t) {
     for (std::int32_t pair = 0; pair < pairs; ++pair) {
       rope_cos_sin cs = rope_angle_cos_sin(rotation, positions[t], pair, op);
@@ -505,6 +516,33 @@ void rope_apply_host(token_head_view<T> x,
       }
       cos_sin[static_cast<std::size_t>(pair)] = cs;
     }
+#if INFERSCALE_HOST_X86_SIMD
+    if (vector) {
+      for (std::int32_t pair = 0; pair < pairs; ++pair) {
+        cos_values[static_cast<std::size_t>(pair)] = cos_sin[static_cast<std::size_t>(pair)].cos;
+        sin_values[static_cast<std::size_t>(pair)] = cos_sin[static_cast<std::size_t>(pair)].sin;
+      }
+      T* const token = x.data_handle() + t * x.stride(0);
+      using detail::simd::rotate_mode;
+      auto const run = [&](auto mode) {
+        if (level == detail::host_simd::avx512) {
+          detail::simd512::rotate_token_halves<decltype(mode)::value, T>(
+            token, x.extent(1), x.stride(1), pairs, cos_values.data(), sin_values.data());
+        } else {
+          detail::simd::rotate_token_halves<decltype(mode)::value, T>(
+            token, x.extent(1), x.stride(1), pairs, cos_values.data(), sin_values.data());
+        }
+      };
+      if (fused) {
+        run(std::integral_constant<rotate_mode, rotate_mode::fused>{});
+      } else if (round_each) {
+        run(std::integral_constant<rotate_mode, rotate_mode::round_each>{});
+      } else {
+        run(std::integral_constant<rotate_mode, rotate_mode::fp32>{});
+      }
+      continue;
+    }
+#endif
     for (std::int64_t h = 0; h < x.extent(1); ++h) {
       T* const head = x.data_handle() + t * x.stride(0) + h * x.stride(1);
       if (fused) {

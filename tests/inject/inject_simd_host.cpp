@@ -1,0 +1,173 @@
+// The host backend's vector paths (AVX2 and AVX-512F, chosen at run time) against its scalar loops, bit for
+// bit: the same injection and rotation run twice, once with the vector level capped to scalar
+// (detail::set_host_simd_cap), then at AVX2 and at AVX-512 where the CPU has them, and every byte of the caches and key arrays must agree. The scalar
+// loops are checked against independent references in inject_host.cpp and rope_host.cpp; this
+// file adds the equality of the two paths over the cases the vector code distinguishes: store and
+// cache dtypes, fp8 scales (none, per tensor, per head; both conventions; powers of two, which the
+// vector code multiplies by the reciprocal, and other values, which it divides by), rotation
+// sources (fp32 and exact angles, fp32 and bf16 engine tables with and without vLLM's
+// per-operation rounding, the fused multiply-add table), partial rotary dims and pair counts that
+// are not multiples of eight (the vectors' partial tails), contiguous and strided layouts.
+#include "inject_common.hpp"
+#include "simd_paths.hpp"
+
+#include <inferscale/compose.hpp>
+#include <inferscale/detail/dtype/vector_conversion.hpp>
+#include <inferscale/inject.hpp>
+#include <inferscale/rope.hpp>
+#include <inferscale/store.hpp>
+#include <inferscale/views.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace inferscale;
+using namespace inferscale_test;
+
+namespace {
+
+enum class scale_kind { none, per_tensor_power_of_two, per_tensor, per_head, per_head_multiply };
+
+/// Injects two facts (one longer than a store page) into a cache of `CacheT` with both paths and
+/// requires identical bytes (padding included).
+template <class CacheT>
+void check_injection(dtype store_dt,
+                     engine_layout layout,
+                     int head_dim,
+                     int rotary_dim,
+                     rotation_kind rotation,
+                     scale_kind scales)
+{
+  int const L = 2, H = 3;
+  std::int64_t const rows = 4096;
+  kv_store store          = make_host_store(L, H, head_dim, store_dt, 4, 8);
+  fact_data const a(1, L, 9, H, head_dim, 11);
+  fact_data const b(2, L, 3, H, head_dim, 12);
+  a.insert_into(store);
+  b.insert_into(store);
+  rotation_case const rot(head_dim, rotary_dim, rotation, rows);
+
+  // fp8 scales: small ones push |x| / scale beyond the format's range, so saturation is exercised.
+  std::vector<std::vector<float>> k_scales, v_scales;
+  for (int l = 0; l < L; ++l) {
+    std::vector<float> k, v;
+    for (int h = 0; h < H; ++h) {
+      switch (scales) {
+        case scale_kind::per_tensor_power_of_two:
+          k.push_back(l == 0 ? 0.0078125f : 1.0f);  // 2^-7 (|x| / s up to 256), 1
+          v.push_back(l == 0 ? 0.5f : 0.00390625f);  // 2^-1, 2^-8 (beyond e4m3's 448)
+          break;
+        case scale_kind::per_tensor:
+          k.push_back(0.0037f * float(1 + l));
+          v.push_back(0.011f * float(1 + l));
+          break;
+        case scale_kind::per_head:
+          k.push_back(0.003f * float(1 + h + l));
+          v.push_back(h == 1 ? 0.25f : 0.021f * float(1 + h));
+          break;
+        case scale_kind::per_head_multiply:
+          k.push_back(100.0f + float(h + 3 * l));
+          v.push_back(h == 0 ? 64.0f : 37.5f);
+          break;
+        default: break;
+      }
+    }
+    k_scales.push_back(k);
+    v_scales.push_back(v);
+  }
+
+  std::vector<std::vector<unsigned char>> results;
+  all_paths([&](detail::host_simd) {
+    engine_cache<CacheT> ec(layout, L, 6, 4, H, head_dim);
+    ec.fill_random(3);
+    paged_kv_cache cache = describe_cache(ec);
+    if (scales != scale_kind::none) {
+      std::vector<float const*> kp, vp;
+      for (int l = 0; l < L; ++l) {
+        kp.push_back(k_scales[static_cast<std::size_t>(l)].data());
+        vp.push_back(v_scales[static_cast<std::size_t>(l)].data());
+      }
+      bool const per_head =
+        scales == scale_kind::per_head || scales == scale_kind::per_head_multiply;
+      cache.set_fp8_scales(scales == scale_kind::per_head_multiply ? kv_scale_convention::multiply
+                                                                    : kv_scale_convention::divide,
+                           per_head ? kv_scale_granularity::per_head
+                                    : kv_scale_granularity::per_tensor,
+                           kp,
+                           vp);
+    }
+    injection_batch batch(store);
+    compose_options options;
+    options.first_position = 3001;  // angles far from 0: cos and sin of every sign
+    composition const plan = compose(store, {1, 2}, options);
+    std::vector<std::int64_t> slots;
+    for (std::int64_t j = 0; j < plan.length(); ++j) {
+      slots.push_back((5 * j + 2) % 24);  // distinct, scattered over the blocks
+    }
+    slots[4] = -1;  // a skipped token
+    batch.add(plan, slots);
+    rot.visit(rotation, rows, [&](auto const& r) { inject_host(store, batch, cache, r); });
+    results.push_back(storage_bytes(ec));
+  });
+  REQUIRE(results.size() >= 2);
+  for (std::size_t level = 1; level < results.size(); ++level) {
+    CAPTURE(level);  // 1: avx2, 2: avx512
+    REQUIRE(results[level].size() == results[0].size());
+    std::size_t differing = 0;
+    for (std::size_t i = 0; i < results[0].size(); ++i) {
+      differing += results[level][i] != results[0][i];
+    }
+    CHECK(differing == 0);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the vector host injection writes the scalar loop's bytes",
+                   "[inject][simd]",
+                   float,
+                   half_t,
+                   bfloat16_t,
+                   float8_e4m3_t,
+                   float8_e5m2_t)
+{
+  if (!vector_path_available()) { return; }
+  using CacheT          = TestType;
+  constexpr bool fp8    = sizeof(CacheT) == 1;
+  auto const store_dt   = GENERATE(dtype::float32, dtype::float16, dtype::bfloat16);
+  auto const rotation   = GENERATE(rotation_kind::fp32_angles,
+                                 rotation_kind::exact_angles,
+                                 rotation_kind::table_fp32,
+                                 rotation_kind::table_bf16_round,
+                                 rotation_kind::table_fused);
+  auto const geometry   = GENERATE(std::make_pair(128, 128), std::make_pair(48, 24),
+                                 std::make_pair(20, 20), std::make_pair(64, 38));
+  auto const layout     = GENERATE(engine_layout::vllm_flash_attn_nhd,
+                                 engine_layout::vllm_flash_attn_hnd,
+                                 engine_layout::vllm_legacy);
+  auto const scales     = fp8 ? GENERATE(scale_kind::none,
+                                     scale_kind::per_tensor_power_of_two,
+                                     scale_kind::per_tensor,
+                                     scale_kind::per_head,
+                                     scale_kind::per_head_multiply)
+                              : scale_kind::none;
+  CAPTURE(sizeof(CacheT),
+          to_string(store_dt),
+          name_of(rotation),
+          geometry.first,
+          geometry.second,
+          to_string(layout),
+          static_cast<int>(scales));
+  // vLLM's legacy key layout splits heads into chunks of 16 bytes (its dims are not contiguous, so
+  // it takes the scalar loop at every level): only head dims it can hold.
+  if (layout == engine_layout::vllm_legacy && geometry.first % (16 / int(sizeof(CacheT))) != 0) {
+    return;
+  }
+  check_injection<CacheT>(store_dt, layout, geometry.first, geometry.second, rotation, scales);
+}
+

@@ -162,7 +162,7 @@ constexpr std::uint64_t splitmix64(std::uint64_t x) noexcept
 
 /// @brief Dot product of `n` floats with sixteen interleaved partial sums (each in element
 /// order, multiplies and adds separately rounded), summed as `exact_knn_host` does.
-inline float dot16(float const* x, float const* y, std::int64_t n) noexcept
+INFERSCALE_FORCEINLINE float dot16(float const* x, float const* y, std::int64_t n) noexcept
 {
   std::int64_t const blocks = n / 16;
   float acc[16]             = {};
@@ -187,21 +187,7 @@ inline float dot16(float const* x, float const* y, std::int64_t n) noexcept
 __attribute__((target("avx2"))) inline float dot16_avx2(float const* x, float const* y,
                                                          std::int64_t n) noexcept
 {
-  std::int64_t const blocks = n / 16;
-  float acc[16]             = {};
-  for (std::int64_t c = 0; c < blocks; ++c) {
-    for (int j = 0; j < 16; ++j) {
-      acc[j] += x[c * 16 + j] * y[c * 16 + j];
-    }
-  }
-  float s = 0.0f;
-  for (std::int64_t e = blocks * 16; e < n; ++e) {
-    s += x[e] * y[e];
-  }
-  for (int j = 0; j < 16; ++j) {
-    s += acc[j];
-  }
-  return s;
+  return dot16(x, y, n);  // inlined here, so compiled for AVX2
 }
 #endif
 

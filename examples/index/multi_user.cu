@@ -178,7 +178,8 @@ int main()
     queries.insert(queries.end(), one.begin(), one.end());
     users.push_back(std::uint64_t(u));
   }
-  // The default search (itopk 64, 8 random samplings per seed slot) on the graph. With the
+  // The default search on the graph (on the host: best-first from each namespace's entry points,
+  // vectorised distances; on the device: itopk 64, 8 random samplings per seed slot). With the
   // default `automatic`, namespaces of up to exact_search_threshold() live facts are answered by
   // brute force, which at this size is as fast; the graph is forced here to show it at work.
   search_params graph_params;

@@ -108,13 +108,48 @@ struct index_config {
   /// a loaded index has the defaults.
   knn_build host_knn{knn_build::automatic};
   nn_descent_params nn_descent{};  ///< used when the host builds with NN-descent
+  /// Entry points per namespace of the host's fast search (`host_search_mode::fast`): -1 =
+  /// automatic (`default_host_entry_points`), else that many (at least 1). Not stored by
+  /// `save_index`: a loaded index recomputes them with the default.
+  std::int64_t host_entry_points{-1};
 };
+
+/**
+ * @brief Entry points of a namespace of `rows` rows for the fast host search: 4 sqrt(rows),
+ * between 64 and 2,048 (all rows below 64). A pruned kNN graph hardly links clusters, so the
+ * entry points must reach every cluster: measured on Gaussian mixtures (fast mode, ef 16-24),
+ * 20,000 x 384 with 100 clusters reached recall@10 0.68 with 64 entry points, 0.92 with 128 and
+ * 0.99 with 256; with 200 clusters, 283 entry points gave 0.93 at ef 64 (a tenth of the clusters
+ * had none); 4 sqrt(20,000) = 566 covers both (bench/results/2026-12-01-index-search-host.md).
+ * Scanning them is one stream over packed rows, 4 sqrt(n) row reads against the ~n / 100 a
+ * search reads at random.
+ */
+constexpr std::uint32_t default_host_entry_points(std::uint32_t rows) noexcept
+{
+  std::uint32_t e = 64;
+  while (e < 2048 && std::uint64_t{e} * e < std::uint64_t{16} * rows) { ++e; }
+  return std::min(e, rows);
+}
 
 /// @brief Which algorithm a search uses.
 enum class search_algo : std::uint8_t {
   automatic,  ///< exact for tenants at or below the exact-search threshold, graph otherwise
   graph,      ///< always the graph beam search (a tenant of one fact is still answered)
   exact       ///< always brute force
+};
+
+/**
+ * @brief How the host backend runs a search (the device backend ignores it).
+ *
+ * `fast` (the default) is the host's own algorithm: best-first search from the tenant's entry
+ * points (`index_config::host_entry_points`) with vectorised distances summed in the host's
+ * order (fused multiply-adds, AVX2/AVX-512 chosen at run time); `reference` runs the sequential
+ * spec of `detail/index/search_host.hpp` in the device's summation order, so a host index and a
+ * device index built from the same graph give bit-identical answers (the tests' mode).
+ */
+enum class host_search_mode : std::uint8_t {
+  fast,      ///< best-first from the entry points, host-order SIMD distances
+  reference  ///< the device's algorithm and distance order, bit for bit
 };
 
 /// @brief Knobs of the graph search (CAGRA's names and meanings).
@@ -130,6 +165,11 @@ struct search_params {
   std::uint32_t num_random_samplings{8};
   std::uint64_t rand_xor_mask{0x128394};   ///< seed generator mask
   search_algo algo{search_algo::automatic};
+  /// Host backend only. Under `host_search_mode::fast` the search keeps `itopk_size` (at least
+  /// k) results (hnswlib's `ef`), expands one node at a time, and `search_width`,
+  /// `num_random_samplings` and `rand_xor_mask` do not apply; `max_iterations`, when not 0,
+  /// bounds the nodes expanded (`max_iterations * search_width`).
+  host_search_mode host_mode{host_search_mode::fast};
 };
 
 /// @brief The graph optimisation callbacks (the device backend supplies GPU versions).
@@ -164,6 +204,22 @@ struct tenant_ref {
  */
 inline constexpr double host_graph_cost_factor   = 0.55;
 inline constexpr double device_graph_cost_factor = 2.0;
+
+/**
+ * @brief The same for the host's fast search (`host_search_mode::fast`): its graph search costs
+ * about `host_fast_graph_cost_factor * estimated_fast_graph_distances(...)` exact-scan distances
+ * (a graph distance reads a row at random, an exact one streams it). Measured: see
+ * bench_index `host/crossover` and bench/results/2026-12-01-index-search-host.md.
+ */
+inline constexpr double host_fast_graph_cost_factor = 1.0;
+
+/// @brief Estimate of the distances a fast host search computes: its entry points, then about
+/// `degree / 2` new neighbours for each of about `ef` expanded nodes.
+constexpr double estimated_fast_graph_distances(std::uint32_t ef, std::uint32_t entries,
+                                                std::uint32_t degree) noexcept
+{
+  return static_cast<double>(entries) + static_cast<double>(ef) * degree / 2.0;
+}
 
 /// @brief Upper estimate of the distances a graph search computes: seeds, then every iteration.
 constexpr double estimated_graph_distances(search_plan const& plan, std::uint32_t degree) noexcept
@@ -228,6 +284,10 @@ class graph_index {
     INFERSCALE_EXPECTS(config.nn_descent.delta >= 0.0f && config.nn_descent.delta <= 1.0f,
                        "index_config: nn_descent.delta (the stop fraction) must be in [0, 1], got " +
                          std::to_string(config.nn_descent.delta));
+    INFERSCALE_EXPECTS(config.host_entry_points == -1 ||
+                         (config.host_entry_points >= 1 && config.host_entry_points <= (1 << 20)),
+                       "index_config: host_entry_points is -1 (automatic) or in [1, 2^20], got " +
+                         std::to_string(config.host_entry_points));
     INFERSCALE_EXPECTS(config.nn_descent.max_iterations >= 1,
                        std::string{"index_config: nn_descent.max_iterations must be at least 1"});
     element_size_ = size_of(config.vector_dtype);
@@ -269,6 +329,13 @@ class graph_index {
                                       std::uint32_t rows = 100000) const noexcept
   {
     if (config_.exact_search_threshold >= 0) { return config_.exact_search_threshold; }
+    if (config_.memory == memory_kind::host && p.host_mode == host_search_mode::fast) {
+      return static_cast<std::int64_t>(
+        detail::index::host_fast_graph_cost_factor *
+        detail::index::estimated_fast_graph_distances(std::max<std::uint32_t>(p.itopk_size, 1),
+                                                      entry_point_count(rows),
+                                                      config_.graph_degree));
+    }
     double const factor = config_.memory == memory_kind::device
                             ? detail::index::device_graph_cost_factor
                             : detail::index::host_graph_cost_factor;
@@ -441,6 +508,11 @@ class graph_index {
         insert_node(t, v, in_degree);
       }
       repair(t);
+      // the old entry points stay valid (the new rows are reachable through the graph); they
+      // are chosen afresh once the namespace has grown by a quarter
+      if (std::uint64_t{tr.size} * 4 > std::uint64_t{tenants_[t].entries_rows} * 5) {
+        refresh_entry_points(t);
+      }
     }
     ++version_;
     upload_tenant(t, before, upload_vectors | upload_graph);
@@ -621,8 +693,9 @@ class graph_index {
       thread_local detail::index::search_scratch scratch;
       std::vector<detail::index::search_entry> result;
       for (std::int64_t q = begin; q < end; ++q) {
-        auto const& tr = tenants_[static_cast<std::size_t>(tenant_index[q])].ref;
-        search_tenant(tr, padded.data() + q * row_elements_, k, params, scratch, result);
+        auto const& tn = tenants_[static_cast<std::size_t>(tenant_index[q])];
+        auto const& tr = tn.ref;
+        search_tenant(tn, padded.data() + q * row_elements_, k, params, scratch, result);
         for (std::uint32_t j = 0; j < k; ++j) {
           bool const valid       = j < result.size();
           out_ids(q, j)          = valid ? ids_[tr.row_begin + result[j].node] : invalid_fact_id;
@@ -764,6 +837,11 @@ class graph_index {
     std::uint32_t capacity{0};
     bool alive{true};
     bool rebuild_on_compact{false};
+    /// Entry points of the fast host search (local ids), their rows packed (index dtype), and
+    /// the rows the tenant had when they were chosen.
+    std::vector<std::uint32_t> entries;
+    std::vector<unsigned char> entry_vectors;
+    std::uint32_t entries_rows{0};
   };
   struct row_location {
     std::size_t tenant{0};
@@ -1025,7 +1103,10 @@ class graph_index {
     std::uint32_t* graph = graph_.data() + tr.row_begin * degree;
     std::fill_n(graph, std::size_t{n} * degree, detail::index::invalid_node);
     auto const eff = detail::index::degrees_for(config_.intermediate_graph_degree, degree, n);
-    if (n <= 1 || eff.final == 0) { return; }
+    if (n <= 1 || eff.final == 0) {
+      refresh_entry_points(t);
+      return;
+    }
     std::vector<std::uint32_t> knn(std::size_t{n} * eff.intermediate);
     void const* rows = vectors_.data() +
                        static_cast<std::size_t>(tr.row_begin * row_elements_) * element_size_;
@@ -1051,6 +1132,36 @@ class graph_index {
     }
     detail::index::reverse_and_merge_host(pruned.data(), n, eff.final, graph, degree);
     repair(t);
+    refresh_entry_points(t);
+  }
+
+  /// Entry points a namespace of `rows` rows gets (`index_config::host_entry_points`).
+  std::uint32_t entry_point_count(std::uint32_t rows) const noexcept
+  {
+    if (config_.host_entry_points < 0) { return default_host_entry_points(rows); }
+    return static_cast<std::uint32_t>(
+      std::min<std::int64_t>(config_.host_entry_points, rows));
+  }
+
+  /// Chooses a tenant's entry points for the fast host search from its current rows.
+  void refresh_entry_points(std::size_t t)
+  {
+    auto& tn                   = tenants_[t];
+    std::uint32_t const n      = tn.ref.size;
+    std::uint32_t const count  = entry_point_count(n);
+    constexpr std::uint64_t seed = 0x9E3779B97F4A7C15ull;
+    tn.entries = with_rows(t, [&](auto const* rows) {
+      return detail::index::choose_entry_points(rows, row_elements_, n, count, 8 * count, seed);
+    });
+    std::size_t const row_bytes = static_cast<std::size_t>(row_elements_) * element_size_;
+    tn.entry_vectors.resize(tn.entries.size() * row_bytes);
+    unsigned char const* base =
+      vectors_.data() + static_cast<std::size_t>(tn.ref.row_begin) * row_bytes;
+    for (std::size_t i = 0; i < tn.entries.size(); ++i) {
+      std::memcpy(tn.entry_vectors.data() + i * row_bytes, base + tn.entries[i] * row_bytes,
+                  row_bytes);
+    }
+    tn.entries_rows = n;
   }
 
   float node_distance(std::size_t t, std::uint32_t a, std::uint32_t b) const
@@ -1152,16 +1263,40 @@ class graph_index {
 
   template <class T>
   void search_tenant_typed(T const* rows,
-                           tenant_ref const& tr,
+                           tenant const& tn,
                            float const* query,
                            std::uint32_t k,
                            search_params const& params,
                            detail::index::search_scratch& scratch,
                            std::vector<detail::index::search_entry>& result) const
   {
+    tenant_ref const& tr        = tn.ref;
     std::uint8_t const* deleted = deleted_.data() + tr.row_begin;
     if (tr.live == 0) {
       result.clear();
+      return;
+    }
+    if (params.host_mode == host_search_mode::fast) {
+      auto const kernels = detail::index::fast_kernels_for<T>(config_.metric);
+      if (uses_exact(tr, params)) {
+        detail::index::exact_search_fast(rows, row_elements_, tr.size, deleted, query, kernels, k,
+                                         scratch, result);
+        return;
+      }
+      detail::index::fast_plan plan;
+      plan.k              = k;
+      plan.ef             = std::max(params.itopk_size, k);
+      // a namespace built before its entry points existed (none yet) seeds from the generator
+      plan.entry_nodes    = tn.entries.empty() ? nullptr : tn.entries.data();
+      plan.entry_rows     = tn.entries.empty() ? nullptr : tn.entry_vectors.data();
+      plan.entry_count    = tn.entries.empty() ? entry_point_count(tr.size)
+                                               : static_cast<std::uint32_t>(tn.entries.size());
+      plan.xor_mask       = params.rand_xor_mask;
+      plan.max_expansions = params.max_iterations * params.search_width;
+      detail::index::graph_search_fast(rows, row_elements_,
+                                       graph_.data() + tr.row_begin * config_.graph_degree,
+                                       config_.graph_degree, tr.size, deleted, query, kernels,
+                                       plan, scratch, result);
       return;
     }
     if (uses_exact(tr, params)) {
@@ -1182,20 +1317,21 @@ class graph_index {
     }
   }
 
-  void search_tenant(tenant_ref const& tr,
+  void search_tenant(tenant const& tn,
                      float const* query,
                      std::uint32_t k,
                      search_params const& params,
                      detail::index::search_scratch& scratch,
                      std::vector<detail::index::search_entry>& result) const
   {
+    tenant_ref const& tr = tn.ref;
     unsigned char const* base =
       vectors_.data() + static_cast<std::size_t>(tr.row_begin * row_elements_) * element_size_;
     if (config_.vector_dtype == dtype::float32) {
-      search_tenant_typed(reinterpret_cast<float const*>(base), tr, query, k, params, scratch,
+      search_tenant_typed(reinterpret_cast<float const*>(base), tn, query, k, params, scratch,
                           result);
     } else {
-      search_tenant_typed(reinterpret_cast<half_t const*>(base), tr, query, k, params, scratch,
+      search_tenant_typed(reinterpret_cast<half_t const*>(base), tn, query, k, params, scratch,
                           result);
     }
   }

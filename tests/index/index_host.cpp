@@ -277,11 +277,15 @@ TEST_CASE("index: recall@10 >= 0.95 against exact search on Gaussian mixtures", 
   auto const truth = brute_force(stored, qs, cfg.metric, k10);
 
   search_params p;  // the stated parameters: itopk 64, width 1, 8 samplings, automatic bound
-  p.algo         = search_algo::graph;
-  auto const got = run_search(index, queries, {0}, k10, p);
-  double const r = recall(got, truth, ids, k10);
-  CAPTURE(r);
-  CHECK(r >= 0.95);
+  p.algo = search_algo::graph;
+  for (auto mode : {host_search_mode::fast, host_search_mode::reference}) {
+    p.host_mode    = mode;
+    auto const got = run_search(index, queries, {0}, k10, p);
+    double const r = recall(got, truth, ids, k10);
+    CAPTURE(static_cast<int>(mode), r);
+    CHECK(r >= 0.95);
+  }
+  p.host_mode = host_search_mode::reference;
   // one sampling per seed slot is the cuVS default that issue #2102 reports as weak; it stays
   // answerable, just less accurate (not asserted beyond validity)
   p.num_random_samplings = 1;
@@ -894,11 +898,18 @@ TEST_CASE("index: the automatic exact/graph switch follows the documented cost m
   cfg.dim = 32;
   graph_index index(cfg);
   search_params p;  // itopk 64, width 1, 8 samplings, automatic iterations
+  p.host_mode = host_search_mode::reference;
   // written out: (itopk + width * degree) * samplings + (itopk / width + h) * width * degree,
   // h = smallest integer with (degree / 2)^h >= rows; times the host factor 0.55
   std::uint32_t const rows = 5000;  // 16^3 = 4096 < 5000 <= 16^4, so h = 4
   double const estimate    = (64.0 + 32.0) * 8.0 + (64.0 + 4.0) * 32.0;
   REQUIRE(index.exact_search_threshold(p, rows) == static_cast<std::int64_t>(0.55 * estimate));
+  // the fast mode's: entry points ceil(4 sqrt(5000)) = 283, plus ef * degree / 2, times its factor
+  search_params fast = p;
+  fast.host_mode     = host_search_mode::fast;
+  REQUIRE(index.exact_search_threshold(fast, rows) ==
+          static_cast<std::int64_t>(detail::index::host_fast_graph_cost_factor *
+                                    (283.0 + 64.0 * 32.0 / 2.0)));
 
   // below the threshold, automatic answers exactly as exact search does; above it, as the graph
   test::gaussian_mixture mix({32, 8, true, 4});

@@ -421,6 +421,7 @@ struct index_access {
         }
       }
       index.tenants_.push_back(t);
+      index.refresh_entry_points(i);  // not stored: chosen afresh from the rows
     }
     index.reallocate_device();  // no-op for a host index
     return index;

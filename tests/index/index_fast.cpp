@@ -1,0 +1,409 @@
+/**
+ * @file index_fast.cpp
+ * @brief The host's fast search (`host_search_mode::fast`) against expectations written here:
+ * its distances against the metric's definition in double on every instruction set the CPU has,
+ * its exact search against brute force, its graph search's recall on a clustered mixture, the
+ * entry points' coverage of the clusters, and the contracts it shares with the reference mode
+ * (live results only, sorted, unique, tenants isolated, identical after save and load).
+ */
+#include <inferscale/index.hpp>
+
+#include <gaussian_mixture.hpp>
+#include <index_reference.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+using namespace inferscale;
+namespace ix = inferscale::detail::index;
+
+namespace {
+
+/// Restores the default instruction-set cap when a test that lowered it ends (or fails).
+struct simd_cap_guard {
+  ~simd_cap_guard() { detail::set_host_simd_cap(detail::host_simd::avx512); }
+};
+
+/// The instruction sets to check: every level up to the one this CPU has.
+std::vector<detail::host_simd> levels()
+{
+  std::vector<detail::host_simd> out{detail::host_simd::scalar};
+  if (detail::detected_host_simd() != detail::host_simd::scalar) {
+    out.push_back(detail::host_simd::avx2);
+  }
+  if (detail::detected_host_simd() == detail::host_simd::avx512) {
+    out.push_back(detail::host_simd::avx512);
+  }
+  return out;
+}
+
+std::vector<std::uint64_t> iota_ids(std::size_t n, std::uint64_t first = 0)
+{
+  std::vector<std::uint64_t> ids(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    ids[i] = first + i;
+  }
+  return ids;
+}
+
+struct answers {
+  std::vector<std::uint64_t> ids;
+  std::vector<float> distances;
+};
+
+answers run(graph_index const& index, std::vector<float> const& queries, std::uint64_t ns,
+            std::uint32_t k, search_params const& p)
+{
+  std::int64_t const nq = static_cast<std::int64_t>(queries.size()) / index.dim();
+  answers a;
+  a.ids.assign(static_cast<std::size_t>(nq) * k, 12345);
+  a.distances.assign(a.ids.size(), -7.0f);
+  std::uint64_t const nss[1] = {ns};
+  index.search(make_matrix_view(queries.data(), nq, index.dim()),
+               cuda::std::span<std::uint64_t const>{nss, 1}, k, p,
+               make_matrix_view(a.ids.data(), nq, k), make_matrix_view(a.distances.data(), nq, k));
+  return a;
+}
+
+/// The true k nearest row positions of each query, by the double-precision definition on the
+/// normalised data (the mixture is normalised already; cosine = 1 - dot).
+std::vector<std::vector<std::uint32_t>> truth_of(std::vector<float> const& data,
+                                                 std::vector<float> const& queries,
+                                                 std::int64_t dim, std::uint32_t k)
+{
+  std::size_t const n  = data.size() / static_cast<std::size_t>(dim);
+  std::size_t const nq = queries.size() / static_cast<std::size_t>(dim);
+  std::vector<std::vector<std::uint32_t>> out(nq);
+  std::vector<std::pair<double, std::uint32_t>> all(n);
+  for (std::size_t q = 0; q < nq; ++q) {
+    for (std::size_t r = 0; r < n; ++r) {
+      all[r] = {test::reference_distance(data.data() + r * dim, queries.data() + q * dim, dim,
+                                         distance_metric::cosine),
+                static_cast<std::uint32_t>(r)};
+    }
+    std::partial_sort(all.begin(), all.begin() + k, all.end());
+    for (std::uint32_t j = 0; j < k; ++j) {
+      out[q].push_back(all[j].second);
+    }
+  }
+  return out;
+}
+
+double recall_of(answers const& got, std::vector<std::vector<std::uint32_t>> const& truth,
+                 std::uint32_t k)
+{
+  std::size_t hits = 0;
+  for (std::size_t q = 0; q < truth.size(); ++q) {
+    std::set<std::uint64_t> want(truth[q].begin(), truth[q].end());
+    for (std::uint32_t j = 0; j < k; ++j) {
+      hits += want.count(got.ids[q * k + j]);
+    }
+  }
+  return static_cast<double>(hits) / static_cast<double>(truth.size() * k);
+}
+
+}  // namespace
+
+TEST_CASE("fast distances equal the definition to within rounding on every instruction set",
+          "[index][fast]")
+{
+  simd_cap_guard guard;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  // lengths: padded rows of 4 (fp32) / 8 (fp16) elements, short and long, with every tail
+  for (std::int64_t n : {4, 8, 12, 16, 28, 32, 36, 60, 64, 68, 100, 128, 384, 388, 768, 1540}) {
+    std::vector<float> x(static_cast<std::size_t>(n)), q(x.size());
+    for (auto& v : x) { v = normal(rng); }
+    for (auto& v : q) { v = normal(rng); }
+    std::vector<half_t> xh(x.size());
+    std::vector<float> xr(x.size());  // x as fp16 stores it
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      xh[i] = from_float<half_t>(x[i]);
+      xr[i] = to_float(xh[i]);
+    }
+    // |error| of a sum of n products in fp32, any order, fused or not: n * eps * sum |terms|
+    double abs_dot = 0.0, abs_l2 = 0.0, abs_dot_h = 0.0, abs_l2_h = 0.0;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      abs_dot += std::fabs(double{x[i]} * q[i]);
+      abs_l2 += (double{x[i]} - q[i]) * (double{x[i]} - q[i]);
+      abs_dot_h += std::fabs(double{xr[i]} * q[i]);
+      abs_l2_h += (double{xr[i]} - q[i]) * (double{xr[i]} - q[i]);
+    }
+    double const eps = std::ldexp(1.0, -23);
+    for (auto level : levels()) {
+      detail::set_host_simd_cap(level);
+      for (auto m : {distance_metric::inner_product, distance_metric::cosine,
+                     distance_metric::squared_l2}) {
+        CAPTURE(n, static_cast<int>(level), to_string(m));
+        bool const l2 = m == distance_metric::squared_l2;
+        // (x - q)^2 adds one rounding of the difference: 3 eps per term instead of 2
+        double const bound   = (static_cast<double>(n) + 3.0) * eps * (l2 ? abs_l2 : abs_dot) + 1e-30;
+        double const bound_h = (static_cast<double>(n) + 3.0) * eps * (l2 ? abs_l2_h : abs_dot_h) + 1e-30;
+        double const want    = test::reference_distance(x.data(), q.data(), n, m);
+        double const want_h  = test::reference_distance(xr.data(), q.data(), n, m);
+        float const got      = ix::fast_distance_for<float>(m)(x.data(), q.data(), n);
+        float const got_h    = ix::fast_distance_for<half_t>(m)(xh.data(), q.data(), n);
+        REQUIRE(std::fabs(got - want) <= bound * 1.0000001 + std::fabs(want) * eps);
+        REQUIRE(std::fabs(got_h - want_h) <= bound_h * 1.0000001 + std::fabs(want_h) * eps);
+      }
+    }
+  }
+}
+
+TEST_CASE("fast distances see every element (a change at any position changes the result)",
+          "[index][fast]")
+{
+  simd_cap_guard guard;
+  for (auto level : levels()) {
+    detail::set_host_simd_cap(level);
+    for (std::int64_t n : {4, 36, 100, 388}) {
+      std::vector<float> x(static_cast<std::size_t>(n), 0.0f), q(x.size(), 1.0f);
+      for (std::int64_t at = 0; at < n; ++at) {
+        x[static_cast<std::size_t>(at)] = 1.0f;
+        CAPTURE(static_cast<int>(level), n, at);
+        REQUIRE(ix::fast_distance_for<float>(distance_metric::inner_product)(x.data(), q.data(),
+                                                                             n) == -1.0f);
+        REQUIRE(ix::fast_distance_for<float>(distance_metric::squared_l2)(x.data(), q.data(), n) ==
+                static_cast<float>(n - 1));
+        x[static_cast<std::size_t>(at)] = 0.0f;
+      }
+    }
+  }
+}
+
+TEST_CASE("entry points are distinct, deterministic and cover every cluster", "[index][fast]")
+{
+  // 20 well-separated clusters of about 150 points: with 64 entry points (over 3 per cluster)
+  // D^2 sampling must hit every cluster (a uniform sample of 64 misses one with probability
+  // about 20 * 0.95^64 = 0.75)
+  std::int64_t const dim = 32;
+  test::gaussian_mixture mix({dim, 20, true, 5});
+  std::vector<float> data = mix.draw(3000);
+  std::vector<float> const rows = data;  // fp32, dim a multiple of 4: already padded rows
+  auto const a = ix::choose_entry_points(rows.data(), dim, 3000, 64, 512, 99);
+  auto const b = ix::choose_entry_points(rows.data(), dim, 3000, 64, 512, 99);
+  REQUIRE(a == b);
+  REQUIRE(a.size() == 64);
+  REQUIRE(std::set<std::uint32_t>(a.begin(), a.end()).size() == 64);
+  for (auto v : a) {
+    REQUIRE(v < 3000);
+  }
+  // coverage, stated without the generator's cluster labels: (nearly) every point has an entry
+  // point closer than half the median distance between two random points (two points of one
+  // cluster are far closer than that, two of different clusters far farther)
+  std::vector<double> pair_d;
+  for (int i = 0; i < 2000; ++i) {
+    pair_d.push_back(test::reference_distance(rows.data() + (i * 7 % 3000) * dim,
+                                              rows.data() + (i * 13 % 3000 + 1) % 3000 * dim, dim,
+                                              distance_metric::squared_l2));
+  }
+  std::nth_element(pair_d.begin(), pair_d.begin() + 1000, pair_d.end());
+  double const median = pair_d[1000];
+  std::size_t far = 0;
+  for (std::uint32_t v = 0; v < 3000; ++v) {
+    double best = std::numeric_limits<double>::infinity();
+    for (auto e : a) {
+      best = std::min(best, test::reference_distance(rows.data() + v * dim, rows.data() + e * dim,
+                                                     dim, distance_metric::squared_l2));
+    }
+    far += best >= median / 2 ? 1 : 0;
+  }
+  // a missed cluster leaves its ~150 points far; a stray point of a cluster's tail may be far
+  REQUIRE(far <= 30);
+  // every node when the count reaches n
+  auto const all = ix::choose_entry_points(rows.data(), dim, 50, 64, 512, 99);
+  REQUIRE(all.size() == 50);
+  for (std::uint32_t v = 0; v < 50; ++v) {
+    REQUIRE(all[v] == v);
+  }
+}
+
+TEST_CASE("fast exact search equals brute force", "[index][fast]")
+{
+  simd_cap_guard guard;
+  std::int64_t const dim = 100;  // 25 chunks: tails in every instruction set
+  for (auto metric : {distance_metric::cosine, distance_metric::inner_product,
+                      distance_metric::squared_l2}) {
+    for (auto vt : {dtype::float32, dtype::float16}) {
+      index_config c;
+      c.dim          = dim;
+      c.metric       = metric;
+      c.vector_dtype = vt;
+      graph_index index{c};
+      test::gaussian_mixture mix({dim, 10, metric != distance_metric::squared_l2, 3});
+      std::vector<float> data = mix.draw(700), queries = mix.draw(20);
+      auto const ids          = iota_ids(700, 1000);
+      index.add(4, make_matrix_view<float const>(data.data(), 700, dim),
+                cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+      std::vector<std::uint64_t> gone{1003, 1100, 1200, 1333};
+      index.erase(cuda::std::span<std::uint64_t const>{gone.data(), gone.size()});
+      // the rows as the index stores them, and the queries as it compares them
+      auto const* stored = static_cast<unsigned char const*>(index.vector_rows(4));
+      std::int64_t const re = index.row_elements();
+      auto row_value = [&](std::uint32_t r, std::int64_t e) {
+        return vt == dtype::float32
+                 ? reinterpret_cast<float const*>(stored)[r * re + e]
+                 : to_float(reinterpret_cast<half_t const*>(stored)[r * re + e]);
+      };
+      auto const prepared = index.prepare_queries(make_matrix_view<float const>(queries.data(), 20, dim));
+      search_params p;
+      p.algo = search_algo::exact;
+      for (auto level : levels()) {
+        detail::set_host_simd_cap(level);
+        answers const got = run(index, queries, 4, 10, p);
+        for (std::size_t q = 0; q < 20; ++q) {
+          std::vector<std::pair<double, std::uint64_t>> all;
+          for (std::uint32_t r = 0; r < 700; ++r) {
+            if (std::find(gone.begin(), gone.end(), ids[r]) != gone.end()) { continue; }
+            std::vector<float> row(static_cast<std::size_t>(dim));
+            for (std::int64_t e = 0; e < dim; ++e) {
+              row[static_cast<std::size_t>(e)] = row_value(r, e);
+            }
+            all.emplace_back(test::reference_distance(row.data(), prepared.data() + q * re, dim,
+                                                      metric),
+                             ids[r]);
+          }
+          std::sort(all.begin(), all.end());
+          CAPTURE(to_string(metric), to_string(vt), static_cast<int>(level), q);
+          double const tol = 1e-5 * (1.0 + std::fabs(all[9].first));
+          for (std::size_t j = 0; j < 10; ++j) {
+            // the same distance to within rounding, in order; the same id unless a near-tie
+            REQUIRE(std::fabs(got.distances[q * 10 + j] - all[j].first) <= tol);
+            if (j > 0) { REQUIRE(got.distances[q * 10 + j - 1] <= got.distances[q * 10 + j]); }
+            bool const tie_free = (j == 0 || all[j].first - all[j - 1].first > 2 * tol) &&
+                                  (all[j + 1].first - all[j].first > 2 * tol);
+            if (tie_free) { REQUIRE(got.ids[q * 10 + j] == all[j].second); }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("fast graph search: recall on a clustered mixture, live results only, save and load",
+          "[index][fast]")
+{
+  std::int64_t const dim = 64;
+  std::uint32_t const n  = 6000;
+  test::gaussian_mixture mix({dim, 60, true, 17});
+  std::vector<float> const queries = mix.draw(200);
+  std::vector<float> const data    = mix.draw(n);
+  index_config c;
+  c.dim = dim;
+  graph_index index{c};
+  auto const ids = iota_ids(n);
+  index.add(9, make_matrix_view<float const>(data.data(), n, dim),
+            cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+  auto const truth = truth_of(data, queries, dim, 10);
+
+  search_params graph;
+  graph.algo = search_algo::graph;  // the defaults otherwise: host_mode fast
+  answers const got = run(index, queries, 9, 10, graph);
+  double const r    = recall_of(got, truth, 10);
+  std::printf("fast graph search, 6000 x 64, 60 clusters: recall@10 %.4f at the defaults\n", r);
+  REQUIRE(r >= 0.99);
+
+  // the reference mode's answers are the sequential spec's; the fast mode finds as good a set
+  search_params reference = graph;
+  reference.host_mode     = host_search_mode::reference;
+  double const r_ref      = recall_of(run(index, queries, 9, 10, reference), truth, 10);
+  std::printf("reference mode at the same parameters: recall@10 %.4f\n", r_ref);
+  REQUIRE(r >= r_ref - 0.01);
+
+  // results are sorted, unique, and their distances are the rows' distances
+  for (std::size_t q = 0; q < 200; ++q) {
+    std::set<std::uint64_t> seen;
+    for (std::size_t j = 0; j < 10; ++j) {
+      std::uint64_t const id = got.ids[q * 10 + j];
+      REQUIRE(id < n);
+      REQUIRE(seen.insert(id).second);
+      if (j > 0) { REQUIRE(got.distances[q * 10 + j - 1] <= got.distances[q * 10 + j]); }
+      double const d = test::reference_distance(data.data() + id * dim, queries.data() + q * dim,
+                                                dim, distance_metric::cosine);
+      REQUIRE(std::fabs(got.distances[q * 10 + j] - d) <= 1e-5);
+    }
+  }
+
+  // deleted facts route but never come back; every query still gets 10 results
+  std::vector<std::uint64_t> gone;
+  for (std::size_t q = 0; q < 200; ++q) {
+    gone.push_back(got.ids[q * 10]);  // every query's nearest fact
+  }
+  std::sort(gone.begin(), gone.end());
+  gone.erase(std::unique(gone.begin(), gone.end()), gone.end());
+  index.erase(cuda::std::span<std::uint64_t const>{gone.data(), gone.size()});
+  answers const after = run(index, queries, 9, 10, graph);
+  for (std::size_t j = 0; j < after.ids.size(); ++j) {
+    REQUIRE(after.ids[j] != invalid_fact_id);
+    REQUIRE(!std::binary_search(gone.begin(), gone.end(), after.ids[j]));
+  }
+
+  // a saved and loaded index chooses the same entry points: identical answers, bit for bit
+  std::string const path = "index_fast_roundtrip.isidx";
+  save_index(index, path);
+  graph_index const loaded = load_index(path);
+  std::remove(path.c_str());
+  answers const again = run(loaded, queries, 9, 10, graph);
+  REQUIRE(again.ids == after.ids);
+  REQUIRE(std::memcmp(again.distances.data(), after.distances.data(),
+                      after.distances.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("fast graph search keeps tenants apart and answers tiny namespaces", "[index][fast]")
+{
+  std::int64_t const dim = 16;
+  index_config c;
+  c.dim = dim;
+  graph_index index{c};
+  test::gaussian_mixture mix({dim, 5, true, 2});
+  std::vector<float> a = mix.draw(400), b = mix.draw(3), q = mix.draw(5);
+  auto const ida = iota_ids(400, 0), idb = iota_ids(3, 5000);
+  index.add(1, make_matrix_view<float const>(a.data(), 400, dim),
+            cuda::std::span<std::uint64_t const>{ida.data(), ida.size()});
+  index.add(2, make_matrix_view<float const>(b.data(), 3, dim),
+            cuda::std::span<std::uint64_t const>{idb.data(), idb.size()});
+  search_params p;
+  p.algo           = search_algo::graph;
+  answers const in1 = run(index, q, 1, 10, p);
+  for (auto id : in1.ids) {
+    REQUIRE(id < 400);
+  }
+  answers const in2 = run(index, q, 2, 5, p);
+  for (std::size_t i = 0; i < 5; ++i) {
+    std::set<std::uint64_t> got;
+    for (std::size_t j = 0; j < 3; ++j) {
+      got.insert(in2.ids[i * 5 + j]);
+    }
+    REQUIRE(got == std::set<std::uint64_t>{5000, 5001, 5002});  // all three, each once
+    REQUIRE(in2.ids[i * 5 + 3] == invalid_fact_id);
+    REQUIRE(in2.ids[i * 5 + 4] == invalid_fact_id);
+    REQUIRE(std::isinf(in2.distances[i * 5 + 4]));
+  }
+}
+
+TEST_CASE("index_config::host_entry_points is validated", "[index][fast]")
+{
+  index_config c;
+  c.dim               = 8;
+  c.host_entry_points = 0;
+  REQUIRE_THROWS_WITH(graph_index{c}, Catch::Contains("host_entry_points"));
+  c.host_entry_points = -2;
+  REQUIRE_THROWS_WITH(graph_index{c}, Catch::Contains("host_entry_points"));
+  c.host_entry_points = 5;
+  REQUIRE_NOTHROW(graph_index{c});
+  REQUIRE(default_host_entry_points(10) == 10);
+  REQUIRE(default_host_entry_points(200) == 64);         // 4 sqrt(200) = 56.6 -> the floor
+  REQUIRE(default_host_entry_points(1000) == 127);       // ceil(4 sqrt(1000)) = ceil(126.49)
+  REQUIRE(default_host_entry_points(20000) == 566);      // ceil(565.69)
+  REQUIRE(default_host_entry_points(100000) == 1265);    // ceil(1264.91)
+  REQUIRE(default_host_entry_points(10000000) == 2048);  // the cap
+}

@@ -208,10 +208,13 @@ inline constexpr double device_graph_cost_factor = 2.0;
 /**
  * @brief The same for the host's fast search (`host_search_mode::fast`): its graph search costs
  * about `host_fast_graph_cost_factor * estimated_fast_graph_distances(...)` exact-scan distances
- * (a graph distance reads a row at random, an exact one streams it). Measured: see
- * bench_index `host/crossover` and bench/results/2026-12-01-index-search-host.md.
+ * (a graph distance reads a row at random, an exact one streams it). Measured at batch 1 on the
+ * 384-d 100-cluster mixture with the default search_params: the graph's and the exact search's
+ * times cross between 1,500 rows (exact 0.83x the graph's time) and 2,000 rows (1.49x), about
+ * 1,700, where the estimate is 1,209 distances: factor 1.4
+ * (bench/results/2026-12-01-index-search-host.md).
  */
-inline constexpr double host_fast_graph_cost_factor = 1.0;
+inline constexpr double host_fast_graph_cost_factor = 1.4;
 
 /// @brief Estimate of the distances a fast host search computes: its entry points, then about
 /// `degree / 2` new neighbours for each of about `ef` expanded nodes.
@@ -379,6 +382,14 @@ class graph_index {
     auto it = tenant_of_.find(ns);
     return it == tenant_of_.end() ? 0 : tenants_[it->second].ref.live;
   }
+  /// @brief Entry points the fast host search of a namespace starts from (0 if unknown; see
+  /// `index_config::host_entry_points`).
+  std::uint32_t host_entry_points(std::uint64_t ns) const noexcept
+  {
+    auto it = tenant_of_.find(ns);
+    return it == tenant_of_.end() ? 0
+                                  : static_cast<std::uint32_t>(tenants_[it->second].entries.size());
+  }
   /// @brief Rows a namespace occupies (live + deleted, until `compact()`).
   std::uint32_t rows(std::uint64_t ns) const noexcept
   {
@@ -504,8 +515,9 @@ class graph_index {
       for (std::size_t e = 0; e < std::size_t{before} * config_.graph_degree; ++e) {
         if (graph[e] != detail::index::invalid_node) { ++in_degree[graph[e]]; }
       }
+      detail::index::search_scratch scratch;  // one visited table for the whole batch
       for (std::uint32_t v = before; v < tr.size; ++v) {
-        insert_node(t, v, in_degree);
+        insert_node(t, v, in_degree, scratch);
       }
       repair(t);
       // the old entry points stay valid (the new rows are reachable through the graph); they
@@ -1135,7 +1147,11 @@ class graph_index {
     refresh_entry_points(t);
   }
 
-  /// Entry points a namespace of `rows` rows gets (`index_config::host_entry_points`).
+  /// Fewest entry points of the automatic choice, and rows probed to choose.
+  static constexpr std::uint32_t min_host_entry_points = 64;
+  static constexpr std::uint32_t entry_probes          = 200;
+
+  /// Entry points a namespace of `rows` rows gets at most (`index_config::host_entry_points`).
   std::uint32_t entry_point_count(std::uint32_t rows) const noexcept
   {
     if (config_.host_entry_points < 0) { return default_host_entry_points(rows); }
@@ -1154,12 +1170,29 @@ class graph_index {
       return detail::index::choose_entry_points(rows, row_elements_, n, count, 8 * count, seed);
     });
     std::size_t const row_bytes = static_cast<std::size_t>(row_elements_) * element_size_;
-    tn.entry_vectors.resize(tn.entries.size() * row_bytes);
-    unsigned char const* base =
-      vectors_.data() + static_cast<std::size_t>(tn.ref.row_begin) * row_bytes;
-    for (std::size_t i = 0; i < tn.entries.size(); ++i) {
-      std::memcpy(tn.entry_vectors.data() + i * row_bytes, base + tn.entries[i] * row_bytes,
-                  row_bytes);
+    auto pack = [&] {
+      tn.entry_vectors.resize(tn.entries.size() * row_bytes);
+      unsigned char const* base =
+        vectors_.data() + static_cast<std::size_t>(tn.ref.row_begin) * row_bytes;
+      for (std::size_t i = 0; i < tn.entries.size(); ++i) {
+        std::memcpy(tn.entry_vectors.data() + i * row_bytes, base + tn.entries[i] * row_bytes,
+                    row_bytes);
+      }
+    };
+    pack();
+    if (config_.host_entry_points < 0) {  // automatic: as many as the data's clusters need
+      std::uint32_t const needed = with_rows(t, [&](auto const* rows) {
+        using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>;
+        return detail::index::entry_points_needed(
+          rows, row_elements_, graph_.data() + tn.ref.row_begin * config_.graph_degree,
+          config_.graph_degree, n, tn.entries.data(),
+          reinterpret_cast<T const*>(tn.entry_vectors.data()),
+          static_cast<std::uint32_t>(tn.entries.size()),
+          detail::index::fast_kernels_for<T>(config_.metric), min_host_entry_points,
+          entry_probes);
+      });
+      tn.entries.resize(needed);
+      pack();
     }
     tn.entries_rows = n;
   }
@@ -1190,25 +1223,33 @@ class graph_index {
 
   /// Inserts row `v` of tenant `t` into the graph of rows `[0, v)` (CAGRA extend, sequential);
   /// `in_degree` (edges into each row) is kept up to date.
-  void insert_node(std::size_t t, std::uint32_t v, std::vector<std::uint32_t>& in_degree)
+  void insert_node(std::size_t t, std::uint32_t v, std::vector<std::uint32_t>& in_degree,
+                   detail::index::search_scratch& scratch)
   {
     auto const& tr             = tenants_[t].ref;
     std::uint32_t const degree = config_.graph_degree;
     std::uint32_t* graph       = graph_.data() + tr.row_begin * degree;
     std::uint32_t const want   = std::min(config_.intermediate_graph_degree, v);
-    search_params p;
-    p.itopk_size           = std::max<std::uint32_t>(2 * want, 64);
-    p.num_random_samplings = 4;
-    auto const plan        = plan_for(v, std::min(want, p.itopk_size), p);
+    // the candidates: the host's fast search of rows [0, v) from the tenant's entry points
+    // (those below v), deleted rows included (they route, and stay linked until compaction)
+    auto const& tn = tenants_[t];
+    detail::index::fast_plan plan;
+    plan.k           = want;
+    plan.ef          = std::max<std::uint32_t>(2 * want, 64);
+    plan.entry_nodes = tn.entries.empty() ? nullptr : tn.entries.data();
+    plan.entry_rows  = tn.entries.empty() ? nullptr : tn.entry_vectors.data();
+    plan.entry_count = tn.entries.empty() ? entry_point_count(v)
+                                          : static_cast<std::uint32_t>(tn.entries.size());
     std::vector<detail::index::search_entry> top;
-    detail::index::search_scratch scratch;
     with_rows(t, [&](auto const* rows) {
+      using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>;
       std::vector<float> q(static_cast<std::size_t>(row_elements_));
       for (std::int64_t e = 0; e < row_elements_; ++e) {
         q[static_cast<std::size_t>(e)] = to_float(rows[std::int64_t{v} * row_elements_ + e]);
       }
-      detail::index::graph_search_host(rows, row_elements_, graph, degree, v, q.data(),
-                                       config_.metric, plan, scratch, top);
+      detail::index::graph_search_fast(rows, row_elements_, graph, degree, v, nullptr, q.data(),
+                                       detail::index::fast_kernels_for<T>(config_.metric), plan,
+                                       scratch, top);
     });
     // candidates L (by distance); detour counts use the candidates' graph rows
     std::vector<std::uint32_t> cand;

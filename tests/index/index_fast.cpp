@@ -159,6 +159,48 @@ TEST_CASE("fast distances equal the definition to within rounding on every instr
   }
 }
 
+TEST_CASE("fast scans give each row's fast distance to within rounding", "[index][fast]")
+{
+  simd_cap_guard guard;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  for (std::int64_t n : {4, 8, 20, 36, 100, 384, 388}) {
+    for (std::uint32_t count : {1u, 3u, 4u, 7u, 9u}) {
+      std::vector<float> rows(static_cast<std::size_t>(n) * count), q(static_cast<std::size_t>(n));
+      for (auto& v : rows) { v = normal(rng); }
+      for (auto& v : q) { v = normal(rng); }
+      std::vector<half_t> hrows(rows.size());
+      std::vector<float> hr(rows.size());
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        hrows[i] = from_float<half_t>(rows[i]);
+        hr[i]    = to_float(hrows[i]);
+      }
+      for (auto level : levels()) {
+        detail::set_host_simd_cap(level);
+        for (auto m : {distance_metric::inner_product, distance_metric::squared_l2}) {
+          std::vector<float> out(count, -99.0f), hout(count, -99.0f);
+          ix::fast_scan_for<float>(m)(rows.data(), n, count, q.data(), out.data());
+          ix::fast_scan_for<half_t>(m)(hrows.data(), n, count, q.data(), hout.data());
+          for (std::uint32_t r = 0; r < count; ++r) {
+            CAPTURE(n, count, r, static_cast<int>(level), to_string(m));
+            double abs_sum = 0.0, abs_sum_h = 0.0;
+            for (std::int64_t e = 0; e < n; ++e) {
+              double const x = rows[r * n + e], xh = hr[r * n + e], y = q[static_cast<std::size_t>(e)];
+              abs_sum += m == distance_metric::squared_l2 ? (x - y) * (x - y) : std::fabs(x * y);
+              abs_sum_h += m == distance_metric::squared_l2 ? (xh - y) * (xh - y) : std::fabs(xh * y);
+            }
+            double const eps  = std::ldexp(1.0, -23);
+            double const want = test::reference_distance(rows.data() + r * n, q.data(), n, m);
+            double const want_h = test::reference_distance(hr.data() + r * n, q.data(), n, m);
+            REQUIRE(std::fabs(out[r] - want) <= (n + 3.0) * eps * abs_sum + 1e-30);
+            REQUIRE(std::fabs(hout[r] - want_h) <= (n + 3.0) * eps * abs_sum_h + 1e-30);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("fast distances see every element (a change at any position changes the result)",
           "[index][fast]")
 {

@@ -359,6 +359,59 @@ std::vector<std::uint32_t> choose_entry_points(T const* rows,
 }
 
 /**
+ * @brief How many of a tenant's entry points (a prefix of `choose_entry_points`' order, which is
+ * itself a D^2 sample at every length) the fast search needs: the smallest of `first`, 2 `first`,
+ * 4 `first`, ..., `count` with which at least 99 % of `probes` rows of the tenant (seed-generator
+ * draws), searched for as queries with a result list of 16, find themselves among their top 10.
+ * A row of a cluster that no entry point reaches cannot find itself, so the check measures
+ * exactly what the entry points are for; data without tight clusters stops at `first`.
+ */
+template <class T>
+std::uint32_t entry_points_needed(T const* rows,
+                                  std::int64_t row_elements,
+                                  std::uint32_t const* graph,
+                                  std::uint32_t degree,
+                                  std::uint32_t n,
+                                  std::uint32_t const* entries,
+                                  T const* packed,
+                                  std::uint32_t count,
+                                  fast_kernels<T> const& kernels,
+                                  std::uint32_t first,
+                                  std::uint32_t probes)
+{
+  if (count <= first || n == 0) { return count; }
+  probes = std::min(probes, n);
+  std::uint32_t const allowed = probes / 100;  // misses tolerated (ties, duplicates)
+  search_scratch scratch;
+  std::vector<search_entry> out;
+  std::vector<float> query(static_cast<std::size_t>(row_elements));
+  for (std::uint32_t e = first;; e = std::min(count, 2 * e)) {
+    fast_plan plan;
+    plan.k           = 10;
+    plan.ef          = 16;
+    plan.entry_nodes = entries;
+    plan.entry_rows  = packed;
+    plan.entry_count = e;
+    std::uint32_t missed = 0;
+    for (std::uint32_t p = 0; p < probes && missed <= allowed; ++p) {
+      std::uint32_t const node = seed_node(p, 0, 1, 0x5EED5EEDull, n);
+      T const* row             = rows + std::int64_t{node} * row_elements;
+      for (std::int64_t i = 0; i < row_elements; ++i) {
+        query[static_cast<std::size_t>(i)] = to_float(row[i]);
+      }
+      graph_search_fast(rows, row_elements, graph, degree, n, nullptr, query.data(), kernels,
+                        plan, scratch, out);
+      bool found = false;
+      for (auto const& r : out) {
+        found = found || r.node == node;
+      }
+      missed += found ? 0 : 1;
+    }
+    if (missed <= allowed || e == count) { return e; }
+  }
+}
+
+/**
  * @brief The host's fast exact search: the fast scan of every row in row order (one sequential
  * stream the hardware prefetcher follows), the live ones into a bounded max-heap of `k`.
  */

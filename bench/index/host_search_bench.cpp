@@ -33,7 +33,10 @@
  *    target is used. Each iteration then searches the 1,024 queries one at a time on the calling
  *    thread with the graph (`Time`), then with hnswlib. Counters: `us_per_query`, `QPS`,
  *    `recall`, `ef`, `entry_points` (graph); `hnswlib_us_per_query`, `hnswlib_recall`, `hnswlib_ef`;
- *    `vs_hnswlib` = hnswlib time / graph time (> 1: the graph is faster).
+ *    `vs_hnswlib` = hnswlib time / graph time (> 1: the graph is faster). The builds, once per
+ *    data set: `graph_build_s` / `hnswlib_build_s` (wall) and `graph_build_cpu_s` /
+ *    `hnswlib_build_cpu_s` (CPU seconds of the process, all threads; `std::clock`),
+ *    `build_cpu_vs_hnswlib` = graph CPU seconds / hnswlib CPU seconds (< 1: the graph is cheaper).
  *  - index_host/exact/data:D/dim:d[/N:n]: batch-1 exact search (search_algo::exact) of the
  *    queries, `us_per_query` and `GBps` (the rows' bytes per query / time); beside it, in the
  *    same iteration, `stream_GBps`: the same distance kernel run once over the whole arena as
@@ -63,6 +66,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -249,7 +253,8 @@ struct prepared {
   std::unique_ptr<is::graph_index> index;
   std::unique_ptr<ib::hnsw_baseline> hnsw;
   std::vector<std::uint64_t> truth;  ///< [num_queries][top_k] row ids
-  double graph_build_s{0.0}, hnsw_build_s{0.0};
+  double graph_build_s{0.0}, hnsw_build_s{0.0};          ///< wall seconds
+  double graph_build_cpu_s{0.0}, hnsw_build_cpu_s{0.0};  ///< CPU seconds, all threads
   std::map<int, int> graph_ef, hnsw_ef;        ///< target (percent) -> chosen ef
   std::map<int, double> graph_recall, hnsw_recall;
 };
@@ -336,10 +341,13 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n)
   config.dim = v.dim;
   c->index   = std::make_unique<is::graph_index>(config);
   auto t0    = clock_type::now();
+  std::clock_t cpu0 = std::clock();
   c->index->add(the_namespace, is::make_matrix_view<float const>(v.base.data(), v.n(), v.dim),
                 cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
-  c->graph_build_s = seconds_since(t0);
-  t0               = clock_type::now();
+  c->graph_build_s     = seconds_since(t0);
+  c->graph_build_cpu_s = static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC;
+  t0                   = clock_type::now();
+  cpu0                 = std::clock();
   c->hnsw = std::make_unique<ib::hnsw_baseline>(v.dim, v.n(), hnsw_m, hnsw_ef_construction);
   c->hnsw->add(v.row(0), 0);
   on_all_threads(v.n() - 1, [&](std::int64_t begin, std::int64_t end) {
@@ -347,7 +355,8 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n)
       c->hnsw->add(v.row(r), static_cast<std::uint64_t>(r));
     }
   });
-  c->hnsw_build_s = seconds_since(t0);
+  c->hnsw_build_s     = seconds_since(t0);
+  c->hnsw_build_cpu_s = static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC;
   c->truth        = brute_force(v);
 
   // the sweep: recall of every ef of the grid on both sides (untimed), smallest per target
@@ -424,6 +433,9 @@ void equal_recall(benchmark::State& state, std::string const& name, std::int64_t
   state.counters["entry_points"]         = c->index->host_entry_points(the_namespace);
   state.counters["graph_build_s"]        = c->graph_build_s;
   state.counters["hnswlib_build_s"]      = c->hnsw_build_s;
+  state.counters["graph_build_cpu_s"]    = c->graph_build_cpu_s;
+  state.counters["hnswlib_build_cpu_s"]  = c->hnsw_build_cpu_s;
+  state.counters["build_cpu_vs_hnswlib"] = c->graph_build_cpu_s / c->hnsw_build_cpu_s;
   state.SetLabel(name + ", batch 1, one thread; hnswlib M16 efC200 (-march=native)");
 }
 

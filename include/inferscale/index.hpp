@@ -375,7 +375,7 @@ class graph_index {
    * 1.5), or a sixth of the live facts are erased: a repack's copy of the arena is paid for by
    * the moves and erasures that made it necessary. Growth itself stays below the bound: with
    * automatic compaction a segment grows to 1.25x what it needs and the arena by at most 1.25x,
-   * both clipped at the target for the facts after the change (never below what is needed).
+   * both clipped half way between what is needed and the bound for the facts after the change.
    */
   std::uint64_t compactions() const noexcept { return compactions_; }
   /// @brief Bytes of the arena's vectors, graph, ids and flags (one copy).
@@ -918,18 +918,28 @@ class graph_index {
                     n + compaction_floor_rows / 2);
   }
 
+  /// How far growth may take the arena when it needs `needed` rows for `live_after` facts: half
+  /// way from `needed` to the bound (at least `needed` and the current size). Growth then leaves
+  /// room for more moves and erasures before a repack, and about log2(gap / move) growths fill the
+  /// gap a repack left, instead of one reallocation per move.
+  std::int64_t growth_cap(std::int64_t needed, std::uint64_t live_after) const noexcept
+  {
+    std::int64_t const limit = row_limit(live_after);
+    std::int64_t const cap   = needed < limit ? needed + (limit - needed) / 2 : needed;
+    return std::max(cap, arena_capacity_);
+  }
+
   /// Spare rows for a segment of `rows` rows that would end at `end` without them: a quarter of
-  /// its rows, as far as the arena stays within its current size or the repack target for
-  /// `live_after` facts (growth alone leaves room below the bound before the next repack).
+  /// its rows, as far as `growth_cap` allows.
   std::uint32_t spare_rows(std::uint32_t rows, std::int64_t end, std::uint64_t live_after) const noexcept
   {
-    std::int64_t const room = std::max(arena_capacity_, repack_target(live_after)) - end;
+    std::int64_t const room = growth_cap(end, live_after) - end;
     return static_cast<std::uint32_t>(std::clamp<std::int64_t>(room, 0, rows / 4));
   }
 
   /// Makes the arena hold at least `needed` rows: doubling without automatic compaction, else
-  /// 1.25x clipped at the repack target for `live_after` facts (never below `needed`). The
-  /// vectors are reserved exactly, so `arena_rows()` is what is allocated.
+  /// 1.25x clipped at `growth_cap` (never below `needed`). The vectors are reserved exactly, so
+  /// `arena_rows()` is what is allocated.
   void grow_arena(std::int64_t needed, std::uint64_t live_after)
   {
     if (needed <= arena_capacity_) { return; }
@@ -937,7 +947,7 @@ class graph_index {
       config_.max_row_overhead == 0.0
         ? std::max<std::int64_t>(needed, 2 * arena_capacity_)
         : std::max<std::int64_t>(needed, std::min(arena_capacity_ + arena_capacity_ / 4,
-                                                  repack_target(live_after)));
+                                                  growth_cap(needed, live_after)));
     std::size_t const rows = static_cast<std::size_t>(capacity);
     vectors_.reserve(rows * static_cast<std::size_t>(row_elements_) * element_size_);
     graph_.reserve(rows * config_.graph_degree);

@@ -224,7 +224,7 @@ truth brute_force_truth(dataset const& data, std::int64_t n)
   t.n = n;
   t.ids.assign(static_cast<std::size_t>(num_queries * top_k), is::invalid_fact_id);
   t.kth.assign(static_cast<std::size_t>(num_queries), std::numeric_limits<float>::infinity());
-  is::detail::index::parallel_ranges(num_queries, [&](std::int64_t begin, std::int64_t end) {
+  is::detail::index::parallel_ranges(num_queries, 0, [&](std::int64_t begin, std::int64_t end) {
     std::vector<std::pair<float, std::uint64_t>> best;
     for (std::int64_t q = begin; q < end; ++q) {
       best.clear();
@@ -426,7 +426,7 @@ std::unique_ptr<ib::hnsw_baseline> build_hnsw(dataset const& data, std::int64_t 
 {
   auto h = std::make_unique<ib::hnsw_baseline>(data.dim, n, hnsw_m, hnsw_ef_construction);
   h->add(data.row(0), 0);  // the entry point first, then the rest in parallel
-  is::detail::index::parallel_ranges(n - 1, [&](std::int64_t begin, std::int64_t end) {
+  is::detail::index::parallel_ranges(n - 1, 0, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin + 1; r < end + 1; ++r) {
       h->add(data.row(r), static_cast<std::uint64_t>(r));
     }
@@ -500,7 +500,7 @@ host_case& prepare_host(std::int64_t dim, std::int64_t n, bool with_hnsw)
     os << "bench_index sweep hnswlib dim " << dim << " N " << n << " (ef: recall@10):";
     for (int ef : hnsw_efs) {
       c.hnsw->set_ef(ef);
-      is::detail::index::parallel_ranges(num_queries, [&](std::int64_t begin, std::int64_t end) {
+      is::detail::index::parallel_ranges(num_queries, 0, [&](std::int64_t begin, std::int64_t end) {
         for (std::int64_t q = begin; q < end; ++q) {
           c.hnsw->search(data.query(q), top_k, ids.data() + q * top_k, distances.data() + q * top_k);
         }
@@ -689,7 +689,7 @@ void host_search_bench(benchmark::State& state)
 #if INFERSCALE_BENCH_HNSWLIB
     double hnsw_seconds = 0.0;
     auto const hnsw_batch = [&](std::int64_t first) {
-      is::detail::index::parallel_ranges(batch, [&](std::int64_t begin, std::int64_t end) {
+      is::detail::index::parallel_ranges(batch, 0, [&](std::int64_t begin, std::int64_t end) {
         for (std::int64_t i = begin; i < end; ++i) {
           c.hnsw->search(data.query(first + i), top_k, ids.data() + i * top_k,
                          distances.data() + i * top_k);

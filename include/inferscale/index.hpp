@@ -10,8 +10,10 @@
  *  - graph `[rows][graph_degree]` of uint32 node ids local to the tenant (`0xFFFFFFFF` = empty);
  *  - fact ids `[rows]` (uint64) and deleted flags `[rows]` (uint8).
  * A tenant owns the rows `[row_begin, row_begin + capacity)`, of which the first `size` are used.
- * A tenant that outgrows its segment moves to the end of the arena (its old segment is a hole
- * until `compact()`).
+ * A tenant that outgrows its segment moves to the end of the arena (its old segment is a hole),
+ * and deleted rows stay (they route). Automatic compaction (`index_config::max_row_overhead`)
+ * repacks the arena when its rows exceed the configured multiple of the live facts; `compact()`
+ * repacks on demand.
  *
  * Every mutating call validates all of its input before the first write, so a refused call leaves
  * the index unchanged (`version()` included).
@@ -89,6 +91,13 @@ inline char const* to_string(knn_build b) noexcept
  */
 inline constexpr std::uint32_t exact_knn_max_rows = 10000;
 
+/**
+ * @brief The automatic compaction's allowance for small indexes: the arena may always hold this
+ * many rows beyond the live facts (see `index_config::max_row_overhead`), so that an index of a
+ * few dozen facts is not repacked on every change.
+ */
+inline constexpr std::int64_t compaction_floor_rows = 256;
+
 /// @brief NN-descent's knobs (`rho`, `delta`, `max_iterations`, `seed`): see
 /// `detail::index::nn_descent_knobs`.
 using nn_descent_params = detail::index::nn_descent_knobs;
@@ -112,6 +121,20 @@ struct index_config {
   /// automatic (`default_host_entry_points`), else that many (at least 1). Not stored by
   /// `save_index`: a loaded index recomputes them with the default.
   std::int64_t host_entry_points{-1};
+  /// Threads a host graph build (exact kNN, pruning, reverse edges and merge) uses at most, the
+  /// calling thread included; 0 = one per hardware thread. Any value is valid, and the graph does
+  /// not depend on it (NN-descent, inserts and the reachability repair run on the calling thread
+  /// alone). Not stored by `save_index`: a loaded index has the default.
+  std::uint32_t build_threads{0};
+  /**
+   * Automatic compaction: after every mutation the arena may hold at most
+   * `max(floor(max_row_overhead * total_size()), total_size() + compaction_floor_rows)` rows
+   * (`arena_rows()`); a mutation that leaves more repacks the arena before it returns. 0 = never
+   * automatically (segments then grow by doubling, and holes and deleted rows stay until
+   * `compact()`); otherwise at least 1. Not stored by `save_index` (a loaded index has the
+   * default). See `graph_index::compactions` for what a repack does and costs.
+   */
+  double max_row_overhead{1.5};
 };
 
 /**
@@ -170,6 +193,10 @@ struct search_params {
   /// `num_random_samplings` and `rand_xor_mask` do not apply; `max_iterations`, when not 0,
   /// bounds the nodes expanded (`max_iterations * search_width`).
   host_search_mode host_mode{host_search_mode::fast};
+  /// Threads a batch host search uses at most, the calling thread included (0 = one per hardware
+  /// thread; a thread gets at least 64 queries, so a batch of 127 or fewer runs on the caller
+  /// alone). Answers do not depend on it. The device backend (`index.cuh`) ignores it.
+  std::uint32_t threads{0};
 };
 
 /// @brief The graph optimisation callbacks (the device backend supplies GPU versions).
@@ -293,6 +320,10 @@ class graph_index {
                          std::to_string(config.host_entry_points));
     INFERSCALE_EXPECTS(config.nn_descent.max_iterations >= 1,
                        std::string{"index_config: nn_descent.max_iterations must be at least 1"});
+    INFERSCALE_EXPECTS(std::isfinite(config.max_row_overhead) &&
+                         (config.max_row_overhead == 0.0 || config.max_row_overhead >= 1.0),
+                       "index_config: max_row_overhead is 0 (no automatic compaction) or a finite "
+                       "factor >= 1, got " + std::to_string(config.max_row_overhead));
     element_size_ = size_of(config.vector_dtype);
     row_elements_ = detail::index::padded_dim(config.dim, element_size_);
   }
@@ -390,7 +421,7 @@ class graph_index {
     return it == tenant_of_.end() ? 0
                                   : static_cast<std::uint32_t>(tenants_[it->second].entries.size());
   }
-  /// @brief Rows a namespace occupies (live + deleted, until `compact()`).
+  /// @brief Rows a namespace occupies (live + deleted, until a compaction drops its deleted rows).
   std::uint32_t rows(std::uint64_t ns) const noexcept
   {
     auto it = tenant_of_.find(ns);
@@ -401,6 +432,30 @@ class graph_index {
   /// @brief Arena rows allocated (capacity), and rows in use by tenants, holes included.
   std::int64_t arena_rows() const noexcept { return arena_capacity_; }
   std::int64_t arena_rows_in_use() const noexcept { return arena_used_; }
+  /**
+   * @brief The most arena rows automatic compaction allows after a mutation:
+   * `max(floor(max_row_overhead * total_size()), total_size() + compaction_floor_rows)`, or the
+   * largest int64 when `max_row_overhead` is 0.
+   */
+  std::int64_t max_arena_rows() const noexcept { return row_limit(total_size()); }
+  /**
+   * @brief Automatic compactions so far (`compact()` calls not counted; not saved).
+   *
+   * A mutation that leaves `arena_rows() > max_arena_rows()` repacks before it returns: the
+   * namespaces' segments are moved together in creation order (holes vanish; graph node ids are
+   * local to a namespace, so a moved namespace keeps its rows, graph and answers bit for bit), and
+   * namespaces whose deleted rows must go to reach the target are rebuilt from their live facts
+   * (a fresh graph build, most deleted share first, only as many as needed). The target is half
+   * way between the live facts and the bound: `max(floor((1 + (max_row_overhead - 1) / 2) *
+   * total_size()), total_size() + compaction_floor_rows / 2)` rows, spare rows included (each
+   * segment gets up to a quarter of its size spare, within the target). So between two repacks
+   * the arena gains at least a quarter of the live facts in holes and growth (at the default
+   * 1.5), or a sixth of the live facts are erased: a repack's copy of the arena is paid for by
+   * the moves and erasures that made it necessary. Growth itself stays below the bound: with
+   * automatic compaction a segment grows to 1.25x what it needs and the arena by at most 1.25x,
+   * both clipped half way between what is needed and the bound for the facts after the change.
+   */
+  std::uint64_t compactions() const noexcept { return compactions_; }
   /// @brief Bytes of the arena's vectors, graph, ids and flags (one copy).
   std::uint64_t arena_bytes() const noexcept
   {
@@ -484,7 +539,8 @@ class graph_index {
    * @tparam T float or half_t (converted to the index dtype)
    * @param vectors `[m][dim]` host view; @param ids m fact ids, new to the whole index and distinct
    * @param builder kNN/pruning backend (default: host, exact or NN-descent as
-   *                `uses_nn_descent` says); `index.cuh` has a device one
+   *                `uses_nn_descent` says); `index.cuh` has a device one. Also builds the
+   *                namespaces an automatic compaction rebuilds (see `compactions`).
    * @throw logic_error (nothing changed) on a dimension mismatch, NaN/Inf, a zero vector under the
    * cosine metric, a repeated or existing id, `ids.size() != rows`, or a namespace over 2^31 rows
    */
@@ -502,7 +558,7 @@ class graph_index {
     INFERSCALE_EXPECTS(std::uint64_t{before} + m < (std::uint64_t{1} << 31),
                        "graph_index::add: a namespace holds fewer than 2^31 rows");
 
-    std::size_t const t = ensure_room(ns, before + m);
+    std::size_t const t = ensure_room(ns, before + m, total_size() + m);
     write_rows(t, before, vectors, ids);
     auto& tr = tenants_[t].ref;
     tr.size  = before + m;
@@ -527,7 +583,7 @@ class graph_index {
       }
     }
     ++version_;
-    upload_tenant(t, before, upload_vectors | upload_graph);
+    if (!compact_if_needed(builder)) { upload_tenant(t, before, upload_vectors | upload_graph); }
   }
 
   /**
@@ -545,17 +601,19 @@ class graph_index {
                        "graph_index::build: a namespace holds fewer than 2^31 rows");
     std::uint64_t const before = version_;
     erase_namespace_rows(ns);
-    ensure_room(ns, 0);  // an empty build still creates the namespace
+    ensure_room(ns, 0, total_size());  // an empty build still creates the namespace
     add(ns, vectors, ids, builder);
     if (version_ == before) { ++version_; }
+    compact_if_needed(builder);  // an empty build leaves the old rows behind (add did not check)
   }
 
   /**
    * @brief Deletes facts: they leave search results at once (their nodes still route) and their
-   * ids can be added again; the rows are reclaimed by `compact()`.
+   * ids can be added again; the rows are reclaimed by `compact()` or an automatic compaction.
+   * @param builder builds the namespaces an automatic compaction rebuilds (see `compactions`)
    * @throw logic_error (nothing changed) if any id is unknown or repeated
    */
-  void erase(cuda::std::span<std::uint64_t const> ids)
+  void erase(cuda::std::span<std::uint64_t const> ids, graph_builder const& builder = {})
   {
     INFERSCALE_EXPECTS(ids.empty() || ids.data() != nullptr,
                        std::string{"graph_index::erase: null ids"});
@@ -575,7 +633,9 @@ class graph_index {
       id_to_row_.erase(id);
       touched.push_back(loc.tenant);
     }
-    if (!ids.empty()) { ++version_; }
+    if (ids.empty()) { return; }
+    ++version_;
+    if (compact_if_needed(builder)) { return; }  // the device got the whole arena
     std::sort(touched.begin(), touched.end());
     touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
     for (auto t : touched) {
@@ -584,8 +644,9 @@ class graph_index {
   }
 
   /// @brief Deletes every fact of a namespace and the namespace itself (its rows become a hole).
+  /// @param builder builds the namespaces an automatic compaction rebuilds (see `compactions`)
   /// @return the number of live facts removed (0 for an unknown namespace).
-  std::uint32_t erase_namespace(std::uint64_t ns)
+  std::uint32_t erase_namespace(std::uint64_t ns, graph_builder const& builder = {})
   {
     auto it = tenant_of_.find(ns);
     if (it == tenant_of_.end()) { return 0; }
@@ -594,76 +655,23 @@ class graph_index {
     tenants_[it->second].alive = false;
     tenant_of_.erase(it);
     ++version_;
+    compact_if_needed(builder);
     return live;
   }
 
   /**
    * @brief Reclaims the rows of deleted facts and the holes left by moved or erased tenants:
-   * each tenant with deletions is rebuilt from its live facts, and the arena is repacked.
+   * each tenant with deletions is rebuilt from its live facts, and the arena is repacked with no
+   * spare rows (`arena_rows() == total_size()`).
    */
   void compact(graph_builder const& builder = {})
   {
-    std::vector<std::size_t> order;
+    std::vector<std::uint8_t> rebuild(tenants_.size(), 0);
     for (std::size_t t = 0; t < tenants_.size(); ++t) {
-      if (tenants_[t].alive) { order.push_back(t); }
+      rebuild[t] = tenants_[t].ref.live != tenants_[t].ref.size;
     }
-    std::int64_t total = 0;
-    for (auto t : order) {
-      total += tenants_[t].ref.live;
-    }
-    arena next = allocate_arena(total);
-    std::vector<tenant> next_tenants;
-    std::unordered_map<std::uint64_t, std::size_t> next_of;
-    std::int64_t cursor = 0;
-    for (auto t : order) {
-      auto const& old = tenants_[t];
-      tenant nt     = old;
-      nt.ref.row_begin = cursor;
-      nt.ref.size      = old.ref.live;
-      nt.capacity      = old.ref.live;
-      std::uint32_t out = 0;
-      for (std::uint32_t v = 0; v < old.ref.size; ++v) {
-        std::int64_t const src = old.ref.row_begin + v;
-        if (deleted_[src]) { continue; }
-        std::int64_t const dst = cursor + out++;
-        std::memcpy(next.vectors.data() + dst * row_elements_ * element_size_,
-                    vectors_.data() + src * row_elements_ * element_size_,
-                    static_cast<std::size_t>(row_elements_) * element_size_);
-        next.ids[dst] = ids_[src];
-      }
-      if (out == old.ref.size) {  // no deletions: keep the graph as it is
-        std::memcpy(next.graph.data() + cursor * config_.graph_degree,
-                    graph_.data() + old.ref.row_begin * config_.graph_degree,
-                    std::size_t{out} * config_.graph_degree * 4);
-      }
-      nt.rebuild_on_compact = out != old.ref.size;
-      next_of[nt.ns]        = next_tenants.size();
-      next_tenants.push_back(nt);
-      cursor += out;
-    }
-    std::swap(vectors_, next.vectors);
-    std::swap(graph_, next.graph);
-    std::swap(ids_, next.ids);
-    std::swap(deleted_, next.deleted);
-    arena_capacity_ = total;
-    arena_used_     = total;
-    tenants_        = std::move(next_tenants);
-    tenant_of_      = std::move(next_of);
-    id_to_row_.clear();
-    for (std::size_t t = 0; t < tenants_.size(); ++t) {
-      auto const& tr = tenants_[t].ref;
-      for (std::uint32_t v = 0; v < tr.size; ++v) {
-        id_to_row_[ids_[tr.row_begin + v]] = {t, v};
-      }
-    }
-    for (std::size_t t = 0; t < tenants_.size(); ++t) {
-      if (tenants_[t].rebuild_on_compact) {
-        rebuild_graph(t, builder);
-        tenants_[t].rebuild_on_compact = false;
-      }
-    }
+    repack(rebuild, 0, builder);
     ++version_;
-    reallocate_device();
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -699,7 +707,7 @@ class graph_index {
                        std::string{"graph_index::search: null output"});
     std::vector<float> padded = prepare_queries(queries);
     std::int64_t const nq     = queries.extent(0);
-    detail::index::parallel_ranges(nq, [&](std::int64_t begin, std::int64_t end) {
+    detail::index::parallel_ranges(nq, params.threads, [&](std::int64_t begin, std::int64_t end) {
       // per thread, kept across calls: single-query searches reuse the visited stamps (an epoch
       // per query, so nothing is cleared) instead of allocating a table of n entries each time
       thread_local detail::index::search_scratch scratch;
@@ -881,6 +889,7 @@ class graph_index {
     std::swap(tenant_of_, o.tenant_of_);
     std::swap(id_to_row_, o.id_to_row_);
     std::swap(version_, o.version_);
+    std::swap(compactions_, o.compactions_);
     std::swap(d_vectors_, o.d_vectors_);
     std::swap(d_graph_, o.d_graph_);
     std::swap(d_ids_, o.d_ids_);
@@ -980,26 +989,79 @@ class graph_index {
     return a;
   }
 
-  void grow_arena(std::int64_t needed)
+  /// `max_arena_rows()` for `live` live facts.
+  std::int64_t row_limit(std::uint64_t live) const noexcept
+  {
+    if (config_.max_row_overhead == 0.0) { return std::numeric_limits<std::int64_t>::max(); }
+    std::int64_t const n = static_cast<std::int64_t>(live);
+    return std::max(static_cast<std::int64_t>(std::floor(config_.max_row_overhead * static_cast<double>(n))),
+                    n + compaction_floor_rows);
+  }
+
+  /// What an automatic repack packs the arena into: half way between the live facts and the
+  /// bound, so that the next repack is many mutations away (see `compactions`).
+  std::int64_t repack_target(std::uint64_t live) const noexcept
+  {
+    std::int64_t const n = static_cast<std::int64_t>(live);
+    double const factor  = 1.0 + (config_.max_row_overhead - 1.0) / 2.0;
+    return std::max(static_cast<std::int64_t>(std::floor(factor * static_cast<double>(n))),
+                    n + compaction_floor_rows / 2);
+  }
+
+  /// How far growth may take the arena when it needs `needed` rows for `live_after` facts: half
+  /// way from `needed` to the bound (at least `needed` and the current size). Growth then leaves
+  /// room for more moves and erasures before a repack, and about log2(gap / move) growths fill the
+  /// gap a repack left, instead of one reallocation per move.
+  std::int64_t growth_cap(std::int64_t needed, std::uint64_t live_after) const noexcept
+  {
+    std::int64_t const limit = row_limit(live_after);
+    std::int64_t const cap   = needed < limit ? needed + (limit - needed) / 2 : needed;
+    return std::max(cap, arena_capacity_);
+  }
+
+  /// Spare rows for a segment of `rows` rows that would end at `end` without them: a quarter of
+  /// its rows, as far as `growth_cap` allows.
+  std::uint32_t spare_rows(std::uint32_t rows, std::int64_t end, std::uint64_t live_after) const noexcept
+  {
+    std::int64_t const room = growth_cap(end, live_after) - end;
+    return static_cast<std::uint32_t>(std::clamp<std::int64_t>(room, 0, rows / 4));
+  }
+
+  /// Makes the arena hold at least `needed` rows: doubling without automatic compaction, else
+  /// 1.25x clipped at `growth_cap` (never below `needed`). The vectors are reserved exactly, so
+  /// `arena_rows()` is what is allocated.
+  void grow_arena(std::int64_t needed, std::uint64_t live_after)
   {
     if (needed <= arena_capacity_) { return; }
-    std::int64_t const capacity = std::max<std::int64_t>(needed, 2 * arena_capacity_);
-    vectors_.resize(static_cast<std::size_t>(capacity * row_elements_) * element_size_, 0);
-    graph_.resize(static_cast<std::size_t>(capacity) * config_.graph_degree,
-                  detail::index::invalid_node);
-    ids_.resize(static_cast<std::size_t>(capacity), invalid_fact_id);
-    deleted_.resize(static_cast<std::size_t>(capacity), 0);
+    std::int64_t const capacity =
+      config_.max_row_overhead == 0.0
+        ? std::max<std::int64_t>(needed, 2 * arena_capacity_)
+        : std::max<std::int64_t>(needed, std::min(arena_capacity_ + arena_capacity_ / 4,
+                                                  growth_cap(needed, live_after)));
+    std::size_t const rows = static_cast<std::size_t>(capacity);
+    vectors_.reserve(rows * static_cast<std::size_t>(row_elements_) * element_size_);
+    graph_.reserve(rows * config_.graph_degree);
+    ids_.reserve(rows);
+    deleted_.reserve(rows);
+    vectors_.resize(rows * static_cast<std::size_t>(row_elements_) * element_size_, 0);
+    graph_.resize(rows * config_.graph_degree, detail::index::invalid_node);
+    ids_.resize(rows, invalid_fact_id);
+    deleted_.resize(rows, 0);
     arena_capacity_ = capacity;
     device_stale_   = true;
   }
 
-  /// Finds or creates the tenant of `ns` with room for `rows` rows (moving it if needed).
-  std::size_t ensure_room(std::uint64_t ns, std::uint32_t rows)
+  /// Finds or creates the tenant of `ns` with room for `rows` rows (moving it if needed), for an
+  /// index that will hold `live_after` live facts.
+  std::size_t ensure_room(std::uint64_t ns, std::uint32_t rows, std::uint64_t live_after)
   {
+    bool const automatic = config_.max_row_overhead != 0.0;
     auto it = tenant_of_.find(ns);
     if (it == tenant_of_.end()) {
-      std::uint32_t const capacity = std::max<std::uint32_t>(rows, 16);
-      grow_arena(arena_used_ + capacity);
+      std::uint32_t const capacity =
+        automatic ? rows + spare_rows(rows, arena_used_ + rows, live_after)
+                  : std::max<std::uint32_t>(rows, 16);
+      grow_arena(arena_used_ + capacity, live_after);
       tenant t;
       t.ns            = ns;
       t.ref.row_begin = arena_used_;
@@ -1013,15 +1075,17 @@ class graph_index {
     tenant& t               = tenants_[index];
     if (rows <= t.capacity) { return index; }
     bool const last = t.ref.row_begin + t.capacity == arena_used_;
+    std::int64_t const begin = last ? t.ref.row_begin : arena_used_;
     std::uint32_t const capacity =
-      static_cast<std::uint32_t>(std::max<std::uint64_t>(rows, std::uint64_t{2} * t.capacity));
+      automatic ? rows + spare_rows(rows, begin + rows, live_after)
+                : static_cast<std::uint32_t>(std::max<std::uint64_t>(rows, std::uint64_t{2} * t.capacity));
     if (last) {  // grow in place at the end of the arena
-      grow_arena(t.ref.row_begin + capacity);
+      grow_arena(t.ref.row_begin + capacity, live_after);
       arena_used_ = t.ref.row_begin + capacity;
       tenants_[index].capacity = capacity;
       return index;
     }
-    grow_arena(arena_used_ + capacity);
+    grow_arena(arena_used_ + capacity, live_after);
     tenant& moved              = tenants_[index];
     std::int64_t const from    = moved.ref.row_begin;
     std::int64_t const to      = arena_used_;
@@ -1041,6 +1105,124 @@ class graph_index {
     arena_used_ += capacity;
     device_stale_ = true;
     return index;
+  }
+
+  /// After a mutation: repacks when the arena holds more than `max_arena_rows()` (see
+  /// `compactions`). @return whether it did (a device index then got the whole arena uploaded)
+  bool compact_if_needed(graph_builder const& builder)
+  {
+    std::uint64_t const live = total_size();
+    if (arena_capacity_ <= row_limit(live)) { return false; }
+    std::int64_t const target = repack_target(live);
+    std::int64_t packed       = 0;
+    std::vector<std::size_t> with_deleted;
+    for (std::size_t t = 0; t < tenants_.size(); ++t) {
+      if (!tenants_[t].alive) { continue; }
+      packed += tenants_[t].ref.size;
+      if (tenants_[t].ref.live != tenants_[t].ref.size) { with_deleted.push_back(t); }
+    }
+    // drop deleted rows where they are the largest share of a namespace (the most rows
+    // reclaimed per row rebuilt) until the target is met; sizes < 2^31, so products fit int64
+    auto deleted_of = [&](std::size_t t) {
+      return std::int64_t{tenants_[t].ref.size} - tenants_[t].ref.live;
+    };
+    std::stable_sort(with_deleted.begin(), with_deleted.end(), [&](std::size_t a, std::size_t b) {
+      return deleted_of(a) * tenants_[b].ref.size > deleted_of(b) * tenants_[a].ref.size;
+    });
+    std::vector<std::uint8_t> rebuild(tenants_.size(), 0);
+    for (auto t : with_deleted) {
+      if (packed <= target) { break; }
+      rebuild[t] = 1;
+      packed -= deleted_of(t);
+    }
+    repack(rebuild, std::max<std::int64_t>(0, target - packed), builder);
+    ++compactions_;
+    return true;
+  }
+
+  /**
+   * Repacks the arena: the alive tenants in creation order, holes dropped. A tenant with
+   * `rebuild[t]` keeps only its live rows (in order) and gets a fresh graph; the others keep their
+   * rows, flags and graph bytes as they are (node ids are tenant-local). Up to `spare` rows are
+   * handed out as spare capacity in proportion to the sizes, at most a quarter of a tenant's size
+   * each. Re-uploads a device index. Does not change `version()`.
+   */
+  void repack(std::vector<std::uint8_t> const& rebuild, std::int64_t spare,
+              graph_builder const& builder)
+  {
+    std::vector<std::size_t> order;
+    std::int64_t packed = 0;
+    for (std::size_t t = 0; t < tenants_.size(); ++t) {
+      if (!tenants_[t].alive) { continue; }
+      order.push_back(t);
+      packed += rebuild[t] ? tenants_[t].ref.live : tenants_[t].ref.size;
+    }
+    double const fraction =
+      packed == 0 ? 0.0 : std::min(0.25, static_cast<double>(spare) / static_cast<double>(packed));
+    std::int64_t spare_left = spare;
+    std::vector<tenant> next_tenants;
+    next_tenants.reserve(order.size());
+    std::int64_t cursor = 0;
+    for (auto t : order) {
+      tenant nt      = tenants_[t];
+      nt.ref.size    = rebuild[t] ? nt.ref.live : nt.ref.size;
+      std::int64_t const extra =
+        std::min(spare_left, static_cast<std::int64_t>(std::floor(nt.ref.size * fraction)));
+      spare_left -= extra;
+      nt.ref.row_begin      = cursor;
+      nt.capacity           = nt.ref.size + static_cast<std::uint32_t>(extra);
+      nt.rebuild_on_compact = nt.ref.size != tenants_[t].ref.size;
+      cursor += nt.capacity;
+      next_tenants.push_back(nt);
+    }
+    arena next = allocate_arena(cursor);  // may throw: nothing has changed yet
+    std::size_t const vb     = static_cast<std::size_t>(row_elements_) * element_size_;
+    std::size_t const degree = config_.graph_degree;
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      auto const& old    = tenants_[order[i]].ref;
+      auto const& nt     = next_tenants[i].ref;
+      std::size_t const src = static_cast<std::size_t>(old.row_begin);
+      std::size_t const dst = static_cast<std::size_t>(nt.row_begin);
+      if (!next_tenants[i].rebuild_on_compact) {  // the segment moves as it is
+        std::memcpy(next.vectors.data() + dst * vb, vectors_.data() + src * vb, nt.size * vb);
+        std::memcpy(next.graph.data() + dst * degree, graph_.data() + src * degree,
+                    nt.size * degree * 4);
+        std::memcpy(next.ids.data() + dst, ids_.data() + src, nt.size * 8);
+        std::memcpy(next.deleted.data() + dst, deleted_.data() + src, nt.size);
+        continue;
+      }
+      std::size_t out = dst;
+      for (std::size_t v = 0; v < old.size; ++v) {
+        if (deleted_[src + v]) { continue; }
+        std::memcpy(next.vectors.data() + out * vb, vectors_.data() + (src + v) * vb, vb);
+        next.ids[out++] = ids_[src + v];
+      }
+    }
+    std::swap(vectors_, next.vectors);
+    std::swap(graph_, next.graph);
+    std::swap(ids_, next.ids);
+    std::swap(deleted_, next.deleted);
+    arena_capacity_ = cursor;
+    arena_used_     = cursor;
+    tenants_        = std::move(next_tenants);
+    tenant_of_.clear();
+    for (std::size_t i = 0; i < tenants_.size(); ++i) {
+      tenant_of_[tenants_[i].ns] = i;
+      // the locations of a tenant that kept its place in the table and its rows stay valid
+      if (i == order[i] && !tenants_[i].rebuild_on_compact) { continue; }
+      auto const& tr = tenants_[i].ref;
+      for (std::uint32_t v = 0; v < tr.size; ++v) {
+        if (!deleted_[tr.row_begin + v]) { id_to_row_[ids_[tr.row_begin + v]] = {i, v}; }
+      }
+    }
+    for (std::size_t i = 0; i < tenants_.size(); ++i) {
+      if (tenants_[i].rebuild_on_compact) {
+        rebuild_graph(i, builder);
+        tenants_[i].rebuild_on_compact = false;
+      }
+    }
+    device_stale_ = true;
+    reallocate_device();
   }
 
   template <class T>
@@ -1132,7 +1314,7 @@ class graph_index {
     } else {
       with_rows(t, [&](auto const* r) {
         detail::index::exact_knn_host(r, row_elements_, n, config_.metric, eff.intermediate,
-                                      knn.data());
+                                      knn.data(), config_.build_threads);
       });
     }
     std::vector<std::uint32_t> pruned(std::size_t{n} * eff.final);
@@ -1140,9 +1322,10 @@ class graph_index {
       builder.prune(knn.data(), n, eff.intermediate, eff.final, pruned.data());
     } else {
       detail::index::prune_host(knn.data(), eff.intermediate, eff.intermediate, n, eff.final,
-                                pruned.data());
+                                pruned.data(), config_.build_threads);
     }
-    detail::index::reverse_and_merge_host(pruned.data(), n, eff.final, graph, degree);
+    detail::index::reverse_and_merge_host(pruned.data(), n, eff.final, graph, degree,
+                                          config_.build_threads);
     repair(t);
     refresh_entry_points(t);
   }
@@ -1465,6 +1648,7 @@ class graph_index {
   std::unordered_map<std::uint64_t, std::size_t> tenant_of_;
   std::unordered_map<std::uint64_t, row_location> id_to_row_;
   std::uint64_t version_{0};
+  std::uint64_t compactions_{0};
   bool device_stale_{false};
   void* d_vectors_{nullptr};
   std::uint32_t* d_graph_{nullptr};

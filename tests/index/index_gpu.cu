@@ -12,6 +12,8 @@
  *  - the device graph builder: kNN against `exact_knn_host` (reordering only among near-ties),
  *    pruning equal to `prune_host`, and an index built with it reaching the stated recall;
  *  - `exact_search` against a brute-force double-precision loop written here.
+ *  - after automatic compactions (a repack that only moves segments, then repacks that rebuild
+ *    namespaces) the device index answers as before the move, and as the host index, bit for bit.
  * Reported skipped by CTest where no GPU is visible.
  */
 #include "device_memory.hpp"
@@ -888,5 +890,86 @@ TEST_CASE("index exact_search equals a brute-force double-precision loop", "[ind
         REQUIRE(std::abs(double{d} - expected_d) < 1e-4);
       }
     }
+  }
+}
+
+TEST_CASE("index device search after automatic compactions equals the host search bit for bit",
+          "[index][gpu][compaction]")
+{
+  raft::device_resources res;
+  std::int64_t const dim = 40;
+  index_config config    = small_config(dtype::float32, distance_metric::cosine, dim);
+  config.host_knn        = knn_build::exact;
+  index_config host_config   = config;
+  index_config device_config = config;
+  host_config.memory         = memory_kind::host;
+  device_config.memory       = memory_kind::device;
+  graph_index host{host_config};
+  graph_index device{device_config};
+  test::gaussian_mixture mixture{mixture_for(config, 17)};
+  auto size_of_ns = [](std::uint64_t ns) { return static_cast<std::int64_t>(100 * ns + 50); };
+  // namespaces 1..8 of 150..850 facts, and a big namespace 20 created between 4 and 5
+  for (std::uint64_t ns : {1, 2, 3, 4, 20, 5, 6, 7, 8}) {
+    std::int64_t const n = ns == 20 ? 3000 : size_of_ns(ns);
+    auto const data      = mixture.draw(n);
+    std::vector<std::uint64_t> ids(static_cast<std::size_t>(n));
+    for (std::int64_t r = 0; r < n; ++r) {
+      ids[static_cast<std::size_t>(r)] = fact_id(ns, r);
+    }
+    for (graph_index* index : {&host, &device}) {
+      index->add(ns, make_matrix_view<float const>(data.data(), n, dim),
+                 cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+    }
+  }
+  std::int64_t const nq = 240;
+  auto const queries    = mixture.draw(nq);
+  std::vector<std::uint64_t> targets(static_cast<std::size_t>(nq));
+  for (std::int64_t q = 0; q < nq; ++q) {
+    targets[static_cast<std::size_t>(q)] = 1 + static_cast<std::uint64_t>(q % 8);
+  }
+  auto const d_queries = upload_queries(queries, nq, dim, dim);
+  std::uint32_t const k = 10;
+  search_params graph_params;
+  graph_params.algo = search_algo::graph;
+  auto const before = device_search(res, device, d_queries, nq, dim, targets, k, graph_params);
+
+  // erasing namespace 20 leaves a hole past the bound: a repack that only moves segments
+  REQUIRE(host.compactions() == 0);
+  REQUIRE(device.compactions() == 0);
+  host.erase_namespace(20);
+  device.erase_namespace(20);
+  REQUIRE(host.compactions() == 1);
+  REQUIRE(device.compactions() == 1);
+  REQUIRE(device.arena_rows() == host.arena_rows());
+  auto const moved = device_search(res, device, d_queries, nq, dim, targets, k, graph_params);
+  require_identical(before, moved, targets, k);
+
+  // erasing 80 % of namespaces 5..8, 20 facts a call, makes repacks rebuild some of them
+  for (std::uint64_t ns = 5; ns <= 8; ++ns) {
+    std::int64_t const gone = size_of_ns(ns) * 4 / 5;
+    for (std::int64_t r = 0; r < gone; r += 20) {
+      std::vector<std::uint64_t> batch;
+      for (std::int64_t j = r; j < std::min(gone, r + 20); ++j) {
+        batch.push_back(fact_id(ns, j));
+      }
+      host.erase(cuda::std::span<std::uint64_t const>{batch.data(), batch.size()});
+      device.erase(cuda::std::span<std::uint64_t const>{batch.data(), batch.size()});
+    }
+  }
+  REQUIRE(device.compactions() == host.compactions());
+  REQUIRE(device.compactions() > 1);
+  bool rebuilt = false;
+  for (std::uint64_t ns = 5; ns <= 8; ++ns) {
+    REQUIRE(device.rows(ns) == host.rows(ns));
+    rebuilt |= device.rows(ns) == device.size(ns);
+  }
+  REQUIRE(rebuilt);
+  for (auto const algo : {search_algo::graph, search_algo::exact}) {
+    CAPTURE(static_cast<int>(algo));
+    search_params p;
+    p.algo              = algo;
+    auto const expected = host_search(host, queries, nq, targets, k, p);
+    auto const got      = device_search(res, device, d_queries, nq, dim, targets, k, p);
+    require_identical(expected, got, targets, k);
   }
 }

@@ -16,32 +16,73 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <limits>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
 
 namespace inferscale::detail::index {
 
-/// @brief Runs `fn(begin, end)` over `[0, n)` split into contiguous ranges, one per hardware thread.
-template <class Fn>
-void parallel_ranges(std::int64_t n, Fn&& fn)
+/**
+ * @brief Runs `fn(begin, end)` over `[0, n)` split into contiguous ranges, on at most `threads`
+ * threads in all, the calling thread included: it runs the first range itself and starts one
+ * `std::thread` per further range (none when `threads` is 1). `threads` 0 means one per hardware
+ * thread. A range has at least 64 items, so small `n` use fewer threads (`n <= 127`: the caller
+ * alone; `fn(0, 0)` for `n == 0`).
+ *
+ * If a thread cannot be started, the caller runs that range itself; if `fn` throws, every
+ * started thread is joined first and the first exception (in range order) is rethrown.
+ */
+/// @brief `std::thread::hardware_concurrency()`, asked once: glibc answers it by reading
+/// /sys/devices/system/cpu/online, a system call that cost 2 us per single-query search.
+inline unsigned hardware_threads() noexcept
 {
-  unsigned const hw   = std::max(1u, std::thread::hardware_concurrency());
-  std::int64_t const parts = std::min<std::int64_t>(hw, std::max<std::int64_t>(1, n / 64));
+  static unsigned const count = std::max(1u, std::thread::hardware_concurrency());
+  return count;
+}
+
+template <class Fn>
+void parallel_ranges(std::int64_t n, unsigned threads, Fn&& fn)
+{
+  if (n < 128) {  // one range of at least 64 items: the caller alone, nothing to ask
+    fn(std::int64_t{0}, n);
+    return;
+  }
+  unsigned const wanted    = threads != 0 ? threads : hardware_threads();
+  std::int64_t const parts = std::min<std::int64_t>(wanted, std::max<std::int64_t>(1, n / 64));
   if (parts <= 1) {
     fn(std::int64_t{0}, n);
     return;
   }
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(parts));
+  auto run = [&fn, &errors, n, parts](std::int64_t p) noexcept {
+    try {
+      fn(n * p / parts, n * (p + 1) / parts);
+    } catch (...) {
+      errors[static_cast<std::size_t>(p)] = std::current_exception();
+    }
+  };
   std::vector<std::thread> workers;
-  workers.reserve(static_cast<std::size_t>(parts));
-  for (std::int64_t p = 0; p < parts; ++p) {
-    std::int64_t const begin = n * p / parts;
-    std::int64_t const end   = n * (p + 1) / parts;
-    workers.emplace_back([&fn, begin, end] { fn(begin, end); });
+  workers.reserve(static_cast<std::size_t>(parts - 1));
+  std::vector<std::int64_t> unstarted;
+  for (std::int64_t p = 1; p < parts; ++p) {
+    try {
+      workers.emplace_back(run, p);
+    } catch (std::system_error const&) {
+      unstarted.push_back(p);  // no thread to be had: this one runs on the caller below
+    }
+  }
+  run(0);
+  for (auto p : unstarted) {
+    run(p);
   }
   for (auto& w : workers) {
     w.join();
+  }
+  for (auto const& e : errors) {
+    if (e) { std::rethrow_exception(e); }
   }
 }
 
@@ -69,7 +110,8 @@ inline effective_degrees degrees_for(std::uint32_t intermediate,
  * @brief Exact kNN graph on the host: for each of the `n` padded rows the `k` nearest other rows,
  * sorted by (distance, id). Distances are computed in fp32 with sixteen interleaved partial sums
  * (vectorisable without reassociation), so they may differ from the search's team distance in
- * the last bits; only the ranking matters here.
+ * the last bits; only the ranking matters here. Runs on at most `threads` threads
+ * (`parallel_ranges`; 0 = one per hardware thread); the result does not depend on it.
  */
 template <class T>
 void exact_knn_host(T const* rows,
@@ -77,7 +119,8 @@ void exact_knn_host(T const* rows,
                     std::int64_t n,
                     distance_metric metric,
                     std::uint32_t k,
-                    std::uint32_t* out)
+                    std::uint32_t* out,
+                    unsigned threads = 0)
 {
   if (n == 0 || k == 0) { return; }
   // fp32 copy so the inner loop is a plain float loop for both element types
@@ -114,7 +157,7 @@ void exact_knn_host(T const* rows,
     return l2 ? s : -s;  // both inner product and cosine rank by -dot
   };
 
-  parallel_ranges(n, [&](std::int64_t begin, std::int64_t end) {
+  parallel_ranges(n, threads, [&](std::int64_t begin, std::int64_t end) {
     constexpr std::int64_t query_block = 16;
     using entry                        = std::pair<float, std::uint32_t>;
     std::vector<std::vector<entry>> heaps(query_block);
@@ -520,16 +563,19 @@ INFERSCALE_HOST_DEVICE inline void prune_node(std::uint32_t const* knn,
 /**
  * @brief Pruning of every node on the host (threads over nodes): `prune_node`'s result, with the
  * rank lookups in a dense table of `n` entries per thread instead of a binary search (the
- * lowest rank of an id, as `prune_node`'s stable sort gives; 5-10x faster at k = 64).
+ * lowest rank of an id, as `prune_node`'s stable sort gives; 5-10x faster at k = 64). At most
+ * `threads` threads (`parallel_ranges`; 0 = one per hardware thread); the result does not depend
+ * on it.
  */
 inline void prune_host(std::uint32_t const* knn,
                        std::uint32_t width,
                        std::uint32_t k,
                        std::uint32_t n,
                        std::uint32_t degree,
-                       std::uint32_t* pruned)
+                       std::uint32_t* pruned,
+                       unsigned threads = 0)
 {
-  parallel_ranges(n, [&](std::int64_t begin, std::int64_t end) {
+  parallel_ranges(n, threads, [&](std::int64_t begin, std::int64_t end) {
     std::vector<std::uint32_t> rank_of(n, invalid_node), counts(k);
     for (std::int64_t v = begin; v < end; ++v) {
       std::uint32_t const* row = knn + static_cast<std::uint64_t>(v) * width;
@@ -572,12 +618,15 @@ inline void prune_host(std::uint32_t const* knn,
  * repeats, truncated to `degree` and padded with `invalid_node`.
  *
  * @param pruned `[n][degree]` pruned rows; @param out `[n][out_stride]` (the first `degree` used)
+ * @param threads at most this many threads for the merge (`parallel_ranges`; 0 = one per hardware
+ * thread); the result does not depend on it
  */
 inline void reverse_and_merge_host(std::uint32_t const* pruned,
                                    std::uint32_t n,
                                    std::uint32_t degree,
                                    std::uint32_t* out,
-                                   std::uint32_t out_stride)
+                                   std::uint32_t out_stride,
+                                   unsigned threads = 0)
 {
   // bucket the edges by target in (rank, source) order with a counting sort by rank
   std::vector<std::uint32_t> fill(n, 0);
@@ -590,7 +639,7 @@ inline void reverse_and_merge_host(std::uint32_t const* pruned,
     }
   }
   std::uint32_t const keep = degree / 2;
-  parallel_ranges(n, [&](std::int64_t begin, std::int64_t end) {
+  parallel_ranges(n, threads, [&](std::int64_t begin, std::int64_t end) {
     std::vector<std::uint32_t> merged;
     merged.reserve(3 * degree);
     for (std::int64_t v = begin; v < end; ++v) {

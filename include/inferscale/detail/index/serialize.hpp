@@ -36,8 +36,9 @@
  * |  end-8 |     8 | checksum: CRC-64 of every byte before it                                  |
  *
  * The file is therefore exactly `88 + 16 T + R (9 + W + 4 D)` bytes. The memory kind is not
- * stored: `load_index` chooses it; nor are the build knobs `host_knn` and `nn_descent` (the
- * loaded config has their defaults; they only matter for later rebuilds). Erased namespaces are not stored, and the loaded arena is
+ * stored: `load_index` chooses it; nor are the build knobs `host_knn`, `nn_descent` and
+ * `build_threads`, nor `max_row_overhead` (the loaded config has their defaults; they only matter
+ * for later mutations). Erased namespaces are not stored, and the loaded arena is
  * packed (each tenant's capacity is its size), so holes and `version()` are not kept; namespaces,
  * row order, fact ids, deleted flags, vectors and graph bytes are, so searches give identical
  * results.

@@ -1,0 +1,551 @@
+/**
+ * @file index_knobs.cpp
+ * @brief The index's thread-count knobs and its automatic compaction, against expectations
+ * written here: the ranges and thread ids `parallel_ranges` really used, answers and graphs
+ * compared bit for bit across thread counts, and a randomised add/erase sequence checked after
+ * every operation against the bound `max(1.5 * live, live + floor)` on the arena, a model of the
+ * live facts kept by the test, and a brute-force nearest-neighbour loop.
+ */
+#include <inferscale/index.hpp>
+
+#include <gaussian_mixture.hpp>
+#include <index_reference.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+using namespace inferscale;
+
+namespace {
+
+struct answers {
+  std::vector<std::uint64_t> ids;
+  std::vector<float> distances;
+};
+
+answers run_search(graph_index const& index, std::vector<float> const& queries,
+                   std::vector<std::uint64_t> const& namespaces, std::uint32_t k,
+                   search_params const& p)
+{
+  std::int64_t const nq = static_cast<std::int64_t>(queries.size()) / index.dim();
+  answers a;
+  a.ids.assign(static_cast<std::size_t>(nq) * k, 12345);
+  a.distances.assign(a.ids.size(), -7.0f);
+  index.search(make_matrix_view(queries.data(), nq, index.dim()),
+               cuda::std::span<std::uint64_t const>{namespaces.data(), namespaces.size()}, k, p,
+               make_matrix_view(a.ids.data(), nq, k), make_matrix_view(a.distances.data(), nq, k));
+  return a;
+}
+
+void add_rows(graph_index& index, std::uint64_t ns, std::vector<float> const& data,
+              std::vector<std::uint64_t> const& ids)
+{
+  index.add(ns, make_matrix_view(data.data(), static_cast<std::int64_t>(ids.size()), index.dim()),
+            cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+}
+
+std::vector<std::uint64_t> sequential_ids(std::size_t n, std::uint64_t first)
+{
+  std::vector<std::uint64_t> ids(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    ids[i] = first + i;
+  }
+  return ids;
+}
+
+/// Answers equal bit for bit (ids, and the distances' bit patterns).
+void require_identical(answers const& a, answers const& b)
+{
+  REQUIRE(a.ids == b.ids);
+  REQUIRE(a.distances.size() == b.distances.size());
+  REQUIRE(std::memcmp(a.distances.data(), b.distances.data(), a.distances.size() * 4) == 0);
+}
+
+/// The bound the automatic compaction promises at the default 1.5, written out.
+std::int64_t bound_at_default(std::uint64_t live)
+{
+  std::int64_t const n = static_cast<std::int64_t>(live);
+  return std::max(static_cast<std::int64_t>(std::floor(1.5 * static_cast<double>(n))), n + 256);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// Thread counts
+
+TEST_CASE("parallel_ranges: [0, n) once each, on at most `threads` threads, the caller among them",
+          "[index][threads]")
+{
+  unsigned const hw = std::max(1u, std::thread::hardware_concurrency());
+  for (unsigned const threads : {1u, 2u, 3u, 0u}) {
+    for (std::int64_t const n : {std::int64_t{0}, std::int64_t{1}, std::int64_t{127},
+                                 std::int64_t{128}, std::int64_t{1000}, std::int64_t{5003}}) {
+      CAPTURE(threads, n);
+      std::mutex lock;
+      std::vector<int> covered(static_cast<std::size_t>(n), 0);
+      std::set<std::thread::id> used;
+      std::size_t calls = 0;
+      detail::index::parallel_ranges(n, threads, [&](std::int64_t begin, std::int64_t end) {
+        std::lock_guard<std::mutex> guard(lock);
+        ++calls;
+        used.insert(std::this_thread::get_id());
+        REQUIRE(0 <= begin);
+        REQUIRE(begin <= end);
+        REQUIRE(end <= n);
+        for (std::int64_t i = begin; i < end; ++i) {
+          ++covered[static_cast<std::size_t>(i)];
+        }
+      });
+      REQUIRE(std::all_of(covered.begin(), covered.end(), [](int c) { return c == 1; }));
+      unsigned const allowed = threads == 0 ? hw : threads;
+      REQUIRE(used.size() <= allowed);
+      REQUIRE(used.count(std::this_thread::get_id()) == 1);  // the caller works too
+      // the documented split: one range per 64 items at most, `allowed` ranges at most
+      std::int64_t const parts = std::min<std::int64_t>(allowed, std::max<std::int64_t>(1, n / 64));
+      REQUIRE(calls == static_cast<std::size_t>(parts));
+      if (threads == 1) { REQUIRE(used == std::set<std::thread::id>{std::this_thread::get_id()}); }
+    }
+  }
+}
+
+TEST_CASE("parallel_ranges: an exception in a range is rethrown after every range has run",
+          "[index][threads]")
+{
+  std::mutex lock;
+  std::vector<int> covered(1000, 0);
+  auto const fn = [&](std::int64_t begin, std::int64_t end) {
+    {
+      std::lock_guard<std::mutex> guard(lock);
+      for (std::int64_t i = begin; i < end; ++i) {
+        ++covered[static_cast<std::size_t>(i)];
+      }
+    }
+    if (begin > 0) { throw std::runtime_error("range " + std::to_string(begin)); }
+  };
+  REQUIRE_THROWS_WITH(detail::index::parallel_ranges(1000, 3, fn), "range 333");
+  REQUIRE(std::all_of(covered.begin(), covered.end(), [](int c) { return c == 1; }));
+}
+
+TEST_CASE("index: search with threads = 1, 2 or 3 answers as with one per hardware thread",
+          "[index][threads]")
+{
+  std::int64_t const dim = 48;
+  index_config cfg;
+  cfg.dim = dim;
+  graph_index index(cfg);
+  test::gaussian_mixture mix({dim, 30, true, 11});
+  auto const a = mix.draw(3000);
+  auto const b = mix.draw(200);
+  add_rows(index, 1, a, sequential_ids(3000, 1));
+  add_rows(index, 2, b, sequential_ids(200, 100000));
+  auto const queries = mix.draw(700);  // 10 ranges of 64+ queries: every thread count splits
+  std::vector<std::uint64_t> targets(700);
+  for (std::size_t q = 0; q < targets.size(); ++q) {
+    targets[q] = q % 3 == 0 ? 2 : 1;
+  }
+  for (auto algo : {search_algo::automatic, search_algo::graph, search_algo::exact}) {
+    search_params p;
+    p.algo          = algo;
+    auto const base = run_search(index, queries, targets, 10, p);
+    REQUIRE(std::count(base.ids.begin(), base.ids.end(), invalid_fact_id) == 0);
+    for (std::uint32_t threads : {1u, 2u, 3u}) {
+      CAPTURE(static_cast<int>(algo), threads);
+      p.threads = threads;
+      require_identical(run_search(index, queries, targets, 10, p), base);
+    }
+  }
+}
+
+TEST_CASE("index: a build with build_threads = 1 or 3 gives the default's graph byte for byte",
+          "[index][threads]")
+{
+  std::int64_t const dim = 32;
+  test::gaussian_mixture mix({dim, 25, true, 5});
+  auto const data = mix.draw(1500);
+  auto const more = mix.draw(40);
+  auto const ids  = sequential_ids(1500, 1);
+  auto build = [&](std::uint32_t threads) {
+    index_config cfg;
+    cfg.dim           = dim;
+    cfg.host_knn      = knn_build::exact;  // the multi-threaded kNN
+    cfg.build_threads = threads;
+    graph_index index(cfg);
+    add_rows(index, 7, data, ids);
+    add_rows(index, 7, more, sequential_ids(40, 5000));  // inserts and a repair, too
+    return index;
+  };
+  graph_index const reference = build(0);
+  std::size_t const bytes     = std::size_t{reference.rows(7)} * reference.graph_degree() * 4;
+  REQUIRE(reference.rows(7) == 1540);
+  for (std::uint32_t threads : {1u, 3u}) {
+    CAPTURE(threads);
+    graph_index const other = build(threads);
+    REQUIRE(other.config().build_threads == threads);
+    REQUIRE(other.rows(7) == reference.rows(7));
+    REQUIRE(std::memcmp(other.graph_rows(7), reference.graph_rows(7), bytes) == 0);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Automatic compaction
+
+TEST_CASE("index: max_row_overhead is 0 or a finite factor >= 1", "[index][compaction]")
+{
+  for (double bad : {-1.0, 0.5, 0.999, std::nan(""), HUGE_VAL}) {
+    CAPTURE(bad);
+    index_config cfg;
+    cfg.dim              = 8;
+    cfg.max_row_overhead = bad;
+    REQUIRE_THROWS_WITH(graph_index{cfg}, Catch::Contains("max_row_overhead"));
+  }
+  for (double good : {0.0, 1.0, 1.5, 4.0}) {
+    index_config cfg;
+    cfg.dim              = 8;
+    cfg.max_row_overhead = good;
+    graph_index const index{cfg};
+    REQUIRE(index.config().max_row_overhead == good);
+  }
+  index_config cfg;
+  cfg.dim = 8;
+  REQUIRE(cfg.max_row_overhead == 1.5);
+  REQUIRE(graph_index{cfg}.max_arena_rows() == 256);  // empty: the floor alone
+}
+
+TEST_CASE("index: a repack that only moves segments leaves every answer bit-identical",
+          "[index][compaction]")
+{
+  std::int64_t const dim = 32;
+  index_config cfg;
+  cfg.dim = dim;
+  graph_index index(cfg);
+  test::gaussian_mixture mix({dim, 20, true, 21});
+  std::vector<std::uint64_t> const small{1, 2, 3, 4, 5, 6};
+  std::uint64_t next_id = 1;
+  // the big namespace 9 sits between 1..3 and 4..6: erasing it leaves a hole that 4..6 close
+  for (std::uint64_t ns : {1, 2, 3, 9, 4, 5, 6}) {
+    std::size_t const n = ns == 9 ? 4000 : 300 + 50 * ns;
+    add_rows(index, ns, mix.draw(static_cast<std::int64_t>(n)), sequential_ids(n, next_id));
+    next_id += n;
+  }
+  REQUIRE(index.compactions() == 0);
+  auto const queries = mix.draw(60);
+  std::map<std::uint64_t, answers> before;
+  std::map<std::uint64_t, std::vector<std::uint32_t>> graphs;
+  std::map<std::uint64_t, std::int64_t> begins;
+  search_params p;
+  p.algo = search_algo::graph;
+  for (auto ns : small) {
+    before[ns] = run_search(index, queries, {ns}, 10, p);
+    graphs[ns].assign(index.graph_rows(ns),
+                      index.graph_rows(ns) + std::size_t{index.rows(ns)} * index.graph_degree());
+    begins[ns] = index.tenant_segment(ns).row_begin;
+  }
+  std::uint64_t const version = index.version();
+  REQUIRE(index.erase_namespace(9) == 4000);
+  // the scenario is what it claims: the bound broke and a repack ran, exactly one version step
+  REQUIRE(index.compactions() == 1);
+  REQUIRE(index.version() == version + 1);
+  REQUIRE(index.arena_rows() <= bound_at_default(index.total_size()));
+  REQUIRE(index.arena_rows_in_use() == index.arena_rows());
+  for (auto ns : small) {
+    CAPTURE(ns);
+    REQUIRE(index.rows(ns) == index.size(ns));  // nothing was deleted, nothing rebuilt
+    if (ns >= 4) { REQUIRE(index.tenant_segment(ns).row_begin < begins[ns]); }  // it moved
+    REQUIRE(std::equal(graphs[ns].begin(), graphs[ns].end(), index.graph_rows(ns)));
+    require_identical(run_search(index, queries, {ns}, 10, p), before[ns]);
+  }
+}
+
+TEST_CASE("index: a repack rebuilds a namespace whose deleted rows must go, answers stay right",
+          "[index][compaction]")
+{
+  std::int64_t const dim = 24;
+  index_config cfg;
+  cfg.dim    = dim;
+  cfg.metric = distance_metric::squared_l2;
+  graph_index index(cfg);
+  test::gaussian_mixture mix({dim, 15, false, 3});
+  auto const data = mix.draw(2000);
+  auto const ids  = sequential_ids(2000, 1);
+  add_rows(index, 1, data, ids);
+  add_rows(index, 2, mix.draw(100), sequential_ids(100, 10000));
+  // erase facts of namespace 1 one call at a time until a repack drops its deleted rows
+  std::set<std::uint64_t> gone;
+  std::size_t i = 0;
+  while (index.rows(1) == 2000) {
+    REQUIRE(i < 2000);
+    std::uint64_t const id = ids[i];
+    i += 2;  // every other fact
+    std::uint64_t const v = index.version();
+    index.erase(cuda::std::span<std::uint64_t const>{&id, 1});
+    REQUIRE(index.version() == v + 1);
+    gone.insert(id);
+    REQUIRE(index.arena_rows() <= bound_at_default(index.total_size()));
+  }
+  REQUIRE(index.compactions() >= 1);
+  REQUIRE(index.rows(1) == 2000 - gone.size());  // rebuilt from its live facts
+  REQUIRE(index.size(1) == 2000 - gone.size());
+  REQUIRE(index.rows(2) == 100);
+  // by the greedy rule (deleted rows dropped only as needed, see compactions()): the repack
+  // that rebuilt it was needed, since its rows then exceeded the target 1.25 * live
+  REQUIRE(2000 + 100 > std::floor(1.25 * static_cast<double>(index.total_size())));
+  // graph answers against a brute force over the live facts
+  auto const queries = mix.draw(50);
+  search_params p;
+  p.algo         = search_algo::graph;
+  auto const got = run_search(index, queries, {1}, 10, p);
+  std::size_t hits = 0;
+  for (std::size_t q = 0; q < 50; ++q) {
+    std::vector<std::pair<double, std::uint64_t>> all;
+    for (std::size_t r = 0; r < 2000; ++r) {
+      if (gone.count(ids[r]) != 0) { continue; }
+      all.emplace_back(test::reference_distance(data.data() + r * dim, queries.data() + q * dim,
+                                                dim, cfg.metric),
+                       ids[r]);
+    }
+    std::partial_sort(all.begin(), all.begin() + 10, all.end());
+    std::set<std::uint64_t> truth;
+    for (std::size_t j = 0; j < 10; ++j) {
+      truth.insert(all[j].second);
+    }
+    for (std::size_t j = 0; j < 10; ++j) {
+      std::uint64_t const id = got.ids[q * 10 + j];
+      REQUIRE(gone.count(id) == 0);
+      REQUIRE(index.contains(id));
+      hits += truth.count(id);
+    }
+  }
+  CHECK(static_cast<double>(hits) / 500.0 >= 0.95);
+}
+
+namespace {
+
+/// What the stress sequence measured.
+struct stress_result {
+  double max_ratio{0.0};       ///< max over the sequence of arena_rows / total_size (live > 0)
+  double max_ratio_large{0.0}; ///< the same where live > 512 (the floor of 256 rows not in play)
+  std::uint64_t max_live{0};
+  std::int64_t max_excess{0};  ///< max of arena_rows - bound_at_default(total_size)
+  std::uint64_t compactions{0};
+  std::uint64_t operations{0};
+  double seconds{0.0};         ///< the mutations alone (checks excluded)
+};
+
+/**
+ * A fixed-seed sequence of adds (1..40 facts), erases (of one user's facts, or scattered over
+ * users), rebuilds and namespace erasures over 50 users. With `check`, after every operation:
+ * the model's counts, every fact of the touched users found first by an exact search of its own
+ * vector, and (every 50 operations, after every repack and at the end) all users, and exact
+ * search against a brute-force loop.
+ */
+stress_result run_stress(double max_row_overhead, bool check)
+{
+  std::int64_t const dim = 16;
+  index_config cfg;
+  cfg.dim              = dim;
+  cfg.metric           = distance_metric::squared_l2;  // a fact's own distance is exactly 0
+  cfg.max_row_overhead = max_row_overhead;
+  graph_index index(cfg);
+  test::gaussian_mixture mix({dim, 40, false, 1234});
+  test::gaussian_mixture probe_mix({dim, 40, false, 4321});  // the checks' queries: not the facts
+  std::mt19937_64 rng(20261201);
+  std::map<std::uint64_t, std::map<std::uint64_t, std::vector<float>>> model;  // ns -> id -> vector
+  std::uint64_t next_id = 1;
+  std::uint64_t live    = 0;
+  stress_result result;
+  double seconds = 0.0;
+  auto pick = [&](std::uint64_t n) { return static_cast<std::uint64_t>(rng() % n); };
+
+  auto check_user = [&](std::uint64_t ns) {
+    auto const& facts = model[ns];
+    REQUIRE(index.size(ns) == facts.size());
+    if (facts.empty()) { return; }
+    std::vector<float> queries;
+    std::vector<std::uint64_t> want;
+    for (auto const& [id, v] : facts) {
+      queries.insert(queries.end(), v.begin(), v.end());
+      want.push_back(id);
+    }
+    search_params p;
+    p.algo         = search_algo::exact;
+    auto const got = run_search(index, queries, {ns}, 1, p);
+    for (std::size_t q = 0; q < want.size(); ++q) {
+      CAPTURE(ns, want[q]);
+      REQUIRE(got.ids[q] == want[q]);
+      REQUIRE(got.distances[q] == 0.0f);
+    }
+  };
+  auto check_all = [&]() {
+    REQUIRE(index.total_size() == live);
+    for (std::uint64_t ns = 1; ns <= 50; ++ns) {
+      check_user(ns);
+    }
+    // exact search against a brute-force loop written here, for a few queries per user
+    auto const queries = probe_mix.draw(3);
+    for (std::uint64_t ns = 1; ns <= 50; ns += 7) {
+      if (!index.has_namespace(ns)) { continue; }
+      std::uint32_t const k = 5;
+      search_params p;
+      p.algo         = search_algo::exact;
+      auto const got = run_search(index, queries, {ns}, k, p);
+      for (std::size_t q = 0; q < 3; ++q) {
+        std::vector<std::pair<double, std::uint64_t>> all;
+        for (auto const& [id, v] : model[ns]) {
+          all.emplace_back(test::reference_distance(v.data(), queries.data() + q * dim, dim,
+                                                    cfg.metric),
+                           id);
+        }
+        std::sort(all.begin(), all.end());
+        for (std::uint32_t j = 0; j < k; ++j) {
+          CAPTURE(ns, q, j);
+          if (j >= all.size()) {
+            REQUIRE(got.ids[q * k + j] == invalid_fact_id);
+            continue;
+          }
+          std::uint64_t const id = got.ids[q * k + j];
+          REQUIRE(model[ns].count(id) == 1);
+          double const truth = test::reference_distance(model[ns][id].data(),
+                                                        queries.data() + q * dim, dim, cfg.metric);
+          // the reported distance is the fact's, and the j-th smallest, up to fp32 rounding
+          REQUIRE(std::abs(got.distances[q * k + j] - truth) <= 1e-4 * (1.0 + truth));
+          REQUIRE(std::abs(truth - all[j].first) <= 1e-4 * (1.0 + truth));
+        }
+      }
+    }
+  };
+
+  for (int op = 0; op < 3000; ++op) {
+    std::uint64_t const r = pick(100);
+    std::set<std::uint64_t> touched;
+    std::uint64_t const before_compactions = index.compactions();
+    std::uint64_t const before_version     = index.version();
+    bool changes                           = true;
+    if (r < 52) {  // add 1..40 facts to a user
+      std::uint64_t const ns = 1 + pick(50);
+      std::size_t const m    = 1 + pick(40);
+      auto const data        = mix.draw(static_cast<std::int64_t>(m));
+      auto const ids         = sequential_ids(m, next_id);
+      next_id += m;
+      auto const t0 = std::chrono::steady_clock::now();
+      add_rows(index, ns, data, ids);
+      seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      for (std::size_t i = 0; i < m; ++i) {
+        model[ns][ids[i]].assign(data.begin() + static_cast<std::ptrdiff_t>(i * dim),
+                                 data.begin() + static_cast<std::ptrdiff_t>((i + 1) * dim));
+      }
+      live += m;
+      touched.insert(ns);
+    } else if (r < 94) {  // erase: one user's facts (up to all), or a few of many users'
+      std::vector<std::uint64_t> gone;
+      if (r < 80) {
+        std::uint64_t const ns = 1 + pick(50);
+        for (auto const& fact : model[ns]) {
+          gone.push_back(fact.first);
+        }
+        std::shuffle(gone.begin(), gone.end(), rng);
+        gone.resize(gone.empty() ? 0 : 1 + pick(std::min<std::size_t>(gone.size(), 30)));
+        touched.insert(ns);
+      } else {
+        for (std::uint64_t ns = 1; ns <= 50; ++ns) {
+          if (!model[ns].empty() && pick(3) == 0) {
+            auto it = model[ns].begin();
+            std::advance(it, static_cast<std::ptrdiff_t>(pick(model[ns].size())));
+            gone.push_back(it->first);
+            touched.insert(ns);
+          }
+        }
+      }
+      auto const t0 = std::chrono::steady_clock::now();
+      index.erase(cuda::std::span<std::uint64_t const>{gone.data(), gone.size()});
+      seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      for (auto id : gone) {
+        for (auto ns : touched) {
+          model[ns].erase(id);
+        }
+      }
+      live -= gone.size();
+      changes = !gone.empty();
+    } else if (r < 98) {  // replace a user's facts with 0..40 new ones
+      std::uint64_t const ns = 1 + pick(50);
+      std::size_t const m    = pick(41);
+      auto const data        = mix.draw(static_cast<std::int64_t>(m));
+      auto const ids         = sequential_ids(m, next_id);
+      next_id += m;
+      auto const t0 = std::chrono::steady_clock::now();
+      index.build(ns, make_matrix_view(data.data(), static_cast<std::int64_t>(m), dim),
+                  cuda::std::span<std::uint64_t const>{ids.data(), m});
+      seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      live -= model[ns].size();
+      model[ns].clear();
+      for (std::size_t i = 0; i < m; ++i) {
+        model[ns][ids[i]].assign(data.begin() + static_cast<std::ptrdiff_t>(i * dim),
+                                 data.begin() + static_cast<std::ptrdiff_t>((i + 1) * dim));
+      }
+      live += m;
+      touched.insert(ns);
+    } else {  // erase a whole user (it may come back later)
+      std::uint64_t const ns = 1 + pick(50);
+      changes                = index.has_namespace(ns);
+      auto const t0          = std::chrono::steady_clock::now();
+      REQUIRE(index.erase_namespace(ns) == model[ns].size());
+      seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      live -= model[ns].size();
+      model[ns].clear();
+      touched.insert(ns);
+    }
+    ++result.operations;
+    double const ratio = live == 0 ? 0.0
+                                   : static_cast<double>(index.arena_rows()) / static_cast<double>(live);
+    result.max_ratio = std::max(result.max_ratio, ratio);
+    if (live > 512) { result.max_ratio_large = std::max(result.max_ratio_large, ratio); }
+    result.max_live = std::max(result.max_live, live);
+    result.max_excess = std::max(result.max_excess, index.arena_rows() - bound_at_default(live));
+    if (!check) { continue; }
+    CAPTURE(op, r, live, index.arena_rows());
+    REQUIRE(index.total_size() == live);
+    REQUIRE(index.version() == before_version + (changes ? 1 : 0));
+    REQUIRE(index.arena_rows() <= bound_at_default(live));
+    for (auto ns : touched) {
+      check_user(ns);
+    }
+    if (index.compactions() != before_compactions || op % 50 == 0 || op == 2999) { check_all(); }
+  }
+  result.compactions = index.compactions();
+  result.seconds     = seconds;
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE("index: under 3,000 random adds and erases over 50 users the arena stays within 1.5x",
+          "[index][compaction]")
+{
+  stress_result const on = run_stress(1.5, true);
+  REQUIRE(on.operations == 3000);
+  REQUIRE(on.max_excess <= 0);  // also asserted after every operation inside
+  REQUIRE(on.compactions > 0);  // the bound was reached: the repacks were exercised
+  // the same sequence without automatic compaction breaks the bound: the checks above can fail
+  stress_result const off = run_stress(0.0, false);
+  REQUIRE(off.compactions == 0);
+  REQUIRE(off.max_excess > 0);
+  REQUIRE(off.max_ratio_large > 1.5);
+  REQUIRE(on.max_ratio_large <= 1.5);
+  WARN("stress (50 users, 3000 operations, dim 16, up to "
+       << on.max_live << " live facts): max arena_rows / live where live > 512: "
+       << off.max_ratio_large << " without automatic compaction (over all states " << off.max_ratio
+       << "; mutations " << off.seconds << " s), " << on.max_ratio_large
+       << " with max_row_overhead 1.5 (over all states " << on.max_ratio << "; " << on.compactions
+       << " repacks; mutations " << on.seconds << " s)");
+}

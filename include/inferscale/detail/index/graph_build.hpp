@@ -10,6 +10,7 @@
 #pragma once
 
 #include <inferscale/config.hpp>
+#include <inferscale/detail/index/distance_simd.hpp>
 #include <inferscale/detail/index/math.hpp>
 #include <inferscale/dtype.hpp>
 
@@ -203,46 +204,6 @@ constexpr std::uint64_t splitmix64(std::uint64_t x) noexcept
   return x ^ (x >> 31);
 }
 
-/// @brief Dot product of `n` floats with sixteen interleaved partial sums (each in element
-/// order, multiplies and adds separately rounded), summed as `exact_knn_host` does.
-INFERSCALE_FORCEINLINE float dot16(float const* x, float const* y, std::int64_t n) noexcept
-{
-  std::int64_t const blocks = n / 16;
-  float acc[16]             = {};
-  for (std::int64_t c = 0; c < blocks; ++c) {
-    for (int j = 0; j < 16; ++j) {
-      acc[j] += x[c * 16 + j] * y[c * 16 + j];
-    }
-  }
-  float s = 0.0f;
-  for (std::int64_t e = blocks * 16; e < n; ++e) {
-    s += x[e] * y[e];
-  }
-  for (int j = 0; j < 16; ++j) {
-    s += acc[j];
-  }
-  return s;
-}
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDA_ARCH__)
-/// @brief `dot16` compiled for AVX2 (no FMA: the same operations in the same order, so the same
-/// bits; only wider registers). Called only where the CPU has AVX2.
-__attribute__((target("avx2"))) inline float dot16_avx2(float const* x, float const* y,
-                                                         std::int64_t n) noexcept
-{
-  return dot16(x, y, n);  // inlined here, so compiled for AVX2
-}
-#endif
-
-/// @brief The widest `dot16` this CPU runs (chosen at run time; every choice gives the same bits).
-inline float (*dot16_for_cpu() noexcept)(float const*, float const*, std::int64_t) noexcept
-{
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDA_ARCH__)
-  if (__builtin_cpu_supports("avx2")) { return &dot16_avx2; }
-#endif
-  return &dot16;
-}
-
 /// @brief Knobs of `nn_descent_knn_host` (Dong, Charikar, Li 2011), the names of the paper.
 struct nn_descent_knobs {
   float rho{0.5f};                 ///< sampling rate: at most `ceil(rho * k)` new and old candidates
@@ -276,8 +237,11 @@ struct nn_descent_report {
  *
  * Deterministic for a given seed: single-threaded, and every random choice (initial neighbours,
  * sample priorities) is `splitmix64` of the seed, the iteration and the node ids. Distances are
- * fp32 dot products with sixteen interleaved partial sums (`dot16`, AVX2 where the CPU has it,
- * the same bits either way), squared L2 as `|a|^2 + |b|^2 - 2 a.b` (only the ranking matters).
+ * the host's fast fp32 dot products (`fast_distance_for`: AVX-512 or AVX2 with FMA where the CPU
+ * has them, so two CPUs of different instruction sets may order a near-tie differently and build
+ * slightly different graphs; one CPU always builds the same one), squared L2 as
+ * `|a|^2 + |b|^2 - 2 a.b` (only the ranking matters). Measured (30k x 384, one thread): the
+ * AVX-512 fused product took the build from 10.75 to 9.58 CPU seconds over the AVX2 `dot16`.
  *
  * @pre `k <= n - 1` (`degrees_for` guarantees it)
  */
@@ -299,9 +263,11 @@ nn_descent_report nn_descent_knn_host(T const* rows,
   }
   bool const l2 = metric == distance_metric::squared_l2;
   std::vector<float> norm2(l2 ? nz : 0);
-  auto const dot16_fn = dot16_for_cpu();
+  // the host's fast inner product (AVX-512 or AVX2 with FMA): symmetric, since each lane's
+  // fused a * b + acc is b * a + acc, so dot(a, b) and dot(b, a) are the same bits
+  auto const neg_dot = fast_distance_for<float>(distance_metric::inner_product);
   auto dot = [&](std::uint32_t a, std::uint32_t b) {
-    return dot16_fn(data.data() + std::size_t{a} * static_cast<std::size_t>(row_elements),
+    return -neg_dot(data.data() + std::size_t{a} * static_cast<std::size_t>(row_elements),
                     data.data() + std::size_t{b} * static_cast<std::size_t>(row_elements),
                     row_elements);
   };
@@ -334,7 +300,7 @@ nn_descent_report nn_descent_knn_host(T const* rows,
     std::uint8_t* fu   = fresh.data() + std::size_t{u} * kz;
     if (!less(d, x, du[kz - 1], iu[kz - 1])) { return false; }
     // where (d, x) goes; x already listed would sit just before it with the very same distance
-    // (dot16(a, b) and dot16(b, a) are the same operations, so the same bits), so that one
+    // (dot(a, b) and dot(b, a) are the same fused operations, so the same bits), so that one
     // comparison is the whole duplicate test
     std::size_t p = kz - 1;
     while (p > 0 && less(d, x, du[p - 1], iu[p - 1])) {

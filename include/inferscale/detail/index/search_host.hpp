@@ -219,9 +219,12 @@ void graph_search_fast(T const* rows,
   std::size_t const row_bytes = static_cast<std::size_t>(row_elements) * sizeof(T);
   auto const distance         = kernels.distance;
   std::size_t const ef        = plan.ef;
-  // rows fetched ahead of their distance: measured at 100,000 x 384 fp32 (rows from memory),
-  // 1, 2, 4, 8, 32 ahead gave 265, 264, 235, 240, 300 us per query
+  // rows fetched ahead of their distance, their first four cache lines (the hardware prefetcher
+  // follows the rest of a row). Measured at 100,000 x 384 fp32 (rows from memory, ef 64):
+  // whole rows 1, 2, 4, 8, 32 ahead gave 265, 264, 235, 240, 300 us per query; four lines 4
+  // ahead 184 us against 195 for whole rows (another run, +-5 % between runs)
   constexpr std::size_t prefetch_ahead = 4;
+  constexpr std::size_t prefetch_bytes = 256;
   auto row_of = [&](std::uint32_t v) { return rows + std::int64_t{v} * row_elements; };
   auto consider = [&](std::uint32_t v, float d) {
     if (results.size() == ef &&
@@ -240,11 +243,12 @@ void graph_search_fast(T const* rows,
   };
   auto visit_all = [&] {
     std::size_t const m = fresh.size();
+    std::size_t const ahead_bytes = std::min(row_bytes, prefetch_bytes);
     for (std::size_t j = 0; j < m && j < prefetch_ahead; ++j) {
-      prefetch_row(row_of(fresh[j]), row_bytes);
+      prefetch_row(row_of(fresh[j]), ahead_bytes);
     }
     for (std::size_t j = 0; j < m; ++j) {
-      if (j + prefetch_ahead < m) { prefetch_row(row_of(fresh[j + prefetch_ahead]), row_bytes); }
+      if (j + prefetch_ahead < m) { prefetch_row(row_of(fresh[j + prefetch_ahead]), ahead_bytes); }
       std::uint32_t const v = fresh[j];
       consider(v, distance(row_of(v), query, row_elements));
     }

@@ -37,6 +37,14 @@
  *    data set: `graph_build_s` / `hnswlib_build_s` (wall) and `graph_build_cpu_s` /
  *    `hnswlib_build_cpu_s` (CPU seconds of the process, all threads; `std::clock`),
  *    `build_cpu_vs_hnswlib` = graph CPU seconds / hnswlib CPU seconds (< 1: the graph is cheaper).
+ *  - index_host/defaults/data:D/dim:d[/N:n]: `search_params{}` as a user leaves it (automatic
+ *    algorithm, automatic list size: the namespace's calibrated `host_default_ef`): `recall`,
+ *    `us_per_query`, `default_ef`, beside the cheapest grid ef that reached 0.99 in the sweep
+ *    (`cheapest_099_ef`, `cheapest_099_us`, timed in the same iteration), `vs_cheapest_099` =
+ *    default time / that time.
+ *  - index_host/incremental_add/n:N/m:M: adding M facts to a namespace of N (384-d, 20-cluster
+ *    mixture; the incremental path above 256 rows) beside building the N + M facts from scratch,
+ *    CPU seconds of each (`add_cpu_ms`, `rebuild_cpu_ms`), `vs_rebuild` = add / rebuild.
  *  - index_host/exact/data:D/dim:d[/N:n]: batch-1 exact search (search_algo::exact) of the
  *    queries, `us_per_query` and `GBps` (the rows' bytes per query / time); beside it, in the
  *    same iteration, `stream_GBps`: the same distance kernel run once over the whole arena as
@@ -439,6 +447,91 @@ void equal_recall(benchmark::State& state, std::string const& name, std::int64_t
   state.SetLabel(name + ", batch 1, one thread; hnswlib M16 efC200 (-march=native)");
 }
 
+/// @brief The default search_params (automatic algorithm, automatic list size) beside the
+/// cheapest grid setting that reached recall 0.99 in the sweep, timed in the same iteration.
+void defaults_case(benchmark::State& state, std::string const& name, std::int64_t dim,
+                   std::int64_t n)
+{
+  prepared* c = nullptr;
+  try {
+    c = &prepare(name, dim, n);
+  } catch (std::exception const& e) {
+    state.SkipWithError(e.what());
+    return;
+  }
+  if (!c->graph_ef.count(99)) {
+    state.SkipWithError("the graph never reached recall 0.99 on the ef grid (see the sweep)");
+    return;
+  }
+  is::search_params const defaults{};
+  auto const cheapest = graph_params(c->graph_ef[99]);
+  std::vector<std::uint64_t> got(static_cast<std::size_t>(num_queries * top_k));
+  std::vector<float> dist(got.size());
+  graph_queries(*c, defaults, got.data(), dist.data());
+  double const recall = recall_of(c->truth, got);
+  double default_s = 0.0, cheapest_s = 0.0;
+  for (auto _ : state) {
+    auto t0 = clock_type::now();
+    graph_queries(*c, defaults, got.data(), dist.data());
+    default_s += seconds_since(t0);
+    state.PauseTiming();
+    t0 = clock_type::now();
+    graph_queries(*c, cheapest, got.data(), dist.data());
+    cheapest_s += seconds_since(t0);
+    state.ResumeTiming();
+  }
+  double const per = static_cast<double>(state.iterations() * num_queries);
+  state.counters["us_per_query"]          = default_s / per * 1e6;
+  state.counters["recall"]                = recall;
+  state.counters["default_ef"]            = c->index->host_default_ef(the_namespace);
+  state.counters["cheapest_099_ef"]       = c->graph_ef[99];
+  state.counters["cheapest_099_us"]       = cheapest_s / per * 1e6;
+  state.counters["vs_cheapest_099"]       = default_s / cheapest_s;
+  state.counters["exact_threshold"]       = static_cast<double>(
+    c->index->exact_search_threshold(defaults, static_cast<std::uint32_t>(c->data.n())));
+  state.SetLabel(name + ", search_params{} (automatic), batch 1, one thread");
+}
+
+/**
+ * @brief Adding `m` facts to a namespace of `n` (the incremental path: each fact inserted into
+ * the graph) beside building the `n + m` facts from scratch, both timed here on the same data
+ * (CPU seconds, all threads). `vs_rebuild` = incremental / rebuild (< 1: adding is cheaper).
+ */
+void incremental_case(benchmark::State& state, std::int64_t n, std::int64_t m)
+{
+  std::int64_t const dim = 384;
+  is::test::gaussian_mixture mix{is::test::mixture_spec{dim, 20, true, data_seed + 1}};
+  std::vector<float> const data = mix.draw(n + m);
+  std::vector<std::uint64_t> ids(static_cast<std::size_t>(n + m));
+  std::iota(ids.begin(), ids.end(), std::uint64_t{0});
+  is::index_config config;
+  config.dim = dim;
+  double add_s = 0.0, rebuild_s = 0.0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    is::graph_index grown{config};
+    grown.add(1, is::make_matrix_view<float const>(data.data(), n, dim),
+              cuda::std::span<std::uint64_t const>{ids.data(), static_cast<std::size_t>(n)});
+    state.ResumeTiming();
+    std::clock_t c0 = std::clock();
+    grown.add(1, is::make_matrix_view<float const>(data.data() + n * dim, m, dim),
+              cuda::std::span<std::uint64_t const>{ids.data() + n, static_cast<std::size_t>(m)});
+    add_s += static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
+    state.PauseTiming();
+    is::graph_index fresh{config};
+    c0 = std::clock();
+    fresh.add(1, is::make_matrix_view<float const>(data.data(), n + m, dim),
+              cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+    rebuild_s += static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
+    state.ResumeTiming();
+  }
+  double const it = static_cast<double>(state.iterations());
+  state.counters["add_cpu_ms"]     = add_s / it * 1e3;
+  state.counters["rebuild_cpu_ms"] = rebuild_s / it * 1e3;
+  state.counters["vs_rebuild"]     = add_s / rebuild_s;
+  state.SetLabel("384-d, 20-cluster mixture; add m facts to n vs build n + m");
+}
+
 void exact_scan(benchmark::State& state, std::string const& name, std::int64_t dim, std::int64_t n)
 {
   prepared* c = nullptr;
@@ -517,6 +610,27 @@ void register_all()
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime()
         ->MinTime(0.5);
+    }
+  }
+  for (auto const& s : sets) {
+    std::string const name = "index_host/defaults/data:" + s.name + "/dim:" +
+                             std::to_string(s.dim) + (s.n < 0 ? "" : "/N:" + std::to_string(s.n));
+    benchmark::RegisterBenchmark(name.c_str(), [s](benchmark::State& st) {
+      defaults_case(st, s.name, s.dim, s.n);
+    })
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime()
+      ->MinTime(0.5);
+  }
+  for (std::int64_t n : {300, 1000, 3000}) {
+    for (std::int64_t m : {1, 10, 50}) {
+      std::string const name = "index_host/incremental_add/n:" + std::to_string(n) + "/m:" +
+                               std::to_string(m);
+      benchmark::RegisterBenchmark(name.c_str(), [n, m](benchmark::State& st) {
+        incremental_case(st, n, m);
+      })
+        ->Unit(benchmark::kMillisecond)
+        ->Iterations(3);
     }
   }
   for (auto const& s : sets) {

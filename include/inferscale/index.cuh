@@ -578,7 +578,7 @@ inline void search(raft::resources const& res,
   auto const ref              = index.ref();
   std::int64_t const re       = index.row_elements();
   std::uint32_t const degree  = index.graph_degree();
-  std::uint32_t const itopk   = std::max(params.itopk_size, k);
+  std::uint32_t const itopk   = resolved_itopk(params.itopk_size, k);
   std::uint32_t const entries = static_cast<std::uint32_t>(
     detail::index::next_pow2(std::uint64_t{itopk} + policy::min_candidates));
 

@@ -175,9 +175,24 @@ enum class host_search_mode : std::uint8_t {
   reference  ///< the device's algorithm and distance order, bit for bit
 };
 
+/// @brief The top list `search_params::itopk_size` 0 stands for on the device and in the
+/// reference mode (CAGRA's default).
+inline constexpr std::uint32_t default_itopk = 64;
+
+/// @brief `itopk_size` resolved: 0 -> `default_itopk`, then at least `k`.
+constexpr std::uint32_t resolved_itopk(std::uint32_t itopk_size, std::uint32_t k) noexcept
+{
+  std::uint32_t const t = itopk_size == 0 ? default_itopk : itopk_size;
+  return t < k ? k : t;
+}
+
 /// @brief Knobs of the graph search (CAGRA's names and meanings).
 struct search_params {
-  std::uint32_t itopk_size{64};            ///< internal top list; raised to k when smaller
+  /// Internal top list, raised to k when smaller; 0 (the default) = automatic: CAGRA's 64 on
+  /// the device and in `host_search_mode::reference`; in the fast host search the namespace's
+  /// calibrated list size (`graph_index::host_default_ef`), the smallest that reached recall@10
+  /// 0.99 on its own rows.
+  std::uint32_t itopk_size{0};
   std::uint32_t search_width{1};           ///< parents per iteration (1..64)
   /// 0 = CAGRA's automatic bound. (CAGRA's `min_iterations` has no counterpart: here a step
   /// with no new parent changes nothing, so the search simply ends.)
@@ -366,7 +381,7 @@ class graph_index {
     if (config_.memory == memory_kind::host && p.host_mode == host_search_mode::fast) {
       return static_cast<std::int64_t>(
         detail::index::host_fast_graph_cost_factor *
-        detail::index::estimated_fast_graph_distances(std::max<std::uint32_t>(p.itopk_size, 1),
+        detail::index::estimated_fast_graph_distances(resolved_itopk(p.itopk_size, 1),
                                                       entry_point_count(rows),
                                                       config_.graph_degree));
     }
@@ -420,6 +435,14 @@ class graph_index {
     auto it = tenant_of_.find(ns);
     return it == tenant_of_.end() ? 0
                                   : static_cast<std::uint32_t>(tenants_[it->second].entries.size());
+  }
+  /// @brief The fast host search's result list for `itopk_size` 0 in a namespace (0 if unknown):
+  /// the smallest of a grid (10 .. 256) with which searches for 128 of its rows found 99 % of
+  /// their 10 nearest other rows, chosen whenever its entry points are.
+  std::uint32_t host_default_ef(std::uint64_t ns) const noexcept
+  {
+    auto it = tenant_of_.find(ns);
+    return it == tenant_of_.end() ? 0 : tenants_[it->second].default_ef;
   }
   /// @brief Rows a namespace occupies (live + deleted, until a compaction drops its deleted rows).
   std::uint32_t rows(std::uint64_t ns) const noexcept
@@ -735,7 +758,7 @@ class graph_index {
   {
     detail::index::search_plan plan;
     plan.k         = k;
-    plan.itopk     = std::max(p.itopk_size, k);
+    plan.itopk     = resolved_itopk(p.itopk_size, k);
     plan.width     = p.search_width;
     plan.samplings = std::max<std::uint32_t>(1, p.num_random_samplings);
     plan.xor_mask  = p.rand_xor_mask;
@@ -819,7 +842,7 @@ class graph_index {
     INFERSCALE_EXPECTS(params.search_width >= 1 && params.search_width <= 64,
                        "graph_index: search_width must be in 1..64, got " +
                          std::to_string(params.search_width));
-    INFERSCALE_EXPECTS(std::max(params.itopk_size, k) <= 1024,
+    INFERSCALE_EXPECTS(resolved_itopk(params.itopk_size, k) <= 1024,
                        "graph_index: itopk_size (raised to k) must be at most 1024");
     INFERSCALE_EXPECTS(namespaces.size() == 1 || static_cast<std::int64_t>(namespaces.size()) == nq,
                        "graph_index: give one namespace, or one per query (" + std::to_string(nq) +
@@ -862,6 +885,8 @@ class graph_index {
     std::vector<std::uint32_t> entries;
     std::vector<unsigned char> entry_vectors;
     std::uint32_t entries_rows{0};
+    /// The fast search's result list when `itopk_size` is 0 (`detail::index::calibrate_ef`).
+    std::uint32_t default_ef{default_itopk};
   };
   struct row_location {
     std::size_t tenant{0};
@@ -1333,6 +1358,9 @@ class graph_index {
   /// Fewest entry points of the automatic choice, and rows probed to choose.
   static constexpr std::uint32_t min_host_entry_points = 64;
   static constexpr std::uint32_t entry_probes          = 200;
+  /// Rows probed, and the recall@10 their searches must reach, to calibrate `default_ef`.
+  static constexpr std::uint32_t calibration_probes = 128;
+  static constexpr double calibration_recall        = 0.99;
 
   /// Entry points a namespace of `rows` rows gets at most (`index_config::host_entry_points`).
   std::uint32_t entry_point_count(std::uint32_t rows) const noexcept
@@ -1377,6 +1405,16 @@ class graph_index {
       tn.entries.resize(needed);
       pack();
     }
+    tn.default_ef = with_rows(t, [&](auto const* rows) {
+      using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>;
+      return detail::index::calibrate_ef(
+        rows, row_elements_, graph_.data() + tn.ref.row_begin * config_.graph_degree,
+        config_.graph_degree, n, tn.entries.data(),
+        reinterpret_cast<T const*>(tn.entry_vectors.data()),
+        static_cast<std::uint32_t>(tn.entries.size()),
+        detail::index::fast_kernels_for<T>(config_.metric), calibration_probes,
+        calibration_recall);
+    });
     tn.entries_rows = n;
   }
 
@@ -1502,14 +1540,16 @@ class graph_index {
     }
     if (params.host_mode == host_search_mode::fast) {
       auto const kernels = detail::index::fast_kernels_for<T>(config_.metric);
-      if (uses_exact(tr, params)) {
+      search_params resolved = params;  // the namespace's calibrated list when itopk_size is 0
+      if (resolved.itopk_size == 0) { resolved.itopk_size = tn.default_ef; }
+      if (uses_exact(tr, resolved)) {
         detail::index::exact_search_fast(rows, row_elements_, tr.size, deleted, query, kernels, k,
                                          scratch, result);
         return;
       }
       detail::index::fast_plan plan;
       plan.k              = k;
-      plan.ef             = std::max(params.itopk_size, k);
+      plan.ef             = std::max(resolved.itopk_size, k);
       // a namespace built before its entry points existed (none yet) seeds from the generator
       plan.entry_nodes    = tn.entries.empty() ? nullptr : tn.entries.data();
       plan.entry_rows     = tn.entries.empty() ? nullptr : tn.entry_vectors.data();

@@ -165,6 +165,9 @@ struct fast_plan {
   void const* entry_rows{nullptr};
   std::uint32_t entry_count{1};
   std::uint32_t max_expansions{0};///< nodes expanded at most; 0 = until the list stops improving
+  /// A node the search neither returns nor routes through (`calibrate_ef`'s probe: a row
+  /// searched for as if it were not indexed); `invalid_node` = none.
+  std::uint32_t excluded{invalid_node};
   std::uint64_t xor_mask{0};
 };
 
@@ -211,6 +214,7 @@ void graph_search_fast(T const* rows,
   out.clear();
   if (n == 0) { return; }
   scratch.begin(n);
+  if (plan.excluded < n) { (void)scratch.visit(plan.excluded); }
   auto& candidates = scratch.candidates;  // min-heap (closer on top)
   auto& results    = scratch.top;         // max-heap (farther on top), at most ef
   auto& fresh      = scratch.fresh;
@@ -413,6 +417,94 @@ std::uint32_t entry_points_needed(T const* rows,
     }
     if (missed <= allowed || e == count) { return e; }
   }
+}
+
+/**
+ * @brief The smallest result-list size (`ef`) of a grid from 10 to 256 at which the fast search
+ * of a tenant finds, on average, at least `target` of the true 10 nearest other rows of `probes`
+ * of its own rows (seed-generator draws), each searched for as a query that is not indexed: the
+ * probe is neither returned nor routed through (`fast_plan::excluded`), since its own edges
+ * lead straight to its kNN list and would make the probe far easier than a new query; 256 if
+ * none does. The true neighbours are the fast scan's, computed in blocks of
+ * rows that stay in cache while every probe passes over them. Rows of the tenant stand in for
+ * its future queries: the same distribution, by construction when facts and questions are
+ * embedded alike, as in the benchmarks.
+ */
+template <class T>
+std::uint32_t calibrate_ef(T const* rows,
+                           std::int64_t row_elements,
+                           std::uint32_t const* graph,
+                           std::uint32_t degree,
+                           std::uint32_t n,
+                           std::uint32_t const* entries,
+                           T const* packed,
+                           std::uint32_t entry_count,
+                           fast_kernels<T> const& kernels,
+                           std::uint32_t probes,
+                           double target)
+{
+  constexpr std::uint32_t k = 10;
+  constexpr std::uint32_t grid[] = {10, 12, 14, 16, 20, 24, 28, 32, 40, 48,
+                                    56, 64, 80, 96, 128, 160, 192, 256};
+  if (n <= 2 * k) { return k; }
+  probes = std::min(probes, n);
+  std::vector<std::uint32_t> probe(probes);
+  std::vector<float> queries(static_cast<std::size_t>(probes) * static_cast<std::size_t>(row_elements));
+  for (std::uint32_t p = 0; p < probes; ++p) {
+    probe[p] = seed_node(p, 0, 1, 0xCA11B8A7Eull, n);
+    T const* row = rows + std::int64_t{probe[p]} * row_elements;
+    for (std::int64_t i = 0; i < row_elements; ++i) {
+      queries[p * static_cast<std::size_t>(row_elements) + static_cast<std::size_t>(i)] = to_float(row[i]);
+    }
+  }
+  // truth: each probe's k nearest other rows, as bounded max-heaps
+  std::vector<std::vector<search_entry>> truth(probes);
+  constexpr std::uint32_t block = 256;
+  std::vector<float> d(block);
+  for (std::uint32_t first = 0; first < n; first += block) {
+    std::uint32_t const count = std::min(block, n - first);
+    for (std::uint32_t p = 0; p < probes; ++p) {
+      kernels.scan(rows + std::int64_t{first} * row_elements, row_elements, count,
+                   queries.data() + p * static_cast<std::size_t>(row_elements), d.data());
+      auto& h = truth[p];
+      for (std::uint32_t i = 0; i < count; ++i) {
+        std::uint32_t const v = first + i;
+        if (v == probe[p]) { continue; }
+        if (h.size() == k) {
+          if (!entry_less(d[i], v, h.front().distance, h.front().node)) { continue; }
+          std::pop_heap(h.begin(), h.end(), closer{});
+          h.back() = {d[i], v, false};
+        } else {
+          h.push_back({d[i], v, false});
+        }
+        std::push_heap(h.begin(), h.end(), closer{});
+      }
+    }
+  }
+  search_scratch scratch;
+  std::vector<search_entry> out;
+  for (std::uint32_t ef : grid) {
+    fast_plan plan;
+    plan.k           = k;
+    plan.ef          = ef;
+    plan.entry_nodes = entries;
+    plan.entry_rows  = packed;
+    plan.entry_count = entry_count;
+    std::size_t hits = 0;
+    for (std::uint32_t p = 0; p < probes; ++p) {
+      plan.excluded = probe[p];  // as a query that is not indexed: its own edges give no help
+      graph_search_fast(rows, row_elements, graph, degree, n, nullptr,
+                        queries.data() + p * static_cast<std::size_t>(row_elements), kernels, plan,
+                        scratch, out);
+      for (auto const& r : out) {
+        for (auto const& t : truth[p]) {
+          hits += t.node == r.node ? 1 : 0;
+        }
+      }
+    }
+    if (static_cast<double>(hits) >= target * static_cast<double>(probes) * k) { return ef; }
+  }
+  return grid[sizeof grid / sizeof grid[0] - 1];
 }
 
 /**

@@ -1359,7 +1359,7 @@ class graph_index {
   static constexpr std::uint32_t min_host_entry_points = 64;
   static constexpr std::uint32_t entry_probes          = 200;
   /// Rows probed, and the recall@10 their searches must reach, to calibrate `default_ef`.
-  static constexpr std::uint32_t calibration_probes = 128;
+  static constexpr std::uint32_t calibration_probes = 256;
   static constexpr double calibration_recall        = 0.99;
 
   /// Entry points a namespace of `rows` rows gets at most (`index_config::host_entry_points`).

@@ -186,6 +186,29 @@ struct closer {
   }
 };
 
+/// @brief Offers `(d, v)` to a bounded max-heap (`closer` order) of the best `k` entries.
+inline void offer_bounded(std::vector<search_entry>& heap, std::size_t k, float d, std::uint32_t v)
+{
+  if (heap.size() == k) {
+    if (!entry_less(d, v, heap.front().distance, heap.front().node)) { return; }
+    std::pop_heap(heap.begin(), heap.end(), closer{});
+    heap.back() = {d, v, false};
+  } else {
+    heap.push_back({d, v, false});
+  }
+  std::push_heap(heap.begin(), heap.end(), closer{});
+}
+
+/// @brief Row `v` of a tenant as an fp32 query (`row_elements` floats at `out`).
+template <class T>
+void row_as_query(T const* rows, std::int64_t row_elements, std::uint32_t v, float* out)
+{
+  T const* row = rows + std::int64_t{v} * row_elements;
+  for (std::int64_t i = 0; i < row_elements; ++i) {
+    out[i] = to_float(row[i]);
+  }
+}
+
 /**
  * @brief The host's fast graph search of one query in one tenant: best-first search (the
  * candidate nearest the query is expanded next) with a result list of `ef` live nodes, stopping
@@ -403,10 +426,7 @@ std::uint32_t entry_points_needed(T const* rows,
     std::uint32_t missed = 0;
     for (std::uint32_t p = 0; p < probes && missed <= allowed; ++p) {
       std::uint32_t const node = seed_node(p, 0, 1, 0x5EED5EEDull, n);
-      T const* row             = rows + std::int64_t{node} * row_elements;
-      for (std::int64_t i = 0; i < row_elements; ++i) {
-        query[static_cast<std::size_t>(i)] = to_float(row[i]);
-      }
+      row_as_query(rows, row_elements, node, query.data());
       graph_search_fast(rows, row_elements, graph, degree, n, nullptr, query.data(), kernels,
                         plan, scratch, out);
       bool found = false;
@@ -426,8 +446,8 @@ std::uint32_t entry_points_needed(T const* rows,
  * probe is neither returned nor routed through (`fast_plan::excluded`), since its own edges
  * lead straight to its kNN list and would make the probe far easier than a new query. When the
  * probes' recall levels off first (three lists in a row gain less than 0.001 over the one
- * before them), the list two steps past where it levelled off. The true neighbours are the fast scan's, computed in blocks of
- * rows that stay in cache while every probe passes over them. Rows of the tenant stand in for
+ * before them), the list two steps past where it levelled off. The true neighbours are the
+ * fast scan's, computed in blocks of rows that stay in cache while every probe passes over them. Rows of the tenant stand in for
  * its future queries: the same distribution, by construction when facts and questions are
  * embedded alike, as in the benchmarks.
  */
@@ -453,10 +473,7 @@ std::uint32_t calibrate_ef(T const* rows,
   std::vector<float> queries(static_cast<std::size_t>(probes) * static_cast<std::size_t>(row_elements));
   for (std::uint32_t p = 0; p < probes; ++p) {
     probe[p] = seed_node(p, 0, 1, 0xCA11B8A7Eull, n);
-    T const* row = rows + std::int64_t{probe[p]} * row_elements;
-    for (std::int64_t i = 0; i < row_elements; ++i) {
-      queries[p * static_cast<std::size_t>(row_elements) + static_cast<std::size_t>(i)] = to_float(row[i]);
-    }
+    row_as_query(rows, row_elements, probe[p], queries.data() + p * static_cast<std::size_t>(row_elements));
   }
   // truth: each probe's k nearest other rows, as bounded max-heaps
   std::vector<std::vector<search_entry>> truth(probes);
@@ -467,18 +484,8 @@ std::uint32_t calibrate_ef(T const* rows,
     for (std::uint32_t p = 0; p < probes; ++p) {
       kernels.scan(rows + std::int64_t{first} * row_elements, row_elements, count,
                    queries.data() + p * static_cast<std::size_t>(row_elements), d.data());
-      auto& h = truth[p];
       for (std::uint32_t i = 0; i < count; ++i) {
-        std::uint32_t const v = first + i;
-        if (v == probe[p]) { continue; }
-        if (h.size() == k) {
-          if (!entry_less(d[i], v, h.front().distance, h.front().node)) { continue; }
-          std::pop_heap(h.begin(), h.end(), closer{});
-          h.back() = {d[i], v, false};
-        } else {
-          h.push_back({d[i], v, false});
-        }
-        std::push_heap(h.begin(), h.end(), closer{});
+        if (first + i != probe[p]) { offer_bounded(truth[p], k, d[i], first + i); }
       }
     }
   }
@@ -545,16 +552,7 @@ void exact_search_fast(T const* rows,
     std::uint32_t const count = std::min(block, n - first);
     kernels.scan(rows + std::int64_t{first} * row_elements, row_elements, count, query, d.data());
     for (std::uint32_t i = 0; i < count; ++i) {
-      std::uint32_t const v = first + i;
-      if (deleted[v]) { continue; }
-      if (out.size() == k) {
-        if (!entry_less(d[i], v, out.front().distance, out.front().node)) { continue; }
-        std::pop_heap(out.begin(), out.end(), closer{});
-        out.back() = {d[i], v, false};
-      } else {
-        out.push_back({d[i], v, false});
-      }
-      std::push_heap(out.begin(), out.end(), closer{});
+      if (!deleted[first + i]) { offer_bounded(out, k, d[i], first + i); }
     }
   }
   std::sort(out.begin(), out.end(), closer{});

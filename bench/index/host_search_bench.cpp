@@ -415,16 +415,23 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n)
   return *slot;
 }
 
+/// @brief `prepare`, or the case skipped with the reason (a missing data set or model).
+prepared* prepare_or_skip(benchmark::State& state, std::string const& name, std::int64_t dim,
+                          std::int64_t n)
+{
+  try {
+    return &prepare(name, dim, n);
+  } catch (std::exception const& e) {
+    state.SkipWithError(e.what());
+    return nullptr;
+  }
+}
+
 void equal_recall(benchmark::State& state, std::string const& name, std::int64_t dim,
                   std::int64_t n, int target)
 {
-  prepared* c = nullptr;
-  try {
-    c = &prepare(name, dim, n);
-  } catch (std::exception const& e) {
-    state.SkipWithError(e.what());
-    return;
-  }
+  prepared* c = prepare_or_skip(state, name, dim, n);
+  if (c == nullptr) { return; }
   if (!c->graph_ef.count(target) || !c->hnsw_ef.count(target)) {
     state.SkipWithError("a side never reached the target recall on the ef grid (see the sweep)");
     return;
@@ -470,13 +477,8 @@ void equal_recall(benchmark::State& state, std::string const& name, std::int64_t
 void defaults_case(benchmark::State& state, std::string const& name, std::int64_t dim,
                    std::int64_t n)
 {
-  prepared* c = nullptr;
-  try {
-    c = &prepare(name, dim, n);
-  } catch (std::exception const& e) {
-    state.SkipWithError(e.what());
-    return;
-  }
+  prepared* c = prepare_or_skip(state, name, dim, n);
+  if (c == nullptr) { return; }
   if (!c->graph_ef.count(99)) {
     state.SkipWithError("the graph never reached recall 0.99 on the ef grid (see the sweep)");
     return;
@@ -552,13 +554,8 @@ void incremental_case(benchmark::State& state, std::int64_t n, std::int64_t m)
 
 void exact_scan(benchmark::State& state, std::string const& name, std::int64_t dim, std::int64_t n)
 {
-  prepared* c = nullptr;
-  try {
-    c = &prepare(name, dim, n);
-  } catch (std::exception const& e) {
-    state.SkipWithError(e.what());
-    return;
-  }
+  prepared* c = prepare_or_skip(state, name, dim, n);
+  if (c == nullptr) { return; }
   auto const p = graph_params(64, is::search_algo::exact);
   std::vector<std::uint64_t> got(static_cast<std::size_t>(num_queries * top_k));
   std::vector<float> dist(got.size());

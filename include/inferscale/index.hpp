@@ -1381,16 +1381,13 @@ class graph_index {
       return detail::index::choose_entry_points(rows, row_elements_, n, count, 8 * count, seed);
     });
     std::size_t const row_bytes = static_cast<std::size_t>(row_elements_) * element_size_;
-    auto pack = [&] {
-      tn.entry_vectors.resize(tn.entries.size() * row_bytes);
-      unsigned char const* base =
-        vectors_.data() + static_cast<std::size_t>(tn.ref.row_begin) * row_bytes;
-      for (std::size_t i = 0; i < tn.entries.size(); ++i) {
-        std::memcpy(tn.entry_vectors.data() + i * row_bytes, base + tn.entries[i] * row_bytes,
-                    row_bytes);
-      }
-    };
-    pack();
+    tn.entry_vectors.resize(tn.entries.size() * row_bytes);
+    unsigned char const* base =
+      vectors_.data() + static_cast<std::size_t>(tn.ref.row_begin) * row_bytes;
+    for (std::size_t i = 0; i < tn.entries.size(); ++i) {
+      std::memcpy(tn.entry_vectors.data() + i * row_bytes, base + tn.entries[i] * row_bytes,
+                  row_bytes);
+    }
     if (config_.host_entry_points < 0) {  // automatic: as many as the data's clusters need
       std::uint32_t const needed = with_rows(t, [&](auto const* rows) {
         using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>;
@@ -1402,8 +1399,8 @@ class graph_index {
           detail::index::fast_kernels_for<T>(config_.metric), min_host_entry_points,
           entry_probes);
       });
-      tn.entries.resize(needed);
-      pack();
+      tn.entries.resize(needed);  // a prefix: its rows are the packed buffer's first ones
+      tn.entry_vectors.resize(std::size_t{needed} * row_bytes);
     }
     tn.default_ef = with_rows(t, [&](auto const* rows) {
       using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>;

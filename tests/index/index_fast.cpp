@@ -9,6 +9,7 @@
 #include <inferscale/index.hpp>
 
 #include <gaussian_mixture.hpp>
+#include <index_answers.hpp>
 #include <index_reference.hpp>
 
 #include <catch2/catch.hpp>
@@ -27,6 +28,8 @@ using namespace inferscale;
 namespace ix = inferscale::detail::index;
 
 namespace {
+
+using test::answers;
 
 /// Restores the default instruction-set cap when a test that lowered it ends (or fails).
 struct simd_cap_guard {
@@ -55,23 +58,11 @@ std::vector<std::uint64_t> iota_ids(std::size_t n, std::uint64_t first = 0)
   return ids;
 }
 
-struct answers {
-  std::vector<std::uint64_t> ids;
-  std::vector<float> distances;
-};
 
 answers run(graph_index const& index, std::vector<float> const& queries, std::uint64_t ns,
             std::uint32_t k, search_params const& p)
 {
-  std::int64_t const nq = static_cast<std::int64_t>(queries.size()) / index.dim();
-  answers a;
-  a.ids.assign(static_cast<std::size_t>(nq) * k, 12345);
-  a.distances.assign(a.ids.size(), -7.0f);
-  std::uint64_t const nss[1] = {ns};
-  index.search(make_matrix_view(queries.data(), nq, index.dim()),
-               cuda::std::span<std::uint64_t const>{nss, 1}, k, p,
-               make_matrix_view(a.ids.data(), nq, k), make_matrix_view(a.distances.data(), nq, k));
-  return a;
+  return test::run_search(index, queries, {ns}, k, p);
 }
 
 /// The true k nearest row positions of each query, by the double-precision definition on the

@@ -7,6 +7,7 @@
 #include <inferscale/index.hpp>
 
 #include <gaussian_mixture.hpp>
+#include <index_answers.hpp>
 #include <index_reference.hpp>
 
 #include <catch2/catch.hpp>
@@ -27,13 +28,11 @@ using inferscale::detail::index::invalid_node;
 
 namespace {
 
+using test::answers;
+using test::run_search;
+
 constexpr std::uint32_t k10 = 10;
 
-/// A query set and its answers, row-major [q][k].
-struct answers {
-  std::vector<std::uint64_t> ids;
-  std::vector<float> distances;
-};
 
 /// Distance by definition, in double, on the vectors as the index stores them (rounded to the
 /// index dtype, normalised for cosine).
@@ -90,21 +89,6 @@ std::vector<std::vector<float>> split_rows(std::vector<float> const& flat, std::
   return rows;
 }
 
-answers run_search(graph_index const& index,
-                   std::vector<float> const& queries,
-                   std::vector<std::uint64_t> const& namespaces,
-                   std::uint32_t k,
-                   search_params const& p)
-{
-  std::int64_t const nq = static_cast<std::int64_t>(queries.size()) / index.dim();
-  answers a;
-  a.ids.assign(static_cast<std::size_t>(nq) * k, 12345);
-  a.distances.assign(a.ids.size(), -7.0f);
-  index.search(make_matrix_view(queries.data(), nq, index.dim()),
-               cuda::std::span<std::uint64_t const>{namespaces.data(), namespaces.size()}, k, p,
-               make_matrix_view(a.ids.data(), nq, k), make_matrix_view(a.distances.data(), nq, k));
-  return a;
-}
 
 std::vector<std::uint64_t> sequential_ids(std::size_t n, std::uint64_t first, std::uint64_t step)
 {

@@ -9,6 +9,7 @@
 #include <inferscale/index.hpp>
 
 #include <gaussian_mixture.hpp>
+#include <index_answers.hpp>
 #include <index_reference.hpp>
 
 #include <catch2/catch.hpp>
@@ -30,24 +31,10 @@ using namespace inferscale;
 
 namespace {
 
-struct answers {
-  std::vector<std::uint64_t> ids;
-  std::vector<float> distances;
-};
+using test::answers;
+using test::run_search;
 
-answers run_search(graph_index const& index, std::vector<float> const& queries,
-                   std::vector<std::uint64_t> const& namespaces, std::uint32_t k,
-                   search_params const& p)
-{
-  std::int64_t const nq = static_cast<std::int64_t>(queries.size()) / index.dim();
-  answers a;
-  a.ids.assign(static_cast<std::size_t>(nq) * k, 12345);
-  a.distances.assign(a.ids.size(), -7.0f);
-  index.search(make_matrix_view(queries.data(), nq, index.dim()),
-               cuda::std::span<std::uint64_t const>{namespaces.data(), namespaces.size()}, k, p,
-               make_matrix_view(a.ids.data(), nq, k), make_matrix_view(a.distances.data(), nq, k));
-  return a;
-}
+
 
 void add_rows(graph_index& index, std::uint64_t ns, std::vector<float> const& data,
               std::vector<std::uint64_t> const& ids)

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <set>
@@ -145,6 +146,68 @@ TEST_CASE("fast distances equal the definition to within rounding on every instr
         float const got_h    = ix::fast_distance_for<half_t>(m)(xh.data(), q.data(), n);
         REQUIRE(std::fabs(got - want) <= bound * 1.0000001 + std::fabs(want) * eps);
         REQUIRE(std::fabs(got_h - want_h) <= bound_h * 1.0000001 + std::fabs(want_h) * eps);
+      }
+    }
+  }
+}
+
+TEST_CASE("block dot products: each pair the same bits in any block and either order, and the "
+          "definition to within rounding",
+          "[index][fast][nn_descent]")
+{
+  simd_cap_guard guard;
+  std::mt19937 rng(29);
+  std::normal_distribution<float> normal;
+  // row lengths with every tail of the eight- and sixteen-lane chunks, rows that need edge blocks
+  for (std::int64_t n : {4, 12, 16, 20, 60, 64, 100, 384, 388, 768}) {
+    std::uint32_t const rows = 11;
+    std::vector<float> data(static_cast<std::size_t>(n) * rows);
+    for (auto& v : data) { v = normal(rng); }
+    std::vector<float const*> ptr(rows);
+    for (std::uint32_t r = 0; r < rows; ++r) {
+      ptr[r] = data.data() + static_cast<std::size_t>(r) * static_cast<std::size_t>(n);
+    }
+    double const eps = std::ldexp(1.0, -23);
+    for (auto level : levels()) {
+      detail::set_host_simd_cap(level);
+      ix::dot_block_fn const block = ix::dot_block_for();
+      CAPTURE(n, static_cast<int>(level));
+      // every pair alone (a 1 x 1 block)
+      std::vector<float> single(static_cast<std::size_t>(rows) * rows);
+      for (std::uint32_t a = 0; a < rows; ++a) {
+        for (std::uint32_t b = 0; b < rows; ++b) {
+          block(&ptr[a], 1, &ptr[b], 1, n, &single[a * rows + b], 1);
+          double want = 0.0, scale = 0.0;
+          for (std::int64_t i = 0; i < n; ++i) {
+            want += double{ptr[a][i]} * double{ptr[b][i]};
+            scale += std::fabs(double{ptr[a][i]} * double{ptr[b][i]});
+          }
+          REQUIRE(std::fabs(single[a * rows + b] - want) <=
+                  (static_cast<double>(n) + 2.0) * eps * scale + 1e-30);
+        }
+      }
+      for (std::uint32_t a = 0; a < rows; ++a) {
+        for (std::uint32_t b = 0; b < rows; ++b) {
+          REQUIRE(std::memcmp(&single[a * rows + b], &single[b * rows + a], sizeof(float)) == 0);
+        }
+      }
+      // every block shape and offset (rows 1..11 against columns 1..11, out with a wider stride)
+      for (std::uint32_t na = 1; na <= rows; ++na) {
+        for (std::uint32_t nb = 1; nb <= rows; ++nb) {
+          std::uint32_t const a0 = (na * 7) % (rows - na + 1), b0 = (nb * 5) % (rows - nb + 1);
+          std::size_t const ld = nb + 3;
+          std::vector<float> out(na * ld, -1.0f);
+          block(ptr.data() + a0, na, ptr.data() + b0, nb, n, out.data(), ld);
+          for (std::uint32_t i = 0; i < na; ++i) {
+            for (std::uint32_t j = 0; j < nb; ++j) {
+              REQUIRE(std::memcmp(&out[i * ld + j], &single[(a0 + i) * rows + (b0 + j)],
+                                  sizeof(float)) == 0);
+            }
+            for (std::size_t j = nb; j < ld; ++j) {
+              REQUIRE(out[i * ld + j] == -1.0f);  // nothing written past the block
+            }
+          }
+        }
       }
     }
   }

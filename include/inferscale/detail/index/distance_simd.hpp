@@ -414,6 +414,212 @@ inline fast_kernels<T> fast_kernels_for(distance_metric m) noexcept
   return {fast_distance_for<T>(m), fast_scan_for<T>(m)};
 }
 
+// ------------------------------------------------------------------------------------------------
+// Block dot products (NN-descent's local join)
+
+/**
+ * @brief Dot products of `na` fp32 rows against `nb` (row pointers), `out[i * ld + j] = a[i] .
+ * b[j]`, `n` elements each.
+ *
+ * Every pair is one chain of fused multiply-adds over the lanes, then a fixed halving reduction,
+ * so a pair's value is the same bits whichever block computes it and in either order (`a . b`
+ * and `b . a`): NN-descent's duplicate test relies on it. The blocks only share the loads: a
+ * 4 x 4 block (AVX-512) loads each chunk of its eight rows once for sixteen products, where one
+ * product at a time loads two chunks per multiply-add and, on rows in the L2, waits for them.
+ */
+using dot_block_fn = void (*)(float const* const*, std::uint32_t, float const* const*,
+                              std::uint32_t, std::int64_t, float*, std::size_t) noexcept;
+
+/// @brief The portable block: one chain per pair, in element order.
+inline void dot_block_portable(float const* const* a, std::uint32_t na, float const* const* b,
+                               std::uint32_t nb, std::int64_t n, float* out,
+                               std::size_t ld) noexcept
+{
+  for (std::uint32_t i = 0; i < na; ++i) {
+    for (std::uint32_t j = 0; j < nb; ++j) {
+      out[i * ld + j] = fast_partial_sum<float, false>(a[i], b[j], n);
+    }
+  }
+}
+
+#if INFERSCALE_HOST_X86_SIMD
+
+/// @brief The AVX2 block: `A` x `B` chains of eight lanes, then fast_hsum8 each.
+template <int A, int B>
+INFERSCALE_TARGET_AVX2 INFERSCALE_FORCEINLINE void dot_tile8(float const* const* a,
+                                                            float const* const* b,
+                                                            std::int64_t n, float* out,
+                                                            std::size_t ld) noexcept
+{
+  __m256 acc[A][B];
+  for (int r = 0; r < A; ++r) {
+    for (int c = 0; c < B; ++c) {
+      acc[r][c] = _mm256_setzero_ps();
+    }
+  }
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 va[A];
+    for (int r = 0; r < A; ++r) {
+      va[r] = _mm256_loadu_ps(a[r] + i);
+    }
+    for (int c = 0; c < B; ++c) {
+      __m256 const vb = _mm256_loadu_ps(b[c] + i);
+      for (int r = 0; r < A; ++r) {
+        acc[r][c] = _mm256_fmadd_ps(va[r], vb, acc[r][c]);
+      }
+    }
+  }
+  if (i < n) {  // the tail as one more step on zero-filled lanes
+    alignas(32) std::int32_t lanes[8];
+    for (int l = 0; l < 8; ++l) {
+      lanes[l] = i + l < n ? -1 : 0;
+    }
+    __m256i const mask = _mm256_load_si256(reinterpret_cast<__m256i const*>(lanes));
+    __m256 va[A];
+    for (int r = 0; r < A; ++r) {
+      va[r] = _mm256_maskload_ps(a[r] + i, mask);
+    }
+    for (int c = 0; c < B; ++c) {
+      __m256 const vb = _mm256_maskload_ps(b[c] + i, mask);
+      for (int r = 0; r < A; ++r) {
+        acc[r][c] = _mm256_fmadd_ps(va[r], vb, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < A; ++r) {
+    for (int c = 0; c < B; ++c) {
+      out[static_cast<std::size_t>(r) * ld + static_cast<std::size_t>(c)] = fast_hsum8(acc[r][c]);
+    }
+  }
+}
+
+/// @brief dot_block_fn for AVX2 + FMA: 2 x 4 blocks (eight accumulators of the sixteen
+/// registers), the edges in smaller ones.
+INFERSCALE_TARGET_AVX2 inline void dot_block_avx2(float const* const* a, std::uint32_t na,
+                                                  float const* const* b, std::uint32_t nb,
+                                                  std::int64_t n, float* out,
+                                                  std::size_t ld) noexcept
+{
+  std::uint32_t i = 0;
+  for (; i + 2 <= na; i += 2) {
+    std::uint32_t j = 0;
+    for (; j + 4 <= nb; j += 4) {
+      dot_tile8<2, 4>(a + i, b + j, n, out + i * ld + j, ld);
+    }
+    for (; j < nb; ++j) {
+      dot_tile8<2, 1>(a + i, b + j, n, out + i * ld + j, ld);
+    }
+  }
+  for (; i < na; ++i) {
+    std::uint32_t j = 0;
+    for (; j + 4 <= nb; j += 4) {
+      dot_tile8<1, 4>(a + i, b + j, n, out + i * ld + j, ld);
+    }
+    for (; j < nb; ++j) {
+      dot_tile8<1, 1>(a + i, b + j, n, out + i * ld + j, ld);
+    }
+  }
+}
+
+/// @brief The sum of sixteen lanes by halving: eight pairs (l, l + 8), then as fast_hsum8.
+INFERSCALE_TARGET_AVX512 INFERSCALE_FORCEINLINE float halving_sum16(__m512 v) noexcept
+{
+  __m256 const lo = _mm512_castps512_ps256(v);
+  __m256 const hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return fast_hsum8(_mm256_add_ps(lo, hi));
+}
+
+/// @brief The AVX-512 block: `A` x `B` chains of sixteen lanes, then halving_sum16 each.
+template <int A, int B>
+INFERSCALE_TARGET_AVX512 INFERSCALE_FORCEINLINE void dot_tile16(float const* const* a,
+                                                               float const* const* b,
+                                                               std::int64_t n, float* out,
+                                                               std::size_t ld) noexcept
+{
+  __m512 acc[A][B];
+  for (int r = 0; r < A; ++r) {
+    for (int c = 0; c < B; ++c) {
+      acc[r][c] = _mm512_setzero_ps();
+    }
+  }
+  std::int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 va[A];
+    for (int r = 0; r < A; ++r) {
+      va[r] = _mm512_loadu_ps(a[r] + i);
+    }
+    for (int c = 0; c < B; ++c) {
+      __m512 const vb = _mm512_loadu_ps(b[c] + i);
+      for (int r = 0; r < A; ++r) {
+        acc[r][c] = _mm512_fmadd_ps(va[r], vb, acc[r][c]);
+      }
+    }
+  }
+  if (i < n) {  // the tail as one more step on zero-filled lanes
+    auto const mask = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    __m512 va[A];
+    for (int r = 0; r < A; ++r) {
+      va[r] = _mm512_maskz_loadu_ps(mask, a[r] + i);
+    }
+    for (int c = 0; c < B; ++c) {
+      __m512 const vb = _mm512_maskz_loadu_ps(mask, b[c] + i);
+      for (int r = 0; r < A; ++r) {
+        acc[r][c] = _mm512_fmadd_ps(va[r], vb, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < A; ++r) {
+    for (int c = 0; c < B; ++c) {
+      out[static_cast<std::size_t>(r) * ld + static_cast<std::size_t>(c)] =
+        halving_sum16(acc[r][c]);
+    }
+  }
+}
+
+/// @brief dot_block_fn for AVX-512F: 4 x 4 blocks (sixteen accumulators of the 32 registers),
+/// the edges in smaller ones.
+INFERSCALE_TARGET_AVX512 inline void dot_block_avx512(float const* const* a, std::uint32_t na,
+                                                      float const* const* b, std::uint32_t nb,
+                                                      std::int64_t n, float* out,
+                                                      std::size_t ld) noexcept
+{
+  std::uint32_t i = 0;
+  for (; i + 4 <= na; i += 4) {
+    std::uint32_t j = 0;
+    for (; j + 4 <= nb; j += 4) {
+      dot_tile16<4, 4>(a + i, b + j, n, out + i * ld + j, ld);
+    }
+    for (; j < nb; ++j) {
+      dot_tile16<4, 1>(a + i, b + j, n, out + i * ld + j, ld);
+    }
+  }
+  for (; i < na; ++i) {
+    std::uint32_t j = 0;
+    for (; j + 4 <= nb; j += 4) {
+      dot_tile16<1, 4>(a + i, b + j, n, out + i * ld + j, ld);
+    }
+    for (; j < nb; ++j) {
+      dot_tile16<1, 1>(a + i, b + j, n, out + i * ld + j, ld);
+    }
+  }
+}
+
+#endif  // INFERSCALE_HOST_X86_SIMD
+
+/// @brief The block dot product for the widest instruction set in use.
+inline dot_block_fn dot_block_for() noexcept
+{
+#if INFERSCALE_HOST_X86_SIMD
+  switch (active_host_simd()) {
+    case host_simd::avx512: return &dot_block_avx512;
+    case host_simd::avx2: return &dot_block_avx2;
+    case host_simd::scalar: break;
+  }
+#endif
+  return &dot_block_portable;
+}
+
 /// @brief Asks the CPU to fetch the first `bytes` of a row into the caches (one hint per line).
 inline void prefetch_row(void const* row, std::size_t bytes) noexcept
 {

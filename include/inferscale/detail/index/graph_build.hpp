@@ -237,11 +237,16 @@ struct nn_descent_report {
  *
  * Deterministic for a given seed: single-threaded, and every random choice (initial neighbours,
  * sample priorities) is `splitmix64` of the seed, the iteration and the node ids. Distances are
- * the host's fast fp32 dot products (`fast_distance_for`: AVX-512 or AVX2 with FMA where the CPU
+ * the host's block fp32 dot products (`dot_block_for`: AVX-512 or AVX2 with FMA where the CPU
  * has them, so two CPUs of different instruction sets may order a near-tie differently and build
  * slightly different graphs; one CPU always builds the same one), squared L2 as
- * `|a|^2 + |b|^2 - 2 a.b` (only the ranking matters). Measured (30k x 384, one thread): the
- * AVX-512 fused product took the build from 10.75 to 9.58 CPU seconds over the AVX2 `dot16`.
+ * `|a|^2 + |b|^2 - 2 a.b` (only the ranking matters). Each node's local join computes its dot
+ * products first, in blocks of 4 x 4 rows (AVX-512), then makes the offers in the pair order.
+ *
+ * Measured on a 30k x 384 mixture, one thread, the whole `graph_index::add` (2026-12-01): 11.0
+ * CPU seconds with one product at a time and a scan from the list's end for the insertion point;
+ * 9.0 with the block products; 7.0 with the membership test before the binary search (most
+ * offers that pass the list's bound in the late iterations are of nodes already listed).
  *
  * @pre `k <= n - 1` (`degrees_for` guarantees it)
  */
@@ -263,24 +268,30 @@ nn_descent_report nn_descent_knn_host(T const* rows,
   }
   bool const l2 = metric == distance_metric::squared_l2;
   std::vector<float> norm2(l2 ? nz : 0);
-  // the host's fast inner product (AVX-512 or AVX2 with FMA): symmetric, since each lane's
-  // fused a * b + acc is b * a + acc, so dot(a, b) and dot(b, a) are the same bits
-  auto const neg_dot = fast_distance_for<float>(distance_metric::inner_product);
+  // the host's block dot products (AVX-512 or AVX2 with FMA): one chain per pair, so dot(a, b)
+  // is the same bits in any block and in either order (each lane's fused a * b + acc is
+  // b * a + acc)
+  dot_block_fn const dot_block = dot_block_for();
+  auto row = [&](std::uint32_t a) {
+    return data.data() + std::size_t{a} * static_cast<std::size_t>(row_elements);
+  };
   auto dot = [&](std::uint32_t a, std::uint32_t b) {
-    return -neg_dot(data.data() + std::size_t{a} * static_cast<std::size_t>(row_elements),
-                    data.data() + std::size_t{b} * static_cast<std::size_t>(row_elements),
-                    row_elements);
+    float const* const pa = row(a);
+    float const* const pb = row(b);
+    float d;
+    dot_block(&pa, 1, &pb, 1, row_elements, &d, 1);
+    return d;
   };
   if (l2) {
     for (std::uint32_t v = 0; v < n; ++v) {
       norm2[v] = dot(v, v);
     }
   }
-  auto distance = [&](std::uint32_t a, std::uint32_t b) {
+  auto from_dot = [&](std::uint32_t a, std::uint32_t b, float d) {
     ++report.distances;
-    float const d = dot(a, b);
     return l2 ? norm2[a] + norm2[b] - 2.0f * d : -d;
   };
+  auto distance = [&](std::uint32_t a, std::uint32_t b) { return from_dot(a, b, dot(a, b)); };
 
   // neighbour lists: k (distance, id) sorted ascending, and a "new" flag per entry
   std::size_t const kz = k;
@@ -299,19 +310,25 @@ nn_descent_report nn_descent_knn_host(T const* rows,
     std::uint32_t* iu  = ids.data() + std::size_t{u} * kz;
     std::uint8_t* fu   = fresh.data() + std::size_t{u} * kz;
     if (!less(d, x, du[kz - 1], iu[kz - 1])) { return false; }
-    // where (d, x) goes; x already listed would sit just before it with the very same distance
-    // (dot(a, b) and dot(b, a) are the same fused operations, so the same bits), so that one
-    // comparison is the whole duplicate test
-    std::size_t p = kz - 1;
-    while (p > 0 && less(d, x, du[p - 1], iu[p - 1])) {
-      --p;
+    // Most offers that pass the bound in the late iterations are of listed nodes: test
+    // membership first, over all k ids at once (no dependent loads; the compiler vectorises it)
+    unsigned listed = 0;
+    for (std::size_t i = 0; i < kz; ++i) {
+      listed |= static_cast<unsigned>(iu[i] == x);
     }
-    if (p > 0 && iu[p - 1] == x) { return false; }
-    for (std::size_t i = kz - 1; i > p; --i) {
-      du[i] = du[i - 1];
-      iu[i] = iu[i - 1];
-      fu[i] = fu[i - 1];
+    if (listed != 0) { return false; }
+    // where (d, x) goes: the first entry it is less than (binary search)
+    std::size_t p = 0, len = kz - 1;  // (d, x) is less than the last entry: p <= kz - 1
+    while (len > 0) {
+      std::size_t const step = len / 2;
+      bool const right       = !less(d, x, du[p + step], iu[p + step]);
+      p                      = right ? p + step + 1 : p;
+      len                    = right ? len - step - 1 : step;
     }
+    std::size_t const moved = kz - 1 - p;
+    std::memmove(du + p + 1, du + p, moved * sizeof(float));
+    std::memmove(iu + p + 1, iu + p, moved * sizeof(std::uint32_t));
+    std::memmove(fu + p + 1, fu + p, moved * sizeof(std::uint8_t));
     du[p]    = d;
     iu[p]    = x;
     fu[p]    = 1;
@@ -395,6 +412,8 @@ nn_descent_report nn_descent_knn_host(T const* rows,
     cv[i] = x;
   };
 
+  std::vector<float const*> join_rows(2 * cz);
+  std::vector<float> dots(cz * 2 * cz);
   double const stop = static_cast<double>(knobs.delta) * static_cast<double>(n) * k;
   for (std::uint32_t it = 0; it < knobs.max_iterations; ++it) {
     std::fill(new_count.begin(), new_count.end(), 0u);
@@ -431,18 +450,34 @@ nn_descent_report nn_descent_knn_host(T const* rows,
       std::uint32_t const* nv = new_ids.data() + std::size_t{v} * cz;
       std::uint32_t const* ov = old_ids.data() + std::size_t{v} * cz;
       std::uint32_t const nn = new_count[v], no = old_count[v];
+      if (nn == 0) { continue; }
+      // the join's dot products first, in blocks: row a of `dots` holds new[a] against
+      // (new, old), filled from column a on (four rows at a time share a start)
+      std::uint32_t const width = nn + no;
       for (std::uint32_t a = 0; a < nn; ++a) {
-        std::uint32_t const x = nv[a];
+        join_rows[a] = row(nv[a]);
+      }
+      for (std::uint32_t b = 0; b < no; ++b) {
+        join_rows[nn + b] = row(ov[b]);
+      }
+      for (std::uint32_t a0 = 0; a0 < nn; a0 += 4) {
+        std::uint32_t const rows_here = std::min<std::uint32_t>(4, nn - a0);
+        dot_block(join_rows.data() + a0, rows_here, join_rows.data() + a0, width - a0,
+                  row_elements, dots.data() + std::size_t{a0} * width + a0, width);
+      }
+      for (std::uint32_t a = 0; a < nn; ++a) {
+        std::uint32_t const x   = nv[a];
+        float const* const dota = dots.data() + std::size_t{a} * width;
         for (std::uint32_t b = a + 1; b < nn; ++b) {
           std::uint32_t const y = nv[b];
-          float const d         = distance(x, y);
+          float const d         = from_dot(x, y, dota[b]);
           updates += offer(x, y, d);
           updates += offer(y, x, d);
         }
         for (std::uint32_t b = 0; b < no; ++b) {
           std::uint32_t const y = ov[b];
           if (y == x) { continue; }
-          float const d = distance(x, y);
+          float const d = from_dot(x, y, dota[nn + b]);
           updates += offer(x, y, d);
           updates += offer(y, x, d);
         }

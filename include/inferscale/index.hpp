@@ -84,12 +84,13 @@ inline char const* to_string(knn_build b) noexcept
 
 /**
  * @brief Under `knn_build::automatic`, namespaces of at most this many rows get the exact kNN
- * graph. Measured (single-threaded NN-descent vs the exact kNN on both cores, CPU seconds, 384-d
- * Gaussian mixture, k 64): 5,000 rows 1.51 vs 0.78, 10,000 rows 2.61 vs 2.98, 20,000 rows 7.0
- * vs 12.2 (bench/results/2026-12-01-index-build-host.md); so exact below the crossover, where it
- * is also the best graph.
+ * graph. Measured on 2026-12-01 (the whole `graph_index::add`, CPU seconds, NN-descent on one
+ * thread with the block dot products, the exact kNN on both cores, Gaussian mixture, k 64), exact
+ * / NN-descent: 3,000 rows 0.43 / 0.48 (384-d) and 0.74 / 0.68 (768-d); 5,000 rows 0.99 / 0.89
+ * and 2.12 / 1.26; 10,000 rows 3.98 / 1.91 and 8.18 / 2.73. So exact up to 4,000 rows, where it
+ * costs about the same and is also the best graph.
  */
-inline constexpr std::uint32_t exact_knn_max_rows = 10000;
+inline constexpr std::uint32_t exact_knn_max_rows = 4000;
 
 /**
  * @brief The automatic compaction's allowance for small indexes: the arena may always hold this

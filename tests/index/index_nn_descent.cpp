@@ -207,10 +207,10 @@ TEST_CASE("index nn_descent: the automatic switch is exact up to exact_knn_max_r
   SECTION("uses_nn_descent by mode and size")
   {
     graph_index automatic(cfg);
-    CHECK(exact_knn_max_rows == 10000);
+    CHECK(exact_knn_max_rows == 4000);
     CHECK_FALSE(automatic.uses_nn_descent(2));
-    CHECK_FALSE(automatic.uses_nn_descent(10000));
-    CHECK(automatic.uses_nn_descent(10001));
+    CHECK_FALSE(automatic.uses_nn_descent(4000));
+    CHECK(automatic.uses_nn_descent(4001));
     cfg.host_knn = knn_build::exact;
     CHECK_FALSE(graph_index(cfg).uses_nn_descent(1000000));
     cfg.host_knn = knn_build::nn_descent;

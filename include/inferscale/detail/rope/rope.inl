@@ -480,6 +480,39 @@ void rope_rotate_halves_contiguous(T* head, std::int32_t rotary_dim, rope_cos_si
 }
 }  // namespace detail
 
+namespace detail {
+/// @brief cos/sin rows for the host's vector rotation straight from a source that holds them:
+/// none for resolved parameters (computed per pair).
+inline bool rope_table_row(rope_params const&, std::int64_t, rope_op, float*, float*,
+                           float const**, float const**) noexcept
+{
+  return false;
+}
+/// @brief For a forward rotation from an engine table: an fp32 table's own row (`[cos | sin]`),
+/// a 16-bit table's row widened into `cos`/`sin`; the same values rope_angle_cos_sin reads.
+/// Inverse and shift rotations normalise per pair (false).
+template <class U>
+bool rope_table_row(rope_cos_sin_table<U> const& table, std::int64_t position, rope_op op,
+                    float* cos, float* sin, float const** cos_row, float const** sin_row) noexcept
+{
+  if (op != rope_op::forward) { return false; }
+  U const* const row       = table.data + position * table.row_stride;
+  std::int32_t const pairs = table.num_pairs();
+  if constexpr (std::is_same_v<U, float>) {
+    *cos_row = row;
+    *sin_row = row + pairs;
+  } else {
+    for (std::int32_t p = 0; p < pairs; ++p) {
+      cos[p] = to_float(row[p]);
+      sin[p] = to_float(row[pairs + p]);
+    }
+    *cos_row = cos;
+    *sin_row = sin;
+  }
+  return true;
+}
+}  // namespace detail
+
 template <class T, class Rotation>
 void rope_apply_host(token_head_view<T> x,
                      std::int64_t const* positions,
@@ -508,29 +541,31 @@ void rope_apply_host(token_head_view<T> x,
   std::vector<float> sin_values(vector ? static_cast<std::size_t>(pairs) : 0);
 #endif
   for (std::int64_t t = 0; t < x.extent(0); ++t) {
-    for (std::int32_t pair = 0; pair < pairs; ++pair) {
-      rope_cos_sin cs = rope_angle_cos_sin(rotation, positions[t], pair, op);
-      if (round_each) {  // vLLM rounds the table to the key dtype once: do it once per token too
-        cs.cos = to_float(from_float<T>(cs.cos));
-        cs.sin = to_float(from_float<T>(cs.sin));
-      }
-      cos_sin[static_cast<std::size_t>(pair)] = cs;
-    }
 #if INFERSCALE_HOST_X86_SIMD
     if (vector) {
-      for (std::int32_t pair = 0; pair < pairs; ++pair) {
-        cos_values[static_cast<std::size_t>(pair)] = cos_sin[static_cast<std::size_t>(pair)].cos;
-        sin_values[static_cast<std::size_t>(pair)] = cos_sin[static_cast<std::size_t>(pair)].sin;
+      // A forward rotation from an engine table reads the row itself (an fp32 table in place):
+      // cos/sin were computed once per position when the table was made. Otherwise, per pair.
+      float const* cos_row = cos_values.data();
+      float const* sin_row = sin_values.data();
+      if (!detail::rope_table_row(
+            rotation, positions[t], op, cos_values.data(), sin_values.data(), &cos_row, &sin_row)) {
+        for (std::int32_t pair = 0; pair < pairs; ++pair) {
+          rope_cos_sin const cs = rope_angle_cos_sin(rotation, positions[t], pair, op);
+          cos_values[static_cast<std::size_t>(pair)] = cs.cos;
+          sin_values[static_cast<std::size_t>(pair)] = cs.sin;
+        }
       }
+      // (with round_each, the vector rotation rounds cos and sin to T itself, as the scalar
+      // loop below does once per token)
       T* const token = x.data_handle() + t * x.stride(0);
       using detail::simd::rotate_mode;
       auto const run = [&](auto mode) {
         if (level == detail::host_simd::avx512) {
           detail::simd512::rotate_token_halves<decltype(mode)::value, T>(
-            token, x.extent(1), x.stride(1), pairs, cos_values.data(), sin_values.data());
+            token, x.extent(1), x.stride(1), pairs, cos_row, sin_row);
         } else {
           detail::simd::rotate_token_halves<decltype(mode)::value, T>(
-            token, x.extent(1), x.stride(1), pairs, cos_values.data(), sin_values.data());
+            token, x.extent(1), x.stride(1), pairs, cos_row, sin_row);
         }
       };
       if (fused) {
@@ -543,6 +578,14 @@ void rope_apply_host(token_head_view<T> x,
       continue;
     }
 #endif
+    for (std::int32_t pair = 0; pair < pairs; ++pair) {
+      rope_cos_sin cs = rope_angle_cos_sin(rotation, positions[t], pair, op);
+      if (round_each) {  // vLLM rounds the table to the key dtype once: do it once per token too
+        cs.cos = to_float(from_float<T>(cs.cos));
+        cs.sin = to_float(from_float<T>(cs.sin));
+      }
+      cos_sin[static_cast<std::size_t>(pair)] = cs;
+    }
     for (std::int64_t h = 0; h < x.extent(1); ++h) {
       T* const head = x.data_handle() + t * x.stride(0) + h * x.stride(1);
       if (fused) {

@@ -19,7 +19,7 @@
  *  sums, the ties' order by row).
  *
  * Indexes: the fact index with the index_config defaults (graph degree 32, intermediate 64,
- * kNN exact up to 10,000 rows, NN-descent above), searched with the defaults but `itopk_size`
+ * kNN exact up to 4,000 rows, NN-descent above), searched with the defaults but `itopk_size`
  * (the host's fast mode: best-first from the entry points; `ef` below); hnswlib 0.6.2 (Debian's
  * libhnswlib-dev) with M 16, efConstruction 200, built on every hardware thread. hnswlib's
  * translation unit is compiled with -march=native where the compiler accepts it, so it uses its
@@ -37,6 +37,10 @@
  *    data set: `graph_build_s` / `hnswlib_build_s` (wall) and `graph_build_cpu_s` /
  *    `hnswlib_build_cpu_s` (CPU seconds of the process, all threads; `std::clock`),
  *    `build_cpu_vs_hnswlib` = graph CPU seconds / hnswlib CPU seconds (< 1: the graph is cheaper).
+ *  - index_host/equal_recall/data:mixture/dim:d/N:100000/rows:fp16/target:T: the same, with the
+ *    fact index storing its rows in fp16 (`index_config::vector_dtype`; half the bytes per
+ *    distance, half the memory), built and searched on them; hnswlib, the queries and the truth
+ *    are the fp32 set's (hnswlib stores fp32). `hnswlib_build_*` repeat the fp32 set's build.
  *  - index_host/defaults/data:D/dim:d[/N:n]: `search_params{}` as a user leaves it (automatic
  *    algorithm, automatic list size: the namespace's calibrated `host_default_ef`): `recall`,
  *    `us_per_query`, `default_ef`, beside the cheapest grid ef that reached 0.99 in the sweep
@@ -277,7 +281,7 @@ float cosine(float const* a, float const* b, std::int64_t dim)
 struct prepared {
   vectors data;
   std::unique_ptr<is::graph_index> index;
-  std::unique_ptr<ib::hnsw_baseline> hnsw;
+  std::shared_ptr<ib::hnsw_baseline> hnsw;  ///< shared by the fp32- and fp16-row sets of a data set
   std::vector<std::uint64_t> truth;  ///< [num_queries][top_k] row ids
   double graph_build_s{0.0}, hnsw_build_s{0.0};          ///< wall seconds
   double graph_build_cpu_s{0.0}, hnsw_build_cpu_s{0.0};  ///< CPU seconds, all threads
@@ -344,27 +348,40 @@ void hnsw_queries(prepared const& c, std::uint64_t* ids, float* dist)
   }
 }
 
-prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n)
+prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
+                  is::dtype rows = is::dtype::float32)
 {
   static std::map<std::string, std::unique_ptr<prepared>> all;
-  std::string const key = name + "/" + std::to_string(dim) + "/" + std::to_string(n);
+  std::string const key = name + "/" + std::to_string(dim) + "/" + std::to_string(n) +
+                          (rows == is::dtype::float16 ? "/fp16" : "");
   auto& slot            = all[key];
   if (slot) { return *slot; }
   auto c = std::make_unique<prepared>();
+  if (rows == is::dtype::float16) {
+    // the same data, queries, truth and hnswlib index as the fp32 set; only the graph differs
+    prepared const& base = prepare(name, dim, n);
+    c->data              = base.data;
+    c->truth             = base.truth;
+    c->hnsw              = base.hnsw;
+    c->hnsw_build_s      = base.hnsw_build_s;
+    c->hnsw_build_cpu_s  = base.hnsw_build_cpu_s;
+  } else {
 #if INFERSCALE_BENCH_LOCOMO
-  c->data = name == "locomo_minilm" ? locomo_minilm() : mixture(dim, n);
+    c->data = name == "locomo_minilm" ? locomo_minilm() : mixture(dim, n);
 #else
-  if (name == "locomo_minilm") {
-    throw std::runtime_error("locomo_minilm needs the reference engine (llama.cpp + MiniLM): "
-                             "configure with it (.ci/engine) to build this case");
-  }
-  c->data = mixture(dim, n);
+    if (name == "locomo_minilm") {
+      throw std::runtime_error("locomo_minilm needs the reference engine (llama.cpp + MiniLM): "
+                               "configure with it (.ci/engine) to build this case");
+    }
+    c->data = mixture(dim, n);
 #endif
+  }
   vectors const& v = c->data;
   std::vector<std::uint64_t> ids(static_cast<std::size_t>(v.n()));
   std::iota(ids.begin(), ids.end(), std::uint64_t{0});
   is::index_config config;
-  config.dim = v.dim;
+  config.dim          = v.dim;
+  config.vector_dtype = rows;
   c->index   = std::make_unique<is::graph_index>(config);
   auto t0    = clock_type::now();
   std::clock_t cpu0 = std::clock();
@@ -372,18 +389,20 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n)
                 cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
   c->graph_build_s     = seconds_since(t0);
   c->graph_build_cpu_s = static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC;
-  t0                   = clock_type::now();
-  cpu0                 = std::clock();
-  c->hnsw = std::make_unique<ib::hnsw_baseline>(v.dim, v.n(), hnsw_m, hnsw_ef_construction);
-  c->hnsw->add(v.row(0), 0);
-  on_all_threads(v.n() - 1, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t r = begin + 1; r < end + 1; ++r) {
-      c->hnsw->add(v.row(r), static_cast<std::uint64_t>(r));
-    }
-  });
-  c->hnsw_build_s     = seconds_since(t0);
-  c->hnsw_build_cpu_s = static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC;
-  c->truth        = brute_force(v);
+  if (rows == is::dtype::float32) {
+    t0      = clock_type::now();
+    cpu0    = std::clock();
+    c->hnsw = std::make_shared<ib::hnsw_baseline>(v.dim, v.n(), hnsw_m, hnsw_ef_construction);
+    c->hnsw->add(v.row(0), 0);
+    on_all_threads(v.n() - 1, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t r = begin + 1; r < end + 1; ++r) {
+        c->hnsw->add(v.row(r), static_cast<std::uint64_t>(r));
+      }
+    });
+    c->hnsw_build_s     = seconds_since(t0);
+    c->hnsw_build_cpu_s = static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC;
+    c->truth            = brute_force(v);
+  }
 
   // the sweep: recall of every ef of the grid on both sides (untimed), smallest per target
   std::vector<std::uint64_t> got(static_cast<std::size_t>(num_queries * top_k));
@@ -417,10 +436,10 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n)
 
 /// @brief `prepare`, or the case skipped with the reason (a missing data set or model).
 prepared* prepare_or_skip(benchmark::State& state, std::string const& name, std::int64_t dim,
-                          std::int64_t n)
+                          std::int64_t n, is::dtype rows = is::dtype::float32)
 {
   try {
-    return &prepare(name, dim, n);
+    return &prepare(name, dim, n, rows);
   } catch (std::exception const& e) {
     state.SkipWithError(e.what());
     return nullptr;
@@ -428,9 +447,9 @@ prepared* prepare_or_skip(benchmark::State& state, std::string const& name, std:
 }
 
 void equal_recall(benchmark::State& state, std::string const& name, std::int64_t dim,
-                  std::int64_t n, int target)
+                  std::int64_t n, int target, is::dtype rows)
 {
-  prepared* c = prepare_or_skip(state, name, dim, n);
+  prepared* c = prepare_or_skip(state, name, dim, n, rows);
   if (c == nullptr) { return; }
   if (!c->graph_ef.count(target) || !c->hnsw_ef.count(target)) {
     state.SkipWithError("a side never reached the target recall on the ef grid (see the sweep)");
@@ -469,7 +488,8 @@ void equal_recall(benchmark::State& state, std::string const& name, std::int64_t
   state.counters["graph_build_cpu_s"]    = c->graph_build_cpu_s;
   state.counters["hnswlib_build_cpu_s"]  = c->hnsw_build_cpu_s;
   state.counters["build_cpu_vs_hnswlib"] = c->graph_build_cpu_s / c->hnsw_build_cpu_s;
-  state.SetLabel(name + ", batch 1, one thread; hnswlib M16 efC200 (-march=native)");
+  state.SetLabel(name + (rows == is::dtype::float16 ? ", graph rows fp16" : "") +
+                 ", batch 1, one thread; hnswlib M16 efC200 (-march=native, fp32)");
 }
 
 /// @brief The default search_params (automatic algorithm, automatic list size) beside the
@@ -614,17 +634,23 @@ void register_all()
   std::vector<set> const sets{{"mixture", 384, 10000},  {"mixture", 384, 100000},
                               {"mixture", 768, 10000},  {"mixture", 768, 100000},
                               {"locomo_minilm", 384, -1}};
-  for (auto const& s : sets) {
-    std::string const base = "index_host/equal_recall/data:" + s.name + "/dim:" +
-                             std::to_string(s.dim) + (s.n < 0 ? "" : "/N:" + std::to_string(s.n));
-    for (int target : {95, 98, 99}) {
-      benchmark::RegisterBenchmark((base + "/target:" + std::to_string(target)).c_str(),
-                                   [s, target](benchmark::State& st) {
-                                     equal_recall(st, s.name, s.dim, s.n, target);
-                                   })
-        ->Unit(benchmark::kMillisecond)
-        ->UseRealTime()
-        ->MinTime(0.5);
+  // fp32 rows on every set; fp16 rows (half the bytes per distance, the graph built and searched
+  // on them) on the 100,000-row sets, against the same fp32 hnswlib index and fp32 truth
+  for (is::dtype rows : {is::dtype::float32, is::dtype::float16}) {
+    for (auto const& s : sets) {
+      if (rows == is::dtype::float16 && s.n != 100000) { continue; }
+      std::string const base = "index_host/equal_recall/data:" + s.name + "/dim:" +
+                               std::to_string(s.dim) + (s.n < 0 ? "" : "/N:" + std::to_string(s.n)) +
+                               (rows == is::dtype::float16 ? "/rows:fp16" : "");
+      for (int target : {95, 98, 99}) {
+        benchmark::RegisterBenchmark((base + "/target:" + std::to_string(target)).c_str(),
+                                     [s, target, rows](benchmark::State& st) {
+                                       equal_recall(st, s.name, s.dim, s.n, target, rows);
+                                     })
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime()
+          ->MinTime(0.5);
+      }
     }
   }
   for (auto const& s : sets) {

@@ -9,8 +9,11 @@ endif()
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)
 
-if(CMAKE_CUDA_COMPILER_VERSION VERSION_LESS 12.0)
-  message(FATAL_ERROR "InferScale needs CUDA 12 or newer, found ${CMAKE_CUDA_COMPILER_VERSION}")
+# 12.1: the injection and extraction kernels take 4.4-5.4 KB of parameters (the 4 KB limit before
+# it); include/inferscale/config.hpp refuses older nvcc versions in consumers' builds too.
+if(CMAKE_CUDA_COMPILER_VERSION VERSION_LESS 12.1)
+  message(FATAL_ERROR "InferScale needs CUDA 12.1 or newer (kernel parameters above 4 KB), found "
+                      "${CMAKE_CUDA_COMPILER_VERSION}")
 endif()
 
 # Debian's Platform/Linux.cmake switches off the lib64 search; every RAPIDS wheel keeps its CMake

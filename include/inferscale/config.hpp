@@ -43,6 +43,17 @@
 #endif
 
 /**
+ * CUDA 12.1 or newer for the device code: the injection and extraction kernels take their batch
+ * descriptors by value (4.4-5.4 KB of parameters), above the 4 KB kernel-parameter limit that
+ * CUDA 12.1 raised to 32 KB. (Clang's CUDA mode defines no __CUDACC_VER_MAJOR__ and is not
+ * checked here.)
+ */
+#if defined(__CUDACC__) && defined(__CUDACC_VER_MAJOR__) && \
+  (__CUDACC_VER_MAJOR__ < 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ < 1))
+#error "InferScale's device code needs CUDA 12.1 or newer (kernel parameters above 4 KB)"
+#endif
+
+/**
  * @brief Declares a kernel with hidden visibility, so that a header-only library can be included
  * in several shared objects without their kernels colliding (the rule cuco's CUCO_KERNEL follows).
  */

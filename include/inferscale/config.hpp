@@ -27,6 +27,36 @@
 #define INFERSCALE_IS_DEVICE_CODE 0
 #endif
 
+namespace inferscale::detail {
+/**
+ * @brief `v` unchanged, but opaque to the host compiler's optimiser: an operation that produced
+ * it cannot be fused with one that uses it. The host's "rounded once" helpers (mul_rn) pass their
+ * product through it, so a consumer's `-march=native -ffp-contract=fast` (or aarch64's default
+ * contraction) cannot turn `x*c - y*s` into an FMA and change the bits that the host reference and
+ * the device agree on. No instruction is emitted; the value stays in its register. Device code
+ * uses the __fmul_rn family instead, which nvcc never fuses.
+ */
+INFERSCALE_HOST_DEVICE inline float unfused(float v) noexcept
+{
+#if !INFERSCALE_IS_DEVICE_CODE && defined(__GNUC__) && \
+  (defined(__x86_64__) || (defined(__i386__) && defined(__SSE__)))
+  __asm__("" : "+x"(v));
+#elif !INFERSCALE_IS_DEVICE_CODE && defined(__GNUC__) && defined(__aarch64__)
+  __asm__("" : "+w"(v));
+#endif
+  return v;
+}
+INFERSCALE_HOST_DEVICE inline double unfused(double v) noexcept
+{
+#if !INFERSCALE_IS_DEVICE_CODE && defined(__GNUC__) && defined(__x86_64__)
+  __asm__("" : "+x"(v));
+#elif !INFERSCALE_IS_DEVICE_CODE && defined(__GNUC__) && defined(__aarch64__)
+  __asm__("" : "+w"(v));
+#endif
+  return v;
+}
+}  // namespace inferscale::detail
+
 /// @brief `#pragma unroll` in device code; nothing in host code (host compilers would warn).
 #if defined(__CUDA_ARCH__)
 #define INFERSCALE_UNROLL _Pragma("unroll")

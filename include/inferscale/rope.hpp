@@ -295,7 +295,7 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float mul_rn(float a, float b)
 #if INFERSCALE_IS_DEVICE_CODE
   return __fmul_rn(a, b);
 #else
-  return a * b;
+  return unfused(a * b);  // never fused with the addition it feeds, whatever the host flags
 #endif
 }
 INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float add_rn(float a, float b)

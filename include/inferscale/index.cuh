@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -48,6 +49,42 @@ namespace inferscale {
 namespace detail::index {
 
 using device_policy = index_policy_sm90;
+
+/**
+ * @brief The dynamic shared memory a search block may use on `device`: the policy's cap, or the
+ * device's opt-in limit less the kernel's static state. It depends on the device only, never on a
+ * call's batch.
+ */
+template <class Policy>
+std::size_t search_shared_limit(int device)
+{
+  int optin = 0;
+  INFERSCALE_CUDA_TRY(
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return std::min<std::size_t>(Policy::max_search_shared_bytes,
+                               static_cast<std::size_t>(optin) - sizeof(search_block_state));
+}
+
+/**
+ * @brief Raises `search_kernel<Policy, T>`'s dynamic shared memory attribute to
+ * search_shared_limit on `device`, once per device and process. Every launch needs at most that
+ * much. Setting it per call to the call's own size would let one search lower it under another's
+ * launch on another thread (searches may run concurrently).
+ */
+template <class Policy, class T>
+void prepare_search_kernel(int device)
+{
+  static std::mutex guard;
+  static std::vector<bool> done;
+  std::lock_guard<std::mutex> lock(guard);
+  auto const d = static_cast<std::size_t>(device);
+  if (d < done.size() && done[d]) { return; }
+  INFERSCALE_CUDA_TRY(cudaFuncSetAttribute(search_kernel<Policy, T>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(search_shared_limit<Policy>(device))));
+  if (done.size() <= d) { done.resize(d + 1, false); }
+  done[d] = true;
+}
 
 /// @brief Calls `f(type_tag<T>{})` for the index's vector dtype (float or half_t).
 template <class F>
@@ -616,12 +653,7 @@ inline void search(raft::resources const& res,
   // shared memory: the buffer always; the query and the hash when they fit
   int device = 0;
   INFERSCALE_CUDA_TRY(cudaGetDevice(&device));
-  int optin = 0;
-  INFERSCALE_CUDA_TRY(
-    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  std::size_t const limit = std::min<std::size_t>(
-    policy::max_search_shared_bytes,
-    static_cast<std::size_t>(optin) - sizeof(detail::index::search_block_state));
+  std::size_t const limit = detail::index::search_shared_limit<policy>(device);
   std::size_t shared            = std::size_t{entries} * sizeof(detail::index::buffer_entry);
   std::size_t const query_bytes = static_cast<std::size_t>(re) * sizeof(float);
   bool const query_in_shared =
@@ -631,7 +663,7 @@ inline void search(raft::resources const& res,
   bool const hash_in_shared =
     hash_bytes <= policy::max_shared_hash_bytes && shared + hash_bytes <= limit;
   if (hash_in_shared) { shared += hash_bytes; }
-  INFERSCALE_EXPECTS(shared <= static_cast<std::size_t>(optin),
+  INFERSCALE_EXPECTS(shared <= limit,
                      "inferscale::search: the search buffer of itopk " + std::to_string(itopk) +
                        " does not fit in shared memory");
 
@@ -680,10 +712,8 @@ inline void search(raft::resources const& res,
   auto const grid = static_cast<unsigned>(std::min<std::int64_t>(nq, std::int64_t{1} << 30));
   detail::index::dispatch_vector_dtype(ref.vector_dtype, [&](auto tag) {
     using T     = typename decltype(tag)::type;
-    auto kernel = detail::index::search_kernel<policy, T>;
-    INFERSCALE_CUDA_TRY(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-    kernel<<<grid, policy::search_threads, shared, stream>>>(p);
+    detail::index::prepare_search_kernel<policy, T>(device);
+    detail::index::search_kernel<policy, T><<<grid, policy::search_threads, shared, stream>>>(p);
     INFERSCALE_CHECK_LAUNCH();
   });
 }

@@ -402,6 +402,39 @@ TEST_CASE("index device search: teams of 16 and 32 lanes (768-d rows)", "[index]
   }
 }
 
+TEST_CASE("index device search: the kernel's shared-memory attribute is the device's fixed limit, "
+          "whatever the batch",
+          "[index][gpu]")
+{
+  // Searches may run concurrently (README): a per-call attribute sized to one call's batch could
+  // be lowered by another call between its set and its launch. It must be set once, to the limit.
+  using policy = detail::index::device_policy;
+  raft::device_resources res;
+  std::int64_t const dim = 96;
+  auto const config      = small_config(dtype::float32, distance_metric::cosine, dim);
+  auto const pair        = make_index_pair(config, {{11, 900, 900, 0}}, 13);
+  int device             = 0;
+  REQUIRE(cudaGetDevice(&device) == cudaSuccess);
+  std::size_t const limit = detail::index::search_shared_limit<policy>(device);
+  test::gaussian_mixture mixture{mixture_for(config, 13)};
+  for (std::int64_t nq : {1, 300}) {
+    for (std::uint32_t itopk : {16u, 256u}) {  // different buffers and hash tables per call
+      auto const queries = mixture.draw(nq);
+      std::vector<std::uint64_t> namespaces(static_cast<std::size_t>(nq), 11);
+      auto const d_queries = upload_queries(queries, nq, dim, dim);
+      search_params params;
+      params.algo       = search_algo::graph;
+      params.itopk_size = itopk;
+      (void)device_search(res, pair.device, d_queries, nq, dim, namespaces, 10, params);
+      cudaFuncAttributes attributes{};
+      REQUIRE(cudaFuncGetAttributes(&attributes, detail::index::search_kernel<policy, float>) ==
+              cudaSuccess);
+      CAPTURE(nq, itopk);
+      REQUIRE(static_cast<std::size_t>(attributes.maxDynamicSharedSizeBytes) == limit);
+    }
+  }
+}
+
 TEST_CASE("index device search: queries in global memory (9000-d), strided queries and outputs",
           "[index][gpu]")
 {

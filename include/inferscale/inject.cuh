@@ -55,7 +55,11 @@ class injection_workspace {
       (void)cudaFree(device_);
       INFERSCALE_CUDA_TRY(s);
     }
-    cudaError_t const e = cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming);
+    cudaError_t e = cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming);
+    if (e == cudaSuccess) {
+      e = cudaEventCreateWithFlags(&used_, cudaEventDisableTiming);
+      if (e != cudaSuccess) { (void)cudaEventDestroy(staged_); }
+    }
     if (e != cudaSuccess) {
       (void)cudaFree(device_);
       (void)cudaFreeHost(host_);
@@ -65,6 +69,7 @@ class injection_workspace {
     cudaError_t const m = z == cudaSuccess ? cudaMemset(errors_, 0, sizeof(inject_device_errors)) : z;
     if (m != cudaSuccess) {
       (void)cudaEventDestroy(staged_);
+      (void)cudaEventDestroy(used_);
       (void)cudaFree(device_);
       (void)cudaFreeHost(host_);
       if (z == cudaSuccess) { (void)cudaFree(errors_); }
@@ -75,6 +80,7 @@ class injection_workspace {
   {
     if (errors_) { (void)cudaFree(errors_); }
     if (staged_) { (void)cudaEventDestroy(staged_); }
+    if (used_) { (void)cudaEventDestroy(used_); }
     if (device_) { (void)cudaFree(device_); }
     if (host_) { (void)cudaFreeHost(host_); }
   }
@@ -84,6 +90,8 @@ class injection_workspace {
       device_{std::exchange(o.device_, nullptr)},
       host_{std::exchange(o.host_, nullptr)},
       staged_{std::exchange(o.staged_, nullptr)},
+      used_{std::exchange(o.used_, nullptr)},
+      used_recorded_{std::exchange(o.used_recorded_, false)},
       errors_{std::exchange(o.errors_, nullptr)}
   {
   }
@@ -96,6 +104,8 @@ class injection_workspace {
       std::swap(device_, tmp.device_);
       std::swap(host_, tmp.host_);
       std::swap(staged_, tmp.staged_);
+      std::swap(used_, tmp.used_);
+      std::swap(used_recorded_, tmp.used_recorded_);
       std::swap(errors_, tmp.errors_);
     }
     return *this;
@@ -109,7 +119,9 @@ class injection_workspace {
    * @brief Copies a batch's arrays to the device on `stream` (through pinned memory).
    * @throw logic_error if the batch exceeds the capacity (nothing is copied).
    * @note Waits only if the previous staging's copy has not finished yet (the pinned buffer is
-   *       reused).
+   *       reused). On the device, the copy also waits for the work marked with mark_used() (the
+   *       library's own launches mark themselves), on whatever stream it ran: a launch still
+   *       reading the previous arrays on another stream is never overwritten.
    */
   void stage(injection_batch const& batch, cuda::stream_ref stream)
   {
@@ -131,6 +143,8 @@ class injection_workspace {
                                   host_arrays.position != nullptr && host_arrays.slot != nullptr),
                        std::string{"injection_workspace: null host array"});
     INFERSCALE_CUDA_TRY(cudaEventSynchronize(staged_));
+    // the device arrays are overwritten only after the last marked reader of them (any stream)
+    if (used_recorded_) { INFERSCALE_CUDA_TRY(cudaStreamWaitEvent(stream.get(), used_, 0)); }
     std::size_t const bytes = static_cast<std::size_t>(n) * sizeof(std::int64_t);
     if (n > 0) {
       std::memcpy(host_, host_arrays.store_token, bytes);
@@ -170,6 +184,18 @@ class injection_workspace {
     return out;
   }
 
+  /**
+   * @brief Marks the work enqueued so far on `stream` as reading the staged arrays: the next
+   * stage(), on any stream, waits for it on the device before overwriting them. inject_async
+   * and inject_tiered_async call it after their launches; a caller that launches its own kernels
+   * on view() calls it after them. Never waits.
+   */
+  void mark_used(cuda::stream_ref stream)
+  {
+    INFERSCALE_CUDA_TRY(cudaEventRecord(used_, stream.get()));
+    used_recorded_ = true;
+  }
+
   /// @brief The staged arrays (device memory), valid for kernels enqueued after stage().
   injection_batch_view view() const noexcept
   {
@@ -188,6 +214,8 @@ class injection_workspace {
   std::int64_t* device_{};
   std::int64_t* host_{};
   cudaEvent_t staged_{};
+  cudaEvent_t used_{};
+  bool used_recorded_{false};
   inject_device_errors* errors_{};
 };
 
@@ -415,6 +443,7 @@ void inject_async(kv_store const& store,
                        ", the workspace holds " + std::to_string(workspace.capacity()));
   workspace.stage(batch, stream);
   inject_async(store.ref(), workspace.view(), cache, rotation, workspace.device_errors(), stream);
+  workspace.mark_used(stream);
 }
 
 /**

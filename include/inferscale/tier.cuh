@@ -65,7 +65,10 @@ void inject_tiered_async(tiered_store& tiers,
                  cache, rotation, workspace.device_errors(), stream);
   }
   std::int64_t const staged = split.num_tokens() - split.resident;
-  if (staged == 0) { return; }
+  if (staged == 0) {
+    workspace.mark_used(stream);
+    return;
+  }
   injection_batch_view const tail{all.store_token + split.resident,
                                   all.position + split.resident,
                                   all.slot + split.resident,
@@ -76,6 +79,7 @@ void inject_tiered_async(tiered_store& tiers,
     inject_async(tier_layer_view(ref, l), tail, tier_cache_layer(cache, l), rotation,
                  l == 0 ? workspace.device_errors() : nullptr, stream);
   }
+  workspace.mark_used(stream);
 }
 
 }  // namespace inferscale

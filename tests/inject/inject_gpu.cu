@@ -574,6 +574,42 @@ TEMPLATE_TEST_CASE("a captured CUDA graph of the raw injection replays restaged 
 }
 
 namespace {
+/// Holds a stream for about `cycles` SM clock cycles (a launch that is still to come behind it).
+__global__ void hold_stream(long long cycles)
+{
+  long long const start = clock64();
+  while (clock64() - start < cycles) {}
+}
+}  // namespace
+
+TEST_CASE("staging on another stream waits for the launch still to read the previous arrays",
+          "[gpu][inject]")
+{
+  // Stream A: stage the first batch, hold, then the raw injection that reads the staged arrays
+  // (marked as their user). Stream B stages a second batch (same slots, positions + 700) while A
+  // still holds. Without the device-side wait, B's copy would land first and A would inject the
+  // second batch's positions.
+  auto const g = geometry_cases()[0];
+  scenario<bf16_to_bf16> s(engine_layout::vllm_flash_attn_nhd, g, 4096);
+  cuda_stream a, b;
+  injection_batch const first  = make_batch(s.device_store, 0);
+  injection_batch const second = make_batch(s.device_store, 700);
+  REQUIRE(second.positions() != first.positions());
+  injection_workspace workspace(first.num_tokens());
+  workspace.stage(first, cuda::stream_ref{a.get()});
+  hold_stream<<<1, 1, 0, a.get()>>>(200'000'000ll);  // about 0.1 s
+  INFERSCALE_CUDA_TRY(cudaGetLastError());
+  inject_async(s.device_store.ref(), workspace.view(), s.device_desc, s.device_rotation,
+               cuda::stream_ref{a.get()});
+  workspace.mark_used(cuda::stream_ref{a.get()});
+  workspace.stage(second, cuda::stream_ref{b.get()});
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(b.get()));
+
+  inject_host(s.host_store, make_batch(s.host_store, 0), s.host_desc, s.host_rotation);
+  REQUIRE(first_difference(s.device_bytes(a.get()), s.host_bytes()) == -1);
+}
+
+namespace {
 
 /// Raw launch over device arrays the host never checked: tokens whose slot lies outside the cache
 /// or whose position lies outside the table (beyond it, or negative) are skipped.

@@ -21,9 +21,9 @@
  *  - run_guarded: turns an exception (inferscale::cuda_error, logic_error, std::bad_alloc) into
  *    SkipWithError instead of terminating the whole executable;
  *  - INFERSCALE_BENCHMARK_MAIN(): main() that also records the GPU in the JSON context, and the
- *    host vector level in use (`host_simd`: avx512, avx2 or scalar); `INFERSCALE_BENCH_HOST_SIMD=scalar`
- *    in the environment caps the host backend to its scalar loops (the "before" of the vector
- *    paths, measured with the same binary).
+ *    host vector level in use (`host_simd`: avx512_bf16, avx512, avx2 or scalar);
+ *    `INFERSCALE_BENCH_HOST_SIMD=scalar` (or `avx2`, `avx512`) in the environment caps the host
+ *    backend to that level (the "before" of a vector path, measured with the same binary).
  *
  * Byte counting: `traffic::bytes` is what one call of the measured operation reads plus what it
  * writes. The copy ceiling copies `bytes / 2` bytes, which reads and writes `bytes` in total, so
@@ -433,10 +433,17 @@ inline int benchmark_main(int argc, char** argv)
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) { return 1; }
   char const* const simd = std::getenv("INFERSCALE_BENCH_HOST_SIMD");
-  if (simd != nullptr && std::string{simd} == "scalar") {
-    ::inferscale::detail::set_host_simd_cap(::inferscale::detail::host_simd::scalar);
+  if (simd != nullptr) {  // cap the host vector level: scalar, avx2 or avx512 (below avx512_bf16)
+    std::string const cap{simd};
+    using ::inferscale::detail::host_simd;
+    if (cap == "scalar") { ::inferscale::detail::set_host_simd_cap(host_simd::scalar); }
+    if (cap == "avx2") { ::inferscale::detail::set_host_simd_cap(host_simd::avx2); }
+    if (cap == "avx512") { ::inferscale::detail::set_host_simd_cap(host_simd::avx512); }
   }
   switch (::inferscale::detail::active_host_simd()) {
+    case ::inferscale::detail::host_simd::avx512_bf16:
+      benchmark::AddCustomContext("host_simd", "avx512_bf16");
+      break;
     case ::inferscale::detail::host_simd::avx512:
       benchmark::AddCustomContext("host_simd", "avx512");
       break;

@@ -46,6 +46,17 @@ INFERSCALE_HOST_DEVICE inline float unfused(float v) noexcept
 #endif
   return v;
 }
+/// @brief The double form of unfused (the rotary angles' sin/cos reduction and series).
+INFERSCALE_HOST_DEVICE inline double unfused(double v) noexcept
+{
+#if !INFERSCALE_IS_DEVICE_CODE && defined(__GNUC__) && \
+  (defined(__x86_64__) || (defined(__i386__) && defined(__SSE2__)))
+  __asm__("" : "+x"(v));
+#elif !INFERSCALE_IS_DEVICE_CODE && defined(__GNUC__) && defined(__aarch64__)
+  __asm__("" : "+w"(v));
+#endif
+  return v;
+}
 }  // namespace inferscale::detail
 
 /// @brief `#pragma unroll` in device code; nothing in host code (host compilers would warn).

@@ -481,10 +481,8 @@ INFERSCALE_FORCEINLINE void inject_host_typed(kv_store_ref const& store,
     if (!slot_in_cache(slot, n_slots)) { continue; }
     std::int64_t const block    = slot / bs;
     std::int32_t const in_block = static_cast<std::int32_t>(slot % bs);
-    for (std::int32_t p = 0; p < pairs; ++p) {  // once per token, shared by layers and heads
-      cos_sin[static_cast<std::size_t>(p)] =
-        rope_angle_cos_sin(rotation, batch.position[i], p, rope_op::forward);
-    }
+    // once per token, shared by layers and heads
+    detail::rope_cos_sin_row(rotation, batch.position[i], rope_op::forward, cos_sin.data());
     for (std::int32_t l = 0; l < cache.num_layers; ++l) {
       StoreT const* const krow = pool + store.row_offset(batch.store_token[i], l, 0);
       StoreT const* const vrow = pool + store.row_offset(batch.store_token[i], l, 1);
@@ -572,7 +570,8 @@ INFERSCALE_TARGET_AVX2 inline void convert_row(StoreT const* __restrict src,
 /**
  * @brief The vector form of inject_host_head for contiguous dims and the halves pairing: every
  * head of one token in one layer (keys rotated by `cos`/`sin`, one entry per pair, scaled and
- * converted; values converted).
+ * converted; values converted). With `Scaled`, `key_steps` / `value_steps` hold the layer's
+ * scaling of each head (prepared once per call; unused otherwise).
  */
 template <bool Scaled, rotate_mode Mode, class StoreT, class CacheT>
 INFERSCALE_TARGET_AVX2 void inject_token(kv_store_ref const& store,
@@ -583,12 +582,13 @@ INFERSCALE_TARGET_AVX2 void inject_token(kv_store_ref const& store,
                   std::int32_t in_block,
                   std::int32_t rotary,
                   float const* cos,
-                  float const* sin)
+                  float const* sin,
+                  scale_step const* key_steps,
+                  scale_step const* value_steps)
 {
   std::int32_t const dim  = store.head_dim;
   std::int32_t const half = rotary / 2;
   auto const* const pool  = static_cast<StoreT const*>(store.pool);
-  kv_scale_convention const convention = cache.scale_convention;
   {
     std::int32_t const l     = layer;
     StoreT const* const krow = pool + store.row_offset(store_token, l, 0);
@@ -598,8 +598,7 @@ INFERSCALE_TARGET_AVX2 void inject_token(kv_store_ref const& store,
     for (std::int32_t h = 0; h < store.num_heads; ++h) {
       StoreT const* const k = krow + static_cast<std::int64_t>(h) * dim;
       CacheT* const kdst    = kbase + cache.key_layout.offset(block, in_block, h, 0);
-      scale_step const key_scale =
-        Scaled ? scale_step{cache.scale(l, h, false), convention} : scale_step{};
+      scale_step const key_scale = Scaled ? key_steps[h] : scale_step{};
       for (std::int32_t p = 0; p < half; p += 8) {
         std::int32_t const n = half - p < 8 ? half - p : 8;
         __m256 x, y;
@@ -614,7 +613,7 @@ INFERSCALE_TARGET_AVX2 void inject_token(kv_store_ref const& store,
       convert_row<Scaled>(vrow + static_cast<std::int64_t>(h) * dim,
                           vbase + cache.value_layout.offset(block, in_block, h, 0),
                           dim,
-                          Scaled ? scale_step{cache.scale(l, h, true), convention} : scale_step{});
+                          Scaled ? value_steps[h] : scale_step{});
     }
   }
 }
@@ -657,8 +656,8 @@ INFERSCALE_TARGET_AVX512 inline void convert_row(StoreT const* __restrict src,
 
 /**
  * @brief The vector form of inject_host_head (sixteen lanes) for contiguous dims and the halves
- * pairing: every head of one token in one layer (keys rotated by `cos`/`sin`, one entry per pair, scaled and
- * converted; values converted).
+ * pairing: every head of one token in one layer (keys rotated by `cos`/`sin`, one entry per
+ * pair, scaled and converted; values converted; `key_steps` / `value_steps` as simd::inject_token).
  */
 template <bool Scaled, rotate_mode Mode, class StoreT, class CacheT>
 INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
@@ -669,12 +668,13 @@ INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
                                          std::int32_t in_block,
                                          std::int32_t rotary,
                                          float const* cos,
-                                         float const* sin)
+                                         float const* sin,
+                                         scale_step const* key_steps,
+                                         scale_step const* value_steps)
 {
   std::int32_t const dim  = store.head_dim;
   std::int32_t const half = rotary / 2;
   auto const* const pool  = static_cast<StoreT const*>(store.pool);
-  kv_scale_convention const convention = cache.scale_convention;
   {
     std::int32_t const l     = layer;
     StoreT const* const krow = pool + store.row_offset(store_token, l, 0);
@@ -684,8 +684,7 @@ INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
     for (std::int32_t h = 0; h < store.num_heads; ++h) {
       StoreT const* const k = krow + static_cast<std::int64_t>(h) * dim;
       CacheT* const kdst    = kbase + cache.key_layout.offset(block, in_block, h, 0);
-      scale_step const key_scale =
-        Scaled ? scale_step{cache.scale(l, h, false), convention} : scale_step{};
+      scale_step const key_scale = Scaled ? key_steps[h] : scale_step{};
       for (std::int32_t p = 0; p < half; p += 16) {
         std::int32_t const n = half - p < 16 ? half - p : 16;
         __m512 x, y;
@@ -700,7 +699,7 @@ INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
       simd512::convert_row<Scaled>(vrow + static_cast<std::int64_t>(h) * dim,
                           vbase + cache.value_layout.offset(block, in_block, h, 0),
                           dim,
-                          Scaled ? scale_step{cache.scale(l, h, true), convention} : scale_step{});
+                          Scaled ? value_steps[h] : scale_step{});
     }
   }
 }
@@ -734,17 +733,25 @@ void inject_host_typed_simd(kv_store_ref const& store,
   std::int32_t const bs        = cache.key_layout.block_size;
   std::vector<float> cos(static_cast<std::size_t>(chunk * pairs));
   std::vector<float> sin(static_cast<std::size_t>(chunk * pairs));
+  // The scalings of every layer and head, prepared once (keys of layer l at 2 l H, values after).
+  std::int32_t const heads = store.num_heads;
+  std::vector<simd::scale_step> steps(Scaled ? static_cast<std::size_t>(2 * cache.num_layers * heads)
+                                             : 0);
+  for (std::int32_t l = 0; Scaled && l < cache.num_layers; ++l) {
+    for (std::int32_t h = 0; h < heads; ++h) {
+      steps[static_cast<std::size_t>(2 * l * heads + h)] =
+        simd::scale_step{cache.scale(l, h, false), cache.scale_convention};
+      steps[static_cast<std::size_t>((2 * l + 1) * heads + h)] =
+        simd::scale_step{cache.scale(l, h, true), cache.scale_convention};
+    }
+  }
   for (std::int64_t first = 0; first < batch.num_tokens; first += chunk) {
     std::int64_t const last = std::min(batch.num_tokens, first + chunk);
     for (std::int64_t i = first; i < last; ++i) {
       if (!slot_in_cache(batch.slot[i], n_slots)) { continue; }
       std::size_t const row = static_cast<std::size_t>((i - first) * pairs);
-      for (std::int32_t p = 0; p < pairs; ++p) {
-        rope_cos_sin const cs =
-          rope_angle_cos_sin(rotation, batch.position[i], p, rope_op::forward);
-        cos[row + static_cast<std::size_t>(p)] = cs.cos;
-        sin[row + static_cast<std::size_t>(p)] = cs.sin;
-      }
+      detail::rope_cos_sin_row(
+        rotation, batch.position[i], rope_op::forward, cos.data() + row, sin.data() + row);
     }
     for (std::int32_t l = 0; l < cache.num_layers; ++l) {
       for (std::int64_t i = first; i < last; ++i) {
@@ -753,7 +760,7 @@ void inject_host_typed_simd(kv_store_ref const& store,
         std::size_t const row       = static_cast<std::size_t>((i - first) * pairs);
         std::int64_t const block    = slot / bs;
         std::int32_t const in_block = static_cast<std::int32_t>(slot % bs);
-        if (level == host_simd::avx512) {
+        if (uses_avx512(level)) {
           simd512::inject_token<Scaled, mode, StoreT, CacheT>(store,
                                                               batch.store_token[i],
                                                               cache,
@@ -762,7 +769,9 @@ void inject_host_typed_simd(kv_store_ref const& store,
                                                               in_block,
                                                               rotation.rotary_dim,
                                                               cos.data() + row,
-                                                              sin.data() + row);
+                                                              sin.data() + row,
+                                                              steps.data() + 2 * l * heads,
+                                                              steps.data() + (2 * l + 1) * heads);
         } else {
           simd::inject_token<Scaled, mode, StoreT, CacheT>(store,
                                                            batch.store_token[i],
@@ -772,7 +781,9 @@ void inject_host_typed_simd(kv_store_ref const& store,
                                                            in_block,
                                                            rotation.rotary_dim,
                                                            cos.data() + row,
-                                                           sin.data() + row);
+                                                           sin.data() + row,
+                                                           steps.data() + 2 * l * heads,
+                                                           steps.data() + (2 * l + 1) * heads);
         }
       }
     }
@@ -1005,10 +1016,7 @@ void extract_host_typed(paged_kv_cache const& cache,
   std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(pairs));
   for (std::int64_t i = 0; i < n; ++i) {
     std::int64_t const slot = slots[i];
-    for (std::int32_t p = 0; p < pairs; ++p) {
-      cos_sin[static_cast<std::size_t>(p)] =
-        rope_angle_cos_sin(rotation, positions[i], p, rope_op::inverse);
-    }
+    detail::rope_cos_sin_row(rotation, positions[i], rope_op::inverse, cos_sin.data());
     for (std::int32_t l = 0; l < cache.num_layers; ++l) {
       StoreT* const krow      = CheckOnly ? nullptr : pool + store.row_offset(store_tokens[i], l, 0);
       StoreT* const vrow      = CheckOnly ? nullptr : pool + store.row_offset(store_tokens[i], l, 1);

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <inferscale/config.hpp>
+#include <inferscale/detail/rope/sincos.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/views.hpp>
@@ -240,28 +241,6 @@ struct rope_cos_sin {
 
 namespace detail {
 
-INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void sincos_fp32(float angle, float* s, float* c)
-{
-#if INFERSCALE_IS_DEVICE_CODE
-  // Full-range sincosf, not the fast-math __sincosf. Above ~1e5 rad sincosf takes a slow
-  // Payne-Hanek path with a local-memory frame; the same fp32 angle in double precision costs
-  // less on an FP64-capable datacenter GPU and is as accurate.
-  if (fabsf(angle) < 1.0e5f) {
-    ::sincosf(angle, s, c);
-  } else {
-    double sd, cd;
-    ::sincos(static_cast<double>(angle), &sd, &cd);
-    *s = static_cast<float>(sd);
-    *c = static_cast<float>(cd);
-  }
-#elif defined(__GLIBC__)
-  ::sincosf(angle, s, c);  // one argument reduction for both (glibc; same results as sinf/cosf)
-#else
-  *s = std::sin(angle);
-  *c = std::cos(angle);
-#endif
-}
-
 INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void sincos_fp64(double angle, double* s, double* c)
 {
 #if INFERSCALE_IS_DEVICE_CODE
@@ -332,7 +311,7 @@ INFERSCALE_HOST_DEVICE inline rope_cos_sin rope_angle_cos_sin(rope_params const&
   float c, s;
   float const inv_freq = params.inv_freq[pair];
   if (params.angle_mode == rope_angle_mode::fp32) {
-    detail::sincos_fp32(static_cast<float>(position) * inv_freq, &s, &c);
+    detail::rope_sincos(static_cast<float>(position) * inv_freq, &s, &c);
   } else {
     double cd, sd;
     detail::sincos_fp64(static_cast<double>(position) * static_cast<double>(inv_freq), &sd, &cd);

@@ -19,7 +19,7 @@ using namespace inferscale;
 
 /// Restores the default vector level when a test ends, even by an exception.
 struct simd_cap_guard {
-  ~simd_cap_guard() { detail::set_host_simd_cap(detail::host_simd::avx512); }
+  ~simd_cap_guard() { detail::set_host_simd_cap(detail::host_simd::avx512_bf16); }
 };
 
 inline bool vector_path_available()
@@ -30,13 +30,16 @@ inline bool vector_path_available()
 }
 
 /// Runs `f(level)` with the vector level capped to scalar, then to each vector level the CPU has
-/// (avx2, then avx512 where present); returns how many levels ran.
+/// (avx2, then avx512 and avx512_bf16 where present); returns how many levels ran.
 template <class F>
 int all_paths(F&& f)
 {
   simd_cap_guard const guard;
   int runs = 0;
-  for (auto level : {detail::host_simd::scalar, detail::host_simd::avx2, detail::host_simd::avx512}) {
+  for (auto level : {detail::host_simd::scalar,
+                     detail::host_simd::avx2,
+                     detail::host_simd::avx512,
+                     detail::host_simd::avx512_bf16}) {
     if (static_cast<int>(level) > static_cast<int>(detail::detected_host_simd())) { break; }
     detail::set_host_simd_cap(level);
     REQUIRE(detail::active_host_simd() == level);

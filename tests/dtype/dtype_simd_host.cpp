@@ -233,7 +233,7 @@ std::vector<float> boundary_and_random_inputs()
   return in;
 }
 
-bool have_avx512() { return detail::detected_host_simd() == detail::host_simd::avx512; }
+bool have_avx512() { return detail::uses_avx512(detail::detected_host_simd()); }
 
 template <class T>
 void check_rounding(std::vector<float> const& inputs)

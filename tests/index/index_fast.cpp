@@ -34,7 +34,7 @@ using test::answers;
 
 /// Restores the default instruction-set cap when a test that lowered it ends (or fails).
 struct simd_cap_guard {
-  ~simd_cap_guard() { detail::set_host_simd_cap(detail::host_simd::avx512); }
+  ~simd_cap_guard() { detail::set_host_simd_cap(detail::host_simd::avx512_bf16); }
 };
 
 /// The instruction sets to check: every level up to the one this CPU has.
@@ -44,7 +44,7 @@ std::vector<detail::host_simd> levels()
   if (detail::detected_host_simd() != detail::host_simd::scalar) {
     out.push_back(detail::host_simd::avx2);
   }
-  if (detail::detected_host_simd() == detail::host_simd::avx512) {
+  if (detail::uses_avx512(detail::detected_host_simd())) {
     out.push_back(detail::host_simd::avx512);
   }
   return out;

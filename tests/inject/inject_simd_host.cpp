@@ -116,7 +116,7 @@ void check_injection(dtype store_dt,
   });
   REQUIRE(results.size() >= 2);
   for (std::size_t level = 1; level < results.size(); ++level) {
-    CAPTURE(level);  // 1: avx2, 2: avx512
+    CAPTURE(level);  // 1: avx2, 2: avx512, 3: avx512_bf16
     REQUIRE(results[level].size() == results[0].size());
     std::size_t differing = 0;
     for (std::size_t i = 0; i < results[0].size(); ++i) {
@@ -171,3 +171,72 @@ TEMPLATE_TEST_CASE("the vector host injection writes the scalar loop's bytes",
   check_injection<CacheT>(store_dt, layout, geometry.first, geometry.second, rotation, scales);
 }
 
+
+#if INFERSCALE_HOST_X86_SIMD
+namespace {
+
+/// fp8 codes of `x / scale` for sixteen inputs by the vector scaling (AVX-512 or AVX2) and encoder.
+INFERSCALE_TARGET_AVX512 void scaled_codes_avx512(float const* x,
+                                                  detail::simd::scale_step const& step,
+                                                  float* quotient,
+                                                  float8_e4m3_t* codes)
+{
+  __m512 const q = detail::simd512::apply_scale<true>(_mm512_loadu_ps(x), step);
+  _mm512_storeu_ps(quotient, q);
+  detail::simd512::store16(codes, q);
+}
+INFERSCALE_TARGET_AVX2 void scaled_codes_avx2(float const* x,
+                                              detail::simd::scale_step const& step,
+                                              float* quotient,
+                                              float8_e4m3_t* codes)
+{
+  for (int half = 0; half < 2; ++half) {
+    __m256 const q = detail::simd::apply_scale<true>(_mm256_loadu_ps(x + 8 * half), step);
+    _mm256_storeu_ps(quotient + 8 * half, q);
+    detail::simd::store8(codes + 8 * half, q);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("host injection: the vector fp8 scaling and encoding of every bf16 value",
+          "[inject][simd]")
+{
+  if (!vector_path_available()) { return; }
+  // Every bf16 value (zeros, subnormals, infinities, NaNs, the largest finite ones) divided by
+  // calibrated scales, multiplied by a power of two's reciprocal, and encoded to e4m3: the fp32
+  // quotient equals x / s bit for bit, and the fp8 code equals from_float(x / s).
+  std::vector<float> inputs;
+  for (std::uint32_t code = 0; code < 65536; ++code) {
+    inputs.push_back(detail::bits_to_float(code << 16));
+  }
+  bool const avx512 = detail::uses_avx512(detail::detected_host_simd());
+  for (float scale : {0.0537f, 0.0213f, 3.7f, 1.3e-6f, 7.1e5f, 1.0e-7f, 5.3e6f, 0.125f}) {
+    detail::simd::scale_step const step{scale, kv_scale_convention::divide};
+    CAPTURE(scale);
+    REQUIRE(step.divide == (scale != 0.125f));
+    long checked = 0;
+    for (std::size_t i = 0; i < inputs.size(); i += 16) {
+      for (int level = 0; level < (avx512 ? 2 : 1); ++level) {
+        float quotient[16];
+        float8_e4m3_t codes[16];
+        if (level == 1) {
+          scaled_codes_avx512(inputs.data() + i, step, quotient, codes);
+        } else {
+          scaled_codes_avx2(inputs.data() + i, step, quotient, codes);
+        }
+        for (int j = 0; j < 16; ++j) {
+          float const x        = inputs[i + static_cast<std::size_t>(j)];
+          float const expected = x / scale;
+          CAPTURE(x, level);
+          REQUIRE((detail::float_bits(quotient[j]) == detail::float_bits(expected) ||
+                   (std::isnan(expected) && std::isnan(quotient[j]))));
+          REQUIRE(codes[j].bits == from_float<float8_e4m3_t>(expected).bits);
+          ++checked;
+        }
+      }
+    }
+    REQUIRE(checked == (avx512 ? 2 : 1) * 65536);
+  }
+}
+#endif

@@ -425,14 +425,14 @@ TEST_CASE("the cos/sin-table path equals the computed-frequency path", "[rope]")
   float const a      = params.attention_factor;
 
   // vLLM's cos_sin_cache, fp32, built here: row p = [a cos(p inv_i) | a sin(p inv_i)], with the
-  // fp32 angle float(p) * inv_i.
+  // fp32 angle float(p) * inv_i and cos/sin rounded once to fp32 (from the long double ones).
   std::int64_t const rows = 5000;
   std::vector<float> table(static_cast<std::size_t>(rows * 96));
   for (std::int64_t p = 0; p < rows; ++p) {
     for (int i = 0; i < 48; ++i) {
       float const angle      = float(p) * params.inv_freq[i];
-      table[p * 96 + i]      = std::cos(angle) * a;
-      table[p * 96 + 48 + i] = std::sin(angle) * a;
+      table[p * 96 + i]      = static_cast<float>(cosl(angle)) * a;
+      table[p * 96 + 48 + i] = static_cast<float>(sinl(angle)) * a;
     }
   }
   rope_cos_sin_table<float> tab{table.data(), rows, 96, 128, 96, pairing, false};

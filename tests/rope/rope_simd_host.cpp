@@ -55,7 +55,7 @@ void check_rotation(int heads, int head_dim, int rotary_dim, rotation_kind rotat
   });
   REQUIRE(results.size() >= 2);
   for (std::size_t level = 1; level < results.size(); ++level) {
-    CAPTURE(level);  // 1: avx2, 2: avx512
+    CAPTURE(level);  // 1: avx2, 2: avx512, 3: avx512_bf16
     std::size_t differing = 0;
     for (std::size_t i = 0; i < results[0].size(); ++i) {
       differing += std::memcmp(&results[level][i], &results[0][i], sizeof(T)) != 0;
@@ -87,4 +87,59 @@ TEMPLATE_TEST_CASE("the vector host rotation gives the scalar loop's bits",
   CAPTURE(sizeof(T), name_of(rotation), static_cast<int>(op), geometry.first, geometry.second,
           heads, padded);
   check_rotation<T>(heads, geometry.first, geometry.second, rotation, op, padded);
+}
+
+TEST_CASE("the vector host rotation of bf16 keys with subnormals, zeros and specials",
+          "[rope][simd]")
+{
+  // The avx512_bf16 level's native rounding reads subnormal fp32 values as zero; a vector that
+  // holds one must take the integer rounding. Keys of every kind, rotated so that some results are
+  // subnormal (tiny keys) and some groups hold none, compared bit for bit with the scalar loop.
+  if (!vector_path_available()) { return; }
+  int const heads = 4, head_dim = 128;
+  std::int64_t const tokens = 16;
+  std::vector<bfloat16_t> original(static_cast<std::size_t>(tokens * heads * head_dim));
+  std::mt19937_64 rng(9);
+  std::uniform_int_distribution<std::uint32_t> pick(0, 9);
+  std::uniform_int_distribution<std::uint32_t> code(0, 0xffff);
+  for (std::size_t i = 0; i < original.size(); ++i) {
+    bool const quiet_group = (i / 16) % 3 == 0;  // every third group of 16 keys: ordinary values
+    std::uint32_t const kind = quiet_group ? 9 : pick(rng);
+    std::uint16_t bits;
+    switch (kind) {
+      case 0: bits = static_cast<std::uint16_t>(1 + code(rng) % 0x7f); break;  // subnormal
+      case 1: bits = static_cast<std::uint16_t>(0x8000 | (1 + code(rng) % 0x7f)); break;
+      case 2: bits = static_cast<std::uint16_t>(0x0080 + code(rng) % 0x100); break;  // tiny
+      case 3: bits = 0; break;
+      case 4: bits = 0x7f80; break;  // infinity
+      case 5: bits = 0x7fc1; break;  // NaN
+      case 6: bits = 0x7f7f; break;  // largest finite
+      default: bits = static_cast<std::uint16_t>(0x3f00 + code(rng) % 0x200); break;
+    }
+    original[i].bits = bits;
+  }
+  std::vector<std::int64_t> positions;
+  for (std::int64_t t = 0; t < tokens; ++t) { positions.push_back(1 + 997 * t); }
+  auto const params = make_rope_params(rope_presets::llama_3_1_8b());
+  std::vector<std::vector<bfloat16_t>> results;
+  int const levels = all_paths([&](detail::host_simd) {
+    std::vector<bfloat16_t> data = original;
+    rope_apply_host(make_token_head_view(data.data(), tokens, heads, head_dim),
+                    positions.data(),
+                    tokens,
+                    params,
+                    rope_op::forward);
+    results.push_back(std::move(data));
+  });
+  REQUIRE(levels >= 2);
+  for (std::size_t level = 1; level < results.size(); ++level) {
+    CAPTURE(level);
+    std::size_t differing = 0, subnormal_results = 0;
+    for (std::size_t i = 0; i < results[0].size(); ++i) {
+      differing += results[level][i].bits != results[0][i].bits;
+      subnormal_results += (results[0][i].bits & 0x7f80) == 0 && (results[0][i].bits & 0x7f) != 0;
+    }
+    CHECK(differing == 0);
+    CHECK(subnormal_results > 100);  // the fallback was needed
+  }
 }

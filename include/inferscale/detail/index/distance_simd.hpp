@@ -350,7 +350,8 @@ inline fast_scan_fn<T> fast_scan_for_metric() noexcept
 {
 #if INFERSCALE_HOST_X86_SIMD
   switch (active_host_simd()) {
-    case host_simd::avx512: return &fast_scan_avx512<T, M>;
+    case host_simd::avx512:
+    case host_simd::avx512_bf16: return &fast_scan_avx512<T, M>;
     case host_simd::avx2: return &fast_scan_avx2<T, M>;
     case host_simd::scalar: break;
   }
@@ -379,7 +380,8 @@ inline fast_distance_fn<T> fast_distance_for_metric() noexcept
 {
 #if INFERSCALE_HOST_X86_SIMD
   switch (active_host_simd()) {
-    case host_simd::avx512: return &fast_distance_avx512<T, M>;
+    case host_simd::avx512:
+    case host_simd::avx512_bf16: return &fast_distance_avx512<T, M>;
     case host_simd::avx2: return &fast_distance_avx2<T, M>;
     case host_simd::scalar: break;
   }
@@ -612,7 +614,8 @@ inline dot_block_fn dot_block_for() noexcept
 {
 #if INFERSCALE_HOST_X86_SIMD
   switch (active_host_simd()) {
-    case host_simd::avx512: return &dot_block_avx512;
+    case host_simd::avx512:
+    case host_simd::avx512_bf16: return &dot_block_avx512;
     case host_simd::avx2: return &dot_block_avx2;
     case host_simd::scalar: break;
   }

@@ -251,6 +251,73 @@ inline rope_params make_rope_params(rope_spec const& spec, std::int64_t total_le
   return params;
 }
 
+namespace detail {
+/**
+ * @brief cos and sin of every pair of one token for `op`, exactly as rope_angle_cos_sin gives
+ * them (host). For resolved parameters with fp32 angles the sin/cos of sincos.hpp run sixteen or
+ * eight angles at a time where the CPU has AVX-512F or AVX2: the same operations, the same bits.
+ */
+template <class Rotation>
+void rope_cos_sin_row(
+  Rotation const& rotation, std::int64_t position, rope_op op, float* cos, float* sin)
+{
+  for (std::int32_t p = 0; p < rotation.num_pairs(); ++p) {
+    rope_cos_sin const cs = rope_angle_cos_sin(rotation, position, p, op);
+    cos[p]                = cs.cos;
+    sin[p]                = cs.sin;
+  }
+}
+inline void rope_cos_sin_row(
+  rope_params const& params, std::int64_t position, rope_op op, float* cos, float* sin)
+{
+  std::int32_t const pairs = params.num_pairs();
+  std::int32_t done        = 0;
+#if INFERSCALE_HOST_X86_SIMD
+  host_simd const level = active_host_simd();
+  if (params.angle_mode == rope_angle_mode::fp32 && level != host_simd::scalar) {
+    float const p = static_cast<float>(position);
+    if (uses_avx512(level)) {
+      for (; done + 16 <= pairs; done += 16) {
+        if (!simd512::sincos16_at(p, params.inv_freq + done, sin + done, cos + done)) { break; }
+      }
+    }
+    for (; done + 8 <= pairs; done += 8) {
+      if (!simd::sincos8_at(p, params.inv_freq + done, sin + done, cos + done)) { break; }
+    }
+    // the attention factor and the operation, as rope_angle_cos_sin applies them
+    float const a = params.attention_factor;
+    for (std::int32_t i = 0; i < done; ++i) {
+      switch (op) {
+        case rope_op::forward:
+          cos[i] = cos[i] * a;
+          sin[i] = sin[i] * a;
+          break;
+        case rope_op::inverse:
+          cos[i] = cos[i] / a;
+          sin[i] = -sin[i] / a;
+          break;
+        default: break;
+      }
+    }
+  }
+#endif
+  for (std::int32_t i = done; i < pairs; ++i) {
+    rope_cos_sin const cs = rope_angle_cos_sin(params, position, i, op);
+    cos[i]                = cs.cos;
+    sin[i]                = cs.sin;
+  }
+}
+/// @brief rope_cos_sin_row into (cos, sin) pairs.
+template <class Rotation>
+void rope_cos_sin_row(Rotation const& rotation, std::int64_t position, rope_op op, rope_cos_sin* out)
+{
+  float cos[rope_params::max_pairs];
+  float sin[rope_params::max_pairs];
+  rope_cos_sin_row(rotation, position, op, cos, sin);
+  for (std::int32_t p = 0; p < rotation.num_pairs(); ++p) { out[p] = {cos[p], sin[p]}; }
+}
+}  // namespace detail
+
 template <class T>
 std::vector<T> make_rope_cos_sin_values(rope_params const& params, std::int64_t rows)
 {
@@ -259,12 +326,18 @@ std::vector<T> make_rope_cos_sin_values(rope_params const& params, std::int64_t 
   std::int32_t const pairs = params.num_pairs();
   std::vector<T> values(static_cast<std::size_t>(rows) *
                         static_cast<std::size_t>(params.rotary_dim));
+  // fp32 angles whatever params.angle_mode says (the table is vLLM's); a forward rotation's
+  // cos/sin are `cos(angle) * a`, `sin(angle) * a` (detail::rope_sincos, rounded once each)
+  rope_params fp32_angles = params;
+  fp32_angles.angle_mode  = rope_angle_mode::fp32;
+  float cos[rope_params::max_pairs];
+  float sin[rope_params::max_pairs];
   for (std::int64_t p = 0; p < rows; ++p) {
+    detail::rope_cos_sin_row(fp32_angles, p, rope_op::forward, cos, sin);
+    std::size_t const base = static_cast<std::size_t>(p) * params.rotary_dim;
     for (std::int32_t i = 0; i < pairs; ++i) {
-      float const angle        = static_cast<float>(p) * params.inv_freq[i];
-      std::size_t const base   = static_cast<std::size_t>(p) * params.rotary_dim;
-      values[base + i]         = from_float<T>(std::cos(angle) * params.attention_factor);
-      values[base + pairs + i] = from_float<T>(std::sin(angle) * params.attention_factor);
+      values[base + i]         = from_float<T>(cos[i]);
+      values[base + pairs + i] = from_float<T>(sin[i]);
     }
   }
   return values;
@@ -533,7 +606,8 @@ void rope_apply_host(token_head_view<T> x,
   std::int64_t const element_stride = x.stride(2);
 #if INFERSCALE_HOST_X86_SIMD
   // The common layout (contiguous dims, halves pairing) rotates 16 or 8 pairs at a time where the
-  // CPU has AVX-512F or AVX2 (chosen at run time); same operations, same bits.
+  // CPU has AVX-512F or AVX2 (chosen at run time; bf16 keys rounded natively where it has
+  // AVX-512 BF16); same operations, same bits.
   detail::host_simd const level = detail::active_host_simd();
   bool const vector = element_stride == 1 && rotation.pairing == rope_pairing::halves &&
                       level != detail::host_simd::scalar;
@@ -549,18 +623,18 @@ void rope_apply_host(token_head_view<T> x,
       float const* sin_row = sin_values.data();
       if (!detail::rope_table_row(
             rotation, positions[t], op, cos_values.data(), sin_values.data(), &cos_row, &sin_row)) {
-        for (std::int32_t pair = 0; pair < pairs; ++pair) {
-          rope_cos_sin const cs = rope_angle_cos_sin(rotation, positions[t], pair, op);
-          cos_values[static_cast<std::size_t>(pair)] = cs.cos;
-          sin_values[static_cast<std::size_t>(pair)] = cs.sin;
-        }
+        detail::rope_cos_sin_row(
+          rotation, positions[t], op, cos_values.data(), sin_values.data());
       }
       // (with round_each, the vector rotation rounds cos and sin to T itself, as the scalar
       // loop below does once per token)
       T* const token = x.data_handle() + t * x.stride(0);
       using detail::simd::rotate_mode;
       auto const run = [&](auto mode) {
-        if (level == detail::host_simd::avx512) {
+        if (level == detail::host_simd::avx512_bf16) {
+          detail::simd512bf16::rotate_token_halves<decltype(mode)::value, T>(
+            token, x.extent(1), x.stride(1), pairs, cos_row, sin_row);
+        } else if (level == detail::host_simd::avx512) {
           detail::simd512::rotate_token_halves<decltype(mode)::value, T>(
             token, x.extent(1), x.stride(1), pairs, cos_row, sin_row);
         } else {
@@ -578,13 +652,12 @@ void rope_apply_host(token_head_view<T> x,
       continue;
     }
 #endif
-    for (std::int32_t pair = 0; pair < pairs; ++pair) {
-      rope_cos_sin cs = rope_angle_cos_sin(rotation, positions[t], pair, op);
-      if (round_each) {  // vLLM rounds the table to the key dtype once: do it once per token too
+    detail::rope_cos_sin_row(rotation, positions[t], op, cos_sin.data());
+    if (round_each) {  // vLLM rounds the table to the key dtype once: do it once per token too
+      for (rope_cos_sin& cs : cos_sin) {
         cs.cos = to_float(from_float<T>(cs.cos));
         cs.sin = to_float(from_float<T>(cs.sin));
       }
-      cos_sin[static_cast<std::size_t>(pair)] = cs;
     }
     for (std::int64_t h = 0; h < x.extent(1); ++h) {
       T* const head = x.data_handle() + t * x.stride(0) + h * x.stride(1);

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <inferscale/detail/dtype/vector_conversion.hpp>
+#include <inferscale/detail/rope/sincos.hpp>
 
 #include <cstdint>
 #include <cstring>
@@ -110,6 +111,96 @@ INFERSCALE_TARGET_AVX2 void rotate_token_halves(T* token,
   }
 }
 
+
+/// @brief `x`, hidden from the optimiser (double lanes; see opaque).
+INFERSCALE_TARGET_AVX2 inline __m256d opaque_pd(__m256d x)
+{
+  asm("" : "+x"(x));
+  return x;
+}
+
+/// @brief `a * b`, rounded on its own (never contracted with the addition it feeds).
+INFERSCALE_TARGET_AVX2 inline __m256d mul_pd(__m256d a, __m256d b)
+{
+  return opaque_pd(_mm256_mul_pd(a, b));
+}
+
+/**
+ * @brief detail::rope_sincos of eight fp32 angles, four double lanes at a time: the same
+ * operations in the same order, so the same bits. Returns false (nothing written) when a lane
+ * needs the integer reduction or is not finite; the caller then takes the scalar function.
+ */
+INFERSCALE_TARGET_AVX2 inline bool sincos8(__m256 angle, float* s_out, float* c_out)
+{
+  namespace k = detail::sincos;
+  __m256 const magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), angle);
+  // |angle| < 2^28, false for NaN (an ordered compare)
+  __m256 const small = _mm256_cmp_ps(magnitude, _mm256_set1_ps(0x1p28f), _CMP_LT_OQ);
+  if (_mm256_movemask_ps(small) != 0xff) { return false; }
+  __m128 const halves[2] = {_mm256_castps256_ps128(angle), _mm256_extractf128_ps(angle, 1)};
+  for (int h = 0; h < 2; ++h) {
+    __m256d const signed_x = _mm256_cvtps_pd(halves[h]);
+    __m256d const sign     = _mm256_and_pd(signed_x, _mm256_set1_pd(-0.0));
+    __m256d const x        = _mm256_andnot_pd(_mm256_set1_pd(-0.0), signed_x);
+    __m256d const q = _mm256_round_pd(mul_pd(x, _mm256_set1_pd(k::two_over_pi)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256d r       = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_1), x);
+    r               = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_2), r);
+    r               = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_3), r);
+    r               = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_4), r);
+    r               = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_5), r);
+    __m256d const z = mul_pd(r, r);
+    __m256d ps      = _mm256_set1_pd(k::s7);
+    ps              = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s6));
+    ps              = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s5));
+    ps              = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s4));
+    ps              = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s3));
+    ps              = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s2));
+    ps              = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s1));
+    __m256d const sr = _mm256_fmadd_pd(mul_pd(r, z), ps, r);
+    __m256d pc       = _mm256_set1_pd(k::c8);
+    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c7));
+    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c6));
+    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c5));
+    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c4));
+    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c3));
+    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c2));
+    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c1));
+    __m256d const cr = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(1.0));
+    // quadrant bits as 64-bit lane masks: odd swaps sin and cos; sin negates in quadrants 2, 3
+    // (and for a negative angle), cos in 1, 2
+    __m256i const qi   = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(q));
+    __m256i const one  = _mm256_set1_epi64x(1);
+    __m256i const two  = _mm256_set1_epi64x(2);
+    __m256d const swap = _mm256_castsi256_pd(
+      _mm256_cmpeq_epi64(_mm256_and_si256(qi, one), one));
+    __m256i const sneg = _mm256_slli_epi64(_mm256_and_si256(qi, two), 62);
+    __m256i const cneg = _mm256_slli_epi64(_mm256_and_si256(_mm256_add_epi64(qi, one), two), 62);
+    __m256d const sq   = _mm256_blendv_pd(sr, cr, swap);
+    __m256d const cq   = _mm256_blendv_pd(cr, sr, swap);
+    _mm_storeu_ps(s_out + 4 * h,
+                  _mm256_cvtpd_ps(_mm256_xor_pd(_mm256_xor_pd(sq, sign), _mm256_castsi256_pd(sneg))));
+    _mm_storeu_ps(c_out + 4 * h,
+                  _mm256_cvtpd_ps(_mm256_xor_pd(cq, _mm256_castsi256_pd(cneg))));
+  }
+  return true;
+}
+
+/// @brief sincos8 of eight angles in memory (callable from code built without AVX2).
+INFERSCALE_TARGET_AVX2 inline bool sincos8(float const* angle, float* s_out, float* c_out)
+{
+  return sincos8(_mm256_loadu_ps(angle), s_out, c_out);
+}
+
+/// @brief sincos8 of `float(position) * inv_freq[0..7]` (the fp32 angle of eight pairs).
+INFERSCALE_TARGET_AVX2 inline bool sincos8_at(float position,
+                                              float const* inv_freq,
+                                              float* s_out,
+                                              float* c_out)
+{
+  return sincos8(_mm256_mul_ps(_mm256_set1_ps(position), _mm256_loadu_ps(inv_freq)), s_out, c_out);
+}
+
 }  // namespace inferscale::detail::simd
 
 
@@ -188,6 +279,146 @@ INFERSCALE_TARGET_AVX512 void rotate_token_halves(T* token,
   }
 }
 
+
+/// @brief `x`, hidden from the optimiser (double lanes).
+INFERSCALE_TARGET_AVX512 inline __m512d opaque_pd(__m512d x)
+{
+  asm("" : "+v"(x));
+  return x;
+}
+
+/// @brief `a * b`, rounded on its own.
+INFERSCALE_TARGET_AVX512 inline __m512d mul_pd(__m512d a, __m512d b)
+{
+  return opaque_pd(_mm512_mul_pd(a, b));
+}
+
+/// @brief As simd::sincos8, sixteen angles, eight double lanes at a time.
+INFERSCALE_TARGET_AVX512 inline bool sincos16(__m512 angle, float* s_out, float* c_out)
+{
+  namespace k            = detail::sincos;
+  __m512 const magnitude = _mm512_abs_ps(angle);
+  if (_mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(0x1p28f), _CMP_LT_OQ) != 0xffff) {
+    return false;
+  }
+  __m256 const halves[2] = {_mm512_castps512_ps256(angle),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(angle), 1))};
+  for (int h = 0; h < 2; ++h) {
+    __m512i const signed_x = _mm512_castpd_si512(_mm512_cvtps_pd(halves[h]));
+    __m512i const sign     = _mm512_set1_epi64(static_cast<long long>(0x8000000000000000ull));
+    __mmask8 const minus   = _mm512_test_epi64_mask(signed_x, sign);
+    __m512d const x        = _mm512_castsi512_pd(_mm512_andnot_si512(sign, signed_x));
+    __m512d const q = _mm512_roundscale_pd(mul_pd(x, _mm512_set1_pd(k::two_over_pi)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512d r       = _mm512_fnmadd_pd(q, _mm512_set1_pd(k::pio2_1), x);
+    r               = _mm512_fnmadd_pd(q, _mm512_set1_pd(k::pio2_2), r);
+    r               = _mm512_fnmadd_pd(q, _mm512_set1_pd(k::pio2_3), r);
+    r               = _mm512_fnmadd_pd(q, _mm512_set1_pd(k::pio2_4), r);
+    r               = _mm512_fnmadd_pd(q, _mm512_set1_pd(k::pio2_5), r);
+    __m512d const z = mul_pd(r, r);
+    __m512d ps      = _mm512_set1_pd(k::s7);
+    ps              = _mm512_fmadd_pd(z, ps, _mm512_set1_pd(k::s6));
+    ps              = _mm512_fmadd_pd(z, ps, _mm512_set1_pd(k::s5));
+    ps              = _mm512_fmadd_pd(z, ps, _mm512_set1_pd(k::s4));
+    ps              = _mm512_fmadd_pd(z, ps, _mm512_set1_pd(k::s3));
+    ps              = _mm512_fmadd_pd(z, ps, _mm512_set1_pd(k::s2));
+    ps              = _mm512_fmadd_pd(z, ps, _mm512_set1_pd(k::s1));
+    __m512d const sr = _mm512_fmadd_pd(mul_pd(r, z), ps, r);
+    __m512d pc       = _mm512_set1_pd(k::c8);
+    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c7));
+    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c6));
+    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c5));
+    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c4));
+    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c3));
+    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c2));
+    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c1));
+    __m512d const cr = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(1.0));
+    // quadrant bits as lane masks: odd swaps sin and cos; sin negates in quadrants 2 and 3 (and
+    // for a negative angle), cos in 1 and 2 (a sign flip, as the scalar code's negation)
+    __m512i const qi     = _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(q));  // exact: |q| < 2^28
+    __m512i const one    = _mm512_set1_epi64(1);
+    __m512i const two    = _mm512_set1_epi64(2);
+    __mmask8 const swap  = _mm512_test_epi64_mask(qi, one);
+    __mmask8 const sneg  = static_cast<__mmask8>(_mm512_test_epi64_mask(qi, two) ^ minus);
+    __mmask8 const cneg  = _mm512_test_epi64_mask(_mm512_add_epi64(qi, one), two);
+    __m512i const sq     = _mm512_castpd_si512(_mm512_mask_blend_pd(swap, sr, cr));
+    __m512i const cq     = _mm512_castpd_si512(_mm512_mask_blend_pd(swap, cr, sr));
+    _mm256_storeu_ps(s_out + 8 * h,
+                     _mm512_cvtpd_ps(_mm512_castsi512_pd(_mm512_mask_xor_epi64(sq, sneg, sq, sign))));
+    _mm256_storeu_ps(c_out + 8 * h,
+                     _mm512_cvtpd_ps(_mm512_castsi512_pd(_mm512_mask_xor_epi64(cq, cneg, cq, sign))));
+  }
+  return true;
+}
+
+/// @brief sincos16 of sixteen angles in memory.
+INFERSCALE_TARGET_AVX512 inline bool sincos16(float const* angle, float* s_out, float* c_out)
+{
+  return sincos16(_mm512_loadu_ps(angle), s_out, c_out);
+}
+
+/// @brief sincos16 of `float(position) * inv_freq[0..15]`.
+INFERSCALE_TARGET_AVX512 inline bool sincos16_at(float position,
+                                                 float const* inv_freq,
+                                                 float* s_out,
+                                                 float* c_out)
+{
+  return sincos16(_mm512_mul_ps(_mm512_set1_ps(position), _mm512_loadu_ps(inv_freq)), s_out, c_out);
+}
+
 }  // namespace inferscale::detail::simd512
+
+namespace inferscale::detail::simd512bf16 {
+
+using simd::rotate_mode;
+
+/**
+ * @brief As simd512::rotate_token_halves, with bf16 keys rounded by the native conversion
+ * (simd512bf16::fp32_to_bf16; same bits). Other key types, and vLLM's per-operation rounding,
+ * run the avx512 form.
+ */
+template <rotate_mode Mode, class T>
+INFERSCALE_TARGET_AVX512_BF16 void rotate_token_halves(T* token,
+                                                       std::int64_t heads,
+                                                       std::int64_t head_stride,
+                                                       std::int32_t half,
+                                                       float const* cos,
+                                                       float const* sin)
+{
+  if constexpr (!std::is_same_v<T, bfloat16_t> || Mode == rotate_mode::round_each) {
+    simd512::rotate_token_halves<Mode, T>(token, heads, head_stride, half, cos, sin);
+  } else {
+    std::int32_t const whole = half - half % 16;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      T* const first  = token + h * head_stride;
+      T* const second = first + half;
+      for (std::int32_t p = 0; p < whole; p += 16) {
+        __m512 x, y;
+        simd512::rotate16<Mode, T>(simd512::load16(first + p),
+                                   simd512::load16(second + p),
+                                   _mm512_loadu_ps(cos + p),
+                                   _mm512_loadu_ps(sin + p),
+                                   &x,
+                                   &y);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(first + p), fp32_to_bf16(x));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(second + p), fp32_to_bf16(y));
+      }
+      if (whole < half) {
+        std::int32_t const n = half - whole;
+        __m512 x, y;
+        simd512::rotate16<Mode, T>(simd512::load_n(first + whole, n),
+                                   simd512::load_n(second + whole, n),
+                                   simd512::load_n(cos + whole, n),
+                                   simd512::load_n(sin + whole, n),
+                                   &x,
+                                   &y);
+        simd512::store_n(first + whole, x, n);
+        simd512::store_n(second + whole, y, n);
+      }
+    }
+  }
+}
+
+}  // namespace inferscale::detail::simd512bf16
 
 #endif  // INFERSCALE_HOST_X86_SIMD

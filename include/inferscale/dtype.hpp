@@ -8,8 +8,11 @@
  * viewed as arrays of them. Conversions from fp32 round to nearest, ties to even; fp16 and bf16
  * overflow to infinity; the fp8 types saturate to their largest finite value as CUDA's fp8 types
  * do (`__NV_SATFINITE`), NaN stays NaN. Under nvcc, device code uses the hardware conversion
- * instructions, which give the same bits; host code uses the bit-level routines in
- * detail/dtype/conversion.hpp, so a plain C++ compiler needs no CUDA header.
+ * instructions, which give the same bits for every number; host code uses the bit-level routines
+ * in detail/dtype/conversion.hpp, so a plain C++ compiler needs no CUDA header. A NaN converts to
+ * a NaN on both, but not always the same one: the host keeps the sign and top payload bits (with
+ * the quiet bit set), while the device's instructions may return a canonical NaN. (The store and
+ * the index refuse NaN inputs, so no stored value or distance depends on it.)
  */
 #pragma once
 

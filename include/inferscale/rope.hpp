@@ -285,6 +285,26 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float add_rn(float a, float b)
   return a + b;
 #endif
 }
+/// @brief `a / b` correctly rounded on both backends (the device's `__fdiv_rn`, which a consumer's
+/// `--use_fast_math` / `-prec-div=false` does not turn into an approximate division).
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float div_rn(float a, float b)
+{
+#if INFERSCALE_IS_DEVICE_CODE
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+/// @brief The correctly rounded square root on both backends (`__fsqrt_rn` on the device, immune
+/// to `-prec-sqrt=false`).
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float sqrt_rn(float a)
+{
+#if INFERSCALE_IS_DEVICE_CODE
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
 /// @brief `a * b + c` with one rounding (a true fused multiply-add on both backends).
 INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float fma_rn(float a, float b, float c)
 {
@@ -311,7 +331,7 @@ INFERSCALE_HOST_DEVICE inline rope_cos_sin rope_angle_cos_sin(rope_params const&
   float c, s;
   float const inv_freq = params.inv_freq[pair];
   if (params.angle_mode == rope_angle_mode::fp32) {
-    detail::rope_sincos(static_cast<float>(position) * inv_freq, &s, &c);
+    detail::rope_sincos(detail::mul_rn(static_cast<float>(position), inv_freq), &s, &c);
   } else {
     double cd, sd;
     detail::sincos_fp64(static_cast<double>(position) * static_cast<double>(inv_freq), &sd, &cd);
@@ -320,8 +340,8 @@ INFERSCALE_HOST_DEVICE inline rope_cos_sin rope_angle_cos_sin(rope_params const&
   }
   float const a = params.attention_factor;
   switch (op) {
-    case rope_op::forward: return {c * a, s * a};
-    case rope_op::inverse: return {c / a, -s / a};
+    case rope_op::forward: return {detail::mul_rn(c, a), detail::mul_rn(s, a)};
+    case rope_op::inverse: return {detail::div_rn(c, a), detail::div_rn(-s, a)};
     default: return {c, s};
   }
 }
@@ -344,12 +364,13 @@ INFERSCALE_HOST_DEVICE inline rope_cos_sin rope_angle_cos_sin(rope_cos_sin_table
     case rope_op::forward: return {c, s};
     case rope_op::inverse: {
       float const norm2 = detail::add_rn(detail::mul_rn(c, c), detail::mul_rn(s, s));
-      return {c / norm2, -s / norm2};
+      return {detail::div_rn(c, norm2), detail::div_rn(-s, norm2)};
     }
     default: {
-      float const norm = std::sqrt(detail::add_rn(detail::mul_rn(c, c), detail::mul_rn(s, s)));
+      float const norm =
+        detail::sqrt_rn(detail::add_rn(detail::mul_rn(c, c), detail::mul_rn(s, s)));
       if (position < 0) { s = -s; }
-      return {c / norm, s / norm};
+      return {detail::div_rn(c, norm), detail::div_rn(s, norm)};
     }
   }
 }

@@ -21,7 +21,7 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE CacheT quantize(float x,
                                                               kv_scale_convention convention)
 {
   // Exact division, not x * (1/scale): vLLM's and SGLang's writers divide.
-  float const v = convention == kv_scale_convention::divide ? x / scale : mul_rn(x, scale);
+  float const v = convention == kv_scale_convention::divide ? div_rn(x, scale) : mul_rn(x, scale);
   return from_float<CacheT>(v);
 }
 
@@ -32,7 +32,7 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float dequantize(CacheT q,
                                                                kv_scale_convention convention)
 {
   float const v = to_float(q);
-  return convention == kv_scale_convention::divide ? mul_rn(v, scale) : v / scale;
+  return convention == kv_scale_convention::divide ? mul_rn(v, scale) : div_rn(v, scale);
 }
 
 /**

@@ -9,6 +9,10 @@ label in brackets. Runs that called SkipWithError are listed as skipped with the
 cut short (a benchmark killed by a timeout) is read up to its last complete entry. --combine writes
 {executable: json} to one file.
 
+When device runs are present, a last section reads the device targets of issue 13 (injection >= 0.8
+of a device copy at m = 1,024; search 100k x 768 batch 1 <= 30 us p50 at recall >= 0.95; batched QPS
+beside RAFT's exact search) as PASS / SHORT / NOT RUN, one line each.
+
 The fact index (bench_index) gets a second table: each search figure beside its ceiling from the
 same run (recall@10, QPS, exact QPS and speedup, hnswlib QPS/recall and vs_hnswlib), the build
 rates, and the crossover N (smallest N from which graph search beats exact search at batch 1).
@@ -181,6 +185,54 @@ def headline(entries):
             print(line)
 
 
+
+# The device targets of issue 13 (item 14): what a GPU session reads first.
+DEVICE_TARGETS = [
+    # (benchmark name prefix, what, counter, comparison, bound, extra check)
+    ("inject/device/llama3.1-8b/bf16/m:1024/", "injection, Llama-3.1-8B, m 1,024, vs device copy",
+     "vs_copy", ">=", 0.8),
+    ("inject/device/qwen2.5-7b/bf16/m:1024/", "injection, Qwen2.5-7B, m 1,024, vs device copy",
+     "vs_copy", ">=", 0.8),
+    ("inject_checked/device/llama3.1-8b/bf16/m:1024/",
+     "checked injection (staging included), Llama-3.1-8B, m 1,024", "vs_copy", ">=", 0.8),
+    ("index/device/search/dim:768/N:100000/batch:1/", "search 100k x 768, batch 1, p50 us/query",
+     "p50_us_per_query", "<=", 30.0),
+    ("index/device/search/dim:768/N:100000/batch:1024/",
+     "search 100k x 768, batch 1,024, QPS / RAFT exact_search QPS", "speedup", ">=", 1.0),
+    ("index/device/search/dim:384/N:100000/batch:1024/",
+     "search 100k x 384, batch 1,024, QPS / RAFT exact_search QPS", "speedup", ">=", 1.0),
+]
+
+
+def device_targets(entries):
+    """One line per device target: PASS / SHORT with the figure, or NOT RUN (skipped, absent)."""
+    print("\n==== device targets (issue 13) ====")
+    for prefix, what, counter, op, bound in DEVICE_TARGETS:
+        runs = [b for b in entries if b.get("name", "").startswith(prefix)]
+        good = [b for b in runs if usable(b) and counter in b]
+        if not good:
+            why = "skipped" if runs else "absent"
+            if runs and (runs[0].get("error_message") or runs[0].get("skip_message")):
+                why += ": " + (runs[0].get("error_message") or runs[0].get("skip_message"))
+            print("NOT RUN  %s (%s)" % (what, why))
+            continue
+        b = good[0]
+        value = b[counter]
+        met = value >= bound if op == ">=" else value <= bound
+        recall = b.get("recall")
+        if recall is not None and prefix.startswith("index/"):
+            met = met and recall >= 0.95
+        extra = ""
+        if recall is not None:
+            extra += ", recall@10 %.3f (>= 0.95)" % recall
+        if "QPS" in b and "exact_QPS" in b:
+            extra += ", QPS %s vs exact %s" % (fmt_num(b["QPS"]), fmt_num(b["exact_QPS"]))
+        if "copy_GB/s" in b:
+            extra += ", copy %s GB/s" % fmt_num(b["copy_GB/s"])
+        print("%-8s %s: %s = %s (target %s %s)%s" % ("PASS" if met else "SHORT", what, counter,
+                                                    fmt_num(value), op, fmt_num(bound), extra))
+
+
 def collapse_skipped(rows):
     """Runs skipped for the same reason (no GPU) become one line."""
     out, skipped = [], {}
@@ -249,6 +301,8 @@ def main(argv):
     every = [b for doc in combined.values() for b in doc.get("benchmarks", [])]
     index_table(every)
     headline(every)
+    if any(b.get("name", "").startswith(("inject/device", "index/device")) for b in every):
+        device_targets(every)
     for n in notes:
         print("note: " + n)
     return 0

@@ -1114,6 +1114,7 @@ void device_build_bench(benchmark::State& state)
  * @brief The timed loop of the device search cases: per iteration, from a cold L2, `graph(first)`
  * between CUDA events (the benchmark's time) and its host wall time to the end of the work, then
  * `exact(first)` between CUDA events; `first` cycles through the queries in steps of `batch`.
+ * `p50_us_per_query`: the median call's time per query (at batch 1, the p50 latency).
  */
 template <class Graph, class Exact>
 void device_search_loop(benchmark::State& state, std::int64_t batch, Graph&& graph, Exact&& exact)
@@ -1125,6 +1126,7 @@ void device_search_loop(benchmark::State& state, std::int64_t batch, Graph&& gra
   graph(first);
   exact(first);
   INFERSCALE_CUDA_TRY(cudaStreamSynchronize(device_stream()));
+  std::vector<double> per_call;  // each call's event time, for the median (p50) latency
   for (auto _ : state) {
     flusher.flush(device_stream());
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(device_stream()));
@@ -1133,6 +1135,7 @@ void device_search_loop(benchmark::State& state, std::int64_t batch, Graph&& gra
     wall_seconds += seconds_since(w0);
     state.SetIterationTime(s);
     seconds += s;
+    per_call.push_back(s);
     flusher.flush(device_stream());
     exact_seconds += event_seconds(e0, e1, [&] { exact(first); });
     first = (first + batch) % num_queries;
@@ -1140,6 +1143,11 @@ void device_search_loop(benchmark::State& state, std::int64_t batch, Graph&& gra
   double const queries = static_cast<double>(batch) * static_cast<double>(state.iterations());
   state.counters["QPS"]                = queries / seconds;
   state.counters["us_per_query"]       = seconds / queries * 1e6;
+  if (!per_call.empty()) {  // the median call, per query (batch 1: the p50 query latency)
+    std::nth_element(per_call.begin(), per_call.begin() + per_call.size() / 2, per_call.end());
+    state.counters["p50_us_per_query"] =
+      per_call[per_call.size() / 2] / static_cast<double>(batch) * 1e6;
+  }
   state.counters["wall_us_per_query"]  = wall_seconds / queries * 1e6;
   state.counters["exact_QPS"]          = queries / exact_seconds;
   state.counters["exact_us_per_query"] = exact_seconds / queries * 1e6;

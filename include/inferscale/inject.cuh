@@ -380,6 +380,10 @@ extract_kernel_args<Rotation> make_extract_args(kv_store_ref const& store,
  *       lies outside the pool are skipped and counted in `errors`, as are rows whose fp8 scale is
  *       not positive and finite (the host cannot check device arrays; use the checked overload to
  *       have the batch refused).
+ * @pre  No two tokens of `batch` share a slot. The raw launch cannot check it (injection_batch::add
+ *       refuses a slot written twice before anything is staged); if two do, each element of that
+ *       slot holds one of the two tokens' values, unspecified which (a row may mix both), and
+ *       nothing is counted.
  */
 template <class Rotation>
 void inject_async(kv_store_ref const& store,

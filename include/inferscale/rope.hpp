@@ -316,6 +316,22 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float fma_rn(float a, float b, flo
 }
 }  // namespace detail
 
+namespace detail {
+/// @brief What operation `op` rotates by, from an angle's cos and sin and the attention factor
+/// `a`: `(a c, a s)` forward, `(c / a, -s / a)` inverse, `(c, s)` shift.
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE rope_cos_sin rope_scale_cos_sin(float c,
+                                                                              float s,
+                                                                              float a,
+                                                                              rope_op op)
+{
+  switch (op) {
+    case rope_op::forward: return {mul_rn(c, a), mul_rn(s, a)};
+    case rope_op::inverse: return {div_rn(c, a), div_rn(-s, a)};
+    default: return {c, s};
+  }
+}
+}  // namespace detail
+
 /**
  * @brief cos and sin that rotate pair `pair` for operation `op` with argument `position`
  * (a position for forward/inverse, a delta for shift).
@@ -338,12 +354,7 @@ INFERSCALE_HOST_DEVICE inline rope_cos_sin rope_angle_cos_sin(rope_params const&
     c = static_cast<float>(cd);
     s = static_cast<float>(sd);
   }
-  float const a = params.attention_factor;
-  switch (op) {
-    case rope_op::forward: return {detail::mul_rn(c, a), detail::mul_rn(s, a)};
-    case rope_op::inverse: return {detail::div_rn(c, a), detail::div_rn(-s, a)};
-    default: return {c, s};
-  }
+  return detail::rope_scale_cos_sin(c, s, params.attention_factor, op);
 }
 
 /**

@@ -285,19 +285,10 @@ inline void rope_cos_sin_row(
       if (!simd::sincos8_at(p, params.inv_freq + done, sin + done, cos + done)) { break; }
     }
     // the attention factor and the operation, as rope_angle_cos_sin applies them
-    float const a = params.attention_factor;
     for (std::int32_t i = 0; i < done; ++i) {
-      switch (op) {
-        case rope_op::forward:
-          cos[i] = cos[i] * a;
-          sin[i] = sin[i] * a;
-          break;
-        case rope_op::inverse:
-          cos[i] = cos[i] / a;
-          sin[i] = -sin[i] / a;
-          break;
-        default: break;
-      }
+      rope_cos_sin const cs = rope_scale_cos_sin(cos[i], sin[i], params.attention_factor, op);
+      cos[i]                = cs.cos;
+      sin[i]                = cs.sin;
     }
   }
 #endif

@@ -41,6 +41,11 @@
  *    fact index storing its rows in fp16 (`index_config::vector_dtype`; half the bytes per
  *    distance, half the memory), built and searched on them; hnswlib, the queries and the truth
  *    are the fp32 set's (hnswlib stores fp32). `hnswlib_build_*` repeat the fp32 set's build.
+ *  - index_host/equal_recall/data:mixture/dim:d/N:100000/traversal:fp16/target:T: the fp32 set's
+ *    index itself with `index_config::host_traversal_dtype` float16 (set on it for the case's
+ *    sweep and timing, `graph_index::set_host_traversal_dtype`): the walk reads the rows' float16
+ *    copy, and its best entries are measured again on the fp32 rows; results and distances are the
+ *    fp32 rows'. `graph_build_*` repeat the fp32 set's build (the copy is made in the setter).
  *  - index_host/defaults/data:D/dim:d[/N:n]: `search_params{}` as a user leaves it (automatic
  *    algorithm, automatic list size: the namespace's calibrated `host_default_ef`): `recall`,
  *    `us_per_query`, `default_ef`, beside the cheapest grid ef that reached 0.99 in the sweep
@@ -280,7 +285,8 @@ float cosine(float const* a, float const* b, std::int64_t dim)
 /// @brief Everything built for one data set, kept across cases.
 struct prepared {
   vectors data;
-  std::unique_ptr<is::graph_index> index;
+  std::shared_ptr<is::graph_index> index;  ///< shared by the fp32 rows' two traversals
+  is::dtype traversal{is::dtype::float32};  ///< the host_traversal_dtype this set searches with
   std::shared_ptr<ib::hnsw_baseline> hnsw;  ///< shared by the fp32- and fp16-row sets of a data set
   std::vector<std::uint64_t> truth;  ///< [num_queries][top_k] row ids
   double graph_build_s{0.0}, hnsw_build_s{0.0};          ///< wall seconds
@@ -348,16 +354,39 @@ void hnsw_queries(prepared const& c, std::uint64_t* ids, float* dist)
   }
 }
 
+/// @brief Sets a shared index's host_traversal_dtype for a scope, float32 again after it.
+struct traversal_scope {
+  is::graph_index& index;
+  traversal_scope(is::graph_index& i, is::dtype d) : index(i) { index.set_host_traversal_dtype(d); }
+  ~traversal_scope() { index.set_host_traversal_dtype(is::dtype::float32); }
+  traversal_scope(traversal_scope const&)            = delete;
+  traversal_scope& operator=(traversal_scope const&) = delete;
+};
+
 prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
-                  is::dtype rows = is::dtype::float32)
+                  is::dtype rows = is::dtype::float32,
+                  is::dtype traversal = is::dtype::float32)
 {
   static std::map<std::string, std::unique_ptr<prepared>> all;
   std::string const key = name + "/" + std::to_string(dim) + "/" + std::to_string(n) +
-                          (rows == is::dtype::float16 ? "/fp16" : "");
+                          (rows == is::dtype::float16 ? "/fp16" : "") +
+                          (traversal == is::dtype::float16 ? "/traversal16" : "");
   auto& slot            = all[key];
   if (slot) { return *slot; }
   auto c = std::make_unique<prepared>();
-  if (rows == is::dtype::float16) {
+  c->traversal = traversal;
+  if (traversal == is::dtype::float16) {
+    // the fp32 set's index itself, searched with its float16 copy: only the walk differs
+    prepared const& base  = prepare(name, dim, n);
+    c->data               = base.data;
+    c->truth              = base.truth;
+    c->hnsw               = base.hnsw;
+    c->index              = base.index;
+    c->graph_build_s      = base.graph_build_s;
+    c->graph_build_cpu_s  = base.graph_build_cpu_s;
+    c->hnsw_build_s       = base.hnsw_build_s;
+    c->hnsw_build_cpu_s   = base.hnsw_build_cpu_s;
+  } else if (rows == is::dtype::float16) {
     // the same data, queries, truth and hnswlib index as the fp32 set; only the graph differs
     prepared const& base = prepare(name, dim, n);
     c->data              = base.data;
@@ -377,19 +406,21 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
 #endif
   }
   vectors const& v = c->data;
-  std::vector<std::uint64_t> ids(static_cast<std::size_t>(v.n()));
-  std::iota(ids.begin(), ids.end(), std::uint64_t{0});
-  is::index_config config;
-  config.dim          = v.dim;
-  config.vector_dtype = rows;
-  c->index   = std::make_unique<is::graph_index>(config);
-  auto t0    = clock_type::now();
+  auto t0           = clock_type::now();
   std::clock_t cpu0 = std::clock();
-  c->index->add(the_namespace, is::make_matrix_view<float const>(v.base.data(), v.n(), v.dim),
-                cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
-  c->graph_build_s     = seconds_since(t0);
-  c->graph_build_cpu_s = static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC;
-  if (rows == is::dtype::float32) {
+  if (traversal == is::dtype::float32) {
+    std::vector<std::uint64_t> ids(static_cast<std::size_t>(v.n()));
+    std::iota(ids.begin(), ids.end(), std::uint64_t{0});
+    is::index_config config;
+    config.dim          = v.dim;
+    config.vector_dtype = rows;
+    c->index            = std::make_shared<is::graph_index>(config);
+    c->index->add(the_namespace, is::make_matrix_view<float const>(v.base.data(), v.n(), v.dim),
+                  cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+    c->graph_build_s     = seconds_since(t0);
+    c->graph_build_cpu_s = static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC;
+  }
+  if (rows == is::dtype::float32 && traversal == is::dtype::float32) {
     t0      = clock_type::now();
     cpu0    = std::clock();
     c->hnsw = std::make_shared<ib::hnsw_baseline>(v.dim, v.n(), hnsw_m, hnsw_ef_construction);
@@ -408,6 +439,7 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
   std::vector<std::uint64_t> got(static_cast<std::size_t>(num_queries * top_k));
   std::vector<float> dist(got.size());
   std::ostringstream os;
+  traversal_scope const scope(*c->index, traversal);
   os << "bench_index_host sweep " << key << " (ef: graph recall / hnswlib recall):";
   for (int ef : ef_grid()) {
     graph_queries(*c, graph_params(ef), got.data(), dist.data());
@@ -436,10 +468,11 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
 
 /// @brief `prepare`, or the case skipped with the reason (a missing data set or model).
 prepared* prepare_or_skip(benchmark::State& state, std::string const& name, std::int64_t dim,
-                          std::int64_t n, is::dtype rows = is::dtype::float32)
+                          std::int64_t n, is::dtype rows = is::dtype::float32,
+                          is::dtype traversal = is::dtype::float32)
 {
   try {
-    return &prepare(name, dim, n, rows);
+    return &prepare(name, dim, n, rows, traversal);
   } catch (std::exception const& e) {
     state.SkipWithError(e.what());
     return nullptr;
@@ -447,10 +480,11 @@ prepared* prepare_or_skip(benchmark::State& state, std::string const& name, std:
 }
 
 void equal_recall(benchmark::State& state, std::string const& name, std::int64_t dim,
-                  std::int64_t n, int target, is::dtype rows)
+                  std::int64_t n, int target, is::dtype rows, is::dtype traversal)
 {
-  prepared* c = prepare_or_skip(state, name, dim, n, rows);
+  prepared* c = prepare_or_skip(state, name, dim, n, rows, traversal);
   if (c == nullptr) { return; }
+  traversal_scope const scope(*c->index, traversal);
   if (!c->graph_ef.count(target) || !c->hnsw_ef.count(target)) {
     state.SkipWithError("a side never reached the target recall on the ef grid (see the sweep)");
     return;
@@ -489,6 +523,7 @@ void equal_recall(benchmark::State& state, std::string const& name, std::int64_t
   state.counters["hnswlib_build_cpu_s"]  = c->hnsw_build_cpu_s;
   state.counters["build_cpu_vs_hnswlib"] = c->graph_build_cpu_s / c->hnsw_build_cpu_s;
   state.SetLabel(name + (rows == is::dtype::float16 ? ", graph rows fp16" : "") +
+                 (traversal == is::dtype::float16 ? ", fp32 rows walked in fp16" : "") +
                  ", batch 1, one thread; hnswlib M16 efC200 (-march=native, fp32)");
 }
 
@@ -636,16 +671,24 @@ void register_all()
                               {"locomo_minilm", 384, -1}};
   // fp32 rows on every set; fp16 rows (half the bytes per distance, the graph built and searched
   // on them) on the 100,000-row sets, against the same fp32 hnswlib index and fp32 truth
-  for (is::dtype rows : {is::dtype::float32, is::dtype::float16}) {
+  // and fp32 rows walked on their float16 copy (index_config::host_traversal_dtype) there too
+  struct variant {
+    is::dtype rows, traversal;
+    char const* suffix;
+  };
+  for (variant const var : {variant{is::dtype::float32, is::dtype::float32, ""},
+                            variant{is::dtype::float16, is::dtype::float32, "/rows:fp16"},
+                            variant{is::dtype::float32, is::dtype::float16, "/traversal:fp16"}}) {
     for (auto const& s : sets) {
-      if (rows == is::dtype::float16 && s.n != 100000) { continue; }
+      if (var.suffix[0] != '\0' && s.n != 100000) { continue; }
       std::string const base = "index_host/equal_recall/data:" + s.name + "/dim:" +
                                std::to_string(s.dim) + (s.n < 0 ? "" : "/N:" + std::to_string(s.n)) +
-                               (rows == is::dtype::float16 ? "/rows:fp16" : "");
+                               var.suffix;
       for (int target : {95, 98, 99}) {
         benchmark::RegisterBenchmark((base + "/target:" + std::to_string(target)).c_str(),
-                                     [s, target, rows](benchmark::State& st) {
-                                       equal_recall(st, s.name, s.dim, s.n, target, rows);
+                                     [s, target, var](benchmark::State& st) {
+                                       equal_recall(st, s.name, s.dim, s.n, target, var.rows,
+                                                    var.traversal);
                                      })
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime()

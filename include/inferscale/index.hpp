@@ -34,6 +34,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -136,6 +137,20 @@ struct index_config {
    * default). See `graph_index::compactions` for what a repack does and costs.
    */
   double max_row_overhead{1.5};
+  /**
+   * What the host's fast graph search (`host_search_mode::fast`) walks the graph on:
+   * `float32` (the default) = the stored rows; `float16` (float32 host indexes only) = a float16
+   * copy of the rows kept beside them, half the bytes per distance, after which the best
+   * entries of the walk are measured again on the float32 rows, so results and distances are
+   * the float32 rows' (`detail::index::rerank_exact`). It pays where rows come from memory
+   * rather than the caches (measured at 100,000 x 384 and x 768: 0.83-0.87 of the float32
+   * walk's time at the same recall, bench/results/2026-12-02-host-search-traversal.md), and
+   * costs 2 bytes per element more (+50 % of the vectors). Vectors must then also fit float16
+   * (as for `vector_dtype` float16; cosine rows always do). The exact search, the reference
+   * mode and the builds use the float32 rows. Not stored by `save_index`: set it on a loaded
+   * index with `graph_index::set_host_traversal_dtype`.
+   */
+  dtype host_traversal_dtype{dtype::float32};
 };
 
 /**
@@ -340,6 +355,7 @@ class graph_index {
                          (config.max_row_overhead == 0.0 || config.max_row_overhead >= 1.0),
                        "index_config: max_row_overhead is 0 (no automatic compaction) or a finite "
                        "factor >= 1, got " + std::to_string(config.max_row_overhead));
+    check_traversal_dtype(config, "index_config");
     element_size_ = size_of(config.vector_dtype);
     row_elements_ = detail::index::padded_dim(config.dim, element_size_);
   }
@@ -445,6 +461,49 @@ class graph_index {
     auto it = tenant_of_.find(ns);
     return it == tenant_of_.end() ? 0 : tenants_[it->second].default_ef;
   }
+  /**
+   * @brief Chooses what the host's fast graph search walks (`index_config::host_traversal_dtype`):
+   * float16 makes every namespace's float16 copy (O(rows x dim)), float32 frees them. Results
+   * change only as the walk does; the rows, graph and ids do not.
+   * @throw logic_error (nothing changed) on another dtype, float16 on a float16 or device index,
+   * or float16 when some stored vector overflows float16
+   */
+  void set_host_traversal_dtype(dtype d)
+  {
+    index_config next         = config_;
+    next.host_traversal_dtype = d;
+    check_traversal_dtype(next, "graph_index::set_host_traversal_dtype");
+    if (d == config_.host_traversal_dtype) { return; }
+    if (d == dtype::float16) {
+      float const* rows = reinterpret_cast<float const*>(vectors_.data());
+      for (auto const& t : tenants_) {
+        for (std::uint32_t v = 0; v < t.ref.size; ++v) {
+          std::size_t const row = static_cast<std::size_t>(t.ref.row_begin + v);
+          for (std::int64_t e = 0; e < row_elements_; ++e) {
+            INFERSCALE_EXPECTS(
+              std::isfinite(to_float(from_float<half_t>(rows[row * row_elements_ + e]))),
+              "graph_index::set_host_traversal_dtype: fact id " + std::to_string(ids_[row]) +
+                " overflows float16 at element " + std::to_string(e));
+          }
+        }
+      }
+    }
+    config_.host_traversal_dtype = d;
+    for (std::size_t t = 0; t < tenants_.size(); ++t) {
+      rebuild_traversal(t);
+    }
+    ++version_;
+  }
+
+  /// @brief A namespace's float16 rows `[rows(ns)][row_elements]` under float16 traversal, else
+  /// null (and null for an unknown namespace).
+  half_t const* host_traversal_rows(std::uint64_t ns) const noexcept
+  {
+    auto it = tenant_of_.find(ns);
+    if (it == tenant_of_.end() || !traverses_fp16()) { return nullptr; }
+    return tenants_[it->second].traversal.data();
+  }
+
   /// @brief Rows a namespace occupies (live + deleted, until a compaction drops its deleted rows).
   std::uint32_t rows(std::uint64_t ns) const noexcept
   {
@@ -888,6 +947,11 @@ class graph_index {
     std::uint32_t entries_rows{0};
     /// The fast search's result list when `itopk_size` is 0 (`detail::index::calibrate_ef`).
     std::uint32_t default_ef{default_itopk};
+    /// Under `host_traversal_dtype` float16: the tenant's rows (local ids, `row_elements` each)
+    /// and its packed entry rows in float16, kept equal to `from_float<half_t>` of the stored
+    /// rows (written with them, rebuilt with the entry points); empty otherwise.
+    std::vector<half_t> traversal;
+    std::vector<half_t> entry_traversal;
   };
   struct row_location {
     std::size_t tenant{0};
@@ -993,13 +1057,16 @@ class graph_index {
                          "graph_index: vector " + std::to_string(r) + " (fact id " +
                            std::to_string(ids[r]) +
                            ") has a squared norm above 1e30: its distances would overflow float32");
-      if (config_.vector_dtype == dtype::float16) {
+      if (config_.vector_dtype == dtype::float16 || traverses_fp16()) {
         double const scale = config_.metric == distance_metric::cosine ? 1.0 / std::sqrt(norm2) : 1.0;
         for (std::int64_t e = 0; e < config_.dim; ++e) {
           float const x = static_cast<float>(to_float(vectors(r, e)) * scale);
           INFERSCALE_EXPECTS(std::isfinite(to_float(from_float<half_t>(x))),
                              "graph_index: vector " + std::to_string(r) +
-                               " overflows float16 at element " + std::to_string(e));
+                               " overflows float16 at element " + std::to_string(e) +
+                               (config_.vector_dtype == dtype::float16
+                                  ? std::string{}
+                                  : std::string{" (index_config::host_traversal_dtype float16)"}));
         }
       }
     }
@@ -1285,6 +1352,63 @@ class graph_index {
                   detail::index::invalid_node);
       id_to_row_[ids_[row]] = {t, static_cast<std::uint32_t>(first + r)};
     }
+    write_traversal(t, first, static_cast<std::uint32_t>(vectors.extent(0)));
+  }
+
+  /// Whether the fast host search walks a float16 copy of the rows (`host_traversal_dtype`).
+  bool traverses_fp16() const noexcept
+  {
+    return config_.host_traversal_dtype == dtype::float16;
+  }
+
+  static void check_traversal_dtype(index_config const& config, char const* who)
+  {
+    INFERSCALE_EXPECTS(config.host_traversal_dtype == dtype::float32 ||
+                         config.host_traversal_dtype == dtype::float16,
+                       std::string{who} + ": host_traversal_dtype is float32 or float16, got " +
+                         to_string(config.host_traversal_dtype));
+    INFERSCALE_EXPECTS(config.host_traversal_dtype == dtype::float32 ||
+                         (config.vector_dtype == dtype::float32 && config.memory == memory_kind::host),
+                       std::string{who} +
+                         ": host_traversal_dtype float16 needs a host-memory index of float32 "
+                         "vectors (got vector_dtype " + to_string(config.vector_dtype) + ", " +
+                         (config.memory == memory_kind::host ? "host" : "device") + " memory)");
+  }
+
+  /// Rows `[first, first + count)` of tenant `t` into its float16 copy (under float16 traversal).
+  void write_traversal(std::size_t t, std::uint32_t first, std::uint32_t count)
+  {
+    if (!traverses_fp16() || count == 0) { return; }
+    auto& tn                   = tenants_[t];
+    std::size_t const re       = static_cast<std::size_t>(row_elements_);
+    std::size_t const needed   = (std::size_t{first} + count) * re;
+    if (tn.traversal.size() < needed) { tn.traversal.resize(needed); }
+    float const* rows =
+      reinterpret_cast<float const*>(vectors_.data()) + static_cast<std::size_t>(tn.ref.row_begin) * re;
+    std::size_t const begin = std::size_t{first} * re;
+    for (std::size_t i = begin; i < needed; ++i) {
+      tn.traversal[i] = from_float<half_t>(rows[i]);
+    }
+  }
+
+  /// The float16 copies of tenant `t` made afresh (rows and packed entry rows), or dropped when
+  /// the index does not traverse float16.
+  void rebuild_traversal(std::size_t t)
+  {
+    auto& tn = tenants_[t];
+    if (!traverses_fp16()) {
+      std::vector<half_t>().swap(tn.traversal);
+      std::vector<half_t>().swap(tn.entry_traversal);
+      return;
+    }
+    tn.traversal.assign(static_cast<std::size_t>(tn.ref.size) * static_cast<std::size_t>(row_elements_),
+                        half_t{});
+    write_traversal(t, 0, tn.ref.size);
+    tn.entry_traversal.resize(tn.entry_vectors.size() / sizeof(float));
+    float const* entry_rows = reinterpret_cast<float const*>(tn.entry_vectors.data());
+    for (std::size_t i = 0; i < tn.entry_traversal.size(); ++i) {
+      tn.entry_traversal[i] = from_float<half_t>(entry_rows[i]);
+    }
   }
 
   void erase_namespace_rows(std::uint64_t ns)
@@ -1301,6 +1425,7 @@ class graph_index {
     upload_tenant(index, 0, upload_flags);
     t.ref.live = 0;
     t.ref.size = 0;
+    rebuild_traversal(index);
   }
 
   template <class Fn>
@@ -1414,6 +1539,7 @@ class graph_index {
         calibration_recall);
     });
     tn.entries_rows = n;
+    rebuild_traversal(t);
   }
 
   float node_distance(std::size_t t, std::uint32_t a, std::uint32_t b) const
@@ -1555,6 +1681,24 @@ class graph_index {
                                                : static_cast<std::uint32_t>(tn.entries.size());
       plan.xor_mask       = params.rand_xor_mask;
       plan.max_expansions = params.max_iterations * params.search_width;
+      if constexpr (std::is_same_v<T, float>) {
+        if (traverses_fp16()) {  // the walk on the float16 copy, the best entries measured again
+          assert(tn.traversal.size() >= std::size_t{tr.size} * static_cast<std::size_t>(row_elements_));
+          plan.k          = plan.ef;  // the whole list
+          plan.entry_rows = tn.entries.empty() ? nullptr : tn.entry_traversal.data();
+          auto& walked    = scratch.walked;
+          detail::index::graph_search_fast(
+            tn.traversal.data(), row_elements_, graph_.data() + tr.row_begin * config_.graph_degree,
+            config_.graph_degree, tr.size, deleted, query,
+            detail::index::fast_kernels_for<half_t>(config_.metric), plan, scratch, walked);
+          double const window = config_.metric == distance_metric::cosine
+                                  ? 2.0 * detail::index::cosine_fp16_error_bound(row_elements_)
+                                  : std::numeric_limits<double>::infinity();
+          detail::index::rerank_exact(rows, row_elements_, query, kernels.distance, walked, k,
+                                      window, result);
+          return;
+        }
+      }
       detail::index::graph_search_fast(rows, row_elements_,
                                        graph_.data() + tr.row_begin * config_.graph_degree,
                                        config_.graph_degree, tr.size, deleted, query, kernels,

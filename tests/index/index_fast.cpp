@@ -508,3 +508,239 @@ TEST_CASE("index_config::host_entry_points is validated", "[index][fast]")
   REQUIRE(default_host_entry_points(100000) == 1265);    // ceil(1264.91)
   REQUIRE(default_host_entry_points(10000000) == 2048);  // the cap
 }
+
+namespace {
+
+/// Every row of `ns` in the float16 copy is `from_float<half_t>` of the stored float32 row.
+void require_copy_current(graph_index const& index, std::uint64_t ns)
+{
+  half_t const* copy = index.host_traversal_rows(ns);
+  REQUIRE(copy != nullptr);
+  auto const* rows        = static_cast<float const*>(index.vector_rows(ns));
+  std::size_t const count = std::size_t{index.rows(ns)} * static_cast<std::size_t>(index.row_elements());
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    half_t const want = from_float<half_t>(rows[i]);
+    wrong += std::memcmp(&want, copy + i, sizeof want) != 0 ? 1 : 0;
+  }
+  REQUIRE(wrong == 0);
+}
+
+}  // namespace
+
+TEST_CASE("float16 traversal: the copy follows the rows through every mutation and a load",
+          "[index][fast][traversal]")
+{
+  std::int64_t const dim = 48;
+  test::gaussian_mixture mix({dim, 20, true, 5});
+  index_config c;
+  c.dim                  = dim;
+  c.host_traversal_dtype = dtype::float16;
+  graph_index index{c};
+  std::vector<float> const a = mix.draw(1500), b = mix.draw(40), d = mix.draw(700);
+  auto const ida = iota_ids(1500), idb = iota_ids(40, 10000), idd = iota_ids(700, 20000);
+  index.add(1, make_matrix_view<float const>(a.data(), 1500, dim),
+            cuda::std::span<std::uint64_t const>{ida.data(), ida.size()});
+  require_copy_current(index, 1);
+  index.add(1, make_matrix_view<float const>(b.data(), 40, dim),  // the incremental path
+            cuda::std::span<std::uint64_t const>{idb.data(), idb.size()});
+  require_copy_current(index, 1);
+  index.add(2, make_matrix_view<float const>(d.data(), 700, dim),
+            cuda::std::span<std::uint64_t const>{idd.data(), idd.size()});
+  require_copy_current(index, 2);
+  std::vector<std::uint64_t> gone;
+  for (std::uint64_t i = 0; i < 1500; i += 3) {
+    gone.push_back(i);
+  }
+  index.erase(cuda::std::span<std::uint64_t const>{gone.data(), gone.size()});
+  index.compact();  // namespace 1 rebuilt from its live rows, namespace 2 moved
+  require_copy_current(index, 1);
+  require_copy_current(index, 2);
+  REQUIRE(index.rows(1) == 1500 - 500 + 40);
+  index.build(2, make_matrix_view<float const>(b.data(), 0, dim),
+              cuda::std::span<std::uint64_t const>{idb.data(), 0});  // an empty build
+  REQUIRE(index.rows(2) == 0);
+  (void)index.erase_namespace(2);
+  REQUIRE(index.host_traversal_rows(2) == nullptr);
+  require_copy_current(index, 1);
+
+  // a loaded index has the default (float32); the setter makes the copy, and takes it away
+  std::string const path = "index_traversal_roundtrip.isidx";
+  save_index(index, path);
+  graph_index loaded = load_index(path);
+  std::remove(path.c_str());
+  REQUIRE(loaded.config().host_traversal_dtype == dtype::float32);
+  REQUIRE(loaded.host_traversal_rows(1) == nullptr);
+  std::uint64_t const version = loaded.version();
+  loaded.set_host_traversal_dtype(dtype::float16);
+  REQUIRE(loaded.version() == version + 1);
+  require_copy_current(loaded, 1);
+  search_params p;
+  p.algo = search_algo::graph;
+  std::vector<float> const queries = mix.draw(50);
+  answers const x = run(index, queries, 1, 10, p), y = run(loaded, queries, 1, 10, p);
+  REQUIRE(x.ids == y.ids);  // same rows, same graph, same walk
+  loaded.set_host_traversal_dtype(dtype::float32);
+  REQUIRE(loaded.host_traversal_rows(1) == nullptr);
+}
+
+TEST_CASE("float16 traversal: the walk's best entries measured again on the float32 rows",
+          "[index][fast][traversal]")
+{
+  std::int64_t const dim = 96;
+  std::uint32_t const n  = 6000;
+  test::gaussian_mixture mix({dim, 60, true, 23});
+  std::vector<float> const queries = mix.draw(200);
+  std::vector<float> const data    = mix.draw(n);
+  auto const ids = iota_ids(n);
+  index_config c;
+  c.dim = dim;
+  graph_index plain{c};
+  c.host_traversal_dtype = dtype::float16;
+  graph_index half{c};
+  for (graph_index* index : {&plain, &half}) {
+    index->add(3, make_matrix_view<float const>(data.data(), n, dim),
+               cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+  }
+  auto const truth = truth_of(data, queries, dim, 10);
+  for (std::uint32_t ef : {10u, 24u, 64u}) {
+    search_params p;
+    p.algo       = search_algo::graph;
+    p.itopk_size = ef;
+    answers const a = run(plain, queries, 3, 10, p), b = run(half, queries, 3, 10, p);
+    double const ra = recall_of(a, truth, 10), rb = recall_of(b, truth, 10);
+    std::printf("float16 traversal, 6000 x 96, ef %u: recall@10 %.4f (float32 walk %.4f)\n", ef,
+                rb, ra);
+    REQUIRE(rb >= ra - 0.01);
+    // each result's distance is the float32 fast distance of its row, bit for bit; sorted, unique
+    std::vector<float> const prepared =
+      half.prepare_queries(make_matrix_view<float const>(queries.data(), 200, dim));
+    auto const fast32 = ix::fast_kernels_for<float>(distance_metric::cosine).distance;
+    auto const* rows  = static_cast<float const*>(half.vector_rows(3));
+    std::int64_t const re = half.row_elements();
+    for (std::size_t q = 0; q < 200; ++q) {
+      std::set<std::uint64_t> seen;
+      for (std::size_t j = 0; j < 10; ++j) {
+        std::uint64_t const id = b.ids[q * 10 + j];
+        REQUIRE(id < n);
+        REQUIRE(seen.insert(id).second);
+        float const want = fast32(rows + static_cast<std::int64_t>(id) * re,
+                                  prepared.data() + q * static_cast<std::size_t>(re), re);
+        REQUIRE(std::memcmp(&want, &b.distances[q * 10 + j], sizeof want) == 0);
+        if (j > 0) { REQUIRE(b.distances[q * 10 + j - 1] <= b.distances[q * 10 + j]); }
+      }
+    }
+  }
+}
+
+TEST_CASE("float16 traversal: the cosine error bound holds and the window changes nothing",
+          "[index][fast][traversal]")
+{
+  std::mt19937_64 rng(99);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  auto const k32 = ix::fast_kernels_for<float>(distance_metric::cosine).distance;
+  auto const k16 = ix::fast_kernels_for<half_t>(distance_metric::cosine).distance;
+  for (std::int64_t n : {16, 384, 768, 4096}) {
+    double const bound = ix::cosine_fp16_error_bound(n);
+    // the first-order term is 2^-11 = 4.88e-4; the rest grows with n
+    REQUIRE(bound > 0x1.0p-11);
+    REQUIRE(bound < 0x1.0p-11 + 1e-3);
+    double worst = 0.0;
+    std::vector<float> x(static_cast<std::size_t>(n)), q(x.size());
+    std::vector<half_t> xh(x.size());
+    for (int trial = 0; trial < 400; ++trial) {
+      // unit vectors; every fourth row concentrates its mass on one element (the largest
+      // relative rounding), and a few elements are tiny (float16 subnormals)
+      double nx = 0.0, nq = 0.0;
+      for (std::int64_t e = 0; e < n; ++e) {
+        x[e] = g(rng) * (trial % 4 == 0 && e == 0 ? 100.0f : 1.0f) * (e % 37 == 5 ? 1e-4f : 1.0f);
+        q[e] = trial % 2 == 0 ? g(rng) : x[e] + 0.01f * g(rng);
+        nx += double{x[e]} * x[e];
+        nq += double{q[e]} * q[e];
+      }
+      for (std::int64_t e = 0; e < n; ++e) {
+        x[e]  = static_cast<float>(x[e] / std::sqrt(nx));
+        q[e]  = static_cast<float>(q[e] / std::sqrt(nq));
+        xh[e] = from_float<half_t>(x[e]);
+      }
+      double const diff = std::fabs(double{k16(xh.data(), q.data(), n)} - k32(x.data(), q.data(), n));
+      worst = std::max(worst, diff);
+      REQUIRE(diff <= bound);
+    }
+    std::printf("cosine float16 bound, %lld elements: %.3g, worst seen %.3g\n",
+                static_cast<long long>(n), bound, worst);
+  }
+
+  // rerank_exact with the window gives what measuring the whole list gives
+  std::int64_t const re = 32;
+  std::vector<float> rows(200 * re);
+  for (auto& v : rows) {
+    v = g(rng);
+  }
+  std::vector<float> query(re);
+  for (auto& v : query) {
+    v = g(rng);
+  }
+  auto const l2 = ix::fast_kernels_for<float>(distance_metric::squared_l2).distance;
+  std::uniform_real_distribution<float> noise(-0.05f, 0.05f);
+  for (int trial = 0; trial < 200; ++trial) {
+    // an approximate list: exact distances moved by at most 0.05, sorted by the moved values
+    std::vector<ix::search_entry> approx;
+    for (std::uint32_t v = 0; v < 200; v += 1 + trial % 3) {
+      approx.push_back({l2(rows.data() + v * re, query.data(), re) + noise(rng), v, false});
+    }
+    std::sort(approx.begin(), approx.end(), ix::closer{});
+    std::vector<ix::search_entry> windowed, whole;
+    std::uint32_t const k = 1 + trial % 12;
+    ix::rerank_exact(rows.data(), re, query.data(), l2, approx, k, 0.1, windowed);
+    ix::rerank_exact(rows.data(), re, query.data(), l2, approx, k,
+                     std::numeric_limits<double>::infinity(), whole);
+    REQUIRE(whole.size() == std::min<std::size_t>(k, approx.size()));
+    REQUIRE(windowed.size() == whole.size());
+    for (std::size_t j = 0; j < whole.size(); ++j) {
+      REQUIRE(windowed[j].node == whole[j].node);
+      REQUIRE(windowed[j].distance == whole[j].distance);
+    }
+  }
+}
+
+TEST_CASE("float16 traversal: refused where it cannot apply, nothing changed",
+          "[index][fast][traversal][validation]")
+{
+  index_config c;
+  c.dim                  = 8;
+  c.host_traversal_dtype = dtype::float16;
+  c.vector_dtype         = dtype::float16;
+  REQUIRE_THROWS_WITH(graph_index{c}, Catch::Contains("host_traversal_dtype float16 needs"));
+  c.vector_dtype = dtype::float32;
+  c.memory       = memory_kind::device;
+  REQUIRE_THROWS_WITH(graph_index{c}, Catch::Contains("host-memory"));
+  c.memory               = memory_kind::host;
+  c.host_traversal_dtype = dtype::bfloat16;
+  REQUIRE_THROWS_WITH(graph_index{c}, Catch::Contains("float32 or float16"));
+
+  // an inner-product index holding a value float16 cannot represent
+  c.metric               = distance_metric::inner_product;
+  c.host_traversal_dtype = dtype::float32;
+  graph_index index{c};
+  std::vector<float> v(4 * 8, 1.0f);
+  v[13] = 1e5f;
+  auto const ids = iota_ids(4);
+  index.add(1, make_matrix_view<float const>(v.data(), 4, 8),
+            cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+  std::uint64_t const version = index.version();
+  REQUIRE_THROWS_WITH(index.set_host_traversal_dtype(dtype::float16),
+                      Catch::Contains("fact id 1 overflows float16 at element 5"));
+  REQUIRE(index.config().host_traversal_dtype == dtype::float32);
+  REQUIRE(index.version() == version);
+  REQUIRE(index.host_traversal_rows(1) == nullptr);
+
+  // under float16 traversal, such a vector is refused at add
+  c.host_traversal_dtype = dtype::float16;
+  graph_index half{c};
+  REQUIRE_THROWS_WITH(half.add(1, make_matrix_view<float const>(v.data(), 4, 8),
+                               cuda::std::span<std::uint64_t const>{ids.data(), ids.size()}),
+                      Catch::Contains("host_traversal_dtype float16"));
+  REQUIRE(half.num_namespaces() == 0);
+  REQUIRE(half.version() == 0);
+}

@@ -22,6 +22,7 @@
 #include <inferscale/detail/index/math.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -57,6 +58,7 @@ struct search_scratch {
   std::vector<search_entry> top, candidates;
   std::vector<std::uint32_t> fresh;  ///< the fast search's unvisited neighbours of one node
   std::vector<float> scanned;        ///< the fast search's entry / exact-scan distances
+  std::vector<search_entry> walked;  ///< the float16 walk's list before it is measured again
 
   void begin(std::uint32_t n)
   {
@@ -323,6 +325,62 @@ void graph_search_fast(T const* rows,
   std::sort(results.begin(), results.end(), closer{});
   std::size_t const keep = std::min<std::size_t>(results.size(), plan.k);
   out.assign(results.begin(), results.begin() + static_cast<std::ptrdiff_t>(keep));
+}
+
+/**
+ * @brief A bound on |d16 - d32| under the cosine metric, where d32 is the fast distance of a
+ * stored fp32 row (unit norm, as the index stores cosine rows) to a unit query of `elements`
+ * elements, and d16 the fast distance of the same row rounded to fp16 (`from_float<half_t>`).
+ *
+ * Both are `1 - s` with s a dot product. Rounding x to fp16 moves each element by at most 2^-11
+ * |x_i| (normal results) or 2^-25 (subnormal ones), so the exact dots differ by at most
+ * 2^-11 |x| |q| + 2^-25 sqrt(n) |q| (Cauchy-Schwarz). Each computed dot is within
+ * gamma_n |x| |q| of its exact value (n products summed in any order, fused or not:
+ * gamma_n = n u / (1 - n u), u = 2^-24), and the subtraction from 1 adds at most u |1 - s| <= 2u
+ * each. The norms are 1 to within n u; 1.001 covers them.
+ */
+inline double cosine_fp16_error_bound(std::int64_t elements) noexcept
+{
+  double const u     = 0x1.0p-24;
+  double const n     = static_cast<double>(elements);
+  double const gamma = n * u / (1.0 - n * u);
+  double const norm  = 1.001;
+  return 0x1.0p-11 * norm * norm + 0x1.0p-25 * std::sqrt(n) * norm + 2.0 * gamma * norm * norm +
+         4.0 * u;
+}
+
+/**
+ * @brief The best `k` of a candidate list by the stored rows' own distances: `approx` is the fast
+ * search's result over a rounded copy of the rows (sorted by its distances), and each entry
+ * within `window` of the k-th one is measured again on `rows` by `distance`; `out` gets the best
+ * `k` of those by (distance, node), with those distances.
+ *
+ * With `window` at least twice a bound on |approx - exact| per row (`cosine_fp16_error_bound`),
+ * this is exactly the best k of the whole list by the exact distances: an entry past the window
+ * has exact distance > d_k + bound >= the exact distance of each of the k first entries. An
+ * infinite window measures the whole list.
+ */
+template <class T>
+void rerank_exact(T const* rows,
+                  std::int64_t row_elements,
+                  float const* query,
+                  fast_distance_fn<T> distance,
+                  std::vector<search_entry> const& approx,
+                  std::uint32_t k,
+                  double window,
+                  std::vector<search_entry>& out)
+{
+  out.clear();
+  if (approx.empty() || k == 0) { return; }
+  double const last =
+    static_cast<double>(approx[std::min<std::size_t>(approx.size(), k) - 1].distance) + window;
+  for (auto const& e : approx) {
+    if (out.size() >= k && static_cast<double>(e.distance) > last) { break; }
+    out.push_back({distance(rows + std::int64_t{e.node} * row_elements, query, row_elements),
+                   e.node, false});
+  }
+  std::sort(out.begin(), out.end(), closer{});
+  if (out.size() > k) { out.resize(k); }
 }
 
 /**

@@ -41,7 +41,7 @@
  *    fact index storing its rows in fp16 (`index_config::vector_dtype`; half the bytes per
  *    distance, half the memory), built and searched on them; hnswlib, the queries and the truth
  *    are the fp32 set's (hnswlib stores fp32). `hnswlib_build_*` repeat the fp32 set's build.
- *  - index_host/equal_recall/data:mixture/dim:d/N:100000/traversal:fp16/target:T: the fp32 set's
+ *  - index_host/equal_recall/data:D/dim:d[/N:n]/traversal:fp16/target:T: the fp32 set's
  *    index itself with `index_config::host_traversal_dtype` float16 (set on it for the case's
  *    sweep and timing, `graph_index::set_host_traversal_dtype`): the walk reads the rows' float16
  *    copy, and its best entries are measured again on the fp32 rows; results and distances are the
@@ -671,7 +671,7 @@ void register_all()
                               {"locomo_minilm", 384, -1}};
   // fp32 rows on every set; fp16 rows (half the bytes per distance, the graph built and searched
   // on them) on the 100,000-row sets, against the same fp32 hnswlib index and fp32 truth
-  // and fp32 rows walked on their float16 copy (index_config::host_traversal_dtype) there too
+  // and fp32 rows walked on their float16 copy (index_config::host_traversal_dtype) on every set
   struct variant {
     is::dtype rows, traversal;
     char const* suffix;
@@ -680,7 +680,7 @@ void register_all()
                             variant{is::dtype::float16, is::dtype::float32, "/rows:fp16"},
                             variant{is::dtype::float32, is::dtype::float16, "/traversal:fp16"}}) {
     for (auto const& s : sets) {
-      if (var.suffix[0] != '\0' && s.n != 100000) { continue; }
+      if (var.rows == is::dtype::float16 && s.n != 100000) { continue; }
       std::string const base = "index_host/equal_recall/data:" + s.name + "/dim:" +
                                std::to_string(s.dim) + (s.n < 0 ? "" : "/N:" + std::to_string(s.n)) +
                                var.suffix;

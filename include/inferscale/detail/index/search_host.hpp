@@ -374,10 +374,18 @@ void rerank_exact(T const* rows,
   if (approx.empty() || k == 0) { return; }
   double const last =
     static_cast<double>(approx[std::min<std::size_t>(approx.size(), k) - 1].distance) + window;
-  for (auto const& e : approx) {
-    if (out.size() >= k && static_cast<double>(e.distance) > last) { break; }
-    out.push_back({distance(rows + std::int64_t{e.node} * row_elements, query, row_elements),
-                   e.node, false});
+  std::size_t m = std::min<std::size_t>(approx.size(), k);
+  while (m < approx.size() && static_cast<double>(approx[m].distance) <= last) { ++m; }
+  // the rows are cold (the walk read their copies): fetched ahead as the walk does
+  constexpr std::size_t ahead = 4;
+  std::size_t const bytes     = std::min<std::size_t>(256, static_cast<std::size_t>(row_elements) * sizeof(T));
+  auto const row_of = [&](std::size_t j) { return rows + std::int64_t{approx[j].node} * row_elements; };
+  for (std::size_t j = 0; j < m && j < ahead; ++j) {
+    prefetch_row(row_of(j), bytes);
+  }
+  for (std::size_t j = 0; j < m; ++j) {
+    if (j + ahead < m) { prefetch_row(row_of(j + ahead), bytes); }
+    out.push_back({distance(row_of(j), query, row_elements), approx[j].node, false});
   }
   std::sort(out.begin(), out.end(), closer{});
   if (out.size() > k) { out.resize(k); }

@@ -142,10 +142,11 @@ struct index_config {
    * `float32` (the default) = the stored rows; `float16` (float32 host indexes only) = a float16
    * copy of the rows kept beside them, half the bytes per distance, after which the best
    * entries of the walk are measured again on the float32 rows, so results and distances are
-   * the float32 rows' (`detail::index::rerank_exact`). It pays where rows come from memory
-   * rather than the caches (measured at 100,000 x 384 and x 768: 0.83-0.87 of the float32
-   * walk's time at the same recall, bench/results/2026-12-02-host-search-traversal.md), and
-   * costs 2 bytes per element more (+50 % of the vectors). Vectors must then also fit float16
+   * the float32 rows' (`detail::index::rerank_exact`). Measured at 100,000 x 384 and x 768 it
+   * takes 0.68-0.80 of the float32 walk's time at equal recall (1.03-1.31x hnswlib's speed
+   * where the float32 walk gave 0.82-1.00x), and 0.78-0.97 at 8,000-10,000 rows
+   * (bench/results/2026-12-02-host-search-traversal.md). It costs 2 bytes per element more
+   * (+50 % of the vectors). Vectors must then also fit float16
    * (as for `vector_dtype` float16; cosine rows always do). The exact search, the reference
    * mode and the builds use the float32 rows. Not stored by `save_index`: set it on a loaded
    * index with `graph_index::set_host_traversal_dtype`.

@@ -38,7 +38,8 @@
  * The file is therefore exactly `88 + 16 T + R (9 + W + 4 D)` bytes. The memory kind is not
  * stored: `load_index` chooses it; nor are the build knobs `host_knn`, `nn_descent` and
  * `build_threads`, nor `max_row_overhead` (the loaded config has their defaults; they only matter
- * for later mutations). Erased namespaces are not stored, and the loaded arena is
+ * for later mutations), nor `host_traversal_dtype` (the float16 copy is derived from the rows:
+ * `graph_index::set_host_traversal_dtype` makes it on the loaded index). Erased namespaces are not stored, and the loaded arena is
  * packed (each tenant's capacity is its size), so holes and `version()` are not kept; namespaces,
  * row order, fact ids, deleted flags, vectors and graph bytes are, so searches give identical
  * results.

@@ -86,6 +86,33 @@ void prepare_search_kernel(int device)
   done[d] = true;
 }
 
+/**
+ * @brief CTAs of `search_kernel<Policy, T>` with `shared` bytes of dynamic shared memory that
+ * `device` holds at once (occupancy per SM x SMs, at least 1), after preparing the kernel's
+ * attribute (prepare_search_kernel). The SM count is read once per device.
+ */
+template <class Policy, class T>
+std::int64_t resident_search_ctas(int device, std::size_t shared)
+{
+  prepare_search_kernel<Policy, T>(device);
+  static std::mutex guard;
+  static std::vector<int> sms;
+  int count = 0;
+  {
+    std::lock_guard<std::mutex> lock(guard);
+    auto const d = static_cast<std::size_t>(device);
+    if (sms.size() <= d) { sms.resize(d + 1, 0); }
+    if (sms[d] == 0) {
+      INFERSCALE_CUDA_TRY(cudaDeviceGetAttribute(&sms[d], cudaDevAttrMultiProcessorCount, device));
+    }
+    count = sms[d];
+  }
+  int per_sm = 0;
+  INFERSCALE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+    &per_sm, search_kernel<Policy, T>, Policy::search_threads, shared));
+  return std::max<std::int64_t>(1, std::int64_t{per_sm} * count);
+}
+
 /// @brief Calls `f(type_tag<T>{})` for the index's vector dtype (float or half_t).
 template <class F>
 decltype(auto) dispatch_vector_dtype(dtype t, F&& f)
@@ -573,8 +600,10 @@ inline void exact_search(raft::resources const& res,
  * index with the same content, bit for bit: the same plan per tenant (`plan_for`, `uses_exact`),
  * seeds, exact visited set, team distances and (distance, node) order.
  *
- * One kernel launch for the whole batch, one CTA per query; the per-query tenant table (and,
- * for large queries or visited sets, global workspace for them) is staged first.
+ * One kernel launch for the whole batch: one CTA per query while queries and visited sets fit in
+ * shared memory; otherwise at most the CTAs the device holds at once, each pulling queries and
+ * reusing one global slice for them (`detail::index::search_launch_plan`), so the workspace is
+ * bounded by the device, not by the batch. The per-query tenant table is staged first.
  *
  * @param queries       device `[q][dim]` fp32 queries (any strides)
  * @param namespaces    host span: one namespace per query, or one for all
@@ -620,8 +649,7 @@ inline void search(raft::resources const& res,
     detail::index::next_pow2(std::uint64_t{itopk} + policy::min_candidates));
 
   std::vector<detail::index::search_task> tasks(static_cast<std::size_t>(nq));
-  std::uint64_t hash_total = 0;
-  std::uint64_t hash_max   = 0;
+  std::uint64_t hash_max = 0;
   for (std::int64_t q = 0; q < nq; ++q) {
     auto const& tenant =
       tenants[static_cast<std::size_t>(tenant_index[static_cast<std::size_t>(q)])];
@@ -643,10 +671,8 @@ inline void search(raft::resources const& res,
           std::uint64_t{plan.width} * degree * (std::uint64_t{plan.max_iterations} + 1));
       std::uint64_t const hash_entries =
         std::max<std::uint64_t>(policy::min_hash_entries, detail::index::next_pow2(2 * visits));
-      task.hash_mask   = static_cast<std::uint32_t>(hash_entries - 1);
-      task.hash_offset = static_cast<std::int64_t>(hash_total);
-      hash_total += hash_entries;
-      hash_max = std::max(hash_max, hash_entries);
+      task.hash_mask = static_cast<std::uint32_t>(hash_entries - 1);
+      hash_max       = std::max(hash_max, hash_entries);
     }
   }
 
@@ -668,10 +694,16 @@ inline void search(raft::resources const& res,
                        " does not fit in shared memory");
 
   cudaStream_t const stream = raft::resource::get_cuda_stream(res).get();
-  auto d_tasks              = detail::index::workspace_vector<detail::index::search_task>(res, nq);
-  auto query_workspace = detail::index::workspace_vector<float>(res, query_in_shared ? 0 : nq * re);
-  auto hash_workspace  = detail::index::workspace_vector<std::uint32_t>(
-    res, hash_in_shared ? 0 : static_cast<std::int64_t>(hash_total));
+  // with a global workspace, at most the CTAs the device holds at once, each reusing one slice
+  std::int64_t const resident = detail::index::dispatch_vector_dtype(ref.vector_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return detail::index::resident_search_ctas<policy, T>(device, shared);
+  });
+  auto const launch = detail::index::search_launch_plan(
+    nq, resident, query_in_shared, hash_in_shared, re, static_cast<std::int64_t>(hash_max));
+  auto d_tasks         = detail::index::workspace_vector<detail::index::search_task>(res, nq);
+  auto query_workspace = detail::index::workspace_vector<float>(res, launch.query_elements);
+  auto hash_workspace  = detail::index::workspace_vector<std::uint32_t>(res, launch.hash_elements);
   INFERSCALE_CUDA_TRY(cudaMemcpyAsync(d_tasks.data(),
                                       tasks.data(),
                                       tasks.size() * sizeof(detail::index::search_task),
@@ -695,6 +727,7 @@ inline void search(raft::resources const& res,
   p.distances_stride1 = out_distances.stride(1);
   p.query_workspace   = query_in_shared ? nullptr : query_workspace.data();
   p.hash_workspace    = hash_in_shared ? nullptr : hash_workspace.data();
+  p.hash_stride       = launch.hash_stride;
   p.num_queries       = nq;
   p.dim               = index.dim();
   p.row_elements      = re;
@@ -709,10 +742,9 @@ inline void search(raft::resources const& res,
   p.hash_in_shared    = hash_in_shared;
   p.metric            = ref.metric;
 
-  auto const grid = static_cast<unsigned>(std::min<std::int64_t>(nq, std::int64_t{1} << 30));
+  auto const grid = static_cast<unsigned>(launch.grid);
   detail::index::dispatch_vector_dtype(ref.vector_dtype, [&](auto tag) {
     using T     = typename decltype(tag)::type;
-    detail::index::prepare_search_kernel<policy, T>(device);
     detail::index::search_kernel<policy, T><<<grid, policy::search_threads, shared, stream>>>(p);
     INFERSCALE_CHECK_LAUNCH();
   });

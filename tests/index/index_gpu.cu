@@ -471,6 +471,38 @@ TEST_CASE("index device search: queries in global memory (9000-d), strided queri
   }
 }
 
+TEST_CASE("index device search: a batch of several resident grids reuses each CTA's global "
+          "workspace and still equals the host bit for bit",
+          "[index][gpu]")
+{
+  raft::device_resources res;
+  std::int64_t const dim = 96;
+  auto const config      = small_config(dtype::float32, distance_metric::cosine, dim);
+  auto const pair        = make_index_pair(config, {{30, 5000, 5000, 0}}, 17);
+  // itopk 256 with 8 parents: the visited hash (2^14 entries, 64 kB) exceeds the shared budget
+  search_params params;
+  params.algo         = search_algo::graph;
+  params.itopk_size   = 256;
+  params.search_width = 8;
+  int device          = 0;
+  INFERSCALE_CUDA_TRY(cudaGetDevice(&device));
+  std::size_t const shared = 512 * sizeof(detail::index::buffer_entry) +
+                             static_cast<std::size_t>(pair.device.row_elements()) * sizeof(float);
+  std::int64_t const resident =
+    detail::index::resident_search_ctas<detail::index::device_policy, float>(device, shared);
+  auto const plan = detail::index::search_launch_plan(3 * resident + 7, resident, true, false,
+                                                      pair.device.row_elements(), 1 << 14);
+  REQUIRE(plan.grid == resident);  // every CTA takes three or four queries
+  std::int64_t const nq = 3 * resident + 7;
+  test::gaussian_mixture mixture{mixture_for(config, 17)};
+  auto const queries = mixture.draw(nq);
+  std::vector<std::uint64_t> const one_namespace{30};
+  auto const d_queries = upload_queries(queries, nq, dim, dim);
+  auto const expected  = host_search(pair.host, queries, nq, one_namespace, 10, params);
+  auto const got = device_search(res, pair.device, d_queries, nq, dim, one_namespace, 10, params);
+  require_identical(expected, got, one_namespace, 10);
+}
+
 TEST_CASE("index device search: NaN, infinite and zero-cosine queries get invalid rows",
           "[index][gpu]")
 {

@@ -6,6 +6,7 @@
  * every operation against the bound `max(1.5 * live, live + floor)` on the arena, a model of the
  * live facts kept by the test, and a brute-force nearest-neighbour loop.
  */
+#include <inferscale/detail/index/tuning.hpp>
 #include <inferscale/index.hpp>
 
 #include <gaussian_mixture.hpp>
@@ -535,4 +536,36 @@ TEST_CASE("index: under 3,000 random adds and erases over 50 users the arena sta
        << "; mutations " << off.seconds << " s), " << on.max_ratio_large
        << " with max_row_overhead 1.5 (over all states " << on.max_ratio << "; " << on.compactions
        << " repacks; mutations " << on.seconds << " s)");
+}
+
+TEST_CASE("search_launch_plan: the device workspace is bounded by the resident CTAs, not the batch",
+          "[index][launch]")
+{
+  using detail::index::search_launch_plan;
+  // everything in shared memory: one CTA per query, no global workspace
+  auto a = search_launch_plan(100000, 264, true, true, 384, 1 << 12);
+  REQUIRE(a.grid == 100000);
+  REQUIRE(a.query_elements == 0);
+  REQUIRE(a.hash_elements == 0);
+  // a global hash: 264 slices of the batch's largest hash, whatever the batch
+  auto b = search_launch_plan(100000, 264, true, false, 384, 1 << 14);
+  REQUIRE(b.grid == 264);
+  REQUIRE(b.query_elements == 0);
+  REQUIRE(b.hash_stride == (1 << 14));
+  REQUIRE(b.hash_elements == 264LL * (1 << 14));  // 17 MB, against 6.5 GB for a slice per query
+  // a global query too
+  auto c = search_launch_plan(100000, 264, false, false, 9000, 1 << 14);
+  REQUIRE(c.grid == 264);
+  REQUIRE(c.query_elements == 264LL * 9000);
+  // a batch smaller than the device: one CTA per query
+  auto d = search_launch_plan(40, 264, false, true, 9000, 64);
+  REQUIRE(d.grid == 40);
+  REQUIRE(d.query_elements == 40LL * 9000);
+  REQUIRE(d.hash_elements == 0);
+  // degenerate inputs
+  REQUIRE(search_launch_plan(0, 264, false, false, 16, 64).grid == 0);
+  REQUIRE(search_launch_plan(5, 0, false, false, 16, 64).grid == 1);
+  // more than 2^30 queries with everything shared: the grid is capped, the kernel strides
+  REQUIRE(search_launch_plan(std::int64_t{3} << 30, 264, true, true, 16, 64).grid ==
+          (std::int64_t{1} << 30));
 }

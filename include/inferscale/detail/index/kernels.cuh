@@ -56,7 +56,6 @@ enum class search_mode : std::uint32_t {
 /// @brief Per-query work staged by the host (the per-query tenant table).
 struct search_task {
   std::int64_t row_begin{0};        ///< first arena row of the tenant
-  std::int64_t hash_offset{0};      ///< first entry of the query's hash slice (global hash)
   std::uint32_t rows{0};            ///< tenant rows (live + deleted)
   std::uint32_t max_iterations{0};  ///< resolved plan for this tenant
   std::uint32_t hash_mask{0};       ///< hash entries - 1 (a power of two minus one)
@@ -79,8 +78,9 @@ struct search_kernel_params {
   float* out_distances{nullptr};
   std::int64_t distances_stride0{0};
   std::int64_t distances_stride1{1};
-  float* query_workspace{nullptr};         ///< `[num_queries][row_elements]` (query not shared)
-  std::uint32_t* hash_workspace{nullptr};  ///< global hash slices (hash not shared)
+  float* query_workspace{nullptr};         ///< `[gridDim.x][row_elements]` (query not shared)
+  std::uint32_t* hash_workspace{nullptr};  ///< `[gridDim.x][hash_stride]` (hash not shared)
+  std::int64_t hash_stride{0};             ///< words per CTA's hash slice (the batch's largest)
   std::int64_t num_queries{0};
   std::int64_t dim{0};
   std::int64_t row_elements{0};
@@ -374,7 +374,9 @@ __device__ void search_one_query(search_kernel_params const& p,
   std::uint32_t const n       = task.rows;
   T const* rows               = static_cast<T const*>(p.vectors) + task.row_begin * p.row_elements;
   std::uint8_t const* deleted = p.deleted + task.row_begin;
-  std::uint32_t* hash = p.hash_in_shared ? hash_shared : p.hash_workspace + task.hash_offset;
+  // a CTA's global slice is reused by every query it takes (search_launch_plan)
+  std::uint32_t* hash =
+    p.hash_in_shared ? hash_shared : p.hash_workspace + std::int64_t{blockIdx.x} * p.hash_stride;
 
   auto distance_of = [&](bool active, std::uint32_t node) {
     float const partial =
@@ -520,7 +522,8 @@ __device__ void search_one_query(search_kernel_params const& p,
 }
 
 /**
- * @brief Batched search: CTA `b` answers queries `b, b + gridDim.x, ...`. Dynamic shared memory:
+ * @brief Batched search: CTA `b` answers queries `b, b + gridDim.x, ...`, reusing its own global
+ * slices of `query_workspace` and `hash_workspace` (when those are global) for each. Dynamic shared memory:
  * the buffer (`buffer_entries` entries), then the query (`row_elements` floats) when
  * `query_in_shared`, then the hash when `hash_in_shared` (entries: the largest `hash_mask + 1`
  * of the batch).
@@ -540,8 +543,9 @@ void __launch_bounds__(Policy::search_threads)
     after_buffer +
     (params.query_in_shared ? static_cast<std::size_t>(params.row_elements) * sizeof(float) : 0));
   for (std::int64_t q = blockIdx.x; q < params.num_queries; q += gridDim.x) {
-    float* query =
-      params.query_in_shared ? shared_query : params.query_workspace + q * params.row_elements;
+    float* query = params.query_in_shared
+                     ? shared_query
+                     : params.query_workspace + std::int64_t{blockIdx.x} * params.row_elements;
     search_one_query<T>(params, q, buffer, query, shared_hash, state);
     __syncthreads();
   }

@@ -42,6 +42,41 @@ struct index_policy_sm80 {
   static constexpr int sort_threads        = 256;
 };
 
+/// @brief How a search launch lays out its global workspace (`search_launch_plan`).
+struct search_launch {
+  std::int64_t grid{0};             ///< CTAs launched; each takes queries blockIdx.x, + gridDim.x, ...
+  std::int64_t query_elements{0};   ///< floats of the global query workspace (0: queries shared)
+  std::int64_t hash_elements{0};    ///< words of the global hash workspace (0: hash shared)
+  std::int64_t hash_stride{0};      ///< words between two CTAs' hash slices
+};
+
+/**
+ * @brief The launch of a batch search of `queries` queries: one CTA per query while everything
+ * a query needs fits in shared memory; otherwise at most `resident` CTAs (what the device holds
+ * at once for this kernel and shared size), each pulling queries in a grid-stride loop and
+ * reusing one global slice of `row_elements` floats (query) and `hash_entries` words (the
+ * batch's largest visited hash). The workspace is then bounded by the resident CTAs, not by the
+ * batch: 100,000 queries at itopk 128 need `resident` slices instead of 100,000.
+ */
+constexpr search_launch search_launch_plan(std::int64_t queries,
+                                           std::int64_t resident,
+                                           bool query_in_shared,
+                                           bool hash_in_shared,
+                                           std::int64_t row_elements,
+                                           std::int64_t hash_entries) noexcept
+{
+  search_launch out;
+  if (queries <= 0) { return out; }
+  bool const global = !query_in_shared || !hash_in_shared;
+  std::int64_t const cap = std::int64_t{1} << 30;
+  out.grid = global ? (queries < resident ? queries : (resident > 0 ? resident : 1))
+                    : (queries < cap ? queries : cap);
+  out.query_elements = query_in_shared ? 0 : out.grid * row_elements;
+  out.hash_stride    = hash_in_shared ? 0 : hash_entries;
+  out.hash_elements  = out.grid * out.hash_stride;
+  return out;
+}
+
 /// @brief Hopper (H100/H200): same shape until measured otherwise.
 struct index_policy_sm90 : index_policy_sm80 {};
 

@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -58,11 +59,18 @@ using device_policy = index_policy_sm90;
 template <class Policy>
 std::size_t search_shared_limit(int device)
 {
+  static std::mutex guard;
+  static std::vector<std::size_t> limits;  // per device, 0 = not read yet
+  std::lock_guard<std::mutex> lock(guard);
+  auto const d = static_cast<std::size_t>(device);
+  if (d < limits.size() && limits[d] != 0) { return limits[d]; }
   int optin = 0;
   INFERSCALE_CUDA_TRY(
     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return std::min<std::size_t>(Policy::max_search_shared_bytes,
-                               static_cast<std::size_t>(optin) - sizeof(search_block_state));
+  if (limits.size() <= d) { limits.resize(d + 1, 0); }
+  limits[d] = std::min<std::size_t>(Policy::max_search_shared_bytes,
+                                    static_cast<std::size_t>(optin) - sizeof(search_block_state));
+  return limits[d];
 }
 
 /**
@@ -107,10 +115,18 @@ std::int64_t resident_search_ctas(int device, std::size_t shared)
     }
     count = sms[d];
   }
-  int per_sm = 0;
-  INFERSCALE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-    &per_sm, search_kernel<Policy, T>, Policy::search_threads, shared));
-  return std::max<std::int64_t>(1, std::int64_t{per_sm} * count);
+  static std::mutex occupancy_guard;
+  static std::map<std::pair<int, std::size_t>, int> per_sm_of;  // (device, shared) -> CTAs per SM
+  std::lock_guard<std::mutex> lock(occupancy_guard);
+  auto const key = std::make_pair(device, shared);
+  auto it        = per_sm_of.find(key);
+  if (it == per_sm_of.end()) {
+    int per_sm = 0;
+    INFERSCALE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, search_kernel<Policy, T>, Policy::search_threads, shared));
+    it = per_sm_of.emplace(key, per_sm).first;
+  }
+  return std::max<std::int64_t>(1, std::int64_t{it->second} * count);
 }
 
 /// @brief Calls `f(type_tag<T>{})` for the index's vector dtype (float or half_t).
@@ -603,7 +619,10 @@ inline void exact_search(raft::resources const& res,
  * One kernel launch for the whole batch: one CTA per query while queries and visited sets fit in
  * shared memory; otherwise at most the CTAs the device holds at once, each pulling queries and
  * reusing one global slice for them (`detail::index::search_launch_plan`), so the workspace is
- * bounded by the device, not by the batch. The per-query tenant table is staged first.
+ * bounded by the device, not by the batch. The per-query tenant table is staged first, except
+ * for a batch of at most `detail::index::inline_search_tasks` queries whose queries and visited
+ * sets fit in shared memory: that search enqueues the kernel and nothing else (no allocation, no
+ * copy), so it can be captured in a CUDA graph once a first call has prepared the kernel.
  *
  * @param queries       device `[q][dim]` fp32 queries (any strides)
  * @param namespaces    host span: one namespace per query, or one for all
@@ -697,18 +716,25 @@ inline void search(raft::resources const& res,
   // with a global workspace, at most the CTAs the device holds at once, each reusing one slice
   std::int64_t const resident = detail::index::dispatch_vector_dtype(ref.vector_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return detail::index::resident_search_ctas<policy, T>(device, shared);
+    detail::index::prepare_search_kernel<policy, T>(device);
+    return query_in_shared && hash_in_shared
+             ? std::int64_t{0}  // one CTA per query: the occupancy does not matter
+             : detail::index::resident_search_ctas<policy, T>(device, shared);
   });
   auto const launch = detail::index::search_launch_plan(
     nq, resident, query_in_shared, hash_in_shared, re, static_cast<std::int64_t>(hash_max));
-  auto d_tasks         = detail::index::workspace_vector<detail::index::search_task>(res, nq);
+  // a small batch carries its tasks in the launch's parameters: no allocation, no copy
+  bool const inline_tasks = nq <= detail::index::inline_search_tasks;
+  auto d_tasks = detail::index::workspace_vector<detail::index::search_task>(res, inline_tasks ? 0 : nq);
   auto query_workspace = detail::index::workspace_vector<float>(res, launch.query_elements);
   auto hash_workspace  = detail::index::workspace_vector<std::uint32_t>(res, launch.hash_elements);
-  INFERSCALE_CUDA_TRY(cudaMemcpyAsync(d_tasks.data(),
-                                      tasks.data(),
-                                      tasks.size() * sizeof(detail::index::search_task),
-                                      cudaMemcpyHostToDevice,
-                                      stream));
+  if (!inline_tasks) {
+    INFERSCALE_CUDA_TRY(cudaMemcpyAsync(d_tasks.data(),
+                                        tasks.data(),
+                                        tasks.size() * sizeof(detail::index::search_task),
+                                        cudaMemcpyHostToDevice,
+                                        stream));
+  }
 
   detail::index::search_kernel_params p;
   p.vectors           = ref.vectors;
@@ -718,7 +744,8 @@ inline void search(raft::resources const& res,
   p.queries           = queries.data_handle();
   p.query_stride0     = queries.stride(0);
   p.query_stride1     = queries.stride(1);
-  p.tasks             = d_tasks.data();
+  p.tasks             = inline_tasks ? nullptr : d_tasks.data();
+  if (inline_tasks) { std::copy(tasks.begin(), tasks.end(), p.inline_tasks); }
   p.out_ids           = out_ids.data_handle();
   p.ids_stride0       = out_ids.stride(0);
   p.ids_stride1       = out_ids.stride(1);

@@ -503,6 +503,44 @@ TEST_CASE("index device search: a batch of several resident grids reuses each CT
   require_identical(expected, got, one_namespace, 10);
 }
 
+TEST_CASE("index device search: a small batch is one launch, capturable in a CUDA graph",
+          "[index][gpu]")
+{
+  raft::device_resources res;
+  std::int64_t const dim = 64;
+  auto const config      = small_config(dtype::float32, distance_metric::cosine, dim);
+  auto const pair        = make_index_pair(config, {{40, 3000, 3000, 0}}, 19);
+  std::int64_t const nq  = detail::index::inline_search_tasks;  // tasks in the parameters
+  test::gaussian_mixture mixture{mixture_for(config, 19)};
+  auto const queries = mixture.draw(nq);
+  std::vector<std::uint64_t> const one_namespace{40};
+  auto const d_queries = upload_queries(queries, nq, dim, dim);
+  search_params params;
+  params.algo         = search_algo::graph;
+  auto const expected = host_search(pair.host, queries, nq, one_namespace, 10, params);
+  // a first call prepares the kernel (attributes, once per process), then a capture
+  REQUIRE(device_search(res, pair.device, d_queries, nq, dim, one_namespace, 10, params).ids ==
+          expected.ids);
+  device_outputs out{nq, 10, 10};
+  cudaStream_t const stream = raft::resource::get_cuda_stream(res).get();
+  cudaGraph_t graph{};
+  INFERSCALE_CUDA_TRY(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  search(res, pair.device, make_matrix_view<float const>(d_queries.data(), nq, dim, dim),
+         cuda::std::span<std::uint64_t const>{one_namespace.data(), 1}, 10, params, out.ids_view(),
+         out.distances_view());
+  INFERSCALE_CUDA_TRY(cudaStreamEndCapture(stream, &graph));
+  std::size_t nodes = 0;
+  INFERSCALE_CUDA_TRY(cudaGraphGetNodes(graph, nullptr, &nodes));
+  REQUIRE(nodes == 1);  // the search kernel and nothing else
+  cudaGraphExec_t exec{};
+  INFERSCALE_CUDA_TRY(cudaGraphInstantiate(&exec, graph, 0));
+  INFERSCALE_CUDA_TRY(cudaGraphLaunch(exec, stream));
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream));
+  require_identical(expected, out.result(), one_namespace, 10);
+  INFERSCALE_CUDA_TRY(cudaGraphExecDestroy(exec));
+  INFERSCALE_CUDA_TRY(cudaGraphDestroy(graph));
+}
+
 TEST_CASE("index device search: NaN, infinite and zero-cosine queries get invalid rows",
           "[index][gpu]")
 {

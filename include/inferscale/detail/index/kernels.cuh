@@ -62,6 +62,9 @@ struct search_task {
   search_mode mode{search_mode::none};
 };
 
+/// @brief Tasks a search launch carries in its parameters (no staging copy, no allocation).
+inline constexpr std::int64_t inline_search_tasks = 8;
+
 /// @brief Everything search_kernel reads; trivially copyable, passed as __grid_constant__.
 struct search_kernel_params {
   void const* vectors{nullptr};          ///< arena `[rows][row_elements]` of the index dtype
@@ -71,7 +74,10 @@ struct search_kernel_params {
   float const* queries{nullptr};         ///< `[num_queries][dim]` with the strides below
   std::int64_t query_stride0{0};
   std::int64_t query_stride1{1};
-  search_task const* tasks{nullptr};  ///< `[num_queries]`
+  /// `[num_queries]` in device memory, or null: then `inline_tasks` holds them (at most
+  /// `inline_search_tasks` queries), so a small search is one launch and nothing else
+  search_task const* tasks{nullptr};
+  search_task inline_tasks[inline_search_tasks]{};
   std::uint64_t* out_ids{nullptr};
   std::int64_t ids_stride0{0};
   std::int64_t ids_stride1{1};
@@ -344,7 +350,7 @@ __device__ void search_one_query(search_kernel_params const& p,
                                  std::uint32_t* hash_shared,
                                  search_block_state& state)
 {
-  search_task const task = p.tasks[q];
+  search_task const task = p.tasks != nullptr ? p.tasks[q] : p.inline_tasks[q];
   if (task.mode == search_mode::none) {
     write_invalid_row(p, q);
     return;

@@ -146,38 +146,71 @@ __device__ INFERSCALE_FORCEINLINE float accumulate(float acc, float x, float q, 
  * @brief `lane_partial` with 16-byte loads: chunk `c` of the row is one aligned vector, and its
  * elements are accumulated in the same order (so the result is the same bits).
  */
-template <class T>
+template <class T, bool L2>
 __device__ INFERSCALE_FORCEINLINE float lane_partial_vector(
-  T const* row, float const* query, std::int64_t chunks, int lane, int team, bool l2)
+  T const* row, float const* query, std::int64_t chunks, int lane, int team)
 {
-  float acc = 0.0f;
+  constexpr bool l2 = L2;  // a template argument: one loop per metric, no predicated twins
+  // Four chunks per step: their row and query loads are all issued before the first is summed
+  // (independent loads in flight instead of one round trip per chunk); the sums still run
+  // chunk by chunk, element by element, so the bits are those of lane_partial.
+  constexpr int unroll = 4;
+  float acc            = 0.0f;
+  std::int64_t c       = lane;
   if constexpr (sizeof(T) == 4) {
     auto const* r4 = reinterpret_cast<float4 const*>(row);
     auto const* q4 = reinterpret_cast<float4 const*>(query);
-    for (std::int64_t c = lane; c < chunks; c += team) {
-      float4 const x = r4[c];
-      float4 const q = q4[c];
-      acc            = accumulate(acc, x.x, q.x, l2);
-      acc            = accumulate(acc, x.y, q.y, l2);
-      acc            = accumulate(acc, x.z, q.z, l2);
-      acc            = accumulate(acc, x.w, q.w, l2);
+    auto const add4 = [&](float4 const& x, float4 const& q) {
+      acc = accumulate(acc, x.x, q.x, l2);
+      acc = accumulate(acc, x.y, q.y, l2);
+      acc = accumulate(acc, x.z, q.z, l2);
+      acc = accumulate(acc, x.w, q.w, l2);
+    };
+    for (; c + (unroll - 1) * team < chunks; c += unroll * team) {
+      float4 x[unroll], q[unroll];
+#pragma unroll
+      for (int u = 0; u < unroll; ++u) {
+        x[u] = r4[c + u * team];
+        q[u] = q4[c + u * team];
+      }
+#pragma unroll
+      for (int u = 0; u < unroll; ++u) {
+        add4(x[u], q[u]);
+      }
+    }
+    for (; c < chunks; c += team) {
+      add4(r4[c], q4[c]);
     }
   } else {
     auto const* r8 = reinterpret_cast<uint4 const*>(row);
     auto const* q4 = reinterpret_cast<float4 const*>(query);
-    for (std::int64_t c = lane; c < chunks; c += team) {
-      uint4 const raw            = r8[c];
-      float4 const qa            = q4[2 * c];
-      float4 const qb            = q4[2 * c + 1];
-      auto const accumulate_word = [&](unsigned word, float q_lo, float q_hi) {
-        acc =
-          accumulate(acc, to_float(half_t{static_cast<std::uint16_t>(word & 0xFFFFu)}), q_lo, l2);
-        acc = accumulate(acc, to_float(half_t{static_cast<std::uint16_t>(word >> 16)}), q_hi, l2);
-      };
+    auto const accumulate_word = [&](unsigned word, float q_lo, float q_hi) {
+      acc = accumulate(acc, to_float(half_t{static_cast<std::uint16_t>(word & 0xFFFFu)}), q_lo, l2);
+      acc = accumulate(acc, to_float(half_t{static_cast<std::uint16_t>(word >> 16)}), q_hi, l2);
+    };
+    auto const add8 = [&](uint4 const& raw, float4 const& qa, float4 const& qb) {
       accumulate_word(raw.x, qa.x, qa.y);
       accumulate_word(raw.y, qa.z, qa.w);
       accumulate_word(raw.z, qb.x, qb.y);
       accumulate_word(raw.w, qb.z, qb.w);
+    };
+    for (; c + (unroll - 1) * team < chunks; c += unroll * team) {
+      uint4 raw[unroll];
+      float4 qa[unroll], qb[unroll];
+#pragma unroll
+      for (int u = 0; u < unroll; ++u) {
+        std::int64_t const at = c + u * team;
+        raw[u]                = r8[at];
+        qa[u]                 = q4[2 * at];
+        qb[u]                 = q4[2 * at + 1];
+      }
+#pragma unroll
+      for (int u = 0; u < unroll; ++u) {
+        add8(raw[u], qa[u], qb[u]);
+      }
+    }
+    for (; c < chunks; c += team) {
+      add8(r8[c], q4[2 * c], q4[2 * c + 1]);
     }
   }
   return acc;
@@ -204,15 +237,33 @@ __device__ INFERSCALE_FORCEINLINE std::uint32_t hash_bucket(std::uint32_t node)
   return node;
 }
 
+/// @brief atomicCAS on a word of shared memory, as a shared-space atomic (ATOMS): `word` is a
+/// generic pointer into shared memory, which a generic atomic would resolve on every probe.
+__device__ INFERSCALE_FORCEINLINE std::uint32_t shared_cas(std::uint32_t* word,
+                                                           std::uint32_t compare,
+                                                           std::uint32_t value)
+{
+  auto const address = static_cast<unsigned>(__cvta_generic_to_shared(word));
+  std::uint32_t previous;
+  asm volatile("atom.shared.cas.b32 %0, [%1], %2, %3;"
+               : "=r"(previous)
+               : "r"(address), "r"(compare), "r"(value)
+               : "memory");
+  return previous;
+}
+
 /// @brief Inserts `node` into the visited set; true when it was not there before. The table
-/// holds at least twice the nodes a query can insert, so the probe always ends.
+/// holds at least twice the nodes a query can insert, so the probe always ends. `in_shared`:
+/// the table is in shared memory (the same for the whole launch).
 __device__ INFERSCALE_FORCEINLINE bool visit(std::uint32_t* table,
                                              std::uint32_t mask,
-                                             std::uint32_t node)
+                                             std::uint32_t node,
+                                             bool in_shared)
 {
   std::uint32_t slot = hash_bucket(node) & mask;
   while (true) {
-    std::uint32_t const previous = atomicCAS(table + slot, invalid_node, node);
+    std::uint32_t const previous = in_shared ? shared_cas(table + slot, invalid_node, node)
+                                             : atomicCAS(table + slot, invalid_node, node);
     if (previous == invalid_node) { return true; }
     if (previous == node) { return false; }
     slot = (slot + 1) & mask;
@@ -386,9 +437,11 @@ __device__ void search_one_query(search_kernel_params const& p,
 
   auto distance_of = [&](bool active, std::uint32_t node) {
     float const partial =
-      active ? lane_partial_vector(
-                 rows + std::int64_t{node} * p.row_elements, query, chunks, lane, team, l2)
-             : 0.0f;
+      !active ? 0.0f
+      : l2    ? lane_partial_vector<T, true>(
+                  rows + std::int64_t{node} * p.row_elements, query, chunks, lane, team)
+              : lane_partial_vector<T, false>(
+                  rows + std::int64_t{node} * p.row_elements, query, chunks, lane, team);
     return finish_distance(team_sum(partial, team), p.metric);
   };
   auto beats_last = [&](float distance, std::uint32_t node) {
@@ -438,7 +491,7 @@ __device__ void search_one_query(search_kernel_params const& p,
             best_d = d;
           }
         }
-        if (active && lane == 0 && visit(hash, task.hash_mask, best) && beats_last(best_d, best)) {
+        if (active && lane == 0 && visit(hash, task.hash_mask, best, p.hash_in_shared) && beats_last(best_d, best)) {
           append_candidate(buffer, top, state, best_d, best);
         }
       }
@@ -480,7 +533,7 @@ __device__ void search_one_query(search_kernel_params const& p,
           std::uint32_t const parent = state.parents[s / p.degree];
           std::uint32_t const v =
             p.graph[(task.row_begin + parent) * std::int64_t{p.degree} + s % p.degree];
-          if (v != invalid_node && v < n && visit(hash, task.hash_mask, v)) {
+          if (v != invalid_node && v < n && visit(hash, task.hash_mask, v, p.hash_in_shared)) {
             append_candidate(buffer, top, state, 0.0f, v);
           }
         }

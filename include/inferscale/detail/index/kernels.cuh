@@ -356,15 +356,94 @@ __device__ inline void write_invalid_row(search_kernel_params const& p, std::int
   }
 }
 
+/// @brief Sorts the `count` (<= 32) entries at `c` by the spec's order with warp 0 alone: a
+/// bitonic network over the 32 lanes in registers (shuffles, no block barrier), lanes past
+/// `count` holding invalid entries, which sort last.
+__device__ INFERSCALE_FORCEINLINE void warp_sort_candidates(buffer_entry* c, std::uint32_t count)
+{
+  if (threadIdx.x >= 32) { return; }
+  auto const lane = static_cast<unsigned>(threadIdx.x);
+  buffer_entry e  = lane < count ? c[lane] : invalid_entry();
+  for (unsigned width = 2; width <= 32; width <<= 1) {
+    for (unsigned stride = width >> 1; stride > 0; stride >>= 1) {
+      buffer_entry const o{__shfl_xor_sync(full_warp, e.distance, static_cast<int>(stride)),
+                           __shfl_xor_sync(full_warp, e.node, static_cast<int>(stride))};
+      // the pair's lower lane keeps the smaller entry in an ascending run, the larger otherwise
+      bool const take_min = ((lane & stride) == 0) == ((lane & width) == 0);
+      if (take_min ? entry_before(o, e) : entry_before(e, o)) { e = o; }
+    }
+  }
+  if (lane < count) { c[lane] = e; }
+}
+
+/// @brief Entries of the sorted `list[0, n)` before `e` (`or_equal`: before or equal), by binary
+/// search in the spec's order.
+__device__ INFERSCALE_FORCEINLINE std::uint32_t rank_in(buffer_entry const* list,
+                                                        std::uint32_t n,
+                                                        buffer_entry const& e,
+                                                        bool or_equal)
+{
+  std::uint32_t lo = 0, hi = n;
+  while (lo < hi) {
+    std::uint32_t const mid = (lo + hi) / 2;
+    bool const goes_before  = or_equal ? !entry_before(e, list[mid]) : entry_before(list[mid], e);
+    if (goes_before) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+/// @brief The largest top list a search keeps (`graph_index::check_search` refuses more).
+inline constexpr std::uint32_t max_search_itopk = 1024;
+
+/// @brief Most candidates one warp sorts before they are merged (a parent's neighbours at the
+/// default search width; more take the whole-buffer sort).
+inline constexpr std::uint32_t warp_merge_candidates = 32;
+
 /// @brief Merges the candidates appended after the top list (`state.count` of them) into it:
-/// sorts the used prefix, resets the dropped part to invalid. Starts and ends with a barrier.
-__device__ inline void merge_candidates(buffer_entry* buffer,
+/// the first `top` entries of the two by the spec's order stay, in order, and the rest of the
+/// buffer is reset to invalid. Up to 32 candidates are sorted by one warp and merged with the
+/// (always sorted) top list by ranks (each entry's place is its index plus its rank in the other
+/// list, top-list entries first among equals): five barriers in all, where a bitonic sort of
+/// the whole used prefix takes 31 (28 for the sort at itopk 64 with 32 candidates). More
+/// candidates take that sort. Both give the same buffer: the order is total and the candidates
+/// are new nodes. Starts and ends with a barrier. Not inlined: one copy for its three callers.
+template <std::uint32_t Threads, std::uint32_t MaxTop>
+__device__ __noinline__ void merge_candidates(buffer_entry* buffer,
                                         std::uint32_t top,
                                         search_block_state& state)
 {
   __syncthreads();
   std::uint32_t const count = state.count;
-  if (count > 0) {
+  if (count > 0 && count <= warp_merge_candidates) {
+    warp_sort_candidates(buffer + top, count);
+    __syncthreads();
+    constexpr std::uint32_t per_thread = (MaxTop + warp_merge_candidates + Threads - 1) / Threads;
+    buffer_entry held[per_thread];
+    std::uint32_t place[per_thread];
+    std::uint32_t const total = top + count;
+#pragma unroll
+    for (std::uint32_t r = 0; r < per_thread; ++r) {
+      std::uint32_t const i = threadIdx.x + r * Threads;
+      place[r]              = invalid_node;  // not held
+      if (i < total) {
+        held[r]  = buffer[i];
+        place[r] = i < top ? i + rank_in(buffer + top, count, held[r], false)
+                           : (i - top) + rank_in(buffer, top, held[r], true);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (std::uint32_t r = 0; r < per_thread; ++r) {
+      if (place[r] < top) { buffer[place[r]] = held[r]; }
+    }
+    for (std::uint32_t i = top + threadIdx.x; i < total; i += Threads) {
+      buffer[i] = invalid_entry();
+    }
+  } else if (count > 0) {
     auto const size = static_cast<std::uint32_t>(next_pow2(std::uint64_t{top} + count));
     block_bitonic_sort(buffer, size, [](buffer_entry const& a, buffer_entry const& b) {
       return entry_before(a, b);
@@ -393,7 +472,7 @@ __device__ INFERSCALE_FORCEINLINE void append_candidate(buffer_entry* buffer,
  * @brief One query: its tenant's exact scan or graph search, then the answer row. Every thread
  * of the CTA calls it; `buffer`, `query` and `hash` are the CTA's (shared or global) memory.
  */
-template <class T>
+template <class Policy, class T>
 __device__ void search_one_query(search_kernel_params const& p,
                                  std::int64_t q,
                                  buffer_entry* buffer,
@@ -471,7 +550,7 @@ __device__ void search_one_query(search_kernel_params const& p,
           append_candidate(buffer, top, state, d, node);
         }
       }
-      merge_candidates(buffer, top, state);
+      merge_candidates<Policy::search_threads, max_search_itopk>(buffer, top, state);
     }
   } else {
     // seeds: slot s keeps the best of `samplings` draws; repeated nodes are dropped
@@ -495,7 +574,7 @@ __device__ void search_one_query(search_kernel_params const& p,
           append_candidate(buffer, top, state, best_d, best);
         }
       }
-      merge_candidates(buffer, top, state);
+      merge_candidates<Policy::search_threads, max_search_itopk>(buffer, top, state);
     }
 
     for (std::uint32_t iteration = 0; iteration < task.max_iterations; ++iteration) {
@@ -548,7 +627,7 @@ __device__ void search_one_query(search_kernel_params const& p,
             buffer[top + i] = beats_last(d, v) ? buffer_entry{d, v} : invalid_entry();
           }
         }
-        merge_candidates(buffer, top, state);
+        merge_candidates<Policy::search_threads, max_search_itopk>(buffer, top, state);
       }
     }
   }
@@ -605,7 +684,7 @@ void __launch_bounds__(Policy::search_threads)
     float* query = params.query_in_shared
                      ? shared_query
                      : params.query_workspace + std::int64_t{blockIdx.x} * params.row_elements;
-    search_one_query<T>(params, q, buffer, query, shared_hash, state);
+    search_one_query<Policy, T>(params, q, buffer, query, shared_hash, state);
     __syncthreads();
   }
 }

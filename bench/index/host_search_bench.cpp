@@ -375,25 +375,20 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
   if (slot) { return *slot; }
   auto c = std::make_unique<prepared>();
   c->traversal = traversal;
-  if (traversal == is::dtype::float16) {
-    // the fp32 set's index itself, searched with its float16 copy: only the walk differs
-    prepared const& base  = prepare(name, dim, n);
-    c->data               = base.data;
-    c->truth              = base.truth;
-    c->hnsw               = base.hnsw;
-    c->index              = base.index;
-    c->graph_build_s      = base.graph_build_s;
-    c->graph_build_cpu_s  = base.graph_build_cpu_s;
-    c->hnsw_build_s       = base.hnsw_build_s;
-    c->hnsw_build_cpu_s   = base.hnsw_build_cpu_s;
-  } else if (rows == is::dtype::float16) {
-    // the same data, queries, truth and hnswlib index as the fp32 set; only the graph differs
+  if (rows == is::dtype::float16 || traversal == is::dtype::float16) {
+    // the same data, queries, truth and hnswlib index as the fp32 set; fp16 rows build their
+    // own graph, a float16 walk searches the fp32 set's index itself
     prepared const& base = prepare(name, dim, n);
     c->data              = base.data;
     c->truth             = base.truth;
     c->hnsw              = base.hnsw;
     c->hnsw_build_s      = base.hnsw_build_s;
     c->hnsw_build_cpu_s  = base.hnsw_build_cpu_s;
+    if (traversal == is::dtype::float16) {
+      c->index             = base.index;
+      c->graph_build_s     = base.graph_build_s;
+      c->graph_build_cpu_s = base.graph_build_cpu_s;
+    }
   } else {
 #if INFERSCALE_BENCH_LOCOMO
     c->data = name == "locomo_minilm" ? locomo_minilm() : mixture(dim, n);

@@ -548,6 +548,17 @@ class graph_index {
             std::uint64_t{config_.graph_degree} * 4 + 8 + 1);
   }
 
+  /// @brief Bytes of the float16 copies under `host_traversal_dtype` float16 (each namespace's
+  /// rows and packed entry rows; 0 otherwise), beside `arena_bytes`.
+  std::uint64_t host_traversal_bytes() const noexcept
+  {
+    std::uint64_t total = 0;
+    for (auto const& t : tenants_) {
+      total += (t.traversal.size() + t.entry_traversal.size()) * sizeof(half_t);
+    }
+    return total;
+  }
+
   bool contains(std::uint64_t id) const noexcept { return id_to_row_.count(id) != 0; }
   /// @brief The namespace holding a live fact. @throw logic_error for an unknown id.
   std::uint64_t namespace_of(std::uint64_t id) const

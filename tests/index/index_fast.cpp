@@ -571,10 +571,15 @@ TEST_CASE("float16 traversal: the copy follows the rows through every mutation a
   std::remove(path.c_str());
   REQUIRE(loaded.config().host_traversal_dtype == dtype::float32);
   REQUIRE(loaded.host_traversal_rows(1) == nullptr);
+  REQUIRE(loaded.host_traversal_bytes() == 0);
   std::uint64_t const version = loaded.version();
   loaded.set_host_traversal_dtype(dtype::float16);
   REQUIRE(loaded.version() == version + 1);
   require_copy_current(loaded, 1);
+  // the copy's bytes: every row of the namespace in float16, and its packed entry rows
+  std::uint64_t const row_bytes = static_cast<std::uint64_t>(loaded.row_elements()) * 2;
+  REQUIRE(loaded.host_traversal_bytes() ==
+          (std::uint64_t{loaded.rows(1)} + loaded.host_entry_points(1)) * row_bytes);
   search_params p;
   p.algo = search_algo::graph;
   std::vector<float> const queries = mix.draw(50);
@@ -582,6 +587,7 @@ TEST_CASE("float16 traversal: the copy follows the rows through every mutation a
   REQUIRE(x.ids == y.ids);  // same rows, same graph, same walk
   loaded.set_host_traversal_dtype(dtype::float32);
   REQUIRE(loaded.host_traversal_rows(1) == nullptr);
+  REQUIRE(loaded.host_traversal_bytes() == 0);
 }
 
 TEST_CASE("float16 traversal: the walk's best entries measured again on the float32 rows",

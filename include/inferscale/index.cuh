@@ -716,10 +716,11 @@ inline void search(raft::resources const& res,
   // with a global workspace, at most the CTAs the device holds at once, each reusing one slice
   std::int64_t const resident = detail::index::dispatch_vector_dtype(ref.vector_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    detail::index::prepare_search_kernel<policy, T>(device);
-    return query_in_shared && hash_in_shared
-             ? std::int64_t{0}  // one CTA per query: the occupancy does not matter
-             : detail::index::resident_search_ctas<policy, T>(device, shared);
+    if (query_in_shared && hash_in_shared) {  // one CTA per query: the occupancy does not matter
+      detail::index::prepare_search_kernel<policy, T>(device);
+      return std::int64_t{0};
+    }
+    return detail::index::resident_search_ctas<policy, T>(device, shared);  // prepares it too
   });
   auto const launch = detail::index::search_launch_plan(
     nq, resident, query_in_shared, hash_in_shared, re, static_cast<std::int64_t>(hash_max));

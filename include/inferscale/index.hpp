@@ -1398,8 +1398,13 @@ class graph_index {
     float const* rows =
       reinterpret_cast<float const*>(vectors_.data()) + static_cast<std::size_t>(tn.ref.row_begin) * re;
     std::size_t const begin = std::size_t{first} * re;
-    for (std::size_t i = begin; i < needed; ++i) {
-      tn.traversal[i] = from_float<half_t>(rows[i]);
+    to_half(rows + begin, tn.traversal.data() + begin, needed - begin);
+  }
+
+  static void to_half(float const* from, half_t* to, std::size_t n) noexcept
+  {
+    for (std::size_t i = 0; i < n; ++i) {
+      to[i] = from_float<half_t>(from[i]);
     }
   }
 
@@ -1413,14 +1418,11 @@ class graph_index {
       std::vector<half_t>().swap(tn.entry_traversal);
       return;
     }
-    tn.traversal.assign(static_cast<std::size_t>(tn.ref.size) * static_cast<std::size_t>(row_elements_),
-                        half_t{});
-    write_traversal(t, 0, tn.ref.size);
+    tn.traversal.resize(static_cast<std::size_t>(tn.ref.size) * static_cast<std::size_t>(row_elements_));
+    write_traversal(t, 0, tn.ref.size);  // every element rewritten
     tn.entry_traversal.resize(tn.entry_vectors.size() / sizeof(float));
-    float const* entry_rows = reinterpret_cast<float const*>(tn.entry_vectors.data());
-    for (std::size_t i = 0; i < tn.entry_traversal.size(); ++i) {
-      tn.entry_traversal[i] = from_float<half_t>(entry_rows[i]);
-    }
+    to_half(reinterpret_cast<float const*>(tn.entry_vectors.data()), tn.entry_traversal.data(),
+            tn.entry_traversal.size());
   }
 
   void erase_namespace_rows(std::uint64_t ns)

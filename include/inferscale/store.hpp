@@ -17,6 +17,7 @@
 
 #include <inferscale/config.hpp>
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/host_memory.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/geometry.hpp>
@@ -174,8 +175,8 @@ class kv_store {
       std::memset(pinned_pool_, 0, std::max<std::size_t>(bytes, 1));
       ref_.pool = pinned_pool_;
     } else {
-      host_pool_.reset(new unsigned char[std::max<std::size_t>(bytes, 1)]());
-      ref_.pool = host_pool_.get();
+      host_pool_ = detail::host_allocation{bytes};  // zeroed; huge pages where the system allows
+      ref_.pool  = host_pool_.data();
     }
     free_pages_.reserve(static_cast<std::size_t>(config_.num_pages));
     // Lowest page on top of the stack, so fresh stores fill pages in order.
@@ -723,7 +724,7 @@ class kv_store {
   {
     std::swap(config_, other.config_);
     std::swap(ref_, other.ref_);
-    std::swap(host_pool_, other.host_pool_);
+    host_pool_.swap(other.host_pool_);
     std::swap(pinned_pool_, other.pinned_pool_);
     std::swap(free_pages_, other.free_pages_);
     std::swap(facts_, other.facts_);
@@ -760,7 +761,7 @@ class kv_store {
 
   kv_store_config config_{};
   kv_store_ref ref_{};
-  std::unique_ptr<unsigned char[]> host_pool_;
+  detail::host_allocation host_pool_;
   void* pinned_pool_{};  ///< the pool when config_.pinned (freed with cudaFreeHost)
   std::vector<std::int64_t> free_pages_;
   std::unordered_map<std::uint64_t, fact_record> facts_;

@@ -1153,3 +1153,45 @@ TEST_CASE("moving a store keeps its contents", "[store]")
   check_fact(pool, shape, c.at(3), f3);
   REQUIRE(c.free_pages() == 12 - 3 - 2);
 }
+
+TEST_CASE("host allocations are zeroed, writable to the last byte, and 2 MiB-aligned when large",
+          "[store][memory]")
+{
+  using inferscale::detail::host_allocation;
+  constexpr std::size_t mib = std::size_t{1} << 20;
+  for (std::size_t bytes : {std::size_t{0}, std::size_t{100}, 2 * mib - 1, 2 * mib, 5 * mib + 3}) {
+    CAPTURE(bytes);
+    host_allocation a{bytes};
+    REQUIRE(a.data() != nullptr);
+    std::size_t const n = bytes == 0 ? 1 : bytes;
+    REQUIRE(std::all_of(a.bytes(), a.bytes() + n, [](unsigned char c) { return c == 0; }));
+    for (std::size_t i = 0; i < n; ++i) { a.bytes()[i] = static_cast<unsigned char>(i * 7 + 1); }
+    host_allocation b{std::move(a)};  // moves the memory, not its bytes
+    REQUIRE(a.data() == nullptr);
+    bool intact = true;
+    for (std::size_t i = 0; i < n; ++i) {
+      intact = intact && b.bytes()[i] == static_cast<unsigned char>(i * 7 + 1);
+    }
+    REQUIRE(intact);
+    if (b.huge_page_advised()) {
+      REQUIRE(reinterpret_cast<std::uintptr_t>(b.data()) % (2 * mib) == 0);
+    }
+#if defined(__linux__)
+    // On Linux every allocation of at least one huge page is mapped at a 2 MiB boundary.
+    if (bytes >= 2 * mib) { REQUIRE(reinterpret_cast<std::uintptr_t>(b.data()) % (2 * mib) == 0); }
+#endif
+  }
+}
+
+TEST_CASE("a large host store pool starts at a 2 MiB boundary (Linux) and reads as zero",
+          "[store][memory]")
+{
+  // 2 layers * 2 (K, V) * 16 tokens * 4 heads * 128 dims * 2 B = 64 KiB a page: 18.75 MiB
+  inferscale::kv_store store{host_config({2, 4, 128}, dtype::bfloat16, 16, 300)};
+  REQUIRE(store.pool_bytes() == std::size_t{300} * 2 * 2 * 16 * 4 * 128 * 2);
+  auto const* const pool = static_cast<unsigned char const*>(store.ref().pool);
+  REQUIRE(std::all_of(pool, pool + store.pool_bytes(), [](unsigned char c) { return c == 0; }));
+#if defined(__linux__)
+  REQUIRE(reinterpret_cast<std::uintptr_t>(pool) % (std::size_t{2} << 20) == 0);
+#endif
+}

@@ -22,6 +22,7 @@
 
 #include <inferscale/config.hpp>
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/host_memory.hpp>
 #include <inferscale/detail/index/graph_build.hpp>
 #include <inferscale/detail/index/math.hpp>
 #include <inferscale/detail/index/search_host.hpp>
@@ -962,7 +963,7 @@ class graph_index {
     /// Under `host_traversal_dtype` float16: the tenant's rows (local ids, `row_elements` each)
     /// and its packed entry rows in float16, kept equal to `from_float<half_t>` of the stored
     /// rows (written with them, rebuilt with the entry points); empty otherwise.
-    std::vector<half_t> traversal;
+    detail::huge_page_vector<half_t> traversal;
     std::vector<half_t> entry_traversal;
   };
   struct row_location {
@@ -970,8 +971,8 @@ class graph_index {
     std::uint32_t local{0};
   };
   struct arena {
-    std::vector<unsigned char> vectors;
-    std::vector<std::uint32_t> graph;
+    detail::huge_page_vector<unsigned char> vectors;
+    detail::huge_page_vector<std::uint32_t> graph;
     std::vector<std::uint64_t> ids;
     std::vector<std::uint8_t> deleted;
   };
@@ -1414,7 +1415,7 @@ class graph_index {
   {
     auto& tn = tenants_[t];
     if (!traverses_fp16()) {
-      std::vector<half_t>().swap(tn.traversal);
+      detail::huge_page_vector<half_t>().swap(tn.traversal);
       std::vector<half_t>().swap(tn.entry_traversal);
       return;
     }
@@ -1834,8 +1835,9 @@ class graph_index {
   index_config config_{};
   std::size_t element_size_{4};
   std::int64_t row_elements_{0};
-  std::vector<unsigned char> vectors_;
-  std::vector<std::uint32_t> graph_;
+  // Rows and graph on huge pages where the system allows (read at random by every search).
+  detail::huge_page_vector<unsigned char> vectors_;
+  detail::huge_page_vector<std::uint32_t> graph_;
   std::vector<std::uint64_t> ids_;
   std::vector<std::uint8_t> deleted_;
   std::int64_t arena_capacity_{0};

@@ -17,8 +17,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <utility>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -38,30 +40,64 @@ class host_allocation {
   explicit host_allocation(std::size_t bytes)
   {
     bytes = bytes == 0 ? 1 : bytes;
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
     if (bytes >= huge_page_bytes) {
-      std::size_t const rounded = (bytes + huge_page_bytes - 1) / huge_page_bytes * huge_page_bytes;
-      std::size_t const mapped  = rounded + huge_page_bytes;  // room to align the start
-      void* const base =
-        mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (base == MAP_FAILED) { throw std::bad_alloc{}; }
-      auto const start   = reinterpret_cast<std::uintptr_t>(base);
-      auto const aligned = (start + huge_page_bytes - 1) / huge_page_bytes * huge_page_bytes;
-      // Return the unaligned head and the tail beyond the rounded size to the system.
-      if (aligned > start) { munmap(base, aligned - start); }
-      std::size_t const tail = start + mapped - (aligned + rounded);
-      if (tail > 0) { munmap(reinterpret_cast<void*>(aligned + rounded), tail); }
-      data_   = reinterpret_cast<void*>(aligned);
-      mapped_ = rounded;
-      huge_   = madvise(data_, rounded, MADV_HUGEPAGE) == 0;
-      // Anonymous memory reads as zero already; writing it commits the pages now (as the
-      // value-initialising allocation did), huge ones where the kernel grants them.
-      std::memset(data_, 0, rounded);
-      return;
+      data_ = map_huge_pages(bytes, &huge_);
+      if (data_ != nullptr) {
+        mapped_ = round_to_huge_pages(bytes);
+        // Anonymous memory reads as zero already; writing it commits the pages now (as the
+        // value-initialising allocation did), huge ones where the kernel grants them.
+        std::memset(data_, 0, mapped_);
+        return;
+      }
     }
-#endif
     data_ = std::calloc(bytes, 1);
     if (data_ == nullptr) { throw std::bad_alloc{}; }
+  }
+
+  /// @brief `bytes` rounded up to whole huge pages.
+  static constexpr std::size_t round_to_huge_pages(std::size_t bytes) noexcept
+  {
+    return (bytes + huge_page_bytes - 1) / huge_page_bytes * huge_page_bytes;
+  }
+
+  /**
+   * @brief Maps round_to_huge_pages(bytes) of anonymous memory at a 2 MiB boundary, advised
+   * `MADV_HUGEPAGE` (`*advised`: whether the advice was taken). Returns nullptr where the system
+   * has no such mapping (not Linux); @throw std::bad_alloc when the mapping fails.
+   */
+  static void* map_huge_pages(std::size_t bytes, bool* advised)
+  {
+    *advised = false;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    std::size_t const rounded = round_to_huge_pages(bytes);
+    std::size_t const mapped  = rounded + huge_page_bytes;  // room to align the start
+    void* const base =
+      mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) { throw std::bad_alloc{}; }
+    auto const start   = reinterpret_cast<std::uintptr_t>(base);
+    auto const aligned = (start + huge_page_bytes - 1) / huge_page_bytes * huge_page_bytes;
+    // Return the unaligned head and the tail beyond the rounded size to the system.
+    if (aligned > start) { munmap(base, aligned - start); }
+    std::size_t const tail = start + mapped - (aligned + rounded);
+    if (tail > 0) { munmap(reinterpret_cast<void*>(aligned + rounded), tail); }
+    void* const data = reinterpret_cast<void*>(aligned);
+    *advised         = madvise(data, rounded, MADV_HUGEPAGE) == 0;
+    return data;
+#else
+    (void)bytes;
+    return nullptr;
+#endif
+  }
+
+  /// @brief Unmaps what map_huge_pages(bytes) returned.
+  static void unmap_huge_pages(void* data, std::size_t bytes) noexcept
+  {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    munmap(data, round_to_huge_pages(bytes));
+#else
+    (void)data;
+    (void)bytes;
+#endif
   }
 
   host_allocation(host_allocation const&)            = delete;
@@ -92,14 +128,11 @@ class host_allocation {
   void release() noexcept
   {
     if (data_ == nullptr) { return; }
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
     if (mapped_ != 0) {
-      munmap(data_, mapped_);
-      data_ = nullptr;
-      return;
+      unmap_huge_pages(data_, mapped_);
+    } else {
+      std::free(data_);
     }
-#endif
-    std::free(data_);
     data_ = nullptr;
   }
 
@@ -107,5 +140,63 @@ class host_allocation {
   std::size_t mapped_{0};  ///< nonzero: mapped (munmap), else calloc (free)
   bool huge_{false};
 };
+
+/**
+ * @brief A standard allocator whose allocations of at least one huge page (2 MiB) are mapped as
+ * host_allocation's are (2 MiB-aligned, advised `MADV_HUGEPAGE` on Linux), smaller ones by
+ * `std::allocator`. For the host index's rows and graph, read at random: with 4 KiB pages a
+ * search's every row costs a page walk. Which way a block was allocated follows from its size,
+ * which `deallocate` is given again. Stateless: all instances are equal.
+ */
+template <class T>
+struct huge_page_allocator {
+  using value_type = T;
+
+  huge_page_allocator() = default;
+  template <class U>
+  constexpr huge_page_allocator(huge_page_allocator<U> const&) noexcept  // NOLINT: conversion
+  {
+  }
+
+  [[nodiscard]] T* allocate(std::size_t n)
+  {
+    if (n > static_cast<std::size_t>(-1) / sizeof(T)) { throw std::bad_alloc{}; }
+    std::size_t const bytes = n * sizeof(T);
+    if (bytes >= host_allocation::huge_page_bytes) {
+      bool advised = false;
+      if (void* const p = host_allocation::map_huge_pages(bytes, &advised)) {
+        return static_cast<T*>(p);
+      }
+    }
+    return std::allocator<T>{}.allocate(n);
+  }
+
+  void deallocate(T* p, std::size_t n) noexcept
+  {
+    std::size_t const bytes = n * sizeof(T);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes >= host_allocation::huge_page_bytes) {
+      host_allocation::unmap_huge_pages(p, bytes);
+      return;
+    }
+#endif
+    std::allocator<T>{}.deallocate(p, n);
+  }
+
+  template <class U>
+  constexpr bool operator==(huge_page_allocator<U> const&) const noexcept
+  {
+    return true;
+  }
+  template <class U>
+  constexpr bool operator!=(huge_page_allocator<U> const&) const noexcept
+  {
+    return false;
+  }
+};
+
+/// @brief A std::vector whose large buffers sit on huge pages (huge_page_allocator).
+template <class T>
+using huge_page_vector = std::vector<T, huge_page_allocator<T>>;
 
 }  // namespace inferscale::detail

@@ -65,6 +65,7 @@
  */
 #pragma once
 
+#include <inferscale/detail/host_memory.hpp>
 #include <inferscale/detail/serialize.hpp>
 #include <inferscale/index.hpp>
 
@@ -127,8 +128,8 @@ struct staged_index {
   index_config config{};
   std::vector<std::uint64_t> namespaces;
   std::vector<tenant_ref> tenants;
-  std::vector<unsigned char> vectors;
-  std::vector<std::uint32_t> graph;
+  huge_page_vector<unsigned char> vectors;
+  huge_page_vector<std::uint32_t> graph;
   std::vector<std::uint64_t> ids;
   std::vector<std::uint8_t> deleted;
 };

@@ -40,18 +40,27 @@ class host_allocation {
   explicit host_allocation(std::size_t bytes)
   {
     bytes = bytes == 0 ? 1 : bytes;
-    if (bytes >= huge_page_bytes) {
-      data_ = map_huge_pages(bytes, &huge_);
-      if (data_ != nullptr) {
-        mapped_ = round_to_huge_pages(bytes);
-        // Anonymous memory reads as zero already; writing it commits the pages now (as the
-        // value-initialising allocation did), huge ones where the kernel grants them.
-        std::memset(data_, 0, mapped_);
-        return;
-      }
+    if (maps_huge_pages(bytes)) {
+      data_   = map_huge_pages(bytes, &huge_);
+      mapped_ = round_to_huge_pages(bytes);
+      // Anonymous memory reads as zero already; writing it commits the pages now (as the
+      // value-initialising allocation did), huge ones where the kernel grants them.
+      std::memset(data_, 0, mapped_);
+      return;
     }
     data_ = std::calloc(bytes, 1);
     if (data_ == nullptr) { throw std::bad_alloc{}; }
+  }
+
+  /// @brief True where an allocation of `bytes` is mapped for huge pages (Linux, >= 2 MiB).
+  static constexpr bool maps_huge_pages(std::size_t bytes) noexcept
+  {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    return bytes >= huge_page_bytes;
+#else
+    (void)bytes;
+    return false;
+#endif
   }
 
   /// @brief `bytes` rounded up to whole huge pages.
@@ -62,8 +71,8 @@ class host_allocation {
 
   /**
    * @brief Maps round_to_huge_pages(bytes) of anonymous memory at a 2 MiB boundary, advised
-   * `MADV_HUGEPAGE` (`*advised`: whether the advice was taken). Returns nullptr where the system
-   * has no such mapping (not Linux); @throw std::bad_alloc when the mapping fails.
+   * `MADV_HUGEPAGE` (`*advised`: whether the advice was taken). Only where maps_huge_pages(bytes)
+   * (elsewhere nullptr); @throw std::bad_alloc when the mapping fails.
    */
   static void* map_huge_pages(std::size_t bytes, bool* advised)
   {
@@ -162,24 +171,19 @@ struct huge_page_allocator {
   {
     if (n > static_cast<std::size_t>(-1) / sizeof(T)) { throw std::bad_alloc{}; }
     std::size_t const bytes = n * sizeof(T);
-    if (bytes >= host_allocation::huge_page_bytes) {
+    if (host_allocation::maps_huge_pages(bytes)) {
       bool advised = false;
-      if (void* const p = host_allocation::map_huge_pages(bytes, &advised)) {
-        return static_cast<T*>(p);
-      }
+      return static_cast<T*>(host_allocation::map_huge_pages(bytes, &advised));
     }
     return std::allocator<T>{}.allocate(n);
   }
 
   void deallocate(T* p, std::size_t n) noexcept
   {
-    std::size_t const bytes = n * sizeof(T);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (bytes >= host_allocation::huge_page_bytes) {
-      host_allocation::unmap_huge_pages(p, bytes);
+    if (host_allocation::maps_huge_pages(n * sizeof(T))) {
+      host_allocation::unmap_huge_pages(p, n * sizeof(T));
       return;
     }
-#endif
     std::allocator<T>{}.deallocate(p, n);
   }
 

@@ -372,12 +372,40 @@ namespace inferscale::detail::simd512bf16 {
 
 using simd::rotate_mode;
 
+/// @brief The values sixteen fp32 lanes take in bf16 (native rounding; see fp32_to_bf16_as).
+template <bool FpClass>
+INFERSCALE_TARGET_AVX512_BF16 inline __m512 round_to_bf16(__m512 v)
+{
+  return bf16_codes_to_fp32(fp32_to_bf16_as<FpClass>(v));
+}
+
+/**
+ * @brief vLLM's per-operation rounding of sixteen bf16 pairs, each rounding native (FpClass: see
+ * fp32_to_bf16_as): the scalar code's `round(round(x c) - round(y s))` and
+ * `round(round(y c) + round(x s))`, with `c` and `s` already bf16 values. The rotated pair is
+ * returned as bf16 codes, ready to store.
+ */
+template <bool FpClass>
+INFERSCALE_TARGET_AVX512_BF16 inline void rotate16_round_each(
+  __m512 x, __m512 y, __m512 c, __m512 s, __m256i* out_x, __m256i* out_y)
+{
+  *out_x = fp32_to_bf16_as<FpClass>(
+    _mm512_sub_ps(round_to_bf16<FpClass>(_mm512_mul_ps(x, c)), round_to_bf16<FpClass>(_mm512_mul_ps(y, s))));
+  *out_y = fp32_to_bf16_as<FpClass>(
+    _mm512_add_ps(round_to_bf16<FpClass>(_mm512_mul_ps(y, c)), round_to_bf16<FpClass>(_mm512_mul_ps(x, s))));
+}
+
+/// @brief Pairs of one token the native per-operation path takes (its bf16 cos/sin on the stack).
+inline constexpr std::int32_t round_each_max_pairs = 256;
+
 /**
  * @brief As simd512::rotate_token_halves, with bf16 keys rounded by the native conversion
- * (simd512bf16::fp32_to_bf16; same bits). Other key types, and vLLM's per-operation rounding,
- * run the avx512 form.
+ * (simd512bf16::fp32_to_bf16; same bits): the fp32 rotation, and vLLM's per-operation rounding
+ * (cos and sin rounded to bf16 once per token, then every product and sum). Other key types, the
+ * fused rotation and more than round_each_max_pairs pairs run the avx512 form.
+ * @tparam FpClass the caller found denormals_visible() (the subnormal test by VFPCLASSPS).
  */
-template <rotate_mode Mode, class T>
+template <rotate_mode Mode, class T, bool FpClass>
 INFERSCALE_TARGET_AVX512_BF16 void rotate_token_halves(T* token,
                                                        std::int64_t heads,
                                                        std::int64_t head_stride,
@@ -385,10 +413,36 @@ INFERSCALE_TARGET_AVX512_BF16 void rotate_token_halves(T* token,
                                                        float const* cos,
                                                        float const* sin)
 {
-  if constexpr (!std::is_same_v<T, bfloat16_t> || Mode == rotate_mode::round_each) {
+  std::int32_t const whole = half - half % 16;
+  if constexpr (!std::is_same_v<T, bfloat16_t> || Mode == rotate_mode::fused) {
     simd512::rotate_token_halves<Mode, T>(token, heads, head_stride, half, cos, sin);
+  } else if constexpr (Mode == rotate_mode::round_each) {
+    if (whole != half || half > round_each_max_pairs) {
+      simd512::rotate_token_halves<Mode, T>(token, heads, head_stride, half, cos, sin);
+      return;
+    }
+    alignas(64) float cr[round_each_max_pairs];
+    alignas(64) float sr[round_each_max_pairs];
+    for (std::int32_t p = 0; p < half; p += 16) {
+      _mm512_store_ps(cr + p, round_to_bf16<FpClass>(_mm512_loadu_ps(cos + p)));
+      _mm512_store_ps(sr + p, round_to_bf16<FpClass>(_mm512_loadu_ps(sin + p)));
+    }
+    for (std::int64_t h = 0; h < heads; ++h) {
+      T* const first  = token + h * head_stride;
+      T* const second = first + half;
+      for (std::int32_t p = 0; p < half; p += 16) {
+        __m256i x, y;
+        rotate16_round_each<FpClass>(simd512::load16(first + p),
+                                     simd512::load16(second + p),
+                                     _mm512_load_ps(cr + p),
+                                     _mm512_load_ps(sr + p),
+                                     &x,
+                                     &y);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(first + p), x);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(second + p), y);
+      }
+    }
   } else {
-    std::int32_t const whole = half - half % 16;
     for (std::int64_t h = 0; h < heads; ++h) {
       T* const first  = token + h * head_stride;
       T* const second = first + half;
@@ -400,8 +454,8 @@ INFERSCALE_TARGET_AVX512_BF16 void rotate_token_halves(T* token,
                                    _mm512_loadu_ps(sin + p),
                                    &x,
                                    &y);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(first + p), fp32_to_bf16(x));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(second + p), fp32_to_bf16(y));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(first + p), fp32_to_bf16_as<FpClass>(x));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(second + p), fp32_to_bf16_as<FpClass>(y));
       }
       if (whole < half) {
         std::int32_t const n = half - whole;

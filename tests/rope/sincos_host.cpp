@@ -192,7 +192,11 @@ TEST_CASE("rope sincos: a token's cos/sin row equals rope_angle_cos_sin at every
 {
   auto spec       = rope_presets::llama_3_1_8b();
   spec.rotary_dim = GENERATE(128, 96, 72);  // 64, 48, 36 pairs: 16-, 8- and scalar tails
-  auto const params = make_rope_params(spec);
+  auto params     = make_rope_params(spec);
+  // the preset's 1, YaRN's 0.1 ln(s) + 1 at s = 40 (DeepSeek-V3), and one below 1: the vector
+  // scaling multiplies (forward) or divides (inverse) by it
+  params.attention_factor = GENERATE(1.0f, 1.3688879f, 0.7f);
+  CAPTURE(params.attention_factor);
   std::vector<std::int64_t> const positions{0, 1, 37, 4095, 131071, 300000000, -5};
   for (rope_op op : {rope_op::forward, rope_op::inverse, rope_op::shift}) {
     all_paths([&](detail::host_simd level) {

@@ -267,6 +267,35 @@ void rope_cos_sin_row(
     sin[p]                = cs.sin;
   }
 }
+#if INFERSCALE_HOST_X86_SIMD
+namespace simd {
+/**
+ * @brief detail::rope_scale_cos_sin over `n` (a multiple of 8) cos/sin pairs in place, eight
+ * lanes at a time: forward multiplies both by `a`, inverse divides `c` and `-s` by it, shift
+ * leaves them (one correctly rounded multiplication or division each, as mul_rn / div_rn).
+ */
+INFERSCALE_TARGET_AVX2 inline void scale_cos_sin(
+  float* cos, float* sin, std::int32_t n, float a, rope_op op)
+{
+  if (op == rope_op::shift) { return; }
+  __m256 const factor = _mm256_set1_ps(a);
+  __m256 const minus  = _mm256_set1_ps(-0.0f);
+  for (std::int32_t i = 0; i < n; i += 8) {
+    __m256 const c = _mm256_loadu_ps(cos + i);
+    __m256 const s = _mm256_loadu_ps(sin + i);
+    if (op == rope_op::forward) {
+      _mm256_storeu_ps(cos + i, _mm256_mul_ps(c, factor));
+      _mm256_storeu_ps(sin + i, _mm256_mul_ps(s, factor));
+    } else {
+      _mm256_storeu_ps(cos + i, _mm256_div_ps(c, factor));
+      _mm256_storeu_ps(sin + i, _mm256_div_ps(_mm256_xor_ps(s, minus), factor));
+    }
+  }
+}
+
+}  // namespace simd
+#endif
+
 inline void rope_cos_sin_row(
   rope_params const& params, std::int64_t position, rope_op op, float* cos, float* sin)
 {
@@ -284,12 +313,9 @@ inline void rope_cos_sin_row(
     for (; done + 8 <= pairs; done += 8) {
       if (!simd::sincos8_at(p, params.inv_freq + done, sin + done, cos + done)) { break; }
     }
-    // the attention factor and the operation, as rope_angle_cos_sin applies them
-    for (std::int32_t i = 0; i < done; ++i) {
-      rope_cos_sin const cs = rope_scale_cos_sin(cos[i], sin[i], params.attention_factor, op);
-      cos[i]                = cs.cos;
-      sin[i]                = cs.sin;
-    }
+    // the attention factor and the operation, as rope_angle_cos_sin applies them (done is a
+    // multiple of 8)
+    simd::scale_cos_sin(cos, sin, done, params.attention_factor, op);
   }
 #endif
   for (std::int32_t i = done; i < pairs; ++i) {

@@ -114,7 +114,8 @@ struct paged_kv_layout {
                                                             std::int32_t head,
                                                             std::int32_t dim) const noexcept
   {
-    return offset(slot / block_size, static_cast<std::int32_t>(slot % block_size), head, dim);
+    detail::index_quotient const d = detail::index_divmod(slot, block_size);
+    return offset(d.quotient, static_cast<std::int32_t>(d.remainder), head, dim);
   }
 
   /**

@@ -241,6 +241,28 @@ struct rope_cos_sin {
 
 namespace detail {
 
+/**
+ * @brief Where the kernels keep entry `index` of a tile's cos/sin in shared memory: rows of 16
+ * entries (128 bytes, the 32 banks), the position within a row XORed with the row's number.
+ *
+ * The rope and injection kernels' neighbouring threads each take a run of m consecutive pairs
+ * (m = 8 for 16-bit keys in halves pairing, 4 for fp32 or interleaved 16-bit, 2, or 1) and read
+ * entry j of their run together. In order, those 8-byte entries lie m * 8 bytes apart, so for
+ * m = 8 four threads hit each bank pair (a 4-way conflict); swizzled, 16 consecutive runs of any
+ * of those m hit 16 different bank pairs (`[rope][swizzle]` checks it). A permutation within
+ * each row: a tile of n entries takes cos_sin_tile_entries(n).
+ */
+INFERSCALE_HOST_DEVICE constexpr std::int32_t cos_sin_swizzle(std::int32_t index) noexcept
+{
+  return (index & ~15) | ((index ^ (index >> 4)) & 15);
+}
+
+/// @brief Entries to allocate for a swizzled tile of `n` cos/sin entries (whole rows of 16).
+INFERSCALE_HOST_DEVICE constexpr std::int64_t cos_sin_tile_entries(std::int64_t n) noexcept
+{
+  return (n + 15) / 16 * 16;
+}
+
 INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void sincos_fp64(double angle, double* s, double* c)
 {
 #if INFERSCALE_IS_DEVICE_CODE

@@ -120,9 +120,9 @@ struct kv_store_ref {
                                                            std::int32_t layer,
                                                            std::int32_t kv) const noexcept
   {
-    std::int64_t const page = store_token / page_size;
-    std::int64_t const slot = store_token % page_size;
-    return (((page * num_layers + layer) * 2 + kv) * page_size + slot) * row_elements();
+    detail::index_quotient const d = detail::index_divmod(store_token, page_size);
+    return (((d.quotient * num_layers + layer) * 2 + kv) * page_size + d.remainder) *
+           row_elements();
   }
 };
 

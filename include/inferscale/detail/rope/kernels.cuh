@@ -76,39 +76,49 @@ void __launch_bounds__(Policy::block_threads)
   std::int32_t const rotary_dim = args.rotation.rotary_dim;
   constexpr int n = Vectorized ? Policy::vector_bytes / static_cast<int>(sizeof(T)) : 1;
   // Work items per token: chunks of n pairs per head (halves), chunks of n elements
-  // (interleaved), or single pairs (scalar path).
+  // (interleaved), or single pairs (scalar path). A tile's indices are 32-bit (the dispatcher
+  // checks tile_tokens * heads * chunks < 2^31), so the divisions below are 32-bit ones.
   std::int32_t const chunks =
     !Vectorized ? pairs
                 : (args.rotation.pairing == rope_pairing::halves ? pairs / n : rotary_dim / n);
-  std::int64_t const items_per_token = args.heads * chunks;
+  std::int32_t const items_per_token = static_cast<std::int32_t>(args.heads) * chunks;
   std::int64_t const tile            = args.tile_tokens;
+  // The tile's cos/sin, swizzled against bank conflicts (cos_sin_swizzle).
+  auto const cos_sin_at = [&](std::int32_t entry) -> rope_cos_sin const& {
+    return shared_cos_sin[cos_sin_swizzle(entry)];
+  };
 
   for (std::int64_t first_token = blockIdx.x * tile; first_token < args.tokens;
        first_token += static_cast<std::int64_t>(gridDim.x) * tile) {
-    std::int64_t const count = args.tokens - first_token < tile ? args.tokens - first_token : tile;
-    for (std::int64_t index = threadIdx.x; index < count * pairs; index += blockDim.x) {
-      std::int64_t const token    = first_token + index / pairs;
-      std::int64_t const position = args.positions[token];
+    auto const count =
+      static_cast<std::int32_t>(args.tokens - first_token < tile ? args.tokens - first_token : tile);
+    for (std::int32_t index = static_cast<std::int32_t>(threadIdx.x); index < count * pairs;
+         index += static_cast<std::int32_t>(blockDim.x)) {
+      std::int32_t const local    = index / pairs;
+      std::int32_t const pair     = index - local * pairs;
+      std::int64_t const position = args.positions[first_token + local];
       if (rope_position_ok(position, args.table_rows, args.op)) {
-        shared_cos_sin[index] = rope_angle_cos_sin(
-          args.rotation, position, static_cast<std::int32_t>(index % pairs), args.op);
-      } else if (index % pairs == 0 && args.bad_positions != nullptr) {
+        shared_cos_sin[cos_sin_swizzle(index)] =
+          rope_angle_cos_sin(args.rotation, position, pair, args.op);
+      } else if (pair == 0 && args.bad_positions != nullptr) {
         atomicAdd(args.bad_positions, 1ull);  // once per token
       }
     }
     __syncthreads();
 
-    for (std::int64_t item = threadIdx.x; item < count * items_per_token; item += blockDim.x) {
-      std::int64_t const local = item / items_per_token;
+    for (std::int32_t item = static_cast<std::int32_t>(threadIdx.x);
+         item < count * items_per_token;
+         item += static_cast<std::int32_t>(blockDim.x)) {
+      std::int32_t const local = item / items_per_token;
       std::int64_t const token = first_token + local;
       // Tokens with an invalid position are left untouched (the host cannot see device
       // positions; a table row beyond its end would be read out of bounds).
       if (!rope_position_ok(args.positions[token], args.table_rows, args.op)) { continue; }
-      std::int64_t const within   = item - local * items_per_token;
-      std::int64_t const head     = within / chunks;
-      std::int32_t const chunk    = static_cast<std::int32_t>(within - head * chunks);
-      rope_cos_sin const* cos_sin = shared_cos_sin + local * pairs;
-      T* const head_ptr           = args.data + token * args.token_stride + head * args.head_stride;
+      std::int32_t const within = item - local * items_per_token;
+      std::int32_t const head   = within / chunks;
+      std::int32_t const chunk  = within - head * chunks;
+      std::int32_t const row    = local * pairs;  // the token's first cos/sin entry
+      T* const head_ptr = args.data + token * args.token_stride + head * args.head_stride;
 
       if constexpr (Vectorized) {
         using vector            = rope_vector<T, n>;
@@ -120,10 +130,10 @@ void __launch_bounds__(Policy::block_threads)
 #pragma unroll
           for (int j = 0; j < n; ++j) {
             if (args.fused) {
-              rope_rotate_pair_fused(first.values[j], second.values[j], cos_sin[base + j]);
+              rope_rotate_pair_fused(first.values[j], second.values[j], cos_sin_at(row + base + j));
             } else {
               rope_rotate_pair(
-                first.values[j], second.values[j], cos_sin[base + j], args.round_each_operation);
+                first.values[j], second.values[j], cos_sin_at(row + base + j), args.round_each_operation);
             }
           }
           *reinterpret_cast<vector*>(first_ptr)         = first;
@@ -134,10 +144,10 @@ void __launch_bounds__(Policy::block_threads)
 #pragma unroll
           for (int j = 0; j < n; j += 2) {
             if (args.fused) {
-              rope_rotate_pair_fused(v.values[j], v.values[j + 1], cos_sin[(base + j) / 2]);
+              rope_rotate_pair_fused(v.values[j], v.values[j + 1], cos_sin_at(row + (base + j) / 2));
             } else {
               rope_rotate_pair(
-                v.values[j], v.values[j + 1], cos_sin[(base + j) / 2], args.round_each_operation);
+                v.values[j], v.values[j + 1], cos_sin_at(row + (base + j) / 2), args.round_each_operation);
             }
           }
           *reinterpret_cast<vector*>(ptr) = v;
@@ -148,11 +158,11 @@ void __launch_bounds__(Policy::block_threads)
         if (args.fused) {
           rope_rotate_pair_fused(head_ptr[first * args.element_stride],
                                  head_ptr[second * args.element_stride],
-                                 cos_sin[chunk]);
+                                 cos_sin_at(row + chunk));
         } else {
           rope_rotate_pair(head_ptr[first * args.element_stride],
                            head_ptr[second * args.element_stride],
-                           cos_sin[chunk],
+                           cos_sin_at(row + chunk),
                            args.round_each_operation);
         }
       }

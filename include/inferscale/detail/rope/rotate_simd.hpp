@@ -398,6 +398,88 @@ INFERSCALE_TARGET_AVX512_BF16 inline void rotate16_round_each(
 /// @brief Pairs of one token the native per-operation path takes (its bf16 cos/sin on the stack).
 inline constexpr std::int32_t round_each_max_pairs = 256;
 
+/// @brief The integer rounding (simd512::fp32_to_bf16) of two vectors as 32 codes `[low, high]`.
+INFERSCALE_TARGET_AVX512_BF16 inline __m512i bf16_codes_low_high(__m512 low, __m512 high)
+{
+  return _mm512_inserti64x4(
+    _mm512_castsi256_si512(simd512::fp32_to_bf16(low)), simd512::fp32_to_bf16(high), 1);
+}
+
+/**
+ * @brief The fp32 rotation of every head of one token, 32 pairs a step, for bf16 keys whose half
+ * is a multiple of 32 (at most round_each_max_pairs): the same products and sums as rotate16
+ * (so the same bits) with fewer instructions around them.
+ *  - 32 keys are widened by interleaving them with zero words (VPUNPCKLWD / VPUNPCKHWD): one
+ *    instruction per 16 lanes instead of a widening and a shift. Lane i of the low vector holds
+ *    key 8 (i / 4) + i % 4, of the high one key 8 (i / 4) + 4 + i % 4; the token's cos and sin
+ *    are permuted into that order once per token.
+ *  - The two result vectors are rounded by one VCVTNE2PS2BF16 and put back in order by one
+ *    VPERMW. The conversion reads a subnormal as zero and gives a zero for nothing else but
+ *    zeros (a normal fp32 value stays normal in bf16), so a step with a zero result takes the
+ *    integer rounding for both vectors: one test of 32 codes instead of a subnormal test per
+ *    16 lanes, and independent of the thread's denormals-are-zero mode.
+ */
+INFERSCALE_TARGET_AVX512_BF16 inline void rotate_token_halves_bf16x32(bfloat16_t* token,
+                                                                      std::int64_t heads,
+                                                                      std::int64_t head_stride,
+                                                                      std::int32_t half,
+                                                                      float const* cos,
+                                                                      float const* sin)
+{
+  // lane i of the low / high vector <- key 8 (i / 4) + i % 4 (+ 4), of a pair of 16-lane vectors
+  __m512i const low_keys  = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  __m512i const high_keys = _mm512_add_epi32(low_keys, _mm512_set1_epi32(4));
+  // key e <- code 4 (e / 8) + e % 8 of [low codes, high codes] (e % 8 < 4), 16 + 4 (e / 8) + e % 8 - 4
+  alignas(64) std::int16_t order_codes[32];
+  for (int e = 0; e < 32; ++e) {
+    order_codes[e] = static_cast<std::int16_t>(e % 8 < 4 ? 4 * (e / 8) + e % 8
+                                                         : 16 + 4 * (e / 8) + e % 8 - 4);
+  }
+  __m512i const order = _mm512_load_si512(order_codes);
+  alignas(64) float table[4][round_each_max_pairs / 2];  // cos low, cos high, sin low, sin high
+  for (std::int32_t p = 0; p < half; p += 32) {
+    __m512 const c0 = _mm512_loadu_ps(cos + p), c1 = _mm512_loadu_ps(cos + p + 16);
+    __m512 const s0 = _mm512_loadu_ps(sin + p), s1 = _mm512_loadu_ps(sin + p + 16);
+    _mm512_store_ps(table[0] + p / 2, _mm512_permutex2var_ps(c0, low_keys, c1));
+    _mm512_store_ps(table[1] + p / 2, _mm512_permutex2var_ps(c0, high_keys, c1));
+    _mm512_store_ps(table[2] + p / 2, _mm512_permutex2var_ps(s0, low_keys, s1));
+    _mm512_store_ps(table[3] + p / 2, _mm512_permutex2var_ps(s0, high_keys, s1));
+  }
+  __m512i const zero      = _mm512_setzero_si512();
+  __m512i const magnitude = _mm512_set1_epi16(0x7fff);
+  for (std::int64_t h = 0; h < heads; ++h) {
+    bfloat16_t* const first  = token + h * head_stride;
+    bfloat16_t* const second = first + half;
+    for (std::int32_t p = 0; p < half; p += 32) {
+      __m512i const xc = _mm512_loadu_si512(first + p);
+      __m512i const yc = _mm512_loadu_si512(second + p);
+      __m512 xl, yl, xh, yh;
+      simd512::rotate16<rotate_mode::fp32, bfloat16_t>(
+        _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, xc)),
+        _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, yc)),
+        _mm512_load_ps(table[0] + p / 2),
+        _mm512_load_ps(table[2] + p / 2),
+        &xl,
+        &yl);
+      simd512::rotate16<rotate_mode::fp32, bfloat16_t>(
+        _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, xc)),
+        _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, yc)),
+        _mm512_load_ps(table[1] + p / 2),
+        _mm512_load_ps(table[3] + p / 2),
+        &xh,
+        &yh);
+      __m512i xo = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(xh, xl));
+      __m512i yo = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(yh, yl));
+      if ((_mm512_testn_epi16_mask(xo, magnitude) | _mm512_testn_epi16_mask(yo, magnitude)) != 0) {
+        xo = bf16_codes_low_high(xl, xh);
+        yo = bf16_codes_low_high(yl, yh);
+      }
+      _mm512_storeu_si512(first + p, _mm512_permutexvar_epi16(order, xo));
+      _mm512_storeu_si512(second + p, _mm512_permutexvar_epi16(order, yo));
+    }
+  }
+}
+
 /**
  * @brief As simd512::rotate_token_halves, with bf16 keys rounded by the native conversion
  * (simd512bf16::fp32_to_bf16; same bits): the fp32 rotation, and vLLM's per-operation rounding
@@ -443,6 +525,10 @@ INFERSCALE_TARGET_AVX512_BF16 void rotate_token_halves(T* token,
       }
     }
   } else {
+    if (half % 32 == 0 && half <= round_each_max_pairs) {
+      rotate_token_halves_bf16x32(token, heads, head_stride, half, cos, sin);
+      return;
+    }
     for (std::int64_t h = 0; h < heads; ++h) {
       T* const first  = token + h * head_stride;
       T* const second = first + half;

@@ -310,8 +310,9 @@ inject_launch_config<Rotation> make_inject_launch(kv_store_ref const& store,
   args.tile_layers    = tile_layers;
   config.grid_x       = token_tiles;
   config.grid_y       = (cache.num_layers + tile_layers - 1) / tile_layers;
-  config.shared_bytes = static_cast<std::size_t>(policy::tile_tokens) *
-                        static_cast<std::size_t>(rotation.num_pairs()) * sizeof(rope_cos_sin);
+  config.shared_bytes = static_cast<std::size_t>(cos_sin_tile_entries(
+                          std::int64_t{policy::tile_tokens} * rotation.num_pairs())) *
+                        sizeof(rope_cos_sin);
   return config;
 }
 
@@ -356,6 +357,24 @@ extract_kernel_args<Rotation> make_extract_args(kv_store_ref const& store,
   args.units_per_head =
     rotation.num_pairs() + (store.head_dim - rotation.rotary_dim) + store.head_dim;
   return args;
+}
+
+/**
+ * @brief extract_kernel's grid: x covers one token's units (32-bit; checked), y strides over the
+ * tokens (at most 65,535 rows, and about 2^20 blocks in all).
+ */
+template <class Policy, class Rotation>
+dim3 extract_grid(extract_kernel_args<Rotation> const& args)
+{
+  std::int64_t const per_token = extract_units_per_token(args);
+  INFERSCALE_EXPECTS(per_token <= std::int64_t{0x7fffffff},
+                     "extract: " + std::to_string(per_token) +
+                       " units per token (layers x heads x dims) exceed the kernel's 32-bit index");
+  std::int64_t const x =
+    std::max<std::int64_t>((per_token + Policy::extract_threads - 1) / Policy::extract_threads, 1);
+  std::int64_t const y = std::clamp<std::int64_t>(
+    std::min<std::int64_t>(args.tokens.num_tokens, (std::int64_t{1} << 20) / x), 1, 65535);
+  return dim3{static_cast<unsigned>(x), static_cast<unsigned>(y)};
 }
 
 }  // namespace detail
@@ -522,11 +541,9 @@ void extract(paged_kv_cache const& cache,
       using policy    = detail::inject_policy_sm90;
       auto const args = detail::make_extract_args(
         store.ref(), cache, rotation, {device, device + n, device + 2 * n, n});
-      std::int64_t const total = detail::extract_units(args);
-      auto const blocks        = static_cast<unsigned>(std::min<std::int64_t>(
-        (total + policy::extract_threads - 1) / policy::extract_threads, std::int64_t{1} << 20));
+      dim3 const grid = detail::extract_grid<policy>(args);
       detail::extract_kernel<policy, S, C, Rotation>
-        <<<blocks, policy::extract_threads, 0, stream.get()>>>(args);
+        <<<grid, policy::extract_threads, 0, stream.get()>>>(args);
       INFERSCALE_CHECK_LAUNCH();
     });
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));

@@ -376,8 +376,12 @@ TEMPLATE_TEST_CASE("the extract kernel's units, emulated on the CPU, equal extra
   // tokens x layers x heads x (pairs + pass-through dims + value dims)
   REQUIRE(units ==
           n * s.layers * s.heads * (s.rotary_dim / 2 + (s.head_dim - s.rotary_dim) + s.head_dim));
-  for (std::int64_t w = 0; w < units; ++w) {
-    detail::extract_unit<S, C>(args, w);
+  std::int64_t const per_token = detail::extract_units_per_token(args);
+  REQUIRE(units == n * per_token);
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int32_t w = 0; w < per_token; ++w) {
+      detail::extract_unit<S, C>(args, i, w);
+    }
   }
   REQUIRE(by_kernel.at(5).pages == by_host.at(5).pages);
   REQUIRE(by_kernel.pool_to_host() == by_host.pool_to_host());

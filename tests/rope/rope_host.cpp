@@ -652,3 +652,48 @@ TEST_CASE("bad specs and bad batches are refused with a clear message", "[rope]"
     REQUIRE(x == before);
   }
 }
+
+TEST_CASE("cos_sin_swizzle: a permutation within rows of 16 entries, and conflict-free reads",
+          "[rope][swizzle]")
+{
+  // the tile sizes the kernels allocate: whole rows of 16 entries
+  REQUIRE(detail::cos_sin_tile_entries(0) == 0);
+  REQUIRE(detail::cos_sin_tile_entries(1) == 16);
+  REQUIRE(detail::cos_sin_tile_entries(256) == 256);
+  REQUIRE(detail::cos_sin_tile_entries(4 * 36) == 144);
+  REQUIRE(detail::cos_sin_tile_entries(4 * 10) == 48);
+  // every index of a tile maps into the same row of 16, and no two indices to one place
+  std::int32_t const n = 16 * 16 * 4;
+  std::vector<int> hits(static_cast<std::size_t>(n), 0);
+  for (std::int32_t i = 0; i < n; ++i) {
+    std::int32_t const j = detail::cos_sin_swizzle(i);
+    REQUIRE(j / 16 == i / 16);
+    ++hits[static_cast<std::size_t>(j)];
+  }
+  for (int h : hits) { REQUIRE(h == 1); }
+  // Entry j of sixteen neighbouring runs of m pairs (threads c .. c + 15 each reading entry j of
+  // run c), from any row: sixteen different 8-byte bank pairs (index % 16 after the swizzle).
+  // Unswizzled, sixteen runs of 8 fall on two bank pairs.
+  for (std::int32_t m : {1, 2, 4, 8}) {
+    for (std::int32_t row = 0; row < 64; ++row) {
+      for (std::int32_t first_run = 0; first_run < 64; first_run += 16) {
+        for (std::int32_t j = 0; j < m; ++j) {
+          std::vector<bool> bank(16, false);
+          int distinct = 0, distinct_in_order = 0;
+          std::vector<bool> bank_in_order(16, false);
+          for (std::int32_t c = first_run; c < first_run + 16; ++c) {
+            std::int32_t const entry = 16 * row + c * m + j;
+            auto const b             = static_cast<std::size_t>(detail::cos_sin_swizzle(entry) % 16);
+            distinct += !bank[b];
+            bank[b] = true;
+            distinct_in_order += !bank_in_order[static_cast<std::size_t>(entry % 16)];
+            bank_in_order[static_cast<std::size_t>(entry % 16)] = true;
+          }
+          CAPTURE(m, row, first_run, j);
+          REQUIRE(distinct == 16);
+          if (m == 8) { REQUIRE(distinct_in_order == 2); }
+        }
+      }
+    }
+  }
+}

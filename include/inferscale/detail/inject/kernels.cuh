@@ -93,7 +93,7 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void store_run(CacheT* base,
 
 /// @brief A block's tile state (shared memory on the device; plain arrays in the host emulation).
 struct inject_tile_state {
-  rope_cos_sin* cos_sin;   ///< [tile tokens][pairs]
+  rope_cos_sin* cos_sin;   ///< [tile tokens][pairs], swizzled (cos_sin_swizzle)
   std::int64_t* slot;      ///< -1: skip the token
   std::int64_t* block;     ///< slot / block_size, divided once per token
   std::int32_t* in_block;  ///< slot % block_size
@@ -153,17 +153,17 @@ struct inject_block {
                            : !position_ok ? &args.errors->bad_position
                                           : &args.errors->bad_store_token);
       }
-      tile.slot[t]  = ok ? slot : -1;
-      tile.block[t] = ok ? slot / args.cache.key_layout.block_size : 0;
-      tile.in_block[t] =
-        ok ? static_cast<std::int32_t>(slot % args.cache.key_layout.block_size) : 0;
+      index_quotient const in_cache = index_divmod(ok ? slot : 0, args.cache.key_layout.block_size);
+      tile.slot[t]                   = ok ? slot : -1;
+      tile.block[t]                  = in_cache.quotient;
+      tile.in_block[t]               = static_cast<std::int32_t>(in_cache.remainder);
       // Offset of the token's layer-0 key row: the page division is done once per token.
       tile.source[t] = ok ? args.store.row_offset(store_token, 0, 0) : 0;
     }
     for (std::int32_t i = thread; i < tokens * pairs; i += threads) {
       std::int32_t const t        = i / pairs;
       std::int64_t const position = args.batch.position[first_token + t];
-      tile.cos_sin[i] =
+      tile.cos_sin[cos_sin_swizzle(i)] =
         (position >= 0 && position < args.table_rows)
           ? rope_angle_cos_sin(args.rotation, position, i - t * pairs, rope_op::forward)
           : rope_cos_sin{1.0f, 0.0f};
@@ -224,7 +224,10 @@ struct inject_block {
         StoreT const* const src =
           pool + source + row_stride * (2 * l) + static_cast<std::int64_t>(h) * head_dim;
         auto* const dst             = static_cast<CacheT*>(args.cache.key_base[l]);
-        rope_cos_sin const* cos_sin = tile.cos_sin + t * pairs;
+        std::int32_t const cos_sin_row = t * pairs;  // the token's first cos/sin entry
+        auto const cos_sin = [&](std::int32_t pair) -> rope_cos_sin const& {
+          return tile.cos_sin[cos_sin_swizzle(cos_sin_row + pair)];
+        };
         if (halves) {
           std::int32_t const p0 = u * run;
           StoreT x[run], y[run];
@@ -235,7 +238,7 @@ struct inject_block {
           for (int e = 0; e < run; ++e) {
             float rx, ry;
             rotate_stored_pair(
-              x[e], y[e], cos_sin[p0 + e], args.round_each, args.fused, &rx, &ry);
+              x[e], y[e], cos_sin(p0 + e), args.round_each, args.fused, &rx, &ry);
             qx[e] = convert_rotated<CacheT>(rx, scaled, scale, args.cache.scale_convention);
             qy[e] = convert_rotated<CacheT>(ry, scaled, scale, args.cache.scale_convention);
           }
@@ -253,7 +256,7 @@ struct inject_block {
             float rx, ry;
             rotate_stored_pair(v[e],
                                v[e + 1],
-                               cos_sin[(d0 + e) / 2],
+                               cos_sin((d0 + e) / 2),
                                args.round_each,
                                args.fused,
                                &rx,
@@ -323,24 +326,44 @@ struct extract_kernel_args {
   std::int32_t units_per_head;  ///< pairs + pass-through dims + value dims
 };
 
-/// @brief Extraction of work unit `w` (token, layer, head, unit; unit = a key pair, a key
-/// pass-through dim or a value dim). Shared by extract_kernel and the host emulation.
-template <class StoreT, class CacheT, class Rotation>
-INFERSCALE_HOST_DEVICE void extract_unit(extract_kernel_args<Rotation> const& args, std::int64_t w)
+/// @brief Work units of one token of an extraction: layers x heads x units_per_head (the launch
+/// checks that it fits 31 bits).
+template <class Rotation>
+INFERSCALE_HOST_DEVICE std::int64_t extract_units_per_token(
+  extract_kernel_args<Rotation> const& args)
 {
-  std::int32_t const pairs    = args.rotation.num_pairs();
-  std::int32_t const rotary   = args.rotation.rotary_dim;
-  std::int32_t const head_dim = args.store.head_dim;
-  std::int32_t const heads    = args.store.num_heads;
-  std::int64_t const per_token =
-    static_cast<std::int64_t>(args.cache.num_layers) * heads * args.units_per_head;
-  auto* const pool     = static_cast<StoreT*>(args.store.pool);
-  std::int64_t const i = w / per_token;
-  std::int64_t rest    = w - i * per_token;
-  std::int32_t const l = static_cast<std::int32_t>(rest / (heads * args.units_per_head));
-  rest -= static_cast<std::int64_t>(l) * heads * args.units_per_head;
-  std::int32_t const h         = static_cast<std::int32_t>(rest / args.units_per_head);
-  std::int32_t const u         = static_cast<std::int32_t>(rest - h * args.units_per_head);
+  return static_cast<std::int64_t>(args.cache.num_layers) * args.store.num_heads *
+         args.units_per_head;
+}
+
+/// @brief Units of an extraction: tokens x layers x heads x units_per_head.
+template <class Rotation>
+INFERSCALE_HOST_DEVICE std::int64_t extract_units(extract_kernel_args<Rotation> const& args)
+{
+  return args.tokens.num_tokens * extract_units_per_token(args);
+}
+
+/**
+ * @brief Extraction of unit `w` (layer, head, unit; unit = a key pair, a key pass-through dim or a
+ * value dim) of token `i`. Shared by extract_kernel and the host emulation. The unit index is
+ * 32-bit, so its divisions are 32-bit ones; the slot and store-token divisions take index_divmod.
+ * @pre 0 <= w < extract_units_per_token(args) < 2^31
+ */
+template <class StoreT, class CacheT, class Rotation>
+INFERSCALE_HOST_DEVICE void extract_unit(extract_kernel_args<Rotation> const& args,
+                                         std::int64_t i,
+                                         std::int32_t w)
+{
+  std::int32_t const pairs     = args.rotation.num_pairs();
+  std::int32_t const rotary    = args.rotation.rotary_dim;
+  std::int32_t const head_dim  = args.store.head_dim;
+  std::int32_t const heads     = args.store.num_heads;
+  std::int32_t const per_layer = heads * args.units_per_head;
+  auto* const pool             = static_cast<StoreT*>(args.store.pool);
+  std::int32_t const l         = w / per_layer;
+  std::int32_t const rest      = w - l * per_layer;
+  std::int32_t const h         = rest / args.units_per_head;
+  std::int32_t const u         = rest - h * args.units_per_head;
   std::int64_t const slot      = args.tokens.slot[i];
   std::int32_t const key_units = pairs + (head_dim - rotary);
   bool const value             = u >= key_units;
@@ -375,24 +398,20 @@ INFERSCALE_HOST_DEVICE void extract_unit(extract_kernel_args<Rotation> const& ar
   }
 }
 
-/// @brief Units of an extraction: tokens x layers x heads x units_per_head.
-template <class Rotation>
-INFERSCALE_HOST_DEVICE std::int64_t extract_units(extract_kernel_args<Rotation> const& args)
-{
-  return args.tokens.num_tokens * args.cache.num_layers * args.store.num_heads *
-         args.units_per_head;
-}
-
-/// @brief Extraction: one thread per unit (extract_unit). Not on a latency path: kept scalar.
+/**
+ * @brief Extraction: one thread per unit of a token (extract_unit); blockIdx.x covers a token's
+ * units, blockIdx.y strides over the tokens. Not on a latency path: kept scalar.
+ */
 template <class Policy, class StoreT, class CacheT, class Rotation>
 INFERSCALE_KERNEL
 void __launch_bounds__(Policy::extract_threads)
   extract_kernel(__grid_constant__ extract_kernel_args<Rotation> const args)
 {
-  std::int64_t const total = extract_units(args);
-  for (std::int64_t w = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; w < total;
-       w += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    extract_unit<StoreT, CacheT>(args, w);
+  auto const per_token = static_cast<std::int32_t>(extract_units_per_token(args));
+  auto const w = static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (w >= per_token) { return; }
+  for (std::int64_t i = blockIdx.y; i < args.tokens.num_tokens; i += gridDim.y) {
+    extract_unit<StoreT, CacheT>(args, i, w);
   }
 }
 

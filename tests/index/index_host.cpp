@@ -344,6 +344,26 @@ TEST_CASE("index: rank-based pruning counts detours by definition", "[index][bui
       REQUIRE(pruned[std::size_t{a} * degree + r] == knn[std::size_t{a} * k + key[r].second]);
     }
   }
+  // prune_node, the device kernel's per-thread function, as prune_kernel calls it: launches of
+  // `count` threads, each thread's three scratch arrays interleaved with the others' (entry p of
+  // thread i at p * count + i), must give the same rows
+  for (std::uint32_t count : {1u, 7u, n}) {
+    CAPTURE(count);
+    std::vector<std::uint32_t> by_node(std::size_t{n} * degree, 0xdeadbeefu);
+    std::vector<std::uint32_t> scratch(std::size_t{3} * k * count);
+    for (std::uint32_t first = 0; first < n; first += count) {
+      std::uint32_t const threads = std::min(count, n - first);
+      std::uint64_t const array   = std::uint64_t{k} * threads;
+      for (std::uint32_t i = 0; i < threads; ++i) {
+        std::uint32_t const node = first + i;
+        detail::index::prune_node(knn.data(), k, k, node, degree,
+                                  by_node.data() + std::size_t{node} * degree,
+                                  scratch.data() + i, scratch.data() + array + i,
+                                  scratch.data() + 2 * array + i, threads);
+      }
+    }
+    REQUIRE(by_node == pruned);
+  }
 }
 
 TEST_CASE("index: reverse edges and the merge keep the documented order", "[index][build]")

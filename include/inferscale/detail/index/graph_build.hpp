@@ -501,7 +501,10 @@ nn_descent_report nn_descent_knn_host(T const* rows,
  *
  * @param knn       `[n][width]` kNN rows (node ids < n), each sorted by distance
  * @param width     row length of `knn`; the first `k` entries are used
- * @param scratch_ids, scratch_ranks, counts  `k` entries each (caller's scratch)
+ * @param scratch_ids, scratch_ranks, counts  `k` entries each (caller's scratch), entry `p` at
+ *        `p * stride`: the host passes 1; the device kernel, one thread per node, interleaves its
+ *        threads' scratch (stride = the launch's threads), so that neighbouring threads touch
+ *        neighbouring words
  */
 INFERSCALE_HOST_DEVICE inline void prune_node(std::uint32_t const* knn,
                                               std::uint32_t width,
@@ -511,21 +514,23 @@ INFERSCALE_HOST_DEVICE inline void prune_node(std::uint32_t const* knn,
                                               std::uint32_t* out,
                                               std::uint32_t* scratch_ids,
                                               std::uint32_t* scratch_ranks,
-                                              std::uint32_t* counts) noexcept
+                                              std::uint32_t* counts,
+                                              std::uint32_t stride = 1) noexcept
 {
+  auto const at = [stride](std::uint32_t p) { return std::uint64_t{p} * stride; };
   std::uint32_t const* row = knn + std::uint64_t{node} * width;
   // (id, rank) pairs sorted by id for the rank lookups: insertion sort (k <= a few hundred)
   for (std::uint32_t i = 0; i < k; ++i) {
     std::uint32_t const id = row[i];
     std::uint32_t p        = i;
-    while (p > 0 && scratch_ids[p - 1] > id) {
-      scratch_ids[p]   = scratch_ids[p - 1];
-      scratch_ranks[p] = scratch_ranks[p - 1];
+    while (p > 0 && scratch_ids[at(p - 1)] > id) {
+      scratch_ids[at(p)]   = scratch_ids[at(p - 1)];
+      scratch_ranks[at(p)] = scratch_ranks[at(p - 1)];
       --p;
     }
-    scratch_ids[p]   = id;
-    scratch_ranks[p] = i;
-    counts[i]        = 0;
+    scratch_ids[at(p)]   = id;
+    scratch_ranks[at(p)] = i;
+    counts[at(i)]        = 0;
   }
   for (std::uint32_t a = 0; a + 1 < k; ++a) {
     std::uint32_t const via = row[a];
@@ -537,22 +542,22 @@ INFERSCALE_HOST_DEVICE inline void prune_node(std::uint32_t const* knn,
       std::uint32_t lo = 0, hi = k;  // lower bound of target among the sorted ids
       while (lo < hi) {
         std::uint32_t const mid = (lo + hi) / 2;
-        if (scratch_ids[mid] < target) {
+        if (scratch_ids[at(mid)] < target) {
           lo = mid + 1;
         } else {
           hi = mid;
         }
       }
-      if (lo == k || scratch_ids[lo] != target) { continue; }
-      std::uint32_t const b = scratch_ranks[lo];
-      if (b > a && j < b) { ++counts[b]; }
+      if (lo == k || scratch_ids[at(lo)] != target) { continue; }
+      std::uint32_t const b = scratch_ranks[at(lo)];
+      if (b > a && j < b) { ++counts[at(b)]; }
     }
   }
   // the `degree` smallest (count, rank): repeated minimum scan, stable in rank
   std::uint32_t written = 0;
   for (std::uint32_t c = 0; written < degree && c < k; ++c) {
     for (std::uint32_t r = 0; r < k && written < degree; ++r) {
-      if (counts[r] == c && row[r] != invalid_node) { out[written++] = row[r]; }
+      if (counts[at(r)] == c && row[r] != invalid_node) { out[written++] = row[r]; }
     }
   }
   for (std::uint32_t more = 0; written < degree; ++more) {  // counts >= k cannot happen; pad

@@ -696,7 +696,7 @@ void __launch_bounds__(Policy::search_threads)
 struct prune_kernel_params {
   std::uint32_t const* knn{nullptr};  ///< `[n][width]` kNN rows
   std::uint32_t* out{nullptr};        ///< `[n][degree]`
-  std::uint32_t* scratch{nullptr};    ///< `[count][3 * k]`
+  std::uint32_t* scratch{nullptr};    ///< `[3 * k][count]`: entry p of thread i's array at p * count + i
   std::uint32_t width{0};
   std::uint32_t k{0};
   std::uint32_t degree{0};
@@ -704,7 +704,12 @@ struct prune_kernel_params {
   std::uint32_t count{0};
 };
 
-/// @brief One thread per node runs `prune_node` (the host's function) with global scratch.
+/**
+ * @brief One thread per node runs `prune_node` (the host's function) with global scratch,
+ * interleaved over the launch's threads (stride `count`): where neighbouring threads touch the
+ * same entry of their arrays (the sort's start, the counts' reset, the final scan), they touch
+ * neighbouring words.
+ */
 template <class Policy>
 INFERSCALE_KERNEL
 void __launch_bounds__(Policy::prune_threads)
@@ -712,8 +717,9 @@ void __launch_bounds__(Policy::prune_threads)
 {
   std::uint32_t const i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= params.count) { return; }
-  std::uint32_t const node = params.first + i;
-  std::uint32_t* scratch   = params.scratch + std::uint64_t{i} * 3 * params.k;
+  std::uint32_t const node  = params.first + i;
+  std::uint64_t const array = std::uint64_t{params.k} * params.count;  // words per scratch array
+  std::uint32_t* scratch    = params.scratch + i;
   prune_node(params.knn,
              params.width,
              params.k,
@@ -721,8 +727,9 @@ void __launch_bounds__(Policy::prune_threads)
              params.degree,
              params.out + std::uint64_t{node} * params.degree,
              scratch,
-             scratch + params.k,
-             scratch + 2 * std::uint64_t{params.k});
+             scratch + array,
+             scratch + 2 * array,
+             params.count);
 }
 
 // -------------------------------------------------------------------------------------------

@@ -419,6 +419,26 @@ INFERSCALE_TARGET_AVX512_BF16 inline __m512i bf16_codes_low_high(__m512 low, __m
  *    integer rounding for both vectors: one test of 32 codes instead of a subnormal test per
  *    16 lanes, and independent of the thread's denormals-are-zero mode.
  */
+/**
+ * @brief Two vectors rounded to bf16 as 32 codes `[low, high]`: one VCVTNE2PS2BF16, or the
+ * integer rounding of both where a code is zero (which the conversion gives a subnormal).
+ */
+INFERSCALE_TARGET_AVX512_BF16 inline __m512i bf16x32_codes(__m512 low, __m512 high)
+{
+  __m512i const c = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+  return _mm512_testn_epi16_mask(c, _mm512_set1_epi16(0x7fff)) != 0
+           ? bf16_codes_low_high(low, high)
+           : c;
+}
+
+/// @brief Sixteen of 32 bf16 codes widened to fp32: word 2 i + 1 <- code `back[2 i + 1]`, the
+/// even words zeroed by `odd`.
+INFERSCALE_TARGET_AVX512_BF16 inline __m512 bf16x32_widen(__mmask32 odd, __m512i back, __m512i codes)
+{
+  return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(odd, back, codes));
+}
+
+template <bool RoundEach>
 INFERSCALE_TARGET_AVX512_BF16 inline void rotate_token_halves_bf16x32(bfloat16_t* token,
                                                                       std::int64_t heads,
                                                                       std::int64_t head_stride,
@@ -427,55 +447,69 @@ INFERSCALE_TARGET_AVX512_BF16 inline void rotate_token_halves_bf16x32(bfloat16_t
                                                                       float const* sin)
 {
   // lane i of the low / high vector <- key 8 (i / 4) + i % 4 (+ 4), of a pair of 16-lane vectors
-  __m512i const low_keys  = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  __m512i const low_keys =
+    _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
   __m512i const high_keys = _mm512_add_epi32(low_keys, _mm512_set1_epi32(4));
-  // key e <- code 4 (e / 8) + e % 8 of [low codes, high codes] (e % 8 < 4), 16 + 4 (e / 8) + e % 8 - 4
-  alignas(64) std::int16_t order_codes[32];
+  // key e <- code 4 (e / 8) + e % 8 of [low codes, high codes] (e % 8 < 4), 16 + 4 (e / 8) + e % 8
+  // - 4 (else); and (RoundEach) the codes widened back to fp32 in their vector's own lane order:
+  // word 2 i + 1 <- code i (low) or 16 + i (high), the even words zeroed by the mask
+  alignas(64) std::int16_t order_codes[32], low_back[32], high_back[32];
   for (int e = 0; e < 32; ++e) {
-    order_codes[e] = static_cast<std::int16_t>(e % 8 < 4 ? 4 * (e / 8) + e % 8
-                                                         : 16 + 4 * (e / 8) + e % 8 - 4);
+    order_codes[e] =
+      static_cast<std::int16_t>(e % 8 < 4 ? 4 * (e / 8) + e % 8 : 16 + 4 * (e / 8) + e % 8 - 4);
+    low_back[e]  = static_cast<std::int16_t>(e / 2);
+    high_back[e] = static_cast<std::int16_t>(16 + e / 2);
   }
-  __m512i const order = _mm512_load_si512(order_codes);
+  __m512i const order     = _mm512_load_si512(order_codes);
+  __m512i const to_low    = _mm512_load_si512(low_back);
+  __m512i const to_high   = _mm512_load_si512(high_back);
+  __mmask32 const odd     = 0xaaaaaaaau;
+  __m512i const zero      = _mm512_setzero_si512();
   alignas(64) float table[4][round_each_max_pairs / 2];  // cos low, cos high, sin low, sin high
   for (std::int32_t p = 0; p < half; p += 32) {
-    __m512 const c0 = _mm512_loadu_ps(cos + p), c1 = _mm512_loadu_ps(cos + p + 16);
-    __m512 const s0 = _mm512_loadu_ps(sin + p), s1 = _mm512_loadu_ps(sin + p + 16);
+    __m512 c0 = _mm512_loadu_ps(cos + p), c1 = _mm512_loadu_ps(cos + p + 16);
+    __m512 s0 = _mm512_loadu_ps(sin + p), s1 = _mm512_loadu_ps(sin + p + 16);
+    if constexpr (RoundEach) {  // vLLM rounds cos and sin to the key type: once per token here
+      c0 = round_to_bf16<false>(c0), c1 = round_to_bf16<false>(c1);
+      s0 = round_to_bf16<false>(s0), s1 = round_to_bf16<false>(s1);
+    }
     _mm512_store_ps(table[0] + p / 2, _mm512_permutex2var_ps(c0, low_keys, c1));
     _mm512_store_ps(table[1] + p / 2, _mm512_permutex2var_ps(c0, high_keys, c1));
     _mm512_store_ps(table[2] + p / 2, _mm512_permutex2var_ps(s0, low_keys, s1));
     _mm512_store_ps(table[3] + p / 2, _mm512_permutex2var_ps(s0, high_keys, s1));
   }
-  __m512i const zero      = _mm512_setzero_si512();
-  __m512i const magnitude = _mm512_set1_epi16(0x7fff);
   for (std::int64_t h = 0; h < heads; ++h) {
     bfloat16_t* const first  = token + h * head_stride;
     bfloat16_t* const second = first + half;
     for (std::int32_t p = 0; p < half; p += 32) {
       __m512i const xc = _mm512_loadu_si512(first + p);
       __m512i const yc = _mm512_loadu_si512(second + p);
-      __m512 xl, yl, xh, yh;
-      simd512::rotate16<rotate_mode::fp32, bfloat16_t>(
-        _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, xc)),
-        _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, yc)),
-        _mm512_load_ps(table[0] + p / 2),
-        _mm512_load_ps(table[2] + p / 2),
-        &xl,
-        &yl);
-      simd512::rotate16<rotate_mode::fp32, bfloat16_t>(
-        _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, xc)),
-        _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, yc)),
-        _mm512_load_ps(table[1] + p / 2),
-        _mm512_load_ps(table[3] + p / 2),
-        &xh,
-        &yh);
-      __m512i xo = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(xh, xl));
-      __m512i yo = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(yh, yl));
-      if ((_mm512_testn_epi16_mask(xo, magnitude) | _mm512_testn_epi16_mask(yo, magnitude)) != 0) {
-        xo = bf16_codes_low_high(xl, xh);
-        yo = bf16_codes_low_high(yl, yh);
+      __m512 const x[2] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, xc)),
+                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, xc))};
+      __m512 const y[2] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, yc)),
+                           _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, yc))};
+      __m512 const c[2] = {_mm512_load_ps(table[0] + p / 2), _mm512_load_ps(table[1] + p / 2)};
+      __m512 const s[2] = {_mm512_load_ps(table[2] + p / 2), _mm512_load_ps(table[3] + p / 2)};
+      __m512 xo[2], yo[2];
+      if constexpr (RoundEach) {
+        // round(round(x c) - round(y s)), round(round(y c) + round(x s)); the products of two
+        // bf16 values are exact in fp32, each rounded to bf16 once and widened back
+        __m512i const xc_r = bf16x32_codes(_mm512_mul_ps(x[0], c[0]), _mm512_mul_ps(x[1], c[1]));
+        __m512i const ys_r = bf16x32_codes(_mm512_mul_ps(y[0], s[0]), _mm512_mul_ps(y[1], s[1]));
+        __m512i const yc_r = bf16x32_codes(_mm512_mul_ps(y[0], c[0]), _mm512_mul_ps(y[1], c[1]));
+        __m512i const xs_r = bf16x32_codes(_mm512_mul_ps(x[0], s[0]), _mm512_mul_ps(x[1], s[1]));
+        __m512i const back[2] = {to_low, to_high};
+        for (int v = 0; v < 2; ++v) {
+          xo[v] = _mm512_sub_ps(bf16x32_widen(odd, back[v], xc_r), bf16x32_widen(odd, back[v], ys_r));
+          yo[v] = _mm512_add_ps(bf16x32_widen(odd, back[v], yc_r), bf16x32_widen(odd, back[v], xs_r));
+        }
+      } else {
+        for (int v = 0; v < 2; ++v) {
+          simd512::rotate16<rotate_mode::fp32, bfloat16_t>(x[v], y[v], c[v], s[v], &xo[v], &yo[v]);
+        }
       }
-      _mm512_storeu_si512(first + p, _mm512_permutexvar_epi16(order, xo));
-      _mm512_storeu_si512(second + p, _mm512_permutexvar_epi16(order, yo));
+      _mm512_storeu_si512(first + p, _mm512_permutexvar_epi16(order, bf16x32_codes(xo[0], xo[1])));
+      _mm512_storeu_si512(second + p, _mm512_permutexvar_epi16(order, bf16x32_codes(yo[0], yo[1])));
     }
   }
 }
@@ -499,6 +533,10 @@ INFERSCALE_TARGET_AVX512_BF16 void rotate_token_halves(T* token,
   if constexpr (!std::is_same_v<T, bfloat16_t> || Mode == rotate_mode::fused) {
     simd512::rotate_token_halves<Mode, T>(token, heads, head_stride, half, cos, sin);
   } else if constexpr (Mode == rotate_mode::round_each) {
+    if (half % 32 == 0 && half <= round_each_max_pairs) {
+      rotate_token_halves_bf16x32<true>(token, heads, head_stride, half, cos, sin);
+      return;
+    }
     if (whole != half || half > round_each_max_pairs) {
       simd512::rotate_token_halves<Mode, T>(token, heads, head_stride, half, cos, sin);
       return;
@@ -526,7 +564,7 @@ INFERSCALE_TARGET_AVX512_BF16 void rotate_token_halves(T* token,
     }
   } else {
     if (half % 32 == 0 && half <= round_each_max_pairs) {
-      rotate_token_halves_bf16x32(token, heads, head_stride, half, cos, sin);
+      rotate_token_halves_bf16x32<false>(token, heads, head_stride, half, cos, sin);
       return;
     }
     for (std::int64_t h = 0; h < heads; ++h) {

@@ -216,12 +216,21 @@ def device_targets(entries):
                 why += ": " + (runs[0].get("error_message") or runs[0].get("skip_message"))
             print("NOT RUN  %s (%s)" % (what, why))
             continue
-        b = good[0]
+        # several runs may match (e.g. the search split over 1, 4 or 8 CTAs per query): the best
+        # one that meets the recall bound, else the first
+        def meets(b):
+            value = b[counter]
+            ok = value >= bound if op == ">=" else value <= bound
+            recall = b.get("recall")
+            if recall is not None and prefix.startswith("index/"):
+                ok = ok and recall >= 0.95
+            return ok
+        passing = [b for b in good if meets(b)]
+        pool = passing if passing else good[:1]
+        b = max(pool, key=lambda r: r[counter]) if op == ">=" else min(pool, key=lambda r: r[counter])
         value = b[counter]
-        met = value >= bound if op == ">=" else value <= bound
+        met = meets(b)
         recall = b.get("recall")
-        if recall is not None and prefix.startswith("index/"):
-            met = met and recall >= 0.95
         extra = ""
         if recall is not None:
             extra += ", recall@10 %.3f (>= 0.95)" % recall
@@ -229,6 +238,8 @@ def device_targets(entries):
             extra += ", QPS %s vs exact %s" % (fmt_num(b["QPS"]), fmt_num(b["exact_QPS"]))
         if "copy_GB/s" in b:
             extra += ", copy %s GB/s" % fmt_num(b["copy_GB/s"])
+        if len(good) > 1:
+            extra += " [%s]" % b.get("name", "")
         print("%-8s %s: %s = %s (target %s %s)%s" % ("PASS" if met else "SHORT", what, counter,
                                                     fmt_num(value), op, fmt_num(bound), extra))
 

@@ -56,8 +56,9 @@
  *  - index/device/build/dim:D/N:N (N up to 1,000,000): graph_index::add into a device-memory
  *    index with make_device_graph_builder(res, config) (kNN by RAFT gemm + select_k and the
  *    pruning kernel on the GPU; reverse edges, merge and the upload on the host), wall time.
- *  - index/device/search/dim:D/N:N/batch:B: inferscale::search (graph, parameters chosen by the
- *    same sweep, timed on the device) between CUDA events on the resources' stream (`Time`,
+ *  - index/device/search/dim:D/N:N/batch:B/ctas:P: inferscale::search (graph, parameters chosen
+ *    by the same sweep, its graph search split into P parts, `search_params::ctas_per_query`;
+ *    P > 1 only for batches of 1 and 16, timed on the device) between CUDA events on the resources' stream (`Time`,
  *    `QPS`, `us_per_query`; `wall_us_per_query`: host clock from the call to the end of the
  *    work, launch and staging included), then inferscale::exact_search (RAFT gemm + select_k) of
  *    the same queries (`exact_*`, `speedup`); each from a cold L2 (the fixture's l2_flusher).
@@ -1164,7 +1165,8 @@ void device_search_bench(benchmark::State& state)
   ib::run_guarded(state, [&] {
     device_outputs const out;
     device_case& c = prepare_device(dim, n, out);
-    is::search_params const params = c.graph->chosen.params;
+    is::search_params params = c.graph->chosen.params;
+    params.ctas_per_query    = static_cast<std::uint32_t>(state.range(3));
     device_search_loop(
       state, batch, [&](std::int64_t first) { device_graph_search(c, first, batch, params, out); },
       [&](std::int64_t first) { device_exact_search(c, first, batch, out); });
@@ -1389,8 +1391,11 @@ void register_index_benchmarks()
       benchmark::RegisterBenchmark("index/device/search", device_search_bench)
         ->Apply(ib::device_benchmark)
         ->MinTime(device_min_time)
-        ->ArgNames({"dim", "N", "batch"})
-        ->ArgsProduct({{dim}, {n}, {1, 16, 1024}});
+        ->ArgNames({"dim", "N", "batch", "ctas"})
+        ->ArgsProduct({{dim}, {n}, {1, 16, 1024}, {1}})
+        ->Args({dim, n, 1, 4})  // split searches (search_params::ctas_per_query) of small batches
+        ->Args({dim, n, 1, 8})
+        ->Args({dim, n, 16, 4});
     }
   }
 }

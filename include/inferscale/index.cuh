@@ -624,6 +624,12 @@ inline void exact_search(raft::resources const& res,
  * sets fit in shared memory: that search enqueues the kernel and nothing else (no allocation, no
  * copy), so it can be captured in a CUDA graph once a first call has prepared the kernel.
  *
+ * A split search (`search_params::ctas_per_query` = P > 1) runs P virtual queries per query, each
+ * part of a query's graph search on its own CTA (the inline limit above counts them), into a
+ * workspace of P x k entries per query; a second kernel (merge_split_kernel, one thread per
+ * query) merges each query's parts into its row. Its answers equal the host reference search
+ * with the same P, bit for bit.
+ *
  * @param queries       device `[q][dim]` fp32 queries (any strides)
  * @param namespaces    host span: one namespace per query, or one for all
  * @param out_ids       device `[q][k]`; `invalid_fact_id` beyond the namespace's live facts
@@ -663,25 +669,34 @@ inline void search(raft::resources const& res,
   auto const ref              = index.ref();
   std::int64_t const re       = index.row_elements();
   std::uint32_t const degree  = index.graph_degree();
-  std::uint32_t const itopk   = resolved_itopk(params.itopk_size, k);
+  // a split search (search_params::ctas_per_query) runs `parts` virtual queries per query
+  std::uint32_t const parts = params.ctas_per_query;
+  std::uint32_t const itopk = parts == 1 ? resolved_itopk(params.itopk_size, k)
+                                         : split_itopk(resolved_itopk(params.itopk_size, k), k, parts);
   std::uint32_t const entries = static_cast<std::uint32_t>(
     detail::index::next_pow2(std::uint64_t{itopk} + policy::min_candidates));
+  std::int64_t const virtual_queries = nq * parts;
 
-  std::vector<detail::index::search_task> tasks(static_cast<std::size_t>(nq));
+  std::vector<detail::index::search_task> tasks(static_cast<std::size_t>(virtual_queries));
   std::uint64_t hash_max = 0;
-  for (std::int64_t q = 0; q < nq; ++q) {
+  for (std::int64_t v = 0; v < virtual_queries; ++v) {
+    std::int64_t const q = v / parts;
+    auto const c         = static_cast<std::uint32_t>(v % parts);
     auto const& tenant =
       tenants[static_cast<std::size_t>(tenant_index[static_cast<std::size_t>(q)])];
-    auto& task     = tasks[static_cast<std::size_t>(q)];
+    auto& task     = tasks[static_cast<std::size_t>(v)];
     task.row_begin = tenant.row_begin;
     task.rows      = tenant.size;
+    task.xor_mask  = params.rand_xor_mask;
     if (tenant.live == 0) {
       task.mode = search_mode::none;
     } else if (index.uses_exact(tenant, params)) {
-      task.mode = search_mode::exact;
+      task.mode = c == 0 ? search_mode::exact : search_mode::none;  // exact: part 0 alone
     } else {
-      auto const plan     = index.plan_for(tenant.size, k, params);
+      search_params const part = parts == 1 ? params : graph_index::split_part(params, k, c);
+      auto const plan     = index.plan_for(tenant.size, k, part);
       task.mode           = search_mode::graph;
+      task.xor_mask       = plan.xor_mask;
       task.max_iterations = plan.max_iterations;
       // nodes a query can visit: its seed slots and every neighbour of every parent, at most n
       std::uint64_t const visits = std::min<std::uint64_t>(
@@ -722,11 +737,18 @@ inline void search(raft::resources const& res,
     }
     return detail::index::resident_search_ctas<policy, T>(device, shared);  // prepares it too
   });
-  auto const launch = detail::index::search_launch_plan(
-    nq, resident, query_in_shared, hash_in_shared, re, static_cast<std::int64_t>(hash_max));
+  auto const launch = detail::index::search_launch_plan(virtual_queries,
+                                                       resident,
+                                                       query_in_shared,
+                                                       hash_in_shared,
+                                                       re,
+                                                       static_cast<std::int64_t>(hash_max));
   // a small batch carries its tasks in the launch's parameters: no allocation, no copy
-  bool const inline_tasks = nq <= detail::index::inline_search_tasks;
-  auto d_tasks = detail::index::workspace_vector<detail::index::search_task>(res, inline_tasks ? 0 : nq);
+  bool const inline_tasks = virtual_queries <= detail::index::inline_search_tasks;
+  auto d_tasks            = detail::index::workspace_vector<detail::index::search_task>(
+    res, inline_tasks ? 0 : virtual_queries);
+  auto part_out = detail::index::workspace_vector<detail::index::buffer_entry>(
+    res, parts == 1 ? 0 : virtual_queries * k);
   auto query_workspace = detail::index::workspace_vector<float>(res, launch.query_elements);
   auto hash_workspace  = detail::index::workspace_vector<std::uint32_t>(res, launch.hash_elements);
   if (!inline_tasks) {
@@ -756,10 +778,12 @@ inline void search(raft::resources const& res,
   p.query_workspace   = query_in_shared ? nullptr : query_workspace.data();
   p.hash_workspace    = hash_in_shared ? nullptr : hash_workspace.data();
   p.hash_stride       = launch.hash_stride;
-  p.num_queries       = nq;
+  p.num_queries       = virtual_queries;
+  p.parts             = parts;
+  p.part_out          = parts == 1 ? nullptr : part_out.data();
   p.dim               = index.dim();
   p.row_elements      = re;
-  p.xor_mask          = params.rand_xor_mask;
+  p.xor_mask          = params.rand_xor_mask;  // (each task carries its own: a split's parts)
   p.degree            = degree;
   p.k                 = k;
   p.itopk             = itopk;
@@ -776,6 +800,13 @@ inline void search(raft::resources const& res,
     detail::index::search_kernel<policy, T><<<grid, policy::search_threads, shared, stream>>>(p);
     INFERSCALE_CHECK_LAUNCH();
   });
+  if (parts > 1) {  // the parts' answers merged into the output rows
+    auto const merge_grid = static_cast<unsigned>((nq + policy::elementwise_threads - 1) /
+                                                  policy::elementwise_threads);
+    detail::index::merge_split_kernel<policy>
+      <<<merge_grid, policy::elementwise_threads, 0, stream>>>(p, nq);
+    INFERSCALE_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace inferscale

@@ -204,6 +204,19 @@ constexpr std::uint32_t resolved_itopk(std::uint32_t itopk_size, std::uint32_t k
   return t < k ? k : t;
 }
 
+/// @brief The top list of each part of a split search (`search_params::ctas_per_query`).
+constexpr std::uint32_t split_itopk(std::uint32_t itopk, std::uint32_t k, std::uint32_t parts) noexcept
+{
+  std::uint32_t const t = (itopk + parts - 1) / parts;
+  return t < k ? k : t;
+}
+
+/// @brief What part `c` of a split search XORs into `rand_xor_mask` (0 for part 0).
+constexpr std::uint64_t split_seed_mix(std::uint32_t c) noexcept
+{
+  return std::uint64_t{c} * 0x9E3779B97F4A7C15ull;
+}
+
 /// @brief Knobs of the graph search (CAGRA's names and meanings).
 struct search_params {
   /// Internal top list, raised to k when smaller; 0 (the default) = automatic: CAGRA's 64 on
@@ -226,6 +239,20 @@ struct search_params {
   /// `num_random_samplings` and `rand_xor_mask` do not apply; `max_iterations`, when not 0,
   /// bounds the nodes expanded (`max_iterations * search_width`).
   host_search_mode host_mode{host_search_mode::fast};
+  /**
+   * Graph searches split into this many independent parts (1..16; 1, the default: one search per
+   * query). The device runs a query's parts on that many CTAs at once: for a small batch, more of
+   * the GPU works on each query (CAGRA's multi-CTA idea, without its shared visited set, so that
+   * the answer stays deterministic). Part `c` searches with the top list
+   * `split_itopk(itopk, k, parts)` = max(k, ceil(itopk / parts)) and the seed mask
+   * `rand_xor_mask ^ split_seed_mix(c)` (part 0 keeps the mask); the answer is the best `k`
+   * distinct live facts of all parts, in (distance, node) order. The host reference search
+   * (`host_search_mode::reference`) runs the same parts one after another, so the two backends
+   * still agree bit for bit; the fast host search and exact searches ignore it. Not chosen
+   * automatically: which split pays, at which batch size, is for a device to measure (the
+   * `bench_index` device cases take it as an argument).
+   */
+  std::uint32_t ctas_per_query{1};
   /// Threads a batch host search uses at most, the calling thread included (0 = one per hardware
   /// thread; a thread gets at least 64 queries, so a batch of 127 or fewer runs on the caller
   /// alone). Answers do not depend on it. The device backend (`index.cuh`) ignores it.
@@ -842,6 +869,19 @@ class graph_index {
     return plan;
   }
 
+  /**
+   * @brief The parameters of part `c` of a split search (`search_params::ctas_per_query`): the
+   * part's top list and seed mask, one part. Both backends plan each part from them (plan_for).
+   */
+  static search_params split_part(search_params const& p, std::uint32_t k, std::uint32_t c) noexcept
+  {
+    search_params part  = p;
+    part.itopk_size     = split_itopk(resolved_itopk(p.itopk_size, k), k, p.ctas_per_query);
+    part.rand_xor_mask  = p.rand_xor_mask ^ split_seed_mix(c);
+    part.ctas_per_query = 1;
+    return part;
+  }
+
   /// @brief Whether a search of this tenant runs exactly (true) or on the graph.
   bool uses_exact(tenant_ref const& t, search_params const& p) const noexcept
   {
@@ -917,6 +957,9 @@ class graph_index {
                          std::to_string(params.search_width));
     INFERSCALE_EXPECTS(resolved_itopk(params.itopk_size, k) <= 1024,
                        "graph_index: itopk_size (raised to k) must be at most 1024");
+    INFERSCALE_EXPECTS(params.ctas_per_query >= 1 && params.ctas_per_query <= 16,
+                       "graph_index: ctas_per_query must be in 1..16, got " +
+                         std::to_string(params.ctas_per_query));
     INFERSCALE_EXPECTS(namespaces.size() == 1 || static_cast<std::int64_t>(namespaces.size()) == nq,
                        "graph_index: give one namespace, or one per query (" + std::to_string(nq) +
                          "), not " + std::to_string(namespaces.size()));
@@ -1725,16 +1768,30 @@ class graph_index {
                                        config_.metric, k, result);
       return;
     }
-    auto const plan = plan_for(tr.size, k, params);
+    std::uint32_t const parts = params.ctas_per_query;
     std::vector<detail::index::search_entry> top;
-    detail::index::graph_search_host(rows, row_elements_,
-                                     graph_.data() + tr.row_begin * config_.graph_degree,
-                                     config_.graph_degree, tr.size, query, config_.metric, plan,
-                                     scratch, top);
     result.clear();
-    for (auto const& e : top) {
-      if (result.size() == k) { break; }
-      if (e.node != detail::index::invalid_node && !deleted[e.node]) { result.push_back(e); }
+    for (std::uint32_t c = 0; c < parts; ++c) {
+      auto const plan = plan_for(tr.size, k, parts == 1 ? params : split_part(params, k, c));
+      detail::index::graph_search_host(rows, row_elements_,
+                                       graph_.data() + tr.row_begin * config_.graph_degree,
+                                       config_.graph_degree, tr.size, query, config_.metric, plan,
+                                       scratch, top);
+      std::uint32_t taken = 0;  // the part's first k live entries (a part's answer)
+      for (auto const& e : top) {
+        if (taken == k) { break; }
+        if (e.node != detail::index::invalid_node && !deleted[e.node]) {
+          result.push_back({e.distance, e.node, false});
+          ++taken;
+        }
+      }
+    }
+    if (parts > 1) {  // the best k distinct nodes of the parts, as the device's merge_split_kernel
+      std::sort(result.begin(), result.end());
+      result.erase(std::unique(result.begin(), result.end(),
+                               [](auto const& a, auto const& b) { return a.node == b.node; }),
+                   result.end());
+      if (result.size() > k) { result.resize(k); }
     }
   }
 

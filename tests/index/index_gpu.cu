@@ -282,7 +282,7 @@ struct param_case {
 
 std::vector<param_case> param_cases(search_algo algo)
 {
-  std::vector<param_case> cases(3);
+  std::vector<param_case> cases(5);
   cases[0].name                        = "defaults, k 10";
   cases[0].k                           = 10;
   cases[1].name                        = "itopk 256, width 8, 2 samplings, k 20";
@@ -297,6 +297,15 @@ std::vector<param_case> param_cases(search_algo algo)
   cases[2].params.num_random_samplings = 1;
   cases[2].params.max_iterations       = 5;
   cases[2].params.rand_xor_mask        = 0xDEADBEEFull;
+  // split searches (search_params::ctas_per_query): the parts on several CTAs, then the merge
+  cases[3].name                        = "split into 4 parts (itopk 16 each), k 10";
+  cases[3].k                           = 10;
+  cases[3].params.ctas_per_query       = 4;
+  cases[4].name                        = "split into 3 parts, itopk 128 (43 each), width 2, k 16";
+  cases[4].k                           = 16;
+  cases[4].params.itopk_size           = 128;
+  cases[4].params.search_width         = 2;
+  cases[4].params.ctas_per_query       = 3;
   for (auto& c : cases) {
     c.params.algo = algo;
   }

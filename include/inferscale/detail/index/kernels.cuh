@@ -60,6 +60,7 @@ struct search_task {
   std::uint32_t max_iterations{0};  ///< resolved plan for this tenant
   std::uint32_t hash_mask{0};       ///< hash entries - 1 (a power of two minus one)
   search_mode mode{search_mode::none};
+  std::uint64_t xor_mask{0};  ///< seed mask (a split search's part's own; search_params)
 };
 
 /// @brief Tasks a search launch carries in its parameters (no staging copy, no allocation).
@@ -87,7 +88,12 @@ struct search_kernel_params {
   float* query_workspace{nullptr};         ///< `[gridDim.x][row_elements]` (query not shared)
   std::uint32_t* hash_workspace{nullptr};  ///< `[gridDim.x][hash_stride]` (hash not shared)
   std::int64_t hash_stride{0};             ///< words per CTA's hash slice (the batch's largest)
+  /// Virtual queries: `num_queries` = queries x `parts`; virtual query v is part v % parts of
+  /// query v / parts, its task `tasks[v]`. With parts > 1 each writes its answer (the first k
+  /// live top entries, local nodes) to `part_out[v][k]`, and merge_split_kernel writes the rows.
   std::int64_t num_queries{0};
+  std::uint32_t parts{1};
+  struct buffer_entry* part_out{nullptr};
   std::int64_t dim{0};
   std::int64_t row_elements{0};
   std::uint64_t xor_mask{0};
@@ -350,6 +356,12 @@ __device__ inline bool prepare_query(float const* queries,
 /// @brief Writes a row of invalid ids / +inf (the CTA's threads share the work).
 __device__ inline void write_invalid_row(search_kernel_params const& p, std::int64_t q)
 {
+  if (p.parts > 1) {  // q is a virtual query: an empty part answer
+    for (std::uint32_t j = threadIdx.x; j < p.k; j += blockDim.x) {
+      p.part_out[q * p.k + j] = invalid_entry();
+    }
+    return;
+  }
   for (std::uint32_t j = threadIdx.x; j < p.k; j += blockDim.x) {
     p.out_ids[q * p.ids_stride0 + j * p.ids_stride1]                   = invalid_fact_id;
     p.out_distances[q * p.distances_stride0 + j * p.distances_stride1] = __int_as_float(0x7F800000);
@@ -488,7 +500,7 @@ __device__ void search_one_query(search_kernel_params const& p,
   if (!prepare_query(p.queries,
                      p.query_stride0,
                      p.query_stride1,
-                     q,
+                     q / p.parts,
                      p.dim,
                      p.row_elements,
                      p.metric,
@@ -563,7 +575,7 @@ __device__ void search_one_query(search_kernel_params const& p,
         std::uint32_t best       = invalid_node;
         float best_d             = 0.0f;
         for (std::uint32_t j = 0; j < p.samplings; ++j) {
-          std::uint32_t const v = active ? seed_node(slot, j, p.samplings, p.xor_mask, n) : 0u;
+          std::uint32_t const v = active ? seed_node(slot, j, p.samplings, task.xor_mask, n) : 0u;
           float const d         = distance_of(active, v);
           if (best == invalid_node || entry_less(d, v, best_d, best)) {
             best   = v;
@@ -646,15 +658,23 @@ __device__ void search_one_query(search_kernel_params const& p,
       std::uint32_t const at =
         written + static_cast<std::uint32_t>(__popc(ballot & ((1u << warp_lane) - 1u)));
       if (live && at < p.k) {
-        p.out_ids[q * p.ids_stride0 + at * p.ids_stride1] = p.ids[task.row_begin + node];
-        p.out_distances[q * p.distances_stride0 + at * p.distances_stride1] = e.distance;
+        if (p.parts > 1) {
+          p.part_out[q * p.k + at] = buffer_entry{e.distance, node};
+        } else {
+          p.out_ids[q * p.ids_stride0 + at * p.ids_stride1] = p.ids[task.row_begin + node];
+          p.out_distances[q * p.distances_stride0 + at * p.distances_stride1] = e.distance;
+        }
       }
       written += static_cast<std::uint32_t>(__popc(ballot));
     }
     for (std::uint32_t j = (written < p.k ? written : p.k) + warp_lane; j < p.k; j += 32) {
-      p.out_ids[q * p.ids_stride0 + j * p.ids_stride1] = invalid_fact_id;
-      p.out_distances[q * p.distances_stride0 + j * p.distances_stride1] =
-        __int_as_float(0x7F800000);
+      if (p.parts > 1) {
+        p.part_out[q * p.k + j] = invalid_entry();
+      } else {
+        p.out_ids[q * p.ids_stride0 + j * p.ids_stride1] = invalid_fact_id;
+        p.out_distances[q * p.distances_stride0 + j * p.distances_stride1] =
+          __int_as_float(0x7F800000);
+      }
     }
   }
 }
@@ -686,6 +706,50 @@ void __launch_bounds__(Policy::search_threads)
                      : params.query_workspace + std::int64_t{blockIdx.x} * params.row_elements;
     search_one_query<Policy, T>(params, q, buffer, query, shared_hash, state);
     __syncthreads();
+  }
+}
+
+/**
+ * @brief The rows of a split search (`parts` > 1): query `q`'s answer is the best `k` distinct
+ * nodes of its parts' answers `part_out[q * parts .. q * parts + parts - 1][k]` (each sorted by
+ * the spec's order, invalid last), in that order; a node found by several parts has the same
+ * distance in each (the same team distance) and is taken once. One thread per query: a
+ * `parts`-way merge of at most 16 lists.
+ */
+template <class Policy>
+INFERSCALE_KERNEL
+void __launch_bounds__(Policy::elementwise_threads)
+  merge_split_kernel(__grid_constant__ search_kernel_params const p, std::int64_t queries)
+{
+  std::int64_t const q = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (q >= queries) { return; }
+  std::int64_t const first_part = q * p.parts;
+  search_task const task = p.tasks != nullptr ? p.tasks[first_part] : p.inline_tasks[first_part];
+  std::uint32_t head[16]{};
+  std::uint32_t written = 0;
+  std::uint32_t last    = invalid_node;
+  while (written < p.k) {
+    buffer_entry best = invalid_entry();
+    std::uint32_t from = p.parts;
+    for (std::uint32_t c = 0; c < p.parts; ++c) {
+      if (head[c] == p.k) { continue; }
+      buffer_entry const e = p.part_out[(first_part + c) * p.k + head[c]];
+      if (e.node != invalid_node && (from == p.parts || entry_before(e, best))) {
+        best = e;
+        from = c;
+      }
+    }
+    if (from == p.parts) { break; }  // every part exhausted
+    ++head[from];
+    if (best.node == last) { continue; }  // the same node from another part
+    last = best.node;
+    p.out_ids[q * p.ids_stride0 + written * p.ids_stride1] = p.ids[task.row_begin + best.node];
+    p.out_distances[q * p.distances_stride0 + written * p.distances_stride1] = best.distance;
+    ++written;
+  }
+  for (std::uint32_t j = written; j < p.k; ++j) {
+    p.out_ids[q * p.ids_stride0 + j * p.ids_stride1]                   = invalid_fact_id;
+    p.out_distances[q * p.distances_stride0 + j * p.distances_stride1] = __int_as_float(0x7F800000);
   }
 }
 

@@ -58,8 +58,8 @@
  *    pruning kernel on the GPU; reverse edges, merge and the upload on the host), wall time.
  *  - index/device/search/dim:D/N:N/batch:B/ctas:P: inferscale::search (graph, parameters chosen
  *    by the same sweep, its graph search split into P parts, `search_params::ctas_per_query`;
- *    P > 1 only for batches of 1 and 16 at N = 100,000; timed on the device) between CUDA events on the resources' stream (`Time`,
- *    `QPS`, `us_per_query`; `wall_us_per_query`: host clock from the call to the end of the
+ *    P > 1 only for batches of 1 and 16 at N = 100,000; timed on the device) between CUDA
+ *    events on the resources' stream (`Time`, `QPS`, `us_per_query`; `wall_us_per_query`: host clock from the call to the end of the
  *    work, launch and staging included), then inferscale::exact_search (RAFT gemm + select_k) of
  *    the same queries (`exact_*`, `speedup`); each from a cold L2 (the fixture's l2_flusher).
  *    Recall is measured against exact_search's answer.

@@ -406,20 +406,6 @@ INFERSCALE_TARGET_AVX512_BF16 inline __m512i bf16_codes_low_high(__m512 low, __m
 }
 
 /**
- * @brief The fp32 rotation of every head of one token, 32 pairs a step, for bf16 keys whose half
- * is a multiple of 32 (at most round_each_max_pairs): the same products and sums as rotate16
- * (so the same bits) with fewer instructions around them.
- *  - 32 keys are widened by interleaving them with zero words (VPUNPCKLWD / VPUNPCKHWD): one
- *    instruction per 16 lanes instead of a widening and a shift. Lane i of the low vector holds
- *    key 8 (i / 4) + i % 4, of the high one key 8 (i / 4) + 4 + i % 4; the token's cos and sin
- *    are permuted into that order once per token.
- *  - The two result vectors are rounded by one VCVTNE2PS2BF16 and put back in order by one
- *    VPERMW. The conversion reads a subnormal as zero and gives a zero for nothing else but
- *    zeros (a normal fp32 value stays normal in bf16), so a step with a zero result takes the
- *    integer rounding for both vectors: one test of 32 codes instead of a subnormal test per
- *    16 lanes, and independent of the thread's denormals-are-zero mode.
- */
-/**
  * @brief Two vectors rounded to bf16 as 32 codes `[low, high]`: one VCVTNE2PS2BF16, or the
  * integer rounding of both where a code is zero (which the conversion gives a subnormal).
  */
@@ -438,6 +424,23 @@ INFERSCALE_TARGET_AVX512_BF16 inline __m512 bf16x32_widen(__mmask32 odd, __m512i
   return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(odd, back, codes));
 }
 
+/**
+ * @brief The rotation of every head of one token, 32 pairs a step, for bf16 keys whose half is a
+ * multiple of 32 (at most round_each_max_pairs): the fp32 rotation (rotate16's products and sums)
+ * or, with `RoundEach`, vLLM's per-operation rounding (rotate16_round_each's), so the same bits,
+ * with fewer instructions around them.
+ *  - 32 keys are widened by interleaving them with zero words (VPUNPCKLWD / VPUNPCKHWD): one
+ *    instruction per 16 lanes instead of a widening and a shift. Lane i of the low vector holds
+ *    key 8 (i / 4) + i % 4, of the high one key 8 (i / 4) + 4 + i % 4; the token's cos and sin
+ *    are permuted into that order once per token.
+ *  - The two result vectors are rounded by one VCVTNE2PS2BF16 and put back in order by one
+ *    VPERMW. The conversion reads a subnormal as zero and gives a zero for nothing else but
+ *    zeros (a normal fp32 value stays normal in bf16), so a step with a zero result takes the
+ *    integer rounding for both vectors: one test of 32 codes instead of a subnormal test per
+ *    16 lanes, and independent of the thread's denormals-are-zero mode (bf16x32_codes).
+ *  - RoundEach: cos and sin rounded to bf16 once per token; each product (exact in fp32) rounded
+ *    in pairs of vectors by bf16x32_codes and widened back by one masked VPERMW per vector.
+ */
 template <bool RoundEach>
 INFERSCALE_TARGET_AVX512_BF16 inline void rotate_token_halves_bf16x32(bfloat16_t* token,
                                                                       std::int64_t heads,

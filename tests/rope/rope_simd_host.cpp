@@ -117,9 +117,9 @@ TEST_CASE("the vector host rotation of bf16 keys with subnormals, zeros and spec
   // holds one must take the integer rounding. Keys of every kind, rotated so that some results are
   // subnormal (tiny keys) and some groups hold none, compared bit for bit with the scalar loop:
   // the fp32 rotation and vLLM's per-operation rounding (whose products of tiny keys are
-  // subnormal too), with the thread's denormals-are-zero mode off (the subnormals found by
-  // VFPCLASSPS) and on (where VFPCLASSPS cannot see them and the integer test is used; the
-  // scalar loop's arithmetic then reads subnormal inputs as zero as well).
+  // subnormal too), with the thread's denormals-are-zero mode off and on (the native
+  // conversion's zero-code test must find the subnormals either way; the scalar loop's
+  // arithmetic then reads subnormal inputs as zero as well).
   if (!vector_path_available()) { return; }
   auto const rotation = GENERATE(rotation_kind::fp32_angles, rotation_kind::table_bf16_round);
   bool const daz      = GENERATE(false, true);

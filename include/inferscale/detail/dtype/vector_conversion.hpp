@@ -68,7 +68,7 @@ inline host_simd detected_host_simd() noexcept
                       __builtin_cpu_supports("fma");
     if (!avx2) { return host_simd::scalar; }
     if (!__builtin_cpu_supports("avx512f")) { return host_simd::avx2; }
-    return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+    return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                __builtin_cpu_supports("avx512bf16")
              ? host_simd::avx512_bf16
              : host_simd::avx512;
@@ -542,65 +542,27 @@ INFERSCALE_TARGET_AVX512 inline __m512 round_to(__m512 x)
 }  // namespace inferscale::detail::simd512
 
 /**
- * @brief Target attribute of the avx512_bf16 level: AVX-512F, BW, DQ and BF16 (the BF16
- * extension's conversions need the BW mask width; VFPCLASSPS is DQ's). Every CPU with AVX-512
- * BF16 has DQ; the detection requires both.
+ * @brief Target attribute of the avx512_bf16 level: AVX-512F, BW, VL and BF16 (the BF16
+ * extension's conversions need the BW mask width; the 256-bit code test is VL's).
  */
 #define INFERSCALE_TARGET_AVX512_BF16 \
-  __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16,avx2,f16c,fma")))
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,f16c,fma")))
 
 /// @brief The avx512_bf16 level's forms of the simd512 functions it speeds up (same bits).
 namespace inferscale::detail::simd512bf16 {
 
-/// @brief Lanes holding a nonzero fp32 subnormal (exponent field zero).
-INFERSCALE_TARGET_AVX512_BF16 inline __mmask16 subnormal_lanes(__m512 x)
-{
-  __m512i const bits = _mm512_castps_si512(x);
-  return _kandn_mask16(_mm512_test_epi32_mask(bits, simd512::splat(0x7f800000u)),
-                       _mm512_test_epi32_mask(bits, simd512::splat(0x7fffffffu)));
-}
-
 /**
  * @brief fp32 to sixteen bf16 codes, as simd512::fp32_to_bf16 (float_to_bfloat16_bits): one
  * VCVTNEPS2BF16, which rounds to nearest even and quiets a NaN the same way (its top 16 bits with
- * bit 6 set), for every input but subnormals, which it reads as zero: a vector holding one takes
- * the integer rounding instead. (Checked against the integer rounding for all 2^32 inputs.)
+ * bit 6 set), for every input but subnormals, which it reads as zero. It gives a zero code for
+ * nothing else but zeros (a normal fp32 value stays normal in bf16), so a vector with a zero code
+ * takes the integer rounding instead: one test of the codes, whatever the thread's
+ * denormals-are-zero mode. (Checked against the integer rounding for all 2^32 inputs.)
  */
 INFERSCALE_TARGET_AVX512_BF16 inline __m256i fp32_to_bf16(__m512 x)
 {
-  if (subnormal_lanes(x) != 0) { return simd512::fp32_to_bf16(x); }
-  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-}
-
-/**
- * @brief Whether this thread's MXCSR has denormals-are-zero off (bit 6 clear; so it is unless a
- * program sets it, e.g. one linked with -ffast-math). VFPCLASSPS, like every floating-point
- * instruction, reads a subnormal input as zero when it is on, so it can find subnormals only
- * while this holds.
- */
-inline bool denormals_visible() noexcept { return (_mm_getcsr() & 0x40u) == 0; }
-
-/**
- * @brief As fp32_to_bf16, the subnormal lanes found by one VFPCLASSPS (denormal class, either
- * sign) instead of two integer tests and a mask operation.
- * @pre denormals_visible() in this thread.
- */
-INFERSCALE_TARGET_AVX512_BF16 inline __m256i fp32_to_bf16_fpclass(__m512 x)
-{
-  if (_mm512_fpclass_ps_mask(x, 0x20) != 0) { return simd512::fp32_to_bf16(x); }
-  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-}
-
-/// @brief fp32_to_bf16_fpclass where `FpClass` (the caller checked denormals_visible()), else
-/// fp32_to_bf16.
-template <bool FpClass>
-INFERSCALE_TARGET_AVX512_BF16 inline __m256i fp32_to_bf16_as(__m512 x)
-{
-  if constexpr (FpClass) {
-    return fp32_to_bf16_fpclass(x);
-  } else {
-    return fp32_to_bf16(x);
-  }
+  __m256i const c = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+  return _mm256_testn_epi16_mask(c, _mm256_set1_epi16(0x7fff)) != 0 ? simd512::fp32_to_bf16(x) : c;
 }
 
 /// @brief Sixteen bf16 codes widened to fp32 (exact).

@@ -628,9 +628,6 @@ void rope_apply_host(token_head_view<T> x,
   detail::host_simd const level = detail::active_host_simd();
   bool const vector = element_stride == 1 && rotation.pairing == rope_pairing::halves &&
                       level != detail::host_simd::scalar;
-  // (read once per call, in the calling thread, where the loop runs)
-  bool const denormals_visible = level == detail::host_simd::avx512_bf16 &&
-                                 detail::simd512bf16::denormals_visible();
   std::vector<float> cos_values(vector ? static_cast<std::size_t>(pairs) : 0);
   std::vector<float> sin_values(vector ? static_cast<std::size_t>(pairs) : 0);
 #endif
@@ -651,11 +648,8 @@ void rope_apply_host(token_head_view<T> x,
       T* const token = x.data_handle() + t * x.stride(0);
       using detail::simd::rotate_mode;
       auto const run = [&](auto mode) {
-        if (level == detail::host_simd::avx512_bf16 && denormals_visible) {
-          detail::simd512bf16::rotate_token_halves<decltype(mode)::value, T, true>(
-            token, x.extent(1), x.stride(1), pairs, cos_row, sin_row);
-        } else if (level == detail::host_simd::avx512_bf16) {
-          detail::simd512bf16::rotate_token_halves<decltype(mode)::value, T, false>(
+        if (level == detail::host_simd::avx512_bf16) {
+          detail::simd512bf16::rotate_token_halves<decltype(mode)::value, T>(
             token, x.extent(1), x.stride(1), pairs, cos_row, sin_row);
         } else if (level == detail::host_simd::avx512) {
           detail::simd512::rotate_token_halves<decltype(mode)::value, T>(

@@ -372,27 +372,25 @@ namespace inferscale::detail::simd512bf16 {
 
 using simd::rotate_mode;
 
-/// @brief The values sixteen fp32 lanes take in bf16 (native rounding; see fp32_to_bf16_as).
-template <bool FpClass>
+/// @brief The values sixteen fp32 lanes take in bf16 (native rounding; see fp32_to_bf16).
 INFERSCALE_TARGET_AVX512_BF16 inline __m512 round_to_bf16(__m512 v)
 {
-  return bf16_codes_to_fp32(fp32_to_bf16_as<FpClass>(v));
+  return bf16_codes_to_fp32(fp32_to_bf16(v));
 }
 
 /**
- * @brief vLLM's per-operation rounding of sixteen bf16 pairs, each rounding native (FpClass: see
- * fp32_to_bf16_as): the scalar code's `round(round(x c) - round(y s))` and
+ * @brief vLLM's per-operation rounding of sixteen bf16 pairs, each rounding native
+ * (fp32_to_bf16): the scalar code's `round(round(x c) - round(y s))` and
  * `round(round(y c) + round(x s))`, with `c` and `s` already bf16 values. The rotated pair is
  * returned as bf16 codes, ready to store.
  */
-template <bool FpClass>
 INFERSCALE_TARGET_AVX512_BF16 inline void rotate16_round_each(
   __m512 x, __m512 y, __m512 c, __m512 s, __m256i* out_x, __m256i* out_y)
 {
-  *out_x = fp32_to_bf16_as<FpClass>(
-    _mm512_sub_ps(round_to_bf16<FpClass>(_mm512_mul_ps(x, c)), round_to_bf16<FpClass>(_mm512_mul_ps(y, s))));
-  *out_y = fp32_to_bf16_as<FpClass>(
-    _mm512_add_ps(round_to_bf16<FpClass>(_mm512_mul_ps(y, c)), round_to_bf16<FpClass>(_mm512_mul_ps(x, s))));
+  *out_x = fp32_to_bf16(
+    _mm512_sub_ps(round_to_bf16(_mm512_mul_ps(x, c)), round_to_bf16(_mm512_mul_ps(y, s))));
+  *out_y = fp32_to_bf16(
+    _mm512_add_ps(round_to_bf16(_mm512_mul_ps(y, c)), round_to_bf16(_mm512_mul_ps(x, s))));
 }
 
 /// @brief Pairs of one token the native per-operation path takes (its bf16 cos/sin on the stack).
@@ -473,8 +471,8 @@ INFERSCALE_TARGET_AVX512_BF16 inline void rotate_token_halves_bf16x32(bfloat16_t
     __m512 c0 = _mm512_loadu_ps(cos + p), c1 = _mm512_loadu_ps(cos + p + 16);
     __m512 s0 = _mm512_loadu_ps(sin + p), s1 = _mm512_loadu_ps(sin + p + 16);
     if constexpr (RoundEach) {  // vLLM rounds cos and sin to the key type: once per token here
-      c0 = round_to_bf16<false>(c0), c1 = round_to_bf16<false>(c1);
-      s0 = round_to_bf16<false>(s0), s1 = round_to_bf16<false>(s1);
+      c0 = round_to_bf16(c0), c1 = round_to_bf16(c1);
+      s0 = round_to_bf16(s0), s1 = round_to_bf16(s1);
     }
     _mm512_store_ps(table[0] + p / 2, _mm512_permutex2var_ps(c0, low_keys, c1));
     _mm512_store_ps(table[1] + p / 2, _mm512_permutex2var_ps(c0, high_keys, c1));
@@ -522,9 +520,8 @@ INFERSCALE_TARGET_AVX512_BF16 inline void rotate_token_halves_bf16x32(bfloat16_t
  * (simd512bf16::fp32_to_bf16; same bits): the fp32 rotation, and vLLM's per-operation rounding
  * (cos and sin rounded to bf16 once per token, then every product and sum). Other key types, the
  * fused rotation and more than round_each_max_pairs pairs run the avx512 form.
- * @tparam FpClass the caller found denormals_visible() (the subnormal test by VFPCLASSPS).
  */
-template <rotate_mode Mode, class T, bool FpClass>
+template <rotate_mode Mode, class T>
 INFERSCALE_TARGET_AVX512_BF16 void rotate_token_halves(T* token,
                                                        std::int64_t heads,
                                                        std::int64_t head_stride,
@@ -547,15 +544,15 @@ INFERSCALE_TARGET_AVX512_BF16 void rotate_token_halves(T* token,
     alignas(64) float cr[round_each_max_pairs];
     alignas(64) float sr[round_each_max_pairs];
     for (std::int32_t p = 0; p < half; p += 16) {
-      _mm512_store_ps(cr + p, round_to_bf16<FpClass>(_mm512_loadu_ps(cos + p)));
-      _mm512_store_ps(sr + p, round_to_bf16<FpClass>(_mm512_loadu_ps(sin + p)));
+      _mm512_store_ps(cr + p, round_to_bf16(_mm512_loadu_ps(cos + p)));
+      _mm512_store_ps(sr + p, round_to_bf16(_mm512_loadu_ps(sin + p)));
     }
     for (std::int64_t h = 0; h < heads; ++h) {
       T* const first  = token + h * head_stride;
       T* const second = first + half;
       for (std::int32_t p = 0; p < half; p += 16) {
         __m256i x, y;
-        rotate16_round_each<FpClass>(simd512::load16(first + p),
+        rotate16_round_each(simd512::load16(first + p),
                                      simd512::load16(second + p),
                                      _mm512_load_ps(cr + p),
                                      _mm512_load_ps(sr + p),
@@ -581,8 +578,8 @@ INFERSCALE_TARGET_AVX512_BF16 void rotate_token_halves(T* token,
                                    _mm512_loadu_ps(sin + p),
                                    &x,
                                    &y);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(first + p), fp32_to_bf16_as<FpClass>(x));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(second + p), fp32_to_bf16_as<FpClass>(y));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(first + p), fp32_to_bf16(x));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(second + p), fp32_to_bf16(y));
       }
       if (whole < half) {
         std::int32_t const n = half - whole;

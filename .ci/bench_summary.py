@@ -244,6 +244,42 @@ def device_targets(entries):
                                                     fmt_num(value), op, fmt_num(bound), extra))
 
 
+def split_report(entries):
+    """The automatic split (search_params::ctas_per_query = 0) beside one CTA per query and the
+    best fixed split, per search case that ran all of them: whether it should be the default."""
+    cases = {}
+    for b in entries:
+        name = b.get("name", "")
+        if not name.startswith("index/device/search/") or not usable(b):
+            continue
+        if "p50_us_per_query" not in b or "/ctas:" not in name:
+            continue
+        base, ctas = name.split("/ctas:", 1)
+        cases.setdefault(base, {})[ctas.split("/")[0]] = b
+    lines = []
+    for base in sorted(cases):
+        runs = cases[base]
+        if "1" not in runs or "0" not in runs:
+            continue
+        one, auto = runs["1"], runs["0"]
+        fixed = [(c, r) for c, r in runs.items() if c not in ("0", "1")]
+        best = min(fixed, key=lambda cr: cr[1]["p50_us_per_query"]) if fixed else None
+        line = "%s: p50 us/query 1 CTA %s (recall %.3f), automatic %s (recall %.3f)" % (
+            base, fmt_num(one["p50_us_per_query"]), one.get("recall", 0),
+            fmt_num(auto["p50_us_per_query"]), auto.get("recall", 0))
+        if best is not None:
+            line += ", best fixed %s CTAs %s (recall %.3f)" % (
+                best[0], fmt_num(best[1]["p50_us_per_query"]), best[1].get("recall", 0))
+        pays = (auto["p50_us_per_query"] < one["p50_us_per_query"] and
+                auto.get("recall", 0) >= one.get("recall", 0) - 0.005)
+        lines.append(("PAYS    " if pays else "NO GAIN ") + line)
+    print("\n==== automatic split (ctas_per_query 0) against one CTA per query ====")
+    if not lines:
+        print("NOT RUN  no device search case ran with both ctas:1 and ctas:0")
+    for line in lines:
+        print(line)
+
+
 def collapse_skipped(rows):
     """Runs skipped for the same reason (no GPU) become one line."""
     out, skipped = [], {}
@@ -314,6 +350,7 @@ def main(argv):
     headline(every)
     if any(b.get("name", "").startswith(("inject/device", "index/device")) for b in every):
         device_targets(every)
+        split_report(every)
     for n in notes:
         print("note: " + n)
     return 0

@@ -58,7 +58,8 @@
  *    pruning kernel on the GPU; reverse edges, merge and the upload on the host), wall time.
  *  - index/device/search/dim:D/N:N/batch:B/ctas:P: inferscale::search (graph, parameters chosen
  *    by the same sweep, its graph search split into P parts, `search_params::ctas_per_query`;
- *    P > 1 only for batches of 1 and 16 at N = 100,000; timed on the device) between CUDA
+ *    P > 1 only for batches of 1 and 16 at N = 100,000, and P = 0, the automatic choice, at
+ *    batches 1, 16 and 1,024 there; timed on the device) between CUDA
  *    events on the resources' stream (`Time`, `QPS`, `us_per_query`; `wall_us_per_query`: host clock from the call to the end of the
  *    work, launch and staging included), then inferscale::exact_search (RAFT gemm + select_k) of
  *    the same queries (`exact_*`, `speedup`); each from a cold L2 (the fixture's l2_flusher).
@@ -1394,7 +1395,9 @@ void register_index_benchmarks()
                        ->ArgNames({"dim", "N", "batch", "ctas"})
                        ->ArgsProduct({{dim}, {n}, {1, 16, 1024}, {1}});
       if (n == 100000) {  // split searches (ctas_per_query) of small batches, at the target's N
+        // (ctas 0: the automatic choice, auto_ctas_per_query: 4 parts at batches 1 and 16)
         search->Args({dim, n, 1, 4})->Args({dim, n, 1, 8})->Args({dim, n, 16, 4});
+        search->Args({dim, n, 1, 0})->Args({dim, n, 16, 0})->Args({dim, n, 1024, 0});
       }
     }
   }

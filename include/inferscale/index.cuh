@@ -624,7 +624,9 @@ inline void exact_search(raft::resources const& res,
  * sets fit in shared memory: that search enqueues the kernel and nothing else (no allocation, no
  * copy), so it can be captured in a CUDA graph once a first call has prepared the kernel.
  *
- * A split search (`search_params::ctas_per_query` = P > 1) runs P virtual queries per query, each
+ * A split search (`search_params::ctas_per_query` = P > 1, or the automatic 0 resolved to P > 1 by
+ * auto_ctas_per_query for the batch's size, as the host reference search resolves it) runs P
+ * virtual queries per query, each
  * part of a query's graph search on its own CTA (the inline limit above counts them), into a
  * workspace of P x k entries per query; a second kernel (merge_split_kernel, one thread per
  * query) merges each query's parts into its row. Its answers equal the host reference search
@@ -647,7 +649,7 @@ inline void search(raft::resources const& res,
                    matrix_view<float const> queries,
                    cuda::std::span<std::uint64_t const> namespaces,
                    std::uint32_t k,
-                   search_params const& params,
+                   search_params const& call_params,
                    matrix_view<std::uint64_t> out_ids,
                    matrix_view<float> out_distances)
 {
@@ -657,7 +659,7 @@ inline void search(raft::resources const& res,
   std::vector<std::int64_t> const tenant_index = index.check_search(queries,
                                                                     namespaces,
                                                                     k,
-                                                                    params,
+                                                                    call_params,
                                                                     out_ids.extent(0),
                                                                     out_ids.extent(1),
                                                                     out_distances.extent(0),
@@ -669,8 +671,10 @@ inline void search(raft::resources const& res,
   auto const ref              = index.ref();
   std::int64_t const re       = index.row_elements();
   std::uint32_t const degree  = index.graph_degree();
-  // a split search (search_params::ctas_per_query) runs `parts` virtual queries per query
-  std::uint32_t const parts = params.ctas_per_query;
+  // a split search (search_params::ctas_per_query; 0: automatic, by the batch size, as the host
+  // reference search resolves it) runs `parts` virtual queries per query
+  search_params const params = graph_index::resolve_split(call_params, nq, k);
+  std::uint32_t const parts  = params.ctas_per_query;
   std::uint32_t const itopk = parts == 1 ? resolved_itopk(params.itopk_size, k)
                                          : split_itopk(resolved_itopk(params.itopk_size, k), k, parts);
   std::uint32_t const entries = static_cast<std::uint32_t>(

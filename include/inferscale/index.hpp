@@ -211,6 +211,37 @@ constexpr std::uint32_t split_itopk(std::uint32_t itopk, std::uint32_t k, std::u
   return t < k ? k : t;
 }
 
+/// @brief The CTAs an automatic split aims to fill: queries x parts stays at or below this (the
+/// 132 SMs of an H100 / H200, rounded down to a power of two).
+inline constexpr std::int64_t split_auto_ctas = 128;
+/// @brief The most parts an automatic split takes (measured on the host, one part's work falls
+/// from 1 to about 0.44 of the whole search's at 4 parts and only to 0.37 at 8, while the
+/// parts' total work keeps growing: bench/results/2026-12-02-split-search-host.md).
+inline constexpr std::uint32_t split_auto_max_parts = 4;
+/// @brief The shortest top list an automatic split gives a part (parts of 10 entries were the
+/// only ones that lost recall against the whole search in that record).
+inline constexpr std::uint32_t split_auto_min_part_itopk = 16;
+
+/**
+ * @brief The parts `search_params::ctas_per_query = 0` (automatic) splits each graph search of a
+ * batch of `queries` into, for a resolved top list `itopk` (resolved_itopk) and `k`: the largest
+ * P in {1, 2, 4} with `queries * P <= split_auto_ctas` whose parts keep
+ * `ceil(itopk / P) >= max(k, split_auto_min_part_itopk)` entries each (a part's list is never
+ * raised to k, so the parts together do no more than twice the whole search's top-list work).
+ * At the defaults (itopk 64, k 10): 4 parts up to 32 queries, 2 up to 64, then 1.
+ */
+constexpr std::uint32_t auto_ctas_per_query(std::int64_t queries, std::uint32_t itopk,
+                                            std::uint32_t k) noexcept
+{
+  std::uint32_t const floor_list = k > split_auto_min_part_itopk ? k : split_auto_min_part_itopk;
+  std::uint32_t parts            = 1;
+  while (parts < split_auto_max_parts && queries * (2 * parts) <= split_auto_ctas &&
+         (itopk + 2 * parts - 1) / (2 * parts) >= floor_list) {
+    parts *= 2;
+  }
+  return parts;
+}
+
 /// @brief What part `c` of a split search XORs into `rand_xor_mask` (0 for part 0).
 constexpr std::uint64_t split_seed_mix(std::uint32_t c) noexcept
 {
@@ -240,17 +271,22 @@ struct search_params {
   /// bounds the nodes expanded (`max_iterations * search_width`).
   host_search_mode host_mode{host_search_mode::fast};
   /**
-   * Graph searches split into this many independent parts (1..16; 1, the default: one search per
-   * query). The device runs a query's parts on that many CTAs at once: for a small batch, more of
-   * the GPU works on each query (CAGRA's multi-CTA idea, without its shared visited set, so that
-   * the answer stays deterministic). Part `c` searches with the top list
+   * Graph searches split into this many independent parts: 1..16 (1, the default: one search per
+   * query), or 0: automatic, auto_ctas_per_query of the call's batch size (4 parts for up to 32
+   * queries at the default top list, 2 up to 64, 1 above). The device runs a query's parts on
+   * that many CTAs at once: for a small batch, more of the GPU works on each query (CAGRA's
+   * multi-CTA idea, without its shared visited set, so that the answer stays deterministic). Part `c` searches with the top list
    * `split_itopk(itopk, k, parts)` = max(k, ceil(itopk / parts)) and the seed mask
    * `rand_xor_mask ^ split_seed_mix(c)` (part 0 keeps the mask); the answer is the best `k`
    * distinct live facts of all parts, in (distance, node) order. The host reference search
    * (`host_search_mode::reference`) runs the same parts one after another, so the two backends
-   * still agree bit for bit; the fast host search and exact searches ignore it. Not chosen
-   * automatically: which split pays, at which batch size, is for a device to measure (the
-   * `bench_index` device cases take it as an argument).
+   * still agree bit for bit, automatic choice included (it depends on the batch size only); the
+   * fast host search and exact searches ignore it. The automatic choice is not the default, for
+   * three reasons: a query's answer then depends on the size of the batch it is searched in (as
+   * under CAGRA's automatic algorithm); a split search allocates its parts' workspace and adds
+   * a merge launch, so it is neither one launch nor capturable in a CUDA graph; and its rule
+   * comes from the work per part measured on the host, as no split has been timed on a GPU yet
+   * (`bench_index`'s device cases `ctas:0` and `ctas:P` measure it against 1).
    */
   std::uint32_t ctas_per_query{1};
   /// Threads a batch host search uses at most, the calling thread included (0 = one per hardware
@@ -830,6 +866,7 @@ class graph_index {
                        std::string{"graph_index::search: null output"});
     std::vector<float> padded = prepare_queries(queries);
     std::int64_t const nq     = queries.extent(0);
+    search_params const split = resolve_split(params, nq, k);  // (automatic: by the batch size)
     detail::index::parallel_ranges(nq, params.threads, [&](std::int64_t begin, std::int64_t end) {
       // per thread, kept across calls: single-query searches reuse the visited stamps (an epoch
       // per query, so nothing is cleared) instead of allocating a table of n entries each time
@@ -838,7 +875,7 @@ class graph_index {
       for (std::int64_t q = begin; q < end; ++q) {
         auto const& tn = tenants_[static_cast<std::size_t>(tenant_index[q])];
         auto const& tr = tn.ref;
-        search_tenant(tn, padded.data() + q * row_elements_, k, params, scratch, result);
+        search_tenant(tn, padded.data() + q * row_elements_, k, split, scratch, result);
         for (std::uint32_t j = 0; j < k; ++j) {
           bool const valid       = j < result.size();
           out_ids(q, j)          = valid ? ids_[tr.row_begin + result[j].node] : invalid_fact_id;
@@ -867,6 +904,20 @@ class graph_index {
                             : detail::index::auto_max_iterations(plan.itopk, plan.width,
                                                                  config_.graph_degree, n);
     return plan;
+  }
+
+  /**
+   * @brief `p` with its split resolved for a batch of `queries` graph searches:
+   * `ctas_per_query` 0 (automatic) becomes auto_ctas_per_query; any other value stays.
+   */
+  static search_params resolve_split(search_params const& p, std::int64_t queries,
+                                     std::uint32_t k) noexcept
+  {
+    search_params r = p;
+    if (r.ctas_per_query == 0) {
+      r.ctas_per_query = auto_ctas_per_query(queries, resolved_itopk(p.itopk_size, k), k);
+    }
+    return r;
   }
 
   /**
@@ -957,8 +1008,8 @@ class graph_index {
                          std::to_string(params.search_width));
     INFERSCALE_EXPECTS(resolved_itopk(params.itopk_size, k) <= 1024,
                        "graph_index: itopk_size (raised to k) must be at most 1024");
-    INFERSCALE_EXPECTS(params.ctas_per_query >= 1 && params.ctas_per_query <= 16,
-                       "graph_index: ctas_per_query must be in 1..16, got " +
+    INFERSCALE_EXPECTS(params.ctas_per_query <= 16,
+                       "graph_index: ctas_per_query must be in 0..16 (0: automatic), got " +
                          std::to_string(params.ctas_per_query));
     INFERSCALE_EXPECTS(namespaces.size() == 1 || static_cast<std::int64_t>(namespaces.size()) == nq,
                        "graph_index: give one namespace, or one per query (" + std::to_string(nq) +

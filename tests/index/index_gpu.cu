@@ -403,12 +403,26 @@ TEST_CASE("index device search: teams of 16 and 32 lanes (768-d rows)", "[index]
   auto const d_queries = upload_queries(queries, nq, dim, dim);
   for (auto const algo : {search_algo::graph, search_algo::exact}) {
     search_params params;
-    params.algo = algo;
+    params.algo           = algo;
+    params.ctas_per_query = 0;  // automatic: 2 parts for 64 queries at k 10
     CAPTURE(static_cast<int>(algo));
+    REQUIRE(auto_ctas_per_query(nq, default_itopk, 10) == 2);
     auto const expected = host_search(pair.host, queries, nq, namespaces, 10, params);
     auto const got = device_search(res, pair.device, d_queries, nq, dim, namespaces, 10, params);
     require_identical(expected, got, namespaces, 10);
   }
+  // a batch of 8: the automatic split takes 4 parts, on both sides alike
+  std::int64_t const small = 8;
+  REQUIRE(auto_ctas_per_query(small, default_itopk, 10) == 4);
+  std::vector<float> const few(queries.begin(), queries.begin() + small * dim);
+  std::vector<std::uint64_t> const few_namespaces(namespaces.begin(), namespaces.begin() + small);
+  auto const d_few = upload_queries(few, small, dim, dim);
+  search_params graph;
+  graph.algo           = search_algo::graph;
+  graph.ctas_per_query = 0;
+  auto const expected  = host_search(pair.host, few, small, few_namespaces, 10, graph);
+  auto const got      = device_search(res, pair.device, d_few, small, dim, few_namespaces, 10, graph);
+  require_identical(expected, got, few_namespaces, 10);
 }
 
 TEST_CASE("index device search: the kernel's shared-memory attribute is the device's fixed limit, "

@@ -312,8 +312,9 @@ TEST_CASE("index: a split search (ctas_per_query) answers the best distinct fact
   auto const truth      = brute_force(stored, qs, cfg.metric, k);
 
   search_params p;
-  p.algo      = search_algo::graph;
-  p.host_mode = host_search_mode::reference;
+  p.algo           = search_algo::graph;
+  p.host_mode      = host_search_mode::reference;
+  p.ctas_per_query = 1;  // (the default; 0 chooses by the batch size: the last section)
   for (std::uint32_t parts : {2u, 4u, 16u}) {
     CAPTURE(parts);
     search_params split = p;
@@ -375,12 +376,47 @@ TEST_CASE("index: a split search (ctas_per_query) answers the best distinct fact
   auto const plain        = run_search(index, queries, {0}, k, p);
   auto const single       = run_search(index, queries, {0}, k, one_part);
   REQUIRE(plain.ids == single.ids);
-  for (std::uint32_t bad : {0u, 17u}) {
-    search_params refused = p;
-    refused.ctas_per_query = bad;
-    REQUIRE_THROWS_WITH(run_search(index, queries, {0}, k, refused),
-                        Catch::Contains("ctas_per_query must be in 1..16"));
+  search_params refused  = p;
+  refused.ctas_per_query = 17;
+  REQUIRE_THROWS_WITH(run_search(index, queries, {0}, k, refused),
+                      Catch::Contains("ctas_per_query must be in 0..16"));
+
+  // automatic (0; the default is 1): the largest P in {1, 2, 4} with queries * P <= 128 whose
+  // parts keep ceil(itopk / P) >= max(k, 16) entries; a batch's search equals the one with that P
+  REQUIRE(search_params{}.ctas_per_query == 1);
+  for (std::int64_t q : {1, 2, 31, 32}) { REQUIRE(auto_ctas_per_query(q, 64, 10) == 4); }
+  for (std::int64_t q : {33, 64}) { REQUIRE(auto_ctas_per_query(q, 64, 10) == 2); }
+  for (std::int64_t q : {65, 128, 1000000}) { REQUIRE(auto_ctas_per_query(q, 64, 10) == 1); }
+  REQUIRE(auto_ctas_per_query(1, 32, 10) == 2);   // 4 parts of 8 would be shorter than 16
+  REQUIRE(auto_ctas_per_query(1, 63, 10) == 4);   // ceil(63 / 4) = 16
+  REQUIRE(auto_ctas_per_query(1, 60, 10) == 2);   // ceil(60 / 4) = 15 < 16
+  REQUIRE(auto_ctas_per_query(1, 64, 32) == 2);   // 4 parts of 16 would be raised to k = 32
+  REQUIRE(auto_ctas_per_query(1, 31, 10) == 2);   // ceil(31 / 2) = 16
+  REQUIRE(auto_ctas_per_query(1, 30, 10) == 1);   // ceil(30 / 2) = 15 < 16
+  REQUIRE(auto_ctas_per_query(1, 16, 10) == 1);
+  REQUIRE(auto_ctas_per_query(40, 64, 10) == 2);  // 40 x 4 = 160 > 128
+  REQUIRE(auto_ctas_per_query(1, 1024, 10) == 4);
+  search_params automatic = p;
+  automatic.ctas_per_query = 0;
+  for (auto const& [batch, parts] : {std::pair<std::size_t, std::uint32_t>{8, 4},
+                                    std::pair<std::size_t, std::uint32_t>{60, 2}}) {
+    CAPTURE(batch, parts);
+    std::vector<float> const some(queries.begin(),
+                                  queries.begin() + static_cast<std::ptrdiff_t>(batch * dim));
+    search_params fixed  = p;
+    fixed.ctas_per_query = parts;
+    auto const chosen    = run_search(index, some, {0}, k, automatic);
+    auto const expected  = run_search(index, some, {0}, k, fixed);
+    REQUIRE(chosen.ids == expected.ids);
+    REQUIRE(chosen.distances == expected.distances);
   }
+  // above 64 queries: one part, the plain search
+  std::vector<float> many;
+  for (int r = 0; r < 2; ++r) { many.insert(many.end(), queries.begin(), queries.end()); }
+  auto const chosen_many = run_search(index, many, {0}, k, automatic);
+  auto const plain_many  = run_search(index, many, {0}, k, p);
+  REQUIRE(chosen_many.ids == plain_many.ids);
+  REQUIRE(chosen_many.distances == plain_many.distances);
 }
 
 TEST_CASE("index: build is deterministic and a query's answer does not depend on its batch",

@@ -626,11 +626,10 @@ inline void exact_search(raft::resources const& res,
  *
  * A split search (`search_params::ctas_per_query` = P > 1, or the automatic 0 resolved to P > 1 by
  * auto_ctas_per_query for the batch's size, as the host reference search resolves it) runs P
- * virtual queries per query, each
- * part of a query's graph search on its own CTA (the inline limit above counts them), into a
- * workspace of P x k entries per query; a second kernel (merge_split_kernel, one thread per
- * query) merges each query's parts into its row. Its answers equal the host reference search
- * with the same P, bit for bit.
+ * virtual queries per query, each part of a query's graph search on its own CTA (the inline limit
+ * above counts them), into a workspace of P x k entries per query; a second kernel
+ * (merge_split_kernel, one thread per query) merges each query's parts into its row. Its answers
+ * equal the host reference search with the same P, bit for bit.
  *
  * @param queries       device `[q][dim]` fp32 queries (any strides)
  * @param namespaces    host span: one namespace per query, or one for all

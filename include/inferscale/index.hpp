@@ -227,7 +227,7 @@ inline constexpr std::uint32_t split_auto_min_part_itopk = 16;
  * batch of `queries` into, for a resolved top list `itopk` (resolved_itopk) and `k`: the largest
  * P in {1, 2, 4} with `queries * P <= split_auto_ctas` whose parts keep
  * `ceil(itopk / P) >= max(k, split_auto_min_part_itopk)` entries each (a part's list is never
- * raised to k, so the parts together do no more than twice the whole search's top-list work).
+ * raised to k, so the parts' lists together hold at most itopk + P - 1 entries).
  * At the defaults (itopk 64, k 10): 4 parts up to 32 queries, 2 up to 64, then 1.
  */
 constexpr std::uint32_t auto_ctas_per_query(std::int64_t queries, std::uint32_t itopk,
@@ -273,19 +273,19 @@ struct search_params {
   /**
    * Graph searches split into this many independent parts: 1..16 (1, the default: one search per
    * query), or 0: automatic, auto_ctas_per_query of the call's batch size (4 parts for up to 32
-   * queries at the default top list, 2 up to 64, 1 above). The device runs a query's parts on
-   * that many CTAs at once: for a small batch, more of the GPU works on each query (CAGRA's
-   * multi-CTA idea, without its shared visited set, so that the answer stays deterministic). Part `c` searches with the top list
-   * `split_itopk(itopk, k, parts)` = max(k, ceil(itopk / parts)) and the seed mask
-   * `rand_xor_mask ^ split_seed_mix(c)` (part 0 keeps the mask); the answer is the best `k`
-   * distinct live facts of all parts, in (distance, node) order. The host reference search
+   * queries at the default top list, 2 up to 64, 1 above). The device runs a query's parts on that
+   * many CTAs at once: for a small batch, more of the GPU works on each query (CAGRA's multi-CTA
+   * idea, without its shared visited set, so that the answer stays deterministic). Part `c`
+   * searches with the top list `split_itopk(itopk, k, parts)` = max(k, ceil(itopk / parts)) and the
+   * seed mask `rand_xor_mask ^ split_seed_mix(c)` (part 0 keeps the mask); the answer is the best
+   * `k` distinct live facts of all parts, in (distance, node) order. The host reference search
    * (`host_search_mode::reference`) runs the same parts one after another, so the two backends
    * still agree bit for bit, automatic choice included (it depends on the batch size only); the
    * fast host search and exact searches ignore it. The automatic choice is not the default, for
    * three reasons: a query's answer then depends on the size of the batch it is searched in (as
-   * under CAGRA's automatic algorithm); a split search allocates its parts' workspace and adds
-   * a merge launch, so it is neither one launch nor capturable in a CUDA graph; and its rule
-   * comes from the work per part measured on the host, as no split has been timed on a GPU yet
+   * under CAGRA's automatic algorithm); a split search allocates its parts' workspace and adds a
+   * merge launch, so it is neither one launch nor capturable in a CUDA graph; and its rule comes
+   * from the work per part measured on the host, as no split has been timed on a GPU yet
    * (`bench_index`'s device cases `ctas:0` and `ctas:P` measure it against 1).
    */
   std::uint32_t ctas_per_query{1};

@@ -105,6 +105,19 @@ INFERSCALE_HOST_DEVICE constexpr index_quotient index_divmod(std::int64_t a, std
 #define INFERSCALE_UNROLL
 #endif
 
+/**
+ * @brief Full unrolling of a short host loop of constant trip count (at most 8), for GCC and
+ * Clang even below -O3; nothing under nvcc, whose front end rejects the GCC form in host code (the
+ * host compiler then unrolls at its own discretion: the results are the same, only the speed).
+ */
+#if defined(__CUDACC__) || !defined(__GNUC__)
+#define INFERSCALE_HOST_UNROLL
+#elif defined(__clang__)
+#define INFERSCALE_HOST_UNROLL _Pragma("unroll")
+#else
+#define INFERSCALE_HOST_UNROLL _Pragma("GCC unroll 8")
+#endif
+
 #if defined(__CUDACC__)
 #define INFERSCALE_FORCEINLINE __forceinline__
 #elif defined(__GNUC__)

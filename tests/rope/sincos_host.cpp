@@ -171,6 +171,26 @@ TEST_CASE("rope sincos: the AVX2 and AVX-512 forms equal the scalar function bit
     }
   }
   REQUIRE(compared == 40000);
+  if (avx512) {  // 32 and 64 angles in lockstep (the row's groups): the same bits again
+    long lockstep = 0;
+    for (std::size_t i = 0; i + 64 <= angles.size(); i += 64) {
+      float s64[64], c64[64], s32[64], c32[64];
+      REQUIRE(detail::simd512::sincos_lockstep<8>(angles.data() + i, s64, c64));
+      REQUIRE(detail::simd512::sincos_lockstep<4>(angles.data() + i, s32, c32));
+      REQUIRE(detail::simd512::sincos_lockstep<4>(angles.data() + i + 32, s32 + 32, c32 + 32));
+      for (int j = 0; j < 64; ++j) {
+        float s, c;
+        detail::rope_sincos(angles[i + j], &s, &c);
+        CAPTURE(angles[i + j]);
+        REQUIRE(bits_of(s64[j]) == bits_of(s));
+        REQUIRE(bits_of(c64[j]) == bits_of(c));
+        REQUIRE(bits_of(s32[j]) == bits_of(s));
+        REQUIRE(bits_of(c32[j]) == bits_of(c));
+        ++lockstep;
+      }
+    }
+    REQUIRE(lockstep == 40000 / 64 * 64);
+  }
   SECTION("a lane at or above 2^28, infinite or NaN sends the group to the scalar function")
   {
     for (float odd : {0x1p28f, -3.0e9f, std::numeric_limits<float>::infinity(),
@@ -182,6 +202,12 @@ TEST_CASE("rope sincos: the AVX2 and AVX-512 forms equal the scalar function bit
       REQUIRE_FALSE(detail::simd::sincos8(group, s, c));
       if (avx512) {
         REQUIRE_FALSE(detail::simd512::sincos16(group, s, c));
+        float wide[64], s64[64], c64[64];  // one bad lane refuses the whole lockstep group
+        for (int j = 0; j < 64; ++j) { wide[j] = 0.25f * static_cast<float>(j); }
+        wide[45] = odd;
+        REQUIRE_FALSE(detail::simd512::sincos_lockstep<8>(wide, s64, c64));
+        REQUIRE_FALSE(detail::simd512::sincos_lockstep<4>(wide + 32, s64, c64));
+        REQUIRE(detail::simd512::sincos_lockstep<4>(wide, s64, c64));
       }
     }
   }

@@ -254,8 +254,9 @@ inline rope_params make_rope_params(rope_spec const& spec, std::int64_t total_le
 namespace detail {
 /**
  * @brief cos and sin of every pair of one token for `op`, exactly as rope_angle_cos_sin gives
- * them (host). For resolved parameters with fp32 angles the sin/cos of sincos.hpp run sixteen or
- * eight angles at a time where the CPU has AVX-512F or AVX2: the same operations, the same bits.
+ * them (host). For resolved parameters with fp32 angles the sin/cos of sincos.hpp run 64, 32 or 16
+ * angles at a time in lockstep where the CPU has AVX-512F (simd512::sincos_row_at), eight where it
+ * has AVX2: the same operations, the same bits.
  */
 template <class Rotation>
 void rope_cos_sin_row(
@@ -305,11 +306,7 @@ inline void rope_cos_sin_row(
   host_simd const level = active_host_simd();
   if (params.angle_mode == rope_angle_mode::fp32 && level != host_simd::scalar) {
     float const p = static_cast<float>(position);
-    if (uses_avx512(level)) {
-      for (; done + 16 <= pairs; done += 16) {
-        if (!simd512::sincos16_at(p, params.inv_freq + done, sin + done, cos + done)) { break; }
-      }
-    }
+    if (uses_avx512(level)) { done = simd512::sincos_row_at(p, params.inv_freq, pairs, sin, cos); }
     for (; done + 8 <= pairs; done += 8) {
       if (!simd::sincos8_at(p, params.inv_freq + done, sin + done, cos + done)) { break; }
     }

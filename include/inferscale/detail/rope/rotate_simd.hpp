@@ -293,62 +293,90 @@ INFERSCALE_TARGET_AVX512 inline __m512d mul_pd(__m512d a, __m512d b)
   return opaque_pd(_mm512_mul_pd(a, b));
 }
 
-/// @brief As simd::sincos8, sixteen angles, eight double lanes at a time.
-INFERSCALE_TARGET_AVX512 inline bool sincos16(__m512 angle, float* s_out, float* c_out)
+/**
+ * @brief simd::sincos8's operations on `8 V` fp32 angles (`angle[0 .. V/2)`, sixteen each), as
+ * V vectors of eight double lanes advanced in lockstep: step by step over all V vectors, so that
+ * the V independent dependency chains (the reduction's five multiply-adds, the two Horner chains
+ * of seven and eight) overlap instead of waiting on each other. Same operations per lane, so the
+ * same bits as detail::rope_sincos. Returns false (nothing written) when a lane needs the integer
+ * reduction or is not finite.
+ */
+template <int V>
+INFERSCALE_TARGET_AVX512 inline bool sincos_lockstep(__m512 const* angle, float* s_out, float* c_out)
 {
-  namespace k            = detail::sincos;
-  __m512 const magnitude = _mm512_abs_ps(angle);
-  if (_mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(0x1p28f), _CMP_LT_OQ) != 0xffff) {
-    return false;
+  static_assert(V == 2 || V == 4 || V == 8, "V: 2, 4 or 8 vectors of eight double lanes");
+  namespace k       = detail::sincos;
+  __mmask16 in_range = 0xffff;
+  INFERSCALE_HOST_UNROLL
+  for (int v = 0; v < V / 2; ++v) {  // |angle| < 2^28, false for NaN (an ordered compare)
+    in_range &= _mm512_cmp_ps_mask(_mm512_abs_ps(angle[v]), _mm512_set1_ps(0x1p28f), _CMP_LT_OQ);
   }
-  __m256 const halves[2] = {_mm512_castps512_ps256(angle),
-                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(angle), 1))};
-  for (int h = 0; h < 2; ++h) {
-    __m512i const signed_x = _mm512_castpd_si512(_mm512_cvtps_pd(halves[h]));
-    __m512i const sign     = _mm512_set1_epi64(static_cast<long long>(0x8000000000000000ull));
-    __mmask8 const minus   = _mm512_test_epi64_mask(signed_x, sign);
-    __m512d const x        = _mm512_castsi512_pd(_mm512_andnot_si512(sign, signed_x));
-    __m512d const q = _mm512_roundscale_pd(mul_pd(x, _mm512_set1_pd(k::two_over_pi)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512d r       = _mm512_fnmadd_pd(q, _mm512_set1_pd(k::pio2_1), x);
-    r               = _mm512_fnmadd_pd(q, _mm512_set1_pd(k::pio2_2), r);
-    r               = _mm512_fnmadd_pd(q, _mm512_set1_pd(k::pio2_3), r);
-    r               = _mm512_fnmadd_pd(q, _mm512_set1_pd(k::pio2_4), r);
-    r               = _mm512_fnmadd_pd(q, _mm512_set1_pd(k::pio2_5), r);
-    __m512d const z = mul_pd(r, r);
-    __m512d ps      = _mm512_set1_pd(k::s7);
-    ps              = _mm512_fmadd_pd(z, ps, _mm512_set1_pd(k::s6));
-    ps              = _mm512_fmadd_pd(z, ps, _mm512_set1_pd(k::s5));
-    ps              = _mm512_fmadd_pd(z, ps, _mm512_set1_pd(k::s4));
-    ps              = _mm512_fmadd_pd(z, ps, _mm512_set1_pd(k::s3));
-    ps              = _mm512_fmadd_pd(z, ps, _mm512_set1_pd(k::s2));
-    ps              = _mm512_fmadd_pd(z, ps, _mm512_set1_pd(k::s1));
-    __m512d const sr = _mm512_fmadd_pd(mul_pd(r, z), ps, r);
-    __m512d pc       = _mm512_set1_pd(k::c8);
-    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c7));
-    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c6));
-    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c5));
-    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c4));
-    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c3));
-    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c2));
-    pc               = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(k::c1));
-    __m512d const cr = _mm512_fmadd_pd(z, pc, _mm512_set1_pd(1.0));
+  if (in_range != 0xffff) { return false; }
+  __m512i const sign = _mm512_set1_epi64(static_cast<long long>(0x8000000000000000ull));
+  __m512d x[V], q[V], r[V], z[V], ps[V], pc[V];
+  __mmask8 minus[V];
+  INFERSCALE_HOST_UNROLL
+  for (int v = 0; v < V; ++v) {
+    __m256 const half =
+      v % 2 == 0 ? _mm512_castps512_ps256(angle[v / 2])
+                 : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(angle[v / 2]), 1));
+    __m512i const signed_x = _mm512_castpd_si512(_mm512_cvtps_pd(half));
+    minus[v]               = _mm512_test_epi64_mask(signed_x, sign);
+    x[v]                   = _mm512_castsi512_pd(_mm512_andnot_si512(sign, signed_x));
+    q[v] = _mm512_roundscale_pd(mul_pd(x[v], _mm512_set1_pd(k::two_over_pi)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  double const pio2[5] = {k::pio2_1, k::pio2_2, k::pio2_3, k::pio2_4, k::pio2_5};
+  INFERSCALE_HOST_UNROLL
+  for (int v = 0; v < V; ++v) { r[v] = _mm512_fnmadd_pd(q[v], _mm512_set1_pd(pio2[0]), x[v]); }
+  INFERSCALE_HOST_UNROLL
+  for (int i = 1; i < 5; ++i) {
+    INFERSCALE_HOST_UNROLL
+    for (int v = 0; v < V; ++v) { r[v] = _mm512_fnmadd_pd(q[v], _mm512_set1_pd(pio2[i]), r[v]); }
+  }
+  // Horner: sin r = r + r z (s1 + z (s2 + ... z s7)), cos r = 1 + z (c1 + z (c2 + ... z c8))
+  double const sc[7] = {k::s7, k::s6, k::s5, k::s4, k::s3, k::s2, k::s1};
+  double const cc[8] = {k::c8, k::c7, k::c6, k::c5, k::c4, k::c3, k::c2, k::c1};
+  INFERSCALE_HOST_UNROLL
+  for (int v = 0; v < V; ++v) {
+    z[v]  = mul_pd(r[v], r[v]);
+    ps[v] = _mm512_set1_pd(sc[0]);
+    pc[v] = _mm512_set1_pd(cc[0]);
+  }
+  INFERSCALE_HOST_UNROLL
+  for (int i = 1; i < 8; ++i) {
+    INFERSCALE_HOST_UNROLL
+    for (int v = 0; v < V; ++v) {
+      if (i < 7) { ps[v] = _mm512_fmadd_pd(z[v], ps[v], _mm512_set1_pd(sc[i])); }
+      pc[v] = _mm512_fmadd_pd(z[v], pc[v], _mm512_set1_pd(cc[i]));
+    }
+  }
+  INFERSCALE_HOST_UNROLL
+  for (int v = 0; v < V; ++v) {
+    __m512d const sr = _mm512_fmadd_pd(mul_pd(r[v], z[v]), ps[v], r[v]);
+    __m512d const cr = _mm512_fmadd_pd(z[v], pc[v], _mm512_set1_pd(1.0));
     // quadrant bits as lane masks: odd swaps sin and cos; sin negates in quadrants 2 and 3 (and
     // for a negative angle), cos in 1 and 2 (a sign flip, as the scalar code's negation)
-    __m512i const qi     = _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(q));  // exact: |q| < 2^28
-    __m512i const one    = _mm512_set1_epi64(1);
-    __m512i const two    = _mm512_set1_epi64(2);
-    __mmask8 const swap  = _mm512_test_epi64_mask(qi, one);
-    __mmask8 const sneg  = static_cast<__mmask8>(_mm512_test_epi64_mask(qi, two) ^ minus);
-    __mmask8 const cneg  = _mm512_test_epi64_mask(_mm512_add_epi64(qi, one), two);
-    __m512i const sq     = _mm512_castpd_si512(_mm512_mask_blend_pd(swap, sr, cr));
-    __m512i const cq     = _mm512_castpd_si512(_mm512_mask_blend_pd(swap, cr, sr));
-    _mm256_storeu_ps(s_out + 8 * h,
+    __m512i const qi    = _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(q[v]));  // exact: |q| < 2^28
+    __m512i const one   = _mm512_set1_epi64(1);
+    __m512i const two   = _mm512_set1_epi64(2);
+    __mmask8 const swap = _mm512_test_epi64_mask(qi, one);
+    __mmask8 const sneg = static_cast<__mmask8>(_mm512_test_epi64_mask(qi, two) ^ minus[v]);
+    __mmask8 const cneg = _mm512_test_epi64_mask(_mm512_add_epi64(qi, one), two);
+    __m512i const sq    = _mm512_castpd_si512(_mm512_mask_blend_pd(swap, sr, cr));
+    __m512i const cq    = _mm512_castpd_si512(_mm512_mask_blend_pd(swap, cr, sr));
+    _mm256_storeu_ps(s_out + 8 * v,
                      _mm512_cvtpd_ps(_mm512_castsi512_pd(_mm512_mask_xor_epi64(sq, sneg, sq, sign))));
-    _mm256_storeu_ps(c_out + 8 * h,
+    _mm256_storeu_ps(c_out + 8 * v,
                      _mm512_cvtpd_ps(_mm512_castsi512_pd(_mm512_mask_xor_epi64(cq, cneg, cq, sign))));
   }
   return true;
+}
+
+/// @brief As simd::sincos8, sixteen angles, eight double lanes at a time (sincos_lockstep<2>).
+INFERSCALE_TARGET_AVX512 inline bool sincos16(__m512 angle, float* s_out, float* c_out)
+{
+  return sincos_lockstep<2>(&angle, s_out, c_out);
 }
 
 /// @brief sincos16 of sixteen angles in memory.
@@ -357,13 +385,52 @@ INFERSCALE_TARGET_AVX512 inline bool sincos16(float const* angle, float* s_out, 
   return sincos16(_mm512_loadu_ps(angle), s_out, c_out);
 }
 
-/// @brief sincos16 of `float(position) * inv_freq[0..15]`.
-INFERSCALE_TARGET_AVX512 inline bool sincos16_at(float position,
-                                                 float const* inv_freq,
-                                                 float* s_out,
-                                                 float* c_out)
+/// @brief sincos_lockstep of `8 V` angles in memory.
+template <int V>
+INFERSCALE_TARGET_AVX512 inline bool sincos_lockstep(float const* angle, float* s_out, float* c_out)
 {
-  return sincos16(_mm512_mul_ps(_mm512_set1_ps(position), _mm512_loadu_ps(inv_freq)), s_out, c_out);
+  __m512 a[V / 2];
+  INFERSCALE_HOST_UNROLL
+  for (int v = 0; v < V / 2; ++v) { a[v] = _mm512_loadu_ps(angle + 16 * v); }
+  return sincos_lockstep<V>(a, s_out, c_out);
+}
+
+/// @brief sincos_lockstep<V> of `position * inv_freq[0 .. 8 V)` (fp32 products).
+template <int V>
+INFERSCALE_TARGET_AVX512 inline bool sincos_lockstep_at(__m512 position,
+                                                        float const* inv_freq,
+                                                        float* s_out,
+                                                        float* c_out)
+{
+  __m512 angle[V / 2];
+  INFERSCALE_HOST_UNROLL
+  for (int v = 0; v < V / 2; ++v) {
+    angle[v] = _mm512_mul_ps(position, _mm512_loadu_ps(inv_freq + 16 * v));
+  }
+  return sincos_lockstep<V>(angle, s_out, c_out);
+}
+
+/**
+ * @brief sin and cos of `float(position) * inv_freq[i]` for the leading pairs of a row of `n`:
+ * 64, 32 or 16 angles at a time in lockstep (sincos_lockstep), stopping at the first group with a
+ * lane sincos_lockstep refuses. Returns how many leading pairs it wrote (a multiple of 16); the
+ * caller computes the rest.
+ */
+INFERSCALE_TARGET_AVX512 inline std::int32_t sincos_row_at(
+  float position, float const* inv_freq, std::int32_t n, float* s_out, float* c_out)
+{
+  __m512 const p    = _mm512_set1_ps(position);
+  std::int32_t done = 0;
+  while (done + 64 <= n && sincos_lockstep_at<8>(p, inv_freq + done, s_out + done, c_out + done)) {
+    done += 64;
+  }
+  if (done + 32 <= n && sincos_lockstep_at<4>(p, inv_freq + done, s_out + done, c_out + done)) {
+    done += 32;
+  }
+  while (done + 16 <= n && sincos_lockstep_at<2>(p, inv_freq + done, s_out + done, c_out + done)) {
+    done += 16;
+  }
+  return done;
 }
 
 }  // namespace inferscale::detail::simd512

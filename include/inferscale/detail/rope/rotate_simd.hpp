@@ -379,12 +379,6 @@ INFERSCALE_TARGET_AVX512 inline bool sincos16(__m512 angle, float* s_out, float*
   return sincos_lockstep<2>(&angle, s_out, c_out);
 }
 
-/// @brief sincos16 of sixteen angles in memory.
-INFERSCALE_TARGET_AVX512 inline bool sincos16(float const* angle, float* s_out, float* c_out)
-{
-  return sincos16(_mm512_loadu_ps(angle), s_out, c_out);
-}
-
 /// @brief sincos_lockstep of `8 V` angles in memory.
 template <int V>
 INFERSCALE_TARGET_AVX512 inline bool sincos_lockstep(float const* angle, float* s_out, float* c_out)
@@ -393,6 +387,12 @@ INFERSCALE_TARGET_AVX512 inline bool sincos_lockstep(float const* angle, float* 
   INFERSCALE_HOST_UNROLL
   for (int v = 0; v < V / 2; ++v) { a[v] = _mm512_loadu_ps(angle + 16 * v); }
   return sincos_lockstep<V>(a, s_out, c_out);
+}
+
+/// @brief sincos16 of sixteen angles in memory.
+INFERSCALE_TARGET_AVX512 inline bool sincos16(float const* angle, float* s_out, float* c_out)
+{
+  return sincos_lockstep<2>(angle, s_out, c_out);
 }
 
 /// @brief sincos_lockstep<V> of `position * inv_freq[0 .. 8 V)` (fp32 products).

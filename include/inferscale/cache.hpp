@@ -67,6 +67,46 @@ inline bool strides_disjoint(stride_dimension* dims,
   *reach = r;
   return true;
 }
+/**
+ * @brief Whether two regions with different layouts but the same blocks and heads (same extents
+ * and strides: K and V sharing each (block, head) cell, as in vLLM's CPU cache) touch disjoint
+ * bytes, by a sufficient rule: within one cell each region's tokens and dims reach an interval
+ * `[base, base + inner span)`; the two intervals must not meet, and the blocks and heads must nest
+ * over the union of both (each cell's stride beyond the union's span).
+ * @param a, b  the layouts (each already valid); `base_a`, `base_b` their base addresses in bytes
+ */
+template <class Layout>
+inline bool interleaved_blocks_disjoint(Layout const& a,
+                                        std::int64_t base_a,
+                                        Layout const& b,
+                                        std::int64_t base_b,
+                                        std::int64_t element_bytes)
+{
+  if (a.num_blocks != b.num_blocks || a.block_stride != b.block_stride ||
+      a.num_heads != b.num_heads || a.head_stride != b.head_stride) {
+    return false;
+  }
+  auto const inner_span = [element_bytes](Layout const& l) -> std::int64_t {
+    stride_dimension dims[5];
+    l.dimensions(element_bytes, dims);
+    stride_dimension inner[3] = {dims[1], dims[3], dims[4]};  // tokens, dims, chunks
+    std::int64_t reach        = 0;
+    return strides_disjoint(inner, 3, element_bytes, &reach) ? reach + 1 : -1;
+  };
+  std::int64_t const na = inner_span(a);
+  std::int64_t const nb = inner_span(b);
+  if (na <= 0 || nb <= 0) { return false; }
+  constexpr std::int64_t limit = std::numeric_limits<std::int64_t>::max() / 4;
+  if (base_a > limit || base_b > limit || na > limit || nb > limit) { return false; }
+  if (!(base_a + na <= base_b || base_b + nb <= base_a)) { return false; }
+  std::int64_t const lo     = std::min(base_a, base_b);
+  std::int64_t const union_ = std::max(base_a + na, base_b + nb) - lo;
+  stride_dimension outer[2] = {{a.num_blocks, a.block_stride * element_bytes},
+                               {a.num_heads, a.head_stride * element_bytes}};
+  std::int64_t reach        = 0;
+  return strides_disjoint(outer, 2, union_, &reach);
+}
+
 /// @brief "the key of layer 3" / "the value of layer 0" for messages about region `r` (K, V of
 /// layer r / 2).
 inline std::string cache_region_name(std::int32_t r)
@@ -211,6 +251,7 @@ enum class paged_kv_format : std::uint8_t {
   sglang_token_pool,
   tensorrt_llm,
   contiguous,
+  vllm_cpu,
 };
 
 /// @brief Name of a format.
@@ -224,6 +265,7 @@ inline char const* to_string(paged_kv_format f) noexcept
     case paged_kv_format::sglang_token_pool: return "sglang_token_pool";
     case paged_kv_format::tensorrt_llm: return "tensorrt_llm";
     case paged_kv_format::contiguous: return "contiguous";
+    case paged_kv_format::vllm_cpu: return "vllm_cpu";
   }
   return "unknown";
 }
@@ -385,6 +427,9 @@ struct paged_kv_cache {
           dims[5]            = {2, difference < 0 ? -difference : difference};
           std::int64_t reach = 0;
           disjoint = difference != 0 && detail::strides_disjoint(dims, 6, element_bytes, &reach);
+        } else {
+          disjoint = detail::interleaved_blocks_disjoint(
+            layout(i), base(i), layout(j), base(j), element_bytes);
         }
         INFERSCALE_EXPECTS(disjoint,
                            "paged_kv_cache: " + detail::cache_region_name(i) + " and " +
@@ -405,7 +450,9 @@ struct paged_kv_cache {
    * disjoint. Two regions with the same layout are disjoint when the layout extended by one more
    * dimension, of extent 2 and stride |base difference|, still nests (K and V interleaved by
    * blocks, as vLLM's FlashInfer layout, or layers interleaved in pages, as TensorRT-LLM's pool,
-   * pass); regions with different layouts must lie in disjoint byte ranges `[base, base + span)`.
+   * pass); regions with different layouts must lie in disjoint byte ranges `[base, base + span)`,
+   * or share blocks and heads with disjoint intervals inside each (block, head) cell
+   * (detail::interleaved_blocks_disjoint: vLLM's CPU cache, keys then values in each cell).
    * @throw logic_error naming what is wrong.
    */
   void validate() const
@@ -573,6 +620,57 @@ inline paged_kv_cache make_vllm_flash_attn_cache(dtype cache_dtype,
   }
   auto cache   = make_paged_kv_cache(cache_dtype, layer_tensors, values, layout, layout);
   cache.format = paged_kv_format::vllm_flash_attn;
+  return cache;
+}
+
+/**
+ * @brief vLLM's CPU attention backend (`CPU_ATTN`, ISA `vec`; `reference/vllm-cpu.md`): one tensor
+ * per layer of shape `(num_blocks, heads, block_size, 2 * head_dim)`. Each (block, head) holds
+ * `2 * block_size * head_dim` elements: first the block's keys stored transposed, `[head_dim,
+ * block_size]` (key (t, d) at `d * block_size + t`), then its values row-major, `[block_size,
+ * head_dim]` (value (t, d) at `block_size * head_dim + t * head_dim + d`).
+ *
+ * The last two dimensions must be dense (stride of dimension 3 = s, of dimension 2 = 2 * head_dim
+ * * s), since the transposed key region reinterprets them; blocks and heads may have any strides.
+ * Other ISAs of that backend (`amx`, `neon`) are not described by this factory.
+ *
+ * @param layer_tensors `data_ptr()` of each layer's tensor, in layer order
+ * @throw logic_error if shapes or strides are invalid, the last dimension is odd or the last two
+ *        dimensions are not dense.
+ */
+inline paged_kv_cache make_vllm_cpu_cache(dtype cache_dtype,
+                                          std::vector<void*> const& layer_tensors,
+                                          std::array<std::int64_t, 4> const& shape,
+                                          std::array<std::int64_t, 4> const& strides)
+{
+  char const* who = "make_vllm_cpu_cache";
+  detail::expect_cache_dtype(cache_dtype, who);
+  detail::expect_shape(shape, strides, who);
+  INFERSCALE_EXPECTS(shape[3] % 2 == 0,
+                     std::string{who} + ": dimension 3 must be 2 * head_dim (even), got " +
+                       std::to_string(shape[3]));
+  std::int64_t const head_dim = shape[3] / 2;
+  std::int64_t const s        = strides[3];
+  INFERSCALE_EXPECTS(s > 0 && shape[3] <= std::numeric_limits<std::int64_t>::max() / 16 / s &&
+                       strides[2] == shape[3] * s,
+                     std::string{who} +
+                       ": the last two dimensions must be dense (the key region is read "
+                       "transposed): stride 2 must be dimension 3 * stride 3 = " +
+                       std::to_string(shape[3]) + " * " + std::to_string(s) + ", got " +
+                       std::to_string(strides[2]));
+  std::int64_t const block_size = shape[2];
+  // K: token t at t * s, dim d at d * block_size * s. V: after the block_size * head_dim keys.
+  auto const k = detail::block_token_head_dim_layout(
+    shape[0], block_size, shape[1], head_dim, strides[0], s, strides[1], block_size * s, who);
+  auto const v = detail::block_token_head_dim_layout(
+    shape[0], block_size, shape[1], head_dim, strides[0], head_dim * s, strides[1], s, who);
+  std::vector<void*> values;
+  for (void* base : layer_tensors) {
+    values.push_back(base ? detail::advance(base, block_size * head_dim * s, cache_dtype)
+                          : nullptr);
+  }
+  auto cache   = make_paged_kv_cache(cache_dtype, layer_tensors, values, k, v);
+  cache.format = paged_kv_format::vllm_cpu;
   return cache;
 }
 

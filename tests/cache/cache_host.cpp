@@ -46,6 +46,7 @@ paged_kv_format expected_format(engine_layout layout)
     case engine_layout::sglang_token_pool: return paged_kv_format::sglang_token_pool;
     case engine_layout::tensorrt_llm_pool: return paged_kv_format::tensorrt_llm;
     case engine_layout::contiguous: return paged_kv_format::contiguous;
+    case engine_layout::vllm_cpu: return paged_kv_format::vllm_cpu;
   }
   return paged_kv_format::generic;
 }
@@ -233,6 +234,32 @@ TEST_CASE("factories refuse malformed engine tensors", "[cache]")
     REQUIRE_THROWS_WITH(
       make_tensorrt_llm_cache(dt, tbase, tshape, tstrides, 4, 3, 16, trtllm_block_order::nhd),
       Contains("dimension 3"));
+  }
+  SECTION("vLLM CPU: an even last dimension, the last two dense, K and V apart in each cell")
+  {
+    engine_cache<T> ec(engine_layout::vllm_cpu, L, 3, 4, 2, 16);
+    std::vector<void*> t{base_of(ec, ec.key_tensor(0)), base_of(ec, ec.key_tensor(1))};
+    auto shape   = to_array<4>(ec.key_tensor(0).shape);
+    auto strides = to_array<4>(ec.key_tensor(0).strides);
+    REQUIRE_NOTHROW(make_vllm_cpu_cache(dt, t, shape, strides));
+    auto odd = shape;
+    odd[3]   = 31;
+    REQUIRE_THROWS_WITH(make_vllm_cpu_cache(dt, t, odd, strides), Contains("(even)"));
+    auto padded = strides;
+    padded[2] += 8;  // rows padded: the transposed key region would not be [head_dim, block_size]
+    REQUIRE_THROWS_WITH(make_vllm_cpu_cache(dt, t, shape, padded), Contains("must be dense"));
+    // Heads stride smaller than a (block, head) cell: cells overlap.
+    auto tight = strides;
+    tight[1]   = strides[2] * 2;
+    REQUIRE_THROWS_AS(make_vllm_cpu_cache(dt, t, shape, tight), logic_error);
+    // Both layers at one base: layer 0's K meets layer 1's K.
+    std::vector<void*> same{t[0], t[0]};
+    REQUIRE_THROWS_WITH(make_vllm_cpu_cache(dt, same, shape, strides), Contains("overlap"));
+    // Blocks padded apart (a strided view of a larger tensor) are fine.
+    auto spread = strides;
+    spread[0] += 64;
+    shape[0] = 2;
+    REQUIRE_NOTHROW(make_vllm_cpu_cache(dt, t, shape, spread));
   }
   SECTION("legacy: x must be 16 / element size, the value shape must match")
   {

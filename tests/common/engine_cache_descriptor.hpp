@@ -82,6 +82,8 @@ inferscale::paged_kv_cache describe_engine_cache(
                                      order);
     case engine_layout::contiguous:
       return make_contiguous_cache(dt, keys[0], to_array<5>(k.shape), to_array<5>(k.strides));
+    case engine_layout::vllm_cpu:
+      return make_vllm_cpu_cache(dt, keys, to_array<4>(k.shape), to_array<4>(k.strides));
   }
   throw std::invalid_argument("describe_engine_cache: unknown layout");
 }

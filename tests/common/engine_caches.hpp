@@ -20,6 +20,8 @@
 //   sglang_token_pool         (s, h, d)                     k_buffer / v_buffer, (NB*BS+BS,H,D)
 //   tensorrt_llm_pool         (b, l, kv, h*BS*D + t*D + d)  the pool, shape (NB,L,2,BS*H*D)
 //   contiguous                (l, kv, s, h, d)              the whole cache, (L,2,NB*BS,H,D)
+//   vllm_cpu                  K (b, h, d * BS + t)          per-layer tensor, shape (NB,H,BS,2D)
+//                             V (b, h, BS * D + t * D + d)  (the last two dims flattened)
 #pragma once
 
 #include <inferscale/dtype.hpp>
@@ -44,6 +46,7 @@ enum class engine_layout {
   sglang_token_pool,         ///< §4: per layer k_buffer, v_buffer (NB*BS+BS,H,D), loc = slot.
   tensorrt_llm_pool,         ///< §6: one pool (NB,L,2,BS*H*D), HND within a K or V block.
   contiguous,                ///< One tensor (L,2,NB*BS,H,D), contiguous, slot = token index.
+  vllm_cpu,  ///< vllm-cpu.md: per layer (NB,H,BS,2D); per (b, h) K as [D, BS], then V [BS, D].
 };
 
 /// @brief Every engine_layout, in declaration order.
@@ -57,7 +60,8 @@ inline std::vector<engine_layout> all_engine_layouts()
           engine_layout::vllm_legacy,
           engine_layout::sglang_token_pool,
           engine_layout::tensorrt_llm_pool,
-          engine_layout::contiguous};
+          engine_layout::contiguous,
+          engine_layout::vllm_cpu};
 }
 
 /// @brief The enumerator's name (for test names and messages).
@@ -73,6 +77,7 @@ inline char const* to_string(engine_layout layout)
     case engine_layout::sglang_token_pool: return "sglang_token_pool";
     case engine_layout::tensorrt_llm_pool: return "tensorrt_llm_pool";
     case engine_layout::contiguous: return "contiguous";
+    case engine_layout::vllm_cpu: return "vllm_cpu";
   }
   return "unknown";
 }
@@ -172,6 +177,7 @@ class engine_cache {
       case engine_layout::vllm_flash_attn_hnd:
       case engine_layout::vllm_flashinfer_nhd:
       case engine_layout::vllm_flashinfer_hnd:
+      case engine_layout::vllm_cpu:
         for (int l = 0; l < L_; ++l) {
           k_off_[l] = v_off_[l] = place(2 * per_kv);
         }
@@ -325,6 +331,9 @@ class engine_cache {
       case engine_layout::contiguous:  // (L, 2, NB*BS, H, D)
         off = ((l * 2 + kv) * NB * BS + slot) * H * D + h * D + d;
         break;
+      case engine_layout::vllm_cpu:  // (NB, H, BS, 2D): per (b, h) K^T [D, BS], then V [BS, D]
+        off = (b * H + h) * 2 * BS * D + (is_v ? BS * D + t * D + d : d * BS + t);
+        break;
     }
     return static_cast<std::size_t>(base + off);
   }
@@ -377,6 +386,10 @@ class engine_cache {
       case engine_layout::contiguous:  // (L, 2, NB*BS, H, D)
         td.shape   = {L, 2, NB * BS, H, D};
         td.strides = {2 * NB * BS * H * D, NB * BS * H * D, H * D, D, 1};
+        break;
+      case engine_layout::vllm_cpu:  // (NB, H, BS, 2D), contiguous
+        td.shape   = {NB, H, BS, 2 * D};
+        td.strides = {H * BS * 2 * D, BS * 2 * D, 2 * D, 1};
         break;
     }
     return td;

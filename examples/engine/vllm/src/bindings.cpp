@@ -1,0 +1,420 @@
+// inferscale_vllm._inferscale: the library's host request path for vLLM's CPU build, over nanobind.
+//
+// What a connector needs and nothing else: a KV store of pre-RoPE facts (insert from any strided
+// fp32 / bf16 / fp16 buffer, erase, shard by heads, save and load), vLLM's CPU paged cache
+// described from the tensors `register_kv_caches` hands over (make_vllm_cpu_cache), the engine's
+// own rotation table (`rotary_emb.cos_sin_cache`), and the two directions: inject (compose each
+// request's facts at its first position and write them, rotated and converted, into the request's
+// slots) and extract (read a token range back, de-rotated, as pre-RoPE K/V). Tensors cross the
+// boundary as (data pointer, shape, strides, dtype name): the caller keeps them alive, and no
+// element passes through Python. Every refusal is the library's logic_error, raised as ValueError
+// before anything is written.
+#include <inferscale/cache.hpp>
+#include <inferscale/compose.hpp>
+#include <inferscale/dtype.hpp>
+#include <inferscale/error.hpp>
+#include <inferscale/inject.hpp>
+#include <inferscale/rope.hpp>
+#include <inferscale/snapshot.hpp>
+#include <inferscale/store.hpp>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <variant>
+#include <vector>
+
+namespace nb = nanobind;
+using namespace inferscale;
+
+namespace {
+
+dtype parse_dtype(std::string const& name)
+{
+  // torch spells them "torch.bfloat16"; accept both forms.
+  std::string n = name.rfind("torch.", 0) == 0 ? name.substr(6) : name;
+  if (n == "float32" || n == "float") { return dtype::float32; }
+  if (n == "float16" || n == "half") { return dtype::float16; }
+  if (n == "bfloat16") { return dtype::bfloat16; }
+  throw std::invalid_argument("inferscale: unsupported dtype '" + name +
+                              "' (float32, float16 or bfloat16)");
+}
+
+template <std::size_t N>
+std::array<std::int64_t, N> to_array(std::vector<std::int64_t> const& v, char const* what)
+{
+  if (v.size() != N) {
+    throw std::invalid_argument(std::string{"inferscale: "} + what + " must have " +
+                                std::to_string(N) + " entries, got " + std::to_string(v.size()));
+  }
+  std::array<std::int64_t, N> a{};
+  for (std::size_t i = 0; i < N; ++i) {
+    a[i] = v[i];
+  }
+  return a;
+}
+
+void* as_pointer(std::uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+/// A fact's K or V as the caller's buffer: [layers, tokens, heads, head_dim] with any strides.
+struct tensor_arg {
+  std::uintptr_t data{};
+  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> strides;
+  std::string dtype_name;
+};
+
+class store_handle {
+ public:
+  explicit store_handle(kv_store s) : store_{std::move(s)} {}
+
+  kv_store& get() { return store_; }
+  kv_store const& get() const { return store_; }
+
+  void insert(std::uint64_t fact_id,
+              std::uint64_t namespace_id,
+              std::vector<std::int32_t> token_ids,
+              tensor_arg const& keys,
+              tensor_arg const& values)
+  {
+    dtype const t = parse_dtype(keys.dtype_name);
+    if (parse_dtype(values.dtype_name) != t) {
+      throw std::invalid_argument("Store.insert: keys and values have different dtypes");
+    }
+    auto const ks = to_array<4>(keys.shape, "keys' shape");
+    auto const kt = to_array<4>(keys.strides, "keys' strides");
+    auto const vs = to_array<4>(values.shape, "values' shape");
+    auto const vt = to_array<4>(values.strides, "values' strides");
+    auto run      = [&](auto tag) {
+      using T  = decltype(tag);
+      auto kv_ = make_fact_kv_view(
+        static_cast<T const*>(as_pointer(keys.data)), ks[0], ks[1], ks[2], ks[3], kt);
+      auto vv_ = make_fact_kv_view(
+        static_cast<T const*>(as_pointer(values.data)), vs[0], vs[1], vs[2], vs[3], vt);
+      store_.insert(fact_id, namespace_id, std::move(token_ids), kv_, vv_, memory_kind::host);
+    };
+    switch (t) {
+      case dtype::float32: run(float{}); break;
+      case dtype::float16: run(half_t{}); break;
+      default: run(bfloat16_t{}); break;
+    }
+  }
+
+  /// Copies fact `id`'s K and V (this shard's layers and heads) into float32 buffers the caller
+  /// allocated as [layers, tokens, heads, head_dim] contiguous.
+  void read(std::uint64_t id, std::uintptr_t keys, std::uintptr_t values) const
+  {
+    if (!store_.contains(id)) {
+      throw std::invalid_argument("Store.read: unknown fact id " + std::to_string(id));
+    }
+    fact_record const& f  = store_.at(id);
+    kv_store_ref const r  = store_.ref();
+    std::int64_t const re = r.row_elements();
+    auto* out_k           = static_cast<float*>(as_pointer(keys));
+    auto* out_v           = static_cast<float*>(as_pointer(values));
+    auto copy             = [&](auto tag) {
+      using T        = decltype(tag);
+      T const* pool  = static_cast<T const*>(r.pool);
+      std::int64_t n = f.length();
+      for (std::int32_t l = 0; l < r.num_layers; ++l) {
+        for (std::int32_t j = 0; j < f.length(); ++j) {
+          std::int64_t const st  = store_.store_token(f, j);
+          std::int64_t const dst = (static_cast<std::int64_t>(l) * n + j) * re;
+          T const* k             = pool + r.row_offset(st, l, 0);
+          T const* v             = pool + r.row_offset(st, l, 1);
+          for (std::int64_t e = 0; e < re; ++e) {
+            out_k[dst + e] = to_float(k[e]);
+            out_v[dst + e] = to_float(v[e]);
+          }
+        }
+      }
+    };
+    switch (store_.store_dtype()) {
+      case dtype::float32: copy(float{}); break;
+      case dtype::float16: copy(half_t{}); break;
+      default: copy(bfloat16_t{}); break;
+    }
+  }
+
+ private:
+  kv_store store_;
+};
+
+kv_store_config make_config(std::int32_t layers,
+                            std::int32_t heads,
+                            std::int32_t head_dim,
+                            std::string const& dtype_name,
+                            std::int64_t num_pages,
+                            std::int32_t page_size,
+                            std::int32_t first_head,
+                            std::int32_t num_heads)
+{
+  kv_store_config c;
+  c.model       = kv_geometry{layers, heads, head_dim};
+  c.store_dtype = parse_dtype(dtype_name);
+  c.num_pages   = num_pages;
+  c.page_size   = page_size;
+  c.first_head  = first_head;
+  c.num_heads   = num_heads;
+  c.memory      = memory_kind::host;
+  return c;
+}
+
+/// The engine's rotation: its own cos/sin table (vLLM's `rotary_emb.cos_sin_cache`).
+class rotation_handle {
+ public:
+  rotation_handle(std::uintptr_t data,
+                  std::int64_t rows,
+                  std::int64_t row_stride,
+                  std::int32_t head_dim,
+                  std::int32_t rotary_dim,
+                  std::string const& dtype_name,
+                  bool neox_style,
+                  bool round_each_operation)
+  {
+    if (data == 0 || rows <= 0 || head_dim <= 0 || rotary_dim <= 0 || rotary_dim > head_dim ||
+        rotary_dim % 2 != 0 || row_stride < rotary_dim) {
+      throw std::invalid_argument(
+        "Rotation: the cos/sin table needs data, rows > 0, an even rotary_dim <= head_dim and "
+        "row_stride >= rotary_dim");
+    }
+    rope_pairing const pairing = neox_style ? rope_pairing::halves : rope_pairing::interleaved;
+    dtype const t              = parse_dtype(dtype_name);
+    if (t == dtype::float32) {
+      table_ = rope_cos_sin_table<float>{static_cast<float const*>(as_pointer(data)),
+                                         rows, row_stride, head_dim, rotary_dim, pairing, round_each_operation};
+    } else if (t == dtype::bfloat16) {
+      table_ = rope_cos_sin_table<bfloat16_t>{static_cast<bfloat16_t const*>(as_pointer(data)),
+                                              rows, row_stride, head_dim, rotary_dim, pairing, round_each_operation};
+    } else {
+      table_ = rope_cos_sin_table<half_t>{static_cast<half_t const*>(as_pointer(data)),
+                                          rows, row_stride, head_dim, rotary_dim, pairing, round_each_operation};
+    }
+  }
+  template <class F>
+  void visit(F&& f) const
+  {
+    std::visit(f, table_);
+  }
+  std::int64_t rows() const
+  {
+    return std::visit([](auto const& t) { return t.max_position; }, table_);
+  }
+
+ private:
+  std::variant<rope_cos_sin_table<float>, rope_cos_sin_table<bfloat16_t>, rope_cos_sin_table<half_t>>
+    table_;
+};
+
+/// vLLM's CPU paged cache over the layer tensors of one worker (its heads, its layers).
+class cache_handle {
+ public:
+  cache_handle(std::vector<std::uintptr_t> const& layers,
+               std::vector<std::int64_t> const& shape,
+               std::vector<std::int64_t> const& strides,
+               std::string const& dtype_name)
+  {
+    std::vector<void*> bases;
+    for (auto p : layers) {
+      bases.push_back(as_pointer(p));
+    }
+    cache_ = make_vllm_cpu_cache(parse_dtype(dtype_name), bases, to_array<4>(shape, "shape"),
+                                 to_array<4>(strides, "strides"));
+  }
+  paged_kv_cache const& get() const { return cache_; }
+
+ private:
+  paged_kv_cache cache_{};
+};
+
+/// One request's memory: facts in layout order, the first position, and the slots its tokens take.
+using request_arg = std::tuple<std::vector<std::uint64_t>, std::int64_t, std::vector<std::int64_t>>;
+
+std::int64_t inject(store_handle const& store,
+                    cache_handle const& cache,
+                    rotation_handle const& rotation,
+                    std::vector<request_arg> const& requests)
+{
+  kv_store const& s = store.get();
+  injection_batch batch(s);
+  for (auto const& [facts, first_position, slots] : requests) {
+    compose_options o;
+    o.first_position = first_position;
+    o.order          = fact_order::as_given;
+    composition const plan = compose(s, facts, o);
+    if (static_cast<std::int64_t>(slots.size()) != plan.length()) {
+      throw std::invalid_argument("inject: the facts hold " + std::to_string(plan.length()) +
+                                  " tokens but " + std::to_string(slots.size()) +
+                                  " slots were given (nothing is truncated)");
+    }
+    batch.add(plan, slots);
+  }
+  {
+    nb::gil_scoped_release release;
+    rotation.visit([&](auto const& table) { inject_host(s, batch, cache.get(), table); });
+  }
+  return batch.num_tokens();
+}
+
+std::vector<std::int32_t> composed_tokens(store_handle const& store,
+                                          std::vector<std::uint64_t> const& facts)
+{
+  compose_options o;
+  o.order = fact_order::as_given;
+  return compose(store.get(), facts, o).token_ids;
+}
+
+void extract(store_handle& store,
+             cache_handle const& cache,
+             rotation_handle const& rotation,
+             std::vector<std::int64_t> const& slots,
+             std::int64_t first_position,
+             std::uint64_t fact_id,
+             std::uint64_t namespace_id,
+             std::vector<std::int32_t> token_ids)
+{
+  rotation.visit([&](auto const& table) {
+    extract_host(cache.get(), slots, first_position, table, store.get(), fact_id, namespace_id,
+                 std::move(token_ids));
+  });
+}
+
+}  // namespace
+
+NB_MODULE(_inferscale, m)
+{
+  m.doc() = "InferScale's host request path for vLLM (CPU build): store, cache, inject, extract";
+  nb::register_exception_translator([](std::exception_ptr const& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (inferscale::logic_error const& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  nb::class_<tensor_arg>(m, "Tensor")
+    .def(nb::init<std::uintptr_t, std::vector<std::int64_t>, std::vector<std::int64_t>, std::string>(),
+         nb::arg("data"), nb::arg("shape"), nb::arg("strides"), nb::arg("dtype"));
+
+  nb::class_<store_handle>(m, "Store")
+    .def(
+      "__init__",
+      [](store_handle* self, std::int32_t layers, std::int32_t heads, std::int32_t head_dim,
+         std::string const& dtype_name, std::int64_t num_pages, std::int32_t page_size,
+         std::int32_t first_head, std::int32_t num_heads) {
+        new (self) store_handle(kv_store(
+          make_config(layers, heads, head_dim, dtype_name, num_pages, page_size, first_head, num_heads)));
+      },
+      nb::arg("num_layers"), nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("dtype"),
+      nb::arg("num_pages"), nb::arg("page_size") = 16, nb::arg("first_head") = 0,
+      nb::arg("num_heads") = 0)
+    .def_static(
+      "load",
+      [](std::string const& path, std::optional<std::string> const& as_dtype) {
+        store_load_options o;
+        o.memory = memory_kind::host;
+        if (as_dtype) { o.store_dtype = parse_dtype(*as_dtype); }
+        return new store_handle(load_store(path, o));
+      },
+      nb::arg("path"), nb::arg("dtype") = nb::none())
+    .def("save", [](store_handle const& s, std::string const& path) { save_store(s.get(), path); })
+    .def("insert", &store_handle::insert, nb::arg("fact_id"), nb::arg("namespace"),
+         nb::arg("token_ids"), nb::arg("keys"), nb::arg("values"))
+    .def("read", &store_handle::read, nb::arg("fact_id"), nb::arg("keys"), nb::arg("values"))
+    .def("erase", [](store_handle& s, std::uint64_t id) { s.get().erase(id); })
+    .def("contains", [](store_handle const& s, std::uint64_t id) { return s.get().contains(id); })
+    .def("length",
+         [](store_handle const& s, std::uint64_t id) {
+           if (!s.get().contains(id)) {
+             throw std::invalid_argument("Store.length: unknown fact id " + std::to_string(id));
+           }
+           return s.get().at(id).length();
+         })
+    .def("token_ids",
+         [](store_handle const& s, std::uint64_t id) {
+           if (!s.get().contains(id)) {
+             throw std::invalid_argument("Store.token_ids: unknown fact id " + std::to_string(id));
+           }
+           return s.get().at(id).token_ids;
+         })
+    .def("namespace_of",
+         [](store_handle const& s, std::uint64_t id) {
+           if (!s.get().contains(id)) {
+             throw std::invalid_argument("Store.namespace_of: unknown fact id " + std::to_string(id));
+           }
+           return s.get().at(id).namespace_id;
+         })
+    .def("facts", [](store_handle const& s, std::uint64_t ns) { return s.get().namespace_fact_ids(ns); })
+    .def("composed_tokens", &composed_tokens, nb::arg("facts"))
+    .def_prop_ro("geometry",
+                 [](store_handle const& s) {
+                   kv_geometry const g = s.get().geometry();
+                   return std::make_tuple(g.num_layers, g.num_kv_heads, g.head_dim);
+                 })
+    .def_prop_ro("model_geometry",
+                 [](store_handle const& s) {
+                   kv_geometry const g = s.get().config().model;
+                   return std::make_tuple(g.num_layers, g.num_kv_heads, g.head_dim);
+                 })
+    .def_prop_ro("first_head", [](store_handle const& s) { return s.get().config().first_head; })
+    .def_prop_ro("dtype", [](store_handle const& s) { return std::string{to_string(s.get().store_dtype())}; })
+    .def_prop_ro("version", [](store_handle const& s) { return s.get().version(); })
+    .def_prop_ro("num_facts", [](store_handle const& s) { return s.get().num_facts(); })
+    .def_prop_ro("free_pages", [](store_handle const& s) { return s.get().free_pages(); });
+
+  nb::class_<rotation_handle>(m, "Rotation")
+    .def(nb::init<std::uintptr_t, std::int64_t, std::int64_t, std::int32_t, std::int32_t,
+                  std::string const&, bool, bool>(),
+         nb::arg("data"), nb::arg("rows"), nb::arg("row_stride"), nb::arg("head_dim"),
+         nb::arg("rotary_dim"), nb::arg("dtype"), nb::arg("neox_style") = true,
+         nb::arg("round_each_operation") = false,
+         "The engine's cos/sin table. round_each_operation: round each product and the sum to the "
+         "key dtype (vLLM's CUDA kernel) instead of computing in fp32 and rounding once (vLLM's "
+         "CPU kernel, the default).")
+    .def_prop_ro("rows", &rotation_handle::rows);
+
+  nb::class_<cache_handle>(m, "VllmCpuCache")
+    .def(nb::init<std::vector<std::uintptr_t> const&, std::vector<std::int64_t> const&,
+                  std::vector<std::int64_t> const&, std::string const&>(),
+         nb::arg("layers"), nb::arg("shape"), nb::arg("strides"), nb::arg("dtype"))
+    .def_prop_ro("num_slots", [](cache_handle const& c) { return c.get().num_slots(); })
+    .def_prop_ro("block_size", [](cache_handle const& c) { return c.get().key_layout.block_size; })
+    .def_prop_ro("num_layers", [](cache_handle const& c) { return c.get().num_layers; })
+    .def_prop_ro("num_heads", [](cache_handle const& c) { return c.get().num_heads(); })
+    .def_prop_ro("head_dim", [](cache_handle const& c) { return c.get().head_dim(); })
+    .def(
+      "key_offset",
+      [](cache_handle const& c, std::int64_t slot, std::int32_t head, std::int32_t dim) {
+        return c.get().key_layout.slot_offset(slot, head, dim);
+      },
+      "Element offset of a key from its layer's base (for tests).")
+    .def(
+      "value_offset",
+      [](cache_handle const& c, std::int64_t slot, std::int32_t head, std::int32_t dim) {
+        return static_cast<std::int64_t>(
+                 (static_cast<char const*>(c.get().value_base[0]) -
+                  static_cast<char const*>(c.get().key_base[0])) /
+                 static_cast<std::ptrdiff_t>(size_of(c.get().cache_dtype))) +
+               c.get().value_layout.slot_offset(slot, head, dim);
+      },
+      "Element offset of a value from its layer's base (for tests).");
+
+  m.def("inject", &inject, nb::arg("store"), nb::arg("cache"), nb::arg("rotation"),
+        nb::arg("requests"),
+        "Composes each request's facts (in the order given) at its first position and writes them "
+        "into its slots; returns the tokens written. Everything is checked before the first write.");
+  m.def("extract", &extract, nb::arg("store"), nb::arg("cache"), nb::arg("rotation"),
+        nb::arg("slots"), nb::arg("first_position"), nb::arg("fact_id"), nb::arg("namespace"),
+        nb::arg("token_ids"),
+        "Reads the tokens in `slots` (positions first_position ..) back from the cache, de-rotates "
+        "the keys and stores them as a new fact.");
+}

@@ -1,0 +1,22 @@
+"""InferScale as a vLLM KV connector.
+
+A user's long-term memory is stored once as pre-RoPE K/V (one fact per memory item); at request time
+the facts a request names are composed at its first positions, rotated with vLLM's own rotary table
+and written by InferScale's C++ injection path straight into the paged cache tensors vLLM hands the
+connector, so vLLM prefills only the query.
+
+Pieces:
+  - ``MemoryStore`` (memory.py): the memory directory (facts' K/V in InferScale's store snapshot,
+    a catalogue per user), fact capture through vLLM itself, retrieval, and ``request_for`` —
+    the client helper that turns (user, query) into a vLLM prompt and its kv_transfer_params.
+  - ``InferScaleConnector`` (connector.py): the KVConnectorBase_V1 subclass vLLM loads with
+    ``--kv-transfer-config '{"kv_connector": "InferScaleConnector",
+    "kv_connector_module_path": "inferscale_vllm.connector", "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"memory_dir": ...}}'``.
+  - ``_inferscale``: the compiled extension (store, vLLM CPU cache descriptor, inject, extract).
+"""
+
+from ._inferscale import Rotation, Store, Tensor, VllmCpuCache, extract, inject  # noqa: F401
+
+__all__ = ["Rotation", "Store", "Tensor", "VllmCpuCache", "extract", "inject"]
+__version__ = "0.1.0"

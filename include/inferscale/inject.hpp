@@ -330,6 +330,30 @@ inline void check_store_cache_geometry(kv_store const& store,
       std::to_string(cache.num_heads()) + " x " + std::to_string(cache.head_dim()));
 }
 
+/// @brief Whether a rotation asks for vLLM's AVX2 CPU conversion (rope_cos_sin_table).
+template <class Rotation>
+constexpr bool truncates_to_bfloat16(Rotation const&) noexcept
+{
+  return false;
+}
+template <class U>
+constexpr bool truncates_to_bfloat16(rope_cos_sin_table<U> const& table) noexcept
+{
+  return table.truncate_to_bfloat16;
+}
+
+/// @brief fp32 -> bfloat16 by truncation (the upper 16 bits; NaN stays NaN).
+inline bfloat16_t bfloat16_toward_zero(float x) noexcept
+{
+  if (x != x) { return from_float<bfloat16_t>(x); }
+  std::uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  std::uint16_t const top = static_cast<std::uint16_t>(bits >> 16);
+  bfloat16_t out;
+  std::memcpy(&out, &top, sizeof out);
+  return out;
+}
+
 /// @brief Checks a rotation against a head_dim and the largest position it will be asked for.
 template <class Rotation>
 void check_rotation(Rotation const& rotation,
@@ -374,6 +398,15 @@ void check_injection(kv_store const& store,
                      std::string{who} + ": slot " + std::to_string(batch.max_slot()) +
                        " is beyond the cache's " + detail::count_of(cache.num_slots(), "slot"));
   check_rotation(rotation, store.geometry().head_dim, batch.max_position(), who);
+  if (truncates_to_bfloat16(rotation)) {
+    INFERSCALE_EXPECTS(backend == memory_kind::host && cache.cache_dtype == dtype::bfloat16 &&
+                         cache.scale_granularity == kv_scale_granularity::none,
+                       std::string{who} +
+                         ": truncate_to_bfloat16 (vLLM's AVX2 CPU rotary kernel) applies to "
+                         "unscaled bfloat16 caches on the host backend; this is a " +
+                         to_string(cache.cache_dtype) + " cache on the " + to_string(backend) +
+                         " backend");
+  }
   // The host backend reads its scales from host memory: check their values. The device backend's
   // scales are device memory the host does not read; its kernel skips and counts a row whose
   // scale is not positive and finite (inject_device_errors).
@@ -408,7 +441,8 @@ template <bool ContiguousK,
           bool RoundEach,
           bool Fused,
           class StoreT,
-          class CacheT>
+          class CacheT,
+          bool Truncate = false>
 INFERSCALE_FORCEINLINE void inject_host_head(StoreT const* __restrict k,
                                              StoreT const* __restrict v,
                                              CacheT* __restrict kdst,
@@ -433,7 +467,13 @@ INFERSCALE_FORCEINLINE void inject_host_head(StoreT const* __restrict k,
     std::int32_t const first  = Halves ? p : 2 * p;
     std::int32_t const second = Halves ? p + pairs : 2 * p + 1;
     float x, y;
-    if constexpr (Fused) {
+    if constexpr (Truncate) {
+      static_assert(std::is_same_v<CacheT, bfloat16_t> && !Scaled);
+      rotate_fp32(to_float(k[first]), to_float(k[second]), cos_sin[p], &x, &y);
+      kat(first)  = bfloat16_toward_zero(x);
+      kat(second) = bfloat16_toward_zero(y);
+      continue;
+    } else if constexpr (Fused) {
       rotate_fp32_fused(to_float(k[first]), to_float(k[second]), cos_sin[p], &x, &y);
     } else if constexpr (RoundEach) {
       rotate_stored_pair(k[first], k[second], cos_sin[p], true, &x, &y);
@@ -464,7 +504,8 @@ template <bool ContiguousK,
           bool Fused,
           class StoreT,
           class CacheT,
-          class Rotation>
+          class Rotation,
+          bool Truncate = false>
 INFERSCALE_FORCEINLINE void inject_host_typed(kv_store_ref const& store,
                                               injection_batch_view const& batch,
                                               paged_kv_cache const& cache,
@@ -489,7 +530,8 @@ INFERSCALE_FORCEINLINE void inject_host_typed(kv_store_ref const& store,
       auto* const kbase        = static_cast<CacheT*>(cache.key_base[l]);
       auto* const vbase        = static_cast<CacheT*>(cache.value_base[l]);
       for (std::int32_t h = 0; h < store.num_heads; ++h) {
-        inject_host_head<ContiguousK, ContiguousV, Scaled, Halves, RoundEach, Fused>(
+        inject_host_head<ContiguousK, ContiguousV, Scaled, Halves, RoundEach, Fused, StoreT,
+                         CacheT, Truncate>(
           krow + static_cast<std::int64_t>(h) * dim,
           vrow + static_cast<std::int64_t>(h) * dim,
           kbase + cache.key_layout.offset(block, in_block, h, 0),
@@ -852,6 +894,19 @@ void dispatch_host_inject(kv_store_ref const& store,
   constexpr bool may_round = is_cos_sin_table<Rotation>::value && !std::is_same_v<StoreT, float>;
   constexpr bool may_fuse  = is_cos_sin_table<Rotation>::value;
   bool const contiguous = dims_contiguous(cache.key_layout) && dims_contiguous(cache.value_layout);
+  if constexpr (is_cos_sin_table<Rotation>::value && std::is_same_v<CacheT, bfloat16_t>) {
+    if (truncates_to_bfloat16(rotation)) {  // checked: unscaled bfloat16 cache
+      with_flag(contiguous, [&](auto c) {
+        with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {
+          constexpr bool C = decltype(c)::value;
+          constexpr bool H = decltype(halves)::value;
+          inject_host_typed<C, C, false, H, false, false, StoreT, CacheT, Rotation, true>(
+            store, batch, cache, rotation);
+        });
+      });
+      return;
+    }
+  }
   with_flag(contiguous, [&](auto c) {
     with_flag<fp8>(cache.scale_granularity != kv_scale_granularity::none, [&](auto scaled) {
       with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {

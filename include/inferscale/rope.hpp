@@ -200,6 +200,12 @@ struct rope_cos_sin_table {
   /// `x0*cos - x1*sin` (GCC with FMA enabled, ggml's default x86-64 build). Takes precedence over
   /// round_each_operation; inverse and shift rotations are not fused.
   bool fused_multiply_add{false};
+  /// Compute the forward rotation in fp32 (rounded once per product and sum) and convert the
+  /// result to a bfloat16 cache by truncation (round toward zero), as vLLM's CPU `rotary_embedding`
+  /// kernel does where it is built without AVX-512 BF16 (its AVX2 build: `x*cos - y*sin` in fp32
+  /// vectors, then the upper 16 bits). Injection only (host backend, bfloat16 caches, unscaled);
+  /// takes precedence over round_each_operation and fused_multiply_add.
+  bool truncate_to_bfloat16{false};
 
   INFERSCALE_HOST_DEVICE constexpr std::int32_t num_pairs() const noexcept
   {

@@ -693,6 +693,79 @@ TEST_CASE("a 16-bit table with vLLM's per-operation rounding stays within bf16 r
   }
 }
 
+TEST_CASE("truncate_to_bfloat16: fp32 rotation truncated to bf16, as vLLM's AVX2 CPU kernel",
+          "[inject]")
+{
+  int const L = 2, H = 3, D = 64, m = 40;
+  std::int64_t const rows = 2048;
+  ref_rope const rope{D, D, 100000.0, false, true};
+  auto const params               = rope.params();
+  std::vector<bfloat16_t> const t = make_rope_cos_sin_values<bfloat16_t>(params, rows);
+  auto table                      = make_rope_cos_sin_table(params, t.data(), rows, true);
+  table.truncate_to_bfloat16      = true;
+  kv_store store                  = make_host_store(L, H, D, dtype::bfloat16, 8, 16);
+  fact_data const fact(1, L, m, H, D, 9);
+  fact.insert_into(store);
+  engine_cache<bfloat16_t> ec(engine_layout::vllm_cpu, L, 2, 32, H, D);
+  ec.fill_random(3);
+  std::vector<std::int64_t> slots(m);
+  for (int j = 0; j < m; ++j) {
+    slots[static_cast<std::size_t>(j)] = 63 - j;  // backwards through both blocks
+  }
+  injection_batch batch(store);
+  batch.add(compose(store, {1}, at(1000)), slots);
+  inject_host(store, batch, describe_cache(ec), table);
+
+  // Written out: x c - y s and y c + x s in fp32 (each product and the sum rounded once, no
+  // fused multiply-add), then the upper 16 bits of the fp32 result.
+  auto const upper = [](float f) {
+    std::uint32_t b;
+    std::memcpy(&b, &f, sizeof b);
+    return static_cast<std::uint16_t>(b >> 16);
+  };
+  auto const bits = [](bfloat16_t v) {
+    std::uint16_t b;
+    std::memcpy(&b, &v, sizeof b);
+    return b;
+  };
+  int const half = D / 2;
+  std::int64_t checked = 0;
+  for (int l = 0; l < L; ++l) {
+    for (int j = 0; j < m; ++j) {
+      std::int64_t const p = 1000 + j;
+      for (int h = 0; h < H; ++h) {
+        for (int i = 0; i < half; ++i) {
+          volatile float const x  = static_cast<float>(stored_value(dtype::bfloat16, fact.key(l, j, h, i)));
+          volatile float const y  = static_cast<float>(stored_value(dtype::bfloat16, fact.key(l, j, h, i + half)));
+          volatile float const c  = to_float(t[static_cast<std::size_t>(p * D + i)]);
+          volatile float const sn = to_float(t[static_cast<std::size_t>(p * D + half + i)]);
+          volatile float const xc = x * c, ys = y * sn, yc = y * c, xs = x * sn;
+          volatile float const a = xc - ys, b = yc + xs;
+          CAPTURE(l, j, h, i);
+          REQUIRE(bits(ec.key(l, slots[static_cast<std::size_t>(j)], h, i)) == upper(a));
+          REQUIRE(bits(ec.key(l, slots[static_cast<std::size_t>(j)], h, i + half)) == upper(b));
+          ++checked;
+        }
+        for (int d = 0; d < D; ++d) {
+          REQUIRE(decode(ec.value(l, slots[static_cast<std::size_t>(j)], h, d)) ==
+                  stored_value(dtype::bfloat16, fact.value(l, j, h, d)));
+        }
+      }
+    }
+  }
+  REQUIRE(checked == std::int64_t{L} * m * H * half);
+
+  SECTION("refused for other cache dtypes, and the cache is unchanged")
+  {
+    engine_cache<half_t> ech(engine_layout::vllm_cpu, L, 2, 32, H, D);
+    ech.fill_random(4);
+    std::uint64_t const before = ech.hash();
+    REQUIRE_THROWS_WITH(inject_host(store, batch, describe_cache(ech), table),
+                        Contains("truncate_to_bfloat16"));
+    REQUIRE(ech.hash() == before);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // f. Refusals leave the store and the cache unchanged
 

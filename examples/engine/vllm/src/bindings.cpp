@@ -30,6 +30,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
@@ -179,7 +180,8 @@ class rotation_handle {
                   std::int32_t rotary_dim,
                   std::string const& dtype_name,
                   bool neox_style,
-                  bool round_each_operation)
+                  bool round_each_operation,
+                  bool truncate_to_bfloat16)
   {
     if (data == 0 || rows <= 0 || head_dim <= 0 || rotary_dim <= 0 || rotary_dim > head_dim ||
         rotary_dim % 2 != 0 || row_stride < rotary_dim) {
@@ -189,15 +191,19 @@ class rotation_handle {
     }
     rope_pairing const pairing = neox_style ? rope_pairing::halves : rope_pairing::interleaved;
     dtype const t              = parse_dtype(dtype_name);
+    auto make = [&](auto const* typed) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+      rope_cos_sin_table<T> table{typed, rows, row_stride, head_dim, rotary_dim, pairing,
+                                  round_each_operation};
+      table.truncate_to_bfloat16 = truncate_to_bfloat16;
+      table_ = table;
+    };
     if (t == dtype::float32) {
-      table_ = rope_cos_sin_table<float>{static_cast<float const*>(as_pointer(data)),
-                                         rows, row_stride, head_dim, rotary_dim, pairing, round_each_operation};
+      make(static_cast<float const*>(as_pointer(data)));
     } else if (t == dtype::bfloat16) {
-      table_ = rope_cos_sin_table<bfloat16_t>{static_cast<bfloat16_t const*>(as_pointer(data)),
-                                              rows, row_stride, head_dim, rotary_dim, pairing, round_each_operation};
+      make(static_cast<bfloat16_t const*>(as_pointer(data)));
     } else {
-      table_ = rope_cos_sin_table<half_t>{static_cast<half_t const*>(as_pointer(data)),
-                                          rows, row_stride, head_dim, rotary_dim, pairing, round_each_operation};
+      make(static_cast<half_t const*>(as_pointer(data)));
     }
   }
   template <class F>
@@ -373,13 +379,13 @@ NB_MODULE(_inferscale, m)
 
   nb::class_<rotation_handle>(m, "Rotation")
     .def(nb::init<std::uintptr_t, std::int64_t, std::int64_t, std::int32_t, std::int32_t,
-                  std::string const&, bool, bool>(),
+                  std::string const&, bool, bool, bool>(),
          nb::arg("data"), nb::arg("rows"), nb::arg("row_stride"), nb::arg("head_dim"),
          nb::arg("rotary_dim"), nb::arg("dtype"), nb::arg("neox_style") = true,
-         nb::arg("round_each_operation") = false,
+         nb::arg("round_each_operation") = false, nb::arg("truncate_to_bfloat16") = false,
          "The engine's cos/sin table. round_each_operation: round each product and the sum to the "
-         "key dtype (vLLM's CUDA kernel) instead of computing in fp32 and rounding once (vLLM's "
-         "CPU kernel, the default).")
+         "key dtype (vLLM's CUDA kernel and its torch path); truncate_to_bfloat16: compute in fp32 "
+         "and truncate to bf16 (vLLM's AVX2 CPU kernel); neither: fp32, rounded once to nearest.")
     .def_prop_ro("rows", &rotation_handle::rows);
 
   nb::class_<cache_handle>(m, "VllmCpuCache")

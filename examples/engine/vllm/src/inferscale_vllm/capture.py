@@ -2,10 +2,12 @@
 hooks every attention layer of the model for the forwards between ``inferscale_capture_begin`` and
 ``inferscale_capture_end``.
 
-For a Llama-style vLLM model each layer's attention computes ``q, k = rotary_emb(positions, q, k)``
-then ``attn(q, k, v)``: a forward pre-hook on ``rotary_emb`` sees the keys before rotation, one on
-``attn`` the values. Both are cloned (vLLM's CPU rotary op may rotate in place). The captured rows
-are concatenated over the forwards (chunked prefill), in token order.
+For a Llama-style vLLM model each layer's attention computes ``qkv = qkv_proj(h)``, splits it into
+q, k, v, rotates ``q, k = rotary_emb(positions, q, k)`` and calls ``attn(q, k, v)``. A forward hook
+on the layer's own ``qkv_proj`` takes k (before rotation) and v from its output; a pre-hook on its
+``attn`` takes the rotated keys the cache write receives. (``rotary_emb`` itself cannot be hooked
+per layer: vLLM shares one rotary module between layers of equal shape.) Everything is cloned (the
+CPU rotary op rotates in place); rows are concatenated over the forwards (chunked prefill).
 
 Use (offline, one capture request in flight):
     llm = LLM(..., worker_extension_cls="inferscale_vllm.capture.CaptureWorkerExtension")
@@ -38,11 +40,12 @@ def _attention_modules(model):
     out = []
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
-        if attn is None or not hasattr(attn, "rotary_emb") or not hasattr(attn, "attn"):
+        if attn is None or not all(hasattr(attn, a) for a in
+                                   ("rotary_emb", "attn", "qkv_proj", "q_size", "kv_size")):
             raise RuntimeError(
                 f"inferscale_vllm.capture: layer {i} ({type(layer).__name__}) has no "
-                "self_attn.rotary_emb / self_attn.attn: not a rotary attention layer")
-        out.append((attn.rotary_emb, attn.attn))
+                "self_attn.qkv_proj / rotary_emb / attn: not a Llama-style rotary attention layer")
+        out.append(attn)
     return out
 
 
@@ -52,19 +55,22 @@ class CaptureWorkerExtension:
     def inferscale_capture_begin(self) -> int:
         model = self.model_runner.model
         modules = _attention_modules(model)
-        self._inferscale_rows = [([], []) for _ in modules]
+        self._inferscale_rows = [([], [], []) for _ in modules]
         self._inferscale_hooks = []
-        for i, (rotary, attn) in enumerate(modules):
-            keys, values = self._inferscale_rows[i]
+        for i, attn in enumerate(modules):
+            keys, values, rotated = self._inferscale_rows[i]
+            q, kv = attn.q_size, attn.kv_size
 
-            def on_rotary(_module, args, keys=keys):
-                keys.append(args[2].detach().clone())
+            def on_qkv(_module, _args, output, keys=keys, values=values, q=q, kv=kv):
+                qkv = output[0] if isinstance(output, tuple) else output
+                keys.append(qkv[..., q:q + kv].detach().clone())
+                values.append(qkv[..., q + kv:q + 2 * kv].detach().clone())
 
-            def on_attn(_module, args, values=values):
-                values.append(args[2].detach().clone())
+            def on_attn(_module, args, rotated=rotated):
+                rotated.append(args[1].detach().clone())  # what the cache write receives
 
-            self._inferscale_hooks.append(rotary.register_forward_pre_hook(on_rotary))
-            self._inferscale_hooks.append(attn.register_forward_pre_hook(on_attn))
+            self._inferscale_hooks.append(attn.qkv_proj.register_forward_hook(on_qkv))
+            self._inferscale_hooks.append(attn.attn.register_forward_pre_hook(on_attn))
         return len(modules)
 
     def inferscale_capture_end(self, path: str) -> tuple:
@@ -80,15 +86,14 @@ class CaptureWorkerExtension:
         config = self.model_runner.model_config
         heads = config.get_num_kv_heads(self.model_runner.parallel_config)
         head_dim = config.get_head_size()
-        ks, vs = [], []
-        for keys, values in rows:
+        ks, vs, rs = [], [], []
+        for keys, values, rotated in rows:
             if not keys or not values:
                 raise RuntimeError("inferscale_capture_end: no forward ran while capturing")
-            k = torch.cat(keys, 0).float().reshape(-1, heads, head_dim)
-            v = torch.cat(values, 0).float().reshape(-1, heads, head_dim)
-            ks.append(k.numpy())
-            vs.append(v.numpy())
-        k = np.stack(ks)  # [layers, tokens, heads, head_dim]
-        v = np.stack(vs)
-        np.savez(path, k=k, v=v)
-        return tuple(k.shape)
+            ks.append(torch.cat(keys, 0).float().reshape(-1, heads, head_dim).numpy())
+            vs.append(torch.cat(values, 0).float().reshape(-1, heads, head_dim).numpy())
+            rs.append(torch.cat(rotated, 0).float().reshape(-1, heads, head_dim).numpy())
+        # [layers, tokens, heads, head_dim] each, float32 (exact for a bf16 model)
+        np.savez(path, k=np.stack(ks), v=np.stack(vs), k_rotated=np.stack(rs),
+                 dtype=str(keys[0].dtype))
+        return tuple(np.stack(ks).shape)

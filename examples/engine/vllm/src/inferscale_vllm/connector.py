@@ -1,0 +1,344 @@
+"""InferScaleConnector: InferScale as a vLLM V1 KV connector (``KVConnectorBase_V1``).
+
+Enable with (nothing else in vLLM changes):
+    --kv-transfer-config '{"kv_connector": "InferScaleConnector",
+        "kv_connector_module_path": "inferscale_vllm.connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"memory_dir": "/path/to/memory"}}'
+
+A request asks for memory through ``kv_transfer_params = {"inferscale": {"user", "facts",
+"generation", "memory_tokens"}}`` with a prompt that starts with the memory segment (prefix + the
+facts' tokens) and carries the memory's ``cache_salt`` — ``MemoryStore.request`` builds all three.
+
+Scheduler side (one instance, in the engine core): checks the request against the memory (user,
+facts, the prompt's leading tokens equal the composed segment, the salt, the model), and offers
+vLLM the segment's whole blocks (at least one prompt token is always left to compute). Anything
+wrong is logged once with the reason and the request is prefilled normally (0 tokens offered).
+Worker side (one per rank): holds its shard of the store (its KV heads under tensor parallelism),
+and before the forward writes each admitted request's tokens into the blocks vLLM allocated,
+through InferScale's C++ injection (rotation with vLLM's own rotary table, per-operation rounding
+as vLLM's CPU kernel). A failed load reports the request's blocks through
+``get_block_ids_with_load_errors``; with ``kv_load_failure_policy = "recompute"`` vLLM then
+prefills them, and keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from . import _inferscale
+from .memory import MANIFEST, cache_salt, load_store, read_manifest, shard_store
+from .tensors import vllm_cpu_cache
+
+logger = logging.getLogger("inferscale_vllm")
+
+
+@dataclass
+class _Load:
+    request_id: str
+    facts: list  # fact ids in layout order (prefix first)
+    slots: list  # one per segment token; -1 = not loaded (vLLM computes it, or already cached)
+    block_ids: list  # the blocks these slots fall in (reported on a failed load)
+
+
+@dataclass
+class InferScaleMetadata(KVConnectorMetadata):
+    loads: list = field(default_factory=list)
+
+
+class _Memory:
+    """A reader of a memory directory that follows its generations."""
+
+    def __init__(self, directory: str, shard=None):
+        self.directory = directory
+        self.shard = shard  # (first_head, num_heads) or None
+        self.stamp = None
+        self.manifest = None
+        self.store = None
+        self.lock = threading.Lock()
+
+    def refresh(self):
+        path = os.path.join(self.directory, MANIFEST)
+        st = os.stat(path)
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp == self.stamp:
+            return
+        with self.lock:
+            manifest = read_manifest(self.directory)
+            store = load_store(self.directory, manifest)
+            if self.shard is not None:
+                store = shard_store(store, manifest, *self.shard)
+            self.manifest, self.store, self.stamp = manifest, store, stamp
+            logger.info("inferscale: memory %s generation %d loaded (%d facts)", self.directory,
+                        manifest["generation"], len(manifest["facts"]))
+
+
+def _layer_index(name: str) -> int:
+    m = re.search(r"layers\.(\d+)\.", name)
+    if not m:
+        raise ValueError(f"inferscale: cannot tell the layer of KV cache '{name}'")
+    return int(m.group(1))
+
+
+class InferScaleConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        directory = extra.get("memory_dir")
+        if not directory:
+            raise ValueError("InferScaleConnector: kv_connector_extra_config.memory_dir is required")
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
+        if policy != "recompute":
+            logger.warning("inferscale: kv_load_failure_policy is %r: a failed memory load will "
+                           "end its request with an error instead of prefilling it; set "
+                           "\"recompute\"", policy)
+        self._directory = directory
+        self._block_size = vllm_config.cache_config.block_size
+        model = vllm_config.model_config
+        self._model = {
+            "num_layers": model.get_num_layers(vllm_config.parallel_config),
+            "num_kv_heads": model.get_total_num_kv_heads(),
+            "head_dim": model.get_head_size(),
+        }
+        self._vllm_config = vllm_config
+        self._refused = {}  # request id -> reason (scheduler side: logged once)
+        self._plans = {}  # request id -> (facts, memory_tokens, local hit asked with)
+        self._pending = []  # loads decided this step
+        self._errors = set()  # worker side: block ids of failed loads
+        if role == KVConnectorRole.SCHEDULER:
+            self._memory = _Memory(directory)
+        else:
+            self._memory = None  # made in register_kv_caches (knows this rank's heads)
+            self._cache = None
+            self._rotation = None
+
+    # ---------------------------------------------------------------------------------------
+    # Scheduler side
+    def _check_model(self, manifest) -> str | None:
+        m = manifest["model"]
+        for key, value in self._model.items():
+            if m.get(key) != value:
+                return (f"the memory was built for {key} = {m.get(key)}, this model has {value} "
+                        f"(memory model '{m.get('name')}')")
+        hf = self._vllm_config.model_config.hf_config
+        theta = getattr(hf, "rope_theta", None)
+        if theta is None:
+            theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta")
+        if theta is not None and float(m["rope_theta"]) != float(theta):
+            return f"the memory's rope_theta is {m['rope_theta']}, this model's {theta}"
+        return None
+
+    def _plan(self, request):
+        """(facts in layout order, memory tokens) or a refusal reason (str)."""
+        params = (request.kv_transfer_params or {}).get("inferscale")
+        if not isinstance(params, dict):
+            return "kv_transfer_params.inferscale is not a dict"
+        try:
+            self._memory.refresh()
+        except (OSError, ValueError) as e:
+            return f"the memory directory cannot be read: {e}"
+        manifest, store = self._memory.manifest, self._memory.store
+        reason = self._check_model(manifest)
+        if reason:
+            return reason
+        user, facts = params.get("user"), params.get("facts")
+        if not isinstance(facts, list) or not all(isinstance(f, int) for f in facts):
+            return "facts must be a list of fact ids"
+        owned = set(manifest["users"].get(user, [])) if isinstance(user, str) else set()
+        if not owned:
+            return f"unknown user {user!r}"
+        missing = [f for f in facts if f not in owned]
+        if missing:
+            return f"facts {missing} are not (or no longer) in {user!r}'s memory"
+        order = ([manifest["prefix"]] if manifest["prefix"] is not None else []) + facts
+        try:
+            tokens = store.composed_tokens(order)
+        except ValueError as e:
+            return str(e)
+        prompt = request.prompt_token_ids or []
+        if list(prompt[: len(tokens)]) != list(tokens):
+            return "the prompt does not start with the composed memory segment"
+        if params.get("memory_tokens") != len(tokens):
+            return f"memory_tokens {params.get('memory_tokens')} != the segment's {len(tokens)}"
+        salt = cache_salt(user, facts, params.get("generation"))
+        if getattr(request, "cache_salt", None) != salt:
+            return ("the request's cache_salt is not the memory's (blocks filled from memory "
+                    "must not be shared with plain-text requests)")
+        return order, len(tokens)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if not (request.kv_transfer_params or {}).get("inferscale"):
+            return 0, False
+        plan = self._plan(request)
+        if isinstance(plan, str):
+            if self._refused.get(request.request_id) != plan:
+                logger.warning("inferscale: request %s served by prefill: %s", request.request_id,
+                               plan)
+                self._refused[request.request_id] = plan
+            return 0, False
+        order, m = plan
+        # Whole blocks only, and at least one prompt token left for vLLM to compute.
+        usable = min(m, request.num_prompt_tokens - 1) // self._block_size * self._block_size
+        self._plans[request.request_id] = (order, m, num_computed_tokens)
+        return max(0, usable - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        if num_external_tokens <= 0:
+            return
+        order, m, start = self._plans[request.request_id]
+        block_ids = list(blocks.get_block_ids()[0])
+        bs = self._block_size
+        end = start + num_external_tokens
+        slots = [block_ids[p // bs] * bs + p % bs if start <= p < end else -1 for p in range(m)]
+        loaded_blocks = sorted({block_ids[p // bs] for p in range(start, end)})
+        self._pending.append(_Load(request.request_id, order, slots, loaded_blocks))
+
+    def build_connector_meta(self, scheduler_output):
+        meta = InferScaleMetadata(loads=self._pending)
+        self._pending = []
+        return meta
+
+    def request_finished(self, request, block_ids):
+        self._plans.pop(request.request_id, None)
+        self._refused.pop(request.request_id, None)
+        return False, None
+
+    # ---------------------------------------------------------------------------------------
+    # Worker side
+    def register_kv_caches(self, kv_caches):
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, \
+            get_tensor_model_parallel_world_size
+
+        names = sorted(kv_caches, key=_layer_index)
+        self._cache = vllm_cpu_cache(kv_caches, names)
+        self._kv_caches = kv_caches  # keep the tensors alive with the descriptor
+        tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        heads = self._model["num_kv_heads"]
+        if heads % tp:
+            raise ValueError(f"inferscale: {heads} KV heads do not split over {tp} ranks")
+        per = heads // tp
+        if self._cache.num_heads != per:
+            raise ValueError(f"inferscale: rank {rank}'s cache holds {self._cache.num_heads} heads, "
+                             f"expected {per}")
+        self._memory = _Memory(self._directory, shard=(rank * per, per))
+        self._rotation = self._make_rotation()
+        logger.info("inferscale: rank %d/%d injects KV heads [%d, %d) into %d layers of %d slots",
+                    rank, tp, rank * per, rank * per + per, self._cache.num_layers,
+                    self._cache.num_slots)
+
+    def _make_rotation(self):
+        """vLLM's own rotary table (the module its Llama builds), and the rounding its rotary
+        kernel uses on this machine, found by running that kernel (``rotation_matching_vllm``)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+
+        mc = self._vllm_config.model_config
+        hf = mc.hf_config
+        params = getattr(hf, "rope_parameters", None) or {
+            "rope_type": "default", "rope_theta": getattr(hf, "rope_theta", 10000.0)}
+        with set_current_vllm_config(self._vllm_config):
+            rope = get_rope(mc.get_head_size(), max_position=hf.max_position_embeddings,
+                            is_neox_style=True, rope_parameters=params, dtype=mc.dtype)
+            rotation, self._table, mode = rotation_matching_vllm(rope, mc.dtype,
+                                                                 mc.get_head_size())
+        self._rope = rope
+        logger.info("inferscale: rotation with vLLM's table (%d rows), rounding '%s' (matches "
+                    "vLLM's rotary kernel here bit for bit)", self._table.shape[0], mode)
+        return rotation
+
+    def start_load_kv(self, forward_context, **kwargs):
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, InferScaleMetadata) or not meta.loads:
+            return
+        try:
+            self._memory.refresh()
+        except (OSError, ValueError) as e:
+            for load in meta.loads:
+                self._fail(load, f"the memory directory cannot be read: {e}")
+            return
+        for load in meta.loads:
+            try:
+                _inferscale.inject(self._memory.store, self._cache, self._rotation,
+                                   [(load.facts, 0, load.slots)])
+            except Exception as e:  # noqa: BLE001 - any failure: prefill instead, keep serving
+                self._fail(load, str(e))
+
+    def _fail(self, load, reason):
+        logger.warning("inferscale: request %s: memory load failed (%s); its %d blocks are "
+                       "reported for recompute", load.request_id, reason, len(load.block_ids))
+        self._errors.update(load.block_ids)
+
+    def wait_for_layer_load(self, layer_name):
+        return  # every layer was written in start_load_kv, before the forward
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        return  # the connector only loads
+
+    def wait_for_save(self):
+        return
+
+    def get_block_ids_with_load_errors(self):
+        errors, self._errors = self._errors, set()
+        return errors
+
+
+# The rounding modes the library can reproduce, in the order tried.
+ROUNDING_MODES = {"round_each": (True, False), "fp32_truncate": (False, True),
+                  "fp32_nearest": (False, False)}
+
+
+def rotation_for(table, head_dim: int, mode: str):
+    round_each, truncate = ROUNDING_MODES[mode]
+    return _inferscale.Rotation(table.data_ptr(), table.shape[0], table.stride(0), head_dim,
+                                table.shape[1], str(table.dtype), True, round_each, truncate)
+
+
+def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: int = 2):
+    """(Rotation, table, mode): the library rotation that reproduces `rope` (vLLM's module, called
+    as the model calls it, inside the caller's vLLM config) bit for bit on random keys at random
+    positions. vLLM's CPU kernel computes in fp32 and truncates to bf16 in its AVX2 build; its
+    torch path rounds each operation; the first mode that matches is used. Raises if none does."""
+    import torch
+
+    from ._inferscale import Store, Tensor, VllmCpuCache, inject
+
+    table = rope.cos_sin_cache.to(dtype).contiguous()
+    gen = torch.Generator().manual_seed(1234)
+    keys = (torch.randn(tokens, heads, head_dim, generator=gen) * 3).to(dtype)
+    positions = torch.randint(0, table.shape[0], (tokens,), generator=gen)
+    q = torch.zeros(tokens, heads * head_dim, dtype=dtype)
+    _, want = rope(positions, q, keys.reshape(tokens, -1).clone())
+    want = want.reshape(tokens, heads, head_dim)
+    name = str(dtype).replace("torch.", "")
+    # one one-token fact per key, injected at its own position into its own block (block size 1)
+    store = Store(1, heads, head_dim, name, tokens)
+    for i in range(tokens):
+        ki = keys[i].reshape(1, 1, heads, head_dim).contiguous()
+        t = Tensor(ki.data_ptr(), list(ki.shape), list(ki.stride()), str(dtype))
+        store.insert(100 + i, 0, [0], t, t)
+    cache = torch.zeros(tokens, heads, 1, 2 * head_dim, dtype=dtype)
+    desc = VllmCpuCache([cache.data_ptr()], list(cache.shape), list(cache.stride()), str(dtype))
+    tried = []
+    for mode in ROUNDING_MODES:
+        if mode == "fp32_truncate" and dtype != torch.bfloat16:
+            continue
+        rotation = rotation_for(table, head_dim, mode)
+        cache.zero_()
+        inject(store, desc, rotation, [([100 + i], int(positions[i]), [i]) for i in range(tokens)])
+        got = cache[:, :, 0, :head_dim].clone()  # block_size 1: the key region is [dim, 1]
+        bad = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+        tried.append(f"{mode}: {bad} of {want.numel()} differ")
+        if bad == 0:
+            return rotation, table, mode
+    raise RuntimeError("inferscale: no rotation rounding reproduces vLLM's rotary kernel here ("
+                       + "; ".join(tried) + ")")

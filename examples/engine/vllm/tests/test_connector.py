@@ -1,0 +1,186 @@
+"""The connector inside a real vLLM (CPU build) on SmolLM2: fidelity (Theorem 3), the prefix-cache
+isolation of injected blocks, and refusals that fall back to prefill. One engine for the module."""
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from inferscale_vllm import Rotation, Store, Tensor, inject
+from inferscale_vllm.connector import rotation_matching_vllm
+from inferscale_vllm.encode import capture, model_description, set_prefix
+from inferscale_vllm.engine import make_llm
+from inferscale_vllm.memory import MemoryStore
+from inferscale_vllm.tensors import vllm_cpu_cache
+
+SYSTEM = ("<|im_start|>system\nYou are a helpful assistant. You know these facts about the "
+          "user:\n")
+FACTS = [
+    "Caroline moved to Lisbon in March 2021 to work as a marine biologist.",
+    "Caroline's sister Ana is a pediatric nurse who lives in Porto.",
+    "Caroline adopted a grey cat named Pixel from a shelter last winter.",
+    "Caroline is training for the Lisbon half marathon in October.",
+    "Caroline's favourite book is 'The Sea Around Us' by Rachel Carson.",
+    "Caroline plays the cello in a community orchestra on Thursdays.",
+    "Caroline is allergic to peanuts and avoids Thai restaurants.",
+    "Caroline's best friend Melanie paints watercolour landscapes.",
+    "Caroline studied oceanography at the University of Southampton.",
+    "Caroline bought a second-hand sailing boat called Maré in 2023.",
+    "Caroline volunteers at a beach clean-up every first Saturday of the month.",
+    "Caroline's father Jorge runs a small bakery in Coimbra.",
+]
+QUESTIONS = [
+    "Where does Caroline live and what is her job?",
+    "What is the name of Caroline's cat?",
+    "Which race is Caroline training for?",
+    "What instrument does Caroline play?",
+    "What food is Caroline allergic to?",
+    "Who is Melanie?",
+    "Where did Caroline study?",
+    "What does Caroline's father do?",
+]
+GEN = 32
+
+
+def query_tokens(tok, q):
+    return tok.encode(f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n",
+                      add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def setup(model_dir):
+    from vllm import SamplingParams
+
+    directory = tempfile.mkdtemp(prefix="inferscale-memory-")
+    llm = make_llm(model_dir, directory)
+    tok = llm.get_tokenizer()
+    mem = MemoryStore.create(directory, model=model_description(llm), dtype="bfloat16",
+                             num_pages=1024)
+    set_prefix(mem, llm, SYSTEM, tok.encode(SYSTEM, add_special_tokens=False))
+    # Theorem 3's case: the whole fact list encoded jointly (one forward), stored as one fact.
+    joint_text = "".join(f"- {f}\n" for f in FACTS)
+    prefix_tokens = mem.store.token_ids(mem.manifest["prefix"])
+    joint_tokens = tok.encode(joint_text, add_special_tokens=False)
+    kv = capture(llm, prefix_tokens + joint_tokens)
+    c = len(prefix_tokens)
+    joint = mem.add_fact("caroline", joint_text, joint_tokens, kv["k"][:, c:], kv["v"][:, c:])
+    mem.commit()
+    greedy = SamplingParams(temperature=0.0, max_tokens=GEN)
+    return {"llm": llm, "tok": tok, "mem": mem, "joint": joint, "kv": kv, "greedy": greedy,
+            "sampling": SamplingParams}
+
+
+def run(setup, prompt, extra_args=None):
+    sp = setup["sampling"](temperature=0.0, max_tokens=GEN, extra_args=extra_args)
+    out = setup["llm"].generate([prompt], sp, use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), out.num_cached_tokens or 0
+
+
+def test_injected_bytes_equal_vllms_own_prefill_writes(setup):
+    """The connector's rotation of the captured pre-RoPE keys gives the keys vLLM's own prefill
+    handed its cache write, bit for bit (bf16), for every layer, token and head."""
+    kv, mem = setup["kv"], setup["mem"]
+    L, n, H, D = kv["k"].shape
+    llm = setup["llm"]
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    mc = llm.llm_engine.model_config
+    hf = mc.hf_config
+    params = getattr(hf, "rope_parameters", None) or {"rope_type": "default",
+                                                      "rope_theta": hf.rope_theta}
+    with set_current_vllm_config(llm.llm_engine.vllm_config):
+        rope = get_rope(D, max_position=hf.max_position_embeddings, is_neox_style=True,
+                        rope_parameters=params, dtype=torch.bfloat16)
+        rot, _table, mode = rotation_matching_vllm(rope, torch.bfloat16, D)
+    print(f"rotation rounding matching vLLM's kernel here: {mode}")
+    store = Store(L, H, D, "bfloat16", num_pages=(n + 15) // 16 + 1)
+    k = torch.from_numpy(kv["k"]).to(torch.bfloat16).contiguous()
+    v = torch.from_numpy(kv["v"]).to(torch.bfloat16).contiguous()
+    store.insert(1, 0, list(range(n)),
+                 Tensor(k.data_ptr(), list(k.shape), list(k.stride()), "bfloat16"),
+                 Tensor(v.data_ptr(), list(v.shape), list(v.stride()), "bfloat16"))
+    blocks = (n + 127) // 128
+    caches = {f"model.layers.{l}.self_attn.attn": torch.zeros(blocks, H, 128, 2 * D,
+                                                               dtype=torch.bfloat16)
+              for l in range(L)}
+    names = list(caches)
+    inject(store, vllm_cpu_cache(caches, names), rot, [([1], 0, list(range(n)))])
+    want_k = torch.from_numpy(kv["k_rotated"]).to(torch.bfloat16)
+    want_v = v
+    for l, name in enumerate(names):
+        cells = caches[name].view(blocks, H, 2, 128 * D)
+        kc = cells[:, :, 0].reshape(blocks, H, D, 128).permute(0, 3, 1, 2).reshape(-1, H, D)[:n]
+        vc = cells[:, :, 1].reshape(blocks, H, 128, D).permute(0, 2, 1, 3).reshape(-1, H, D)[:n]
+        bad = int((kc.view(torch.int16) != want_k[l].view(torch.int16)).sum())
+        rel = float((kc.float() - want_k[l].float()).norm() / want_k[l].float().norm())
+        vbad = int((vc.view(torch.int16) != want_v[l].view(torch.int16)).sum())
+        assert bad == 0, f"layer {l} keys: {bad} of {kc.numel()} differ (relative {rel:.2e}), values {vbad}"
+        assert torch.equal(vc.view(torch.int16), want_v[l].view(torch.int16)), f"layer {l} values"
+
+
+def test_theorem3_greedy_tokens_equal_prefill(setup):
+    """Memory encoded jointly and injected through the connector: the same greedy tokens as vLLM's
+    prefill of the same prompt, for every question, with the memory's blocks really loaded."""
+    mem, tok = setup["mem"], setup["tok"]
+    same = 0
+    for q in QUESTIONS:
+        r = mem.request("caroline", [setup["joint"]], query_tokens(tok, q))
+        m = r["memory_tokens"]
+        usable = m // 128 * 128
+        assert usable >= 128, "the memory segment must span at least one block"
+        plain, plain_cached = run(setup, {"prompt_token_ids": r["prompt"]["prompt_token_ids"]})
+        injected, cached = run(setup, r["prompt"], r["extra_args"])
+        assert cached >= usable, f"{q!r}: vLLM reports {cached} cached tokens, memory offered {usable}"
+        same += injected == plain
+        assert injected == plain, (f"{q!r}: injected {tok.decode(injected)!r} vs prefill "
+                                   f"{tok.decode(plain)!r}")
+    assert same == len(QUESTIONS)
+
+
+def test_injected_blocks_are_never_a_plain_text_prefix_hit(setup):
+    """After a memory request, the same tokens as plain text (no salt) and under another user's
+    salt find no cached block: the blocks filled from memory are keyed by the memory's salt."""
+    mem, tok = setup["mem"], setup["tok"]
+    r = mem.request("caroline", [setup["joint"]], query_tokens(tok, "Summarise Caroline's week."))
+    _, cached = run(setup, r["prompt"], r["extra_args"])
+    assert cached >= 128
+    _, plain_cached = run(setup, {"prompt_token_ids": r["prompt"]["prompt_token_ids"]})
+    assert plain_cached == 0, f"a plain-text request hit {plain_cached} tokens of injected blocks"
+    other = dict(r["prompt"], cache_salt="someone-else")
+    _, other_cached = run(setup, other)
+    assert other_cached == 0
+    # The same memory request again is a prefix-cache hit on its own (identical) blocks.
+    _, again = run(setup, r["prompt"], r["extra_args"])
+    assert again >= 128
+
+
+@pytest.mark.parametrize("fault", ["unknown user", "unknown fact", "wrong salt",
+                                   "prompt differs", "no salt"])
+def test_refused_requests_are_prefilled_and_answer_as_plain_text(setup, fault):
+    mem, tok = setup["mem"], setup["tok"]
+    q = query_tokens(tok, "What is the name of Caroline's cat?")
+    r = mem.request("caroline", [setup["joint"]], q)
+    prompt, extra = dict(r["prompt"]), {"kv_transfer_params": {
+        "inferscale": dict(r["extra_args"]["kv_transfer_params"]["inferscale"])}}
+    p = extra["kv_transfer_params"]["inferscale"]
+    if fault == "unknown user":
+        p["user"] = "nobody"
+    elif fault == "unknown fact":
+        p["facts"] = [987654]
+    elif fault == "wrong salt":
+        prompt["cache_salt"] = "x" + prompt["cache_salt"]
+    elif fault == "prompt differs":
+        ids = list(prompt["prompt_token_ids"])
+        ids[40] = (ids[40] + 1) % 1000
+        prompt["prompt_token_ids"] = ids
+    elif fault == "no salt":
+        del prompt["cache_salt"]
+    plain, _ = run(setup, {"prompt_token_ids": prompt["prompt_token_ids"],
+                           "cache_salt": "plain-" + fault})
+    out, cached = run(setup, prompt, extra)
+    if fault != "no salt":  # an unsalted prompt may hit blocks that plain prefills cached
+        assert cached == 0, f"{fault}: {cached} tokens were loaded from memory"
+    assert out == plain

@@ -54,6 +54,7 @@ def setup(model_dir):
     from vllm import SamplingParams
 
     directory = tempfile.mkdtemp(prefix="inferscale-memory-")
+    os.environ["INFERSCALE_VLLM_FAIL_LOAD_FOR_USER"] = "failpoint"  # the workers inherit it
     llm = make_llm(model_dir, directory)
     tok = llm.get_tokenizer()
     mem = MemoryStore.create(directory, model=model_description(llm), dtype="bfloat16",
@@ -66,9 +67,11 @@ def setup(model_dir):
     kv = capture(llm, prefix_tokens + joint_tokens)
     c = len(prefix_tokens)
     joint = mem.add_fact("caroline", joint_text, joint_tokens, kv["k"][:, c:], kv["v"][:, c:])
+    failing = mem.add_fact("failpoint", joint_text, joint_tokens, kv["k"][:, c:], kv["v"][:, c:])
     mem.commit()
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN)
-    return {"llm": llm, "tok": tok, "mem": mem, "joint": joint, "kv": kv, "greedy": greedy,
+    return {"llm": llm, "tok": tok, "mem": mem, "joint": joint, "failing": failing, "kv": kv,
+            "greedy": greedy,
             "sampling": SamplingParams}
 
 
@@ -180,7 +183,48 @@ def test_refused_requests_are_prefilled_and_answer_as_plain_text(setup, fault):
         del prompt["cache_salt"]
     plain, _ = run(setup, {"prompt_token_ids": prompt["prompt_token_ids"],
                            "cache_salt": "plain-" + fault})
+    # Nothing cached: whatever vLLM reports as cached now came from the connector.
+    assert setup["llm"].reset_prefix_cache()
     out, cached = run(setup, prompt, extra)
-    if fault != "no salt":  # an unsalted prompt may hit blocks that plain prefills cached
-        assert cached == 0, f"{fault}: {cached} tokens were loaded from memory"
+    assert cached == 0, f"{fault}: {cached} tokens were loaded from memory"
+    assert out == plain
+
+
+def test_a_load_failing_in_the_worker_is_prefilled_and_vllm_keeps_serving(setup):
+    """An exception in the worker's injection: the blocks are reported as load errors, vLLM
+    (policy recompute) prefills them, the answer equals plain prefill, and the next memory
+    request is served from memory again."""
+    mem, tok = setup["mem"], setup["tok"]
+    q = query_tokens(tok, "Where did Caroline study?")
+    r = mem.request("failpoint", [setup["failing"]], q)
+    plain, _ = run(setup, {"prompt_token_ids": r["prompt"]["prompt_token_ids"],
+                           "cache_salt": "plain-failpoint"})
+    assert setup["llm"].reset_prefix_cache()
+    out, _ = run(setup, r["prompt"], r["extra_args"])
+    assert out == plain
+    assert setup["llm"].reset_prefix_cache()
+    ok = mem.request("caroline", [setup["joint"]], q)
+    _, cached = run(setup, ok["prompt"], ok["extra_args"])
+    assert cached >= 128
+
+
+def test_a_fact_erased_after_the_request_was_made_is_prefilled(setup):
+    """The client built its request at generation G; the fact is erased and G + 1 committed before
+    vLLM schedules it: the scheduler refuses (the fact is no longer the user's) and prefills."""
+    from inferscale_vllm.encode import add_fact
+
+    mem, tok, llm = setup["mem"], setup["tok"], setup["llm"]
+    text = "Caroline once met a dolphin named Azul off the coast of Sagres."
+    prefix = mem.store.token_ids(mem.manifest["prefix"])
+    fid = add_fact(mem, llm, "caroline", text, tok.encode(text, add_special_tokens=False),
+                   context=prefix)
+    mem.commit()
+    r = mem.request("caroline", [setup["joint"], fid], query_tokens(tok, "Who is Azul?"))
+    mem.erase_fact(fid)
+    mem.commit()
+    plain, _ = run(setup, {"prompt_token_ids": r["prompt"]["prompt_token_ids"],
+                           "cache_salt": "plain-erased"})
+    assert llm.reset_prefix_cache()
+    out, cached = run(setup, r["prompt"], r["extra_args"])
+    assert cached == 0
     assert out == plain

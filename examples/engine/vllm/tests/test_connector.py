@@ -148,6 +148,9 @@ def test_injected_blocks_are_never_a_plain_text_prefix_hit(setup):
     salt find no cached block: the blocks filled from memory are keyed by the memory's salt."""
     mem, tok = setup["mem"], setup["tok"]
     r = mem.request("caroline", [setup["joint"]], query_tokens(tok, "Summarise Caroline's week."))
+    # Only blocks filled from memory in the cache (earlier plain prefills of the same segment left
+    # their own, legitimately computed blocks under the unsalted chain).
+    assert setup["llm"].reset_prefix_cache()
     _, cached = run(setup, r["prompt"], r["extra_args"])
     assert cached >= 128
     _, plain_cached = run(setup, {"prompt_token_ids": r["prompt"]["prompt_token_ids"]})

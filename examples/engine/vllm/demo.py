@@ -18,6 +18,14 @@ FACTS = [
     "Caroline plays the cello in a community orchestra on Thursdays.",
     "Caroline's best friend Melanie paints watercolour landscapes.",
     "Caroline bought a second-hand sailing boat called Maré in 2023.",
+    "Caroline's sister Ana is a pediatric nurse who lives in Porto.",
+    "Caroline's favourite book is 'The Sea Around Us' by Rachel Carson.",
+    "Caroline is allergic to peanuts and avoids Thai restaurants.",
+    "Caroline studied oceanography at the University of Southampton.",
+    "Caroline volunteers at a beach clean-up every first Saturday of the month.",
+    "Caroline's father Jorge runs a small bakery in Coimbra.",
+    "Caroline keeps a logbook of every dolphin sighting from her boat.",
+    "Caroline's neighbour lends her his van when she moves the cello.",
 ]
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant. You know these facts about the user:\n"
 QUESTION = "What is the name of Caroline's boat, and what pet does she have?"
@@ -58,16 +66,18 @@ def main(argv):
                                                     extra_args=extra), use_tqdm=False)[0]
         return ttft, first.num_cached_tokens or 0, out.outputs[0].text.strip()
 
+    plain = {"prompt_token_ids": r["prompt"]["prompt_token_ids"], "cache_salt": "plain"}
+    ask(r["prompt"], r["extra_args"])  # warm-up: the engine's first requests pay one-time costs
+    ask(plain, None)
     t_inj, loaded, a_inj = ask(r["prompt"], r["extra_args"])
-    t_pre, _, a_pre = ask({"prompt_token_ids": r["prompt"]["prompt_token_ids"],
-                           "cache_salt": "plain"}, None)
+    t_pre, _, a_pre = ask(plain, None)
     print(f"question: {QUESTION}")
     print(f"prompt: {len(r['prompt']['prompt_token_ids'])} tokens, memory segment "
           f"{r['memory_tokens']} (prefix + {len(ids)} facts, each encoded alone behind the prefix)")
     print(f"injected  ({loaded} tokens from memory, TTFT {1e3 * t_inj:.0f} ms): {a_inj}")
     print(f"re-prefill (TTFT {1e3 * t_pre:.0f} ms): {a_pre}")
     print("vLLM loads whole 128-token blocks from a connector; the rest of the segment and the "
-          "query are prefilled.")
+          "query are prefilled. The facts were encoded apart, so the answers may differ (issue 30).")
     return 0 if loaded > 0 else 1
 
 

@@ -157,6 +157,23 @@ rmm::device_uvector<T> workspace_vector(raft::resources const& res, std::int64_t
                                 raft::resource::get_workspace_resource_ref(res));
 }
 
+/// @brief Workspace a call may not need: nothing is allocated for `count` 0 (`data_or_null` is then
+/// null), so a search that needs none enqueues nothing but its kernel (capturable in a CUDA graph;
+/// an allocation during a capture fails with cudaErrorStreamCaptureUnsupported).
+template <class T>
+std::optional<rmm::device_uvector<T>> optional_workspace(raft::resources const& res,
+                                                         std::int64_t count)
+{
+  if (count <= 0) { return std::nullopt; }
+  return workspace_vector<T>(res, count);
+}
+
+template <class T>
+T* data_or_null(std::optional<rmm::device_uvector<T>>& v) noexcept
+{
+  return v ? v->data() : nullptr;
+}
+
 /// @brief Tile sizes of the brute force (queries and rows per gemm).
 struct brute_force_blocks {
   std::int64_t queries{device_policy::knn_query_block};
@@ -748,14 +765,16 @@ inline void search(raft::resources const& res,
                                                        static_cast<std::int64_t>(hash_max));
   // a small batch carries its tasks in the launch's parameters: no allocation, no copy
   bool const inline_tasks = virtual_queries <= detail::index::inline_search_tasks;
-  auto d_tasks            = detail::index::workspace_vector<detail::index::search_task>(
+  auto d_tasks            = detail::index::optional_workspace<detail::index::search_task>(
     res, inline_tasks ? 0 : virtual_queries);
-  auto part_out = detail::index::workspace_vector<detail::index::buffer_entry>(
+  auto part_out = detail::index::optional_workspace<detail::index::buffer_entry>(
     res, parts == 1 ? 0 : virtual_queries * k);
-  auto query_workspace = detail::index::workspace_vector<float>(res, launch.query_elements);
-  auto hash_workspace  = detail::index::workspace_vector<std::uint32_t>(res, launch.hash_elements);
+  auto query_workspace = detail::index::optional_workspace<float>(
+    res, query_in_shared ? 0 : launch.query_elements);
+  auto hash_workspace = detail::index::optional_workspace<std::uint32_t>(
+    res, hash_in_shared ? 0 : launch.hash_elements);
   if (!inline_tasks) {
-    INFERSCALE_CUDA_TRY(cudaMemcpyAsync(d_tasks.data(),
+    INFERSCALE_CUDA_TRY(cudaMemcpyAsync(detail::index::data_or_null(d_tasks),
                                         tasks.data(),
                                         tasks.size() * sizeof(detail::index::search_task),
                                         cudaMemcpyHostToDevice,
@@ -770,7 +789,7 @@ inline void search(raft::resources const& res,
   p.queries           = queries.data_handle();
   p.query_stride0     = queries.stride(0);
   p.query_stride1     = queries.stride(1);
-  p.tasks             = inline_tasks ? nullptr : d_tasks.data();
+  p.tasks             = detail::index::data_or_null(d_tasks);
   if (inline_tasks) { std::copy(tasks.begin(), tasks.end(), p.inline_tasks); }
   p.out_ids           = out_ids.data_handle();
   p.ids_stride0       = out_ids.stride(0);
@@ -778,12 +797,12 @@ inline void search(raft::resources const& res,
   p.out_distances     = out_distances.data_handle();
   p.distances_stride0 = out_distances.stride(0);
   p.distances_stride1 = out_distances.stride(1);
-  p.query_workspace   = query_in_shared ? nullptr : query_workspace.data();
-  p.hash_workspace    = hash_in_shared ? nullptr : hash_workspace.data();
+  p.query_workspace   = detail::index::data_or_null(query_workspace);
+  p.hash_workspace    = detail::index::data_or_null(hash_workspace);
   p.hash_stride       = launch.hash_stride;
   p.num_queries       = virtual_queries;
   p.parts             = parts;
-  p.part_out          = parts == 1 ? nullptr : part_out.data();
+  p.part_out          = detail::index::data_or_null(part_out);
   p.dim               = index.dim();
   p.row_elements      = re;
   p.xor_mask          = params.rand_xor_mask;  // (each task carries its own: a split's parts)

@@ -548,10 +548,28 @@ TEST_CASE("index device search: a small batch is one launch, capturable in a CUD
   cudaStream_t const stream = raft::resource::get_cuda_stream(res).get();
   cudaGraph_t graph{};
   INFERSCALE_CUDA_TRY(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  search(res, pair.device, make_matrix_view<float const>(d_queries.data(), nq, dim, dim),
-         cuda::std::span<std::uint64_t const>{one_namespace.data(), 1}, 10, params, out.ids_view(),
-         out.distances_view());
-  INFERSCALE_CUDA_TRY(cudaStreamEndCapture(stream, &graph));
+  {
+    // A search that throws during the capture must not leave it open: every later CUDA call of
+    // this thread would fail with cudaErrorStreamCaptureUnsupported.
+    struct end_capture_on_throw {
+      cudaStream_t stream;
+      ~end_capture_on_throw()
+      {
+        cudaStreamCaptureStatus status{};
+        if (cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+            status != cudaStreamCaptureStatusNone) {
+          cudaGraph_t abandoned{};
+          cudaStreamEndCapture(stream, &abandoned);
+          if (abandoned != nullptr) { cudaGraphDestroy(abandoned); }
+          cudaGetLastError();
+        }
+      }
+    } guard{stream};
+    search(res, pair.device, make_matrix_view<float const>(d_queries.data(), nq, dim, dim),
+           cuda::std::span<std::uint64_t const>{one_namespace.data(), 1}, 10, params,
+           out.ids_view(), out.distances_view());
+    INFERSCALE_CUDA_TRY(cudaStreamEndCapture(stream, &graph));
+  }
   std::size_t nodes = 0;
   INFERSCALE_CUDA_TRY(cudaGraphGetNodes(graph, nullptr, &nodes));
   REQUIRE(nodes == 1);  // the search kernel and nothing else

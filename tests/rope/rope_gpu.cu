@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <sstream>
 #include <vector>
 
 using namespace inferscale;
@@ -65,18 +66,32 @@ void compare_with_host(Rotation const& rotation,
   INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
   auto const device = data.to_host();
 
-  float const unit = std::ldexp(1.0f, -mantissa_bits<T>());
+  // One assertion for the whole buffer, which holds up to 41M elements: an assertion with
+  // captured values per element kept this test running past the 218 s the first H200 run gave
+  // it. The count and the first mismatch are reported.
+  float const unit  = std::ldexp(1.0f, -mantissa_bits<T>());
+  std::size_t bad   = 0;
+  std::size_t first = host.size();
   for (std::size_t i = 0; i < host.size(); ++i) {
-    float const h = to_float(host[i]), g = to_float(device[i]);
-    CAPTURE(i, h, g, to_float(original[i]));
+    bool ok = false;
     if (tolerance_ulps == 0.0f) {  // the same sin/cos (detail::rope_sincos) and arithmetic
-      REQUIRE(std::memcmp(&host[i], &device[i], sizeof(T)) == 0);
-      continue;
+      ok = std::memcmp(&host[i], &device[i], sizeof(T)) == 0;
+    } else {
+      // device sincos and host std::sin/cos in double may differ in the last bit; after
+      // rounding to T that is at most one unit of T's last place, times the magnitude.
+      float const h = to_float(host[i]), g = to_float(device[i]);
+      ok = std::fabs(h - g) <= tolerance_ulps * unit * std::max(1.0f, std::fabs(h)) + 1e-6f;
     }
-    // device sincos and host std::sin/cos in double may differ in the last bit; after rounding
-    // to T that is at most one unit of T's last place, times the magnitude.
-    REQUIRE(std::fabs(h - g) <= tolerance_ulps * unit * std::max(1.0f, std::fabs(h)) + 1e-6f);
+    if (!ok && bad++ == 0) { first = i; }
   }
+  std::ostringstream mismatch;
+  if (bad != 0) {
+    mismatch << bad << " elements differ; the first at " << first << ": host "
+             << to_float(host[first]) << ", device " << to_float(device[first]) << ", original "
+             << to_float(original[first]);
+  }
+  INFO(mismatch.str());
+  REQUIRE(bad == 0);
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The paper's claims on a real vLLM (CPU build) with InferScale as its KV connector.
 
-One engine (SmolLM2-135M-Instruct, bf16, block size 128), facts = LoCoMo conversation turns (read
+One engine (SmolLM2-135M-Instruct, bf16, block size 128 or --block-size), facts = LoCoMo conversation turns (read
 from ../shared/data/locomo, never copied), each encoded once through vLLM behind the shared
 system prefix (shared-prefix encoding) and stored in a memory directory. Then, in the same engine,
 alternating and with the prefix cache reset before every request (so nothing is a cache hit):
@@ -64,7 +64,10 @@ def main():
         "INFERSCALE_LOCOMO", os.path.join(here, "..", "..", "..", "shared", "data", "locomo",
                                           "locomo10.json")))
     ap.add_argument("--ks", default="5,10,20,50")
-    ap.add_argument("--users", default="1,8,32,64")
+    ap.add_argument("--users", default="1,8,32,64,100")
+    ap.add_argument("--block-size", type=int, default=128,
+                    help="vLLM's KV block size (the CPU backend takes multiples of 32): the "
+                         "connector loads whole blocks, so smaller blocks leave less to prefill")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -82,7 +85,7 @@ def main():
 
     directory = tempfile.mkdtemp(prefix="inferscale-bench-")
     t0 = time.perf_counter()
-    llm = make_llm(a.model, directory, disable_log_stats=False)
+    llm = make_llm(a.model, directory, disable_log_stats=False, block_size=a.block_size)
     print(f"engine start {time.perf_counter() - t0:.1f} s", flush=True)
     tok = llm.get_tokenizer()
     mem = MemoryStore.create(directory, model=model_description(llm), num_pages=8192)
@@ -98,6 +101,7 @@ def main():
     q = tok.encode(f"<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n",
                    add_special_tokens=False)
     results = {"machine": os.uname().nodename, "cpus": len(os.sched_getaffinity(0)),
+               "block_size": a.block_size,
                "encode_seconds": encode_s, "ttft": [], "load": []}
 
     # --- TTFT against k -------------------------------------------------------------------------
@@ -114,7 +118,8 @@ def main():
             t, _ = timed(llm, {"prompt_token_ids": ids, "cache_salt": f"plain-{k}-{rep}"})
             pre.append(t)
             llm.reset_prefix_cache()
-            rest = ids[(r["memory_tokens"] // 128) * 128:]  # what vLLM prefills after injection
+            bs = a.block_size  # what vLLM prefills after injection: all but the whole blocks
+            rest = ids[min(r["memory_tokens"], len(ids) - 1) // bs * bs:]
             t, _ = timed(llm, {"prompt_token_ids": rest, "cache_salt": f"floor-{k}-{rep}"})
             floor.append(t)
         row = {"k": k, "prompt_tokens": len(ids), "memory_tokens": r["memory_tokens"],

@@ -15,38 +15,7 @@ from inferscale_vllm.engine import make_llm
 from inferscale_vllm.memory import MemoryStore
 from inferscale_vllm.tensors import vllm_cpu_cache
 
-SYSTEM = ("<|im_start|>system\nYou are a helpful assistant. You know these facts about the "
-          "user:\n")
-FACTS = [
-    "Caroline moved to Lisbon in March 2021 to work as a marine biologist.",
-    "Caroline's sister Ana is a pediatric nurse who lives in Porto.",
-    "Caroline adopted a grey cat named Pixel from a shelter last winter.",
-    "Caroline is training for the Lisbon half marathon in October.",
-    "Caroline's favourite book is 'The Sea Around Us' by Rachel Carson.",
-    "Caroline plays the cello in a community orchestra on Thursdays.",
-    "Caroline is allergic to peanuts and avoids Thai restaurants.",
-    "Caroline's best friend Melanie paints watercolour landscapes.",
-    "Caroline studied oceanography at the University of Southampton.",
-    "Caroline bought a second-hand sailing boat called Maré in 2023.",
-    "Caroline volunteers at a beach clean-up every first Saturday of the month.",
-    "Caroline's father Jorge runs a small bakery in Coimbra.",
-]
-QUESTIONS = [
-    "Where does Caroline live and what is her job?",
-    "What is the name of Caroline's cat?",
-    "Which race is Caroline training for?",
-    "What instrument does Caroline play?",
-    "What food is Caroline allergic to?",
-    "Who is Melanie?",
-    "Where did Caroline study?",
-    "What does Caroline's father do?",
-]
-GEN = 32
-
-
-def query_tokens(tok, q):
-    return tok.encode(f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n",
-                      add_special_tokens=False)
+from caroline import FACTS, GEN, QUESTIONS, SYSTEM, query_tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -124,23 +93,69 @@ def test_injected_bytes_equal_vllms_own_prefill_writes(setup):
         assert torch.equal(vc.view(torch.int16), want_v[l].view(torch.int16)), f"layer {l} values"
 
 
-def test_theorem3_greedy_tokens_equal_prefill(setup):
-    """Memory encoded jointly and injected through the connector: the same greedy tokens as vLLM's
-    prefill of the same prompt, for every question, with the memory's blocks really loaded."""
-    mem, tok = setup["mem"], setup["tok"]
-    same = 0
+def assert_theorem3(setup, memory):
+    """Every question: the jointly encoded memory injected through the connector gives the same
+    greedy tokens as vLLM's prefill of the same prompt, with the memory's blocks really loaded."""
+    tok = setup["tok"]
     for q in QUESTIONS:
-        r = mem.request("caroline", [setup["joint"]], query_tokens(tok, q))
+        r = memory.request("caroline", [setup["joint"]], query_tokens(tok, q))
         m = r["memory_tokens"]
         usable = m // 128 * 128
         assert usable >= 128, "the memory segment must span at least one block"
         plain, plain_cached = run(setup, {"prompt_token_ids": r["prompt"]["prompt_token_ids"]})
         injected, cached = run(setup, r["prompt"], r["extra_args"])
         assert cached >= usable, f"{q!r}: vLLM reports {cached} cached tokens, memory offered {usable}"
-        same += injected == plain
         assert injected == plain, (f"{q!r}: injected {tok.decode(injected)!r} vs prefill "
                                    f"{tok.decode(plain)!r}")
-    assert same == len(QUESTIONS)
+
+
+def test_theorem3_greedy_tokens_equal_prefill(setup):
+    """Memory encoded jointly, bf16 store (vLLM's own dtype)."""
+    assert setup["mem"].store.dtype == "bfloat16"
+    assert_theorem3(setup, setup["mem"])
+
+
+def test_theorem3_with_a_float32_store(setup):
+    """The same memory held as float32 (each bf16 key widened exactly): the connector rotates in
+    fp32 and converts as vLLM's kernel does, so the answers are again vLLM's prefill's. The
+    float32 generation is committed over the running engine and the bf16 one restored after."""
+    from inferscale_vllm.memory import load_store
+
+    mem = setup["mem"]
+    wide = MemoryStore(mem.directory, dict(mem.manifest),
+                       load_store(mem.directory, mem.manifest, "float32"))
+    assert wide.store.dtype == "float32"
+    wide.commit()
+    try:
+        assert_theorem3(setup, wide)
+    finally:
+        mem.manifest = dict(wide.manifest)
+        mem.commit()  # a new generation with the bf16 store again
+
+
+def test_capture_by_extraction_equals_the_hook_within_rounding(setup):
+    """The second way to capture: vLLM prefills the text, InferScale's extract reads its paged
+    cache back and de-rotates the keys with the model's table. Values: exactly the hook's (bf16
+    widened). Keys: vLLM's cache holds fp32 rotations truncated to bf16 (relative error below
+    2^-7 per element) rotated with a bf16-valued table (cos^2 + sin^2 within about 2^-8 of 1), so
+    each rotary pair comes back within 2^-6 of its norm."""
+    from inferscale_vllm.encode import extract_from_cache
+
+    llm, mem = setup["llm"], setup["mem"]
+    ids = mem.store.token_ids(mem.manifest["prefix"]) + mem.store.token_ids(setup["joint"])
+    kv = capture(llm, ids)  # a fresh forward: its blocks hold these tokens now
+    assert kv["slots"].shape == (len(ids),)
+    got = extract_from_cache(llm, kv["slots"])
+    assert got["k"].shape == kv["k"].shape
+    assert np.array_equal(got["v"], kv["v"]), "values read back differ from the hook's"
+    half = kv["k"].shape[-1] // 2
+    diff = got["k"] - kv["k"]
+    err = np.sqrt(diff[..., :half] ** 2 + diff[..., half:] ** 2)
+    norm = np.sqrt(kv["k"][..., :half] ** 2 + kv["k"][..., half:] ** 2)
+    worst = float((err / np.maximum(norm, 1e-30)).max())
+    print(f"extraction vs hook: worst pair error {worst:.2e} of the pair norm "
+          f"(max abs {float(err.max()):.3e}); values equal")
+    assert np.all(err <= 2.0 ** -6 * norm + 1e-6), f"a key pair is off by {worst:.2e} of its norm"
 
 
 def test_injected_blocks_are_never_a_plain_text_prefix_hit(setup):

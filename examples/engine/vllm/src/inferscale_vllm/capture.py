@@ -56,6 +56,7 @@ class CaptureWorkerExtension:
         model = self.model_runner.model
         modules = _attention_modules(model)
         self._inferscale_rows = [([], [], []) for _ in modules]
+        self._inferscale_slots = []
         self._inferscale_hooks = []
         for i, attn in enumerate(modules):
             keys, values, rotated = self._inferscale_rows[i]
@@ -66,8 +67,10 @@ class CaptureWorkerExtension:
                 keys.append(qkv[..., q:q + kv].detach().clone())
                 values.append(qkv[..., q + kv:q + 2 * kv].detach().clone())
 
-            def on_attn(_module, args, rotated=rotated):
+            def on_attn(module, args, rotated=rotated, first=(i == 0)):
                 rotated.append(args[1].detach().clone())  # what the cache write receives
+                if first:  # the slots vLLM writes this forward's tokens to (one layer tells)
+                    self._inferscale_slots.append(_slots_of(module))
 
             self._inferscale_hooks.append(attn.qkv_proj.register_forward_hook(on_qkv))
             self._inferscale_hooks.append(attn.attn.register_forward_pre_hook(on_attn))
@@ -93,7 +96,49 @@ class CaptureWorkerExtension:
             ks.append(torch.cat(keys, 0).float().reshape(-1, heads, head_dim).numpy())
             vs.append(torch.cat(values, 0).float().reshape(-1, heads, head_dim).numpy())
             rs.append(torch.cat(rotated, 0).float().reshape(-1, heads, head_dim).numpy())
-        # [layers, tokens, heads, head_dim] each, float32 (exact for a bf16 model)
-        np.savez(path, k=np.stack(ks), v=np.stack(vs), k_rotated=np.stack(rs),
+        slots = torch.cat(self._inferscale_slots).numpy().astype(np.int64)
+        self._inferscale_slots = []
+        # [layers, tokens, heads, head_dim] each, float32 (exact for a bf16 model); slots [tokens]
+        np.savez(path, k=np.stack(ks), v=np.stack(vs), k_rotated=np.stack(rs), slots=slots,
                  dtype=str(keys[0].dtype))
         return tuple(np.stack(ks).shape)
+
+    def inferscale_extract(self, slots: list, first_position: int, path: str) -> tuple:
+        """Capture by extraction: reads the tokens at `slots` (positions first_position ..) back
+        from vLLM's paged cache on this rank, de-rotates the keys with the model's own rotary
+        table (fp32, the exact inverse up to rounding), and writes ``k``, ``v`` (float32,
+        ``[layers, tokens, heads, head_dim]``) to `path` (npz)."""
+        import torch
+
+        from . import _inferscale
+        from .tensors import vllm_cpu_cache
+
+        modules = _attention_modules(self.model_runner.model)
+        caches = {a.attn.layer_name: c for a, c in zip(modules, self.model_runner.kv_caches)}
+        names = [a.attn.layer_name for a in modules]
+        cache = vllm_cpu_cache(caches, names)
+        table = modules[0].rotary_emb.cos_sin_cache.float().contiguous()
+        dim = cache.head_dim
+        rotation = _inferscale.Rotation(table.data_ptr(), table.shape[0], table.stride(0), dim,
+                                        table.shape[1], "float32", True, False, False)
+        n = len(slots)
+        store = _inferscale.Store(cache.num_layers, cache.num_heads, dim, "float32",
+                                  (n + 15) // 16 + 1)
+        _inferscale.extract(store, cache, rotation, [int(s) for s in slots], int(first_position),
+                            1, 0, list(range(n)))
+        k = torch.empty(cache.num_layers, n, cache.num_heads, dim)
+        v = torch.empty_like(k)
+        store.read(1, k.data_ptr(), v.data_ptr())
+        np.savez(path, k=k.numpy(), v=v.numpy())
+        return tuple(k.shape)
+
+
+def _slots_of(attn) -> "torch.Tensor":
+    """The slot mapping of the running forward for vLLM attention layer `attn` (CPU backend)."""
+    from vllm.forward_context import get_forward_context
+
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):
+        metadata = metadata[0]
+    m = metadata[attn.layer_name]
+    return m.slot_mapping[: m.num_actual_tokens].detach().clone()

@@ -14,7 +14,8 @@ import numpy as np
 def capture(llm, token_ids: list[int]) -> dict:
     """Pre-RoPE keys, values and the rotated keys vLLM wrote, of every token of `token_ids` run as
     one prompt from position 0: arrays ``[layers, tokens, kv_heads, head_dim]`` (float32; the
-    whole model's heads, from tensor-parallel rank 0's view when TP = 1)."""
+    whole model's heads, from tensor-parallel rank 0's view when TP = 1), and ``slots``, the
+    cache slots vLLM wrote them to."""
     from vllm import SamplingParams
 
     llm.collective_rpc("inferscale_capture_begin")
@@ -26,12 +27,30 @@ def capture(llm, token_ids: list[int]) -> dict:
     finally:
         llm.collective_rpc("inferscale_capture_end", args=(path,))
     with np.load(path) as z:
-        out = {k: z[k] for k in ("k", "v", "k_rotated")}
+        out = {k: z[k] for k in ("k", "v", "k_rotated", "slots")}
     os.remove(path)
     os.rmdir(os.path.dirname(path))
     n = len(token_ids)
     if out["k"].shape[1] != n:
         raise RuntimeError(f"inferscale: captured {out['k'].shape[1]} tokens for a prompt of {n}")
+    return out
+
+
+def extract_from_cache(llm, slots, first_position: int = 0) -> dict:
+    """Capture by extraction: the pre-RoPE K/V of the tokens vLLM holds at `slots` (positions
+    first_position ..) in its paged cache, de-rotated by InferScale's ``extract`` in the worker
+    (no hook on the model: any model vLLM runs with rotary keys; TP = 1). Read it while those
+    blocks still hold the tokens (e.g. right after the request that wrote them)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="inferscale-extract-"), "kv.npz")
+    try:
+        llm.collective_rpc("inferscale_extract", args=([int(s) for s in slots],
+                                                       int(first_position), path))
+        with np.load(path) as z:
+            out = {k: z[k] for k in ("k", "v")}
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+        os.rmdir(os.path.dirname(path))
     return out
 
 

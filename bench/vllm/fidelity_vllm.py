@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Fidelity of InferScale's connector on a real vLLM (CPU build), against vLLM's own prefill.
+
+One engine (SmolLM2-135M-Instruct, bf16, block size 128); the memory of the connector's tests
+(examples/engine/vllm/tests/caroline.py: a system prefix and 12 facts about one user, encoded
+jointly in one forward through vLLM and stored as one fact). Each question is answered twice,
+greedy, 32 tokens: with the memory injected by the connector, and with the same prompt prefilled
+as text by vLLM (a distinct cache salt: nothing is shared). Reported per question: identical or
+not, and how many leading tokens agree.
+
+  theorem3   the joint memory at its encoding positions, bf16 store and float32 store
+  relocate   the same joint memory behind a filler fact (encoded on its own behind the prefix)
+             of D tokens, so it is injected D positions later than it was encoded; the baseline
+             is vLLM's prefill of the same text. In vLLM a shift needs preceding tokens, so this
+             mixes relocation (exact in real arithmetic) with the filler the memory never saw
+             (the cross-fact attention independent encoding lacks, issue 30).
+Usage:
+  eval "$(bash .ci/vllm --print)"
+  PYTHONPATH=build/ci/examples/engine/vllm/python "$INFERSCALE_VLLM_PYTHON" bench/vllm/fidelity_vllm.py \
+      --model "$INFERSCALE_SMOLLM2_HF" [--locomo ../shared/data/locomo/locomo10.json] [--json out.json]
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "engine", "vllm", "tests"))
+
+from caroline import FACTS, GEN, QUESTIONS, SYSTEM, query_tokens  # noqa: E402
+
+
+def agreement(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def locomo_text(path, tokens, tok):
+    """LoCoMo turns (conversation 2) until `tokens` tokens: a filler unrelated to the memory."""
+    with open(path) as f:
+        conv = json.load(f)[1]["conversation"]
+    text, s = "", 1
+    while f"session_{s}" in conv:
+        for t in conv[f"session_{s}"]:
+            line = f"{t['speaker']}: {t['text']}\n"
+            if len(tok.encode(text + line, add_special_tokens=False)) > tokens:
+                return text
+            text += line
+        s += 1
+    raise SystemExit(f"fidelity_vllm: {path} holds fewer than {tokens} tokens of turns")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=os.environ.get("INFERSCALE_SMOLLM2_HF"))
+    ap.add_argument("--locomo", default=os.environ.get(
+        "INFERSCALE_LOCOMO", os.path.join(HERE, "..", "..", "..", "shared", "data", "locomo",
+                                          "locomo10.json")))
+    ap.add_argument("--shifts", default="16,200", help="filler lengths in tokens (at most)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if not a.model or not os.path.isfile(os.path.join(a.model, "config.json")):
+        sys.exit("fidelity_vllm: --model must be SmolLM2's HF folder (bash .ci/vllm prints it)")
+    if not os.path.isfile(a.locomo):
+        sys.exit(f"fidelity_vllm: LoCoMo not found at {a.locomo} (INFERSCALE_LOCOMO)")
+
+    from vllm import SamplingParams
+
+    from inferscale_vllm.encode import add_fact, capture, model_description, set_prefix
+    from inferscale_vllm.engine import make_llm
+    from inferscale_vllm.memory import MemoryStore, load_store
+
+    directory = tempfile.mkdtemp(prefix="inferscale-fidelity-")
+    llm = make_llm(a.model, directory)
+    tok = llm.get_tokenizer()
+    mem = MemoryStore.create(directory, model=model_description(llm), num_pages=2048)
+    prefix = tok.encode(SYSTEM, add_special_tokens=False)
+    set_prefix(mem, llm, SYSTEM, prefix)
+    joint_text = "".join(f"- {f}\n" for f in FACTS)
+    joint_ids = tok.encode(joint_text, add_special_tokens=False)
+    kv = capture(llm, prefix + joint_ids)
+    joint = mem.add_fact("caroline", joint_text, joint_ids, kv["k"][:, len(prefix):],
+                         kv["v"][:, len(prefix):])
+    fillers = {}
+    for d in (int(x) for x in a.shifts.split(",")):
+        text = locomo_text(a.locomo, d, tok)
+        ids = tok.encode(text, add_special_tokens=False)
+        fillers[len(ids)] = add_fact(mem, llm, "caroline", text, ids, context=prefix)
+    mem.commit()
+
+    def answer(prompt, extra=None):
+        sp = SamplingParams(temperature=0.0, max_tokens=GEN, extra_args=extra)
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        return list(out.outputs[0].token_ids), out.num_cached_tokens or 0
+
+    def compare(memory, facts, label):
+        rows = []
+        for i, q in enumerate(QUESTIONS):
+            r = memory.request("caroline", facts, query_tokens(tok, q))
+            plain, _ = answer({"prompt_token_ids": r["prompt"]["prompt_token_ids"],
+                               "cache_salt": f"plain-{label}-{i}"})
+            injected, cached = answer(r["prompt"], r["extra_args"])
+            rows.append({"question": q, "identical": injected == plain,
+                         "agree": agreement(injected, plain), "loaded": cached,
+                         "memory_tokens": r["memory_tokens"]})
+        same = sum(r["identical"] for r in rows)
+        print(f"{label}: identical on {same} of {len(rows)} questions; leading tokens agreeing "
+              f"per question {[r['agree'] for r in rows]} of {GEN}; loaded "
+              f"{min(r['loaded'] for r in rows)} of {rows[0]['memory_tokens']} memory tokens",
+              flush=True)
+        return rows
+
+    results = {"theorem3": {}, "relocate": {}}
+    results["theorem3"]["bfloat16"] = compare(mem, [joint], "theorem3 bf16 store")
+    wide = MemoryStore(directory, dict(mem.manifest), load_store(directory, mem.manifest,
+                                                                 "float32"))
+    wide.commit()
+    results["theorem3"]["float32"] = compare(wide, [joint], "theorem3 fp32 store")
+    mem.manifest = dict(wide.manifest)
+    mem.commit()
+    for d, fid in fillers.items():
+        results["relocate"][d] = compare(mem, [fid, joint],
+                                         f"relocated by {d} tokens (behind a filler)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""The memory and questions the connector's tests and bench/vllm/fidelity_vllm.py share: a dozen
+facts about one user, a chat-template system prefix, and questions each fact answers."""
+
+SYSTEM = ("<|im_start|>system\nYou are a helpful assistant. You know these facts about the "
+          "user:\n")
+FACTS = [
+    "Caroline moved to Lisbon in March 2021 to work as a marine biologist.",
+    "Caroline's sister Ana is a pediatric nurse who lives in Porto.",
+    "Caroline adopted a grey cat named Pixel from a shelter last winter.",
+    "Caroline is training for the Lisbon half marathon in October.",
+    "Caroline's favourite book is 'The Sea Around Us' by Rachel Carson.",
+    "Caroline plays the cello in a community orchestra on Thursdays.",
+    "Caroline is allergic to peanuts and avoids Thai restaurants.",
+    "Caroline's best friend Melanie paints watercolour landscapes.",
+    "Caroline studied oceanography at the University of Southampton.",
+    "Caroline bought a second-hand sailing boat called Maré in 2023.",
+    "Caroline volunteers at a beach clean-up every first Saturday of the month.",
+    "Caroline's father Jorge runs a small bakery in Coimbra.",
+]
+QUESTIONS = [
+    "Where does Caroline live and what is her job?",
+    "What is the name of Caroline's cat?",
+    "Which race is Caroline training for?",
+    "What instrument does Caroline play?",
+    "What food is Caroline allergic to?",
+    "Who is Melanie?",
+    "Where did Caroline study?",
+    "What does Caroline's father do?",
+]
+GEN = 32
+
+
+def query_tokens(tok, q):
+    return tok.encode(f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n",
+                      add_special_tokens=False)

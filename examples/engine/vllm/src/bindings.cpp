@@ -9,6 +9,12 @@
 // boundary as (data pointer, shape, strides, dtype name): the caller keeps them alive, and no
 // element passes through Python. Every refusal is the library's logic_error, raised as ValueError
 // before anything is written.
+//
+// Built with INFERSCALE_VLLM_CUDA (CMake option; HAS_CUDA is then True) it also has the device
+// path for a GPU vLLM: stores whose pool lives in device memory (Store(..., device=True),
+// Store.load(..., device=True), Store.to_device()), vLLM's GPU FlashAttention cache described from
+// its CUDA tensors (VllmFlashAttnCache), a Rotation over a table in device memory, and
+// inject_async on a CUDA stream (the library's checked inject_async, device_inject.cu).
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
 #include <inferscale/dtype.hpp>
@@ -17,6 +23,10 @@
 #include <inferscale/rope.hpp>
 #include <inferscale/snapshot.hpp>
 #include <inferscale/store.hpp>
+
+#include "device_inject.hpp"
+
+#include <cuda_runtime_api.h>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -65,6 +75,49 @@ std::array<std::int64_t, N> to_array(std::vector<std::int64_t> const& v, char co
 }
 
 void* as_pointer(std::uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+#ifdef INFERSCALE_VLLM_CUDA
+constexpr bool has_cuda = true;
+#else
+constexpr bool has_cuda = false;
+#endif
+
+void expect_cuda_build(char const* who)
+{
+  if (!has_cuda) {
+    throw std::invalid_argument(std::string{who} +
+                                ": this inferscale_vllm was built without CUDA (host path only); "
+                                "rebuild it with the CMake option INFERSCALE_VLLM_CUDA=ON");
+  }
+}
+
+/// Refuses `p` unless it is device (or managed) memory of the current CUDA device: the device path
+/// launches there, and a host pointer handed to a kernel would fault instead of being refused.
+void expect_device_memory(void const* p, std::string const& what)
+{
+  if (p == nullptr) { throw std::invalid_argument(what + " is null"); }
+  cudaPointerAttributes a{};
+  cudaError_t const e = cudaPointerGetAttributes(&a, p);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // clear it: nothing was launched
+    throw std::invalid_argument(what + " is not CUDA memory (cudaPointerGetAttributes: " +
+                                cudaGetErrorName(e) + ")");
+  }
+  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged) {
+    throw std::invalid_argument(what + " is not in device memory (a CPU tensor given to the device "
+                                       "path?)");
+  }
+  int current = 0;
+  if (cudaGetDevice(&current) != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw std::invalid_argument(what + ": no current CUDA device");
+  }
+  if (a.device != current) {
+    throw std::invalid_argument(what + " is on CUDA device " + std::to_string(a.device) +
+                                ", the current device is " + std::to_string(current) +
+                                " (the store and the kernel are there)");
+  }
+}
 
 /// A fact's K or V as the caller's buffer: [layers, tokens, heads, head_dim] with any strides.
 struct tensor_arg {
@@ -117,8 +170,13 @@ class store_handle {
     if (!store_.contains(id)) {
       throw std::invalid_argument("Store.read: unknown fact id " + std::to_string(id));
     }
-    fact_record const& f  = store_.at(id);
-    kv_store_ref const r  = store_.ref();
+    fact_record const& f = store_.at(id);
+    kv_store_ref r       = store_.ref();
+    std::vector<unsigned char> host_pool;
+    if (store_.memory() == memory_kind::device) {
+      host_pool = store_.pool_to_host();  // waits; reading a device store is not a hot path
+      r.pool    = host_pool.data();
+    }
     std::int64_t const re = r.row_elements();
     auto* out_k           = static_cast<float*>(as_pointer(keys));
     auto* out_v           = static_cast<float*>(as_pointer(values));
@@ -146,6 +204,55 @@ class store_handle {
     }
   }
 
+  /// A copy of this host store whose pool lives in device memory: every fact under its id and
+  /// namespace, the same bytes (same dtype, so nothing is converted).
+  store_handle to_device() const
+  {
+    expect_cuda_build("Store.to_device");
+    if (store_.memory() != memory_kind::host) {
+      throw std::invalid_argument("Store.to_device: the store is already in device memory");
+    }
+    kv_store_config c = store_.config();
+    c.memory          = memory_kind::device;
+    c.pinned          = false;
+    kv_store device{c};
+    kv_store_ref const r  = store_.ref();
+    kv_geometry const g   = store_.geometry();
+    std::int64_t const re = r.row_elements();
+    auto copy             = [&](auto tag) {
+      using T       = decltype(tag);
+      T const* pool = static_cast<T const*>(r.pool);
+      std::vector<T> k, v;
+      for (std::uint64_t ns : store_.namespace_ids()) {
+        for (std::uint64_t id : store_.namespace_fact_ids(ns)) {
+          fact_record const& f = store_.at(id);
+          std::int64_t const n = f.length();
+          k.assign(static_cast<std::size_t>(g.num_layers * n * re), T{});
+          v.assign(k.size(), T{});
+          for (std::int32_t l = 0; l < g.num_layers; ++l) {
+            for (std::int32_t j = 0; j < f.length(); ++j) {
+              std::int64_t const st  = store_.store_token(f, j);
+              std::int64_t const dst = (static_cast<std::int64_t>(l) * n + j) * re;
+              std::copy_n(pool + r.row_offset(st, l, 0), re, k.data() + dst);
+              std::copy_n(pool + r.row_offset(st, l, 1), re, v.data() + dst);
+            }
+          }
+          auto kv = make_fact_kv_view(static_cast<T const*>(k.data()), g.num_layers, n,
+                                      g.num_kv_heads, g.head_dim);
+          auto vv = make_fact_kv_view(static_cast<T const*>(v.data()), g.num_layers, n,
+                                      g.num_kv_heads, g.head_dim);
+          device.insert(id, ns, f.token_ids, kv, vv, memory_kind::host);
+        }
+      }
+    };
+    switch (store_.store_dtype()) {
+      case dtype::float32: copy(float{}); break;
+      case dtype::float16: copy(half_t{}); break;
+      default: copy(bfloat16_t{}); break;
+    }
+    return store_handle{std::move(device)};
+  }
+
  private:
   kv_store store_;
 };
@@ -157,8 +264,10 @@ kv_store_config make_config(std::int32_t layers,
                             std::int64_t num_pages,
                             std::int32_t page_size,
                             std::int32_t first_head,
-                            std::int32_t num_heads)
+                            std::int32_t num_heads,
+                            bool device)
 {
+  if (device) { expect_cuda_build("Store(device=True)"); }
   kv_store_config c;
   c.model       = kv_geometry{layers, heads, head_dim};
   c.store_dtype = parse_dtype(dtype_name);
@@ -166,7 +275,7 @@ kv_store_config make_config(std::int32_t layers,
   c.page_size   = page_size;
   c.first_head  = first_head;
   c.num_heads   = num_heads;
-  c.memory      = memory_kind::host;
+  c.memory      = device ? memory_kind::device : memory_kind::host;
   return c;
 }
 
@@ -215,10 +324,14 @@ class rotation_handle {
   {
     return std::visit([](auto const& t) { return t.max_position; }, table_);
   }
+  void const* data() const
+  {
+    return std::visit([](auto const& t) { return static_cast<void const*>(t.data); }, table_);
+  }
+  inferscale_vllm::rotation_table const& table() const { return table_; }
 
  private:
-  std::variant<rope_cos_sin_table<float>, rope_cos_sin_table<bfloat16_t>, rope_cos_sin_table<half_t>>
-    table_;
+  inferscale_vllm::rotation_table table_;
 };
 
 /// vLLM's CPU paged cache over the layer tensors of one worker (its heads, its layers).
@@ -245,12 +358,9 @@ class cache_handle {
 /// One request's memory: facts in layout order, the first position, and the slots its tokens take.
 using request_arg = std::tuple<std::vector<std::uint64_t>, std::int64_t, std::vector<std::int64_t>>;
 
-std::int64_t inject(store_handle const& store,
-                    cache_handle const& cache,
-                    rotation_handle const& rotation,
-                    std::vector<request_arg> const& requests)
+/// The validated batch of `requests` against `store` (compose, then resolve every slot).
+injection_batch make_batch(kv_store const& s, std::vector<request_arg> const& requests)
 {
-  kv_store const& s = store.get();
   injection_batch batch(s);
   for (auto const& [facts, first_position, slots] : requests) {
     compose_options o;
@@ -264,10 +374,117 @@ std::int64_t inject(store_handle const& store,
     }
     batch.add(plan, slots);
   }
+  return batch;
+}
+
+std::int64_t inject(store_handle const& store,
+                    cache_handle const& cache,
+                    rotation_handle const& rotation,
+                    std::vector<request_arg> const& requests)
+{
+  kv_store const& s           = store.get();
+  injection_batch const batch = make_batch(s, requests);
   {
     nb::gil_scoped_release release;
     rotation.visit([&](auto const& table) { inject_host(s, batch, cache.get(), table); });
   }
+  return batch.num_tokens();
+}
+
+/**
+ * vLLM's GPU paged cache (FlashAttention, and the Triton / FlexAttention backends that read the
+ * same tensors) over the CUDA layer tensors of one worker, with the device staging its injections
+ * use. Two logical forms, by the tensors' rank:
+ *  - 4-D `(num_blocks, num_kv_heads, block_size, 2 * head_dim)`, any strides: vLLM 0.32's layout
+ *    (`vllm/v1/kv_cache_layout.py`, logical [B, H, N, C]); the backends read it as
+ *    `kv_cache.transpose(1, 2).split(head_dim, -1)`, so a token's key is `[..., :head_dim]` and
+ *    its value `[..., head_dim:]`;
+ *  - 5-D `(2, num_blocks, block_size, num_kv_heads, head_dim)`, any strides: earlier vLLM's
+ *    FlashAttention layout (`kv_cache.unbind(0)` gives K, V).
+ */
+class flash_attn_cache_handle {
+ public:
+  flash_attn_cache_handle(std::vector<std::uintptr_t> const& layers,
+                          std::vector<std::int64_t> const& shape,
+                          std::vector<std::int64_t> const& strides,
+                          std::string const& dtype_name)
+  {
+    expect_cuda_build("VllmFlashAttnCache");
+    if (layers.empty()) { throw std::invalid_argument("VllmFlashAttnCache: no layers"); }
+    if (strides.size() != shape.size()) {
+      throw std::invalid_argument("VllmFlashAttnCache: " + std::to_string(shape.size()) +
+                                  " dimensions but " + std::to_string(strides.size()) +
+                                  " strides");
+    }
+    dtype const t = parse_dtype(dtype_name);
+    std::vector<void*> bases;
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      expect_device_memory(as_pointer(layers[l]), "VllmFlashAttnCache: layer " + std::to_string(l));
+      bases.push_back(as_pointer(layers[l]));
+    }
+    if (shape.size() == 5) {
+      cache_ = make_vllm_flash_attn_cache(t, bases, to_array<5>(shape, "shape"),
+                                          to_array<5>(strides, "strides"));
+    } else if (shape.size() == 4) {
+      if (shape[3] <= 0 || shape[3] % 2 != 0) {
+        throw std::invalid_argument(
+          "VllmFlashAttnCache: the last dimension must be 2 * head_dim (even, positive), got " +
+          std::to_string(shape[3]));
+      }
+      std::int64_t const head_dim = shape[3] / 2;
+      std::vector<void*> values;
+      for (void* b : bases) {
+        values.push_back(static_cast<char*>(b) + head_dim * strides[3] *
+                                                   static_cast<std::int64_t>(size_of(t)));
+      }
+      // [blocks, heads, tokens, 2 * dim] -> the factory's [blocks, tokens, heads, dim]
+      std::array<std::int64_t, 4> const s{strides[0], strides[2], strides[1], strides[3]};
+      cache_ = make_vllm_flash_attn_cache(t, bases, values, {shape[0], shape[2], shape[1], head_dim},
+                                          s, s);
+    } else {
+      throw std::invalid_argument(
+        "VllmFlashAttnCache: expected a 4-D (num_blocks, num_kv_heads, block_size, 2 * head_dim) "
+        "or 5-D (2, num_blocks, block_size, num_kv_heads, head_dim) layer tensor, got " +
+        std::to_string(shape.size()) + " dimensions");
+    }
+  }
+  paged_kv_cache const& get() const { return cache_; }
+#ifdef INFERSCALE_VLLM_CUDA
+  inferscale_vllm::device_injector& injector() { return injector_; }
+#endif
+
+ private:
+  paged_kv_cache cache_{};
+#ifdef INFERSCALE_VLLM_CUDA
+  inferscale_vllm::device_injector injector_;
+#endif
+};
+
+/// The device path: as inject, on `stream` (a cudaStream_t as an integer), never waiting for it.
+std::int64_t inject_async(store_handle const& store,
+                          flash_attn_cache_handle& cache,
+                          rotation_handle const& rotation,
+                          std::vector<request_arg> const& requests,
+                          std::uintptr_t stream)
+{
+  expect_cuda_build("inject_async");
+  kv_store const& s = store.get();
+  if (s.memory() != memory_kind::device) {
+    throw std::invalid_argument(
+      "inject_async: the store's pool is in host memory; the device path reads a device store "
+      "(Store.to_device(), or Store.load(path, device=True))");
+  }
+  expect_device_memory(rotation.data(), "inject_async: the rotation's cos/sin table");
+  injection_batch const batch = make_batch(s, requests);
+#ifdef INFERSCALE_VLLM_CUDA
+  {
+    nb::gil_scoped_release release;
+    cache.injector().inject(s, batch, cache.get(), rotation.table(), stream);
+  }
+#else
+  (void)cache;
+  (void)stream;
+#endif
   return batch.num_tokens();
 }
 
@@ -316,22 +533,27 @@ NB_MODULE(_inferscale, m)
       "__init__",
       [](store_handle* self, std::int32_t layers, std::int32_t heads, std::int32_t head_dim,
          std::string const& dtype_name, std::int64_t num_pages, std::int32_t page_size,
-         std::int32_t first_head, std::int32_t num_heads) {
-        new (self) store_handle(kv_store(
-          make_config(layers, heads, head_dim, dtype_name, num_pages, page_size, first_head, num_heads)));
+         std::int32_t first_head, std::int32_t num_heads, bool device) {
+        new (self) store_handle(kv_store(make_config(layers, heads, head_dim, dtype_name, num_pages,
+                                                     page_size, first_head, num_heads, device)));
       },
       nb::arg("num_layers"), nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("dtype"),
       nb::arg("num_pages"), nb::arg("page_size") = 16, nb::arg("first_head") = 0,
-      nb::arg("num_heads") = 0)
+      nb::arg("num_heads") = 0, nb::arg("device") = false)
     .def_static(
       "load",
-      [](std::string const& path, std::optional<std::string> const& as_dtype) {
+      [](std::string const& path, std::optional<std::string> const& as_dtype, bool device) {
+        if (device) { expect_cuda_build("Store.load(device=True)"); }
         store_load_options o;
-        o.memory = memory_kind::host;
+        o.memory = device ? memory_kind::device : memory_kind::host;
         if (as_dtype) { o.store_dtype = parse_dtype(*as_dtype); }
         return new store_handle(load_store(path, o));
       },
-      nb::arg("path"), nb::arg("dtype") = nb::none())
+      nb::arg("path"), nb::arg("dtype") = nb::none(), nb::arg("device") = false)
+    .def("to_device", &store_handle::to_device,
+         "A copy of this host store in device memory (same ids, namespaces and bytes).")
+    .def_prop_ro("device",
+                 [](store_handle const& s) { return s.get().memory() == memory_kind::device; })
     .def("save", [](store_handle const& s, std::string const& path) { save_store(s.get(), path); })
     .def("insert", &store_handle::insert, nb::arg("fact_id"), nb::arg("namespace"),
          nb::arg("token_ids"), nb::arg("keys"), nb::arg("values"))
@@ -414,6 +636,28 @@ NB_MODULE(_inferscale, m)
       },
       "Element offset of a value from its layer's base (for tests).");
 
+  nb::class_<flash_attn_cache_handle>(m, "VllmFlashAttnCache")
+    .def(nb::init<std::vector<std::uintptr_t> const&, std::vector<std::int64_t> const&,
+                  std::vector<std::int64_t> const&, std::string const&>(),
+         nb::arg("layers"), nb::arg("shape"), nb::arg("strides"), nb::arg("dtype"),
+         "vLLM's GPU paged cache from its CUDA layer tensors (data_ptr, shape, strides, dtype): "
+         "4-D (num_blocks, kv_heads, block_size, 2 * head_dim) as vLLM 0.32 hands them over, or "
+         "5-D (2, num_blocks, block_size, kv_heads, head_dim) as earlier FlashAttention. Needs a "
+         "CUDA build.")
+    .def_prop_ro("num_slots", [](flash_attn_cache_handle const& c) { return c.get().num_slots(); })
+    .def_prop_ro("block_size",
+                 [](flash_attn_cache_handle const& c) { return c.get().key_layout.block_size; })
+    .def_prop_ro("num_layers", [](flash_attn_cache_handle const& c) { return c.get().num_layers; })
+    .def_prop_ro("num_heads", [](flash_attn_cache_handle const& c) { return c.get().num_heads(); })
+    .def_prop_ro("head_dim", [](flash_attn_cache_handle const& c) { return c.get().head_dim(); });
+
+  m.attr("HAS_CUDA") = has_cuda;
+  m.def("inject_async", &inject_async, nb::arg("store"), nb::arg("cache"), nb::arg("rotation"),
+        nb::arg("requests"), nb::arg("stream"),
+        "The device path of inject: a device store, a VllmFlashAttnCache and a Rotation whose "
+        "table is in device memory; the kernel is enqueued on `stream` (an integer cudaStream_t, "
+        "e.g. torch.cuda.current_stream().cuda_stream) and not waited for. Everything is checked "
+        "before anything is staged or launched; returns the tokens written.");
   m.def("inject", &inject, nb::arg("store"), nb::arg("cache"), nb::arg("rotation"),
         nb::arg("requests"),
         "Composes each request's facts (in the order given) at its first position and writes them "

@@ -13,10 +13,14 @@ Pieces:
     ``--kv-transfer-config '{"kv_connector": "InferScaleConnector",
     "kv_connector_module_path": "inferscale_vllm.connector", "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"memory_dir": ...}}'``.
-  - ``_inferscale``: the compiled extension (store, vLLM CPU cache descriptor, inject, extract).
+  - ``_inferscale``: the compiled extension (store, vLLM CPU cache descriptor, inject, extract;
+    built with INFERSCALE_VLLM_CUDA=ON also device stores, vLLM's GPU cache descriptor
+    ``VllmFlashAttnCache`` and ``inject_async`` on a CUDA stream — ``HAS_CUDA`` says which).
 """
 
-from ._inferscale import Rotation, Store, Tensor, VllmCpuCache, extract, inject  # noqa: F401
+from ._inferscale import (  # noqa: F401
+    HAS_CUDA, Rotation, Store, Tensor, VllmCpuCache, VllmFlashAttnCache, extract, inject, inject_async)
 
-__all__ = ["Rotation", "Store", "Tensor", "VllmCpuCache", "extract", "inject"]
+__all__ = ["HAS_CUDA", "Rotation", "Store", "Tensor", "VllmCpuCache", "VllmFlashAttnCache", "extract",
+           "inject", "inject_async"]
 __version__ = "0.1.0"

@@ -16,8 +16,11 @@ vLLM the segment's whole blocks (at least one prompt token is always left to com
 wrong is logged once with the reason and the request is prefilled normally (0 tokens offered).
 Worker side (one per rank): holds its shard of the store (its KV heads under tensor parallelism),
 and before the forward writes each admitted request's tokens into the blocks vLLM allocated,
-through InferScale's C++ injection (rotation with vLLM's own rotary table, per-operation rounding
-as vLLM's CPU kernel). A failed load reports the request's blocks through
+through InferScale's C++ injection (rotation with vLLM's own rotary table, with the rounding that
+reproduces vLLM's rotary kernel on this machine). Where vLLM's KV caches are CUDA tensors (a GPU
+vLLM), the worker takes the device path: its store shard is copied to device memory, the caches
+are described as vLLM's GPU layout (VllmFlashAttnCache) and the injection is enqueued on torch's
+current CUDA stream (needs the extension built with INFERSCALE_VLLM_CUDA=ON). A failed load reports the request's blocks through
 ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy = "recompute"`` vLLM then
 prefills them, and keeps serving.
 
@@ -41,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import _inferscale
 from .memory import MANIFEST, cache_salt, load_store, read_manifest, shard_store
-from .tensors import vllm_cpu_cache
+from .tensors import kv_cache_descriptor
 
 logger = logging.getLogger("inferscale_vllm")
 
@@ -63,9 +66,10 @@ class InferScaleMetadata(KVConnectorMetadata):
 class _Memory:
     """A reader of a memory directory that follows its generations."""
 
-    def __init__(self, directory: str, shard=None):
+    def __init__(self, directory: str, shard=None, device: bool = False):
         self.directory = directory
         self.shard = shard  # (first_head, num_heads) or None
+        self.device = device  # keep the store in device memory (the GPU path)
         self.stamp = None
         self.manifest = None
         self.store = None
@@ -82,6 +86,8 @@ class _Memory:
             store = load_store(self.directory, manifest)
             if self.shard is not None:
                 store = shard_store(store, manifest, *self.shard)
+            if self.device:
+                store = store.to_device()
             self.manifest, self.store, self.stamp = manifest, store, stamp
             logger.info("inferscale: memory %s generation %d loaded (%d facts)", self.directory,
                         manifest["generation"], len(manifest["facts"]))
@@ -225,7 +231,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             get_tensor_model_parallel_world_size
 
         names = sorted(kv_caches, key=_layer_index)
-        self._cache = vllm_cpu_cache(kv_caches, names)
+        self._device, self._cache = kv_cache_descriptor(kv_caches, names)
         self._kv_caches = kv_caches  # keep the tensors alive with the descriptor
         tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
         heads = self._model["num_kv_heads"]
@@ -235,11 +241,11 @@ class InferScaleConnector(KVConnectorBase_V1):
         if self._cache.num_heads != per:
             raise ValueError(f"inferscale: rank {rank}'s cache holds {self._cache.num_heads} heads, "
                              f"expected {per}")
-        self._memory = _Memory(self._directory, shard=(rank * per, per))
+        self._memory = _Memory(self._directory, shard=(rank * per, per), device=self._device)
         self._rotation = self._make_rotation()
-        logger.info("inferscale: rank %d/%d injects KV heads [%d, %d) into %d layers of %d slots",
-                    rank, tp, rank * per, rank * per + per, self._cache.num_layers,
-                    self._cache.num_slots)
+        logger.info("inferscale: rank %d/%d injects KV heads [%d, %d) into %d layers of %d slots "
+                    "(%s path)", rank, tp, rank * per, rank * per + per, self._cache.num_layers,
+                    self._cache.num_slots, "device" if self._device else "host")
 
     def _make_rotation(self):
         """vLLM's own rotary table (the module its Llama builds), and the rounding its rotary
@@ -254,8 +260,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         with set_current_vllm_config(self._vllm_config):
             rope = get_rope(mc.get_head_size(), max_position=hf.max_position_embeddings,
                             is_neox_style=True, rope_parameters=params, dtype=mc.dtype)
-            rotation, self._table, mode = rotation_matching_vllm(rope, mc.dtype,
-                                                                 mc.get_head_size())
+            rotation, self._table, mode = rotation_matching_vllm(
+                rope, mc.dtype, mc.get_head_size(), device=self._device)
         self._rope = rope
         logger.info("inferscale: rotation with vLLM's table (%d rows), rounding '%s' (matches "
                     "vLLM's rotary kernel here bit for bit)", self._table.shape[0], mode)
@@ -276,8 +282,16 @@ class InferScaleConnector(KVConnectorBase_V1):
             try:
                 if failpoint and load.user == failpoint:
                     raise RuntimeError(f"failpoint INFERSCALE_VLLM_FAIL_LOAD_FOR_USER={failpoint}")
-                _inferscale.inject(self._memory.store, self._cache, self._rotation,
-                                   [(load.facts, 0, load.slots)])
+                if self._device:
+                    import torch
+
+                    # enqueued before the forward on the stream it runs on; not waited for
+                    _inferscale.inject_async(self._memory.store, self._cache, self._rotation,
+                                             [(load.facts, 0, load.slots)],
+                                             torch.cuda.current_stream().cuda_stream)
+                else:
+                    _inferscale.inject(self._memory.store, self._cache, self._rotation,
+                                       [(load.facts, 0, load.slots)])
             except Exception as e:  # noqa: BLE001 - any failure: prefill instead, keep serving
                 self._fail(load, str(e))
 
@@ -311,21 +325,27 @@ def rotation_for(table, head_dim: int, mode: str):
                                 table.shape[1], str(table.dtype), True, round_each, truncate)
 
 
-def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: int = 2):
+def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: int = 2,
+                           device: bool = False):
     """(Rotation, table, mode): the library rotation that reproduces `rope` (vLLM's module, called
     as the model calls it, inside the caller's vLLM config) bit for bit on random keys at random
     positions. vLLM's CPU kernel computes in fp32 and truncates to bf16 in its AVX2 build; its
-    torch path rounds each operation; the first mode that matches is used. Raises if none does."""
+    torch path and its CUDA kernel round each operation; the first mode that matches is used.
+    device: run both on the GPU (vLLM's CUDA kernel against the library's device path, the table
+    in device memory). Raises if no mode matches."""
     import torch
 
     from ._inferscale import Store, Tensor, VllmCpuCache, inject
 
-    table = rope.cos_sin_cache.to(dtype).contiguous()
+    where = torch.device("cuda", torch.cuda.current_device()) if device else torch.device("cpu")
+    if device:
+        rope = rope.to(where)  # the model's own module is there already (get_rope caches it)
+    table = rope.cos_sin_cache.to(device=where, dtype=dtype).contiguous()
     gen = torch.Generator().manual_seed(1234)
     keys = (torch.randn(tokens, heads, head_dim, generator=gen) * 3).to(dtype)
     positions = torch.randint(0, table.shape[0], (tokens,), generator=gen)
-    q = torch.zeros(tokens, heads * head_dim, dtype=dtype)
-    _, want = rope(positions, q, keys.reshape(tokens, -1).clone())
+    q = torch.zeros(tokens, heads * head_dim, dtype=dtype, device=where)
+    _, want = rope(positions.to(where), q, keys.reshape(tokens, -1).clone().to(where))
     want = want.reshape(tokens, heads, head_dim)
     name = str(dtype).replace("torch.", "")
     # one one-token fact per key, injected at its own position into its own block (block size 1)
@@ -334,16 +354,34 @@ def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: 
         ki = keys[i].reshape(1, 1, heads, head_dim).contiguous()
         t = Tensor(ki.data_ptr(), list(ki.shape), list(ki.stride()), str(dtype))
         store.insert(100 + i, 0, [0], t, t)
-    cache = torch.zeros(tokens, heads, 1, 2 * head_dim, dtype=dtype)
-    desc = VllmCpuCache([cache.data_ptr()], list(cache.shape), list(cache.stride()), str(dtype))
+    requests = [([100 + i], int(positions[i]), [i]) for i in range(tokens)]
+    if device:
+        from ._inferscale import VllmFlashAttnCache, inject_async
+
+        store = store.to_device()
+        # vLLM 0.32's GPU layout (num_blocks, heads, block_size, 2 * head_dim): K = [..., :head_dim]
+        cache = torch.zeros(tokens, heads, 1, 2 * head_dim, dtype=dtype, device=where)
+        desc = VllmFlashAttnCache([cache.data_ptr()], list(cache.shape), list(cache.stride()),
+                                  str(dtype))
+
+        def run(rotation):
+            inject_async(store, desc, rotation, requests, torch.cuda.current_stream().cuda_stream)
+            torch.cuda.current_stream().synchronize()
+            return cache[:, :, 0, :head_dim]
+    else:
+        cache = torch.zeros(tokens, heads, 1, 2 * head_dim, dtype=dtype)
+        desc = VllmCpuCache([cache.data_ptr()], list(cache.shape), list(cache.stride()), str(dtype))
+
+        def run(rotation):
+            inject(store, desc, rotation, requests)
+            return cache[:, :, 0, :head_dim]  # block_size 1: the key region is [dim, 1]
     tried = []
     for mode in ROUNDING_MODES:
-        if mode == "fp32_truncate" and dtype != torch.bfloat16:
-            continue
+        if mode == "fp32_truncate" and (dtype != torch.bfloat16 or device):
+            continue  # vLLM's AVX2 CPU kernel only (the library refuses it on the device)
         rotation = rotation_for(table, head_dim, mode)
         cache.zero_()
-        inject(store, desc, rotation, [([100 + i], int(positions[i]), [i]) for i in range(tokens)])
-        got = cache[:, :, 0, :head_dim].clone()  # block_size 1: the key region is [dim, 1]
+        got = run(rotation).clone()
         bad = int((got.view(torch.int16) != want.view(torch.int16)).sum())
         tried.append(f"{mode}: {bad} of {want.numel()} differ")
         if bad == 0:

@@ -30,3 +30,49 @@ def vllm_cpu_cache(kv_caches: dict, layer_names: list[str]) -> "_inferscale.Vllm
             raise ValueError(f"inferscale_vllm: layer {n} is on {t.device}; this is the CPU path")
     return _inferscale.VllmCpuCache([t.data_ptr() for t in tensors], list(first.shape),
                                     list(first.stride()), str(first.dtype))
+
+
+def _one_layout(kv_caches: dict, layer_names: list[str]):
+    tensors = [kv_caches[n] for n in layer_names]
+    if not tensors:
+        raise ValueError("inferscale_vllm: no KV cache layers were registered")
+    first = tensors[0]
+    for n, t in zip(layer_names, tensors):
+        if (t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype
+                or t.device != first.device):
+            raise ValueError(
+                f"inferscale_vllm: layer {n} has shape {tuple(t.shape)} / strides {t.stride()} / "
+                f"{t.dtype} / {t.device}, layer {layer_names[0]} {tuple(first.shape)} / "
+                f"{first.stride()} / {first.dtype} / {first.device}: one descriptor needs one "
+                f"layout")
+    return tensors, first
+
+
+def vllm_gpu_cache(kv_caches: dict, layer_names: list[str]) -> "_inferscale.VllmFlashAttnCache":
+    """The descriptor of vLLM's GPU paged cache from `register_kv_caches`' CUDA tensors, in layer
+    order (the device path; needs the extension built with INFERSCALE_VLLM_CUDA=ON).
+
+    Every layer's tensor must have one shape, strides, dtype and device, either vLLM 0.32's
+    `(num_blocks, num_kv_heads, block_size, 2 * head_size)` (K = `[..., :head_size]`, V the rest;
+    any strides, e.g. the NHD memory order) or earlier FlashAttention's
+    `(2, num_blocks, block_size, num_kv_heads, head_size)`.
+    """
+    if not getattr(_inferscale, "HAS_CUDA", False):
+        raise ValueError("inferscale_vllm: vLLM's KV caches are CUDA tensors but this extension was "
+                         "built without CUDA; rebuild it with the CMake option "
+                         "INFERSCALE_VLLM_CUDA=ON (pip: -C cmake.define.INFERSCALE_VLLM_CUDA=ON)")
+    tensors, first = _one_layout(kv_caches, layer_names)
+    if first.device.type != "cuda":
+        raise ValueError(f"inferscale_vllm: layer {layer_names[0]} is on {first.device}; this is "
+                         f"the GPU path")
+    return _inferscale.VllmFlashAttnCache([t.data_ptr() for t in tensors], list(first.shape),
+                                          list(first.stride()), str(first.dtype))
+
+
+def kv_cache_descriptor(kv_caches: dict, layer_names: list[str]):
+    """(on_device, descriptor): the device path's VllmFlashAttnCache when vLLM's caches are CUDA
+    tensors, else the host path's VllmCpuCache."""
+    _, first = _one_layout(kv_caches, layer_names)
+    if first.device.type == "cuda":
+        return True, vllm_gpu_cache(kv_caches, layer_names)
+    return False, vllm_cpu_cache(kv_caches, layer_names)

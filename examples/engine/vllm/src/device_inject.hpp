@@ -1,0 +1,54 @@
+// The device path of inferscale_vllm._inferscale (built with INFERSCALE_VLLM_CUDA=ON): the one piece
+// that needs nvcc — the library's checked inject_async (inject.cuh) and its staging workspace —
+// behind a plain C++ interface, so bindings.cpp (nanobind) stays a host C++ translation unit.
+#pragma once
+
+#include <inferscale/cache.hpp>
+#include <inferscale/inject.hpp>
+#include <inferscale/rope.hpp>
+#include <inferscale/store.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <variant>
+
+namespace inferscale_vllm {
+
+/// The engine's cos/sin table, in the element type vLLM keeps it.
+using rotation_table = std::variant<inferscale::rope_cos_sin_table<float>,
+                                    inferscale::rope_cos_sin_table<inferscale::bfloat16_t>,
+                                    inferscale::rope_cos_sin_table<inferscale::half_t>>;
+
+/**
+ * @brief Owns the device staging of injection batches (grown to the largest batch seen) and runs
+ * the library's checked inject_async on a caller's stream.
+ */
+class device_injector {
+ public:
+  device_injector();
+  ~device_injector();
+  device_injector(device_injector&&) noexcept;
+  device_injector& operator=(device_injector&&) noexcept;
+  device_injector(device_injector const&)            = delete;
+  device_injector& operator=(device_injector const&) = delete;
+
+  /**
+   * @brief inject_async(store, batch, cache, rotation, workspace, stream): validates everything on
+   * the host (store in device memory, geometry, slots within the cache, positions within the
+   * table), stages the batch and launches on `stream` (a cudaStream_t as an integer; 0 = the
+   * legacy default stream). Never waits for the kernel.
+   * @throw inferscale::logic_error on a refusal (nothing staged or launched);
+   *        inferscale::cuda_error on a CUDA failure.
+   */
+  void inject(inferscale::kv_store const& store,
+              inferscale::injection_batch const& batch,
+              inferscale::paged_kv_cache const& cache,
+              rotation_table const& rotation,
+              std::uintptr_t stream);
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace inferscale_vllm

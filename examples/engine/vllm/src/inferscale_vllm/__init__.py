@@ -7,16 +7,20 @@ connector, so vLLM prefills only the query.
 
 Pieces:
   - ``MemoryStore`` (memory.py): the memory directory (facts' K/V in InferScale's store snapshot,
-    a catalogue per user), fact capture through vLLM itself, retrieval, and ``request_for`` —
-    the client helper that turns (user, query) into a vLLM prompt and its kv_transfer_params.
+    a catalogue per user, the facts' text embeddings), retrieval (``retrieve``), and the client
+    helpers ``request`` and ``request_for_query`` that turn (user, facts or query) into a vLLM
+    prompt and its kv_transfer_params. Fact capture through vLLM itself is encode.py.
   - ``InferScaleConnector`` (connector.py): the KVConnectorBase_V1 subclass vLLM loads with
     ``--kv-transfer-config '{"kv_connector": "InferScaleConnector",
     "kv_connector_module_path": "inferscale_vllm.connector", "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"memory_dir": ...}}'``.
-  - ``_inferscale``: the compiled extension (store, vLLM CPU cache descriptor, inject, extract).
+  - ``MiniLMEmbedder`` (embed.py): all-MiniLM-L6-v2 sentence embeddings (torch + transformers),
+    what a memory with retrieval embeds its facts and queries with.
+  - ``_inferscale``: the compiled extension (store, vLLM CPU cache descriptor, inject, extract, and
+    the library's host graph index for retrieval).
 """
 
-from ._inferscale import Rotation, Store, Tensor, VllmCpuCache, extract, inject  # noqa: F401
+from ._inferscale import Index, Rotation, Store, Tensor, VllmCpuCache, extract, inject  # noqa: F401
 
-__all__ = ["Rotation", "Store", "Tensor", "VllmCpuCache", "extract", "inject"]
+__all__ = ["Index", "Rotation", "Store", "Tensor", "VllmCpuCache", "extract", "inject"]
 __version__ = "0.1.0"

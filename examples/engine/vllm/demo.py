@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""The vLLM demo of the main job: a user's facts stored once, a question answered by a real vLLM
-(CPU build) with the facts injected through InferScaleConnector, and again with the same facts
-re-prefilled as text. Prints both answers and both times to first token.
+"""The vLLM demo of the main job: a user's facts stored once (K/V and a MiniLM embedding each), the
+facts for a question picked by retrieval, the question answered by a real vLLM (CPU build) with
+those facts injected through InferScaleConnector, and again with the same facts re-prefilled as
+text. Prints the retrieved facts, both answers and both times to first token.
 
 Usage: PYTHONPATH=<build>/examples/engine/vllm/python "$INFERSCALE_VLLM_PYTHON" demo.py [model]
+(INFERSCALE_MINILM_HF: all-MiniLM-L6-v2's folder, from bash .ci/vllm --print)
 """
 
 import os
@@ -29,6 +31,7 @@ FACTS = [
 ]
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant. You know these facts about the user:\n"
 QUESTION = "What is the name of Caroline's boat, and what pet does she have?"
+K = 8  # facts retrieved: with the prefix, more than one of vLLM's 128-token blocks
 
 
 def main(argv):
@@ -38,22 +41,26 @@ def main(argv):
         return 2
     from vllm import SamplingParams
 
+    from inferscale_vllm.embed import MiniLMEmbedder
     from inferscale_vllm.encode import add_fact, model_description, set_prefix
     from inferscale_vllm.engine import make_llm
     from inferscale_vllm.memory import MemoryStore
 
+    embedder = MiniLMEmbedder()  # fails with a message without INFERSCALE_MINILM_HF
     directory = tempfile.mkdtemp(prefix="inferscale-demo-")
     llm = make_llm(model, directory)
     tok = llm.get_tokenizer()
-    mem = MemoryStore.create(directory, model=model_description(llm))
+    mem = MemoryStore.create(directory, model=model_description(llm), embedder=embedder)
     prefix = tok.encode(SYSTEM, add_special_tokens=False)
     set_prefix(mem, llm, SYSTEM, prefix)
-    ids = [add_fact(mem, llm, "caroline", f"- {f}\n",
-                    tok.encode(f"- {f}\n", add_special_tokens=False), prefix) for f in FACTS]
+    for f in FACTS:  # the prompt's line is stored; the bare sentence is embedded
+        add_fact(mem, llm, "caroline", f"- {f}\n", tok.encode(f"- {f}\n", add_special_tokens=False),
+                 prefix, embed_text=f)
     mem.commit()
     q = tok.encode(f"<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n",
                    add_special_tokens=False)
-    r = mem.request("caroline", ids, q)
+    r = mem.request_for_query("caroline", QUESTION, q, K)  # the best fact last, next to the query
+    ids = r["retrieved"]
 
     def ask(prompt, extra):
         llm.reset_prefix_cache()
@@ -72,6 +79,9 @@ def main(argv):
     t_inj, loaded, a_inj = ask(r["prompt"], r["extra_args"])
     t_pre, _, a_pre = ask(plain, None)
     print(f"question: {QUESTION}")
+    print(f"retrieved (top {K} of {len(FACTS)}, best first):")
+    for f in ids:
+        print(f"  {mem.text(f).strip()}")
     print(f"prompt: {len(r['prompt']['prompt_token_ids'])} tokens, memory segment "
           f"{r['memory_tokens']} (prefix + {len(ids)} facts, each encoded alone behind the prefix)")
     print(f"injected  ({loaded} tokens from memory, TTFT {1e3 * t_inj:.0f} ms): {a_inj}")

@@ -5,10 +5,12 @@
 // described from the tensors `register_kv_caches` hands over (make_vllm_cpu_cache), the engine's
 // own rotation table (`rotary_emb.cos_sin_cache`), and the two directions: inject (compose each
 // request's facts at its first position and write them, rotated and converted, into the request's
-// slots) and extract (read a token range back, de-rotated, as pre-RoPE K/V). Tensors cross the
-// boundary as (data pointer, shape, strides, dtype name): the caller keeps them alive, and no
-// element passes through Python. Every refusal is the library's logic_error, raised as ValueError
-// before anything is written.
+// slots) and extract (read a token range back, de-rotated, as pre-RoPE K/V); and for retrieval the
+// library's host graph index (index.hpp: one namespace per user, add / build / erase / search over
+// fp32 embeddings). Tensors cross the boundary as (data pointer, shape, strides, dtype name) or,
+// for embeddings, (data pointer, rows, columns) of contiguous float32: the caller keeps them alive,
+// and no element passes through Python. Every refusal is the library's logic_error, raised as
+// ValueError before anything is written.
 //
 // Built with INFERSCALE_VLLM_CUDA (CMake option; HAS_CUDA is then True) it also has the device
 // path for a GPU vLLM: stores whose pool lives in device memory (Store(..., device=True),
@@ -19,6 +21,7 @@
 #include <inferscale/compose.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
+#include <inferscale/index.hpp>
 #include <inferscale/inject.hpp>
 #include <inferscale/rope.hpp>
 #include <inferscale/snapshot.hpp>
@@ -511,6 +514,123 @@ void extract(store_handle& store,
   });
 }
 
+/// The library's host graph index over float32 embeddings (rows of `dim` contiguous floats).
+class index_handle {
+ public:
+  index_handle(std::int64_t dim,
+               std::string const& metric,
+               std::uint32_t graph_degree,
+               std::uint32_t intermediate_graph_degree,
+               std::int64_t exact_search_threshold,
+               std::uint32_t build_threads)
+    : index_{make_index_config(dim, metric, graph_degree, intermediate_graph_degree,
+                               exact_search_threshold, build_threads)}
+  {
+  }
+
+  graph_index& get() { return index_; }
+  graph_index const& get() const { return index_; }
+
+  void add(std::uint64_t ns, std::uintptr_t vectors, std::int64_t rows, std::int64_t cols,
+           std::vector<std::uint64_t> const& ids, bool replace)
+  {
+    check_matrix(vectors, rows, cols, "Index.add: vectors");
+    if (static_cast<std::int64_t>(ids.size()) != rows) {
+      throw std::invalid_argument("Index.add: " + std::to_string(rows) + " vectors but " +
+                                  std::to_string(ids.size()) + " ids");
+    }
+    auto const view = make_matrix_view<float const>(
+      static_cast<float const*>(as_pointer(vectors)), rows, cols);
+    cuda::std::span<std::uint64_t const> const span{ids.data(), ids.size()};
+    nb::gil_scoped_release release;
+    if (replace) {
+      index_.build<float>(ns, view, span);
+    } else {
+      index_.add<float>(ns, view, span);
+    }
+  }
+
+  void erase(std::vector<std::uint64_t> const& ids)
+  {
+    index_.erase(cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+  }
+
+  /// Writes the k nearest live facts of namespace `ns` for each of `nq` queries into the caller's
+  /// [nq][k] buffers (ids; distances, 1 - cosine under the cosine metric), best first; slots
+  /// beyond the namespace's live facts get the invalid id (2^64 - 1) and +infinity.
+  void search(std::uint64_t ns, std::uintptr_t queries, std::int64_t nq, std::int64_t cols,
+              std::uint32_t k, std::uintptr_t out_ids, std::uintptr_t out_distances,
+              std::string const& algo, std::uint32_t itopk_size) const
+  {
+    check_matrix(queries, nq, cols, "Index.search: queries");
+    if (nq > 0 && (out_ids == 0 || out_distances == 0)) {
+      throw std::invalid_argument("Index.search: null output buffer");
+    }
+    search_params p;
+    p.itopk_size = itopk_size;
+    p.threads    = 1;
+    if (algo == "automatic") {
+      p.algo = search_algo::automatic;
+    } else if (algo == "graph") {
+      p.algo = search_algo::graph;
+    } else if (algo == "exact") {
+      p.algo = search_algo::exact;
+    } else {
+      throw std::invalid_argument("Index.search: algo is 'automatic', 'graph' or 'exact', got '" +
+                                  algo + "'");
+    }
+    std::uint64_t const namespaces[1] = {ns};
+    auto const q    = make_matrix_view<float const>(static_cast<float const*>(as_pointer(queries)),
+                                                    nq, cols);
+    auto const ids  = make_matrix_view<std::uint64_t>(
+      static_cast<std::uint64_t*>(as_pointer(out_ids)), nq, k);
+    auto const dist = make_matrix_view<float>(static_cast<float*>(as_pointer(out_distances)), nq, k);
+    nb::gil_scoped_release release;
+    index_.search<float>(q, cuda::std::span<std::uint64_t const>{namespaces, 1}, k, p, ids, dist);
+  }
+
+ private:
+  static index_config make_index_config(std::int64_t dim,
+                                        std::string const& metric,
+                                        std::uint32_t graph_degree,
+                                        std::uint32_t intermediate_graph_degree,
+                                        std::int64_t exact_search_threshold,
+                                        std::uint32_t build_threads)
+  {
+    index_config c;
+    c.dim = dim;
+    if (metric == "cosine") {
+      c.metric = distance_metric::cosine;
+    } else if (metric == "inner_product") {
+      c.metric = distance_metric::inner_product;
+    } else if (metric == "squared_l2") {
+      c.metric = distance_metric::squared_l2;
+    } else {
+      throw std::invalid_argument("Index: metric is 'cosine', 'inner_product' or 'squared_l2', got '" +
+                                  metric + "'");
+    }
+    c.vector_dtype              = dtype::float32;
+    c.graph_degree              = graph_degree;
+    c.intermediate_graph_degree = intermediate_graph_degree;
+    c.exact_search_threshold    = exact_search_threshold;
+    c.memory                    = memory_kind::host;
+    c.build_threads             = build_threads;
+    return c;
+  }
+
+  void check_matrix(std::uintptr_t data, std::int64_t rows, std::int64_t cols, char const* what) const
+  {
+    if (rows < 0 || cols != index_.dim()) {
+      throw std::invalid_argument(std::string{what} + " are [" + std::to_string(rows) + ", " +
+                                  std::to_string(cols) + "], the index's dimension is " +
+                                  std::to_string(index_.dim()));
+    }
+    if (rows > 0 && data == 0) { throw std::invalid_argument(std::string{what} + ": null data"); }
+  }
+
+  graph_index index_;
+};
+
 }  // namespace
 
 NB_MODULE(_inferscale, m)
@@ -658,6 +778,51 @@ NB_MODULE(_inferscale, m)
         "table is in device memory; the kernel is enqueued on `stream` (an integer cudaStream_t, "
         "e.g. torch.cuda.current_stream().cuda_stream) and not waited for. Everything is checked "
         "before anything is staged or launched; returns the tokens written.");
+
+  nb::class_<index_handle>(m, "Index")
+    .def(nb::init<std::int64_t, std::string const&, std::uint32_t, std::uint32_t, std::int64_t,
+                  std::uint32_t>(),
+         nb::arg("dim"), nb::arg("metric") = "cosine", nb::arg("graph_degree") = 32,
+         nb::arg("intermediate_graph_degree") = 64, nb::arg("exact_search_threshold") = -1,
+         nb::arg("build_threads") = 1,
+         "The library's host graph index (CAGRA-style graph, one namespace per tenant) over "
+         "float32 embeddings. exact_search_threshold: namespaces with at most this many live "
+         "facts are searched exactly (-1: the library's automatic choice).")
+    .def("add", &index_handle::add, nb::arg("namespace"), nb::arg("vectors"), nb::arg("rows"),
+         nb::arg("cols"), nb::arg("ids"), nb::arg("replace") = false,
+         "Adds `rows` contiguous float32 rows of `cols` values under new fact ids (replace: the "
+         "namespace's facts become exactly these).")
+    .def("erase", &index_handle::erase, nb::arg("ids"))
+    .def("erase_namespace",
+         [](index_handle& i, std::uint64_t ns) { return i.get().erase_namespace(ns); },
+         nb::arg("namespace"))
+    .def("search", &index_handle::search, nb::arg("namespace"), nb::arg("queries"), nb::arg("rows"),
+         nb::arg("cols"), nb::arg("k"), nb::arg("out_ids"), nb::arg("out_distances"),
+         nb::arg("algo") = "automatic", nb::arg("itopk_size") = 0)
+    .def("contains", [](index_handle const& i, std::uint64_t id) { return i.get().contains(id); })
+    .def("has_namespace",
+         [](index_handle const& i, std::uint64_t ns) { return i.get().has_namespace(ns); })
+    .def("size", [](index_handle const& i, std::uint64_t ns) { return i.get().size(ns); },
+         "Live facts of a namespace (0 if unknown).")
+    .def("ids", [](index_handle const& i, std::uint64_t ns) { return i.get().ids(ns); })
+    .def("namespaces", [](index_handle const& i) { return i.get().namespaces(); })
+    .def("uses_exact",
+         [](index_handle const& i, std::uint64_t ns, std::uint32_t itopk_size) {
+           if (!i.get().has_namespace(ns)) {
+             throw std::invalid_argument("Index.uses_exact: unknown namespace " + std::to_string(ns));
+           }
+           // as the fast host search decides: its list (itopk_size 0 = the namespace's
+           // calibrated one) against the exact-search threshold
+           search_params p;
+           p.itopk_size = itopk_size != 0 ? itopk_size : i.get().host_default_ef(ns);
+           return i.get().uses_exact(i.get().tenant_segment(ns), p);
+         },
+         nb::arg("namespace"), nb::arg("itopk_size") = 0,
+         "Whether an automatic search of this namespace runs exactly (brute force).")
+    .def_prop_ro("dim", [](index_handle const& i) { return i.get().dim(); })
+    .def_prop_ro("total_size", [](index_handle const& i) { return i.get().total_size(); })
+    .def_prop_ro("version", [](index_handle const& i) { return i.get().version(); });
+
   m.def("inject", &inject, nb::arg("store"), nb::arg("cache"), nb::arg("rotation"),
         nb::arg("requests"),
         "Composes each request's facts (in the order given) at its first position and writes them "

@@ -7,20 +7,25 @@ connector, so vLLM prefills only the query.
 
 Pieces:
   - ``MemoryStore`` (memory.py): the memory directory (facts' K/V in InferScale's store snapshot,
-    a catalogue per user), fact capture through vLLM itself, retrieval, and ``request_for`` —
-    the client helper that turns (user, query) into a vLLM prompt and its kv_transfer_params.
+    a catalogue per user, the facts' text embeddings), retrieval (``retrieve``), and the client
+    helpers ``request`` and ``request_for_query`` that turn (user, facts or query) into a vLLM
+    prompt and its kv_transfer_params. Fact capture through vLLM itself is encode.py.
   - ``InferScaleConnector`` (connector.py): the KVConnectorBase_V1 subclass vLLM loads with
     ``--kv-transfer-config '{"kv_connector": "InferScaleConnector",
     "kv_connector_module_path": "inferscale_vllm.connector", "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"memory_dir": ...}}'``.
-  - ``_inferscale``: the compiled extension (store, vLLM CPU cache descriptor, inject, extract;
-    built with INFERSCALE_VLLM_CUDA=ON also device stores, vLLM's GPU cache descriptor
-    ``VllmFlashAttnCache`` and ``inject_async`` on a CUDA stream — ``HAS_CUDA`` says which).
+  - ``MiniLMEmbedder`` (embed.py): all-MiniLM-L6-v2 sentence embeddings (torch + transformers),
+    what a memory with retrieval embeds its facts and queries with.
+  - ``_inferscale``: the compiled extension (store, vLLM CPU cache descriptor, inject, extract, the
+    library's host graph index for retrieval; built with INFERSCALE_VLLM_CUDA=ON also device stores,
+    vLLM's GPU cache descriptor ``VllmFlashAttnCache`` and ``inject_async`` on a CUDA stream —
+    ``HAS_CUDA`` says which).
 """
 
 from ._inferscale import (  # noqa: F401
-    HAS_CUDA, Rotation, Store, Tensor, VllmCpuCache, VllmFlashAttnCache, extract, inject, inject_async)
+    HAS_CUDA, Index, Rotation, Store, Tensor, VllmCpuCache, VllmFlashAttnCache, extract, inject,
+    inject_async)
 
-__all__ = ["HAS_CUDA", "Rotation", "Store", "Tensor", "VllmCpuCache", "VllmFlashAttnCache", "extract",
-           "inject", "inject_async"]
+__all__ = ["HAS_CUDA", "Index", "Rotation", "Store", "Tensor", "VllmCpuCache", "VllmFlashAttnCache",
+           "extract", "inject", "inject_async"]
 __version__ = "0.1.0"

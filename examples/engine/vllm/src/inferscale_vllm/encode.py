@@ -67,13 +67,15 @@ def model_description(llm) -> dict:
 
 
 def add_fact(memory, llm, user: str, text: str, token_ids: list[int],
-             context: list[int] | None = None) -> int:
+             context: list[int] | None = None, *, embed_text: str | None = None) -> int:
     """Encodes `token_ids` (behind `context`, e.g. the shared prefix, whose K/V are dropped) and
-    stores them as a fact of `user`."""
+    stores them as a fact of `user`; a memory with retrieval also embeds `embed_text` (default:
+    `text`)."""
     context = list(context or [])
     kv = capture(llm, context + list(token_ids))
     c = len(context)
-    return memory.add_fact(user, text, token_ids, kv["k"][:, c:], kv["v"][:, c:])
+    return memory.add_fact(user, text, token_ids, kv["k"][:, c:], kv["v"][:, c:],
+                           embed_text=embed_text)
 
 
 def set_prefix(memory, llm, text: str, token_ids: list[int]) -> int:

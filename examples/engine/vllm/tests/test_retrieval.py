@@ -1,0 +1,365 @@
+"""Retrieval in the vLLM package: the MiniLM embedder, the library's host graph index bound into
+_inferscale, and MemoryStore's retrieve / request_for_query / persistence. No vLLM engine: the
+facts' K/V here are placeholders (retrieval never reads them).
+
+Expectations are independent of the code under test:
+  - the embedder against sentence-transformers' own token ids and embeddings for the same weights
+    (tests/engine/fixtures/minilm_reference.json, which the llama.cpp embedder's test also uses);
+  - the index against a brute-force cosine top-k recomputed here in float64 with numpy, on real
+    text: the turns of two LoCoMo conversations (read in place from ../shared/data/locomo, or
+    $INFERSCALE_LOCOMO; never copied), queried with their QA questions.
+A missing model or data set is a failure with a message, never a skip.
+"""
+
+import json
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+from inferscale_vllm import Index
+from inferscale_vllm.embed import MiniLMEmbedder
+from inferscale_vllm.memory import MemoryStore, read_manifest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", "..", "..", ".."))
+LOCOMO = os.environ.get("INFERSCALE_LOCOMO") or os.path.join(REPO, "..", "shared", "data", "locomo",
+                                                             "locomo10.json")
+REFERENCE = os.path.join(REPO, "tests", "engine", "fixtures", "minilm_reference.json")
+MODEL = {"name": "placeholder", "num_layers": 1, "num_kv_heads": 1, "head_dim": 8,
+         "rope_theta": 10000.0}
+K = 10
+# The graph search's recall@10 against brute force over ~400 LoCoMo turns per user, with the
+# library's default search parameters (stated bound; the measured values are printed).
+GRAPH_RECALL_BOUND = 0.95
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    try:
+        return MiniLMEmbedder()
+    except ValueError as e:
+        pytest.fail(f"{e} (the real model is required; this test does not skip)")
+
+
+@pytest.fixture(scope="module")
+def locomo():
+    if not os.path.isfile(LOCOMO):
+        pytest.fail(f"LoCoMo is not at {LOCOMO} (set INFERSCALE_LOCOMO; this test does not skip)")
+    with open(LOCOMO) as f:
+        data = json.load(f)
+    out = []
+    for sample in data[:2]:  # two conversations: two users
+        conv = sample["conversation"]
+        turns = []
+        for key in sorted((k for k in conv if k.startswith("session_") and isinstance(conv[k], list)),
+                          key=lambda k: int(k.split("_")[1])):
+            turns += [f"{t['speaker']}: {t['text']}" for t in conv[key]]
+        questions = [q["question"] for q in sample["qa"]][:100]
+        out.append({"user": sample["sample_id"], "turns": turns, "questions": questions})
+    return out
+
+
+@pytest.fixture(scope="module")
+def vectors(embedder, locomo):
+    """Each conversation's turn and question embeddings (computed once: the test's main cost)."""
+    return [{"turns": embedder.embed(c["turns"]), "questions": embedder.embed(c["questions"])}
+            for c in locomo]
+
+
+def brute_force(rows: np.ndarray, queries: np.ndarray, k: int):
+    """(order [n, k] of row indices, cosine distances [n, rows]) in float64."""
+    r = rows.astype(np.float64)
+    r /= np.linalg.norm(r, axis=1, keepdims=True)
+    q = queries.astype(np.float64)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    d = 1.0 - q @ r.T
+    return np.argsort(d, axis=1, kind="stable")[:, :k], d
+
+
+def check_top_k(ids, distances, fact_ids, brute_d, k, tol=2e-6):
+    """Every rank holds a fact at the brute-force distance of that rank (a correct top-k up to
+    exact ties), ids are distinct facts of the namespace, distances are the true ones. Returns
+    the number of queries whose id lists equal brute force's exactly."""
+    position = {f: i for i, f in enumerate(fact_ids)}
+    same = 0
+    for q in range(ids.shape[0]):
+        got = [int(i) for i in ids[q]]
+        assert len(set(got)) == k, f"query {q}: repeated ids {got}"
+        assert all(g in position for g in got), f"query {q}: ids outside the namespace: {got}"
+        want = np.sort(brute_d[q])[:k]
+        mine = brute_d[q][[position[g] for g in got]]
+        np.testing.assert_allclose(mine, want, atol=tol, err_msg=f"query {q}: not the top {k}")
+        np.testing.assert_allclose(distances[q], mine, atol=1e-5, err_msg=f"query {q}: distances")
+        order = np.argsort(brute_d[q], kind="stable")[:k]
+        same += got == [fact_ids[i] for i in order]
+    return same
+
+
+def fill(mem, user, texts):
+    """Facts with placeholder K/V (one token): retrieval reads only their embeddings."""
+    kv = np.zeros((1, 1, 1, 8), np.float32)
+    return [mem.add_fact(user, t, [1], kv, kv) for t in texts]
+
+
+def new_memory(embedder, **kw):
+    return MemoryStore.create(tempfile.mkdtemp(prefix="inferscale-retr-"), model=MODEL,
+                              dtype="float32", num_pages=2048, embedder=embedder, **kw)
+
+
+# -- the embedder -------------------------------------------------------------------------------
+def test_embedder_matches_sentence_transformers(embedder):
+    with open(REFERENCE) as f:
+        ref = json.load(f)
+    assert ref["dimension"] == embedder.dimension == 384
+    texts = [s["text"] for s in ref["sentences"]]
+    got = embedder.embed(texts)
+    assert got.dtype == np.float32 and got.shape == (len(texts), 384)
+    worst = 1.0
+    for s, v in zip(ref["sentences"], got):
+        assert embedder.tokenize(s["text"]) == s["token_ids"], s["text"]
+        r = np.asarray(s["embedding"], np.float64)
+        c = float(v @ r / np.linalg.norm(v) / np.linalg.norm(r))
+        worst = min(worst, c)
+        assert c > 0.99999, (s["text"], c)
+        assert abs(float(np.linalg.norm(v)) - 1.0) < 1e-5
+    print(f"\nembedder: {len(texts)} sentences, min cosine vs sentence-transformers {worst:.8f}")
+    # one at a time equals the padded batch
+    np.testing.assert_allclose(np.stack([embedder.embed(t)[0] for t in texts]), got, atol=1e-5)
+
+
+def test_embedder_semantics_and_refusals(embedder):
+    a, b, c = embedder.embed(["The Cat sat on the mat.", "A cat was sitting on the rug.",
+                              "How do I reset my password?"])
+    assert a @ b > a @ c + 0.3 and a @ b > 0.6
+    with pytest.raises(ValueError, match="at most 256"):
+        embedder.embed("word " * 300)  # never truncated
+    with pytest.raises(ValueError, match="empty"):
+        embedder.embed(["fine", "  "])
+    with pytest.raises(ValueError, match="not the all-MiniLM-L6-v2 folder"):
+        MiniLMEmbedder(tempfile.mkdtemp())
+
+
+# -- the bound index against brute force -------------------------------------------------------
+def test_index_exact_and_graph_against_brute_force(locomo, vectors):
+    index = Index(384)
+    base = [0, 100_000]  # disjoint fact ids per user
+    for u, (c, v) in enumerate(zip(locomo, vectors)):
+        ids = [base[u] + i for i in range(len(c["turns"]))]
+        index.add(u + 1, v["turns"].ctypes.data, v["turns"].shape[0], 384, ids)
+        assert index.size(u + 1) == len(ids)
+    assert index.total_size == sum(len(c["turns"]) for c in locomo)
+    for u, (c, v) in enumerate(zip(locomo, vectors)):
+        fact_ids = [base[u] + i for i in range(len(c["turns"]))]
+        q = np.ascontiguousarray(v["questions"])
+        _, d = brute_force(v["turns"], q, K)
+        results = {}
+        for algo in ("exact", "graph", "automatic"):
+            ids = np.empty((q.shape[0], K), np.uint64)
+            dist = np.empty((q.shape[0], K), np.float32)
+            index.search(u + 1, q.ctypes.data, q.shape[0], 384, K, ids.ctypes.data,
+                         dist.ctypes.data, algo)
+            results[algo] = (ids.astype(np.int64), dist)
+        ids, dist = results["exact"]
+        same = check_top_k(ids, dist, fact_ids, d, K)
+        print(f"\n{c['user']}: {len(fact_ids)} turns, {q.shape[0]} questions; exact search equals "
+              f"brute force's order on {same}/{q.shape[0]}, a correct top-{K} on all")
+        # the graph search: recall@10 against brute force's top 10 (ties counted by distance)
+        kth = np.sort(d, axis=1)[:, K - 1]
+        pos = {f: i for i, f in enumerate(fact_ids)}
+        for algo in ("graph", "automatic"):
+            ids, dist = results[algo]
+            if algo == "automatic" and index.uses_exact(u + 1):
+                check_top_k(ids, dist, fact_ids, d, K)
+                print(f"{c['user']}: automatic search is exact here")
+                continue
+            hits = sum(int(np.sum(d[i][[pos[int(g)] for g in ids[i]]] <= kth[i] + 2e-6))
+                       for i in range(q.shape[0]))
+            recall = hits / (q.shape[0] * K)
+            print(f"{c['user']}: {algo} search recall@{K} {recall:.4f} (bound {GRAPH_RECALL_BOUND})")
+            assert recall >= GRAPH_RECALL_BOUND
+            assert len(set(ids.ravel().tolist()) - set(fact_ids)) == 0  # the user's facts only
+            assert np.all(np.diff(dist, axis=1) >= 0)  # best first
+            found = np.take_along_axis(d, np.vectorize(pos.get)(ids), axis=1)
+            np.testing.assert_allclose(dist, found, atol=1e-5)  # the true distances
+
+
+def test_index_refusals_change_nothing():
+    index = Index(4)
+    v = np.eye(4, dtype=np.float32)
+    index.add(1, v.ctypes.data, 4, 4, [1, 2, 3, 4])
+    version = index.version
+    bad = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match="dimension is 4"):
+        index.add(1, bad.ctypes.data, 2, 3, [5, 6])
+    with pytest.raises(ValueError, match="2 vectors but 1 ids"):
+        index.add(1, v.ctypes.data, 2, 4, [5])
+    with pytest.raises(ValueError):
+        index.add(2, v.ctypes.data, 1, 4, [1])  # id 1 exists (in another namespace)
+    z = np.zeros((1, 4), np.float32)
+    with pytest.raises(ValueError, match="zero"):
+        index.add(1, z.ctypes.data, 1, 4, [9])
+    with pytest.raises(ValueError, match="unknown fact id 77"):
+        index.erase([2, 77])
+    assert index.version == version and index.size(1) == 4 and index.contains(2)
+    out_i = np.empty((1, 2), np.uint64)
+    out_d = np.empty((1, 2), np.float32)
+    with pytest.raises(ValueError):
+        index.search(5, v.ctypes.data, 1, 4, 2, out_i.ctypes.data, out_d.ctypes.data)  # no ns 5
+    with pytest.raises(ValueError, match="algo"):
+        index.search(1, v.ctypes.data, 1, 4, 2, out_i.ctypes.data, out_d.ctypes.data, "fuzzy")
+    with pytest.raises(ValueError, match="metric"):
+        Index(4, "manhattan")
+
+
+# -- MemoryStore: retrieve, request_for_query, persistence, erase, refusals --------------------
+@pytest.fixture(scope="module")
+def small(embedder, locomo, vectors):
+    """A memory with two users' first 40 turns each (the library searches these exactly)."""
+    mem = new_memory(embedder)
+    users = {}
+    for c, v in zip(locomo, vectors):
+        ids = fill(mem, c["user"], c["turns"][:40])
+        users[c["user"]] = {"ids": ids, "rows": v["turns"][:40], "questions": c["questions"][:15],
+                            "q": v["questions"][:15]}
+    mem.commit()
+    return mem, users
+
+
+def test_retrieve_equals_brute_force(small):
+    mem, users = small
+    for user, u in users.items():
+        assert mem._index.uses_exact(mem._ns[user])
+        order, d = brute_force(u["rows"], u["q"], 5)
+        got = np.array([mem.retrieve(user, text, 5) for text in u["questions"]])
+        dist = np.array([[d[i][u["ids"].index(f)] for f in row] for i, row in enumerate(got)])
+        same = check_top_k(got, dist, u["ids"], d, 5)
+        assert same == len(u["questions"]), f"{user}: {same}/{len(u['questions'])} in brute force's order"
+
+
+def test_request_for_query_composes_retrieval(small):
+    mem, users = small
+    user = next(iter(users))
+    q = users[user]["questions"][0]
+    retrieved = mem.retrieve(user, q, 3)
+    r = mem.request_for_query(user, q, [7, 8, 9], 3)
+    assert r["retrieved"] == retrieved
+    expect = mem.request(user, retrieved[::-1], [7, 8, 9])  # best last: nearest the query
+    assert r["prompt"] == expect["prompt"] and r["extra_args"] == expect["extra_args"]
+    assert r["extra_args"]["kv_transfer_params"]["inferscale"]["facts"] == retrieved[::-1]
+    first = mem.request_for_query(user, q, [7, 8, 9], 3, order="best_first")
+    assert first["extra_args"]["kv_transfer_params"]["inferscale"]["facts"] == retrieved
+    with pytest.raises(ValueError, match="order"):
+        mem.request_for_query(user, q, [7], 3, order="random")
+
+
+def test_persistence_round_trip(small, embedder):
+    mem, users = small
+    queries = {user: u["questions"][:10] for user, u in users.items()}
+    before = {user: [mem.retrieve(user, t, 4) for t in qs] for user, qs in queries.items()}
+    manifest = read_manifest(mem.directory)
+    name = manifest["embeddings"]
+    assert name == f"embeddings-{manifest['generation']}.npz"
+    with np.load(os.path.join(mem.directory, name)) as z:
+        ids, stored = z["ids"], z["vectors"]
+    all_ids = sorted(i for u in users.values() for i in u["ids"])
+    assert ids.tolist() == all_ids and stored.dtype == np.float32
+    np.testing.assert_array_equal(stored, np.stack([mem._vectors[i] for i in all_ids]))
+    # each fact's embedding was computed alone (add_fact), the rows here in batches: rounding only
+    rows = {i: r for u in users.values() for i, r in zip(u["ids"], u["rows"])}
+    np.testing.assert_allclose(stored, np.stack([rows[i] for i in all_ids]), atol=1e-6)
+    again = MemoryStore.open(mem.directory, embedder)
+    after = {user: [again.retrieve(user, t, 4) for t in qs] for user, qs in queries.items()}
+    assert after == before
+    # a reader refreshes onto a writer's new generation; the old generation's files are removed
+    user = next(iter(users))
+    fid = fill(again, user, ["Caroline's boat is called Maré."])[0]
+    again.commit()
+    assert not os.path.exists(os.path.join(mem.directory, name))
+    assert mem.refresh() is True and mem.refresh() is False
+    assert mem.retrieve(user, "What is the name of Caroline's boat?", 1) == [fid]
+    fill(mem, user, ["uncommitted"])
+    fill(again, user, ["another writer's fact"])
+    again.commit()
+    with pytest.raises(ValueError, match="uncommitted"):
+        mem.refresh()
+    # an index rebuilt from the file, not from memory: vectors are read from embeddings-G.npz
+    third = MemoryStore.open(mem.directory, embedder)
+    assert third.retrieve(user, "What is the name of Caroline's boat?", 1) == [fid]
+
+
+def test_erase_removes_from_retrieval(embedder, locomo, vectors):
+    mem = new_memory(embedder)
+    c, v = locomo[0], vectors[0]
+    ids = fill(mem, "u", c["turns"][:40])
+    mem.commit()
+    q = c["questions"][0]
+    top = mem.retrieve("u", q, 3)
+    mem.erase_fact(top[0])
+    left = [i for i in ids if i != top[0]]
+    rows = np.stack([v["turns"][ids.index(i)] for i in left])
+    order, _ = brute_force(rows, embedder.embed(q), 3)
+    expect = [left[i] for i in order[0]]
+    assert mem.retrieve("u", q, 3) == expect and top[0] not in expect
+    with pytest.raises(ValueError, match="k must be in 1 .. 39"):
+        mem.retrieve("u", q, 40)  # one fewer fact now
+    mem.commit()
+    reopened = MemoryStore.open(mem.directory, embedder)
+    assert reopened.retrieve("u", q, 3) == expect
+    with np.load(os.path.join(mem.directory, reopened.manifest["embeddings"])) as z:
+        assert top[0] not in z["ids"].tolist()
+    for f in left:  # the last fact gone: the user is gone
+        reopened.erase_fact(f)
+    with pytest.raises(ValueError, match="unknown user"):
+        reopened.retrieve("u", q, 1)
+
+
+def test_bad_input_refused_before_anything_changes(small, embedder):
+    mem, users = small
+    user = next(iter(users))
+    n = len(mem.facts(user))
+    with pytest.raises(ValueError, match="unknown user 'nobody'"):
+        mem.retrieve("nobody", "anything", 1)
+    for k in (0, -1, n + 1, 2.0, True):
+        with pytest.raises(ValueError, match=f"k must be in 1 .. {n}"):
+            mem.retrieve(user, "anything", k)
+    with pytest.raises(ValueError, match=r"takes \[n, 384\]"):
+        mem.search(user, np.ones(383, np.float32), 1)
+    with pytest.raises(ValueError, match="NaN"):
+        mem.search(user, np.full(384, np.nan, np.float32), 1)
+    with pytest.raises(ValueError, match="zero"):
+        mem.search(user, np.zeros(384, np.float32), 1)
+    with pytest.raises(ValueError, match="at most 256"):
+        mem.retrieve(user, "word " * 300, 1)
+    # a refused add_fact leaves the memory as it was (ids, store, index, catalogue)
+    state = (mem.manifest["next_id"], mem.store.num_facts, mem._index.total_size, mem.facts(user))
+    kv = np.zeros((1, 1, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="empty"):
+        mem.add_fact(user, "   ", [1], kv, kv)
+    with pytest.raises(ValueError):
+        mem.add_fact(user, "wrong K/V shape", [1], np.zeros((2, 1, 1, 8), np.float32), kv)
+    assert (mem.manifest["next_id"], mem.store.num_facts, mem._index.total_size,
+            mem.facts(user)) == state
+    # without its embedder a memory with retrieval still opens, but refuses to embed
+    blind = MemoryStore.open(mem.directory)
+    blind_state = (blind.manifest["next_id"], blind.store.num_facts, blind._index.total_size)
+    with pytest.raises(ValueError, match="open it with that embedder"):
+        blind.retrieve(user, "anything", 1)
+    with pytest.raises(ValueError, match="open it with that embedder"):
+        blind.add_fact(user, "a fact", [1], kv, kv)
+    assert (blind.manifest["next_id"], blind.store.num_facts, blind._index.total_size) == blind_state
+
+    class Other:
+        def description(self):
+            return {"name": "other-model", "dim": 384}
+
+    with pytest.raises(ValueError, match="embeds with"):
+        MemoryStore.open(mem.directory, Other())
+    # a memory made without an embedder has no retrieval
+    plain = MemoryStore.create(tempfile.mkdtemp(), model=MODEL, dtype="float32", num_pages=8)
+    fill(plain, "u", ["a fact"])
+    with pytest.raises(ValueError, match="no embedder"):
+        plain.retrieve("u", "a fact", 1)
+    with pytest.raises(ValueError, match="no embedder"):
+        plain.add_fact("u", "x", [1], kv, kv, embed_text="x")

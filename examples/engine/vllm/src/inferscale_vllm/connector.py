@@ -68,7 +68,7 @@ class _Memory:
 
     def __init__(self, directory: str, shard=None, device: bool = False):
         self.directory = directory
-        self.shard = shard  # (first_head, num_heads) or None
+        self.shard = shard  # (first_head, num_heads, first_layer, num_layers) or None
         self.device = device  # keep the store in device memory (the GPU path)
         self.stamp = None
         self.manifest = None
@@ -94,10 +94,37 @@ class _Memory:
 
 
 def _layer_index(name: str) -> int:
-    m = re.search(r"layers\.(\d+)\.", name)
-    if not m:
+    """The model's (global) layer index in a KV cache's name, e.g. 'model.layers.17.self_attn.attn'
+    -> 17 (vLLM names a pipeline stage's layers by their index in the whole model)."""
+    m = re.fullmatch(r"(?:.*\.)?layers\.(\d+)\.(?:.*)", name)
+    if not m or len(re.findall(r"(?:^|\.)layers\.\d+\.", name)) != 1:
         raise ValueError(f"inferscale: cannot tell the layer of KV cache '{name}'")
     return int(m.group(1))
+
+
+def rank_layers(kv_caches, total_layers: int) -> tuple[int, int]:
+    """(first layer, number of layers) of the KV caches a worker was handed, by their names: one
+    cache per layer, a contiguous run inside the model's [0, total_layers). Raises otherwise (a
+    store shard is one run of layers; anything else would inject the wrong layers)."""
+    if not kv_caches:
+        raise ValueError("inferscale: register_kv_caches got no KV caches")
+    by_layer = {}
+    for name in kv_caches:
+        i = _layer_index(name)
+        if i in by_layer:
+            raise ValueError(f"inferscale: KV caches '{by_layer[i]}' and '{name}' are both layer "
+                             f"{i} (one cache per layer expected)")
+        by_layer[i] = name
+    layers = sorted(by_layer)
+    first, last = layers[0], layers[-1]
+    if last >= total_layers:
+        raise ValueError(f"inferscale: KV cache '{by_layer[last]}' is layer {last}, the model has "
+                         f"{total_layers} layers")
+    missing = sorted(set(range(first, last + 1)) - set(layers))
+    if missing:
+        raise ValueError(f"inferscale: this worker's KV caches skip layers {missing} inside "
+                         f"[{first}, {last}] (a contiguous run of layers is expected)")
+    return first, len(layers)
 
 
 class InferScaleConnector(KVConnectorBase_V1):
@@ -116,7 +143,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config
         self._model = {
-            "num_layers": model.get_num_layers(vllm_config.parallel_config),
+            # the whole model's layers (get_num_layers would give one pipeline stage's)
+            "num_layers": model.get_total_num_hidden_layers(),
             "num_kv_heads": model.get_total_num_kv_heads(),
             "head_dim": model.get_head_size(),
         }
@@ -125,6 +153,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._plans = {}  # request id -> (facts, memory_tokens, local hit asked with)
         self._pending = []  # loads decided this step
         self._errors = set()  # worker side: block ids of failed loads
+        # scheduler side, for observation: loads planned, and of those for preempted requests
+        self.counters = {"loads": 0, "loads_after_preemption": 0}
         if role == KVConnectorRole.SCHEDULER:
             self._memory = _Memory(directory)
         else:
@@ -213,6 +243,9 @@ class InferScaleConnector(KVConnectorBase_V1):
         slots = [block_ids[p // bs] * bs + p % bs if start <= p < end else -1 for p in range(m)]
         loaded_blocks = sorted({block_ids[p // bs] for p in range(start, end)})
         self._pending.append(_Load(request.request_id, user, order, slots, loaded_blocks))
+        self.counters["loads"] += 1
+        if getattr(request, "num_preemptions", 0) > 0:
+            self.counters["loads_after_preemption"] += 1
 
     def build_connector_meta(self, scheduler_output):
         meta = InferScaleMetadata(loads=self._pending)
@@ -222,15 +255,41 @@ class InferScaleConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids):
         self._plans.pop(request.request_id, None)
         self._refused.pop(request.request_id, None)
-        return False, None
+        return False, None  # the blocks are vLLM's to free now (every load is synchronous)
+
+    def request_state(self) -> dict:
+        """The request ids this (scheduler-side) connector holds state for: planned loads,
+        refusals, loads not yet handed to the workers. Empty when no request is in flight."""
+        return {"plans": set(self._plans), "refused": set(self._refused),
+                "pending": {load.request_id for load in self._pending}}
 
     # ---------------------------------------------------------------------------------------
     # Worker side
     def register_kv_caches(self, kv_caches):
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, \
-            get_tensor_model_parallel_world_size
+        from vllm.distributed.parallel_state import get_pp_group, \
+            get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
+        first_layer, num_layers = rank_layers(kv_caches, self._model["num_layers"])
         names = sorted(kv_caches, key=_layer_index)
+        pp, pp_rank = get_pp_group().world_size, get_pp_group().rank_in_group
+        if pp > 1 and not os.environ.get("INFERSCALE_VLLM_ALLOW_PP"):
+            # The layer mapping below is by name and would give this stage its own layers, but
+            # vLLM CPU 0.32 cannot run a pipeline-parallel forward (NOTES-vllm-api.md), so it has
+            # never been checked against one: refuse rather than serve it untested.
+            raise ValueError(
+                f"inferscale: pipeline parallelism (pipeline_parallel_size = {pp}) is not "
+                f"supported by InferScaleConnector: injection per pipeline stage is untested "
+                f"(vLLM CPU 0.32 fails its first pipeline-parallel forward); use "
+                f"pipeline_parallel_size = 1 (tensor parallelism is supported), or set "
+                f"INFERSCALE_VLLM_ALLOW_PP=1 to try it (this stage would inject layers "
+                f"[{first_layer}, {first_layer + num_layers}))")
+        # vLLM's own split of the layers over pipeline stages must be what the names say.
+        start, end = self._vllm_config.model_config.get_layers_start_end_indices(
+            self._vllm_config.parallel_config)
+        if (start, end) != (first_layer, first_layer + num_layers):
+            raise ValueError(f"inferscale: pipeline stage {pp_rank}/{pp} got the KV caches of "
+                             f"layers [{first_layer}, {first_layer + num_layers}), vLLM assigns "
+                             f"it layers [{start}, {end})")
         self._device, self._cache = kv_cache_descriptor(kv_caches, names)
         self._kv_caches = kv_caches  # keep the tensors alive with the descriptor
         tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
@@ -241,11 +300,13 @@ class InferScaleConnector(KVConnectorBase_V1):
         if self._cache.num_heads != per:
             raise ValueError(f"inferscale: rank {rank}'s cache holds {self._cache.num_heads} heads, "
                              f"expected {per}")
-        self._memory = _Memory(self._directory, shard=(rank * per, per), device=self._device)
+        self._memory = _Memory(self._directory, shard=(rank * per, per, first_layer, num_layers),
+                               device=self._device)
         self._rotation = self._make_rotation()
-        logger.info("inferscale: rank %d/%d injects KV heads [%d, %d) into %d layers of %d slots "
-                    "(%s path)", rank, tp, rank * per, rank * per + per, self._cache.num_layers,
-                    self._cache.num_slots, "device" if self._device else "host")
+        logger.info("inferscale: TP rank %d/%d, PP stage %d/%d injects KV heads [%d, %d) into "
+                    "layers [%d, %d) of %d slots (%s path)", rank, tp, pp_rank, pp, rank * per,
+                    rank * per + per, first_layer, first_layer + num_layers, self._cache.num_slots,
+                    "device" if self._device else "host")
 
     def _make_rotation(self):
         """vLLM's own rotary table (the module its Llama builds), and the rounding its rotary

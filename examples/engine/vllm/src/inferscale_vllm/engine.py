@@ -21,13 +21,14 @@ def cpu_ranges(cpus) -> str:
     return ",".join(out)
 
 
-def cpu_environment(tensor_parallel: int = 1) -> None:
+def cpu_environment(ranks: int = 1) -> None:
+    """`ranks`: the engine's worker count (tensor x pipeline parallel sizes)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cpus = sorted(os.sched_getaffinity(0))
-    if tensor_parallel == 1:
+    if ranks == 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_ranges(cpus))
     else:  # one group of CPUs per rank ("0|1|0" when there are fewer CPUs than ranks)
-        groups = [str(cpus[r % len(cpus)]) for r in range(tensor_parallel)]
+        groups = [str(cpus[r % len(cpus)]) for r in range(ranks)]
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(groups)
     for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
                        ("VLLM_NO_USAGE_STATS", "1")):
@@ -44,14 +45,17 @@ def kv_transfer_config(memory_dir: str):
 
 
 def make_llm(model: str, memory_dir: str | None, *, capture: bool = True,
-             tensor_parallel: int = 1, **kwargs):
+             tensor_parallel: int = 1, pipeline_parallel: int = 1, **kwargs):
     """vllm.LLM on `model` with the connector (when memory_dir is given) and the capture
-    extension (when capture)."""
-    cpu_environment(tensor_parallel)
+    extension (when capture); other keyword arguments are vLLM engine arguments (they override
+    the defaults here)."""
+    cpu_environment(tensor_parallel * pipeline_parallel)
     from vllm import LLM
 
     args = dict(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=2048, seed=0,
                 tensor_parallel_size=tensor_parallel)
+    if pipeline_parallel > 1:
+        args.update(pipeline_parallel_size=pipeline_parallel, distributed_executor_backend="mp")
     if memory_dir is not None:
         args["kv_transfer_config"] = kv_transfer_config(memory_dir)
     if capture:

@@ -397,20 +397,31 @@ def load_store(directory: str, manifest: dict, dtype: str | None = None) -> Stor
     return Store.load(os.path.join(directory, manifest["store"]), dtype)
 
 
-def shard_store(full: Store, manifest: dict, first_head: int, num_heads: int) -> Store:
-    """The heads [first_head, first_head + num_heads) of every fact (a tensor-parallel rank's)."""
+def shard_store(full: Store, manifest: dict, first_head: int, num_heads: int,
+                first_layer: int = 0, num_layers: int | None = None) -> Store:
+    """The heads [first_head, first_head + num_heads) of the layers [first_layer, first_layer +
+    num_layers) of every fact (a tensor-parallel rank's heads in a pipeline stage's layers; the
+    shard's layer 0 is the model's layer first_layer)."""
     layers, heads, dim = full.geometry
-    if first_head == 0 and num_heads == heads:
+    if num_layers is None:
+        num_layers = layers - first_layer
+    if not (0 <= first_layer and num_layers >= 1 and first_layer + num_layers <= layers):
+        raise ValueError(f"shard_store: layers [{first_layer}, {first_layer + num_layers}) are "
+                         f"not inside the store's {layers}")
+    if not (0 <= first_head and num_heads >= 1 and first_head + num_heads <= heads):
+        raise ValueError(f"shard_store: KV heads [{first_head}, {first_head + num_heads}) are not "
+                         f"inside the store's {heads}")
+    if first_head == 0 and num_heads == heads and first_layer == 0 and num_layers == layers:
         return full
     pages = max(1, sum((f["tokens"] + 15) // 16 for f in manifest["facts"].values()))
-    shard = Store(layers, heads, dim, full.dtype, pages, 16, first_head, num_heads)
+    shard = Store(num_layers, heads, dim, full.dtype, pages, 16, first_head, num_heads)
     for key in manifest["facts"]:
         fid = int(key)
         n = full.length(fid)
         k = np.empty((layers, n, heads, dim), np.float32)
         v = np.empty_like(k)
         full.read(fid, k.ctypes.data, v.ctypes.data)
-        kt, _ = _tensor(k)
-        vt, _ = _tensor(v)
+        kt, _kb = _tensor(k[first_layer:first_layer + num_layers])
+        vt, _vb = _tensor(v[first_layer:first_layer + num_layers])
         shard.insert(fid, 0, full.token_ids(fid), kt, vt)
     return shard

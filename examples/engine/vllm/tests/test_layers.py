@@ -1,0 +1,107 @@
+"""Which layers a worker injects: the global layer index read from the names of the KV caches vLLM
+registers (a pipeline stage gets only its own layers, named by their index in the whole model),
+and the store shard of those layers and heads. No engine: the oracle is the full store itself
+(a direct slice of what it holds, and the full store injected into a whole-model cache)."""
+
+import numpy as np
+import pytest
+import torch
+
+from inferscale_vllm import Rotation, Store, inject
+from inferscale_vllm.connector import _layer_index, rank_layers
+from inferscale_vllm.memory import shard_store
+from inferscale_vllm.tensors import as_tensor_arg, vllm_cpu_cache
+
+LAYERS, HEADS, DIM, BLOCK = 6, 3, 64, 128
+
+
+def names(layers, prefix="model"):
+    return {f"{prefix}.layers.{l}.self_attn.attn": None for l in layers}
+
+
+def test_layer_index_is_the_models_index_in_the_name():
+    assert _layer_index("model.layers.17.self_attn.attn") == 17
+    assert _layer_index("language_model.model.layers.3.self_attn.attn") == 3
+    for bad in ["model.embed_tokens", "layers.x.attn", "model.layers.1.sub.layers.2.attn"]:
+        with pytest.raises(ValueError, match="cannot tell the layer"):
+            _layer_index(bad)
+
+
+def test_a_stage_gets_its_contiguous_run_of_layers_in_any_order():
+    assert rank_layers(names([3, 5, 4]), 6) == (3, 3)
+    assert rank_layers(names(range(30)), 30) == (0, 30)
+    assert rank_layers(names(range(15, 30)), 30) == (15, 15)
+
+
+@pytest.mark.parametrize("layers,total,message", [
+    ([0, 1, 3], 6, r"skip layers \[2\]"),
+    ([4, 5, 6], 6, "is layer 6, the model has 6 layers"),
+    ([], 6, "got no KV caches"),
+])
+def test_layer_sets_that_cannot_be_one_shard_are_refused(layers, total, message):
+    with pytest.raises(ValueError, match=message):
+        rank_layers(names(layers), total)
+
+
+def test_two_caches_for_one_layer_are_refused():
+    caches = {"model.layers.2.self_attn.attn": None, "other.layers.2.attn": None}
+    with pytest.raises(ValueError, match="are both layer 2"):
+        rank_layers(caches, 6)
+
+
+def full_store(n=40):
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((LAYERS, n, HEADS, DIM)).astype(np.float32)
+    v = rng.standard_normal((LAYERS, n, HEADS, DIM)).astype(np.float32)
+    store = Store(LAYERS, HEADS, DIM, "float32", num_pages=16)
+    kt, vt = torch.from_numpy(k), torch.from_numpy(v)
+    store.insert(7, 0, list(range(100, 100 + n)), as_tensor_arg(kt), as_tensor_arg(vt))
+    manifest = {"facts": {"7": {"tokens": n}}}
+    return store, manifest, k, v
+
+
+def test_a_layer_and_head_shard_holds_exactly_that_slice():
+    store, manifest, k, v = full_store()
+    shard = shard_store(store, manifest, first_head=1, num_heads=2, first_layer=2, num_layers=3)
+    n = k.shape[1]
+    kb = np.empty((3, n, 2, DIM), np.float32)
+    vb = np.empty_like(kb)
+    shard.read(7, kb.ctypes.data, vb.ctypes.data)
+    assert np.array_equal(kb, k[2:5, :, 1:3]) and np.array_equal(vb, v[2:5, :, 1:3])
+    assert shard.token_ids(7) == list(range(100, 100 + n))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"first_head": 0, "num_heads": 3, "first_layer": 4, "num_layers": 3}, "layers"),
+    ({"first_head": 0, "num_heads": 3, "first_layer": -1, "num_layers": 2}, "layers"),
+    ({"first_head": 2, "num_heads": 2}, "KV heads"),
+])
+def test_shards_outside_the_store_are_refused(kwargs, message):
+    store, manifest, _, _ = full_store()
+    with pytest.raises(ValueError, match=message):
+        shard_store(store, manifest, **kwargs)
+
+
+def test_a_stage_injects_the_same_bytes_as_the_whole_model_into_its_layers():
+    """Layers [3, 6) from their shard into a 3-layer cache == the full store into a 6-layer cache,
+    read at layers 3..5; and the stage's cache differs from layers 0..2 (the wrong layers)."""
+    store, manifest, _, _ = full_store()
+    n = 40
+    torch.manual_seed(3)
+    table = torch.randn(512, DIM)  # any cos/sin table: both injections use the same one
+    rotation = Rotation(table.data_ptr(), table.shape[0], table.stride(0), DIM, DIM,
+                        str(table.dtype), True)
+    slots = [BLOCK + p for p in range(n)]  # block 1
+    whole = {f"model.layers.{l}.self_attn.attn": torch.zeros(2, HEADS, BLOCK, 2 * DIM)
+             for l in range(LAYERS)}
+    stage = {f"model.layers.{l}.self_attn.attn": torch.zeros(2, HEADS, BLOCK, 2 * DIM)
+             for l in range(3, LAYERS)}
+    first, count = rank_layers(stage, LAYERS)
+    shard = shard_store(store, manifest, 0, HEADS, first, count)
+    inject(store, vllm_cpu_cache(whole, list(whole)), rotation, [([7], 0, slots)])
+    ordered = sorted(stage, key=_layer_index)
+    inject(shard, vllm_cpu_cache(stage, ordered), rotation, [([7], 0, slots)])
+    for name in ordered:
+        assert torch.equal(stage[name], whole[name]), name
+    assert not torch.equal(stage["model.layers.3.self_attn.attn"],
+                           whole["model.layers.0.self_attn.attn"])

@@ -516,33 +516,49 @@ INFERSCALE_FORCEINLINE void inject_host_typed(kv_store_ref const& store,
   auto const* const pool     = static_cast<StoreT const*>(store.pool);
   std::int64_t const n_slots = cache.num_slots();
   std::int32_t const bs      = cache.key_layout.block_size;
-  std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(pairs));
-  for (std::int64_t i = 0; i < batch.num_tokens; ++i) {
-    std::int64_t const slot = batch.slot[i];
-    if (!slot_in_cache(slot, n_slots)) { continue; }
-    std::int64_t const block    = slot / bs;
-    std::int32_t const in_block = static_cast<std::int32_t>(slot % bs);
-    // once per token, shared by layers and heads
-    detail::rope_cos_sin_row(rotation, batch.position[i], rope_op::forward, cos_sin.data());
+  // Tokens in chunks, and within a chunk layer by layer: consecutive tokens of one (layer, head)
+  // write neighbouring elements of the cache where a layout interleaves tokens (vLLM's CPU keys,
+  // `[head_dim, block_size]` per block: token t of dim d sits beside token t + 1), so they share
+  // cache lines instead of each touching head_dim lines the next token's visit no longer finds in
+  // cache after a sweep over every layer (bench/vllm/inject_cost.py). The cos/sin rows
+  // of a chunk are computed once, shared by its layers and heads. The values written are the same.
+  constexpr std::int64_t chunk_tokens = 64;
+  std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(chunk_tokens * pairs));
+  std::vector<std::int64_t> block(static_cast<std::size_t>(chunk_tokens));
+  std::vector<std::int32_t> in_block(static_cast<std::size_t>(chunk_tokens));
+  for (std::int64_t first = 0; first < batch.num_tokens; first += chunk_tokens) {
+    std::int64_t const count = std::min(chunk_tokens, batch.num_tokens - first);
+    for (std::int64_t j = 0; j < count; ++j) {
+      std::int64_t const slot = batch.slot[first + j];
+      if (!slot_in_cache(slot, n_slots)) { continue; }
+      block[j]    = slot / bs;
+      in_block[j] = static_cast<std::int32_t>(slot % bs);
+      detail::rope_cos_sin_row(
+        rotation, batch.position[first + j], rope_op::forward, cos_sin.data() + j * pairs);
+    }
     for (std::int32_t l = 0; l < cache.num_layers; ++l) {
-      StoreT const* const krow = pool + store.row_offset(batch.store_token[i], l, 0);
-      StoreT const* const vrow = pool + store.row_offset(batch.store_token[i], l, 1);
-      auto* const kbase        = static_cast<CacheT*>(cache.key_base[l]);
-      auto* const vbase        = static_cast<CacheT*>(cache.value_base[l]);
-      for (std::int32_t h = 0; h < store.num_heads; ++h) {
-        inject_host_head<ContiguousK, ContiguousV, Scaled, Halves, RoundEach, Fused, StoreT,
-                         CacheT, Truncate>(
-          krow + static_cast<std::int64_t>(h) * dim,
-          vrow + static_cast<std::int64_t>(h) * dim,
-          kbase + cache.key_layout.offset(block, in_block, h, 0),
-          vbase + cache.value_layout.offset(block, in_block, h, 0),
-          cache.key_layout,
-          cache.value_layout,
-          rotation.rotary_dim,
-          cos_sin.data(),
-          cache.scale(l, h, false),
-          cache.scale(l, h, true),
-          cache.scale_convention);
+      auto* const kbase = static_cast<CacheT*>(cache.key_base[l]);
+      auto* const vbase = static_cast<CacheT*>(cache.value_base[l]);
+      for (std::int64_t j = 0; j < count; ++j) {
+        std::int64_t const i = first + j;
+        if (!slot_in_cache(batch.slot[i], n_slots)) { continue; }
+        StoreT const* const krow = pool + store.row_offset(batch.store_token[i], l, 0);
+        StoreT const* const vrow = pool + store.row_offset(batch.store_token[i], l, 1);
+        for (std::int32_t h = 0; h < store.num_heads; ++h) {
+          inject_host_head<ContiguousK, ContiguousV, Scaled, Halves, RoundEach, Fused, StoreT,
+                           CacheT, Truncate>(
+            krow + static_cast<std::int64_t>(h) * dim,
+            vrow + static_cast<std::int64_t>(h) * dim,
+            kbase + cache.key_layout.offset(block[j], in_block[j], h, 0),
+            vbase + cache.value_layout.offset(block[j], in_block[j], h, 0),
+            cache.key_layout,
+            cache.value_layout,
+            rotation.rotary_dim,
+            cos_sin.data() + j * pairs,
+            cache.scale(l, h, false),
+            cache.scale(l, h, true),
+            cache.scale_convention);
+        }
       }
     }
   }

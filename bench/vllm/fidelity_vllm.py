@@ -42,16 +42,16 @@ def agreement(a, b):
 
 
 def locomo_text(path, tokens, tok):
-    """LoCoMo turns (conversation 2) until `tokens` tokens: a filler unrelated to the memory."""
+    """LoCoMo turns (conversation 2), whole turns until at least `tokens` tokens: a filler
+    unrelated to the memory (its exact length is what the shift is)."""
     with open(path) as f:
         conv = json.load(f)[1]["conversation"]
     text, s = "", 1
     while f"session_{s}" in conv:
         for t in conv[f"session_{s}"]:
-            line = f"{t['speaker']}: {t['text']}\n"
-            if len(tok.encode(text + line, add_special_tokens=False)) > tokens:
+            text += f"{t['speaker']}: {t['text']}\n"
+            if len(tok.encode(text, add_special_tokens=False)) >= tokens:
                 return text
-            text += line
         s += 1
     raise SystemExit(f"fidelity_vllm: {path} holds fewer than {tokens} tokens of turns")
 
@@ -62,7 +62,7 @@ def main():
     ap.add_argument("--locomo", default=os.environ.get(
         "INFERSCALE_LOCOMO", os.path.join(HERE, "..", "..", "..", "shared", "data", "locomo",
                                           "locomo10.json")))
-    ap.add_argument("--shifts", default="16,200", help="filler lengths in tokens (at most)")
+    ap.add_argument("--shifts", default="16,200", help="filler lengths in tokens (at least: whole turns)")
     ap.add_argument("--json")
     a = ap.parse_args()
     if not a.model or not os.path.isfile(os.path.join(a.model, "config.json")):
@@ -107,11 +107,13 @@ def main():
                                "cache_salt": f"plain-{label}-{i}"})
             injected, cached = answer(r["prompt"], r["extra_args"])
             rows.append({"question": q, "identical": injected == plain,
-                         "agree": agreement(injected, plain), "loaded": cached,
+                         "agree": agreement(injected, plain), "tokens": len(plain),
+                         "loaded": cached,
                          "memory_tokens": r["memory_tokens"]})
         same = sum(r["identical"] for r in rows)
-        print(f"{label}: identical on {same} of {len(rows)} questions; leading tokens agreeing "
-              f"per question {[r['agree'] for r in rows]} of {GEN}; loaded "
+        print(f"{label}: identical on {same} of {len(rows)} questions; leading tokens agreeing / "
+              f"prefill's answer length (at most {GEN}, shorter where it ended) per question "
+              f"{[(r['agree'], r['tokens']) for r in rows]}; loaded "
               f"{min(r['loaded'] for r in rows)} of {rows[0]['memory_tokens']} memory tokens",
               flush=True)
         return rows

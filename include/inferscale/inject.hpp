@@ -417,6 +417,9 @@ void check_injection(kv_store const& store,
 INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE std::int64_t dim_offset(paged_kv_layout const& layout,
                                                                       std::int32_t d)
 {
+  // One chunk (every layout but vLLM's legacy keys): d < head_dim, so d / dim_chunk is 0 and no
+  // division per element is needed (vLLM's CPU keys, dims block_size apart, take this path).
+  if (layout.dim_chunk == layout.head_dim) { return static_cast<std::int64_t>(d) * layout.dim_stride; }
   return static_cast<std::int64_t>(d / layout.dim_chunk) * layout.chunk_stride +
          static_cast<std::int64_t>(d % layout.dim_chunk) * layout.dim_stride;
 }

@@ -14,6 +14,7 @@
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
 #include <inferscale/detail/inject/element.hpp>
+#include <inferscale/detail/inject/token_major_keys.hpp>
 #include <inferscale/detail/rope/rotate_simd.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
@@ -567,6 +568,125 @@ INFERSCALE_FORCEINLINE void inject_host_typed(kv_store_ref const& store,
   }
 }
 
+/// @brief True if a layout's keys are token-major within a block: one chunk of dims, token t + 1
+/// right after token t (vLLM's CPU keys, `[head_dim, block_size]` per block and head).
+inline bool keys_token_major(paged_kv_layout const& layout)
+{
+  return layout.token_stride == 1 && layout.dim_chunk == layout.head_dim && layout.block_size > 1;
+}
+
+#if INFERSCALE_HOST_X86_SIMD
+/**
+ * @brief inject_host_typed with vLLM's truncating rotation for token-major keys and contiguous
+ * values (vLLM's CPU cache) on a CPU with AVX2: runs of eight consecutive slots of one block go
+ * through simd::inject8_token_major_truncate (eight tokens per vector, one 16-byte store per dim);
+ * any other token through the scalar loop's inject_host_head. The same bits as the scalar loop.
+ */
+template <bool Halves, class StoreT, class Rotation>
+void inject_host_token_major_truncate(kv_store_ref const& store,
+                                      injection_batch_view const& batch,
+                                      paged_kv_cache const& cache,
+                                      Rotation const& rotation)
+{
+  std::int32_t const pairs   = rotation.num_pairs();
+  std::int32_t const dim     = store.head_dim;
+  auto const* const pool     = static_cast<StoreT const*>(store.pool);
+  std::int64_t const n_slots = cache.num_slots();
+  std::int32_t const bs      = cache.key_layout.block_size;
+  constexpr std::int64_t chunk_tokens = 64;  // chunks as inject_host_typed's, for the same reason
+  std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(chunk_tokens * pairs));
+  // [token][pair] per token, and [run][pair][8] for the runs of eight.
+  std::vector<float> cos(static_cast<std::size_t>(chunk_tokens * pairs));
+  std::vector<float> sin(static_cast<std::size_t>(chunk_tokens * pairs));
+  std::vector<float> cos8(cos.size()), sin8(sin.size());
+  std::vector<std::int64_t> run_start;  // first token (in the chunk) of each run of eight
+  std::vector<std::int64_t> single;     // tokens not in a run
+  std::vector<StoreT const*> krows(8), vrows(8);
+  for (std::int64_t first = 0; first < batch.num_tokens; first += chunk_tokens) {
+    std::int64_t const count = std::min(chunk_tokens, batch.num_tokens - first);
+    run_start.clear();
+    single.clear();
+    for (std::int64_t j = 0; j < count; ++j) {
+      std::int64_t const slot = batch.slot[first + j];
+      if (!slot_in_cache(slot, n_slots)) { continue; }
+      rope_cos_sin_row(rotation, batch.position[first + j], rope_op::forward,
+                       cos.data() + j * pairs, sin.data() + j * pairs);
+      for (std::int32_t p = 0; p < pairs; ++p) {
+        cos_sin[static_cast<std::size_t>(j * pairs + p)] = {cos[j * pairs + p], sin[j * pairs + p]};
+      }
+    }
+    for (std::int64_t j = 0; j < count;) {
+      std::int64_t const slot = batch.slot[first + j];
+      bool run = j + 8 <= count && slot_in_cache(slot, n_slots) && slot % bs + 8 <= bs;
+      for (std::int64_t t = 1; run && t < 8; ++t) { run = batch.slot[first + j + t] == slot + t; }
+      if (!run) {
+        if (slot_in_cache(slot, n_slots)) { single.push_back(j); }
+        ++j;
+        continue;
+      }
+      std::size_t const r = run_start.size();
+      for (std::int32_t p = 0; p < pairs; ++p) {
+        for (std::int64_t t = 0; t < 8; ++t) {
+          cos8[r * pairs * 8 + p * 8 + t] = cos[(j + t) * pairs + p];
+          sin8[r * pairs * 8 + p * 8 + t] = sin[(j + t) * pairs + p];
+        }
+      }
+      run_start.push_back(j);
+      j += 8;
+    }
+    for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+      auto* const kbase = static_cast<bfloat16_t*>(cache.key_base[l]);
+      auto* const vbase = static_cast<bfloat16_t*>(cache.value_base[l]);
+      for (std::size_t r = 0; r < run_start.size(); ++r) {
+        std::int64_t const i0       = first + run_start[r];
+        std::int64_t const block    = batch.slot[i0] / bs;
+        std::int32_t const in_block = static_cast<std::int32_t>(batch.slot[i0] % bs);
+        for (std::int32_t h = 0; h < store.num_heads; ++h) {
+          for (int t = 0; t < 8; ++t) {
+            std::int64_t const token = batch.store_token[i0 + t];
+            krows[t] = pool + store.row_offset(token, l, 0) + static_cast<std::int64_t>(h) * dim;
+            vrows[t] = pool + store.row_offset(token, l, 1) + static_cast<std::int64_t>(h) * dim;
+          }
+          simd::inject8_token_major_truncate<StoreT>(
+            krows.data(),
+            vrows.data(),
+            kbase + cache.key_layout.offset(block, in_block, h, 0),
+            cache.key_layout.dim_stride,
+            vbase + cache.value_layout.offset(block, in_block, h, 0),
+            cache.value_layout.token_stride,
+            dim,
+            rotation.rotary_dim,
+            Halves,
+            cos8.data() + r * pairs * 8,
+            sin8.data() + r * pairs * 8);
+        }
+      }
+      for (std::int64_t const j : single) {
+        std::int64_t const i        = first + j;
+        std::int64_t const block    = batch.slot[i] / bs;
+        std::int32_t const in_block = static_cast<std::int32_t>(batch.slot[i] % bs);
+        StoreT const* const krow    = pool + store.row_offset(batch.store_token[i], l, 0);
+        StoreT const* const vrow    = pool + store.row_offset(batch.store_token[i], l, 1);
+        for (std::int32_t h = 0; h < store.num_heads; ++h) {
+          inject_host_head<false, true, false, Halves, false, false, StoreT, bfloat16_t, true>(
+            krow + static_cast<std::int64_t>(h) * dim,
+            vrow + static_cast<std::int64_t>(h) * dim,
+            kbase + cache.key_layout.offset(block, in_block, h, 0),
+            vbase + cache.value_layout.offset(block, in_block, h, 0),
+            cache.key_layout,
+            cache.value_layout,
+            rotation.rotary_dim,
+            cos_sin.data() + j * pairs,
+            1.0f,
+            1.0f,
+            cache.scale_convention);
+        }
+      }
+    }
+  }
+}
+#endif  // INFERSCALE_HOST_X86_SIMD
+
 #if INFERSCALE_HOST_X86_SIMD
 namespace simd {
 
@@ -915,6 +1035,18 @@ void dispatch_host_inject(kv_store_ref const& store,
   bool const contiguous = dims_contiguous(cache.key_layout) && dims_contiguous(cache.value_layout);
   if constexpr (is_cos_sin_table<Rotation>::value && std::is_same_v<CacheT, bfloat16_t>) {
     if (truncates_to_bfloat16(rotation)) {  // checked: unscaled bfloat16 cache
+#if INFERSCALE_HOST_X86_SIMD
+      if (!contiguous && keys_token_major(cache.key_layout) &&
+          dims_contiguous(cache.value_layout) && store.head_dim % 8 == 0 &&
+          store.head_dim <= simd::token_major_max_dim &&
+          active_host_simd() != host_simd::scalar) {
+        with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {
+          inject_host_token_major_truncate<decltype(halves)::value, StoreT>(
+            store, batch, cache, rotation);
+        });
+        return;
+      }
+#endif
       with_flag(contiguous, [&](auto c) {
         with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {
           constexpr bool C = decltype(c)::value;

@@ -708,9 +708,14 @@ TEST_CASE("truncate_to_bfloat16: fp32 rotation truncated to bf16, as vLLM's AVX2
   fact.insert_into(store);
   engine_cache<bfloat16_t> ec(engine_layout::vllm_cpu, L, 2, 32, H, D);
   ec.fill_random(3);
+  // Backwards through both blocks (every token alone), or forwards from slot 5: runs of eight
+  // consecutive slots in one block (the vector path where the CPU has AVX2), the tails of each
+  // block (29-31, 40-44) token by token.
+  bool const forwards = GENERATE(false, true);
+  CAPTURE(forwards);
   std::vector<std::int64_t> slots(m);
   for (int j = 0; j < m; ++j) {
-    slots[static_cast<std::size_t>(j)] = 63 - j;  // backwards through both blocks
+    slots[static_cast<std::size_t>(j)] = forwards ? 5 + j : 63 - j;
   }
   injection_batch batch(store);
   batch.add(compose(store, {1}, at(1000)), slots);

@@ -240,3 +240,73 @@ TEST_CASE("host injection: the vector fp8 scaling and encoding of every bf16 val
   }
 }
 #endif
+
+TEST_CASE("token-major keys with vLLM's truncating rotation: the vector path writes the scalar "
+          "loop's bytes",
+          "[inject][simd]")
+{
+  // vLLM's CPU cache (keys [head_dim, block_size] per block and head): runs of eight consecutive
+  // slots of one block take simd::inject8_token_major_truncate, everything else the scalar loop.
+  if (!vector_path_available()) { return; }
+  auto const store_dt = GENERATE(dtype::float32, dtype::float16, dtype::bfloat16);
+  auto const pairing  = GENERATE(rope_pairing::halves, rope_pairing::interleaved);
+  auto const geometry = GENERATE(std::make_pair(64, 64), std::make_pair(48, 24),
+                                 std::make_pair(128, 128), std::make_pair(20, 20));
+  CAPTURE(to_string(store_dt), static_cast<int>(pairing), geometry.first, geometry.second);
+  int const L = 2, H = 3, D = geometry.first, block = 32, blocks = 4;
+  std::int64_t const rows = 4096;
+  kv_store store = make_host_store(L, H, D, store_dt, 8, 12);
+  fact_data a(1, L, 45, H, D, 21);
+  fact_data const b(2, L, 11, H, D, 22);
+  // Values the conversions treat apart: signed zeros, subnormals of fp32 and of fp16, the
+  // largest values (their rotations overflow to infinities), exact bf16 values.
+  float const special[] = {0.0f, -0.0f, 1e-40f, -3e-39f, 6e-8f, -5.9e-5f, 60000.0f, -65000.0f,
+                           1.0f, -2.5f};
+  float const big = store_dt == dtype::float16 ? 65504.0f : 3.3e38f;
+  for (std::size_t i = 0; i < a.k.size(); i += 7) {
+    a.k[i] = (i / 7) % 5 == 0 ? ((i / 35) % 2 ? -big : big) : special[(i / 7) % 10];
+    if (store_dt == dtype::float16 && std::fabs(a.k[i]) > 65504.0f) { a.k[i] = 1.5f; }
+    a.v[i] = special[(i / 3) % 10];
+    if (store_dt == dtype::float16 && std::fabs(a.v[i]) > 65504.0f) { a.v[i] = -0.75f; }
+  }
+  a.insert_into(store);
+  b.insert_into(store);
+  rope_spec spec  = rope_presets::llama_3_1_8b();
+  spec.head_dim   = D;
+  spec.rotary_dim = geometry.second;
+  spec.pairing    = pairing;
+  auto const params               = make_rope_params(spec);
+  std::vector<bfloat16_t> const t = make_rope_cos_sin_values<bfloat16_t>(params, rows);
+  auto table                      = make_rope_cos_sin_table(params, t.data(), rows, true);
+  table.truncate_to_bfloat16      = true;
+
+  std::vector<std::vector<unsigned char>> results;
+  all_paths([&](detail::host_simd) {
+    engine_cache<bfloat16_t> ec(engine_layout::vllm_cpu, L, blocks, block, H, D);
+    ec.fill_random(5);
+    injection_batch batch(store);
+    compose_options options;
+    options.first_position = 2001;
+    composition const plan = compose(store, {1, 2}, options);
+    std::vector<std::int64_t> slots;
+    for (std::int64_t j = 0; j < plan.length(); ++j) {
+      // 3..47 forwards (runs of eight, a block boundary at 32 inside a would-be run), then the
+      // second fact scattered backwards through the last block.
+      slots.push_back(j < 45 ? 3 + j : 127 - 2 * (j - 45));
+    }
+    slots[20] = -1;  // a skipped token breaks a run
+    batch.add(plan, slots);
+    inject_host(store, batch, describe_cache(ec), table);
+    results.push_back(storage_bytes(ec));
+  });
+  REQUIRE(results.size() >= 2);
+  for (std::size_t level = 1; level < results.size(); ++level) {
+    CAPTURE(level);
+    REQUIRE(results[level].size() == results[0].size());
+    std::size_t differing = 0;
+    for (std::size_t i = 0; i < results[0].size(); ++i) {
+      differing += results[level][i] != results[0][i];
+    }
+    CHECK(differing == 0);
+  }
+}

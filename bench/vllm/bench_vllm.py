@@ -6,7 +6,8 @@ from ../shared/data/locomo, never copied), each encoded once through vLLM behind
 system prefix (shared-prefix encoding) and stored in a memory directory. Then, in the same engine,
 alternating and with the prefix cache reset before every request (so nothing is a cache hit):
   ttft       k = 5, 10, 20, 50 facts: time to first token with the facts injected (connector) vs
-             the same prompt re-prefilled as text; and the floor, the query alone prefilled.
+             the same prompt re-prefilled as text; and the floor, the query alone prefilled
+             (what vLLM computes after the memory is loaded, without its attention to it).
   load       N users at once (one request each, k = 20 facts, 8 tokens): requests/s and p50/p99
              TTFT, inject vs re-prefill.
   overhead   the connector's scheduler-side cost for a request that asks for no memory, timed
@@ -66,8 +67,7 @@ def main():
     ap.add_argument("--ks", default="5,10,20,50")
     ap.add_argument("--users", default="1,8,32,64,100")
     ap.add_argument("--block-size", type=int, default=128,
-                    help="vLLM's KV block size (the CPU backend takes multiples of 32): the "
-                         "connector loads whole blocks, so smaller blocks leave less to prefill")
+                    help="vLLM's KV block size (the CPU backend takes multiples of 32)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -118,8 +118,8 @@ def main():
             t, _ = timed(llm, {"prompt_token_ids": ids, "cache_salt": f"plain-{k}-{rep}"})
             pre.append(t)
             llm.reset_prefix_cache()
-            bs = a.block_size  # what vLLM prefills after injection: all but the whole blocks
-            rest = ids[min(r["memory_tokens"], len(ids) - 1) // bs * bs:]
+            # what vLLM prefills after injection: everything after the memory segment
+            rest = ids[min(r["memory_tokens"], len(ids) - 1):]
             t, _ = timed(llm, {"prompt_token_ids": rest, "cache_salt": f"floor-{k}-{rep}"})
             floor.append(t)
         row = {"k": k, "prompt_tokens": len(ids), "memory_tokens": r["memory_tokens"],

@@ -12,7 +12,8 @@ facts' tokens) and carries the memory's ``cache_salt`` — ``MemoryStore.request
 
 Scheduler side (one instance, in the engine core): checks the request against the memory (user,
 facts, the prompt's leading tokens equal the composed segment, the salt, the model), and offers
-vLLM the segment's whole blocks (at least one prompt token is always left to compute). Anything
+vLLM the whole segment, its last block partly filled (vLLM 0.32's scheduler takes a connector's
+tokens at any count; at least one prompt token is always left to compute). Anything
 wrong is logged once with the reason and the request is prefilled normally (0 tokens offered).
 Worker side (one per rank): holds its shard of the store (its KV heads under tensor parallelism),
 and before the forward writes each admitted request's tokens into the blocks vLLM allocated,
@@ -227,8 +228,9 @@ class InferScaleConnector(KVConnectorBase_V1):
                 self._refused[request.request_id] = plan
             return 0, False
         order, m = plan
-        # Whole blocks only, and at least one prompt token left for vLLM to compute.
-        usable = min(m, request.num_prompt_tokens - 1) // self._block_size * self._block_size
+        # Every memory token, the last block partly (vLLM computes the prompt's remaining tokens
+        # into the rest of it), and at least one prompt token left for vLLM to compute.
+        usable = min(m, request.num_prompt_tokens - 1)
         user = request.kv_transfer_params["inferscale"]["user"]
         self._plans[request.request_id] = (order, m, num_computed_tokens, user)
         return max(0, usable - num_computed_tokens), False

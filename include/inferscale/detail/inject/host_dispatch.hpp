@@ -1,0 +1,168 @@
+/**
+ * @file detail/inject/host_dispatch.hpp
+ * @brief The host backend's dispatch: runtime switches (layout, scales, pairing, rounding, the
+ * CPU's vector level) and dtypes turned into the template parameters of one loop.
+ */
+#pragma once
+
+#include <inferscale/cache.hpp>
+#include <inferscale/detail/inject/host_loop.hpp>
+#include <inferscale/detail/inject/host_simd.hpp>
+#include <inferscale/dtype.hpp>
+#include <inferscale/error.hpp>
+#include <inferscale/injection_batch.hpp>
+#include <inferscale/rope.hpp>
+#include <inferscale/store.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace inferscale::detail {
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__FMA__) && \
+  !defined(__CUDA_ARCH__)
+#define INFERSCALE_HOST_FMA_DISPATCH 1
+/**
+ * @brief The fused-multiply-add injection compiled for CPUs with FMA (chosen at run time): without
+ * it a baseline x86-64 build computes each `std::fma` by a library call. Same results either way
+ * (fma is exactly rounded); only the speed differs.
+ */
+template <bool ContiguousK,
+          bool ContiguousV,
+          bool Scaled,
+          bool Halves,
+          bool RoundEach,
+          class StoreT,
+          class CacheT,
+          class Rotation>
+__attribute__((target("fma"))) void inject_host_typed_fma(kv_store_ref const& store,
+                                                          injection_batch_view const& batch,
+                                                          paged_kv_cache const& cache,
+                                                          Rotation const& rotation)
+{
+  inject_host_typed<ContiguousK, ContiguousV, Scaled, Halves, RoundEach, true, StoreT, CacheT>(
+    store, batch, cache, rotation);
+}
+#else
+#define INFERSCALE_HOST_FMA_DISPATCH 0
+#endif
+
+/// @brief Calls f(std::true_type) or f(std::false_type) as `value` says; only the latter when
+/// the flag cannot be true for these types (`Possible == false`), to instantiate less.
+template <bool Possible = true, class F>
+void with_flag(bool value, F&& f)
+{
+  if constexpr (Possible) {
+    if (value) {
+      f(std::true_type{});
+      return;
+    }
+  }
+  f(std::false_type{});
+}
+
+template <class Rotation>
+struct is_cos_sin_table : std::false_type {
+};
+template <class U>
+struct is_cos_sin_table<rope_cos_sin_table<U>> : std::true_type {
+};
+
+/// @brief Turns the host loop's runtime switches into template parameters (one place).
+template <class StoreT, class CacheT, class Rotation>
+void dispatch_host_inject(kv_store_ref const& store,
+                          injection_batch_view const& batch,
+                          paged_kv_cache const& cache,
+                          Rotation const& rotation)
+{
+  constexpr bool fp8 =
+    std::is_same_v<CacheT, float8_e4m3_t> || std::is_same_v<CacheT, float8_e5m2_t>;
+  constexpr bool may_round = is_cos_sin_table<Rotation>::value && !std::is_same_v<StoreT, float>;
+  constexpr bool may_fuse  = is_cos_sin_table<Rotation>::value;
+  bool const contiguous = dims_contiguous(cache.key_layout) && dims_contiguous(cache.value_layout);
+  if constexpr (is_cos_sin_table<Rotation>::value && std::is_same_v<CacheT, bfloat16_t>) {
+    if (truncates_to_bfloat16(rotation)) {  // checked: unscaled bfloat16 cache
+#if INFERSCALE_HOST_X86_SIMD
+      if (!contiguous && keys_token_major(cache.key_layout) &&
+          dims_contiguous(cache.value_layout) && store.head_dim % 8 == 0 &&
+          store.head_dim <= simd::token_major_max_dim &&
+          active_host_simd() != host_simd::scalar) {
+        with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {
+          inject_host_token_major_truncate<decltype(halves)::value, StoreT>(
+            store, batch, cache, rotation);
+        });
+        return;
+      }
+#endif
+      with_flag(contiguous, [&](auto c) {
+        with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {
+          constexpr bool C = decltype(c)::value;
+          constexpr bool H = decltype(halves)::value;
+          inject_host_typed<C, C, false, H, false, false, StoreT, CacheT, Rotation, true>(
+            store, batch, cache, rotation);
+        });
+      });
+      return;
+    }
+  }
+  with_flag(contiguous, [&](auto c) {
+    with_flag<fp8>(cache.scale_granularity != kv_scale_granularity::none, [&](auto scaled) {
+      with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {
+        with_flag<may_round>(
+          rope_rounds_each_operation<StoreT>(rotation, rope_op::forward), [&](auto round_each) {
+            with_flag<may_fuse>(
+              rope_fuses_multiply_add(rotation, rope_op::forward), [&](auto fused) {
+                constexpr bool C = decltype(c)::value;
+                constexpr bool S = decltype(scaled)::value;
+                constexpr bool H = decltype(halves)::value;
+                constexpr bool R = decltype(round_each)::value;
+                constexpr bool F = decltype(fused)::value;
+#if INFERSCALE_HOST_X86_SIMD
+                if constexpr (C && H) {
+                  host_simd const level = active_host_simd();
+                  if (level != host_simd::scalar) {
+                    inject_host_typed_simd<S, R, F, StoreT, CacheT>(
+                      store, batch, cache, rotation, level);
+                    return;
+                  }
+                }
+#endif
+#if INFERSCALE_HOST_FMA_DISPATCH
+                if constexpr (F) {
+                  if (__builtin_cpu_supports("fma")) {
+                    inject_host_typed_fma<C, C, S, H, R, StoreT, CacheT>(
+                      store, batch, cache, rotation);
+                    return;
+                  }
+                }
+#endif
+                inject_host_typed<C, C, S, H, R, F, StoreT, CacheT>(store, batch, cache, rotation);
+              });
+          });
+      });
+    });
+  });
+}
+
+/// @brief Calls f(type_tag<StoreT>, type_tag<CacheT>) for the runtime dtypes.
+template <class F>
+void dispatch_store_cache(dtype store_dtype, dtype cache_dtype, F&& f)
+{
+  dispatch_dtype(store_dtype, [&](auto store_tag) {
+    using S = typename decltype(store_tag)::type;
+    if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
+                  std::is_same_v<S, bfloat16_t>) {
+      dispatch_dtype(cache_dtype, [&](auto cache_tag) { f(store_tag, cache_tag); });
+    } else {
+      INFERSCALE_FAIL(std::string{"store dtype "} + to_string(store_dtype) + " is not supported");
+    }
+  });
+}
+
+}  // namespace inferscale::detail

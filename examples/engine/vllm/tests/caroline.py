@@ -33,3 +33,25 @@ GEN = 32
 def query_tokens(tok, q):
     return tok.encode(f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n",
                       add_special_tokens=False)
+
+
+def joint_memory(llm, directory, users, **store_args):
+    """A MemoryStore in `directory` (MemoryStore.create's keyword arguments in `store_args`; 512
+    pages unless given) whose prefix is SYSTEM and in which each of `users` holds the whole fact
+    list encoded jointly: one forward of prefix + facts through `llm`, captured pre-RoPE (Theorem
+    3's case). Returns (mem, tok, {user: fact id}, the capture's {"k", "v"})."""
+    from inferscale_vllm.encode import capture, model_description, set_prefix
+    from inferscale_vllm.memory import MemoryStore
+
+    tok = llm.get_tokenizer()
+    store_args.setdefault("num_pages", 512)
+    mem = MemoryStore.create(directory, model=model_description(llm), **store_args)
+    set_prefix(mem, llm, SYSTEM, tok.encode(SYSTEM, add_special_tokens=False))
+    prefix = mem.store.token_ids(mem.manifest["prefix"])
+    text = "".join(f"- {f}\n" for f in FACTS)
+    ids = tok.encode(text, add_special_tokens=False)
+    kv = capture(llm, prefix + ids)
+    c = len(prefix)
+    facts = {u: mem.add_fact(u, text, ids, kv["k"][:, c:], kv["v"][:, c:]) for u in users}
+    mem.commit()
+    return mem, tok, facts, kv

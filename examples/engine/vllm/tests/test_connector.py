@@ -10,12 +10,12 @@ import torch
 
 from inferscale_vllm import Rotation, Store, Tensor, inject
 from inferscale_vllm.connector import rotation_matching_vllm
-from inferscale_vllm.encode import capture, model_description, set_prefix
+from inferscale_vllm.encode import capture
 from inferscale_vllm.engine import make_llm
 from inferscale_vllm.memory import MemoryStore
 from inferscale_vllm.tensors import vllm_cpu_cache
 
-from caroline import FACTS, GEN, QUESTIONS, SYSTEM, query_tokens  # noqa: E402
+from caroline import GEN, QUESTIONS, joint_memory, query_tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,19 +25,10 @@ def setup(model_dir):
     directory = tempfile.mkdtemp(prefix="inferscale-memory-")
     os.environ["INFERSCALE_VLLM_FAIL_LOAD_FOR_USER"] = "failpoint"  # the workers inherit it
     llm = make_llm(model_dir, directory)
-    tok = llm.get_tokenizer()
-    mem = MemoryStore.create(directory, model=model_description(llm), dtype="bfloat16",
-                             num_pages=1024)
-    set_prefix(mem, llm, SYSTEM, tok.encode(SYSTEM, add_special_tokens=False))
     # Theorem 3's case: the whole fact list encoded jointly (one forward), stored as one fact.
-    joint_text = "".join(f"- {f}\n" for f in FACTS)
-    prefix_tokens = mem.store.token_ids(mem.manifest["prefix"])
-    joint_tokens = tok.encode(joint_text, add_special_tokens=False)
-    kv = capture(llm, prefix_tokens + joint_tokens)
-    c = len(prefix_tokens)
-    joint = mem.add_fact("caroline", joint_text, joint_tokens, kv["k"][:, c:], kv["v"][:, c:])
-    failing = mem.add_fact("failpoint", joint_text, joint_tokens, kv["k"][:, c:], kv["v"][:, c:])
-    mem.commit()
+    mem, tok, facts, kv = joint_memory(llm, directory, ["caroline", "failpoint"],
+                                       dtype="bfloat16", num_pages=1024)
+    joint, failing = facts["caroline"], facts["failpoint"]
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN)
     return {"llm": llm, "tok": tok, "mem": mem, "joint": joint, "failing": failing, "kv": kv,
             "greedy": greedy,

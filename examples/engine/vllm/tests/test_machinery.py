@@ -14,11 +14,9 @@ import os
 import tempfile
 
 import pytest
-from test_connector import FACTS, QUESTIONS, SYSTEM, query_tokens
+from caroline import QUESTIONS, joint_memory, query_tokens
 
-from inferscale_vllm.encode import capture, model_description, set_prefix
 from inferscale_vllm.engine import make_llm
-from inferscale_vllm.memory import MemoryStore
 
 BLOCK = 128  # vLLM CPU's block size (its default; the fixture checks it)
 CHUNK = 64  # max_num_batched_tokens: no step computes more than this many tokens
@@ -48,16 +46,7 @@ def setup(model_dir):
         sched = core.scheduler
         assert sched.block_size == BLOCK, f"vLLM's block size is {sched.block_size}"
         assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
-        tok = llm.get_tokenizer()
-        mem = MemoryStore.create(directory, model=model_description(llm), num_pages=512)
-        set_prefix(mem, llm, SYSTEM, tok.encode(SYSTEM, add_special_tokens=False))
-        prefix = mem.store.token_ids(mem.manifest["prefix"])
-        text = "".join(f"- {f}\n" for f in FACTS)
-        ids = tok.encode(text, add_special_tokens=False)
-        kv = capture(llm, prefix + ids)
-        c = len(prefix)
-        facts = {u: mem.add_fact(u, text, ids, kv["k"][:, c:], kv["v"][:, c:]) for u in USERS}
-        mem.commit()
+        mem, tok, facts, _ = joint_memory(llm, directory, USERS)
         print(f"async scheduling: {llm.llm_engine.vllm_config.scheduler_config.async_scheduling}")
         yield {"llm": llm, "tok": tok, "mem": mem, "facts": facts, "sched": sched,
                "connector": sched.connector, "sampling": SamplingParams}

@@ -8,11 +8,9 @@ Correctness only: nothing is timed (3 ranks on 2 cores)."""
 import gc
 import tempfile
 
-from test_connector import FACTS, SYSTEM, query_tokens
+from caroline import joint_memory, query_tokens
 
-from inferscale_vllm.encode import capture, model_description, set_prefix
 from inferscale_vllm.engine import make_llm
-from inferscale_vllm.memory import MemoryStore
 
 QUESTIONS = ["What is the name of Caroline's cat?", "What instrument does Caroline play?",
              "Who is Melanie?"]
@@ -40,15 +38,8 @@ def answers(llm, mem, joint, tok, gen=16):
 def test_tp3_each_rank_injects_its_heads(model_dir):
     directory = tempfile.mkdtemp(prefix="inferscale-tp-")
     llm = make_llm(model_dir, directory)
-    tok = llm.get_tokenizer()
-    mem = MemoryStore.create(directory, model=model_description(llm), num_pages=512)
-    set_prefix(mem, llm, SYSTEM, tok.encode(SYSTEM, add_special_tokens=False))
-    prefix = mem.store.token_ids(mem.manifest["prefix"])
-    text = "".join(f"- {f}\n" for f in FACTS)
-    ids = tok.encode(text, add_special_tokens=False)
-    kv = capture(llm, prefix + ids)
-    joint = mem.add_fact("caroline", text, ids, kv["k"][:, len(prefix):], kv["v"][:, len(prefix):])
-    mem.commit()
+    mem, tok, facts, _ = joint_memory(llm, directory, ["caroline"])
+    joint = facts["caroline"]
     tp1 = answers(llm, mem, joint, tok)
     llm.llm_engine.engine_core.shutdown()
     del llm

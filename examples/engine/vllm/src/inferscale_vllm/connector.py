@@ -13,7 +13,8 @@ facts' tokens) and carries the memory's ``cache_salt`` — ``MemoryStore.request
 Scheduler side (one instance, in the engine core): checks the request against the memory (user,
 facts, the prompt's leading tokens equal the composed segment, the salt, the model), and offers
 vLLM the whole segment, its last block partly filled (vLLM 0.32's scheduler takes a connector's
-tokens at any count; at least one prompt token is always left to compute). Anything
+tokens at any count; at least one prompt token is always left to compute; under tensor
+parallelism only whole blocks, see __init__). Anything
 wrong is logged once with the reason and the request is prefilled normally (0 tokens offered).
 Worker side (one per rank): holds its shard of the store (its KV heads under tensor parallelism),
 and before the forward writes each admitted request's tokens into the blocks vLLM allocated,
@@ -142,6 +143,10 @@ class InferScaleConnector(KVConnectorBase_V1):
                            "\"recompute\"", policy)
         self._directory = directory
         self._block_size = vllm_config.cache_config.block_size
+        # Under tensor parallelism a partly loaded last block gave a wrong answer (test_tp.py:
+        # "cello" became "guitar" on one question at TP = 3 while TP = 1 matched vLLM's prefill
+        # on every question); not understood yet, so only whole blocks are offered there.
+        self._whole_blocks_only = vllm_config.parallel_config.tensor_parallel_size > 1
         model = vllm_config.model_config
         self._model = {
             # the whole model's layers (get_num_layers would give one pipeline stage's)
@@ -231,6 +236,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         # Every memory token, the last block partly (vLLM computes the prompt's remaining tokens
         # into the rest of it), and at least one prompt token left for vLLM to compute.
         usable = min(m, request.num_prompt_tokens - 1)
+        if self._whole_blocks_only:
+            usable = usable // self._block_size * self._block_size
         user = request.kv_transfer_params["inferscale"]["user"]
         self._plans[request.request_id] = (order, m, num_computed_tokens, user)
         return max(0, usable - num_computed_tokens), False

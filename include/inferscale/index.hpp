@@ -32,7 +32,6 @@
 #include <inferscale/views.hpp>
 
 #include <cuda/std/span>
-#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cassert>

@@ -89,7 +89,6 @@
 #include <inferscale/memory_kind.hpp>
 #include <inferscale/store.hpp>
 
-#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cmath>

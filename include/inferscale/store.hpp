@@ -24,7 +24,6 @@
 #include <inferscale/memory_kind.hpp>
 #include <inferscale/views.hpp>
 
-#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <array>

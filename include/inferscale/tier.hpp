@@ -47,7 +47,6 @@
 #include <inferscale/snapshot.hpp>
 #include <inferscale/store.hpp>
 
-#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cerrno>

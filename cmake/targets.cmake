@@ -28,3 +28,23 @@ function(inferscale_target_defaults target)
                                                CXX_STANDARD_REQUIRED ON CUDA_STANDARD_REQUIRED ON)
   endif()
 endfunction()
+
+# inferscale_shared_instances(<target>)
+#   The target's units declare the host injection / extraction instances extern
+#   (INFERSCALE_EXTERN_TEMPLATES) and link the one object that defines them (instances.hpp), so the
+#   several hundred dtype x layout x vector-level loops are compiled once per build instead of once
+#   per unit that injects. Not for targets with their own code-generation flags (tests/contraction
+#   checks the host math under -march=native -ffp-contract=fast: it compiles its own).
+function(inferscale_shared_instances target)
+  if(NOT TARGET inferscale_host_instances)
+    add_library(inferscale_host_instances OBJECT ${PROJECT_SOURCE_DIR}/cmake/host_instances.cpp)
+    inferscale_target_defaults(inferscale_host_instances)
+    target_compile_definitions(inferscale_host_instances PRIVATE INFERSCALE_EXTERN_TEMPLATES)
+    get_property(_multi GLOBAL PROPERTY GENERATOR_IS_MULTI_CONFIG)
+    if(NOT _multi AND NOT CMAKE_BUILD_TYPE)
+      target_compile_options(inferscale_host_instances PRIVATE -O3)  # as the benchmarks' fallback
+    endif()
+  endif()
+  target_compile_definitions(${target} PRIVATE INFERSCALE_EXTERN_TEMPLATES)
+  target_sources(${target} PRIVATE $<TARGET_OBJECTS:inferscale_host_instances>)
+endfunction()

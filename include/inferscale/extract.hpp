@@ -158,6 +158,26 @@ void extract_host_typed(paged_kv_cache const& cache,
   }
 }
 
+/// @brief extract_host_typed for the runtime dtypes: the one place extract_host reaches the loop
+/// through (compiled once under INFERSCALE_EXTERN_TEMPLATES, see instances.hpp).
+template <bool CheckOnly, class Rotation>
+void extract_host_view(paged_kv_cache const& cache,
+                       std::int64_t const* slots,
+                       std::int64_t const* positions,
+                       std::int64_t const* store_tokens,
+                       std::int64_t n,
+                       Rotation const& rotation,
+                       kv_store_ref const& store,
+                       extraction_fault* fault)
+{
+  dispatch_store_cache(store.store_dtype, cache.cache_dtype, [&](auto s, auto c) {
+    using S = typename decltype(s)::type;
+    using C = typename decltype(c)::type;
+    extract_host_typed<CheckOnly, S, C>(
+      cache, slots, positions, store_tokens, n, rotation, store, fault);
+  });
+}
+
 /// @brief Store tokens of every token of a fact, in order.
 inline std::vector<std::int64_t> fact_store_tokens(kv_store const& store, fact_record const& fact)
 {
@@ -210,18 +230,14 @@ void extract_host(paged_kv_cache const& cache,
   // A dry run first: a NaN or infinity in the cache (or a value the store dtype cannot hold) is
   // refused before anything is reserved or written, as kv_store::insert refuses it.
   detail::extraction_fault fault{};
-  detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
-    using S = typename decltype(s)::type;
-    using C = typename decltype(c)::type;
-    detail::extract_host_typed<true, S, C>(cache,
-                                           slots.data(),
-                                           positions.data(),
-                                           nullptr,
-                                           static_cast<std::int64_t>(slots.size()),
-                                           rotation,
-                                           store.ref(),
-                                           &fault);
-  });
+  detail::extract_host_view<true>(cache,
+                                  slots.data(),
+                                  positions.data(),
+                                  nullptr,
+                                  static_cast<std::int64_t>(slots.size()),
+                                  rotation,
+                                  store.ref(),
+                                  &fault);
   INFERSCALE_EXPECTS(!fault.found,
                      "extract_host: token " + std::to_string(fault.token) + " (slot " +
                        std::to_string(fault.found ? slots[static_cast<std::size_t>(fault.token)]
@@ -233,17 +249,14 @@ void extract_host(paged_kv_cache const& cache,
                        "; NaN, infinities and overflowing values are refused");
   fact_record const& fact = store.reserve(fact_id, namespace_id, std::move(token_ids));
   std::vector<std::int64_t> const store_tokens = detail::fact_store_tokens(store, fact);
-  detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
-    using S = typename decltype(s)::type;
-    using C = typename decltype(c)::type;
-    detail::extract_host_typed<false, S, C>(cache,
-                                     slots.data(),
-                                     positions.data(),
-                                     store_tokens.data(),
-                                     static_cast<std::int64_t>(slots.size()),
-                                     rotation,
-                                     store.ref());
-  });
+  detail::extract_host_view<false>(cache,
+                                   slots.data(),
+                                   positions.data(),
+                                   store_tokens.data(),
+                                   static_cast<std::int64_t>(slots.size()),
+                                   rotation,
+                                   store.ref(),
+                                   nullptr);
 }
 
 }  // namespace inferscale

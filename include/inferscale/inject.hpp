@@ -41,13 +41,15 @@ void inject_host(kv_store const& store,
                  Rotation const& rotation)
 {
   detail::check_injection(store, batch, cache, rotation, memory_kind::host, "inject_host");
-  detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
-    using S = typename decltype(s)::type;
-    using C = typename decltype(c)::type;
-    detail::dispatch_host_inject<S, C>(store.ref(), batch.host_view(), cache, rotation);
-  });
+  detail::inject_host_view(store.ref(), batch.host_view(), cache, rotation);
 }
 
 }  // namespace inferscale
 
 #include <inferscale/extract.hpp>  // extraction (the inverse) was declared here before the split
+
+#include <inferscale/detail/inject/instances.hpp>
+#if defined(INFERSCALE_EXTERN_TEMPLATES)
+// Compiled once, in the program's unit that includes <inferscale/instances.hpp>.
+INFERSCALE_HOST_INSTANCES(extern)
+#endif

@@ -165,4 +165,22 @@ void dispatch_store_cache(dtype store_dtype, dtype cache_dtype, F&& f)
   });
 }
 
+/**
+ * @brief The host injection of a checked batch view: the runtime dtypes, then the loop. The one
+ * place inject_host and inject_tiered_host reach the loops through, so that a program defining
+ * INFERSCALE_EXTERN_TEMPLATES compiles them once (instances.hpp) instead of in every unit.
+ */
+template <class Rotation>
+void inject_host_view(kv_store_ref const& store,
+                      injection_batch_view const& batch,
+                      paged_kv_cache const& cache,
+                      Rotation const& rotation)
+{
+  dispatch_store_cache(store.store_dtype, cache.cache_dtype, [&](auto s, auto c) {
+    using S = typename decltype(s)::type;
+    using C = typename decltype(c)::type;
+    dispatch_host_inject<S, C>(store, batch, cache, rotation);
+  });
+}
+
 }  // namespace inferscale::detail

@@ -1,0 +1,32 @@
+/**
+ * @file detail/inject/instances.hpp
+ * @brief The list of host injection and extraction instances a program may compile once: every
+ * dtype pair, layout and vector level of inject_host_view and extract_host_view, for each rotation
+ * the library ships (rope_params and the engine cos/sin tables of float and bfloat16).
+ *
+ * `INFERSCALE_HOST_INSTANCES(extern)` declares them (inject.hpp does, when the program defines
+ * INFERSCALE_EXTERN_TEMPLATES); `INFERSCALE_HOST_INSTANCES()` defines them (instances.hpp, in one
+ * translation unit). Another rotation type is instantiated where it is used, as without the macro.
+ */
+#pragma once
+
+#define INFERSCALE_INJECT_HOST_VIEW_INSTANCE(PREFIX, ROTATION)                                \
+  PREFIX template void ::inferscale::detail::inject_host_view<ROTATION>(                     \
+    ::inferscale::kv_store_ref const&, ::inferscale::injection_batch_view const&,            \
+    ::inferscale::paged_kv_cache const&, ROTATION const&);
+
+#define INFERSCALE_EXTRACT_HOST_VIEW_INSTANCE(PREFIX, CHECK_ONLY, ROTATION)                   \
+  PREFIX template void ::inferscale::detail::extract_host_view<CHECK_ONLY, ROTATION>(        \
+    ::inferscale::paged_kv_cache const&, std::int64_t const*, std::int64_t const*,           \
+    std::int64_t const*, std::int64_t, ROTATION const&, ::inferscale::kv_store_ref const&,   \
+    ::inferscale::detail::extraction_fault*);
+
+#define INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ROTATION)        \
+  INFERSCALE_INJECT_HOST_VIEW_INSTANCE(PREFIX, ROTATION)       \
+  INFERSCALE_EXTRACT_HOST_VIEW_INSTANCE(PREFIX, true, ROTATION) \
+  INFERSCALE_EXTRACT_HOST_VIEW_INSTANCE(PREFIX, false, ROTATION)
+
+#define INFERSCALE_HOST_INSTANCES(PREFIX)                                                   \
+  INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_params)                          \
+  INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_cos_sin_table<float>)            \
+  INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_cos_sin_table<::inferscale::bfloat16_t>)

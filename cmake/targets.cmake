@@ -29,13 +29,19 @@ function(inferscale_target_defaults target)
   endif()
 endfunction()
 
-# inferscale_shared_instances(<target>)
+# inferscale_shared_instances(<target> [OWN])
 #   The target's units declare the host injection / extraction instances extern
-#   (INFERSCALE_EXTERN_TEMPLATES) and link the one object that defines them (instances.hpp), so the
+#   (INFERSCALE_EXTERN_TEMPLATES) and link one object that defines them (instances.hpp), so the
 #   several hundred dtype x layout x vector-level loops are compiled once per build instead of once
-#   per unit that injects. Not for targets with their own code-generation flags (tests/contraction
-#   checks the host math under -march=native -ffp-contract=fast: it compiles its own).
+#   per unit that injects. OWN: the target compiles that object itself, with its own flags
+#   (tests/contraction checks the host math under -march=native -ffp-contract=fast).
 function(inferscale_shared_instances target)
+  cmake_parse_arguments(ARG "OWN" "" "" ${ARGN})
+  target_compile_definitions(${target} PRIVATE INFERSCALE_EXTERN_TEMPLATES)
+  if(ARG_OWN)
+    target_sources(${target} PRIVATE ${PROJECT_SOURCE_DIR}/cmake/host_instances.cpp)
+    return()
+  endif()
   if(NOT TARGET inferscale_host_instances)
     add_library(inferscale_host_instances OBJECT ${PROJECT_SOURCE_DIR}/cmake/host_instances.cpp)
     inferscale_target_defaults(inferscale_host_instances)
@@ -45,6 +51,5 @@ function(inferscale_shared_instances target)
       target_compile_options(inferscale_host_instances PRIVATE -O3)  # as the benchmarks' fallback
     endif()
   endif()
-  target_compile_definitions(${target} PRIVATE INFERSCALE_EXTERN_TEMPLATES)
   target_sources(${target} PRIVATE $<TARGET_OBJECTS:inferscale_host_instances>)
 endfunction()

@@ -29,7 +29,9 @@
 
 #include "device_inject.hpp"
 
+#ifdef INFERSCALE_VLLM_CUDA
 #include <cuda_runtime_api.h>
+#endif
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -99,6 +101,9 @@ void expect_cuda_build(char const* who)
 void expect_device_memory(void const* p, std::string const& what)
 {
   if (p == nullptr) { throw std::invalid_argument(what + " is null"); }
+#ifndef INFERSCALE_VLLM_CUDA
+  expect_cuda_build(what.c_str());  // a CPU-only build (no CUDA runtime) has no device memory
+#else
   cudaPointerAttributes a{};
   cudaError_t const e = cudaPointerGetAttributes(&a, p);
   if (e != cudaSuccess) {
@@ -120,6 +125,7 @@ void expect_device_memory(void const* p, std::string const& what)
                                 ", the current device is " + std::to_string(current) +
                                 " (the store and the kernel are there)");
   }
+#endif
 }
 
 /// A fact's K or V as the caller's buffer: [layers, tokens, heads, head_dim] with any strides.

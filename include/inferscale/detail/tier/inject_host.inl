@@ -1,0 +1,47 @@
+/**
+ * @file detail/tier/inject_host.inl
+ * @brief Definition for tier.hpp, the host backend of tiered injection (inject_tiered_host).
+ */
+#pragma once
+
+#include <cstdint>
+
+namespace inferscale {
+
+template <class Rotation>
+void inject_tiered_host(tiered_store& tiers,
+                        tier_request& request,
+                        injection_batch const& batch,
+                        paged_kv_cache const& cache,
+                        Rotation const& rotation,
+                        tier_host_order order)
+{
+  char const* const who = "inject_tiered_host";
+  kv_store const& store = tiers.device_tier();
+  detail::check_injection(store, batch, cache, rotation, memory_kind::host, who);
+  tier_split_batch const split = tiers.split(request, batch, who);
+  kv_store_ref const ref       = store.ref();
+  detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
+    using S = typename decltype(s)::type;
+    using C = typename decltype(c)::type;
+    if (order == tier_host_order::whole) {
+      if (!request.copies_issued) { tiers.stage_host(request); }
+      detail::dispatch_host_inject<S, C>(ref, batch.host_view(), cache, rotation);
+      return;
+    }
+    if (split.resident > 0) {
+      detail::dispatch_host_inject<S, C>(ref, split.resident_view(), cache, rotation);
+    }
+    injection_batch_view const staged = split.staged_view();
+    for (std::int32_t l = 0; l < ref.num_layers; ++l) {
+      if (!request.copies_issued) { tiers.copy_layer_host(request, l); }
+      if (staged.num_tokens > 0) {
+        detail::dispatch_host_inject<S, C>(
+          tier_layer_view(ref, l), staged, tier_cache_layer(cache, l), rotation);
+      }
+    }
+  });
+  request.copies_issued = true;
+}
+
+}  // namespace inferscale

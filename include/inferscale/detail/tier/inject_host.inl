@@ -21,26 +21,24 @@ void inject_tiered_host(tiered_store& tiers,
   detail::check_injection(store, batch, cache, rotation, memory_kind::host, who);
   tier_split_batch const split = tiers.split(request, batch, who);
   kv_store_ref const ref       = store.ref();
-  detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
-    using S = typename decltype(s)::type;
-    using C = typename decltype(c)::type;
-    if (order == tier_host_order::whole) {
-      if (!request.copies_issued) { tiers.stage_host(request); }
-      detail::dispatch_host_inject<S, C>(ref, batch.host_view(), cache, rotation);
-      return;
-    }
+  // Each write goes through inject_host_view (the dtypes dispatched there: compiled once under
+  // INFERSCALE_EXTERN_TEMPLATES, see instances.hpp).
+  if (order == tier_host_order::whole) {
+    if (!request.copies_issued) { tiers.stage_host(request); }
+    detail::inject_host_view(ref, batch.host_view(), cache, rotation);
+  } else {
     if (split.resident > 0) {
-      detail::dispatch_host_inject<S, C>(ref, split.resident_view(), cache, rotation);
+      detail::inject_host_view(ref, split.resident_view(), cache, rotation);
     }
     injection_batch_view const staged = split.staged_view();
     for (std::int32_t l = 0; l < ref.num_layers; ++l) {
       if (!request.copies_issued) { tiers.copy_layer_host(request, l); }
       if (staged.num_tokens > 0) {
-        detail::dispatch_host_inject<S, C>(
+        detail::inject_host_view(
           tier_layer_view(ref, l), staged, tier_cache_layer(cache, l), rotation);
       }
     }
-  });
+  }
   request.copies_issued = true;
 }
 

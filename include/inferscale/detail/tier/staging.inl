@@ -6,7 +6,7 @@
  */
 #pragma once
 
-#include <cuda_runtime_api.h>
+#include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
 
 #include <algorithm>
 #include <cstdint>

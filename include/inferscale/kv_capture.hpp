@@ -8,7 +8,6 @@
 
 #include <inferscale/error.hpp>
 #include <inferscale/geometry.hpp>
-#include <inferscale/store.hpp>
 #include <inferscale/views.hpp>
 
 #include <cstddef>

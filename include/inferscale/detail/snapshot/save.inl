@@ -8,6 +8,7 @@
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/detail/serialize.hpp>
 #include <inferscale/detail/snapshot/format.hpp>
+#include <inferscale/detail/snapshot/store_access.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/memory_kind.hpp>

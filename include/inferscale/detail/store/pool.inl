@@ -9,6 +9,7 @@
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
+#include <inferscale/store.hpp>
 
 #include <cuda_runtime_api.h>
 

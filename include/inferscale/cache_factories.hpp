@@ -11,9 +11,11 @@
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 

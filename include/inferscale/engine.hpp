@@ -4,9 +4,10 @@
  * adapter* (KV geometry, rotation, a capture hook handing over pre-RoPE K and V) and a
  * *paged-cache adapter* (slots for a sequence's next tokens, the cache as a paged_kv_cache, and a
  * commit that makes the injected tokens the engine's own prefix) — plus the generic pieces built
- * on them: the capture buffer a hook fills, storing captured token ranges as facts, the request
- * flow that injects a composition through a cache adapter, and a rope_spec read from GGUF
- * metadata. C++17, host only; no engine is included here.
+ * on them: storing captured token ranges as facts and the request flow that injects a composition
+ * through a cache adapter. The capture buffer a hook fills (kv_capture.hpp) and the rope_spec and
+ * kv_geometry read from GGUF metadata (gguf_config.hpp) have their own headers, included here.
+ * C++17, host only; no engine is included here.
  *
  * ## The request flow (mirrors vLLM's `KVConnectorBase_V1`)
  *
@@ -65,169 +66,24 @@
 
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
+#include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/geometry.hpp>
+#include <inferscale/gguf_config.hpp>
 #include <inferscale/inject.hpp>
+#include <inferscale/kv_capture.hpp>
 #include <inferscale/rope.hpp>
 #include <inferscale/store.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <limits>
-#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace inferscale {
-
-/**
- * @brief Host buffer a capture hook fills during one encoding forward: pre-RoPE K and V of every
- * layer and token as fp32, `[layers, tokens, heads, head_dim]` contiguous, with a record of which
- * (layer, token) rows were written, so an incomplete capture is refused instead of stored.
- */
-class kv_capture {
- public:
-  /**
-   * @brief A buffer for `num_tokens` tokens of a model with geometry `geometry`.
-   * @throw logic_error if the geometry is invalid or `num_tokens` is not positive.
-   */
-  kv_capture(kv_geometry const& geometry, std::int64_t num_tokens)
-    : geometry_{geometry}, num_tokens_{num_tokens}
-  {
-    geometry.validate();
-    INFERSCALE_EXPECTS(
-      num_tokens > 0,
-      "kv_capture: token count must be positive, got " + std::to_string(num_tokens));
-    std::size_t const n = static_cast<std::size_t>(geometry.num_layers) *
-                          static_cast<std::size_t>(num_tokens) *
-                          static_cast<std::size_t>(geometry.elements_per_token_layer());
-    keys_.assign(n, 0.0f);
-    values_.assign(n, 0.0f);
-    std::size_t const rows =
-      static_cast<std::size_t>(geometry.num_layers) * static_cast<std::size_t>(num_tokens);
-    key_written_.assign(rows, 0);
-    value_written_.assign(rows, 0);
-  }
-
-  kv_geometry geometry() const noexcept { return geometry_; }
-  std::int64_t num_tokens() const noexcept { return num_tokens_; }
-
-  /**
-   * @brief Copies the pre-RoPE keys of tokens `first_token .. first_token + rows.extent(0) - 1` of
-   * layer `layer` (`rows` is `[tokens, heads, head_dim]` with any strides, fp32 host memory).
-   * @throw logic_error if the layer or token range is outside the buffer or the heads/head_dim
-   *        differ from the geometry; nothing is written then.
-   */
-  void write_keys(std::int32_t layer, std::int64_t first_token, token_head_view<float const> rows)
-  {
-    write(keys_, key_written_, layer, first_token, rows, "kv_capture::write_keys");
-  }
-
-  /// @brief As write_keys, for the values.
-  void write_values(std::int32_t layer, std::int64_t first_token, token_head_view<float const> rows)
-  {
-    write(values_, value_written_, layer, first_token, rows, "kv_capture::write_values");
-  }
-
-  /// @brief True when K and V of tokens `[begin, begin + count)` were written in every layer.
-  bool complete(std::int64_t begin, std::int64_t count) const noexcept
-  {
-    if (begin < 0 || count < 0 || begin > num_tokens_ - count) { return false; }
-    for (std::int32_t l = 0; l < geometry_.num_layers; ++l) {
-      for (std::int64_t t = begin; t < begin + count; ++t) {
-        std::size_t const r = row(l, t);
-        if (!key_written_[r] || !value_written_[r]) { return false; }
-      }
-    }
-    return true;
-  }
-  /// @brief True when every token of every layer was written.
-  bool complete() const noexcept { return complete(0, num_tokens_); }
-
-  /// @brief Keys of tokens `[begin, begin + count)` as a `[layers, count, heads, head_dim]` view.
-  fact_kv_view<float const> keys(std::int64_t begin, std::int64_t count) const
-  {
-    return slice(keys_, begin, count, "kv_capture::keys");
-  }
-  /// @brief Values of tokens `[begin, begin + count)`.
-  fact_kv_view<float const> values(std::int64_t begin, std::int64_t count) const
-  {
-    return slice(values_, begin, count, "kv_capture::values");
-  }
-  fact_kv_view<float const> keys() const { return keys(0, num_tokens_); }
-  fact_kv_view<float const> values() const { return values(0, num_tokens_); }
-
- private:
-  std::size_t row(std::int32_t layer, std::int64_t token) const noexcept
-  {
-    return static_cast<std::size_t>(layer) * static_cast<std::size_t>(num_tokens_) +
-           static_cast<std::size_t>(token);
-  }
-
-  void write(std::vector<float>& dst,
-             std::vector<unsigned char>& written,
-             std::int32_t layer,
-             std::int64_t first_token,
-             token_head_view<float const> rows,
-             char const* who)
-  {
-    std::int64_t const count = rows.extent(0);
-    INFERSCALE_EXPECTS(layer >= 0 && layer < geometry_.num_layers,
-                       std::string{who} + ": layer " + std::to_string(layer) + " is outside [0, " +
-                         std::to_string(geometry_.num_layers) + ")");
-    INFERSCALE_EXPECTS(first_token >= 0 && count >= 0 && first_token <= num_tokens_ - count,
-                       std::string{who} + ": tokens [" + std::to_string(first_token) + ", " +
-                         std::to_string(first_token + count) + ") are outside the buffer's " +
-                         detail::count_of(num_tokens_, "token"));
-    INFERSCALE_EXPECTS(
-      rows.extent(1) == geometry_.num_kv_heads && rows.extent(2) == geometry_.head_dim,
-      std::string{who} + ": rows of " + detail::count_of(rows.extent(1), "head") + " x " +
-        detail::count_of(rows.extent(2), "dim") + ", the geometry has " +
-        std::to_string(geometry_.num_kv_heads) + " x " + std::to_string(geometry_.head_dim));
-    INFERSCALE_EXPECTS(count == 0 || rows.data_handle() != nullptr,
-                       std::string{who} + ": null data");
-    std::int64_t const heads = geometry_.num_kv_heads;
-    std::int64_t const dim   = geometry_.head_dim;
-    for (std::int64_t t = 0; t < count; ++t) {
-      float* out = dst.data() + row(layer, first_token + t) * static_cast<std::size_t>(heads * dim);
-      for (std::int64_t h = 0; h < heads; ++h) {
-        for (std::int64_t d = 0; d < dim; ++d) {
-          out[h * dim + d] = rows(t, h, d);
-        }
-      }
-      written[row(layer, first_token + t)] = 1;
-    }
-  }
-
-  fact_kv_view<float const> slice(std::vector<float> const& src,
-                                  std::int64_t begin,
-                                  std::int64_t count,
-                                  char const* who) const
-  {
-    INFERSCALE_EXPECTS(begin >= 0 && count > 0 && begin <= num_tokens_ - count,
-                       std::string{who} + ": tokens [" + std::to_string(begin) + ", " +
-                         std::to_string(begin + count) + ") are not a non-empty range of the " +
-                         std::to_string(num_tokens_) + " captured tokens");
-    std::int64_t const row_elements = geometry_.elements_per_token_layer();
-    return make_fact_kv_view(src.data() + begin * row_elements,
-                             geometry_.num_layers,
-                             count,
-                             geometry_.num_kv_heads,
-                             geometry_.head_dim,
-                             {num_tokens_ * row_elements, row_elements, geometry_.head_dim, 1});
-  }
-
-  kv_geometry geometry_;
-  std::int64_t num_tokens_;
-  std::vector<float> keys_;
-  std::vector<float> values_;
-  std::vector<unsigned char> key_written_;
-  std::vector<unsigned char> value_written_;
-};
 
 /**
  * @brief A token range of one encoding forward to keep as a fact: tokens `[begin, begin + length)`
@@ -427,168 +283,6 @@ void inject_memory_host(kv_store const& store,
   batch.add(plan, slots);
   inject_host(store, batch, cache_adapter.cache(), rotation);
   cache_adapter.commit(plan.length());
-}
-
-// ------------------------------------------------------------------------------------------------
-// Rotation and geometry from GGUF metadata
-
-namespace detail {
-inline double gguf_number(std::string const& key, std::string const& text)
-{
-  char* end             = nullptr;
-  double const value    = std::strtod(text.c_str(), &end);
-  bool const parsed_all = end != text.c_str() && *end == '\0';
-  INFERSCALE_EXPECTS(parsed_all && std::isfinite(value),
-                     "GGUF metadata " + key + " = '" + text + "' is not a finite number");
-  return value;
-}
-
-template <class Lookup>
-std::optional<double> gguf_optional_number(Lookup const& lookup, std::string const& key)
-{
-  std::optional<std::string> v = lookup(key);
-  if (!v) { return std::nullopt; }
-  return gguf_number(key, *v);
-}
-
-template <class Lookup>
-double gguf_required_number(Lookup const& lookup, std::string const& key)
-{
-  std::optional<double> v = gguf_optional_number(lookup, key);
-  INFERSCALE_EXPECTS(v.has_value(), "GGUF metadata " + key + " is missing");
-  return *v;
-}
-
-template <class Lookup>
-std::string gguf_architecture(Lookup const& lookup)
-{
-  std::optional<std::string> arch = lookup(std::string{"general.architecture"});
-  INFERSCALE_EXPECTS(arch && !arch->empty(),
-                     std::string{"GGUF metadata general.architecture is missing"});
-  return *arch;
-}
-
-inline std::int32_t gguf_positive_int(std::string const& key, double v)
-{
-  INFERSCALE_EXPECTS(
-    v >= 1 && v <= std::numeric_limits<std::int32_t>::max() && v == std::floor(v),
-    "GGUF metadata " + key + " = " + std::to_string(v) + " is not a positive integer");
-  return static_cast<std::int32_t>(v);
-}
-}  // namespace detail
-
-/**
- * @brief The KV geometry of a GGUF model from its metadata (`<arch>.block_count`,
- * `<arch>.attention.head_count_kv` (default: head_count), `<arch>.attention.key_length` (default:
- * embedding_length / head_count)).
- *
- * @param lookup callable `std::optional<std::string>(std::string const& key)` returning a metadata
- *        value as text (llama.cpp: `llama_model_meta_val_str`), or nullopt when absent
- * @throw logic_error naming a missing or malformed key, or when K and V head sizes differ.
- */
-template <class Lookup>
-kv_geometry kv_geometry_from_gguf(Lookup const& lookup)
-{
-  using namespace detail;
-  std::string const arch = gguf_architecture(lookup);
-  auto const key         = [&](char const* k) { return arch + "." + k; };
-  std::int32_t const layers =
-    gguf_positive_int(key("block_count"), gguf_required_number(lookup, key("block_count")));
-  std::int32_t const heads = gguf_positive_int(
-    key("attention.head_count"), gguf_required_number(lookup, key("attention.head_count")));
-  std::optional<double> const kv = gguf_optional_number(lookup, key("attention.head_count_kv"));
-  std::int32_t const kv_heads = kv ? gguf_positive_int(key("attention.head_count_kv"), *kv) : heads;
-  std::optional<double> const key_length =
-    gguf_optional_number(lookup, key("attention.key_length"));
-  std::int32_t head_dim{};
-  if (key_length) {
-    head_dim = gguf_positive_int(key("attention.key_length"), *key_length);
-  } else {
-    std::int32_t const embd = gguf_positive_int(
-      key("embedding_length"), gguf_required_number(lookup, key("embedding_length")));
-    INFERSCALE_EXPECTS(embd % heads == 0,
-                       "GGUF metadata: embedding_length " + std::to_string(embd) +
-                         " is not a multiple of head_count " + std::to_string(heads));
-    head_dim = embd / heads;
-  }
-  if (std::optional<double> const value_length =
-        gguf_optional_number(lookup, key("attention.value_length"))) {
-    INFERSCALE_EXPECTS(*value_length == head_dim,
-                       "GGUF metadata: value_length " + std::to_string(*value_length) +
-                         " differs from key_length " + std::to_string(head_dim) +
-                         " (K and V heads of different sizes are not supported)");
-  }
-  kv_geometry g{layers, kv_heads, head_dim};
-  g.validate();
-  return g;
-}
-
-/**
- * @brief The rotation of a GGUF model from its metadata: `<arch>.rope.freq_base` (default 10000,
- * llama.cpp's), `<arch>.rope.dimension_count` (default: head_dim), `<arch>.rope.scaling.type`
- * (none / linear / yarn), `<arch>.rope.scaling.factor` (or the older `rope.scale_linear`),
- * `<arch>.rope.scaling.original_context_length`, `yarn_beta_fast` / `yarn_beta_slow`,
- * `<arch>.context_length`.
- *
- * GGUF does not say which elements pair up: llama.cpp decides by architecture
- * (`llama_model_rope_type`: NORM = adjacent pairs for llama-family GGUFs, whose Q/K rows the
- * converter permuted; NEOX = halves), so the caller passes `pairing`.
- *
- * @note llama3-type scaling is stored by the converter as a `rope_freqs` tensor, not as metadata,
- *       and LongRoPE's factors likewise: those models need the engine's own cos/sin table
- *       (rope_cos_sin_table) — they are refused here rather than rotated wrongly.
- * @throw logic_error on a missing or malformed key, an unsupported scaling type, or a spec that
- *        fails rope_spec::validate().
- */
-template <class Lookup>
-rope_spec rope_spec_from_gguf(Lookup const& lookup, rope_pairing pairing)
-{
-  using namespace detail;
-  std::string const arch     = gguf_architecture(lookup);
-  auto const key             = [&](char const* k) { return arch + "." + k; };
-  kv_geometry const geometry = kv_geometry_from_gguf(lookup);
-  rope_spec spec{};
-  spec.head_dim = geometry.head_dim;
-  spec.pairing  = pairing;
-  spec.theta    = gguf_optional_number(lookup, key("rope.freq_base")).value_or(10000.0);
-  if (std::optional<double> dims = gguf_optional_number(lookup, key("rope.dimension_count"))) {
-    spec.rotary_dim = gguf_positive_int(key("rope.dimension_count"), *dims);
-    if (spec.rotary_dim == spec.head_dim) { spec.rotary_dim = 0; }
-  }
-  if (std::optional<double> ctx = gguf_optional_number(lookup, key("context_length"))) {
-    spec.max_position = gguf_positive_int(key("context_length"), *ctx);
-  }
-  INFERSCALE_EXPECTS(!lookup(key("rope.scaling.alpha")),
-                     "GGUF metadata " + key("rope.scaling.alpha") +
-                       ": NTK-alpha scaling is not supported; pass the engine's cos/sin table");
-  std::string type             = lookup(key("rope.scaling.type")).value_or("");
-  std::optional<double> factor = gguf_optional_number(lookup, key("rope.scaling.factor"));
-  if (!factor) { factor = gguf_optional_number(lookup, key("rope.scale_linear")); }
-  if (type.empty()) { type = (factor && *factor != 1.0) ? "linear" : "none"; }
-  if (type == "none") {
-    spec.scaling = rope_scaling::none;
-  } else if (type == "linear") {
-    spec.scaling = rope_scaling::linear;
-    spec.factor  = factor.value_or(1.0);
-  } else if (type == "yarn") {
-    spec.scaling               = rope_scaling::yarn;
-    spec.factor                = factor.value_or(1.0);
-    spec.original_max_position = static_cast<std::int64_t>(
-      gguf_required_number(lookup, key("rope.scaling.original_context_length")));
-    spec.beta_fast =
-      gguf_optional_number(lookup, key("rope.scaling.yarn_beta_fast")).value_or(32.0);
-    spec.beta_slow = gguf_optional_number(lookup, key("rope.scaling.yarn_beta_slow")).value_or(1.0);
-    INFERSCALE_EXPECTS(!lookup(key("rope.scaling.attn_factor")),
-                       "GGUF metadata " + key("rope.scaling.attn_factor") +
-                         ": a YaRN attention factor from metadata is not supported; pass the "
-                         "engine's cos/sin table");
-  } else {
-    INFERSCALE_FAIL("GGUF metadata " + key("rope.scaling.type") + " = '" + type +
-                    "' is not supported from metadata (llama3 and LongRoPE factors live in "
-                    "tensors): pass the engine's cos/sin table");
-  }
-  spec.validate();
-  return spec;
 }
 
 }  // namespace inferscale

@@ -11,7 +11,8 @@
  *
  * The catalogue (ids, namespaces, token ids, page lists) lives in host memory; only the pool lives
  * where `memory_kind` says. The device pool needs the CUDA runtime (libcudart); a host store never
- * calls it.
+ * calls it. The views a fact is given in (fact_kv_view) are in views.hpp; the copies between those
+ * views and the pool's host or device buffer are defined in detail/store/pool.inl.
  */
 #pragma once
 
@@ -26,11 +27,8 @@
 
 
 #include <algorithm>
-#include <array>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -40,42 +38,6 @@
 #include <vector>
 
 namespace inferscale {
-
-/**
- * @brief A fact's keys or values for every layer: `[layers, tokens, heads, head_dim]` with any
- * strides (in elements).
- */
-template <class T>
-using fact_kv_view = cuda::std::mdspan<T, extents_t<4>, cuda::std::layout_stride>;
-
-/// @brief Makes a fact_kv_view with explicit strides (in elements).
-template <class T>
-fact_kv_view<T> make_fact_kv_view(T* data,
-                                  std::int64_t layers,
-                                  std::int64_t tokens,
-                                  std::int64_t heads,
-                                  std::int64_t head_dim,
-                                  std::array<std::int64_t, 4> const& strides)
-{
-  using mapping = cuda::std::layout_stride::mapping<extents_t<4>>;
-  return fact_kv_view<T>{
-    data,
-    mapping{extents_t<4>{layers, tokens, heads, head_dim},
-            cuda::std::array<std::int64_t, 4>{strides[0], strides[1], strides[2], strides[3]}}};
-}
-
-/// @brief Makes a contiguous `[layers, tokens, heads, head_dim]` fact_kv_view.
-template <class T>
-fact_kv_view<T> make_fact_kv_view(
-  T* data, std::int64_t layers, std::int64_t tokens, std::int64_t heads, std::int64_t head_dim)
-{
-  return make_fact_kv_view(data,
-                           layers,
-                           tokens,
-                           heads,
-                           head_dim,
-                           {tokens * heads * head_dim, heads * head_dim, head_dim, 1});
-}
 
 /// @brief How to build a kv_store.
 struct kv_store_config {
@@ -449,16 +411,7 @@ class kv_store {
    * @brief Copies the whole pool to host memory (for checks and snapshots).
    * @note Waits for the copy.
    */
-  std::vector<unsigned char> pool_to_host() const
-  {
-    std::vector<unsigned char> out(pool_bytes());
-    if (config_.memory == memory_kind::device) {
-      INFERSCALE_CUDA_TRY(cudaMemcpy(out.data(), ref_.pool, out.size(), cudaMemcpyDeviceToHost));
-    } else if (!out.empty()) {
-      std::memcpy(out.data(), ref_.pool, out.size());
-    }
-    return out;
-  }
+  std::vector<unsigned char> pool_to_host() const;
 
  private:
   struct namespace_state {
@@ -578,146 +531,21 @@ class kv_store {
                     fact_kv_view<T const> values,
                     std::int32_t layer_offset,
                     std::int32_t head_offset,
-                    memory_kind views_memory) const
-  {
-    dispatch_dtype(config_.store_dtype, [&](auto tag) {
-      using S = typename decltype(tag)::type;
-      if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
-                    std::is_same_v<S, bfloat16_t>) {
-        std::int64_t const tokens = keys.extent(1);
-        std::int32_t const heads  = config_.num_heads;
-        std::int32_t const d      = config_.model.head_dim;
-        std::int64_t const row    = ref_.row_elements();
-        bool const device         = views_memory == memory_kind::device;
-        std::vector<T> staging(device ? static_cast<std::size_t>(tokens * row) : 0);
-        for (std::int32_t l = 0; l < config_.num_layers; ++l) {
-          for (std::int32_t kv = 0; kv < 2; ++kv) {
-            auto const& src = kv == 0 ? keys : values;
-            if (device) {  // each token's [heads, head_dim] is contiguous (checked by insert)
-              INFERSCALE_CUDA_TRY(cudaMemcpy2D(staging.data(),
-                                               static_cast<std::size_t>(row) * sizeof(T),
-                                               &src(l + layer_offset, 0, head_offset, 0),
-                                               static_cast<std::size_t>(src.stride(1)) * sizeof(T),
-                                               static_cast<std::size_t>(row) * sizeof(T),
-                                               static_cast<std::size_t>(tokens),
-                                               cudaMemcpyDeviceToHost));
-            }
-            for (std::int64_t t = 0; t < tokens; ++t) {
-              for (std::int32_t h = 0; h < heads; ++h) {
-                for (std::int32_t e = 0; e < d; ++e) {
-                  float const x =
-                    device ? to_float(staging[static_cast<std::size_t>(t * row + h * d + e)])
-                           : to_float(src(l + layer_offset, t, h + head_offset, e));
-                  if (std::isfinite(x) && std::isfinite(to_float(from_float<S>(x)))) { continue; }
-                  char text[48], limit[48];
-                  std::snprintf(text, sizeof text, "%g", static_cast<double>(x));
-                  std::snprintf(limit, sizeof limit, "%g", static_cast<double>(max_finite<S>()));
-                  INFERSCALE_FAIL(
-                    "kv_store::insert: fact " + std::to_string(fact_id) + " has a " +
-                    (kv == 0 ? "key" : "value") + " element " + text + " at layer " +
-                    std::to_string(l + layer_offset) + ", token " + std::to_string(t) +
-                    ", head " + std::to_string(h + head_offset) + ", dim " + std::to_string(e) +
-                    (std::isfinite(x) ? std::string{" that overflows the store dtype "} +
-                                          to_string(config_.store_dtype) + " (largest finite " +
-                                          limit + ")"
-                                      : std::string{": NaN and infinities are refused"}));
-                }
-              }
-            }
-          }
-        }
-      }
-    });
-  }
+                    memory_kind views_memory) const;
 
   template <class T>
   void copy_from_host(fact_record const& record,
                       fact_kv_view<T const> keys,
                       fact_kv_view<T const> values,
                       std::int32_t layer_offset,
-                      std::int32_t head_offset)
-  {
-    dispatch_dtype(config_.store_dtype, [&](auto tag) {
-      using S = typename decltype(tag)::type;
-      if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
-                    std::is_same_v<S, bfloat16_t>) {
-        std::int64_t const row = ref_.row_elements();
-        std::int32_t const ps  = config_.page_size;
-        std::int32_t const d   = config_.model.head_dim;
-        // Host store: write pages in place. Device store: pack one page at a time, then copy.
-        std::vector<S> staging(
-          config_.memory == memory_kind::device ? static_cast<std::size_t>(page_elements()) : 0);
-        for (std::size_t p = 0; p < record.pages.size(); ++p) {
-          S* const page = config_.memory == memory_kind::device
-                            ? staging.data()
-                            : static_cast<S*>(ref_.pool) + record.pages[p] * page_elements();
-          for (std::int32_t l = 0; l < config_.num_layers; ++l) {
-            for (std::int32_t kv = 0; kv < 2; ++kv) {
-              auto const& src = kv == 0 ? keys : values;
-              for (std::int32_t t = 0; t < ps; ++t) {
-                std::int64_t const token = static_cast<std::int64_t>(p) * ps + t;
-                S* const dst = page + ((static_cast<std::int64_t>(l) * 2 + kv) * ps + t) * row;
-                if (token >= record.length()) {
-                  std::fill(dst, dst + row, S{});
-                  continue;
-                }
-                for (std::int32_t h = 0; h < config_.num_heads; ++h) {
-                  for (std::int32_t e = 0; e < d; ++e) {
-                    dst[static_cast<std::int64_t>(h) * d + e] =
-                      from_float<S>(to_float(src(l + layer_offset, token, h + head_offset, e)));
-                  }
-                }
-              }
-            }
-          }
-          if (config_.memory == memory_kind::device) {
-            INFERSCALE_CUDA_TRY(
-              cudaMemcpy(static_cast<S*>(ref_.pool) + record.pages[p] * page_elements(),
-                         staging.data(),
-                         staging.size() * sizeof(S),
-                         cudaMemcpyHostToDevice));
-          }
-        }
-        // A pageable host-to-device cudaMemcpy may return before the data lands: wait, so work
-        // enqueued next on any stream sees the fact (and the staging buffer may be reused).
-        if (config_.memory == memory_kind::device) { INFERSCALE_CUDA_TRY(cudaDeviceSynchronize()); }
-      }
-    });
-  }
+                      std::int32_t head_offset);
 
   template <class T>
   void copy_from_device(fact_record const& record,
                         fact_kv_view<T const> keys,
                         fact_kv_view<T const> values,
                         std::int32_t layer_offset,
-                        std::int32_t head_offset)
-  {
-    std::int64_t const row = ref_.row_elements();
-    std::int32_t const ps  = config_.page_size;
-    for (std::size_t p = 0; p < record.pages.size(); ++p) {
-      std::int64_t const first = static_cast<std::int64_t>(p) * ps;
-      std::int64_t const n     = std::min<std::int64_t>(ps, record.length() - first);
-      for (std::int32_t l = 0; l < config_.num_layers; ++l) {
-        for (std::int32_t kv = 0; kv < 2; ++kv) {
-          auto const& src = kv == 0 ? keys : values;
-          T* const dst = static_cast<T*>(ref_.pool) + ref_.row_offset(record.pages[p] * ps, l, kv);
-          T const* const from = &src(l + layer_offset, first, head_offset, 0);
-          INFERSCALE_CUDA_TRY(cudaMemcpy2D(dst,
-                                           static_cast<std::size_t>(row) * sizeof(T),
-                                           from,
-                                           static_cast<std::size_t>(src.stride(1)) * sizeof(T),
-                                           static_cast<std::size_t>(row) * sizeof(T),
-                                           static_cast<std::size_t>(n),
-                                           cudaMemcpyDeviceToDevice));
-          if (n < ps) {  // zero the unused rows, as the host path does
-            INFERSCALE_CUDA_TRY(
-              cudaMemset(dst + n * row, 0, static_cast<std::size_t>((ps - n) * row) * sizeof(T)));
-          }
-        }
-      }
-    }
-    INFERSCALE_CUDA_TRY(cudaDeviceSynchronize());
-  }
+                        std::int32_t head_offset);
 
   void swap(kv_store& other) noexcept
   {
@@ -770,3 +598,5 @@ class kv_store {
 };
 
 }  // namespace inferscale
+
+#include <inferscale/detail/store/pool.inl>

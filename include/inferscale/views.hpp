@@ -9,6 +9,7 @@
 #include <cuda/std/array>
 #include <cuda/std/mdspan>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -52,6 +53,42 @@ token_head_view<T> make_token_head_view(T* data,
                                         std::int64_t head_dim)
 {
   return make_token_head_view(data, tokens, heads, head_dim, heads * head_dim, head_dim, 1);
+}
+
+/**
+ * @brief A fact's keys or values for every layer: `[layers, tokens, heads, head_dim]` with any
+ * strides (in elements).
+ */
+template <class T>
+using fact_kv_view = cuda::std::mdspan<T, extents_t<4>, cuda::std::layout_stride>;
+
+/// @brief Makes a fact_kv_view with explicit strides (in elements).
+template <class T>
+fact_kv_view<T> make_fact_kv_view(T* data,
+                                  std::int64_t layers,
+                                  std::int64_t tokens,
+                                  std::int64_t heads,
+                                  std::int64_t head_dim,
+                                  std::array<std::int64_t, 4> const& strides)
+{
+  using mapping = cuda::std::layout_stride::mapping<extents_t<4>>;
+  return fact_kv_view<T>{
+    data,
+    mapping{extents_t<4>{layers, tokens, heads, head_dim},
+            cuda::std::array<std::int64_t, 4>{strides[0], strides[1], strides[2], strides[3]}}};
+}
+
+/// @brief Makes a contiguous `[layers, tokens, heads, head_dim]` fact_kv_view.
+template <class T>
+fact_kv_view<T> make_fact_kv_view(
+  T* data, std::int64_t layers, std::int64_t tokens, std::int64_t heads, std::int64_t head_dim)
+{
+  return make_fact_kv_view(data,
+                           layers,
+                           tokens,
+                           heads,
+                           head_dim,
+                           {tokens * heads * head_dim, heads * head_dim, head_dim, 1});
 }
 
 }  // namespace inferscale

@@ -85,9 +85,9 @@ inline user_data make_user(std::uint64_t ns, std::uint64_t base, int n, int fact
 }
 
 /// The context a fact at turn t sees behind a window starting at turn a, written out from the
-/// rule in encoding.hpp's file comment (independently of the planner's code): the lead; nothing
-/// more when t == a; otherwise the header of a's session, turns a .. t-1 with the header of every
-/// session that opens among them, and the header of t's session when t opens a session.
+/// rule in encoding_plan.hpp's file comment (independently of the planner's code): the lead;
+/// nothing more when t == a; otherwise the header of a's session, turns a .. t-1 with the header of
+/// every session that opens among them, and the header of t's session when t opens a session.
 inline std::vector<std::int32_t> window_tokens(inferscale::conversation const& c, std::int64_t a, std::int64_t t)
 {
   std::vector<std::int32_t> out = c.lead;

@@ -1,0 +1,404 @@
+/**
+ * @file detail/snapshot/load.inl
+ * @brief Definitions for detail/snapshot/store_access.hpp: loading a store snapshot (load_store)
+ * and the checks of snapshot.hpp's file comment, in their order: the header, the catalogue, the
+ * target, then the pool while it is read.
+ */
+#pragma once
+
+#include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/serialize.hpp>
+#include <inferscale/detail/snapshot/format.hpp>
+#include <inferscale/detail/snapshot/store_access.hpp>
+#include <inferscale/dtype.hpp>
+#include <inferscale/error.hpp>
+#include <inferscale/memory_kind.hpp>
+#include <inferscale/store.hpp>
+
+#include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace inferscale::detail {
+
+inline store_access::parsed_header store_access::parse_header(unsigned char const* h,
+                                                              std::uint64_t file_size,
+                                                              std::string const& where)
+{
+  auto const truncated_min = [&] {
+    return where + "truncated: expected at least " + std::to_string(store_format::minimum_bytes) +
+           " bytes, file has " + std::to_string(file_size);
+  };
+  std::size_t const magic_seen =
+    static_cast<std::size_t>(std::min<std::uint64_t>(file_size, sizeof store_format::magic));
+  INFERSCALE_EXPECTS(magic_seen == 0 || std::memcmp(h, store_format::magic, magic_seen) == 0,
+                     where + "not an InferScale store snapshot (wrong magic bytes)");
+  INFERSCALE_EXPECTS(file_size >= 12, truncated_min());
+  std::uint32_t const version = serial::get_le<std::uint32_t>(h + 8);
+  INFERSCALE_EXPECTS(version == store_format::version,
+                     where + "format version " + std::to_string(version) +
+                       " is not supported (this build reads " +
+                       std::to_string(store_format::version) + ")");
+  INFERSCALE_EXPECTS(file_size >= 16, truncated_min());
+  std::uint32_t const byte_order = serial::get_le<std::uint32_t>(h + 12);
+  INFERSCALE_EXPECTS(byte_order == store_format::byte_order,
+                     where + "bad byte-order mark " + serial::hex(byte_order, 8) +
+                       " (files are little-endian, mark 0x01020304)");
+  INFERSCALE_EXPECTS(file_size >= store_format::minimum_bytes, truncated_min());
+  std::uint64_t const header_stored =
+    serial::get_le<std::uint64_t>(h + store_format::header_fields);
+  std::uint64_t const header_actual = serial::crc64_of(h, store_format::header_fields);
+  INFERSCALE_EXPECTS(header_stored == header_actual,
+                     where + "header checksum mismatch: stored " + serial::hex(header_stored) +
+                       ", computed " + serial::hex(header_actual) + " (the header is corrupted)");
+
+  parsed_header r;
+  kv_store_config& c      = r.config;
+  c.model.num_layers      = serial::get_le<std::int32_t>(h + 16);
+  c.model.num_kv_heads    = serial::get_le<std::int32_t>(h + 20);
+  c.model.head_dim        = serial::get_le<std::int32_t>(h + 24);
+  c.first_layer           = serial::get_le<std::int32_t>(h + 28);
+  c.num_layers            = serial::get_le<std::int32_t>(h + 32);
+  c.first_head            = serial::get_le<std::int32_t>(h + 36);
+  c.num_heads             = serial::get_le<std::int32_t>(h + 40);
+  c.page_size             = serial::get_le<std::int32_t>(h + 44);
+  c.num_pages             = serial::get_le<std::int64_t>(h + 48);
+  std::uint8_t const code = h[56];
+  r.namespaces            = serial::get_le<std::uint64_t>(h + 64);
+  r.facts                 = serial::get_le<std::uint64_t>(h + 72);
+  r.tokens                = serial::get_le<std::uint64_t>(h + 80);
+  r.pages_in_use          = serial::get_le<std::uint64_t>(h + 88);
+  bool reserved_zero      = true;
+  for (std::size_t b = 57; b < 64; ++b) {
+    reserved_zero = reserved_zero && h[b] == 0;
+  }
+  INFERSCALE_EXPECTS(reserved_zero, where + "header: reserved bytes are not zero");
+  INFERSCALE_EXPECTS(code <= 2,
+                     where + "header: unknown store dtype code " + std::to_string(code));
+  c.store_dtype = code == 0 ? dtype::float32 : code == 1 ? dtype::float16 : dtype::bfloat16;
+
+  std::string const model = std::to_string(c.model.num_layers) + " layers x " +
+                            std::to_string(c.model.num_kv_heads) + " KV heads x head_dim " +
+                            std::to_string(c.model.head_dim);
+  INFERSCALE_EXPECTS(
+    c.model.num_layers > 0 && c.model.num_kv_heads > 0 && c.model.head_dim > 0 &&
+      c.model.head_dim % 2 == 0,
+    where + "header: model geometry " + model + " is invalid (positive, head_dim even)");
+  INFERSCALE_EXPECTS(
+    c.first_layer >= 0 && c.num_layers > 0 && c.num_layers <= c.model.num_layers - c.first_layer,
+    where + "header: layer range from " + std::to_string(c.first_layer) + ", " +
+      std::to_string(c.num_layers) + " layers, outside the model's " +
+      std::to_string(c.model.num_layers));
+  INFERSCALE_EXPECTS(
+    c.first_head >= 0 && c.num_heads > 0 && c.num_heads <= c.model.num_kv_heads - c.first_head,
+    where + "header: head range from " + std::to_string(c.first_head) + ", " +
+      std::to_string(c.num_heads) + " heads, outside the model's " +
+      std::to_string(c.model.num_kv_heads));
+  INFERSCALE_EXPECTS(
+    c.page_size > 0,
+    where + "header: page_size " + std::to_string(c.page_size) + " is not positive");
+  INFERSCALE_EXPECTS(c.num_pages >= 0,
+                     where + "header: num_pages " + std::to_string(c.num_pages) + " is negative");
+  // page bytes = 2 * L * page_size * H * D * E; the pool P * page bytes must fit in an int64
+  std::uint64_t page = 0;
+  bool ok            = serial::multiply_add(2u * static_cast<std::uint64_t>(c.num_layers),
+                                 static_cast<std::uint64_t>(c.page_size),
+                                 0,
+                                 page) &&
+            serial::multiply_add(page, static_cast<std::uint64_t>(c.num_heads), 0, page) &&
+            serial::multiply_add(page, static_cast<std::uint64_t>(c.model.head_dim), 0, page) &&
+            serial::multiply_add(page, size_of(c.store_dtype), 0, page);
+  std::uint64_t pool = 0;
+  ok = ok && serial::multiply_add(page, static_cast<std::uint64_t>(c.num_pages), 0, pool) &&
+       pool <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+  INFERSCALE_EXPECTS(ok,
+                     where + "header: a pool of " + std::to_string(c.num_pages) +
+                       " pages of this geometry overflows a 64-bit byte count");
+  r.page_bytes          = page;
+  std::uint64_t const P = static_cast<std::uint64_t>(c.num_pages);
+  INFERSCALE_EXPECTS(r.namespaces <= r.facts && r.facts <= r.pages_in_use &&
+                       r.pages_in_use <= P && r.facts <= r.tokens,
+                     where +
+                       "header: counts break namespaces <= facts <= pages in use <= "
+                       "capacity and facts <= tokens (" +
+                       std::to_string(r.namespaces) + ", " + std::to_string(r.facts) + ", " +
+                       std::to_string(r.pages_in_use) + ", " + std::to_string(P) + "; " +
+                       std::to_string(r.tokens) + " tokens)");
+  // catalogue = 16 N + 16 F + 4 T + 8 P; file = 104 + catalogue + 8 + U B + 8
+  std::uint64_t catalogue = 0, file = 0;
+  ok = serial::multiply_add(r.namespaces, store_format::namespace_bytes, 0, catalogue) &&
+       serial::multiply_add(r.facts, store_format::fact_bytes, catalogue, catalogue) &&
+       serial::multiply_add(r.tokens, 4, catalogue, catalogue) &&
+       serial::multiply_add(P, 8, catalogue, catalogue) &&
+       serial::multiply_add(r.pages_in_use, page, catalogue, file) &&
+       serial::multiply_add(1, store_format::minimum_bytes, file, file);
+  INFERSCALE_EXPECTS(ok, where + "header: the counts do not fit in a file");
+  r.catalogue_bytes = catalogue;
+  r.file_bytes      = file;
+  INFERSCALE_EXPECTS(file_size >= file,
+                     where + "truncated: expected " + std::to_string(file) + " bytes, file has " +
+                       std::to_string(file_size));
+  INFERSCALE_EXPECTS(file_size == file,
+                     where + "trailing data: expected " + std::to_string(file) +
+                       " bytes, file has " + std::to_string(file_size));
+  return r;
+}
+
+inline store_access::staged_catalogue store_access::parse_catalogue(
+  std::vector<unsigned char> const& bytes, parsed_header const& h, std::string const& where)
+{
+  staged_catalogue s;
+  std::int64_t const P   = h.config.num_pages;
+  std::int32_t const ps  = h.config.page_size;
+  unsigned char const* p = bytes.data();
+  std::vector<char> seen(static_cast<std::size_t>(P), 0);    // held by a fact or free
+  std::vector<char> in_use(static_cast<std::size_t>(P), 0);  // held by a fact
+  s.page_owner.assign(static_cast<std::size_t>(P), 0);
+  std::unordered_set<std::uint64_t> ids;
+  ids.reserve(static_cast<std::size_t>(h.facts));
+  s.records.reserve(static_cast<std::size_t>(h.facts));
+  std::uint64_t facts = 0, tokens = 0, pages = 0;
+  auto const take_page = [&](std::int64_t page, std::string const& holder) {
+    INFERSCALE_EXPECTS(page >= 0 && page < P,
+                       where + holder + ": page " + std::to_string(page) +
+                         " outside the capacity of " + std::to_string(P) + " pages");
+    INFERSCALE_EXPECTS(seen[static_cast<std::size_t>(page)] == 0,
+                       where + holder + ": page " + std::to_string(page) +
+                         " is held twice (pages are never shared)");
+    seen[static_cast<std::size_t>(page)] = 1;
+  };
+  bool first                = true;
+  std::uint64_t previous_ns = 0;
+  for (std::uint64_t n = 0; n < h.namespaces; ++n) {
+    std::uint64_t const ns    = serial::get_le<std::uint64_t>(p);
+    std::uint64_t const count = serial::get_le<std::uint64_t>(p + 8);
+    p += store_format::namespace_bytes;
+    std::string const space = "namespace " + std::to_string(ns);
+    INFERSCALE_EXPECTS(first || ns > previous_ns,
+                       where + space + " follows namespace " + std::to_string(previous_ns) +
+                         ": namespaces are stored once each, ascending");
+    first       = false;
+    previous_ns = ns;
+    INFERSCALE_EXPECTS(count >= 1, where + space + " holds no facts");
+    INFERSCALE_EXPECTS(count <= h.facts - facts,
+                       where + space + ": " + std::to_string(count) +
+                         " facts exceed the header's " + std::to_string(h.facts));
+    for (std::uint64_t f = 0; f < count; ++f) {
+      fact_record r;
+      r.fact_id                  = serial::get_le<std::uint64_t>(p);
+      std::int32_t const length  = serial::get_le<std::int32_t>(p + 8);
+      std::uint32_t const npages = serial::get_le<std::uint32_t>(p + 12);
+      p += store_format::fact_bytes;
+      std::string const fact = "fact " + std::to_string(r.fact_id);
+      INFERSCALE_EXPECTS(ids.insert(r.fact_id).second,
+                         where + fact + " appears twice (fact ids are unique)");
+      INFERSCALE_EXPECTS(
+        length >= 1,
+        where + fact + " has " + std::to_string(length) + " tokens, at least 1 expected");
+      std::uint64_t const expected_pages = (static_cast<std::uint64_t>(length) + ps - 1) / ps;
+      INFERSCALE_EXPECTS(npages == expected_pages,
+                         where + fact + ": " + std::to_string(npages) + " pages for " +
+                           std::to_string(length) + " tokens, expected ceil(" +
+                           std::to_string(length) + " / " + std::to_string(ps) +
+                           ") = " + std::to_string(expected_pages));
+      INFERSCALE_EXPECTS(static_cast<std::uint64_t>(length) <= h.tokens - tokens &&
+                           npages <= h.pages_in_use - pages,
+                         where + fact +
+                           ": the facts hold more tokens or pages than the "
+                           "header's " +
+                           std::to_string(h.tokens) + " and " + std::to_string(h.pages_in_use));
+      r.namespace_id = ns;
+      r.token_ids.resize(static_cast<std::size_t>(length));
+      serial::copy_little_endian(r.token_ids.data(), p, r.token_ids.size(), 4);
+      p += 4 * r.token_ids.size();
+      r.pages.resize(npages);
+      serial::copy_little_endian(r.pages.data(), p, npages, 8);
+      p += 8 * std::size_t{npages};
+      for (std::int64_t page : r.pages) {
+        take_page(page, fact);
+        s.page_owner[static_cast<std::size_t>(page)] = r.fact_id;
+        in_use[static_cast<std::size_t>(page)]       = 1;
+      }
+      ++facts;
+      tokens += static_cast<std::uint64_t>(length);
+      pages += npages;
+      s.records.push_back(std::move(r));
+    }
+  }
+  INFERSCALE_EXPECTS(facts == h.facts && tokens == h.tokens && pages == h.pages_in_use,
+                     where + "the namespaces hold " + std::to_string(facts) + " facts, " +
+                       std::to_string(tokens) + " tokens, " + std::to_string(pages) +
+                       " pages; the header says " + std::to_string(h.facts) + ", " +
+                       std::to_string(h.tokens) + ", " + std::to_string(h.pages_in_use));
+  std::size_t const free_count = static_cast<std::size_t>(P) - static_cast<std::size_t>(pages);
+  s.free_pages.resize(free_count);
+  serial::copy_little_endian(s.free_pages.data(), p, free_count, 8);
+  p += 8 * free_count;
+  for (std::int64_t page : s.free_pages) {
+    take_page(page, "the free-page stack");
+  }
+  // P distinct pages in [0, P): every page exactly once.
+  INFERSCALE_EXPECTS(p == bytes.data() + bytes.size(),
+                     where + "the catalogue's length disagrees with its contents");
+  s.used_pages.reserve(static_cast<std::size_t>(pages));
+  for (std::int64_t page = 0; page < P; ++page) {
+    if (in_use[static_cast<std::size_t>(page)] != 0) { s.used_pages.push_back(page); }
+  }
+  return s;
+}
+
+inline kv_store store_access::load(std::string const& path,
+                                   memory_kind memory,
+                                   std::optional<dtype> store_dtype,
+                                   kv_store_config const* expect)
+{
+  std::string const where = "load_store('" + path + "'): ";
+  std::string const who   = "load_store";
+  serial::checksummed_reader in{path, who};
+  std::uint64_t const size = in.size();
+
+  unsigned char h[store_format::header_bytes] = {};
+  std::size_t const available = static_cast<std::size_t>(std::min<std::uint64_t>(size, sizeof h));
+  std::size_t const fields    = std::min(available, store_format::header_fields);
+  in.read(h, fields);
+  in.read_excluded(h + fields, available - fields);
+  parsed_header const header = parse_header(h, size, where);
+  kv_store_config const& fc  = header.config;
+
+  std::vector<unsigned char> catalogue(static_cast<std::size_t>(header.catalogue_bytes));
+  in.read(catalogue.data(), catalogue.size());
+  unsigned char checksum[store_format::checksum_bytes];
+  in.read_excluded(checksum, sizeof checksum);
+  std::uint64_t const catalogue_stored = serial::get_le<std::uint64_t>(checksum);
+  std::uint64_t const catalogue_actual = serial::crc64_of(catalogue.data(), catalogue.size());
+  INFERSCALE_EXPECTS(catalogue_stored == catalogue_actual,
+                     where + "catalogue checksum mismatch: stored " +
+                       serial::hex(catalogue_stored) + ", computed " +
+                       serial::hex(catalogue_actual) + " (the catalogue is corrupted)");
+
+  staged_catalogue staged = parse_catalogue(catalogue, header, where);
+  catalogue               = {};
+
+  // the target
+  kv_store_config target = fc;
+  target.memory          = memory;
+  target.pinned          = expect != nullptr && expect->pinned;  // placement, not content
+  target.store_dtype     = store_dtype.value_or(fc.store_dtype);
+  INFERSCALE_EXPECTS(target.store_dtype == dtype::float32 ||
+                       target.store_dtype == dtype::float16 ||
+                       target.store_dtype == dtype::bfloat16,
+                     where + "the target dtype must be float32, float16 or bfloat16, got " +
+                       to_string(target.store_dtype));
+  if (expect != nullptr) { check_target(fc, *expect, where); }
+
+  kv_store store{target};  // zeroed pool; handed out only once every check below has passed
+  dtype const from      = fc.store_dtype;
+  dtype const to        = target.store_dtype;
+  std::size_t const B   = static_cast<std::size_t>(header.page_bytes);
+  std::size_t const Eto = size_of(to);
+  std::size_t const Bto = B / size_of(from) * Eto;
+  std::size_t const per_chunk =
+    B == 0 ? 1 : std::max<std::size_t>(1, store_format::pool_chunk_bytes / B);
+  bool const device = memory == memory_kind::device;
+  bool const direct = !device && from == to && serial::host_is_little_endian();
+  auto* const pool  = static_cast<unsigned char*>(store.ref().pool);
+  std::vector<unsigned char> raw(direct ? 0 : std::min(staged.used_pages.size(), per_chunk) * B);
+  std::vector<unsigned char> converted(device && from != to ? raw.size() / size_of(from) * Eto
+                                                            : 0);
+
+  // Problems in the pool are reported after the file checksum, which names corruption first.
+  std::string pool_problem;
+  std::vector<std::int64_t> const& used = staged.used_pages;
+  std::size_t i                         = 0;
+  while (i < used.size()) {
+    std::size_t run_end = i + 1;
+    while (run_end < used.size() && used[run_end] == used[run_end - 1] + 1 &&
+           run_end - i < per_chunk) {
+      ++run_end;
+    }
+    std::size_t const n      = run_end - i;
+    std::size_t const first  = static_cast<std::size_t>(used[i]);
+    unsigned char* const dst = pool + first * Bto;
+    unsigned char* source    = direct ? dst : raw.data();
+    in.read(source, n * B);
+    if (!serial::host_is_little_endian()) {
+      to_host_order(source, n * B / size_of(from), size_of(from));
+    }
+    if (pool_problem.empty()) {
+      std::size_t const elements = n * B / size_of(from);
+      std::size_t const bad      = first_non_finite(source, elements, from);
+      if (bad != elements) {
+        std::size_t const page = first + bad * size_of(from) / B;
+        pool_problem           = "fact " + std::to_string(staged.page_owner[page]) +
+                       " holds a non-finite value (page " + std::to_string(page) + ")";
+      }
+    }
+    unsigned char const* ready = source;
+    if (from != to) {
+      unsigned char* const out   = device ? converted.data() : dst;
+      std::size_t const elements = n * B / size_of(from);
+      std::size_t const overflow = convert_elements(source, from, out, to, elements);
+      if (overflow != elements && pool_problem.empty()) {
+        std::size_t const page = first + overflow * size_of(from) / B;
+        pool_problem           = "fact " + std::to_string(staged.page_owner[page]) + " (page " +
+                       std::to_string(page) + ") holds a value that overflows " + to_string(to) +
+                       " (largest finite " + (to == dtype::float16 ? "65504" : "3.39e38") +
+                       "); load it into a wider dtype";
+      }
+      ready = out;
+    }
+    if (device) { INFERSCALE_CUDA_TRY(cudaMemcpy(dst, ready, n * Bto, cudaMemcpyHostToDevice)); }
+    i = run_end;
+  }
+  std::uint64_t const file_actual = in.checksum();
+  in.read_excluded(checksum, sizeof checksum);
+  std::uint64_t const file_stored = serial::get_le<std::uint64_t>(checksum);
+  INFERSCALE_EXPECTS(file_stored == file_actual,
+                     where + "checksum mismatch: stored " + serial::hex(file_stored) +
+                       ", computed " + serial::hex(file_actual) + " (the file is corrupted)");
+  INFERSCALE_EXPECTS(pool_problem.empty(), where + pool_problem);
+
+  restore(store, std::move(staged));
+  return store;
+}
+
+inline void store_access::check_target(kv_store_config const& file,
+                                       kv_store_config want,
+                                       std::string const& where)
+{
+  if (want.num_layers == 0) { want.num_layers = want.model.num_layers - want.first_layer; }
+  if (want.num_heads == 0) { want.num_heads = want.model.num_kv_heads - want.first_head; }
+  auto const geometry = [](kv_geometry const& g) {
+    return std::to_string(g.num_layers) + " layers x " + std::to_string(g.num_kv_heads) +
+           " KV heads x head_dim " + std::to_string(g.head_dim);
+  };
+  auto const range = [](std::int32_t first, std::int32_t count) {
+    return "[" + std::to_string(first) + ", " + std::to_string(first + count) + ")";
+  };
+  INFERSCALE_EXPECTS(file.model == want.model,
+                     where + "the snapshot is of a model with " + geometry(file.model) +
+                       ", the target store's model has " + geometry(want.model));
+  INFERSCALE_EXPECTS(
+    file.first_layer == want.first_layer && file.num_layers == want.num_layers &&
+      file.first_head == want.first_head && file.num_heads == want.num_heads,
+    where + "the snapshot holds layers " + range(file.first_layer, file.num_layers) +
+      " and KV heads " + range(file.first_head, file.num_heads) +
+      ", the target store's shard is layers " + range(want.first_layer, want.num_layers) +
+      " and KV heads " + range(want.first_head, want.num_heads));
+  INFERSCALE_EXPECTS(file.page_size == want.page_size,
+                     where + "the snapshot has pages of " + std::to_string(file.page_size) +
+                       " tokens, the target store " + std::to_string(want.page_size));
+  INFERSCALE_EXPECTS(file.num_pages == want.num_pages,
+                     where + "the snapshot has a capacity of " + std::to_string(file.num_pages) +
+                       " pages, the target store " + std::to_string(want.num_pages));
+}
+
+}  // namespace inferscale::detail

@@ -1,0 +1,144 @@
+/**
+ * @file detail/snapshot/save.inl
+ * @brief Definitions for detail/snapshot/store_access.hpp: saving a store snapshot (save_store) in
+ * the format of snapshot.hpp's file comment, atomically.
+ */
+#pragma once
+
+#include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/serialize.hpp>
+#include <inferscale/detail/snapshot/format.hpp>
+#include <inferscale/detail/snapshot/store_access.hpp>
+#include <inferscale/dtype.hpp>
+#include <inferscale/error.hpp>
+#include <inferscale/memory_kind.hpp>
+#include <inferscale/store.hpp>
+
+#include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace inferscale::detail {
+
+inline void store_access::save(kv_store const& store, std::string const& path)
+{
+  std::string const who                       = "save_store('" + path + "')";
+  kv_store_config const& c                    = store.config();
+  std::int64_t const P                        = store.num_pages();
+  std::size_t const B                         = page_bytes(store);
+  dtype const t                               = store.store_dtype();
+  std::size_t const E                         = size_of(t);
+  std::vector<std::uint64_t> const namespaces = namespace_ids(store);
+
+  // The catalogue, in memory first (it is small beside the pool) so its checksum is at hand.
+  std::vector<unsigned char> catalogue;
+  std::vector<std::uint64_t> owner(static_cast<std::size_t>(P), 0);
+  std::vector<char> used(static_cast<std::size_t>(P), 0);
+  std::uint64_t facts = 0, tokens = 0, pages_in_use = 0;
+  auto const append = [&](auto value) {
+    std::size_t const at = catalogue.size();
+    catalogue.resize(at + sizeof(value));
+    serial::put_le(catalogue.data() + at, value);
+  };
+  for (std::uint64_t ns : namespaces) {
+    std::vector<std::uint64_t> const ids = store.namespace_fact_ids(ns);
+    append(ns);
+    append(static_cast<std::uint64_t>(ids.size()));
+    for (std::uint64_t id : ids) {
+      fact_record const& r = store.at(id);
+      append(r.fact_id);
+      append(static_cast<std::int32_t>(r.token_ids.size()));
+      append(static_cast<std::uint32_t>(r.pages.size()));
+      for (std::int32_t token : r.token_ids) {
+        append(token);
+      }
+      for (std::int64_t p : r.pages) {
+        append(p);
+        owner[static_cast<std::size_t>(p)] = id;
+        used[static_cast<std::size_t>(p)]  = 1;
+      }
+      ++facts;
+      tokens += r.token_ids.size();
+      pages_in_use += r.pages.size();
+    }
+  }
+  for (std::int64_t p : free_stack(store)) {
+    append(p);
+  }
+
+  unsigned char header[store_format::header_bytes] = {};
+  std::memcpy(header, store_format::magic, sizeof store_format::magic);
+  serial::put_le(header + 8, store_format::version);
+  serial::put_le(header + 12, store_format::byte_order);
+  serial::put_le(header + 16, c.model.num_layers);
+  serial::put_le(header + 20, c.model.num_kv_heads);
+  serial::put_le(header + 24, c.model.head_dim);
+  serial::put_le(header + 28, c.first_layer);
+  serial::put_le(header + 32, c.num_layers);
+  serial::put_le(header + 36, c.first_head);
+  serial::put_le(header + 40, c.num_heads);
+  serial::put_le(header + 44, c.page_size);
+  serial::put_le(header + 48, c.num_pages);
+  header[56] = store_format::dtype_code(t);
+  serial::put_le(header + 64, static_cast<std::uint64_t>(namespaces.size()));
+  serial::put_le(header + 72, facts);
+  serial::put_le(header + 80, tokens);
+  serial::put_le(header + 88, pages_in_use);
+  serial::put_le(header + store_format::header_fields,
+                 serial::crc64_of(header, store_format::header_fields));
+
+  bool const device = store.memory() == memory_kind::device;
+  std::size_t const pages_per_chunk =
+    B == 0 ? 1 : std::max<std::size_t>(1, store_format::pool_chunk_bytes / B);
+  std::vector<unsigned char> staging(
+    device ? std::min(pages_per_chunk, static_cast<std::size_t>(P)) * B : 0);
+  auto const* pool = static_cast<unsigned char const*>(store.ref().pool);
+
+  (void)serial::write_file_atomically(path, who, true, [&](serial::checksummed_writer& out) {
+    out.write(header, store_format::header_fields);
+    out.write_excluded(header + store_format::header_fields, store_format::checksum_bytes);
+    out.write(catalogue.data(), catalogue.size());
+    unsigned char checksum[store_format::checksum_bytes];
+    serial::put_le(checksum, serial::crc64_of(catalogue.data(), catalogue.size()));
+    out.write_excluded(checksum, sizeof checksum);
+
+    // The pages in use, ascending, in runs of consecutive pages (one write or copy per run).
+    std::int64_t p = 0;
+    while (p < P) {
+      if (used[static_cast<std::size_t>(p)] == 0) {
+        ++p;
+        continue;
+      }
+      std::int64_t run_end = p + 1;
+      while (run_end < P && used[static_cast<std::size_t>(run_end)] != 0 &&
+             static_cast<std::size_t>(run_end - p) < pages_per_chunk) {
+        ++run_end;
+      }
+      std::size_t const n       = static_cast<std::size_t>(run_end - p);
+      std::size_t const bytes   = n * B;
+      unsigned char const* data = pool + static_cast<std::size_t>(p) * B;
+      if (device) {
+        INFERSCALE_CUDA_TRY(cudaMemcpy(staging.data(), data, bytes, cudaMemcpyDeviceToHost));
+        data = staging.data();
+      }
+      std::size_t const bad = first_non_finite(data, bytes / E, t);
+      INFERSCALE_EXPECTS(bad == bytes / E,
+                         who + ": fact " +
+                           std::to_string(owner[static_cast<std::size_t>(p) + bad * E / B]) +
+                           " holds a non-finite value (page " +
+                           std::to_string(p + static_cast<std::int64_t>(bad * E / B)) +
+                           "); a snapshot holds finite KV only, nothing was saved");
+      out.write_elements(data, bytes / E, E);  // little-endian whatever the host
+      p = run_end;
+    }
+    serial::put_le(checksum, out.checksum());
+    out.write_excluded(checksum, sizeof checksum);
+  });
+}
+
+}  // namespace inferscale::detail

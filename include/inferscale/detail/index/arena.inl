@@ -11,7 +11,7 @@
 #include <inferscale/error.hpp>
 #include <inferscale/index.hpp>
 
-#include <cuda_runtime_api.h>
+#include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
 
 #include <algorithm>
 #include <cmath>

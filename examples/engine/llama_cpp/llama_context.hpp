@@ -1,0 +1,414 @@
+/**
+ * @file llama_context.hpp
+ * @brief The context of the reference engine adapter: a llama_context with the few calls the
+ * examples, tests and benchmarks need (decode at explicit positions, greedy generation, sequence
+ * states), and pre-RoPE capture through llama.cpp's graph callback (`cb_eval`): each layer's
+ * `Kcur-<l>` node that feeds the ROPE node (its input, checked against the ROPE node's `src[0]`)
+ * and `Vcur-<l>`.
+ *
+ * The blob format the context expects (streams, V transposition, layer count, cell types and row
+ * sizes) is read from the engine itself when the context is made (a one-token probe in a
+ * scratch sequence), and every blob read or written is checked against it.
+ */
+#pragma once
+
+#include "llama_model.hpp"
+#include "llama_state.hpp"
+
+#include <inferscale/geometry.hpp>
+#include <inferscale/kv_capture.hpp>
+#include <inferscale/views.hpp>
+
+#include <ggml-backend.h>
+#include <ggml.h>
+#include <llama.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace inferscale::llama_cpp {
+
+// ------------------------------------------------------------------------------------------------
+// Context
+
+/// @brief How a context is made.
+struct context_options {
+  std::uint32_t n_ctx{2048};
+  std::uint32_t n_batch{512};
+  std::int32_t n_threads{1};   ///< one thread: 2 OpenMP threads on shared cores can collapse
+  bool flash_attention{true};  ///< on: V rows as tokens; off: V stored transposed
+  std::uint32_t n_seq_max{2};  ///< the last sequence is the adapter's scratch sequence
+  /// Extra sequences (ids n_seq_max .. n_seq_max + n_branch_seq - 1) for model_adapter's
+  /// encode_branches: that many facts branch off a trunk per forward; 0 = no branching.
+  std::uint32_t n_branch_seq{0};
+};
+
+/**
+ * @brief A llama_context with capture support (owner; not movable, the graph callback holds its
+ * address).
+ */
+class context {
+ public:
+  context(model const& m, context_options const& options = {})
+    : model_{&m}, options_{options}, geometry_{m.geometry()}
+  {
+    if (options.n_seq_max < 2) {
+      throw engine_error("llama_cpp::context: n_seq_max must be at least 2 (one scratch sequence)");
+    }
+    llama_context_params params = llama_context_default_params();
+    params.n_ctx                = options.n_ctx;
+    params.n_batch              = options.n_batch;
+    params.n_ubatch             = options.n_batch;
+    if (options.n_seq_max + options.n_branch_seq > 256) {  // LLAMA_MAX_SEQ in llama-cparams.h
+      throw engine_error("llama_cpp::context: n_seq_max + n_branch_seq = " +
+                         std::to_string(options.n_seq_max + options.n_branch_seq) +
+                         " exceeds llama.cpp's 256 sequences");
+    }
+    params.n_seq_max            = options.n_seq_max + options.n_branch_seq;
+    params.n_threads            = options.n_threads;
+    params.n_threads_batch      = options.n_threads;
+    params.flash_attn_type =
+      options.flash_attention ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    params.kv_unified        = true;
+    params.cb_eval           = &context::eval_callback;
+    params.cb_eval_user_data = this;
+    params.no_perf           = true;
+    ctx_.reset(llama_init_from_model(m.get(), params));
+    if (!ctx_) { throw engine_error("llama_cpp::context: llama_init_from_model failed"); }
+    probe_format();
+  }
+  context(context const&)            = delete;
+  context& operator=(context const&) = delete;
+
+  llama_context* get() const noexcept { return ctx_.get(); }
+  model const& owner() const noexcept { return *model_; }
+  kv_geometry geometry() const noexcept { return geometry_; }
+  state_format const& format() const noexcept { return format_; }
+  context_options const& options() const noexcept { return options_; }
+  std::int32_t scratch_sequence() const noexcept
+  {
+    return static_cast<std::int32_t>(options_.n_seq_max) - 1;
+  }
+
+  /// @brief First of the options().n_branch_seq branch sequences.
+  std::int32_t first_branch_sequence() const noexcept
+  {
+    return static_cast<std::int32_t>(options_.n_seq_max);
+  }
+
+  /// @brief Sequence `to` gets the cells of `from` at positions [p0, p1) (shared, not copied: the
+  /// cache is unified).
+  void copy_sequence(std::int32_t from, std::int32_t to, std::int64_t p0, std::int64_t p1)
+  {
+    llama_memory_seq_cp(llama_get_memory(ctx_.get()), from, to, static_cast<llama_pos>(p0),
+                        static_cast<llama_pos>(p1));
+  }
+
+  /**
+   * @brief One llama_decode of tokens of several sequences: token i of `seqs[i]` at
+   * `positions[i]` (at most n_batch tokens); logits for the last token only.
+   * @throw engine_error if llama.cpp refuses the batch or the capture hook failed.
+   */
+  void decode_tokens(std::vector<std::int32_t> const& tokens,
+                     std::vector<std::int64_t> const& positions,
+                     std::vector<std::int32_t> const& seqs)
+  {
+    std::size_t const n = tokens.size();
+    if (n == 0 || positions.size() != n || seqs.size() != n || n > options_.n_batch) {
+      throw engine_error("llama_cpp::context::decode_tokens: " + std::to_string(n) +
+                         " tokens (at most n_batch = " + std::to_string(options_.n_batch) +
+                         ", one position and sequence each)");
+    }
+    llama_batch batch = llama_batch_init(static_cast<std::int32_t>(n), 0, 1);
+    batch.n_tokens    = static_cast<std::int32_t>(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      batch.token[i]     = tokens[i];
+      batch.pos[i]       = static_cast<llama_pos>(positions[i]);
+      batch.n_seq_id[i]  = 1;
+      batch.seq_id[i][0] = seqs[i];
+      batch.logits[i]    = i + 1 == n ? 1 : 0;
+    }
+    run_batch(batch, "a batch of " + std::to_string(n) + " tokens of several sequences");
+  }
+
+  /// @brief Removes every cell of sequence `seq`.
+  void clear(std::int32_t seq) { llama_memory_seq_rm(llama_get_memory(ctx_.get()), seq, -1, -1); }
+
+  /// @brief Highest position held by `seq` (-1 when empty).
+  std::int32_t max_position(std::int32_t seq) const
+  {
+    return llama_memory_seq_pos_max(llama_get_memory(ctx_.get()), seq);
+  }
+
+  /**
+   * @brief Runs `tokens` of sequence `seq` at positions `first_position ..` (one llama_decode,
+   * split into ubatches by llama.cpp); logits are kept for the last token.
+   * @throw engine_error if llama.cpp refuses the batch or the capture hook failed.
+   */
+  void decode(std::int32_t seq,
+              std::vector<std::int32_t> const& tokens,
+              std::int64_t first_position)
+  {
+    if (tokens.empty()) { throw engine_error("llama_cpp::context::decode: no tokens"); }
+    std::size_t done = 0;
+    while (done < tokens.size()) {
+      std::size_t const n = std::min<std::size_t>(tokens.size() - done, options_.n_batch);
+      llama_batch batch   = llama_batch_init(static_cast<std::int32_t>(n), 0, 1);
+      batch.n_tokens      = static_cast<std::int32_t>(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        batch.token[i] = tokens[done + i];
+        batch.pos[i] = static_cast<llama_pos>(first_position + static_cast<std::int64_t>(done + i));
+        batch.n_seq_id[i]  = 1;
+        batch.seq_id[i][0] = seq;
+        batch.logits[i]    = (done + i + 1 == tokens.size()) ? 1 : 0;
+      }
+      run_batch(batch, std::to_string(n) + " tokens of sequence " + std::to_string(seq) +
+                         " at position " +
+                         std::to_string(first_position + static_cast<std::int64_t>(done)));
+      done += n;
+    }
+  }
+
+  /**
+   * @brief Runs `tokens` of `seq` at `first_position ..` (at most n_batch tokens, one
+   * llama_decode) and returns the logits after each of the last `last_n` of them (oldest first):
+   * row i predicts the token after `tokens[size - last_n + i]`.
+   */
+  std::vector<std::vector<float>> decode_logits(std::int32_t seq,
+                                                std::vector<std::int32_t> const& tokens,
+                                                std::int64_t first_position,
+                                                std::size_t last_n)
+  {
+    std::size_t const n = tokens.size();
+    if (n == 0 || n > options_.n_batch || last_n == 0 || last_n > n) {
+      throw engine_error("llama_cpp::context::decode_logits: " + std::to_string(n) +
+                         " tokens (1 .. n_batch = " + std::to_string(options_.n_batch) +
+                         "), logits for the last " + std::to_string(last_n));
+    }
+    llama_batch batch = llama_batch_init(static_cast<std::int32_t>(n), 0, 1);
+    batch.n_tokens    = static_cast<std::int32_t>(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      batch.token[i]     = tokens[i];
+      batch.pos[i]       = static_cast<llama_pos>(first_position + static_cast<std::int64_t>(i));
+      batch.n_seq_id[i]  = 1;
+      batch.seq_id[i][0] = seq;
+      batch.logits[i]    = i + last_n >= n ? 1 : 0;
+    }
+    run_batch(batch, std::to_string(n) + " tokens of sequence " + std::to_string(seq));
+    std::vector<std::vector<float>> out;
+    for (std::size_t i = n - last_n; i < n; ++i) {
+      float const* l = llama_get_logits_ith(ctx_.get(), static_cast<std::int32_t>(i));
+      if (!l) { throw engine_error("llama_cpp::context::decode_logits: no logits"); }
+      out.emplace_back(l, l + model_->vocab_size());
+    }
+    return out;
+  }
+
+  /// @brief Removes the cells of `seq` at positions >= `from`.
+  void truncate(std::int32_t seq, std::int64_t from)
+  {
+    llama_memory_seq_rm(llama_get_memory(ctx_.get()), seq, static_cast<llama_pos>(from), -1);
+  }
+
+  /// @brief Logits of the last decoded token (a copy).
+  std::vector<float> last_logits() const
+  {
+    float const* l = llama_get_logits_ith(ctx_.get(), -1);
+    if (!l) { throw engine_error("llama_cpp::context: no logits"); }
+    return {l, l + model_->vocab_size()};
+  }
+
+  /// @brief The highest-scoring token of the last decoded token's logits (lowest id on ties).
+  std::int32_t greedy_token() const
+  {
+    float const* l = llama_get_logits_ith(ctx_.get(), -1);
+    if (!l) { throw engine_error("llama_cpp::context: no logits"); }
+    std::int32_t const n = model_->vocab_size();
+    return static_cast<std::int32_t>(std::max_element(l, l + n) - l);
+  }
+
+  /**
+   * @brief Greedy generation after a prefill: takes the token the last logits choose, decodes it at
+   * `next_position`, and so on, `max_tokens` tokens or (with `stop_at_end`) until an
+   * end-of-generation token.
+   * @param logits_out if given, receives each step's logits (before choosing).
+   */
+  std::vector<std::int32_t> generate(std::int32_t seq,
+                                     std::int64_t next_position,
+                                     std::int32_t max_tokens,
+                                     std::vector<std::vector<float>>* logits_out = nullptr,
+                                     bool stop_at_end                            = true)
+  {
+    std::vector<std::int32_t> out;
+    for (std::int32_t i = 0; i < max_tokens; ++i) {
+      if (logits_out) { logits_out->push_back(last_logits()); }
+      std::int32_t const token = greedy_token();
+      out.push_back(token);
+      if (stop_at_end && model_->is_end_of_generation(token)) { break; }
+      decode(seq, {token}, next_position + i);
+    }
+    return out;
+  }
+
+  /// @brief The sequence-state blob of `seq` (llama_state_seq_get_data).
+  std::vector<std::uint8_t> state(std::int32_t seq) const
+  {
+    std::size_t const n = llama_state_seq_get_size(ctx_.get(), seq);
+    std::vector<std::uint8_t> out(n);
+    if (n == 0 || llama_state_seq_get_data(ctx_.get(), out.data(), n, seq) != n) {
+      throw engine_error("llama_state_seq_get_data failed for sequence " + std::to_string(seq));
+    }
+    return out;
+  }
+
+  /**
+   * @brief Replaces sequence `seq` with a blob after checking it against the context's format;
+   * a refused blob leaves the context unchanged.
+   * @throw engine_error if the blob is malformed, of another format, or llama.cpp refuses it.
+   */
+  void set_state(std::int32_t seq, std::vector<std::uint8_t> const& blob)
+  {
+    (void)parse_state(blob.data(), blob.size(), geometry_, &format_);
+    if (llama_state_seq_set_data(ctx_.get(), blob.data(), blob.size(), seq) != blob.size()) {
+      throw engine_error("llama_state_seq_set_data refused the blob for sequence " +
+                         std::to_string(seq));
+    }
+  }
+
+  /// @brief While set, the graph callback copies pre-RoPE K and V of every forward into it, the
+  /// first token of the next forward to row `first_row`, the following ones after it.
+  void begin_capture(kv_capture& capture, std::int64_t first_row = 0)
+  {
+    if (!(capture.geometry() == geometry_)) {
+      throw engine_error("llama_cpp capture: the buffer's geometry differs from the model's");
+    }
+    capture_ = &capture;
+    key_tokens_.assign(static_cast<std::size_t>(geometry_.num_layers), first_row);
+    value_tokens_.assign(static_cast<std::size_t>(geometry_.num_layers), first_row);
+    last_key_.assign(static_cast<std::size_t>(geometry_.num_layers), nullptr);
+    capture_error_.clear();
+  }
+  void end_capture() noexcept { capture_ = nullptr; }
+
+ private:
+  /// @brief llama_decode of `batch` (freed here).
+  /// @throw engine_error if the capture hook failed or llama.cpp refused `what`.
+  void run_batch(llama_batch batch, std::string const& what)
+  {
+    std::int32_t const rc = llama_decode(ctx_.get(), batch);
+    llama_batch_free(batch);
+    if (!capture_error_.empty()) {
+      std::string const e = capture_error_;
+      capture_error_.clear();
+      throw engine_error("llama_cpp capture: " + e);
+    }
+    if (rc != 0) {
+      throw engine_error("llama_decode returned " + std::to_string(rc) + " for " + what);
+    }
+  }
+
+  void probe_format()
+  {
+    std::int32_t const seq = scratch_sequence();
+    std::int32_t const bos = llama_vocab_bos(model_->vocab());
+    decode(seq, {bos >= 0 ? bos : 0}, 0);
+    std::vector<std::uint8_t> const blob = state(seq);
+    clear(seq);
+    format_ = parse_state(blob.data(), blob.size(), geometry_).format;
+    if (format_.k_type != format_.v_type) {
+      throw engine_error("llama_cpp::context: K and V cells of different types");
+    }
+  }
+
+  /// @brief Layer number of a node named `<prefix>-<l>`, or -1.
+  static int layer_of(char const* name, char const* prefix)
+  {
+    std::size_t const n = std::strlen(prefix);
+    if (std::strncmp(name, prefix, n) != 0 || name[n] != '-') { return -1; }
+    char* end    = nullptr;
+    long const l = std::strtol(name + n + 1, &end, 10);
+    return (end && *end == '\0' && end != name + n + 1) ? static_cast<int>(l) : -1;
+  }
+
+  bool is_head_view(ggml_tensor const* t) const noexcept
+  {
+    return t->type == GGML_TYPE_F32 && t->ne[0] == geometry_.head_dim &&
+           t->ne[1] == geometry_.num_kv_heads && t->ne[3] == 1;
+  }
+
+  static bool eval_callback(ggml_tensor* t, bool ask, void* user)
+  {
+    auto* self = static_cast<context*>(user);
+    if (!self->capture_) { return ask ? false : true; }
+    return self->on_tensor(t, ask);
+  }
+
+  bool on_tensor(ggml_tensor* t, bool ask)
+  {
+    char const* name = ggml_get_name(t);
+    int const k      = layer_of(name, "Kcur");
+    int const v      = layer_of(name, "Vcur");
+    int const layer  = k >= 0 ? k : v;
+    if (layer < 0 || layer >= geometry_.num_layers) { return ask ? false : true; }
+    if (ask) {
+      if (k >= 0 && t->op == GGML_OP_ROPE) {
+        // The ROPE node's input must be the K we took for this layer.
+        if (t->src[0] != last_key_[static_cast<std::size_t>(k)]) {
+          capture_error_ = "layer " + std::to_string(k) +
+                           ": the K captured is not the input of the ROPE node (a k-norm or "
+                           "another op sits between them in this architecture)";
+          return true;  // asked, so the callback below can stop the graph
+        }
+        return false;
+      }
+      return t->op != GGML_OP_ROPE && is_head_view(t);
+    }
+    if (!capture_error_.empty()) { return false; }  // stop the graph
+    try {
+      if (!ggml_is_contiguous(t)) {
+        capture_error_ = std::string{name} + " is not contiguous";
+        return false;
+      }
+      std::int64_t const tokens = t->ne[2];
+      std::vector<float> buf(static_cast<std::size_t>(ggml_nelements(t)));
+      ggml_backend_tensor_get(t, buf.data(), 0, ggml_nbytes(t));
+      auto const rows = make_token_head_view<float const>(
+        buf.data(), tokens, geometry_.num_kv_heads, geometry_.head_dim);
+      auto& counter = (k >= 0 ? key_tokens_ : value_tokens_)[static_cast<std::size_t>(layer)];
+      if (k >= 0) {
+        capture_->write_keys(layer, counter, rows);
+        last_key_[static_cast<std::size_t>(layer)] = t;
+      } else {
+        capture_->write_values(layer, counter, rows);
+      }
+      counter += tokens;
+    } catch (std::exception const& e) {
+      capture_error_ = e.what();
+      return false;
+    }
+    return true;
+  }
+
+  struct deleter {
+    void operator()(llama_context* c) const noexcept { llama_free(c); }
+  };
+  model const* model_;
+  context_options options_;
+  kv_geometry geometry_;
+  state_format format_{};
+  std::unique_ptr<llama_context, deleter> ctx_;
+  kv_capture* capture_{nullptr};
+  std::vector<std::int64_t> key_tokens_;
+  std::vector<std::int64_t> value_tokens_;
+  std::vector<ggml_tensor const*> last_key_;
+  std::string capture_error_;
+};
+
+}  // namespace inferscale::llama_cpp

@@ -1,0 +1,345 @@
+/**
+ * @file llama_state.hpp
+ * @brief The sequence-state blob in llama.cpp's format (`llama_state_seq_get_data`:
+ * src/llama-context.cpp and src/llama-kv-cache.cpp of this version): what a context's blobs look
+ * like (state_format), where the parts of one lie (state_layout), parsing and checking a blob
+ * (parse_state), laying one out (make_state), and its K and V rows as a paged_kv_cache for
+ * inject_host (describe_state).
+ */
+#pragma once
+
+#include "llama_model.hpp"
+
+#include <inferscale/cache.hpp>
+#include <inferscale/cache_factories.hpp>
+#include <inferscale/dtype.hpp>
+#include <inferscale/geometry.hpp>
+
+#include <ggml.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace inferscale::llama_cpp {
+
+// ------------------------------------------------------------------------------------------------
+// The sequence-state blob
+
+/// @brief What a context's sequence-state blobs look like (read from the engine by a probe).
+struct state_format {
+  std::uint32_t n_stream{};
+  std::uint32_t v_trans{};
+  std::uint32_t n_layer{};
+  std::int32_t k_type{};
+  std::int32_t v_type{};
+  std::uint64_t k_row_bytes{};
+  std::uint64_t v_row_bytes{};  ///< v_trans == 0
+  std::uint32_t v_el_bytes{};   ///< v_trans == 1
+  std::uint32_t n_embd_v{};     ///< v_trans == 1: elements per token row of V
+
+  bool operator==(state_format const& o) const noexcept
+  {
+    return n_stream == o.n_stream && v_trans == o.v_trans && n_layer == o.n_layer &&
+           k_type == o.k_type && v_type == o.v_type && k_row_bytes == o.k_row_bytes &&
+           v_row_bytes == o.v_row_bytes && v_el_bytes == o.v_el_bytes && n_embd_v == o.n_embd_v;
+  }
+};
+
+/// @brief Where the parts of one blob lie (byte offsets into it).
+struct state_layout {
+  state_format format{};
+  std::int32_t seq_id{};
+  std::uint32_t stream{};      ///< the one stream holding cells
+  std::uint32_t cell_count{};  ///< cells (tokens) of the sequence
+  std::vector<std::int32_t> positions;
+  std::vector<std::size_t> key_rows;    ///< per layer: offset of its first K row
+  std::vector<std::size_t> value_rows;  ///< per layer: offset of its first V row (or V element)
+  std::size_t size{};                   ///< bytes in all
+};
+
+inline constexpr std::uint32_t state_magic = 0xaf143cd8u;  ///< llama-context.cpp `io_magic`
+
+namespace detail {
+struct reader {
+  std::uint8_t const* data;
+  std::size_t size;
+  std::size_t at{0};
+  template <class T>
+  T get(char const* what)
+  {
+    if (size - at < sizeof(T)) {
+      throw engine_error(std::string{"sequence state: truncated at "} + what + " (byte " +
+                         std::to_string(at) + " of " + std::to_string(size) + ")");
+    }
+    T v;
+    std::memcpy(&v, data + at, sizeof(T));
+    at += sizeof(T);
+    return v;
+  }
+  void skip(std::uint64_t bytes, char const* what)
+  {
+    if (bytes > size - at) {
+      throw engine_error(std::string{"sequence state: truncated in "} + what + " (needs " +
+                         std::to_string(bytes) + " bytes at " + std::to_string(at) + ", " +
+                         std::to_string(size - at) + " left)");
+    }
+    at += static_cast<std::size_t>(bytes);
+  }
+};
+
+inline dtype cache_dtype_of(std::int32_t ggml_type_id)
+{
+  switch (ggml_type_id) {
+    case GGML_TYPE_F32: return dtype::float32;
+    case GGML_TYPE_F16: return dtype::float16;
+    case GGML_TYPE_BF16: return dtype::bfloat16;
+    default:
+      throw engine_error("sequence state: cell type " + std::to_string(ggml_type_id) + " (" +
+                         ggml_type_name(static_cast<ggml_type>(ggml_type_id)) +
+                         ") is not supported (f32, f16, bf16 are)");
+  }
+}
+
+}  // namespace detail
+
+/**
+ * @brief Parses a sequence-state blob, checking everything: magic, one non-empty stream, cells of
+ * exactly one sequence without the M-RoPE cell extension, the V transposition, the layer count,
+ * supported cell types with the row sizes `geometry` implies, and that the blob ends where its
+ * contents do. With `expected`, the format must equal it.
+ * @throw engine_error naming the first problem.
+ */
+inline state_layout parse_state(std::uint8_t const* data,
+                                std::size_t size,
+                                kv_geometry const& geometry,
+                                state_format const* expected = nullptr)
+{
+  detail::reader in{data, size};
+  state_layout out;
+  std::uint32_t const magic = in.get<std::uint32_t>("magic");
+  if (magic != state_magic) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "0x%08x (expected 0x%08x)", magic, state_magic);
+    throw engine_error(std::string{"sequence state: unknown magic "} + buf);
+  }
+  out.seq_id          = in.get<std::int32_t>("seq_id");
+  out.format.n_stream = in.get<std::uint32_t>("n_stream");
+  if (out.format.n_stream == 0 || out.format.n_stream > 4096) {
+    throw engine_error("sequence state: implausible stream count " +
+                       std::to_string(out.format.n_stream));
+  }
+  std::uint64_t const row_elements =
+    static_cast<std::uint64_t>(geometry.elements_per_token_layer());
+  bool seen = false;
+  for (std::uint32_t s = 0; s < out.format.n_stream; ++s) {
+    std::uint32_t const cells = in.get<std::uint32_t>("cell_count");
+    if (cells == 0) { continue; }
+    if (seen) { throw engine_error("sequence state: more than one stream holds cells"); }
+    seen           = true;
+    out.stream     = s;
+    out.cell_count = cells;
+    out.positions.resize(cells);
+    for (std::uint32_t c = 0; c < cells; ++c) {
+      out.positions[c]             = in.get<std::int32_t>("cell position");
+      std::uint32_t const n_seq_id = in.get<std::uint32_t>("cell n_seq_id");
+      if (n_seq_id != 1) {
+        throw engine_error("sequence state: cell " + std::to_string(c) + " belongs to " +
+                           std::to_string(n_seq_id) + " sequences (one expected)");
+      }
+      (void)in.get<std::int32_t>("cell seq_id");
+    }
+    out.format.v_trans = in.get<std::uint32_t>("v_trans");
+    if (out.format.v_trans > 1) {
+      throw engine_error("sequence state: V transposition flag " +
+                         std::to_string(out.format.v_trans) +
+                         " (the cells may carry an M-RoPE extension, which is not supported)");
+    }
+    out.format.n_layer = in.get<std::uint32_t>("n_layer");
+    if (out.format.n_layer != static_cast<std::uint32_t>(geometry.num_layers)) {
+      throw engine_error("sequence state: " + std::to_string(out.format.n_layer) +
+                         " layers, the model has " + std::to_string(geometry.num_layers));
+    }
+    for (std::uint32_t l = 0; l < out.format.n_layer; ++l) {
+      std::int32_t const type  = in.get<std::int32_t>("k_type");
+      std::uint64_t const rows = in.get<std::uint64_t>("k_row_bytes");
+      dtype const t            = detail::cache_dtype_of(type);
+      if (rows != row_elements * size_of(t)) {
+        throw engine_error("sequence state: layer " + std::to_string(l) + " K rows of " +
+                           std::to_string(rows) + " bytes, expected " +
+                           std::to_string(row_elements * size_of(t)));
+      }
+      if (l > 0 && (type != out.format.k_type || rows != out.format.k_row_bytes)) {
+        throw engine_error("sequence state: layers with different K cell types");
+      }
+      out.format.k_type      = type;
+      out.format.k_row_bytes = rows;
+      out.key_rows.push_back(in.at);
+      in.skip(rows * cells, "K rows");
+    }
+    for (std::uint32_t l = 0; l < out.format.n_layer; ++l) {
+      std::int32_t const type = in.get<std::int32_t>("v_type");
+      dtype const t           = detail::cache_dtype_of(type);
+      if (l > 0 && type != out.format.v_type) {
+        throw engine_error("sequence state: layers with different V cell types");
+      }
+      out.format.v_type = type;
+      if (out.format.v_trans == 0) {
+        std::uint64_t const rows = in.get<std::uint64_t>("v_row_bytes");
+        if (rows != row_elements * size_of(t)) {
+          throw engine_error("sequence state: layer " + std::to_string(l) + " V rows of " +
+                             std::to_string(rows) + " bytes, expected " +
+                             std::to_string(row_elements * size_of(t)));
+        }
+        out.format.v_row_bytes = rows;
+        out.value_rows.push_back(in.at);
+        in.skip(rows * cells, "V rows");
+      } else {
+        std::uint32_t const el = in.get<std::uint32_t>("v_el_bytes");
+        std::uint32_t const n  = in.get<std::uint32_t>("n_embd_v_gqa");
+        if (el != size_of(t) || n != row_elements) {
+          throw engine_error("sequence state: layer " + std::to_string(l) + " transposed V of " +
+                             std::to_string(n) + " x " + std::to_string(el) +
+                             "-byte elements, expected " + std::to_string(row_elements) + " x " +
+                             std::to_string(size_of(t)));
+        }
+        out.format.v_el_bytes = el;
+        out.format.n_embd_v   = n;
+        out.value_rows.push_back(in.at);
+        in.skip(static_cast<std::uint64_t>(el) * n * cells, "transposed V");
+      }
+    }
+  }
+  if (!seen) { throw engine_error("sequence state: no stream holds cells (empty sequence)"); }
+  if (in.at != size) {
+    throw engine_error("sequence state: " + std::to_string(size - in.at) +
+                       " trailing bytes after the contents");
+  }
+  if (expected && !(out.format == *expected)) {
+    throw engine_error(
+      "sequence state: the blob's format (streams " + std::to_string(out.format.n_stream) +
+      ", v_trans " + std::to_string(out.format.v_trans) + ", K type " +
+      std::to_string(out.format.k_type) + ", V type " + std::to_string(out.format.v_type) +
+      ") differs from the context's (streams " + std::to_string(expected->n_stream) + ", v_trans " +
+      std::to_string(expected->v_trans) + ", K type " + std::to_string(expected->k_type) +
+      ", V type " + std::to_string(expected->v_type) + ")");
+  }
+  out.size = size;
+  return out;
+}
+
+/**
+ * @brief Lays out in `out` a blob of `positions.size()` cells of sequence `seq_id` at those
+ * positions, in `format`; `layout` receives where its rows lie. The K and V rows are not cleared
+ * (bytes `out` already held stay, new bytes are zero): injection overwrites every row, and reusing
+ * one buffer per sequence keeps a request from allocating and zeroing megabytes.
+ */
+inline void make_state(state_format const& format,
+                       kv_geometry const& geometry,
+                       std::int32_t seq_id,
+                       std::vector<std::int32_t> const& positions,
+                       state_layout& layout,
+                       std::vector<std::uint8_t>& out)
+{
+  if (positions.empty()) { throw engine_error("make_state: no cells"); }
+  std::uint32_t const cells = static_cast<std::uint32_t>(positions.size());
+  std::uint64_t const row_elements =
+    static_cast<std::uint64_t>(geometry.elements_per_token_layer());
+  std::uint64_t const v_bytes =
+    format.v_trans ? std::uint64_t{format.v_el_bytes} * row_elements : format.v_row_bytes;
+  std::uint64_t const v_header = 12;  // type + (u64 row bytes | u32 element bytes + u32 n_embd)
+  std::size_t const total      = 12 + 4 * format.n_stream + 12 * std::size_t{cells} + 8 +
+                            format.n_layer * (12 + format.k_row_bytes * cells) +
+                            format.n_layer * (v_header + v_bytes * cells);
+  out.resize(total);
+  std::size_t at = 0;
+  auto const put = [&](auto v) {
+    std::memcpy(out.data() + at, &v, sizeof(v));
+    at += sizeof(v);
+  };
+  layout            = state_layout{};
+  layout.format     = format;
+  layout.seq_id     = seq_id;
+  layout.stream     = 0;
+  layout.cell_count = cells;
+  layout.positions  = positions;
+  put(state_magic);
+  put(seq_id);
+  put(format.n_stream);
+  for (std::uint32_t s = 0; s < format.n_stream; ++s) {
+    put(s == 0 ? cells : std::uint32_t{0});
+    if (s != 0) { continue; }
+    for (std::int32_t p : positions) {
+      put(p);
+      put(std::uint32_t{1});
+      put(seq_id);
+    }
+    put(format.v_trans);
+    put(format.n_layer);
+    for (std::uint32_t l = 0; l < format.n_layer; ++l) {
+      put(format.k_type);
+      put(format.k_row_bytes);
+      layout.key_rows.push_back(at);
+      at += static_cast<std::size_t>(format.k_row_bytes * cells);
+    }
+    for (std::uint32_t l = 0; l < format.n_layer; ++l) {
+      put(format.v_type);
+      if (format.v_trans == 0) {
+        put(format.v_row_bytes);
+      } else {
+        put(format.v_el_bytes);
+        put(format.n_embd_v);
+      }
+      layout.value_rows.push_back(at);
+      at += static_cast<std::size_t>(v_bytes * cells);
+    }
+  }
+  if (at != total) { throw engine_error("make_state: internal size mismatch"); }
+  layout.size = total;
+}
+
+/**
+ * @brief The K and V rows of a blob as a paged_kv_cache (one block of `cell_count` slots; slot j
+ * is cell j). K: `[cell][head][dim]`; V likewise, or transposed `[head*dim][cell]` when v_trans.
+ */
+inline paged_kv_cache describe_state(std::uint8_t* blob,
+                                     state_layout const& layout,
+                                     kv_geometry const& geometry)
+{
+  dtype const k_dtype = detail::cache_dtype_of(layout.format.k_type);
+  dtype const v_dtype = detail::cache_dtype_of(layout.format.v_type);
+  if (k_dtype != v_dtype) {
+    throw engine_error("sequence state: K and V cells of different types are not supported");
+  }
+  std::int64_t const cells = layout.cell_count;
+  std::int32_t const heads = geometry.num_kv_heads;
+  std::int32_t const dim   = geometry.head_dim;
+  paged_kv_layout key{};
+  key.num_blocks        = 1;
+  key.block_size        = static_cast<std::int32_t>(cells);
+  key.num_heads         = heads;
+  key.head_dim          = dim;
+  key.block_stride      = 0;
+  key.token_stride      = static_cast<std::int64_t>(heads) * dim;
+  key.head_stride       = dim;
+  key.dim_stride        = 1;
+  key.dim_chunk         = dim;
+  key.chunk_stride      = 0;
+  paged_kv_layout value = key;
+  if (layout.format.v_trans) {
+    value.token_stride = 1;
+    value.head_stride  = static_cast<std::int64_t>(dim) * cells;
+    value.dim_stride   = cells;
+  }
+  std::vector<void*> keys, values;
+  for (std::size_t l = 0; l < layout.key_rows.size(); ++l) {
+    keys.push_back(blob + layout.key_rows[l]);
+    values.push_back(blob + layout.value_rows[l]);
+  }
+  return make_paged_kv_cache(k_dtype, keys, values, key, value);
+}
+
+}  // namespace inferscale::llama_cpp

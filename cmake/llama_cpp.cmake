@@ -59,8 +59,11 @@ endif()
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 find_package(Threads REQUIRED)
 add_library(inferscale_llama_cpp INTERFACE)
+# llama.cpp's headers are SYSTEM (their warnings are not ours); our adapter folder is a normal
+# include, so the project's warnings (-Wall -Wextra -Wpedantic -Werror) reach the adapter headers.
 target_include_directories(inferscale_llama_cpp SYSTEM INTERFACE
-  "${INFERSCALE_LLAMA_CPP_DIR}/include"
+  "${INFERSCALE_LLAMA_CPP_DIR}/include")
+target_include_directories(inferscale_llama_cpp INTERFACE
   "${PROJECT_SOURCE_DIR}/examples/engine/llama_cpp")
 target_link_libraries(inferscale_llama_cpp INTERFACE ${_inferscale_llama_paths}
                       OpenMP::OpenMP_CXX Threads::Threads ${CMAKE_DL_LIBS} m)

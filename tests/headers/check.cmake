@@ -23,7 +23,7 @@ execute_process(
           -DCMAKE_CXX_COMPILER=${CXX_COMPILER}
           -DCMAKE_CUDA_COMPILER=${CUDA_COMPILER}
           "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}"
-          -DCMAKE_BUILD_TYPE=Release
+          -DCMAKE_BUILD_TYPE=
   RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "configuring the header check failed (${rc})")

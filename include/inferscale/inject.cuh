@@ -12,6 +12,11 @@
  *    inject_device_errors (device memory) the caller reads back: the device cannot throw.
  *  - inject_async(store, batch, cache, rotation, workspace, stream): validates the host batch
  *    completely (as inject_host does), stages its arrays into the workspace, then launches.
+ *
+ * Either level dispatches on the store's and the cache's element types at run time, which
+ * compiles the kernel for every pair (15 per rotation type). A program that knows its pair names
+ * it, `inject_async<bfloat16_t, bfloat16_t>(...)`: the same checks, plus the two types' (a
+ * mismatch is refused before anything is staged), and only that pair's kernels are compiled.
  */
 #pragma once
 
@@ -31,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace inferscale {
@@ -221,101 +227,7 @@ class injection_workspace {
 
 namespace detail {
 
-/// @brief Whether the vectorized path applies: whole 16-byte store runs, aligned cache runs.
-template <class StoreT, class CacheT, class Rotation>
-bool inject_vectorizable(kv_store_ref const& store,
-                         paged_kv_cache const& cache,
-                         Rotation const& rotation)
-{
-  constexpr std::int64_t run = 16 / static_cast<std::int64_t>(sizeof(StoreT));
-  std::int64_t const rotary  = rotation.rotary_dim;
-  std::int64_t const dim     = store.head_dim;
-  bool const pairs_fit =
-    rotation.pairing == rope_pairing::halves ? (rotary / 2) % run == 0 : rotary % run == 0;
-  if (!pairs_fit || rotary % run != 0 || dim % run != 0) { return false; }
-  if (reinterpret_cast<std::uintptr_t>(store.pool) % 16 != 0) { return false; }
-  std::uintptr_t const align = static_cast<std::uintptr_t>(run) * sizeof(CacheT);
-  auto const layout_ok       = [&](paged_kv_layout const& l) {
-    return l.dim_stride == 1 && l.dim_chunk % run == 0 && l.block_stride % run == 0 &&
-           l.token_stride % run == 0 && l.head_stride % run == 0 && l.chunk_stride % run == 0;
-  };
-  if (!layout_ok(cache.key_layout) || !layout_ok(cache.value_layout)) { return false; }
-  for (std::int32_t l = 0; l < cache.num_layers; ++l) {
-    if (reinterpret_cast<std::uintptr_t>(cache.key_base[l]) % align != 0 ||
-        reinterpret_cast<std::uintptr_t>(cache.value_base[l]) % align != 0) {
-      return false;
-    }
-  }
-  return true;
-}
-
-/// @brief A launch of inject_kernel, fully resolved on the host (no CUDA call): the kernel's
-/// arguments, grid and dynamic shared memory, and which path it takes.
-template <class Rotation>
-struct inject_launch_config {
-  inject_kernel_args<Rotation> args{};
-  std::int64_t grid_x{};  ///< token tiles
-  std::int32_t grid_y{};  ///< layer groups
-  std::size_t shared_bytes{};
-  bool vectorized{};
-};
-
-/**
- * @brief Resolves a launch: path (vectorized when inject_vectorizable), units per head, token tile,
- * and layers per block (as many as keep the grid at `min_blocks_per_sm` blocks per SM, so a tile's
- * cos/sin serve several layers without starving the GPU).
- * @param sm_count multiprocessors of the device the kernel will run on
- */
-template <class StoreT, class CacheT, class Rotation>
-inject_launch_config<Rotation> make_inject_launch(kv_store_ref const& store,
-                                                  injection_batch_view const& batch,
-                                                  paged_kv_cache const& cache,
-                                                  Rotation const& rotation,
-                                                  int sm_count,
-                                                  inject_device_errors* errors = nullptr)
-{
-  using policy = inject_policy_sm90;
-  inject_launch_config<Rotation> config{};
-  config.vectorized = inject_vectorizable<StoreT, CacheT>(store, cache, rotation);
-  std::int32_t const run =
-    config.vectorized ? policy::vector_bytes / static_cast<std::int32_t>(sizeof(StoreT)) : 1;
-  std::int32_t const rotary = rotation.rotary_dim;
-  std::int32_t const dim    = store.head_dim;
-
-  auto& args      = config.args;
-  args.store      = store;
-  args.cache      = cache;
-  args.rotation   = rotation;
-  args.batch      = batch;
-  args.table_rows = rope_table_rows(rotation);
-  args.round_each = rope_rounds_each_operation<StoreT>(rotation, rope_op::forward);
-  args.fused      = rope_fuses_multiply_add(rotation, rope_op::forward);
-  args.errors     = errors;
-  args.rotary_units =
-    config.vectorized ? (rotation.pairing == rope_pairing::halves ? rotary / 2 / run : rotary / run)
-                      : rotary / 2;
-  args.key_units      = args.rotary_units + (dim - rotary) / run;
-  args.units_per_head = args.key_units + dim / run;
-  args.tile_tokens    = policy::tile_tokens;
-
-  std::int64_t const token_tiles =
-    (batch.num_tokens + policy::tile_tokens - 1) / policy::tile_tokens;
-  INFERSCALE_EXPECTS(token_tiles <= std::int64_t{0x7fffffff},
-                     "inject_async: " + std::to_string(batch.num_tokens) + " tokens exceed a grid");
-  std::int32_t tile_layers = std::min(policy::max_tile_layers, cache.num_layers);
-  while (tile_layers > 1 && token_tiles * ((cache.num_layers + tile_layers - 1) / tile_layers) <
-                              static_cast<std::int64_t>(sm_count) * policy::min_blocks_per_sm) {
-    tile_layers /= 2;
-  }
-  args.tile_layers    = tile_layers;
-  config.grid_x       = token_tiles;
-  config.grid_y       = (cache.num_layers + tile_layers - 1) / tile_layers;
-  config.shared_bytes = static_cast<std::size_t>(cos_sin_tile_entries(
-                          std::int64_t{policy::tile_tokens} * rotation.num_pairs())) *
-                        sizeof(rope_cos_sin);
-  return config;
-}
-
+/// @brief Launches inject_kernel as make_inject_launch (detail/inject/block.hpp) resolves it.
 template <class StoreT, class CacheT, class Rotation>
 void inject_launch(kv_store_ref const& store,
                    injection_batch_view const& batch,
@@ -340,23 +252,6 @@ void inject_launch(kv_store_ref const& store,
       <<<grid, policy::block_threads, config.shared_bytes, stream.get()>>>(config.args);
   }
   INFERSCALE_CHECK_LAUNCH();
-}
-
-/// @brief Arguments of extract_kernel for `tokens` (device arrays).
-template <class Rotation>
-extract_kernel_args<Rotation> make_extract_args(kv_store_ref const& store,
-                                                paged_kv_cache const& cache,
-                                                Rotation const& rotation,
-                                                injection_batch_view const& tokens)
-{
-  extract_kernel_args<Rotation> args{};
-  args.store    = store;
-  args.cache    = cache;
-  args.rotation = rotation;
-  args.tokens   = tokens;
-  args.units_per_head =
-    rotation.num_pairs() + (store.head_dim - rotation.rotary_dim) + store.head_dim;
-  return args;
 }
 
 /**
@@ -404,7 +299,7 @@ dim3 extract_grid(extract_kernel_args<Rotation> const& args)
  *       slot holds one of the two tokens' values, unspecified which (a row may mix both), and
  *       nothing is counted.
  */
-template <class Rotation>
+template <class StoreT = void, class CacheT = void, class Rotation>
 void inject_async(kv_store_ref const& store,
                   injection_batch_view const& batch,
                   paged_kv_cache const& cache,
@@ -424,23 +319,36 @@ void inject_async(kv_store_ref const& store,
                      std::string{"inject_async: null batch arrays"});
   INFERSCALE_EXPECTS(batch.num_tokens == 0 || store.pool != nullptr,
                      std::string{"inject_async: the store's pool is null"});
-  detail::dispatch_store_cache(store.store_dtype, cache.cache_dtype, [&](auto s, auto c) {
-    using S = typename decltype(s)::type;
-    using C = typename decltype(c)::type;
-    detail::inject_launch<S, C>(store, batch, cache, rotation, errors, stream);
-  });
+  if constexpr (std::is_void_v<StoreT> && std::is_void_v<CacheT>) {
+    detail::dispatch_store_cache(store.store_dtype, cache.cache_dtype, [&](auto s, auto c) {
+      using S = typename decltype(s)::type;
+      using C = typename decltype(c)::type;
+      detail::inject_launch<S, C>(store, batch, cache, rotation, errors, stream);
+    });
+  } else {
+    static_assert(!std::is_void_v<StoreT> && !std::is_void_v<CacheT>,
+                  "inject_async<StoreT, CacheT>: name both element types, or neither");
+    INFERSCALE_EXPECTS(store.store_dtype == dtype_of_v<StoreT> &&
+                         cache.cache_dtype == dtype_of_v<CacheT>,
+                       std::string{"inject_async<"} + to_string(dtype_of_v<StoreT>) + ", " +
+                         to_string(dtype_of_v<CacheT>) + ">: the store holds " +
+                         to_string(store.store_dtype) + " and the cache " +
+                         to_string(cache.cache_dtype));
+    detail::inject_launch<StoreT, CacheT>(store, batch, cache, rotation, errors, stream);
+  }
 }
 
 /// @brief As inject_async(store, batch, cache, rotation, errors, stream) without error counters:
 /// what is skipped is not counted.
-template <class Rotation>
+template <class StoreT = void, class CacheT = void, class Rotation>
 void inject_async(kv_store_ref const& store,
                   injection_batch_view const& batch,
                   paged_kv_cache const& cache,
                   Rotation const& rotation,
                   cuda::stream_ref stream)
 {
-  inject_async(store, batch, cache, rotation, static_cast<inject_device_errors*>(nullptr), stream);
+  inject_async<StoreT, CacheT>(
+    store, batch, cache, rotation, static_cast<inject_device_errors*>(nullptr), stream);
 }
 
 /**
@@ -452,7 +360,7 @@ void inject_async(kv_store_ref const& store,
  * @throw logic_error on any mismatch (nothing is staged or launched); cuda_error on a CUDA failure.
  * @note Does not wait for the kernel (staging may wait for the previous staging's copy).
  */
-template <class Rotation>
+template <class StoreT = void, class CacheT = void, class Rotation>
 void inject_async(kv_store const& store,
                   injection_batch const& batch,
                   paged_kv_cache const& cache,
@@ -464,8 +372,18 @@ void inject_async(kv_store const& store,
   INFERSCALE_EXPECTS(batch.num_tokens() <= workspace.capacity(),
                      "inject_async: the batch has " + detail::count_of(batch.num_tokens(), "token") +
                        ", the workspace holds " + std::to_string(workspace.capacity()));
+  if constexpr (!std::is_void_v<StoreT> || !std::is_void_v<CacheT>) {
+    // Refused before staging (the raw launch would refuse it after).
+    INFERSCALE_EXPECTS(store.store_dtype() == dtype_of_v<StoreT> &&
+                         cache.cache_dtype == dtype_of_v<CacheT>,
+                       std::string{"inject_async<"} + to_string(dtype_of_v<StoreT>) + ", " +
+                         to_string(dtype_of_v<CacheT>) + ">: the store holds " +
+                         to_string(store.store_dtype()) + " and the cache " +
+                         to_string(cache.cache_dtype));
+  }
   workspace.stage(batch, stream);
-  inject_async(store.ref(), workspace.view(), cache, rotation, workspace.device_errors(), stream);
+  inject_async<StoreT, CacheT>(
+    store.ref(), workspace.view(), cache, rotation, workspace.device_errors(), stream);
   workspace.mark_used(stream);
 }
 
@@ -479,7 +397,7 @@ void inject_async(kv_store const& store,
  *       device memory; a dry run would need a kernel of its own).
  * @note Waits for completion; allocates a small temporary device buffer (not a hot path).
  */
-template <class Rotation>
+template <class StoreT = void, class CacheT = void, class Rotation>
 void extract(paged_kv_cache const& cache,
              std::vector<std::int64_t> const& slots,
              std::int64_t first_position,
@@ -499,6 +417,16 @@ void extract(paged_kv_cache const& cache,
                            token_ids,
                            memory_kind::device,
                            "extract");
+  static_assert(std::is_void_v<StoreT> == std::is_void_v<CacheT>,
+                "extract<StoreT, CacheT>: name both element types, or neither");
+  if constexpr (!std::is_void_v<StoreT>) {
+    INFERSCALE_EXPECTS(store.store_dtype() == dtype_of_v<StoreT> &&
+                         cache.cache_dtype == dtype_of_v<CacheT>,
+                       std::string{"extract<"} + to_string(dtype_of_v<StoreT>) + ", " +
+                         to_string(dtype_of_v<CacheT>) + ">: the store holds " +
+                         to_string(store.store_dtype()) + " and the cache " +
+                         to_string(cache.cache_dtype));
+  }
   if (cache.scale_granularity != kv_scale_granularity::none) {
     // The fp8 scales are device memory: check a host copy of their values before anything is
     // reserved (extraction waits anyway), as extract_host checks its host scales.
@@ -535,7 +463,7 @@ void extract(paged_kv_cache const& cache,
                                         host.size() * sizeof(std::int64_t),
                                         cudaMemcpyHostToDevice,
                                         stream.get()));
-    detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, [&](auto s, auto c) {
+    auto const launch = [&](auto s, auto c) {
       using S         = typename decltype(s)::type;
       using C         = typename decltype(c)::type;
       using policy    = detail::inject_policy_sm90;
@@ -545,7 +473,12 @@ void extract(paged_kv_cache const& cache,
       detail::extract_kernel<policy, S, C, Rotation>
         <<<grid, policy::extract_threads, 0, stream.get()>>>(args);
       INFERSCALE_CHECK_LAUNCH();
-    });
+    };
+    if constexpr (std::is_void_v<StoreT>) {
+      detail::dispatch_store_cache(store.store_dtype(), cache.cache_dtype, launch);
+    } else {
+      launch(type_tag<StoreT>{}, type_tag<CacheT>{});
+    }
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
   } catch (...) {
     (void)cudaStreamSynchronize(stream.get());

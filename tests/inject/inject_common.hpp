@@ -260,7 +260,7 @@ std::vector<unsigned char> storage_bytes(engine_cache<T> const& ec)
 }
 
 /// A store -> cache dtype pair and, for fp8 caches, how its scales are given (the test matrices
-/// of inject_gpu.cu and inject_emulation.cu).
+/// of inject_gpu.cu and inject_emulation.cpp).
 template <class StoreT,
           class CacheT,
           inferscale::kv_scale_granularity Granularity = inferscale::kv_scale_granularity::none,

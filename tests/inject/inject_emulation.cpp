@@ -4,6 +4,7 @@
 // the same arguments the device would get, tests the kernel's tiling, unit indexing, vectorized
 // and scalar paths against the host backend (inject_host, extract_host) on machines without a GPU.
 // Both sides compute cos/sin with the same host functions, so the results must agree bit for bit.
+// A plain C++ unit: the block code (detail/inject/block.hpp) needs no CUDA compiler.
 
 #include "engine_cache_descriptor.hpp"
 #include "engine_caches.hpp"
@@ -11,9 +12,9 @@
 
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
-#include <inferscale/inject.cuh>
+#include <inferscale/detail/inject/block.hpp>
+#include <inferscale/detail/rope/position.hpp>
 #include <inferscale/inject.hpp>
-#include <inferscale/rope.cuh>
 #include <inferscale/rope.hpp>
 #include <inferscale/store.hpp>
 

@@ -414,7 +414,7 @@ void require_device_equals_host(scenario<Pair>& s, bool large)
   inject_host(s.host_store, hb, s.host_desc, s.host_rotation);
   cuda_stream stream;
   injection_workspace workspace(db.num_tokens());
-  inject_async(s.device_store,
+  inject_async<S, C>(s.device_store,
                db,
                s.device_desc,
                s.device_rotation,
@@ -460,6 +460,7 @@ TEMPLATE_TEST_CASE("device injection with computed rope_params is within one uni
                    fp32_to_fp32,
                    bf16_to_e4m3)
 {
+  using S           = typename TestType::store_t;
   using C           = typename TestType::cache_t;
   auto const layout = GENERATE(engine_layout::vllm_flash_attn_nhd, engine_layout::vllm_legacy);
   auto const g      = GENERATE(from_range(geometry_cases()));
@@ -474,7 +475,7 @@ TEMPLATE_TEST_CASE("device injection with computed rope_params is within one uni
   inject_host(s.host_store, hb, s.host_desc, params);
   cuda_stream stream;
   injection_workspace workspace(db.num_tokens());
-  inject_async(
+  inject_async<S, C>(
     s.device_store, db, s.device_desc, params, workspace, cuda::stream_ref{stream.get()});
   bytes const device = s.device_bytes(stream.get());
   bytes const host   = s.host_bytes();
@@ -548,7 +549,8 @@ TEMPLATE_TEST_CASE("a captured CUDA graph of the raw injection replays restaged 
   } owner;
   INFERSCALE_CUDA_TRY(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
   try {
-    inject_async(s.device_store.ref(), workspace.view(), s.device_desc, s.device_rotation, ref);
+    inject_async<typename TestType::store_t, typename TestType::cache_t>(
+      s.device_store.ref(), workspace.view(), s.device_desc, s.device_rotation, ref);
   } catch (...) {
     (void)cudaStreamEndCapture(stream.get(), &owner.graph);
     throw;
@@ -600,8 +602,9 @@ TEST_CASE("staging on another stream waits for the launch still to read the prev
   workspace.stage(first, cuda::stream_ref{a.get()});
   hold_stream<<<1, 1, 0, a.get()>>>(200'000'000ll);  // about 0.1 s
   INFERSCALE_CUDA_TRY(cudaGetLastError());
-  inject_async(s.device_store.ref(), workspace.view(), s.device_desc, s.device_rotation,
-               cuda::stream_ref{a.get()});
+  inject_async<bfloat16_t, bfloat16_t>(
+    s.device_store.ref(), workspace.view(), s.device_desc, s.device_rotation,
+    cuda::stream_ref{a.get()});
   workspace.mark_used(cuda::stream_ref{a.get()});
   workspace.stage(second, cuda::stream_ref{b.get()});
   INFERSCALE_CUDA_TRY(cudaStreamSynchronize(b.get()));
@@ -617,6 +620,7 @@ namespace {
 template <class Pair>
 void require_raw_launch_skips(engine_layout layout, geometry_case const& g)
 {
+  using S = typename Pair::store_t;
   using C = typename Pair::cache_t;
   CAPTURE(inferscale_test::to_string(layout), g.name);
   scenario<Pair> s(layout, g);
@@ -673,7 +677,7 @@ void require_raw_launch_skips(engine_layout layout, geometry_case const& g)
     device_arrays.data(), device_arrays.data() + n, device_arrays.data() + 2 * n, n};
   cuda_stream stream;
   device_buffer<inject_device_errors> errors(std::vector<inject_device_errors>(1));
-  inject_async(s.device_store.ref(),
+  inject_async<S, C>(s.device_store.ref(),
                view,
                s.device_desc,
                s.device_rotation,
@@ -762,7 +766,9 @@ TEMPLATE_TEST_CASE("device extraction equals host extraction",
   injection_batch const db = make_batch(s.device_store, 0);
   inject_host(s.host_store, hb, s.host_desc, s.host_rotation);
   injection_workspace workspace(db.num_tokens());
-  inject_async(s.device_store, db, s.device_desc, s.device_rotation, workspace, ref);
+  using S = typename TestType::store_t;
+  using C = typename TestType::cache_t;
+  inject_async<S, C>(s.device_store, db, s.device_desc, s.device_rotation, workspace, ref);
   REQUIRE(first_difference(s.device_bytes(stream.get()), s.host_bytes()) == -1);
 
   std::vector<std::int32_t> const blocks = unused_blocks();
@@ -781,7 +787,7 @@ TEMPLATE_TEST_CASE("device extraction equals host extraction",
     }
     extract_host(
       s.host_desc, sp.slots, sp.first_position, s.host_rotation, s.host_store, sp.id, 3, ids);
-    extract(s.device_desc,
+    extract<S, C>(s.device_desc,
             sp.slots,
             sp.first_position,
             s.device_rotation,
@@ -818,6 +824,8 @@ namespace {
 template <class Pair>
 void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case const& g)
 {
+  using S = typename Pair::store_t;
+  using C = typename Pair::cache_t;
   CAPTURE(inferscale_test::to_string(layout), g.name);
   scenario<Pair> s(layout, g);
   cuda_stream stream;
@@ -839,7 +847,7 @@ void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case 
     slots[5]   = s.device_desc.num_slots();
     batch.add(plan, slots);
     REQUIRE_THROWS_AS(
-      inject_async(s.device_store, batch, s.device_desc, s.device_rotation, workspace, ref),
+      (inject_async<S, C>(s.device_store, batch, s.device_desc, s.device_rotation, workspace, ref)),
       logic_error);
     unchanged();
   }
@@ -850,7 +858,7 @@ void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case 
     injection_batch batch(s.device_store);
     batch.add(compose(s.device_store, {11, 13}, far), free_slots);
     REQUIRE_THROWS_AS(
-      inject_async(s.device_store, batch, s.device_desc, s.device_rotation, workspace, ref),
+      (inject_async<S, C>(s.device_store, batch, s.device_desc, s.device_rotation, workspace, ref)),
       logic_error);
     unchanged();
   }
@@ -859,7 +867,7 @@ void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case 
     injection_batch const batch = make_batch(s.device_store, 0);
     injection_workspace small(batch.num_tokens() - 1);
     REQUIRE_THROWS_AS(
-      inject_async(s.device_store, batch, s.device_desc, s.device_rotation, small, ref),
+      (inject_async<S, C>(s.device_store, batch, s.device_desc, s.device_rotation, small, ref)),
       logic_error);
     unchanged();
   }
@@ -867,10 +875,10 @@ void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case 
   {
     injection_batch const host_batch = make_batch(s.host_store, 0);
     REQUIRE_THROWS_AS(
-      inject_async(s.device_store, host_batch, s.device_desc, s.device_rotation, workspace, ref),
+      (inject_async<S, C>(s.device_store, host_batch, s.device_desc, s.device_rotation, workspace, ref)),
       logic_error);
     REQUIRE_THROWS_AS(
-      inject_async(s.host_store, host_batch, s.device_desc, s.device_rotation, workspace, ref),
+      (inject_async<S, C>(s.host_store, host_batch, s.device_desc, s.device_rotation, workspace, ref)),
       logic_error);
     unchanged();
   }
@@ -880,11 +888,11 @@ void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case 
     insert_fact(s.device_store, 900, 2, 3, g);
     insert_fact(s.host_store, 900, 2, 3, g);
     REQUIRE_THROWS_AS(
-      inject_async(s.device_store, stale, s.device_desc, s.device_rotation, workspace, ref),
+      (inject_async<S, C>(s.device_store, stale, s.device_desc, s.device_rotation, workspace, ref)),
       logic_error);
     unchanged();
     injection_batch const fresh = make_batch(s.device_store, 0);
-    inject_async(s.device_store, fresh, s.device_desc, s.device_rotation, workspace, ref);
+    inject_async<S, C>(s.device_store, fresh, s.device_desc, s.device_rotation, workspace, ref);
     inject_host(s.host_store, make_batch(s.host_store, 0), s.host_desc, s.host_rotation);
     REQUIRE(first_difference(s.device_bytes(stream.get()), s.host_bytes()) == -1);
   }
@@ -904,4 +912,44 @@ TEST_CASE("a refused checked device injection leaves the cache unchanged", "[gpu
   {
     require_refusals_leave_cache_unchanged<fp32_to_fp32>(engine_layout::vllm_legacy, cases[2]);
   }
+}
+
+TEST_CASE("the dtype dispatch and a named dtype pair launch the same kernels; a wrong pair is refused",
+          "[gpu][inject]")
+{
+  // Every other test here names its pair (inject_async<S, C>, extract<S, C>), which compiles only
+  // that pair's kernels; this one goes through the run-time dispatch (all fifteen pairs compiled
+  // for the bfloat16 table) and checks it lands on the same bytes as the host.
+  auto const g = geometry_cases()[0];
+  scenario<bf16_to_bf16> s(engine_layout::vllm_flash_attn_nhd, g);
+  cuda_stream stream;
+  cuda::stream_ref const ref{stream.get()};
+  injection_batch const db = make_batch(s.device_store, 0);
+  injection_workspace workspace(db.num_tokens());
+
+  // A pair other than the store's and the cache's: refused before staging, cache unchanged.
+  REQUIRE_THROWS_AS((inject_async<float, float>(
+                      s.device_store, db, s.device_desc, s.device_rotation, workspace, ref)),
+                    logic_error);
+  REQUIRE_THROWS_AS((inject_async<bfloat16_t, float8_e4m3_t>(
+                      s.device_store, db, s.device_desc, s.device_rotation, workspace, ref)),
+                    logic_error);
+  REQUIRE(first_difference(s.device_bytes(stream.get()), s.original) == -1);
+
+  inject_async(s.device_store, db, s.device_desc, s.device_rotation, workspace, ref);
+  inject_host(s.host_store, make_batch(s.host_store, 0), s.host_desc, s.host_rotation);
+  REQUIRE(first_difference(s.host_bytes(), s.original) != -1);
+  REQUIRE(first_difference(s.device_bytes(stream.get()), s.host_bytes()) == -1);
+
+  // Extraction through the dispatch: the first 27 injected tokens back into both stores.
+  std::vector<std::int64_t> const slots(db.slots().begin(), db.slots().begin() + 27);
+  std::vector<std::int32_t> ids(slots.size(), 7);
+  REQUIRE_THROWS_AS((extract<float, bfloat16_t>(
+                      s.device_desc, slots, 12, s.device_rotation, s.device_store, 600, 3, ids, ref)),
+                    logic_error);
+  REQUIRE_FALSE(s.device_store.contains(600));
+  extract_host(s.host_desc, slots, 12, s.host_rotation, s.host_store, 600, 3, ids);
+  extract(s.device_desc, slots, 12, s.device_rotation, s.device_store, 600, 3, ids, ref);
+  REQUIRE(s.host_store.at(600).pages == s.device_store.at(600).pages);
+  REQUIRE(first_difference(s.host_store.pool_to_host(), s.device_store.pool_to_host()) == -1);
 }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <inferscale/config.hpp>
+#include <inferscale/detail/rope/position.hpp>
 #include <inferscale/rope.hpp>
 
 #include <cstdint>
@@ -42,21 +43,6 @@ template <class T, int N>
 struct alignas(16) rope_vector {
   T values[N];
 };
-
-/**
- * @brief Whether the kernel may rotate a token by `position`: forward and inverse need a position
- * in `[0, rows)`, shift a delta with `|delta| < rows` (table row |delta|); INT64_MIN, whose
- * magnitude does not fit 64 bits, is never valid. Shared with the host tests.
- */
-INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE bool rope_position_ok(std::int64_t position,
-                                                                    std::int64_t rows,
-                                                                    rope_op op)
-{
-  if (op == rope_op::shift) {
-    return position != (-0x7fffffffffffffffLL - 1) && (position < 0 ? -position : position) < rows;
-  }
-  return position >= 0 && position < rows;
-}
 
 /**
  * @tparam Vectorized true: element stride 1 and every head 16-byte aligned, and the pair layout

@@ -42,13 +42,19 @@ function(inferscale_shared_instances target)
               ${PROJECT_SOURCE_DIR}/cmake/host_instances_table_f32.cpp
               ${PROJECT_SOURCE_DIR}/cmake/host_instances_table_bf16.cpp)
   if(ARG_OWN)
+    # Not the float16 tables: no OWN target uses them (one that did would fail to link).
     target_sources(${target} PRIVATE ${sources})
     return()
   endif()
+  list(APPEND sources ${PROJECT_SOURCE_DIR}/cmake/host_instances_table_f16.cpp)
   if(NOT TARGET inferscale_host_instances)
     add_library(inferscale_host_instances OBJECT ${sources})
     inferscale_target_defaults(inferscale_host_instances)
     target_compile_definitions(inferscale_host_instances PRIVATE INFERSCALE_EXTERN_TEMPLATES)
+    # Position-independent and hidden, so that a shared module (the vLLM extension) links them as
+    # executables do, without exporting them.
+    set_target_properties(inferscale_host_instances PROPERTIES POSITION_INDEPENDENT_CODE ON
+                          CXX_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON)
     get_property(_multi GLOBAL PROPERTY GENERATOR_IS_MULTI_CONFIG)
     if(NOT _multi AND NOT CMAKE_BUILD_TYPE)
       target_compile_options(inferscale_host_instances PRIVATE -O3)  # as the benchmarks' fallback

@@ -12,7 +12,8 @@
  *     target), so that the headers declare those functions `extern template`, and
  *  2. include this header in exactly one translation unit (which defines them).
  * Results are the same; only where the code is compiled changes. Rotation types other than
- * rope_params and rope_cos_sin_table<float / bfloat16_t> are instantiated where they are used.
+ * rope_params and rope_cos_sin_table<float / bfloat16_t / half_t> are instantiated where they are
+ * used.
  */
 #pragma once
 

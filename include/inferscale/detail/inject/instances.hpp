@@ -2,7 +2,7 @@
  * @file detail/inject/instances.hpp
  * @brief The list of host injection and extraction instances a program may compile once: every
  * dtype pair, layout and vector level of inject_host_view and extract_host_view, for each rotation
- * the library ships (rope_params and the engine cos/sin tables of float and bfloat16).
+ * the library ships (rope_params and the engine cos/sin tables of float, bfloat16 and float16).
  *
  * `INFERSCALE_HOST_INSTANCES(extern)` declares them (inject.hpp does, when the program defines
  * INFERSCALE_EXTERN_TEMPLATES); `INFERSCALE_HOST_INSTANCES()` defines them (instances.hpp, in one
@@ -29,4 +29,5 @@
 #define INFERSCALE_HOST_INSTANCES(PREFIX)                                                   \
   INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_params)                          \
   INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_cos_sin_table<float>)            \
-  INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_cos_sin_table<::inferscale::bfloat16_t>)
+  INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_cos_sin_table<::inferscale::bfloat16_t>) \
+  INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_cos_sin_table<::inferscale::half_t>)

@@ -4,7 +4,9 @@
 //   locomo_eval --count            forward tokens of every encoding strategy and window w, all
 //                                  10 conversations, SmolLM2 tokenizer (no model forward)
 //   locomo_eval --retrieval        evidence recall@5/10/20 of MiniLM retrieval, all conversations
-//   locomo_eval --fast             CI: conv-26's first 3 sessions, 6 questions, w in {0, 20}
+//   locomo_eval --fast             conv-26's first 3 sessions, 6 questions, w in {0, 20} (the
+//                                  main job); the options below override these (CTest locomo.fast
+//                                  runs --fast --questions 3 --windows 0,5)
 //   locomo_eval --full [options]   the figures for bench/results/
 //     --conversations conv-26,conv-30 | all   (default conv-26)
 //     --sessions N       only the first N sessions of each conversation (default: all)
@@ -746,8 +748,10 @@ int retrieval_mode(lc::model const& m, std::vector<lm::sample> const& samples)
 int main(int argc, char** argv)
 {
   run_options opt;
+  std::set<std::string> given;
   for (int i = 1; i < argc; ++i) {
     std::string const a = argv[i];
+    given.insert(a);
     auto value          = [&]() -> std::string {
       if (i + 1 >= argc) { throw std::runtime_error(a + " needs a value"); }
       return argv[++i];
@@ -783,11 +787,11 @@ int main(int argc, char** argv)
     std::fprintf(stderr, "usage: locomo_eval --count | --retrieval | --fast | --full [options]\n");
     return 2;
   }
-  if (opt.mode == "fast") {
-    opt.conversations = {"conv-26"};
-    opt.sessions      = 3;
-    opt.questions     = 6;
-    opt.windows       = {0, 20};
+  if (opt.mode == "fast") {  // its defaults; options given on the command line win
+    if (!given.count("--conversations")) { opt.conversations = {"conv-26"}; }
+    if (!given.count("--sessions")) { opt.sessions = 3; }
+    if (!given.count("--questions")) { opt.questions = 6; }
+    if (!given.count("--windows")) { opt.windows = {0, 20}; }
   }
   if (opt.k == 0 || opt.main_window < 0) {
     std::fprintf(stderr, "locomo_eval: --k must be positive and --main-window non-negative\n");

@@ -2,6 +2,7 @@
 """Summarise Google Benchmark JSON files (one per bench_* executable) as a short table.
 
 usage: bench_summary.py [--combine OUT.json] FILE.json...
+       bench_summary.py --headline FILE.json|locomo-*.md...   (the main job's first screen)
 
 Columns: benchmark name, real time per iteration, decimal GB/s (the fixture's "GB/s" counter, else
 bytes_per_second / 1e9) and the other user counters (ratios such as vs_copy, copy_GB/s), then the
@@ -179,10 +180,74 @@ def headline(entries):
             r = sorted(b["vs_hnswlib"] for b in hn)
             lines.append("fact index vs hnswlib at equal recall (host): %.2f-%.2fx over %d cases"
                          % (r[0], r[-1], len(r)))
+    return lines
+
+
+def vllm_lines(doc):
+    """bench/vllm/bench_vllm.py's JSON: TTFT against k and requests/s under concurrent users."""
+    lines = []
+    ttft = doc.get("ttft", [])
+    if ttft:
+        lines.append("time to first token, vLLM (CPU build) + SmolLM2-135M, InferScale as its KV "
+                     "connector: " + "; ".join(
+                         "k=%d (%d memory tokens) %.0f ms vs %.0f ms re-prefilled (%.1fx)" % (
+                             r["k"], r["memory_tokens"], r["inject_ms"], r["prefill_ms"],
+                             r["speedup"]) for r in ttft))
+    load = doc.get("load", [])
+    if load:
+        lines.append("vLLM throughput under concurrent users (k=%d facts each): " % load[0]["k"] +
+                     "; ".join("%d users %.2f req/s vs %.2f re-prefilled (%.2fx)" % (
+                         r["users"], r["inject_rps"], r["prefill_rps"], r["rps_ratio"])
+                         for r in load))
+    return lines
+
+
+def locomo_lines(path):
+    """locomo_eval's table: its row over all categories."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            rows = [l for l in f if l.startswith("| **all** |")]
+    except OSError:
+        return []
+    if not rows:
+        return []
+    c = [x.strip() for x in rows[0].strip().strip("|").split("|")]
+    # category | questions | recall@5 | @10 | @20 | F1 a | F1 b | F1 c | F1 d | exact | F1(a,b)
+    # | TTFT a | inject | TTFT b
+    if len(c) < 14:
+        return []
+    return ["LoCoMo (%s, %s questions): recall@10 %s; answer F1 injected %s vs re-prefilled %s "
+            "(no memory %s); injected = re-prefilled answers %s; TTFT %s ms vs %s ms" % (
+                os.path.basename(path), c[1], c[3], c[5], c[6], c[7], c[9], c[11], c[13])]
+
+
+def print_headline(lines):
     if lines:
         print("\n==== headline ====")
         for line in lines:
             print(line)
+
+
+def headline_only(paths):
+    """--headline: the mission in a few lines, from whatever results exist."""
+    entries, lines = [], []
+    for path in paths:
+        if path.endswith(".md"):
+            lines += locomo_lines(path)
+            continue
+        try:
+            doc, _ = load(path)
+        except OSError:
+            continue
+        if isinstance(doc, dict) and "ttft" in doc and "benchmarks" not in doc:
+            lines += vllm_lines(doc)
+        elif isinstance(doc, dict):
+            entries += doc.get("benchmarks", [])
+    lines = headline(entries) + lines
+    print("==== InferScale: the headline (details below) ====")
+    for line in lines or ["no results: every step failed (see the details)"]:
+        print(line)
+    return 0
 
 
 
@@ -295,6 +360,8 @@ def collapse_skipped(rows):
 
 def main(argv):
     combine = None
+    if argv and argv[0] == "--headline":
+        return headline_only(argv[1:])
     if len(argv) >= 2 and argv[0] == "--combine":
         combine, argv = argv[1], argv[2:]
     if not argv:
@@ -347,7 +414,7 @@ def main(argv):
         print("bench_summary: no benchmark runs in %d file(s)" % len(argv))
     every = [b for doc in combined.values() for b in doc.get("benchmarks", [])]
     index_table(every)
-    headline(every)
+    print_headline(headline(every))
     if any(b.get("name", "").startswith(("inject/device", "index/device")) for b in every):
         device_targets(every)
         split_report(every)

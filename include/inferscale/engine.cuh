@@ -38,6 +38,8 @@ namespace inferscale {
  *
  * The facts are in the store's catalogue when the call returns; their K/V is there for work
  * enqueued after it on `stream` (work on another stream waits on an event recorded on `stream`).
+ * Erasing one of them before `stream` has run its copies frees pages a late copy still writes:
+ * order the erase after them (as for any page a kernel still reads).
  *
  * @throw logic_error as the host overload (nothing is stored, nothing enqueued); cuda_error if a
  *        copy cannot be enqueued (the facts are then erased again).

@@ -21,7 +21,10 @@
  * `cache_adapter.commit(m)` | | the engine prefills only the rest | normal prefill of the query |
  * normal prefill of the query |
  *
- * inject_memory_host() runs the middle three steps for one request.
+ * inject_memory_host() runs the middle three steps for one request; inject_memory_async()
+ * (engine.cuh) runs them from a device store on a stream, and engine.cuh's store_captured_facts
+ * overload stores a capture into a device store on a stream: a GPU engine calls the same
+ * functions as a CPU engine, with a workspace and a stream added.
  *
  * ## How engines map onto the two adapters
  *
@@ -96,16 +99,13 @@ struct captured_fact {
   std::vector<std::int32_t> token_ids;  ///< its length is the range's length
 };
 
+namespace detail {
 /**
- * @brief Stores token ranges of a capture as facts (pre-RoPE K and V, converted to the store
- * dtype).
- *
- * Every range is checked first (inside the capture and completely captured, ids new and
- * distinct, enough free pages for all of them, every element finite in the store dtype), so a
- * refused call stores none of them.
- * @throw logic_error naming the first problem; the store is then unchanged.
+ * @brief Everything store_captured_facts checks before it stores anything (both backends): the
+ * geometry, every range (inside the capture, completely captured, ids new and distinct), the free
+ * pages for all of them, and every element finite in the store dtype.
  */
-inline void store_captured_facts(kv_store& store,
+inline void check_captured_facts(kv_store const& store,
                                  kv_capture const& capture,
                                  std::vector<captured_fact> const& facts)
 {
@@ -151,8 +151,8 @@ inline void store_captured_facts(kv_store& store,
                   std::isfinite(x) && std::isfinite(to_float(from_float<S>(x))),
                   "store_captured_facts: fact " + std::to_string(f.fact_id) +
                     " holds a NaN, an infinity or a value beyond the store dtype " +
-                    to_string(store.store_dtype()) + " at layer " + std::to_string(l) +
-                    ", token " + std::to_string(t) + ", head " + std::to_string(h) + ", dim " +
+                    to_string(store.store_dtype()) + " at layer " + std::to_string(l) + ", token " +
+                    std::to_string(t) + ", head " + std::to_string(h) + ", dim " +
                     std::to_string(e) + "; none of the facts is stored");
               }
             }
@@ -161,6 +161,24 @@ inline void store_captured_facts(kv_store& store,
       }
     }
   });
+}
+}  // namespace detail
+
+/**
+ * @brief Stores token ranges of a capture as facts (pre-RoPE K and V, converted to the store
+ * dtype), in a store of any memory kind (a device pool is written with synchronous copies; a GPU
+ * engine passes its stream to the overload in engine.cuh instead).
+ *
+ * Every range is checked first (inside the capture and completely captured, ids new and
+ * distinct, enough free pages for all of them, every element finite in the store dtype), so a
+ * refused call stores none of them.
+ * @throw logic_error naming the first problem; the store is then unchanged.
+ */
+inline void store_captured_facts(kv_store& store,
+                                 kv_capture const& capture,
+                                 std::vector<captured_fact> const& facts)
+{
+  detail::check_captured_facts(store, capture, facts);
   for (captured_fact const& f : facts) {
     std::int64_t const count = static_cast<std::int64_t>(f.token_ids.size());
     store.insert<float>(f.fact_id,

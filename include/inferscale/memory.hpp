@@ -9,8 +9,9 @@
  * Online, per request: `serve` embeds the query, searches the user's namespace for the top k,
  * composes the instruction prefix and those facts at positions `p0 ..` (chunked RoPE) and injects
  * them through the paged-cache adapter; the engine then prefills only the query. `retrieve`,
- * `prepare` and `inject` are the same steps one at a time (a GPU engine calls `prepare` and
- * inject.cuh's `inject_async` itself).
+ * `prepare` and `inject` are the same steps one at a time. A GPU engine (a device store, a
+ * cache in device memory) makes the same calls with an injection workspace and a stream added
+ * (`serve(..., workspace, stream)`, `inject(..., workspace, stream)`; include memory.cuh).
  * Over time (the fact lifecycle): `update_fact` re-encodes and re-embeds a changed fact, in place
  * or under a superseding id that keeps the old version for audit; `update_turns` re-encodes exactly
  * the facts whose encoding window held a changed conversation turn (the memory keeps each added
@@ -23,8 +24,10 @@
  *  - `std::vector<float> E::embed(std::string const& text)` — one embedding of `dimension()`
  *    values (normalised or not: the index's metric decides how they compare).
  *
- * C++17, host only (the store and the index may still live in device memory; `serve`/`inject`
- * use the host injection path and need a host store).
+ * C++17, host only (the store and the index may still live in device memory). `serve`/`inject`
+ * inject a host store on the host; their overloads with a workspace and a stream inject a device
+ * store on the device (inject_memory_async, engine.cuh: they compile where memory.cuh is
+ * included, with nvcc, and this header does not need the CUDA toolkit).
  *
  * The parts: the value types (memory_types.hpp); the definitions in detail/memory/ — the
  * facade's request path (facade.inl), the fact lifecycle and its catalogue (lifecycle.inl),
@@ -56,6 +59,8 @@
 #include <vector>
 
 namespace inferscale {
+
+class injection_workspace;  // inject.cuh: the device backend's staging (serve/inject on a stream)
 
 /**
  * @brief Store + index for many users' memories (see the file comment).
@@ -136,6 +141,20 @@ class memory {
   void inject(composition const& plan, CacheAdapter& cache, Rotation const& rotation) const;
 
   /**
+   * @brief Injects a prepared segment from a device store through a paged-cache adapter whose
+   * cache is device memory, on `stream`: inject_memory_async (engine.cuh).
+   * @param stream a `cuda::stream_ref` (or a `cudaStream_t`)
+   * @throw logic_error as inject_memory_async (nothing written or committed then).
+   * @note Needs <inferscale/memory.cuh> (nvcc). Never synchronises the device.
+   */
+  template <class CacheAdapter, class Rotation, class Stream>
+  void inject(composition const& plan,
+              CacheAdapter& cache,
+              Rotation const& rotation,
+              injection_workspace& workspace,
+              Stream stream) const;
+
+  /**
    * @brief One request: embed `query`, retrieve the top `k` of namespace `ns`, compose them behind
    * the prefix at `first_position ..`, inject through `cache`. The engine then prefills the query
    * at `first_position + result.plan.length()`.
@@ -149,6 +168,25 @@ class memory {
                        std::int64_t first_position,
                        CacheAdapter& cache,
                        Rotation const& rotation) const;
+
+  /**
+   * @brief serve() from a device store: the same retrieval and composition, then
+   * inject(plan, cache, rotation, workspace, stream) (inject_memory_async) into a cache in device
+   * memory. The engine prefills the query on `stream` (or after an event recorded on it).
+   * @throw logic_error as retrieve, prepare and inject_memory_async (nothing committed then).
+   * @note Needs <inferscale/memory.cuh> (nvcc). The embedding and the search run on the host (a
+   *       device index's search waits for its own stream); the injection never synchronises.
+   */
+  template <class Embedder, class CacheAdapter, class Rotation, class Stream>
+  memory_request serve(Embedder& embedder,
+                       std::uint64_t ns,
+                       std::string const& query,
+                       std::uint32_t k,
+                       std::int64_t first_position,
+                       CacheAdapter& cache,
+                       Rotation const& rotation,
+                       injection_workspace& workspace,
+                       Stream stream) const;
 
   // ==============================================================================================
   // Fact lifecycle (update, re-encode after a turn changed, erase). Every call validates first,

@@ -6,19 +6,26 @@
 // device's sincos may differ in the last fp32 bit, so that case is compared to one unit in the
 // last place of the cache dtype. Also: CUDA-graph capture and replay with restaged positions, the
 // raw launch's skipping of out-of-range slots and positions, device extraction against host
-// extraction, and refused checked launches leaving the cache unchanged. Reported skipped by CTest
+// extraction, and refused checked launches leaving the cache unchanged. The device seam too
+// (engine.cuh, memory.cuh): a capture stored into a device store on a stream, inject_memory_async
+// through a cache adapter and memory::serve / inject from a device store, each equal byte for
+// byte to the host seam's result, and their refusals changing nothing. Reported skipped by CTest
 // where no GPU is visible.
 #include "device_memory.hpp"
 #include "engine_cache_descriptor.hpp"
 #include "engine_caches.hpp"
+#include "fake_model.hpp"
 #include "inject_common.hpp"
+#include "memory_fixtures.hpp"
 
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/dtype.hpp>
+#include <inferscale/engine.cuh>
 #include <inferscale/inject.cuh>
 #include <inferscale/inject.hpp>
+#include <inferscale/memory.cuh>
 #include <inferscale/rope.hpp>
 #include <inferscale/store.hpp>
 
@@ -31,6 +38,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 using namespace inferscale;
@@ -684,8 +692,7 @@ void require_raw_launch_skips(engine_layout layout, geometry_case const& g)
                errors.data(),
                cuda::stream_ref{stream.get()});
   inject_device_errors counted{};
-  INFERSCALE_CUDA_TRY(
-    cudaMemcpy(&counted, errors.data(), sizeof counted, cudaMemcpyDeviceToHost));
+  INFERSCALE_CUDA_TRY(cudaMemcpy(&counted, errors.data(), sizeof counted, cudaMemcpyDeviceToHost));
   // Every corrupted token is counted once: i % 6 == 1 or 3 (positions), i % 6 == 5 (slots).
   unsigned long long bad_positions = 0, bad_slots = 0;
   for (std::int64_t t = 0; t < n; ++t) {
@@ -952,4 +959,366 @@ TEST_CASE("the dtype dispatch and a named dtype pair launch the same kernels; a 
   extract(s.device_desc, slots, 12, s.device_rotation, s.device_store, 600, 3, ids, ref);
   REQUIRE(s.host_store.at(600).pages == s.device_store.at(600).pages);
   REQUIRE(first_difference(s.host_store.pool_to_host(), s.device_store.pool_to_host()) == -1);
+}
+
+// ------------------------------------------------------------------------------------------------
+// The device seam (engine.cuh, memory.cuh): a capture stored into a device store on a stream,
+// one request injected from a device store through a cache adapter, and the memory facade serving
+// from a device store; each against the host path of the same calls (engine.hpp, memory.hpp).
+
+namespace {
+
+/// A paged-cache adapter over a descriptor: allocate(p0, n) hands out the first n - short_by of
+/// `slots`; what the flow asked and committed is recorded.
+struct slot_adapter {
+  slot_adapter(paged_kv_cache const& cache, std::vector<std::int64_t> given)
+    : desc{cache}, slots{std::move(given)}
+  {
+  }
+
+  paged_kv_cache desc;
+  std::vector<std::int64_t> slots;
+  std::int64_t short_by{0};
+  std::int64_t allocated_at{-1};
+  std::vector<std::int64_t> committed;
+
+  std::vector<std::int64_t> allocate(std::int64_t first_position, std::int64_t tokens)
+  {
+    allocated_at = first_position;
+    return {slots.begin(), slots.begin() + (tokens - short_by)};
+  }
+  paged_kv_cache const& cache() const { return desc; }
+  void commit(std::int64_t tokens) { committed.push_back(tokens); }
+};
+static_assert(is_cache_adapter_v<slot_adapter>);
+
+/// A capture of `tokens` tokens in the store's shard geometry, every row written with values of
+/// a fixed seed (normal, sd 1.5: within every store dtype's range).
+kv_capture make_capture(kv_geometry const& g, std::int64_t tokens)
+{
+  kv_capture c{g, tokens};
+  std::mt19937_64 rng(0xca97);
+  std::normal_distribution<float> normal(0.0f, 1.5f);
+  std::vector<float> rows(static_cast<std::size_t>(tokens * g.num_kv_heads * g.head_dim));
+  for (std::int32_t l = 0; l < g.num_layers; ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (auto& x : rows) {
+        x = normal(rng);
+      }
+      auto const view =
+        make_token_head_view<float const>(rows.data(), tokens, g.num_kv_heads, g.head_dim);
+      if (kv == 0) {
+        c.write_keys(l, 0, view);
+      } else {
+        c.write_values(l, 0, view);
+      }
+    }
+  }
+  return c;
+}
+
+std::vector<std::int32_t> token_ids(std::int32_t first, std::int32_t count)
+{
+  std::vector<std::int32_t> out(static_cast<std::size_t>(count));
+  for (std::int32_t j = 0; j < count; ++j) {
+    out[static_cast<std::size_t>(j)] = first + j;
+  }
+  return out;
+}
+
+/// What a refused call must leave as it was: the store's catalogue and pool.
+struct store_state {
+  std::int64_t facts;
+  std::int64_t free_pages;
+  std::uint64_t version;
+  bytes pool;
+  bool operator==(store_state const& o) const
+  {
+    return facts == o.facts && free_pages == o.free_pages && version == o.version && pool == o.pool;
+  }
+};
+store_state state_of(kv_store const& s)
+{
+  return {s.num_facts(), s.free_pages(), s.version(), s.pool_to_host()};
+}
+
+template <class Pair>
+void require_seam_equals_host(engine_layout layout, geometry_case const& g)
+{
+  CAPTURE(inferscale_test::to_string(layout), g.name);
+  scenario<Pair> s(layout, g);
+  cuda_stream stream;
+  cuda::stream_ref const ref{stream.get()};
+
+  // 1. A capture's ranges stored on the stream land in the device pool as a host insert writes
+  // them into the host pool (the stores share their history, so the same pages; the populated
+  // history leaves the free pages out of order, so a fact's pages are not one run).
+  kv_capture const capture = make_capture(s.device_store.geometry(), 40);
+  std::vector<captured_fact> const captured{
+    {201, 7, 0, token_ids(2010, 9)}, {202, 7, 9, token_ids(2020, 17)}, {203, 7, 39, {2030}}};
+  store_captured_facts(s.host_store, capture, captured);
+  store_captured_facts(s.device_store, capture, captured, ref);
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+  for (captured_fact const& f : captured) {
+    REQUIRE(s.device_store.at(f.fact_id).pages == s.host_store.at(f.fact_id).pages);
+    REQUIRE(s.device_store.at(f.fact_id).token_ids == f.token_ids);
+  }
+  REQUIRE(first_difference(s.device_store.pool_to_host(), s.host_store.pool_to_host()) == -1);
+
+  // Refusals store nothing: an id already stored, a fact beyond the capture, more pages than are
+  // free (five 40-token facts), an incomplete capture, a NaN.
+  store_state const before = state_of(s.device_store);
+  REQUIRE_THROWS_AS(
+    store_captured_facts(s.device_store, capture, {{301, 7, 0, {1}}, {11, 7, 1, {2}}}, ref),
+    logic_error);
+  REQUIRE_THROWS_AS(
+    store_captured_facts(s.device_store, capture, {{301, 7, 35, token_ids(0, 6)}}, ref),
+    logic_error);
+  std::vector<captured_fact> too_many;
+  for (std::uint64_t id = 301; id < 306; ++id) {
+    too_many.push_back({id, 7, 0, token_ids(0, 40)});
+  }
+  REQUIRE_THROWS_AS(store_captured_facts(s.device_store, capture, too_many, ref), logic_error);
+  kv_capture partial{s.device_store.geometry(), 4};
+  REQUIRE_THROWS_AS(
+    store_captured_facts(s.device_store, partial, {{301, 7, 0, token_ids(0, 4)}}, ref),
+    logic_error);
+  kv_capture poisoned = make_capture(s.device_store.geometry(), 40);
+  std::vector<float> nan_row(
+    static_cast<std::size_t>(s.device_store.geometry().num_kv_heads * g.head_dim), 0.0f);
+  nan_row[1] = std::numeric_limits<float>::quiet_NaN();
+  poisoned.write_values(0,
+                        20,
+                        make_token_head_view<float const>(
+                          nan_row.data(), 1, s.device_store.geometry().num_kv_heads, g.head_dim));
+  REQUIRE_THROWS_AS(
+    store_captured_facts(
+      s.device_store, poisoned, {{301, 7, 0, token_ids(0, 4)}, {302, 7, 18, token_ids(0, 4)}}, ref),
+    logic_error);
+  REQUIRE(state_of(s.device_store) == before);
+
+  // 2. One request through a cache adapter: the prefix and the captured facts at p0 = 12, in the
+  // blocks no request of make_batch uses; the device cache ends equal to the host's.
+  compose_options o{};
+  o.first_position                       = 12;
+  o.instruction_prefix                   = prefix_id;
+  composition const host_plan            = compose(s.host_store, {202, 201, 203, 13}, o);
+  composition const device_plan          = compose(s.device_store, {202, 201, 203, 13}, o);
+  std::vector<std::int32_t> const blocks = unused_blocks();
+  std::vector<std::int64_t> const slots  = slots_from_block_table(
+    blocks.data(), static_cast<std::int64_t>(blocks.size()), block_size, 0, host_plan.length());
+  slot_adapter host_adapter{s.host_desc, slots};
+  slot_adapter device_adapter{s.device_desc, slots};
+  injection_workspace workspace(host_plan.length());
+
+  // Refused before anything is written or committed (the checks before allocate() do not even
+  // allocate): an empty plan, a host store, a workspace too small, too few slots, a slot beyond
+  // the cache, a position beyond the table.
+  injection_workspace small(host_plan.length() - 1);
+  REQUIRE_THROWS_AS(
+    inject_memory_async(
+      s.device_store, composition{}, device_adapter, s.device_rotation, workspace, ref),
+    logic_error);
+  REQUIRE_THROWS_AS(
+    inject_memory_async(s.host_store, host_plan, device_adapter, s.device_rotation, workspace, ref),
+    logic_error);
+  REQUIRE_THROWS_AS(
+    inject_memory_async(s.device_store, device_plan, device_adapter, s.device_rotation, small, ref),
+    logic_error);
+  REQUIRE(device_adapter.allocated_at == -1);
+  device_adapter.short_by = 1;
+  REQUIRE_THROWS_AS(
+    inject_memory_async(
+      s.device_store, device_plan, device_adapter, s.device_rotation, workspace, ref),
+    logic_error);
+  device_adapter.short_by = 0;
+  device_adapter.slots[5] = s.device_desc.num_slots();
+  REQUIRE_THROWS_AS(
+    inject_memory_async(
+      s.device_store, device_plan, device_adapter, s.device_rotation, workspace, ref),
+    logic_error);
+  device_adapter.slots[5] = slots[5];
+  compose_options far     = o;
+  far.first_position      = s.device_rotation.max_position - 4;
+  REQUIRE_THROWS_AS(inject_memory_async(s.device_store,
+                                        compose(s.device_store, {202, 201, 203, 13}, far),
+                                        device_adapter,
+                                        s.device_rotation,
+                                        workspace,
+                                        ref),
+                    logic_error);
+  REQUIRE(device_adapter.committed.empty());
+  REQUIRE(first_difference(s.device_bytes(stream.get()), s.original) == -1);
+  REQUIRE(state_of(s.device_store) == before);
+
+  inject_memory_host(s.host_store, host_plan, host_adapter, s.host_rotation);
+  inject_memory_async(
+    s.device_store, device_plan, device_adapter, s.device_rotation, workspace, ref);
+  REQUIRE(device_adapter.allocated_at == 12);
+  REQUIRE(device_adapter.committed == std::vector<std::int64_t>{device_plan.length()});
+  REQUIRE(host_adapter.committed == device_adapter.committed);
+  bytes const device = s.device_bytes(stream.get());
+  REQUIRE(first_difference(s.host_bytes(), s.original) != -1);  // something was written
+  REQUIRE(first_difference(device, s.host_bytes()) == -1);
+}
+
+}  // namespace
+
+TEST_CASE(
+  "the device seam: a capture stored on a stream and a request injected through a cache "
+  "adapter equal the host seam's",
+  "[gpu][inject][engine]")
+{
+  auto const cases = geometry_cases();
+  SECTION("vLLM FlashAttention NHD, bf16 -> bf16, heads 1..3 of 4 (the capture is the shard's)")
+  {
+    require_seam_equals_host<bf16_to_bf16>(engine_layout::vllm_flash_attn_nhd, cases[1]);
+  }
+  SECTION("vLLM legacy, fp32 -> fp32, scalar path")
+  {
+    require_seam_equals_host<fp32_to_fp32>(engine_layout::vllm_legacy, cases[2]);
+  }
+  SECTION("SGLang token pool, bf16 -> fp8 e4m3 per-head scales")
+  {
+    require_seam_equals_host<bf16_to_e4m3>(engine_layout::sglang_token_pool, cases[0]);
+  }
+}
+
+namespace {
+
+namespace mf = inferscale_test::memory_fixtures;
+
+/// The memory of the facade tests (tests/memory/memory_host.cpp) with its store in `where`.
+memory make_seam_memory(memory_kind where)
+{
+  memory_config c;
+  c.store.model       = inferscale_test::fake::tiny;
+  c.store.store_dtype = dtype::float32;
+  c.store.page_size   = 4;
+  c.store.num_pages   = 64;
+  c.store.memory      = where;
+  c.index.dim         = 32;
+  c.index.metric      = distance_metric::cosine;
+  return memory{c};
+}
+
+}  // namespace
+
+TEST_CASE(
+  "memory::serve from a device store injects the host serve's bytes; a refusal commits "
+  "nothing",
+  "[gpu][memory]")
+{
+  memory host_memory   = make_seam_memory(memory_kind::host);
+  memory device_memory = make_seam_memory(memory_kind::device);
+  inferscale_test::fake::branching_model model;
+  mf::word_embedder embedder;
+  mf::user_data const user = mf::make_user(7, 100, 9);
+  encoding_options o;
+  o.window = 3;
+  for (memory* m : {&host_memory, &device_memory}) {
+    m->set_instruction_prefix(model, {11, 12, 13}, 1, 0);
+    m->add_conversation(model, embedder, 7, user.c, user.facts, user.texts, o);
+  }
+  // The engine's own cos/sin table, the same values on both sides (computed rope_params may
+  // differ in the last bit between the host's and the device's sincos).
+  rope_params const params        = model.rotation();
+  std::vector<float> const values = make_rope_cos_sin_values<float>(params, 256);
+  device_buffer<float> device_values{values};
+  auto const host_table   = make_rope_cos_sin_table(params, values.data(), 256);
+  auto const device_table = make_rope_cos_sin_table(params, device_values.data(), 256);
+
+  mf::host_cache host_cache;  // 2 layers x (K, V) x 256 slots x 1 head x 4, every element -1
+  device_buffer<float> device_storage{host_cache.data};
+  slot_adapter device_adapter{
+    make_contiguous_cache(
+      dtype::float32, device_storage.data(), {2, 2, 256, 1, 4}, {2 * 256 * 4, 256 * 4, 4, 4, 1}),
+    {}};
+  for (std::int64_t j = 0; j < 256; ++j) {
+    device_adapter.slots.push_back(j);
+  }
+  cuda_stream stream;
+  cuda::stream_ref const ref{stream.get()};
+
+  injection_workspace small(2);
+  REQUIRE_THROWS_AS(
+    device_memory.serve(embedder, 7, user.texts[4], 2, 5, device_adapter, device_table, small, ref),
+    logic_error);
+  REQUIRE(device_adapter.committed.empty());
+  REQUIRE(device_storage.to_host() == host_cache.data);  // untouched: every element still -1
+
+  injection_workspace workspace(64);
+  memory_request const h =
+    host_memory.serve(embedder, 7, user.texts[4], 2, 5, host_cache, host_table);
+  memory_request const d = device_memory.serve(
+    embedder, 7, user.texts[4], 2, 5, device_adapter, device_table, workspace, ref);
+  REQUIRE(d.fact_ids == h.fact_ids);
+  REQUIRE(d.plan.token_ids == h.plan.token_ids);
+  REQUIRE(device_adapter.allocated_at == 5);
+  REQUIRE(device_adapter.committed == host_cache.committed);
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+  std::vector<float> const device = device_storage.to_host();
+  REQUIRE(device != std::vector<float>(device.size(), -1.0f));
+  REQUIRE(std::memcmp(device.data(), host_cache.data.data(), device.size() * sizeof(float)) == 0);
+
+  // inject() of a prepared plan: the same bytes again, into slots 100 ..
+  composition const plan = device_memory.prepare(d.fact_ids, 5);
+  for (std::int64_t j = 0; j < 256; ++j) {
+    device_adapter.slots[static_cast<std::size_t>(j)] = (j + 100) % 256;
+  }
+  device_memory.inject(plan, device_adapter, device_table, workspace, ref);
+  mf::host_cache shifted{1, 100};
+  host_memory.inject(host_memory.prepare(h.fact_ids, 5), shifted, host_table);
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+  std::vector<float> const again = device_storage.to_host();
+  for (std::int64_t l = 0; l < 2; ++l) {
+    for (std::int64_t slot = 100; slot < 100 + plan.length(); ++slot) {
+      for (std::int64_t d4 = 0; d4 < 4; ++d4) {
+        std::size_t const v = static_cast<std::size_t>(((l * 2 + 1) * 256 + slot) * 4 + d4);
+        CAPTURE(l, slot, d4);
+        REQUIRE(again[v] == shifted.data[v]);
+        REQUIRE(again[v - 256 * 4] == shifted.data[v - 256 * 4]);  // the rotated key
+      }
+    }
+  }
+}
+
+TEST_CASE("store_captured_facts on a stream writes a host store on the host, as the host call does",
+          "[inject][engine]")
+{
+  // Runs without a GPU: a host store never reaches the CUDA runtime, whatever the stream.
+  kv_store_config c{};
+  c.model       = kv_geometry{2, 2, 8};
+  c.store_dtype = dtype::bfloat16;
+  c.page_size   = 4;
+  c.num_pages   = 8;
+  c.memory      = memory_kind::host;
+  kv_store by_host{c};
+  kv_store by_stream{c};
+  kv_capture const capture = make_capture(c.model, 12);
+  std::vector<captured_fact> const captured{{1, 3, 0, token_ids(10, 5)},
+                                            {2, 3, 5, token_ids(20, 7)}};
+  cuda::stream_ref const no_stream{cudaStream_t{}};
+  store_captured_facts(by_host, capture, captured);
+  store_captured_facts(by_stream, capture, captured, no_stream);
+  REQUIRE(by_stream.num_facts() == 2);
+  REQUIRE(by_stream.at(2).token_ids == token_ids(20, 7));
+  REQUIRE(first_difference(by_stream.pool_to_host(), by_host.pool_to_host()) == -1);
+  // Element (layer 1, token 3 of fact 2, head 1, dim 5) of V, written out: the capture's value
+  // rounded to bfloat16.
+  std::int64_t const row =
+    by_stream.ref().row_offset(by_stream.store_token(by_stream.at(2), 3), 1, 1);
+  bytes const pool = by_stream.pool_to_host();
+  bfloat16_t stored;
+  std::memcpy(&stored, pool.data() + (row + 1 * 8 + 5) * 2, 2);
+  REQUIRE(to_float(stored) == to_float(from_float<bfloat16_t>(capture.values()(1, 5 + 3, 1, 5))));
+
+  store_state const before = state_of(by_stream);
+  REQUIRE_THROWS_AS(
+    store_captured_facts(by_stream, capture, {{3, 3, 10, token_ids(0, 3)}}, no_stream),
+    logic_error);  // beyond the 12 captured tokens
+  REQUIRE_THROWS_AS(
+    store_captured_facts(by_stream, capture, {{3, 3, 0, {1}}, {3, 3, 1, {2}}}, no_stream),
+    logic_error);  // an id twice
+  REQUIRE(state_of(by_stream) == before);
 }

@@ -1,7 +1,8 @@
 /**
  * @file detail/memory/facade.inl
  * @brief Definitions for memory.hpp, the request path of the facade: the instruction prefix,
- * add_conversation, retrieve, prepare, inject and serve (and the embedding of texts they share).
+ * add_conversation, retrieve, prepare, inject and serve, on the host and (with a workspace and a
+ * stream) on the device (and the embedding of texts they share).
  */
 #pragma once
 
@@ -133,6 +134,36 @@ template <class CacheAdapter, class Rotation>
 void memory::inject(composition const& plan, CacheAdapter& cache, Rotation const& rotation) const
 {
   inject_memory_host(store_, plan, cache, rotation);
+}
+
+template <class CacheAdapter, class Rotation, class Stream>
+void memory::inject(composition const& plan,
+                    CacheAdapter& cache,
+                    Rotation const& rotation,
+                    injection_workspace& workspace,
+                    Stream stream) const
+{
+  // Found where memory.cuh (engine.cuh) is included: the call depends on the template arguments,
+  // so this header compiles without the CUDA toolkit.
+  inject_memory_async(store_, plan, cache, rotation, workspace, stream);
+}
+
+template <class Embedder, class CacheAdapter, class Rotation, class Stream>
+memory_request memory::serve(Embedder& embedder,
+                             std::uint64_t ns,
+                             std::string const& query,
+                             std::uint32_t k,
+                             std::int64_t first_position,
+                             CacheAdapter& cache,
+                             Rotation const& rotation,
+                             injection_workspace& workspace,
+                             Stream stream) const
+{
+  memory_request r;
+  r.fact_ids = retrieve(embedder, ns, query, k);
+  r.plan     = prepare(r.fact_ids, first_position);
+  inject(r.plan, cache, rotation, workspace, stream);
+  return r;
 }
 
 template <class Embedder, class CacheAdapter, class Rotation>

@@ -1,0 +1,179 @@
+/**
+ * @file engine.cuh
+ * @brief The engine seam, device backend (engine.hpp is the seam itself): what a GPU engine calls
+ * where a CPU engine calls the host functions of engine.hpp, with a stream added — storing a
+ * capture's facts into a device store (store_captured_facts) and one request's memory from a
+ * device store through a paged-cache adapter whose cache is device memory (inject_memory_async).
+ * Stream-ordered: nothing here synchronises the device.
+ */
+#pragma once
+
+#include <inferscale/compose.hpp>
+#include <inferscale/cuda_error.hpp>
+#include <inferscale/dtype.hpp>
+#include <inferscale/engine.hpp>
+#include <inferscale/error.hpp>
+#include <inferscale/inject.cuh>
+#include <inferscale/injection_batch.hpp>
+#include <inferscale/store.hpp>
+
+#include <cuda/stream_ref>
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace inferscale {
+
+/**
+ * @brief Stores token ranges of a capture as facts, as store_captured_facts(store, capture, facts)
+ * does, writing a device store's pool on `stream`: each fact's pages are packed on the host
+ * (converted to the store dtype, a last page's unused rows zeroed, as kv_store::insert does) and
+ * copied with cudaMemcpyAsync, one copy per run of consecutive pages. A host store is written on
+ * the host, as the host overload does (`stream` is not used).
+ *
+ * The facts are in the store's catalogue when the call returns; their K/V is there for work
+ * enqueued after it on `stream` (work on another stream waits on an event recorded on `stream`).
+ * Erasing one of them before `stream` has run its copies frees pages a late copy still writes:
+ * order the erase after them (as for any page a kernel still reads).
+ *
+ * @throw logic_error as the host overload (nothing is stored, nothing enqueued); cuda_error if a
+ *        copy cannot be enqueued (the facts are then erased again).
+ * @note Never synchronises the device. The copies are from pageable host memory, for which the
+ *       runtime returns once it has taken the bytes (the staging is freed at return) and may first
+ *       wait for the work already on `stream`.
+ */
+inline void store_captured_facts(kv_store& store,
+                                 kv_capture const& capture,
+                                 std::vector<captured_fact> const& facts,
+                                 cuda::stream_ref stream)
+{
+  if (store.memory() != memory_kind::device) {
+    store_captured_facts(store, capture, facts);
+    return;
+  }
+  detail::check_captured_facts(store, capture, facts);
+  dispatch_dtype(store.store_dtype(), [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
+                  std::is_same_v<S, bfloat16_t>) {
+      kv_geometry const g      = store.geometry();
+      std::int64_t const ps    = store.page_size();
+      std::int64_t const row   = static_cast<std::int64_t>(g.num_kv_heads) * g.head_dim;
+      std::int64_t const pages = 2 * static_cast<std::int64_t>(g.num_layers) * ps * row;
+      // Pack every fact first (pages zeroed, as a host insert leaves them), then record them all
+      // and enqueue the copies: nothing is recorded before all the packing is done.
+      std::vector<std::vector<S>> packed(facts.size());
+      for (std::size_t i = 0; i < facts.size(); ++i) {
+        captured_fact const& f   = facts[i];
+        std::int64_t const count = static_cast<std::int64_t>(f.token_ids.size());
+        std::vector<S>& out      = packed[i];
+        out.assign(static_cast<std::size_t>(store.pages_for(count) * pages), S{});
+        for (std::int32_t kv = 0; kv < 2; ++kv) {
+          auto const src = kv == 0 ? capture.keys(f.begin, count) : capture.values(f.begin, count);
+          for (std::int64_t t = 0; t < count; ++t) {
+            std::int64_t const page = t / ps;
+            for (std::int32_t l = 0; l < g.num_layers; ++l) {
+              S* const dst = out.data() + page * pages + ((l * 2 + kv) * ps + t % ps) * row;
+              for (std::int32_t h = 0; h < g.num_kv_heads; ++h) {
+                for (std::int32_t e = 0; e < g.head_dim; ++e) {
+                  dst[static_cast<std::int64_t>(h) * g.head_dim + e] =
+                    from_float<S>(src(l, t, h, e));
+                }
+              }
+            }
+          }
+        }
+      }
+      std::size_t recorded = 0;
+      try {
+        for (std::size_t i = 0; i < facts.size(); ++i) {
+          captured_fact const& f    = facts[i];
+          fact_record const& record = store.reserve(f.fact_id, f.namespace_id, f.token_ids);
+          ++recorded;
+          std::size_t const n = record.pages.size();
+          for (std::size_t first = 0; first < n;) {
+            std::size_t last = first + 1;  // a run of consecutive pool pages: one copy
+            while (last < n && record.pages[last] == record.pages[last - 1] + 1) {
+              ++last;
+            }
+            INFERSCALE_CUDA_TRY(
+              cudaMemcpyAsync(static_cast<S*>(store.ref().pool) + record.pages[first] * pages,
+                              packed[i].data() + static_cast<std::int64_t>(first) * pages,
+                              static_cast<std::size_t>((last - first) * pages) * sizeof(S),
+                              cudaMemcpyHostToDevice,
+                              stream.get()));
+            first = last;
+          }
+        }
+      } catch (...) {
+        for (std::size_t i = 0; i < recorded; ++i) {
+          store.erase(facts[i].fact_id);
+        }
+        throw;
+      }
+    }
+  });
+}
+
+/**
+ * @brief One request's memory through a paged-cache adapter, device backend: the device twin of
+ * inject_memory_host (engine.hpp). Allocates slots for the plan's `m` tokens at its positions,
+ * enqueues the checked inject_async (the composed K/V of the device store, keys rotated by
+ * `rotation`) into the adapter's cache (device memory) on `stream`, and commits the tokens as
+ * the sequence's prefix.
+ *
+ * @param store         a device store (the plan's)
+ * @param plan          the request's composition (compose(), memory::prepare)
+ * @param cache_adapter allocate(first_position, tokens), cache() (device memory), commit(tokens)
+ * @param rotation      rope_params, or the engine's rope_cos_sin_table over device data
+ * @param workspace     room for at least the plan's tokens
+ * @param stream        the stream the injection is enqueued on; the engine's prefill of the
+ *                      query must be ordered after it (the same stream, or an event)
+ * @throw logic_error before anything is allocated if the plan is empty, the store is not in
+ *        device memory or the workspace is too small; after allocation and before anything is
+ *        written or committed as injection_batch::add and the checked inject_async (too few
+ *        slots, a slot written twice or beyond the cache, a position beyond the table, geometry or
+ *        dtype mismatch). cuda_error on a CUDA failure; whatever the adapter throws.
+ * @note Never synchronises the device; staging may wait for the workspace's previous staging
+ *       copy (injection_workspace::stage). For a scheduler step of many requests, build one
+ *       injection_batch and call inject_async once.
+ */
+template <class CacheAdapter, class Rotation>
+void inject_memory_async(kv_store const& store,
+                         composition const& plan,
+                         CacheAdapter& cache_adapter,
+                         Rotation const& rotation,
+                         injection_workspace& workspace,
+                         cuda::stream_ref stream)
+{
+  static_assert(is_cache_adapter_v<CacheAdapter>,
+                "inject_memory_async: CacheAdapter needs allocate(first_position, tokens), "
+                "cache() and commit(tokens) (see engine.hpp)");
+  INFERSCALE_EXPECTS(plan.length() > 0, std::string{"inject_memory_async: the plan is empty"});
+  INFERSCALE_EXPECTS(store.memory() == memory_kind::device,
+                     std::string{"inject_memory_async: the store's pool is in "} +
+                       to_string(store.memory()) +
+                       " memory, the device backend reads device memory (inject_memory_host "
+                       "serves a host store)");
+  INFERSCALE_EXPECTS(plan.length() <= workspace.capacity(),
+                     "inject_memory_async: the plan has " +
+                       detail::count_of(plan.length(), "token") + ", the workspace holds " +
+                       std::to_string(workspace.capacity()));
+  std::vector<std::int64_t> const slots =
+    cache_adapter.allocate(plan.first_position, plan.length());
+  INFERSCALE_EXPECTS(static_cast<std::int64_t>(slots.size()) == plan.length(),
+                     "inject_memory_async: the cache adapter allocated " +
+                       detail::count_of(static_cast<std::int64_t>(slots.size()), "slot") + " for " +
+                       detail::count_of(plan.length(), "token"));
+  injection_batch batch{store};
+  batch.add(plan, slots);
+  inject_async(store, batch, cache_adapter.cache(), rotation, workspace, stream);
+  cache_adapter.commit(plan.length());
+}
+
+}  // namespace inferscale

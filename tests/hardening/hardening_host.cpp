@@ -271,6 +271,7 @@ injection_batch make_batch(kv_store const& store)
   injection_batch b(store);
   compose_options o{};
   o.first_position = 4;
+  o.order          = fact_order::as_given;
   auto const plan  = compose(store, {2, 1}, o);
   b.add(plan, slot_range(10, plan.length()));
   return b;

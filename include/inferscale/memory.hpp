@@ -37,6 +37,7 @@
 #include <inferscale/engine.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/index.hpp>
+#include <inferscale/index_snapshot.hpp>
 #include <inferscale/memory_types.hpp>
 #include <inferscale/snapshot.hpp>
 #include <inferscale/store.hpp>

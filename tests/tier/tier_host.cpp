@@ -620,7 +620,7 @@ TEST_CASE("tier: a snapshot restores both tiers, residency, pins and the LRU sta
   add(r, 31, 3, 4, fact_residency::host);  // a changed state: new tier files
   std::filesystem::create_directory(dir.file("host.pending.iskv.tmp"));
   CHECK_THROWS_WITH(save_tiers(r, dir.path()),
-                    Catch::Contains("save_tiers") && Catch::Contains("host.pending.iskv.tmp"));
+                    Catch::Contains("cannot create") && Catch::Contains("host.pending.iskv.tmp"));
   std::filesystem::remove(dir.file("host.pending.iskv.tmp"));
   CHECK(listing() == before);
   tiered_store const back = load_tiers(dir.path(), config);

@@ -67,9 +67,10 @@ class graph_index;
  *
  * The host half of the library's one `search`: the device backend's overload in `index.cuh`,
  * `search(raft::resources const&, index, queries, namespaces, k, params, out_ids,
- * out_distances)`, takes the same arguments after the RAFT handle and gives the same answers
- * bit for bit on a device-memory index of the same content (as cuVS has one `search` per index
- * type). `graph_index::search` (the member) is a thin wrapper of this function.
+ * out_distances)`, takes the same arguments after the RAFT handle (as cuVS has one `search` per
+ * index type); on a device-memory index of the same content it gives this function's answers
+ * under `host_search_mode::reference`, bit for bit. `graph_index::search` (the member) is a thin
+ * wrapper of this function.
  *
  * @tparam T float or half_t (queries are compared in fp32)
  * @param[in] index a host-memory index
@@ -110,8 +111,9 @@ struct graph_index_ref {
  * @brief The fact index (move-only owner). See the file comment for the layout and contracts.
  *
  * @note Searched with the free `inferscale::search`: host-memory indexes with the overload in
- * this header, device-memory indexes with the one in `index.cuh` (a `raft::resources` first). All mutations run on the host mirror and copy the
- * changed tenant segment to the device before returning (they synchronise).
+ * this header, device-memory indexes with the one in `index.cuh` (a `raft::resources` first).
+ * All mutations run on the host mirror and copy the changed tenant segment to the device before
+ * returning (they synchronise).
  */
 class graph_index {
  public:

@@ -429,7 +429,8 @@ class memory {
  * only then the files of the previous snapshot in the directory are removed: one directory
  * transaction (detail/snapshot/directory_transaction.hpp). A crash or a failure at any point
  * leaves the previous snapshot loadable (its manifest and files are untouched until the new
- * manifest has replaced it) and no new file behind, or the new one whole.
+ * manifest has replaced it), or the new one whole; a failure (an exception) also leaves no file
+ * of the failed save behind.
  *
  * Manifest `memory.ismem`, 72 bytes, little-endian:
  *

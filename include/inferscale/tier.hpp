@@ -488,7 +488,8 @@ void inject_tiered_host(tiered_store& tiers,
  * directory transaction (detail/snapshot/directory_transaction.hpp): each tier with save_store
  * (`device-<crc>.iskv`, `host-<crc>.iskv`, named after their file checksums), then the manifest
  * `tiers.istr` atomically, last; only then are the previous snapshot's tier files removed, so a
- * failed or interrupted save leaves the previous snapshot loadable and no new file behind.
+ * failed or interrupted save leaves the previous snapshot loadable, and a failed one (an
+ * exception) no file of its own behind.
  *
  * Manifest, little-endian, version 1: magic `89 49 53 54 49 52 0D 0A` ("\x89ISTIR\r\n"),
  * version uint32 = 1, byte-order mark uint32 0x01020304, the device tier file's checksum, the

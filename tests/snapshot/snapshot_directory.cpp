@@ -20,12 +20,12 @@
 #include <vector>
 
 using namespace inferscale_test::snapshot;
+using Catch::Matchers::Contains;
 using inferscale::logic_error;
 using inferscale::detail::snapshot::check_named_files;
 using inferscale::detail::snapshot::directory_transaction;
 using inferscale::detail::snapshot::named_file;
 using inferscale::detail::snapshot::previous_manifest;
-using Catch::Matchers::Contains;
 
 namespace {
 
@@ -120,15 +120,13 @@ TEST_CASE("directory transaction: a failure before the commit leaves the directo
     {
       directory_transaction tx{dir.path(), "test_save", {"a-1", "b-1"}};
       tx.place(tx.stage("b.pending", writes("B two")), "b-2");
-      CHECK_THROWS_WITH(tx.stage("a.pending",
-                                 [&](std::string const& path) {
-                                   (void)inferscale::detail::serial::write_file_atomically(
-                                     path, "test_save", false, [](auto& out) {
-                                       out.write("A two", 5);
-                                     });
-                                 }),
-                        Contains("test_save") && Contains("cannot create") &&
-                          Contains("a.pending.tmp"));
+      CHECK_THROWS_WITH(
+        tx.stage("a.pending",
+                 [&](std::string const& path) {
+                   (void)inferscale::detail::serial::write_file_atomically(
+                     path, "test_save", false, [](auto& out) { out.write("A two", 5); });
+                 }),
+        Contains("test_save") && Contains("cannot create") && Contains("a.pending.tmp"));
     }
     std::map<std::string, std::string> want = old_snapshot();
     want["a.pending.tmp"]                   = "<dir>";
@@ -168,9 +166,7 @@ TEST_CASE("directory transaction: a failure before the commit leaves the directo
     CHECK_THROWS_WITH(tx.stage("a.pending",
                                [&](std::string const& path) {
                                  (void)inferscale::detail::serial::write_file_atomically(
-                                   path, "test_save", false, [](auto& out) {
-                                     out.write("A", 1);
-                                   });
+                                   path, "test_save", false, [](auto& out) { out.write("A", 1); });
                                }),
                       Contains("cannot create") && Contains("nowhere"));
     CHECK_FALSE(fs::exists(dir.file("nowhere")));
@@ -204,12 +200,28 @@ TEST_CASE("snapshot directory loads: previous manifest and named-file checks",
 
   // a file whose last 8 bytes are 0x0123456789ABCDEF little-endian, and bytes 2..10 another value
   write_bytes(dir.file("data"),
-              {0xAA, 0xBB, 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01, 0xEF, 0xCD, 0xAB, 0x89,
-               0x67, 0x45, 0x23, 0x01});
-  CHECK_NOTHROW(check_named_files({{dir.file("data"), -8, 0x0123456789ABCDEFull},
-                                   {dir.file("data"), 2, 0x0102030405060708ull}},
-                                  "test_load",
-                                  "mismatch"));
+              {0xAA,
+               0xBB,
+               0x08,
+               0x07,
+               0x06,
+               0x05,
+               0x04,
+               0x03,
+               0x02,
+               0x01,
+               0xEF,
+               0xCD,
+               0xAB,
+               0x89,
+               0x67,
+               0x45,
+               0x23,
+               0x01});
+  CHECK_NOTHROW(check_named_files(
+    {{dir.file("data"), -8, 0x0123456789ABCDEFull}, {dir.file("data"), 2, 0x0102030405060708ull}},
+    "test_load",
+    "mismatch"));
   CHECK_THROWS_WITH(check_named_files({{dir.file("data"), 2, 0x0102030405060708ull},
                                        {dir.file("data"), -8, 0x0123456789ABCDEEull}},
                                       "test_load",

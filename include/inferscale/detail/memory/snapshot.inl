@@ -20,7 +20,7 @@ namespace inferscale {
 
 inline void save_memory(memory const& mem, std::string const& directory)
 {
-  using manifest = memory::snapshot_manifest;
+  using manifest                         = memory::snapshot_manifest;
   std::optional<manifest> const previous = detail::snapshot::previous_manifest(
     directory, memory::manifest_name, [](std::vector<unsigned char> const& b) {
       return memory::parse_manifest(b, "");
@@ -39,11 +39,11 @@ inline void save_memory(memory const& mem, std::string const& directory)
   // their checksums.
   manifest m;
   m.prefix = mem.prefix_;
-  std::string const store_pending = tx.stage(
-    "store.pending.iskv", [&](std::string const& path) { save_store(mem.store_, path); });
+  std::string const store_pending =
+    tx.stage("store.pending.iskv", [&](std::string const& path) { save_store(mem.store_, path); });
   m.store_checksum = detail::serial::stored_checksum(store_pending, -8, who);
-  std::string const index_pending = tx.stage(
-    "index.pending.isx", [&](std::string const& path) { save_index(mem.index_, path); });
+  std::string const index_pending =
+    tx.stage("index.pending.isx", [&](std::string const& path) { save_index(mem.index_, path); });
   m.index_header_checksum = detail::serial::stored_checksum(index_pending, 72, who);
   m.index_checksum        = detail::serial::stored_checksum(index_pending, -8, who);
   std::vector<unsigned char> const lifecycle = mem.encode_lifecycle();
@@ -66,8 +66,8 @@ inline void save_memory(memory const& mem, std::string const& directory)
 
 inline memory load_memory(std::string const& directory, memory_config const& config)
 {
-  std::string const who   = "load_memory('" + directory + "')";
-  std::string const where = who + ": ";
+  std::string const who             = "load_memory('" + directory + "')";
+  std::string const where           = who + ": ";
   memory::snapshot_manifest const m = memory::parse_manifest(
     detail::snapshot::read_manifest(directory, memory::manifest_name, who), where);
   std::string const store_path     = directory + "/" + memory::store_file_name(m);

@@ -84,28 +84,25 @@ inline void save_tiers(tiered_store const& tiers, std::string const& directory)
 
 inline tiered_store load_tiers(std::string const& directory, tiered_store_config const& config)
 {
-  std::string const who       = "load_tiers('" + directory + "')";
-  std::string const where     = who + ": ";
-  tiered_store_config const c = tiered_store::check(config);
+  std::string const who               = "load_tiers('" + directory + "')";
+  std::string const where             = who + ": ";
+  tiered_store_config const c         = tiered_store::check(config);
   tiered_store::manifest_data const m = tiered_store::parse_manifest(
     detail::snapshot::read_manifest(directory, tiered_store::manifest_name, who), where);
   std::string const device_path =
     directory + "/" + tiered_store::tier_file("device", m.device_checksum);
   std::string const host_path = directory + "/" + tiered_store::tier_file("host", m.host_checksum);
-  detail::snapshot::check_named_files({{device_path, -8, m.device_checksum},
-                                       {host_path, -8, m.host_checksum}},
-                                      who,
-                                      "a tier file does not carry the manifest's checksum (files "
-                                      "of different saves are never paired)");
+  detail::snapshot::check_named_files(
+    {{device_path, -8, m.device_checksum}, {host_path, -8, m.host_checksum}},
+    who,
+    "a tier file does not carry the manifest's checksum (files "
+    "of different saves are never paired)");
   kv_store device = load_store(device_path, c.device);
   kv_store host   = load_store(host_path, tiered_store::host_config(c));
   return tiered_store{c, std::move(device), std::move(host), m, where};
 }
 
-inline void tiered_store::save(std::string const& directory) const
-{
-  save_tiers(*this, directory);
-}
+inline void tiered_store::save(std::string const& directory) const { save_tiers(*this, directory); }
 
 inline tiered_store tiered_store::load(std::string const& directory,
                                        tiered_store_config const& config)

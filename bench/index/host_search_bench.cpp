@@ -340,10 +340,13 @@ void graph_queries(prepared const& c, is::search_params const& p, std::uint64_t*
 {
   std::uint64_t const ns[1] = {the_namespace};
   for (std::int64_t q = 0; q < num_queries; ++q) {
-    c.index->search(is::make_matrix_view<float const>(c.data.query(q), 1, c.data.dim),
-                    cuda::std::span<std::uint64_t const>{ns, 1}, top_k, p,
-                    is::make_matrix_view<std::uint64_t>(ids + q * top_k, 1, top_k),
-                    is::make_matrix_view<float>(dist + q * top_k, 1, top_k));
+    is::search(*c.index,
+               is::make_matrix_view<float const>(c.data.query(q), 1, c.data.dim),
+               cuda::std::span<std::uint64_t const>{ns, 1},
+               top_k,
+               p,
+               is::make_matrix_view<std::uint64_t>(ids + q * top_k, 1, top_k),
+               is::make_matrix_view<float>(dist + q * top_k, 1, top_k));
   }
 }
 
@@ -622,10 +625,13 @@ void exact_scan(benchmark::State& state, std::string const& name, std::int64_t d
     auto t0                   = clock_type::now();
     for (std::int64_t i = 0; i < per_iteration; ++i) {
       std::int64_t const q = (queries + i) % num_queries;
-      c->index->search(is::make_matrix_view<float const>(c->data.query(q), 1, dim),
-                       cuda::std::span<std::uint64_t const>{ns, 1}, top_k, p,
-                       is::make_matrix_view<std::uint64_t>(got.data() + q * top_k, 1, top_k),
-                       is::make_matrix_view<float>(dist.data() + q * top_k, 1, top_k));
+      is::search(*c->index,
+                 is::make_matrix_view<float const>(c->data.query(q), 1, dim),
+                 cuda::std::span<std::uint64_t const>{ns, 1},
+                 top_k,
+                 p,
+                 is::make_matrix_view<std::uint64_t>(got.data() + q * top_k, 1, top_k),
+                 is::make_matrix_view<float>(dist.data() + q * top_k, 1, top_k));
     }
     exact_s += seconds_since(t0);
     state.PauseTiming();

@@ -456,12 +456,13 @@ void host_search(is::graph_index const& index,
                  float* distances)
 {
   std::uint64_t const ns[1] = {the_namespace};
-  index.search(is::make_matrix_view<float const>(data.query(first), count, data.dim),
-               cuda::std::span<std::uint64_t const>{ns, 1},
-               top_k,
-               params,
-               is::make_matrix_view<std::uint64_t>(ids, count, top_k),
-               is::make_matrix_view<float>(distances, count, top_k));
+  is::search(index,
+             is::make_matrix_view<float const>(data.query(first), count, data.dim),
+             cuda::std::span<std::uint64_t const>{ns, 1},
+             top_k,
+             params,
+             is::make_matrix_view<std::uint64_t>(ids, count, top_k),
+             is::make_matrix_view<float>(distances, count, top_k));
 }
 
 /// @brief The case's index, ground truth and chosen parameters, made on first use (untimed).

@@ -202,6 +202,7 @@ struct scenario {
     for (auto const& request_ids : ids) {
       is::compose_options options;
       options.first_position = first_position;
+      options.order          = is::fact_order::as_given;
       plans.push_back(is::compose(store, request_ids, options));
       blocks_needed.push_back((first_position + plans.back().length() + block_size - 1) /
                               block_size);
@@ -1139,6 +1140,7 @@ struct tier_case {
   {
     is::compose_options o;
     o.first_position = first_position;
+    o.order          = is::fact_order::as_given;
     is::composition const c = is::compose(tiers.device_tier(), ids, o);
     is::injection_batch batch{tiers.device_tier()};
     batch.add(c, slots);

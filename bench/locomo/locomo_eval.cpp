@@ -710,10 +710,13 @@ int retrieval_mode(lc::model const& m, std::vector<lm::sample> const& samples)
       std::vector<std::uint64_t> top(20);
       std::vector<float> dist(20);
       std::uint64_t const ns = si + 1;
-      index.search<float>(make_matrix_view<float const>(v.data(), 1, ic.dim),
-                          cuda::std::span<std::uint64_t const>{&ns, 1}, 20, search_params{},
-                          make_matrix_view<std::uint64_t>(top.data(), 1, 20),
-                          make_matrix_view<float>(dist.data(), 1, 20));
+      inferscale::search<float>(index,
+                                make_matrix_view<float const>(v.data(), 1, ic.dim),
+                                cuda::std::span<std::uint64_t const>{&ns, 1},
+                                20,
+                                search_params{},
+                                make_matrix_view<std::uint64_t>(top.data(), 1, 20),
+                                make_matrix_view<float>(dist.data(), 1, 20));
       std::int64_t citable = 0;
       for (std::int64_t t : q->evidence) {
         citable += cited.count(t) ? 1 : 0;

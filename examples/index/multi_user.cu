@@ -76,9 +76,13 @@ class searcher {
     distances.assign(ids.size(), 0.0f);
     cuda::std::span<std::uint64_t const> const ns{users.data(), users.size()};
     if (!device_) {
-      index.search(make_matrix_view<float const>(queries.data(), nq, dim), ns, k, params,
-                   make_matrix_view<std::uint64_t>(ids.data(), nq, k),
-                   make_matrix_view<float>(distances.data(), nq, k));
+      inferscale::search(index,
+                         make_matrix_view<float const>(queries.data(), nq, dim),
+                         ns,
+                         k,
+                         params,
+                         make_matrix_view<std::uint64_t>(ids.data(), nq, k),
+                         make_matrix_view<float>(distances.data(), nq, k));
       return;
     }
     float* d_queries          = nullptr;

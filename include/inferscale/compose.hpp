@@ -18,7 +18,13 @@
 
 namespace inferscale {
 
-/// @brief Order of the retrieved facts in the memory segment.
+/**
+ * @brief Order of the retrieved facts in the memory segment.
+ *
+ * The default everywhere (compose_options::order, memory_config::order) is best_last: retrieval
+ * ranks the most relevant fact first, and the layout puts it last, next to the query, as the
+ * paper's prototype does. Pass as_given to keep a list's own order.
+ */
 enum class fact_order : std::uint8_t {
   as_given,   ///< the order of the list
   best_last,  ///< the list is ranked most relevant first; it is laid out reversed, so the most
@@ -29,7 +35,7 @@ enum class fact_order : std::uint8_t {
 struct compose_options {
   std::int64_t first_position{0};  ///< p0: virtual position of the segment's first token (after
                                    ///< any system prompt the engine already holds)
-  fact_order order{fact_order::as_given};
+  fact_order order{fact_order::best_last};  ///< the one default (see fact_order)
   std::optional<std::uint64_t> instruction_prefix;  ///< a stored fact laid out first, if any
 };
 

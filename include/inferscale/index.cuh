@@ -2,8 +2,10 @@
  * @file index.cuh
  * @brief Device backend of the fact index (index.hpp), built on RAFT:
  *  - `search`: batched search of a device-memory index, one kernel launch for the whole batch,
- *    each query in its own namespace; the answer equals `graph_index::search` on a host-memory
- *    index with the same content bit for bit (ids and distances);
+ *    each query in its own namespace; the device overload of the library's one `search` (the
+ *    host one, in index.hpp, takes the same arguments without the RAFT handle), its answer equal
+ *    to the host `search` on a host-memory index with the same content bit for bit (ids and
+ *    distances);
  *  - `exact_search`: brute force of one namespace with RAFT gemm + select_k;
  *  - `make_device_graph_builder`: the kNN graph (gemm + select_k) and the rank-based pruning
  *    (a kernel running `detail::index::prune_node`) of `graph_index::add/build/compact` on the
@@ -102,7 +104,7 @@ inline graph_builder make_device_graph_builder(raft::resources const& res,
  *                      `invalid_fact_id`
  * @param out_distances device `[q][k]`: inner product -dot, cosine 1 - dot (normalised vectors),
  *                      squared L2 |q|^2 + |x|^2 - 2 dot clamped at 0; +inf for empty slots. fp32
- *                      gemm values: close to, not bitwise equal to, `graph_index::search`.
+ *                      gemm values: close to, not bitwise equal to, the host `search`.
  * @throw logic_error (outputs untouched) for a host-memory index, and as
  *        `graph_index::check_search`: dimension mismatch, unknown namespace, k == 0 or above
  *        1024, output shapes other than `[q][k]`
@@ -209,7 +211,7 @@ inline void exact_search(raft::resources const& res,
 /**
  * @brief Batched search of a device-memory index: query `q` looks in `namespaces[q]` (or all in
  * `namespaces[0]` when one is given). Row `q` of the outputs gets the `k` nearest live facts of
- * its namespace, in the order and with the distances `graph_index::search` gives on a host-memory
+ * its namespace, in the order and with the distances the host `search` gives on a host-memory
  * index with the same content, bit for bit: the same plan per tenant (`plan_for`, `uses_exact`),
  * seeds, exact visited set, team distances and (distance, node) order.
  *

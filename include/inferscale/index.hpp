@@ -22,8 +22,8 @@
  * `detail/index/cost_model.hpp`; the class's member definitions, included at the end of this
  * header, in `detail/index/arena.inl` (rows, tenants, growth, compaction, float16 copies, device
  * mirror), `detail/index/maintenance.inl` (add / build / erase, graph builds, inserts and repair,
- * entry points) and `detail/index/search.inl` (host search, and the plan and checks the device
- * backend shares); persistence (`save_index` / `load_index`) in `detail/index/serialize.hpp`.
+ * entry points) and `detail/index/search.inl` (the free host `search`, and the plan and checks
+ * the device backend shares); persistence (`save_index` / `load_index`) in `index_snapshot.hpp`.
  */
 #pragma once
 
@@ -57,6 +57,42 @@ struct tenant_ref {
 struct index_access;
 }  // namespace detail::index
 
+class graph_index;
+
+/**
+ * @brief Searches a host-memory index: query `q` looks in namespace `namespaces[q]` (or all in
+ * `namespaces[0]` when one namespace is given). Row `q` of the outputs gets the `k` nearest live
+ * facts sorted by distance; slots beyond the namespace's live facts get `invalid_fact_id` and
+ * +infinity.
+ *
+ * The host half of the library's one `search`: the device backend's overload in `index.cuh`,
+ * `search(raft::resources const&, index, queries, namespaces, k, params, out_ids,
+ * out_distances)`, takes the same arguments after the RAFT handle (as cuVS has one `search` per
+ * index type); on a device-memory index of the same content it gives this function's answers
+ * under `host_search_mode::reference`, bit for bit. `graph_index::search` (the member) is a thin
+ * wrapper of this function.
+ *
+ * @tparam T float or half_t (queries are compared in fp32)
+ * @param[in] index a host-memory index
+ * @param[in] queries `[q][dim]` host view (any strides)
+ * @param[in] namespaces one namespace per query, or one for all
+ * @param[in] k results per query (>= 1)
+ * @param[in] params search knobs (itopk, width, split, threads, ...)
+ * @param[out] out_ids `[q][k]` fact ids; `invalid_fact_id` beyond the namespace's live facts
+ * @param[out] out_distances `[q][k]` distances under the index metric; +infinity where no fact
+ * @throw logic_error (outputs untouched) for a device index, a dimension mismatch, NaN/Inf in a
+ * query, a zero query under cosine, an unknown namespace, k == 0, output shapes other than
+ * `[queries][k]`, or search_width outside 1..64
+ */
+template <class T>
+void search(graph_index const& index,
+            matrix_view<T const> queries,
+            cuda::std::span<std::uint64_t const> namespaces,
+            std::uint32_t k,
+            search_params const& params,
+            matrix_view<std::uint64_t> out_ids,
+            matrix_view<float> out_distances);
+
 /**
  * @brief Non-owning device handle of an index (pointers into the device arena).
  */
@@ -74,9 +110,10 @@ struct graph_index_ref {
 /**
  * @brief The fact index (move-only owner). See the file comment for the layout and contracts.
  *
- * @note Host-memory indexes are searched with `search()` here; device-memory indexes with
- * `inferscale::search` from `index.cuh`. All mutations run on the host mirror and copy the
- * changed tenant segment to the device before returning (they synchronise).
+ * @note Searched with the free `inferscale::search`: host-memory indexes with the overload in
+ * this header, device-memory indexes with the one in `index.cuh` (a `raft::resources` first).
+ * All mutations run on the host mirror and copy the changed tenant segment to the device before
+ * returning (they synchronise).
  */
 class graph_index {
  public:
@@ -266,14 +303,10 @@ class graph_index {
   // Host search
 
   /**
-   * @brief Searches a host-memory index: query `q` looks in namespace `namespaces[q]` (or all in
-   * `namespaces[0]` when one namespace is given). Row `q` of the outputs gets the `k` nearest live
-   * facts sorted by distance; slots beyond the namespace's live facts get `invalid_fact_id` and
-   * +infinity.
-   *
-   * @throw logic_error (outputs untouched) for a device index, a dimension mismatch, NaN/Inf in a
-   * query, a zero query under cosine, an unknown namespace, k == 0, output shapes other than
-   * `[queries][k]`, or search_width outside 1..64
+   * @brief Same as the free `inferscale::search(*this, queries, namespaces, k, params, out_ids,
+   * out_distances)` (a thin wrapper kept for existing callers; prefer the free function, which
+   * has a device twin in `index.cuh`).
+   * @throw logic_error as `inferscale::search`
    */
   template <class T>
   void search(matrix_view<T const> queries,
@@ -333,6 +366,15 @@ class graph_index {
 
  private:
   friend struct detail::index::index_access;
+
+  template <class T>
+  friend void search(graph_index const& index,
+                     matrix_view<T const> queries,
+                     cuda::std::span<std::uint64_t const> namespaces,
+                     std::uint32_t k,
+                     search_params const& params,
+                     matrix_view<std::uint64_t> out_ids,
+                     matrix_view<float> out_distances);
 
   struct tenant {
     std::uint64_t ns{0};
@@ -552,9 +594,7 @@ class graph_index {
 
 }  // namespace inferscale
 
-// The member definitions, by concept (see the file comment), then persistence.
+// The member definitions, by concept (see the file comment). Persistence is index_snapshot.hpp.
 #include <inferscale/detail/index/arena.inl>
 #include <inferscale/detail/index/maintenance.inl>
 #include <inferscale/detail/index/search.inl>
-
-#include <inferscale/detail/index/serialize.hpp>

@@ -46,7 +46,9 @@ struct memory_config {
   kv_store_config store{};  ///< geometry, dtype, capacity and placement of the fact KV
   index_config index{};     ///< dim must be the embedder's dimension
   search_params search{};   ///< used by retrieve() and serve()
-  fact_order order{fact_order::best_last};  ///< layout of retrieved facts in the segment
+  /// Layout of retrieved facts in the segment; best_last, the library's one default (as
+  /// compose_options::order).
+  fact_order order{fact_order::best_last};
 };
 
 /// @brief What add_conversation() (or add_facts()) did.

@@ -39,7 +39,9 @@
  *
  * The parts, in detail/tier/: the policy (policy.inl: residency, admission, LRU, pinning,
  * quotas), staging (staging.inl: copy runs, per-layer copies, the split batch, events), the
- * snapshot of the tiers (snapshot.inl) and the host backend of tiered injection
+ * snapshot of the tiers (snapshot.inl: the free `save_tiers` / `load_tiers`, declared at the end
+ * of this header, over detail/snapshot/directory_transaction.hpp) and the host backend of tiered
+ * injection
  * (inject_host.inl); the device backend is tier.cuh.
  */
 #pragma once
@@ -337,34 +339,12 @@ class tiered_store {
 
   // ---- snapshots -----------------------------------------------------------------------------
 
-  /**
-   * @brief Saves both tiers and the residency state to `directory` (which must exist): each tier
-   * with save_store (`device-<crc>.iskv`, `host-<crc>.iskv`, named after their file checksums),
-   * then the manifest `tiers.istr` atomically, last; only then are the previous snapshot's tier
-   * files removed, so a failed or interrupted save leaves the previous snapshot loadable.
-   *
-   * Manifest, little-endian, version 1: magic `89 49 53 54 49 52 0D 0A` ("\x89ISTIR\r\n"),
-   * version uint32 = 1, byte-order mark uint32 0x01020304, the device tier file's checksum, the
-   * host tier file's checksum, the LRU clock (uint64 each), the namespace count N and the pinned
-   * count P (uint64); N records in ascending namespace order — namespace, last use, LRU length n
-   * (uint64 each) and n fact ids, most recent first; P pinned fact ids ascending; then the CRC-64
-   * of every byte before it. Residency is not stored: it is which tier files hold a fact.
-   *
-   * @throw logic_error as save_store, naming the file and the system's reason
-   * @note Waits for the device. Serialise saves to one directory.
-   */
+  /// @brief Same as `save_tiers(*this, directory)` (a thin wrapper kept for existing callers).
+  /// @throw logic_error as save_tiers
   void save(std::string const& directory) const;
 
-  /**
-   * @brief Restarts tiers from a snapshot written by save(): both tier files are loaded against
-   * `config` (load_store(path, target): the same geometry, shard, page size and capacities; the
-   * dtype converted; the memory kind and pinning from `config`), then the residency state is
-   * checked against them before the tiered store is built: a fact in both tiers has the same
-   * namespace and tokens in each; pinned facts have a device copy; each namespace's LRU list is
-   * exactly its unpinned facts held in both tiers, once each; last uses are below the clock.
-   * @throw logic_error when the manifest is missing, corrupted or names files that do not carry
-   * its checksums; as load_store; or when the state is inconsistent as said (nothing is built).
-   */
+  /// @brief Same as `load_tiers(directory, config)` (a thin wrapper kept for existing callers).
+  /// @throw logic_error as load_tiers
   static tiered_store load(std::string const& directory, tiered_store_config const& config);
 
   /// @brief The event recorded when layer `l` of the last staging had landed (device tiers).
@@ -384,6 +364,9 @@ class tiered_store {
                          char const* who) const;
 
  private:
+  friend void save_tiers(tiered_store const& tiers, std::string const& directory);
+  friend tiered_store load_tiers(std::string const& directory, tiered_store_config const& config);
+
   struct entry {
     std::uint64_t ns{};
     std::int64_t tokens{};
@@ -499,6 +482,46 @@ void inject_tiered_host(tiered_store& tiers,
                         paged_kv_cache const& cache,
                         Rotation const& rotation,
                         tier_host_order order = tier_host_order::whole);
+
+/**
+ * @brief Saves both tiers and the residency state to `directory` (which must exist), as one
+ * directory transaction (detail/snapshot/directory_transaction.hpp): each tier with save_store
+ * (`device-<crc>.iskv`, `host-<crc>.iskv`, named after their file checksums), then the manifest
+ * `tiers.istr` atomically, last; only then are the previous snapshot's tier files removed, so a
+ * failed or interrupted save leaves the previous snapshot loadable, and a failed one (an
+ * exception) no file of its own behind.
+ *
+ * Manifest, little-endian, version 1: magic `89 49 53 54 49 52 0D 0A` ("\x89ISTIR\r\n"),
+ * version uint32 = 1, byte-order mark uint32 0x01020304, the device tier file's checksum, the
+ * host tier file's checksum, the LRU clock (uint64 each), the namespace count N and the pinned
+ * count P (uint64); N records in ascending namespace order — namespace, last use, LRU length n
+ * (uint64 each) and n fact ids, most recent first; P pinned fact ids ascending; then the CRC-64
+ * of every byte before it. Residency is not stored: it is which tier files hold a fact.
+ *
+ * @param[in] tiers the tiered store
+ * @param[in] directory an existing directory
+ * @throw logic_error as save_store, naming the file and the system's reason
+ * @note Waits for the device. Serialise saves to one directory.
+ */
+void save_tiers(tiered_store const& tiers, std::string const& directory);
+
+/**
+ * @brief Restarts tiers from a snapshot written by save_tiers: the manifest is read and checked,
+ * then each tier file it names must carry the checksum it recorded (files of different saves are
+ * never paired); both tier files are loaded against `config` (load_store(path, target): the same
+ * geometry, shard, page size and capacities; the dtype converted; the memory kind and pinning
+ * from `config`), then the residency state is checked against them before the tiered store is
+ * built: a fact in both tiers has the same namespace and tokens in each; pinned facts have a
+ * device copy; each namespace's LRU list is exactly its unpinned facts held in both tiers, once
+ * each; last uses are below the clock.
+ *
+ * @param[in] directory a directory written by save_tiers
+ * @param[in] config the tiers' configuration
+ * @return the tiers, their residency, pins and LRU state as saved
+ * @throw logic_error when the manifest is missing, corrupted or names files that do not carry
+ * its checksums; as load_store; or when the state is inconsistent as said (nothing is built).
+ */
+tiered_store load_tiers(std::string const& directory, tiered_store_config const& config);
 
 }  // namespace inferscale
 

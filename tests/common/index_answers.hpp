@@ -28,9 +28,13 @@ inline answers run_search(graph_index const& index, std::vector<float> const& qu
   answers a;
   a.ids.assign(static_cast<std::size_t>(nq) * k, 12345);
   a.distances.assign(a.ids.size(), -7.0f);
-  index.search(make_matrix_view(queries.data(), nq, index.dim()),
-               cuda::std::span<std::uint64_t const>{namespaces.data(), namespaces.size()}, k, p,
-               make_matrix_view(a.ids.data(), nq, k), make_matrix_view(a.distances.data(), nq, k));
+  inferscale::search(index,
+                     make_matrix_view(queries.data(), nq, index.dim()),
+                     cuda::std::span<std::uint64_t const>{namespaces.data(), namespaces.size()},
+                     k,
+                     p,
+                     make_matrix_view(a.ids.data(), nq, k),
+                     make_matrix_view(a.distances.data(), nq, k));
   return a;
 }
 

@@ -131,6 +131,7 @@ TEST_CASE("compose lays facts out as given, or reversed for best_last", "[compos
   {
     compose_options opt;
     opt.first_position     = p0;
+    opt.order              = fact_order::as_given;
     opt.instruction_prefix = 900;
     check_plan(compose(store, ranked, opt), {900, 33, 11, 44}, p0);
   }
@@ -147,12 +148,16 @@ TEST_CASE("compose lays facts out as given, or reversed for best_last", "[compos
   }
 }
 
-TEST_CASE("compose with default options: p0 = 0, as given, no prefix", "[compose]")
+TEST_CASE("compose with default options: p0 = 0, best_last, no prefix", "[compose]")
 {
+  // One default for the library: compose_options and memory_config both lay the ranked list out
+  // reversed (the most relevant fact next to the query).
+  REQUIRE(compose_options{}.order == fact_order::best_last);
+  REQUIRE_FALSE(compose_options{}.instruction_prefix.has_value());
   auto const store = make_store();
   auto const plan  = compose(store, {55, 0xfffffffffffffff0ull, 22});
-  check_plan(plan, {55, 0xfffffffffffffff0ull, 22}, 0);
-  REQUIRE(plan.token_ids == (std::vector<std::int32_t>{501, 502, -1, 0, 201}));
+  check_plan(plan, {22, 0xfffffffffffffff0ull, 55}, 0);
+  REQUIRE(plan.token_ids == (std::vector<std::int32_t>{201, -1, 0, 501, 502}));
 }
 
 TEST_CASE("compose of a single fact or of no fact", "[compose]")
@@ -221,7 +226,7 @@ TEST_CASE("compose positions up to the 64-bit limit", "[compose]")
   compose_options opt;
   // m = 3 + 1 = 4; p0 = max - 4 puts the last token at max - 1.
   opt.first_position = std::numeric_limits<std::int64_t>::max() - 4;
-  check_plan(compose(store, {11, 22}, opt), {11, 22}, opt.first_position);
+  check_plan(compose(store, {11, 22}, opt), {22, 11}, opt.first_position);  // best_last default
   // m = 0 at the largest p0.
   opt.first_position = std::numeric_limits<std::int64_t>::max();
   REQUIRE(compose(store, {}, opt).length() == 0);

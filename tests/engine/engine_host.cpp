@@ -232,6 +232,7 @@ TEST_CASE("inject_memory_host: allocate, inject rotated keys into the adapter's 
   encode_facts(model, store, {1, 2, 3}, 0, {{7, 0, 0, {1, 2}}, {8, 0, 2, {3}}});
   compose_options opts;
   opts.first_position    = 40;
+  opts.order             = fact_order::as_given;
   composition const plan = compose(store, {7, 8}, opts);
   fake_cache cache{small};
   inject_memory_host(store, plan, cache, model.rotation());

@@ -297,6 +297,7 @@ TEST_CASE(
 
   compose_options opts;
   opts.first_position     = 0;
+  opts.order              = fact_order::as_given;
   opts.instruction_prefix = 1;
   composition const plan  = compose(store, fact_ids(s), opts);
   REQUIRE(plan.token_ids == s.tokens);
@@ -346,6 +347,7 @@ TEST_CASE(
   std::int64_t const p0 = 1000;
   compose_options opts;
   opts.first_position     = p0;
+  opts.order              = fact_order::as_given;
   opts.instruction_prefix = 1;
   composition const plan  = compose(store, fact_ids(s), opts);
   lc::sequence_cache cache{ctx, 0};
@@ -472,6 +474,7 @@ TEST_CASE(
     encode_facts(adapter, store, piece.token_ids, 0, {alone});
   }
   compose_options opts;
+  opts.order              = fact_order::as_given;
   opts.instruction_prefix = 1;
   composition const plan  = compose(store, fact_ids(s), opts);
   lc::sequence_cache cache{ctx, 0};

@@ -271,6 +271,7 @@ injection_batch make_batch(kv_store const& store)
   injection_batch b(store);
   compose_options o{};
   o.first_position = 4;
+  o.order          = fact_order::as_given;
   auto const plan  = compose(store, {2, 1}, o);
   b.add(plan, slot_range(10, plan.length()));
   return b;
@@ -317,12 +318,13 @@ index_state state_of(graph_index const& index)
   std::vector<std::uint64_t> const ns{1, 2};
   st.found.resize(2 * 3);
   st.distances.resize(2 * 3);
-  index.search(make_matrix_view<float const>(q.data(), 2, dim),
-               cuda::std::span<std::uint64_t const>{ns.data(), ns.size()},
-               3,
-               search_params{},
-               make_matrix_view<std::uint64_t>(st.found.data(), 2, 3),
-               make_matrix_view<float>(st.distances.data(), 2, 3));
+  inferscale::search(index,
+                     make_matrix_view<float const>(q.data(), 2, dim),
+                     cuda::std::span<std::uint64_t const>{ns.data(), ns.size()},
+                     3,
+                     search_params{},
+                     make_matrix_view<std::uint64_t>(st.found.data(), 2, 3),
+                     make_matrix_view<float>(st.distances.data(), 2, 3));
   return st;
 }
 
@@ -1258,12 +1260,13 @@ void search_one(graph_index const& index,
   std::vector<std::uint64_t> found(8);
   std::vector<float> dist(8);
   std::int64_t const cols = out_cols < 0 ? k : out_cols;
-  index.search(make_matrix_view<float const>(null_query ? nullptr : q.data(), 1, dim),
-               ids_span{&ns, 1},
-               k,
-               p,
-               make_matrix_view<std::uint64_t>(found.data(), 1, cols),
-               make_matrix_view<float>(dist.data(), 1, cols));
+  inferscale::search(index,
+                     make_matrix_view<float const>(null_query ? nullptr : q.data(), 1, dim),
+                     ids_span{&ns, 1},
+                     k,
+                     p,
+                     make_matrix_view<std::uint64_t>(found.data(), 1, cols),
+                     make_matrix_view<float>(dist.data(), 1, cols));
 }
 
 void index_cases()

@@ -7,6 +7,7 @@
  * (live results only, sorted, unique, tenants isolated, identical after save and load).
  */
 #include <inferscale/index.hpp>
+#include <inferscale/index_snapshot.hpp>
 
 #include <gaussian_mixture.hpp>
 #include <index_answers.hpp>

@@ -148,12 +148,13 @@ search_result host_search(graph_index const& index,
   r.distances.assign(static_cast<std::size_t>(nq) * k, 0.0f);
   search_params reference = params;  // the device's algorithm and distance order, bit for bit
   reference.host_mode     = host_search_mode::reference;
-  index.search(make_matrix_view<float const>(queries.data(), nq, index.dim()),
-               cuda::std::span<std::uint64_t const>{namespaces.data(), namespaces.size()},
-               k,
-               reference,
-               make_matrix_view<std::uint64_t>(r.ids.data(), nq, k),
-               make_matrix_view<float>(r.distances.data(), nq, k));
+  inferscale::search(index,
+                     make_matrix_view<float const>(queries.data(), nq, index.dim()),
+                     cuda::std::span<std::uint64_t const>{namespaces.data(), namespaces.size()},
+                     k,
+                     reference,
+                     make_matrix_view<std::uint64_t>(r.ids.data(), nq, k),
+                     make_matrix_view<float>(r.distances.data(), nq, k));
   return r;
 }
 

@@ -879,10 +879,13 @@ TEST_CASE("index: refused calls change nothing", "[index][validation]")
     std::vector<std::uint64_t> qi(8 * k10);
     std::vector<float> qd(8 * k10);
     std::uint64_t ns = 0;
-    REQUIRE_THROWS_WITH(index.search(make_matrix_view<float const>(huge_query.data(), 8, dim),
-                                     cuda::std::span<std::uint64_t const>{&ns, 1}, k10, p,
-                                     make_matrix_view(qi.data(), 8, k10),
-                                     make_matrix_view(qd.data(), 8, k10)),
+    REQUIRE_THROWS_WITH(inferscale::search(index,
+                                           make_matrix_view<float const>(huge_query.data(), 8, dim),
+                                           cuda::std::span<std::uint64_t const>{&ns, 1},
+                                           k10,
+                                           p,
+                                           make_matrix_view(qi.data(), 8, k10),
+                                           make_matrix_view(qd.data(), 8, k10)),
                         Catch::Contains("overflow"));
     REQUIRE(half_index.total_size() == 0);
     unchanged();
@@ -921,12 +924,19 @@ TEST_CASE("index: refused calls change nothing", "[index][validation]")
   {
     std::vector<std::uint64_t> out_ids(8 * k10, 42);
     std::vector<float> out_d(8 * k10, 4.2f);
-    auto attempt = [&](matrix_view<float const> q, std::vector<std::uint64_t> const& ns,
-                       std::uint32_t k, search_params const& sp, std::int64_t rows,
+    auto attempt = [&](matrix_view<float const> q,
+                       std::vector<std::uint64_t> const& ns,
+                       std::uint32_t k,
+                       search_params const& sp,
+                       std::int64_t rows,
                        std::int64_t cols) {
-      index.search(q, cuda::std::span<std::uint64_t const>{ns.data(), ns.size()}, k, sp,
-                   make_matrix_view(out_ids.data(), rows, cols),
-                   make_matrix_view(out_d.data(), rows, cols));
+      inferscale::search(index,
+                         q,
+                         cuda::std::span<std::uint64_t const>{ns.data(), ns.size()},
+                         k,
+                         sp,
+                         make_matrix_view(out_ids.data(), rows, cols),
+                         make_matrix_view(out_d.data(), rows, cols));
     };
     auto const qv = make_matrix_view(queries.data(), 8, dim);
     REQUIRE_THROWS_WITH(attempt(qv, {0}, 0, p, 8, 0), Catch::Contains("k must be"));

@@ -277,10 +277,13 @@ TEST_CASE("index nn_descent: search recall within 0.01 of the exact-built index"
     std::vector<std::uint64_t> got(static_cast<std::size_t>(nq) * k);
     std::vector<float> dist(got.size());
     std::vector<std::uint64_t> const ns{0};
-    index.search(make_matrix_view(queries.data(), nq, dim),
-                 cuda::std::span<std::uint64_t const>{ns.data(), 1}, k, p,
-                 make_matrix_view(got.data(), nq, std::int64_t{k}),
-                 make_matrix_view(dist.data(), nq, std::int64_t{k}));
+    inferscale::search(index,
+                       make_matrix_view(queries.data(), nq, dim),
+                       cuda::std::span<std::uint64_t const>{ns.data(), 1},
+                       k,
+                       p,
+                       make_matrix_view(got.data(), nq, std::int64_t{k}),
+                       make_matrix_view(dist.data(), nq, std::int64_t{k}));
     std::size_t hits = 0;
     for (std::int64_t q = 0; q < nq; ++q) {
       for (std::uint32_t j = 0; j < k; ++j) {

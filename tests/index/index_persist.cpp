@@ -15,6 +15,7 @@
 
 #include <inferscale/error.hpp>
 #include <inferscale/index.hpp>
+#include <inferscale/index_snapshot.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -333,15 +334,17 @@ void require_same_searches(graph_index const& a, graph_index const& b, distance_
     p.algo = algo;
     std::vector<std::uint64_t> ids_a(nq * k), ids_b(nq * k);
     std::vector<float> dist_a(nq * k), dist_b(nq * k);
-    auto const run =
-      [&](graph_index const& index, std::vector<std::uint64_t>& ids, std::vector<float>& dist) {
-        index.search(make_matrix_view<float const>(q.data(), nq, dim),
-                     cuda::std::span<std::uint64_t const>(namespaces.data(), namespaces.size()),
-                     k,
-                     p,
-                     make_matrix_view<std::uint64_t>(ids.data(), nq, k),
-                     make_matrix_view<float>(dist.data(), nq, k));
-      };
+    auto const run = [&](graph_index const& index,
+                         std::vector<std::uint64_t>& ids,
+                         std::vector<float>& dist) {
+      inferscale::search(index,
+                         make_matrix_view<float const>(q.data(), nq, dim),
+                         cuda::std::span<std::uint64_t const>(namespaces.data(), namespaces.size()),
+                         k,
+                         p,
+                         make_matrix_view<std::uint64_t>(ids.data(), nq, k),
+                         make_matrix_view<float>(dist.data(), nq, k));
+    };
     run(a, ids_a, dist_a);
     run(b, ids_b, dist_b);
     REQUIRE(ids_a == ids_b);

@@ -146,6 +146,7 @@ injection_batch make_batch(kv_store const& store, std::int64_t shift)
   {
     compose_options o{};
     o.first_position            = shift;
+    o.order                     = fact_order::as_given;
     auto const plan             = compose(store, {5, 6, 7}, o);
     std::int32_t const blocks[] = {9, 0, 11};
     auto slots                  = slots_from_block_table(blocks, 3, block_size, 0, plan.length());
@@ -157,6 +158,7 @@ injection_batch make_batch(kv_store const& store, std::int64_t shift)
   {
     compose_options o{};
     o.first_position            = 1500 + shift;
+    o.order                     = fact_order::as_given;
     o.instruction_prefix        = 1;
     std::int32_t const blocks[] = {3, 8, 1};
     batch.add(compose(store, {8, 3}, o), blocks, 3, block_size, 5);

@@ -338,6 +338,7 @@ std::vector<request> make_requests(kv_store const& store, std::int64_t shift)
   {
     compose_options o{};
     o.first_position = shift;
+    o.order          = fact_order::as_given;
     request r{compose(store, {14, 15, 16}, o), {}, 0, {}};
     std::int32_t const blocks[] = {9, 0, 5};
     r.slot_mapping = slots_from_block_table(blocks, 3, block_size, 0, r.plan.length() + 3);
@@ -349,6 +350,7 @@ std::vector<request> make_requests(kv_store const& store, std::int64_t shift)
   {
     compose_options o{};
     o.first_position     = 1500 + shift;
+    o.order              = fact_order::as_given;
     o.instruction_prefix = prefix_id;
     requests.push_back({compose(store, {17, 12}, o), {3, 8, 1}, 5, {}});
   }
@@ -844,6 +846,7 @@ void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case 
   std::vector<std::int32_t> const blocks = unused_blocks();
   compose_options near{};
   near.first_position    = 40;
+  near.order             = fact_order::as_given;
   composition const plan = compose(s.device_store, {11, 13}, near);  // 8 tokens
   auto const free_slots  = slots_from_block_table(blocks.data(), 1, block_size, 0, plan.length());
 
@@ -862,6 +865,7 @@ void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case 
   {
     compose_options far{};
     far.first_position = s.device_rotation.max_position - 4;
+    far.order          = fact_order::as_given;
     injection_batch batch(s.device_store);
     batch.add(compose(s.device_store, {11, 13}, far), free_slots);
     REQUIRE_THROWS_AS(

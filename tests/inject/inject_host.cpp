@@ -176,6 +176,7 @@ compose_options at(std::int64_t p0)
 {
   compose_options o;
   o.first_position = p0;
+  o.order          = fact_order::as_given;
   return o;
 }
 
@@ -803,7 +804,7 @@ TEST_CASE("refused compositions, batches, injections and extractions change noth
   }
   SECTION("a fact erased (or replaced by a shorter one) after compose: add refuses")
   {
-    composition const plan = compose(store, {1, 2});
+    composition const plan = compose(store, {1, 2}, at(0));
     store.erase(2);
     state const s0 = snapshot(ec, store);
     injection_batch batch(store);
@@ -824,7 +825,7 @@ TEST_CASE("refused compositions, batches, injections and extractions change noth
   SECTION("a plan longer than its slots: slot mapping or block table too short")
   {
     state const s0         = snapshot(ec, store);
-    composition const plan = compose(store, {1, 2});  // 8 tokens
+    composition const plan = compose(store, {1, 2}, at(0));  // 8 tokens
     injection_batch batch(store);
     REQUIRE_THROWS_WITH(batch.add(plan, std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6}),
                         Contains("only 7 slots"));
@@ -853,7 +854,7 @@ TEST_CASE("refused compositions, batches, injections and extractions change noth
     state const s0 = snapshot(ec, store);
     injection_batch batch(store);
     REQUIRE_THROWS_WITH(
-      batch.add(compose(store, {1, 2}), std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6, 6}),
+      batch.add(compose(store, {1, 2}, at(0)), std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6, 6}),
       Contains("slot 6 is written twice"));
     REQUIRE(batch.num_tokens() == 0);
     batch.add(compose(store, {1}), std::vector<std::int64_t>{0, 1, -1, 3, 4});
@@ -1015,7 +1016,7 @@ TEST_CASE("a batch reused across steps: clear() forgets the step, refused adds h
   fact_data const f1(1, L, 5, H, D, 1), f2(2, L, 3, H, D, 2);
   f1.insert_into(store);
   f2.insert_into(store);
-  composition const plan = compose(store, {1, 2});  // 8 tokens
+  composition const plan = compose(store, {1, 2}, at(0));  // 8 tokens
 
   injection_batch batch(store);
   batch.reserve(64);
@@ -1046,7 +1047,7 @@ TEST_CASE("a batch reused across steps: clear() forgets the step, refused adds h
   REQUIRE(batch.num_requests() == 0);
   REQUIRE(batch.max_slot() == -1);
   REQUIRE(batch.max_position() == -1);
-  composition const plan2 = compose(store, {3, 1});  // 7 tokens
+  composition const plan2 = compose(store, {3, 1}, at(0));  // 7 tokens
   batch.add(plan2, std::vector<std::int64_t>{7, 6, 5, 4, 3, 2, 1});
   REQUIRE(batch.num_tokens() == 7);
   REQUIRE(batch.slots() == std::vector<std::int64_t>{7, 6, 5, 4, 3, 2, 1});

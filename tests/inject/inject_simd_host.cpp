@@ -104,6 +104,7 @@ void check_injection(dtype store_dt,
     injection_batch batch(store);
     compose_options options;
     options.first_position = 3001;  // angles far from 0: cos and sin of every sign
+    options.order          = fact_order::as_given;
     composition const plan = compose(store, {1, 2}, options);
     std::vector<std::int64_t> slots;
     for (std::int64_t j = 0; j < plan.length(); ++j) {
@@ -287,6 +288,7 @@ TEST_CASE("token-major keys with vLLM's truncating rotation: the vector path wri
     injection_batch batch(store);
     compose_options options;
     options.first_position = 2001;
+    options.order          = fact_order::as_given;
     composition const plan = compose(store, {1, 2}, options);
     std::vector<std::int64_t> slots;
     for (std::int64_t j = 0; j < plan.length(); ++j) {

@@ -77,6 +77,12 @@ snapshot snap(memory const& m)
 
 }  // namespace
 
+TEST_CASE("memory: one fact_order default, the same as compose's", "[memory]")
+{
+  REQUIRE(memory_config{}.order == fact_order::best_last);
+  REQUIRE(compose_options{}.order == fact_order::best_last);
+}
+
 TEST_CASE("memory: add a conversation, retrieve in the user's namespace, serve a request",
           "[memory]")
 {

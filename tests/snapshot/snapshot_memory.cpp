@@ -1,4 +1,4 @@
-// The memory facade restarts from a snapshot (memory::save / memory::load): the same requests give
+// The memory facade restarts from a snapshot (save_memory / load_memory; the members wrap them): the same requests give
 // the same facts, plans and cache bytes after a reload, nothing is re-encoded or re-embedded (the
 // adapters are not called), the directory holds exactly the current snapshot, and mismatched,
 // corrupted or interrupted snapshots are refused or leave the previous one loadable.
@@ -52,7 +52,7 @@ std::set<std::string> files_in(std::string const& directory)
 std::string load_error(std::string const& directory, memory_config const& c)
 {
   try {
-    (void)memory::load(directory, c);
+    (void)load_memory(directory, c);
   } catch (logic_error const& e) {
     return e.what();
   }
@@ -77,10 +77,10 @@ TEST_CASE("memory snapshot: a restarted deployment serves the same requests", "[
   m.add_conversation(model, embedder, 8, b.c, b.facts, b.texts, o);
   m.erase_fact(105);  // a hole in the store and a deleted row in the index
 
-  m.save(dir.path());
+  save_memory(m, dir.path());
   std::int64_t const forwards = model.forwards;
   std::int64_t const embeds   = embedder.calls;
-  memory restarted            = memory::load(dir.path(), config);
+  memory restarted            = load_memory(dir.path(), config);
   CHECK(model.forwards == forwards);  // nothing re-encoded
   CHECK(restarted.instruction_prefix() == std::optional<std::uint64_t>{1});
   CHECK(restarted.store().num_facts() == m.store().num_facts());
@@ -109,7 +109,7 @@ TEST_CASE("memory snapshot: a restarted deployment serves the same requests", "[
 
   // a changed deployment saved over it: the previous files are removed, the new ones load
   CHECK(restarted.erase_namespace(8) == 8);
-  restarted.save(dir.path());
+  save_memory(restarted, dir.path());
   std::set<std::string> const second_files = files_in(dir.path());
   CHECK(second_files.size() == 4);
   std::vector<std::string> common;
@@ -119,11 +119,11 @@ TEST_CASE("memory snapshot: a restarted deployment serves the same requests", "[
                         second_files.end(),
                         std::back_inserter(common));
   CHECK(common == std::vector<std::string>{"memory.ismem"});
-  memory third = memory::load(dir.path(), config);
+  memory third = load_memory(dir.path(), config);
   CHECK_FALSE(third.index().has_namespace(8));
   CHECK(third.store().namespace_facts(8) == 0);
   CHECK(third.store().namespace_facts(7) == 10);
-  // saving an unchanged deployment keeps the same files
+  // saving an unchanged deployment keeps the same files (the member: a wrapper of save_memory)
   third.save(dir.path());
   CHECK(files_in(dir.path()) == second_files);
 }
@@ -137,7 +137,7 @@ TEST_CASE("memory snapshot: mismatched, corrupted and interrupted snapshots", "[
   word_embedder embedder;
   user_data const a = make_user(7, 100, 8, 5);
   m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts);
-  m.save(dir.path());
+  save_memory(m, dir.path());
   std::set<std::string> const files = files_in(dir.path());
   std::string store_file, index_file;
   for (std::string const& f : files) {
@@ -156,7 +156,7 @@ TEST_CASE("memory snapshot: mismatched, corrupted and interrupted snapshots", "[
   CHECK_THAT(load_error(dir.path(), c), Contains("pages of 4 tokens, the target store 8"));
   c                   = config;
   c.store.store_dtype = dtype::float32;  // converts
-  CHECK(memory::load(dir.path(), c).store().store_dtype() == dtype::float32);
+  CHECK(memory::load(dir.path(), c).store().store_dtype() == dtype::float32);  // the wrapper
 
   // a corrupted manifest, at every byte
   std::vector<unsigned char> const manifest = read_bytes(dir.file("memory.ismem"));
@@ -198,16 +198,16 @@ TEST_CASE("memory snapshot: mismatched, corrupted and interrupted snapshots", "[
   // an interrupted save (the index cannot be written): the previous snapshot stays loadable and
   // no pending file is left
   fs::create_directory(dir.file("index.pending.isx.tmp"));
-  CHECK_THROWS_WITH(other.save(dir.path()), Contains("index.pending.isx.tmp"));
+  CHECK_THROWS_WITH(save_memory(other, dir.path()), Contains("index.pending.isx.tmp"));
   fs::remove(dir.file("index.pending.isx.tmp"));
   CHECK(files_in(dir.path()) == files);
-  memory const back = memory::load(dir.path(), config);
+  memory const back = load_memory(dir.path(), config);
   CHECK(back.store().namespace_facts(7) == 7);
   CHECK(back.store().namespace_facts(9) == 0);
 
   // a missing directory
   CHECK_THAT(load_error(dir.file("nowhere"), config), Contains("cannot open"));
-  CHECK_THROWS_WITH(m.save(dir.file("nowhere")), Contains("cannot create"));
+  CHECK_THROWS_WITH(save_memory(m, dir.file("nowhere")), Contains("cannot create"));
 }
 
 TEST_CASE("memory snapshot: the lifecycle state survives a restart", "[snapshot][memory]")
@@ -231,9 +231,9 @@ TEST_CASE("memory snapshot: the lifecycle state survives a restart", "[snapshot]
   change.text      = "moved to lisbon";
   m.update_fact(model, embedder, change);
   m.update_turns(model, conv, {{2, std::vector<std::int32_t>{77, 78}}});
-  m.save(dir.path());
+  save_memory(m, dir.path());
 
-  memory r = memory::load(dir.path(), config);
+  memory r = load_memory(dir.path(), config);
   for (std::uint64_t id : {101, 102, 103, 104, 105, 106, 107, 108, 109, 500}) {
     CAPTURE(id);
     REQUIRE(r.tracks(id) == m.tracks(id));

@@ -557,8 +557,8 @@ TEST_CASE("tier: a snapshot restores both tiers, residency, pins and the LRU sta
   std::vector<std::uint64_t> const ids{11, 12, 13, 14, 15, 21, 22, 23};
   std::vector<std::uint64_t> const nss{1, 2};
   scratch_dir dir;
-  s.save(dir.path());
-  tiered_store r = tiered_store::load(dir.path(), config);
+  save_tiers(s, dir.path());
+  tiered_store r = load_tiers(dir.path(), config);
   CHECK(snapshot::of(r, ids, nss).residency == snapshot::of(s, ids, nss).residency);
   CHECK(r.device_tier().pool_to_host() == s.device_tier().pool_to_host());
   CHECK(r.host_tier().pool_to_host() == s.host_tier().pool_to_host());
@@ -577,7 +577,7 @@ TEST_CASE("tier: a snapshot restores both tiers, residency, pins and the LRU sta
     CHECK(x.staged == y.staged);
     CHECK_FALSE(x.evicted.empty());
   }
-  // Saving again over it keeps exactly one snapshot's files.
+  // Saving again over it keeps exactly one snapshot's files (the member wraps save_tiers).
   r.save(dir.path());
   std::size_t files = 0;
   for (auto const& f : std::filesystem::directory_iterator(dir.path())) {
@@ -594,15 +594,36 @@ TEST_CASE("tier: a snapshot restores both tiers, residency, pins and the LRU sta
     bad[at] ^= 0x10;
     write_bytes(manifest, bad);
     CAPTURE(at);
-    CHECK_THROWS_AS(tiered_store::load(dir.path(), config), logic_error);
+    CHECK_THROWS_AS(load_tiers(dir.path(), config), logic_error);
   }
   for (std::size_t n = 0; n < bytes.size(); ++n) {
     write_bytes(manifest, {bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(n)});
     CAPTURE(n);
-    CHECK_THROWS_AS(tiered_store::load(dir.path(), config), logic_error);
+    CHECK_THROWS_AS(load_tiers(dir.path(), config), logic_error);
   }
   write_bytes(manifest, bytes);
   CHECK_NOTHROW(tiered_store::load(dir.path(), config));
   // another capacity is refused by the tier file
-  CHECK_THROWS_WITH(tiered_store::load(dir.path(), make_config(7, 32)), Catch::Contains("capacity"));
+  CHECK_THROWS_WITH(load_tiers(dir.path(), make_config(7, 32)), Catch::Contains("capacity"));
+
+  // an interrupted save (the host tier cannot be written): the previous snapshot's files stay as
+  // they were, no file of the failed save is left, and the previous state loads
+  auto const listing = [&] {
+    std::map<std::string, std::vector<unsigned char>> files;
+    for (auto const& f : std::filesystem::directory_iterator(dir.path())) {
+      files[f.path().filename().string()] = read_bytes(f.path().string());
+    }
+    return files;
+  };
+  auto const before = listing();
+  REQUIRE(before.size() == 3);
+  add(r, 31, 3, 4, fact_residency::host);  // a changed state: new tier files
+  std::filesystem::create_directory(dir.file("host.pending.iskv.tmp"));
+  CHECK_THROWS_WITH(save_tiers(r, dir.path()),
+                    Catch::Contains("cannot create") && Catch::Contains("host.pending.iskv.tmp"));
+  std::filesystem::remove(dir.file("host.pending.iskv.tmp"));
+  CHECK(listing() == before);
+  tiered_store const back = load_tiers(dir.path(), config);
+  CHECK_FALSE(back.host_tier().contains(31));
+  CHECK(back.host_tier().contains(14));
 }

@@ -66,6 +66,7 @@ inline composition compose_memory(kv_store const& store, std::size_t k)
   }
   compose_options options;
   options.first_position     = 0;
+  options.order              = fact_order::as_given;
   options.instruction_prefix = prefix_id;
   return compose(store, ids, options);
 }

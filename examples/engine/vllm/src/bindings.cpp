@@ -592,7 +592,8 @@ class index_handle {
       static_cast<std::uint64_t*>(as_pointer(out_ids)), nq, k);
     auto const dist = make_matrix_view<float>(static_cast<float*>(as_pointer(out_distances)), nq, k);
     nb::gil_scoped_release release;
-    index_.search<float>(q, cuda::std::span<std::uint64_t const>{namespaces, 1}, k, p, ids, dist);
+    inferscale::search<float>(
+      index_, q, cuda::std::span<std::uint64_t const>{namespaces, 1}, k, p, ids, dist);
   }
 
  private:

@@ -162,7 +162,7 @@ inline void require_device_index(graph_index const& index, char const* what)
 {
   INFERSCALE_EXPECTS(index.memory() == memory_kind::device,
                      std::string{what} +
-                       ": the index lives in host memory; search it with graph_index::search "
+                       ": the index lives in host memory; search it with search(index, ...) of index.hpp "
                        "(or build it with index_config::memory = memory_kind::device)");
 }
 

@@ -24,7 +24,52 @@
 namespace inferscale {
 
 // ---------------------------------------------------------------------------------------------
-// search()
+// search(): the free host search (a friend of graph_index), and the member that wraps it
+
+template <class T>
+void search(graph_index const& index,
+            matrix_view<T const> queries,
+            cuda::std::span<std::uint64_t const> namespaces,
+            std::uint32_t k,
+            search_params const& params,
+            matrix_view<std::uint64_t> out_ids,
+            matrix_view<float> out_distances)
+{
+  INFERSCALE_EXPECTS(index.config_.memory == memory_kind::host,
+                     "inferscale::search: this index lives in device memory; use the overload "
+                     "taking raft::resources from index.cuh");
+  std::vector<std::int64_t> tenant_index = index.check_search(queries,
+                                                              namespaces,
+                                                              k,
+                                                              params,
+                                                              out_ids.extent(0),
+                                                              out_ids.extent(1),
+                                                              out_distances.extent(0),
+                                                              out_distances.extent(1));
+  INFERSCALE_EXPECTS(queries.extent(0) == 0 ||
+                       (out_ids.data_handle() != nullptr && out_distances.data_handle() != nullptr),
+                     std::string{"inferscale::search: null output"});
+  std::vector<float> padded       = index.prepare_queries(queries);
+  std::int64_t const nq           = queries.extent(0);
+  std::int64_t const row_elements = index.row_elements_;
+  search_params const split = graph_index::resolve_split(params, nq, k);  // (automatic: by size)
+  detail::index::parallel_ranges(nq, params.threads, [&](std::int64_t begin, std::int64_t end) {
+    // per thread, kept across calls: single-query searches reuse the visited stamps (an epoch
+    // per query, so nothing is cleared) instead of allocating a table of n entries each time
+    thread_local detail::index::search_scratch scratch;
+    std::vector<detail::index::search_entry> result;
+    for (std::int64_t q = begin; q < end; ++q) {
+      auto const& tn = index.tenants_[static_cast<std::size_t>(tenant_index[q])];
+      auto const& tr = tn.ref;
+      index.search_tenant(tn, padded.data() + q * row_elements, k, split, scratch, result);
+      for (std::uint32_t j = 0; j < k; ++j) {
+        bool const valid    = j < result.size();
+        out_ids(q, j)       = valid ? index.ids_[tr.row_begin + result[j].node] : invalid_fact_id;
+        out_distances(q, j) = valid ? result[j].distance : std::numeric_limits<float>::infinity();
+      }
+    }
+  });
+}
 
 template <class T>
 void graph_index::search(matrix_view<T const> queries,
@@ -34,36 +79,7 @@ void graph_index::search(matrix_view<T const> queries,
                          matrix_view<std::uint64_t> out_ids,
                          matrix_view<float> out_distances) const
 {
-  INFERSCALE_EXPECTS(config_.memory == memory_kind::host,
-                     "graph_index::search: this index lives in device memory; use "
-                     "inferscale::search from index.cuh");
-  std::vector<std::int64_t> tenant_index = check_search(queries, namespaces, k, params,
-                                                        out_ids.extent(0), out_ids.extent(1),
-                                                        out_distances.extent(0),
-                                                        out_distances.extent(1));
-  INFERSCALE_EXPECTS(queries.extent(0) == 0 ||
-                       (out_ids.data_handle() != nullptr && out_distances.data_handle() != nullptr),
-                     std::string{"graph_index::search: null output"});
-  std::vector<float> padded = prepare_queries(queries);
-  std::int64_t const nq     = queries.extent(0);
-  search_params const split = resolve_split(params, nq, k);  // (automatic: by the batch size)
-  detail::index::parallel_ranges(nq, params.threads, [&](std::int64_t begin, std::int64_t end) {
-    // per thread, kept across calls: single-query searches reuse the visited stamps (an epoch
-    // per query, so nothing is cleared) instead of allocating a table of n entries each time
-    thread_local detail::index::search_scratch scratch;
-    std::vector<detail::index::search_entry> result;
-    for (std::int64_t q = begin; q < end; ++q) {
-      auto const& tn = tenants_[static_cast<std::size_t>(tenant_index[q])];
-      auto const& tr = tn.ref;
-      search_tenant(tn, padded.data() + q * row_elements_, k, split, scratch, result);
-      for (std::uint32_t j = 0; j < k; ++j) {
-        bool const valid       = j < result.size();
-        out_ids(q, j)          = valid ? ids_[tr.row_begin + result[j].node] : invalid_fact_id;
-        out_distances(q, j)    = valid ? result[j].distance
-                                       : std::numeric_limits<float>::infinity();
-      }
-    }
-  });
+  inferscale::search(*this, queries, namespaces, k, params, out_ids, out_distances);
 }
 
 // ---------------------------------------------------------------------------------------------

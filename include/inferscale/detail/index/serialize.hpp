@@ -1,7 +1,9 @@
 /**
- * @file serialize.hpp
- * @brief Persistence of a `graph_index`: `save_index` and `load_index` (included at the end of
- * `index.hpp`; plain C++17 plus the CUDA runtime headers that `index.hpp` already needs).
+ * @file detail/index/serialize.hpp
+ * @brief The index file format behind `save_index` and `load_index` (declared in the public
+ * `index_snapshot.hpp`): the layout, the checked parser and `index_access`, which writes and
+ * assembles a `graph_index` (plain C++17 plus the CUDA runtime headers that `index.hpp` already
+ * needs).
  *
  * File format, version 1. Every integer and every vector element is little-endian whatever the
  * host; there is no alignment padding between fields. `E` is the element size of the vector dtype
@@ -432,60 +434,5 @@ struct index_access {
 };
 
 }  // namespace detail::index
-
-/**
- * @brief Saves the index (config, every live namespace's rows: vectors, graph, fact ids, deleted
- * flags) to `path`, in the format described in `detail/index/serialize.hpp`.
- *
- * The file is written to `path + ".tmp"`, flushed to the storage device, then renamed over
- * `path`, so a crash or a failed save never leaves a half-written file under `path` (an existing
- * file there stays as it was until the rename).
- *
- * @param[in] index the index (its host mirror, which is always current, is what gets written)
- * @param[in] path destination file
- * @throw logic_error naming the path and the system's reason when the file cannot be created,
- * written, synced, closed or renamed; the temporary file is removed
- * @note Two concurrent saves to the same path share the temporary name; serialise them. The
- * replacement relies on POSIX `rename` (atomic, replaces an existing file), and the directory is
- * synced after it, so after a crash `path` holds either the old file or the new one, whole.
- */
-inline void save_index(graph_index const& index, std::string const& path)
-{
-  (void)detail::serial::write_file_atomically(
-    path, "save_index", true, [&](detail::serial::checksummed_writer& out) {
-      detail::index::index_access::write(index, out);
-      unsigned char checksum[detail::index::format::checksum_bytes];
-      detail::index::put_le(checksum, out.checksum());
-      out.write(checksum, sizeof checksum);
-    });
-}
-
-/**
- * @brief Loads an index saved by `save_index` into host or device memory.
- *
- * The whole file is read and checked (magic, format version, byte order, sizes, checksums,
- * internal consistency: graph ids below the tenant size or 0xFFFFFFFF, distinct live fact ids,
- * live counts, deleted flags, finite vectors) before any graph_index is built, so a corrupted or
- * truncated file is refused and nothing is half loaded.
- *
- * @param[in] path a file written by `save_index`
- * @param[in] memory where the loaded index lives (`memory_kind::device` uploads the arena)
- * @return the index: same config (memory aside), namespaces in the same order, and per namespace
- * the same rows (fact ids, deleted flags, vectors, graph); the arena is packed
- * @throw logic_error naming the problem ("not an InferScale index file", "format version 7 is not
- * supported (this build reads 1)", "truncated: expected N bytes, file has M", "checksum
- * mismatch", an I/O error with the path and the system's reason, ...)
- * @throw cuda_error when a device index cannot be allocated or uploaded
- * @note Peak host memory is about twice the file size (the file, then the arena).
- */
-inline graph_index load_index(std::string const& path, memory_kind memory = memory_kind::host)
-{
-  detail::index::staged_index staged;
-  {
-    std::vector<unsigned char> const file = detail::serial::read_whole_file(path, "load_index");
-    staged = detail::index::parse_index_file(file, "load_index('" + path + "'): ");
-  }
-  return detail::index::index_access::assemble(std::move(staged), memory);
-}
 
 }  // namespace inferscale

@@ -1,11 +1,13 @@
 /**
  * @file detail/memory/snapshot.inl
- * @brief Definitions for memory.hpp, snapshots of a deployment: memory::save (store, index,
- * lifecycle file, then the manifest, atomically) and memory::load (everything checked).
+ * @brief Definitions for memory.hpp, snapshots of a deployment: save_memory (store, index,
+ * lifecycle file, then the manifest, as one detail/snapshot/directory_transaction.hpp) and
+ * load_memory (everything checked); the members memory::save / load wrap them.
  */
 #pragma once
 
 #include <inferscale/detail/memory/snapshot_format.inl>
+#include <inferscale/detail/snapshot/directory_transaction.hpp>
 
 #include <cstdint>
 #include <cstdio>
@@ -16,80 +18,68 @@
 
 namespace inferscale {
 
-inline void memory::save(std::string const& directory) const
+inline void save_memory(memory const& mem, std::string const& directory)
 {
-  std::string const who                           = "memory::save('" + directory + "')";
-  std::string const manifest_path                 = directory + "/" + manifest_name;
-  std::optional<snapshot_manifest> const previous = try_read_manifest(manifest_path);
-
-  // The store and the index, each atomically, then renamed after their checksums.
-  std::string const store_pending     = directory + "/store.pending.iskv";
-  std::string const index_pending     = directory + "/index.pending.isx";
-  std::string const lifecycle_pending = directory + "/lifecycle.pending.islc";
-  snapshot_manifest m;
-  m.prefix = prefix_;
-  try {
-    save_store(store_, store_pending);
-    m.store_checksum = detail::serial::stored_checksum(store_pending, -8, who);
-    save_index(index_, index_pending);
-    m.index_header_checksum = detail::serial::stored_checksum(index_pending, 72, who);
-    m.index_checksum        = detail::serial::stored_checksum(index_pending, -8, who);
-    std::vector<unsigned char> const lifecycle = encode_lifecycle();
-    (void)detail::serial::write_file_atomically(
-      lifecycle_pending, who, false, [&](detail::serial::checksummed_writer& out) {
-        out.write(lifecycle.data(), lifecycle.size());
-      });
-    m.lifecycle_checksum = detail::serial::stored_checksum(lifecycle_pending, -8, who);
-    detail::serial::rename_or_fail(store_pending, directory + "/" + store_file_name(m), who);
-    detail::serial::rename_or_fail(index_pending, directory + "/" + index_file_name(m), who);
-    detail::serial::rename_or_fail(
-      lifecycle_pending, directory + "/" + lifecycle_file_name(m), who);
-  } catch (...) {
-    (void)std::remove(store_pending.c_str());
-    (void)std::remove(index_pending.c_str());
-    (void)std::remove(lifecycle_pending.c_str());
-    throw;
-  }
-  detail::serial::sync_directory_of(manifest_path, who);
-
-  unsigned char bytes[manifest_bytes];
-  encode_manifest(m, bytes);
-  (void)detail::serial::write_file_atomically(
-    manifest_path, who, true, [&](detail::serial::checksummed_writer& out) {
-      out.write(bytes, sizeof bytes);
+  using manifest                         = memory::snapshot_manifest;
+  std::optional<manifest> const previous = detail::snapshot::previous_manifest(
+    directory, memory::manifest_name, [](std::vector<unsigned char> const& b) {
+      return memory::parse_manifest(b, "");
     });
-
-  // The previous snapshot's files, unless the new one reuses them (same contents, same name).
+  std::vector<std::string> previous_files;
   if (previous) {
-    if (store_file_name(*previous) != store_file_name(m)) {
-      (void)std::remove((directory + "/" + store_file_name(*previous)).c_str());
-    }
-    if (index_file_name(*previous) != index_file_name(m)) {
-      (void)std::remove((directory + "/" + index_file_name(*previous)).c_str());
-    }
-    if (lifecycle_file_name(*previous) != lifecycle_file_name(m)) {
-      (void)std::remove((directory + "/" + lifecycle_file_name(*previous)).c_str());
-    }
+    previous_files = {memory::store_file_name(*previous),
+                      memory::index_file_name(*previous),
+                      memory::lifecycle_file_name(*previous)};
   }
+  detail::snapshot::directory_transaction tx{
+    directory, "save_memory('" + directory + "')", std::move(previous_files)};
+  std::string const& who = tx.who();
+
+  // The store, the index and the lifecycle file, each written atomically, then renamed after
+  // their checksums.
+  manifest m;
+  m.prefix = mem.prefix_;
+  std::string const store_pending =
+    tx.stage("store.pending.iskv", [&](std::string const& path) { save_store(mem.store_, path); });
+  m.store_checksum = detail::serial::stored_checksum(store_pending, -8, who);
+  std::string const index_pending =
+    tx.stage("index.pending.isx", [&](std::string const& path) { save_index(mem.index_, path); });
+  m.index_header_checksum = detail::serial::stored_checksum(index_pending, 72, who);
+  m.index_checksum        = detail::serial::stored_checksum(index_pending, -8, who);
+  std::vector<unsigned char> const lifecycle = mem.encode_lifecycle();
+  std::string const lifecycle_pending =
+    tx.stage("lifecycle.pending.islc", [&](std::string const& path) {
+      (void)detail::serial::write_file_atomically(
+        path, who, false, [&](detail::serial::checksummed_writer& out) {
+          out.write(lifecycle.data(), lifecycle.size());
+        });
+    });
+  m.lifecycle_checksum = detail::serial::stored_checksum(lifecycle_pending, -8, who);
+  tx.place(store_pending, memory::store_file_name(m));
+  tx.place(index_pending, memory::index_file_name(m));
+  tx.place(lifecycle_pending, memory::lifecycle_file_name(m));
+
+  std::vector<unsigned char> bytes(memory::manifest_bytes);
+  memory::encode_manifest(m, bytes.data());
+  tx.commit(memory::manifest_name, bytes);
 }
 
-inline memory memory::load(std::string const& directory, memory_config const& config)
+inline memory load_memory(std::string const& directory, memory_config const& config)
 {
-  std::string const who   = "memory::load('" + directory + "')";
-  std::string const where = who + ": ";
-  snapshot_manifest const m =
-    parse_manifest(detail::serial::read_whole_file(directory + "/" + manifest_name, who), where);
-  std::string const store_path     = directory + "/" + store_file_name(m);
-  std::string const index_path     = directory + "/" + index_file_name(m);
-  std::string const lifecycle_path = directory + "/" + lifecycle_file_name(m);
-  INFERSCALE_EXPECTS(
-    detail::serial::stored_checksum(store_path, -8, who) == m.store_checksum &&
-      detail::serial::stored_checksum(index_path, 72, who) == m.index_header_checksum &&
-      detail::serial::stored_checksum(index_path, -8, who) == m.index_checksum &&
-      detail::serial::stored_checksum(lifecycle_path, -8, who) == m.lifecycle_checksum,
-    where +
-      "the store or index file does not carry the manifest's checksum "
-      "(files of different saves are never paired)");
+  std::string const who             = "load_memory('" + directory + "')";
+  std::string const where           = who + ": ";
+  memory::snapshot_manifest const m = memory::parse_manifest(
+    detail::snapshot::read_manifest(directory, memory::manifest_name, who), where);
+  std::string const store_path     = directory + "/" + memory::store_file_name(m);
+  std::string const index_path     = directory + "/" + memory::index_file_name(m);
+  std::string const lifecycle_path = directory + "/" + memory::lifecycle_file_name(m);
+  detail::snapshot::check_named_files({{store_path, -8, m.store_checksum},
+                                       {index_path, 72, m.index_header_checksum},
+                                       {index_path, -8, m.index_checksum},
+                                       {lifecycle_path, -8, m.lifecycle_checksum}},
+                                      who,
+                                      "the store or index file does not carry the manifest's "
+                                      "checksum (files of different saves are never paired)");
 
   kv_store store         = load_store(store_path, config.store);
   graph_index index      = load_index(index_path, config.index.memory);
@@ -121,6 +111,13 @@ inline memory memory::load(std::string const& directory, memory_config const& co
   loaded.decode_lifecycle(detail::serial::read_whole_file(lifecycle_path, who),
                           where + "lifecycle file '" + lifecycle_path + "': ");
   return loaded;
+}
+
+inline void memory::save(std::string const& directory) const { save_memory(*this, directory); }
+
+inline memory memory::load(std::string const& directory, memory_config const& config)
+{
+  return load_memory(directory, config);
 }
 
 }  // namespace inferscale

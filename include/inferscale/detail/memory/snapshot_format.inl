@@ -91,18 +91,6 @@ inline memory::snapshot_manifest memory::parse_manifest(std::vector<unsigned cha
   return m;
 }
 
-inline std::optional<memory::snapshot_manifest> memory::try_read_manifest(std::string const& path)
-{
-  std::FILE* file = std::fopen(path.c_str(), "rb");
-  if (file == nullptr) { return std::nullopt; }
-  (void)std::fclose(file);
-  try {
-    return parse_manifest(detail::serial::read_whole_file(path, "memory::save"), "");
-  } catch (logic_error const&) {
-    return std::nullopt;
-  }
-}
-
 /// Little-endian appends for the lifecycle file.
 struct memory::lifecycle_out {
   std::vector<unsigned char> bytes;

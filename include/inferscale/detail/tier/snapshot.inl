@@ -1,10 +1,13 @@
 /**
  * @file detail/tier/snapshot.inl
- * @brief Definitions for tier.hpp, snapshots of the tiers: tiered_store::save and load, the
- * manifest `tiers.istr` (layout in tiered_store::save's comment) and the checked rebuild of the
- * residency state from loaded tiers.
+ * @brief Definitions for tier.hpp, snapshots of the tiers: save_tiers and load_tiers (over
+ * detail/snapshot/directory_transaction.hpp; the members save and load wrap them), the manifest
+ * `tiers.istr` (layout at save_tiers) and the checked rebuild of the residency state from loaded
+ * tiers.
  */
 #pragma once
+
+#include <inferscale/detail/snapshot/directory_transaction.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -33,81 +36,78 @@ struct tiered_store::manifest_data {
   std::vector<std::uint64_t> pinned;
 };
 
-inline void tiered_store::save(std::string const& directory) const
+inline void save_tiers(tiered_store const& tiers, std::string const& directory)
 {
-  std::string const who      = "tiered_store::save('" + directory + "')";
-  std::string const manifest = directory + "/" + manifest_name;
-  std::optional<std::pair<std::uint64_t, std::uint64_t>> previous;
-  try {
-    auto const old = parse_manifest(detail::serial::read_whole_file(manifest, who), "");
-    previous       = std::make_pair(old.device_checksum, old.host_checksum);
-  } catch (logic_error const&) {
+  using manifest_data = tiered_store::manifest_data;
+  auto const file     = [](char const* tier, std::uint64_t checksum) {
+    return tiered_store::tier_file(tier, checksum);
+  };
+  std::optional<manifest_data> const previous = detail::snapshot::previous_manifest(
+    directory, tiered_store::manifest_name, [](std::vector<unsigned char> const& b) {
+      return tiered_store::parse_manifest(b, "");
+    });
+  std::vector<std::string> previous_files;
+  if (previous) {
+    previous_files = {file("device", previous->device_checksum),
+                      file("host", previous->host_checksum)};
   }
-  std::string const device_pending = directory + "/device.pending.iskv";
-  std::string const host_pending   = directory + "/host.pending.iskv";
+  detail::snapshot::directory_transaction tx{
+    directory, "save_tiers('" + directory + "')", std::move(previous_files)};
+
+  // Each tier with save_store, then renamed after its file checksum.
   manifest_data m;
-  try {
-    save_store(device_, device_pending);
-    m.device_checksum = detail::serial::stored_checksum(device_pending, -8, who);
-    save_store(host_, host_pending);
-    m.host_checksum = detail::serial::stored_checksum(host_pending, -8, who);
-    detail::serial::rename_or_fail(
-      device_pending, directory + "/" + tier_file("device", m.device_checksum), who);
-    detail::serial::rename_or_fail(
-      host_pending, directory + "/" + tier_file("host", m.host_checksum), who);
-  } catch (...) {
-    (void)std::remove(device_pending.c_str());
-    (void)std::remove(host_pending.c_str());
-    throw;
-  }
-  m.clock = clock_;
+  std::string const device_pending = tx.stage(
+    "device.pending.iskv", [&](std::string const& path) { save_store(tiers.device_, path); });
+  m.device_checksum = detail::serial::stored_checksum(device_pending, -8, tx.who());
+  std::string const host_pending =
+    tx.stage("host.pending.iskv", [&](std::string const& path) { save_store(tiers.host_, path); });
+  m.host_checksum = detail::serial::stored_checksum(host_pending, -8, tx.who());
+  tx.place(device_pending, file("device", m.device_checksum));
+  tx.place(host_pending, file("host", m.host_checksum));
+
+  m.clock = tiers.clock_;
   std::vector<std::uint64_t> nss;
-  for (auto const& [ns, n] : namespaces_) {
+  for (auto const& [ns, n] : tiers.namespaces_) {
     nss.push_back(ns);
   }
   std::sort(nss.begin(), nss.end());
   for (std::uint64_t ns : nss) {
-    namespace_tier const& n = namespaces_.at(ns);
+    tiered_store::namespace_tier const& n = tiers.namespaces_.at(ns);
     m.namespaces.push_back({ns, n.last_use, {n.lru.begin(), n.lru.end()}});
   }
-  for (auto const& [id, e] : facts_) {
+  for (auto const& [id, e] : tiers.facts_) {
     if (e.pinned) { m.pinned.push_back(id); }
   }
   std::sort(m.pinned.begin(), m.pinned.end());
-  std::vector<unsigned char> const bytes = encode_manifest(m);
-  detail::serial::sync_directory_of(manifest, who);
-  (void)detail::serial::write_file_atomically(
-    manifest, who, true, [&](detail::serial::checksummed_writer& out) {
-      out.write(bytes.data(), bytes.size());
-    });
-  if (previous) {
-    if (previous->first != m.device_checksum) {
-      (void)std::remove((directory + "/" + tier_file("device", previous->first)).c_str());
-    }
-    if (previous->second != m.host_checksum) {
-      (void)std::remove((directory + "/" + tier_file("host", previous->second)).c_str());
-    }
-  }
+  tx.commit(tiered_store::manifest_name, tiered_store::encode_manifest(m));
 }
+
+inline tiered_store load_tiers(std::string const& directory, tiered_store_config const& config)
+{
+  std::string const who               = "load_tiers('" + directory + "')";
+  std::string const where             = who + ": ";
+  tiered_store_config const c         = tiered_store::check(config);
+  tiered_store::manifest_data const m = tiered_store::parse_manifest(
+    detail::snapshot::read_manifest(directory, tiered_store::manifest_name, who), where);
+  std::string const device_path =
+    directory + "/" + tiered_store::tier_file("device", m.device_checksum);
+  std::string const host_path = directory + "/" + tiered_store::tier_file("host", m.host_checksum);
+  detail::snapshot::check_named_files(
+    {{device_path, -8, m.device_checksum}, {host_path, -8, m.host_checksum}},
+    who,
+    "a tier file does not carry the manifest's checksum (files "
+    "of different saves are never paired)");
+  kv_store device = load_store(device_path, c.device);
+  kv_store host   = load_store(host_path, tiered_store::host_config(c));
+  return tiered_store{c, std::move(device), std::move(host), m, where};
+}
+
+inline void tiered_store::save(std::string const& directory) const { save_tiers(*this, directory); }
 
 inline tiered_store tiered_store::load(std::string const& directory,
                                        tiered_store_config const& config)
 {
-  std::string const who       = "tiered_store::load('" + directory + "')";
-  std::string const where     = who + ": ";
-  tiered_store_config const c = check(config);
-  manifest_data const m =
-    parse_manifest(detail::serial::read_whole_file(directory + "/" + manifest_name, who), where);
-  std::string const device_path = directory + "/" + tier_file("device", m.device_checksum);
-  std::string const host_path   = directory + "/" + tier_file("host", m.host_checksum);
-  INFERSCALE_EXPECTS(detail::serial::stored_checksum(device_path, -8, who) == m.device_checksum &&
-                       detail::serial::stored_checksum(host_path, -8, who) == m.host_checksum,
-                     where +
-                       "a tier file does not carry the manifest's checksum (files of "
-                       "different saves are never paired)");
-  kv_store device = load_store(device_path, c.device);
-  kv_store host   = load_store(host_path, host_config(c));
-  return tiered_store{c, std::move(device), std::move(host), m, where};
+  return load_tiers(directory, config);
 }
 
 inline std::string tiered_store::tier_file(char const* tier, std::uint64_t checksum)

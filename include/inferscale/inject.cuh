@@ -227,6 +227,21 @@ class injection_workspace {
 
 namespace detail {
 
+/// @brief Refuses a store or cache whose element type is not the pair a typed call names
+/// (`what<StoreT, CacheT>`); a call naming no pair (both void) accepts any.
+template <class StoreT, class CacheT>
+void check_dtype_pair(dtype store, dtype cache, char const* what)
+{
+  static_assert(std::is_void_v<StoreT> == std::is_void_v<CacheT>,
+                "name both element types (StoreT, CacheT), or neither");
+  if constexpr (!std::is_void_v<StoreT>) {
+    INFERSCALE_EXPECTS(store == dtype_of_v<StoreT> && cache == dtype_of_v<CacheT>,
+                       std::string{what} + "<" + to_string(dtype_of_v<StoreT>) + ", " +
+                         to_string(dtype_of_v<CacheT>) + ">: the store holds " +
+                         to_string(store) + " and the cache " + to_string(cache));
+  }
+}
+
 /// @brief Launches inject_kernel as make_inject_launch (detail/inject/block.hpp) resolves it.
 template <class StoreT, class CacheT, class Rotation>
 void inject_launch(kv_store_ref const& store,
@@ -326,14 +341,8 @@ void inject_async(kv_store_ref const& store,
       detail::inject_launch<S, C>(store, batch, cache, rotation, errors, stream);
     });
   } else {
-    static_assert(!std::is_void_v<StoreT> && !std::is_void_v<CacheT>,
-                  "inject_async<StoreT, CacheT>: name both element types, or neither");
-    INFERSCALE_EXPECTS(store.store_dtype == dtype_of_v<StoreT> &&
-                         cache.cache_dtype == dtype_of_v<CacheT>,
-                       std::string{"inject_async<"} + to_string(dtype_of_v<StoreT>) + ", " +
-                         to_string(dtype_of_v<CacheT>) + ">: the store holds " +
-                         to_string(store.store_dtype) + " and the cache " +
-                         to_string(cache.cache_dtype));
+    detail::check_dtype_pair<StoreT, CacheT>(
+      store.store_dtype, cache.cache_dtype, "inject_async");
     detail::inject_launch<StoreT, CacheT>(store, batch, cache, rotation, errors, stream);
   }
 }
@@ -372,15 +381,9 @@ void inject_async(kv_store const& store,
   INFERSCALE_EXPECTS(batch.num_tokens() <= workspace.capacity(),
                      "inject_async: the batch has " + detail::count_of(batch.num_tokens(), "token") +
                        ", the workspace holds " + std::to_string(workspace.capacity()));
-  if constexpr (!std::is_void_v<StoreT> || !std::is_void_v<CacheT>) {
-    // Refused before staging (the raw launch would refuse it after).
-    INFERSCALE_EXPECTS(store.store_dtype() == dtype_of_v<StoreT> &&
-                         cache.cache_dtype == dtype_of_v<CacheT>,
-                       std::string{"inject_async<"} + to_string(dtype_of_v<StoreT>) + ", " +
-                         to_string(dtype_of_v<CacheT>) + ">: the store holds " +
-                         to_string(store.store_dtype()) + " and the cache " +
-                         to_string(cache.cache_dtype));
-  }
+  // A wrong pair is refused before staging (the raw launch would refuse it after).
+  detail::check_dtype_pair<StoreT, CacheT>(
+    store.store_dtype(), cache.cache_dtype, "inject_async");
   workspace.stage(batch, stream);
   inject_async<StoreT, CacheT>(
     store.ref(), workspace.view(), cache, rotation, workspace.device_errors(), stream);
@@ -417,16 +420,7 @@ void extract(paged_kv_cache const& cache,
                            token_ids,
                            memory_kind::device,
                            "extract");
-  static_assert(std::is_void_v<StoreT> == std::is_void_v<CacheT>,
-                "extract<StoreT, CacheT>: name both element types, or neither");
-  if constexpr (!std::is_void_v<StoreT>) {
-    INFERSCALE_EXPECTS(store.store_dtype() == dtype_of_v<StoreT> &&
-                         cache.cache_dtype == dtype_of_v<CacheT>,
-                       std::string{"extract<"} + to_string(dtype_of_v<StoreT>) + ", " +
-                         to_string(dtype_of_v<CacheT>) + ">: the store holds " +
-                         to_string(store.store_dtype()) + " and the cache " +
-                         to_string(cache.cache_dtype));
-  }
+  detail::check_dtype_pair<StoreT, CacheT>(store.store_dtype(), cache.cache_dtype, "extract");
   if (cache.scale_granularity != kv_scale_granularity::none) {
     // The fp8 scales are device memory: check a host copy of their values before anything is
     // reserved (extraction waits anyway), as extract_host checks its host scales.

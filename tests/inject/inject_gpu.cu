@@ -886,10 +886,12 @@ void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case 
   {
     injection_batch const host_batch = make_batch(s.host_store, 0);
     REQUIRE_THROWS_AS(
-      (inject_async<S, C>(s.device_store, host_batch, s.device_desc, s.device_rotation, workspace, ref)),
+      (inject_async<S, C>(
+        s.device_store, host_batch, s.device_desc, s.device_rotation, workspace, ref)),
       logic_error);
     REQUIRE_THROWS_AS(
-      (inject_async<S, C>(s.host_store, host_batch, s.device_desc, s.device_rotation, workspace, ref)),
+      (inject_async<S, C>(
+        s.host_store, host_batch, s.device_desc, s.device_rotation, workspace, ref)),
       logic_error);
     unchanged();
   }
@@ -925,7 +927,8 @@ TEST_CASE("a refused checked device injection leaves the cache unchanged", "[gpu
   }
 }
 
-TEST_CASE("the dtype dispatch and a named dtype pair launch the same kernels; a wrong pair is refused",
+TEST_CASE("the dtype dispatch and a named dtype pair launch the same kernels; a wrong pair is "
+          "refused",
           "[gpu][inject]")
 {
   // Every other test here names its pair (inject_async<S, C>, extract<S, C>), which compiles only
@@ -955,8 +958,8 @@ TEST_CASE("the dtype dispatch and a named dtype pair launch the same kernels; a 
   // Extraction through the dispatch: the first 27 injected tokens back into both stores.
   std::vector<std::int64_t> const slots(db.slots().begin(), db.slots().begin() + 27);
   std::vector<std::int32_t> ids(slots.size(), 7);
-  REQUIRE_THROWS_AS((extract<float, bfloat16_t>(
-                      s.device_desc, slots, 12, s.device_rotation, s.device_store, 600, 3, ids, ref)),
+  REQUIRE_THROWS_AS((extract<float, bfloat16_t>(s.device_desc, slots, 12, s.device_rotation,
+                                                 s.device_store, 600, 3, ids, ref)),
                     logic_error);
   REQUIRE_FALSE(s.device_store.contains(600));
   extract_host(s.host_desc, slots, 12, s.host_rotation, s.host_store, 600, 3, ids);

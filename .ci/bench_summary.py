@@ -192,7 +192,10 @@ def vllm_lines(doc):
                      "connector: " + "; ".join(
                          "k=%d (%d memory tokens) %.0f ms vs %.0f ms re-prefilled (%.1fx)" % (
                              r["k"], r["memory_tokens"], r["inject_ms"], r["prefill_ms"],
-                             r["speedup"]) for r in ttft))
+                             r["speedup"]) for r in ttft) +
+                     ("; the first memory request after a commit %.0f ms (the workers load the "
+                      "memory generation once)" % doc["first_request_ms"]
+                      if "first_request_ms" in doc else ""))
     load = doc.get("load", [])
     if load:
         lines.append("vLLM throughput under concurrent users (k=%d facts each): " % load[0]["k"] +

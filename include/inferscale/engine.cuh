@@ -164,14 +164,8 @@ void inject_memory_async(kv_store const& store,
                      "inject_memory_async: the plan has " +
                        detail::count_of(plan.length(), "token") + ", the workspace holds " +
                        std::to_string(workspace.capacity()));
-  std::vector<std::int64_t> const slots =
-    cache_adapter.allocate(plan.first_position, plan.length());
-  INFERSCALE_EXPECTS(static_cast<std::int64_t>(slots.size()) == plan.length(),
-                     "inject_memory_async: the cache adapter allocated " +
-                       detail::count_of(static_cast<std::int64_t>(slots.size()), "slot") + " for " +
-                       detail::count_of(plan.length(), "token"));
-  injection_batch batch{store};
-  batch.add(plan, slots);
+  injection_batch const batch =
+    detail::allocate_plan(store, plan, cache_adapter, "inject_memory_async");
   inject_async(store, batch, cache_adapter.cache(), rotation, workspace, stream);
   cache_adapter.commit(plan.length());
 }

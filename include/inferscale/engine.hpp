@@ -272,6 +272,29 @@ void encode_facts(ModelAdapter& model,
   store_captured_facts(store, capture, facts);
 }
 
+namespace detail {
+
+/// @brief The shared first half of inject_memory_host / inject_memory_async: slots for the plan's
+/// tokens from the adapter (refused unless it hands exactly that many), and the checked batch.
+template <class CacheAdapter>
+injection_batch allocate_plan(kv_store const& store,
+                              composition const& plan,
+                              CacheAdapter& cache_adapter,
+                              char const* who)
+{
+  std::vector<std::int64_t> const slots =
+    cache_adapter.allocate(plan.first_position, plan.length());
+  INFERSCALE_EXPECTS(static_cast<std::int64_t>(slots.size()) == plan.length(),
+                     std::string{who} + ": the cache adapter allocated " +
+                       count_of(static_cast<std::int64_t>(slots.size()), "slot") + " for " +
+                       count_of(plan.length(), "token"));
+  injection_batch batch{store};
+  batch.add(plan, slots);
+  return batch;
+}
+
+}  // namespace detail
+
 /**
  * @brief One request's memory through a paged-cache adapter, host backend: allocate slots for the
  * plan's `m` tokens at its positions, inject the composed K/V (keys rotated by `rotation`), and
@@ -291,14 +314,8 @@ void inject_memory_host(kv_store const& store,
                 "inject_memory_host: CacheAdapter needs allocate(first_position, tokens), "
                 "cache() and commit(tokens) (see engine.hpp)");
   INFERSCALE_EXPECTS(plan.length() > 0, std::string{"inject_memory_host: the plan is empty"});
-  std::vector<std::int64_t> const slots =
-    cache_adapter.allocate(plan.first_position, plan.length());
-  INFERSCALE_EXPECTS(static_cast<std::int64_t>(slots.size()) == plan.length(),
-                     "inject_memory_host: the cache adapter allocated " +
-                       detail::count_of(static_cast<std::int64_t>(slots.size()), "slot") + " for " +
-                       detail::count_of(plan.length(), "token"));
-  injection_batch batch{store};
-  batch.add(plan, slots);
+  injection_batch const batch =
+    detail::allocate_plan(store, plan, cache_adapter, "inject_memory_host");
   inject_host(store, batch, cache_adapter.cache(), rotation);
   cache_adapter.commit(plan.length());
 }

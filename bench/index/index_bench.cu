@@ -412,7 +412,7 @@ std::unique_ptr<is::graph_index> build_host_index(dataset const& data, std::int6
   is::index_config config;
   config.dim      = data.dim;
   config.metric   = is::distance_metric::cosine;
-  config.memory   = is::memory_kind::host;
+  config.space          = is::memory_space::host;
   config.host_knn = knn;
   config.nn_descent.rho = rho;
   auto index    = std::make_unique<is::graph_index>(config);
@@ -919,7 +919,7 @@ std::unique_ptr<is::graph_index> new_device_index(std::int64_t dim)
   is::index_config config;
   config.dim    = dim;
   config.metric = is::distance_metric::cosine;
-  config.memory = is::memory_kind::device;
+  config.space  = is::memory_space::device;
   return std::make_unique<is::graph_index>(config);
 }
 

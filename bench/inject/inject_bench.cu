@@ -179,8 +179,8 @@ struct scenario {
 
   scenario(model const& mdl,
            std::vector<std::vector<std::int32_t>> const& requests,
-           is::memory_kind memory)
-    : store{make_store(mdl, requests, memory)},
+           is::memory_space space)
+    : store{make_store(mdl, requests, space)},
       batch{store},
       rotation{is::make_rope_params(mdl.rope())}
   {
@@ -229,7 +229,7 @@ struct scenario {
   /// with pseudo-random values.
   static is::kv_store make_store(model const& mdl,
                                  std::vector<std::vector<std::int32_t>> const& requests,
-                                 is::memory_kind memory)
+                                 is::memory_space space)
   {
     std::int64_t pages = 0;
     for (auto const& r : requests) {
@@ -242,7 +242,7 @@ struct scenario {
     config.store_dtype = is::dtype::bfloat16;
     config.page_size   = store_page_size;
     config.num_pages   = pages;
-    config.memory      = memory;
+    config.space       = space;
     is::kv_store store{config};
     std::uint64_t next_id = 1;
     for (std::size_t r = 0; r < requests.size(); ++r) {
@@ -254,7 +254,7 @@ struct scenario {
     }
     auto* const pool         = static_cast<bfloat16_t*>(store.ref().pool);
     std::int64_t const count = static_cast<std::int64_t>(store.pool_bytes() / sizeof(bfloat16_t));
-    if (memory == is::memory_kind::host) {
+    if (memory == is::memory_space::host) {
       for (std::int64_t i = 0; i < count; ++i) {
         pool[i] = random_value(static_cast<std::uint64_t>(i));
       }
@@ -673,7 +673,7 @@ void inject_host_bench(benchmark::State& state, model mdl, bool batch)
 {
   ib::run_guarded(state, [&] {
     using clock = std::chrono::steady_clock;
-    scenario const s{mdl, requests_of(state, batch), is::memory_kind::host};
+    scenario const s{mdl, requests_of(state, batch), is::memory_space::host};
     std::vector<bfloat16_t> fused_cache(static_cast<std::size_t>(s.cache_elements()));
     std::vector<bfloat16_t> two_pass_cache(static_cast<std::size_t>(s.cache_elements()));
     std::vector<bfloat16_t> composed(static_cast<std::size_t>(s.composed_elements()));
@@ -789,7 +789,7 @@ void inject_host_fp8_bench(benchmark::State& state, model mdl)
 {
   ib::run_guarded(state, [&] {
     using clock = std::chrono::steady_clock;
-    scenario const s{mdl, requests_of(state, false), is::memory_kind::host};
+    scenario const s{mdl, requests_of(state, false), is::memory_space::host};
     std::vector<is::float8_e4m3_t> cache_data(static_cast<std::size_t>(s.cache_elements()));
     auto desc                 = s.make_cache(cache_data.data());
     bool const calibrated     = state.range(1) != 0;
@@ -852,7 +852,7 @@ struct device_case {
   is::injection_workspace workspace;
 
   device_case(model const& mdl, std::vector<std::vector<std::int32_t>> const& requests)
-    : s{mdl, requests, is::memory_kind::device},
+    : s{mdl, requests, is::memory_space::device},
       fused_cache(static_cast<std::size_t>(s.cache_elements())),
       two_pass_cache(static_cast<std::size_t>(s.cache_elements())),
       composed(static_cast<std::size_t>(s.composed_elements())),
@@ -1004,7 +1004,7 @@ void plan_host_bench(benchmark::State& state)
   config.store_dtype = is::dtype::bfloat16;
   config.page_size   = store_page_size;
   config.num_pages   = requests * facts * 2;
-  config.memory      = is::memory_kind::host;
+  config.space       = is::memory_space::host;
   is::kv_store store{config};
   std::vector<bfloat16_t> const kv(fact_tokens * 8);
   auto const view = is::make_fact_kv_view<bfloat16_t const>(kv.data(), 1, fact_tokens, 1, 8);
@@ -1066,8 +1066,8 @@ struct tier_case {
   std::int64_t tokens{};
   std::vector<std::int64_t> slots;
 
-  tier_case(model const& mdl, std::int64_t m, is::memory_kind memory)
-    : tiers{make_config(mdl, m, memory)}, rotation{is::make_rope_params(mdl.rope())}
+  tier_case(model const& mdl, std::int64_t m, is::memory_space space)
+    : tiers{make_config(mdl, m, space)}, rotation{is::make_rope_params(mdl.rope())}
   {
     std::vector<std::int32_t> const lengths = segment_fact_lengths(m);
     is::kv_geometry const g                 = mdl.geometry;
@@ -1094,7 +1094,9 @@ struct tier_case {
     std::iota(slots.begin(), slots.end(), first_position);
   }
 
-  static is::tiered_store_config make_config(model const& mdl, std::int64_t m, is::memory_kind memory)
+  static is::tiered_store_config make_config(model const& mdl,
+                                             std::int64_t m,
+                                             is::memory_space space)
   {
     std::int64_t pages = 0;
     for (std::int32_t length : segment_fact_lengths(m)) {
@@ -1105,7 +1107,7 @@ struct tier_case {
     c.device.store_dtype = is::dtype::bfloat16;
     c.device.page_size   = store_page_size;
     c.device.num_pages   = pages;
-    c.device.memory      = memory;
+    c.device.space       = space;
     c.host_pages         = pages;
     return c;
   }
@@ -1204,7 +1206,7 @@ void tier_loop(benchmark::State& state, tier_case& c, bool resident, bool device
 void tier_host_bench(benchmark::State& state, model mdl, bool resident)
 {
   ib::run_guarded(state, [&] {
-    tier_case c{mdl, state.range(0), is::memory_kind::host};
+    tier_case c{mdl, state.range(0), is::memory_space::host};
     std::vector<bfloat16_t> cache(static_cast<std::size_t>(
       c.tiers.device_tier().geometry().elements_per_token() * c.cache_slots()));
     is::paged_kv_cache const desc = c.make_cache(cache.data());
@@ -1233,7 +1235,7 @@ void tier_device_bench(benchmark::State& state, model mdl, bool resident)
 {
   if (!ib::require_device(state)) { return; }
   ib::run_guarded(state, [&] {
-    tier_case c{mdl, state.range(0), is::memory_kind::device};
+    tier_case c{mdl, state.range(0), is::memory_space::device};
     ib::device_buffer<bfloat16_t> cache(static_cast<std::size_t>(
       c.tiers.device_tier().geometry().elements_per_token() * c.cache_slots()));
     is::paged_kv_cache const desc = c.make_cache(cache.data());

@@ -511,7 +511,7 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
       }
       std::vector<std::int32_t> const prefix_tokens = m.tokenize(lm::instruction_prefix());
       mc.store.num_pages = tokens + static_cast<std::int64_t>(prefix_tokens.size()) / 16 + 2;
-      mc.store.memory    = memory_kind::host;
+      mc.store.space     = memory_space::host;
       mc.index.dim       = embedder.dimension();
       mc.index.metric    = distance_metric::cosine;
       memory mem{mc};

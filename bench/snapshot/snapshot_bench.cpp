@@ -46,7 +46,7 @@ namespace ib = inferscale::bench;
 namespace fs = std::filesystem;
 using inferscale::dtype;
 using inferscale::kv_store;
-using inferscale::memory_kind;
+using inferscale::memory_space;
 
 namespace {
 
@@ -78,7 +78,7 @@ kv_store const& bench_store()
     c.store_dtype = dtype::bfloat16;
     c.page_size   = 16;
     c.num_pages   = bench_pages();
-    c.memory      = memory_kind::host;
+    c.space       = memory_space::host;
     kv_store s{c};
     std::uint64_t id = 1;
     while (s.free_pages() >= 2) {

@@ -147,7 +147,7 @@ int main()
   index_config config;
   config.dim    = dim;
   config.metric = distance_metric::cosine;
-  config.memory = device ? memory_kind::device : memory_kind::host;
+  config.space  = device ? memory_space::device : memory_space::host;
   graph_index index{config};
 
   // Each user's facts and queries come from that user's own mixture of 20 clusters.

@@ -135,7 +135,7 @@ int main()
   config.store_dtype = dtype::bfloat16;
   config.page_size   = 16;
   config.num_pages   = 16;
-  config.memory      = gpu ? memory_kind::device : memory_kind::host;
+  config.space       = gpu ? memory_space::device : memory_space::host;
   kv_store store(config);
   for (fact const& f : facts) {
     auto const tokens = static_cast<std::int64_t>(f.token_ids.size());
@@ -147,7 +147,7 @@ int main()
       make_fact_kv_view<float const>(f.values.data(), num_layers, tokens, num_heads, head_dim));
   }
   std::printf("store (%s memory): %lld facts, %lld bytes of K/V in %lld of %lld pages\n",
-              to_string(store.memory()),
+              to_string(store.space()),
               static_cast<long long>(store.num_facts()),
               static_cast<long long>(store.namespace_bytes(1)),
               static_cast<long long>(store.num_pages() - store.free_pages()),

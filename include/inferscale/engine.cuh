@@ -52,7 +52,7 @@ inline void store_captured_facts(kv_store& store,
                                  std::vector<captured_fact> const& facts,
                                  cuda::stream_ref stream)
 {
-  if (store.memory() != memory_kind::device) {
+  if (store.space() != memory_space::device) {
     store_captured_facts(store, capture, facts);
     return;
   }
@@ -155,9 +155,9 @@ void inject_memory_async(kv_store const& store,
                 "inject_memory_async: CacheAdapter needs allocate(first_position, tokens), "
                 "cache() and commit(tokens) (see engine.hpp)");
   INFERSCALE_EXPECTS(plan.length() > 0, std::string{"inject_memory_async: the plan is empty"});
-  INFERSCALE_EXPECTS(store.memory() == memory_kind::device,
+  INFERSCALE_EXPECTS(store.space() == memory_space::device,
                      std::string{"inject_memory_async: the store's pool is in "} +
-                       to_string(store.memory()) +
+                       to_string(store.space()) +
                        " memory, the device backend reads device memory (inject_memory_host "
                        "serves a host store)");
   INFERSCALE_EXPECTS(plan.length() <= workspace.capacity(),

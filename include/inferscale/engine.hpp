@@ -166,7 +166,7 @@ inline void check_captured_facts(kv_store const& store,
 
 /**
  * @brief Stores token ranges of a capture as facts (pre-RoPE K and V, converted to the store
- * dtype), in a store of any memory kind (a device pool is written with synchronous copies; a GPU
+ * dtype), in a store of any memory space (a device pool is written with synchronous copies; a GPU
  * engine passes its stream to the overload in engine.cuh instead).
  *
  * Every range is checked first (inside the capture and completely captured, ids new and

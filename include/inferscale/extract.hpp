@@ -38,11 +38,11 @@ void check_extraction(paged_kv_cache const& cache,
                       kv_store const& store,
                       std::uint64_t fact_id,
                       std::vector<std::int32_t> const& token_ids,
-                      memory_kind backend,
+                      memory_space backend,
                       char const* who)
 {
-  INFERSCALE_EXPECTS(store.memory() == backend,
-                     std::string{who} + ": the store's pool is in " + to_string(store.memory()) +
+  INFERSCALE_EXPECTS(store.space() == backend,
+                     std::string{who} + ": the store's pool is in " + to_string(store.space()) +
                        " memory, this backend writes " + to_string(backend) + " memory");
   check_store_cache_geometry(store, cache, who);
   INFERSCALE_EXPECTS(!token_ids.empty(), std::string{who} + ": no tokens to extract");
@@ -72,7 +72,7 @@ void check_extraction(paged_kv_cache const& cache,
                        detail::count_of(store.pages_for(static_cast<std::int64_t>(slots.size())),
                                         "page") +
                        ", " + std::to_string(store.free_pages()) + " free (capacity exhausted)");
-  if (backend == memory_kind::host) { cache.check_scale_values(who); }
+  if (backend == memory_space::host) { cache.check_scale_values(who); }
 }
 
 /// @brief Where a dry run of extraction met the first element it would store as NaN or infinity.
@@ -221,7 +221,7 @@ void extract_host(paged_kv_cache const& cache,
                            store,
                            fact_id,
                            token_ids,
-                           memory_kind::host,
+                           memory_space::host,
                            "extract_host");
   std::vector<std::int64_t> positions(slots.size());
   for (std::size_t j = 0; j < slots.size(); ++j) {

@@ -5,7 +5,7 @@
  * one per namespace) in one arena. This header is the data structure and the host backend; the
  * device backend (GPU kNN build, batched beam search, exact search with RAFT) is `index.cuh`.
  *
- * Arena layout (host mirror always; device copies when `memory_kind::device`):
+ * Arena layout (host mirror always; device copies when `memory_space::device`):
  *  - vectors `[rows][row_elements]` of fp32 or fp16, each row padded with zeros to 16 bytes;
  *  - graph `[rows][graph_degree]` of uint32 node ids local to the tenant (`0xFFFFFFFF` = empty);
  *  - fact ids `[rows]` (uint64) and deleted flags `[rows]` (uint8).
@@ -35,7 +35,7 @@
 #include <inferscale/detail/index/search_host.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/index_params.hpp>
-#include <inferscale/memory_kind.hpp>
+#include <inferscale/memory_space.hpp>
 
 #include <cuda/std/span>
 
@@ -137,7 +137,7 @@ class graph_index {
   std::int64_t row_elements() const noexcept { return row_elements_; }
   /// @brief Stored graph out-degree (rows of small tenants are padded with empty slots).
   std::uint32_t graph_degree() const noexcept { return config_.graph_degree; }
-  memory_kind memory() const noexcept { return config_.memory; }
+  memory_space space() const noexcept { return config_.space; }
   /// @brief Increases on every successful mutation; a refused call leaves it unchanged.
   std::uint64_t version() const noexcept { return version_; }
 

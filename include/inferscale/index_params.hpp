@@ -11,7 +11,7 @@
 #include <inferscale/detail/index/graph_build.hpp>
 #include <inferscale/detail/index/math.hpp>
 #include <inferscale/dtype.hpp>
-#include <inferscale/memory_kind.hpp>
+#include <inferscale/memory_space.hpp>
 #include <inferscale/views.hpp>
 
 #include <cuda/std/array>
@@ -86,7 +86,7 @@ struct index_config {
   dtype vector_dtype{dtype::float32};                 ///< stored as float32 or float16
   std::uint32_t graph_degree{32};                     ///< CAGRA `graph_degree` (final out-degree)
   std::uint32_t intermediate_graph_degree{64};        ///< CAGRA `intermediate_graph_degree`
-  memory_kind memory{memory_kind::host};              ///< where searches run
+  memory_space space{memory_space::host};             ///< where searches run
   /// Tenants with at most this many live facts are searched exactly (brute force); -1 = chosen
   /// automatically per search (see `graph_index::exact_search_threshold`).
   std::int64_t exact_search_threshold{-1};

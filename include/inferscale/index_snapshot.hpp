@@ -12,7 +12,7 @@
 #include <inferscale/detail/index/serialize.hpp>
 #include <inferscale/detail/serialize.hpp>
 #include <inferscale/index.hpp>
-#include <inferscale/memory_kind.hpp>
+#include <inferscale/memory_space.hpp>
 
 #include <string>
 #include <utility>
@@ -56,7 +56,7 @@ inline void save_index(graph_index const& index, std::string const& path)
  * truncated file is refused and nothing is half loaded.
  *
  * @param[in] path a file written by `save_index`
- * @param[in] memory where the loaded index lives (`memory_kind::device` uploads the arena)
+ * @param[in] memory where the loaded index lives (`memory_space::device` uploads the arena)
  * @return the index: same config (memory aside), namespaces in the same order, and per namespace
  * the same rows (fact ids, deleted flags, vectors, graph); the arena is packed
  * @throw logic_error naming the problem ("not an InferScale index file", "format version 7 is not
@@ -65,14 +65,14 @@ inline void save_index(graph_index const& index, std::string const& path)
  * @throw cuda_error when a device index cannot be allocated or uploaded
  * @note Peak host memory is about twice the file size (the file, then the arena).
  */
-inline graph_index load_index(std::string const& path, memory_kind memory = memory_kind::host)
+inline graph_index load_index(std::string const& path, memory_space space = memory_space::host)
 {
   detail::index::staged_index staged;
   {
     std::vector<unsigned char> const file = detail::serial::read_whole_file(path, "load_index");
     staged = detail::index::parse_index_file(file, "load_index('" + path + "'): ");
   }
-  return detail::index::index_access::assemble(std::move(staged), memory);
+  return detail::index::index_access::assemble(std::move(staged), space);
 }
 
 }  // namespace inferscale

@@ -362,7 +362,7 @@ void inject_async(kv_store_ref const& store,
 
 /**
  * @brief Device backend, checked: validates the host batch as inject_host does (stale batch,
- * memory kind, geometry, slots within the cache, positions within the table), stages its arrays
+ * memory space, geometry, slots within the cache, positions within the table), stages its arrays
  * into `workspace` and launches. The only thing left to the device is the fp8 scale values
  * (device memory): rows with an unusable scale are skipped and counted in the workspace's
  * counters (injection_workspace::read_errors).
@@ -377,7 +377,7 @@ void inject_async(kv_store const& store,
                   injection_workspace& workspace,
                   cuda::stream_ref stream)
 {
-  detail::check_injection(store, batch, cache, rotation, memory_kind::device, "inject_async");
+  detail::check_injection(store, batch, cache, rotation, memory_space::device, "inject_async");
   INFERSCALE_EXPECTS(batch.num_tokens() <= workspace.capacity(),
                      "inject_async: the batch has " + detail::count_of(batch.num_tokens(), "token") +
                        ", the workspace holds " + std::to_string(workspace.capacity()));
@@ -418,7 +418,7 @@ void extract(paged_kv_cache const& cache,
                            store,
                            fact_id,
                            token_ids,
-                           memory_kind::device,
+                           memory_space::device,
                            "extract");
   detail::check_dtype_pair<StoreT, CacheT>(store.store_dtype(), cache.cache_dtype, "extract");
   if (cache.scale_granularity != kv_scale_granularity::none) {

@@ -40,7 +40,7 @@ void inject_host(kv_store const& store,
                  paged_kv_cache const& cache,
                  Rotation const& rotation)
 {
-  detail::check_injection(store, batch, cache, rotation, memory_kind::host, "inject_host");
+  detail::check_injection(store, batch, cache, rotation, memory_space::host, "inject_host");
   detail::inject_host_view(store.ref(), batch.host_view(), cache, rotation);
 }
 

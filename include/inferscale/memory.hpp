@@ -516,9 +516,9 @@ void save_memory(memory const& mem, std::string const& directory);
  *
  * `config` is the deployment's configuration, as given to the constructor: the store file must
  * match `config.store` (geometry, shard, page size, capacity; the dtype is converted as
- * load_store does, the memory kind is `config.store.memory`); the index file must have
+ * load_store does, the memory space is `config.store.space`); the index file must have
  * `config.index`'s dim, metric and vector dtype (its graph degrees and exact-search threshold
- * are the file's; the memory kind is `config.index.memory`); search parameters and fact order
+ * are the file's; the memory space is `config.index.space`); search parameters and fact order
  * are `config`'s.
  *
  * @throw logic_error when the manifest is missing, corrupted, of another version, or names

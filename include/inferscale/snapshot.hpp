@@ -53,7 +53,7 @@
  *
  * The file is therefore exactly `120 + 16 N + 16 F + 4 T + 8 P + U B` bytes. Only the pages in
  * use are stored, so a snapshot never carries the KV of erased facts; free pages load as zeros.
- * The memory kind is not stored: `load_store` takes it from the caller. `version()` and
+ * The memory space is not stored: `load_store` takes it from the caller. `version()` and
  * `identity()` are not kept (the loaded store is a new object; plans made against the old one
  * are refused by injection). Everything else observable is: configuration, every fact's id,
  * namespace, token ids and pages, each namespace's fact order (erase_namespace and composition
@@ -90,7 +90,7 @@
 #include <inferscale/detail/snapshot/store_access.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
-#include <inferscale/memory_kind.hpp>
+#include <inferscale/memory_space.hpp>
 #include <inferscale/store.hpp>
 
 #include <optional>
@@ -100,7 +100,7 @@ namespace inferscale {
 
 /// @brief How load_store builds the store.
 struct store_load_options {
-  memory_kind memory{memory_kind::host};  ///< where the loaded pool lives
+  memory_space space{memory_space::host};  ///< where the loaded pool lives
   /// The loaded store's dtype (float32, float16 or bfloat16); empty: the file's. Widening is
   /// exact; narrowing rounds each element to nearest, ties to even (float16 <-> bfloat16 through
   /// float32: an exact widening, then that one rounding); a finite element that overflows the
@@ -137,7 +137,7 @@ inline void save_store(kv_store const& store, std::string const& path)
  * truncated or foreign file is refused and nothing is half loaded.
  *
  * @param[in] path a file written by save_store
- * @param[in] options memory kind of the pool; the store dtype (default: the file's; conversion
+ * @param[in] options memory space of the pool; the store dtype (default: the file's; conversion
  * as store_load_options::store_dtype says)
  * @return the store: the file's configuration (memory and dtype as asked), every fact with its id,
  * namespace, token ids and pages, the namespaces' fact order, the free-page stack; pages in use
@@ -150,14 +150,14 @@ inline void save_store(kv_store const& store, std::string const& path)
  */
 inline kv_store load_store(std::string const& path, store_load_options const& options = {})
 {
-  return detail::store_access::load(path, options.memory, options.store_dtype, nullptr);
+  return detail::store_access::load(path, options.space, options.store_dtype, nullptr);
 }
 
 /**
  * @brief Loads a store saved by save_store into a store configured as `target`: the file must
  * hold the same model geometry, the same shard (layer and head ranges, 0 counts resolved as
  * kv_store does), the same page size and capacity; the pool is converted to
- * `target.store_dtype` (as store_load_options::store_dtype) and placed in `target.memory`
+ * `target.store_dtype` (as store_load_options::store_dtype) and placed in `target.space`
  * (page-locked if `target.pinned`).
  *
  * @throw logic_error as the other overload, and naming both sides when the geometry, the shard,
@@ -165,7 +165,7 @@ inline kv_store load_store(std::string const& path, store_load_options const& op
  */
 inline kv_store load_store(std::string const& path, kv_store_config const& target)
 {
-  return detail::store_access::load(path, target.memory, target.store_dtype, &target);
+  return detail::store_access::load(path, target.space, target.store_dtype, &target);
 }
 
 }  // namespace inferscale

@@ -10,7 +10,7 @@
  * tensor-parallel rank's shard).
  *
  * The catalogue (ids, namespaces, token ids, page lists) lives in host memory; only the pool lives
- * where `memory_kind` says. The device pool needs the CUDA runtime (libcudart); a host store never
+ * where `memory_space` says. The device pool needs the CUDA runtime (libcudart); a host store never
  * calls it. The views a fact is given in (fact_kv_view) are in views.hpp; the copies between those
  * views and the pool's host or device buffer are defined in detail/store/pool.inl.
  */
@@ -22,9 +22,8 @@
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/geometry.hpp>
-#include <inferscale/memory_kind.hpp>
+#include <inferscale/memory_space.hpp>
 #include <inferscale/views.hpp>
-
 
 #include <algorithm>
 #include <atomic>
@@ -49,7 +48,7 @@ struct kv_store_config {
   dtype store_dtype{dtype::bfloat16};  ///< float32, float16 or bfloat16
   std::int32_t page_size{16};          ///< tokens per page
   std::int64_t num_pages{0};           ///< capacity, allocated once
-  memory_kind memory{memory_kind::device};
+  memory_space space{memory_space::device};
   /// Host pools only: allocate the pool page-locked (`cudaMallocHost`), so copies between it and
   /// the device are truly asynchronous (the host tier of tier.hpp). Needs a CUDA device.
   bool pinned{false};
@@ -123,7 +122,7 @@ class kv_store {
     ref_.page_size          = config_.page_size;
     ref_.num_pages          = config_.num_pages;
     std::size_t const bytes = pool_bytes();
-    if (config_.memory == memory_kind::device) {
+    if (config_.space == memory_space::device) {
       INFERSCALE_CUDA_TRY(cudaMalloc(&ref_.pool, std::max<std::size_t>(bytes, 1)));
       // Zeroed like the host pool, so snapshots of either are repeatable and equal.
       cudaError_t const s = cudaMemset(ref_.pool, 0, std::max<std::size_t>(bytes, 1));
@@ -148,7 +147,7 @@ class kv_store {
 
   ~kv_store()
   {
-    if (config_.memory == memory_kind::device && ref_.pool) { (void)cudaFree(ref_.pool); }
+    if (config_.space == memory_space::device && ref_.pool) { (void)cudaFree(ref_.pool); }
     if (pinned_pool_) { (void)cudaFreeHost(pinned_pool_); }
   }
 
@@ -171,7 +170,7 @@ class kv_store {
     return kv_geometry{config_.num_layers, config_.num_heads, config_.model.head_dim};
   }
   dtype store_dtype() const noexcept { return config_.store_dtype; }
-  memory_kind memory() const noexcept { return config_.memory; }
+  memory_space space() const noexcept { return config_.space; }
   std::int32_t page_size() const noexcept { return config_.page_size; }
   std::int64_t num_pages() const noexcept { return config_.num_pages; }
   std::int64_t free_pages() const noexcept { return static_cast<std::int64_t>(free_pages_.size()); }
@@ -247,7 +246,7 @@ class kv_store {
    * each either the whole model's (the shard's range is then taken from them) or this shard's.
    * Unused token rows of a fact's last page are zeroed, so the pool's bytes depend only on what
    * was inserted.
-   *  - host views (`views_memory == host`): any strides, element type float, half_t or bfloat16_t
+   *  - host views (`views_space == host`): any strides, element type float, half_t or bfloat16_t
    *    (converted to the store dtype);
    *  - device views: element type equal to the store dtype and each token's `[heads, head_dim]`
    *    contiguous (`strides[2] == head_dim`, `strides[3] == 1`); copied with cudaMemcpy2D.
@@ -270,7 +269,7 @@ class kv_store {
               std::vector<std::int32_t> token_ids,
               fact_kv_view<T const> keys,
               fact_kv_view<T const> values,
-              memory_kind views_memory = memory_kind::host)
+              memory_space views_space = memory_space::host)
   {
     static_assert(
       std::is_same_v<T, float> || std::is_same_v<T, half_t> || std::is_same_v<T, bfloat16_t>,
@@ -306,11 +305,11 @@ class kv_store {
                              std::to_string(v->stride(r)) + ")");
       }
     }
-    if (views_memory == memory_kind::device) {
+    if (views_space == memory_space::device) {
       INFERSCALE_EXPECTS(dtype_of_v<T> == config_.store_dtype,
                          std::string{"kv_store::insert: device views must hold the store dtype "} +
                            to_string(config_.store_dtype) + ", got " + to_string(dtype_of_v<T>));
-      INFERSCALE_EXPECTS(config_.memory == memory_kind::device,
+      INFERSCALE_EXPECTS(config_.space == memory_space::device,
                          "kv_store::insert: device views need a device store");
       for (auto const* v : {&keys, &values}) {
         INFERSCALE_EXPECTS(v->stride(3) == 1 && v->stride(2) == config_.model.head_dim,
@@ -327,12 +326,12 @@ class kv_store {
                        "kv_store::insert: fact " + std::to_string(fact_id) + " needs " +
                          detail::count_of(pages_needed, "page") + ", " +
                          std::to_string(free_pages()) + " free (capacity exhausted)");
-    check_finite(fact_id, keys, values, layer_offset, head_offset, views_memory);
+    check_finite(fact_id, keys, values, layer_offset, head_offset, views_space);
 
     // Everything checked: take pages, write, then record.
     fact_record record{fact_id, namespace_id, std::move(token_ids), take_pages(pages_needed)};
     try {
-      if (views_memory == memory_kind::device) {
+      if (views_space == memory_space::device) {
         copy_from_device(record, keys, values, layer_offset, head_offset);
       } else {
         copy_from_host(record, keys, values, layer_offset, head_offset);
@@ -445,7 +444,7 @@ class kv_store {
                        std::string{"kv_store: store dtype must be float32, float16 or bfloat16, "
                                    "got "} +
                          to_string(c.store_dtype));
-    INFERSCALE_EXPECTS(!c.pinned || c.memory == memory_kind::host,
+    INFERSCALE_EXPECTS(!c.pinned || c.space == memory_space::host,
                        "kv_store: pinned applies to host pools only");
     INFERSCALE_EXPECTS(c.page_size > 0,
                        "kv_store: page_size must be positive, got " + std::to_string(c.page_size));
@@ -531,7 +530,7 @@ class kv_store {
                     fact_kv_view<T const> values,
                     std::int32_t layer_offset,
                     std::int32_t head_offset,
-                    memory_kind views_memory) const;
+                    memory_space views_space) const;
 
   template <class T>
   void copy_from_host(fact_record const& record,

@@ -47,7 +47,7 @@ void inject_tiered_async(tiered_store& tiers,
 {
   char const* const who = "inject_tiered_async";
   kv_store const& store = tiers.device_tier();
-  detail::check_injection(store, batch, cache, rotation, memory_kind::device, who);
+  detail::check_injection(store, batch, cache, rotation, memory_space::device, who);
   INFERSCALE_EXPECTS(batch.num_tokens() <= workspace.capacity(),
                      std::string{who} + ": the batch has " + std::to_string(batch.num_tokens()) +
                        " tokens, the workspace holds " + std::to_string(workspace.capacity()));

@@ -33,7 +33,7 @@
  * engine's cache is a one-layer cache (`tier_cache_layer`), so the ordinary injection runs on
  * each layer.
  *
- * With a host device tier (`memory_kind::host`, the host backend) both tiers are host memory, the
+ * With a host device tier (`memory_space::host`, the host backend) both tiers are host memory, the
  * copies are `memcpy`, and the same plan runs: that is how the staging logic is tested without a
  * GPU. C++17 plus the CUDA runtime API (as store.hpp).
  *
@@ -50,10 +50,9 @@
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/inject.hpp>
-#include <inferscale/memory_kind.hpp>
+#include <inferscale/memory_space.hpp>
 #include <inferscale/snapshot.hpp>
 #include <inferscale/store.hpp>
-
 
 #include <algorithm>
 #include <cerrno>
@@ -470,7 +469,7 @@ enum class tier_host_order : std::uint8_t {
  * tier and writes the batch (in the order `order` names). The cache bytes equal those of
  * inject_host from one store holding every fact, in either order.
  *
- * @param tiers    host tiers (`config().device.memory == host`)
+ * @param tiers    host tiers (`config().device.space == host`)
  * @param request  what admit() returned for the facts of `batch`
  * @param batch    built against `tiers.device_tier()` after admit()
  * @throw logic_error as inject_host, or if the request is stale; nothing is written then.
@@ -509,7 +508,7 @@ void save_tiers(tiered_store const& tiers, std::string const& directory);
  * @brief Restarts tiers from a snapshot written by save_tiers: the manifest is read and checked,
  * then each tier file it names must carry the checksum it recorded (files of different saves are
  * never paired); both tier files are loaded against `config` (load_store(path, target): the same
- * geometry, shard, page size and capacities; the dtype converted; the memory kind and pinning
+ * geometry, shard, page size and capacities; the dtype converted; the memory space and pinning
  * from `config`), then the residency state is checked against them before the tiered store is
  * built: a fact in both tiers has the same namespace and tokens in each; pinned facts have a
  * device copy; each namespace's LRU list is exactly its unpinned facts held in both tiers, once

@@ -50,7 +50,7 @@ kv_store make_store()
   cfg.store_dtype = dtype::float32;
   cfg.page_size   = 4;
   cfg.num_pages   = 64;
-  cfg.memory      = memory_kind::host;
+  cfg.space       = memory_space::host;
   kv_store store{cfg};
   for (auto const& [id, tokens] : fact_table()) {
     std::int64_t const c = static_cast<std::int64_t>(tokens.size());

@@ -463,7 +463,7 @@ kv_store tiny_store(std::int64_t pages = 4096)
   cfg.store_dtype = dtype::float32;
   cfg.page_size   = 4;
   cfg.num_pages   = pages;
-  cfg.memory      = memory_kind::host;
+  cfg.space       = memory_space::host;
   return kv_store{cfg};
 }
 

@@ -54,7 +54,7 @@ kv_store host_store(kv_geometry g, dtype t = dtype::float32, std::int64_t pages 
   c.store_dtype = t;
   c.page_size   = 4;
   c.num_pages   = pages;
-  c.memory      = memory_kind::host;
+  c.space       = memory_space::host;
   return kv_store{c};
 }
 

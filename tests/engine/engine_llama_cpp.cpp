@@ -68,7 +68,7 @@ kv_store make_store(kv_geometry g, std::int64_t pages = 512)
   c.store_dtype = dtype::float32;  // the hook's fp32 pre-RoPE K/V as they are
   c.page_size   = 16;
   c.num_pages   = pages;
-  c.memory      = memory_kind::host;
+  c.space       = memory_space::host;
   return kv_store{c};
 }
 

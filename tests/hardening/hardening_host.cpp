@@ -93,7 +93,7 @@ kv_store_config store_config(dtype t = dtype::bfloat16, std::int64_t num_pages =
   c.store_dtype = t;
   c.page_size   = page;
   c.num_pages   = num_pages;
-  c.memory      = memory_kind::host;
+  c.space       = memory_space::host;
   return c;
 }
 
@@ -452,7 +452,7 @@ void store_cases()
     "insert: device views into a host store", "device views need a device store", [=](kv_store& s) {
       std::vector<bfloat16_t> b(static_cast<std::size_t>(layers * 5 * heads * head_dim));
       auto const v = make_fact_kv_view<bfloat16_t const>(b.data(), layers, 5, heads, head_dim);
-      s.insert(50, 1, token_ids(5), v, v, memory_kind::device);
+      s.insert(50, 1, token_ids(5), v, v, memory_space::device);
     });
   store_case(
     "reserve: duplicate id", "already stored", [](kv_store& s) { s.reserve(3, 1, token_ids(2)); });

@@ -720,9 +720,9 @@ TEST_CASE("float16 traversal: refused where it cannot apply, nothing changed",
   c.vector_dtype         = dtype::float16;
   REQUIRE_THROWS_WITH(graph_index{c}, Catch::Contains("host_traversal_dtype float16 needs"));
   c.vector_dtype = dtype::float32;
-  c.memory       = memory_kind::device;
+  c.space        = memory_space::device;
   REQUIRE_THROWS_WITH(graph_index{c}, Catch::Contains("host-memory"));
-  c.memory               = memory_kind::host;
+  c.space                = memory_space::host;
   c.host_traversal_dtype = dtype::bfloat16;
   REQUIRE_THROWS_WITH(graph_index{c}, Catch::Contains("float32 or float16"));
 

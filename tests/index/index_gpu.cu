@@ -97,8 +97,8 @@ index_pair make_index_pair(index_config config,
 {
   index_config host_config   = config;
   index_config device_config = config;
-  host_config.memory         = memory_kind::host;
-  device_config.memory       = memory_kind::device;
+  host_config.space          = memory_space::host;
+  device_config.space        = memory_space::device;
   // the reference mode: both graphs from the exact kNN (NN-descent graphs are host-only)
   host_config.host_knn   = knn_build::exact;
   device_config.host_knn = knn_build::exact;
@@ -903,7 +903,7 @@ TEST_CASE("index device graph builder: an index built with it reaches recall@10 
   raft::device_resources res;
   std::int64_t const dim = 64;
   auto config            = small_config(dtype::float32, distance_metric::cosine, dim);
-  config.memory          = memory_kind::device;
+  config.space           = memory_space::device;
   graph_index index{config};
   test::gaussian_mixture mixture{mixture_for(config, 29)};
   std::int64_t const n = 3000;
@@ -959,7 +959,7 @@ TEST_CASE("index exact_search equals a brute-force double-precision loop", "[ind
   auto const spec                = mixture_for(normalised_config, 31);
   graph_index index{[&] {
     auto c   = config;
-    c.memory = memory_kind::device;
+    c.space  = memory_space::device;
     return c;
   }()};
   test::gaussian_mixture mixture{spec};
@@ -1064,8 +1064,8 @@ TEST_CASE("index device search after automatic compactions equals the host searc
   config.host_knn        = knn_build::exact;
   index_config host_config   = config;
   index_config device_config = config;
-  host_config.memory         = memory_kind::host;
-  device_config.memory       = memory_kind::device;
+  host_config.space          = memory_space::host;
+  device_config.space        = memory_space::device;
   graph_index host{host_config};
   graph_index device{device_config};
   test::gaussian_mixture mixture{mixture_for(config, 17)};

@@ -959,7 +959,7 @@ TEST_CASE("index: refused calls change nothing", "[index][validation]")
   SECTION("a device-memory index is not searched by the host")
   {
     index_config dev = cfg;
-    dev.memory       = memory_kind::device;
+    dev.space        = memory_space::device;
     graph_index device_index(dev);  // empty: allocates nothing yet
     std::vector<std::uint64_t> out_ids(k10);
     std::vector<float> out_d(k10);

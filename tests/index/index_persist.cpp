@@ -461,7 +461,7 @@ TEST_CASE("persist: round trip keeps namespaces, rows, graphs and search results
 
   // the loaded index
   graph_index loaded = load_index(path);
-  REQUIRE(loaded.memory() == memory_kind::host);
+  REQUIRE(loaded.space() == memory_space::host);
   require_same_contents(original, loaded);
   REQUIRE(loaded.arena_rows() == static_cast<std::int64_t>(rows));  // packed
   REQUIRE_FALSE(loaded.contains(1007));                             // deleted
@@ -499,7 +499,7 @@ TEST_CASE("persist: an empty index round-trips", "[index][persist]")
   REQUIRE(le(bytes, 40, 8) == ~std::uint64_t{0});  // -1
   REQUIRE(le(bytes, 56, 8) == 0);
   REQUIRE(le(bytes, 64, 8) == 0);
-  graph_index loaded = load_index(path, memory_kind::host);
+  graph_index loaded = load_index(path, memory_space::host);
   require_same_contents(empty, loaded);
   REQUIRE(loaded.num_namespaces() == 0);
   REQUIRE(loaded.arena_rows() == 0);
@@ -787,8 +787,8 @@ TEST_CASE("persist: load into device memory puts the same arena on the device", 
   graph_index const original = make_scenario(t, distance_metric::cosine, source);
   std::string const path     = dir.file("device.isidx");
   save_index(original, path);
-  graph_index const loaded = load_index(path, memory_kind::device);
-  REQUIRE(loaded.memory() == memory_kind::device);
+  graph_index const loaded = load_index(path, memory_space::device);
+  REQUIRE(loaded.space() == memory_space::device);
   require_same_contents(original, loaded);
 
   graph_index_ref const ref = loaded.ref();

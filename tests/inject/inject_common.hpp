@@ -237,7 +237,7 @@ inline inferscale::kv_store make_host_store(int layers,
   c.store_dtype = store_dtype;
   c.page_size   = page_size;
   c.num_pages   = pages;
-  c.memory      = inferscale::memory_kind::host;
+  c.space       = inferscale::memory_space::host;
   return inferscale::kv_store{c};
 }
 

@@ -150,7 +150,7 @@ void populate(kv_store& store, geometry_case const& g)
   }
 }
 
-kv_store_config store_config(geometry_case const& g, dtype store_dtype, memory_kind memory)
+kv_store_config store_config(geometry_case const& g, dtype store_dtype, memory_space space)
 {
   kv_store_config c{};
   c.model       = kv_geometry{g.layers, g.model_heads, g.head_dim};
@@ -159,7 +159,7 @@ kv_store_config store_config(geometry_case const& g, dtype store_dtype, memory_k
   c.store_dtype = store_dtype;
   c.page_size   = store_page_size;
   c.num_pages   = store_pages;
-  c.memory      = memory;
+  c.space       = space;
   return c;
 }
 
@@ -226,8 +226,8 @@ struct scenario {
   scenario(engine_layout layout_, geometry_case const& g_, std::int64_t rows = default_rows)
     : g{g_},
       layout{layout_},
-      host_store{store_config(g_, dtype_of_v<S>, memory_kind::host)},
-      device_store{store_config(g_, dtype_of_v<S>, memory_kind::device)},
+      host_store{store_config(g_, dtype_of_v<S>, memory_space::host)},
+      device_store{store_config(g_, dtype_of_v<S>, memory_space::device)},
       cache{layout_, g_.layers, g_.blocks, block_size, g_.heads, g_.head_dim},
       original{fill_and_copy(cache, 42 + static_cast<std::uint64_t>(layout_))},
       device_storage{original},
@@ -1196,14 +1196,14 @@ namespace {
 namespace mf = inferscale_test::memory_fixtures;
 
 /// The memory of the facade tests (tests/memory/memory_host.cpp) with its store in `where`.
-memory make_seam_memory(memory_kind where)
+memory make_seam_memory(memory_space where)
 {
   memory_config c;
   c.store.model       = inferscale_test::fake::tiny;
   c.store.store_dtype = dtype::float32;
   c.store.page_size   = 4;
   c.store.num_pages   = 64;
-  c.store.memory      = where;
+  c.store.space       = where;
   c.index.dim         = 32;
   c.index.metric      = distance_metric::cosine;
   return memory{c};
@@ -1216,8 +1216,8 @@ TEST_CASE(
   "nothing",
   "[gpu][memory]")
 {
-  memory host_memory   = make_seam_memory(memory_kind::host);
-  memory device_memory = make_seam_memory(memory_kind::device);
+  memory host_memory   = make_seam_memory(memory_space::host);
+  memory device_memory = make_seam_memory(memory_space::device);
   inferscale_test::fake::branching_model model;
   mf::word_embedder embedder;
   mf::user_data const user = mf::make_user(7, 100, 9);
@@ -1299,7 +1299,7 @@ TEST_CASE("store_captured_facts on a stream writes a host store on the host, as 
   c.store_dtype = dtype::bfloat16;
   c.page_size   = 4;
   c.num_pages   = 8;
-  c.memory      = memory_kind::host;
+  c.space       = memory_space::host;
   kv_store by_host{c};
   kv_store by_stream{c};
   kv_capture const capture = make_capture(c.model, 12);

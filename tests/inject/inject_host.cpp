@@ -741,12 +741,14 @@ TEST_CASE("truncate_to_bfloat16: fp32 rotation truncated to bf16, as vLLM's AVX2
       std::int64_t const p = 1000 + j;
       for (int h = 0; h < H; ++h) {
         for (int i = 0; i < half; ++i) {
-          volatile float const x  = static_cast<float>(stored_value(dtype::bfloat16, fact.key(l, j, h, i)));
-          volatile float const y  = static_cast<float>(stored_value(dtype::bfloat16, fact.key(l, j, h, i + half)));
-          volatile float const c  = to_float(t[static_cast<std::size_t>(p * D + i)]);
-          volatile float const sn = to_float(t[static_cast<std::size_t>(p * D + half + i)]);
-          volatile float const xc = x * c, ys = y * sn, yc = y * c, xs = x * sn;
-          volatile float const a = xc - ys, b = yc + xs;
+          float const volatile x =
+            static_cast<float>(stored_value(dtype::bfloat16, fact.key(l, j, h, i)));
+          float const volatile y =
+            static_cast<float>(stored_value(dtype::bfloat16, fact.key(l, j, h, i + half)));
+          float const volatile c  = to_float(t[static_cast<std::size_t>(p * D + i)]);
+          float const volatile sn = to_float(t[static_cast<std::size_t>(p * D + half + i)]);
+          float const volatile xc = x * c, ys = y * sn, yc = y * c, xs = x * sn;
+          float const volatile a = xc - ys, b = yc + xs;
           CAPTURE(l, j, h, i);
           REQUIRE(bits(ec.key(l, slots[static_cast<std::size_t>(j)], h, i)) == upper(a));
           REQUIRE(bits(ec.key(l, slots[static_cast<std::size_t>(j)], h, i + half)) == upper(b));
@@ -971,7 +973,7 @@ TEST_CASE("a store holding a layer and head shard fills the rank's cache", "[inj
   c.store_dtype = dtype::float32;
   c.page_size   = 2;
   c.num_pages   = 8;
-  c.memory      = memory_kind::host;
+  c.space       = memory_space::host;
   kv_store store{c};
   REQUIRE(store.geometry() == (kv_geometry{2, 2, D}));
 

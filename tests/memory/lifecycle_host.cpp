@@ -38,7 +38,7 @@ memory make_memory(std::int64_t pages = 512, search_algo algo = search_algo::aut
   c.store.store_dtype = dtype::float32;
   c.store.page_size   = 4;
   c.store.num_pages   = pages;
-  c.store.memory      = memory_kind::host;
+  c.store.space       = memory_space::host;
   c.index.dim         = 32;
   c.index.metric      = distance_metric::cosine;
   c.search.algo       = algo;

@@ -32,7 +32,7 @@ memory make_memory()
   c.store.store_dtype = dtype::float32;
   c.store.page_size   = 4;
   c.store.num_pages   = 512;
-  c.store.memory      = memory_kind::host;
+  c.store.space       = memory_space::host;
   c.index.dim         = 32;
   c.index.metric      = distance_metric::cosine;
   return memory{c};

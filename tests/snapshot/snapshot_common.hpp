@@ -147,7 +147,7 @@ inline void refresh_checksums(std::vector<unsigned char>& file)
 inline inferscale::kv_store_config shard_config(
   inferscale::dtype t,
   std::int64_t pages,
-  inferscale::memory_kind memory = inferscale::memory_kind::host)
+  inferscale::memory_space space = inferscale::memory_space::host)
 {
   inferscale::kv_store_config c;
   c.model       = inferscale::kv_geometry{3, 4, 4};
@@ -158,7 +158,7 @@ inline inferscale::kv_store_config shard_config(
   c.store_dtype = t;
   c.page_size   = 4;
   c.num_pages   = pages;
-  c.memory      = memory;
+  c.space       = space;
   return c;
 }
 
@@ -197,9 +197,9 @@ inline std::vector<std::uint64_t> const scrambled_namespaces{0, 1, 2, 3, 5, 99};
 /// reused, stale bytes left in free pages), a namespace emptied, a reservation (its pages keep
 /// whatever they held), fact id 0.
 inline inferscale::kv_store scrambled_store(
-  inferscale::dtype t, inferscale::memory_kind memory = inferscale::memory_kind::host)
+  inferscale::dtype t, inferscale::memory_space space = inferscale::memory_space::host)
 {
-  inferscale::kv_store store{shard_config(t, 16, memory)};
+  inferscale::kv_store store{shard_config(t, 16, space)};
   insert_fact(store, 10, 1, 5);  // 2 pages
   insert_fact(store, 11, 2, 3);  // 1
   insert_fact(store, 12, 1, 9);  // 3

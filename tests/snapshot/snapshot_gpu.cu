@@ -20,8 +20,8 @@ TEST_CASE("snapshot: device stores save and load the bytes host stores do", "[gp
   scratch_dir dir;
   dtype const t = GENERATE(dtype::float32, dtype::float16, dtype::bfloat16);
   CAPTURE(to_string(t));
-  kv_store const host   = scrambled_store(t, memory_kind::host);
-  kv_store const device = scrambled_store(t, memory_kind::device);
+  kv_store const host   = scrambled_store(t, memory_space::host);
+  kv_store const device = scrambled_store(t, memory_space::device);
   save_store(host, dir.file("host.iskv"));
   save_store(device, dir.file("device.iskv"));
   REQUIRE(read_bytes(dir.file("host.iskv")) == read_bytes(dir.file("device.iskv")));
@@ -31,10 +31,10 @@ TEST_CASE("snapshot: device stores save and load the bytes host stores do", "[gp
     store_load_options on_host;
     on_host.store_dtype          = to;
     store_load_options on_device = on_host;
-    on_device.memory             = memory_kind::device;
+    on_device.space              = memory_space::device;
     kv_store const a             = load_store(dir.file("host.iskv"), on_host);
     kv_store const b             = load_store(dir.file("host.iskv"), on_device);
-    CHECK(b.memory() == memory_kind::device);
+    CHECK(b.space() == memory_space::device);
     CHECK(a.pool_to_host() == b.pool_to_host());
     for (std::uint64_t id : scrambled_ids) {
       CHECK(a.at(id).pages == b.at(id).pages);

@@ -352,7 +352,7 @@ TEST_CASE("snapshot: a round trip is byte-identical and keeps the catalogue and 
   std::string const first = dir.file("first.iskv");
   save_store(store, first);
   kv_store loaded = load_store(first);
-  CHECK(loaded.memory() == memory_kind::host);
+  CHECK(loaded.space() == memory_space::host);
   CHECK(loaded.store_dtype() == t);
   require_same_store(store, loaded, scrambled_ids);
 

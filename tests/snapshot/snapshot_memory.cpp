@@ -34,7 +34,7 @@ memory_config make_config()
   c.store.store_dtype = dtype::bfloat16;
   c.store.page_size   = 4;
   c.store.num_pages   = 256;
-  c.store.memory      = memory_kind::host;
+  c.store.space       = memory_space::host;
   c.index.dim         = 32;
   c.index.metric      = distance_metric::cosine;
   return c;

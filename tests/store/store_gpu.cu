@@ -118,14 +118,14 @@ struct shard {
   std::int32_t first_layer, num_layers, first_head, num_heads;
 };
 
-kv_store_config make_config(dtype t, memory_kind m, shard const& s)
+kv_store_config make_config(dtype t, memory_space m, shard const& s)
 {
   kv_store_config c;
   c.model       = kv_geometry{3, 4, 8};
   c.store_dtype = t;
   c.page_size   = 3;
   c.num_pages   = 20;
-  c.memory      = m;
+  c.space       = m;
   c.first_layer = s.first_layer;
   c.num_layers  = s.num_layers;
   c.first_head  = s.first_head;
@@ -166,10 +166,10 @@ TEMPLATE_TEST_CASE("a device store holds what a host store holds, byte for byte"
   std::int64_t const ps = 3;
   dtype const t         = dtype_of_v<TestType>;
   pool_shape const shape{L, H, D, ps, t};
-  kv_store device{make_config(t, memory_kind::device, s)};
-  kv_store host{make_config(t, memory_kind::host, s)};
+  kv_store device{make_config(t, memory_space::device, s)};
+  kv_store host{make_config(t, memory_space::host, s)};
   clear_device_pool(device);
-  REQUIRE(device.memory() == memory_kind::device);
+  REQUIRE(device.space() == memory_space::device);
   REQUIRE(device.pool_to_host() == host.pool_to_host());
 
   // 1. Float host views (converted on the host), padded token rows, whole-model shape, 7 tokens.
@@ -181,21 +181,21 @@ TEMPLATE_TEST_CASE("a device store holds what a host store holds, byte for byte"
   auto const f2 = make_input<TestType>(3, 5, 4, 8, 0, 2);
   device_buffer<TestType> d2(f2.buffer);
   device.insert(
-    2, 0, token_ids_for(2, 5), f2.keys(d2.data()), f2.values(d2.data()), memory_kind::device);
+    2, 0, token_ids_for(2, 5), f2.keys(d2.data()), f2.values(d2.data()), memory_space::device);
   host.insert(2, 0, token_ids_for(2, 5), f2.keys(f2.buffer.data()), f2.values(f2.buffer.data()));
 
   // 3. Device views with padded token rows (token stride 4 * 8 + 6), whole-model shape, 4 tokens.
   auto const f3 = make_input<TestType>(3, 4, 4, 8, 6, 3);
   device_buffer<TestType> d3(f3.buffer);
   device.insert(
-    3, 1, token_ids_for(3, 4), f3.keys(d3.data()), f3.values(d3.data()), memory_kind::device);
+    3, 1, token_ids_for(3, 4), f3.keys(d3.data()), f3.values(d3.data()), memory_space::device);
   host.insert(3, 1, token_ids_for(3, 4), f3.keys(f3.buffer.data()), f3.values(f3.buffer.data()));
 
   // 4. Shard-shaped device views with padded rows, 6 tokens (two full pages).
   auto const f4 = make_input<TestType>(L, 6, H, 8, 2, 4);
   device_buffer<TestType> d4(f4.buffer);
   device.insert(
-    4, 1, token_ids_for(4, 6), f4.keys(d4.data()), f4.values(d4.data()), memory_kind::device);
+    4, 1, token_ids_for(4, 6), f4.keys(d4.data()), f4.values(d4.data()), memory_space::device);
   host.insert(4, 1, token_ids_for(4, 6), f4.keys(f4.buffer.data()), f4.values(f4.buffer.data()));
 
   // 5. Shard-shaped host views of the store dtype, 1 token.
@@ -250,7 +250,7 @@ TEMPLATE_TEST_CASE("a device store holds what a host store holds, byte for byte"
   auto const f6 = make_input<TestType>(3, 6, 4, 8, 3, 6);
   device_buffer<TestType> d6(f6.buffer);
   device.insert(
-    6, 0, token_ids_for(6, 6), f6.keys(d6.data()), f6.values(d6.data()), memory_kind::device);
+    6, 0, token_ids_for(6, 6), f6.keys(d6.data()), f6.values(d6.data()), memory_space::device);
   host.insert(6, 0, token_ids_for(6, 6), f6.keys(f6.buffer.data()), f6.values(f6.buffer.data()));
   REQUIRE(device.at(6).pages == host.at(6).pages);
   REQUIRE(device.pool_to_host() == host.pool_to_host());
@@ -261,11 +261,11 @@ TEMPLATE_TEST_CASE(
 {
   using other   = typename other_type<TestType>::type;
   dtype const t = dtype_of_v<TestType>;
-  kv_store device{make_config(t, memory_kind::device, shard{0, 0, 0, 0})};
+  kv_store device{make_config(t, memory_space::device, shard{0, 0, 0, 0})};
   auto const f1 = make_input<TestType>(3, 8, 4, 8, 0, 1);
   device_buffer<TestType> d1(f1.buffer);
   device.insert(
-    1, 0, token_ids_for(1, 8), f1.keys(d1.data()), f1.values(d1.data()), memory_kind::device);
+    1, 0, token_ids_for(1, 8), f1.keys(d1.data()), f1.values(d1.data()), memory_space::device);
   auto const f2 = make_input<float>(3, 5, 4, 8, 2, 2);
   device.insert(2, 0, token_ids_for(2, 5), f2.keys(f2.buffer.data()), f2.values(f2.buffer.data()));
   device.erase(1);
@@ -296,21 +296,21 @@ TEMPLATE_TEST_CASE(
                                   token_ids_for(3, 4),
                                   wrong.keys(dw.data()),
                                   wrong.values(dw.data()),
-                                  memory_kind::device),
+                                  memory_space::device),
                     inferscale::logic_error);
   unchanged("device views of another dtype");
 
   // Device views whose heads are not contiguous within a token (head stride 2 * head_dim).
   {
     auto const k = make_fact_kv_view<TestType const>(dg.data(), 3, 2, 4, 8, {2 * 64, 64, 16, 1});
-    REQUIRE_THROWS_AS(device.insert(3, 0, token_ids_for(3, 2), k, k, memory_kind::device),
+    REQUIRE_THROWS_AS(device.insert(3, 0, token_ids_for(3, 2), k, k, memory_space::device),
                       inferscale::logic_error);
     unchanged("device views with strided heads");
   }
   // Device views with a non-unit element stride (heads innermost: element stride 4).
   {
     auto const k = make_fact_kv_view<TestType const>(dg.data(), 3, 1, 4, 8, {32, 32, 1, 4});
-    REQUIRE_THROWS_AS(device.insert(3, 0, token_ids_for(3, 1), k, k, memory_kind::device),
+    REQUIRE_THROWS_AS(device.insert(3, 0, token_ids_for(3, 1), k, k, memory_space::device),
                       inferscale::logic_error);
     unchanged("device views with strided elements");
   }
@@ -323,31 +323,37 @@ TEMPLATE_TEST_CASE(
                                     token_ids_for(3, 57),
                                     big.keys(db.data()),
                                     big.values(db.data()),
-                                    memory_kind::device),
+                                    memory_space::device),
                       inferscale::logic_error);
     unchanged("capacity exhausted");
   }
   // Duplicate id, token count mismatch, keys/values shape mismatch, wrong layers.
-  REQUIRE_THROWS_AS(
-    device.insert(
-      2, 0, token_ids_for(2, 4), good.keys(dg.data()), good.values(dg.data()), memory_kind::device),
-    inferscale::logic_error);
+  REQUIRE_THROWS_AS(device.insert(2,
+                                  0,
+                                  token_ids_for(2, 4),
+                                  good.keys(dg.data()),
+                                  good.values(dg.data()),
+                                  memory_space::device),
+                    inferscale::logic_error);
   unchanged("duplicate id");
-  REQUIRE_THROWS_AS(
-    device.insert(
-      3, 0, token_ids_for(3, 3), good.keys(dg.data()), good.values(dg.data()), memory_kind::device),
-    inferscale::logic_error);
+  REQUIRE_THROWS_AS(device.insert(3,
+                                  0,
+                                  token_ids_for(3, 3),
+                                  good.keys(dg.data()),
+                                  good.values(dg.data()),
+                                  memory_space::device),
+                    inferscale::logic_error);
   unchanged("token id count");
   {
     auto const v = make_fact_kv_view<TestType const>(dg.data(), 3, 3, 4, 8, good.strides());
     REQUIRE_THROWS_AS(
-      device.insert(3, 0, token_ids_for(3, 4), good.keys(dg.data()), v, memory_kind::device),
+      device.insert(3, 0, token_ids_for(3, 4), good.keys(dg.data()), v, memory_space::device),
       inferscale::logic_error);
     unchanged("keys and values of different shapes");
   }
   {
     auto const k = make_fact_kv_view<TestType const>(dg.data(), 2, 4, 4, 8, good.strides());
-    REQUIRE_THROWS_AS(device.insert(3, 0, token_ids_for(3, 4), k, k, memory_kind::device),
+    REQUIRE_THROWS_AS(device.insert(3, 0, token_ids_for(3, 4), k, k, memory_space::device),
                       inferscale::logic_error);
     unchanged("layers neither the model's nor the shard's");
   }
@@ -360,22 +366,22 @@ TEMPLATE_TEST_CASE(
 
   // And the store still works.
   device.insert(
-    3, 0, token_ids_for(3, 4), good.keys(dg.data()), good.values(dg.data()), memory_kind::device);
+    3, 0, token_ids_for(3, 4), good.keys(dg.data()), good.values(dg.data()), memory_space::device);
   REQUIRE(device.num_facts() == 2);
 }
 
 TEST_CASE("moving a device store keeps its pool", "[gpu][store]")
 {
-  kv_store a{make_config(dtype::bfloat16, memory_kind::device, shard{0, 0, 0, 0})};
+  kv_store a{make_config(dtype::bfloat16, memory_space::device, shard{0, 0, 0, 0})};
   auto const f = make_input<bfloat16_t>(3, 5, 4, 8, 0, 1);
   device_buffer<bfloat16_t> d(f.buffer);
-  a.insert(1, 0, token_ids_for(1, 5), f.keys(d.data()), f.values(d.data()), memory_kind::device);
+  a.insert(1, 0, token_ids_for(1, 5), f.keys(d.data()), f.values(d.data()), memory_space::device);
   auto const pool = a.pool_to_host();
   void* const raw = a.ref().pool;
   kv_store b{std::move(a)};
   REQUIRE(b.ref().pool == raw);
   REQUIRE(b.pool_to_host() == pool);
-  kv_store c{make_config(dtype::bfloat16, memory_kind::device, shard{0, 0, 0, 0})};
+  kv_store c{make_config(dtype::bfloat16, memory_space::device, shard{0, 0, 0, 0})};
   c = std::move(b);
   REQUIRE(c.pool_to_host() == pool);
   REQUIRE(c.at(1).token_ids == token_ids_for(1, 5));
@@ -387,8 +393,8 @@ TEST_CASE("moving a device store keeps its pool", "[gpu][store]")
 TEST_CASE("device and host pools are byte-for-byte equal from a fresh store, through page reuse",
           "[gpu][store]")
 {
-  kv_store device{make_config(dtype::bfloat16, memory_kind::device, shard{0, 0, 0, 0})};
-  kv_store host{make_config(dtype::bfloat16, memory_kind::host, shard{0, 0, 0, 0})};
+  kv_store device{make_config(dtype::bfloat16, memory_space::device, shard{0, 0, 0, 0})};
+  kv_store host{make_config(dtype::bfloat16, memory_space::host, shard{0, 0, 0, 0})};
   auto const f1 = make_input<bfloat16_t>(3, 9, 4, 8, 0, 1);  // 3 full pages
   device.insert(1, 0, token_ids_for(1, 9), f1.keys(f1.buffer.data()), f1.values(f1.buffer.data()));
   host.insert(1, 0, token_ids_for(1, 9), f1.keys(f1.buffer.data()), f1.values(f1.buffer.data()));
@@ -397,7 +403,7 @@ TEST_CASE("device and host pools are byte-for-byte equal from a fresh store, thr
   auto const f2 = make_input<bfloat16_t>(3, 4, 4, 8, 0, 2);  // 2 pages, the last holds 1 token
   device_buffer<bfloat16_t> d2(f2.buffer);
   device.insert(
-    2, 0, token_ids_for(2, 4), f2.keys(d2.data()), f2.values(d2.data()), memory_kind::device);
+    2, 0, token_ids_for(2, 4), f2.keys(d2.data()), f2.values(d2.data()), memory_space::device);
   host.insert(2, 0, token_ids_for(2, 4), f2.keys(f2.buffer.data()), f2.values(f2.buffer.data()));
   REQUIRE(device.at(2).pages == host.at(2).pages);
   REQUIRE(device.pool_to_host() == host.pool_to_host());

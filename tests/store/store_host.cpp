@@ -353,7 +353,7 @@ kv_store_config host_config(kv_geometry model, dtype t, std::int32_t page_size, 
   c.store_dtype = t;
   c.page_size   = page_size;
   c.num_pages   = pages;
-  c.memory      = memory_kind::host;
+  c.space       = memory_space::host;
   return c;
 }
 
@@ -888,12 +888,12 @@ std::vector<refusal> refusals()
     {"device views of another dtype into a host store",
      [=](kv_store& s) {
        auto const in = ok(5);
-       s.insert(3, 1, token_ids_for(3, 5), in.keys(), in.values(), memory_kind::device);
+       s.insert(3, 1, token_ids_for(3, 5), in.keys(), in.values(), memory_space::device);
      }},
     {"device views of the store dtype into a host store",
      [=](kv_store& s) {
        auto const in = exact_input<bfloat16_t>(3, 5, 2, 4, 4);
-       s.insert(3, 1, token_ids_for(3, 5), in.keys(), in.values(), memory_kind::device);
+       s.insert(3, 1, token_ids_for(3, 5), in.keys(), in.values(), memory_space::device);
      }},
     {"erase of an unknown id", [](kv_store& s) { s.erase(1); }},
     {"reserve of a duplicate id",
@@ -1130,7 +1130,7 @@ TEST_CASE("moving a store keeps its contents", "[store]")
   REQUIRE(b.geometry() == (kv_geometry{2, 2, 4}));
   REQUIRE(b.page_size() == 3);
   REQUIRE(b.num_pages() == 12);
-  REQUIRE(b.memory() == memory_kind::host);
+  REQUIRE(b.space() == memory_space::host);
   REQUIRE(b.namespace_fact_ids(10) == std::vector<std::uint64_t>{1});
   check_fact(b.pool_to_host(), shape, b.at(2), f2);
 

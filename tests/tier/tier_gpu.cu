@@ -33,7 +33,7 @@ kv_store_config gpu_store_config(std::int64_t pages)
   c.store_dtype = dtype::bfloat16;
   c.page_size   = gpu_page;
   c.num_pages   = pages;
-  c.memory      = memory_kind::device;
+  c.space       = memory_space::device;
   return c;
 }
 

@@ -39,7 +39,7 @@ tiered_store_config make_config(std::int64_t device_pages,
   c.device.store_dtype = dtype::bfloat16;
   c.device.page_size   = page_size;
   c.device.num_pages   = device_pages;
-  c.device.memory      = memory_kind::host;
+  c.device.space           = memory_space::host;
   c.host_pages         = host_pages;
   c.namespace_device_pages = quota;
   return c;

@@ -46,7 +46,7 @@ int main()
     config.store.model       = ctx.geometry();
     config.store.store_dtype = dtype::float32;
     config.store.num_pages   = 256;
-    config.store.memory      = memory_kind::host;
+    config.store.space       = memory_space::host;
     config.index.dim         = embedder.dimension();
     config.index.metric      = distance_metric::cosine;
     memory mem{config};

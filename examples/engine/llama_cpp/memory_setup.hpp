@@ -34,7 +34,7 @@ inline kv_store make_memory_store(kv_geometry const& geometry)
   config.store_dtype = dtype::float32;
   config.page_size   = 16;
   config.num_pages   = 512;
-  config.memory      = memory_kind::host;
+  config.space       = memory_space::host;
   return kv_store{config};
 }
 

@@ -17,8 +17,8 @@
  * The stand-in declares the few runtime names the host headers use, in
  * `inferscale::detail::host_only_runtime` (pulled into `inferscale` by a using-directive, never
  * into the global namespace, so it cannot collide with a real CUDA header elsewhere). Its
- * allocators and copies return `cudaErrorNoDevice`, so `memory_kind::device` and
- * `memory_kind::pinned` objects are refused by `INFERSCALE_CUDA_TRY` with a `cuda_error` that says
+ * allocators and copies return `cudaErrorNoDevice`, so `memory_space::device` and
+ * `memory_space::pinned` objects are refused by `INFERSCALE_CUDA_TRY` with a `cuda_error` that says
  * the build has no CUDA runtime; `visible_device_count()` is 0. Error values are CUDA's own
  * (CUDA Runtime API, `cudaError` enum: cudaSuccess = 0, cudaErrorNoDevice = 100).
  */

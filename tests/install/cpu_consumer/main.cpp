@@ -116,7 +116,7 @@ int main()
   c.store.store_dtype = dtype::float32;
   c.store.page_size   = 4;
   c.store.num_pages   = 16;
-  c.store.memory      = memory_kind::host;
+  c.store.space       = memory_space::host;
   c.index.dim         = 4;
   c.index.metric      = distance_metric::cosine;
   memory m{c};
@@ -169,7 +169,7 @@ int main()
   // Without the CUDA runtime: no devices, and device memory is refused with a clear error.
   expect(visible_device_count() == 0, "no CUDA device visible in a CPU-only build");
   kv_store_config dc = c.store;
-  dc.memory          = memory_kind::device;
+  dc.space           = memory_space::device;
   bool refused       = false;
   try {
     kv_store device_store{dc};

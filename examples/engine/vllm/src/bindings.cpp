@@ -163,7 +163,7 @@ class store_handle {
         static_cast<T const*>(as_pointer(keys.data)), ks[0], ks[1], ks[2], ks[3], kt);
       auto vv_ = make_fact_kv_view(
         static_cast<T const*>(as_pointer(values.data)), vs[0], vs[1], vs[2], vs[3], vt);
-      store_.insert(fact_id, namespace_id, std::move(token_ids), kv_, vv_, memory_kind::host);
+      store_.insert(fact_id, namespace_id, std::move(token_ids), kv_, vv_, memory_space::host);
     };
     switch (t) {
       case dtype::float32: run(float{}); break;
@@ -182,7 +182,7 @@ class store_handle {
     fact_record const& f = store_.at(id);
     kv_store_ref r       = store_.ref();
     std::vector<unsigned char> host_pool;
-    if (store_.memory() == memory_kind::device) {
+    if (store_.space() == memory_space::device) {
       host_pool = store_.pool_to_host();  // waits; reading a device store is not a hot path
       r.pool    = host_pool.data();
     }
@@ -218,11 +218,11 @@ class store_handle {
   store_handle to_device() const
   {
     expect_cuda_build("Store.to_device");
-    if (store_.memory() != memory_kind::host) {
+    if (store_.space() != memory_space::host) {
       throw std::invalid_argument("Store.to_device: the store is already in device memory");
     }
     kv_store_config c = store_.config();
-    c.memory          = memory_kind::device;
+    c.space           = memory_space::device;
     c.pinned          = false;
     kv_store device{c};
     kv_store_ref const r  = store_.ref();
@@ -250,7 +250,7 @@ class store_handle {
                                       g.num_kv_heads, g.head_dim);
           auto vv = make_fact_kv_view(static_cast<T const*>(v.data()), g.num_layers, n,
                                       g.num_kv_heads, g.head_dim);
-          device.insert(id, ns, f.token_ids, kv, vv, memory_kind::host);
+          device.insert(id, ns, f.token_ids, kv, vv, memory_space::host);
         }
       }
     };
@@ -284,7 +284,7 @@ kv_store_config make_config(std::int32_t layers,
   c.page_size   = page_size;
   c.first_head  = first_head;
   c.num_heads   = num_heads;
-  c.memory      = device ? memory_kind::device : memory_kind::host;
+  c.space       = device ? memory_space::device : memory_space::host;
   return c;
 }
 
@@ -478,7 +478,7 @@ std::int64_t inject_async(store_handle const& store,
 {
   expect_cuda_build("inject_async");
   kv_store const& s = store.get();
-  if (s.memory() != memory_kind::device) {
+  if (s.space() != memory_space::device) {
     throw std::invalid_argument(
       "inject_async: the store's pool is in host memory; the device path reads a device store "
       "(Store.to_device(), or Store.load(path, device=True))");
@@ -620,7 +620,7 @@ class index_handle {
     c.graph_degree              = graph_degree;
     c.intermediate_graph_degree = intermediate_graph_degree;
     c.exact_search_threshold    = exact_search_threshold;
-    c.memory                    = memory_kind::host;
+    c.space                     = memory_space::host;
     c.build_threads             = build_threads;
     return c;
   }
@@ -658,32 +658,53 @@ NB_MODULE(_inferscale, m)
   nb::class_<store_handle>(m, "Store")
     .def(
       "__init__",
-      [](store_handle* self, std::int32_t layers, std::int32_t heads, std::int32_t head_dim,
-         std::string const& dtype_name, std::int64_t num_pages, std::int32_t page_size,
-         std::int32_t first_head, std::int32_t num_heads, bool device) {
+      [](store_handle* self,
+         std::int32_t layers,
+         std::int32_t heads,
+         std::int32_t head_dim,
+         std::string const& dtype_name,
+         std::int64_t num_pages,
+         std::int32_t page_size,
+         std::int32_t first_head,
+         std::int32_t num_heads,
+         bool device) {
         new (self) store_handle(kv_store(make_config(layers, heads, head_dim, dtype_name, num_pages,
                                                      page_size, first_head, num_heads, device)));
       },
-      nb::arg("num_layers"), nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("dtype"),
-      nb::arg("num_pages"), nb::arg("page_size") = 16, nb::arg("first_head") = 0,
-      nb::arg("num_heads") = 0, nb::arg("device") = false)
+      nb::arg("num_layers"),
+      nb::arg("num_kv_heads"),
+      nb::arg("head_dim"),
+      nb::arg("dtype"),
+      nb::arg("num_pages"),
+      nb::arg("page_size")  = 16,
+      nb::arg("first_head") = 0,
+      nb::arg("num_heads")  = 0,
+      nb::arg("device")     = false)
     .def_static(
       "load",
       [](std::string const& path, std::optional<std::string> const& as_dtype, bool device) {
         if (device) { expect_cuda_build("Store.load(device=True)"); }
         store_load_options o;
-        o.memory = device ? memory_kind::device : memory_kind::host;
+        o.space = device ? memory_space::device : memory_space::host;
         if (as_dtype) { o.store_dtype = parse_dtype(*as_dtype); }
         return new store_handle(load_store(path, o));
       },
-      nb::arg("path"), nb::arg("dtype") = nb::none(), nb::arg("device") = false)
-    .def("to_device", &store_handle::to_device,
+      nb::arg("path"),
+      nb::arg("dtype")  = nb::none(),
+      nb::arg("device") = false)
+    .def("to_device",
+         &store_handle::to_device,
          "A copy of this host store in device memory (same ids, namespaces and bytes).")
     .def_prop_ro("device",
-                 [](store_handle const& s) { return s.get().memory() == memory_kind::device; })
+                 [](store_handle const& s) { return s.get().memory() == memory_space::device; })
     .def("save", [](store_handle const& s, std::string const& path) { save_store(s.get(), path); })
-    .def("insert", &store_handle::insert, nb::arg("fact_id"), nb::arg("namespace"),
-         nb::arg("token_ids"), nb::arg("keys"), nb::arg("values"))
+    .def("insert",
+         &store_handle::insert,
+         nb::arg("fact_id"),
+         nb::arg("namespace"),
+         nb::arg("token_ids"),
+         nb::arg("keys"),
+         nb::arg("values"))
     .def("read", &store_handle::read, nb::arg("fact_id"), nb::arg("keys"), nb::arg("values"))
     .def("erase", [](store_handle& s, std::uint64_t id) { s.get().erase(id); })
     .def("contains", [](store_handle const& s, std::uint64_t id) { return s.get().contains(id); })
@@ -708,7 +729,8 @@ NB_MODULE(_inferscale, m)
            }
            return s.get().at(id).namespace_id;
          })
-    .def("facts", [](store_handle const& s, std::uint64_t ns) { return s.get().namespace_fact_ids(ns); })
+    .def("facts",
+         [](store_handle const& s, std::uint64_t ns) { return s.get().namespace_fact_ids(ns); })
     .def("composed_tokens", &composed_tokens, nb::arg("facts"))
     .def_prop_ro("geometry",
                  [](store_handle const& s) {
@@ -721,7 +743,8 @@ NB_MODULE(_inferscale, m)
                    return std::make_tuple(g.num_layers, g.num_kv_heads, g.head_dim);
                  })
     .def_prop_ro("first_head", [](store_handle const& s) { return s.get().config().first_head; })
-    .def_prop_ro("dtype", [](store_handle const& s) { return std::string{to_string(s.get().store_dtype())}; })
+    .def_prop_ro(
+      "dtype", [](store_handle const& s) { return std::string{to_string(s.get().store_dtype())}; })
     .def_prop_ro("version", [](store_handle const& s) { return s.get().version(); })
     .def_prop_ro("num_facts", [](store_handle const& s) { return s.get().num_facts(); })
     .def_prop_ro("free_pages", [](store_handle const& s) { return s.get().free_pages(); });

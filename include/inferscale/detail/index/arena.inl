@@ -557,11 +557,11 @@ inline void graph_index::check_traversal_dtype(index_config const& config, char 
                      std::string{who} + ": host_traversal_dtype is float32 or float16, got " +
                        to_string(config.host_traversal_dtype));
   INFERSCALE_EXPECTS(config.host_traversal_dtype == dtype::float32 ||
-                       (config.vector_dtype == dtype::float32 && config.memory == memory_kind::host),
+                       (config.vector_dtype == dtype::float32 && config.space == memory_space::host),
                      std::string{who} +
                        ": host_traversal_dtype float16 needs a host-memory index of float32 "
                        "vectors (got vector_dtype " + to_string(config.vector_dtype) + ", " +
-                       (config.memory == memory_kind::host ? "host" : "device") + " memory)");
+                       (config.space == memory_space::host ? "host" : "device") + " memory)");
 }
 
 inline void graph_index::write_traversal(std::size_t t, std::uint32_t first, std::uint32_t count)
@@ -631,7 +631,7 @@ inline void graph_index::free_device() noexcept
 
 inline void graph_index::reallocate_device()
 {
-  if (config_.memory != memory_kind::device) { return; }
+  if (config_.space != memory_space::device) { return; }
   free_device();
   std::int64_t const rows = std::max<std::int64_t>(arena_capacity_, 1);
   INFERSCALE_CUDA_TRY(cudaMalloc(&d_vectors_, static_cast<std::size_t>(rows * row_elements_) * element_size_));
@@ -669,7 +669,7 @@ inline void graph_index::copy_rows(std::int64_t begin, std::int64_t count, unsig
 
 inline void graph_index::upload_tenant(std::size_t t, std::uint32_t first_new, unsigned parts)
 {
-  if (config_.memory != memory_kind::device) { return; }
+  if (config_.space != memory_space::device) { return; }
   if (device_stale_ || d_capacity_ < arena_capacity_) {
     reallocate_device();
     return;

@@ -35,7 +35,7 @@ void search(graph_index const& index,
             matrix_view<std::uint64_t> out_ids,
             matrix_view<float> out_distances)
 {
-  INFERSCALE_EXPECTS(index.config_.memory == memory_kind::host,
+  INFERSCALE_EXPECTS(index.config_.space == memory_space::host,
                      "inferscale::search: this index lives in device memory; use the overload "
                      "taking raft::resources from index.cuh");
   std::vector<std::int64_t> tenant_index = index.check_search(queries,
@@ -209,14 +209,14 @@ inline std::int64_t graph_index::exact_search_threshold(search_params const& p,
                                                        std::uint32_t rows) const noexcept
 {
   if (config_.exact_search_threshold >= 0) { return config_.exact_search_threshold; }
-  if (config_.memory == memory_kind::host && p.host_mode == host_search_mode::fast) {
+  if (config_.space == memory_space::host && p.host_mode == host_search_mode::fast) {
     return static_cast<std::int64_t>(
       detail::index::host_fast_graph_cost_factor *
       detail::index::estimated_fast_graph_distances(resolved_itopk(p.itopk_size, 1),
                                                     entry_point_count(rows),
                                                     config_.graph_degree));
   }
-  double const factor = config_.memory == memory_kind::device
+  double const factor = config_.space == memory_space::device
                           ? detail::index::device_graph_cost_factor
                           : detail::index::host_graph_cost_factor;
   auto const plan = plan_for(rows, 1, p);

@@ -37,14 +37,14 @@
  * |        |  4Dn  |   graph rows, uint32 node ids local to the tenant (0xFFFFFFFF = empty)    |
  * |  end-8 |     8 | checksum: CRC-64 of every byte before it                                  |
  *
- * The file is therefore exactly `88 + 16 T + R (9 + W + 4 D)` bytes. The memory kind is not
+ * The file is therefore exactly `88 + 16 T + R (9 + W + 4 D)` bytes. The memory space is not
  * stored: `load_index` chooses it; nor are the build knobs `host_knn`, `nn_descent` and
  * `build_threads`, nor `max_row_overhead` (the loaded config has their defaults; they only matter
  * for later mutations), nor `host_traversal_dtype` (the float16 copy is derived from the rows:
- * `graph_index::set_host_traversal_dtype` makes it on the loaded index). Erased namespaces are not stored, and the loaded arena is
- * packed (each tenant's capacity is its size), so holes and `version()` are not kept; namespaces,
- * row order, fact ids, deleted flags, vectors and graph bytes are, so searches give identical
- * results.
+ * `graph_index::set_host_traversal_dtype` makes it on the loaded index). Erased namespaces are not
+ * stored, and the loaded arena is packed (each tenant's capacity is its size), so holes and
+ * `version()` are not kept; namespaces, row order, fact ids, deleted flags, vectors and graph bytes
+ * are, so searches give identical results.
  *
  * CRC-64 is CRC-64/XZ: the ECMA-182 polynomial 0x42F0E1EBA9EA3693 bit-reflected
  * (0xC96C5795D7870F42), initial value and final XOR all ones; `crc64("123456789")` is
@@ -395,10 +395,10 @@ struct index_access {
   }
 
   /// @brief Builds an index from checked contents (packed arena: capacity = size per tenant).
-  static graph_index assemble(staged_index&& s, memory_kind memory)
+  static graph_index assemble(staged_index&& s, memory_space space)
   {
     index_config config = s.config;
-    config.memory       = memory;
+    config.space        = space;
     graph_index index{config};
     std::int64_t const rows = static_cast<std::int64_t>(s.ids.size());
     index.vectors_          = std::move(s.vectors);

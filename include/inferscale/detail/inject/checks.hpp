@@ -95,14 +95,14 @@ void check_injection(kv_store const& store,
                      injection_batch const& batch,
                      paged_kv_cache const& cache,
                      Rotation const& rotation,
-                     memory_kind backend,
+                     memory_space backend,
                      char const* who)
 {
   INFERSCALE_EXPECTS(&batch.store() == &store,
                      std::string{who} + ": the batch was built for a different store");
   batch.check_store(who);
-  INFERSCALE_EXPECTS(store.memory() == backend,
-                     std::string{who} + ": the store's pool is in " + to_string(store.memory()) +
+  INFERSCALE_EXPECTS(store.space() == backend,
+                     std::string{who} + ": the store's pool is in " + to_string(store.space()) +
                        " memory, this backend reads " + to_string(backend) + " memory");
   check_store_cache_geometry(store, cache, who);
   INFERSCALE_EXPECTS(batch.max_slot() < cache.num_slots(),
@@ -110,7 +110,7 @@ void check_injection(kv_store const& store,
                        " is beyond the cache's " + detail::count_of(cache.num_slots(), "slot"));
   check_rotation(rotation, store.geometry().head_dim, batch.max_position(), who);
   if (truncates_to_bfloat16(rotation)) {
-    INFERSCALE_EXPECTS(backend == memory_kind::host && cache.cache_dtype == dtype::bfloat16 &&
+    INFERSCALE_EXPECTS(backend == memory_space::host && cache.cache_dtype == dtype::bfloat16 &&
                          cache.scale_granularity == kv_scale_granularity::none,
                        std::string{who} +
                          ": truncate_to_bfloat16 (vLLM's AVX2 CPU rotary kernel) applies to "
@@ -121,7 +121,7 @@ void check_injection(kv_store const& store,
   // The host backend reads its scales from host memory: check their values. The device backend's
   // scales are device memory the host does not read; its kernel skips and counts a row whose
   // scale is not positive and finite (inject_device_errors).
-  if (backend == memory_kind::host) { cache.check_scale_values(who); }
+  if (backend == memory_space::host) { cache.check_scale_values(who); }
 }
 
 }  // namespace inferscale::detail

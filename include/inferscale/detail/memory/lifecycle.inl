@@ -460,7 +460,7 @@ inline void memory::probe(std::vector<float> const& vectors,
                           std::vector<std::uint64_t> const& ids) const
 {
   index_config c = index_.config();
-  c.memory       = memory_kind::host;
+  c.space       = memory_space::host;
   graph_index scratch{c};
   scratch.add<float>(0,
                      matrix_of(vectors, ids.size()),
@@ -474,13 +474,13 @@ inline void memory::scrub_pages(std::vector<std::int64_t> const& pages)
   auto* const pool             = static_cast<unsigned char*>(store_.ref().pool);
   for (std::int64_t p : pages) {
     unsigned char* const at = pool + static_cast<std::size_t>(p) * page_bytes;
-    if (store_.memory() == memory_kind::device) {
+    if (store_.space() == memory_space::device) {
       INFERSCALE_CUDA_TRY(cudaMemset(at, 0, page_bytes));
     } else {
       std::memset(at, 0, page_bytes);
     }
   }
-  if (store_.memory() == memory_kind::device) { INFERSCALE_CUDA_TRY(cudaDeviceSynchronize()); }
+  if (store_.space() == memory_space::device) { INFERSCALE_CUDA_TRY(cudaDeviceSynchronize()); }
 }
 
 inline void memory::erase_and_scrub(std::uint64_t id)

@@ -82,7 +82,7 @@ inline memory load_memory(std::string const& directory, memory_config const& con
                                       "checksum (files of different saves are never paired)");
 
   kv_store store         = load_store(store_path, config.store);
-  graph_index index      = load_index(index_path, config.index.memory);
+  graph_index index      = load_index(index_path, config.index.space);
   index_config const& ic = index.config();
   INFERSCALE_EXPECTS(
     ic.dim == config.index.dim && ic.metric == config.index.metric &&

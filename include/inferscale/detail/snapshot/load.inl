@@ -12,7 +12,7 @@
 #include <inferscale/detail/snapshot/store_access.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
-#include <inferscale/memory_kind.hpp>
+#include <inferscale/memory_space.hpp>
 #include <inferscale/store.hpp>
 
 #include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
@@ -256,7 +256,7 @@ inline store_access::staged_catalogue store_access::parse_catalogue(
 }
 
 inline kv_store store_access::load(std::string const& path,
-                                   memory_kind memory,
+                                   memory_space space,
                                    std::optional<dtype> store_dtype,
                                    kv_store_config const* expect)
 {
@@ -289,7 +289,7 @@ inline kv_store store_access::load(std::string const& path,
 
   // the target
   kv_store_config target = fc;
-  target.memory          = memory;
+  target.space          = space;
   target.pinned          = expect != nullptr && expect->pinned;  // placement, not content
   target.store_dtype     = store_dtype.value_or(fc.store_dtype);
   INFERSCALE_EXPECTS(target.store_dtype == dtype::float32 ||
@@ -307,7 +307,7 @@ inline kv_store store_access::load(std::string const& path,
   std::size_t const Bto = B / size_of(from) * Eto;
   std::size_t const per_chunk =
     B == 0 ? 1 : std::max<std::size_t>(1, store_format::pool_chunk_bytes / B);
-  bool const device = memory == memory_kind::device;
+  bool const device = space == memory_space::device;
   bool const direct = !device && from == to && serial::host_is_little_endian();
   auto* const pool  = static_cast<unsigned char*>(store.ref().pool);
   std::vector<unsigned char> raw(direct ? 0 : std::min(staged.used_pages.size(), per_chunk) * B);

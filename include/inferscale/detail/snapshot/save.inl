@@ -11,7 +11,7 @@
 #include <inferscale/detail/snapshot/store_access.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
-#include <inferscale/memory_kind.hpp>
+#include <inferscale/memory_space.hpp>
 #include <inferscale/store.hpp>
 
 #include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
@@ -92,7 +92,7 @@ inline void store_access::save(kv_store const& store, std::string const& path)
   serial::put_le(header + store_format::header_fields,
                  serial::crc64_of(header, store_format::header_fields));
 
-  bool const device = store.memory() == memory_kind::device;
+  bool const device = store.space() == memory_space::device;
   std::size_t const pages_per_chunk =
     B == 0 ? 1 : std::max<std::size_t>(1, store_format::pool_chunk_bytes / B);
   std::vector<unsigned char> staging(

@@ -10,7 +10,7 @@
 #include <inferscale/detail/snapshot/format.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
-#include <inferscale/memory_kind.hpp>
+#include <inferscale/memory_space.hpp>
 #include <inferscale/store.hpp>
 
 #include <algorithm>
@@ -83,7 +83,7 @@ struct store_access {
                                           std::string const& where);
 
   static kv_store load(std::string const& path,
-                       memory_kind memory,
+                       memory_space space,
                        std::optional<dtype> store_dtype,
                        kv_store_config const* expect);
 

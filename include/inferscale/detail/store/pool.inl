@@ -26,7 +26,7 @@ namespace inferscale {
 inline std::vector<unsigned char> kv_store::pool_to_host() const
 {
   std::vector<unsigned char> out(pool_bytes());
-  if (config_.memory == memory_kind::device) {
+  if (config_.space == memory_space::device) {
     INFERSCALE_CUDA_TRY(cudaMemcpy(out.data(), ref_.pool, out.size(), cudaMemcpyDeviceToHost));
   } else if (!out.empty()) {
     std::memcpy(out.data(), ref_.pool, out.size());
@@ -40,7 +40,7 @@ void kv_store::check_finite(std::uint64_t fact_id,
                             fact_kv_view<T const> values,
                             std::int32_t layer_offset,
                             std::int32_t head_offset,
-                            memory_kind views_memory) const
+                            memory_space views_space) const
 {
   dispatch_dtype(config_.store_dtype, [&](auto tag) {
     using S = typename decltype(tag)::type;
@@ -50,7 +50,7 @@ void kv_store::check_finite(std::uint64_t fact_id,
       std::int32_t const heads  = config_.num_heads;
       std::int32_t const d      = config_.model.head_dim;
       std::int64_t const row    = ref_.row_elements();
-      bool const device         = views_memory == memory_kind::device;
+      bool const device         = views_space == memory_space::device;
       std::vector<T> staging(device ? static_cast<std::size_t>(tokens * row) : 0);
       for (std::int32_t l = 0; l < config_.num_layers; ++l) {
         for (std::int32_t kv = 0; kv < 2; ++kv) {
@@ -108,9 +108,9 @@ void kv_store::copy_from_host(fact_record const& record,
       std::int32_t const d   = config_.model.head_dim;
       // Host store: write pages in place. Device store: pack one page at a time, then copy.
       std::vector<S> staging(
-        config_.memory == memory_kind::device ? static_cast<std::size_t>(page_elements()) : 0);
+        config_.space == memory_space::device ? static_cast<std::size_t>(page_elements()) : 0);
       for (std::size_t p = 0; p < record.pages.size(); ++p) {
-        S* const page = config_.memory == memory_kind::device
+        S* const page = config_.space == memory_space::device
                           ? staging.data()
                           : static_cast<S*>(ref_.pool) + record.pages[p] * page_elements();
         for (std::int32_t l = 0; l < config_.num_layers; ++l) {
@@ -132,7 +132,7 @@ void kv_store::copy_from_host(fact_record const& record,
             }
           }
         }
-        if (config_.memory == memory_kind::device) {
+        if (config_.space == memory_space::device) {
           INFERSCALE_CUDA_TRY(
             cudaMemcpy(static_cast<S*>(ref_.pool) + record.pages[p] * page_elements(),
                        staging.data(),
@@ -142,7 +142,7 @@ void kv_store::copy_from_host(fact_record const& record,
       }
       // A pageable host-to-device cudaMemcpy may return before the data lands: wait, so work
       // enqueued next on any stream sees the fact (and the staging buffer may be reused).
-      if (config_.memory == memory_kind::device) { INFERSCALE_CUDA_TRY(cudaDeviceSynchronize()); }
+      if (config_.space == memory_space::device) { INFERSCALE_CUDA_TRY(cudaDeviceSynchronize()); }
     }
   });
 }

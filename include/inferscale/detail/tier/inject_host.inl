@@ -18,7 +18,7 @@ void inject_tiered_host(tiered_store& tiers,
 {
   char const* const who = "inject_tiered_host";
   kv_store const& store = tiers.device_tier();
-  detail::check_injection(store, batch, cache, rotation, memory_kind::host, who);
+  detail::check_injection(store, batch, cache, rotation, memory_space::host, who);
   tier_split_batch const split = tiers.split(request, batch, who);
   kv_store_ref const ref       = store.ref();
   // Each write goes through inject_host_view (the dtypes dispatched there: compiled once under

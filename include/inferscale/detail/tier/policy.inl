@@ -279,8 +279,8 @@ inline kv_store_config tiered_store::host_config(tiered_store_config const& c)
 {
   kv_store_config h = c.device;
   h.num_pages       = c.host_pages;
-  h.pinned          = c.device.memory == memory_kind::device;
-  h.memory          = memory_kind::host;
+  h.pinned          = c.device.space == memory_space::device;
+  h.space          = memory_space::host;
   return h;
 }
 
@@ -354,7 +354,7 @@ inline void tiered_store::zero_pages(kv_store& tier, std::vector<std::int64_t> c
   auto* const pool             = static_cast<unsigned char*>(tier.ref().pool);
   for (std::int64_t p : pages) {
     unsigned char* const at = pool + static_cast<std::size_t>(p) * page_bytes;
-    if (tier.memory() == memory_kind::device) {
+    if (tier.space() == memory_space::device) {
       INFERSCALE_CUDA_TRY(cudaMemset(at, 0, page_bytes));
     } else {
       std::memset(at, 0, page_bytes);

@@ -19,7 +19,7 @@ namespace inferscale {
 
 inline void tiered_store::stage_host(tier_request& r)
 {
-  INFERSCALE_EXPECTS(config_.device.memory == memory_kind::host,
+  INFERSCALE_EXPECTS(config_.device.space == memory_space::host,
                      "tiered_store::stage_host: the device tier is in device memory; use "
                      "stage_async");
   // Whole runs: every layer of consecutive pages is one contiguous block in both pools.
@@ -38,7 +38,7 @@ inline void tiered_store::stage_async(tier_request& r,
                                       cudaStream_t copy_stream,
                                       cudaStream_t compute_stream)
 {
-  INFERSCALE_EXPECTS(config_.device.memory == memory_kind::device,
+  INFERSCALE_EXPECTS(config_.device.space == memory_space::device,
                      "tiered_store::stage_async: the tiers are in host memory; use stage_host");
   INFERSCALE_EXPECTS(!r.copies_issued, "tiered_store::stage_async: copies already issued");
   INFERSCALE_CUDA_TRY(cudaEventRecord(compute_mark_, compute_stream));
@@ -157,7 +157,7 @@ inline void tiered_store::copy_pages(fact_record const& device_fact,
   for (std::size_t i = 0; i < device_fact.pages.size(); ++i) {
     unsigned char* const d = dpool + static_cast<std::size_t>(device_fact.pages[i]) * page_bytes;
     unsigned char* const h = hpool + static_cast<std::size_t>(host_fact.pages[i]) * page_bytes;
-    if (config_.device.memory == memory_kind::device) {
+    if (config_.device.space == memory_space::device) {
       INFERSCALE_CUDA_TRY(to_device ? cudaMemcpy(d, h, page_bytes, cudaMemcpyHostToDevice)
                                     : cudaMemcpy(h, d, page_bytes, cudaMemcpyDeviceToHost));
     } else {
@@ -168,7 +168,7 @@ inline void tiered_store::copy_pages(fact_record const& device_fact,
 
 inline void tiered_store::stage_now(tier_request& r)
 {
-  if (config_.device.memory == memory_kind::host) {
+  if (config_.device.space == memory_space::host) {
     stage_host(r);
     return;
   }
@@ -180,14 +180,14 @@ inline void tiered_store::stage_now(tier_request& r)
 
 inline void tiered_store::wait_device()
 {
-  if (config_.device.memory == memory_kind::device) {
+  if (config_.device.space == memory_space::device) {
     INFERSCALE_CUDA_TRY(cudaDeviceSynchronize());
   }
 }
 
 inline void tiered_store::create_events()
 {
-  if (config_.device.memory != memory_kind::device) { return; }
+  if (config_.device.space != memory_space::device) { return; }
   try {
     copy_done_.assign(static_cast<std::size_t>(device_.geometry().num_layers), nullptr);
     for (auto& e : copy_done_) {

@@ -1,5 +1,5 @@
 /**
- * @file memory_kind.hpp
+ * @file memory_space.hpp
  * @brief Where a buffer lives: the one enumeration the store, the index and the tiers share.
  * Plain C++17.
  */
@@ -10,12 +10,12 @@
 namespace inferscale {
 
 /// @brief Where a buffer lives.
-enum class memory_kind : std::uint8_t { host, device };
+enum class memory_space : std::uint8_t { host, device };
 
-/// @brief Name of a memory kind.
-inline char const* to_string(memory_kind m) noexcept
+/// @brief Name of a memory space.
+inline char const* to_string(memory_space m) noexcept
 {
-  return m == memory_kind::host ? "host" : "device";
+  return m == memory_space::host ? "host" : "device";
 }
 
 }  // namespace inferscale

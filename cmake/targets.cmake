@@ -3,11 +3,13 @@
 set(INFERSCALE_CXX_WARNINGS -Wall -Wextra -Wpedantic -Werror)
 set(INFERSCALE_CUDA_WARNINGS -Werror=all-warnings -Xcompiler=-Wall,-Wextra,-Werror)
 
-# inferscale_target_defaults(<target> [RAFT])
+# inferscale_target_defaults(<target> [RAFT [NO_DEVICE_INSTANCES]])
 #   Warnings as errors, the build's single CCCL, the CUDA runtime; RAFT targets get raft::raft,
-#   C++20 (RAFT needs std::source_location) and silence RAFT's own deprecation warnings.
+#   C++20 (RAFT needs std::source_location), silence RAFT's own deprecation warnings, and link the
+#   build's one compiled RAFT select_k instance (INFERSCALE_EXTERN_DEVICE_INSTANCES, instances.cuh:
+#   ~50 s of nvcc once instead of in each RAFT unit); NO_DEVICE_INSTANCES: the object that defines it.
 function(inferscale_target_defaults target)
-  cmake_parse_arguments(ARG "RAFT" "" "" ${ARGN})
+  cmake_parse_arguments(ARG "RAFT;NO_DEVICE_INSTANCES" "" "" ${ARGN})
   target_link_libraries(${target} PRIVATE inferscale::inferscale CCCL::CCCL CUDA::cudart)
   target_compile_options(${target} PRIVATE
     $<$<COMPILE_LANGUAGE:CXX>:${INFERSCALE_CXX_WARNINGS}>
@@ -23,6 +25,16 @@ function(inferscale_target_defaults target)
     target_compile_options(${target} PRIVATE
       $<$<COMPILE_LANGUAGE:CXX>:-Wno-deprecated-declarations>
       $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wno-deprecated-declarations -diag-suppress=1444>)
+    target_compile_definitions(${target} PRIVATE INFERSCALE_EXTERN_DEVICE_INSTANCES)
+    if(NOT ARG_NO_DEVICE_INSTANCES)
+      if(NOT TARGET inferscale_device_instances)
+        add_library(inferscale_device_instances OBJECT
+                    ${PROJECT_SOURCE_DIR}/cmake/device_instances.cu)
+        inferscale_target_defaults(inferscale_device_instances RAFT NO_DEVICE_INSTANCES)
+        set_target_properties(inferscale_device_instances PROPERTIES POSITION_INDEPENDENT_CODE ON)
+      endif()
+      target_sources(${target} PRIVATE $<TARGET_OBJECTS:inferscale_device_instances>)
+    endif()
   else()
     set_target_properties(${target} PROPERTIES CXX_STANDARD 17 CUDA_STANDARD 17
                                                CXX_STANDARD_REQUIRED ON CUDA_STANDARD_REQUIRED ON)

@@ -26,6 +26,7 @@
 
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/detail/index/kernels.cuh>
+#include <inferscale/detail/index/select_k_instance.hpp>
 #include <inferscale/detail/index/tuning.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
@@ -36,7 +37,6 @@
 #include <raft/core/resource/device_memory_resource.hpp>
 #include <raft/core/resources.hpp>
 #include <raft/linalg/gemm.cuh>
-#include <raft/matrix/select_k.cuh>
 #include <rmm/device_uvector.hpp>
 
 #include <cuda/std/span>

@@ -10,6 +10,7 @@
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/detail/index/device_launch.inl>
 #include <inferscale/detail/index/kernels.cuh>
+#include <inferscale/detail/index/select_k_instance.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/index.hpp>
@@ -18,7 +19,6 @@
 #include <raft/core/resource/cuda_stream.hpp>
 #include <raft/core/resources.hpp>
 #include <raft/linalg/gemm.cuh>
-#include <raft/matrix/select_k.cuh>
 
 #include <cuda_runtime_api.h>
 

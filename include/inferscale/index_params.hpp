@@ -79,6 +79,8 @@ inline constexpr std::int64_t compaction_floor_rows = 256;
 /// `detail::index::nn_descent_knobs`.
 using nn_descent_params = detail::index::nn_descent_knobs;
 
+class memory_resource;  // memory_resource.hpp
+
 /// @brief Fixed properties of an index, chosen at construction.
 struct index_config {
   std::int64_t dim{0};                                ///< embedding dimension
@@ -87,6 +89,9 @@ struct index_config {
   std::uint32_t graph_degree{32};                     ///< CAGRA `graph_degree` (final out-degree)
   std::uint32_t intermediate_graph_degree{64};        ///< CAGRA `intermediate_graph_degree`
   memory_space space{memory_space::host};             ///< where searches run
+  /// Where a device index allocates its device arrays (on the null stream); null: cudaMalloc.
+  /// Not owned: it must outlive the index. Not stored by `save_index` (like `space`).
+  memory_resource* resource{nullptr};
   /// Tenants with at most this many live facts are searched exactly (brute force); -1 = chosen
   /// automatically per search (see `graph_index::exact_search_threshold`).
   std::int64_t exact_search_threshold{-1};

@@ -291,6 +291,7 @@ inline kv_store store_access::load(std::string const& path,
   kv_store_config target = fc;
   target.space          = space;
   target.pinned          = expect != nullptr && expect->pinned;  // placement, not content
+  target.resource        = expect != nullptr ? expect->resource : nullptr;  // placement too
   target.store_dtype     = store_dtype.value_or(fc.store_dtype);
   INFERSCALE_EXPECTS(target.store_dtype == dtype::float32 ||
                        target.store_dtype == dtype::float16 ||

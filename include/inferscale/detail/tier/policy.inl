@@ -281,6 +281,7 @@ inline kv_store_config tiered_store::host_config(tiered_store_config const& c)
   h.num_pages       = c.host_pages;
   h.pinned          = c.device.space == memory_space::device;
   h.space          = memory_space::host;
+  h.resource        = nullptr;  // the device tier's resource gives device memory; pinned default
   return h;
 }
 

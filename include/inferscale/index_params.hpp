@@ -9,6 +9,7 @@
 #pragma once
 
 #include <inferscale/detail/index/graph_build.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/index/math.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/memory_space.hpp>
@@ -186,7 +187,7 @@ constexpr std::uint32_t resolved_itopk(std::uint32_t itopk_size, std::uint32_t k
 /// @brief The top list of each part of a split search (`search_params::ctas_per_query`).
 constexpr std::uint32_t split_itopk(std::uint32_t itopk, std::uint32_t k, std::uint32_t parts) noexcept
 {
-  std::uint32_t const t = (itopk + parts - 1) / parts;
+  std::uint32_t const t = detail::ceil_div(itopk, parts);
   return t < k ? k : t;
 }
 
@@ -215,7 +216,7 @@ constexpr std::uint32_t auto_ctas_per_query(std::int64_t queries, std::uint32_t 
   std::uint32_t const floor_list = k > split_auto_min_part_itopk ? k : split_auto_min_part_itopk;
   std::uint32_t parts            = 1;
   while (parts < split_auto_max_parts && queries * (2 * parts) <= split_auto_ctas &&
-         (itopk + 2 * parts - 1) / (2 * parts) >= floor_list) {
+         detail::ceil_div(itopk, 2 * parts) >= floor_list) {
     parts *= 2;
   }
   return parts;

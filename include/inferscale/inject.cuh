@@ -283,7 +283,7 @@ dim3 extract_grid(extract_kernel_args<Rotation> const& args)
                      "extract: " + std::to_string(per_token) +
                        " units per token (layers x heads x dims) exceed the kernel's 32-bit index");
   std::int64_t const x =
-    std::max<std::int64_t>((per_token + Policy::extract_threads - 1) / Policy::extract_threads, 1);
+    std::max<std::int64_t>(detail::ceil_div(per_token, Policy::extract_threads), 1);
   std::int64_t const y = std::clamp<std::int64_t>(
     std::min<std::int64_t>(args.tokens.num_tokens, (std::int64_t{1} << 20) / x), 1, 65535);
   return dim3{static_cast<unsigned>(x), static_cast<unsigned>(y)};

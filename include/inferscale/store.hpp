@@ -19,6 +19,7 @@
 #include <inferscale/config.hpp>
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/detail/host_memory.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/device_buffer.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
@@ -187,10 +188,16 @@ class kv_store {
            size_of(config_.store_dtype);
   }
 
+  /// @brief Bytes of one pool page (all held layers, K and V, `page_size` tokens).
+  std::size_t page_bytes() const noexcept
+  {
+    return static_cast<std::size_t>(page_elements()) * size_of(config_.store_dtype);
+  }
+
   /// @brief Pages a fact of `tokens` tokens takes.
   std::int64_t pages_for(std::int64_t tokens) const noexcept
   {
-    return (tokens + config_.page_size - 1) / config_.page_size;
+    return detail::ceil_div(tokens, config_.page_size);
   }
 
   bool contains(std::uint64_t fact_id) const { return facts_.count(fact_id) != 0; }
@@ -409,6 +416,16 @@ class kv_store {
    * @note Waits for the copy.
    */
   std::vector<unsigned char> pool_to_host() const;
+
+  /**
+   * @brief Zeroes whole pool pages, so K/V of an erased fact is not left behind in memory that
+   * is free (the memory facade and the tiers call it on an erased fact's pages). The pages are
+   * the caller's to name: ones no fact holds, or the pages of a fact about to be erased.
+   * @throw logic_error if a page lies outside `[0, num_pages())` (nothing is zeroed then);
+   *        cuda_error if a device memset fails.
+   * @note A device pool is zeroed with cudaMemset; waits for it.
+   */
+  void scrub_pages(std::vector<std::int64_t> const& pages);
 
  private:
   struct namespace_state {

@@ -40,6 +40,7 @@
 #include <inferscale/config.hpp>
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/detail/dtype/vector_conversion.hpp>
+#include <inferscale/device_buffer.hpp>
 #include <inferscale/dtype.hpp>
 
 #include <cuda_runtime_api.h>
@@ -150,52 +151,7 @@ inline void report_throughput(benchmark::State& state,
 // ------------------------------------------------------------------------------------------------
 // Small RAII owners of CUDA resources (setup only; never inside a timed region).
 
-/// @brief cudaMalloc'd array of `count` T (uninitialised).
-template <class T>
-class device_buffer {
- public:
-  device_buffer() = default;
-  explicit device_buffer(std::size_t count) : count_{count}
-  {
-    if (count_ > 0) {
-      void* p = nullptr;
-      INFERSCALE_CUDA_TRY(cudaMalloc(&p, count_ * sizeof(T)));
-      data_ = static_cast<T*>(p);
-    }
-  }
-  /// @brief Allocates and copies `host` to the device (synchronously).
-  explicit device_buffer(std::vector<T> const& host) : device_buffer(host.size())
-  {
-    if (count_ > 0) {
-      INFERSCALE_CUDA_TRY(
-        cudaMemcpy(data_, host.data(), count_ * sizeof(T), cudaMemcpyHostToDevice));
-    }
-  }
-  device_buffer(device_buffer const&)            = delete;
-  device_buffer& operator=(device_buffer const&) = delete;
-  device_buffer(device_buffer&& other) noexcept
-    : data_{std::exchange(other.data_, nullptr)}, count_{std::exchange(other.count_, 0)}
-  {
-  }
-  device_buffer& operator=(device_buffer&& other) noexcept
-  {
-    std::swap(data_, other.data_);
-    std::swap(count_, other.count_);
-    return *this;
-  }
-  ~device_buffer()
-  {
-    if (data_ != nullptr) { (void)cudaFree(data_); }
-  }
-
-  T* data() const noexcept { return data_; }
-  std::size_t size() const noexcept { return count_; }
-  std::size_t bytes() const noexcept { return count_ * sizeof(T); }
-
- private:
-  T* data_{};
-  std::size_t count_{};
-};
+// Device arrays are the library's device_buffer<T> (device_buffer.hpp): cudaMalloc'd by default.
 
 /// @brief A non-blocking CUDA stream.
 class cuda_stream {

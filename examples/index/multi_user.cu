@@ -12,6 +12,7 @@
 #include <gaussian_mixture.hpp>
 
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/device_buffer.hpp>
 #include <inferscale/index.cuh>
 #include <inferscale/index.hpp>
 
@@ -85,25 +86,15 @@ class searcher {
                          make_matrix_view<float>(distances.data(), nq, k));
       return;
     }
-    float* d_queries          = nullptr;
-    std::uint64_t* d_ids      = nullptr;
-    float* d_distances        = nullptr;
-    INFERSCALE_CUDA_TRY(cudaMalloc(&d_queries, queries.size() * sizeof(float)));
-    INFERSCALE_CUDA_TRY(cudaMalloc(&d_ids, ids.size() * sizeof(std::uint64_t)));
-    INFERSCALE_CUDA_TRY(cudaMalloc(&d_distances, distances.size() * sizeof(float)));
-    INFERSCALE_CUDA_TRY(cudaMemcpy(d_queries, queries.data(), queries.size() * sizeof(float),
-                                   cudaMemcpyHostToDevice));
-    search(*res_, index, make_matrix_view<float const>(d_queries, nq, dim), ns, k, params,
-           make_matrix_view<std::uint64_t>(d_ids, nq, k),
-           make_matrix_view<float>(d_distances, nq, k));
+    device_buffer<float> const d_queries(queries);  // copied to the device
+    device_buffer<std::uint64_t> d_ids(ids.size());
+    device_buffer<float> d_distances(distances.size());
+    search(*res_, index, make_matrix_view<float const>(d_queries.data(), nq, dim), ns, k, params,
+           make_matrix_view<std::uint64_t>(d_ids.data(), nq, k),
+           make_matrix_view<float>(d_distances.data(), nq, k));
     raft::resource::sync_stream(*res_);
-    INFERSCALE_CUDA_TRY(cudaMemcpy(ids.data(), d_ids, ids.size() * sizeof(std::uint64_t),
-                                   cudaMemcpyDeviceToHost));
-    INFERSCALE_CUDA_TRY(cudaMemcpy(distances.data(), d_distances, distances.size() * sizeof(float),
-                                   cudaMemcpyDeviceToHost));
-    (void)cudaFree(d_queries);
-    (void)cudaFree(d_ids);
-    (void)cudaFree(d_distances);
+    ids       = d_ids.to_host();
+    distances = d_distances.to_host();
   }
 
  private:

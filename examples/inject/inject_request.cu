@@ -10,6 +10,7 @@
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/device_buffer.hpp>
 #include <inferscale/inject.cuh>
 #include <inferscale/inject.hpp>
 #include <inferscale/rope.hpp>
@@ -194,12 +195,9 @@ int main()
   std::int64_t const start_position = 12;
   std::size_t const layer_elements  = cache_index(2, 0, 0, 0, 0);  // (2, NB, BS, H, D)
   std::vector<bfloat16_t> host_cache(num_layers * layer_elements, bfloat16_t{0});
-  bfloat16_t* device_cache = nullptr;
-  if (gpu) {
-    INFERSCALE_CUDA_TRY(cudaMalloc(&device_cache, host_cache.size() * sizeof(bfloat16_t)));
-    INFERSCALE_CUDA_TRY(cudaMemset(device_cache, 0, host_cache.size() * sizeof(bfloat16_t)));
-  }
-  bfloat16_t* const cache_data = gpu ? device_cache : host_cache.data();
+  device_buffer<bfloat16_t> device_cache;
+  if (gpu) { device_cache = device_buffer<bfloat16_t>(host_cache); }  // zeroed, on the device
+  bfloat16_t* const cache_data = gpu ? device_cache.data() : host_cache.data();
   std::vector<void*> layer_tensors;
   for (int l = 0; l < num_layers; ++l) {
     layer_tensors.push_back(cache_data + l * layer_elements);
@@ -235,11 +233,7 @@ int main()
     cuda::stream_ref const stream{cudaStream_t{}};
     inject_async(store, batch, cache, rotation, workspace, stream);
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
-    INFERSCALE_CUDA_TRY(cudaMemcpy(host_cache.data(),
-                                   device_cache,
-                                   host_cache.size() * sizeof(bfloat16_t),
-                                   cudaMemcpyDeviceToHost));
-    INFERSCALE_CUDA_TRY(cudaFree(device_cache));
+    host_cache = device_cache.to_host();
   } else {
     inject_host(store, batch, cache, rotation);
   }

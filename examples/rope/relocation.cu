@@ -5,6 +5,7 @@
 // relocation identity the whole library rests on). Where a GPU is visible it also runs the device
 // backend and compares it with the host backend.
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/device_buffer.hpp>
 #include <inferscale/rope.cuh>
 #include <inferscale/rope.hpp>
 
@@ -101,18 +102,10 @@ int main()
   for (int t = 0; t < tokens; ++t) {
     positions[t] = 1000 + t;
   }
-  bfloat16_t* device_keys{};
-  std::int64_t* device_positions{};
-  INFERSCALE_CUDA_TRY(cudaMalloc(&device_keys, host.size() * sizeof(bfloat16_t)));
-  INFERSCALE_CUDA_TRY(cudaMalloc(&device_positions, positions.size() * sizeof(std::int64_t)));
-  INFERSCALE_CUDA_TRY(
-    cudaMemcpy(device_keys, host.data(), host.size() * sizeof(bfloat16_t), cudaMemcpyHostToDevice));
-  INFERSCALE_CUDA_TRY(cudaMemcpy(device_positions,
-                                 positions.data(),
-                                 positions.size() * sizeof(std::int64_t),
-                                 cudaMemcpyHostToDevice));
-  rope_apply_async(make_token_head_view(device_keys, tokens, heads, d),
-                   device_positions,
+  device_buffer<bfloat16_t> device_keys(host);  // copied to the device
+  device_buffer<std::int64_t> const device_positions(positions);
+  rope_apply_async(make_token_head_view(device_keys.data(), tokens, heads, d),
+                   device_positions.data(),
                    tokens,
                    rp,
                    rope_op::forward,
@@ -122,9 +115,7 @@ int main()
                   tokens,
                   rp,
                   rope_op::forward);
-  std::vector<bfloat16_t> back(host.size());
-  INFERSCALE_CUDA_TRY(
-    cudaMemcpy(back.data(), device_keys, back.size() * sizeof(bfloat16_t), cudaMemcpyDeviceToHost));
+  std::vector<bfloat16_t> const back = device_keys.to_host();  // waits for the device
   std::size_t differing = 0;
   for (std::size_t i = 0; i < host.size(); ++i) {
     differing += back[i].bits != host[i].bits;
@@ -134,7 +125,5 @@ int main()
               heads,
               differing,
               host.size());
-  cudaFree(device_keys);
-  cudaFree(device_positions);
   return status;
 }

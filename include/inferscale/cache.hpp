@@ -15,6 +15,7 @@
 #pragma once
 
 #include <inferscale/config.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/cache/overlap.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
@@ -432,7 +433,7 @@ inline std::vector<std::int64_t> slots_from_block_table(std::int32_t const* bloc
   INFERSCALE_EXPECTS(start_position + num_tokens <= num_block_ids * block_size,
                      "slots_from_block_table: tokens " + std::to_string(start_position) + " .. " +
                        std::to_string(start_position + num_tokens) + " need " +
-                       detail::count_of((start_position + num_tokens + block_size - 1) / block_size,
+                       detail::count_of(detail::ceil_div(start_position + num_tokens, block_size),
                                         "block") +
                        ", the table has " + std::to_string(num_block_ids));
   std::vector<std::int64_t> slots(static_cast<std::size_t>(num_tokens));

@@ -60,42 +60,6 @@ INFERSCALE_HOST_DEVICE inline double unfused(double v) noexcept
   return v;
 }
 
-/// @brief Quotient and remainder of an index division (index_divmod).
-struct index_quotient {
-  std::int64_t quotient;
-  std::int64_t remainder;
-};
-
-/// @brief Whether index_divmod may divide `a` by `b` in 32 bits: both in `[0, 2^32)`.
-INFERSCALE_HOST_DEVICE constexpr bool index_divmod_narrow_ok(std::int64_t a, std::int64_t b) noexcept
-{
-  return ((static_cast<std::uint64_t>(a) | static_cast<std::uint64_t>(b)) >> 32) == 0;
-}
-
-/// @brief index_divmod's 32-bit form. @pre index_divmod_narrow_ok(a, b) and b != 0
-INFERSCALE_HOST_DEVICE constexpr index_quotient index_divmod_narrow(std::int64_t a,
-                                                                    std::int64_t b) noexcept
-{
-  std::uint32_t const q = static_cast<std::uint32_t>(a) / static_cast<std::uint32_t>(b);
-  return {static_cast<std::int64_t>(q), a - static_cast<std::int64_t>(q) * b};
-}
-
-/**
- * @brief `a / b` and `a % b` (C++'s truncating division), in one 32-bit unsigned division on the
- * device whenever both operands are non-negative and below 2^32, as slot and token indices are:
- * a 64-bit division is a subroutine of about seventy instructions there, a 32-bit one about
- * twenty. Other operands (and the host) take the 64-bit division; the result is the same
- * (`[cache][divmod]` compares the two forms).
- * @pre b != 0
- */
-INFERSCALE_HOST_DEVICE constexpr index_quotient index_divmod(std::int64_t a, std::int64_t b) noexcept
-{
-#if INFERSCALE_IS_DEVICE_CODE
-  if (index_divmod_narrow_ok(a, b)) { return index_divmod_narrow(a, b); }
-#endif
-  std::int64_t const q = a / b;
-  return {q, a - q * b};
-}
 }  // namespace inferscale::detail
 
 /// @brief `#pragma unroll` in device code; nothing in host code (host compilers would warn).

@@ -33,8 +33,10 @@
 #include <inferscale/detail/index/graph_build.hpp>
 #include <inferscale/detail/index/math.hpp>
 #include <inferscale/detail/index/search_host.hpp>
+#include <inferscale/device_buffer.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/index_params.hpp>
+#include <inferscale/memory_resource.hpp>
 #include <inferscale/memory_space.hpp>
 
 #include <cuda/std/span>
@@ -584,10 +586,10 @@ class graph_index {
   std::uint64_t version_{0};
   std::uint64_t compactions_{0};
   bool device_stale_{false};
-  void* d_vectors_{nullptr};
-  std::uint32_t* d_graph_{nullptr};
-  std::uint64_t* d_ids_{nullptr};
-  std::uint8_t* d_deleted_{nullptr};
+  device_buffer<unsigned char> d_vectors_;
+  device_buffer<std::uint32_t> d_graph_;
+  device_buffer<std::uint64_t> d_ids_;
+  device_buffer<std::uint8_t> d_deleted_;
   std::int64_t d_capacity_{0};
   detail::index::nn_descent_report last_nn_descent_{};
 };

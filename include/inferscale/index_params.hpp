@@ -9,6 +9,7 @@
 #pragma once
 
 #include <inferscale/detail/index/graph_build.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/index/math.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/memory_space.hpp>
@@ -79,6 +80,8 @@ inline constexpr std::int64_t compaction_floor_rows = 256;
 /// `detail::index::nn_descent_knobs`.
 using nn_descent_params = detail::index::nn_descent_knobs;
 
+class memory_resource;  // memory_resource.hpp
+
 /// @brief Fixed properties of an index, chosen at construction.
 struct index_config {
   std::int64_t dim{0};                                ///< embedding dimension
@@ -87,6 +90,9 @@ struct index_config {
   std::uint32_t graph_degree{32};                     ///< CAGRA `graph_degree` (final out-degree)
   std::uint32_t intermediate_graph_degree{64};        ///< CAGRA `intermediate_graph_degree`
   memory_space space{memory_space::host};             ///< where searches run
+  /// Where a device index allocates its device arrays (on the null stream); null: cudaMalloc.
+  /// Not owned: it must outlive the index. Not stored by `save_index` (like `space`).
+  memory_resource* resource{nullptr};
   /// Tenants with at most this many live facts are searched exactly (brute force); -1 = chosen
   /// automatically per search (see `graph_index::exact_search_threshold`).
   std::int64_t exact_search_threshold{-1};
@@ -181,7 +187,7 @@ constexpr std::uint32_t resolved_itopk(std::uint32_t itopk_size, std::uint32_t k
 /// @brief The top list of each part of a split search (`search_params::ctas_per_query`).
 constexpr std::uint32_t split_itopk(std::uint32_t itopk, std::uint32_t k, std::uint32_t parts) noexcept
 {
-  std::uint32_t const t = (itopk + parts - 1) / parts;
+  std::uint32_t const t = detail::ceil_div(itopk, parts);
   return t < k ? k : t;
 }
 
@@ -210,7 +216,7 @@ constexpr std::uint32_t auto_ctas_per_query(std::int64_t queries, std::uint32_t 
   std::uint32_t const floor_list = k > split_auto_min_part_itopk ? k : split_auto_min_part_itopk;
   std::uint32_t parts            = 1;
   while (parts < split_auto_max_parts && queries * (2 * parts) <= split_auto_ctas &&
-         (itopk + 2 * parts - 1) / (2 * parts) >= floor_list) {
+         detail::ceil_div(itopk, 2 * parts) >= floor_list) {
     parts *= 2;
   }
   return parts;

@@ -24,7 +24,9 @@
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/detail/inject/kernels.cuh>
 #include <inferscale/detail/inject/tuning.hpp>
+#include <inferscale/device_buffer.hpp>
 #include <inferscale/inject.hpp>
+#include <inferscale/memory_resource.hpp>
 #include <inferscale/rope.hpp>
 #include <inferscale/store.hpp>
 
@@ -47,58 +49,48 @@ namespace inferscale {
  */
 class injection_workspace {
  public:
-  /// @brief Allocates room for `capacity` tokens. @throw cuda_error if allocation fails.
-  explicit injection_workspace(std::int64_t capacity) : capacity_{capacity}
+  /**
+   * @brief Allocates room for `capacity` tokens: the device arrays from `device_resource` (null:
+   * cudaMalloc), the host staging from `pinned_resource` (null: cudaMallocHost), both on the null
+   * stream. The resources are not owned and must outlive the workspace.
+   * @throw logic_error if `capacity` is negative; cuda_error if allocation fails.
+   */
+  explicit injection_workspace(std::int64_t capacity,
+                               memory_resource* device_resource = nullptr,
+                               memory_resource* pinned_resource = nullptr)
+    : capacity_{checked_capacity(capacity)},
+      device_{3 * static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)),
+              nullptr,
+              device_resource},
+      host_{3 * static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)),
+            nullptr,
+            pinned_resource != nullptr ? pinned_resource : pinned_host_resource()},
+      errors_{1, nullptr, device_resource}
   {
-    INFERSCALE_EXPECTS(
-      capacity >= 0,
-      "injection_workspace: capacity must be non-negative, got " + std::to_string(capacity));
-    std::size_t const bytes =
-      3 * static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)) * sizeof(std::int64_t);
-    INFERSCALE_CUDA_TRY(cudaMalloc(&device_, bytes));
-    cudaError_t const s = cudaMallocHost(&host_, bytes);
-    if (s != cudaSuccess) {
-      (void)cudaFree(device_);
-      INFERSCALE_CUDA_TRY(s);
-    }
-    cudaError_t e = cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming);
-    if (e == cudaSuccess) {
-      e = cudaEventCreateWithFlags(&used_, cudaEventDisableTiming);
-      if (e != cudaSuccess) { (void)cudaEventDestroy(staged_); }
-    }
+    INFERSCALE_CUDA_TRY(cudaMemset(errors_.data(), 0, sizeof(inject_device_errors)));
+    INFERSCALE_CUDA_TRY(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
+    cudaError_t const e = cudaEventCreateWithFlags(&used_, cudaEventDisableTiming);
     if (e != cudaSuccess) {
-      (void)cudaFree(device_);
-      (void)cudaFreeHost(host_);
-      INFERSCALE_CUDA_TRY(e);
-    }
-    cudaError_t const z = cudaMalloc(&errors_, sizeof(inject_device_errors));
-    cudaError_t const m = z == cudaSuccess ? cudaMemset(errors_, 0, sizeof(inject_device_errors)) : z;
-    if (m != cudaSuccess) {
       (void)cudaEventDestroy(staged_);
-      (void)cudaEventDestroy(used_);
-      (void)cudaFree(device_);
-      (void)cudaFreeHost(host_);
-      if (z == cudaSuccess) { (void)cudaFree(errors_); }
-      INFERSCALE_CUDA_TRY(m);
+      INFERSCALE_CUDA_TRY(e);
     }
   }
   ~injection_workspace()
   {
-    if (errors_) { (void)cudaFree(errors_); }
+    // A stream-ordered resource frees on the allocation stream: after the last marked reader.
+    if (used_recorded_) { (void)cudaStreamWaitEvent(device_.stream(), used_, 0); }
     if (staged_) { (void)cudaEventDestroy(staged_); }
     if (used_) { (void)cudaEventDestroy(used_); }
-    if (device_) { (void)cudaFree(device_); }
-    if (host_) { (void)cudaFreeHost(host_); }
   }
   injection_workspace(injection_workspace&& o) noexcept
     : capacity_{std::exchange(o.capacity_, 0)},
       count_{std::exchange(o.count_, 0)},
-      device_{std::exchange(o.device_, nullptr)},
-      host_{std::exchange(o.host_, nullptr)},
+      device_{std::move(o.device_)},
+      host_{std::move(o.host_)},
       staged_{std::exchange(o.staged_, nullptr)},
       used_{std::exchange(o.used_, nullptr)},
       used_recorded_{std::exchange(o.used_recorded_, false)},
-      errors_{std::exchange(o.errors_, nullptr)}
+      errors_{std::move(o.errors_)}
   {
   }
   injection_workspace& operator=(injection_workspace&& o) noexcept
@@ -107,12 +99,12 @@ class injection_workspace {
       injection_workspace tmp{std::move(o)};
       std::swap(capacity_, tmp.capacity_);
       std::swap(count_, tmp.count_);
-      std::swap(device_, tmp.device_);
-      std::swap(host_, tmp.host_);
+      device_.swap(tmp.device_);
+      host_.swap(tmp.host_);
       std::swap(staged_, tmp.staged_);
       std::swap(used_, tmp.used_);
       std::swap(used_recorded_, tmp.used_recorded_);
-      std::swap(errors_, tmp.errors_);
+      errors_.swap(tmp.errors_);
     }
     return *this;
   }
@@ -153,12 +145,12 @@ class injection_workspace {
     if (used_recorded_) { INFERSCALE_CUDA_TRY(cudaStreamWaitEvent(stream.get(), used_, 0)); }
     std::size_t const bytes = static_cast<std::size_t>(n) * sizeof(std::int64_t);
     if (n > 0) {
-      std::memcpy(host_, host_arrays.store_token, bytes);
-      std::memcpy(host_ + capacity_, host_arrays.position, bytes);
-      std::memcpy(host_ + 2 * capacity_, host_arrays.slot, bytes);
+      std::memcpy(host_.data(), host_arrays.store_token, bytes);
+      std::memcpy(host_.data() + capacity_, host_arrays.position, bytes);
+      std::memcpy(host_.data() + 2 * capacity_, host_arrays.slot, bytes);
       for (int a = 0; a < 3; ++a) {
-        INFERSCALE_CUDA_TRY(cudaMemcpyAsync(device_ + a * capacity_,
-                                            host_ + a * capacity_,
+        INFERSCALE_CUDA_TRY(cudaMemcpyAsync(device_.data() + a * capacity_,
+                                            host_.data() + a * capacity_,
                                             bytes,
                                             cudaMemcpyHostToDevice,
                                             stream.get()));
@@ -172,12 +164,12 @@ class injection_workspace {
    * @brief The device counters the checked inject_async passes to its kernel; they accumulate
    * over launches until reset_errors_async().
    */
-  inject_device_errors* device_errors() const noexcept { return errors_; }
+  inject_device_errors* device_errors() const noexcept { return errors_.data(); }
 
   /// @brief Zeroes the device counters on `stream`. Never waits.
   void reset_errors_async(cuda::stream_ref stream)
   {
-    INFERSCALE_CUDA_TRY(cudaMemsetAsync(errors_, 0, sizeof(inject_device_errors), stream.get()));
+    INFERSCALE_CUDA_TRY(cudaMemsetAsync(errors_.data(), 0, sizeof(inject_device_errors), stream.get()));
   }
 
   /// @brief Copies the device counters to the host. @note Waits for `stream`.
@@ -185,7 +177,7 @@ class injection_workspace {
   {
     inject_device_errors out{};
     INFERSCALE_CUDA_TRY(
-      cudaMemcpyAsync(&out, errors_, sizeof out, cudaMemcpyDeviceToHost, stream.get()));
+      cudaMemcpyAsync(&out, errors_.data(), sizeof out, cudaMemcpyDeviceToHost, stream.get()));
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
     return out;
   }
@@ -205,24 +197,34 @@ class injection_workspace {
   /// @brief The staged arrays (device memory), valid for kernels enqueued after stage().
   injection_batch_view view() const noexcept
   {
-    return {device_, device_ + capacity_, device_ + 2 * capacity_, count_};
+    std::int64_t* const d = device_.data();
+    return {d, d + capacity_, d + 2 * capacity_, count_};
   }
 
   /// @brief The same arrays with an explicit token count (e.g. for a captured graph).
   injection_batch_view view(std::int64_t num_tokens) const noexcept
   {
-    return {device_, device_ + capacity_, device_ + 2 * capacity_, num_tokens};
+    std::int64_t* const d = device_.data();
+    return {d, d + capacity_, d + 2 * capacity_, num_tokens};
   }
 
  private:
+  static std::int64_t checked_capacity(std::int64_t capacity)
+  {
+    INFERSCALE_EXPECTS(
+      capacity >= 0,
+      "injection_workspace: capacity must be non-negative, got " + std::to_string(capacity));
+    return capacity;
+  }
+
   std::int64_t capacity_{};
   std::int64_t count_{};
-  std::int64_t* device_{};
-  std::int64_t* host_{};
+  device_buffer<std::int64_t> device_;  ///< [3][capacity]: store tokens, positions, slots
+  device_buffer<std::int64_t> host_;    ///< the same, pinned host staging
   cudaEvent_t staged_{};
   cudaEvent_t used_{};
   bool used_recorded_{false};
-  inject_device_errors* errors_{};
+  device_buffer<inject_device_errors> errors_;
 };
 
 namespace detail {
@@ -281,7 +283,7 @@ dim3 extract_grid(extract_kernel_args<Rotation> const& args)
                      "extract: " + std::to_string(per_token) +
                        " units per token (layers x heads x dims) exceed the kernel's 32-bit index");
   std::int64_t const x =
-    std::max<std::int64_t>((per_token + Policy::extract_threads - 1) / Policy::extract_threads, 1);
+    std::max<std::int64_t>(detail::ceil_div(per_token, Policy::extract_threads), 1);
   std::int64_t const y = std::clamp<std::int64_t>(
     std::min<std::int64_t>(args.tokens.num_tokens, (std::int64_t{1} << 20) / x), 1, 65535);
   return dim3{static_cast<unsigned>(x), static_cast<unsigned>(y)};
@@ -442,8 +444,8 @@ void extract(paged_kv_cache const& cache,
   }
   std::int64_t const n = static_cast<std::int64_t>(slots.size());
   std::vector<std::int64_t> host(static_cast<std::size_t>(3 * n));
-  std::int64_t* device = nullptr;
-  INFERSCALE_CUDA_TRY(cudaMalloc(&device, host.size() * sizeof(std::int64_t)));
+  device_buffer<std::int64_t> arrays(host.size(), stream.get());
+  std::int64_t* const device = arrays.data();
   fact_record const& fact = store.reserve(fact_id, namespace_id, std::move(token_ids));
   try {
     std::vector<std::int64_t> const store_tokens = detail::fact_store_tokens(store, fact);
@@ -476,11 +478,9 @@ void extract(paged_kv_cache const& cache,
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
   } catch (...) {
     (void)cudaStreamSynchronize(stream.get());
-    (void)cudaFree(device);
     store.erase(fact_id);
     throw;
   }
-  INFERSCALE_CUDA_TRY(cudaFree(device));
 }
 
 }  // namespace inferscale

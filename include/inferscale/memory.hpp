@@ -386,9 +386,6 @@ class memory {
   /// to vectors before anything changes, by adding them to a scratch host index.
   void probe(std::vector<float> const& vectors, std::vector<std::uint64_t> const& ids) const;
 
-  /// Zeroes pool pages that no fact holds any more (an erased fact's K/V is not left behind).
-  void scrub_pages(std::vector<std::int64_t> const& pages);
-
   void erase_and_scrub(std::uint64_t id);
 
   /// Replaces a stored fact's K/V (validated: the capture is complete and the pages fit). The

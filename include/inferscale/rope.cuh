@@ -6,6 +6,7 @@
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/rope/kernels.cuh>
 #include <inferscale/detail/rope/tuning.hpp>
 #include <inferscale/rope.hpp>
@@ -85,7 +86,7 @@ void rope_apply_async(token_head_view<T> x,
                                                         : rotation.rotary_dim / vector_elements);
   std::int64_t const items_per_token = x.extent(1) * chunks;
   args.tile_tokens                   = std::clamp<std::int64_t>(
-    (policy::items_per_tile + items_per_token - 1) / items_per_token, 1, policy::max_tile_tokens);
+    detail::ceil_div(policy::items_per_tile, items_per_token), 1, policy::max_tile_tokens);
   // The kernel indexes a tile's items and cos/sin entries in 32 bits.
   INFERSCALE_EXPECTS(args.tile_tokens * std::max<std::int64_t>(items_per_token, rotation.num_pairs()) <=
                        std::int64_t{0x7fffffff},
@@ -95,7 +96,7 @@ void rope_apply_async(token_head_view<T> x,
   int device = 0, sm_count = 0;
   INFERSCALE_CUDA_TRY(cudaGetDevice(&device));
   INFERSCALE_CUDA_TRY(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  std::int64_t const tiles      = (x.extent(0) + args.tile_tokens - 1) / args.tile_tokens;
+  std::int64_t const tiles      = detail::ceil_div(x.extent(0), args.tile_tokens);
   std::int64_t const max_blocks = static_cast<std::int64_t>(sm_count) * policy::blocks_per_sm;
   auto const grid               = static_cast<unsigned>(std::min(tiles, max_blocks));
   auto const shared_bytes =

@@ -19,9 +19,12 @@
 #include <inferscale/config.hpp>
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/detail/host_memory.hpp>
+#include <inferscale/detail/math.hpp>
+#include <inferscale/device_buffer.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/geometry.hpp>
+#include <inferscale/memory_resource.hpp>
 #include <inferscale/memory_space.hpp>
 #include <inferscale/views.hpp>
 
@@ -52,6 +55,10 @@ struct kv_store_config {
   /// Host pools only: allocate the pool page-locked (`cudaMallocHost`), so copies between it and
   /// the device are truly asynchronous (the host tier of tier.hpp). Needs a CUDA device.
   bool pinned{false};
+  /// Where a device pool (or a pinned host pool) is allocated, on the null stream; null: cudaMalloc
+  /// (cudaMallocHost when pinned). Not owned: it must outlive the store. A plain host pool
+  /// (huge-page host memory) takes none.
+  memory_resource* resource{nullptr};
 };
 
 /**
@@ -123,17 +130,15 @@ class kv_store {
     ref_.num_pages          = config_.num_pages;
     std::size_t const bytes = pool_bytes();
     if (config_.space == memory_space::device) {
-      INFERSCALE_CUDA_TRY(cudaMalloc(&ref_.pool, std::max<std::size_t>(bytes, 1)));
+      cuda_pool_ = device_buffer<unsigned char>(bytes, nullptr, config_.resource);
       // Zeroed like the host pool, so snapshots of either are repeatable and equal.
-      cudaError_t const s = cudaMemset(ref_.pool, 0, std::max<std::size_t>(bytes, 1));
-      if (s != cudaSuccess) {
-        (void)cudaFree(ref_.pool);
-        INFERSCALE_CUDA_TRY(s);
-      }
+      INFERSCALE_CUDA_TRY(cudaMemset(cuda_pool_.data(), 0, std::max<std::size_t>(bytes, 1)));
+      ref_.pool = cuda_pool_.data();
     } else if (config_.pinned) {
-      INFERSCALE_CUDA_TRY(cudaMallocHost(&pinned_pool_, std::max<std::size_t>(bytes, 1)));
-      std::memset(pinned_pool_, 0, std::max<std::size_t>(bytes, 1));
-      ref_.pool = pinned_pool_;
+      cuda_pool_ = device_buffer<unsigned char>(
+        bytes, nullptr, config_.resource != nullptr ? config_.resource : pinned_host_resource());
+      std::memset(cuda_pool_.data(), 0, std::max<std::size_t>(bytes, 1));
+      ref_.pool = cuda_pool_.data();
     } else {
       host_pool_ = detail::host_allocation{bytes};  // zeroed; huge pages where the system allows
       ref_.pool  = host_pool_.data();
@@ -143,12 +148,6 @@ class kv_store {
     for (std::int64_t p = config_.num_pages; p-- > 0;) {
       free_pages_.push_back(p);
     }
-  }
-
-  ~kv_store()
-  {
-    if (config_.space == memory_space::device && ref_.pool) { (void)cudaFree(ref_.pool); }
-    if (pinned_pool_) { (void)cudaFreeHost(pinned_pool_); }
   }
 
   kv_store(kv_store&& other) noexcept { swap(other); }
@@ -189,10 +188,16 @@ class kv_store {
            size_of(config_.store_dtype);
   }
 
+  /// @brief Bytes of one pool page (all held layers, K and V, `page_size` tokens).
+  std::size_t page_bytes() const noexcept
+  {
+    return static_cast<std::size_t>(page_elements()) * size_of(config_.store_dtype);
+  }
+
   /// @brief Pages a fact of `tokens` tokens takes.
   std::int64_t pages_for(std::int64_t tokens) const noexcept
   {
-    return (tokens + config_.page_size - 1) / config_.page_size;
+    return detail::ceil_div(tokens, config_.page_size);
   }
 
   bool contains(std::uint64_t fact_id) const { return facts_.count(fact_id) != 0; }
@@ -412,6 +417,16 @@ class kv_store {
    */
   std::vector<unsigned char> pool_to_host() const;
 
+  /**
+   * @brief Zeroes whole pool pages, so K/V of an erased fact is not left behind in memory that
+   * is free (the memory facade and the tiers call it on an erased fact's pages). The pages are
+   * the caller's to name: ones no fact holds, or the pages of a fact about to be erased.
+   * @throw logic_error if a page lies outside `[0, num_pages())` (nothing is zeroed then);
+   *        cuda_error if a device memset fails.
+   * @note A device pool is zeroed with cudaMemset; waits for it.
+   */
+  void scrub_pages(std::vector<std::int64_t> const& pages);
+
  private:
   struct namespace_state {
     std::vector<std::uint64_t> facts;
@@ -446,6 +461,8 @@ class kv_store {
                          to_string(c.store_dtype));
     INFERSCALE_EXPECTS(!c.pinned || c.space == memory_space::host,
                        "kv_store: pinned applies to host pools only");
+    INFERSCALE_EXPECTS(c.resource == nullptr || c.space == memory_space::device || c.pinned,
+                       "kv_store: a memory resource applies to device and pinned pools only");
     INFERSCALE_EXPECTS(c.page_size > 0,
                        "kv_store: page_size must be positive, got " + std::to_string(c.page_size));
     INFERSCALE_EXPECTS(
@@ -551,7 +568,7 @@ class kv_store {
     std::swap(config_, other.config_);
     std::swap(ref_, other.ref_);
     host_pool_.swap(other.host_pool_);
-    std::swap(pinned_pool_, other.pinned_pool_);
+    cuda_pool_.swap(other.cuda_pool_);
     std::swap(free_pages_, other.free_pages_);
     std::swap(facts_, other.facts_);
     std::swap(namespaces_, other.namespaces_);
@@ -588,7 +605,7 @@ class kv_store {
   kv_store_config config_{};
   kv_store_ref ref_{};
   detail::host_allocation host_pool_;
-  void* pinned_pool_{};  ///< the pool when config_.pinned (freed with cudaFreeHost)
+  device_buffer<unsigned char> cuda_pool_;  ///< the pool of a device or pinned store
   std::vector<std::int64_t> free_pages_;
   std::unordered_map<std::uint64_t, fact_record> facts_;
   std::unordered_map<std::uint64_t, namespace_state> namespaces_;

@@ -424,8 +424,6 @@ class tiered_store {
   /// Erasing a fact zeroes its pages in both tiers, so no erased K/V stays in either pool.
   void drop(std::unordered_map<std::uint64_t, entry>::iterator it);
 
-  void zero_pages(kv_store& tier, std::vector<std::int64_t> const& pages);
-
   static void append_runs(std::vector<tier_copy_run>& runs,
                           std::vector<std::int64_t> const& host_pages,
                           std::vector<std::int64_t> const& device_pages);

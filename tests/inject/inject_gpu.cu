@@ -11,6 +11,7 @@
 // through a cache adapter and memory::serve / inject from a device store, each equal byte for
 // byte to the host seam's result, and their refusals changing nothing. Reported skipped by CTest
 // where no GPU is visible.
+#include "counting_resource.hpp"
 #include "device_memory.hpp"
 #include "engine_cache_descriptor.hpp"
 #include "engine_caches.hpp"
@@ -26,6 +27,7 @@
 #include <inferscale/inject.cuh>
 #include <inferscale/inject.hpp>
 #include <inferscale/memory.cuh>
+#include <inferscale/memory_resource.hpp>
 #include <inferscale/rope.hpp>
 #include <inferscale/store.hpp>
 
@@ -1328,4 +1330,49 @@ TEST_CASE("store_captured_facts on a stream writes a host store on the host, as 
     store_captured_facts(by_stream, capture, {{3, 3, 0, {1}}, {3, 3, 1, {2}}}, no_stream),
     logic_error);  // an id twice
   REQUIRE(state_of(by_stream) == before);
+}
+
+// injection_workspace's resources: the device arrays ([3][capacity] int64 and the error counters)
+// come from the device resource, the staging ([3][capacity] int64) from the pinned one, all on
+// the null stream, and each goes back on destruction; staged arrays read back as staged.
+TEST_CASE("an injection workspace allocates through the resources it is given",
+          "[gpu][inject][memory_resource]")
+{
+  inferscale_test::counting_resource device{default_device_resource()};
+  inferscale_test::counting_resource pinned{pinned_host_resource()};
+  std::int64_t const capacity = 5;
+  std::vector<std::int64_t> const tokens{7, 8, 9}, positions{100, 101, 102}, slots{3, -1, 40};
+  {
+    injection_workspace workspace(capacity, &device, &pinned);
+    REQUIRE(device.allocations.size() == 2);
+    REQUIRE(device.allocations[0].bytes == 3 * 5 * sizeof(std::int64_t));
+    REQUIRE(device.allocations[1].bytes == sizeof(inject_device_errors));
+    REQUIRE(pinned.allocations.size() == 1);
+    REQUIRE(pinned.allocations[0].bytes == 3 * 5 * sizeof(std::int64_t));
+    for (auto const& a : device.allocations) { REQUIRE(a.stream == nullptr); }
+    REQUIRE(workspace.view().store_token == device.allocations[0].pointer);
+    REQUIRE(workspace.device_errors() == device.allocations[1].pointer);
+
+    cuda_stream stream;
+    workspace.stage(injection_batch_view{tokens.data(), positions.data(), slots.data(), 3},
+                    cuda::stream_ref{stream.get()});
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+    injection_batch_view const v = workspace.view();
+    REQUIRE(v.num_tokens == 3);
+    auto const back = [&](std::int64_t const* p) {
+      std::vector<std::int64_t> out(3);
+      INFERSCALE_CUDA_TRY(cudaMemcpy(out.data(), p, 3 * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
+      return out;
+    };
+    REQUIRE(back(v.store_token) == tokens);
+    REQUIRE(back(v.position) == positions);
+    REQUIRE(back(v.slot) == slots);
+    REQUIRE(workspace.read_errors(cuda::stream_ref{stream.get()}).total() == 0);  // zeroed
+    injection_workspace moved{std::move(workspace)};  // no second free of anything
+    REQUIRE(device.deallocations.empty());
+    REQUIRE(pinned.deallocations.empty());
+  }
+  REQUIRE(device.deallocations.size() == 2);
+  REQUIRE(pinned.deallocations.size() == 1);
+  REQUIRE(pinned.deallocations[0].pointer == pinned.allocations[0].pointer);
 }

@@ -3,11 +3,13 @@
 // a host store byte for byte, and read back (through read_pool() of store_pool.hpp, written from
 // the documented layout [num_pages][layers][2][page_size][heads][head_dim]) as the input bits;
 // refused calls leave the device pool unchanged. Reported skipped by CTest where no GPU is visible.
+#include "counting_resource.hpp"
 #include "device_memory.hpp"
 #include "store_pool.hpp"
 
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/error.hpp>
+#include <inferscale/memory_resource.hpp>
 #include <inferscale/store.hpp>
 
 #include <catch2/catch.hpp>
@@ -407,4 +409,35 @@ TEST_CASE("device and host pools are byte-for-byte equal from a fresh store, thr
   host.insert(2, 0, token_ids_for(2, 4), f2.keys(f2.buffer.data()), f2.values(f2.buffer.data()));
   REQUIRE(device.at(2).pages == host.at(2).pages);
   REQUIRE(device.pool_to_host() == host.pool_to_host());
+}
+
+// kv_store_config::resource: the device pool is allocated (once, on the null stream, the pool's
+// bytes) and freed through the given resource, and holds what a host store holds. Both CUDA
+// resources serve as upstream: cudaMalloc's and the stream-ordered cudaMallocAsync.
+TEST_CASE("a device pool comes from the configured memory resource and goes back to it",
+          "[gpu][store][memory_resource]")
+{
+  cuda_async_memory_resource async;
+  bool const stream_ordered = GENERATE(false, true);
+  CAPTURE(stream_ordered);
+  inferscale_test::counting_resource resource{
+    stream_ordered ? static_cast<memory_resource*>(&async) : default_device_resource()};
+  auto cfg     = make_config(dtype::bfloat16, memory_space::device, shard{0, 0, 0, 0});
+  cfg.resource = &resource;
+  {
+    kv_store device{cfg};
+    kv_store host{make_config(dtype::bfloat16, memory_space::host, shard{0, 0, 0, 0})};
+    REQUIRE(resource.allocations.size() == 1);
+    REQUIRE(resource.allocations[0].bytes == device.pool_bytes());
+    REQUIRE(resource.allocations[0].stream == nullptr);
+    REQUIRE(device.ref().pool == resource.allocations[0].pointer);
+    auto const f = make_input<bfloat16_t>(3, 9, 4, 8, 0, 3);
+    device.insert(1, 0, token_ids_for(1, 9), f.keys(f.buffer.data()), f.values(f.buffer.data()));
+    host.insert(1, 0, token_ids_for(1, 9), f.keys(f.buffer.data()), f.values(f.buffer.data()));
+    REQUIRE(device.pool_to_host() == host.pool_to_host());
+    REQUIRE(resource.deallocations.empty());
+  }
+  REQUIRE(resource.deallocations.size() == 1);
+  REQUIRE(resource.deallocations[0].pointer == resource.allocations[0].pointer);
+  INFERSCALE_CUDA_TRY(cudaDeviceSynchronize());  // the stream-ordered free completes
 }

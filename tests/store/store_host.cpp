@@ -14,6 +14,7 @@
 //  - page counts ceil(c / page_size) and byte counts 2*L*c*h*d*b are written out;
 //  - "unchanged" means the pool byte for byte, free_pages(), num_facts(), version() and every
 //    record, and a twin store that never saw the refused call picks the same pages next.
+#include "counting_resource.hpp"
 #include "float_bits.hpp"
 #include "store_pool.hpp"
 
@@ -1194,4 +1195,85 @@ TEST_CASE("a large host store pool starts at a 2 MiB boundary (Linux) and reads 
 #if defined(__linux__)
   REQUIRE(reinterpret_cast<std::uintptr_t>(pool) % (std::size_t{2} << 20) == 0);
 #endif
+}
+
+TEST_CASE("a pinned pool is allocated from the configured resource, and returned to it",
+          "[store][memory_resource]")
+{
+  // The recording resource serves host memory, so the pinned store runs without a GPU.
+  inferscale_test::counting_resource resource;
+  std::int64_t const ps = 4, num_pages = 3;
+  auto cfg     = host_config(kv_geometry{2, 2, 2}, dtype::float16, std::int32_t(ps), num_pages);
+  cfg.pinned   = true;
+  cfg.resource = &resource;
+  // [3 pages][2 layers][K, V][4 tokens][2 heads][2 dims] of 2-byte elements
+  std::size_t const expected_bytes = 3 * 2 * 2 * 4 * 2 * 2 * 2;
+  pool_shape const shape{2, 2, 2, ps, dtype::float16};
+  {
+    kv_store store{cfg};
+    REQUIRE(resource.allocations.size() == 1);
+    REQUIRE(resource.allocations[0].bytes == expected_bytes);
+    REQUIRE(resource.allocations[0].stream == nullptr);
+    REQUIRE(store.ref().pool == resource.allocations[0].pointer);
+    auto const* const bytes = static_cast<unsigned char const*>(store.ref().pool);
+    REQUIRE(std::all_of(bytes, bytes + expected_bytes, [](unsigned char c) { return c == 0; }));
+    auto const input = exact_input<float>(2, 6, 2, 2, 70);
+    insert_fact(store, 1, 1, input);
+    check_fact(store.pool_to_host(), shape, store.at(1), input);
+    kv_store moved{std::move(store)};  // the pool moves with the store: no second free
+    REQUIRE(resource.deallocations.empty());
+  }
+  REQUIRE(resource.deallocations.size() == 1);
+  REQUIRE(resource.deallocations[0].pointer == resource.allocations[0].pointer);
+  REQUIRE(resource.deallocations[0].bytes == expected_bytes);
+}
+
+TEST_CASE("a plain host pool takes no memory resource", "[store][memory_resource]")
+{
+  inferscale_test::counting_resource resource;
+  auto cfg     = host_config(kv_geometry{2, 2, 2}, dtype::float16, 4, 3);
+  cfg.resource = &resource;
+  REQUIRE_THROWS_WITH(kv_store{cfg}, Catch::Matchers::Contains("device and pinned pools only"));
+  REQUIRE(resource.allocations.empty());
+}
+
+TEST_CASE("scrub_pages zeroes exactly the named pages; a page outside the pool changes nothing",
+          "[store][scrub]")
+{
+  std::int64_t const ps = 4, num_pages = 6;
+  kv_store store{host_config(kv_geometry{2, 2, 2}, dtype::float32, std::int32_t(ps), num_pages)};
+  // one page: 2 layers x (K, V) x 4 tokens x 2 heads x 2 dims x 4 bytes
+  std::size_t const page_bytes = 2 * 2 * 4 * 2 * 2 * 4;
+  REQUIRE(store.page_bytes() == page_bytes);
+  pool_shape const shape{2, 2, 2, ps, dtype::float32};
+  auto const a = exact_input<float>(2, 8, 2, 2, 80);  // 2 pages
+  auto const b = exact_input<float>(2, 5, 2, 2, 81);  // 2 pages
+  insert_fact(store, 1, 1, a);
+  insert_fact(store, 2, 1, b);
+  auto const pages_a = store.at(1).pages;
+
+  auto const before = store.pool_to_host();
+  REQUIRE_THROWS_AS(store.scrub_pages({pages_a[0], num_pages}), inferscale::logic_error);
+  REQUIRE_THROWS_AS(store.scrub_pages({-1}), inferscale::logic_error);
+  REQUIRE(store.pool_to_host() == before);  // refused before any page was zeroed
+
+  store.erase(1);
+  store.scrub_pages(pages_a);
+  auto const after = store.pool_to_host();
+  for (std::int64_t p = 0; p < num_pages; ++p) {
+    bool const scrubbed = std::find(pages_a.begin(), pages_a.end(), p) != pages_a.end();
+    auto const first    = static_cast<std::ptrdiff_t>(std::size_t(p) * page_bytes);
+    auto const last     = first + static_cast<std::ptrdiff_t>(page_bytes);
+    CAPTURE(p, scrubbed);
+    if (scrubbed) {
+      REQUIRE(std::all_of(after.begin() + first, after.begin() + last, [](unsigned char c) {
+        return c == 0;
+      }));
+    } else {
+      REQUIRE(std::equal(after.begin() + first, after.begin() + last, before.begin() + first));
+    }
+  }
+  check_fact(after, shape, store.at(2), b);
+  // fact 1 held nonzero data (exact_input's values), so the scrub did change its pages
+  REQUIRE(after != before);
 }

@@ -86,11 +86,23 @@ inline cudaError_t cudaMallocHost(void** p, std::size_t) noexcept
   if (p != nullptr) { *p = nullptr; }
   return cudaErrorNoDevice;
 }
+inline cudaError_t cudaMallocAsync(void** p, std::size_t, cudaStream_t) noexcept
+{
+  if (p != nullptr) { *p = nullptr; }
+  return cudaErrorNoDevice;
+}
 /// @brief Nothing was ever allocated: freeing is a no-op, as cudaFree(nullptr) is.
 inline cudaError_t cudaFree(void*) noexcept { return cudaSuccess; }
 inline cudaError_t cudaFreeHost(void*) noexcept { return cudaSuccess; }
+inline cudaError_t cudaFreeAsync(void*, cudaStream_t) noexcept { return cudaSuccess; }
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) noexcept { return cudaErrorNoDevice; }
 inline cudaError_t cudaMemset(void*, int, std::size_t) noexcept { return cudaErrorNoDevice; }
 inline cudaError_t cudaMemcpy(void*, void const*, std::size_t, cudaMemcpyKind) noexcept
+{
+  return cudaErrorNoDevice;
+}
+inline cudaError_t cudaMemcpyAsync(
+  void*, void const*, std::size_t, cudaMemcpyKind, cudaStream_t = nullptr) noexcept
 {
   return cudaErrorNoDevice;
 }

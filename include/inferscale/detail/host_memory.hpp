@@ -13,6 +13,8 @@
  */
 #pragma once
 
+#include <inferscale/detail/math.hpp>
+
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -66,7 +68,7 @@ class host_allocation {
   /// @brief `bytes` rounded up to whole huge pages.
   static constexpr std::size_t round_to_huge_pages(std::size_t bytes) noexcept
   {
-    return (bytes + huge_page_bytes - 1) / huge_page_bytes * huge_page_bytes;
+    return round_up(bytes, huge_page_bytes);
   }
 
   /**
@@ -84,7 +86,7 @@ class host_allocation {
       mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED) { throw std::bad_alloc{}; }
     auto const start   = reinterpret_cast<std::uintptr_t>(base);
-    auto const aligned = (start + huge_page_bytes - 1) / huge_page_bytes * huge_page_bytes;
+    auto const aligned = round_up(start, huge_page_bytes);
     // Return the unaligned head and the tail beyond the rounded size to the system.
     if (aligned > start) { munmap(base, aligned - start); }
     std::size_t const tail = start + mapped - (aligned + rounded);

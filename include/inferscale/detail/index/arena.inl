@@ -94,10 +94,10 @@ inline void graph_index::swap(graph_index& o) noexcept
   std::swap(id_to_row_, o.id_to_row_);
   std::swap(version_, o.version_);
   std::swap(compactions_, o.compactions_);
-  std::swap(d_vectors_, o.d_vectors_);
-  std::swap(d_graph_, o.d_graph_);
-  std::swap(d_ids_, o.d_ids_);
-  std::swap(d_deleted_, o.d_deleted_);
+  d_vectors_.swap(o.d_vectors_);
+  d_graph_.swap(o.d_graph_);
+  d_ids_.swap(o.d_ids_);
+  d_deleted_.swap(o.d_deleted_);
   std::swap(d_capacity_, o.d_capacity_);
   std::swap(device_stale_, o.device_stale_);
   std::swap(last_nn_descent_, o.last_nn_descent_);
@@ -605,10 +605,10 @@ inline void graph_index::rebuild_traversal(std::size_t t)
 inline graph_index_ref graph_index::ref() const noexcept
 {
   graph_index_ref r;
-  r.vectors      = d_vectors_;
-  r.graph        = d_graph_;
-  r.ids          = d_ids_;
-  r.deleted      = d_deleted_;
+  r.vectors      = d_vectors_.data();
+  r.graph        = d_graph_.data();
+  r.ids          = d_ids_.data();
+  r.deleted      = d_deleted_.data();
   r.row_elements = row_elements_;
   r.degree       = config_.graph_degree;
   r.metric       = config_.metric;
@@ -618,14 +618,10 @@ inline graph_index_ref graph_index::ref() const noexcept
 
 inline void graph_index::free_device() noexcept
 {
-  if (d_vectors_ != nullptr) { (void)cudaFree(d_vectors_); }
-  if (d_graph_ != nullptr) { (void)cudaFree(d_graph_); }
-  if (d_ids_ != nullptr) { (void)cudaFree(d_ids_); }
-  if (d_deleted_ != nullptr) { (void)cudaFree(d_deleted_); }
-  d_vectors_ = nullptr;
-  d_graph_   = nullptr;
-  d_ids_     = nullptr;
-  d_deleted_ = nullptr;
+  d_vectors_.release();
+  d_graph_.release();
+  d_ids_.release();
+  d_deleted_.release();
   d_capacity_ = 0;
 }
 
@@ -634,11 +630,13 @@ inline void graph_index::reallocate_device()
   if (config_.space != memory_space::device) { return; }
   free_device();
   std::int64_t const rows = std::max<std::int64_t>(arena_capacity_, 1);
-  INFERSCALE_CUDA_TRY(cudaMalloc(&d_vectors_, static_cast<std::size_t>(rows * row_elements_) * element_size_));
-  INFERSCALE_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&d_graph_),
-                                 static_cast<std::size_t>(rows) * config_.graph_degree * 4));
-  INFERSCALE_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&d_ids_), static_cast<std::size_t>(rows) * 8));
-  INFERSCALE_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&d_deleted_), static_cast<std::size_t>(rows)));
+  auto const n            = static_cast<std::size_t>(rows);
+  memory_resource* const resource = config_.resource;
+  d_vectors_ = device_buffer<unsigned char>(n * static_cast<std::size_t>(row_elements_) * element_size_,
+                                            nullptr, resource);
+  d_graph_   = device_buffer<std::uint32_t>(n * config_.graph_degree, nullptr, resource);
+  d_ids_     = device_buffer<std::uint64_t>(n, nullptr, resource);
+  d_deleted_ = device_buffer<std::uint8_t>(n, nullptr, resource);
   d_capacity_ = rows;
   if (arena_capacity_ > 0) { copy_rows(0, arena_capacity_); }
   device_stale_ = false;
@@ -649,20 +647,20 @@ inline void graph_index::copy_rows(std::int64_t begin, std::int64_t count, unsig
   if (count <= 0) { return; }
   std::size_t const vb = static_cast<std::size_t>(row_elements_) * element_size_;
   if (parts & upload_vectors) {
-    INFERSCALE_CUDA_TRY(cudaMemcpy(static_cast<unsigned char*>(d_vectors_) + begin * vb,
+    INFERSCALE_CUDA_TRY(cudaMemcpy(d_vectors_.data() + begin * vb,
                                    vectors_.data() + begin * vb, count * vb,
                                    cudaMemcpyHostToDevice));
-    INFERSCALE_CUDA_TRY(cudaMemcpy(d_ids_ + begin, ids_.data() + begin,
+    INFERSCALE_CUDA_TRY(cudaMemcpy(d_ids_.data() + begin, ids_.data() + begin,
                                    static_cast<std::size_t>(count) * 8, cudaMemcpyHostToDevice));
   }
   if (parts & upload_graph) {
-    INFERSCALE_CUDA_TRY(cudaMemcpy(d_graph_ + begin * config_.graph_degree,
+    INFERSCALE_CUDA_TRY(cudaMemcpy(d_graph_.data() + begin * config_.graph_degree,
                                    graph_.data() + begin * config_.graph_degree,
                                    static_cast<std::size_t>(count) * config_.graph_degree * 4,
                                    cudaMemcpyHostToDevice));
   }
   if (parts & upload_flags) {
-    INFERSCALE_CUDA_TRY(cudaMemcpy(d_deleted_ + begin, deleted_.data() + begin,
+    INFERSCALE_CUDA_TRY(cudaMemcpy(d_deleted_.data() + begin, deleted_.data() + begin,
                                    static_cast<std::size_t>(count), cudaMemcpyHostToDevice));
   }
 }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/index/device_launch.inl>
 #include <inferscale/detail/index/kernels.cuh>
 #include <inferscale/detail/index/select_k_instance.hpp>
@@ -100,7 +101,7 @@ void brute_force_select(raft::resources const& res,
     params.row_elements = row_elements;
     params.count        = count;
     constexpr int warps = policy::elementwise_threads / 32;
-    auto const grid     = static_cast<unsigned>((count + warps - 1) / warps);
+    auto const grid     = static_cast<unsigned>(ceil_div(count, warps));
     rows_to_float_kernel<policy, T><<<grid, threads, 0, stream>>>(params);
     INFERSCALE_CHECK_LAUNCH();
   };
@@ -315,7 +316,7 @@ inline void device_prune(raft::resources const& res,
     params.first   = static_cast<std::uint32_t>(first);
     params.count   = static_cast<std::uint32_t>(std::min<std::int64_t>(per_launch, n - first));
     auto const grid =
-      static_cast<unsigned>((params.count + policy::prune_threads - 1) / policy::prune_threads);
+      static_cast<unsigned>(ceil_div(params.count, policy::prune_threads));
     prune_kernel<policy><<<grid, policy::prune_threads, 0, stream>>>(params);
     INFERSCALE_CHECK_LAUNCH();
   }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/index/kernels.cuh>
 #include <inferscale/detail/index/tuning.hpp>
 #include <inferscale/dtype.hpp>
@@ -128,7 +129,7 @@ decltype(auto) dispatch_vector_dtype(dtype t, F&& f)
 /// @brief Blocks of an element-wise launch over `work` items (grid-stride loops cover the rest).
 inline unsigned elementwise_blocks(std::int64_t work, int threads)
 {
-  std::int64_t const blocks = (work + threads - 1) / threads;
+  std::int64_t const blocks = ceil_div(work, threads);
   return static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, std::int64_t{1} << 20));
 }
 

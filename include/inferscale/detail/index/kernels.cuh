@@ -23,6 +23,7 @@
 #pragma once
 
 #include <inferscale/config.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/index/graph_build.hpp>
 #include <inferscale/detail/index/math.hpp>
 #include <inferscale/dtype.hpp>
@@ -433,7 +434,7 @@ __device__ __noinline__ void merge_candidates(buffer_entry* buffer,
   if (count > 0 && count <= warp_merge_candidates) {
     warp_sort_candidates(buffer + top, count);
     __syncthreads();
-    constexpr std::uint32_t per_thread = (MaxTop + warp_merge_candidates + Threads - 1) / Threads;
+    constexpr std::uint32_t per_thread = ceil_div(MaxTop + warp_merge_candidates, Threads);
     buffer_entry held[per_thread];
     std::uint32_t place[per_thread];
     std::uint32_t const total = top + count;

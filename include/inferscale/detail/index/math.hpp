@@ -14,6 +14,7 @@
 #pragma once
 
 #include <inferscale/config.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/dtype.hpp>
 
 #include <algorithm>
@@ -57,7 +58,7 @@ inline constexpr int chunk_elements = chunk_bytes / static_cast<int>(sizeof(T));
 constexpr std::int64_t padded_dim(std::int64_t dim, std::size_t element_size) noexcept
 {
   std::int64_t const per_chunk = chunk_bytes / static_cast<std::int64_t>(element_size);
-  return (dim + per_chunk - 1) / per_chunk * per_chunk;
+  return round_up(dim, per_chunk);
 }
 
 /**

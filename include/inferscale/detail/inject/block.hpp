@@ -17,6 +17,7 @@
 
 #include <inferscale/cache.hpp>
 #include <inferscale/config.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/inject/element.hpp>
 #include <inferscale/detail/inject/tuning.hpp>
 #include <inferscale/error.hpp>
@@ -453,18 +454,17 @@ inject_launch_config<Rotation> make_inject_launch(kv_store_ref const& store,
   args.units_per_head = args.key_units + dim / run;
   args.tile_tokens    = policy::tile_tokens;
 
-  std::int64_t const token_tiles =
-    (batch.num_tokens + policy::tile_tokens - 1) / policy::tile_tokens;
+  std::int64_t const token_tiles = ceil_div(batch.num_tokens, policy::tile_tokens);
   INFERSCALE_EXPECTS(token_tiles <= std::int64_t{0x7fffffff},
                      "inject_async: " + std::to_string(batch.num_tokens) + " tokens exceed a grid");
   std::int32_t tile_layers = std::min(policy::max_tile_layers, cache.num_layers);
-  while (tile_layers > 1 && token_tiles * ((cache.num_layers + tile_layers - 1) / tile_layers) <
+  while (tile_layers > 1 && token_tiles * ceil_div(cache.num_layers, tile_layers) <
                               static_cast<std::int64_t>(sm_count) * policy::min_blocks_per_sm) {
     tile_layers /= 2;
   }
   args.tile_layers    = tile_layers;
   config.grid_x       = token_tiles;
-  config.grid_y       = (cache.num_layers + tile_layers - 1) / tile_layers;
+  config.grid_y       = ceil_div(cache.num_layers, tile_layers);
   config.shared_bytes = static_cast<std::size_t>(cos_sin_tile_entries(
                           std::int64_t{policy::tile_tokens} * rotation.num_pairs())) *
                         sizeof(rope_cos_sin);

@@ -351,7 +351,7 @@ inline std::int64_t memory::erase_namespace(std::uint64_t ns)
   for (auto it = conversation_entries_.begin(); it != conversation_entries_.end();) {
     it = it->second.ns == ns ? conversation_entries_.erase(it) : std::next(it);
   }
-  scrub_pages(pages);
+  store_.scrub_pages(pages);
   return n;
 }
 
@@ -467,27 +467,11 @@ inline void memory::probe(std::vector<float> const& vectors,
                      cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
 }
 
-inline void memory::scrub_pages(std::vector<std::int64_t> const& pages)
-{
-  if (pages.empty()) { return; }
-  std::size_t const page_bytes = store_.pool_bytes() / static_cast<std::size_t>(store_.num_pages());
-  auto* const pool             = static_cast<unsigned char*>(store_.ref().pool);
-  for (std::int64_t p : pages) {
-    unsigned char* const at = pool + static_cast<std::size_t>(p) * page_bytes;
-    if (store_.space() == memory_space::device) {
-      INFERSCALE_CUDA_TRY(cudaMemset(at, 0, page_bytes));
-    } else {
-      std::memset(at, 0, page_bytes);
-    }
-  }
-  if (store_.space() == memory_space::device) { INFERSCALE_CUDA_TRY(cudaDeviceSynchronize()); }
-}
-
 inline void memory::erase_and_scrub(std::uint64_t id)
 {
   std::vector<std::int64_t> const pages = store_.at(id).pages;
   store_.erase(id);
-  scrub_pages(pages);
+  store_.scrub_pages(pages);
 }
 
 inline void memory::replace_stored(std::uint64_t id,
@@ -503,7 +487,7 @@ inline void memory::replace_stored(std::uint64_t id,
   for (std::int64_t p : old) {
     if (std::find(now.begin(), now.end(), p) == now.end()) { freed.push_back(p); }
   }
-  scrub_pages(freed);
+  store_.scrub_pages(freed);
 }
 
 inline std::uint64_t memory::remember_conversation(std::uint64_t ns,

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/serialize.hpp>
 #include <inferscale/detail/snapshot/format.hpp>
 #include <inferscale/detail/snapshot/store_access.hpp>
@@ -203,7 +204,7 @@ inline store_access::staged_catalogue store_access::parse_catalogue(
       INFERSCALE_EXPECTS(
         length >= 1,
         where + fact + " has " + std::to_string(length) + " tokens, at least 1 expected");
-      std::uint64_t const expected_pages = (static_cast<std::uint64_t>(length) + ps - 1) / ps;
+      std::uint64_t const expected_pages = detail::ceil_div(static_cast<std::uint64_t>(length), ps);
       INFERSCALE_EXPECTS(npages == expected_pages,
                          where + fact + ": " + std::to_string(npages) + " pages for " +
                            std::to_string(length) + " tokens, expected ceil(" +
@@ -291,6 +292,7 @@ inline kv_store store_access::load(std::string const& path,
   kv_store_config target = fc;
   target.space          = space;
   target.pinned          = expect != nullptr && expect->pinned;  // placement, not content
+  target.resource        = expect != nullptr ? expect->resource : nullptr;  // placement too
   target.store_dtype     = store_dtype.value_or(fc.store_dtype);
   INFERSCALE_EXPECTS(target.store_dtype == dtype::float32 ||
                        target.store_dtype == dtype::float16 ||

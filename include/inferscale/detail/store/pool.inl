@@ -34,6 +34,28 @@ inline std::vector<unsigned char> kv_store::pool_to_host() const
   return out;
 }
 
+inline void kv_store::scrub_pages(std::vector<std::int64_t> const& pages)
+{
+  for (std::int64_t p : pages) {
+    INFERSCALE_EXPECTS(p >= 0 && p < config_.num_pages,
+                       "kv_store::scrub_pages: page " + std::to_string(p) + " outside the pool's " +
+                         std::to_string(config_.num_pages));
+  }
+  if (pages.empty()) { return; }
+  std::size_t const bytes = page_bytes();
+  auto* const pool        = static_cast<unsigned char*>(ref_.pool);
+  bool const device       = config_.space == memory_space::device;
+  for (std::int64_t p : pages) {
+    unsigned char* const at = pool + static_cast<std::size_t>(p) * bytes;
+    if (device) {
+      INFERSCALE_CUDA_TRY(cudaMemset(at, 0, bytes));
+    } else {
+      std::memset(at, 0, bytes);
+    }
+  }
+  if (device) { INFERSCALE_CUDA_TRY(cudaDeviceSynchronize()); }
+}
+
 template <class T>
 void kv_store::check_finite(std::uint64_t fact_id,
                             fact_kv_view<T const> keys,

@@ -281,6 +281,7 @@ inline kv_store_config tiered_store::host_config(tiered_store_config const& c)
   h.num_pages       = c.host_pages;
   h.pinned          = c.device.space == memory_space::device;
   h.space          = memory_space::host;
+  h.resource        = nullptr;  // the device tier's resource gives device memory; pinned default
   return h;
 }
 
@@ -338,28 +339,15 @@ inline void tiered_store::drop(std::unordered_map<std::uint64_t, entry>::iterato
   entry& e = it->second;
   unlink(e);
   if (e.on_device) {
-    zero_pages(device_, device_.at(it->first).pages);
+    device_.scrub_pages(device_.at(it->first).pages);
     device_.erase(it->first);
   }
   if (e.on_host) {
-    zero_pages(host_, host_.at(it->first).pages);
+    host_.scrub_pages(host_.at(it->first).pages);
     host_.erase(it->first);
   }
   facts_.erase(it);
 }
 
-inline void tiered_store::zero_pages(kv_store& tier, std::vector<std::int64_t> const& pages)
-{
-  std::size_t const page_bytes = page_bytes_();
-  auto* const pool             = static_cast<unsigned char*>(tier.ref().pool);
-  for (std::int64_t p : pages) {
-    unsigned char* const at = pool + static_cast<std::size_t>(p) * page_bytes;
-    if (tier.space() == memory_space::device) {
-      INFERSCALE_CUDA_TRY(cudaMemset(at, 0, page_bytes));
-    } else {
-      std::memset(at, 0, page_bytes);
-    }
-  }
-}
 
 }  // namespace inferscale

@@ -126,8 +126,7 @@ inline tier_split_batch tiered_store::split(tier_request const& r,
 
 inline std::size_t tiered_store::page_bytes_() const noexcept
 {
-  return device_.pool_bytes() /
-         static_cast<std::size_t>(std::max<std::int64_t>(device_.num_pages(), 1));
+  return device_.page_bytes();
 }
 
 inline void tiered_store::append_runs(std::vector<tier_copy_run>& runs,

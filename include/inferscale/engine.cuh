@@ -2,9 +2,10 @@
  * @file engine.cuh
  * @brief The engine seam, device backend (engine.hpp is the seam itself): what a GPU engine calls
  * where a CPU engine calls the host functions of engine.hpp, with a stream added — storing a
- * capture's facts into a device store (store_captured_facts) and one request's memory from a
- * device store through a paged-cache adapter whose cache is device memory (inject_memory_async).
- * Stream-ordered: nothing here synchronises the device.
+ * capture's facts into a device store (store_captured_facts: from a host kv_capture, or from a
+ * device_kv_capture (kv_capture.cuh) converted and scattered on the device, the GPU engine's
+ * path) and one request's memory from a device store through a paged-cache adapter whose cache is
+ * device memory (inject_memory_async). Stream-ordered: nothing here synchronises the device.
  */
 #pragma once
 
@@ -15,12 +16,14 @@
 #include <inferscale/error.hpp>
 #include <inferscale/inject.cuh>
 #include <inferscale/injection_batch.hpp>
+#include <inferscale/kv_capture.cuh>
 #include <inferscale/store.hpp>
 
 #include <cuda/stream_ref>
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -118,6 +121,100 @@ inline void store_captured_facts(kv_store& store,
       }
     }
   });
+}
+
+/**
+ * @brief Stores token ranges of a device capture as facts of a device store, on the device: one
+ * kernel converts the captured fp32 rows to the store dtype and scatters them into the facts'
+ * pool pages (a last page's unused rows zeroed, as kv_store::insert leaves them), so the pool
+ * ends byte for byte as store_captured_facts(store, capture, facts) leaves it from a host capture
+ * of the same values. The K/V never leaves the device; the host sends only the page list
+ * (`(pool page, first captured token, rows)` per page, 24 bytes), from pageable memory in a
+ * stream-ordered allocation.
+ *
+ * Every range is checked first (a device store; the capture's geometry the store's; each fact
+ * non-empty, inside the capture and completely captured; ids new and distinct; enough free pages
+ * for all of them): a refused call changes nothing and enqueues nothing. The facts are in the
+ * catalogue when the call returns and their K/V is there for work enqueued after it on `stream`,
+ * as for the host-capture overload above (the capture's writes must be ordered before it: the
+ * same stream, or an event).
+ *
+ * Finiteness cannot be checked before storing without waiting for the device: an element that is
+ * NaN or infinite in the store dtype (captured so, or beyond the dtype's range) is stored as
+ * converted and its captured token is flagged; device_kv_capture::faulty_tokens reads the flags
+ * back (waiting) so that the facts covering them can be erased before they are injected.
+ *
+ * @throw logic_error on a refused call (nothing is stored, nothing enqueued); cuda_error if the
+ *        page list cannot be allocated or copied or the kernel cannot be launched (the reserved
+ *        facts are erased again, nothing was written), or if freeing the page list after the
+ *        launch fails (the kernel is enqueued then, and the facts stay stored).
+ * @note Never synchronises the device; the page list's copy from pageable memory may first wait
+ *       for the work already on `stream`.
+ */
+inline void store_captured_facts(kv_store& store,
+                                 device_kv_capture const& capture,
+                                 std::vector<captured_fact> const& facts,
+                                 cuda::stream_ref stream)
+{
+  INFERSCALE_EXPECTS(store.space() == memory_space::device,
+                     std::string{"store_captured_facts: a device capture is stored into a device "
+                                 "store; this store's pool is in "} +
+                       to_string(store.space()) + " memory (a host store takes a kv_capture)");
+  detail::check_captured_ranges(store, capture, facts);
+  if (facts.empty()) { return; }
+  std::size_t recorded               = 0;
+  detail::capture_scatter_page* list = nullptr;
+  bool launched                      = false;
+  try {
+    std::vector<detail::capture_scatter_page> pages;
+    for (captured_fact const& f : facts) {
+      fact_record const& record = store.reserve(f.fact_id, f.namespace_id, f.token_ids);
+      ++recorded;
+      detail::append_scatter_pages(pages, record, f.begin, store.page_size());
+    }
+    std::size_t const bytes = pages.size() * sizeof(detail::capture_scatter_page);
+    INFERSCALE_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&list), bytes, stream.get()));
+    INFERSCALE_CUDA_TRY(
+      cudaMemcpyAsync(list, pages.data(), bytes, cudaMemcpyHostToDevice, stream.get()));
+    detail::capture_scatter_args const args{store.ref(),
+                                            capture.keys().data_handle(),
+                                            capture.values().data_handle(),
+                                            capture.num_tokens(),
+                                            list,
+                                            static_cast<std::int64_t>(pages.size()),
+                                            capture.fault_flags()};
+    // x covers a page's elements (grid-stride), y strides over the pages: about 2^20 blocks at
+    // most.
+    std::int64_t const x = std::clamp<std::int64_t>(
+      (detail::capture_page_elements(args.store) + detail::capture_threads - 1) /
+        detail::capture_threads,
+      1,
+      std::int64_t{1} << 16);
+    std::int64_t const y =
+      std::clamp<std::int64_t>(std::min(args.num_pages, (std::int64_t{1} << 20) / x), 1, 65535);
+    dim3 const grid{static_cast<unsigned>(x), static_cast<unsigned>(y)};
+    dispatch_dtype(store.store_dtype(), [&](auto tag) {
+      using S = typename decltype(tag)::type;
+      if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
+                    std::is_same_v<S, bfloat16_t>) {
+        detail::capture_scatter_kernel<S>
+          <<<grid, detail::capture_threads, 0, stream.get()>>>(args);
+        INFERSCALE_CHECK_LAUNCH();
+      }
+    });
+    launched                                 = true;
+    detail::capture_scatter_page* const done = list;
+    list                                     = nullptr;
+    INFERSCALE_CUDA_TRY(cudaFreeAsync(done, stream.get()));
+  } catch (...) {
+    if (!launched) {
+      if (list != nullptr) { (void)cudaFreeAsync(list, stream.get()); }
+      for (std::size_t i = 0; i < recorded; ++i) {
+        store.erase(facts[i].fact_id);
+      }
+    }
+    throw;
+  }
 }
 
 /**

@@ -23,8 +23,10 @@
  *
  * inject_memory_host() runs the middle three steps for one request; inject_memory_async()
  * (engine.cuh) runs them from a device store on a stream, and engine.cuh's store_captured_facts
- * overload stores a capture into a device store on a stream: a GPU engine calls the same
- * functions as a CPU engine, with a workspace and a stream added.
+ * overloads store a capture into a device store on a stream: a GPU engine calls the same
+ * functions as a CPU engine, with a workspace and a stream added. A GPU engine's hooks fill a
+ * device_kv_capture (kv_capture.cuh) from device rows instead of a kv_capture, so its K/V never
+ * goes through the host.
  *
  * ## How engines map onto the two adapters
  *
@@ -101,13 +103,15 @@ struct captured_fact {
 
 namespace detail {
 /**
- * @brief Everything store_captured_facts checks before it stores anything (both backends): the
- * geometry, every range (inside the capture, completely captured, ids new and distinct), the free
- * pages for all of them, and every element finite in the store dtype.
+ * @brief What store_captured_facts checks of the facts before it stores anything, for a capture
+ * of either kind (kv_capture, or device_kv_capture of kv_capture.cuh): the geometry, every range
+ * (inside the capture, completely captured, ids new and distinct) and the free pages for all of
+ * them.
  */
-inline void check_captured_facts(kv_store const& store,
-                                 kv_capture const& capture,
-                                 std::vector<captured_fact> const& facts)
+template <class Capture>
+void check_captured_ranges(kv_store const& store,
+                           Capture const& capture,
+                           std::vector<captured_fact> const& facts)
 {
   INFERSCALE_EXPECTS(capture.geometry() == store.geometry(),
                      std::string{"store_captured_facts: the capture's geometry differs from the "
@@ -135,6 +139,17 @@ inline void check_captured_facts(kv_store const& store,
   INFERSCALE_EXPECTS(pages <= store.free_pages(),
                      "store_captured_facts: the facts need " + detail::count_of(pages, "page") +
                        ", " + std::to_string(store.free_pages()) + " free (capacity exhausted)");
+}
+
+/**
+ * @brief Everything store_captured_facts checks of a host capture before it stores anything:
+ * check_captured_ranges, and every element finite in the store dtype.
+ */
+inline void check_captured_facts(kv_store const& store,
+                                 kv_capture const& capture,
+                                 std::vector<captured_fact> const& facts)
+{
+  check_captured_ranges(store, capture, facts);
   // kv_store::insert refuses NaN, infinities and values beyond the store dtype; check every fact
   // first, so that a model that produced one stores none of them rather than some.
   dispatch_dtype(store.store_dtype(), [&](auto tag) {

@@ -2,7 +2,8 @@
  * @file kv_capture.hpp
  * @brief The capture buffer: the host buffer a model adapter's capture hook fills during one
  * encoding forward (pre-RoPE K and V of every layer and token, fp32), recording which rows were
- * written. C++17, host only (the engine seam is engine.hpp).
+ * written. C++17, host only (the engine seam is engine.hpp; a GPU engine's device twin is
+ * device_kv_capture, kv_capture.cuh).
  */
 #pragma once
 

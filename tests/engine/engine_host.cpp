@@ -1,8 +1,11 @@
-// The engine seam without an engine: the capture buffer, storing captured ranges, the adapter
-// traits and request flow against small hand-written adapters, the fused-multiply-add rotation,
-// and rope_spec / kv_geometry from GGUF metadata and HF config.json. Expected values are written
-// out in the tests (formulas, the configs' published numbers).
+// The engine seam without an engine: the capture buffer, storing captured ranges, the device
+// capture's per-element code run on the CPU (detail/capture/block.hpp: every element of a launch,
+// against the host capture and kv_store::insert, byte for byte), the adapter traits and request
+// flow against small hand-written adapters, the fused-multiply-add rotation, and rope_spec /
+// kv_geometry from GGUF metadata and HF config.json. Expected values are written out in the tests
+// (formulas, the configs' published numbers).
 
+#include <inferscale/detail/capture/block.hpp>
 #include <inferscale/engine.hpp>
 #include <inferscale/hf_config.hpp>
 
@@ -14,6 +17,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 using namespace inferscale;
@@ -222,6 +226,167 @@ TEST_CASE("store_captured_facts / encode_facts: ranges become facts, all or none
   CHECK(tiny.num_facts() == 0);
   CHECK(store.version() == version);
   CHECK(store.num_facts() == 2);
+}
+
+namespace {
+
+/// Runs every element of a device capture write on the CPU (what capture_write_kernel's threads
+/// do): `count` tokens of a strided view into a zeroed fp32 buffer of `count * 2 * 4` elements.
+template <class T>
+std::vector<float> emulate_write(T const* src,
+                                 std::int64_t count,
+                                 std::int64_t token_stride,
+                                 std::int64_t head_stride,
+                                 std::int64_t dim_stride)
+{
+  std::vector<float> rows(static_cast<std::size_t>(count * 8), 0.0f);
+  detail::capture_write_args<T> const a{
+    rows.data(), src, count, 2, 4, token_stride, head_stride, dim_stride};
+  for (std::int64_t i = 0; i < detail::capture_write_elements(a); ++i) {
+    detail::capture_write_element(a, i);
+  }
+  return rows;
+}
+
+/// Stores `facts` of `capture` as store_captured_facts(store, device_kv_capture, ...) does, with
+/// the scatter kernel's every (page, element) run on the CPU over a host store's pool (a host
+/// kv_capture's keys and values have the device buffer's layout).
+template <class S>
+std::vector<std::uint32_t> emulate_scatter(kv_store& store,
+                                           kv_capture const& capture,
+                                           std::vector<captured_fact> const& facts)
+{
+  detail::check_captured_ranges(store, capture, facts);
+  std::vector<detail::capture_scatter_page> pages;
+  for (captured_fact const& f : facts) {
+    detail::append_scatter_pages(
+      pages, store.reserve(f.fact_id, f.namespace_id, f.token_ids), f.begin, store.page_size());
+  }
+  std::vector<std::uint32_t> faults(static_cast<std::size_t>(capture.num_tokens()), 0u);
+  detail::capture_scatter_args const a{store.ref(),
+                                       capture.keys().data_handle(),
+                                       capture.values().data_handle(),
+                                       capture.num_tokens(),
+                                       pages.data(),
+                                       static_cast<std::int64_t>(pages.size()),
+                                       faults.data()};
+  for (std::int64_t p = 0; p < a.num_pages; ++p) {
+    for (std::int64_t e = 0; e < detail::capture_page_elements(a.store); ++e) {
+      detail::capture_scatter_element<S>(a, p, e);
+    }
+  }
+  return faults;
+}
+
+/// A store of `t` whose free pages are out of order and hold stale bytes: facts inserted and
+/// erased again (pages 0..5 written, 1 and 4 freed last).
+kv_store dirty_store(dtype t)
+{
+  kv_store s = host_store(small, t, 8);
+  std::vector<float> ones(static_cast<std::size_t>(2 * 8 * 8), 3.0f);
+  auto const v = make_fact_kv_view<float const>(ones.data(), 2, 8, 2, 4);
+  for (std::uint64_t id = 90; id < 93; ++id) {
+    s.insert<float>(id, 1, std::vector<std::int32_t>(8, 1), v, v);
+  }
+  s.erase(90);
+  s.erase(92);
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("device capture write, emulated: each element is the source element as fp32",
+          "[engine][capture]")
+{
+  // 3 tokens of a bf16 view with padded strides (token 40, head 12, dim 2): element (t, h, d)
+  // sits at t*40 + h*12 + d*2.
+  std::vector<bfloat16_t> src(120);
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    src[i] = from_float<bfloat16_t>(static_cast<float>(i) * 0.5f - 7.0f);
+  }
+  std::vector<float> const rows = emulate_write(src.data(), 3, 40, 12, 2);
+  for (int t = 0; t < 3; ++t) {
+    for (int h = 0; h < 2; ++h) {
+      for (int d = 0; d < 4; ++d) {
+        CAPTURE(t, h, d);
+        CHECK(rows[static_cast<std::size_t>(t * 8 + h * 4 + d)] ==
+              static_cast<float>(t * 40 + h * 12 + d * 2) * 0.5f - 7.0f);
+      }
+    }
+  }
+}
+
+TEST_CASE("device capture scatter, emulated: the pool equals the host capture's, byte for byte",
+          "[engine][capture]")
+{
+  dtype const t = GENERATE(dtype::float32, dtype::float16, dtype::bfloat16);
+  CAPTURE(to_string(t));
+  kv_capture c{small, 11};
+  for (std::int32_t l = 0; l < 2; ++l) {
+    feed(c, 0, l, 0, 11);
+    feed(c, 1, l, 0, 11);
+  }
+  // Ranges of 5, 4 and 1 tokens (a last page partly used), overlapping ranges under two ids.
+  std::vector<captured_fact> const facts{
+    {1, 9, 0, {1, 2, 3, 4, 5}}, {2, 9, 6, {7, 8, 9, 10}}, {3, 4, 10, {11}}, {4, 9, 1, {2, 3}}};
+  kv_store by_host    = dirty_store(t);
+  kv_store by_emulate = dirty_store(t);
+  store_captured_facts(by_host, c, facts);
+  std::vector<std::uint32_t> faults;
+  dispatch_dtype(t, [&](auto tag_type) {
+    using S = typename decltype(tag_type)::type;
+    if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
+                  std::is_same_v<S, bfloat16_t>) {
+      faults = emulate_scatter<S>(by_emulate, c, facts);
+    }
+  });
+  for (captured_fact const& f : facts) {
+    REQUIRE(by_emulate.at(f.fact_id).pages == by_host.at(f.fact_id).pages);
+  }
+  CHECK(by_emulate.version() == by_host.version());
+  CHECK(by_emulate.pool_to_host() == by_host.pool_to_host());
+  CHECK(faults == std::vector<std::uint32_t>(11, 0u));
+  // Written out: fact 1's token 4 is page 1's row 0; V of layer 1, head 0, dim 2 is captured
+  // token 4's, at element (((page * 2 + 1) * 2 + 1) * 4 + 0) * 8 + 2 of the pool.
+  if (t == dtype::float32) {
+    std::vector<unsigned char> const pool = by_emulate.pool_to_host();
+    std::int64_t const page               = by_emulate.at(1).pages[1];
+    float v;
+    std::memcpy(&v, pool.data() + ((((page * 2 + 1) * 2 + 1) * 4 + 0) * 8 + 2) * 4, 4);
+    CHECK(v == tag(1, 1, 4, 0, 2));
+    // Its unused rows 1..3 (stale 3.0 before) are zero.
+    for (std::int64_t e = 8; e < 32; ++e) {
+      std::memcpy(&v, pool.data() + ((((page * 2 + 1) * 2 + 1) * 4) * 8 + e) * 4, 4);
+      CHECK(v == 0.0f);
+    }
+  }
+}
+
+TEST_CASE("device capture scatter, emulated: tokens whose stored K/V is not finite are flagged",
+          "[engine][capture]")
+{
+  kv_capture c{small, 6};
+  for (std::int32_t l = 0; l < 2; ++l) {
+    feed(c, 0, l, 0, 6);
+    feed(c, 1, l, 0, 6);
+  }
+  // Token 2 holds 1e6 (beyond float16's 65504, within bfloat16), token 5 a NaN.
+  std::vector<float> row(8, 1.0f);
+  row[3] = 1e6f;
+  c.write_keys(1, 2, make_token_head_view<float const>(row.data(), 1, 2, 4));
+  row[3] = std::nanf("");
+  c.write_values(0, 5, make_token_head_view<float const>(row.data(), 1, 2, 4));
+  std::vector<captured_fact> const facts{{1, 1, 0, {1, 2, 3, 4, 5, 6}}};
+  kv_store half_store                          = host_store(small, dtype::float16);
+  kv_store bf16_store                          = host_store(small, dtype::bfloat16);
+  std::vector<std::uint32_t> const half_faults = emulate_scatter<half_t>(half_store, c, facts);
+  std::vector<std::uint32_t> const bf16_faults = emulate_scatter<bfloat16_t>(bf16_store, c, facts);
+  CHECK(half_faults == std::vector<std::uint32_t>{0, 0, 1, 0, 0, 1});
+  CHECK(bf16_faults == std::vector<std::uint32_t>{0, 0, 0, 0, 0, 1});
+  // The host path refuses both (its check runs before anything is stored).
+  kv_store refused = host_store(small, dtype::bfloat16);
+  CHECK_THROWS_AS(store_captured_facts(refused, c, facts), logic_error);
+  CHECK(refused.num_facts() == 0);
 }
 
 TEST_CASE("inject_memory_host: allocate, inject rotated keys into the adapter's slots, commit",

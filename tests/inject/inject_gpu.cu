@@ -9,8 +9,9 @@
 // extraction, and refused checked launches leaving the cache unchanged. The device seam too
 // (engine.cuh, memory.cuh): a capture stored into a device store on a stream, inject_memory_async
 // through a cache adapter and memory::serve / inject from a device store, each equal byte for
-// byte to the host seam's result, and their refusals changing nothing. Reported skipped by CTest
-// where no GPU is visible.
+// byte to the host seam's result, and their refusals changing nothing; the device capture buffer
+// (kv_capture.cuh) filled from engine-dtype device rows and stored on the device against the host
+// capture stored, byte for byte. Reported skipped by CTest where no GPU is visible.
 #include "counting_resource.hpp"
 #include "device_memory.hpp"
 #include "engine_cache_descriptor.hpp"
@@ -26,6 +27,7 @@
 #include <inferscale/engine.cuh>
 #include <inferscale/inject.cuh>
 #include <inferscale/inject.hpp>
+#include <inferscale/kv_capture.cuh>
 #include <inferscale/memory.cuh>
 #include <inferscale/memory_resource.hpp>
 #include <inferscale/rope.hpp>
@@ -1191,6 +1193,197 @@ TEST_CASE(
   {
     require_seam_equals_host<bf16_to_e4m3>(engine_layout::sglang_token_pool, cases[0]);
   }
+}
+
+namespace {
+
+kv_geometry const capture_geometry{3, 2, 16};
+
+/// A host or device store of `t` with a history (facts inserted and erased): its free pages are
+/// out of order and hold stale bytes, the same on either memory space.
+kv_store capture_store(dtype t, memory_space where)
+{
+  kv_store_config c{};
+  c.model       = capture_geometry;
+  c.store_dtype = t;
+  c.page_size   = 8;
+  c.num_pages   = 12;
+  c.space       = where;
+  kv_store s{c};
+  std::vector<float> fill(static_cast<std::size_t>(3 * 16 * 2 * 16), 2.5f);
+  auto const v = make_fact_kv_view<float const>(fill.data(), 3, 16, 2, 16);
+  for (std::uint64_t id = 90; id < 93; ++id) {
+    s.insert<float>(id, 1, token_ids(0, 16), v, v);
+  }
+  s.erase(90);
+  s.erase(92);
+  return s;
+}
+
+/// Writes `rows` (`[tokens, heads, head_dim]`, any strides) as layer `l`'s K (kv 0) or V.
+template <class Capture, class View, class... Stream>
+void write_rows(Capture& c, int kv, std::int32_t l, std::int64_t first, View rows, Stream... s)
+{
+  if (kv == 0) {
+    c.write_keys(l, first, rows, s...);
+  } else {
+    c.write_values(l, first, rows, s...);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE(
+  "the device capture: hook rows written and stored on a stream equal the host "
+  "capture stored, byte for byte; refusals change nothing",
+  "[gpu][engine][capture]",
+  float,
+  half_t,
+  bfloat16_t)
+{
+  using T                 = TestType;  // the element type the engine's hooks hand over
+  dtype const store_dtype = GENERATE(dtype::float32, dtype::float16, dtype::bfloat16);
+  CAPTURE(to_string(dtype_of_v<T>), to_string(store_dtype));
+  kv_geometry const g   = capture_geometry;
+  std::int64_t const n  = 29;
+  std::int64_t const ld = 40;  // the engine tensors' row stride: [n, H*D] rows padded to 40
+  cuda_stream stream;
+  cuda::stream_ref const ref{stream.get()};
+
+  // Each layer's K and V as an engine tensor of T (normal, sd 1.5), padding included.
+  std::mt19937_64 rng(0x5eed);
+  std::normal_distribution<float> normal(0.0f, 1.5f);
+  std::vector<T> engine(static_cast<std::size_t>(2 * g.num_layers * n * ld));
+  for (T& x : engine) {
+    x = from_float<T>(normal(rng));
+  }
+  device_buffer<T> const device_rows(engine);
+  kv_capture host{g, n};
+  device_kv_capture device{g, n, ref};
+  std::vector<float> converted(static_cast<std::size_t>(n * 32));
+  for (std::int32_t l = 0; l < g.num_layers; ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      std::int64_t const base = (l * 2 + kv) * n * ld;
+      for (std::int64_t t = 0; t < n; ++t) {
+        for (std::int64_t e = 0; e < 32; ++e) {
+          converted[static_cast<std::size_t>(t * 32 + e)] =
+            to_float(engine[static_cast<std::size_t>(base + t * ld + e)]);
+        }
+      }
+      write_rows(host, kv, l, 0, make_token_head_view<float const>(converted.data(), n, 2, 16));
+      T const* const rows = device_rows.data() + base;
+      if (l == 2 && kv == 1) {  // two ubatches: tokens [0, 10), then [10, n)
+        write_rows(device, kv, l, 0, make_token_head_view<T const>(rows, 10, 2, 16, ld, 16), ref);
+        write_rows(device,
+                   kv,
+                   l,
+                   10,
+                   make_token_head_view<T const>(rows + 10 * ld, n - 10, 2, 16, ld, 16),
+                   ref);
+      } else {
+        write_rows(device, kv, l, 0, make_token_head_view<T const>(rows, n, 2, 16, ld, 16), ref);
+      }
+    }
+  }
+  REQUIRE(device.complete());
+
+  // Ranges of 9, 17, 1 and 8 tokens (last pages partly used, an overlap under another id).
+  std::vector<captured_fact> const facts{{201, 7, 0, token_ids(2010, 9)},
+                                         {202, 7, 9, token_ids(2020, 17)},
+                                         {203, 7, 28, {2030}},
+                                         {204, 7, 3, token_ids(0, 8)}};
+  kv_store host_store   = capture_store(store_dtype, memory_space::host);
+  kv_store device_store = capture_store(store_dtype, memory_space::device);
+  store_captured_facts(host_store, host, facts);
+  store_captured_facts(device_store, device, facts, ref);
+  REQUIRE(device.faulty_tokens(ref).empty());  // waits for the stream
+  for (captured_fact const& f : facts) {
+    REQUIRE(device_store.at(f.fact_id).pages == host_store.at(f.fact_id).pages);
+    REQUIRE(device_store.at(f.fact_id).token_ids == f.token_ids);
+  }
+  REQUIRE(first_difference(device_store.pool_to_host(), host_store.pool_to_host()) == -1);
+
+  // Refused before anything is reserved or enqueued: an id already stored, an id twice, a range
+  // beyond the capture, more pages than are free (3 left), an incomplete capture, another
+  // geometry, a host store.
+  store_state const before = state_of(device_store);
+  REQUIRE_THROWS_AS(
+    store_captured_facts(device_store, device, {{301, 7, 0, {1}}, {201, 7, 1, {2}}}, ref),
+    logic_error);
+  REQUIRE_THROWS_AS(
+    store_captured_facts(device_store, device, {{301, 7, 0, {1}}, {301, 7, 1, {2}}}, ref),
+    logic_error);
+  REQUIRE_THROWS_AS(
+    store_captured_facts(device_store, device, {{301, 7, 25, token_ids(0, 6)}}, ref), logic_error);
+  REQUIRE_THROWS_AS(store_captured_facts(
+                      device_store, device, {{301, 7, 0, token_ids(0, 29)}, {302, 7, 0, {1}}}, ref),
+                    logic_error);
+  device_kv_capture partial{g, 4, ref};
+  for (std::int32_t l = 0; l < g.num_layers; ++l) {
+    write_rows(partial, 0, l, 0, make_token_head_view<T const>(device_rows.data(), 4, 2, 16), ref);
+    if (l != 1) {
+      write_rows(
+        partial, 1, l, 0, make_token_head_view<T const>(device_rows.data(), 4, 2, 16), ref);
+    }
+  }
+  REQUIRE_FALSE(partial.complete(0, 1));
+  REQUIRE_THROWS_AS(
+    store_captured_facts(device_store, partial, {{301, 7, 0, token_ids(0, 4)}}, ref), logic_error);
+  device_kv_capture other{kv_geometry{3, 2, 8}, 4, ref};
+  REQUIRE_THROWS_AS(store_captured_facts(device_store, other, {{301, 7, 0, {1}}}, ref),
+                    logic_error);
+  kv_store host_target = capture_store(store_dtype, memory_space::host);
+  REQUIRE_THROWS_AS(store_captured_facts(host_target, device, {{301, 7, 0, {1}}}, ref),
+                    logic_error);
+  REQUIRE(host_target.num_facts() == 1);
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+  REQUIRE(state_of(device_store) == before);
+
+  // Refused writes record nothing: a layer beyond the geometry, tokens beyond the buffer, rows of
+  // another head count, null data.
+  device_kv_capture fresh{g, 4, ref};
+  auto const rows4 = make_token_head_view<T const>(device_rows.data(), 4, 2, 16);
+  REQUIRE_THROWS_AS(fresh.write_keys(3, 0, rows4, ref), logic_error);
+  REQUIRE_THROWS_AS(fresh.write_keys(0, 1, rows4, ref), logic_error);
+  REQUIRE_THROWS_AS(
+    fresh.write_keys(0, 0, make_token_head_view<T const>(device_rows.data(), 4, 1, 32), ref),
+    logic_error);
+  REQUIRE_THROWS_AS(fresh.write_keys(0, 0, make_token_head_view<T const>(nullptr, 4, 2, 16), ref),
+                    logic_error);
+  for (std::int32_t l = 0; l < g.num_layers; ++l) {
+    fresh.write_values(l, 0, rows4, ref);
+  }
+  REQUIRE_FALSE(fresh.complete(0, 1));
+}
+
+TEST_CASE("the device capture flags tokens whose stored K/V is not finite in the store dtype",
+          "[gpu][engine][capture]")
+{
+  kv_geometry const g = capture_geometry;
+  cuda_stream stream;
+  cuda::stream_ref const ref{stream.get()};
+  // 6 tokens of ones; the odd rows (K of layer 1, V of layer 0) hold 1e6 at token 2 (beyond
+  // float16, within bfloat16) and a NaN at token 5.
+  std::vector<float> rows(static_cast<std::size_t>(6 * 32), 1.0f);
+  device_buffer<float> const ones(rows);
+  rows[2 * 32 + 3]  = 1e6f;
+  rows[5 * 32 + 17] = std::numeric_limits<float>::quiet_NaN();
+  device_buffer<float> const odd(rows);
+  device_kv_capture made{g, 6, ref};
+  device_kv_capture capture = std::move(made);  // a moved buffer is the same buffer
+  for (std::int32_t l = 0; l < g.num_layers; ++l) {
+    capture.write_keys(
+      l, 0, make_token_head_view<float const>(l == 1 ? odd.data() : ones.data(), 6, 2, 16), ref);
+    capture.write_values(
+      l, 0, make_token_head_view<float const>(l == 0 ? odd.data() : ones.data(), 6, 2, 16), ref);
+  }
+  kv_store bf16_store = capture_store(dtype::bfloat16, memory_space::device);
+  store_captured_facts(bf16_store, capture, {{1, 1, 0, token_ids(0, 6)}}, ref);
+  REQUIRE(capture.faulty_tokens(ref) == std::vector<std::int64_t>{5});
+  kv_store half_store = capture_store(dtype::float16, memory_space::device);
+  store_captured_facts(half_store, capture, {{1, 1, 0, token_ids(0, 3)}}, ref);
+  REQUIRE(capture.faulty_tokens(ref) == std::vector<std::int64_t>{2, 5});  // accumulated
+  REQUIRE(half_store.contains(1));  // stored: the caller erases what covers a flagged token
 }
 
 namespace {

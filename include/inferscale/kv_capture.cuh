@@ -1,0 +1,322 @@
+/**
+ * @file kv_capture.cuh
+ * @brief The device capture buffer: the device twin of kv_capture (kv_capture.hpp) for a GPU
+ * engine, whose K and V are already in device memory. The hooks write rows with stream-ordered
+ * kernels (no copy to the host), the written-rows record stays on the host, and
+ * store_captured_facts (engine.cuh) converts and scatters the rows into a device store's pages on
+ * the device.
+ *
+ * Which engines' hooks it serves, and how: every GPU engine whose pre-RoPE K and V a hook sees as
+ * device tensors, on the stream the forward runs on —
+ *  - **vLLM**: a forward hook on each attention layer's `rotary_emb` input (`positions, q, k`; k
+ *    is pre-RoPE, `[T, H*D]`) and the layer's value input, on `torch.cuda.current_stream()`;
+ *  - **SGLang**: the same at `RadixAttention`'s rotary call;
+ *  - **TensorRT-LLM**: the attention plugin's K and V before `applyRoPE`, on the plugin's stream.
+ * A CPU engine (the llama.cpp example's `cb_eval` on the CPU backend) keeps the host kv_capture.
+ *
+ * @code
+ * // One encoding forward of n tokens on `stream`; in attention layer l, before the rotation,
+ * // k and v are bf16 device tensors [n, H*D] with row strides k_ld and v_ld (in elements):
+ * device_kv_capture capture{model_geometry, n, stream};
+ * ...
+ * capture.write_keys(l, 0, make_token_head_view<bfloat16_t const>(k, n, H, D, k_ld, D), stream);
+ * capture.write_values(l, 0, make_token_head_view<bfloat16_t const>(v, n, H, D, v_ld, D), stream);
+ * ...
+ * store_captured_facts(device_store, capture, facts, stream);  // engine.cuh; nothing waits
+ * // Optionally, once the stream may be waited on: tokens whose stored K/V is not finite.
+ * for (std::int64_t t : capture.faulty_tokens(stream)) { ... erase the facts covering t ... }
+ * @endcode
+ */
+#pragma once
+
+#include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/capture/kernels.cuh>
+#include <inferscale/dtype.hpp>
+#include <inferscale/error.hpp>
+#include <inferscale/geometry.hpp>
+#include <inferscale/views.hpp>
+
+#include <cuda/stream_ref>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace inferscale {
+
+/**
+ * @brief Device buffer a GPU engine's capture hooks fill during one encoding forward: pre-RoPE K
+ * and V of every layer and token as **fp32** (whatever the engine's dtype: float, half_t and
+ * bfloat16_t rows convert exactly, and the conversion to the store dtype happens once, when the
+ * rows are stored, with the same rounding as the host path), `[layers, tokens, heads, head_dim]`
+ * contiguous for K and for V: `8 * layers * tokens * heads * head_dim` bytes, plus 4 per token for
+ * the fault flags. The host records which (layer, token) rows a write was enqueued for, so an
+ * incomplete capture is refused instead of stored.
+ *
+ * Stream-ordered: the buffer is allocated and zeroed on the stream given at construction
+ * (cudaMallocAsync) and freed on it at destruction (cudaFreeAsync), so neither waits. Work on
+ * another stream that uses the buffer (a hook's write, a store) must be ordered before the
+ * destruction (an event recorded there, waited on by the construction stream), and the stream
+ * must outlive the buffer. Move-only.
+ */
+class device_kv_capture {
+ public:
+  /**
+   * @brief A buffer for `num_tokens` tokens of a model with geometry `geometry` (the store's
+   * shard geometry when the store holds a shard), allocated and zeroed on `stream`.
+   * @throw logic_error if the geometry is invalid or `num_tokens` is not positive; cuda_error if
+   *        the allocation cannot be enqueued.
+   */
+  device_kv_capture(kv_geometry const& geometry, std::int64_t num_tokens, cuda::stream_ref stream)
+    : geometry_{geometry}, num_tokens_{num_tokens}, stream_{stream.get()}
+  {
+    geometry.validate();
+    INFERSCALE_EXPECTS(
+      num_tokens > 0,
+      "device_kv_capture: token count must be positive, got " + std::to_string(num_tokens));
+    std::size_t const rows =
+      static_cast<std::size_t>(geometry.num_layers) * static_cast<std::size_t>(num_tokens);
+    std::size_t const bytes =
+      (2 * rows * static_cast<std::size_t>(geometry.elements_per_token_layer()) +
+       static_cast<std::size_t>(num_tokens)) *
+      sizeof(float);
+    void* data = nullptr;
+    INFERSCALE_CUDA_TRY(cudaMallocAsync(&data, bytes, stream_));
+    cudaError_t const s = cudaMemsetAsync(data, 0, bytes, stream_);
+    if (s != cudaSuccess) {
+      (void)cudaFreeAsync(data, stream_);
+      INFERSCALE_CUDA_TRY(s);
+    }
+    data_ = static_cast<float*>(data);
+    key_written_.assign(rows, 0);
+    value_written_.assign(rows, 0);
+  }
+
+  ~device_kv_capture()
+  {
+    if (data_ != nullptr) { (void)cudaFreeAsync(data_, stream_); }
+  }
+
+  device_kv_capture(device_kv_capture&& other) noexcept { swap(other); }
+  device_kv_capture& operator=(device_kv_capture&& other) noexcept
+  {
+    if (this != &other) {
+      device_kv_capture tmp{std::move(other)};
+      swap(tmp);
+    }
+    return *this;
+  }
+  device_kv_capture(device_kv_capture const&)            = delete;
+  device_kv_capture& operator=(device_kv_capture const&) = delete;
+
+  kv_geometry geometry() const noexcept { return geometry_; }
+  std::int64_t num_tokens() const noexcept { return num_tokens_; }
+  /// @brief The stream the buffer was allocated on and is freed on.
+  cuda::stream_ref stream() const noexcept { return cuda::stream_ref{stream_}; }
+
+  /**
+   * @brief Enqueues on `stream` the copy of the pre-RoPE keys of tokens `first_token ..
+   * first_token + rows.extent(0) - 1` of layer `layer` (`rows`: `[tokens, heads, head_dim]` in
+   * device memory, element type float, half_t or bfloat16_t, any non-negative strides, converted
+   * to fp32) and records the rows as written. Never waits.
+   * @throw logic_error if the layer or token range is outside the buffer, the heads/head_dim
+   *        differ from the geometry, the data is null or a stride negative: nothing is enqueued or
+   *        recorded then. cuda_error if the kernel cannot be launched (nothing recorded).
+   */
+  template <class T>
+  void write_keys(std::int32_t layer,
+                  std::int64_t first_token,
+                  token_head_view<T const> rows,
+                  cuda::stream_ref stream)
+  {
+    write(0, key_written_, layer, first_token, rows, stream, "device_kv_capture::write_keys");
+  }
+
+  /// @brief As write_keys, for the values.
+  template <class T>
+  void write_values(std::int32_t layer,
+                    std::int64_t first_token,
+                    token_head_view<T const> rows,
+                    cuda::stream_ref stream)
+  {
+    write(1, value_written_, layer, first_token, rows, stream, "device_kv_capture::write_values");
+  }
+
+  /// @brief True when writes of K and V of tokens `[begin, begin + count)` were enqueued in
+  /// every layer.
+  bool complete(std::int64_t begin, std::int64_t count) const noexcept
+  {
+    if (begin < 0 || count < 0 || begin > num_tokens_ - count) { return false; }
+    for (std::int32_t l = 0; l < geometry_.num_layers; ++l) {
+      for (std::int64_t t = begin; t < begin + count; ++t) {
+        std::size_t const r = row(l, t);
+        if (!key_written_[r] || !value_written_[r]) { return false; }
+      }
+    }
+    return true;
+  }
+  /// @brief True when every token of every layer was written.
+  bool complete() const noexcept { return complete(0, num_tokens_); }
+
+  /// @brief Keys of tokens `[begin, begin + count)` as a `[layers, count, heads, head_dim]` view of
+  /// device memory (valid for work ordered after the writes).
+  fact_kv_view<float const> keys(std::int64_t begin, std::int64_t count) const
+  {
+    return slice(0, begin, count, "device_kv_capture::keys");
+  }
+  /// @brief Values of tokens `[begin, begin + count)` (device memory).
+  fact_kv_view<float const> values(std::int64_t begin, std::int64_t count) const
+  {
+    return slice(1, begin, count, "device_kv_capture::values");
+  }
+  fact_kv_view<float const> keys() const { return keys(0, num_tokens_); }
+  fact_kv_view<float const> values() const { return values(0, num_tokens_); }
+
+  /**
+   * @brief The fault flags (device memory, one per token, zeroed at construction):
+   * store_captured_facts sets a token's flag when one of its elements stored is NaN or infinite in
+   * the store dtype (captured so, or beyond the dtype's range). The device cannot refuse such a
+   * fact before it is stored, as the host path does; faulty_tokens reads them back.
+   */
+  std::uint32_t* fault_flags() const noexcept
+  {
+    return reinterpret_cast<std::uint32_t*>(data_ + 2 * plane_elements());
+  }
+
+  /**
+   * @brief The tokens flagged so far by store_captured_facts calls on this buffer, ascending:
+   * a fact covering one of them holds a NaN or an infinity (erase it before it is injected).
+   * @throw cuda_error on a CUDA failure.
+   * @note Waits for `stream` (which must be ordered after the stores to be checked).
+   */
+  std::vector<std::int64_t> faulty_tokens(cuda::stream_ref stream) const
+  {
+    std::vector<std::uint32_t> flags(static_cast<std::size_t>(num_tokens_));
+    INFERSCALE_CUDA_TRY(cudaMemcpyAsync(flags.data(),
+                                        fault_flags(),
+                                        flags.size() * sizeof(std::uint32_t),
+                                        cudaMemcpyDeviceToHost,
+                                        stream.get()));
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+    std::vector<std::int64_t> out;
+    for (std::size_t t = 0; t < flags.size(); ++t) {
+      if (flags[t] != 0) { out.push_back(static_cast<std::int64_t>(t)); }
+    }
+    return out;
+  }
+
+ private:
+  std::size_t row(std::int32_t layer, std::int64_t token) const noexcept
+  {
+    return static_cast<std::size_t>(layer) * static_cast<std::size_t>(num_tokens_) +
+           static_cast<std::size_t>(token);
+  }
+
+  /// @brief Elements of the K (or V) plane: layers * tokens * heads * head_dim.
+  std::int64_t plane_elements() const noexcept
+  {
+    return static_cast<std::int64_t>(geometry_.num_layers) * num_tokens_ *
+           geometry_.elements_per_token_layer();
+  }
+
+  template <class T>
+  void write(int kv,
+             std::vector<unsigned char>& written,
+             std::int32_t layer,
+             std::int64_t first_token,
+             token_head_view<T const> rows,
+             cuda::stream_ref stream,
+             char const* who)
+  {
+    static_assert(
+      std::is_same_v<T, float> || std::is_same_v<T, half_t> || std::is_same_v<T, bfloat16_t>,
+      "device_kv_capture: rows hold float, half_t or bfloat16_t");
+    std::int64_t const count = rows.extent(0);
+    INFERSCALE_EXPECTS(layer >= 0 && layer < geometry_.num_layers,
+                       std::string{who} + ": layer " + std::to_string(layer) + " is outside [0, " +
+                         std::to_string(geometry_.num_layers) + ")");
+    INFERSCALE_EXPECTS(first_token >= 0 && count >= 0 && first_token <= num_tokens_ - count,
+                       std::string{who} + ": tokens [" + std::to_string(first_token) + ", " +
+                         std::to_string(first_token + count) + ") are outside the buffer's " +
+                         detail::count_of(num_tokens_, "token"));
+    INFERSCALE_EXPECTS(
+      rows.extent(1) == geometry_.num_kv_heads && rows.extent(2) == geometry_.head_dim,
+      std::string{who} + ": rows of " + detail::count_of(rows.extent(1), "head") + " x " +
+        detail::count_of(rows.extent(2), "dim") + ", the geometry has " +
+        std::to_string(geometry_.num_kv_heads) + " x " + std::to_string(geometry_.head_dim));
+    INFERSCALE_EXPECTS(count == 0 || rows.data_handle() != nullptr,
+                       std::string{who} + ": null data");
+    for (int r = 0; r < 3; ++r) {
+      INFERSCALE_EXPECTS(rows.stride(r) >= 0,
+                         std::string{who} + ": stride " + std::to_string(r) + " is negative (" +
+                           std::to_string(rows.stride(r)) + ")");
+    }
+    if (count == 0) { return; }
+    std::int64_t const row_elements = geometry_.elements_per_token_layer();
+    detail::capture_write_args<T> const args{
+      data_ + kv * plane_elements() +
+        (static_cast<std::int64_t>(layer) * num_tokens_ + first_token) * row_elements,
+      rows.data_handle(),
+      count,
+      geometry_.num_kv_heads,
+      geometry_.head_dim,
+      rows.stride(0),
+      rows.stride(1),
+      rows.stride(2)};
+    std::int64_t const blocks = std::clamp<std::int64_t>(
+      (detail::capture_write_elements(args) + detail::capture_threads - 1) /
+        detail::capture_threads,
+      1,
+      std::int64_t{1} << 16);
+    detail::capture_write_kernel<T>
+      <<<static_cast<unsigned>(blocks), detail::capture_threads, 0, stream.get()>>>(args);
+    INFERSCALE_CHECK_LAUNCH();
+    for (std::int64_t t = 0; t < count; ++t) {
+      written[row(layer, first_token + t)] = 1;
+    }
+  }
+
+  fact_kv_view<float const> slice(int kv,
+                                  std::int64_t begin,
+                                  std::int64_t count,
+                                  char const* who) const
+  {
+    INFERSCALE_EXPECTS(begin >= 0 && count > 0 && begin <= num_tokens_ - count,
+                       std::string{who} + ": tokens [" + std::to_string(begin) + ", " +
+                         std::to_string(begin + count) + ") are not a non-empty range of the " +
+                         std::to_string(num_tokens_) + " captured tokens");
+    std::int64_t const row_elements = geometry_.elements_per_token_layer();
+    return make_fact_kv_view<float const>(
+      data_ + kv * plane_elements() + begin * row_elements,
+      geometry_.num_layers,
+      count,
+      geometry_.num_kv_heads,
+      geometry_.head_dim,
+      {num_tokens_ * row_elements, row_elements, geometry_.head_dim, 1});
+  }
+
+  void swap(device_kv_capture& other) noexcept
+  {
+    std::swap(geometry_, other.geometry_);
+    std::swap(num_tokens_, other.num_tokens_);
+    std::swap(stream_, other.stream_);
+    std::swap(data_, other.data_);
+    std::swap(key_written_, other.key_written_);
+    std::swap(value_written_, other.value_written_);
+  }
+
+  kv_geometry geometry_{};
+  std::int64_t num_tokens_{};
+  cudaStream_t stream_{};
+  float* data_{};  ///< K plane, V plane, then num_tokens_ fault flags (uint32)
+  std::vector<unsigned char> key_written_;
+  std::vector<unsigned char> value_written_;
+};
+
+}  // namespace inferscale

@@ -118,9 +118,8 @@ class slot_set {
   std::vector<std::uint64_t> bits_;
   std::unordered_set<std::int64_t> large_;
 };
-}  // namespace detail
 
-namespace detail {
+/// @brief Whether C is a paged-cache adapter (is_cache_adapter_v).
 template <class, class = void>
 struct is_cache_adapter : std::false_type {
 };
@@ -170,6 +169,7 @@ inline constexpr bool is_cache_adapter_v = detail::is_cache_adapter<C>::value;
  * block table or a cache adapter was added) runs only into that cache. Every refusal, at add or
  * at run, leaves the step, the store, the cache and the adapters as they were (except that an
  * adapter whose add was refused after its allocate() keeps that staged, uncommitted allocation).
+ * A copy of a step holding adapters holds them too: run only one of the two (each run commits).
  */
 class injection_batch {
  public:

@@ -358,20 +358,12 @@ std::vector<request> make_requests(kv_store const& store, std::int64_t shift)
   return requests;
 }
 
-/// The batch of make_requests (block tables through the block-table overload of add).
+/// The batch of make_requests (block tables as their slots: the batch is built before a cache).
 injection_batch make_batch(kv_store const& store, std::int64_t shift)
 {
   injection_batch batch(store);
   for (request const& r : make_requests(store, shift)) {
-    if (r.blocks.empty()) {
-      batch.add(r.plan, r.slot_mapping);
-    } else {
-      batch.add(r.plan,
-                r.blocks.data(),
-                static_cast<std::int64_t>(r.blocks.size()),
-                block_size,
-                r.start_position);
-    }
+    batch.add(r.plan, r.slots());
   }
   return batch;
 }

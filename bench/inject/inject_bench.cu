@@ -22,8 +22,8 @@
  *  - K/V values: pseudo-random bf16 in [-1, 1) (a hash of the element index).
  *
  * What each iteration measures (same machine state for all three):
- *  - fused: inject_host (host store, host cache), or the raw inject_async launch on a staged
- *    injection_workspace (device); `Time` and `GB/s` are this;
+ *  - fused: the injection step's host run (host store, host cache), or the raw inject_async
+ *    launch on a staged injection_workspace (device); `Time` and `GB/s` are this;
  *  - two-pass baseline, written here: (a) gather the tokens from the store pages into a contiguous
  *    `[L, 2, N, H, D]` bf16 buffer with the keys rotated (library per-element math:
  *    rope_angle_cos_sin once per token and pair, detail::rotate_stored_pair); (b) scatter that
@@ -40,7 +40,7 @@
  *  After the warm-up, the fused cache and the two-pass cache are compared with the composed buffer
  *  at every injected slot, bit for bit; a mismatch fails the benchmark (SkipWithError).
  *
- * inject_checked/device: the checked inject_async overload (validation of the host batch, staging
+ * inject_checked/device: the injection step's device run (validation of the host batch, staging
  * of its arrays through pinned memory, launch), timed on the host's wall clock from the call to
  * the end of a cudaStreamSynchronize; each iteration also times the raw launch the same way:
  * `vs_raw` = raw seconds / checked seconds (the share of the call that is the kernel).
@@ -220,7 +220,12 @@ struct scenario {
         permutation.begin() + static_cast<std::ptrdiff_t>(taken),
         permutation.begin() + static_cast<std::ptrdiff_t>(taken + n));
       taken += n;
-      batch.add(plans[r], table.data(), static_cast<std::int64_t>(n), block_size, first_position);
+      batch.add(plans[r],
+                is::slots_from_block_table(table.data(),
+                                           static_cast<std::int64_t>(n),
+                                           block_size,
+                                           first_position,
+                                           plans[r].length()));
     }
     tokens = batch.num_tokens();
   }
@@ -673,7 +678,7 @@ void inject_host_bench(benchmark::State& state, model mdl, bool batch)
 {
   ib::run_guarded(state, [&] {
     using clock = std::chrono::steady_clock;
-    scenario const s{mdl, requests_of(state, batch), is::memory_space::host};
+    scenario s{mdl, requests_of(state, batch), is::memory_space::host};
     std::vector<bfloat16_t> fused_cache(static_cast<std::size_t>(s.cache_elements()));
     std::vector<bfloat16_t> two_pass_cache(static_cast<std::size_t>(s.cache_elements()));
     std::vector<bfloat16_t> composed(static_cast<std::size_t>(s.composed_elements()));
@@ -685,7 +690,7 @@ void inject_host_bench(benchmark::State& state, model mdl, bool batch)
     std::vector<std::byte> copy_destination(copy_bytes);
     void const* const copy_source = s.store.ref().pool;  // pool_bytes >= copy_bytes
 
-    auto const fused    = [&] { is::inject_host(s.store, s.batch, fused_desc, s.rotation); };
+    auto const fused    = [&] { s.batch.run(fused_desc, s.rotation); };
     auto const two_pass = [&] {
       compose_host(s.store.ref(), view, s.rotation, composed.data());
       scatter_host(composed.data(), view, two_pass_desc);
@@ -789,7 +794,7 @@ void inject_host_fp8_bench(benchmark::State& state, model mdl)
 {
   ib::run_guarded(state, [&] {
     using clock = std::chrono::steady_clock;
-    scenario const s{mdl, requests_of(state, false), is::memory_space::host};
+    scenario s{mdl, requests_of(state, false), is::memory_space::host};
     std::vector<is::float8_e4m3_t> cache_data(static_cast<std::size_t>(s.cache_elements()));
     auto desc                 = s.make_cache(cache_data.data());
     bool const calibrated     = state.range(1) != 0;
@@ -809,7 +814,7 @@ void inject_host_fp8_bench(benchmark::State& state, model mdl)
     std::vector<std::byte> copy_destination(copy_bytes);
     void const* const copy_source = s.store.ref().pool;  // pool_bytes >= copy_bytes
 
-    auto const fused = [&] { is::inject_host(s.store, s.batch, desc, s.rotation); };
+    auto const fused = [&] { s.batch.run(desc, s.rotation); };
     auto const copy  = [&] {
       std::memcpy(copy_destination.data(), copy_source, copy_bytes);
       benchmark::DoNotOptimize(copy_destination.data());
@@ -943,12 +948,7 @@ void inject_checked_device_bench(benchmark::State& state, model mdl, bool batch)
     ib::device_buffer<std::byte> copy_destination(copy_bytes);
     void const* const copy_source = c.s.store.ref().pool;
     auto const checked            = [&] {
-      is::inject_async(c.s.store,
-                       c.s.batch,
-                       c.fused_desc,
-                       c.s.rotation,
-                       c.workspace,
-                       cuda::stream_ref{stream.get()});
+      c.s.batch.run(c.fused_desc, c.s.rotation, c.workspace, cuda::stream_ref{stream.get()});
     };
     // Host wall time of `work` up to the end of the stream's work, from a cold L2 and idle stream.
     auto const wall = [&](auto&& work) {
@@ -1039,7 +1039,12 @@ void plan_host_bench(benchmark::State& state)
       is::composition const plan =
         is::compose(store, retrieved[static_cast<std::size_t>(r)], options);
       auto const& table = tables[static_cast<std::size_t>(r)];
-      batch.add(plan, table.data(), static_cast<std::int64_t>(table.size()), block_size, 0);
+      batch.add(plan,
+                is::slots_from_block_table(table.data(),
+                                           static_cast<std::int64_t>(table.size()),
+                                           block_size,
+                                           0,
+                                           plan.length()));
     }
     benchmark::DoNotOptimize(batch.slots().data());
   }

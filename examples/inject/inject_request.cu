@@ -210,11 +210,7 @@ int main()
                                {num_blocks * bs * h * d, bs * h * d, h * d, d, 1});
 
   injection_batch batch(store);
-  batch.add(plan,
-            block_table.data(),
-            static_cast<std::int64_t>(block_table.size()),
-            block_size,
-            start_position);
+  batch.add(plan, cache, block_table, start_position);  // the cache's own block size
   std::printf("block table:");
   for (std::int32_t b : block_table) {
     std::printf(" %d", b);
@@ -231,11 +227,11 @@ int main()
   if (gpu) {
     injection_workspace workspace(batch.num_tokens());
     cuda::stream_ref const stream{cudaStream_t{}};
-    inject_async(store, batch, cache, rotation, workspace, stream);
+    batch.run(cache, rotation, workspace, stream);
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
     host_cache = device_cache.to_host();
   } else {
-    inject_host(store, batch, cache, rotation);
+    batch.run(cache, rotation);
   }
   std::int64_t const moved = store.geometry().bytes(m, dtype::bfloat16);
   std::printf(

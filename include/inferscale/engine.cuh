@@ -219,10 +219,11 @@ inline void store_captured_facts(kv_store& store,
 
 /**
  * @brief One request's memory through a paged-cache adapter, device backend: the device twin of
- * inject_memory_host (engine.hpp). Allocates slots for the plan's `m` tokens at its positions,
- * enqueues the checked inject_async (the composed K/V of the device store, keys rotated by
- * `rotation`) into the adapter's cache (device memory) on `stream`, and commits the tokens as
- * the sequence's prefix.
+ * inject_memory_host (engine.hpp), a one-request injection step run on the device —
+ * `step.add(plan, cache_adapter); step.run(cache_adapter.cache(), rotation, workspace, stream);`.
+ * Allocates slots for the plan's `m` tokens at its positions, enqueues the injection (the composed
+ * K/V of the device store, keys rotated by `rotation`) into the adapter's cache (device memory)
+ * on `stream`, and commits the tokens as the sequence's prefix.
  *
  * @param store         a device store (the plan's)
  * @param plan          the request's composition (compose(), memory::prepare)
@@ -233,12 +234,12 @@ inline void store_captured_facts(kv_store& store,
  *                      query must be ordered after it (the same stream, or an event)
  * @throw logic_error before anything is allocated if the plan is empty, the store is not in
  *        device memory or the workspace is too small; after allocation and before anything is
- *        written or committed as injection_batch::add and the checked inject_async (too few
- *        slots, a slot written twice or beyond the cache, a position beyond the table, geometry or
- *        dtype mismatch). cuda_error on a CUDA failure; whatever the adapter throws.
+ *        written or committed as injection_batch::add and run (too few slots, a slot written
+ *        twice or beyond the cache, a position beyond the table, geometry or dtype mismatch).
+ *        cuda_error on a CUDA failure; whatever the adapter throws.
  * @note Never synchronises the device; staging may wait for the workspace's previous staging
- *       copy (injection_workspace::stage). For a scheduler step of many requests, build one
- *       injection_batch and call inject_async once.
+ *       copy (injection_workspace::stage). For a scheduler step of many requests, add them all to
+ *       one injection_batch and run it once.
  */
 template <class CacheAdapter, class Rotation>
 void inject_memory_async(kv_store const& store,
@@ -261,10 +262,9 @@ void inject_memory_async(kv_store const& store,
                      "inject_memory_async: the plan has " +
                        detail::count_of(plan.length(), "token") + ", the workspace holds " +
                        std::to_string(workspace.capacity()));
-  injection_batch const batch =
-    detail::allocate_plan(store, plan, cache_adapter, "inject_memory_async");
-  inject_async(store, batch, cache_adapter.cache(), rotation, workspace, stream);
-  cache_adapter.commit(plan.length());
+  injection_batch step{store};
+  step.add(plan, cache_adapter);
+  step.run(cache_adapter.cache(), rotation, workspace, stream);
 }
 
 }  // namespace inferscale

@@ -11,20 +11,22 @@
  *
  * ## The request flow (mirrors vLLM's `KVConnectorBase_V1`)
  *
- * | step | vLLM connector | InferScale |
- * |---|---|---|
- * | how many prompt tokens memory provides | `get_num_new_matched_tokens` | `compose()` →
- * `plan.length()` | | the engine allocates slots for them | `update_state_after_alloc` (block ids)
- * | `cache_adapter.allocate(p0, m)` | | the memory is written into those slots | `start_load_kv` /
- * `wait_for_layer_load` | `inject_host` / `inject_async` into `cache_adapter.cache()` | | the
- * engine adopts them as computed | the scheduler counts them as `num_computed_tokens` |
- * `cache_adapter.commit(m)` | | the engine prefills only the rest | normal prefill of the query |
- * normal prefill of the query |
+ * - how many prompt tokens memory provides: vLLM `get_num_new_matched_tokens`; InferScale
+ *   `compose()` → `plan.length()`;
+ * - the engine allocates slots for them: `update_state_after_alloc` (block ids);
+ *   `step.add(plan, cache_adapter)` calls `cache_adapter.allocate(p0, m)`;
+ * - the memory is written into those slots: `start_load_kv` / `wait_for_layer_load`;
+ *   `step.run(cache_adapter.cache(), rotation)` (host) or `step.run(..., workspace, stream)`
+ *   (device);
+ * - the engine adopts them as computed: the scheduler counts them as `num_computed_tokens`; the
+ *   run calls `cache_adapter.commit(m)`;
+ * - the engine prefills only the rest: the normal prefill of the query, in both.
  *
- * inject_memory_host() runs the middle three steps for one request; inject_memory_async()
- * (engine.cuh) runs them from a device store on a stream, and engine.cuh's store_captured_facts
- * overloads store a capture into a device store on a stream: a GPU engine calls the same
- * functions as a CPU engine, with a workspace and a stream added. A GPU engine's hooks fill a
+ * The injection step (injection_batch, injection_batch.hpp) runs the middle three steps for every
+ * request of a scheduler step; inject_memory_host() (here) and inject_memory_async() (engine.cuh)
+ * are its one-request form. engine.cuh's store_captured_facts overload stores a capture into a
+ * device store on a stream: a GPU engine calls the same functions as a CPU engine, with a
+ * workspace and a stream added. A GPU engine's hooks fill a
  * device_kv_capture (kv_capture.cuh) from device rows instead of a kv_capture, so its K/V never
  * goes through the host.
  *
@@ -222,28 +224,13 @@ struct is_model_adapter<
   : std::is_same<decltype(std::declval<M const&>().geometry()), kv_geometry> {
 };
 
-template <class, class = void>
-struct is_cache_adapter : std::false_type {
-};
-template <class C>
-struct is_cache_adapter<
-  C,
-  std::void_t<decltype(std::declval<C&>().allocate(std::int64_t{}, std::int64_t{})),
-              decltype(std::declval<C const&>().cache()),
-              decltype(std::declval<C&>().commit(std::int64_t{}))>>
-  : std::conjunction<
-      std::is_convertible<decltype(std::declval<C&>().allocate(std::int64_t{}, std::int64_t{})),
-                          std::vector<std::int64_t>>,
-      std::is_convertible<decltype(std::declval<C const&>().cache()), paged_kv_cache const&>> {
-};
 }  // namespace detail
 
 /// @brief True when M provides geometry(), rotation() and encode(tokens, p0, kv_capture&).
 template <class M>
 inline constexpr bool is_model_adapter_v = detail::is_model_adapter<M>::value;
-/// @brief True when C provides allocate(p0, n), cache() and commit(n).
-template <class C>
-inline constexpr bool is_cache_adapter_v = detail::is_cache_adapter<C>::value;
+// is_cache_adapter_v (allocate(p0, n), cache(), commit(n)) is in injection_batch.hpp: the
+// injection step takes cache adapters.
 
 /**
  * @brief Encodes one token sequence through a model adapter (one forward at positions
@@ -287,36 +274,16 @@ void encode_facts(ModelAdapter& model,
   store_captured_facts(store, capture, facts);
 }
 
-namespace detail {
-
-/// @brief The shared first half of inject_memory_host / inject_memory_async: slots for the plan's
-/// tokens from the adapter (refused unless it hands exactly that many), and the checked batch.
-template <class CacheAdapter>
-injection_batch allocate_plan(kv_store const& store,
-                              composition const& plan,
-                              CacheAdapter& cache_adapter,
-                              char const* who)
-{
-  std::vector<std::int64_t> const slots =
-    cache_adapter.allocate(plan.first_position, plan.length());
-  INFERSCALE_EXPECTS(static_cast<std::int64_t>(slots.size()) == plan.length(),
-                     std::string{who} + ": the cache adapter allocated " +
-                       count_of(static_cast<std::int64_t>(slots.size()), "slot") + " for " +
-                       count_of(plan.length(), "token"));
-  injection_batch batch{store};
-  batch.add(plan, slots);
-  return batch;
-}
-
-}  // namespace detail
-
 /**
- * @brief One request's memory through a paged-cache adapter, host backend: allocate slots for the
- * plan's `m` tokens at its positions, inject the composed K/V (keys rotated by `rotation`), and
- * commit them as the sequence's prefix. The engine then prefills only the query.
+ * @brief One request's memory through a paged-cache adapter, host backend: a one-request injection
+ * step, `injection_batch step{store}; step.add(plan, cache_adapter);
+ * step.run(cache_adapter.cache(), rotation);` — allocate slots for the plan's `m` tokens at its
+ * positions, inject the composed K/V (keys rotated by `rotation`), and commit them as the
+ * sequence's prefix. The engine then prefills only the query. For a scheduler step of many
+ * requests, add them all to one step.
  *
- * @throw logic_error as injection_batch::add and inject_host (unknown fact, too few slots, a slot
- *        outside the cache, geometry or dtype mismatch); nothing is committed then, and the
+ * @throw logic_error as injection_batch::add and run (an empty plan, unknown fact, too few slots, a
+ *        slot outside the cache, geometry or dtype mismatch); nothing is committed then, and the
  *        engine's sequence is unchanged. Whatever the adapter throws.
  */
 template <class CacheAdapter, class Rotation>
@@ -328,11 +295,9 @@ void inject_memory_host(kv_store const& store,
   static_assert(is_cache_adapter_v<CacheAdapter>,
                 "inject_memory_host: CacheAdapter needs allocate(first_position, tokens), "
                 "cache() and commit(tokens) (see engine.hpp)");
-  INFERSCALE_EXPECTS(plan.length() > 0, std::string{"inject_memory_host: the plan is empty"});
-  injection_batch const batch =
-    detail::allocate_plan(store, plan, cache_adapter, "inject_memory_host");
-  inject_host(store, batch, cache_adapter.cache(), rotation);
-  cache_adapter.commit(plan.length());
+  injection_batch step{store};
+  step.add(plan, cache_adapter);
+  step.run(cache_adapter.cache(), rotation);
 }
 
 }  // namespace inferscale

@@ -10,12 +10,16 @@
  *    whose position lies outside the table or whose store token lies outside the pool, and rows
  *    whose fp8 scale is not positive and finite, are skipped and counted in an optional
  *    inject_device_errors (device memory) the caller reads back: the device cannot throw.
- *  - inject_async(store, batch, cache, rotation, workspace, stream): validates the host batch
- *    completely (as inject_host does), stages its arrays into the workspace, then launches.
+ *  - injection_batch::run(cache, rotation, workspace, stream), defined here: the injection step's
+ *    device run. Validates the host step completely (as the host run does), stages its arrays
+ *    into the workspace, launches, then commits the step's cache adapters. The checked
+ *    inject_async(store, batch, cache, rotation, workspace, stream) is the same run under its
+ *    former name, for steps without adapters.
  *
  * Either level dispatches on the store's and the cache's element types at run time, which
  * compiles the kernel for every pair (15 per rotation type). A program that knows its pair names
- * it, `inject_async<bfloat16_t, bfloat16_t>(...)`: the same checks, plus the two types' (a
+ * it, `batch.run<bfloat16_t, bfloat16_t>(...)` or `inject_async<bfloat16_t, bfloat16_t>(...)`:
+ * the same checks, plus the two types' (a
  * mismatch is refused before anything is staged), and only that pair's kernels are compiled.
  */
 #pragma once
@@ -362,14 +366,50 @@ void inject_async(kv_store_ref const& store,
     store, batch, cache, rotation, static_cast<inject_device_errors*>(nullptr), stream);
 }
 
+namespace detail {
+/// @brief The device run's body (injection_batch::run and the checked inject_async): every host
+/// check, the staging and the launch.
+template <class StoreT, class CacheT, class Rotation>
+void inject_batch_device(kv_store const& store,
+                         injection_batch const& batch,
+                         paged_kv_cache const& cache,
+                         Rotation const& rotation,
+                         injection_workspace& workspace,
+                         cuda::stream_ref stream,
+                         char const* who)
+{
+  batch.check_target(cache, who);
+  check_injection(store, batch, cache, rotation, memory_space::device, who);
+  INFERSCALE_EXPECTS(batch.num_tokens() <= workspace.capacity(),
+                     std::string{who} + ": the batch has " +
+                       count_of(batch.num_tokens(), "token") + ", the workspace holds " +
+                       std::to_string(workspace.capacity()));
+  // A wrong pair is refused before staging (the raw launch would refuse it after).
+  check_dtype_pair<StoreT, CacheT>(store.store_dtype(), cache.cache_dtype, who);
+  workspace.stage(batch, stream);
+  inject_async<StoreT, CacheT>(
+    store.ref(), workspace.view(), cache, rotation, workspace.device_errors(), stream);
+  workspace.mark_used(stream);
+}
+}  // namespace detail
+
+template <class StoreT, class CacheT, class Rotation, class Stream>
+void injection_batch::run(paged_kv_cache const& cache,
+                          Rotation const& rotation,
+                          injection_workspace& workspace,
+                          Stream stream)
+{
+  detail::inject_batch_device<StoreT, CacheT>(
+    store(), *this, cache, rotation, workspace, cuda::stream_ref{stream}, "injection_batch::run");
+  commit_pending();
+}
+
 /**
- * @brief Device backend, checked: validates the host batch as inject_host does (stale batch,
- * memory space, geometry, slots within the cache, positions within the table), stages its arrays
- * into `workspace` and launches. The only thing left to the device is the fp8 scale values
- * (device memory): rows with an unusable scale are skipped and counted in the workspace's
- * counters (injection_workspace::read_errors).
- * @throw logic_error on any mismatch (nothing is staged or launched); cuda_error on a CUDA failure.
- * @note Does not wait for the kernel (staging may wait for the previous staging's copy).
+ * @brief The device run under its former name: `batch.run<StoreT, CacheT>(cache, rotation,
+ * workspace, stream)` for a step with no cache adapter, which it refuses (adapters commit only
+ * through run()). Kept for existing callers and the tests; new code calls run().
+ * @throw logic_error as injection_batch::run, if `store` is not the batch's, or if the batch holds
+ *        cache adapters (nothing is staged or launched); cuda_error on a CUDA failure.
  */
 template <class StoreT = void, class CacheT = void, class Rotation>
 void inject_async(kv_store const& store,
@@ -379,17 +419,11 @@ void inject_async(kv_store const& store,
                   injection_workspace& workspace,
                   cuda::stream_ref stream)
 {
-  detail::check_injection(store, batch, cache, rotation, memory_space::device, "inject_async");
-  INFERSCALE_EXPECTS(batch.num_tokens() <= workspace.capacity(),
-                     "inject_async: the batch has " + detail::count_of(batch.num_tokens(), "token") +
-                       ", the workspace holds " + std::to_string(workspace.capacity()));
-  // A wrong pair is refused before staging (the raw launch would refuse it after).
-  detail::check_dtype_pair<StoreT, CacheT>(
-    store.store_dtype(), cache.cache_dtype, "inject_async");
-  workspace.stage(batch, stream);
-  inject_async<StoreT, CacheT>(
-    store.ref(), workspace.view(), cache, rotation, workspace.device_errors(), stream);
-  workspace.mark_used(stream);
+  INFERSCALE_EXPECTS(batch.num_pending_commits() == 0,
+                     std::string{"inject_async: the batch holds cache adapters, which commit "
+                                 "only through injection_batch::run"});
+  detail::inject_batch_device<StoreT, CacheT>(
+    store, batch, cache, rotation, workspace, stream, "inject_async");
 }
 
 /**

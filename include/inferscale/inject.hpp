@@ -1,14 +1,16 @@
 /**
  * @file inject.hpp
  * @brief Injection, host backend: stored pre-RoPE facts -> an engine's paged KV cache, keys rotated
- * to their virtual positions. The parts: the batch (injection_batch.hpp), the checks, the scalar
+ * to their virtual positions, by the injection step's host run (injection_batch::run(cache,
+ * rotation), defined here). The parts: the step (injection_batch.hpp), the checks, the scalar
  * loop, the vector paths and the dispatch (detail/inject/); extraction, the inverse, is
  * extract.hpp (included here too).
  *
- * Flow: compose() a plan per request, add each plan with its slots to an injection_batch (which
- * resolves every token to its store page and checks the slots), then inject_host() (or
- * inject_async() on the device). Everything is validated before the first write; a refused call
- * leaves the store and the cache unchanged.
+ * Flow: compose() a plan per request, add each plan with its slots (a span, a block table, or a
+ * cache adapter) to one injection_batch per scheduler step, then run it: run(cache, rotation)
+ * here, or run(cache, rotation, workspace, stream) on the device (inject.cuh). Everything is
+ * validated before the first write; a refused run leaves the store, the cache and the adapters
+ * unchanged.
  */
 #pragma once
 
@@ -21,18 +23,36 @@
 
 namespace inferscale {
 
+namespace detail {
+/// @brief The host run's body (injection_batch::run and inject_host): every check, then the write.
+template <class Rotation>
+void inject_batch_host(kv_store const& store,
+                       injection_batch const& batch,
+                       paged_kv_cache const& cache,
+                       Rotation const& rotation,
+                       char const* who)
+{
+  batch.check_target(cache, who);
+  check_injection(store, batch, cache, rotation, memory_space::host, who);
+  inject_host_view(store.ref(), batch.host_view(), cache, rotation);
+}
+}  // namespace detail
+
+template <class Rotation>
+void injection_batch::run(paged_kv_cache const& cache, Rotation const& rotation)
+{
+  detail::inject_batch_host(store(), *this, cache, rotation, "injection_batch::run");
+  commit_pending();
+}
+
 /**
- * @brief Host backend: writes every token of `batch` into `cache` (host memory): the key read from
- * the store, rotated to the token's virtual position by `rotation`, scaled and converted to the
- * cache dtype; the value scaled and converted. Tokens with a negative slot are skipped.
+ * @brief The host run under its former name: `batch.run(cache, rotation)` for a step with no cache
+ * adapter, which it refuses (adapters commit only through run()). Kept for existing callers and
+ * the tests; new code calls run().
  *
- * @param store    a host-memory store (the batch's)
- * @param batch    the step's validated work
- * @param cache    the engine's cache for the store's shard (same layers, heads, head_dim)
- * @param rotation rope_params, or the engine's rope_cos_sin_table (host data)
- * @throw logic_error if the batch is stale or for another store, the store is not in host memory,
- *        geometries differ, a slot is beyond the cache or a position beyond the table; nothing is
- *        written then.
+ * @param store    the batch's store (a host-memory store)
+ * @throw logic_error as injection_batch::run, if `store` is not the batch's, or if the batch holds
+ *        cache adapters; nothing is written then.
  */
 template <class Rotation>
 void inject_host(kv_store const& store,
@@ -40,8 +60,10 @@ void inject_host(kv_store const& store,
                  paged_kv_cache const& cache,
                  Rotation const& rotation)
 {
-  detail::check_injection(store, batch, cache, rotation, memory_space::host, "inject_host");
-  detail::inject_host_view(store.ref(), batch.host_view(), cache, rotation);
+  INFERSCALE_EXPECTS(batch.num_pending_commits() == 0,
+                     std::string{"inject_host: the batch holds cache adapters, which commit only "
+                                 "through injection_batch::run"});
+  detail::inject_batch_host(store, batch, cache, rotation, "inject_host");
 }
 
 }  // namespace inferscale

@@ -25,8 +25,9 @@
  *    values (normalised or not: the index's metric decides how they compare).
  *
  * C++17, host only (the store and the index may still live in device memory). `serve`/`inject`
- * inject a host store on the host; their overloads with a workspace and a stream inject a device
- * store on the device (inject_memory_async, engine.cuh: they compile where memory.cuh is
+ * inject a host store on the host (a one-request injection step, injection_batch.hpp); their
+ * overloads with a workspace and a stream inject a device store on the device (the step's device
+ * run through inject_memory_async, engine.cuh: they compile where memory.cuh is
  * included, with nvcc, and this header does not need the CUDA toolkit).
  *
  * The parts: the value types (memory_types.hpp); the definitions in detail/memory/ — the
@@ -137,7 +138,9 @@ class memory {
   composition prepare(std::vector<std::uint64_t> const& fact_ids,
                       std::int64_t first_position) const;
 
-  /// @brief Injects a prepared segment through a paged-cache adapter (host backend).
+  /// @brief Injects a prepared segment through a paged-cache adapter (host backend): a one-request
+  /// injection step (injection_batch::add(plan, cache), run(cache.cache(), rotation)).
+  /// @throw logic_error as injection_batch::add and run (nothing written or committed then).
   template <class CacheAdapter, class Rotation>
   void inject(composition const& plan, CacheAdapter& cache, Rotation const& rotation) const;
 
@@ -159,7 +162,7 @@ class memory {
    * @brief One request: embed `query`, retrieve the top `k` of namespace `ns`, compose them behind
    * the prefix at `first_position ..`, inject through `cache`. The engine then prefills the query
    * at `first_position + result.plan.length()`.
-   * @throw logic_error as retrieve, prepare and inject_memory_host (nothing committed then).
+   * @throw logic_error as retrieve, prepare and inject (nothing committed then).
    */
   template <class Embedder, class CacheAdapter, class Rotation>
   memory_request serve(Embedder& embedder,

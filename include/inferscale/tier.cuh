@@ -47,6 +47,10 @@ void inject_tiered_async(tiered_store& tiers,
 {
   char const* const who = "inject_tiered_async";
   kv_store const& store = tiers.device_tier();
+  INFERSCALE_EXPECTS(batch.num_pending_commits() == 0,
+                     std::string{who} + ": the batch holds cache adapters, which commit only "
+                                        "through injection_batch::run");
+  batch.check_target(cache, who);
   detail::check_injection(store, batch, cache, rotation, memory_space::device, who);
   INFERSCALE_EXPECTS(batch.num_tokens() <= workspace.capacity(),
                      std::string{who} + ": the batch has " + std::to_string(batch.num_tokens()) +

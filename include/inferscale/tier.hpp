@@ -470,7 +470,8 @@ enum class tier_host_order : std::uint8_t {
  * @param tiers    host tiers (`config().device.space == host`)
  * @param request  what admit() returned for the facts of `batch`
  * @param batch    built against `tiers.device_tier()` after admit()
- * @throw logic_error as inject_host, or if the request is stale; nothing is written then.
+ * @throw logic_error as inject_host (a batch holding cache adapters included: they commit only
+ *        through injection_batch::run), or if the request is stale; nothing is written then.
  */
 template <class Rotation>
 void inject_tiered_host(tiered_store& tiers,

@@ -277,6 +277,16 @@ injection_batch make_batch(kv_store const& store)
   return b;
 }
 
+/// A cache description whose only use is its block size (what injection_batch::add reads of a
+/// block table's cache; the refusals below come before any write).
+paged_kv_cache block_size_cache(std::int32_t block_size)
+{
+  paged_kv_cache c{};
+  c.key_layout.block_size   = block_size;
+  c.value_layout.block_size = block_size;
+  return c;
+}
+
 // The index: dim 4, cosine, namespaces 1 (ids 1, 2) and 2 (id 3).
 constexpr std::int64_t dim = 4;
 
@@ -598,7 +608,8 @@ void batch_cases()
              "has 5 tokens but only 1 slot were given",
              [](kv_store& s, injection_batch& b) { b.add(compose(s, {1}), slot_range(30, 1)); });
   batch_case("null slot mapping", "null slot mapping", [](kv_store& s, injection_batch& b) {
-    b.add(compose(s, {1}), static_cast<std::int64_t const*>(nullptr), 5);
+    b.add(compose(s, {1}),
+          cuda::std::span<std::int64_t const>{static_cast<std::int64_t const*>(nullptr), 5});
   });
   batch_case("slot repeated within a request",
              "slot 31 is written twice",
@@ -625,28 +636,37 @@ void batch_cases()
     gc.check();
   });
   batch_case("null block table", "null block table", [](kv_store& s, injection_batch& b) {
-    b.add(compose(s, {1}), static_cast<std::int32_t const*>(nullptr), 2, 16, 0);
+    b.add(compose(s, {1}),
+          block_size_cache(16),
+          cuda::std::span<std::int32_t const>{static_cast<std::int32_t const*>(nullptr), 2},
+          0);
   });
   batch_case("block table too short (pluralised)",
              "need 1 block, the table has 0",
              [](kv_store& s, injection_batch& b) {
                std::int32_t const blocks[] = {1};
-               b.add(compose(s, {1}), blocks, 0, 16, 0);
+               b.add(compose(s, {1}), block_size_cache(16), {blocks, std::size_t{0}}, 0);
              });
   batch_case("negative block id", "negative block id -2", [](kv_store& s, injection_batch& b) {
     std::int32_t const blocks[] = {3, -2};
-    b.add(compose(s, {3}), blocks, 2, 4, 0);
+    b.add(compose(s, {3}), block_size_cache(4), blocks, 0);
   });
   batch_case(
     "block table start overflows", "overflow 64 bits", [](kv_store& s, injection_batch& b) {
       std::int32_t const blocks[] = {3, 1};
-      b.add(compose(s, {1}), blocks, 2, 4, std::numeric_limits<std::int64_t>::max() - 2);
+      b.add(compose(s, {1}),
+            block_size_cache(4),
+            blocks,
+            std::numeric_limits<std::int64_t>::max() - 2);
     });
   batch_case("block count times block size overflows",
              "overflow 64 bits",
              [](kv_store& s, injection_batch& b) {
                std::int32_t const blocks[] = {3, 1};
-               b.add(compose(s, {1}), blocks, std::numeric_limits<std::int64_t>::max() / 2, 16, 0);
+               b.add(compose(s, {1}),
+                     block_size_cache(16),
+                     {blocks, static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max() / 2)},
+                     0);
              });
   add("batch", "negative slots: handled (the token is skipped, nothing refused)", [] {
     kv_store s        = make_store();

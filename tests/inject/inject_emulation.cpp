@@ -141,7 +141,8 @@ injection_batch make_batch(kv_store const& store, std::int64_t shift)
     o.order                     = fact_order::best_last;
     o.instruction_prefix        = 1;
     std::int32_t const blocks[] = {7, 2, 5};
-    batch.add(compose(store, {2, 3, 4}, o), blocks, 3, block_size, 3);
+    auto const plan = compose(store, {2, 3, 4}, o);
+    batch.add(plan, slots_from_block_table(blocks, 3, block_size, 3, plan.length()));
   }
   {
     compose_options o{};
@@ -161,7 +162,8 @@ injection_batch make_batch(kv_store const& store, std::int64_t shift)
     o.order                     = fact_order::as_given;
     o.instruction_prefix        = 1;
     std::int32_t const blocks[] = {3, 8, 1};
-    batch.add(compose(store, {8, 3}, o), blocks, 3, block_size, 5);
+    auto const plan = compose(store, {8, 3}, o);
+    batch.add(plan, slots_from_block_table(blocks, 3, block_size, 5, plan.length()));
   }
   return batch;
 }

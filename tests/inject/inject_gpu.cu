@@ -42,6 +42,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -361,20 +362,12 @@ std::vector<request> make_requests(kv_store const& store, std::int64_t shift)
   return requests;
 }
 
-/// The batch of make_requests (block tables through the block-table overload of add).
+/// The batch of make_requests (block tables as their slots: the batch is built before a cache).
 injection_batch make_batch(kv_store const& store, std::int64_t shift)
 {
   injection_batch batch(store);
   for (request const& r : make_requests(store, shift)) {
-    if (r.blocks.empty()) {
-      batch.add(r.plan, r.slot_mapping);
-    } else {
-      batch.add(r.plan,
-                r.blocks.data(),
-                static_cast<std::int64_t>(r.blocks.size()),
-                block_size,
-                r.start_position);
-    }
+    batch.add(r.plan, r.slots());
   }
   return batch;
 }
@@ -400,7 +393,7 @@ injection_batch make_large_batch(kv_store const& store)
     o.instruction_prefix    = prefix_id;
     auto const plan         = compose(store, ids, o);
     std::int64_t const need = (plan.length() + block_size - 1) / block_size;
-    batch.add(plan, order.data() + next, need, block_size, 0);
+    batch.add(plan, slots_from_block_table(order.data() + next, need, block_size, 0, plan.length()));
     next += static_cast<std::size_t>(need);
   }
   return batch;
@@ -1171,6 +1164,58 @@ void require_seam_equals_host(engine_layout layout, geometry_case const& g)
   bytes const device = s.device_bytes(stream.get());
   REQUIRE(first_difference(s.host_bytes(), s.original) != -1);  // something was written
   REQUIRE(first_difference(device, s.host_bytes()) == -1);
+
+  // 3. One injection step planned three ways — fact 11 at p0 = 300 through a span (block 6), facts
+  // {12, 13} at p0 = 40 as prompt tokens 3.. of the block table {10, 11} (the cache's block size),
+  // fact 15 at p0 = 7 through an adapter (block 4) — run on the device equals the same step run
+  // on the host; each adapter commits once, after its run.
+  compose_options p{};
+  p.order = fact_order::as_given;
+  auto const plans = [&](kv_store const& st) {
+    std::vector<composition> out;
+    std::vector<std::pair<std::vector<std::uint64_t>, std::int64_t>> const requests{
+      {{11}, 300}, {{12, 13}, 40}, {{15}, 7}};
+    for (auto const& [ids, p0] : requests) {
+      p.first_position = p0;
+      out.push_back(compose(st, ids, p));
+    }
+    return out;
+  };
+  std::vector<composition> const hp = plans(s.host_store), dp = plans(s.device_store);
+  std::vector<std::int64_t> span_slots;
+  for (std::int64_t j = 0; j < 7; ++j) {
+    span_slots.push_back(6 * block_size + j);
+  }
+  std::vector<std::int32_t> const table{10, 11};
+  slot_adapter host_step_adapter{s.host_desc, {64, 65, 66, 67, 68}};
+  slot_adapter device_step_adapter{s.device_desc, {64, 65, 66, 67, 68}};
+  injection_batch host_step(s.host_store), device_step(s.device_store);
+  for (auto [step, ps, desc, adapter] :
+       {std::tuple{&host_step, &hp, &s.host_desc, &host_step_adapter},
+        std::tuple{&device_step, &dp, &s.device_desc, &device_step_adapter}}) {
+    step->add((*ps)[0], span_slots);
+    step->add((*ps)[1], *desc, table, 3);
+    step->add((*ps)[2], *adapter);
+  }
+  REQUIRE(device_step.slots() == host_step.slots());
+  REQUIRE(std::vector<std::int64_t>(device_step.slots().begin() + 7,
+                                    device_step.slots().begin() + 21) ==
+          std::vector<std::int64_t>{163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174,
+                                    175, 176});
+  injection_workspace step_workspace(device_step.num_tokens());
+  // A refused device run (a workspace too small) stages, launches and commits nothing.
+  injection_workspace tiny(device_step.num_tokens() - 1);
+  REQUIRE_THROWS_AS(device_step.run(s.device_desc, s.device_rotation, tiny, ref), logic_error);
+  REQUIRE(device_step_adapter.committed.empty());
+  REQUIRE(first_difference(s.device_bytes(stream.get()), device) == -1);
+  host_step.run(s.host_desc, s.host_rotation);
+  device_step.run(s.device_desc, s.device_rotation, step_workspace, ref);
+  REQUIRE(device_step_adapter.committed == std::vector<std::int64_t>{5});
+  REQUIRE(host_step_adapter.committed == device_step_adapter.committed);
+  REQUIRE(step_workspace.read_errors(ref).total() == 0);
+  bytes const stepped = s.device_bytes(stream.get());
+  REQUIRE(first_difference(stepped, device) != -1);  // the step wrote something
+  REQUIRE(first_difference(stepped, s.host_bytes()) == -1);
 }
 
 }  // namespace

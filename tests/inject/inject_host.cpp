@@ -377,7 +377,8 @@ TEMPLATE_TEST_CASE("a multi-request batch lands in every engine layout and nowhe
   compose_options o1         = at(37);
   o1.order                   = fact_order::best_last;
   std::int32_t const table[] = {5, 8, 6, 9};
-  batch.add(compose(store, {12, 14, 15}, o1), table, 4, TB, 2);
+  // (The table's block size TB is not the cache's: the slots are computed by the slot rule.)
+  batch.add(compose(store, {12, 14, 15}, o1), slots_from_block_table(table, 4, TB, 2, 13));
   // r2: instruction prefix 16 then fact 11 at p0 = 1000; the prefix's slots are skipped.
   compose_options o2    = at(1000);
   o2.instruction_prefix = 16;
@@ -833,11 +834,11 @@ TEST_CASE("refused compositions, batches, injections and extractions change noth
                         Contains("only 7 slots"));
     std::int32_t const table[] = {0, 1};
     // Prompt tokens 1 .. 8 need 3 blocks of 4.
-    REQUIRE_THROWS_WITH(batch.add(plan, table, 2, 4, 1), Contains("the table has 2"));
+    REQUIRE_THROWS_WITH(batch.add(plan, cache, table, 1), Contains("the table has 2"));
     REQUIRE(batch.num_tokens() == 0);
     REQUIRE(batch.num_requests() == 0);
     // The same table from token 0 fits, and the batch is still usable.
-    batch.add(plan, table, 2, 4, 0);
+    batch.add(plan, cache, table, 0);  // the cache's own block size, 4
     REQUIRE(batch.num_tokens() == 8);
     REQUIRE(batch.slots() == eight);
     REQUIRE(snapshot(ec, store) == s0);
@@ -1062,4 +1063,172 @@ TEST_CASE("a batch reused across steps: clear() forgets the step, refused adds h
     Contains("is written twice"));
   REQUIRE(batch.max_slot() == big + 2);
   REQUIRE(batch.num_requests() == 2);
+}
+
+// ------------------------------------------------------------------------------------------------
+// h. The injection step: slots three ways (a span, a block table, a cache adapter), one run
+
+namespace {
+/// A paged-cache adapter (engine.hpp) over a test cache: hands out the slots it was given and
+/// records what the step asks of it.
+struct recording_adapter {
+  paged_kv_cache desc;
+  std::vector<std::int64_t> slots;  // what allocate() returns
+  std::int64_t allocations{0};
+  std::int64_t commits{0};
+  std::int64_t committed_tokens{0};
+
+  std::vector<std::int64_t> allocate(std::int64_t, std::int64_t)
+  {
+    ++allocations;
+    return slots;
+  }
+  paged_kv_cache const& cache() const { return desc; }
+  void commit(std::int64_t tokens)
+  {
+    ++commits;
+    committed_tokens += tokens;
+  }
+};
+static_assert(is_cache_adapter_v<recording_adapter>);
+}  // namespace
+
+TEST_CASE("an injection step planned three ways runs on the host as the reference path",
+          "[inject]")
+{
+  int const L = 2, H = 2, D = 16;
+  ref_rope const rope{D, D, 10000.0, false, true};
+  auto const params = rope.params();
+  kv_store store    = make_host_store(L, H, D, dtype::float32, 4, 8);
+  fact_data const f1(1, L, 5, H, D, 11), f2(2, L, 3, H, D, 12), f3(3, L, 4, H, D, 13);
+  for (auto const* f : {&f1, &f2, &f3}) {
+    f->insert_into(store);
+  }
+  // Two identical caches of 8 blocks of 4 (32 slots): the step writes one, the reference the other.
+  engine_cache<bfloat16_t> a(engine_layout::vllm_flash_attn_nhd, L, 8, 4, H, D);
+  engine_cache<bfloat16_t> b(engine_layout::vllm_flash_attn_nhd, L, 8, 4, H, D);
+  a.fill_random(5);
+  b.fill_random(5);
+  auto const before = storage_bytes(a);
+  REQUIRE(before == storage_bytes(b));
+  paged_kv_cache const desc_a = describe_cache(a), desc_b = describe_cache(b);
+
+  composition const r0 = compose(store, {1}, at(0));       // 5 tokens
+  composition const r1 = compose(store, {2, 3}, at(40));   // 7 tokens
+  composition const r2 = compose(store, {3}, at(100));     // 4 tokens
+  std::vector<std::int64_t> const s0{3, -1, 17, 18, 19};
+  std::int32_t const table[] = {5, 2};
+  // Prompt tokens 1 .. 7 of the table {5, 2} in blocks of 4 (the cache's): 5*4+1 .. 5*4+3, then
+  // 2*4+0 .. 2*4+3.
+  std::vector<std::int64_t> const s1{21, 22, 23, 8, 9, 10, 11};
+  recording_adapter adapter{desc_a, {28, 29, 30, 31}};
+
+  injection_batch step(store);
+  step.add(r0, s0);
+  step.add(r1, desc_a, table, 1);
+  step.add(r2, adapter);
+  REQUIRE(step.num_requests() == 3);
+  REQUIRE(step.slots() == (std::vector<std::int64_t>{3, -1, 17, 18, 19, 21, 22, 23, 8, 9, 10, 11,
+                                                     28, 29, 30, 31}));
+  REQUIRE(adapter.allocations == 1);
+  REQUIRE(adapter.commits == 0);  // planned, not run: nothing adopted yet
+  REQUIRE(step.num_pending_commits() == 1);
+
+  SECTION("the run writes what the reference path writes, byte for byte, then commits")
+  {
+    step.run(desc_a, params);
+    REQUIRE(adapter.commits == 1);
+    REQUIRE(adapter.committed_tokens == 4);
+    REQUIRE(step.num_pending_commits() == 0);
+
+    // Independent expectation: every token at its hand-written slot and position.
+    std::vector<placed_token> writes;
+    place(writes, f1, 0, 5, 0, s0);
+    place(writes, f2, 0, 3, 40, {s1.begin(), s1.begin() + 3});
+    place(writes, f3, 0, 4, 43, {s1.begin() + 3, s1.end()});
+    place(writes, f3, 0, 4, 100, {28, 29, 30, 31});
+    REQUIRE(writes.size() == 4 + 7 + 4);
+    check_cache(a, before, writes, rope, dtype::float32);
+
+    // The reference path: one explicit slot mapping per request through inject_host.
+    injection_batch reference(store);
+    reference.add(r0, s0);
+    reference.add(r1, s1);
+    reference.add(r2, std::vector<std::int64_t>{28, 29, 30, 31});
+    inject_host(store, reference, desc_b, params);
+    REQUIRE(storage_bytes(a) == storage_bytes(b));
+
+    // A second run rewrites the same bytes and commits nothing more.
+    step.run(desc_a, params);
+    REQUIRE(storage_bytes(a) == storage_bytes(b));
+    REQUIRE(adapter.commits == 1);
+  }
+  SECTION("refused adds change neither the step, the store, the cache nor the adapter")
+  {
+    state const sa = snapshot(a, store);
+    // Another cache's block table: the step targets a's.
+    REQUIRE_THROWS_WITH(step.add(compose(store, {2}, at(7)), desc_b, table, 0),
+                        Contains("targets another cache"));
+    // An adapter over another cache: refused before it allocates.
+    recording_adapter other{desc_b, {0, 1, 2}};
+    REQUIRE_THROWS_WITH(step.add(compose(store, {2}, at(7)), other),
+                        Contains("targets another cache"));
+    REQUIRE(other.allocations == 0);
+    // An adapter that allocates the wrong count, and one whose slot is already taken.
+    recording_adapter short_one{desc_a, {0, 1}};
+    REQUIRE_THROWS_WITH(step.add(compose(store, {2}, at(7)), short_one),
+                        Contains("allocated 2 slots for 3 tokens"));
+    recording_adapter taken{desc_a, {0, 1, 29}};
+    REQUIRE_THROWS_WITH(step.add(compose(store, {2}, at(7)), taken),
+                        Contains("slot 29 is written twice"));
+    // An empty plan through an adapter: nothing to allocate.
+    composition empty;
+    REQUIRE_THROWS_WITH(step.add(empty, taken), Contains("the plan is empty"));
+    REQUIRE(taken.allocations == 1);
+    REQUIRE(step.num_requests() == 3);
+    REQUIRE(step.num_tokens() == 16);
+    REQUIRE(step.num_pending_commits() == 1);
+    REQUIRE(short_one.commits + taken.commits + other.commits == 0);
+    REQUIRE(snapshot(a, store) == sa);
+    // The step still runs as planned.
+    step.run(desc_a, params);
+    REQUIRE(adapter.commits == 1);
+    std::vector<placed_token> writes;
+    place(writes, f1, 0, 5, 0, s0);
+    place(writes, f2, 0, 3, 40, {s1.begin(), s1.begin() + 3});
+    place(writes, f3, 0, 4, 43, {s1.begin() + 3, s1.end()});
+    place(writes, f3, 0, 4, 100, {28, 29, 30, 31});
+    check_cache(a, before, writes, rope, dtype::float32);
+  }
+  SECTION("a refused run writes nothing and commits nothing")
+  {
+    state const sa = snapshot(a, store), sb = snapshot(b, store);
+    // Another cache than the one the block table and the adapter name.
+    REQUIRE_THROWS_WITH(step.run(desc_b, params), Contains("targets another cache"));
+    // A rotation for another head_dim.
+    ref_rope const wide{2 * D, 2 * D, 10000.0, false, true};
+    REQUIRE_THROWS_AS(step.run(desc_a, wide.params()), logic_error);
+    // The former name refuses a step holding adapters (they commit only through run).
+    REQUIRE_THROWS_WITH(inject_host(store, step, desc_a, params), Contains("cache adapters"));
+    REQUIRE(snapshot(a, store) == sa);
+    REQUIRE(snapshot(b, store) == sb);
+    REQUIRE(adapter.commits == 0);
+    // The store changed since the step was planned: refused, still uncommitted.
+    fact_data const f9(9, L, 2, H, D, 19);
+    f9.insert_into(store);
+    state const changed = snapshot(a, store);
+    REQUIRE_THROWS_WITH(step.run(desc_a, params), Contains("the store changed"));
+    REQUIRE(snapshot(a, store) == changed);
+    REQUIRE(adapter.commits == 0);
+    REQUIRE(step.num_pending_commits() == 1);
+    // clear() drops the uncommitted adapter and the target: the step runs into b now.
+    step.clear();
+    REQUIRE(step.num_pending_commits() == 0);
+    step.add(compose(store, {9}, at(3)), std::vector<std::int64_t>{6, 7});
+    step.run(desc_b, params);
+    REQUIRE(adapter.commits == 0);
+    std::vector<placed_token> writes;
+    place(writes, f9, 0, 2, 3, {6, 7});
+    check_cache(b, before, writes, rope, dtype::float32);
+  }
 }

@@ -391,11 +391,11 @@ std::int64_t inject(store_handle const& store,
                     rotation_handle const& rotation,
                     std::vector<request_arg> const& requests)
 {
-  kv_store const& s           = store.get();
-  injection_batch const batch = make_batch(s, requests);
+  kv_store const& s     = store.get();
+  injection_batch batch = make_batch(s, requests);
   {
     nb::gil_scoped_release release;
-    rotation.visit([&](auto const& table) { inject_host(s, batch, cache.get(), table); });
+    rotation.visit([&](auto const& table) { batch.run(cache.get(), table); });
   }
   return batch.num_tokens();
 }

@@ -133,7 +133,12 @@ inline composition memory::prepare(std::vector<std::uint64_t> const& fact_ids,
 template <class CacheAdapter, class Rotation>
 void memory::inject(composition const& plan, CacheAdapter& cache, Rotation const& rotation) const
 {
-  inject_memory_host(store_, plan, cache, rotation);
+  static_assert(is_cache_adapter_v<CacheAdapter>,
+                "memory::inject: CacheAdapter needs allocate(first_position, tokens), cache() and "
+                "commit(tokens) (see engine.hpp)");
+  injection_batch step{store_};
+  step.add(plan, cache);
+  step.run(cache.cache(), rotation);
 }
 
 template <class CacheAdapter, class Rotation, class Stream>
@@ -144,7 +149,10 @@ void memory::inject(composition const& plan,
                     Stream stream) const
 {
   // Found where memory.cuh (engine.cuh) is included: the call depends on the template arguments,
-  // so this header compiles without the CUDA toolkit.
+  // so this header compiles without the CUDA toolkit. inject_memory_async is the one-request
+  // injection step run on the device (add(plan, cache), run(..., workspace, stream)), with its
+  // store-space and workspace checks made before the adapter allocates (the workspace's type is
+  // incomplete here).
   inject_memory_async(store_, plan, cache, rotation, workspace, stream);
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace inferscale {
 
@@ -18,6 +19,10 @@ void inject_tiered_host(tiered_store& tiers,
 {
   char const* const who = "inject_tiered_host";
   kv_store const& store = tiers.device_tier();
+  INFERSCALE_EXPECTS(batch.num_pending_commits() == 0,
+                     std::string{who} + ": the batch holds cache adapters, which commit only "
+                                        "through injection_batch::run");
+  batch.check_target(cache, who);
   detail::check_injection(store, batch, cache, rotation, memory_space::host, who);
   tier_split_batch const split = tiers.split(request, batch, who);
   kv_store_ref const ref       = store.ref();

@@ -35,21 +35,29 @@ def query_tokens(tok, q):
                       add_special_tokens=False)
 
 
+SPARE_PAGES = 32  # room in the store for facts a test adds later
+
+
 def joint_memory(llm, directory, users, **store_args):
-    """A MemoryStore in `directory` (MemoryStore.create's keyword arguments in `store_args`; 512
-    pages unless given) whose prefix is SYSTEM and in which each of `users` holds the whole fact
-    list encoded jointly: one forward of prefix + facts through `llm`, captured pre-RoPE (Theorem
-    3's case). Returns (mem, tok, {user: fact id}, the capture's {"k", "v"})."""
+    """A MemoryStore in `directory` (MemoryStore.create's keyword arguments in `store_args`; by
+    default as many pages as the facts fill, plus SPARE_PAGES: every reader loads the whole pool
+    at each generation, so it is kept small) whose prefix is SYSTEM and in which each of `users`
+    holds the whole fact list encoded jointly: one forward of prefix + facts through `llm`,
+    captured pre-RoPE (Theorem 3's case). Returns (mem, tok, {user: fact id}, the capture's
+    {"k", "v"})."""
     from inferscale_vllm.encode import capture, model_description, set_prefix
     from inferscale_vllm.memory import MemoryStore
 
     tok = llm.get_tokenizer()
-    store_args.setdefault("num_pages", 512)
-    mem = MemoryStore.create(directory, model=model_description(llm), **store_args)
-    set_prefix(mem, llm, SYSTEM, tok.encode(SYSTEM, add_special_tokens=False))
-    prefix = mem.store.token_ids(mem.manifest["prefix"])
+    system_ids = tok.encode(SYSTEM, add_special_tokens=False)
     text = "".join(f"- {f}\n" for f in FACTS)
     ids = tok.encode(text, add_special_tokens=False)
+    page = store_args.get("page_size", 16)
+    store_args.setdefault("num_pages", -(-len(system_ids) // page)
+                          + len(users) * -(-len(ids) // page) + SPARE_PAGES)
+    mem = MemoryStore.create(directory, model=model_description(llm), **store_args)
+    set_prefix(mem, llm, SYSTEM, system_ids)
+    prefix = mem.store.token_ids(mem.manifest["prefix"])
     kv = capture(llm, prefix + ids)
     c = len(prefix)
     facts = {u: mem.add_fact(u, text, ids, kv["k"][:, c:], kv["v"][:, c:]) for u in users}

@@ -1,9 +1,15 @@
+"""Fixtures shared by the connector's tests: the model folder, and the TP = 1 engine that
+test_connector.py and test_tp.py share (its start is most of a test's cost on a 2-core machine:
+every process vLLM starts imports torch and vLLM again)."""
+
 import os
-import sys
+import tempfile
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+FAILPOINT_USER = "failpoint"  # every load for this user fails in the worker (connector.py)
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +19,101 @@ def model_dir():
         pytest.fail("INFERSCALE_SMOLLM2_HF is not a model folder: run `bash .ci/vllm` and export "
                     "what it prints (the real model is required; this test does not skip)")
     return d
+
+
+class InProcessEngine:
+    """A vLLM engine whose engine core and (TP = 1) worker run in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0): no process is spawned, so nothing imports torch and vLLM
+    again, and a step needs no messages between processes. The connector's scheduler side and
+    worker side are still two instances, each reading the memory directory itself. The
+    multi-process arrangement (front end, engine core and workers apart, the connector's
+    metadata and the requests' kv_transfer_params crossing processes) is test_tp.py's."""
+
+    def __init__(self, make):
+        import torch
+
+        # The worker binds this process's threads to the cores it is given (and sets torch's
+        # thread count): both are given back on close, so that processes started afterwards (a
+        # multi-process engine's, a child's) inherit this process's CPUs, not one core.
+        self.affinity = os.sched_getaffinity(0)
+        self.threads = torch.get_num_threads()
+        self.saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            self.llm = make()
+        except BaseException:
+            self._restore()
+            raise
+
+    def close(self):
+        if self.llm is None:
+            return
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            self.llm = None
+            self._restore()
+
+    def _restore(self):
+        import gc
+
+        import torch
+        import vllm.envs
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        if self.saved is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = self.saved
+        gc.collect()
+        # The in-process worker set up torch.distributed (world size 1) and froze vLLM's
+        # environment: both are undone so that the next engine of this process starts afresh.
+        cleanup_dist_env_and_memory()
+        vllm.envs.disable_envs_cache()
+        os.sched_setaffinity(0, self.affinity)
+        torch.set_num_threads(self.threads)
+
+
+class SharedEngine:
+    """The TP = 1 engine with the connector and the capture extension (in process), and its
+    memory: SYSTEM as the prefix and the whole fact list encoded jointly (Theorem 3's case),
+    one fact each for users 'caroline' and FAILPOINT_USER, a bf16 store. ``get()`` starts it
+    (again, after ``close()``); a test that starts another engine calls ``close()`` first (one
+    engine at a time: each uses every core)."""
+
+    def __init__(self, model_dir):
+        self.model_dir = model_dir
+        self.engine = None
+        self.state = None
+
+    def get(self) -> dict:
+        if self.state is None:
+            from caroline import joint_memory
+
+            from inferscale_vllm.engine import make_llm
+
+            directory = tempfile.mkdtemp(prefix="inferscale-memory-")
+            os.environ["INFERSCALE_VLLM_FAIL_LOAD_FOR_USER"] = FAILPOINT_USER  # read per load
+            self.engine = InProcessEngine(lambda: make_llm(self.model_dir, directory))
+            try:
+                mem, tok, facts, kv = joint_memory(self.engine.llm, directory,
+                                                   ["caroline", FAILPOINT_USER], dtype="bfloat16")
+            except BaseException:
+                self.close()
+                raise
+            self.state = {"llm": self.engine.llm, "directory": directory, "mem": mem, "tok": tok,
+                          "joint": facts["caroline"], "failing": facts[FAILPOINT_USER], "kv": kv}
+        return self.state
+
+    def close(self):
+        self.state = None
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
+
+
+@pytest.fixture(scope="session")
+def shared_engine(model_dir):
+    holder = SharedEngine(model_dir)
+    yield holder
+    holder.close()

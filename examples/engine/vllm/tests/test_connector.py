@@ -1,8 +1,8 @@
 """The connector inside a real vLLM (CPU build) on SmolLM2: fidelity (Theorem 3), the prefix-cache
-isolation of injected blocks, and refusals that fall back to prefill. One engine for the module."""
-
-import os
-import tempfile
+isolation of injected blocks, and refusals that fall back to prefill. One engine for the module:
+conftest's shared TP = 1 engine (its engine core in this process; test_tp.py reuses it), over a
+memory of the facts encoded jointly for users 'caroline' and 'failpoint' (every load for the
+latter fails in the worker: INFERSCALE_VLLM_FAIL_LOAD_FOR_USER)."""
 
 import numpy as np
 import pytest
@@ -11,28 +11,19 @@ import torch
 from inferscale_vllm import Rotation, Store, Tensor, inject
 from inferscale_vllm.connector import rotation_matching_vllm
 from inferscale_vllm.encode import capture
-from inferscale_vllm.engine import make_llm
 from inferscale_vllm.memory import MemoryStore
 from inferscale_vllm.tensors import vllm_cpu_cache
 
-from caroline import GEN, QUESTIONS, joint_memory, query_tokens  # noqa: E402
+from caroline import GEN, QUESTIONS, query_tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def setup(model_dir):
+def setup(shared_engine):
     from vllm import SamplingParams
 
-    directory = tempfile.mkdtemp(prefix="inferscale-memory-")
-    os.environ["INFERSCALE_VLLM_FAIL_LOAD_FOR_USER"] = "failpoint"  # the workers inherit it
-    llm = make_llm(model_dir, directory)
-    # Theorem 3's case: the whole fact list encoded jointly (one forward), stored as one fact.
-    mem, tok, facts, kv = joint_memory(llm, directory, ["caroline", "failpoint"],
-                                       dtype="bfloat16", num_pages=1024)
-    joint, failing = facts["caroline"], facts["failpoint"]
+    s = shared_engine.get()
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN)
-    return {"llm": llm, "tok": tok, "mem": mem, "joint": joint, "failing": failing, "kv": kv,
-            "greedy": greedy,
-            "sampling": SamplingParams}
+    return dict(s, greedy=greedy, sampling=SamplingParams)
 
 
 def run(setup, prompt, extra_args=None):

@@ -10,11 +10,11 @@ Theorem 3's case), captured by this engine (the same chunking as the prefill it 
 held by four users (four salts: their blocks are never shared)."""
 
 import math
-import os
 import tempfile
 
 import pytest
 from caroline import QUESTIONS, joint_memory, query_tokens
+from conftest import InProcessEngine
 
 from inferscale_vllm.engine import make_llm
 
@@ -31,17 +31,17 @@ LONG = ("I am organising a surprise weekend for Caroline and I want every detail
 
 
 @pytest.fixture(scope="module")
-def setup(model_dir):
-    import vllm.envs
+def setup(model_dir, shared_engine):
     from vllm import SamplingParams
 
-    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    shared_engine.close()  # one engine at a time
     directory = tempfile.mkdtemp(prefix="inferscale-machinery-")
-    llm = make_llm(model_dir, directory, max_model_len=4 * BLOCK, enable_chunked_prefill=True,
-                   max_num_batched_tokens=CHUNK, max_num_seqs=4,
-                   num_gpu_blocks_override=NUM_BLOCKS, disable_log_stats=False)
+    engine = InProcessEngine(lambda: make_llm(
+        model_dir, directory, max_model_len=4 * BLOCK, enable_chunked_prefill=True,
+        max_num_batched_tokens=CHUNK, max_num_seqs=4, num_gpu_blocks_override=NUM_BLOCKS,
+        disable_log_stats=False))
     try:
+        llm = engine.llm
         core = llm.llm_engine.engine_core.engine_core  # in-process EngineCore
         sched = core.scheduler
         assert sched.block_size == BLOCK, f"vLLM's block size is {sched.block_size}"
@@ -51,13 +51,7 @@ def setup(model_dir):
         yield {"llm": llm, "tok": tok, "mem": mem, "facts": facts, "sched": sched,
                "connector": sched.connector, "sampling": SamplingParams}
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        if saved is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
-        vllm.envs.disable_envs_cache()  # the in-process engine core froze vLLM's environment
+        engine.close()
 
 
 @pytest.fixture(autouse=True)

@@ -90,6 +90,11 @@ inline cudaError_t cudaMallocHost(void** p, std::size_t) noexcept
 inline cudaError_t cudaFree(void*) noexcept { return cudaSuccess; }
 inline cudaError_t cudaFreeHost(void*) noexcept { return cudaSuccess; }
 inline cudaError_t cudaMemset(void*, int, std::size_t) noexcept { return cudaErrorNoDevice; }
+inline cudaError_t cudaMemsetAsync(void*, int, std::size_t, cudaStream_t = nullptr) noexcept
+{
+  return cudaErrorNoDevice;
+}
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) noexcept { return cudaErrorNoDevice; }
 inline cudaError_t cudaMemcpy(void*, void const*, std::size_t, cudaMemcpyKind) noexcept
 {
   return cudaErrorNoDevice;

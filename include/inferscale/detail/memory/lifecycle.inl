@@ -318,12 +318,13 @@ lifecycle_report memory::reencode_facts(ModelAdapter& model,
   return r;
 }
 
-inline void memory::erase_fact(std::uint64_t id)
+inline std::vector<std::int64_t> memory::erase_fact_keeping_pages(std::uint64_t id)
 {
   fact_entry const& e                     = entry(id, "memory::erase_fact");
   std::optional<std::uint64_t> const conv = e.conversation;
   if (index_.contains(id)) { index_.erase(cuda::std::span<std::uint64_t const>{&id, 1}); }
-  erase_and_scrub(id);
+  std::vector<std::int64_t> pages = store_.at(id).pages;
+  store_.erase(id);
   facts_.erase(id);
   if (conv) {
     auto const it = conversation_entries_.find(*conv);
@@ -331,9 +332,19 @@ inline void memory::erase_fact(std::uint64_t id)
     ids.erase(std::remove(ids.begin(), ids.end(), id), ids.end());
     if (ids.empty()) { conversation_entries_.erase(it); }
   }
+  return pages;
 }
 
-inline std::int64_t memory::erase_namespace(std::uint64_t ns)
+inline void memory::erase_fact(std::uint64_t id) { scrub_pages(erase_fact_keeping_pages(id)); }
+
+template <class Stream>
+void memory::erase_fact(std::uint64_t id, Stream stream)
+{
+  scrub_pages(erase_fact_keeping_pages(id), detail::raw_stream(stream));
+}
+
+inline std::pair<std::int64_t, std::vector<std::int64_t>> memory::erase_namespace_keeping_pages(
+  std::uint64_t ns)
 {
   INFERSCALE_EXPECTS(
     !prefix_ || store_.at(*prefix_).namespace_id != ns,
@@ -351,7 +362,21 @@ inline std::int64_t memory::erase_namespace(std::uint64_t ns)
   for (auto it = conversation_entries_.begin(); it != conversation_entries_.end();) {
     it = it->second.ns == ns ? conversation_entries_.erase(it) : std::next(it);
   }
+  return {n, std::move(pages)};
+}
+
+inline std::int64_t memory::erase_namespace(std::uint64_t ns)
+{
+  auto const [n, pages] = erase_namespace_keeping_pages(ns);
   scrub_pages(pages);
+  return n;
+}
+
+template <class Stream>
+std::int64_t memory::erase_namespace(std::uint64_t ns, Stream stream)
+{
+  auto const [n, pages] = erase_namespace_keeping_pages(ns);
+  scrub_pages(pages, detail::raw_stream(stream));
   return n;
 }
 
@@ -467,20 +492,37 @@ inline void memory::probe(std::vector<float> const& vectors,
                      cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
 }
 
-inline void memory::scrub_pages(std::vector<std::int64_t> const& pages)
+inline void memory::scrub_pages(std::vector<std::int64_t> const& pages, cudaStream_t stream)
 {
   if (pages.empty()) { return; }
   std::size_t const page_bytes = store_.pool_bytes() / static_cast<std::size_t>(store_.num_pages());
   auto* const pool             = static_cast<unsigned char*>(store_.ref().pool);
-  for (std::int64_t p : pages) {
-    unsigned char* const at = pool + static_cast<std::size_t>(p) * page_bytes;
-    if (store_.space() == memory_space::device) {
-      INFERSCALE_CUDA_TRY(cudaMemset(at, 0, page_bytes));
-    } else {
-      std::memset(at, 0, page_bytes);
+  std::vector<std::int64_t> sorted = pages;
+  std::sort(sorted.begin(), sorted.end());
+  for (std::size_t first = 0; first < sorted.size();) {
+    std::size_t last = first + 1;  // a run of consecutive pages: one zeroing
+    while (last < sorted.size() && sorted[last] == sorted[last - 1] + 1) {
+      ++last;
     }
+    unsigned char* const at = pool + static_cast<std::size_t>(sorted[first]) * page_bytes;
+    std::size_t const bytes = (last - first) * page_bytes;
+    if (store_.space() == memory_space::device) {
+      INFERSCALE_CUDA_TRY(cudaMemsetAsync(at, 0, bytes, stream));
+    } else {
+      std::memset(at, 0, bytes);
+    }
+    first = last;
   }
-  if (store_.space() == memory_space::device) { INFERSCALE_CUDA_TRY(cudaDeviceSynchronize()); }
+}
+
+inline void memory::scrub_pages(std::vector<std::int64_t> const& pages)
+{
+  scrub_pages(pages, cudaStream_t{});
+  // A later write of these pages on any stream must not be overtaken by the zeroing: wait for the
+  // default stream (not the device).
+  if (!pages.empty() && store_.space() == memory_space::device) {
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(cudaStream_t{}));
+  }
 }
 
 inline void memory::erase_and_scrub(std::uint64_t id)

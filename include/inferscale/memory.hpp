@@ -519,7 +519,8 @@ class memory {
 
   /// erase_fact / erase_namespace without their zeroing: the pages the erased facts held.
   std::vector<std::int64_t> erase_fact_keeping_pages(std::uint64_t id);
-  std::pair<std::int64_t, std::vector<std::int64_t>> erase_namespace_keeping_pages(std::uint64_t ns);
+  std::pair<std::int64_t, std::vector<std::int64_t>> erase_namespace_keeping_pages(
+    std::uint64_t ns);
 
   /// Replaces a stored fact's K/V (validated: the capture is complete and the pages fit). The
   /// pages it gives back are taken again first, so a fact of the same length keeps its pages.

@@ -159,10 +159,10 @@ struct memory_request {
  */
 template <class CacheAdapter>
 struct memory_step_request {
-  std::uint64_t ns{};                ///< the user's namespace
-  std::string query;                 ///< the question, embedded by the step's embedder
-  std::int64_t first_position{0};    ///< position of the memory segment's first token (p0)
-  CacheAdapter* cache{nullptr};      ///< the request's sequence (allocate, cache(), commit)
+  std::uint64_t ns{};              ///< the user's namespace
+  std::string query;               ///< the question, embedded by the step's embedder
+  std::int64_t first_position{0};  ///< position of the memory segment's first token (p0)
+  CacheAdapter* cache{nullptr};    ///< the request's sequence (allocate, cache(), commit)
 };
 
 }  // namespace inferscale

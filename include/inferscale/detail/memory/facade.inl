@@ -245,14 +245,16 @@ std::vector<memory_request> memory::serve_requests(
     memory_step_request<CacheAdapter> const& r = requests[i];
     INFERSCALE_EXPECTS(r.cache != nullptr, where(i) + ": no cache adapter (null)");
     INFERSCALE_EXPECTS(adapters.insert(r.cache).second,
-                       where(i) + ": its cache adapter is an earlier request's (one sequence "
-                                  "per request)");
+                       where(i) +
+                         ": its cache adapter is an earlier request's (one sequence "
+                         "per request)");
     INFERSCALE_EXPECTS(detail::same_cache(r.cache->cache(), requests[0].cache->cache()),
-                       where(i) + ": its cache adapter addresses another cache than request 0's "
-                                  "(one step injects into one cache)");
-    INFERSCALE_EXPECTS(index_.has_namespace(r.ns),
-                       where(i) + ": unknown namespace " + std::to_string(r.ns) +
-                         " (nothing of it is indexed)");
+                       where(i) +
+                         ": its cache adapter addresses another cache than request 0's "
+                         "(one step injects into one cache)");
+    INFERSCALE_EXPECTS(
+      index_.has_namespace(r.ns),
+      where(i) + ": unknown namespace " + std::to_string(r.ns) + " (nothing of it is indexed)");
   }
 
   // 2. The embeddings, then one search of all of them, each in its own namespace.
@@ -295,7 +297,8 @@ std::vector<memory_request> memory::serve_requests(
       std::uint64_t const id = ids[i * k + j];
       if (id != invalid_fact_id) { out[i].fact_ids.push_back(id); }
     }
-    out[i].plan = named(where(i), [&] { return prepare(out[i].fact_ids, requests[i].first_position); });
+    out[i].plan =
+      named(where(i), [&] { return prepare(out[i].fact_ids, requests[i].first_position); });
     INFERSCALE_EXPECTS(out[i].plan.length() > 0,
                        where(i) + ": the plan is empty (no instruction prefix, nothing retrieved)");
     tokens += out[i].plan.length();

@@ -39,6 +39,7 @@
 #pragma once
 
 #include <inferscale/compose.hpp>
+#include <inferscale/detail/memory/facade_state.hpp>
 #include <inferscale/encoding.hpp>
 #include <inferscale/engine.hpp>
 #include <inferscale/error.hpp>
@@ -49,7 +50,6 @@
 #include <inferscale/store.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
@@ -66,25 +66,6 @@
 namespace inferscale {
 
 class injection_workspace;  // inject.cuh: the device backend's staging (serve/inject on a stream)
-
-namespace detail {
-/// @brief A count that const calls may raise from several threads; copies and moves take its value.
-class call_counter {
- public:
-  call_counter() = default;
-  call_counter(call_counter const& o) noexcept : n_{o.get()} {}
-  call_counter& operator=(call_counter const& o) noexcept
-  {
-    n_.store(o.get(), std::memory_order_relaxed);
-    return *this;
-  }
-  void add() const noexcept { n_.fetch_add(1, std::memory_order_relaxed); }
-  std::uint64_t get() const noexcept { return n_.load(std::memory_order_relaxed); }
-
- private:
-  mutable std::atomic<std::uint64_t> n_{0};
-};
-}  // namespace detail
 
 /**
  * @brief Store + index for many users' memories (see the file comment).
@@ -382,10 +363,12 @@ class memory {
   /**
    * @brief erase_fact() zeroing a device store's pages on `stream` (cudaMemsetAsync) without
    * waiting: the pages are free in the catalogue at return, zeroed for the work enqueued after
-   * this call on `stream`. Write them again (a stream-ordered store_captured_facts, engine.cuh)
-   * on `stream` or after an event recorded on it; work still reading the fact must be ordered
-   * before the call. erase_fact(id) zeroes on the default stream and waits for that stream.
-   * A host store is zeroed on the host (`stream` unused).
+   * this call on `stream`. The facade's own later writes of the store (add, update, re-encode,
+   * on the default stream) first wait for this zeroing (an event, not the device); a caller
+   * writing the pages itself orders the write after it (on `stream`, or after an event recorded
+   * on it). Work still reading the fact must be ordered before the call. erase_fact(id) zeroes on
+   * the default stream and waits for that stream. A host store is zeroed on the host (`stream`
+   * unused).
    * @param stream a `cudaStream_t` or a `cuda::stream_ref`
    * @throw logic_error as erase_fact(id); cuda_error if a zeroing cannot be enqueued.
    */
@@ -585,6 +568,7 @@ class memory {
   graph_index index_;
   std::optional<std::uint64_t> prefix_;
   detail::call_counter searches_;
+  detail::pending_zeroing zeroing_;  ///< erase_fact/erase_namespace(.., stream) not yet waited for
 };
 
 /**

@@ -1396,6 +1396,11 @@ TEST_CASE(
                         [](auto x) { return x == 0; }));
   }
   REQUIRE(pool == host_memory.store().pool_to_host());
+  // Adding the user again reuses those pages: the facade's write waits for the zeroing first.
+  for (memory* m : {&host_memory, &device_memory}) {
+    m->add_conversation(model, embedder, 8, b.c, b.facts, b.texts, o);
+  }
+  REQUIRE(device_memory.store().pool_to_host() == host_memory.store().pool_to_host());
 }
 
 TEST_CASE("store_captured_facts on a stream writes a host store on the host, as the host call does",

@@ -482,4 +482,13 @@ TEST_CASE("memory: erase_fact and erase_namespace on a stream zero a host store'
   CHECK(streamed.m.store().pool_to_host() == plain.m.store().pool_to_host());
   CHECK(snap(streamed.m) == snap(plain.m));
   CHECK_THROWS_WITH(streamed.m.erase_fact(id, cudaStream_t{}), Catch::Contains("erase_fact"));
+
+  // The user added again takes the zeroed pages back.
+  encoding_options o;
+  o.window = 3;
+  for (step_fixture* f : {&plain, &streamed}) {
+    f->m.add_conversation(f->model, f->embedder, 8, f->b.c, f->b.facts, f->b.texts, o);
+  }
+  CHECK(streamed.m.store().namespace_facts(8) == 8);
+  CHECK(streamed.m.store().pool_to_host() == plain.m.store().pool_to_host());
 }

@@ -121,6 +121,7 @@ inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) noexcept
   return cudaErrorNoDevice;
 }
 inline cudaError_t cudaEventDestroy(cudaEvent_t) noexcept { return cudaSuccess; }
+inline cudaError_t cudaEventSynchronize(cudaEvent_t) noexcept { return cudaErrorNoDevice; }
 inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t = nullptr) noexcept
 {
   return cudaErrorNoDevice;

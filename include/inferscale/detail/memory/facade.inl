@@ -78,6 +78,7 @@ void memory::set_instruction_prefix(ModelAdapter& model,
   INFERSCALE_EXPECTS(
     !index_.contains(fact_id),
     "memory::set_instruction_prefix: fact id " + std::to_string(fact_id) + " is an indexed fact");
+  zeroing_.wait();  // a page freed by erase_fact(id, stream) is zeroed before it is written
   encode_facts(model, store_, tokens, 0, {{fact_id, ns, 0, tokens}});
   prefix_ = fact_id;
 }
@@ -116,7 +117,8 @@ memory_add_report memory::add_conversation(ModelAdapter& model,
   memory_add_report report;
   report.plan     = plan.stats();
   report.embedded = static_cast<std::int64_t>(texts.size());
-  report.encode   = encode_plan(model, store_, plan);  // all or nothing
+  zeroing_.wait();  // a page freed by erase_fact(id, stream) is zeroed before it is written
+  report.encode = encode_plan(model, store_, plan);  // all or nothing
   try {
     index_.add<float>(ns,
                       make_matrix_view<float const>(

@@ -115,6 +115,7 @@ memory_add_report memory::add_facts(ModelAdapter& model,
   probe(vectors, ids);
   captured_plan const captured = capture_plan(model, plan);
 
+  zeroing_.wait();  // a page freed by erase_fact(id, stream) is zeroed before it is written
   for (std::size_t i = 0; i < ids.size(); ++i) {
     store_.insert<float>(ids[i],
                          ns,
@@ -196,6 +197,7 @@ lifecycle_report memory::update_fact(ModelAdapter& model, Embedder& embedder, fa
   captured_plan const captured = capture_plan(model, plan);
 
   // Commit: nothing below is refused (all of it was validated above).
+  zeroing_.wait();
   std::uint64_t const ns                  = old.ns;
   std::optional<std::uint64_t> const conv = old.conversation;
   if (in_place) {
@@ -340,7 +342,11 @@ inline void memory::erase_fact(std::uint64_t id) { scrub_pages(erase_fact_keepin
 template <class Stream>
 void memory::erase_fact(std::uint64_t id, Stream stream)
 {
-  scrub_pages(erase_fact_keeping_pages(id), detail::raw_stream(stream));
+  std::vector<std::int64_t> const pages = erase_fact_keeping_pages(id);
+  scrub_pages(pages, detail::raw_stream(stream));
+  if (!pages.empty() && store_.space() == memory_space::device) {
+    zeroing_.record(detail::raw_stream(stream));
+  }
 }
 
 inline std::pair<std::int64_t, std::vector<std::int64_t>> memory::erase_namespace_keeping_pages(
@@ -377,6 +383,9 @@ std::int64_t memory::erase_namespace(std::uint64_t ns, Stream stream)
 {
   auto const [n, pages] = erase_namespace_keeping_pages(ns);
   scrub_pages(pages, detail::raw_stream(stream));
+  if (!pages.empty() && store_.space() == memory_space::device) {
+    zeroing_.record(detail::raw_stream(stream));
+  }
   return n;
 }
 
@@ -538,6 +547,7 @@ inline void memory::replace_stored(std::uint64_t id,
                                    kv_capture const& capture)
 {
   std::vector<std::int64_t> const old = store_.at(id).pages;
+  zeroing_.wait();
   store_.erase(id);
   store_.insert<float>(id, ns, tokens, capture.keys(), capture.values());
   std::vector<std::int64_t> const& now = store_.at(id).pages;

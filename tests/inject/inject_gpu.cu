@@ -1209,6 +1209,34 @@ memory make_seam_memory(memory_space where)
   return memory{c};
 }
 
+/// The same deployment with its store on the host and on the device: the prefix, the users
+/// added alike, and the engine's own cos/sin table on each side (the same values: computed
+/// rope_params may differ in the last bit between the host's and the device's sincos).
+struct seam_memories {
+  memory host_memory   = make_seam_memory(memory_space::host);
+  memory device_memory = make_seam_memory(memory_space::device);
+  inferscale_test::fake::branching_model model;
+  mf::word_embedder embedder;
+  encoding_options o;
+  std::vector<float> values = make_rope_cos_sin_values<float>(model.rotation(), 256);
+  device_buffer<float> device_values{values};
+  rope_cos_sin_table<float> host_table =
+    make_rope_cos_sin_table(model.rotation(), values.data(), 256);
+  rope_cos_sin_table<float> device_table =
+    make_rope_cos_sin_table(model.rotation(), device_values.data(), 256);
+
+  explicit seam_memories(std::vector<std::pair<std::uint64_t, mf::user_data const*>> const& users)
+  {
+    o.window = 3;
+    for (memory* m : {&host_memory, &device_memory}) {
+      m->set_instruction_prefix(model, {11, 12, 13}, 1, 0);
+      for (auto const& [ns, u] : users) {
+        m->add_conversation(model, embedder, ns, u->c, u->facts, u->texts, o);
+      }
+    }
+  }
+};
+
 }  // namespace
 
 TEST_CASE(
@@ -1216,24 +1244,13 @@ TEST_CASE(
   "nothing",
   "[gpu][memory]")
 {
-  memory host_memory   = make_seam_memory(memory_space::host);
-  memory device_memory = make_seam_memory(memory_space::device);
-  inferscale_test::fake::branching_model model;
-  mf::word_embedder embedder;
   mf::user_data const user = mf::make_user(7, 100, 9);
-  encoding_options o;
-  o.window = 3;
-  for (memory* m : {&host_memory, &device_memory}) {
-    m->set_instruction_prefix(model, {11, 12, 13}, 1, 0);
-    m->add_conversation(model, embedder, 7, user.c, user.facts, user.texts, o);
-  }
-  // The engine's own cos/sin table, the same values on both sides (computed rope_params may
-  // differ in the last bit between the host's and the device's sincos).
-  rope_params const params        = model.rotation();
-  std::vector<float> const values = make_rope_cos_sin_values<float>(params, 256);
-  device_buffer<float> device_values{values};
-  auto const host_table   = make_rope_cos_sin_table(params, values.data(), 256);
-  auto const device_table = make_rope_cos_sin_table(params, device_values.data(), 256);
+  seam_memories s({{7, &user}});
+  memory& host_memory      = s.host_memory;
+  memory& device_memory    = s.device_memory;
+  mf::word_embedder& embedder = s.embedder;
+  auto const& host_table      = s.host_table;
+  auto const& device_table    = s.device_table;
 
   mf::host_cache host_cache;  // 2 layers x (K, V) x 256 slots x 1 head x 4, every element -1
   device_buffer<float> device_storage{host_cache.data};
@@ -1295,24 +1312,14 @@ TEST_CASE(
   "commits nothing",
   "[gpu][memory]")
 {
-  memory host_memory   = make_seam_memory(memory_space::host);
-  memory device_memory = make_seam_memory(memory_space::device);
-  inferscale_test::fake::branching_model model;
-  mf::word_embedder embedder;
   mf::user_data const a = mf::make_user(7, 100, 9);
   mf::user_data const b = mf::make_user(8, 200, 6, 2);
-  encoding_options o;
-  o.window = 3;
-  for (memory* m : {&host_memory, &device_memory}) {
-    m->set_instruction_prefix(model, {11, 12, 13}, 1, 0);
-    m->add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o);
-    m->add_conversation(model, embedder, 8, b.c, b.facts, b.texts, o);
-  }
-  rope_params const params        = model.rotation();
-  std::vector<float> const values = make_rope_cos_sin_values<float>(params, 256);
-  device_buffer<float> device_values{values};
-  auto const host_table   = make_rope_cos_sin_table(params, values.data(), 256);
-  auto const device_table = make_rope_cos_sin_table(params, device_values.data(), 256);
+  seam_memories s({{7, &a}, {8, &b}});
+  memory& host_memory         = s.host_memory;
+  memory& device_memory       = s.device_memory;
+  mf::word_embedder& embedder = s.embedder;
+  auto const& host_table      = s.host_table;
+  auto const& device_table    = s.device_table;
 
   // Three sequences of one cache on each side; sequence i's tokens go to slots 3 j + i.
   mf::host_cache host_cache;
@@ -1352,9 +1359,9 @@ TEST_CASE(
   injection_workspace workspace(64);
   REQUIRE_THROWS_AS(
     host_memory.serve_step(embedder, host_requests, 2, host_table, workspace, ref), logic_error);
-  for (slot_adapter const& s : device_sequences) {
-    REQUIRE(s.allocated_at == -1);
-    REQUIRE(s.committed.empty());
+  for (slot_adapter const& seq : device_sequences) {
+    REQUIRE(seq.allocated_at == -1);
+    REQUIRE(seq.committed.empty());
   }
   REQUIRE(device_storage.to_host() == host_cache.data);  // untouched: every element still -1
 
@@ -1398,7 +1405,7 @@ TEST_CASE(
   REQUIRE(pool == host_memory.store().pool_to_host());
   // Adding the user again reuses those pages: the facade's write waits for the zeroing first.
   for (memory* m : {&host_memory, &device_memory}) {
-    m->add_conversation(model, embedder, 8, b.c, b.facts, b.texts, o);
+    m->add_conversation(s.model, embedder, 8, b.c, b.facts, b.texts, s.o);
   }
   REQUIRE(device_memory.store().pool_to_host() == host_memory.store().pool_to_host());
 }

@@ -9,9 +9,11 @@
  * Online, per request: `serve` embeds the query, searches the user's namespace for the top k,
  * composes the instruction prefix and those facts at positions `p0 ..` (chunked RoPE) and injects
  * them through the paged-cache adapter; the engine then prefills only the query. `retrieve`,
- * `prepare` and `inject` are the same steps one at a time. A GPU engine (a device store, a
- * cache in device memory) makes the same calls with an injection workspace and a stream added
- * (`serve(..., workspace, stream)`, `inject(..., workspace, stream)`; include memory.cuh).
+ * `prepare` and `inject` are the same steps one at a time. Per scheduler step: `serve_step` serves
+ * many users' requests at once — one batched search, one injection batch, one injection — and
+ * `serve` is a step of one. A GPU engine (a device store, a cache in device memory) makes the same
+ * calls with an injection workspace and a stream added (`serve_step(..., workspace, stream)`,
+ * `serve(..., workspace, stream)`, `inject(..., workspace, stream)`; include memory.cuh).
  * Over time (the fact lifecycle): `update_fact` re-encodes and re-embeds a changed fact, in place
  * or under a superseding id that keeps the old version for audit; `update_turns` re-encodes exactly
  * the facts whose encoding window held a changed conversation turn (the memory keeps each added
@@ -24,11 +26,11 @@
  *  - `std::vector<float> E::embed(std::string const& text)` — one embedding of `dimension()`
  *    values (normalised or not: the index's metric decides how they compare).
  *
- * C++17, host only (the store and the index may still live in device memory). `serve`/`inject`
- * inject a host store on the host (a one-request injection step, injection_batch.hpp); their
- * overloads with a workspace and a stream inject a device store on the device (the step's device
- * run through inject_memory_async, engine.cuh: they compile where memory.cuh is
- * included, with nvcc, and this header does not need the CUDA toolkit).
+ * C++17, host only (the store may still live in device memory; the search needs a host-memory
+ * index). `serve_step` / `serve` / `inject` inject a host store on the host; their overloads with
+ * a workspace and a stream inject a device store on the device (inject_async, inject.cuh: they
+ * compile where memory.cuh is included, with nvcc, and this header does not need the CUDA
+ * toolkit), as `erase_fact` / `erase_namespace` with a stream zero a device store's pages on it.
  *
  * The parts: the value types (memory_types.hpp); the definitions in detail/memory/ — the
  * facade's request path (facade.inl), the fact lifecycle and its catalogue (lifecycle.inl),
@@ -37,6 +39,7 @@
 #pragma once
 
 #include <inferscale/compose.hpp>
+#include <inferscale/detail/memory/facade_state.hpp>
 #include <inferscale/encoding.hpp>
 #include <inferscale/engine.hpp>
 #include <inferscale/error.hpp>
@@ -159,9 +162,65 @@ class memory {
               Stream stream) const;
 
   /**
+   * @brief One scheduler step: every request's memory, retrieved with one batched search and
+   * injected with one injection batch. Request `i`'s query is embedded, the top `k` facts of its
+   * namespace are found (one `search` of all the queries, each in its own namespace), composed
+   * behind the prefix at its `first_position ..` (prepare), and given slots by its cache adapter
+   * (`allocate(p0, m)`); all the plans with their slots form one injection_batch, injected with
+   * one inject_host; then every adapter commits its tokens, in request order.
+   *
+   * Every request's result equals what serve() gives it alone (the same ids, plan and cache
+   * bytes), with one exception: under `search_params::ctas_per_query = 0` (automatic) a graph
+   * search's split depends on the batch's size (auto_ctas_per_query).
+   *
+   * All checks come before anything is written or committed: a refused step names the request
+   * ("memory::serve_step: request 3 (namespace 9): ...") and leaves the store, the index, the
+   * cache and every adapter's sequence unchanged (adapters may have staged slots; none commits).
+   * @param requests one per sequence of the step; their adapters are distinct and address one
+   *                 cache (the engine's: equal cache() descriptors); none null
+   * @param k        facts per request (one search: one `k` for the step)
+   * @return one memory_request per request, in order; none for an empty step (nothing runs)
+   * @throw logic_error for k == 0, a null or repeated adapter, adapters of different caches, an
+   *        unknown namespace, the embedder's dimension or an embedding (wrong size, non-finite)
+   *        refused, as graph_index search, prepare (a superseded fact), an empty plan (no prefix
+   *        and nothing retrieved), an adapter handing other than `m` slots, injection_batch::add
+   *        (a slot written twice in the step) and inject_host (a slot beyond the cache, a
+   *        position beyond the table, a store in device memory). Whatever an adapter or the
+   *        embedder throws (nothing committed then). A commit that throws leaves the requests
+   *        before it committed (their tokens are in the cache) and the rest not.
+   */
+  template <class Embedder, class CacheAdapter, class Rotation>
+  std::vector<memory_request> serve_step(
+    Embedder& embedder,
+    std::vector<memory_step_request<CacheAdapter>> const& requests,
+    std::uint32_t k,
+    Rotation const& rotation) const;
+
+  /**
+   * @brief serve_step() from a device store: the same embedding, search (on the host, a host
+   * index), composition and one injection batch, injected into a cache in device memory with one
+   * checked inject_async on `stream` (one launch), then every adapter commits. The engine prefills
+   * the step's queries on `stream` (or after an event recorded on it).
+   * @param workspace room for the step's memory tokens (all requests' plans together)
+   * @throw logic_error as the host serve_step, and before any adapter allocates if the store is
+   *        not in device memory or the step's tokens exceed the workspace; as the checked
+   *        inject_async. cuda_error on a CUDA failure.
+   * @note Needs <inferscale/memory.cuh> (nvcc). Never synchronises the device; staging may wait
+   *       for the workspace's previous staging copy (injection_workspace::stage).
+   */
+  template <class Embedder, class CacheAdapter, class Rotation, class Stream>
+  std::vector<memory_request> serve_step(
+    Embedder& embedder,
+    std::vector<memory_step_request<CacheAdapter>> const& requests,
+    std::uint32_t k,
+    Rotation const& rotation,
+    injection_workspace& workspace,
+    Stream stream) const;
+
+  /**
    * @brief One request: embed `query`, retrieve the top `k` of namespace `ns`, compose them behind
    * the prefix at `first_position ..`, inject through `cache`. The engine then prefills the query
-   * at `first_position + result.plan.length()`.
+   * at `first_position + result.plan.length()`. A serve_step() of this one request.
    * @throw logic_error as retrieve, prepare and inject (nothing committed then).
    */
   template <class Embedder, class CacheAdapter, class Rotation>
@@ -174,12 +233,13 @@ class memory {
                        Rotation const& rotation) const;
 
   /**
-   * @brief serve() from a device store: the same retrieval and composition, then
-   * inject(plan, cache, rotation, workspace, stream) (inject_memory_async) into a cache in device
-   * memory. The engine prefills the query on `stream` (or after an event recorded on it).
+   * @brief serve() from a device store: the same retrieval and composition, then the injection
+   * inject(plan, cache, rotation, workspace, stream) makes (allocate, one checked inject_async on
+   * `stream`, commit) into a cache in device memory. The engine prefills the query on `stream` (or
+   * after an event recorded on it). A serve_step() of this one request.
    * @throw logic_error as retrieve, prepare and inject_memory_async (nothing committed then).
    * @note Needs <inferscale/memory.cuh> (nvcc). The embedding and the search run on the host (a
-   *       device index's search waits for its own stream); the injection never synchronises.
+   *       host index); the injection never synchronises.
    */
   template <class Embedder, class CacheAdapter, class Rotation, class Stream>
   memory_request serve(Embedder& embedder,
@@ -303,6 +363,21 @@ class memory {
   void erase_fact(std::uint64_t id);
 
   /**
+   * @brief erase_fact() zeroing a device store's pages on `stream` (cudaMemsetAsync) without
+   * waiting: the pages are free in the catalogue at return, zeroed for the work enqueued after
+   * this call on `stream`. The facade's own later writes of the store (add, update, re-encode,
+   * on the default stream) first wait for this zeroing (an event, not the device); a caller
+   * writing the pages itself orders the write after it (on `stream`, or after an event recorded
+   * on it). Work still reading the fact must be ordered before the call. erase_fact(id) zeroes on
+   * the default stream and waits for that stream. A host store is zeroed on the host (`stream`
+   * unused).
+   * @param stream a `cudaStream_t` or a `cuda::stream_ref`
+   * @throw logic_error as erase_fact(id); cuda_error if a zeroing cannot be enqueued.
+   */
+  template <class Stream>
+  void erase_fact(std::uint64_t id, Stream stream);
+
+  /**
    * @brief Forgets a user: every fact of namespace `ns` leaves the store (pages zeroed and
    * returned) and the index, with the namespace's kept conversations and lifecycle records. The
    * index keeps the namespace's old rows as a hole until compact_index().
@@ -310,6 +385,14 @@ class memory {
    * @throw logic_error (nothing changed) if the namespace holds the instruction prefix.
    */
   std::int64_t erase_namespace(std::uint64_t ns);
+
+  /// @brief erase_namespace() zeroing a device store's pages on `stream` without waiting, as
+  /// erase_fact(id, stream). @throw logic_error as erase_namespace(ns)
+  template <class Stream>
+  std::int64_t erase_namespace(std::uint64_t ns, Stream stream);
+
+  /// @brief Index searches this memory has run: one per retrieve(), serve() and serve_step().
+  std::uint64_t searches() const noexcept { return searches_.get(); }
 
   /// @brief Reclaims the index rows of erased and superseded facts and of erased namespaces
   /// (graph_index::compact): afterwards the index holds no vector of them at all.
@@ -327,6 +410,26 @@ class memory {
   // ---- end of snapshots -----------------------------------------------------------------------
 
  private:
+  /// The one serving path of serve() and serve_step(), host and device: checks, one batched
+  /// search, the plans, the slots and one batch; `check_tokens(total)` before any adapter
+  /// allocates, `inject_batch(batch, cache)`, then the commits. A step (`name_requests`) names
+  /// the request in a refusal; serve() keeps the messages of the calls it makes.
+  template <class Embedder, class CacheAdapter, class CheckTokens, class InjectBatch>
+  std::vector<memory_request> serve_requests(
+    Embedder& embedder,
+    cuda::std::span<memory_step_request<CacheAdapter> const> requests,
+    std::uint32_t k,
+    char const* who,
+    bool name_requests,
+    CheckTokens const& check_tokens,
+    InjectBatch const& inject_batch) const;
+
+  /// Refuses a device store on the host path, before any adapter allocates.
+  void require_host_store(char const* who) const;
+
+  /// Refuses a host store on the device path, or more tokens than the workspace holds.
+  void require_device_store(std::int64_t tokens, std::int64_t capacity, char const* who) const;
+
   template <class Embedder>
   std::vector<float> embed_all(Embedder& embedder,
                                std::vector<std::string> const& texts,
@@ -391,6 +494,11 @@ class memory {
 
   void erase_and_scrub(std::uint64_t id);
 
+  /// erase_fact / erase_namespace without their zeroing: the pages the erased facts held.
+  std::vector<std::int64_t> erase_fact_keeping_pages(std::uint64_t id);
+  std::pair<std::int64_t, std::vector<std::int64_t>> erase_namespace_keeping_pages(
+    std::uint64_t ns);
+
   /// Replaces a stored fact's K/V (validated: the capture is complete and the pages fit). The
   /// pages it gives back are taken again first, so a fact of the same length keeps its pages.
   void replace_stored(std::uint64_t id,
@@ -453,6 +561,8 @@ class memory {
   kv_store store_;
   graph_index index_;
   std::optional<std::uint64_t> prefix_;
+  detail::call_counter searches_;
+  detail::pending_zeroing zeroing_;  ///< erase_fact/erase_namespace(.., stream) not yet waited for
 };
 
 /**

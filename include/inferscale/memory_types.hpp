@@ -2,7 +2,8 @@
  * @file memory_types.hpp
  * @brief The memory facade's vocabulary (memory.hpp): its configuration, the embedder requirement,
  * what the fact lifecycle takes (direct_fact, fact_update, turn_change, fact_context) and what the
- * facade's calls report (memory_add_report, fact_state, lifecycle_report, memory_request).
+ * facade's calls report (memory_add_report, fact_state, lifecycle_report, memory_request), and a
+ * request of a scheduler step (memory_step_request).
  */
 #pragma once
 
@@ -146,10 +147,22 @@ struct lifecycle_report {
   std::int64_t embedded{0};              ///< texts embedded
 };
 
-/// @brief What serve() did for one request.
+/// @brief What serve() (or serve_step(), per request) did for one request.
 struct memory_request {
   std::vector<std::uint64_t> fact_ids;  ///< retrieved, most relevant first
   composition plan;                     ///< what was injected (prefix first)
+};
+
+/**
+ * @brief One request of a scheduler step (memory::serve_step): the arguments serve() takes for
+ * one request, less the step's embedder, `k` and rotation.
+ */
+template <class CacheAdapter>
+struct memory_step_request {
+  std::uint64_t ns{};              ///< the user's namespace
+  std::string query;               ///< the question, embedded by the step's embedder
+  std::int64_t first_position{0};  ///< position of the memory segment's first token (p0)
+  CacheAdapter* cache{nullptr};    ///< the request's sequence (allocate, cache(), commit)
 };
 
 }  // namespace inferscale

@@ -423,9 +423,17 @@ class kv_store {
    * the caller's to name: ones no fact holds, or the pages of a fact about to be erased.
    * @throw logic_error if a page lies outside `[0, num_pages())` (nothing is zeroed then);
    *        cuda_error if a device memset fails.
-   * @note A device pool is zeroed with cudaMemset; waits for it.
+   * @note A device pool is zeroed on the default stream (one memset per run of consecutive pages)
+   *       and waited for (that stream, not the device).
    */
   void scrub_pages(std::vector<std::int64_t> const& pages);
+
+  /**
+   * @brief As scrub_pages(pages), a device pool zeroed on `stream` with cudaMemsetAsync and not
+   * waited for: a later write of these pages on another stream must be ordered after it (the
+   * facade records an event). A host pool is zeroed at once.
+   */
+  void scrub_pages(std::vector<std::int64_t> const& pages, cudaStream_t stream);
 
  private:
   struct namespace_state {

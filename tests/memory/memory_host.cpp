@@ -1,7 +1,9 @@
 // The memory facade (memory.hpp) against fake adapters: a model whose K/V are a function of the
 // tokens a token sees (tests/common/fake_model.hpp), a bag-of-words embedder, and a contiguous
 // host cache. Expected cache contents are recomputed from the fake model's formula; refusals are
-// checked to leave the store and the index exactly as they were.
+// checked to leave the store and the index exactly as they were. A scheduler step (serve_step)
+// is checked against the same requests served one at a time, and its refusals against the bytes
+// of the store, the index and the cache before it.
 
 #include <inferscale/memory.hpp>
 
@@ -12,7 +14,9 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <cstring>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -74,6 +78,47 @@ snapshot snap(memory const& m)
   return {m.store().num_facts(), m.store().free_pages(), m.index().total_size(),
           m.index().version(), live_bytes(m)};
 }
+
+/// One sequence of a step, over a cache shared by the step's sequences (`shared`'s):
+/// allocate(p0, n) hands out the first n of `slots` (fewer when it has fewer), or throws when
+/// `fail` is set; what it was asked and committed is recorded.
+struct sequence_adapter {
+  host_cache* shared{};
+  std::vector<std::int64_t> slots;
+  bool fail{false};
+  std::int64_t allocated_at{-1};
+  std::vector<std::int64_t> committed;
+
+  std::vector<std::int64_t> allocate(std::int64_t p0, std::int64_t n)
+  {
+    allocated_at = p0;
+    if (fail) { throw std::runtime_error("fake adapter failure"); }
+    auto const given = std::min<std::size_t>(static_cast<std::size_t>(n), slots.size());
+    return {slots.begin(), slots.begin() + static_cast<std::ptrdiff_t>(given)};
+  }
+  paged_kv_cache const& cache() const { return shared->cache(); }
+  void commit(std::int64_t n) { committed.push_back(n); }
+};
+static_assert(is_cache_adapter_v<sequence_adapter>);
+
+/// A memory with the instruction prefix and three users (namespaces 7, 8, 9) added.
+struct step_fixture {
+  memory m = make_memory();
+  branching_model model;
+  word_embedder embedder;
+  user_data a = make_user(7, 100, 12);
+  user_data b = make_user(8, 200, 9);
+  user_data c = make_user(9, 300, 6, 2);
+  step_fixture()
+  {
+    encoding_options o;
+    o.window = 3;
+    m.set_instruction_prefix(model, {11, 12, 13}, 1, 0);
+    m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o);
+    m.add_conversation(model, embedder, 8, b.c, b.facts, b.texts, o);
+    m.add_conversation(model, embedder, 9, c.c, c.facts, c.texts, o);
+  }
+};
 
 }  // namespace
 
@@ -233,4 +278,217 @@ TEST_CASE("memory: refused additions leave the store and the index unchanged", "
                     Catch::Contains("k must be positive"));
   CHECK(cache.committed.empty());
   CHECK(snap(m) == before);
+}
+
+TEST_CASE("memory: a scheduler step serves every request as serve() alone does, with one search",
+          "[memory]")
+{
+  step_fixture f;
+  memory& m = f.m;
+  // Five requests of three users; request i's tokens go to slots i, i + 5, i + 10, .. (the
+  // requests interleave in the cache, as paged sequences do).
+  struct ask {
+    std::uint64_t ns;
+    std::string query;
+    std::int64_t p0;
+  };
+  std::vector<ask> const asks{{7, f.a.texts[4], 5},
+                              {8, f.b.texts[2], 0},
+                              {9, f.c.texts[1] + " " + f.a.texts[3], 17},
+                              {7, f.a.texts[9], 3},
+                              {8, "no word of any fact", 40}};
+  std::uint32_t const k = 3;
+  std::int64_t const n  = static_cast<std::int64_t>(asks.size());
+
+  // The expectation: each request served alone (serve(), checked against the fake model's formula
+  // above), into one cache, at the same slots.
+  host_cache alone{n, 0};
+  std::vector<memory_request> expected;
+  std::uint64_t searches = m.searches();
+  for (std::int64_t i = 0; i < n; ++i) {
+    alone.offset     = i;
+    ask const& q     = asks[static_cast<std::size_t>(i)];
+    expected.push_back(m.serve(f.embedder, q.ns, q.query, k, q.p0, alone, f.model.rotation()));
+  }
+  CHECK(m.searches() == searches + static_cast<std::uint64_t>(n));
+
+  host_cache step_cache;
+  std::vector<sequence_adapter> sequences(asks.size());
+  std::vector<memory_step_request<sequence_adapter>> requests;
+  for (std::int64_t i = 0; i < n; ++i) {
+    sequence_adapter& s = sequences[static_cast<std::size_t>(i)];
+    s.shared            = &step_cache;
+    for (std::int64_t j = 0; j < 40; ++j) {
+      s.slots.push_back(i + n * j);
+    }
+    ask const& q = asks[static_cast<std::size_t>(i)];
+    requests.push_back({q.ns, q.query, q.p0, &s});
+  }
+  searches                                = m.searches();
+  std::int64_t const calls                = f.embedder.calls;
+  std::vector<memory_request> const got   = m.serve_step(f.embedder, requests, k, f.model.rotation());
+  CHECK(m.searches() == searches + 1);  // one batched search for the whole step
+  CHECK(f.embedder.calls == calls + n);  // one embedding per request
+  REQUIRE(got.size() == asks.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i].fact_ids == expected[i].fact_ids);
+    CHECK(got[i].fact_ids.size() == k);
+    for (std::uint64_t id : got[i].fact_ids) {
+      CHECK(m.store().at(id).namespace_id == asks[i].ns);  // only the user's own facts
+    }
+    CHECK(got[i].plan.first_position == asks[i].p0);
+    CHECK(got[i].plan.token_ids == expected[i].plan.token_ids);
+    REQUIRE(got[i].plan.sources.size() == expected[i].plan.sources.size());
+    for (std::size_t j = 0; j < got[i].plan.sources.size(); ++j) {
+      CHECK(got[i].plan.sources[j].fact_id == expected[i].plan.sources[j].fact_id);
+      CHECK(got[i].plan.sources[j].offset == expected[i].plan.sources[j].offset);
+    }
+    CHECK(sequences[i].allocated_at == asks[i].p0);
+    CHECK(sequences[i].committed == std::vector<std::int64_t>{got[i].plan.length()});
+  }
+  CHECK(alone.committed.size() == asks.size());
+  // The step's cache holds the bytes the requests alone wrote, every other element still -1.
+  CHECK(step_cache.data != std::vector<float>(step_cache.data.size(), -1.0f));
+  CHECK(std::memcmp(step_cache.data.data(), alone.data.data(), alone.data.size() * sizeof(float)) ==
+        0);
+
+  // An empty step runs nothing.
+  CHECK(m.serve_step(f.embedder, std::vector<memory_step_request<sequence_adapter>>{}, k,
+                     f.model.rotation())
+          .empty());
+  CHECK(m.searches() == searches + 1);
+}
+
+TEST_CASE("memory: a refused step leaves the store, the index, the cache and every sequence as "
+          "they were",
+          "[memory]")
+{
+  step_fixture f;
+  memory& m             = f.m;
+  snapshot const before = snap(m);
+  host_cache shared;
+  std::vector<float> const original = shared.data;
+  std::vector<sequence_adapter> sequences(4);
+  std::vector<memory_step_request<sequence_adapter>> good;
+  std::uint64_t const namespaces[] = {7, 8, 9, 8};
+  for (std::size_t i = 0; i < sequences.size(); ++i) {
+    sequences[i].shared = &shared;
+    for (std::int64_t j = 0; j < 20; ++j) {
+      sequences[i].slots.push_back(static_cast<std::int64_t>(i) * 20 + j);
+    }
+    user_data const& u = namespaces[i] == 7 ? f.a : namespaces[i] == 8 ? f.b : f.c;
+    good.push_back({namespaces[i], u.texts[i + 1], 4, &sequences[i]});
+  }
+
+  // `what` names the request; `why` (if given) is the refusal of the call it was refused by.
+  auto refused = [&](std::vector<memory_step_request<sequence_adapter>> const& requests,
+                     std::uint32_t k, char const* what, bool searched, char const* why = "") {
+    std::uint64_t const searches = m.searches();
+    CHECK_THROWS_WITH(m.serve_step(f.embedder, requests, k, f.model.rotation()),
+                      Catch::Contains(what) && Catch::Contains(why));
+    CHECK(snap(m) == before);
+    CHECK(std::memcmp(shared.data.data(), original.data(), original.size() * sizeof(float)) == 0);
+    for (sequence_adapter const& s : sequences) {
+      CHECK(s.committed.empty());
+    }
+    CHECK(m.searches() == searches + (searched ? 1 : 0));
+  };
+  std::vector<memory_step_request<sequence_adapter>> r;
+
+  // Refused before the search: k, the adapters, the namespaces.
+  refused(good, 0, "memory::serve_step: k must be positive", false);
+  r             = good;
+  r[2].ns       = 99;
+  refused(r, 3, "memory::serve_step: request 2 (namespace 99): unknown namespace 99", false);
+  r             = good;
+  r[1].cache    = nullptr;
+  refused(r, 3, "request 1 (namespace 8): no cache adapter", false);
+  r             = good;
+  r[3].cache    = r[0].cache;
+  refused(r, 3, "request 3 (namespace 8): its cache adapter is an earlier request's", false);
+  host_cache other;
+  sequence_adapter elsewhere;
+  elsewhere.shared = &other;
+  elsewhere.slots  = sequences[1].slots;
+  r             = good;
+  r[1].cache    = &elsewhere;
+  refused(r, 3, "request 1 (namespace 8): its cache adapter addresses another cache", false);
+  CHECK(elsewhere.committed.empty());
+  CHECK(other.data == original);
+  // An embedding refused (no search runs).
+  f.embedder.nan_for = good[2].query;
+  refused(good, 3, "request 2 (namespace 9): the query has a non-finite embedding", false);
+  f.embedder.nan_for.clear();
+  f.embedder.throw_for = good[3].query;
+  refused(good, 3, "fake embedder failure", false);
+  f.embedder.throw_for.clear();
+
+  // Refused after the search, before anything is written: too few slots, a slot of another
+  // request, an adapter that throws, a slot beyond the cache.
+  sequences[3].slots.resize(5);
+  refused(good, 3, "request 3 (namespace 8): the cache adapter allocated 5 slots for 12 tokens",
+          true);
+  sequences[3].slots.clear();
+  for (std::int64_t j = 0; j < 20; ++j) {
+    sequences[3].slots.push_back(60 + j);
+  }
+  sequences[2].slots[7] = 3;  // request 0's
+  refused(good, 3, "memory::serve_step: request 2 (namespace 9): ", true,
+          "injection_batch::add: slot 3 is written twice in this batch");
+  sequences[2].slots[7] = 47;
+  sequences[1].fail     = true;
+  refused(good, 3, "fake adapter failure", true);
+  sequences[1].fail      = false;
+  sequences[0].slots[11] = 256;  // the cache holds 256 slots
+  refused(good, 3, "memory::serve_step: ", true, "slot 256 is beyond the cache's 256 slots");
+  sequences[0].slots[11] = 11;
+
+  // The same step, corrected, goes through and commits every request.
+  std::vector<memory_request> const got = m.serve_step(f.embedder, good, 3, f.model.rotation());
+  REQUIRE(got.size() == 4);
+  for (std::size_t i = 0; i < 4; ++i) {
+    CHECK(sequences[i].committed == std::vector<std::int64_t>{got[i].plan.length()});
+  }
+  CHECK(shared.data != original);
+}
+
+TEST_CASE("memory: erase_fact and erase_namespace on a stream zero a host store's pages as the "
+          "plain calls do",
+          "[memory]")
+{
+  step_fixture plain;
+  step_fixture streamed;
+  std::uint64_t const id                = plain.a.facts[2].fact_id;
+  std::vector<std::int64_t> const pages = plain.m.store().at(id).pages;
+  REQUIRE(streamed.m.store().at(id).pages == pages);
+  plain.m.erase_fact(id);
+  streamed.m.erase_fact(id, cudaStream_t{});  // a host store never reaches the CUDA runtime
+  CHECK_FALSE(streamed.m.tracks(id));
+  CHECK_FALSE(streamed.m.store().contains(id));
+  CHECK_FALSE(streamed.m.index().contains(id));
+  std::vector<unsigned char> const pool = streamed.m.store().pool_to_host();
+  std::size_t const page = pool.size() / static_cast<std::size_t>(streamed.m.store().num_pages());
+  for (std::int64_t p : pages) {
+    for (std::size_t b = 0; b < page; ++b) {
+      REQUIRE(pool[static_cast<std::size_t>(p) * page + b] == 0);
+    }
+  }
+  CHECK(pool == plain.m.store().pool_to_host());
+  CHECK(snap(streamed.m) == snap(plain.m));
+
+  CHECK(streamed.m.erase_namespace(8, cudaStream_t{}) == plain.m.erase_namespace(8));
+  CHECK(streamed.m.store().namespace_facts(8) == 0);
+  CHECK(streamed.m.store().pool_to_host() == plain.m.store().pool_to_host());
+  CHECK(snap(streamed.m) == snap(plain.m));
+  CHECK_THROWS_WITH(streamed.m.erase_fact(id, cudaStream_t{}), Catch::Contains("erase_fact"));
+
+  // The user added again takes the zeroed pages back.
+  encoding_options o;
+  o.window = 3;
+  for (step_fixture* f : {&plain, &streamed}) {
+    f->m.add_conversation(f->model, f->embedder, 8, f->b.c, f->b.facts, f->b.texts, o);
+  }
+  CHECK(streamed.m.store().namespace_facts(8) == 8);
+  CHECK(streamed.m.store().pool_to_host() == plain.m.store().pool_to_host());
 }

@@ -97,6 +97,10 @@ inline cudaError_t cudaFreeHost(void*) noexcept { return cudaSuccess; }
 inline cudaError_t cudaFreeAsync(void*, cudaStream_t) noexcept { return cudaSuccess; }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) noexcept { return cudaErrorNoDevice; }
 inline cudaError_t cudaMemset(void*, int, std::size_t) noexcept { return cudaErrorNoDevice; }
+inline cudaError_t cudaMemsetAsync(void*, int, std::size_t, cudaStream_t = nullptr) noexcept
+{
+  return cudaErrorNoDevice;
+}
 inline cudaError_t cudaMemcpy(void*, void const*, std::size_t, cudaMemcpyKind) noexcept
 {
   return cudaErrorNoDevice;
@@ -128,6 +132,7 @@ inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) noexcept
   return cudaErrorNoDevice;
 }
 inline cudaError_t cudaEventDestroy(cudaEvent_t) noexcept { return cudaSuccess; }
+inline cudaError_t cudaEventSynchronize(cudaEvent_t) noexcept { return cudaErrorNoDevice; }
 inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t = nullptr) noexcept
 {
   return cudaErrorNoDevice;

@@ -1,17 +1,43 @@
 /**
  * @file detail/memory/facade.inl
  * @brief Definitions for memory.hpp, the request path of the facade: the instruction prefix,
- * add_conversation, retrieve, prepare, inject and serve, on the host and (with a workspace and a
- * stream) on the device (and the embedding of texts they share).
+ * add_conversation, retrieve, prepare, inject, and serve / serve_step (one serving path for a step
+ * of many requests and a request alone), on the host and (with a workspace and a stream) on the
+ * device (and the embedding of texts they share).
  */
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 namespace inferscale {
+
+namespace detail {
+
+// same_cache (one step, one cache): injection_batch.hpp.
+
+/// @brief The runtime's handle of a stream given as a `cudaStream_t` ...
+inline cudaStream_t raw_stream(cudaStream_t s) noexcept { return s; }
+/// @brief ... or as an object with get() (`cuda::stream_ref`).
+template <class S, class = decltype(std::declval<S const&>().get())>
+cudaStream_t raw_stream(S const& s) noexcept
+{
+  return s.get();
+}
+
+/// @brief `T`, as a type that depends on `Dependent` (a member of an incomplete class named in a
+/// template is looked up when the template is instantiated).
+template <class Dependent, class T>
+struct dependent_type {
+  using type = T;
+};
+
+}  // namespace detail
 
 template <class ModelAdapter>
 void memory::set_instruction_prefix(ModelAdapter& model,
@@ -25,6 +51,7 @@ void memory::set_instruction_prefix(ModelAdapter& model,
   INFERSCALE_EXPECTS(
     !index_.contains(fact_id),
     "memory::set_instruction_prefix: fact id " + std::to_string(fact_id) + " is an indexed fact");
+  zeroing_.wait();  // a page freed by erase_fact(id, stream) is zeroed before it is written
   encode_facts(model, store_, tokens, 0, {{fact_id, ns, 0, tokens}});
   prefix_ = fact_id;
 }
@@ -63,7 +90,8 @@ memory_add_report memory::add_conversation(ModelAdapter& model,
   memory_add_report report;
   report.plan     = plan.stats();
   report.embedded = static_cast<std::int64_t>(texts.size());
-  report.encode   = encode_plan(model, store_, plan);  // all or nothing
+  zeroing_.wait();  // a page freed by erase_fact(id, stream) is zeroed before it is written
+  report.encode = encode_plan(model, store_, plan);  // all or nothing
   try {
     index_.add<float>(ns,
                       make_matrix_view<float const>(
@@ -89,6 +117,7 @@ inline std::vector<std::uint64_t> memory::retrieve(std::uint64_t ns,
   INFERSCALE_EXPECTS(k > 0, std::string{"memory::retrieve: k must be positive"});
   std::vector<std::uint64_t> ids(k);
   std::vector<float> distances(k);
+  searches_.add();
   index_.search<float>(make_matrix_view<float const>(query.data(), 1, index_.dim()),
                        cuda::std::span<std::uint64_t const>{&ns, 1},
                        k,
@@ -156,6 +185,175 @@ void memory::inject(composition const& plan,
   inject_memory_async(store_, plan, cache, rotation, workspace, stream);
 }
 
+template <class Embedder, class CacheAdapter, class CheckTokens, class InjectBatch>
+std::vector<memory_request> memory::serve_requests(
+  Embedder& embedder,
+  cuda::std::span<memory_step_request<CacheAdapter> const> requests,
+  std::uint32_t k,
+  char const* who,
+  bool name_requests,
+  CheckTokens const& check_tokens,
+  InjectBatch const& inject_batch) const
+{
+  static_assert(is_embedder_v<Embedder>,
+                "memory::serve: Embedder needs dimension() and "
+                "embed(std::string const&) -> std::vector<float> (see memory.hpp)");
+  static_assert(is_cache_adapter_v<CacheAdapter>,
+                "memory::serve: CacheAdapter needs allocate(first_position, tokens), cache() and "
+                "commit(tokens) (see engine.hpp)");
+  std::size_t const n = requests.size();
+  // "memory::serve_step: request 3 (namespace 9)" in a step; the caller's name alone for serve()
+  auto const where = [&](std::size_t i) {
+    std::string w = who;
+    if (name_requests) {
+      w += ": request " + std::to_string(i) + " (namespace " + std::to_string(requests[i].ns) + ")";
+    }
+    return w;
+  };
+  // Runs `call`; in a step, a refusal of it is rethrown naming request `i` (or the step).
+  auto const named = [&](std::string const& what, auto&& call) -> decltype(call()) {
+    if (!name_requests) { return call(); }
+    try {
+      return call();
+    } catch (logic_error const& e) {
+      throw logic_error{what + ": " + e.what()};
+    }
+  };
+
+  // 1. Everything about the requests that needs no embedding: k, the adapters, the namespaces.
+  INFERSCALE_EXPECTS(k > 0, std::string{who} + ": k must be positive");
+  if (n == 0) { return {}; }
+  std::unordered_set<CacheAdapter const*> adapters;
+  for (std::size_t i = 0; i < n; ++i) {
+    memory_step_request<CacheAdapter> const& r = requests[i];
+    INFERSCALE_EXPECTS(r.cache != nullptr, where(i) + ": no cache adapter (null)");
+    INFERSCALE_EXPECTS(adapters.insert(r.cache).second,
+                       where(i) +
+                         ": its cache adapter is an earlier request's (one sequence "
+                         "per request)");
+    INFERSCALE_EXPECTS(detail::same_cache(r.cache->cache(), requests[0].cache->cache()),
+                       where(i) +
+                         ": its cache adapter addresses another cache than request 0's "
+                         "(one step injects into one cache)");
+    INFERSCALE_EXPECTS(
+      index_.has_namespace(r.ns),
+      where(i) + ": unknown namespace " + std::to_string(r.ns) + " (nothing of it is indexed)");
+  }
+
+  // 2. The embeddings, then one search of all of them, each in its own namespace.
+  std::int64_t const dim = index_.dim();
+  INFERSCALE_EXPECTS(static_cast<std::int64_t>(embedder.dimension()) == dim,
+                     std::string{who} + ": the embedder gives " +
+                       std::to_string(embedder.dimension()) + "-d vectors, the index holds " +
+                       std::to_string(dim) + "-d");
+  std::vector<float> queries;
+  std::vector<std::uint64_t> namespaces(n);
+  queries.reserve(n * static_cast<std::size_t>(dim));
+  for (std::size_t i = 0; i < n; ++i) {
+    std::vector<float> const v = embedder.embed(requests[i].query);
+    INFERSCALE_EXPECTS(static_cast<std::int64_t>(v.size()) == dim,
+                       where(i) + ": the query embedded to " + std::to_string(v.size()) +
+                         " values, expected " + std::to_string(dim));
+    INFERSCALE_EXPECTS(std::all_of(v.begin(), v.end(), [](float x) { return std::isfinite(x); }),
+                       where(i) + ": the query has a non-finite embedding");
+    queries.insert(queries.end(), v.begin(), v.end());
+    namespaces[i] = requests[i].ns;
+  }
+  auto const rows = static_cast<std::int64_t>(n);
+  std::vector<std::uint64_t> ids(n * k);
+  std::vector<float> distances(n * k);
+  named(who, [&] {
+    searches_.add();
+    index_.search<float>(make_matrix_view<float const>(queries.data(), rows, dim),
+                         cuda::std::span<std::uint64_t const>{namespaces.data(), n},
+                         k,
+                         config_.search,
+                         make_matrix_view<std::uint64_t>(ids.data(), rows, k),
+                         make_matrix_view<float>(distances.data(), rows, k));
+  });
+
+  // 3. The plans.
+  std::vector<memory_request> out(n);
+  std::int64_t tokens = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    for (std::size_t j = 0; j < k; ++j) {
+      std::uint64_t const id = ids[i * k + j];
+      if (id != invalid_fact_id) { out[i].fact_ids.push_back(id); }
+    }
+    out[i].plan =
+      named(where(i), [&] { return prepare(out[i].fact_ids, requests[i].first_position); });
+    INFERSCALE_EXPECTS(out[i].plan.length() > 0,
+                       where(i) + ": the plan is empty (no instruction prefix, nothing retrieved)");
+    tokens += out[i].plan.length();
+  }
+  check_tokens(tokens);
+
+  // 4. The slots, into one batch (a slot written twice anywhere in the step is refused here).
+  injection_batch batch{store_};
+  batch.reserve(tokens);
+  for (std::size_t i = 0; i < n; ++i) {
+    composition const& plan = out[i].plan;
+    std::vector<std::int64_t> const slots =
+      requests[i].cache->allocate(plan.first_position, plan.length());
+    INFERSCALE_EXPECTS(static_cast<std::int64_t>(slots.size()) == plan.length(),
+                       where(i) + ": the cache adapter allocated " +
+                         detail::count_of(static_cast<std::int64_t>(slots.size()), "slot") +
+                         " for " + detail::count_of(plan.length(), "token"));
+    named(where(i), [&] { batch.add(plan, slots); });
+  }
+
+  // 5. One injection (it checks the slots against the cache and the positions against the
+  // rotation before it writes), then the commits.
+  named(who, [&] { inject_batch(batch, requests[0].cache->cache()); });
+  for (std::size_t i = 0; i < n; ++i) {
+    requests[i].cache->commit(out[i].plan.length());
+  }
+  return out;
+}
+
+template <class Embedder, class CacheAdapter, class Rotation>
+std::vector<memory_request> memory::serve_step(
+  Embedder& embedder,
+  std::vector<memory_step_request<CacheAdapter>> const& requests,
+  std::uint32_t k,
+  Rotation const& rotation) const
+{
+  return serve_requests(
+    embedder,
+    cuda::std::span<memory_step_request<CacheAdapter> const>{requests.data(), requests.size()},
+    k,
+    "memory::serve_step",
+    true,
+    [&](std::int64_t) { require_host_store("memory::serve_step"); },
+    [&](injection_batch const& batch, paged_kv_cache const& cache) {
+      inject_host(store_, batch, cache, rotation);
+    });
+}
+
+template <class Embedder, class CacheAdapter, class Rotation, class Stream>
+std::vector<memory_request> memory::serve_step(
+  Embedder& embedder,
+  std::vector<memory_step_request<CacheAdapter>> const& requests,
+  std::uint32_t k,
+  Rotation const& rotation,
+  injection_workspace& workspace,
+  Stream stream) const
+{
+  typename detail::dependent_type<Stream, injection_workspace>::type& ws = workspace;
+  return serve_requests(
+    embedder,
+    cuda::std::span<memory_step_request<CacheAdapter> const>{requests.data(), requests.size()},
+    k,
+    "memory::serve_step",
+    true,
+    [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve_step"); },
+    [&](injection_batch const& batch, paged_kv_cache const& cache) {
+      // Found where memory.cuh (inject.cuh) is included: the call depends on the template
+      // arguments, so this header compiles without the CUDA toolkit.
+      inject_async(store_, batch, cache, rotation, ws, stream);
+    });
+}
+
 template <class Embedder, class CacheAdapter, class Rotation, class Stream>
 memory_request memory::serve(Embedder& embedder,
                              std::uint64_t ns,
@@ -167,11 +365,18 @@ memory_request memory::serve(Embedder& embedder,
                              injection_workspace& workspace,
                              Stream stream) const
 {
-  memory_request r;
-  r.fact_ids = retrieve(embedder, ns, query, k);
-  r.plan     = prepare(r.fact_ids, first_position);
-  inject(r.plan, cache, rotation, workspace, stream);
-  return r;
+  typename detail::dependent_type<Stream, injection_workspace>::type& ws = workspace;
+  memory_step_request<CacheAdapter> const one{ns, query, first_position, &cache};
+  return std::move(serve_requests(
+    embedder,
+    cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
+    k,
+    "memory::serve",
+    false,
+    [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve"); },
+    [&](injection_batch const& batch, paged_kv_cache const& c) {
+      inject_async(store_, batch, c, rotation, ws, stream);
+    })[0]);
 }
 
 template <class Embedder, class CacheAdapter, class Rotation>
@@ -183,11 +388,38 @@ memory_request memory::serve(Embedder& embedder,
                              CacheAdapter& cache,
                              Rotation const& rotation) const
 {
-  memory_request r;
-  r.fact_ids = retrieve(embedder, ns, query, k);
-  r.plan     = prepare(r.fact_ids, first_position);
-  inject(r.plan, cache, rotation);
-  return r;
+  memory_step_request<CacheAdapter> const one{ns, query, first_position, &cache};
+  return std::move(serve_requests(
+    embedder,
+    cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
+    k,
+    "memory::serve",
+    false,
+    [&](std::int64_t) { require_host_store("memory::serve"); },
+    [&](injection_batch const& batch, paged_kv_cache const& c) {
+      inject_host(store_, batch, c, rotation);
+    })[0]);
+}
+
+inline void memory::require_host_store(char const* who) const
+{
+  INFERSCALE_EXPECTS(store_.space() == memory_space::host,
+                     std::string{who} + ": the store's pool is in " + to_string(store_.space()) +
+                       " memory; serve a device store with a workspace and a stream (memory.cuh)");
+}
+
+inline void memory::require_device_store(std::int64_t tokens,
+                                         std::int64_t capacity,
+                                         char const* who) const
+{
+  INFERSCALE_EXPECTS(store_.space() == memory_space::device,
+                     std::string{who} + ": the store's pool is in " + to_string(store_.space()) +
+                       " memory, the device backend reads device memory (serve a host store "
+                       "without a workspace and a stream)");
+  INFERSCALE_EXPECTS(tokens <= capacity,
+                     std::string{who} + ": the memory segments hold " +
+                       detail::count_of(tokens, "token") + ", the workspace holds " +
+                       std::to_string(capacity));
 }
 
 template <class Embedder>

@@ -115,6 +115,7 @@ memory_add_report memory::add_facts(ModelAdapter& model,
   probe(vectors, ids);
   captured_plan const captured = capture_plan(model, plan);
 
+  zeroing_.wait();  // a page freed by erase_fact(id, stream) is zeroed before it is written
   for (std::size_t i = 0; i < ids.size(); ++i) {
     store_.insert<float>(ids[i],
                          ns,
@@ -196,6 +197,7 @@ lifecycle_report memory::update_fact(ModelAdapter& model, Embedder& embedder, fa
   captured_plan const captured = capture_plan(model, plan);
 
   // Commit: nothing below is refused (all of it was validated above).
+  zeroing_.wait();
   std::uint64_t const ns                  = old.ns;
   std::optional<std::uint64_t> const conv = old.conversation;
   if (in_place) {
@@ -318,12 +320,13 @@ lifecycle_report memory::reencode_facts(ModelAdapter& model,
   return r;
 }
 
-inline void memory::erase_fact(std::uint64_t id)
+inline std::vector<std::int64_t> memory::erase_fact_keeping_pages(std::uint64_t id)
 {
   fact_entry const& e                     = entry(id, "memory::erase_fact");
   std::optional<std::uint64_t> const conv = e.conversation;
   if (index_.contains(id)) { index_.erase(cuda::std::span<std::uint64_t const>{&id, 1}); }
-  erase_and_scrub(id);
+  std::vector<std::int64_t> pages = store_.at(id).pages;
+  store_.erase(id);
   facts_.erase(id);
   if (conv) {
     auto const it = conversation_entries_.find(*conv);
@@ -331,9 +334,23 @@ inline void memory::erase_fact(std::uint64_t id)
     ids.erase(std::remove(ids.begin(), ids.end(), id), ids.end());
     if (ids.empty()) { conversation_entries_.erase(it); }
   }
+  return pages;
 }
 
-inline std::int64_t memory::erase_namespace(std::uint64_t ns)
+inline void memory::erase_fact(std::uint64_t id) { store_.scrub_pages(erase_fact_keeping_pages(id)); }
+
+template <class Stream>
+void memory::erase_fact(std::uint64_t id, Stream stream)
+{
+  std::vector<std::int64_t> const pages = erase_fact_keeping_pages(id);
+  store_.scrub_pages(pages, detail::raw_stream(stream));
+  if (!pages.empty() && store_.space() == memory_space::device) {
+    zeroing_.record(detail::raw_stream(stream));
+  }
+}
+
+inline std::pair<std::int64_t, std::vector<std::int64_t>> memory::erase_namespace_keeping_pages(
+  std::uint64_t ns)
 {
   INFERSCALE_EXPECTS(
     !prefix_ || store_.at(*prefix_).namespace_id != ns,
@@ -351,7 +368,24 @@ inline std::int64_t memory::erase_namespace(std::uint64_t ns)
   for (auto it = conversation_entries_.begin(); it != conversation_entries_.end();) {
     it = it->second.ns == ns ? conversation_entries_.erase(it) : std::next(it);
   }
+  return {n, std::move(pages)};
+}
+
+inline std::int64_t memory::erase_namespace(std::uint64_t ns)
+{
+  auto const [n, pages] = erase_namespace_keeping_pages(ns);
   store_.scrub_pages(pages);
+  return n;
+}
+
+template <class Stream>
+std::int64_t memory::erase_namespace(std::uint64_t ns, Stream stream)
+{
+  auto const [n, pages] = erase_namespace_keeping_pages(ns);
+  store_.scrub_pages(pages, detail::raw_stream(stream));
+  if (!pages.empty() && store_.space() == memory_space::device) {
+    zeroing_.record(detail::raw_stream(stream));
+  }
   return n;
 }
 
@@ -480,6 +514,7 @@ inline void memory::replace_stored(std::uint64_t id,
                                    kv_capture const& capture)
 {
   std::vector<std::int64_t> const old = store_.at(id).pages;
+  zeroing_.wait();
   store_.erase(id);
   store_.insert<float>(id, ns, tokens, capture.keys(), capture.values());
   std::vector<std::int64_t> const& now = store_.at(id).pages;

@@ -34,7 +34,7 @@ inline std::vector<unsigned char> kv_store::pool_to_host() const
   return out;
 }
 
-inline void kv_store::scrub_pages(std::vector<std::int64_t> const& pages)
+inline void kv_store::scrub_pages(std::vector<std::int64_t> const& pages, cudaStream_t stream)
 {
   for (std::int64_t p : pages) {
     INFERSCALE_EXPECTS(p >= 0 && p < config_.num_pages,
@@ -45,15 +45,33 @@ inline void kv_store::scrub_pages(std::vector<std::int64_t> const& pages)
   std::size_t const bytes = page_bytes();
   auto* const pool        = static_cast<unsigned char*>(ref_.pool);
   bool const device       = config_.space == memory_space::device;
-  for (std::int64_t p : pages) {
-    unsigned char* const at = pool + static_cast<std::size_t>(p) * bytes;
-    if (device) {
-      INFERSCALE_CUDA_TRY(cudaMemset(at, 0, bytes));
-    } else {
-      std::memset(at, 0, bytes);
+  std::vector<std::int64_t> sorted = pages;
+  std::sort(sorted.begin(), sorted.end());
+  for (std::size_t first = 0; first < sorted.size();) {
+    std::size_t last = first + 1;  // a run of consecutive pages: one memset
+    while (last < sorted.size() && sorted[last] <= sorted[last - 1] + 1) {
+      ++last;
     }
+    unsigned char* const at = pool + static_cast<std::size_t>(sorted[first]) * bytes;
+    std::size_t const n =
+      static_cast<std::size_t>(sorted[last - 1] - sorted[first] + 1) * bytes;
+    if (device) {
+      INFERSCALE_CUDA_TRY(cudaMemsetAsync(at, 0, n, stream));
+    } else {
+      std::memset(at, 0, n);
+    }
+    first = last;
   }
-  if (device) { INFERSCALE_CUDA_TRY(cudaDeviceSynchronize()); }
+}
+
+inline void kv_store::scrub_pages(std::vector<std::int64_t> const& pages)
+{
+  scrub_pages(pages, cudaStream_t{});
+  // A later write of these pages on any stream must not be overtaken by the zeroing: wait for
+  // the default stream (not the device).
+  if (!pages.empty() && config_.space == memory_space::device) {
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(cudaStream_t{}));
+  }
 }
 
 template <class T>

@@ -696,7 +696,7 @@ NB_MODULE(_inferscale, m)
          &store_handle::to_device,
          "A copy of this host store in device memory (same ids, namespaces and bytes).")
     .def_prop_ro("device",
-                 [](store_handle const& s) { return s.get().memory() == memory_space::device; })
+                 [](store_handle const& s) { return s.get().space() == memory_space::device; })
     .def("save", [](store_handle const& s, std::string const& path) { save_store(s.get(), path); })
     .def("insert",
          &store_handle::insert,

@@ -254,7 +254,7 @@ struct scenario {
     }
     auto* const pool         = static_cast<bfloat16_t*>(store.ref().pool);
     std::int64_t const count = static_cast<std::int64_t>(store.pool_bytes() / sizeof(bfloat16_t));
-    if (memory == is::memory_space::host) {
+    if (space == is::memory_space::host) {
       for (std::int64_t i = 0; i < count; ++i) {
         pool[i] = random_value(static_cast<std::uint64_t>(i));
       }

@@ -202,8 +202,8 @@ def vllm_lines(doc, reps):
         lines.append("time to first token, vLLM (CPU build, %s CPUs) + SmolLM2-135M bf16, InferScale as "
                      "its KV connector (bench_vllm.py, %s; prefix cache reset before each request):"
                      % (doc.get("cpus", "?"), reps))
-        rows = [[str(r["k"]), fmt_int(r["memory_tokens"]), "%.0f" % r["inject_ms"],
-                 fmt_int(r["prefill_ms"]), "%.1fx" % r["speedup"], "%.0f" % r["floor_ms"],
+        rows = [[str(r["k"]), fmt_int(r["memory_tokens"]), fmt_int(r["inject_ms"]),
+                 fmt_int(r["prefill_ms"]), "%.1fx" % r["speedup"], fmt_int(r.get("floor_ms", 0)),
                  "%.2fx" % (r["inject_ms"] / r["floor_ms"]) if r.get("floor_ms") else "-"]
                 for r in ttft]
         lines += table(["k facts", "memory tokens", "injected ms", "re-prefilled ms", "speed-up",

@@ -2,7 +2,8 @@
 """Summarise Google Benchmark JSON files (one per bench_* executable) as a short table.
 
 usage: bench_summary.py [--combine OUT.json] FILE.json...
-       bench_summary.py --headline FILE.json|locomo-*.md...   (the main job's first screen)
+       bench_summary.py --headline RESULTS_DIR | FILE.json|locomo-fast.md...
+                                                   (the main job's first screen)
 
 Columns: benchmark name, real time per iteration, decimal GB/s (the fixture's "GB/s" counter, else
 bytes_per_second / 1e9) and the other user counters (ratios such as vs_copy, copy_GB/s), then the
@@ -13,6 +14,14 @@ cut short (a benchmark killed by a timeout) is read up to its last complete entr
 When device runs are present, a last section reads the device targets of issue 13 (injection >= 0.8
 of a device copy at m = 1,024; search 100k x 768 batch 1 <= 30 us p50 at recall >= 0.95; batched QPS
 beside RAFT's exact search) as PASS / SHORT / NOT RUN, one line each.
+
+--headline: the mission in a few tables, each figure beside its baseline or ceiling from the same
+run: vLLM TTFT against k (injected, re-prefilled, the query alone) and requests/s of concurrent
+users (bench_vllm.py's JSON), llama.cpp TTFT (bench_engine, when it ran), injection GB/s beside a
+copy of the same bytes (bench_inject's bf16 cases), search against hnswlib at equal recall
+(bench_index_host's fp32 equal_recall cases), LoCoMo F1 and agreement (locomo-fast.md). Given
+the main job's results folder it also prints the configuration (config.txt: the mode, CPUs, GPU and
+each step's arguments) and each step's wall seconds (steps.txt).
 
 The fact index (bench_index) gets a second table: each search figure beside its ceiling from the
 same run (recall@10, QPS, exact QPS and speedup, hnswlib QPS/recall and vs_hnswlib), the build
@@ -137,81 +146,154 @@ def usable(b):
     return not (b.get("run_type") == "aggregate" and b.get("aggregate_name") != "mean")
 
 
-def headline(entries):
-    """The few figures a newcomer reads first, each beside the baseline of the same run."""
+def fmt_int(x):
+    return "{:,}".format(int(round(x)))
+
+
+def table(header, rows, indent="  "):
+    """Right-aligned columns but the first; returns the lines."""
+    cells = [header] + rows
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    out = []
+    for r in cells:
+        out.append(indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                      for i, (c, w) in enumerate(zip(r, widths))))
+    return out
+
+
+def case_part(name, key):
+    """The value of a '/key:value' part of a benchmark name, else ''."""
+    for part in name.split("/"):
+        if part.startswith(key + ":"):
+            return part[len(key) + 1:]
+    return ""
+
+
+def engine_lines(entries):
+    """bench_engine (--full): llama.cpp TTFT against k, and the divergence of independent facts."""
     lines = []
     ttft = sorted((b for b in entries if b.get("name", "").startswith("engine/ttft") and usable(b)),
                   key=lambda b: b.get("k", 0))
     if ttft:
-        base = ttft[0].get("inferscale_ms")
-        lines.append("time to first token, llama.cpp + SmolLM2-135M (CPU, 1 thread), "
-                     "question of %d tokens:" % ttft[0].get("question_tokens", 0))
-        lines.append("  %4s %7s  %14s %10s %12s %14s %9s  %8s %10s %8s" % (
-            "k", "memory", "InferScale ms", "(inject", "+ question)", "re-prefill ms", "query ms",
-            "speedup", "over floor", "vs k=%d" % ttft[0].get("k", 0)))
-        for b in ttft:
-            lines.append("  %4d %7d  %14.1f %10.1f %12.1f %14.1f %9.1f  %7.1fx %9.2fx %7.2fx" % (
-                b.get("k", 0), b.get("memory_tokens", 0), b.get("inferscale_ms", 0),
-                b.get("inject_ms", 0), b.get("question_ms", 0),
-                b.get("prefill_ms", 0), b.get("query_ms", 0), b.get("speedup", 0),
-                b.get("over_floor", 0), b.get("inferscale_ms", 0) / base if base else 0))
+        lines.append("time to first token, llama.cpp + SmolLM2-135M Q4_1 (CPU, 1 thread), question of "
+                     "%d tokens (bench_engine, mean of %d runs):" % (
+                         ttft[0].get("question_tokens", 0), ttft[0].get("iterations", 0)))
+        rows = [[str(b.get("k", 0)), fmt_int(b.get("memory_tokens", 0)),
+                 "%.1f" % b.get("inferscale_ms", 0), "%.1f" % b.get("prefill_ms", 0),
+                 "%.1fx" % b.get("speedup", 0), "%.1f" % b.get("query_ms", 0),
+                 "%.2fx" % b.get("over_floor", 0)] for b in ttft]
+        lines += table(["k", "memory tokens", "injected ms", "re-prefilled ms", "speed-up",
+                        "query alone ms", "injected / query alone"], rows)
     div = [b for b in entries if b.get("name", "").startswith("engine/divergence") and usable(b)]
     for b in sorted(div, key=lambda b: b.get("k", 0)):
-        lines.append("divergence from joint prefill, k=%d: independently encoded facts KL %.3g "
-                     "nats/token, top-1 %.2f, greedy common %.2f; jointly encoded KL %.3g, "
-                     "top-1 %.2f" % (b.get("k", 0), b.get("kl_mean_independent", 0),
-                                     b.get("top1_independent", 0),
-                                     b.get("greedy_common_independent", 0),
-                                     b.get("kl_mean_joint", 0), b.get("top1_joint", 0)))
-    inject = [b for b in entries if b.get("name", "").startswith("inject/") and usable(b)
-              and "vs_copy" in b]
-    if inject:
-        ratios = sorted(b["vs_copy"] for b in inject)
-        lines.append("injection vs a plain copy of the same bytes (host): %.2f-%.2f of memcpy "
-                     "over %d cases" % (ratios[0], ratios[-1], len(ratios)))
-    search = [b for b in entries if b.get("name", "").startswith("index/") and usable(b)
-              and "QPS" in b]
-    if search:
-        best = max(search, key=lambda b: b.get("speedup", 0))
-        lines.append("fact index: graph search up to %.1fx exact search (%s, recall %.3f)" % (
-            best.get("speedup", 0), best.get("name", "?"), best.get("recall", 0)))
-        hn = [b for b in search if "vs_hnswlib" in b]
-        if hn:
-            r = sorted(b["vs_hnswlib"] for b in hn)
-            lines.append("fact index vs hnswlib at equal recall (host): %.2f-%.2fx over %d cases"
-                         % (r[0], r[-1], len(r)))
+        lines.append("  divergence from a joint prefill, k=%d: facts encoded apart KL %.3g nats/token, "
+                     "top-1 %.2f; encoded jointly KL %.3g, top-1 %.2f" % (
+                         b.get("k", 0), b.get("kl_mean_independent", 0),
+                         b.get("top1_independent", 0), b.get("kl_mean_joint", 0),
+                         b.get("top1_joint", 0)))
     return lines
 
 
-def vllm_lines(doc):
+def vllm_lines(doc, reps):
     """bench/vllm/bench_vllm.py's JSON: TTFT against k and requests/s under concurrent users."""
     lines = []
     ttft = doc.get("ttft", [])
     if ttft:
-        lines.append("time to first token, vLLM (CPU build) + SmolLM2-135M, InferScale as its KV "
-                     "connector: " + "; ".join(
-                         "k=%d (%d memory tokens) %.0f ms vs %.0f ms re-prefilled (%.1fx)" % (
-                             r["k"], r["memory_tokens"], r["inject_ms"], r["prefill_ms"],
-                             r["speedup"]) for r in ttft) +
-                     ("; the first memory request after a commit %.0f ms (the workers load the "
-                      "memory generation once)" % doc["first_request_ms"]
-                      if "first_request_ms" in doc else ""))
+        lines.append("time to first token, vLLM (CPU build, %s CPUs) + SmolLM2-135M bf16, InferScale as "
+                     "its KV connector (bench_vllm.py, %s; prefix cache reset before each request):"
+                     % (doc.get("cpus", "?"), reps))
+        rows = [[str(r["k"]), fmt_int(r["memory_tokens"]), fmt_int(r["inject_ms"]),
+                 fmt_int(r["prefill_ms"]), "%.1fx" % r["speedup"], fmt_int(r.get("floor_ms", 0)),
+                 "%.2fx" % (r["inject_ms"] / r["floor_ms"]) if r.get("floor_ms") else "-"]
+                for r in ttft]
+        lines += table(["k facts", "memory tokens", "injected ms", "re-prefilled ms", "speed-up",
+                        "query alone ms", "injected / query alone"], rows)
+        if "first_request_ms" in doc:
+            lines.append("  (not in the table: the first memory request after the commit, %s ms, "
+                         "pays the workers' one-time load of the memory generation)"
+                         % fmt_int(doc["first_request_ms"]))
     load = doc.get("load", [])
     if load:
-        lines.append("vLLM throughput under concurrent users (k=%d facts each): " % load[0]["k"] +
-                     "; ".join("%d users %.2f req/s vs %.2f re-prefilled (%.2fx)" % (
-                         r["users"], r["inject_rps"], r["prefill_rps"], r["rps_ratio"])
-                         for r in load))
+        lines.append("concurrent users on the same engine (k = %d facts each, 8 new tokens, one "
+                     "batch of requests):" % load[0]["k"])
+        rows = [[str(r["users"]), "%.2f" % r["inject_rps"], "%.2f" % r["prefill_rps"],
+                 "%.1fx" % r["rps_ratio"],
+                 "%s / %s" % (fmt_int(r.get("inject_p50_ms", 0)), fmt_int(r.get("prefill_p50_ms", 0)))]
+                for r in load]
+        lines += table(["users", "injected req/s", "re-prefilled req/s", "ratio",
+                        "p50 TTFT ms injected / re-prefilled"], rows)
+    return lines
+
+
+def inject_lines(entries):
+    """bench_inject: the bf16 injection cases beside the plain copy of the same bytes."""
+    rows = []
+    for b in entries:
+        name = b.get("name", "")
+        parts = name.split("/")
+        if len(parts) < 5 or parts[0] != "inject" or parts[3] != "bf16" or not usable(b):
+            continue
+        if not parts[4].startswith("m:") or "vs_copy" not in b:
+            continue
+        rows.append([parts[1], parts[2], parts[4][2:], "%.2f" % b.get("GB/s", 0),
+                     "%.2f" % b.get("copy_GB/s", 0), "%.2f" % b["vs_copy"]])
+    if not rows:
+        return []
+    return (["injection throughput (bench_inject, Google Benchmark min_time 0.1 s) beside a plain "
+             "copy of the same bytes timed in the same run (the ceiling):"] +
+            table(["where", "model geometry", "tokens", "GB/s", "copy GB/s", "of the copy"], rows))
+
+
+def search_lines(entries):
+    """bench_index_host: the fact index against hnswlib at equal recall (fp32 rows)."""
+    rows = []
+    for b in entries:
+        name = b.get("name", "")
+        if not name.startswith("index_host/equal_recall/") or not usable(b):
+            continue
+        if "/rows:" in name or "/traversal:" in name or "vs_hnswlib" not in b:
+            continue
+        data = case_part(name, "data")
+        rows.append(["%s %s-d" % (data, case_part(name, "dim")), fmt_int(b.get("N", 0)),
+                     ">= 0.%s" % case_part(name, "target"),
+                     "%.3f / %.1f" % (b.get("recall", 0), b.get("us_per_query", 0)),
+                     "%.3f / %.1f" % (b.get("hnswlib_recall", 0), b.get("hnswlib_us_per_query", 0)),
+                     "%.2fx" % b["vs_hnswlib"],
+                     "%.2f / %.2f" % (b.get("graph_build_s", 0), b.get("hnswlib_build_s", 0))])
+    if not rows:
+        return []
+    return (["fact index search vs hnswlib 0.6.2 (M 16, efC 200, -march=native) at equal recall, "
+             "batch 1, one thread, 1,024 queries (bench_index_host):"] +
+            table(["data", "N", "recall@10", "graph recall / us", "hnswlib recall / us",
+                   "graph speed-up", "build s graph / hnswlib"], rows))
+
+
+def index_lines(entries):
+    """bench_index (--full): the best graph-over-exact speed-up and the range against hnswlib."""
+    lines = []
+    search = [b for b in entries if b.get("name", "").startswith("index/") and usable(b)
+              and "QPS" in b]
+    if search:
+        best = max(search, key=lambda b: b.get("speedup", 0))
+        lines.append("fact index (bench_index): graph search up to %.1fx exact search of the same "
+                     "queries (%s, recall %.3f)" % (best.get("speedup", 0), best.get("name", "?"),
+                                                    best.get("recall", 0)))
+        hn = [b for b in search if "vs_hnswlib" in b]
+        if hn:
+            r = sorted(b["vs_hnswlib"] for b in hn)
+            lines.append("fact index (bench_index) vs hnswlib, each at recall >= 0.95: %.2f-%.2fx "
+                         "over %d cases" % (r[0], r[-1], len(r)))
     return lines
 
 
 def locomo_lines(path):
-    """locomo_eval's table: its row over all categories."""
+    """locomo_eval's table (its row over all categories) and the served row of the window curve."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            rows = [l for l in f if l.startswith("| **all** |")]
+            text = f.readlines()
     except OSError:
         return []
+    rows = [l for l in text if l.startswith("| **all** |")]
     if not rows:
         return []
     c = [x.strip() for x in rows[0].strip().strip("|").split("|")]
@@ -219,39 +301,110 @@ def locomo_lines(path):
     # | TTFT a | inject | TTFT b
     if len(c) < 14:
         return []
-    return ["LoCoMo (%s, %s questions): recall@10 %s; answer F1 injected %s vs re-prefilled %s "
-            "(no memory %s); injected = re-prefilled answers %s; TTFT %s ms vs %s ms" % (
-                os.path.basename(path), c[1], c[3], c[5], c[6], c[7], c[9], c[11], c[13])]
+    served = [l for l in text if l.startswith("| single pass")]
+    agree = ""
+    if served:
+        s = [x.strip() for x in served[0].strip().strip("|").split("|")]
+        # encoding | w | turns seen | KL(b||a) | top-1 (a)=(b) | KL(d||a) | top-1 (a)=(d) | ...
+        if len(s) >= 5:
+            agree = "%s (KL %s nats)" % (s[4], s[3])
+    sessions = "conv-26, first 3 sessions" if "locomo-fast" in os.path.basename(path) else path
+    lines = ["LoCoMo end to end, llama.cpp + SmolLM2-135M (1 thread), MiniLM retrieval, top 10 facts "
+             "(locomo_eval, %s, %s questions):" % (sessions, c[1])]
+    rows = [["injected (a)", c[5], c[11]], ["re-prefilled (b)", c[6], c[13]],
+            ["no memory (c)", c[7], "-"]]
+    if c[8] != "n/a":  # locomo_eval --no-whole: not run
+        rows.append(["whole conversation (d)", c[8], "-"])
+    lines += table(["answers", "F1", "TTFT ms"], rows)
+    try:
+        ratio = "%.1fx" % (float(c[13]) / float(c[11]))
+    except (ValueError, ZeroDivisionError):
+        ratio = "n/a"
+    lines.append("  (a) vs (b): TTFT %s faster; next-token top-1 agreement on the gold answers %s; "
+                 "same greedy answer %s; F1(a, b) %s; evidence recall@10 %s" % (
+                     ratio, agree or "n/a", c[9], c[10], c[3]))
+    return lines
 
 
-def print_headline(lines):
-    if lines:
-        print("\n==== headline ====")
-        for line in lines:
-            print(line)
+def steps_line(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            steps = [l.rstrip("\n").split("\t") for l in f if "\t" in l]
+    except OSError:
+        return []
+    short = []
+    for name, secs in steps:
+        label = name.split(" (")[0].replace("benchmark ", "").replace("vLLM: ", "")
+        label = label.split(" --")[0]
+        short.append("%s %s" % (label, secs))
+    return ["steps, wall seconds: " + "; ".join(short)] if short else []
 
 
 def headline_only(paths):
-    """--headline: the mission in a few lines, from whatever results exist."""
-    entries, lines = [], []
+    """--headline DIR (the main job's results) or FILES: the mission in a few lines."""
+    if len(paths) == 1 and os.path.isdir(paths[0]):
+        d = paths[0]
+        paths = sorted(os.path.join(d, f) for f in os.listdir(d)
+                       if f.endswith(".json") or f == "locomo-fast.md")
+        config = {}
+        try:
+            with open(os.path.join(d, "config.txt"), encoding="utf-8") as f:
+                for l in f:
+                    if "\t" in l:
+                        k, v = l.rstrip("\n").split("\t", 1)
+                        config[k] = v
+        except OSError:
+            pass
+        steps = os.path.join(d, "steps.txt")
+    else:
+        config, steps = {}, None
+    entries, vllm_doc, locomo = [], None, None
     for path in paths:
         if path.endswith(".md"):
-            lines += locomo_lines(path)
+            locomo = path
             continue
         try:
             doc, _ = load(path)
         except OSError:
             continue
         if isinstance(doc, dict) and "ttft" in doc and "benchmarks" not in doc:
-            lines += vllm_lines(doc)
+            vllm_doc = doc
         elif isinstance(doc, dict):
             entries += doc.get("benchmarks", [])
-    lines = headline(entries) + lines
-    print("==== InferScale: the headline (details below) ====")
-    for line in lines or ["no results: every step failed (see the details)"]:
-        print(line)
+    reps = config.get("bench_vllm.py", "")
+    n = reps.split("--reps ")[1].split()[0] if "--reps " in reps else ""
+    reps = "one run per figure" if n == "1" else ("median of %s runs" % n if n else "its defaults")
+    print("==== InferScale: the headline (%s main job; details below) ====" %
+          config.get("mode", "the"))
+    print("The mission: serve a user's memory to an engine without re-prefilling it; each figure "
+          "beside its baseline or ceiling, measured in the same run.")
+    if config:
+        print("configuration: %s CPUs, GPU: %s; each step's arguments:" % (
+            config.get("cpus", "?"), config.get("gpu", "?")))
+        for k, v in config.items():
+            if k not in ("mode", "gpu", "cpus"):
+                print("  %s %s" % (k, v))
+    blocks = []
+    if vllm_doc is not None:
+        blocks.append(vllm_lines(vllm_doc, reps))
+    blocks.append(engine_lines(entries))
+    blocks.append(inject_lines(entries))
+    blocks.append(search_lines(entries))
+    blocks.append(index_lines(entries))
+    if locomo:
+        blocks.append(locomo_lines(locomo))
+    blocks = [b for b in blocks if b]
+    for b in blocks:
+        print()
+        for line in b:
+            print(line)
+    if not blocks:
+        print("no results: every step failed (see the details)")
+    if steps:
+        print()
+        for line in steps_line(steps):
+            print(line)
     return 0
-
 
 
 # The device targets of issue 13 (item 14): what a GPU session reads first.
@@ -417,7 +570,6 @@ def main(argv):
         print("bench_summary: no benchmark runs in %d file(s)" % len(argv))
     every = [b for doc in combined.values() for b in doc.get("benchmarks", [])]
     index_table(every)
-    print_headline(headline(every))
     if any(b.get("name", "").startswith(("inject/device", "index/device")) for b in every):
         device_targets(every)
         split_report(every)

@@ -31,6 +31,7 @@
 
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/detail/capture/kernels.cuh>
+#include <inferscale/detail/capture/rows_written.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/geometry.hpp>
@@ -74,12 +75,8 @@ class device_kv_capture {
    *        the allocation cannot be enqueued.
    */
   device_kv_capture(kv_geometry const& geometry, std::int64_t num_tokens, cuda::stream_ref stream)
-    : geometry_{geometry}, num_tokens_{num_tokens}, stream_{stream.get()}
+    : rows_{geometry, num_tokens, "device_kv_capture"}, stream_{stream.get()}
   {
-    geometry.validate();
-    INFERSCALE_EXPECTS(
-      num_tokens > 0,
-      "device_kv_capture: token count must be positive, got " + std::to_string(num_tokens));
     std::size_t const rows =
       static_cast<std::size_t>(geometry.num_layers) * static_cast<std::size_t>(num_tokens);
     std::size_t const bytes =
@@ -94,8 +91,6 @@ class device_kv_capture {
       INFERSCALE_CUDA_TRY(s);
     }
     data_ = static_cast<float*>(data);
-    key_written_.assign(rows, 0);
-    value_written_.assign(rows, 0);
   }
 
   ~device_kv_capture()
@@ -115,8 +110,8 @@ class device_kv_capture {
   device_kv_capture(device_kv_capture const&)            = delete;
   device_kv_capture& operator=(device_kv_capture const&) = delete;
 
-  kv_geometry geometry() const noexcept { return geometry_; }
-  std::int64_t num_tokens() const noexcept { return num_tokens_; }
+  kv_geometry geometry() const noexcept { return rows_.geometry(); }
+  std::int64_t num_tokens() const noexcept { return rows_.num_tokens(); }
   /// @brief The stream the buffer was allocated on and is freed on.
   cuda::stream_ref stream() const noexcept { return cuda::stream_ref{stream_}; }
 
@@ -135,7 +130,7 @@ class device_kv_capture {
                   token_head_view<T const> rows,
                   cuda::stream_ref stream)
   {
-    write(0, key_written_, layer, first_token, rows, stream, "device_kv_capture::write_keys");
+    write(0, layer, first_token, rows, stream, "device_kv_capture::write_keys");
   }
 
   /// @brief As write_keys, for the values.
@@ -145,24 +140,17 @@ class device_kv_capture {
                     token_head_view<T const> rows,
                     cuda::stream_ref stream)
   {
-    write(1, value_written_, layer, first_token, rows, stream, "device_kv_capture::write_values");
+    write(1, layer, first_token, rows, stream, "device_kv_capture::write_values");
   }
 
   /// @brief True when writes of K and V of tokens `[begin, begin + count)` were enqueued in
   /// every layer.
   bool complete(std::int64_t begin, std::int64_t count) const noexcept
   {
-    if (begin < 0 || count < 0 || begin > num_tokens_ - count) { return false; }
-    for (std::int32_t l = 0; l < geometry_.num_layers; ++l) {
-      for (std::int64_t t = begin; t < begin + count; ++t) {
-        std::size_t const r = row(l, t);
-        if (!key_written_[r] || !value_written_[r]) { return false; }
-      }
-    }
-    return true;
+    return rows_.complete(begin, count);
   }
   /// @brief True when every token of every layer was written.
-  bool complete() const noexcept { return complete(0, num_tokens_); }
+  bool complete() const noexcept { return complete(0, num_tokens()); }
 
   /// @brief Keys of tokens `[begin, begin + count)` as a `[layers, count, heads, head_dim]` view of
   /// device memory (valid for work ordered after the writes).
@@ -175,8 +163,8 @@ class device_kv_capture {
   {
     return slice(1, begin, count, "device_kv_capture::values");
   }
-  fact_kv_view<float const> keys() const { return keys(0, num_tokens_); }
-  fact_kv_view<float const> values() const { return values(0, num_tokens_); }
+  fact_kv_view<float const> keys() const { return keys(0, num_tokens()); }
+  fact_kv_view<float const> values() const { return values(0, num_tokens()); }
 
   /**
    * @brief The fault flags (device memory, one per token, zeroed at construction):
@@ -197,7 +185,7 @@ class device_kv_capture {
    */
   std::vector<std::int64_t> faulty_tokens(cuda::stream_ref stream) const
   {
-    std::vector<std::uint32_t> flags(static_cast<std::size_t>(num_tokens_));
+    std::vector<std::uint32_t> flags(static_cast<std::size_t>(num_tokens()));
     INFERSCALE_CUDA_TRY(cudaMemcpyAsync(flags.data(),
                                         fault_flags(),
                                         flags.size() * sizeof(std::uint32_t),
@@ -212,22 +200,15 @@ class device_kv_capture {
   }
 
  private:
-  std::size_t row(std::int32_t layer, std::int64_t token) const noexcept
-  {
-    return static_cast<std::size_t>(layer) * static_cast<std::size_t>(num_tokens_) +
-           static_cast<std::size_t>(token);
-  }
-
   /// @brief Elements of the K (or V) plane: layers * tokens * heads * head_dim.
   std::int64_t plane_elements() const noexcept
   {
-    return static_cast<std::int64_t>(geometry_.num_layers) * num_tokens_ *
-           geometry_.elements_per_token_layer();
+    return static_cast<std::int64_t>(rows_.geometry().num_layers) * num_tokens() *
+           rows_.geometry().elements_per_token_layer();
   }
 
   template <class T>
   void write(int kv,
-             std::vector<unsigned char>& written,
              std::int32_t layer,
              std::int64_t first_token,
              token_head_view<T const> rows,
@@ -238,34 +219,23 @@ class device_kv_capture {
       std::is_same_v<T, float> || std::is_same_v<T, half_t> || std::is_same_v<T, bfloat16_t>,
       "device_kv_capture: rows hold float, half_t or bfloat16_t");
     std::int64_t const count = rows.extent(0);
-    INFERSCALE_EXPECTS(layer >= 0 && layer < geometry_.num_layers,
-                       std::string{who} + ": layer " + std::to_string(layer) + " is outside [0, " +
-                         std::to_string(geometry_.num_layers) + ")");
-    INFERSCALE_EXPECTS(first_token >= 0 && count >= 0 && first_token <= num_tokens_ - count,
-                       std::string{who} + ": tokens [" + std::to_string(first_token) + ", " +
-                         std::to_string(first_token + count) + ") are outside the buffer's " +
-                         detail::count_of(num_tokens_, "token"));
-    INFERSCALE_EXPECTS(
-      rows.extent(1) == geometry_.num_kv_heads && rows.extent(2) == geometry_.head_dim,
-      std::string{who} + ": rows of " + detail::count_of(rows.extent(1), "head") + " x " +
-        detail::count_of(rows.extent(2), "dim") + ", the geometry has " +
-        std::to_string(geometry_.num_kv_heads) + " x " + std::to_string(geometry_.head_dim));
-    INFERSCALE_EXPECTS(count == 0 || rows.data_handle() != nullptr,
-                       std::string{who} + ": null data");
+    rows_.check_write(
+      layer, first_token, count, rows.extent(1), rows.extent(2), rows.data_handle(), who);
     for (int r = 0; r < 3; ++r) {
       INFERSCALE_EXPECTS(rows.stride(r) >= 0,
                          std::string{who} + ": stride " + std::to_string(r) + " is negative (" +
                            std::to_string(rows.stride(r)) + ")");
     }
     if (count == 0) { return; }
-    std::int64_t const row_elements = geometry_.elements_per_token_layer();
+    kv_geometry const& g            = rows_.geometry();
+    std::int64_t const row_elements = g.elements_per_token_layer();
     detail::capture_write_args<T> const args{
       data_ + kv * plane_elements() +
-        (static_cast<std::int64_t>(layer) * num_tokens_ + first_token) * row_elements,
+        (static_cast<std::int64_t>(layer) * num_tokens() + first_token) * row_elements,
       rows.data_handle(),
       count,
-      geometry_.num_kv_heads,
-      geometry_.head_dim,
+      g.num_kv_heads,
+      g.head_dim,
       rows.stride(0),
       rows.stride(1),
       rows.stride(2)};
@@ -277,9 +247,7 @@ class device_kv_capture {
     detail::capture_write_kernel<T>
       <<<static_cast<unsigned>(blocks), detail::capture_threads, 0, stream.get()>>>(args);
     INFERSCALE_CHECK_LAUNCH();
-    for (std::int64_t t = 0; t < count; ++t) {
-      written[row(layer, first_token + t)] = 1;
-    }
+    rows_.mark(kv, layer, first_token, count);
   }
 
   fact_kv_view<float const> slice(int kv,
@@ -287,36 +255,19 @@ class device_kv_capture {
                                   std::int64_t count,
                                   char const* who) const
   {
-    INFERSCALE_EXPECTS(begin >= 0 && count > 0 && begin <= num_tokens_ - count,
-                       std::string{who} + ": tokens [" + std::to_string(begin) + ", " +
-                         std::to_string(begin + count) + ") are not a non-empty range of the " +
-                         std::to_string(num_tokens_) + " captured tokens");
-    std::int64_t const row_elements = geometry_.elements_per_token_layer();
-    return make_fact_kv_view<float const>(
-      data_ + kv * plane_elements() + begin * row_elements,
-      geometry_.num_layers,
-      count,
-      geometry_.num_kv_heads,
-      geometry_.head_dim,
-      {num_tokens_ * row_elements, row_elements, geometry_.head_dim, 1});
+    return rows_.slice(data_ + kv * plane_elements(), begin, count, who);
   }
 
   void swap(device_kv_capture& other) noexcept
   {
-    std::swap(geometry_, other.geometry_);
-    std::swap(num_tokens_, other.num_tokens_);
+    std::swap(rows_, other.rows_);
     std::swap(stream_, other.stream_);
     std::swap(data_, other.data_);
-    std::swap(key_written_, other.key_written_);
-    std::swap(value_written_, other.value_written_);
   }
 
-  kv_geometry geometry_{};
-  std::int64_t num_tokens_{};
+  detail::rows_written rows_;
   cudaStream_t stream_{};
-  float* data_{};  ///< K plane, V plane, then num_tokens_ fault flags (uint32)
-  std::vector<unsigned char> key_written_;
-  std::vector<unsigned char> value_written_;
+  float* data_{};  ///< K plane, V plane, then num_tokens() fault flags (uint32)
 };
 
 }  // namespace inferscale

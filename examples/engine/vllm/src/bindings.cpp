@@ -266,15 +266,18 @@ class store_handle {
   kv_store store_;
 };
 
-kv_store_config make_config(std::int32_t layers,
-                            std::int32_t heads,
-                            std::int32_t head_dim,
-                            std::string const& dtype_name,
-                            std::int64_t num_pages,
-                            std::int32_t page_size,
-                            std::int32_t first_head,
-                            std::int32_t num_heads,
-                            bool device)
+/// Store(num_layers, num_kv_heads, head_dim, dtype, num_pages, page_size, first_head, num_heads,
+/// device): a new empty store, built in place.
+void init_store(store_handle* self,
+                std::int32_t layers,
+                std::int32_t heads,
+                std::int32_t head_dim,
+                std::string const& dtype_name,
+                std::int64_t num_pages,
+                std::int32_t page_size,
+                std::int32_t first_head,
+                std::int32_t num_heads,
+                bool device)
 {
   if (device) { expect_cuda_build("Store(device=True)"); }
   kv_store_config c;
@@ -285,7 +288,7 @@ kv_store_config make_config(std::int32_t layers,
   c.first_head  = first_head;
   c.num_heads   = num_heads;
   c.space       = device ? memory_space::device : memory_space::host;
-  return c;
+  new (self) store_handle(kv_store(c));
 }
 
 /// The engine's rotation: its own cos/sin table (vLLM's `rotary_emb.cos_sin_cache`).
@@ -656,30 +659,17 @@ NB_MODULE(_inferscale, m)
          nb::arg("data"), nb::arg("shape"), nb::arg("strides"), nb::arg("dtype"));
 
   nb::class_<store_handle>(m, "Store")
-    .def(
-      "__init__",
-      [](store_handle* self,
-         std::int32_t layers,
-         std::int32_t heads,
-         std::int32_t head_dim,
-         std::string const& dtype_name,
-         std::int64_t num_pages,
-         std::int32_t page_size,
-         std::int32_t first_head,
-         std::int32_t num_heads,
-         bool device) {
-        new (self) store_handle(kv_store(make_config(layers, heads, head_dim, dtype_name, num_pages,
-                                                     page_size, first_head, num_heads, device)));
-      },
-      nb::arg("num_layers"),
-      nb::arg("num_kv_heads"),
-      nb::arg("head_dim"),
-      nb::arg("dtype"),
-      nb::arg("num_pages"),
-      nb::arg("page_size")  = 16,
-      nb::arg("first_head") = 0,
-      nb::arg("num_heads")  = 0,
-      nb::arg("device")     = false)
+    .def("__init__",
+         &init_store,
+         nb::arg("num_layers"),
+         nb::arg("num_kv_heads"),
+         nb::arg("head_dim"),
+         nb::arg("dtype"),
+         nb::arg("num_pages"),
+         nb::arg("page_size")  = 16,
+         nb::arg("first_head") = 0,
+         nb::arg("num_heads")  = 0,
+         nb::arg("device")     = false)
     .def_static(
       "load",
       [](std::string const& path, std::optional<std::string> const& as_dtype, bool device) {

@@ -152,6 +152,7 @@ inline void report_throughput(benchmark::State& state,
 // Small RAII owners of CUDA resources (setup only; never inside a timed region).
 
 // Device arrays are the library's device_buffer<T> (device_buffer.hpp): cudaMalloc'd by default.
+using inferscale::device_buffer;
 
 /// @brief A non-blocking CUDA stream.
 class cuda_stream {

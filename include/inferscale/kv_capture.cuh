@@ -30,6 +30,8 @@
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/device_buffer.hpp>
+#include <inferscale/memory_resource.hpp>
 #include <inferscale/detail/capture/kernels.cuh>
 #include <inferscale/detail/capture/rows_written.hpp>
 #include <inferscale/dtype.hpp>
@@ -79,36 +81,19 @@ class device_kv_capture {
   {
     std::size_t const rows =
       static_cast<std::size_t>(geometry.num_layers) * static_cast<std::size_t>(num_tokens);
-    std::size_t const bytes =
-      (2 * rows * static_cast<std::size_t>(geometry.elements_per_token_layer()) +
-       static_cast<std::size_t>(num_tokens)) *
-      sizeof(float);
-    void* data = nullptr;
-    INFERSCALE_CUDA_TRY(cudaMallocAsync(&data, bytes, stream_));
-    cudaError_t const s = cudaMemsetAsync(data, 0, bytes, stream_);
-    if (s != cudaSuccess) {
-      (void)cudaFreeAsync(data, stream_);
-      INFERSCALE_CUDA_TRY(s);
-    }
-    data_ = static_cast<float*>(data);
+    buffer_ = device_buffer<float>(
+      2 * rows * static_cast<std::size_t>(geometry.elements_per_token_layer()) +
+        static_cast<std::size_t>(num_tokens),
+      stream_,
+      async_device_resource());
+    INFERSCALE_CUDA_TRY(
+      cudaMemsetAsync(buffer_.data(), 0, buffer_.size() * sizeof(float), stream_));
   }
 
-  ~device_kv_capture()
-  {
-    if (data_ != nullptr) { (void)cudaFreeAsync(data_, stream_); }
-  }
-
-  device_kv_capture(device_kv_capture&& other) noexcept { swap(other); }
-  device_kv_capture& operator=(device_kv_capture&& other) noexcept
-  {
-    if (this != &other) {
-      device_kv_capture tmp{std::move(other)};
-      swap(tmp);
-    }
-    return *this;
-  }
-  device_kv_capture(device_kv_capture const&)            = delete;
-  device_kv_capture& operator=(device_kv_capture const&) = delete;
+  device_kv_capture(device_kv_capture&&) noexcept            = default;
+  device_kv_capture& operator=(device_kv_capture&&) noexcept = default;
+  device_kv_capture(device_kv_capture const&)                = delete;
+  device_kv_capture& operator=(device_kv_capture const&)     = delete;
 
   kv_geometry geometry() const noexcept { return rows_.geometry(); }
   std::int64_t num_tokens() const noexcept { return rows_.num_tokens(); }
@@ -174,7 +159,7 @@ class device_kv_capture {
    */
   std::uint32_t* fault_flags() const noexcept
   {
-    return reinterpret_cast<std::uint32_t*>(data_ + 2 * plane_elements());
+    return reinterpret_cast<std::uint32_t*>(buffer_.data() + 2 * plane_elements());
   }
 
   /**
@@ -230,7 +215,7 @@ class device_kv_capture {
     kv_geometry const& g            = rows_.geometry();
     std::int64_t const row_elements = g.elements_per_token_layer();
     detail::capture_write_args<T> const args{
-      data_ + kv * plane_elements() +
+      buffer_.data() + kv * plane_elements() +
         (static_cast<std::int64_t>(layer) * num_tokens() + first_token) * row_elements,
       rows.data_handle(),
       count,
@@ -255,19 +240,12 @@ class device_kv_capture {
                                   std::int64_t count,
                                   char const* who) const
   {
-    return rows_.slice(data_ + kv * plane_elements(), begin, count, who);
-  }
-
-  void swap(device_kv_capture& other) noexcept
-  {
-    std::swap(rows_, other.rows_);
-    std::swap(stream_, other.stream_);
-    std::swap(data_, other.data_);
+    return rows_.slice(buffer_.data() + kv * plane_elements(), begin, count, who);
   }
 
   detail::rows_written rows_;
   cudaStream_t stream_{};
-  float* data_{};  ///< K plane, V plane, then num_tokens() fault flags (uint32)
+  device_buffer<float> buffer_;  ///< K plane, V plane, then num_tokens() fault flags (uint32)
 };
 
 }  // namespace inferscale

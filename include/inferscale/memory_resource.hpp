@@ -152,6 +152,13 @@ inline memory_resource* default_device_resource() noexcept
   return &resource;
 }
 
+/// @brief A process-wide `cuda_async_memory_resource` (stream-ordered device memory).
+inline memory_resource* async_device_resource() noexcept
+{
+  static cuda_async_memory_resource resource;
+  return &resource;
+}
+
 /// @brief The resource used for pinned host memory when none is given: `pinned_memory_resource`.
 inline memory_resource* pinned_host_resource() noexcept
 {

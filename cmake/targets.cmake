@@ -27,12 +27,7 @@ function(inferscale_target_defaults target)
       $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wno-deprecated-declarations -diag-suppress=1444>)
     target_compile_definitions(${target} PRIVATE INFERSCALE_EXTERN_DEVICE_INSTANCES)
     if(NOT ARG_NO_DEVICE_INSTANCES)
-      if(NOT TARGET inferscale_device_instances)
-        add_library(inferscale_device_instances OBJECT
-                    ${PROJECT_SOURCE_DIR}/cmake/device_instances.cu)
-        inferscale_target_defaults(inferscale_device_instances RAFT NO_DEVICE_INSTANCES)
-        set_target_properties(inferscale_device_instances PROPERTIES POSITION_INDEPENDENT_CODE ON)
-      endif()
+      inferscale_instance_objects(DEVICE)
       target_sources(${target} PRIVATE $<TARGET_OBJECTS:inferscale_device_instances>)
     endif()
   else()
@@ -58,9 +53,25 @@ function(inferscale_shared_instances target)
     target_sources(${target} PRIVATE ${sources})
     return()
   endif()
-  list(APPEND sources ${PROJECT_SOURCE_DIR}/cmake/host_instances_table_f16.cpp)
-  if(NOT TARGET inferscale_host_instances)
-    add_library(inferscale_host_instances OBJECT ${sources})
+  inferscale_instance_objects(HOST)
+  target_sources(${target} PRIVATE $<TARGET_OBJECTS:inferscale_host_instances>)
+endfunction()
+
+# inferscale_instance_objects([HOST] [DEVICE])
+#   Defines the build's shared instance objects once: inferscale_host_instances (the host
+#   injection / extraction instances, cmake/host_instances_*.cpp) and, with RAFT,
+#   inferscale_device_instances (cmake/device_instances.cu). An object library compiles with the
+#   flags of the folder that defines it, so the top-level CMakeLists.txt calls this before
+#   add_subdirectory(tests): the tests' folder lowers its own units' optimisation
+#   (tests/CMakeLists.txt), and these objects, shared with the benchmarks, keep the build type's.
+function(inferscale_instance_objects)
+  cmake_parse_arguments(ARG "HOST;DEVICE" "" "" ${ARGN})
+  if(ARG_HOST AND NOT TARGET inferscale_host_instances)
+    add_library(inferscale_host_instances OBJECT
+                ${PROJECT_SOURCE_DIR}/cmake/host_instances_params.cpp
+                ${PROJECT_SOURCE_DIR}/cmake/host_instances_table_f32.cpp
+                ${PROJECT_SOURCE_DIR}/cmake/host_instances_table_bf16.cpp
+                ${PROJECT_SOURCE_DIR}/cmake/host_instances_table_f16.cpp)
     inferscale_target_defaults(inferscale_host_instances)
     target_compile_definitions(inferscale_host_instances PRIVATE INFERSCALE_EXTERN_TEMPLATES)
     # Position-independent and hidden, so that a shared module (the vLLM extension) links them as
@@ -72,5 +83,9 @@ function(inferscale_shared_instances target)
       target_compile_options(inferscale_host_instances PRIVATE -O3)  # as the benchmarks' fallback
     endif()
   endif()
-  target_sources(${target} PRIVATE $<TARGET_OBJECTS:inferscale_host_instances>)
+  if(ARG_DEVICE AND NOT TARGET inferscale_device_instances)
+    add_library(inferscale_device_instances OBJECT ${PROJECT_SOURCE_DIR}/cmake/device_instances.cu)
+    inferscale_target_defaults(inferscale_device_instances RAFT NO_DEVICE_INSTANCES)
+    set_target_properties(inferscale_device_instances PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  endif()
 endfunction()

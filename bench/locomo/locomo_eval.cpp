@@ -7,7 +7,7 @@
 //   locomo_eval --fast             conv-26's first 3 sessions, 6 questions, w in {0, 20} (the
 //                                  main job's --full; its default runs --fast --windows ''
 //                                  --no-whole); the options below override these (CTest
-//                                  locomo.fast runs --fast --questions 3 --windows 0,5)
+//                                  locomo.fast: --fast --questions 3 --sessions 2 --windows 0,2)
 //   locomo_eval --full [options]   the figures for bench/results/
 //     --conversations conv-26,conv-30 | all   (default conv-26)
 //     --sessions N       only the first N sessions of each conversation (default: all)

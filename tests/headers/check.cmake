@@ -1,6 +1,6 @@
 # cmake -DCMAKE_COMMAND_TO_USE=<cmake> -DSOURCE_DIR=<project> -DBUILD_DIR=<dir> -DINCLUDE_DIR=<include>
 #       -DGENERATOR=<gen> -DCXX_COMPILER=<g++> -DCUDA_COMPILER=<nvcc> -DCUDA_ARCHITECTURES=<archs>
-#       -P check.cmake
+#       [-DJOBS=<n>] -P check.cmake
 # Configures (which globs the headers and writes one TU per header) and builds the nested project.
 foreach(var CMAKE_COMMAND_TO_USE SOURCE_DIR BUILD_DIR INCLUDE_DIR GENERATOR CXX_COMPILER
             CUDA_COMPILER CUDA_ARCHITECTURES)
@@ -29,8 +29,11 @@ if(NOT rc EQUAL 0)
   message(FATAL_ERROR "configuring the header check failed (${rc})")
 endif()
 
-cmake_host_system_information(RESULT cores QUERY NUMBER_OF_LOGICAL_CORES)
-execute_process(COMMAND "${CMAKE_COMMAND_TO_USE}" --build "${BUILD_DIR}" --parallel ${cores}
+# JOBS: parallel compiles (default: one per logical core).
+if(NOT JOBS)
+  cmake_host_system_information(RESULT JOBS QUERY NUMBER_OF_LOGICAL_CORES)
+endif()
+execute_process(COMMAND "${CMAKE_COMMAND_TO_USE}" --build "${BUILD_DIR}" --parallel ${JOBS}
                 RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "a header does not compile on its own (see the compiler output above)")

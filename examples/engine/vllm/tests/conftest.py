@@ -12,6 +12,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FAILPOINT_USER = "failpoint"  # every load for this user fails in the worker (connector.py)
 
 
+def _limit_cpus() -> None:
+    """INFERSCALE_TEST_CPUS=N: this session and every process it starts (vLLM's workers) use the
+    last N CPUs this process may run on, one OpenMP thread each (CTest sets N = 1 so that another
+    test runs on the other core of a 2-core machine instead of waiting: most of these tests' time
+    is Python on one core, and vLLM's threads are bound to their cores, so sharing one with
+    another process would stall its OpenMP barriers)."""
+    n = os.environ.get("INFERSCALE_TEST_CPUS", "")
+    if not n:
+        return
+    if not n.isdigit() or int(n) < 1:
+        raise ValueError(f"INFERSCALE_TEST_CPUS={n!r}: expected a positive CPU count")
+    cpus = sorted(os.sched_getaffinity(0))[-int(n):]
+    os.sched_setaffinity(0, cpus)
+    os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+
+
+_limit_cpus()  # before anything imports torch (which sizes its thread pool once)
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     d = os.environ.get("INFERSCALE_SMOLLM2_HF", "")

@@ -121,8 +121,10 @@ void dispatch_host_inject(kv_store_ref const& store,
                 constexpr bool C = decltype(c)::value;
                 constexpr bool S = decltype(scaled)::value;
                 constexpr bool H = decltype(halves)::value;
-                constexpr bool R = decltype(round_each)::value;
                 constexpr bool F = decltype(fused)::value;
+                // A fused rotation does not round each operation (the loops test Fused first):
+                // (R, F) = (1, 1) is the (0, 1) loop, one instance instead of two of each.
+                constexpr bool R = decltype(round_each)::value && !F;
 #if INFERSCALE_HOST_X86_SIMD
                 if constexpr (C && H) {
                   host_simd const level = active_host_simd();

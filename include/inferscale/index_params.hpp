@@ -101,8 +101,8 @@ struct index_config {
   knn_build host_knn{knn_build::automatic};
   nn_descent_params nn_descent{};  ///< used when the host builds with NN-descent
   /// Entry points per namespace of the host's fast search (`host_search_mode::fast`): -1 =
-  /// automatic (`default_host_entry_points`), else that many (at least 1). Not stored by
-  /// `save_index`: a loaded index recomputes them with the default.
+  /// automatic (`default_host_entry_points`), else that many (at least 1). Stored by
+  /// `save_index` with each namespace's chosen entry points.
   std::int64_t host_entry_points{-1};
   /// Threads a host graph build (exact kNN, pruning, reverse edges and merge) uses at most, the
   /// calling thread included; 0 = one per hardware thread. Any value is valid, and the graph does
@@ -129,8 +129,8 @@ struct index_config {
    * (bench/results/2026-12-02-host-search-traversal.md). It costs 2 bytes per element more
    * (+50 % of the vectors). Vectors must then also fit float16
    * (as for `vector_dtype` float16; cosine rows always do). The exact search, the reference
-   * mode and the builds use the float32 rows. Not stored by `save_index`: set it on a loaded
-   * index with `graph_index::set_host_traversal_dtype`.
+   * mode and the builds use the float32 rows. Stored by `save_index`: a host index loaded by
+   * `load_index` walks as the saved one did (a device one gets float32).
    */
   dtype host_traversal_dtype{dtype::float32};
 };

@@ -1,8 +1,9 @@
 /**
  * @file index_snapshot.hpp
  * @brief Index snapshots: `save_index` writes a `graph_index` (configuration and every live
- * namespace's rows: fact ids, deleted flags, vectors, graph) to one CRC-checked file; `load_index`
- * checks all of it and rebuilds the index in host or device memory. The free `save_*` / `load_*`
+ * namespace's rows: fact ids, deleted flags, vectors, graph, and the fast host search's entry
+ * points and calibrated list) to one CRC-checked file; `load_index` checks all of it and rebuilds
+ * the index in host or device memory, one that answers every search as the saved one did. The free `save_*` / `load_*`
  * of the library, one per owner: `save_store` / `load_store` (snapshot.hpp), `save_index` /
  * `load_index` (here), `save_tiers` / `load_tiers` (tier.hpp), `save_memory` / `load_memory`
  * (memory.hpp). The file format and its checked parser are in `detail/index/serialize.hpp`.
@@ -22,7 +23,8 @@ namespace inferscale {
 
 /**
  * @brief Saves the index (config, every live namespace's rows: vectors, graph, fact ids, deleted
- * flags) to `path`, in the format described in `detail/index/serialize.hpp`.
+ * flags; its fast-search state: entry points, the rows they were chosen at, the calibrated list)
+ * to `path`, in the format described in `detail/index/serialize.hpp`.
  *
  * The file is written to `path + ".tmp"`, flushed to the storage device, then renamed over
  * `path`, so a crash or a failed save never leaves a half-written file under `path` (an existing
@@ -57,10 +59,17 @@ inline void save_index(graph_index const& index, std::string const& path)
  *
  * @param[in] path a file written by `save_index`
  * @param[in] memory where the loaded index lives (`memory_space::device` uploads the arena)
- * @return the index: same config (memory aside), namespaces in the same order, and per namespace
- * the same rows (fact ids, deleted flags, vectors, graph); the arena is packed
- * @throw logic_error naming the problem ("not an InferScale index file", "format version 7 is not
- * supported (this build reads 1)", "truncated: expected N bytes, file has M", "checksum
+ * @return the index: the same index as far as any search can tell. Same config where it
+ * changes answers (`host_entry_points`, `host_traversal_dtype`: float32 when loaded into device
+ * memory), namespaces in the same order, and per namespace the same rows (fact ids, deleted
+ * flags, vectors, graph) and the same fast-search state (entry points, calibrated list size), so
+ * every search (exact, graph, split, the fast host search and its float16 walk, any knob) gives
+ * the saved index's ids and distances bit for bit, whatever sequence of add / build / erase /
+ * erase_namespace / compact made it. Not kept: the memory space (the argument), the build knobs
+ * and `max_row_overhead` (defaults), `version()`, and the arena's holes and spare rows (the arena
+ * is packed), so later mutations may grow or compact the two at different times
+ * @throw logic_error naming the problem ("not an InferScale index file", "format version 1 is not
+ * supported (this build reads 2)", "truncated: expected N bytes, file has M", "checksum
  * mismatch", an I/O error with the path and the system's reason, ...)
  * @throw cuda_error when a device index cannot be allocated or uploaded
  * @note Peak host memory is about twice the file size (the file, then the arena).

@@ -627,9 +627,11 @@ void save_memory(memory const& mem, std::string const& directory);
  * `config` is the deployment's configuration, as given to the constructor: the store file must
  * match `config.store` (geometry, shard, page size, capacity; the dtype is converted as
  * load_store does, the memory space is `config.store.space`); the index file must have
- * `config.index`'s dim, metric and vector dtype (its graph degrees and exact-search threshold
- * are the file's; the memory space is `config.index.space`); search parameters and fact order
- * are `config`'s.
+ * `config.index`'s dim, metric and vector dtype (its graph degrees, exact-search threshold, host
+ * entry points and host traversal dtype are the file's; the memory space is
+ * `config.index.space`); search parameters and fact order are `config`'s. Every retrieve and
+ * serve of the restarted deployment answers as the saved one did, bit for bit (load_index keeps
+ * the index's search state).
  *
  * @throw logic_error when the manifest is missing, corrupted, of another version, or names
  * files that are missing or do not carry its checksums (a store and an index of different

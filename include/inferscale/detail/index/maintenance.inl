@@ -216,6 +216,12 @@ inline void graph_index::erase_namespace_rows(std::uint64_t ns)
   upload_tenant(index, 0, upload_flags);
   t.ref.live = 0;
   t.ref.size = 0;
+  // no rows, no entry points (the next add rebuilds the graph and chooses them): nothing stale
+  // stays behind for a snapshot to carry
+  t.entries.clear();
+  t.entry_vectors.clear();
+  t.entries_rows = 0;
+  t.default_ef   = default_itopk;
   rebuild_traversal(index);
 }
 

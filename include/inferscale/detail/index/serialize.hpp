@@ -5,7 +5,7 @@
  * assembles a `graph_index` (plain C++17 plus the CUDA runtime headers that `index.hpp` already
  * needs).
  *
- * File format, version 1. Every integer and every vector element is little-endian whatever the
+ * File format, version 2. Every integer and every vector element is little-endian whatever the
  * host; there is no alignment padding between fields. `E` is the element size of the vector dtype
  * (4 or 2), `W = row_elements * E` the bytes of one padded vector row, `D` the graph degree.
  *
@@ -13,15 +13,16 @@
  * |-------:|------:|---------------------------------------------------------------------------|
  * |      0 |     8 | magic `89 49 53 49 44 58 0D 0A` ("\x89ISIDX\r\n"; the high byte catches |
  * |        |       | a 7-bit channel, CR LF a newline translation)                             |
- * |      8 |     4 | format version, uint32 = 1                                                |
+ * |      8 |     4 | format version, uint32 = 2                                                |
  * |     12 |     4 | byte-order mark, uint32 0x01020304 (bytes `04 03 02 01`)                  |
  * |     16 |     8 | dim, int64 (1 .. 2^20)                                                    |
  * |     24 |     1 | metric, uint8: 0 inner_product, 1 cosine, 2 squared_l2                    |
  * |     25 |     1 | vector dtype, uint8: 0 float32, 1 float16                                 |
- * |     26 |     2 | reserved, 0                                                               |
+ * |     26 |     1 | host_traversal_dtype, uint8: 0 float32, 1 float16 (float32 vectors only)  |
+ * |     27 |     1 | reserved, 0                                                               |
  * |     28 |     4 | graph_degree D, uint32                                                    |
  * |     32 |     4 | intermediate_graph_degree, uint32                                         |
- * |     36 |     4 | reserved, 0                                                               |
+ * |     36 |     4 | host_entry_points, int32 (-1 = automatic, else 1 .. 2^20)                 |
  * |     40 |     8 | exact_search_threshold, int64 (-1 = the backend's default)                |
  * |     48 |     8 | row_elements, int64: dim padded to whole 16-byte chunks of the dtype      |
  * |     56 |     8 | tenant count T, uint64                                                    |
@@ -31,20 +32,36 @@
  * |        |     8 |   namespace, uint64                                                       |
  * |        |     4 |   size n, uint32 (rows: live + deleted, below 2^31)                       |
  * |        |     4 |   live, uint32 (rows whose deleted flag is 0)                             |
+ * |        |     4 |   entry rows, uint32: the rows the tenant had when its entry points were  |
+ * |        |       |   chosen (at most n)                                                      |
+ * |        |     4 |   default ef, uint32 (1 .. 65536): the fast search's calibrated list      |
  * |        |  8 n  |   fact ids, uint64 per row                                                |
  * |        |    n  |   deleted flags, uint8 per row (0 live, 1 deleted)                        |
  * |        |  W n  |   vectors, padded rows of the dtype (padding elements are +0)             |
  * |        |  4Dn  |   graph rows, uint32 node ids local to the tenant (0xFFFFFFFF = empty)    |
+ * |        |  4 n  |   entry ranks, uint32 per row: the row's place in the tenant's list of    |
+ * |        |       |   entry points (0 .. E-1, each once), or 0xFFFFFFFF for a row that is not |
+ * |        |       |   one                                                                     |
  * |  end-8 |     8 | checksum: CRC-64 of every byte before it                                  |
  *
- * The file is therefore exactly `88 + 16 T + R (9 + W + 4 D)` bytes. The memory space is not
- * stored: `load_index` chooses it; nor are the build knobs `host_knn`, `nn_descent` and
- * `build_threads`, nor `max_row_overhead` (the loaded config has their defaults; they only matter
- * for later mutations), nor `host_traversal_dtype` (the float16 copy is derived from the rows:
- * `graph_index::set_host_traversal_dtype` makes it on the loaded index). Erased namespaces are not
- * stored, and the loaded arena is packed (each tenant's capacity is its size), so holes and
- * `version()` are not kept; namespaces, row order, fact ids, deleted flags, vectors and graph bytes
- * are, so searches give identical results.
+ * The file is therefore exactly `88 + 24 T + R (13 + W + 4 D)` bytes.
+ *
+ * Everything a search reads is stored, so that every search of the loaded index (exact, graph,
+ * split, the fast host search with or without its float16 walk, any knob) answers as the saved
+ * one did, bit for bit: namespaces, row order, fact ids, deleted flags, vectors, graph bytes, and
+ * the fast host search's state, which depends on the index's history and not only on its rows
+ * (the entry points and the calibrated list are chosen when a namespace is built and again only
+ * when it has grown by a quarter, from the rows it had then; version 1 chose them afresh at load,
+ * so a namespace grown by inserts since its last choice searched differently after a restart).
+ * The entry points' packed rows and the float16 copies are derived from the stored rows. The
+ * settings that change answers are stored too: `host_entry_points` (the automatic exact-search
+ * threshold depends on it) and `host_traversal_dtype` (dropped to float32 when loading into device
+ * memory, which has no fast host search). The memory space is not stored: `load_index` chooses it;
+ * nor are the build knobs `host_knn`, `nn_descent` and `build_threads`, nor `max_row_overhead`
+ * (the loaded config has their defaults; they only matter for later mutations). Erased namespaces
+ * are not stored, and the loaded arena is packed (each tenant's capacity is its size), so holes,
+ * spare rows and `version()` are not kept: later mutations may grow or compact the two indexes
+ * at different times.
  *
  * CRC-64 is CRC-64/XZ: the ECMA-182 polynomial 0x42F0E1EBA9EA3693 bit-reflected
  * (0xC96C5795D7870F42), initial value and final XOR all ones; `crc64("123456789")` is
@@ -63,7 +80,9 @@
  * and checksum, the header fields, the exact file length, the file checksum, then the contents
  * (tenant sizes summing to R, distinct namespaces, deleted flags 0 or 1, live counts, live fact
  * ids distinct and not 2^64-1, graph ids below the tenant size or empty, finite vector elements,
- * zero padding).
+ * zero padding, entry rows at most the size, default ef in range, entry ranks a permutation of
+ * 0 .. E-1 over the rows that have one). Files of version 1 are refused (naming both versions):
+ * they lack the fast search's state, so they could not be loaded as the same index.
  */
 #pragma once
 
@@ -101,11 +120,14 @@ using serial::put_le;
 
 namespace format {
 inline constexpr unsigned char magic[8]     = {0x89, 'I', 'S', 'I', 'D', 'X', 0x0D, 0x0A};
-inline constexpr std::uint32_t version      = 1;
+inline constexpr std::uint32_t version      = 2;
 inline constexpr std::uint32_t byte_order   = 0x01020304u;
 inline constexpr std::size_t header_fields  = 72;  ///< bytes covered by the header checksum
 inline constexpr std::size_t header_bytes   = 80;  ///< fields + header checksum
-inline constexpr std::size_t tenant_bytes   = 16;  ///< namespace, size, live
+inline constexpr std::size_t tenant_bytes   = 24;  ///< namespace, size, live, entry rows, ef
+inline constexpr std::size_t row_extra_bytes = 13; ///< per row beside W + 4 D: id, flag, rank
+inline constexpr std::uint32_t no_rank      = 0xFFFFFFFFu;  ///< a row that is not an entry point
+inline constexpr std::uint32_t max_default_ef = 65536;
 inline constexpr std::size_t checksum_bytes = 8;
 inline constexpr std::size_t minimum_bytes  = header_bytes + checksum_bytes;
 inline constexpr std::uint8_t dtype_float32 = 0;
@@ -134,6 +156,11 @@ struct staged_index {
   huge_page_vector<std::uint32_t> graph;
   std::vector<std::uint64_t> ids;
   std::vector<std::uint8_t> deleted;
+  /// Per tenant: the fast host search's entry points (local ids, in order), the rows the tenant
+  /// had when they were chosen, and its calibrated list size.
+  std::vector<std::vector<std::uint32_t>> entries;
+  std::vector<std::uint32_t> entries_rows;
+  std::vector<std::uint32_t> default_ef;
 };
 
 /// @brief Checks everything the file format promises and returns the contents; throws
@@ -183,9 +210,10 @@ inline staged_index parse_index_file(std::vector<unsigned char> const& file,
   std::int64_t const row_elements  = get_le<std::int64_t>(h + 48);
   std::uint64_t const tenant_count = get_le<std::uint64_t>(h + 56);
   std::uint64_t const total_rows   = get_le<std::uint64_t>(h + 64);
+  std::uint8_t const traversal     = h[26];
+  std::int32_t const entry_points  = get_le<std::int32_t>(h + 36);
 
-  INFERSCALE_EXPECTS(get_le<std::uint16_t>(h + 26) == 0 && get_le<std::uint32_t>(h + 36) == 0,
-                     where + "header: reserved fields are not zero");
+  INFERSCALE_EXPECTS(h[27] == 0, where + "header: reserved fields are not zero");
   INFERSCALE_EXPECTS(c.dim >= 1 && c.dim <= (std::int64_t{1} << 20),
                      where + "header: dim " + std::to_string(c.dim) + " outside [1, 2^20]");
   INFERSCALE_EXPECTS(metric <= 2, where + "header: unknown metric code " + std::to_string(metric));
@@ -195,6 +223,15 @@ inline staged_index parse_index_file(std::vector<unsigned char> const& file,
   INFERSCALE_EXPECTS(vector_type == format::dtype_float32 || vector_type == format::dtype_float16,
                      where + "header: unknown vector dtype code " + std::to_string(vector_type));
   c.vector_dtype = vector_type == format::dtype_float32 ? dtype::float32 : dtype::float16;
+  INFERSCALE_EXPECTS(traversal == format::dtype_float32 ||
+                       (traversal == format::dtype_float16 && vector_type == format::dtype_float32),
+                     where + "header: host traversal dtype code " + std::to_string(traversal) +
+                       " is neither 0 (float32) nor 1 (float16, over float32 vectors only)");
+  c.host_traversal_dtype = traversal == format::dtype_float32 ? dtype::float32 : dtype::float16;
+  INFERSCALE_EXPECTS(entry_points == -1 || (entry_points >= 1 && entry_points <= (1 << 20)),
+                     where + "header: host_entry_points " + std::to_string(entry_points) +
+                       " is neither -1 (automatic) nor in [1, 2^20]");
+  c.host_entry_points = entry_points;
   INFERSCALE_EXPECTS(c.graph_degree >= 1 && c.graph_degree <= c.intermediate_graph_degree &&
                        c.intermediate_graph_degree <= 1024,
                      where + "header: degrees graph " + std::to_string(c.graph_degree) +
@@ -209,7 +246,8 @@ inline staged_index parse_index_file(std::vector<unsigned char> const& file,
                        " is not dim " + std::to_string(c.dim) + " padded to 16 bytes");
 
   // the exact length the header implies
-  std::uint64_t const row_bytes = 8 + 1 + static_cast<std::uint64_t>(row_elements) * element_size +
+  std::uint64_t const row_bytes = format::row_extra_bytes +
+                                  static_cast<std::uint64_t>(row_elements) * element_size +
                                   std::uint64_t{4} * c.graph_degree;
   std::uint64_t tenant_table = 0;
   std::uint64_t expected     = 0;
@@ -244,6 +282,10 @@ inline staged_index parse_index_file(std::vector<unsigned char> const& file,
   s.deleted.resize(rows);
   s.namespaces.reserve(static_cast<std::size_t>(tenant_count));
   s.tenants.reserve(static_cast<std::size_t>(tenant_count));
+  s.entries.reserve(static_cast<std::size_t>(tenant_count));
+  s.entries_rows.reserve(static_cast<std::size_t>(tenant_count));
+  s.default_ef.reserve(static_cast<std::size_t>(tenant_count));
+  std::vector<std::uint32_t> ranks;
 
   std::unordered_set<std::uint64_t> seen_namespaces;
   std::unordered_set<std::uint64_t> live_ids;
@@ -254,6 +296,8 @@ inline staged_index parse_index_file(std::vector<unsigned char> const& file,
     std::uint64_t const ns        = get_le<std::uint64_t>(file.data() + at);
     std::uint32_t const size      = get_le<std::uint32_t>(file.data() + at + 8);
     std::uint32_t const live      = get_le<std::uint32_t>(file.data() + at + 12);
+    std::uint32_t const chosen_at = get_le<std::uint32_t>(file.data() + at + 16);
+    std::uint32_t const ef        = get_le<std::uint32_t>(file.data() + at + 20);
     at += format::tenant_bytes;
     INFERSCALE_EXPECTS(seen_namespaces.insert(ns).second,
                        where + "namespace " + std::to_string(ns) + " appears twice");
@@ -280,6 +324,9 @@ inline staged_index parse_index_file(std::vector<unsigned char> const& file,
     at += n * vector_row_bytes;
     copy_little_endian(s.graph.data() + first * degree, file.data() + at, n * degree, 4);
     at += 4 * n * degree;
+    ranks.resize(n);
+    copy_little_endian(ranks.data(), file.data() + at, n, 4);
+    at += 4 * n;
 
     std::uint32_t counted_live = 0;
     for (std::size_t v = 0; v < n; ++v) {
@@ -308,6 +355,27 @@ inline staged_index parse_index_file(std::vector<unsigned char> const& file,
                            " is neither below the tenant size " + std::to_string(size) +
                            " nor empty (0xFFFFFFFF)");
     }
+    // the fast search's state: entry rows, list size, and entry ranks forming 0 .. E-1
+    INFERSCALE_EXPECTS(chosen_at <= size,
+                       where + tenant_name + " (namespace " + std::to_string(ns) +
+                         "): entry points chosen at " + std::to_string(chosen_at) +
+                         " rows, more than its " + std::to_string(size));
+    INFERSCALE_EXPECTS(ef >= 1 && ef <= format::max_default_ef,
+                       where + tenant_name + " (namespace " + std::to_string(ns) +
+                         "): default ef " + std::to_string(ef) + " outside [1, " +
+                         std::to_string(format::max_default_ef) + "]");
+    std::size_t const entry_count = static_cast<std::size_t>(
+      std::count_if(ranks.begin(), ranks.end(), [](std::uint32_t r) { return r != format::no_rank; }));
+    std::vector<std::uint32_t> entries(entry_count, format::no_rank);
+    for (std::size_t v = 0; v < n; ++v) {
+      std::uint32_t const r = ranks[v];
+      if (r == format::no_rank) { continue; }
+      INFERSCALE_EXPECTS(r < entry_count && entries[r] == format::no_rank,
+                         where + tenant_name + " row " + std::to_string(v) + ": entry rank " +
+                           std::to_string(r) + " is repeated or not below the " +
+                           std::to_string(entry_count) + " entry points");
+      entries[r] = static_cast<std::uint32_t>(v);
+    }
     // vectors: finite elements (exponent not all ones) and +0 padding, checked on the bits
     unsigned char const* vectors = s.vectors.data() + first * vector_row_bytes;
     for (std::size_t v = 0; v < n; ++v) {
@@ -334,6 +402,9 @@ inline staged_index parse_index_file(std::vector<unsigned char> const& file,
     }
     s.namespaces.push_back(ns);
     s.tenants.push_back(tenant_ref{static_cast<std::int64_t>(row_begin), size, live});
+    s.entries.push_back(std::move(entries));
+    s.entries_rows.push_back(chosen_at);
+    s.default_ef.push_back(ef);
     row_begin += size;
   }
   INFERSCALE_EXPECTS(row_begin == total_rows,
@@ -365,8 +436,11 @@ struct index_access {
     put_le(header + 16, c.dim);
     header[24] = format::metric_code(c.metric);
     header[25] = c.vector_dtype == dtype::float32 ? format::dtype_float32 : format::dtype_float16;
+    header[26] =
+      c.host_traversal_dtype == dtype::float16 ? format::dtype_float16 : format::dtype_float32;
     put_le(header + 28, c.graph_degree);
     put_le(header + 32, c.intermediate_graph_degree);
+    put_le(header + 36, static_cast<std::int32_t>(c.host_entry_points));  // -1 or 1 .. 2^20
     put_le(header + 40, c.exact_search_threshold);
     put_le(header + 48, index.row_elements_);
     put_le(header + 56, static_cast<std::uint64_t>(live.size()));
@@ -382,6 +456,8 @@ struct index_access {
       put_le(record, t->ns);
       put_le(record + 8, t->ref.size);
       put_le(record + 12, t->ref.live);
+      put_le(record + 16, t->entries_rows);
+      put_le(record + 20, t->default_ef);
       out.write(record, sizeof record);
       std::size_t const first = static_cast<std::size_t>(t->ref.row_begin);
       std::size_t const n     = t->ref.size;
@@ -391,6 +467,15 @@ struct index_access {
                          n * static_cast<std::size_t>(index.row_elements_),
                          index.element_size_);
       out.write_elements(index.graph_.data() + first * degree, n * degree, 4);
+      std::vector<std::uint32_t> ranks(n, format::no_rank);
+      for (std::size_t r = 0; r < t->entries.size(); ++r) {
+        std::uint32_t const v = t->entries[r];
+        INFERSCALE_EXPECTS(v < n && ranks[v] == format::no_rank,
+                           "save_index: namespace " + std::to_string(t->ns) + ": entry point " +
+                             std::to_string(v) + " is repeated or beyond its rows (a bug)");
+        ranks[v] = static_cast<std::uint32_t>(r);
+      }
+      out.write_elements(ranks.data(), n, 4);
     }
   }
 
@@ -399,6 +484,9 @@ struct index_access {
   {
     index_config config = s.config;
     config.space        = space;
+    if (space == memory_space::device) {  // no fast host search there: no float16 walk
+      config.host_traversal_dtype = dtype::float32;
+    }
     graph_index index{config};
     std::int64_t const rows = static_cast<std::int64_t>(s.ids.size());
     index.vectors_          = std::move(s.vectors);
@@ -425,8 +513,22 @@ struct index_access {
           index.id_to_row_[index.ids_[static_cast<std::size_t>(row)]] = {i, v};
         }
       }
-      index.tenants_.push_back(t);
-      index.refresh_entry_points(i);  // not stored: chosen afresh from the rows
+      // the fast search's state as it was saved (not chosen afresh: it depends on history);
+      // the packed entry rows and the float16 copies are the stored rows'
+      t.entries      = std::move(s.entries[i]);
+      t.entries_rows = s.entries_rows[i];
+      t.default_ef   = s.default_ef[i];
+      std::size_t const row_bytes =
+        static_cast<std::size_t>(index.row_elements_) * index.element_size_;
+      t.entry_vectors.resize(t.entries.size() * row_bytes);
+      unsigned char const* base =
+        index.vectors_.data() + static_cast<std::size_t>(t.ref.row_begin) * row_bytes;
+      for (std::size_t e = 0; e < t.entries.size(); ++e) {
+        std::memcpy(t.entry_vectors.data() + e * row_bytes, base + t.entries[e] * row_bytes,
+                    row_bytes);
+      }
+      index.tenants_.push_back(std::move(t));
+      index.rebuild_traversal(i);  // float16 copies, under float16 traversal
     }
     index.reallocate_device();  // no-op for a host index
     return index;

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -290,4 +291,112 @@ TEST_CASE("memory snapshot: the lifecycle state survives a restart", "[snapshot]
   CHECK_FALSE(load_error(dir.path(), config).empty());
   write_bytes(lifecycle, bytes);
   CHECK(load_error(dir.path(), config).empty());
+}
+
+TEST_CASE("memory snapshot: random add / update / erase sequences serve the same after a restart",
+          "[snapshot][memory][property]")
+{
+  constexpr int sequences = 200;
+  std::mt19937_64 rng(0xFACADE);
+  scratch_dir dir;
+  branching_model model;
+  word_embedder embedder;
+  std::uint64_t const pool[] = {7, 8, 9};
+  std::uint64_t operations = 0, compared = 0, nonempty = 0, large = 0;
+  auto words = [&](std::size_t n) {
+    std::string text;
+    for (std::size_t i = 0; i < n; ++i) {
+      text += (i == 0 ? "" : " ") + std::string(rng() % 2 == 0 ? "topic" : "alpha") +
+              std::to_string(rng() % 40);
+    }
+    return text;
+  };
+  for (int sequence = 0; sequence < sequences; ++sequence) {
+    CAPTURE(sequence);
+    memory_config config = make_config();
+    config.store.num_pages = 2048;
+    // graph searches even for small namespaces in half the sequences; sometimes the float16 walk
+    config.index.exact_search_threshold = sequence % 2 == 0 ? 0 : -1;
+    if (sequence % 3 == 0) { config.index.host_traversal_dtype = dtype::float16; }
+    memory m{config};
+    std::uint64_t base = 1000;
+    int const steps    = 3 + static_cast<int>(rng() % 5);
+    for (int step = 0; step < steps; ++step, ++operations) {
+      std::uint64_t const ns = pool[rng() % 3];
+      unsigned const what    = static_cast<unsigned>(rng() % 8);
+      std::vector<std::uint64_t> const live =
+        m.index().has_namespace(ns) ? m.index().ids(ns) : std::vector<std::uint64_t>{};
+      if (step == 0 || what < 3 || live.empty()) {
+        // every fifth sequence starts with a namespace past the index's rebuild limit (256), so
+        // that later conversations are inserted into its graph
+        int const turns = step == 0 && sequence % 5 == 0 ? 270 : 2 + static_cast<int>(rng() % 10);
+        large += turns > 256 ? 1 : 0;
+        user_data const u = make_user(ns, base, turns, 1 + static_cast<int>(rng() % 4));
+        base += 1000;
+        encoding_options o;
+        o.window = 1 + static_cast<int>(rng() % 3);
+        m.add_conversation(model, embedder, ns, u.c, u.facts, u.texts, o);
+      } else if (what < 5) {  // update in place: new tokens, new text
+        fact_update u;
+        u.fact_id = live[rng() % live.size()];
+        u.new_id  = u.fact_id;
+        for (std::size_t t = 0, n = 1 + rng() % 5; t < n; ++t) {
+          u.token_ids.push_back(7000 + static_cast<std::int32_t>(rng() % 500));
+        }
+        u.text = words(1 + rng() % 3);
+        m.update_fact(model, embedder, u);
+      } else if (what < 7) {  // erase a few facts, sometimes all of the namespace
+        std::vector<std::uint64_t> ids = live;
+        std::shuffle(ids.begin(), ids.end(), rng);
+        ids.resize(rng() % 4 == 0 ? ids.size() : std::min<std::size_t>(ids.size(), 1 + rng() % 3));
+        for (std::uint64_t id : ids) {
+          m.erase_fact(id);
+        }
+      } else {
+        (void)m.erase_namespace(ns);
+      }
+    }
+    save_memory(m, dir.path());
+    memory restarted = load_memory(dir.path(), config);
+    REQUIRE(restarted.index().total_size() == m.index().total_size());
+    for (std::uint64_t ns : pool) {
+      CAPTURE(ns);
+      REQUIRE(restarted.index().has_namespace(ns) == m.index().has_namespace(ns));
+      for (int query = 0; query < 4; ++query) {
+        std::string const text = words(1 + rng() % 3);
+        std::uint32_t const k  = 1 + static_cast<std::uint32_t>(rng() % 6);
+        CAPTURE(text, k);
+        if (!m.index().has_namespace(ns)) {  // both refuse an unknown namespace
+          REQUIRE_THROWS_AS(m.retrieve(embedder, ns, text, k), logic_error);
+          REQUIRE_THROWS_AS(restarted.retrieve(embedder, ns, text, k), logic_error);
+          continue;
+        }
+        std::vector<std::uint64_t> const a = m.retrieve(embedder, ns, text, k);
+        REQUIRE(restarted.retrieve(embedder, ns, text, k) == a);
+        host_cache c1{3, 1}, c2{3, 1};
+        if (a.empty()) {  // a namespace without live facts (and no prefix): both refuse to serve
+          REQUIRE_THROWS_AS(m.serve(embedder, ns, text, k, 5, c1, model.rotation()), logic_error);
+          REQUIRE_THROWS_AS(restarted.serve(embedder, ns, text, k, 5, c2, model.rotation()),
+                            logic_error);
+          ++compared;
+          continue;
+        }
+        memory_request const r1 = m.serve(embedder, ns, text, k, 5, c1, model.rotation());
+        memory_request const r2 = restarted.serve(embedder, ns, text, k, 5, c2, model.rotation());
+        REQUIRE(r1.fact_ids == a);
+        REQUIRE(r2.fact_ids == r1.fact_ids);
+        REQUIRE(r2.plan.token_ids == r1.plan.token_ids);
+        REQUIRE(c2.committed == c1.committed);
+        REQUIRE(c2.data == c1.data);  // the same K/V bytes injected
+        ++compared;
+        nonempty += a.empty() ? 0 : 1;
+      }
+    }
+  }
+  WARN("memory save/load property: " << sequences << " random add / update / erase sequences ("
+                                      << operations << " operations, " << large
+                                      << " namespaces past the rebuild limit), " << compared
+                                      << " retrieve + serve requests identical after the restart ("
+                                      << nonempty << " with facts)");
+  REQUIRE(nonempty * 2 > compared);
 }

@@ -449,7 +449,8 @@ TEST_CASE("fast graph search: recall on a clustered mixture, live results only, 
     REQUIRE(!std::binary_search(gone.begin(), gone.end(), after.ids[j]));
   }
 
-  // a saved and loaded index chooses the same entry points: identical answers, bit for bit
+  // a saved and loaded index has the same entry points (the file carries them): identical
+  // answers, bit for bit
   std::string const path = "index_fast_roundtrip.isidx";
   save_index(index, path);
   graph_index const loaded = load_index(path);
@@ -565,17 +566,20 @@ TEST_CASE("float16 traversal: the copy follows the rows through every mutation a
   REQUIRE(index.host_traversal_rows(2) == nullptr);
   require_copy_current(index, 1);
 
-  // a loaded index has the default (float32); the setter makes the copy, and takes it away
+  // a loaded index walks as the saved one did (the file carries the setting), with its copy
+  // made from the loaded rows; the setter takes the copy away and makes it again
   std::string const path = "index_traversal_roundtrip.isidx";
   save_index(index, path);
   graph_index loaded = load_index(path);
   std::remove(path.c_str());
-  REQUIRE(loaded.config().host_traversal_dtype == dtype::float32);
+  REQUIRE(loaded.config().host_traversal_dtype == dtype::float16);
+  require_copy_current(loaded, 1);
+  std::uint64_t const version = loaded.version();
+  loaded.set_host_traversal_dtype(dtype::float32);
   REQUIRE(loaded.host_traversal_rows(1) == nullptr);
   REQUIRE(loaded.host_traversal_bytes() == 0);
-  std::uint64_t const version = loaded.version();
   loaded.set_host_traversal_dtype(dtype::float16);
-  REQUIRE(loaded.version() == version + 1);
+  REQUIRE(loaded.version() == version + 2);
   require_copy_current(loaded, 1);
   // the copy's bytes: every row of the namespace in float16, and its packed entry rows
   std::uint64_t const row_bytes = static_cast<std::uint64_t>(loaded.row_elements()) * 2;

@@ -1006,7 +1006,7 @@ TEST_CASE("persist: random operation sequences round-trip to bit-identical answe
     // every eighth sequence grows a namespace past the rebuild limit (256 rows), so that later
     // adds insert into its graph instead of rebuilding it
     bool const large  = sequence % 8 == 0;
-    int const steps   = 3 + static_cast<int>(rng() % 6);
+    int const steps   = 3 + static_cast<int>(rng() % 4);
     std::vector<std::uint64_t> gone_namespaces;
     for (int step = 0; step < steps; ++step, ++operations) {
       std::uint64_t const ns = pool[rng() % 5];
@@ -1019,7 +1019,7 @@ TEST_CASE("persist: random operation sequences round-trip to bit-identical answe
         original.add(ns, make_matrix_view<float const>(v.data(), n, d),
                      cuda::std::span<std::uint64_t const>(ids.data(), ids.size()));
       } else if (what < 4) {  // add
-        std::int64_t const n = 1 + static_cast<std::int64_t>(rng() % (large ? 12 : 30));
+        std::int64_t const n = 1 + static_cast<std::int64_t>(rng() % (large ? 12 : 24));
         std::vector<float> const v = random_rows(rng, n, d);
         std::vector<std::uint64_t> ids(static_cast<std::size_t>(n));
         for (auto& id : ids) { id = next_id++; }
@@ -1073,7 +1073,7 @@ TEST_CASE("persist: random operation sequences round-trip to bit-identical answe
     }
 
     // queries in every namespace of the pool: live, emptied, erased and never created ones
-    std::int64_t const per = 3;
+    std::int64_t const per = 2;
     std::int64_t const nq  = per * 5;
     std::uint32_t const k  = 1 + static_cast<std::uint32_t>(rng() % 8);
     std::vector<float> const q = random_rows(rng, nq, d);

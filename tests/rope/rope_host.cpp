@@ -264,7 +264,9 @@ TEST_CASE("both pairings equal a rotation written with complex numbers", "[rope]
   spec.pairing      = pairing;
   spec.rotary_dim   = rotary;
   spec.angle_mode   = rope_angle_mode::exact;
-  auto const params = make_rope_params(spec);
+  auto params       = make_rope_params(spec);
+  // positions up to 131071 with Qwen's 32768: the rotation's arithmetic, not the model's range
+  params.allow_beyond_max_position = true;
   std::vector<double> inv_f32;  // the fp32 frequencies the rotation uses
   for (int i = 0; i < rotary / 2; ++i) {
     inv_f32.push_back(params.inv_freq[i]);
@@ -294,8 +296,10 @@ TEST_CASE("relocation: <R_a q, R_b k> = <q, R_(b-a) k>", "[rope]")
 
   auto const run = [&](rope_spec spec, bool exact_angles) {
     spec.angle_mode   = exact_angles ? rope_angle_mode::exact : rope_angle_mode::fp32;
-    auto const params = make_rope_params(spec, 131072);
-    double const a2   = double(params.attention_factor) * params.attention_factor;
+    auto params = make_rope_params(spec, 131072);
+    // positions 0 .. 131072 whatever the preset's range: the identity, not the model's range
+    params.allow_beyond_max_position = true;
+    double const a2 = double(params.attention_factor) * params.attention_factor;
     for (int trial = 0; trial < 200; ++trial) {
       std::int64_t const pa = pos(rng), pb = pos(rng);
       auto const q = random_vector(rng, 128);

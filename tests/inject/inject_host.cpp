@@ -1260,7 +1260,7 @@ TEST_CASE("rope_params' max_position bounds injection: refused beyond it unless 
     REQUIRE_NOTHROW(inject_host(store, step, desc, ranged));
     std::vector<placed_token> writes;
     place(writes, f3, 0, m, 100 - m, slots);
-    check_cache(c, before, writes, rope, dtype::bfloat16);
+    check_cache(c, before, writes, rope, dtype::float32);
   }
   SECTION("the next is refused naming the position and the range; store and cache unchanged")
   {
@@ -1283,7 +1283,7 @@ TEST_CASE("rope_params' max_position bounds injection: refused beyond it unless 
     REQUIRE_NOTHROW(inject_host(store, far, desc, opted));
     std::vector<placed_token> writes;
     place(writes, f3, 0, m, 1000000000, slots);
-    check_cache(c, before, writes, rope, dtype::bfloat16);
+    check_cache(c, before, writes, rope, dtype::float32);
   }
   SECTION("through a cache adapter: rope_check_positions refuses before it allocates; run after")
   {

@@ -114,11 +114,11 @@ inline composition compose(kv_store const& store,
                          " appears twice (a fact, or a fact equal to the instruction prefix)");
     total += store.at(id).length();
   }
-  INFERSCALE_EXPECTS(total == 0 || total - 1 < rope_position_limit - options.first_position,
-                     "compose: the last position p0 + m - 1 = " +
-                       std::to_string(options.first_position) + " + " +
-                       std::to_string(total - 1) + " reaches rope_position_limit (2^53 = " +
-                       std::to_string(rope_position_limit) + ")");
+  INFERSCALE_EXPECTS(
+    total == 0 || total - 1 < rope_position_limit - options.first_position,
+    "compose: the last position p0 + m - 1 = " + std::to_string(options.first_position) + " + " +
+      std::to_string(total - 1) +
+      " reaches rope_position_limit (2^53 = " + std::to_string(rope_position_limit) + ")");
 
   composition plan;
   plan.first_position = options.first_position;

@@ -436,10 +436,10 @@ TEST_CASE("inject_memory_host: allocate, inject rotated keys into the adapter's 
 
   // Beyond the model's range (positions 40 .. 42, max_position 42): refused naming the position
   // and the range before the adapter allocates; the opt-in accepts it.
-  cache.short_by          = 0;
-  cache.allocated_at      = -1;
-  rope_params ranged      = model.rotation();
-  ranged.max_position     = 42;
+  cache.short_by      = 0;
+  cache.allocated_at  = -1;
+  rope_params ranged  = model.rotation();
+  ranged.max_position = 42;
   CHECK_THROWS_WITH(inject_memory_host(store, plan, cache, ranged),
                     Catch::Matchers::Contains("inject_memory_host: position 40 + 2 = 42 is beyond "
                                               "the model's range (max_position 42"));

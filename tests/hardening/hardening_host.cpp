@@ -550,12 +550,12 @@ void compose_cases()
     o.first_position = std::numeric_limits<std::int64_t>::max() - 2;
     (void)compose(s, {1}, o);
   });
-  compose_case("last position at rope_position_limit", "reaches rope_position_limit",
-               [](kv_store const& s) {
-                 compose_options o{};
-                 o.first_position = rope_position_limit - 1;
-                 (void)compose(s, {1}, o);
-               });
+  compose_case(
+    "last position at rope_position_limit", "reaches rope_position_limit", [](kv_store const& s) {
+      compose_options o{};
+      o.first_position = rope_position_limit - 1;
+      (void)compose(s, {1}, o);
+    });
 }
 
 /// A batch refusal: `f(store, batch)` refused with `words`; store and batch unchanged.

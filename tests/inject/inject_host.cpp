@@ -1234,23 +1234,24 @@ TEST_CASE("an injection step planned three ways runs on the host as the referenc
   }
 }
 
-TEST_CASE("rope_params' max_position bounds injection: refused beyond it unless opted in, "
-          "rope_position_limit always; nothing is written or allocated",
-          "[inject][positions]")
+TEST_CASE(
+  "rope_params' max_position bounds injection: refused beyond it unless opted in, "
+  "rope_position_limit always; nothing is written or allocated",
+  "[inject][positions]")
 {
   int const L = 2, H = 2, D = 16, m = 4;
   ref_rope const rope{D, D, 10000.0, false, true};
-  rope_params ranged        = rope.params();
-  ranged.max_position       = 100;  // the model's range: positions 0 .. 99
-  rope_params opted         = ranged;
+  rope_params ranged              = rope.params();
+  ranged.max_position             = 100;  // the model's range: positions 0 .. 99
+  rope_params opted               = ranged;
   opted.allow_beyond_max_position = true;
-  kv_store store = make_host_store(L, H, D, dtype::float32, 4, 8);
+  kv_store store                  = make_host_store(L, H, D, dtype::float32, 4, 8);
   fact_data const f3(3, L, m, H, D, 13);
   f3.insert_into(store);
   engine_cache<bfloat16_t> c(engine_layout::vllm_flash_attn_nhd, L, 8, 4, H, D);
   c.fill_random(5);
-  auto const before              = storage_bytes(c);
-  paged_kv_cache const desc      = describe_cache(c);
+  auto const before         = storage_bytes(c);
+  paged_kv_cache const desc = describe_cache(c);
   std::vector<std::int64_t> const slots{4, 5, 6, 7};
 
   SECTION("the last allowed position is accepted and written where the rotation says")
@@ -1301,9 +1302,10 @@ TEST_CASE("rope_params' max_position bounds injection: refused beyond it unless 
   }
   SECTION("near INT64_MAX: refused by add whatever the opt-in, before the adapter allocates")
   {
-    composition plan    = compose(store, {3}, at(0));
+    composition plan = compose(store, {3}, at(0));
     recording_adapter adapter{desc, slots};
-    for (std::int64_t p0 : {std::int64_t{1} << 53, (std::int64_t{1} << 53) - m + 1,
+    for (std::int64_t p0 : {std::int64_t{1} << 53,
+                            (std::int64_t{1} << 53) - m + 1,
                             std::numeric_limits<std::int64_t>::max() - 1}) {
       CAPTURE(p0);
       plan.first_position = p0;  // a hand-built plan: compose refuses these itself

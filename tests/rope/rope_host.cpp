@@ -296,10 +296,10 @@ TEST_CASE("relocation: <R_a q, R_b k> = <q, R_(b-a) k>", "[rope]")
 
   auto const run = [&](rope_spec spec, bool exact_angles) {
     spec.angle_mode   = exact_angles ? rope_angle_mode::exact : rope_angle_mode::fp32;
-    auto params = make_rope_params(spec, 131072);
+    auto params       = make_rope_params(spec, 131072);
     // positions 0 .. 131072 whatever the preset's range: the identity, not the model's range
     params.allow_beyond_max_position = true;
-    double const a2 = double(params.attention_factor) * params.attention_factor;
+    double const a2                  = double(params.attention_factor) * params.attention_factor;
     for (int trial = 0; trial < 200; ++trial) {
       std::int64_t const pa = pos(rng), pb = pos(rng);
       auto const q = random_vector(rng, 128);
@@ -672,9 +672,9 @@ TEST_CASE("rope_params carries the model's position range; beyond it is refused 
     REQUIRE(make_rope_params(rope_presets::qwen2_5_7b()).max_position == 32768);
     REQUIRE_FALSE(make_rope_params(rope_presets::qwen2_5_7b()).allow_beyond_max_position);
     REQUIRE(make_rope_params(rope_presets::qwen2_5_7b()).position_bound() == 32768);
-    rope_spec dyn    = rope_presets::smollm2_135m();  // Lmax 8192
-    dyn.scaling      = rope_scaling::dynamic_ntk;
-    dyn.factor       = 2.0;
+    rope_spec dyn = rope_presets::smollm2_135m();  // Lmax 8192
+    dyn.scaling   = rope_scaling::dynamic_ntk;
+    dyn.factor    = 2.0;
     REQUIRE(make_rope_params(dyn).max_position == 8192);
     REQUIRE(make_rope_params(dyn, 20000).max_position == 20000);
     rope_params hand{};  // hand-built: range unknown, only the hard limit
@@ -682,13 +682,13 @@ TEST_CASE("rope_params carries the model's position range; beyond it is refused 
     REQUIRE(hand.position_bound() == two_53);
   }
 
-  rope_spec spec            = rope_presets::smollm2_135m();  // head_dim 64, Lmax 8192
-  spec.max_position         = 100;                           // a small range to test its edge
-  rope_params const params  = make_rope_params(spec);
-  rope_params opted         = params;
+  rope_spec spec                  = rope_presets::smollm2_135m();  // head_dim 64, Lmax 8192
+  spec.max_position               = 100;                           // a small range to test its edge
+  rope_params const params        = make_rope_params(spec);
+  rope_params opted               = params;
   opted.allow_beyond_max_position = true;
-  rope_params unknown       = params;
-  unknown.max_position      = 0;
+  rope_params unknown             = params;
+  unknown.max_position            = 0;
   REQUIRE(params.position_bound() == 100);
   REQUIRE(opted.position_bound() == two_53);
 
@@ -751,9 +751,9 @@ TEST_CASE("rope_params carries the model's position range; beyond it is refused 
     for (std::int64_t p : {two_53, int64_max - 1, int64_max}) {
       std::vector<std::int64_t> beyond{0, p};
       for (rope_params const* r : {&opted, &unknown}) {
-        REQUIRE_THROWS_WITH(rope_apply_host(view, beyond.data(), 2, *r, rope_op::forward),
-                            Contains("position " + std::to_string(p)) &&
-                              Contains("rope_position_limit"));
+        REQUIRE_THROWS_WITH(
+          rope_apply_host(view, beyond.data(), 2, *r, rope_op::forward),
+          Contains("position " + std::to_string(p)) && Contains("rope_position_limit"));
         REQUIRE(x == start);
       }
     }

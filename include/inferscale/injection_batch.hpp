@@ -21,6 +21,7 @@
 #include <inferscale/compose.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
+#include <inferscale/rope.hpp>
 #include <inferscale/store.hpp>
 
 #include <cuda/std/span>

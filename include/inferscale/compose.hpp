@@ -6,6 +6,7 @@
 #pragma once
 
 #include <inferscale/error.hpp>
+#include <inferscale/rope.hpp>
 #include <inferscale/store.hpp>
 
 #include <algorithm>
@@ -76,14 +77,19 @@ struct composition {
  * @param options p0, order and the optional instruction prefix
  * @return the plan: prefix (if any), then the facts, each fact's tokens in order
  * @throw logic_error if p0 is negative, a fact (or the prefix) is unknown, a fact appears twice
- *        (or is also the prefix), or the segment would overflow 64-bit positions.
+ *        (or is also the prefix), or the segment's last position p0 + m - 1 is at or beyond
+ *        rope_position_limit (2^53, whatever the model: no overflow, exact angles).
+ * @note The model's range (rope_params::max_position) is checked where the rotation is known:
+ *       injection (injection_batch::run, memory::inject) or rope_check_positions.
  */
 inline composition compose(kv_store const& store,
                            std::vector<std::uint64_t> const& facts,
                            compose_options const& options = {})
 {
-  INFERSCALE_EXPECTS(options.first_position >= 0,
-                     "compose: first position p0 must be non-negative, got " +
+  INFERSCALE_EXPECTS(options.first_position >= 0 && options.first_position < rope_position_limit,
+                     "compose: first position p0 must be non-negative and below "
+                     "rope_position_limit (2^53 = " +
+                       std::to_string(rope_position_limit) + "), got " +
                        std::to_string(options.first_position));
   std::vector<std::uint64_t> order;
   order.reserve(facts.size() + 1);
@@ -109,8 +115,10 @@ inline composition compose(kv_store const& store,
     total += store.at(id).length();
   }
   INFERSCALE_EXPECTS(
-    total == 0 || options.first_position <= std::numeric_limits<std::int64_t>::max() - (total - 1),
-    "compose: the last position p0 + m - 1 overflows 64 bits");
+    total == 0 || total - 1 < rope_position_limit - options.first_position,
+    "compose: the last position p0 + m - 1 = " + std::to_string(options.first_position) + " + " +
+      std::to_string(total - 1) +
+      " reaches rope_position_limit (2^53 = " + std::to_string(rope_position_limit) + ")");
 
   composition plan;
   plan.first_position = options.first_position;

@@ -262,6 +262,7 @@ void inject_memory_async(kv_store const& store,
                      "inject_memory_async: the plan has " +
                        detail::count_of(plan.length(), "token") + ", the workspace holds " +
                        std::to_string(workspace.capacity()));
+  rope_check_positions(rotation, plan.first_position, plan.length(), "inject_memory_async");
   injection_batch step{store};
   step.add(plan, cache_adapter);
   step.run(cache_adapter.cache(), rotation, workspace, stream);

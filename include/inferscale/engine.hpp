@@ -283,8 +283,10 @@ void encode_facts(ModelAdapter& model,
  * requests, add them all to one step.
  *
  * @throw logic_error as injection_batch::add and run (an empty plan, unknown fact, too few slots, a
- *        slot outside the cache, geometry or dtype mismatch); nothing is committed then, and the
- *        engine's sequence is unchanged. Whatever the adapter throws.
+ *        slot outside the cache, geometry or dtype mismatch), or positions beyond the rotation's
+ *        range (rope_check_positions: the model's max_position or a table's rows, checked before
+ *        the adapter allocates); nothing is committed then, and the engine's sequence is
+ *        unchanged. Whatever the adapter throws.
  */
 template <class CacheAdapter, class Rotation>
 void inject_memory_host(kv_store const& store,
@@ -295,6 +297,7 @@ void inject_memory_host(kv_store const& store,
   static_assert(is_cache_adapter_v<CacheAdapter>,
                 "inject_memory_host: CacheAdapter needs allocate(first_position, tokens), "
                 "cache() and commit(tokens) (see engine.hpp)");
+  rope_check_positions(rotation, plan.first_position, plan.length(), "inject_memory_host");
   injection_batch step{store};
   step.add(plan, cache_adapter);
   step.run(cache_adapter.cache(), rotation);

@@ -21,6 +21,7 @@
 #include <inferscale/compose.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
+#include <inferscale/rope.hpp>
 #include <inferscale/store.hpp>
 
 #include <cuda/std/span>
@@ -58,7 +59,8 @@ struct injection_batch_view {
  * skipped (nothing of it is written) and counted here, to be read back after the launch:
  *  - `bad_slot`: slot at or beyond the cache's slots (a negative slot is a deliberate skip, not
  *    counted);
- *  - `bad_position`: position negative or at or beyond the cos/sin table's rows;
+ *  - `bad_position`: position negative or at or beyond the cos/sin table's rows (the rotation's
+ *    range: detail::rope_table_rows);
  *  - `bad_store_token`: store token outside the pool (`[0, num_pages * page_size)`);
  *  - `bad_scale`: (token, layer, head, K or V) rows not written because their fp8 scale is zero,
  *    negative or not finite.
@@ -213,10 +215,11 @@ class injection_batch {
    *
    * @throw logic_error if the store changed since the step was planned, a fact of the plan is not
    *        in the store (or shorter than the plan says), the plan's sources and tokens disagree,
-   *        its first position is negative or its last overflows 64 bits, the mapping is null or
-   *        has fewer than m entries, or a slot repeats within the step; the step is unchanged
-   *        then. (Slots beyond the cache and positions beyond a table are refused at run, which
-   *        knows the cache and the rotation.)
+   *        its first position is negative or its last is at or beyond rope_position_limit (2^53,
+   *        whatever the model: no overflow), the mapping is null or has fewer than m entries, or
+   *        a slot repeats within the step; the step is unchanged then. (Slots beyond the cache and
+   *        positions beyond a table or the model's range, rope_params::max_position, are refused
+   *        at run, which knows the cache and the rotation.)
    */
   void add(composition const& plan, cuda::std::span<std::int64_t const> slot_mapping)
   {
@@ -253,9 +256,12 @@ class injection_batch {
    * `adapter.cache()`, and a successful run() calls `adapter.commit(m)` (the engine adopts the
    * tokens as the sequence's prefix). The adapter must outlive the run.
    * @throw logic_error if the plan is empty, the step targets another cache than the adapter's
-   *        (both before allocate()), the adapter allocates other than `m` slots, or as
-   *        add(plan, slot_mapping); nothing is committed then, and the step is unchanged.
-   *        Whatever the adapter throws.
+   *        or its positions reach rope_position_limit (all before allocate()), the adapter
+   *        allocates other than `m` slots, or as add(plan, slot_mapping); nothing is committed
+   *        then, and the step is unchanged. Whatever the adapter throws.
+   * @note The model's range is checked at run, after allocate(): call
+   *       `rope_check_positions(rotation, plan.first_position, plan.length())` first to refuse
+   *       before the adapter allocates (memory::inject does).
    */
   template <class CacheAdapter, std::enable_if_t<is_cache_adapter_v<CacheAdapter>, int> = 0>
   void add(composition const& plan, CacheAdapter& adapter)
@@ -265,6 +271,7 @@ class injection_batch {
                        std::string{who} + ": the plan is empty (nothing to allocate or commit)");
     paged_kv_cache const& cache = adapter.cache();
     check_target(cache, who);
+    check_plan_positions(plan, who);
     std::vector<std::int64_t> const slots = adapter.allocate(plan.first_position, plan.length());
     INFERSCALE_EXPECTS(static_cast<std::int64_t>(slots.size()) == plan.length(),
                        std::string{who} + ": the cache adapter allocated " +
@@ -287,7 +294,9 @@ class injection_batch {
    * once: a second run commits nothing more).
    * @throw logic_error if the step is stale, the store is not in host memory, the step targets
    *        another cache, geometries differ, a slot is beyond the cache or a position beyond the
-   *        table; nothing is written or committed then. Whatever an adapter's commit throws.
+   *        table or the model's range (rope_params::max_position, unless
+   *        rope_params::allow_beyond_max_position); nothing is written or committed then.
+   *        Whatever an adapter's commit throws.
    * @note Defined in inject.hpp (include it).
    */
   template <class Rotation>
@@ -401,6 +410,21 @@ class injection_batch {
   void add_slots(composition const& plan,
                  cuda::std::span<std::int64_t const> slot_mapping,
                  char const* who);
+
+  /// @brief A hand-built plan can hold any p0: its positions p0 .. p0 + m - 1 must be
+  /// non-negative and below rope_position_limit (so p0 + m - 1 cannot overflow) before they reach
+  /// an adapter, a rotation or an engine's cos/sin table.
+  static void check_plan_positions(composition const& plan, char const* who)
+  {
+    std::int64_t const m = plan.length();
+    INFERSCALE_EXPECTS(
+      m == 0 || (plan.first_position >= 0 && plan.first_position < rope_position_limit &&
+                 m - 1 < rope_position_limit - plan.first_position),
+      std::string{who} + ": the plan's positions " + std::to_string(plan.first_position) +
+        " .. p0 + " + std::to_string(m - 1) +
+        " must be non-negative and below rope_position_limit (2^53 = " +
+        std::to_string(rope_position_limit) + "), whatever the model");
+  }
 };
 
 inline void injection_batch::add_slots(composition const& plan,
@@ -419,13 +443,7 @@ inline void injection_batch::add_slots(composition const& plan,
                        " but only " + detail::count_of(num_slots, "slot") + " were given");
   INFERSCALE_EXPECTS(m == 0 || slot_mapping.data() != nullptr,
                      std::string{who} + ": null slot mapping");
-  // A hand-built plan can hold any p0: its positions p0 .. p0 + m - 1 must be valid positions
-  // (non-negative, no overflow) before they reach a rotation or an engine's cos/sin table.
-  INFERSCALE_EXPECTS(
-    m == 0 || (plan.first_position >= 0 &&
-               plan.first_position <= std::numeric_limits<std::int64_t>::max() - (m - 1)),
-    std::string{who} + ": the plan's positions " + std::to_string(plan.first_position) +
-      " .. p0 + " + std::to_string(m - 1) + " must be non-negative and fit 64 bits");
+  check_plan_positions(plan, who);
 
   // Resolve and check everything into temporaries first.
   std::vector<std::int64_t> store_tokens(static_cast<std::size_t>(m));

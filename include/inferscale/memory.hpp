@@ -143,7 +143,8 @@ class memory {
 
   /// @brief Injects a prepared segment through a paged-cache adapter (host backend): a one-request
   /// injection step (injection_batch::add(plan, cache), run(cache.cache(), rotation)).
-  /// @throw logic_error as injection_batch::add and run (nothing written or committed then).
+  /// @throw logic_error as injection_batch::add and run, or positions beyond the rotation's range
+  /// (rope_check_positions, before the adapter allocates); nothing written or committed then.
   template <class CacheAdapter, class Rotation>
   void inject(composition const& plan, CacheAdapter& cache, Rotation const& rotation) const;
 
@@ -411,16 +412,22 @@ class memory {
 
  private:
   /// The one serving path of serve() and serve_step(), host and device: checks, one batched
-  /// search, the plans, the slots and one batch; `check_tokens(total)` before any adapter
-  /// allocates, `inject_batch(batch, cache)`, then the commits. A step (`name_requests`) names
-  /// the request in a refusal; serve() keeps the messages of the calls it makes.
-  template <class Embedder, class CacheAdapter, class CheckTokens, class InjectBatch>
+  /// search, the plans (each checked against `rotation`'s position range), the slots and one
+  /// batch; `check_tokens(total)` before any adapter allocates, `inject_batch(batch, cache)`, then
+  /// the commits. A step (`name_requests`) names the request in a refusal; serve() keeps the
+  /// messages of the calls it makes.
+  template <class Embedder,
+            class CacheAdapter,
+            class Rotation,
+            class CheckTokens,
+            class InjectBatch>
   std::vector<memory_request> serve_requests(
     Embedder& embedder,
     cuda::std::span<memory_step_request<CacheAdapter> const> requests,
     std::uint32_t k,
     char const* who,
     bool name_requests,
+    Rotation const& rotation,
     CheckTokens const& check_tokens,
     InjectBatch const& inject_batch) const;
 

@@ -152,8 +152,24 @@ inline rope_spec phi_3_5_mini();
 }  // namespace rope_presets
 
 /**
+ * @brief The hard bound on rotary positions, 2^53: every position (and delta) below it converts to
+ * double exactly, so the exact angle `position * inv_freq` is that position's own, and `p0 + n`
+ * stays far from int64 overflow. A position at or beyond it (e.g. near INT64_MAX) is refused by
+ * compose, injection_batch::add, injection and the rope batch operations, whatever the opt-in.
+ * (fp32 angles, as HF and vLLM form them, are exact only below 2^24; beyond that neighbouring
+ * positions share an angle, in the engine as here.)
+ */
+inline constexpr std::int64_t rope_position_limit = std::int64_t{1} << 53;
+
+/**
  * @brief A rotation resolved for kernels: fp32 inverse frequencies by value, trivially copyable
  * (a kernel takes it as a __grid_constant__ parameter; no device allocation is needed).
+ *
+ * It carries the model's position range: `max_position` (HF `max_position_embeddings`, GGUF
+ * `<arch>.context_length`; make_rope_params copies rope_spec::max_position). Injection and the
+ * host rope operations refuse a position at or beyond it (a shift delta whose magnitude reaches
+ * it) unless `allow_beyond_max_position` is set; 0 means the range is unknown and only
+ * rope_position_limit applies (the default, for hand-built parameters).
  */
 struct rope_params {
   static constexpr std::int32_t max_pairs = 256;  ///< rotary_dim up to 512
@@ -164,6 +180,22 @@ struct rope_params {
   rope_angle_mode angle_mode{rope_angle_mode::fp32};
   float attention_factor{1.0f};
   float inv_freq[max_pairs]{};  ///< rounded to fp32, as engines keep inv_freq
+  /// The model's position range: positions `0 .. max_position - 1` (0: unknown, unchecked).
+  std::int64_t max_position{0};
+  /// Explicit opt-in: accept positions at or beyond `max_position` (extrapolation the model was not
+  /// trained for); positions at or beyond rope_position_limit are refused all the same.
+  bool allow_beyond_max_position{false};
+
+  /**
+   * @brief Positions this rotation accepts: `[0, max_position)` when the range is known and not
+   * opted out of, else `[0, rope_position_limit)`.
+   */
+  INFERSCALE_HOST_DEVICE constexpr std::int64_t position_bound() const noexcept
+  {
+    return (max_position > 0 && !allow_beyond_max_position && max_position < rope_position_limit)
+             ? max_position
+             : rope_position_limit;
+  }
 
   INFERSCALE_HOST_DEVICE constexpr std::int32_t num_pairs() const noexcept
   {
@@ -173,6 +205,7 @@ struct rope_params {
 
 /**
  * @brief Resolves a spec for a total sequence length (read by dynamic_ntk and longrope only).
+ * The result's max_position is the spec's (its model range), allow_beyond_max_position false.
  * @throw logic_error if the spec is invalid or rotary_dim exceeds 2 * rope_params::max_pairs.
  */
 inline rope_params make_rope_params(rope_spec const& spec, std::int64_t total_length = 0);
@@ -554,6 +587,21 @@ INFERSCALE_HOST_DEVICE inline void rope_apply_head(
 // Host backend: batch operations
 
 /**
+ * @brief Checks that positions `first .. first + count - 1` are valid for `rotation` before
+ * anything is written: non-negative, below rope_position_limit (always), below a table's rows, and
+ * below rope_params::max_position unless rope_params::allow_beyond_max_position is set.
+ * injection_batch::run does this for a whole batch; call it before injection_batch::add(plan,
+ * adapter) to refuse before the adapter allocates (memory::inject does).
+ * @param who prefix of the message
+ * @throw logic_error naming the offending position and the range.
+ */
+template <class Rotation>
+void rope_check_positions(Rotation const& rotation,
+                          std::int64_t first,
+                          std::int64_t count,
+                          char const* who = "rope");
+
+/**
  * @brief Checks a rotation against a `[tokens, heads, head_dim]` view and its per-token positions.
  * @throw logic_error naming the mismatch.
  */
@@ -571,7 +619,8 @@ void rope_check_batch(token_head_view<T> x,
  * @param[in]     positions one position (delta for rope_op::shift) per token
  * @param[in]     rotation  rope_params or rope_cos_sin_table
  * @throw logic_error if shapes disagree, a position is negative (forward/inverse) or beyond the
- *        table; nothing is written then.
+ *        table or the model's range (rope_params::max_position, unless opted out of; a shift's
+ *        |delta| likewise), or at or beyond rope_position_limit; nothing is written then.
  */
 template <class T, class Rotation>
 void rope_apply_host(token_head_view<T> x,

@@ -220,20 +220,33 @@ TEST_CASE("compose matches a layout built from the fact table (randomised)", "[c
   REQUIRE(store.version() == version);  // planning changes nothing
 }
 
-TEST_CASE("compose positions up to the 64-bit limit", "[compose]")
+TEST_CASE("compose positions up to rope_position_limit (2^53), refused at it and near INT64_MAX",
+          "[compose][positions]")
 {
   auto const store = make_store();
   compose_options opt;
-  // m = 3 + 1 = 4; p0 = max - 4 puts the last token at max - 1.
-  opt.first_position = std::numeric_limits<std::int64_t>::max() - 4;
+  std::int64_t const limit = std::int64_t{1} << 53;  // 9007199254740992, written out
+  // m = 3 + 1 = 4; p0 = limit - 4 puts the last token at limit - 1: the last one accepted.
+  opt.first_position = limit - 4;
   check_plan(compose(store, {11, 22}, opt), {22, 11}, opt.first_position);  // best_last default
   // m = 0 at the largest p0.
-  opt.first_position = std::numeric_limits<std::int64_t>::max();
+  opt.first_position = limit - 1;
   REQUIRE(compose(store, {}, opt).length() == 0);
-  // The last position would be max + 1: refused.
-  opt.first_position = std::numeric_limits<std::int64_t>::max() - 2;
+  // The last position would be the limit: refused, naming p0 and m - 1.
+  opt.first_position = limit - 3;
   REQUIRE_THROWS_AS(compose(store, {11, 22}, opt), inferscale::logic_error);
-  REQUIRE_THROWS_WITH(compose(store, {11, 22}, opt), Contains("overflow"));
+  REQUIRE_THROWS_WITH(compose(store, {11, 22}, opt),
+                      Contains("p0 + m - 1 = 9007199254740989 + 3 reaches rope_position_limit"));
+  // p0 at the limit, or near INT64_MAX (where p0 + m - 1 would overflow): refused, even with m = 0.
+  for (std::int64_t p0 : {limit,
+                          std::numeric_limits<std::int64_t>::max() - 2,
+                          std::numeric_limits<std::int64_t>::max()}) {
+    opt.first_position = p0;
+    CAPTURE(p0);
+    REQUIRE_THROWS_WITH(compose(store, {11, 22}, opt),
+                        Contains("below rope_position_limit") && Contains(std::to_string(p0)));
+    REQUIRE_THROWS_WITH(compose(store, {}, opt), Contains("below rope_position_limit"));
+  }
 }
 
 TEST_CASE("compose refuses bad requests with a clear logic_error", "[compose]")

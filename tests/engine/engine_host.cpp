@@ -13,7 +13,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <string>
@@ -430,6 +433,27 @@ TEST_CASE("inject_memory_host: allocate, inject rotated keys into the adapter's 
   CHECK_THROWS_AS(inject_memory_host(store, plan, cache, model.rotation()), logic_error);
   CHECK(cache.data == before);
   CHECK(cache.committed.size() == 1);
+
+  // Beyond the model's range (positions 40 .. 42, max_position 42): refused naming the position
+  // and the range before the adapter allocates; the opt-in accepts it.
+  cache.short_by      = 0;
+  cache.allocated_at  = -1;
+  rope_params ranged  = model.rotation();
+  ranged.max_position = 42;
+  CHECK_THROWS_WITH(inject_memory_host(store, plan, cache, ranged),
+                    Catch::Matchers::Contains("inject_memory_host: position 40 + 2 = 42 is beyond "
+                                              "the model's range (max_position 42"));
+  CHECK(cache.allocated_at == -1);
+  CHECK(cache.data == before);
+  CHECK(cache.committed.size() == 1);
+  ranged.max_position = 43;  // the boundary: the last position 42 is the last allowed
+  CHECK_NOTHROW(inject_memory_host(store, plan, cache, ranged));
+  CHECK(cache.allocated_at == 40);
+  CHECK(cache.committed.size() == 2);
+  ranged.max_position              = 42;
+  ranged.allow_beyond_max_position = true;
+  CHECK_NOTHROW(inject_memory_host(store, plan, cache, ranged));
+  CHECK(cache.committed.size() == 3);
 }
 
 TEST_CASE("fused multiply-add rotation: fma(x, c, -(y s)), fma(x, s, y c) on a flagged table",
@@ -517,6 +541,8 @@ TEST_CASE("kv_geometry / rope_spec from GGUF metadata", "[engine][rope]")
   CHECK(spec.scaling == rope_scaling::none);
   CHECK(spec.pairing == rope_pairing::interleaved);
   CHECK(spec.max_position == 8192);
+  CHECK(make_rope_params(spec).max_position == 8192);  // <arch>.context_length: the model's range
+  CHECK(make_rope_params(spec).position_bound() == 8192);
 
   meta["llama.rope.dimension_count"] = "32";  // partial rotary
   CHECK(rope_spec_from_gguf(lookup, rope_pairing::halves).effective_rotary_dim() == 32);
@@ -565,6 +591,26 @@ TEST_CASE("rope_spec / kv_geometry from HF config.json", "[engine][rope]")
   CHECK(s.factor == p.factor);
   CHECK(s.original_max_position == p.original_max_position);
   CHECK(s.inverse_frequencies() == p.inverse_frequencies());
+  // The model's range, max_position_embeddings, reaches rope_params.
+  CHECK(s.max_position == 131072);
+  CHECK(make_rope_params(s).max_position == 131072);
+  CHECK_FALSE(make_rope_params(s).allow_beyond_max_position);
+  {
+    // the same config read from a config.json file
+    std::string const path =
+      (std::filesystem::temp_directory_path() / "inferscale-engine-host-positions-config.json")
+        .string();
+    {
+      std::ofstream out(path);
+      out << llama.dump();
+    }
+    rope_spec const from_file = rope_spec_from_hf_config(read_hf_config(path));
+    std::remove(path.c_str());
+    CHECK(make_rope_params(from_file).max_position == 131072);
+    CHECK_THROWS_WITH(rope_check_positions(make_rope_params(from_file), 131000, 73, "t"),
+                      Catch::Matchers::Contains("t: position 131000 + 72 = 131072 is beyond the "
+                                                "model's range (max_position 131072"));
+  }
 
   // HuggingFaceTB/SmolLM2-135M-Instruct.
   json const smol = json::parse(R"({"hidden_size": 576, "num_attention_heads": 9,

@@ -545,11 +545,17 @@ void compose_cases()
     o.first_position = -1;
     (void)compose(s, {1}, o);
   });
-  compose_case("last position overflows", "overflows 64 bits", [](kv_store const& s) {
+  compose_case("p0 near INT64_MAX", "below rope_position_limit", [](kv_store const& s) {
     compose_options o{};
     o.first_position = std::numeric_limits<std::int64_t>::max() - 2;
     (void)compose(s, {1}, o);
   });
+  compose_case(
+    "last position at rope_position_limit", "reaches rope_position_limit", [](kv_store const& s) {
+      compose_options o{};
+      o.first_position = rope_position_limit - 1;
+      (void)compose(s, {1}, o);
+    });
 }
 
 /// A batch refusal: `f(store, batch)` refused with `words`; store and batch unchanged.
@@ -584,10 +590,10 @@ composition hand_plan(std::int64_t p0, std::int32_t m, std::uint64_t fact = 1)
 void batch_cases()
 {
   batch_case("hand-built plan at position -3",
-             "must be non-negative and fit 64 bits",
+             "must be non-negative and below rope_position_limit",
              [](kv_store&, injection_batch& b) { b.add(hand_plan(-3, 4), slot_range(30, 4)); });
   batch_case("hand-built plan whose last position overflows",
-             "must be non-negative and fit 64 bits",
+             "must be non-negative and below rope_position_limit",
              [](kv_store&, injection_batch& b) {
                b.add(hand_plan(std::numeric_limits<std::int64_t>::max() - 1, 4), slot_range(30, 4));
              });
@@ -780,6 +786,29 @@ void inject_cases()
       o.first_position = 30;
       b.add(compose(s, {3}, o), slot_range(40, 7));
     });
+  inject_case(
+    "position beyond the model's max_position (rope_params)",
+    "position 36 is beyond the model's range (max_position 32; set "
+    "rope_params::allow_beyond_max_position to opt in)",
+    [](kv_store& s, injection_batch& b, cache_t& c, rotation_fixture& r) {
+      rope_params p  = r.params;
+      p.max_position = 32;
+      inject_host(s, b, c.desc, p);
+    },
+    [](kv_store& s, injection_batch& b, cache_t&, rotation_fixture&) {
+      compose_options o{};
+      o.first_position = 30;
+      b.add(compose(s, {3}, o), slot_range(40, 7));
+    });
+  inject_case("hand-built plan near INT64_MAX refused with the opt-in",
+              "below rope_position_limit",
+              [](kv_store& s, injection_batch& b, cache_t& c, rotation_fixture& r) {
+                rope_params p               = r.params;
+                p.allow_beyond_max_position = true;
+                b.add(hand_plan(std::numeric_limits<std::int64_t>::max() - 3, 3),
+                      slot_range(40, 3));
+                inject_host(s, b, c.desc, p);
+              });
   inject_case("hand-built plan at a negative position never reaches the table",
               "must be non-negative",
               [](kv_store& s, injection_batch& b, cache_t& c, rotation_fixture& r) {

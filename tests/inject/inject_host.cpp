@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -1230,5 +1231,91 @@ TEST_CASE("an injection step planned three ways runs on the host as the referenc
     std::vector<placed_token> writes;
     place(writes, f9, 0, 2, 3, {6, 7});
     check_cache(b, before, writes, rope, dtype::float32);
+  }
+}
+
+TEST_CASE(
+  "rope_params' max_position bounds injection: refused beyond it unless opted in, "
+  "rope_position_limit always; nothing is written or allocated",
+  "[inject][positions]")
+{
+  int const L = 2, H = 2, D = 16, m = 4;
+  ref_rope const rope{D, D, 10000.0, false, true};
+  rope_params ranged              = rope.params();
+  ranged.max_position             = 100;  // the model's range: positions 0 .. 99
+  rope_params opted               = ranged;
+  opted.allow_beyond_max_position = true;
+  kv_store store                  = make_host_store(L, H, D, dtype::float32, 4, 8);
+  fact_data const f3(3, L, m, H, D, 13);
+  f3.insert_into(store);
+  engine_cache<bfloat16_t> c(engine_layout::vllm_flash_attn_nhd, L, 8, 4, H, D);
+  c.fill_random(5);
+  auto const before         = storage_bytes(c);
+  paged_kv_cache const desc = describe_cache(c);
+  std::vector<std::int64_t> const slots{4, 5, 6, 7};
+
+  SECTION("the last allowed position is accepted and written where the rotation says")
+  {
+    injection_batch step(store);
+    step.add(compose(store, {3}, at(100 - m)), slots);  // positions 96 .. 99
+    REQUIRE_NOTHROW(inject_host(store, step, desc, ranged));
+    std::vector<placed_token> writes;
+    place(writes, f3, 0, m, 100 - m, slots);
+    check_cache(c, before, writes, rope, dtype::float32);
+  }
+  SECTION("the next is refused naming the position and the range; store and cache unchanged")
+  {
+    state const s0 = snapshot(c, store);
+    injection_batch step(store);
+    step.add(compose(store, {3}, at(100 - m + 1)), slots);  // positions 97 .. 100
+    REQUIRE_THROWS_WITH(inject_host(store, step, desc, ranged),
+                        Contains("position 100 is beyond the model's range (max_position 100") &&
+                          Contains("allow_beyond_max_position") &&
+                          Contains("positions must be in [0, 100)"));
+    REQUIRE(snapshot(c, store) == s0);
+    REQUIRE(storage_bytes(c) == before);
+    // p0 = 10^9 for the same model: refused the same way
+    injection_batch far(store);
+    far.add(compose(store, {3}, at(1000000000)), slots);
+    REQUIRE_THROWS_WITH(inject_host(store, far, desc, ranged),
+                        Contains("position 1000000003 is beyond the model's range"));
+    REQUIRE(storage_bytes(c) == before);
+    // the opt-in accepts it, and writes what an unranged rotation writes
+    REQUIRE_NOTHROW(inject_host(store, far, desc, opted));
+    std::vector<placed_token> writes;
+    place(writes, f3, 0, m, 1000000000, slots);
+    check_cache(c, before, writes, rope, dtype::float32);
+  }
+  SECTION("through a cache adapter: rope_check_positions refuses before it allocates; run after")
+  {
+    recording_adapter adapter{desc, slots};
+    composition const plan = compose(store, {3}, at(100 - m + 1));
+    REQUIRE_THROWS_WITH(
+      rope_check_positions(ranged, plan.first_position, plan.length(), "inject"),
+      Contains("inject: position 97 + 3 = 100 is beyond the model's range (max_position 100"));
+    REQUIRE(adapter.allocations == 0);
+    injection_batch step(store);
+    step.add(plan, adapter);
+    REQUIRE_THROWS_WITH(step.run(desc, ranged), Contains("position 100 is beyond"));
+    REQUIRE(adapter.commits == 0);
+    REQUIRE(storage_bytes(c) == before);
+  }
+  SECTION("near INT64_MAX: refused by add whatever the opt-in, before the adapter allocates")
+  {
+    composition plan = compose(store, {3}, at(0));
+    recording_adapter adapter{desc, slots};
+    for (std::int64_t p0 : {std::int64_t{1} << 53,
+                            (std::int64_t{1} << 53) - m + 1,
+                            std::numeric_limits<std::int64_t>::max() - 1}) {
+      CAPTURE(p0);
+      plan.first_position = p0;  // a hand-built plan: compose refuses these itself
+      injection_batch step(store);
+      REQUIRE_THROWS_WITH(step.add(plan, slots), Contains("below rope_position_limit"));
+      REQUIRE_THROWS_WITH(step.add(plan, adapter), Contains("below rope_position_limit"));
+      REQUIRE(adapter.allocations == 0);
+      REQUIRE(step.num_tokens() == 0);
+      REQUIRE_THROWS_WITH(rope_check_positions(opted, p0, m), Contains("rope_position_limit"));
+    }
+    REQUIRE(storage_bytes(c) == before);
   }
 }

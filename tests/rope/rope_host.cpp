@@ -10,7 +10,9 @@
 #include <complex>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 using namespace inferscale;
@@ -262,7 +264,9 @@ TEST_CASE("both pairings equal a rotation written with complex numbers", "[rope]
   spec.pairing      = pairing;
   spec.rotary_dim   = rotary;
   spec.angle_mode   = rope_angle_mode::exact;
-  auto const params = make_rope_params(spec);
+  auto params       = make_rope_params(spec);
+  // positions up to 131071 with Qwen's 32768: the rotation's arithmetic, not the model's range
+  params.allow_beyond_max_position = true;
   std::vector<double> inv_f32;  // the fp32 frequencies the rotation uses
   for (int i = 0; i < rotary / 2; ++i) {
     inv_f32.push_back(params.inv_freq[i]);
@@ -292,8 +296,10 @@ TEST_CASE("relocation: <R_a q, R_b k> = <q, R_(b-a) k>", "[rope]")
 
   auto const run = [&](rope_spec spec, bool exact_angles) {
     spec.angle_mode   = exact_angles ? rope_angle_mode::exact : rope_angle_mode::fp32;
-    auto const params = make_rope_params(spec, 131072);
-    double const a2   = double(params.attention_factor) * params.attention_factor;
+    auto params       = make_rope_params(spec, 131072);
+    // positions 0 .. 131072 whatever the preset's range: the identity, not the model's range
+    params.allow_beyond_max_position = true;
+    double const a2                  = double(params.attention_factor) * params.attention_factor;
     for (int trial = 0; trial < 200; ++trial) {
       std::int64_t const pa = pos(rng), pb = pos(rng);
       auto const q = random_vector(rng, 128);
@@ -650,6 +656,135 @@ TEST_CASE("bad specs and bad batches are refused with a clear message", "[rope]"
     REQUIRE_THROWS_WITH(rope_apply_host(wrong_dim, four.data(), 4, params, rope_op::forward),
                         Contains("head_dim 64"));
     REQUIRE(x == before);
+  }
+}
+
+TEST_CASE("rope_params carries the model's position range; beyond it is refused unless opted in",
+          "[rope][positions]")
+{
+  constexpr std::int64_t two_53 = std::int64_t{1} << 53;  // written out: 2^53
+  REQUIRE(rope_position_limit == 9007199254740992);
+  REQUIRE(rope_position_limit == two_53);
+
+  SECTION("make_rope_params copies the spec's max_position; dynamic NTK the length it resolves")
+  {
+    REQUIRE(make_rope_params(rope_presets::llama_3_1_8b()).max_position == 131072);
+    REQUIRE(make_rope_params(rope_presets::qwen2_5_7b()).max_position == 32768);
+    REQUIRE_FALSE(make_rope_params(rope_presets::qwen2_5_7b()).allow_beyond_max_position);
+    REQUIRE(make_rope_params(rope_presets::qwen2_5_7b()).position_bound() == 32768);
+    rope_spec dyn = rope_presets::smollm2_135m();  // Lmax 8192
+    dyn.scaling   = rope_scaling::dynamic_ntk;
+    dyn.factor    = 2.0;
+    REQUIRE(make_rope_params(dyn).max_position == 8192);
+    REQUIRE(make_rope_params(dyn, 20000).max_position == 20000);
+    rope_params hand{};  // hand-built: range unknown, only the hard limit
+    REQUIRE(hand.max_position == 0);
+    REQUIRE(hand.position_bound() == two_53);
+  }
+
+  rope_spec spec                  = rope_presets::smollm2_135m();  // head_dim 64, Lmax 8192
+  spec.max_position               = 100;                           // a small range to test its edge
+  rope_params const params        = make_rope_params(spec);
+  rope_params opted               = params;
+  opted.allow_beyond_max_position = true;
+  rope_params unknown             = params;
+  unknown.max_position            = 0;
+  REQUIRE(params.position_bound() == 100);
+  REQUIRE(opted.position_bound() == two_53);
+
+  std::vector<float> x(2 * 64);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    x[i] = 0.25f + 0.01f * static_cast<float>(i);
+  }
+  auto const start = x;
+  auto const view  = make_token_head_view(x.data(), 2, 1, 64);
+
+  SECTION("host batch: the last position accepted, the next refused naming it; nothing written")
+  {
+    std::vector<std::int64_t> last{0, 99};
+    rope_apply_host(view, last.data(), 2, params, rope_op::forward);
+    REQUIRE(x != start);
+    x = start;
+    std::vector<std::int64_t> next{0, 100};
+    REQUIRE_THROWS_WITH(rope_apply_host(view, next.data(), 2, params, rope_op::forward),
+                        Contains("position 100 of token 1 must be in [0, 100)") &&
+                          Contains("max_position 100") && Contains("allow_beyond_max_position"));
+    REQUIRE(x == start);
+    std::vector<std::int64_t> shift{99, -100};
+    REQUIRE_THROWS_WITH(rope_apply_host(view, shift.data(), 2, params, rope_op::shift),
+                        Contains("shift -100 of token 1") && Contains("max_position 100"));
+    REQUIRE(x == start);
+    std::vector<std::int64_t> shift_ok{99, -99};
+    REQUIRE_NOTHROW(rope_apply_host(view, shift_ok.data(), 2, params, rope_op::shift));
+  }
+
+  SECTION("the opt-in accepts beyond the range, rotating exactly as an unranged rotation")
+  {
+    std::vector<std::int64_t> far{100, 1000000};
+    rope_apply_host(view, far.data(), 2, opted, rope_op::forward);
+    REQUIRE(x != start);
+    auto y           = start;
+    auto const yview = make_token_head_view(y.data(), 2, 1, 64);
+    rope_apply_host(yview, far.data(), 2, unknown, rope_op::forward);
+    REQUIRE(x == y);
+    // and the rotation is the one written with complex numbers (fp32 angles, as formed here)
+    std::vector<double> const inv = spec.inverse_frequencies();
+    std::vector<double> head(start.begin() + 64, start.end());
+    std::vector<double> inv32;
+    for (int i = 0; i < 32; ++i) {
+      inv32.push_back(static_cast<double>(static_cast<float>(
+        static_cast<float>(1000000) * static_cast<float>(inv[static_cast<std::size_t>(i)]))));
+    }
+    std::vector<double> const want = complex_rotation(head, inv32, 1.0, 1.0, 64, true);
+    for (int i = 0; i < 64; ++i) {
+      REQUIRE(x[static_cast<std::size_t>(64 + i)] ==
+              Approx(want[static_cast<std::size_t>(i)]).margin(1e-5));
+    }
+  }
+
+  SECTION("rope_position_limit (2^53) is refused always, opt-in or not; no overflow near INT64_MAX")
+  {
+    std::int64_t const int64_max = std::numeric_limits<std::int64_t>::max();
+    std::vector<std::int64_t> edge{0, two_53 - 1};
+    REQUIRE_NOTHROW(rope_apply_host(view, edge.data(), 2, unknown, rope_op::forward));
+    x = start;
+    for (std::int64_t p : {two_53, int64_max - 1, int64_max}) {
+      std::vector<std::int64_t> beyond{0, p};
+      for (rope_params const* r : {&opted, &unknown}) {
+        REQUIRE_THROWS_WITH(
+          rope_apply_host(view, beyond.data(), 2, *r, rope_op::forward),
+          Contains("position " + std::to_string(p)) && Contains("rope_position_limit"));
+        REQUIRE(x == start);
+      }
+    }
+    // rope_check_positions: p0 + n - 1 is never formed beyond the limit
+    REQUIRE_NOTHROW(rope_check_positions(opted, two_53 - 10, 10));
+    REQUIRE_THROWS_WITH(rope_check_positions(opted, two_53 - 10, 11, "t"),
+                        Contains("t: position 9007199254740982 + 10 = 9007199254740992") &&
+                          Contains("rope_position_limit"));
+    REQUIRE_THROWS_WITH(rope_check_positions(opted, int64_max - 1, 5, "t"),
+                        Contains("t: position 9223372036854775806 is beyond rope_position_limit"));
+    REQUIRE_THROWS_WITH(rope_check_positions(opted, 5, int64_max, "t"),
+                        Contains("t: position 5 + 9223372036854775806 is beyond"));
+    REQUIRE_THROWS_WITH(rope_check_positions(opted, -1, 1, "t"), Contains("position -1"));
+    REQUIRE_NOTHROW(rope_check_positions(params, int64_max, 0));  // nothing asked for
+  }
+
+  SECTION("rope_check_positions: the model's range, its boundary, and a table's rows")
+  {
+    REQUIRE_NOTHROW(rope_check_positions(params, 90, 10));
+    REQUIRE_THROWS_WITH(
+      rope_check_positions(params, 90, 11, "compose"),
+      Contains("compose: position 90 + 10 = 100 is beyond the model's range (max_position 100") &&
+        Contains("positions must be in [0, 100)"));
+    REQUIRE_THROWS_WITH(rope_check_positions(params, 1000000000, 1, "t"),
+                        Contains("t: position 1000000000 is beyond the model's range"));
+    REQUIRE_NOTHROW(rope_check_positions(opted, 1000000000, 1));
+    std::vector<float> table(10 * 64);
+    rope_cos_sin_table<float> tab{table.data(), 10, 64, 64, 64, rope_pairing::halves, false};
+    REQUIRE_NOTHROW(rope_check_positions(tab, 9, 1));
+    REQUIRE_THROWS_WITH(rope_check_positions(tab, 9, 2, "t"),
+                        Contains("t: position 9 + 1 = 10 is beyond the cos/sin table (10 rows)"));
   }
 }
 

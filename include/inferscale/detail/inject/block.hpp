@@ -38,7 +38,7 @@ struct inject_kernel_args {
   paged_kv_cache cache;
   Rotation rotation;
   injection_batch_view batch;  ///< device arrays
-  std::int64_t table_rows;     ///< positions must be below it (tables), else INT64_MAX
+  std::int64_t table_rows;     ///< positions must be below it (detail::rope_table_rows)
   std::int32_t tile_tokens;
   std::int32_t tile_layers;
   std::int32_t rotary_units;    ///< key units that rotate, per head

@@ -1,7 +1,8 @@
 /**
  * @file detail/inject/checks.hpp
  * @brief What injection and extraction check before writing: the store's and the cache's
- * geometry, the rotation (its table's rows, vLLM's truncating conversion), the batch.
+ * geometry, the rotation (its table's rows or the model's position range, vLLM's truncating
+ * conversion), the batch.
  */
 #pragma once
 
@@ -83,10 +84,11 @@ void check_rotation(Rotation const& rotation,
                      std::string{who} + ": rotary_dim " + std::to_string(rotation.rotary_dim) +
                        " must be even, positive, at most head_dim and at most " +
                        std::to_string(2 * rope_params::max_pairs));
+  // A table's rows, the model's max_position (unless opted out of), rope_position_limit.
   INFERSCALE_EXPECTS(max_position < rope_table_rows(rotation),
                      std::string{who} + ": position " + std::to_string(max_position) +
-                       " is beyond the cos/sin table (" +
-                       detail::count_of(rope_table_rows(rotation), "row") + ")");
+                       " is beyond " + rope_range_text(rotation) + ": positions must be in [0, " +
+                       std::to_string(rope_table_rows(rotation)) + ")");
 }
 
 /// @brief Everything inject_host and inject_async check before writing.

@@ -165,6 +165,8 @@ void memory::inject(composition const& plan, CacheAdapter& cache, Rotation const
   static_assert(is_cache_adapter_v<CacheAdapter>,
                 "memory::inject: CacheAdapter needs allocate(first_position, tokens), cache() and "
                 "commit(tokens) (see engine.hpp)");
+  // The model's range before the adapter allocates (run would refuse it only after).
+  rope_check_positions(rotation, plan.first_position, plan.length(), "memory::inject");
   injection_batch step{store_};
   step.add(plan, cache);
   step.run(cache.cache(), rotation);
@@ -185,13 +187,18 @@ void memory::inject(composition const& plan,
   inject_memory_async(store_, plan, cache, rotation, workspace, stream);
 }
 
-template <class Embedder, class CacheAdapter, class CheckTokens, class InjectBatch>
+template <class Embedder,
+          class CacheAdapter,
+          class Rotation,
+          class CheckTokens,
+          class InjectBatch>
 std::vector<memory_request> memory::serve_requests(
   Embedder& embedder,
   cuda::std::span<memory_step_request<CacheAdapter> const> requests,
   std::uint32_t k,
   char const* who,
   bool name_requests,
+  Rotation const& rotation,
   CheckTokens const& check_tokens,
   InjectBatch const& inject_batch) const
 {
@@ -284,6 +291,10 @@ std::vector<memory_request> memory::serve_requests(
       named(where(i), [&] { return prepare(out[i].fact_ids, requests[i].first_position); });
     INFERSCALE_EXPECTS(out[i].plan.length() > 0,
                        where(i) + ": the plan is empty (no instruction prefix, nothing retrieved)");
+    // The model's range, before any adapter allocates.
+    named(where(i), [&] {
+      rope_check_positions(rotation, out[i].plan.first_position, out[i].plan.length(), who);
+    });
     tokens += out[i].plan.length();
   }
   check_tokens(tokens);
@@ -324,6 +335,7 @@ std::vector<memory_request> memory::serve_step(
     k,
     "memory::serve_step",
     true,
+    rotation,
     [&](std::int64_t) { require_host_store("memory::serve_step"); },
     [&](injection_batch const& batch, paged_kv_cache const& cache) {
       inject_host(store_, batch, cache, rotation);
@@ -346,6 +358,7 @@ std::vector<memory_request> memory::serve_step(
     k,
     "memory::serve_step",
     true,
+    rotation,
     [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve_step"); },
     [&](injection_batch const& batch, paged_kv_cache const& cache) {
       // Found where memory.cuh (inject.cuh) is included: the call depends on the template
@@ -373,6 +386,7 @@ memory_request memory::serve(Embedder& embedder,
     k,
     "memory::serve",
     false,
+    rotation,
     [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve"); },
     [&](injection_batch const& batch, paged_kv_cache const& c) {
       inject_async(store_, batch, c, rotation, ws, stream);
@@ -395,6 +409,7 @@ memory_request memory::serve(Embedder& embedder,
     k,
     "memory::serve",
     false,
+    rotation,
     [&](std::int64_t) { require_host_store("memory::serve"); },
     [&](injection_batch const& batch, paged_kv_cache const& c) {
       inject_host(store_, batch, c, rotation);

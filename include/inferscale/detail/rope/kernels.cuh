@@ -28,7 +28,7 @@ struct rope_kernel_args {
   std::int64_t head_stride;
   std::int64_t element_stride;
   std::int64_t const* positions;
-  std::int64_t table_rows;   ///< positions must be below it (tables), else INT64_MAX
+  std::int64_t table_rows;   ///< positions must be below it (detail::rope_table_rows)
   std::int64_t tile_tokens;  ///< tokens a block takes per iteration
   Rotation rotation;
   rope_op op;

@@ -244,6 +244,12 @@ inline rope_params make_rope_params(rope_spec const& spec, std::int64_t total_le
   params.pairing                = spec.pairing;
   params.angle_mode             = spec.angle_mode;
   params.attention_factor       = static_cast<float>(spec.attention_scaling(total_length));
+  // The model's range; dynamic NTK is resolved for a length beyond it on purpose (its base
+  // rescaled for total_length), so its range is the length it was resolved for.
+  params.max_position = std::max<std::int64_t>(spec.max_position, 0);
+  if (spec.scaling == rope_scaling::dynamic_ntk) {
+    params.max_position = std::max(params.max_position, total_length);
+  }
   std::vector<double> const inv = spec.inverse_frequencies(total_length);
   for (std::size_t i = 0; i < inv.size(); ++i) {
     params.inv_freq[i] = static_cast<float>(inv[i]);
@@ -471,19 +477,40 @@ inline rope_spec phi_3_5_mini()
 }  // namespace rope_presets
 
 namespace detail {
-template <class Rotation>
-std::int64_t rope_table_rows(Rotation const&)
+/// @brief Positions a rotation accepts are below this (shift deltas in magnitude): a table's rows,
+/// rope_params::position_bound() (the model's max_position or rope_position_limit).
+inline std::int64_t rope_table_rows(rope_params const& params) noexcept
 {
-  return std::numeric_limits<std::int64_t>::max();
+  return params.position_bound();
 }
 template <class U>
-std::int64_t rope_table_rows(rope_cos_sin_table<U> const& table)
+std::int64_t rope_table_rows(rope_cos_sin_table<U> const& table) noexcept
 {
-  return table.max_position;
+  return std::min(table.max_position, rope_position_limit);
 }
 template <class Rotation>
 void rope_check_rotation(Rotation const&)
 {
+}
+
+/// @brief What bounds a rotation's positions, for messages ("beyond <this>").
+inline std::string rope_range_text(rope_params const& params)
+{
+  if (params.position_bound() < rope_position_limit) {
+    return "the model's range (max_position " + std::to_string(params.max_position) +
+           "; set rope_params::allow_beyond_max_position to opt in)";
+  }
+  return std::string{"rope_position_limit (2^53 = 9007199254740992"} +
+         (params.max_position > 0 ? "; max_position " + std::to_string(params.max_position) +
+                                      " opted out of by allow_beyond_max_position)"
+                                  : ")");
+}
+template <class U>
+std::string rope_range_text(rope_cos_sin_table<U> const& table)
+{
+  return table.max_position < rope_position_limit
+           ? "the cos/sin table (" + detail::count_of(table.max_position, "row") + ")"
+           : std::string{"rope_position_limit (2^53 = 9007199254740992)"};
 }
 template <class U>
 void rope_check_rotation(rope_cos_sin_table<U> const& table)
@@ -522,8 +549,36 @@ void rope_check_batch(token_head_view<T> x,
   (void)op;
 }
 
+template <class Rotation>
+void rope_check_positions(Rotation const& rotation,
+                          std::int64_t first,
+                          std::int64_t count,
+                          char const* who)
+{
+  INFERSCALE_EXPECTS(count >= 0, std::string{who} + ": a negative position count " +
+                                   std::to_string(count));
+  if (count == 0) { return; }
+  INFERSCALE_EXPECTS(first >= 0, std::string{who} + ": position " + std::to_string(first) +
+                                   " is negative");
+  std::int64_t const bound = detail::rope_table_rows(rotation);
+  // first < bound <= 2^53 is checked before first + count - 1 is formed: no overflow.
+  INFERSCALE_EXPECTS(first < bound,
+                     std::string{who} + ": position " + std::to_string(first) + " is beyond " +
+                       detail::rope_range_text(rotation) + ": positions must be in [0, " +
+                       std::to_string(bound) + ")");
+  INFERSCALE_EXPECTS(count <= bound - first,
+                     std::string{who} + ": position " + std::to_string(first) + " + " +
+                       std::to_string(count - 1) +
+                       (count - 1 < rope_position_limit
+                          ? " = " + std::to_string(first + (count - 1))
+                          : std::string{}) +
+                       " is beyond " + detail::rope_range_text(rotation) +
+                       ": positions must be in [0, " + std::to_string(bound) + ")");
+}
+
 namespace detail {
-/// @brief Validates positions held in host memory for `op` against the rotation's table rows.
+/// @brief Validates positions held in host memory for `op` against the rotation's range (a
+/// table's rows, a model's max_position, rope_position_limit).
 template <class Rotation>
 void rope_check_host_positions(std::int64_t const* positions,
                                std::int64_t count,
@@ -536,11 +591,12 @@ void rope_check_host_positions(std::int64_t const* positions,
     if (op == rope_op::shift) {
       INFERSCALE_EXPECTS(p > std::numeric_limits<std::int64_t>::min() && (p < 0 ? -p : p) < rows,
                          "rope: shift " + std::to_string(p) + " of token " + std::to_string(t) +
-                           " is beyond the cos/sin table (" + detail::count_of(rows, "row") + ")");
+                           " is beyond " + rope_range_text(rotation) + " in magnitude");
     } else {
       INFERSCALE_EXPECTS(p >= 0 && p < rows,
                          "rope: position " + std::to_string(p) + " of token " + std::to_string(t) +
-                           " must be in [0, " + std::to_string(rows) + ")");
+                           " must be in [0, " + std::to_string(rows) + "), bounded by " +
+                           rope_range_text(rotation));
     }
   }
 }

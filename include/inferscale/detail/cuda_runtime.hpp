@@ -56,7 +56,12 @@ struct host_only_stream;
 struct host_only_event;
 using cudaStream_t                               = host_only_stream*;
 using cudaEvent_t                                = host_only_event*;
+// A macro of the real runtime (driver_types.h) where <cuda_runtime_api.h> came first: CCCL's
+// headers include it wherever the compiler finds it (a toolkit linked into /usr/local/include),
+// even in a build that chose the stand-in. The macro's value is the same, so the stand-in uses it.
+#ifndef cudaEventDisableTiming
 inline constexpr unsigned cudaEventDisableTiming = 0x02;
+#endif
 
 inline char const* cudaGetErrorName(cudaError_t e) noexcept
 {

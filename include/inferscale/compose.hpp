@@ -87,9 +87,8 @@ inline composition compose(kv_store const& store,
                            compose_options const& options = {})
 {
   INFERSCALE_EXPECTS(options.first_position >= 0 && options.first_position < rope_position_limit,
-                     "compose: first position p0 must be non-negative and below "
-                     "rope_position_limit (2^53 = " +
-                       std::to_string(rope_position_limit) + "), got " +
+                     "compose: first position p0 must be non-negative and below " +
+                       detail::rope_position_limit_text() + "), got " +
                        std::to_string(options.first_position));
   std::vector<std::uint64_t> order;
   order.reserve(facts.size() + 1);
@@ -118,7 +117,7 @@ inline composition compose(kv_store const& store,
     total == 0 || total - 1 < rope_position_limit - options.first_position,
     "compose: the last position p0 + m - 1 = " + std::to_string(options.first_position) + " + " +
       std::to_string(total - 1) +
-      " reaches rope_position_limit (2^53 = " + std::to_string(rope_position_limit) + ")");
+      " reaches " + detail::rope_position_limit_text() + ")");
 
   composition plan;
   plan.first_position = options.first_position;

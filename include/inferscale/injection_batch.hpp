@@ -422,8 +422,8 @@ class injection_batch {
                  m - 1 < rope_position_limit - plan.first_position),
       std::string{who} + ": the plan's positions " + std::to_string(plan.first_position) +
         " .. p0 + " + std::to_string(m - 1) +
-        " must be non-negative and below rope_position_limit (2^53 = " +
-        std::to_string(rope_position_limit) + "), whatever the model");
+        " must be non-negative and below " + detail::rope_position_limit_text() +
+        "), whatever the model");
   }
 };
 

@@ -493,6 +493,12 @@ void rope_check_rotation(Rotation const&)
 {
 }
 
+/// @brief "rope_position_limit (2^53 = 9007199254740992" (the messages close the parenthesis).
+inline std::string rope_position_limit_text()
+{
+  return "rope_position_limit (2^53 = " + std::to_string(rope_position_limit);
+}
+
 /// @brief What bounds a rotation's positions, for messages ("beyond <this>").
 inline std::string rope_range_text(rope_params const& params)
 {
@@ -500,7 +506,7 @@ inline std::string rope_range_text(rope_params const& params)
     return "the model's range (max_position " + std::to_string(params.max_position) +
            "; set rope_params::allow_beyond_max_position to opt in)";
   }
-  return std::string{"rope_position_limit (2^53 = 9007199254740992"} +
+  return rope_position_limit_text() +
          (params.max_position > 0 ? "; max_position " + std::to_string(params.max_position) +
                                       " opted out of by allow_beyond_max_position)"
                                   : ")");
@@ -510,7 +516,7 @@ std::string rope_range_text(rope_cos_sin_table<U> const& table)
 {
   return table.max_position < rope_position_limit
            ? "the cos/sin table (" + detail::count_of(table.max_position, "row") + ")"
-           : std::string{"rope_position_limit (2^53 = 9007199254740992)"};
+           : rope_position_limit_text() + ")";
 }
 template <class U>
 void rope_check_rotation(rope_cos_sin_table<U> const& table)

@@ -331,8 +331,23 @@ class mutator {
     ++n_.adds;
   }
 
-  /// Runs mutations until told to stop (saving into `save_dir` every 25 of them when given).
+  /// Runs mutations until told to stop (saving into `save_dir` every 25 of them when given); a
+  /// call that throws is a failure (every call is valid: this mutator owns the facts it names).
   mutator_counts run(std::string const& save_dir)
+  {
+    try {
+      loop(save_dir);
+    } catch (std::exception const& e) {
+      s_.fail("mutator " + std::to_string(which_) + ": " + e.what());
+      s_.stop.store(true);
+    }
+    return n_;
+  }
+
+  owned_facts const& owned() const { return owned_; }
+
+ private:
+  void loop(std::string const& save_dir)
   {
     std::int64_t ops = 0;
     while (!s_.stop.load()) {
@@ -361,12 +376,8 @@ class mutator {
         ++n_.saves;
       }
     }
-    return n_;
   }
 
-  owned_facts const& owned() const { return owned_; }
-
- private:
   std::uint32_t live_in(std::uint64_t ns) const
   {
     // Both mutators add to the small namespaces: half the capacity each.

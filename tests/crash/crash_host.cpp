@@ -1,0 +1,895 @@
+// Crash-safe saves (issue 31, item 3): a save killed with SIGKILL at any moment leaves its file or
+// directory loading to exactly the previous state or exactly the new one, for the four snapshot
+// kinds (save_store, save_index, save_tiers, save_memory), and a later save cleans up what the
+// killed one left; a save that runs out of space (a small tmpfs) fails with the path and the
+// system's reason (ENOSPC), leaves the previous snapshot loading as it was and no file of its own.
+//
+// Expectations are the test's own: a state is a fingerprint read through the public accessors
+// (every fact's namespace, id, tokens and page bytes; every namespace's live ids and the answers of
+// fixed graph searches; residency, pins and LRU order; the facade's tracked facts), taken from the
+// in-memory objects before the save, and what the path loads to after the kill must equal one of
+// the two fingerprints byte for byte. A child process saves; the parent kills it after a delay
+// drawn uniformly from [0, 1.2 x the save's measured end]. The child marks in shared memory when
+// its save starts and returns, so each kill is known to have landed before, during or after it.
+#include "../snapshot/snapshot_common.hpp"
+#include "fake_model.hpp"
+#include "index_answers.hpp"
+#include "memory_fixtures.hpp"
+
+#include <inferscale/error.hpp>
+#include <inferscale/index.hpp>
+#include <inferscale/index_snapshot.hpp>
+#include <inferscale/memory.hpp>
+#include <inferscale/snapshot.hpp>
+#include <inferscale/store.hpp>
+#include <inferscale/tier.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <random>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+using namespace inferscale;
+using namespace inferscale_test::snapshot;
+
+namespace {
+
+// -------------------------------------------------------------------------------------------------
+// Fingerprints: a state as bytes, read through the public accessors.
+
+class fingerprint {
+ public:
+  template <class T>
+  fingerprint& operator<<(T const& v)
+  {
+    static_assert(std::is_trivially_copyable_v<T>);
+    bytes_.append(reinterpret_cast<char const*>(&v), sizeof v);
+    return *this;
+  }
+  template <class T>
+  fingerprint& operator<<(std::vector<T> const& v)
+  {
+    *this << static_cast<std::uint64_t>(v.size());
+    bytes_.append(reinterpret_cast<char const*>(v.data()), v.size() * sizeof(T));
+    return *this;
+  }
+  void append(unsigned char const* p, std::size_t n)
+  {
+    bytes_.append(reinterpret_cast<char const*>(p), n);
+  }
+  std::string const& str() const noexcept { return bytes_; }
+
+ private:
+  std::string bytes_;
+};
+
+template <class T>
+std::vector<T> sorted(std::vector<T> v)
+{
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+/// Every namespace (ascending), its facts (ascending ids) with tokens and the bytes of their pages
+/// in page order; the fact and free-page counts.
+void add_store(fingerprint& f, kv_store const& s)
+{
+  std::vector<unsigned char> const pool = s.pool_to_host();
+  std::size_t const page                = s.page_bytes();
+  std::vector<std::uint64_t> const nss  = sorted(s.namespace_ids());
+  f << s.num_facts() << s.free_pages() << nss;
+  for (std::uint64_t ns : nss) {
+    std::vector<std::uint64_t> const ids = sorted(s.namespace_fact_ids(ns));
+    f << ids;
+    for (std::uint64_t id : ids) {
+      fact_record const& r = s.at(id);
+      f << r.namespace_id << r.token_ids << static_cast<std::uint64_t>(r.pages.size());
+      for (std::int64_t p : r.pages) {
+        f.append(pool.data() + static_cast<std::size_t>(p) * page, page);
+      }
+    }
+  }
+}
+
+/// `n` fixed queries of `dim` elements (a seeded normal draw).
+std::vector<float> queries_for(std::int64_t dim, int n)
+{
+  std::mt19937_64 rng(4242);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> q(static_cast<std::size_t>(dim * n));
+  for (float& x : q) {
+    x = d(rng);
+  }
+  return q;
+}
+
+/// Every namespace (ascending), its live ids (ascending) and the ids and distances of 6 fixed
+/// graph searches in it.
+void add_index(fingerprint& f, graph_index const& x)
+{
+  std::vector<float> const q          = queries_for(x.dim(), 6);
+  std::vector<std::uint64_t> const ns = sorted(x.namespaces());
+  f << ns;
+  for (std::uint64_t n : ns) {
+    f << sorted(x.ids(n));
+    inferscale::test::answers const a = inferscale::test::run_search(x, q, {n}, 5, search_params{});
+    f << a.ids << a.distances;
+  }
+}
+
+// -------------------------------------------------------------------------------------------------
+// The four kinds: an in-memory state that steps (a fact added, the oldest erased: same size) or
+// grows (facts added), its save, its fingerprint, and the fingerprint of what a path loads to.
+
+struct crash_kind {
+  std::string name;
+  std::size_t entries{1};  ///< directory entries of one complete snapshot
+  std::function<void()> step;
+  std::function<void()> grow;
+  std::function<void(std::string const&)> save;
+  std::function<std::string()> state;
+  std::function<std::string(std::string const&)> load;
+};
+
+/// K and V of fact `id`: `n` elements, multiples of 1/64 in [-2, 2) (exact in bf16).
+std::vector<float> kv_values(std::uint64_t id, std::size_t n, std::uint64_t salt)
+{
+  std::vector<float> v(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    v[i] = static_cast<float>(static_cast<std::int64_t>((id * 131 + i * 7 + salt) % 256) - 128) /
+           64.0f;
+  }
+  return v;
+}
+
+std::vector<std::int32_t> tokens_of(std::uint64_t id, std::int64_t n)
+{
+  std::vector<std::int32_t> t;
+  for (std::int64_t j = 0; j < n; ++j) {
+    t.push_back(static_cast<std::int32_t>(100 * id + static_cast<std::uint64_t>(j)));
+  }
+  return t;
+}
+
+struct store_state {
+  kv_store store{shard_config(dtype::float32, 96)};
+  std::uint64_t next{1};
+  std::deque<std::uint64_t> live;
+  void add()
+  {
+    std::uint64_t const id = next++;
+    insert_fact(store, id, id % 3, 1 + static_cast<std::int64_t>(id % 7));
+    live.push_back(id);
+  }
+  void step()
+  {
+    store.erase(live.front());
+    live.pop_front();
+    add();
+  }
+};
+
+crash_kind store_kind()
+{
+  auto s = std::make_shared<store_state>();
+  for (int i = 0; i < 6; ++i) {
+    s->add();
+  }
+  crash_kind k;
+  k.name  = "store";
+  k.step  = [s] { s->step(); };
+  k.grow  = [s] {
+    for (int i = 0; i < 24; ++i) {
+      s->add();
+    }
+  };
+  k.save  = [s](std::string const& dir) { save_store(s->store, dir + "/facts.iskv"); };
+  k.state = [s] {
+    fingerprint f;
+    add_store(f, s->store);
+    return f.str();
+  };
+  k.load = [](std::string const& dir) {
+    fingerprint f;
+    add_store(f, load_store(dir + "/facts.iskv", shard_config(dtype::float32, 96)));
+    return f.str();
+  };
+  return k;
+}
+
+index_config index_settings(std::int64_t dim, distance_metric metric)
+{
+  index_config c;
+  c.dim                    = dim;
+  c.metric                 = metric;
+  c.build_threads          = 1;
+  c.exact_search_threshold = 0;  // every search walks the graph
+  return c;
+}
+
+struct index_state {
+  graph_index index{index_settings(16, distance_metric::squared_l2)};
+  std::uint64_t next{1};
+  std::deque<std::uint64_t> live;
+  void add(std::uint64_t ns)
+  {
+    std::uint64_t const id = next++;
+    std::mt19937_64 rng(id);
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    std::vector<float> v(16);
+    for (float& x : v) {
+      x = d(rng);
+    }
+    index.add(ns, make_matrix_view<float const>(v.data(), 1, 16),
+              cuda::std::span<std::uint64_t const>{&id, 1});
+    live.push_back(id);
+  }
+  void step()
+  {
+    std::uint64_t const oldest = live.front();
+    index.erase(cuda::std::span<std::uint64_t const>{&oldest, 1});
+    live.pop_front();
+    add(next % 3);
+  }
+};
+
+crash_kind index_kind()
+{
+  auto s = std::make_shared<index_state>();
+  for (int i = 0; i < 45; ++i) {
+    s->add(static_cast<std::uint64_t>(i % 3));
+  }
+  crash_kind k;
+  k.name  = "index";
+  k.step  = [s] { s->step(); };
+  k.grow  = [s] {
+    for (int i = 0; i < 150; ++i) {
+      s->add(static_cast<std::uint64_t>(i % 3));
+    }
+  };
+  k.save  = [s](std::string const& dir) { save_index(s->index, dir + "/facts.isx"); };
+  k.state = [s] {
+    fingerprint f;
+    add_index(f, s->index);
+    return f.str();
+  };
+  k.load = [](std::string const& dir) {
+    fingerprint f;
+    add_index(f, load_index(dir + "/facts.isx"));
+    return f.str();
+  };
+  return k;
+}
+
+tiered_store_config tier_settings()
+{
+  tiered_store_config c;
+  c.device.model       = kv_geometry{3, 2, 8};
+  c.device.store_dtype = dtype::bfloat16;
+  c.device.page_size   = 4;
+  c.device.num_pages   = 64;
+  c.device.space       = memory_space::host;
+  c.host_pages         = 128;
+  return c;
+}
+
+struct tier_state {
+  tiered_store tiers{tier_settings()};
+  std::uint64_t next{1};
+  std::deque<std::uint64_t> live;  ///< unpinned facts, oldest first
+  void add(fact_residency where)
+  {
+    std::uint64_t const id   = next++;
+    std::int32_t const n     = 1 + static_cast<std::int32_t>(id % 6);
+    std::size_t const values = static_cast<std::size_t>(3 * n * 2 * 8);
+    std::vector<float> const k = kv_values(id, values, 0), v = kv_values(id, values, 77);
+    tiers.insert<float>(id,
+                        id % 2,
+                        tokens_of(id, n),
+                        make_fact_kv_view<float const>(k.data(), 3, n, 2, 8),
+                        make_fact_kv_view<float const>(v.data(), 3, n, 2, 8),
+                        where);
+    live.push_back(id);
+  }
+  void step()
+  {
+    tiers.erase(live.front());
+    live.pop_front();
+    add(next % 2 == 0 ? fact_residency::host : fact_residency::both);
+    if (next % 3 == 0) {  // a host-only fact admitted: a device copy, the LRU order changes
+      for (std::uint64_t id : live) {
+        if (tiers.residency(id) == fact_residency::host) {
+          tier_request r = tiers.admit({id});
+          tiers.stage_host(r);
+          break;
+        }
+      }
+    }
+  }
+};
+
+
+/// Both tiers, every fact's residency and pin, every namespace's LRU order.
+std::string tiers_fingerprint(tiered_store const& t)
+{
+  fingerprint f;
+  add_store(f, t.device_tier());
+  add_store(f, t.host_tier());
+  std::vector<std::uint64_t> ids;
+  std::set<std::uint64_t> nss;
+  for (kv_store const* tier : {&t.device_tier(), &t.host_tier()}) {
+    for (std::uint64_t ns : tier->namespace_ids()) {
+      nss.insert(ns);
+      for (std::uint64_t id : tier->namespace_fact_ids(ns)) {
+        ids.push_back(id);
+      }
+    }
+  }
+  ids = sorted(ids);
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  f << t.num_facts() << ids;
+  for (std::uint64_t id : ids) {
+    f << static_cast<int>(t.residency(id)) << t.is_pinned(id);
+  }
+  for (std::uint64_t ns : nss) {
+    f << ns << t.lru_order(ns);
+  }
+  return f.str();
+}
+
+crash_kind tier_kind()
+{
+  auto s = std::make_shared<tier_state>();
+  s->add(fact_residency::both);
+  s->tiers.pin(s->live.front());  // pinned for good: never stepped out
+  s->live.pop_front();
+  for (int i = 0; i < 6; ++i) {
+    s->add(i % 2 == 0 ? fact_residency::host : fact_residency::both);
+  }
+  crash_kind k;
+  k.name    = "tiers";
+  k.entries = 3;  // the manifest and two tier files
+  k.step    = [s] { s->step(); };
+  k.grow    = [s] {
+    for (int i = 0; i < 12; ++i) {
+      s->add(fact_residency::both);
+    }
+  };
+  k.save  = [s](std::string const& dir) { save_tiers(s->tiers, dir); };
+  k.state = [s] { return tiers_fingerprint(s->tiers); };
+  k.load  = [](std::string const& dir) {
+    return tiers_fingerprint(load_tiers(dir, tier_settings()));
+  };
+  return k;
+}
+
+memory_config memory_settings()
+{
+  memory_config c;
+  c.store.model       = inferscale_test::fake::tiny;
+  c.store.store_dtype = dtype::bfloat16;
+  c.store.page_size   = 4;
+  c.store.num_pages   = 256;
+  c.store.space       = memory_space::host;
+  c.index             = index_settings(32, distance_metric::cosine);
+  return c;
+}
+
+struct memory_state {
+  memory mem{memory_settings()};
+  inferscale_test::fake::branching_model model;
+  inferscale_test::memory_fixtures::word_embedder embedder;
+  std::uint64_t next{1};
+  std::deque<std::uint64_t> live;
+  memory_state() { mem.set_instruction_prefix(model, {11, 12, 13}, 999999, 0); }
+  void add()
+  {
+    std::uint64_t const id = next++;
+    std::int32_t const t   = static_cast<std::int32_t>(id);
+    direct_fact f;
+    f.fact_id        = id;
+    f.context        = {1, 2, 300 + t % 50};
+    f.token_ids      = {5000 + t, 6000 + t, 7000 + t % 11};
+    f.first_position = static_cast<std::int64_t>(id % 5);
+    f.turns          = {static_cast<std::int64_t>(id % 4)};
+    std::string const text = "topic" + std::to_string(id) + " alpha" + std::to_string(id * 7 % 23) +
+                             " beta" + std::to_string(id * 13 % 17);
+    (void)mem.add_facts(model, embedder, 5 + id % 2, {f}, {text});
+    live.push_back(id);
+  }
+  void step()
+  {
+    mem.erase_fact(live.front());
+    live.pop_front();
+    add();
+  }
+};
+
+/// The store, the index (ids and graph searches), the prefix, and every stored fact's lifecycle
+/// record (namespace, turns, superseded or not).
+std::string memory_fingerprint(memory const& m)
+{
+  fingerprint f;
+  add_store(f, m.store());
+  add_index(f, m.index());
+  f << m.instruction_prefix().has_value() << m.instruction_prefix().value_or(0);
+  for (std::uint64_t ns : sorted(m.store().namespace_ids())) {
+    for (std::uint64_t id : sorted(m.store().namespace_fact_ids(ns))) {
+      f << id << m.tracks(id);
+      if (m.tracks(id)) {
+        fact_state const s = m.fact(id);
+        f << s.namespace_id << s.turns << s.superseded_by.has_value();
+      }
+    }
+  }
+  return f.str();
+}
+
+crash_kind memory_kind()
+{
+  auto s = std::make_shared<memory_state>();
+  for (int i = 0; i < 12; ++i) {
+    s->add();
+  }
+  crash_kind k;
+  k.name    = "memory";
+  k.entries = 4;  // the manifest, the store, the index and the lifecycle file
+  k.step    = [s] { s->step(); };
+  k.grow    = [s] {
+    for (int i = 0; i < 40; ++i) {
+      s->add();
+    }
+  };
+  k.save  = [s](std::string const& dir) { save_memory(s->mem, dir); };
+  k.state = [s] { return memory_fingerprint(s->mem); };
+  k.load  = [](std::string const& dir) {
+    return memory_fingerprint(load_memory(dir, memory_settings()));
+  };
+  return k;
+}
+
+// -------------------------------------------------------------------------------------------------
+// Directory listings.
+
+std::vector<std::string> names_in(std::string const& directory)
+{
+  std::vector<std::string> names;
+  for (auto const& entry : fs::directory_iterator(directory)) {
+    names.push_back(entry.path().filename().string());
+  }
+  return sorted(names);
+}
+
+std::string joined(std::vector<std::string> const& names)
+{
+  std::string out;
+  for (std::string const& n : names) {
+    out += (out.empty() ? "" : " ") + n;
+  }
+  return out;
+}
+
+/// Every entry's name, size and modification time (nanoseconds).
+std::vector<std::string> stamps(std::string const& directory)
+{
+  std::vector<std::string> out;
+  for (std::string const& name : names_in(directory)) {
+    struct stat s {};
+    if (stat((directory + "/" + name).c_str(), &s) != 0) { continue; }
+    out.push_back(name + " " + std::to_string(s.st_size) + " " + std::to_string(s.st_mtim.tv_sec) +
+                  "." + std::to_string(s.st_mtim.tv_nsec));
+  }
+  return out;
+}
+
+// -------------------------------------------------------------------------------------------------
+// Kill trials.
+
+std::int64_t monotonic_ns()
+{
+  timespec t{};
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return static_cast<std::int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+
+/// What the saving child marks, in memory shared with the parent.
+struct child_marks {
+  std::atomic<int> phase;  ///< 0 forked, 1 in the save, 2 the save returned
+  std::atomic<std::int64_t> start_ns;
+  std::atomic<std::int64_t> end_ns;
+};
+
+class shared_marks {
+ public:
+  shared_marks()
+  {
+    void* p = mmap(nullptr, sizeof(child_marks), PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(p != MAP_FAILED);
+    marks_ = new (p) child_marks{};
+  }
+  ~shared_marks() { (void)munmap(marks_, sizeof(child_marks)); }
+  shared_marks(shared_marks const&)            = delete;
+  shared_marks& operator=(shared_marks const&) = delete;
+  child_marks& operator*() const noexcept { return *marks_; }
+
+ private:
+  child_marks* marks_{nullptr};
+};
+
+struct child_run {
+  int phase{0};
+  bool killed{false};
+  bool failed{false};  ///< the child's save threw or the child died otherwise
+  double start_ms{0}, end_ms{0};  ///< the save's start and return, after the fork
+};
+
+/// Forks a child that saves `k`'s state into `dir`; kills it `kill_after_ms` after its save
+/// started (never, when negative).
+child_run save_in_child(crash_kind const& k, std::string const& dir, double kill_after_ms,
+                        child_marks& marks)
+{
+  marks.phase.store(0);
+  marks.start_ns.store(0);
+  marks.end_ns.store(0);
+  std::int64_t const t0 = monotonic_ns();
+  pid_t const pid       = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    marks.start_ns.store(monotonic_ns());
+    marks.phase.store(1);
+    try {
+      k.save(dir);
+    } catch (...) {
+      _exit(3);
+    }
+    marks.end_ns.store(monotonic_ns());
+    marks.phase.store(2);
+    _exit(0);
+  }
+  child_run r;
+  if (kill_after_ms >= 0) {
+    while (marks.phase.load() == 0) {  // the child is starting (a fork costs about a millisecond)
+    }
+    std::int64_t const at = monotonic_ns() + static_cast<std::int64_t>(kill_after_ms * 1e6);
+    while (monotonic_ns() < at) {
+    }
+    (void)kill(pid, SIGKILL);
+  }
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  r.phase  = marks.phase.load();
+  r.killed = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+  r.failed = !r.killed && !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  if (marks.start_ns.load() != 0) { r.start_ms = double(marks.start_ns.load() - t0) / 1e6; }
+  if (marks.end_ns.load() != 0) { r.end_ms = double(marks.end_ns.load() - t0) / 1e6; }
+  return r;
+}
+
+struct kill_tally {
+  int trials{0};
+  int before{0}, during{0}, after{0};  ///< where the kill landed
+  int old_state{0}, new_state{0};      ///< what the path loaded to
+  int during_old{0}, during_new{0};
+  int wrote{0};      ///< kills after which the directory had changed (files written, renamed)
+  int leftovers{0};  ///< kills after which the directory held more than one snapshot's files
+  double save_ms{0};  ///< the save's median duration
+  std::vector<std::string> failures;
+};
+
+std::string describe(kill_tally const& t)
+{
+  std::ostringstream o;
+  o << t.trials << " kills (a save takes ~" << t.save_ms << " ms): " << t.before
+    << " before the save, " << t.during << " during it (" << t.during_old << " loaded the old state, "
+    << t.during_new << " the new), " << t.after << " after it; " << t.old_state << " old, "
+    << t.new_state << " new; the directory had changed after " << t.wrote << " kills and held "
+    << "leftovers of killed saves after " << t.leftovers;
+  return o.str();
+}
+
+/// `trials` saves of a stepped state over the previous one, each killed after a random delay.
+kill_tally kill_trials(crash_kind& k, int trials, std::uint64_t seed)
+{
+  scratch_dir dir;
+  shared_marks marks;
+  kill_tally t;
+  t.trials = trials;
+  auto fail = [&](std::string const& what) {
+    if (t.failures.size() < 8) { t.failures.push_back(what); }
+  };
+
+  // the old state, saved whole; then the save's duration, measured in children as in the trials
+  k.save(dir.path());
+  std::string current = k.state();
+  REQUIRE(k.load(dir.path()) == current);
+  std::vector<double> ends;
+  for (int i = 0; i < 9; ++i) {
+    child_run const r = save_in_child(k, dir.path(), -1, *marks);
+    REQUIRE_FALSE(r.failed);
+    REQUIRE(r.phase == 2);
+    ends.push_back(r.end_ms - r.start_ms);
+  }
+  std::sort(ends.begin(), ends.end());
+  t.save_ms = ends[ends.size() / 2];
+
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> delay(0.0, 1.2 * t.save_ms);
+  for (int trial = 0; trial < trials; ++trial) {
+    k.step();
+    std::string const next = k.state();
+    REQUIRE(next != current);
+    auto const before     = stamps(dir.path());
+    child_run const r     = save_in_child(k, dir.path(), delay(rng), *marks);
+    std::string const at = "trial " + std::to_string(trial) + " (phase " +
+                           std::to_string(r.phase) + "): ";
+    if (r.failed) { fail(at + "the child's save failed"); }
+    (r.phase == 0 ? t.before : r.phase == 1 ? t.during : t.after)++;
+    if (names_in(dir.path()).size() != k.entries) { ++t.leftovers; }
+    if (stamps(dir.path()) != before) { ++t.wrote; }
+    std::string loaded;
+    try {
+      loaded = k.load(dir.path());
+    } catch (std::exception const& e) {
+      fail(at + "the load failed: " + e.what() + " [" + joined(names_in(dir.path())) + "]");
+      continue;
+    }
+    bool const is_old = loaded == current;
+    bool const is_new = loaded == next;
+    if (!is_old && !is_new) {
+      fail(at + "loaded neither the old nor the new state [" + joined(names_in(dir.path())) + "]");
+      continue;
+    }
+    if (r.phase == 0 && !is_old) { fail(at + "killed before its save, yet the new state loads"); }
+    if (r.phase == 2 && !is_new) { fail(at + "its save returned, yet the old state loads"); }
+    (is_old ? t.old_state : t.new_state)++;
+    if (r.phase == 1) { (is_old ? t.during_old : t.during_new)++; }
+    if (is_new) { current = next; }
+  }
+
+  // a save after the kills succeeds and leaves exactly one snapshot: the killed saves' files are
+  // gone (temporaries reused, orphaned files removed)
+  k.step();
+  k.save(dir.path());
+  if (k.load(dir.path()) != k.state()) { fail("the save after the kills does not load"); }
+  std::vector<std::string> const left = names_in(dir.path());
+  if (left.size() != k.entries) {
+    fail("after a clean save the directory holds more than one snapshot: [" + joined(left) + "]");
+  }
+  return t;
+}
+
+void check_kills(crash_kind k, int trials, std::uint64_t seed)
+{
+  auto const start   = std::chrono::steady_clock::now();
+  kill_tally const t = kill_trials(k, trials, seed);
+  double const s =
+    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("crash %s: %s; %.1f s\n", k.name.c_str(), describe(t).c_str(), s);
+  INFO(k.name << ": " << describe(t));
+  for (std::string const& f : t.failures) {
+    UNSCOPED_INFO(f);
+  }
+  CHECK(t.failures.empty());
+  CHECK(t.old_state + t.new_state == t.trials);
+  // the delays cover the save: most kills land inside it (1 / 1.2 of them on average)
+  CHECK(t.during * 3 >= t.trials * 2);
+  CHECK(t.before == 0);
+}
+
+
+// -------------------------------------------------------------------------------------------------
+// A full disk: a small tmpfs in a private mount namespace, in a child process (so nothing stays
+// mounted whatever happens); the child reports one line per kind through a pipe.
+
+/// An expectation of the child (no Catch there): throws with `what`.
+void expect(bool ok, std::string const& what)
+{
+  if (!ok) { throw std::runtime_error(what); }
+}
+
+void mount_tmpfs(std::string const& at, std::uint64_t bytes, bool remount)
+{
+  std::string const options = "size=" + std::to_string(bytes) + ",mode=0700";
+  int const done = mount("tmpfs", at.c_str(), "tmpfs", remount ? MS_REMOUNT : 0, options.c_str());
+  int const error = errno;
+  expect(done == 0, "cannot " + std::string{remount ? "resize" : "mount"} + " a tmpfs of " +
+                      std::to_string(bytes) + " bytes at '" + at + "': " + std::strerror(error));
+}
+
+std::uint64_t used_bytes(std::string const& at)
+{
+  struct statvfs v {};
+  expect(statvfs(at.c_str(), &v) == 0, "cannot statvfs '" + at + "'");
+  return static_cast<std::uint64_t>(v.f_blocks - v.f_bfree) * v.f_frsize;
+}
+
+std::vector<std::pair<std::string, std::vector<unsigned char>>> files_of(std::string const& dir)
+{
+  std::vector<std::pair<std::string, std::vector<unsigned char>>> files;
+  for (std::string const& name : names_in(dir)) {
+    files.emplace_back(name, read_bytes(dir + "/" + name));
+  }
+  return files;
+}
+
+/// Saves a state into `mnt/<kind>`, grows it, then tries the grown save with 0, 4 KiB, 8 KiB, ...
+/// free on the file system until it fits: every refusal names the path and ENOSPC's text and
+/// leaves the old files byte for byte (nothing of its own), which load to the old state.
+std::string full_disk(crash_kind& k, std::string const& mnt)
+{
+  std::string const dir = mnt + "/" + k.name;
+  mount_tmpfs(mnt, std::uint64_t{64} << 20, true);
+  expect(fs::create_directory(dir), "cannot create '" + dir + "'");
+  k.save(dir);
+  std::string const old = k.state();
+  expect(k.load(dir) == old, "the old state does not load back");
+  auto const old_files     = files_of(dir);
+  std::uint64_t const base = used_bytes(mnt);
+  k.grow();
+  std::string const next   = k.state();
+  std::string const reason = std::strerror(ENOSPC);
+  int refused              = 0;
+  std::set<std::string> failing;  // the files whose writes ran out of space
+  for (std::uint64_t extra = 0;; extra += 4096) {
+    expect(extra <= (std::uint64_t{4} << 20), "the grown state never fitted");
+    mount_tmpfs(mnt, base + extra, true);
+    std::string message;
+    try {
+      k.save(dir);
+    } catch (logic_error const& e) {
+      message = e.what();
+    }
+    if (message.empty()) {
+      expect(k.load(dir) == next, "the save that fitted does not load to the new state");
+      expect(names_in(dir).size() == k.entries,
+             "the save that fitted left [" + joined(names_in(dir)) + "]");
+      break;
+    }
+    ++refused;
+    std::string const at = "with " + std::to_string(extra) + " bytes free: ";
+    expect(message.find(reason) != std::string::npos && message.find(dir) != std::string::npos,
+           at + "the error does not name the path and ENOSPC: " + message);
+    std::size_t const path = message.rfind(dir + "/");
+    failing.insert(message.substr(path + dir.size() + 1,
+                                  message.find('\'', path) - path - dir.size() - 1));
+    expect(files_of(dir) == old_files,
+           at + "the directory changed: [" + joined(names_in(dir)) + "] (" + message + ")");
+    expect(k.load(dir) == old, at + "the old state does not load (" + message + ")");
+  }
+  expect(refused > 0, "the grown state fitted at once");
+  fs::remove_all(dir);
+  std::vector<std::string> names(failing.begin(), failing.end());
+  return std::to_string(refused) + " refused saves, out of space in [" + joined(names) + "]";
+}
+
+/// The child's side: a private mount namespace, a tmpfs at `mnt`, the four kinds, unmounted.
+void full_disk_child(std::string const& mnt, int out)
+{
+  auto const say = [out](std::string line) {
+    line += '\n';
+    for (std::size_t done = 0; done < line.size();) {
+      ssize_t const n = write(out, line.data() + done, line.size() - done);
+      if (n <= 0) { return; }
+      done += static_cast<std::size_t>(n);
+    }
+  };
+  if (unshare(CLONE_NEWNS) != 0) {
+    int const error = errno;
+    say("mount cannot enter a private mount namespace: " + std::string{std::strerror(error)});
+    return;
+  }
+  if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+    int const error = errno;
+    say("mount cannot make the mounts private: " + std::string{std::strerror(error)});
+    return;
+  }
+  try {
+    mount_tmpfs(mnt, std::uint64_t{64} << 20, false);
+  } catch (std::exception const& e) {
+    say(std::string{"mount "} + e.what());
+    return;
+  }
+  for (auto make : {store_kind, index_kind, tier_kind, memory_kind}) {
+    crash_kind k = make();
+    try {
+      say("ok " + k.name + ": " + full_disk(k, mnt));
+    } catch (std::exception const& e) {
+      say("fail " + k.name + ": " + e.what());
+    }
+  }
+  if (umount(mnt.c_str()) != 0) {
+    int const error = errno;
+    say("fail umount: " + std::string{std::strerror(error)});
+  }
+}
+
+}  // namespace
+
+TEST_CASE("crash: a killed save_store leaves the old or the new store", "[crash]")
+{
+  check_kills(store_kind(), 200, 1);
+}
+
+TEST_CASE("crash: a killed save_index leaves the old or the new index", "[crash]")
+{
+  check_kills(index_kind(), 200, 2);
+}
+
+TEST_CASE("crash: a killed save_tiers leaves the old or the new tiers", "[crash]")
+{
+  check_kills(tier_kind(), 200, 3);
+}
+
+TEST_CASE("crash: a killed save_memory leaves the old or the new deployment", "[crash]")
+{
+  check_kills(memory_kind(), 200, 4);
+}
+
+TEST_CASE("crash: a save that runs out of space leaves the previous snapshot", "[crash]")
+{
+  scratch_dir dir;
+  std::string const mnt = dir.file("tmpfs");
+  fs::create_directory(mnt);
+  int pipe_ends[2];
+  REQUIRE(pipe(pipe_ends) == 0);
+  pid_t const pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    (void)close(pipe_ends[0]);
+    full_disk_child(mnt, pipe_ends[1]);
+    _exit(0);
+  }
+  (void)close(pipe_ends[1]);
+  std::string report;
+  char buffer[4096];
+  for (;;) {
+    ssize_t const n = read(pipe_ends[0], buffer, sizeof buffer);
+    if (n <= 0) { break; }
+    report.append(buffer, static_cast<std::size_t>(n));
+  }
+  (void)close(pipe_ends[0]);
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  std::istringstream lines{report};
+  std::string line;
+  int passed = 0;
+  while (std::getline(lines, line)) {
+    if (line.rfind("mount ", 0) == 0) {
+      FAIL("the full-disk test mounts a small tmpfs in a private mount namespace (it needs root, "
+           "CAP_SYS_ADMIN) and could not: "
+           << line.substr(6));
+    }
+    std::printf("crash full disk %s\n", line.c_str());
+    INFO(line);
+    CHECK(line.rfind("ok ", 0) == 0);
+    passed += line.rfind("ok ", 0) == 0 ? 1 : 0;
+  }
+  CHECK(passed == 4);
+}

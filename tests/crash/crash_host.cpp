@@ -1,6 +1,6 @@
 // Crash-safe saves (issue 31, item 3): a save killed with SIGKILL at any moment leaves its file or
 // directory loading to exactly the previous state or exactly the new one, for the four snapshot
-// kinds (save_store, save_index, save_tiers, save_memory), and a later save cleans up what the
+// kinds (save_store, save_index, save_tiers, save_memory), and the next save cleans up what the
 // killed one left; a save that runs out of space (a small tmpfs) fails with the path and the
 // system's reason (ENOSPC), leaves the previous snapshot loading as it was and no file of its own.
 //
@@ -8,9 +8,14 @@
 // (every fact's namespace, id, tokens and page bytes; every namespace's live ids and the answers of
 // fixed graph searches; residency, pins and LRU order; the facade's tracked facts), taken from the
 // in-memory objects before the save, and what the path loads to after the kill must equal one of
-// the two fingerprints byte for byte. A child process saves; the parent kills it after a delay
-// drawn uniformly from [0, 1.2 x the save's measured end]. The child marks in shared memory when
-// its save starts and returns, so each kill is known to have landed before, during or after it.
+// the two fingerprints byte for byte. A child process saves; it is killed either
+//  - at a system call of its save (ptrace): the file system changes only through system calls, so
+//    killing on entry to each of them in turn reaches every state the save passes through on disk
+//    (200 kills per kind at least, every call of the save used); or
+//  - after a delay drawn uniformly from [0, 1.2 x a measured save's duration] from the moment its
+//    save started (100 kills per kind): the save as it runs, with no tracer in between.
+// The child marks in shared memory when its save starts and returns, so each kill is known to
+// have landed before, during or after it.
 #include "../snapshot/snapshot_common.hpp"
 #include "fake_model.hpp"
 #include "index_answers.hpp"
@@ -30,8 +35,10 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/ptrace.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -45,6 +52,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <set>
@@ -161,8 +169,8 @@ std::vector<float> kv_values(std::uint64_t id, std::size_t n, std::uint64_t salt
 {
   std::vector<float> v(n);
   for (std::size_t i = 0; i < n; ++i) {
-    v[i] = static_cast<float>(static_cast<std::int64_t>((id * 131 + i * 7 + salt) % 256) - 128) /
-           64.0f;
+    v[i] =
+      static_cast<float>(static_cast<std::int64_t>((id * 131 + i * 7 + salt) % 256) - 128) / 64.0f;
   }
   return v;
 }
@@ -201,9 +209,9 @@ crash_kind store_kind()
     s->add();
   }
   crash_kind k;
-  k.name  = "store";
-  k.step  = [s] { s->step(); };
-  k.grow  = [s] {
+  k.name = "store";
+  k.step = [s] { s->step(); };
+  k.grow = [s] {
     for (int i = 0; i < 24; ++i) {
       s->add();
     }
@@ -245,7 +253,8 @@ struct index_state {
     for (float& x : v) {
       x = d(rng);
     }
-    index.add(ns, make_matrix_view<float const>(v.data(), 1, 16),
+    index.add(ns,
+              make_matrix_view<float const>(v.data(), 1, 16),
               cuda::std::span<std::uint64_t const>{&id, 1});
     live.push_back(id);
   }
@@ -265,9 +274,9 @@ crash_kind index_kind()
     s->add(static_cast<std::uint64_t>(i % 3));
   }
   crash_kind k;
-  k.name  = "index";
-  k.step  = [s] { s->step(); };
-  k.grow  = [s] {
+  k.name = "index";
+  k.step = [s] { s->step(); };
+  k.grow = [s] {
     for (int i = 0; i < 150; ++i) {
       s->add(static_cast<std::uint64_t>(i % 3));
     }
@@ -304,9 +313,9 @@ struct tier_state {
   std::deque<std::uint64_t> live;  ///< unpinned facts, oldest first
   void add(fact_residency where)
   {
-    std::uint64_t const id   = next++;
-    std::int32_t const n     = 1 + static_cast<std::int32_t>(id % 6);
-    std::size_t const values = static_cast<std::size_t>(3 * n * 2 * 8);
+    std::uint64_t const id     = next++;
+    std::int32_t const n       = 1 + static_cast<std::int32_t>(id % 6);
+    std::size_t const values   = static_cast<std::size_t>(3 * n * 2 * 8);
     std::vector<float> const k = kv_values(id, values, 0), v = kv_values(id, values, 77);
     tiers.insert<float>(id,
                         id % 2,
@@ -332,7 +341,6 @@ struct tier_state {
     }
   }
 };
-
 
 /// Both tiers, every fact's residency and pin, every namespace's LRU order.
 std::string tiers_fingerprint(tiered_store const& t)
@@ -412,11 +420,11 @@ struct memory_state {
     std::uint64_t const id = next++;
     std::int32_t const t   = static_cast<std::int32_t>(id);
     direct_fact f;
-    f.fact_id        = id;
-    f.context        = {1, 2, 300 + t % 50};
-    f.token_ids      = {5000 + t, 6000 + t, 7000 + t % 11};
-    f.first_position = static_cast<std::int64_t>(id % 5);
-    f.turns          = {static_cast<std::int64_t>(id % 4)};
+    f.fact_id              = id;
+    f.context              = {1, 2, 300 + t % 50};
+    f.token_ids            = {5000 + t, 6000 + t, 7000 + t % 11};
+    f.first_position       = static_cast<std::int64_t>(id % 5);
+    f.turns                = {static_cast<std::int64_t>(id % 4)};
     std::string const text = "topic" + std::to_string(id) + " alpha" + std::to_string(id * 7 % 23) +
                              " beta" + std::to_string(id * 13 % 17);
     (void)mem.add_facts(model, embedder, 5 + id % 2, {f}, {text});
@@ -528,8 +536,8 @@ class shared_marks {
  public:
   shared_marks()
   {
-    void* p = mmap(nullptr, sizeof(child_marks), PROT_READ | PROT_WRITE,
-                   MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    void* p =
+      mmap(nullptr, sizeof(child_marks), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     REQUIRE(p != MAP_FAILED);
     marks_ = new (p) child_marks{};
   }
@@ -545,13 +553,17 @@ class shared_marks {
 struct child_run {
   int phase{0};
   bool killed{false};
-  bool failed{false};  ///< the child's save threw or the child died otherwise
+  bool failed{false};             ///< the child's save threw or the child died otherwise
   double start_ms{0}, end_ms{0};  ///< the save's start and return, after the fork
+  std::int64_t syscalls{0};       ///< traced: the save's system calls that ran
+  std::string syscall;            ///< traced: the call the kill landed on
 };
 
 /// Forks a child that saves `k`'s state into `dir`; kills it `kill_after_ms` after its save
 /// started (never, when negative).
-child_run save_in_child(crash_kind const& k, std::string const& dir, double kill_after_ms,
+child_run save_in_child(crash_kind const& k,
+                        std::string const& dir,
+                        double kill_after_ms,
                         child_marks& marks)
 {
   marks.phase.store(0);
@@ -577,9 +589,16 @@ child_run save_in_child(crash_kind const& k, std::string const& dir, double kill
     while (marks.phase.load() == 0) {  // the child is starting (a fork costs about a millisecond)
     }
     std::int64_t const at = monotonic_ns() + static_cast<std::int64_t>(kill_after_ms * 1e6);
-    while (monotonic_ns() < at) {
-    }
+    while (monotonic_ns() < at) {}
     (void)kill(pid, SIGKILL);
+  } else {
+    while (marks.phase.load() != 2) {  // as in a trial: the parent busy while its child saves
+      siginfo_t gone{};
+      if (waitid(P_PID, static_cast<id_t>(pid), &gone, WEXITED | WNOHANG | WNOWAIT) != 0 ||
+          gone.si_pid != 0) {
+        break;
+      }
+    }
   }
   int status = 0;
   REQUIRE(waitpid(pid, &status, 0) == pid);
@@ -591,63 +610,220 @@ child_run save_in_child(crash_kind const& k, std::string const& dir, double kill
   return r;
 }
 
+/// The name of a system call a kill landed on (the file system's, by name).
+std::string syscall_name(std::uint64_t nr)
+{
+  switch (static_cast<long>(nr)) {
+    case SYS_openat: return "openat";
+    case SYS_write: return "write";
+    case SYS_read: return "read";
+    case SYS_fsync: return "fsync";
+    case SYS_close: return "close";
+    case SYS_rename: return "rename";
+    case SYS_renameat: return "renameat";
+    case SYS_renameat2: return "renameat2";
+    case SYS_unlink: return "unlink";
+    case SYS_unlinkat: return "unlinkat";
+    case SYS_fstat: return "fstat";
+    case SYS_newfstatat: return "newfstatat";
+    case SYS_lseek: return "lseek";
+    case SYS_getdents64: return "getdents64";
+    case SYS_exit_group: return "exit_group";
+    case SYS_mmap: return "mmap";
+    case SYS_munmap: return "munmap";
+    case SYS_brk: return "brk";
+    default: return "other";
+  }
+}
+
+/**
+ * Forks a child that saves `k`'s state into `dir` under ptrace, and kills it as it enters the
+ * save's system call number `kill_at` (from 0: that many of the save's calls have run; the call
+ * after the save's last one is the child's exit). Never killed when `kill_at` is negative; then
+ * `syscalls` is the number of calls the save made. The file system changes only through system
+ * calls, so stopping at each one reaches every state a save passes through on disk.
+ */
+child_run save_traced(crash_kind const& k,
+                      std::string const& dir,
+                      std::int64_t kill_at,
+                      child_marks& marks)
+{
+  marks.phase.store(0);
+  pid_t const pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    if (ptrace(PTRACE_TRACEME, 0, nullptr, nullptr) != 0) { _exit(4); }
+    (void)raise(SIGSTOP);
+    marks.phase.store(1);
+    try {
+      k.save(dir);
+    } catch (...) {
+      _exit(3);
+    }
+    marks.phase.store(2);
+    _exit(0);
+  }
+  child_run r;
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  if (!WIFSTOPPED(status)) {  // PTRACE_TRACEME refused
+    r.failed = true;
+    return r;
+  }
+  REQUIRE(ptrace(PTRACE_SETOPTIONS, pid, nullptr, PTRACE_O_TRACESYSGOOD | PTRACE_O_EXITKILL) == 0);
+  int deliver = 0;
+  for (;;) {
+    REQUIRE(ptrace(PTRACE_SYSCALL, pid, nullptr, deliver) == 0);
+    deliver = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    if (WIFEXITED(status) || WIFSIGNALED(status)) { break; }
+    if (WSTOPSIG(status) != (SIGTRAP | 0x80)) {  // a signal: passed on
+      deliver = WSTOPSIG(status);
+      continue;
+    }
+    __ptrace_syscall_info info{};
+    REQUIRE(ptrace(PTRACE_GET_SYSCALL_INFO, pid, sizeof info, &info) > 0);
+    int const phase = marks.phase.load();
+    if (info.op != PTRACE_SYSCALL_INFO_ENTRY || phase == 0) { continue; }
+    if (kill_at >= 0 && r.syscalls == kill_at) {
+      r.phase   = phase;
+      r.syscall = syscall_name(info.entry.nr);
+      REQUIRE(kill(pid, SIGKILL) == 0);
+      REQUIRE(waitpid(pid, &status, 0) == pid);
+      break;
+    }
+    if (phase == 1) { ++r.syscalls; }
+  }
+  if (r.syscall.empty()) { r.phase = marks.phase.load(); }
+  r.killed = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+  r.failed = !r.killed && !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  return r;
+}
+
+/// How a trial picks its kill point.
+enum class kill_by {
+  delay,    ///< a delay after the save started, uniform in [0, 1.2 x a measured save's duration]
+  syscall,  ///< a system call of the save (ptrace), every one of them in turn, shuffled
+};
+
 struct kill_tally {
   int trials{0};
   int before{0}, during{0}, after{0};  ///< where the kill landed
   int old_state{0}, new_state{0};      ///< what the path loaded to
   int during_old{0}, during_new{0};
-  int wrote{0};      ///< kills after which the directory had changed (files written, renamed)
-  int leftovers{0};  ///< kills after which the directory held more than one snapshot's files
-  double save_ms{0};  ///< the save's median duration
+  int wrote{0};       ///< kills after which the directory had changed (files written, renamed)
+  int leftovers{0};   ///< kills after which the directory held more than one snapshot's files
+  double save_ms{0};  ///< delay: an uninterrupted save's median duration
+  std::vector<double> completed_ms;
+  std::int64_t syscalls{0};  ///< syscall: the save's system calls (the most of the measured saves)
+  std::int64_t points{0};    ///< syscall: distinct kill points used
+  std::map<std::string, int> landed;  ///< syscall: the calls the kills landed on
   std::vector<std::string> failures;
 };
 
-std::string describe(kill_tally const& t)
+std::string describe(kill_tally const& t, kill_by how)
 {
   std::ostringstream o;
-  o << t.trials << " kills (a save takes ~" << t.save_ms << " ms): " << t.before
-    << " before the save, " << t.during << " during it (" << t.during_old << " loaded the old state, "
-    << t.during_new << " the new), " << t.after << " after it; " << t.old_state << " old, "
-    << t.new_state << " new; the directory had changed after " << t.wrote << " kills and held "
-    << "leftovers of killed saves after " << t.leftovers;
+  o << t.trials << " kills ";
+  if (how == kill_by::delay) {
+    std::vector<double> c = t.completed_ms;
+    std::sort(c.begin(), c.end());
+    o << "after random delays (medians: an uninterrupted save " << t.save_ms << " ms, the trials' "
+      << "saves that completed " << (c.empty() ? 0.0 : c[c.size() / 2]) << " ms)";
+  } else {
+    o << "at system calls (a save makes " << t.syscalls << "; kills before";
+    for (auto const& [name, n] : t.landed) {
+      o << " " << name << " " << n;
+    }
+    o << ")";
+  }
+  o << ": " << t.before << " before the save, " << t.during << " during it (" << t.during_old
+    << " loaded the old state, " << t.during_new << " the new), " << t.after << " after it; "
+    << t.old_state << " old, " << t.new_state << " new; the directory had changed after " << t.wrote
+    << " kills and held leftovers of killed saves after " << t.leftovers;
   return o.str();
 }
 
-/// `trials` saves of a stepped state over the previous one, each killed after a random delay.
-kill_tally kill_trials(crash_kind& k, int trials, std::uint64_t seed)
+/// `trials` saves (more where a save makes more system calls) of a stepped state over the
+/// previous one, each killed as `how` says; then a save that completes.
+kill_tally kill_trials(crash_kind& k, int trials, kill_by how, std::uint64_t seed)
 {
   scratch_dir dir;
   shared_marks marks;
   kill_tally t;
-  t.trials = trials;
   auto fail = [&](std::string const& what) {
     if (t.failures.size() < 8) { t.failures.push_back(what); }
   };
 
-  // the old state, saved whole; then the save's duration, measured in children as in the trials
+  // the old state, saved whole
   k.save(dir.path());
   std::string current = k.state();
   REQUIRE(k.load(dir.path()) == current);
-  std::vector<double> ends;
-  for (int i = 0; i < 9; ++i) {
-    child_run const r = save_in_child(k, dir.path(), -1, *marks);
-    REQUIRE_FALSE(r.failed);
-    REQUIRE(r.phase == 2);
-    ends.push_back(r.end_ms - r.start_ms);
-  }
-  std::sort(ends.begin(), ends.end());
-  t.save_ms = ends[ends.size() / 2];
 
+  // Delays: the save's duration drifts with the disk's load (an fsync takes 0.1 to 40 ms on the
+  // shared CI disk): the delays follow the median of the last 9 durations measured, first of
+  // uninterrupted saves, then of the trials' saves that completed.
+  std::deque<double> durations;
+  std::vector<double> all_durations;
+  auto const measure = [&](int saves) {
+    for (int i = 0; i < saves; ++i) {
+      child_run const r = save_in_child(k, dir.path(), -1, *marks);
+      REQUIRE_FALSE(r.failed);
+      REQUIRE(r.phase == 2);
+      durations.push_back(r.end_ms - r.start_ms);
+      all_durations.push_back(r.end_ms - r.start_ms);
+      if (durations.size() > 9) { durations.pop_front(); }
+    }
+    current = k.state();
+    REQUIRE(k.load(dir.path()) == current);
+  };
+  // System calls: the kill points are 0 .. S (S: the most calls of 3 traced saves; S itself is
+  // the child's exit), each used in turn in a shuffled order.
+  std::vector<std::int64_t> points;
   std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> delay(0.0, 1.2 * t.save_ms);
+  if (how == kill_by::delay) {
+    measure(9);
+  } else {
+    for (int i = 0; i < 3; ++i) {
+      child_run const r = save_traced(k, dir.path(), -1, *marks);
+      REQUIRE_FALSE(r.failed);
+      REQUIRE(r.phase == 2);
+      t.syscalls = std::max(t.syscalls, r.syscalls);
+    }
+    current = k.state();
+    REQUIRE(k.load(dir.path()) == current);
+    for (std::int64_t p = 0; p <= t.syscalls; ++p) {
+      points.push_back(p);
+    }
+    std::shuffle(points.begin(), points.end(), rng);
+    trials   = std::max<int>(trials, static_cast<int>(points.size()));
+    t.points = static_cast<std::int64_t>(std::min<std::size_t>(points.size(), trials));
+  }
+  t.trials = trials;
+
   for (int trial = 0; trial < trials; ++trial) {
     k.step();
     std::string const next = k.state();
     REQUIRE(next != current);
-    auto const before     = stamps(dir.path());
-    child_run const r     = save_in_child(k, dir.path(), delay(rng), *marks);
-    std::string const at = "trial " + std::to_string(trial) + " (phase " +
-                           std::to_string(r.phase) + "): ";
+    auto const before = stamps(dir.path());
+    child_run r;
+    if (how == kill_by::delay) {
+      std::vector<double> recent(durations.begin(), durations.end());
+      std::sort(recent.begin(), recent.end());
+      std::uniform_real_distribution<double> delay(0.0, 1.2 * recent[recent.size() / 2]);
+      r = save_in_child(k, dir.path(), delay(rng), *marks);
+      if (r.phase == 2) {  // a duration under the trials' own conditions
+        durations.push_back(r.end_ms - r.start_ms);
+        durations.pop_front();
+        t.completed_ms.push_back(r.end_ms - r.start_ms);
+      }
+    } else {
+      r =
+        save_traced(k, dir.path(), points[static_cast<std::size_t>(trial) % points.size()], *marks);
+      t.landed[r.syscall.empty() ? "none (the save ended sooner)" : r.syscall]++;
+    }
+    std::string const at =
+      "trial " + std::to_string(trial) + " (phase " + std::to_string(r.phase) + "): ";
     if (r.failed) { fail(at + "the child's save failed"); }
     (r.phase == 0 ? t.before : r.phase == 1 ? t.during : t.after)++;
     if (names_in(dir.path()).size() != k.entries) { ++t.leftovers; }
@@ -671,6 +847,10 @@ kill_tally kill_trials(crash_kind& k, int trials, std::uint64_t seed)
     if (r.phase == 1) { (is_old ? t.during_old : t.during_new)++; }
     if (is_new) { current = next; }
   }
+  if (!all_durations.empty()) {
+    std::sort(all_durations.begin(), all_durations.end());
+    t.save_ms = all_durations[all_durations.size() / 2];
+  }
 
   // a save after the kills succeeds and leaves exactly one snapshot: the killed saves' files are
   // gone (temporaries reused, orphaned files removed)
@@ -684,24 +864,34 @@ kill_tally kill_trials(crash_kind& k, int trials, std::uint64_t seed)
   return t;
 }
 
-void check_kills(crash_kind k, int trials, std::uint64_t seed)
+void check_kills(crash_kind k, kill_by how, int trials, std::uint64_t seed)
 {
   auto const start   = std::chrono::steady_clock::now();
-  kill_tally const t = kill_trials(k, trials, seed);
-  double const s =
-    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("crash %s: %s; %.1f s\n", k.name.c_str(), describe(t).c_str(), s);
-  INFO(k.name << ": " << describe(t));
+  kill_tally const t = kill_trials(k, trials, how, seed);
+  double const s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("crash %s: %s; %.1f s\n", k.name.c_str(), describe(t, how).c_str(), s);
+  INFO(k.name << ": " << describe(t, how));
   for (std::string const& f : t.failures) {
     UNSCOPED_INFO(f);
   }
   CHECK(t.failures.empty());
   CHECK(t.old_state + t.new_state == t.trials);
-  // the delays cover the save: most kills land inside it (1 / 1.2 of them on average)
-  CHECK(t.during * 3 >= t.trials * 2);
   CHECK(t.before == 0);
+  if (how == kill_by::syscall) {
+    // every call of the save was a kill point; the new state appears only at its end (the
+    // rename of the file or the manifest), so most kills inside the save leave the old state
+    CHECK(t.points == t.syscalls + 1);
+    CHECK(t.trials >= t.points);
+    CHECK(t.during_old > t.during_new);
+    CHECK(t.during_new > 0);
+  } else {
+    // the delays reach into the save: with the disk's speed steady 1 / 1.2 of the kills land
+    // inside it; an fsync's time on a shared disk varies tenfold from one save to the next (29 to
+    // 99 % landed inside in runs on the CI machine), so a tenth is asked for here; the kills at
+    // system calls are the ones that reach every point of the save
+    CHECK(t.during * 10 >= t.trials);
+  }
 }
-
 
 // -------------------------------------------------------------------------------------------------
 // A full disk: a small tmpfs in a private mount namespace, in a child process (so nothing stays
@@ -716,10 +906,11 @@ void expect(bool ok, std::string const& what)
 void mount_tmpfs(std::string const& at, std::uint64_t bytes, bool remount)
 {
   std::string const options = "size=" + std::to_string(bytes) + ",mode=0700";
-  int const done = mount("tmpfs", at.c_str(), "tmpfs", remount ? MS_REMOUNT : 0, options.c_str());
+  int const done  = mount("tmpfs", at.c_str(), "tmpfs", remount ? MS_REMOUNT : 0, options.c_str());
   int const error = errno;
-  expect(done == 0, "cannot " + std::string{remount ? "resize" : "mount"} + " a tmpfs of " +
-                      std::to_string(bytes) + " bytes at '" + at + "': " + std::strerror(error));
+  expect(done == 0,
+         "cannot " + std::string{remount ? "resize" : "mount"} + " a tmpfs of " +
+           std::to_string(bytes) + " bytes at '" + at + "': " + std::strerror(error));
 }
 
 std::uint64_t used_bytes(std::string const& at)
@@ -776,8 +967,8 @@ std::string full_disk(crash_kind& k, std::string const& mnt)
     expect(message.find(reason) != std::string::npos && message.find(dir) != std::string::npos,
            at + "the error does not name the path and ENOSPC: " + message);
     std::size_t const path = message.rfind(dir + "/");
-    failing.insert(message.substr(path + dir.size() + 1,
-                                  message.find('\'', path) - path - dir.size() - 1));
+    failing.insert(
+      message.substr(path + dir.size() + 1, message.find('\'', path) - path - dir.size() - 1));
     expect(files_of(dir) == old_files,
            at + "the directory changed: [" + joined(names_in(dir)) + "] (" + message + ")");
     expect(k.load(dir) == old, at + "the old state does not load (" + message + ")");
@@ -799,10 +990,24 @@ void full_disk_child(std::string const& mnt, int out)
       done += static_cast<std::size_t>(n);
     }
   };
+  // as root a private mount namespace; otherwise one inside a user namespace of our own, where
+  // the kernel allows unprivileged ones (this child is single-threaded, as that requires)
   if (unshare(CLONE_NEWNS) != 0) {
-    int const error = errno;
-    say("mount cannot enter a private mount namespace: " + std::string{std::strerror(error)});
-    return;
+    int const error  = errno;
+    uid_t const uid  = getuid();
+    gid_t const gid  = getgid();
+    auto const write = [](char const* file, std::string const& text) {
+      FILE* const f = std::fopen(file, "w");
+      bool const ok = f != nullptr && std::fputs(text.c_str(), f) >= 0;
+      return f != nullptr && std::fclose(f) == 0 && ok;
+    };
+    if (unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0 || !write("/proc/self/setgroups", "deny") ||
+        !write("/proc/self/uid_map", "0 " + std::to_string(uid) + " 1") ||
+        !write("/proc/self/gid_map", "0 " + std::to_string(gid) + " 1")) {
+      say("mount cannot enter a private mount namespace: " + std::string{std::strerror(error)} +
+          ", nor a user namespace: " + std::strerror(errno));
+      return;
+    }
   }
   if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
     int const error = errno;
@@ -833,22 +1038,26 @@ void full_disk_child(std::string const& mnt, int out)
 
 TEST_CASE("crash: a killed save_store leaves the old or the new store", "[crash]")
 {
-  check_kills(store_kind(), 200, 1);
+  check_kills(store_kind(), kill_by::syscall, 200, 1);
+  check_kills(store_kind(), kill_by::delay, 100, 11);
 }
 
 TEST_CASE("crash: a killed save_index leaves the old or the new index", "[crash]")
 {
-  check_kills(index_kind(), 200, 2);
+  check_kills(index_kind(), kill_by::syscall, 200, 2);
+  check_kills(index_kind(), kill_by::delay, 100, 12);
 }
 
 TEST_CASE("crash: a killed save_tiers leaves the old or the new tiers", "[crash]")
 {
-  check_kills(tier_kind(), 200, 3);
+  check_kills(tier_kind(), kill_by::syscall, 200, 3);
+  check_kills(tier_kind(), kill_by::delay, 100, 13);
 }
 
 TEST_CASE("crash: a killed save_memory leaves the old or the new deployment", "[crash]")
 {
-  check_kills(memory_kind(), 200, 4);
+  check_kills(memory_kind(), kill_by::syscall, 200, 4);
+  check_kills(memory_kind(), kill_by::delay, 100, 14);
 }
 
 TEST_CASE("crash: a save that runs out of space leaves the previous snapshot", "[crash]")
@@ -882,9 +1091,10 @@ TEST_CASE("crash: a save that runs out of space leaves the previous snapshot", "
   int passed = 0;
   while (std::getline(lines, line)) {
     if (line.rfind("mount ", 0) == 0) {
-      FAIL("the full-disk test mounts a small tmpfs in a private mount namespace (it needs root, "
-           "CAP_SYS_ADMIN) and could not: "
-           << line.substr(6));
+      FAIL(
+        "the full-disk test mounts a small tmpfs in a private mount namespace (it needs root, "
+        "or unprivileged user namespaces) and could not: "
+        << line.substr(6));
     }
     std::printf("crash full disk %s\n", line.c_str());
     INFO(line);

@@ -947,6 +947,7 @@ std::string full_disk(crash_kind& k, std::string const& mnt)
   std::string const reason = std::strerror(ENOSPC);
   int refused              = 0;
   std::set<std::string> failing;  // the files whose writes ran out of space
+  std::string first;              // the first refusal's message
   for (std::uint64_t extra = 0;; extra += 4096) {
     expect(extra <= (std::uint64_t{4} << 20), "the grown state never fitted");
     mount_tmpfs(mnt, base + extra, true);
@@ -963,6 +964,7 @@ std::string full_disk(crash_kind& k, std::string const& mnt)
       break;
     }
     ++refused;
+    if (first.empty()) { first = message; }
     std::string const at = "with " + std::to_string(extra) + " bytes free: ";
     expect(message.find(reason) != std::string::npos && message.find(dir) != std::string::npos,
            at + "the error does not name the path and ENOSPC: " + message);
@@ -976,7 +978,8 @@ std::string full_disk(crash_kind& k, std::string const& mnt)
   expect(refused > 0, "the grown state fitted at once");
   fs::remove_all(dir);
   std::vector<std::string> names(failing.begin(), failing.end());
-  return std::to_string(refused) + " refused saves, out of space in [" + joined(names) + "]";
+  return std::to_string(refused) + " refused saves, out of space in [" + joined(names) +
+         "]; the first said: " + first;
 }
 
 /// The child's side: a private mount namespace, a tmpfs at `mnt`, the four kinds, unmounted.

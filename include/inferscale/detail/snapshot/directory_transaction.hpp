@@ -27,7 +27,9 @@
  * more groups of 16 lower-case hexadecimal digits joined by '-') for a staged
  * `<stem>.pending.<ext>`, so after its commit a save removes every file of the directory named
  * after one of its own stems that its manifest does not name, its stems' pending names and their
- * temporaries, and the manifest's temporary. Other files of the directory are left alone.
+ * temporaries, and the manifest's temporary. Other files of the directory are left alone. Two
+ * saves into one directory must not overlap (serialise them): they share the pending names, and
+ * the commit of one would remove the other's files not yet committed.
  *
  * Why not a temporary sibling directory swapped into place: POSIX `rename` cannot replace a
  * non-empty directory, and exchanging two (`renameat2(RENAME_EXCHANGE)`) is Linux-only. A

@@ -72,6 +72,30 @@ class injection_workspace;  // inject.cuh: the device backend's staging (serve/i
  *
  * Every mutating call validates its input first and leaves the store and the index unchanged when
  * it throws (adapter failures included: facts stored by a failed call are erased again).
+ *
+ * **Concurrency.** One memory may be called from many threads at once:
+ *  - *Reads* — retrieve, prepare, inject, serve, serve_step, tracks, fact, conversations,
+ *    conversation_of, facts_seeing_turn, direct_facts_seeing_turn, instruction_prefix — run
+ *    concurrently with each other, any number at once (a shared lock).
+ *  - *Mutations* — set_instruction_prefix, add_conversation, add_facts, update_fact, update_turns,
+ *    reencode_facts, erase_fact, erase_namespace, compact_index — run one at a time. Each
+ *    validates, embeds and runs the model's forwards while reads go on, and excludes reads only
+ *    while it commits (copies the captured K/V into the store, adds to or erases from the index,
+ *    updates the catalogue); set_instruction_prefix, the erasures and compact_index are commits
+ *    throughout. A read sees every mutation that returned before it began, and never half of one:
+ *    no fact after its erase returned, no fact without its K/V, no K/V of two versions.
+ *  - *Saves* (save_memory, save) run one at a time with the mutations, concurrently with reads: a
+ *    snapshot is the state between two mutations.
+ * The caller keeps the rest: every thread brings its own cache adapter (a request's adapter, or a
+ * step's adapters, belong to that call while it runs) and an embedder safe to call from several
+ * threads at once (or one per thread); adapters and embedders must not call back into this
+ * memory (deadlock). A waiting mutation holds back reads that arrive after it (no starvation).
+ * `store()` and `index()` hand out the parts themselves, outside this contract (use them only while
+ * no other thread calls the memory). On a device store a serve's injection is enqueued, not done,
+ * when the call returns: a mutation's device writes are made on the default stream (erase_fact(id,
+ * stream) documents the order). Moving a memory that other threads use is a race. kv_store and
+ * graph_index alone follow the standard library's rule (any number of concurrent const calls; a
+ * non-const call needs exclusive access).
  */
 class memory {
  public:
@@ -85,7 +109,11 @@ class memory {
   graph_index& index() noexcept { return index_; }
   graph_index const& index() const noexcept { return index_; }
   memory_config const& config() const noexcept { return config_; }
-  std::optional<std::uint64_t> instruction_prefix() const noexcept { return prefix_; }
+  std::optional<std::uint64_t> instruction_prefix() const
+  {
+    auto const read = locks_.read();
+    return prefix_;
+  }
 
   /**
    * @brief Encodes the instruction prefix every request's memory segment starts with (one forward
@@ -269,7 +297,11 @@ class memory {
 
   /// @brief True when the memory tracks fact `id` (added by add_conversation/add_facts or an
   /// update, not erased since; the instruction prefix is not tracked).
-  bool tracks(std::uint64_t id) const noexcept { return facts_.count(id) != 0; }
+  bool tracks(std::uint64_t id) const
+  {
+    auto const read = locks_.read();
+    return facts_.count(id) != 0;
+  }
 
   /// @brief The lifecycle state of a tracked fact. @throw logic_error for an untracked id.
   fact_state fact(std::uint64_t id) const;
@@ -277,9 +309,9 @@ class memory {
   /// @brief Handles of the conversations kept for namespace `ns`, in the order they were added.
   std::vector<std::uint64_t> conversations(std::uint64_t ns) const;
 
-  /// @brief The conversation as kept (with every update_turns() applied).
+  /// @brief A copy of the conversation as kept (with every update_turns() applied).
   /// @throw logic_error for an unknown handle (never added, or all its facts erased).
-  conversation const& conversation_of(std::uint64_t handle) const;
+  conversation conversation_of(std::uint64_t handle) const;
 
   /**
    * @brief The retrievable facts of conversation `handle` whose K/V saw turn `turn` (window
@@ -397,7 +429,12 @@ class memory {
 
   /// @brief Reclaims the index rows of erased and superseded facts and of erased namespaces
   /// (graph_index::compact): afterwards the index holds no vector of them at all.
-  void compact_index() { index_.compact(); }
+  void compact_index()
+  {
+    auto const serial = locks_.serial();
+    auto const commit = locks_.commit();
+    index_.compact();
+  }
 
   // ---- snapshots: restart a deployment without re-encoding ------------------------------------
 
@@ -430,6 +467,10 @@ class memory {
     Rotation const& rotation,
     CheckTokens const& check_tokens,
     InjectBatch const& inject_batch) const;
+
+  /// prepare() without taking the read lock (the caller holds a lock).
+  composition prepare_unlocked(std::vector<std::uint64_t> const& fact_ids,
+                               std::int64_t first_position) const;
 
   /// Refuses a device store on the host path, before any adapter allocates.
   void require_host_store(char const* who) const;
@@ -570,6 +611,7 @@ class memory {
   std::optional<std::uint64_t> prefix_;
   detail::call_counter searches_;
   detail::pending_zeroing zeroing_;  ///< erase_fact/erase_namespace(.., stream) not yet waited for
+  detail::facade_locks locks_;       ///< the concurrency contract (class comment)
 };
 
 /**

@@ -37,6 +37,13 @@
  * copies are `memcpy`, and the same plan runs: that is how the staging logic is tested without a
  * GPU. C++17 plus the CUDA runtime API (as store.hpp).
  *
+ * Threads: the standard library's rule, as kv_store and graph_index — any number of concurrent
+ * const calls (residency, usage, lru_order, the tiers' reads); any other call needs exclusive
+ * access. A request is not a read: `admit` moves facts between the tiers and updates the LRU
+ * lists, and a later admit may evict pages an earlier request's injection still reads, so an engine
+ * serving from several threads holds one lock from `admit` until that request's injection is done
+ * (on the device: enqueued; the copy stream orders later staging after it).
+ *
  * The parts, in detail/tier/: the policy (policy.inl: residency, admission, LRU, pinning,
  * quotas), staging (staging.inl: copy runs, per-layer copies, the split batch, events), the
  * snapshot of the tiers (snapshot.inl: the free `save_tiers` / `load_tiers`, declared at the end

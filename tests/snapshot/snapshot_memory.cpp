@@ -270,6 +270,20 @@ TEST_CASE("memory snapshot: the lifecycle state survives a restart", "[snapshot]
                        p2.begin() + f2.pages[i] * page));
     }
   }
+  // The superseding fact erased, its audit record kept: the link is history (fact_state: it may
+  // name a fact erased since), and a snapshot of that state loads. (Such a snapshot was refused,
+  // "superseded by untracked fact": found by tests/stress.)
+  {
+    scratch_dir again;
+    memory copy = load_memory(dir.path(), config);
+    copy.erase_fact(500);
+    save_memory(copy, again.path());
+    memory const back = load_memory(again.path(), config);
+    CHECK_FALSE(back.tracks(500));
+    CHECK(back.fact(104).superseded_by == std::optional<std::uint64_t>{500});
+    CHECK_FALSE(back.index().contains(104));
+    CHECK(back.store().contains(104));
+  }
   r.erase_fact(104);
   CHECK_FALSE(r.tracks(104));
 

@@ -45,6 +45,8 @@ void memory::set_instruction_prefix(ModelAdapter& model,
                                     std::uint64_t fact_id,
                                     std::uint64_t ns)
 {
+  auto const serial = locks_.serial();
+  auto const commit = locks_.commit();  // one forward, once per deployment: a commit throughout
   INFERSCALE_EXPECTS(!prefix_.has_value(),
                      "memory::set_instruction_prefix: the prefix is already fact " +
                        std::to_string(prefix_.value_or(0)));
@@ -72,37 +74,56 @@ memory_add_report memory::add_conversation(ModelAdapter& model,
                      "memory::add_conversation: " +
                        detail::count_of(static_cast<std::int64_t>(facts.size()), "fact") + " but " +
                        detail::count_of(static_cast<std::int64_t>(texts.size()), "text"));
+  char const* const who = "memory::add_conversation";
+  auto const serial     = locks_.serial();
   std::vector<std::uint64_t> ids;
   ids.reserve(facts.size());
+  std::int64_t pages = 0;
   for (conversation_fact const& f : facts) {
-    std::string const which = "memory::add_conversation: fact " + std::to_string(f.fact_id);
+    std::string const which = std::string{who} + ": fact " + std::to_string(f.fact_id);
     INFERSCALE_EXPECTS(f.namespace_id == ns,
                        which + " is in namespace " + std::to_string(f.namespace_id) +
                          ", the conversation is added to namespace " + std::to_string(ns));
     INFERSCALE_EXPECTS(!index_.contains(f.fact_id), which + " is already indexed");
     INFERSCALE_EXPECTS(!prefix_ || *prefix_ != f.fact_id, which + " is the instruction prefix");
+    INFERSCALE_EXPECTS(!store_.contains(f.fact_id), which + " is already stored");
     ids.push_back(f.fact_id);
+    pages += store_.pages_for(static_cast<std::int64_t>(f.token_ids.size()));
   }
-  // Everything that can be refused without writing: the plan, then the embeddings.
+  check_model(model, who);
+  check_pages(pages, 0, who);
+  // Everything that can be refused without writing: the plan, the embeddings, the index's rules
+  // for them; then the model's forwards into host buffers (reads go on meanwhile).
   encoding_plan const plan   = plan_encoding(c, facts, options);
-  std::vector<float> vectors = embed_all(embedder, texts, "memory::add_conversation");
+  std::vector<float> vectors = embed_all(embedder, texts, who);
+  probe(vectors, ids);
+  captured_plan const captured = capture_plan(model, plan);
 
-  memory_add_report report;
-  report.plan     = plan.stats();
-  report.embedded = static_cast<std::int64_t>(texts.size());
+  // Commit: nothing below is refused (all of it was validated above).
+  auto const commit = locks_.commit();
   zeroing_.wait();  // a page freed by erase_fact(id, stream) is zeroed before it is written
-  report.encode = encode_plan(model, store_, plan);  // all or nothing
+  for (std::size_t i = 0; i < captured.facts.size(); ++i) {
+    store_.insert<float>(captured.facts[i].fact_id,
+                         captured.facts[i].namespace_id,
+                         captured.facts[i].token_ids,
+                         captured.captures[i].keys(),
+                         captured.captures[i].values());
+  }
   try {
     index_.add<float>(ns,
                       make_matrix_view<float const>(
                         vectors.data(), static_cast<std::int64_t>(ids.size()), index_.dim()),
                       cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
   } catch (...) {
-    for (std::uint64_t id : ids) {
-      erase_and_scrub(id);
+    for (captured_fact const& f : captured.facts) {
+      erase_and_scrub(f.fact_id);
     }
     throw;
   }
+  memory_add_report report;
+  report.plan         = plan.stats();
+  report.embedded     = static_cast<std::int64_t>(texts.size());
+  report.encode       = captured.report;
   report.conversation = remember_conversation(ns, c, options, plan);
   return report;
 }
@@ -111,6 +132,7 @@ inline std::vector<std::uint64_t> memory::retrieve(std::uint64_t ns,
                                                    std::vector<float> const& query,
                                                    std::uint32_t k) const
 {
+  auto const read = locks_.read();
   INFERSCALE_EXPECTS(static_cast<std::int64_t>(query.size()) == index_.dim(),
                      "memory::retrieve: the query has " + std::to_string(query.size()) +
                        " values, the index " + std::to_string(index_.dim()));
@@ -144,6 +166,13 @@ std::vector<std::uint64_t> memory::retrieve(Embedder& embedder,
 inline composition memory::prepare(std::vector<std::uint64_t> const& fact_ids,
                                    std::int64_t first_position) const
 {
+  auto const read = locks_.read();
+  return prepare_unlocked(fact_ids, first_position);
+}
+
+inline composition memory::prepare_unlocked(std::vector<std::uint64_t> const& fact_ids,
+                                            std::int64_t first_position) const
+{
   for (std::uint64_t id : fact_ids) {
     auto const it = facts_.find(id);
     INFERSCALE_EXPECTS(
@@ -167,6 +196,7 @@ void memory::inject(composition const& plan, CacheAdapter& cache, Rotation const
                 "commit(tokens) (see engine.hpp)");
   // The model's range before the adapter allocates (run would refuse it only after).
   rope_check_positions(rotation, plan.first_position, plan.length(), "memory::inject");
+  auto const read = locks_.read();
   injection_batch step{store_};
   step.add(plan, cache);
   step.run(cache.cache(), rotation);
@@ -184,6 +214,7 @@ void memory::inject(composition const& plan,
   // injection step run on the device (add(plan, cache), run(..., workspace, stream)), with its
   // store-space and workspace checks made before the adapter allocates (the workspace's type is
   // incomplete here).
+  auto const read = locks_.read();
   inject_memory_async(store_, plan, cache, rotation, workspace, stream);
 }
 
@@ -208,6 +239,7 @@ std::vector<memory_request> memory::serve_requests(
   static_assert(is_cache_adapter_v<CacheAdapter>,
                 "memory::serve: CacheAdapter needs allocate(first_position, tokens), cache() and "
                 "commit(tokens) (see engine.hpp)");
+  auto const read     = locks_.read();
   std::size_t const n = requests.size();
   // "memory::serve_step: request 3 (namespace 9)" in a step; the caller's name alone for serve()
   auto const where = [&](std::size_t i) {
@@ -287,8 +319,9 @@ std::vector<memory_request> memory::serve_requests(
       std::uint64_t const id = ids[i * k + j];
       if (id != invalid_fact_id) { out[i].fact_ids.push_back(id); }
     }
-    out[i].plan =
-      named(where(i), [&] { return prepare(out[i].fact_ids, requests[i].first_position); });
+    out[i].plan = named(where(i), [&] {
+      return prepare_unlocked(out[i].fact_ids, requests[i].first_position);
+    });
     INFERSCALE_EXPECTS(out[i].plan.length() > 0,
                        where(i) + ": the plan is empty (no instruction prefix, nothing retrieved)");
     // The model's range, before any adapter allocates.

@@ -20,6 +20,7 @@ namespace inferscale {
 
 inline fact_state memory::fact(std::uint64_t id) const
 {
+  auto const read     = locks_.read();
   fact_entry const& e = entry(id, "memory::fact");
   fact_state s;
   s.fact_id       = id;
@@ -41,6 +42,7 @@ inline fact_state memory::fact(std::uint64_t id) const
 
 inline std::vector<std::uint64_t> memory::conversations(std::uint64_t ns) const
 {
+  auto const read = locks_.read();
   std::vector<std::uint64_t> out;
   for (auto const& [id, c] : conversation_entries_) {
     if (c.ns == ns) { out.push_back(id); }
@@ -49,14 +51,16 @@ inline std::vector<std::uint64_t> memory::conversations(std::uint64_t ns) const
   return out;
 }
 
-inline conversation const& memory::conversation_of(std::uint64_t handle) const
+inline conversation memory::conversation_of(std::uint64_t handle) const
 {
+  auto const read = locks_.read();
   return conversation_entry_of(handle, "memory::conversation_of").c;
 }
 
 inline std::vector<std::uint64_t> memory::facts_seeing_turn(std::uint64_t handle,
                                                             std::int64_t turn) const
 {
+  auto const read              = locks_.read();
   conversation_entry const& ce = conversation_entry_of(handle, "memory::facts_seeing_turn");
   INFERSCALE_EXPECTS(turn >= 0 && turn < static_cast<std::int64_t>(ce.c.turns.size()),
                      "memory::facts_seeing_turn: turn " + std::to_string(turn) +
@@ -75,6 +79,7 @@ inline std::vector<std::uint64_t> memory::facts_seeing_turn(std::uint64_t handle
 inline std::vector<std::uint64_t> memory::direct_facts_seeing_turn(std::uint64_t ns,
                                                                    std::int64_t turn) const
 {
+  auto const read = locks_.read();
   std::vector<std::uint64_t> out;
   for (auto const& [id, e] : facts_) {
     if (e.ns == ns && !e.conversation && !e.superseded_by &&
@@ -95,6 +100,7 @@ memory_add_report memory::add_facts(ModelAdapter& model,
 {
   static_assert(is_embedder_v<Embedder>, "memory::add_facts: Embedder requirements (memory.hpp)");
   char const* const who = "memory::add_facts";
+  auto const serial     = locks_.serial();
   INFERSCALE_EXPECTS(texts.size() == facts.size(),
                      std::string{who} + ": " + std::to_string(facts.size()) + " facts but " +
                        std::to_string(texts.size()) + " texts");
@@ -115,6 +121,7 @@ memory_add_report memory::add_facts(ModelAdapter& model,
   probe(vectors, ids);
   captured_plan const captured = capture_plan(model, plan);
 
+  auto const commit = locks_.commit();  // reads wait from here to the end
   zeroing_.wait();  // a page freed by erase_fact(id, stream) is zeroed before it is written
   for (std::size_t i = 0; i < ids.size(); ++i) {
     store_.insert<float>(ids[i],
@@ -153,6 +160,7 @@ lifecycle_report memory::update_fact(ModelAdapter& model, Embedder& embedder, fa
 {
   static_assert(is_embedder_v<Embedder>, "memory::update_fact: Embedder requirements (memory.hpp)");
   char const* const who = "memory::update_fact";
+  auto const serial     = locks_.serial();
   fact_entry const& old = retrievable_entry(u.fact_id, who);
   bool const in_place   = u.new_id == u.fact_id;
   if (!in_place) { check_new_id(u.new_id, who); }
@@ -197,6 +205,7 @@ lifecycle_report memory::update_fact(ModelAdapter& model, Embedder& embedder, fa
   captured_plan const captured = capture_plan(model, plan);
 
   // Commit: nothing below is refused (all of it was validated above).
+  auto const commit = locks_.commit();
   zeroing_.wait();
   std::uint64_t const ns                  = old.ns;
   std::optional<std::uint64_t> const conv = old.conversation;
@@ -236,6 +245,7 @@ lifecycle_report memory::update_turns(ModelAdapter& model,
                                       std::vector<turn_change> const& changes)
 {
   char const* const who  = "memory::update_turns";
+  auto const serial      = locks_.serial();
   conversation_entry& ce = conversation_entry_of(handle, who);
   check_model(model, who);
   conversation updated = ce.c;
@@ -265,18 +275,21 @@ lifecycle_report memory::update_turns(ModelAdapter& model,
     facts.push_back({id, e.ns, store_.at(id).token_ids, e.source_turns});
     first_turns.push_back(e.first_turn);
   }
-  lifecycle_report r;
+  std::optional<captured_plan> captured;
   if (!facts.empty()) {
-    encoding_plan const plan     = plan_encoding_at(updated, facts, first_turns, ce.options);
-    captured_plan const captured = capture_plan(model, plan);
-    for (std::size_t i = 0; i < captured.facts.size(); ++i) {
-      replace_stored(captured.facts[i].fact_id,
-                     captured.facts[i].namespace_id,
-                     captured.facts[i].token_ids,
-                     captured.captures[i]);
-      r.reencoded.push_back(captured.facts[i].fact_id);
+    captured = capture_plan(model, plan_encoding_at(updated, facts, first_turns, ce.options));
+  }
+  auto const commit = locks_.commit();
+  lifecycle_report r;
+  if (captured) {
+    for (std::size_t i = 0; i < captured->facts.size(); ++i) {
+      replace_stored(captured->facts[i].fact_id,
+                     captured->facts[i].namespace_id,
+                     captured->facts[i].token_ids,
+                     captured->captures[i]);
+      r.reencoded.push_back(captured->facts[i].fact_id);
     }
-    r.encode = captured.report;
+    r.encode = captured->report;
   }
   ce.c = std::move(updated);
   return r;
@@ -287,6 +300,7 @@ lifecycle_report memory::reencode_facts(ModelAdapter& model,
                                         std::vector<fact_context> const& contexts)
 {
   char const* const who = "memory::reencode_facts";
+  auto const serial     = locks_.serial();
   check_model(model, who);
   encoding_plan plan;
   std::vector<std::uint64_t> ids;
@@ -304,6 +318,7 @@ lifecycle_report memory::reencode_facts(ModelAdapter& model,
       fc.fact_id, e.ns, fc.context, store_.at(fc.fact_id).token_ids, fc.first_position, who));
   }
   captured_plan const captured = capture_plan(model, plan);
+  auto const commit            = locks_.commit();
   lifecycle_report r;
   for (std::size_t i = 0; i < captured.facts.size(); ++i) {
     replace_stored(captured.facts[i].fact_id,
@@ -337,11 +352,18 @@ inline std::vector<std::int64_t> memory::erase_fact_keeping_pages(std::uint64_t 
   return pages;
 }
 
-inline void memory::erase_fact(std::uint64_t id) { store_.scrub_pages(erase_fact_keeping_pages(id)); }
+inline void memory::erase_fact(std::uint64_t id)
+{
+  auto const serial = locks_.serial();
+  auto const commit = locks_.commit();
+  store_.scrub_pages(erase_fact_keeping_pages(id));
+}
 
 template <class Stream>
 void memory::erase_fact(std::uint64_t id, Stream stream)
 {
+  auto const serial                     = locks_.serial();
+  auto const commit                     = locks_.commit();
   std::vector<std::int64_t> const pages = erase_fact_keeping_pages(id);
   store_.scrub_pages(pages, detail::raw_stream(stream));
   if (!pages.empty() && store_.space() == memory_space::device) {
@@ -373,6 +395,8 @@ inline std::pair<std::int64_t, std::vector<std::int64_t>> memory::erase_namespac
 
 inline std::int64_t memory::erase_namespace(std::uint64_t ns)
 {
+  auto const serial     = locks_.serial();
+  auto const commit     = locks_.commit();
   auto const [n, pages] = erase_namespace_keeping_pages(ns);
   store_.scrub_pages(pages);
   return n;
@@ -381,6 +405,8 @@ inline std::int64_t memory::erase_namespace(std::uint64_t ns)
 template <class Stream>
 std::int64_t memory::erase_namespace(std::uint64_t ns, Stream stream)
 {
+  auto const serial     = locks_.serial();
+  auto const commit     = locks_.commit();
   auto const [n, pages] = erase_namespace_keeping_pages(ns);
   store_.scrub_pages(pages, detail::raw_stream(stream));
   if (!pages.empty() && store_.space() == memory_space::device) {
@@ -446,7 +472,7 @@ inline void memory::check_new_id(std::uint64_t id, char const* who) const
   std::string const which = std::string{who} + ": fact id " + std::to_string(id);
   INFERSCALE_EXPECTS(id != invalid_fact_id, which + " is reserved (invalid_fact_id)");
   INFERSCALE_EXPECTS(!prefix_ || *prefix_ != id, which + " is the instruction prefix");
-  INFERSCALE_EXPECTS(!store_.contains(id) && !index_.contains(id) && !tracks(id),
+  INFERSCALE_EXPECTS(!store_.contains(id) && !index_.contains(id) && facts_.count(id) == 0,
                      which + " is already taken");
 }
 

@@ -20,6 +20,7 @@ namespace inferscale {
 
 inline void save_memory(memory const& mem, std::string const& directory)
 {
+  auto const serial = mem.locks_.serial();  // between two mutations; reads go on
   using manifest                         = memory::snapshot_manifest;
   std::optional<manifest> const previous = detail::snapshot::previous_manifest(
     directory, memory::manifest_name, [](std::vector<unsigned char> const& b) {

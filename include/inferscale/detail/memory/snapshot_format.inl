@@ -316,10 +316,10 @@ inline void memory::decode_lifecycle(std::vector<unsigned char> const& b, std::s
     INFERSCALE_EXPECTS(
       index_.contains(id) == !e.superseded_by,
       f + (e.superseded_by ? "superseded but still indexed" : "retrievable but not indexed"));
-    if (e.superseded_by) {
-      INFERSCALE_EXPECTS(facts.count(*e.superseded_by) != 0,
-                         f + "superseded by untracked fact " + std::to_string(*e.superseded_by));
-    }
+    // The links are history: they may name a fact erased since (fact_state), but never the fact
+    // itself.
+    INFERSCALE_EXPECTS(e.superseded_by != id && e.supersedes != id,
+                       f + "supersedes or is superseded by itself");
     if (e.conversation) {
       auto const cit = conversations.find(*e.conversation);
       INFERSCALE_EXPECTS(cit != conversations.end() && cit->second.ns == e.ns,

@@ -494,7 +494,8 @@ void inject_tiered_host(tiered_store& tiers,
  * (`device-<crc>.iskv`, `host-<crc>.iskv`, named after their file checksums), then the manifest
  * `tiers.istr` atomically, last; only then are the previous snapshot's tier files removed, so a
  * failed or interrupted save leaves the previous snapshot loadable, and a failed one (an
- * exception) no file of its own behind.
+ * exception) no file of its own behind; what a save killed outright leaves (its temporaries, tier
+ * files it never committed) the next save removes.
  *
  * Manifest, little-endian, version 1: magic `89 49 53 54 49 52 0D 0A` ("\x89ISTIR\r\n"),
  * version uint32 = 1, byte-order mark uint32 0x01020304, the device tier file's checksum, the

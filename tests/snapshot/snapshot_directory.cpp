@@ -1,8 +1,9 @@
 // The directory transaction under save_tiers and save_memory
-// (detail/snapshot/directory_transaction.hpp): a commit replaces the manifest and removes only the
+// (detail/snapshot/directory_transaction.hpp): a commit replaces the manifest and removes the
 // previous files the new snapshot does not reuse; a failure before the commit point (a failing
 // write, a failing rename, a manifest that cannot be written) leaves the directory exactly as it
-// was; a load's check of the named files refuses a file of another save.
+// was; a commit removes what killed saves left behind (and nothing else); a load's check of the
+// named files refuses a file of another save.
 //
 // Expectations are the test's own: the directory's starting contents are literal strings written
 // here, and after each scenario the file names and bytes are compared with those literals.
@@ -172,6 +173,50 @@ TEST_CASE("directory transaction: a failure before the commit leaves the directo
     CHECK_FALSE(fs::exists(dir.file("nowhere")));
     CHECK(contents(dir.path()) == old_snapshot());
   }
+}
+
+TEST_CASE("directory transaction: a commit removes what killed saves left behind",
+          "[snapshot][directory]")
+{
+  // A save killed outright runs no destructor: here one killed while staging (a pending file and
+  // a temporary), one killed after placing a file and writing the manifest's temporary, and one
+  // killed after its commit point (the snapshot before the previous one still there). Files
+  // named like the snapshot's own but not quite, files of other names and a directory are not its
+  // own: they stay.
+  scratch_dir dir;
+  write_old_snapshot(dir);
+  std::string const h1 = "0123456789abcdef", h2 = "fedcba9876543210";
+  std::map<std::string, std::string> const killed{{"a.pending", "half of A"},
+                                                  {"b.pending.tmp", "half of B"},
+                                                  {"a-" + h1, "A of a killed save"},
+                                                  {"b-" + h1 + "-" + h2, "B of a killed save"},
+                                                  {"manifest.tmp", "half a manifest"},
+                                                  {"a-" + h2, "A before the previous snapshot"}};
+  std::map<std::string, std::string> const not_ours{{"a-0123456789ABCDEF", "upper case"},
+                                                    {"a-0123456789abcde", "15 digits"},
+                                                    {"a-" + h1 + "-", "a dangling dash"},
+                                                    {"a-" + h1 + ".bak", "another extension"},
+                                                    {"c-" + h1, "a stem this save does not stage"},
+                                                    {"xa-" + h1, "a longer stem"}};
+  for (auto const* files : {&killed, &not_ours}) {
+    for (auto const& [name, text] : *files) {
+      write_bytes(dir.file(name), bytes_of(text));
+    }
+  }
+  fs::create_directory(dir.file("b-" + h2));  // named like a leftover, but not a regular file
+  {
+    directory_transaction tx{dir.path(), "test_save", {"a-1", "b-1"}};
+    tx.place(tx.stage("a.pending", writes("A two")), "a-" + h2);  // reuses a leftover's name
+    tx.place(tx.stage("b.pending", writes("B two")), "b-2");
+    tx.commit("manifest", bytes_of("new manifest"));
+  }
+  std::map<std::string, std::string> want = not_ours;
+  want["manifest"]                        = "new manifest";
+  want["a-" + h2]                         = "A two";
+  want["b-2"]                             = "B two";
+  want["stray"]                           = "not ours";
+  want["b-" + h2]                         = "<dir>";
+  CHECK(contents(dir.path()) == want);
 }
 
 TEST_CASE("directory transaction: misuse is refused", "[snapshot][directory]")

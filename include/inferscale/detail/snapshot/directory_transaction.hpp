@@ -2,7 +2,7 @@
  * @file detail/snapshot/directory_transaction.hpp
  * @brief Snapshot directories: the one checked, all-or-nothing way a snapshot of several files
  * (`save_tiers`, `save_memory`) replaces the previous one in a directory, and the checks a load
- * makes before anything is built. Plain C++17 and POSIX (through detail/serialize.hpp); no CUDA.
+ * makes before anything is built. Plain C++17 and POSIX (detail/serialize.hpp, opendir); no CUDA.
  *
  * A save is a `directory_transaction`:
  *  1. `stage` writes each file of the new snapshot under a pending name (`store.pending.iskv`):
@@ -13,11 +13,23 @@
  *  3. `commit` syncs the directory (the renames are durable), replaces the manifest naming the
  *     files atomically (a temporary, synced, renamed over it: the commit point), syncs the
  *     directory again, and only then removes the previous snapshot's files that the new one does
- *     not reuse.
+ *     not reuse, and what earlier saves killed on the way left behind (below).
  * Until the manifest's rename, the previous manifest and every file it names are untouched, so a
  * crash or a failure leaves the previous snapshot loadable; a transaction abandoned before that
  * point (an exception on the way) removes, in its destructor, every file it staged or placed that
  * the previous snapshot does not name, so the directory holds what it held before.
+ *
+ * A save killed outright (SIGKILL, power loss) runs no destructor: it may leave its staged files
+ * and temporaries (`store.pending.iskv`, `store.pending.iskv.tmp`, `tiers.istr.tmp`), files it
+ * placed but never committed, or, killed after the commit point, the previous snapshot's files.
+ * None of them is read by a load (the manifest names what loads), and the next committed save
+ * removes them: final names follow the pending names, `<stem>-<checksum digits>.<ext>` (one or
+ * more groups of 16 lower-case hexadecimal digits joined by '-') for a staged
+ * `<stem>.pending.<ext>`, so after its commit a save removes every file of the directory named
+ * after one of its own stems that its manifest does not name, its stems' pending names and their
+ * temporaries, and the manifest's temporary. Other files of the directory are left alone. Two
+ * saves into one directory must not overlap (serialise them): they share the pending names, and
+ * the commit of one would remove the other's files not yet committed.
  *
  * Why not a temporary sibling directory swapped into place: POSIX `rename` cannot replace a
  * non-empty directory, and exchanging two (`renameat2(RENAME_EXCHANGE)`) is Linux-only. A
@@ -33,6 +45,11 @@
 
 #include <inferscale/detail/serialize.hpp>
 #include <inferscale/error.hpp>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <dirent.h>    // opendir: the leftovers of killed saves
+#include <sys/stat.h>  // lstat
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -86,6 +103,10 @@ class directory_transaction {
     INFERSCALE_EXPECTS(!committed_, who_ + ": the snapshot is already committed");
     std::string pending = path(pending_name);
     pending_.push_back(pending);  // before writing: a failed write leaves nothing, or this
+    std::size_t const mark = pending_name.find(".pending");
+    if (mark != std::string::npos) {
+      stems_.emplace_back(pending_name.substr(0, mark), pending_name.substr(mark + 8));
+    }
     std::forward<Write>(write)(pending);
     return pending;
   }
@@ -110,7 +131,8 @@ class directory_transaction {
   /**
    * @brief Commits: syncs the directory, replaces the manifest `manifest_name` with `bytes`
    * atomically, syncs the directory, then removes the previous files the new snapshot does not
-   * name (those it placed).
+   * name (those it placed) and the leftovers of killed saves (see the file comment; removals are
+   * best effort: a file that cannot be removed stays, unreferenced).
    * @throw logic_error naming the path and the system's reason. Before the manifest's rename the
    *        transaction is still rolled back as described; a failure of the last directory sync
    *        comes after the commit point (the new snapshot is in place, the previous files are
@@ -132,6 +154,7 @@ class directory_transaction {
     for (std::string const& name : previous_) {
       if (!placed(name)) { (void)std::remove(path(name).c_str()); }
     }
+    remove_leftovers(manifest_name);
   }
 
   /// @brief Whether `commit` got past the manifest's rename.
@@ -146,6 +169,62 @@ class directory_transaction {
   bool previous(std::string const& name) const
   {
     return std::find(previous_.begin(), previous_.end(), name) != previous_.end();
+  }
+
+  /// Whether `digits` is one or more groups of 16 lower-case hexadecimal digits joined by '-'.
+  static bool checksum_groups(std::string const& digits) noexcept
+  {
+    if (digits.empty() || (digits.size() + 1) % 17 != 0) { return false; }
+    for (std::size_t i = 0; i < digits.size(); ++i) {
+      char const c  = digits[i];
+      bool const ok = i % 17 == 16 ? c == '-' : ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'));
+      if (!ok) { return false; }
+    }
+    return true;
+  }
+
+  /// Whether `name` is a killed save's leftover (see the file comment); never a placed file.
+  bool leftover(std::string const& name, std::string const& manifest_name) const
+  {
+    if (placed(name)) { return false; }
+    if (name == manifest_name + ".tmp") { return true; }
+    for (auto const& [stem, extension] : stems_) {
+      std::string const pending = stem + ".pending" + extension;
+      if (name == pending || name == pending + ".tmp") { return true; }
+      std::string const head = stem + "-";
+      if (name.size() > head.size() + extension.size() && name.compare(0, head.size(), head) == 0 &&
+          name.compare(name.size() - extension.size(), extension.size(), extension) == 0 &&
+          checksum_groups(name.substr(head.size(), name.size() - head.size() - extension.size()))) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  /// Removes the leftovers of killed saves after a commit (best effort, never throws).
+  void remove_leftovers(std::string const& manifest_name) noexcept
+  {
+#if defined(__unix__) || defined(__APPLE__)
+    try {
+      std::vector<std::string> names;
+      if (DIR* const d = ::opendir(directory_.c_str())) {
+        while (dirent const* entry = ::readdir(d)) {
+          names.emplace_back(entry->d_name);
+        }
+        (void)::closedir(d);
+      }
+      for (std::string const& name : names) {
+        struct stat info {};
+        if (leftover(name, manifest_name) && ::lstat(path(name).c_str(), &info) == 0 &&
+            S_ISREG(info.st_mode)) {  // a killed save leaves regular files only
+          (void)std::remove(path(name).c_str());
+        }
+      }
+    } catch (...) {  // a string allocation; the files then stay, unreferenced
+    }
+#else
+    (void)manifest_name;
+#endif
   }
 
   void abandon() noexcept
@@ -167,6 +246,8 @@ class directory_transaction {
   std::vector<std::string> previous_;
   std::vector<std::string> pending_;  ///< staged, not yet placed (paths)
   std::vector<std::string> placed_;   ///< final names, placed by this transaction
+  /// (stem, extension with its dot or empty) of every staged `<stem>.pending<extension>`
+  std::vector<std::pair<std::string, std::string>> stems_;
   bool committed_{false};
 };
 

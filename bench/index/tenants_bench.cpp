@@ -66,9 +66,11 @@
  *  - the set: `users`, `N`, `size_mean`, `size_median`, `size_p99`, `size_max`.
  *
  * Sizes: every (U, d) set is built when its first case runs, and one set is kept at a time (the
- * cases are registered set by set). Choose sets with --benchmark_filter (e.g. 'users:1000/') or
- * INFERSCALE_BENCH_TENANTS_USERS (a comma list, default "1000,10000"). 10,000 users at 768-d is
- * ~5 GiB of vectors in the index, ~0.5 GiB kept for the peer, ~3 GiB of hnswlib indexes.
+ * cases are registered set by set). The user counts registered are INFERSCALE_BENCH_TENANTS_USERS
+ * (a comma list; default "1000", about 3 minutes on two cores, since `.ci/bench --full` runs
+ * every bench_*); 10,000 users is INFERSCALE_BENCH_TENANTS_USERS=1000,10000 (about 10 GiB at
+ * 768-d: ~6.4 GiB of index, ~0.5 GiB kept for the peer, ~3 GiB of hnswlib indexes, 2.5 GiB of
+ * them locks). Within them, --benchmark_filter chooses (e.g. 'users:1000/dim:384/').
  */
 #include "hnsw_baseline.hpp"
 
@@ -573,7 +575,7 @@ std::vector<std::int64_t> selected_users()
 {
   std::vector<std::int64_t> out;
   char const* env = std::getenv("INFERSCALE_BENCH_TENANTS_USERS");
-  std::string const list = env != nullptr && *env != '\0' ? env : "1000,10000";
+  std::string const list = env != nullptr && *env != '\0' ? env : "1000";
   std::stringstream ss{list};
   std::string item;
   while (std::getline(ss, item, ',')) {

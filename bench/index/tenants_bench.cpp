@@ -68,9 +68,10 @@
  * Sizes: every (U, d) set is built when its first case runs, and one set is kept at a time (the
  * cases are registered set by set). The user counts registered are INFERSCALE_BENCH_TENANTS_USERS
  * (a comma list; default "1000", about 3 minutes on two cores, since `.ci/bench --full` runs
- * every bench_*); 10,000 users is INFERSCALE_BENCH_TENANTS_USERS=1000,10000 (about 10 GiB at
- * 768-d: ~6.4 GiB of index, ~0.5 GiB kept for the peer, ~3 GiB of hnswlib indexes, 2.5 GiB of
- * them locks). Within them, --benchmark_filter chooses (e.g. 'users:1000/dim:384/').
+ * every bench_*); 10,000 users is INFERSCALE_BENCH_TENANTS_USERS=10000 (about 14 minutes on two
+ * busy cores, and a peak of 14.2 GB resident at 768-d: ~8.6 GB of index, ~0.6 GB kept for the
+ * peer, ~3.3 GB of hnswlib indexes, 2.6 GB of them locks). Within them, --benchmark_filter
+ * chooses (e.g. 'users:1000/dim:384/').
  */
 #include "hnsw_baseline.hpp"
 

@@ -8,6 +8,7 @@
 #include <hnswlib/hnswlib.h>
 
 #include <limits>
+#include <mutex>
 
 namespace inferscale::bench {
 
@@ -55,6 +56,27 @@ void hnsw_baseline::search(float const* query, int k, std::uint64_t* labels, flo
     distances[j] = found.top().first;
     found.pop();
   }
+}
+
+std::int64_t hnsw_baseline::fixed_overhead_bytes() const
+{
+  return static_cast<std::int64_t>(impl_->index.link_list_update_locks_.size() * sizeof(std::mutex));
+}
+
+std::int64_t hnsw_baseline::overhead_bytes() const
+{
+  auto const& h = impl_->index;
+  std::size_t const per_row = (h.size_data_per_element_ - h.data_size_) + sizeof(void*) +
+                              sizeof(int) + sizeof(std::mutex) + sizeof(hnswlib::vl_type);
+  std::size_t upper = 0;
+  for (std::size_t i = 0; i < h.cur_element_count; ++i) {
+    if (h.element_levels_[i] > 0) {
+      upper += h.size_links_per_element_ * static_cast<std::size_t>(h.element_levels_[i]) + 1;
+    }
+  }
+  std::size_t const labels = h.label_lookup_.size() * 32 + h.label_lookup_.bucket_count() * 8;
+  return static_cast<std::int64_t>(h.max_elements_ * per_row + upper + labels) +
+         fixed_overhead_bytes();
 }
 
 }  // namespace inferscale::bench

@@ -33,6 +33,26 @@ class hnsw_baseline {
   /// slots beyond the results found get label 2^64-1 and +infinity.
   void search(float const* query, int k, std::uint64_t* labels, float* distances) const;
 
+  /**
+   * @brief Bytes the index holds beside its vectors, from hnswlib 0.6.2's layout
+   * (hnswlib/hnswalg.h, the constructor and `addPoint`), for the `capacity` rows it was made for:
+   *  - per row: the level-0 record less the vector, `size_data_per_element_ - data_size_` =
+   *    `(2 M) * 4 + 4` (links and their count, `size_links_level0_`) + 8 (the label); the
+   *    `linkLists_` pointer (8), `element_levels_` (an int, 4), `link_list_locks_` (one
+   *    std::mutex, 40 on glibc x86-64) and the visited list (one `unsigned short` per row, one
+   *    list: one thread searched at a time);
+   *  - per row with a level L > 0: `size_links_per_element_ * L + 1` bytes (`M * 4 + 4` per
+   *    level), counted from the index's own `element_levels_`;
+   *  - `label_lookup_` (std::unordered_map<size_t, unsigned>): 32 bytes a node (next pointer,
+   *    key, value, malloc's header, rounded to 16) and 8 a bucket;
+   *  - fixed: `link_list_update_locks_`, 65,536 std::mutex whatever the capacity
+   *    (`fixed_overhead_bytes`).
+   * Allocator headers of the large blocks and the object itself are not counted.
+   */
+  std::int64_t overhead_bytes() const;
+  /// @brief The part of `overhead_bytes` that does not depend on the rows (the update locks).
+  std::int64_t fixed_overhead_bytes() const;
+
  private:
   struct impl;
   std::unique_ptr<impl> impl_;

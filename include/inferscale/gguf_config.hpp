@@ -158,10 +158,11 @@ rope_spec rope_spec_from_gguf(Lookup const& lookup, rope_pairing pairing)
     spec.scaling = rope_scaling::linear;
     spec.factor  = factor.value_or(1.0);
   } else if (type == "yarn") {
-    spec.scaling               = rope_scaling::yarn;
-    spec.factor                = factor.value_or(1.0);
-    spec.original_max_position = static_cast<std::int64_t>(
-      gguf_required_number(lookup, key("rope.scaling.original_context_length")));
+    spec.scaling = rope_scaling::yarn;
+    spec.factor  = factor.value_or(1.0);
+    spec.original_max_position =
+      gguf_positive_int(key("rope.scaling.original_context_length"),
+                        gguf_required_number(lookup, key("rope.scaling.original_context_length")));
     spec.beta_fast =
       gguf_optional_number(lookup, key("rope.scaling.yarn_beta_fast")).value_or(32.0);
     spec.beta_slow = gguf_optional_number(lookup, key("rope.scaling.yarn_beta_slow")).value_or(1.0);

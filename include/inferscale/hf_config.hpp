@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -42,6 +43,20 @@ inline std::optional<double> hf_optional_number(nlohmann::json const& j, char co
 {
   if (!j.contains(key) || j.at(key).is_null()) { return std::nullopt; }
   return hf_number(j, key);
+}
+/// A position count (`max_position_embeddings`, `original_max_position_embeddings`), absent or
+/// null: nullopt; otherwise a non-negative integer up to 2^53 (refused rather than converted: a
+/// fraction would be truncated and 1e300 does not fit an int64).
+inline std::optional<std::int64_t> hf_optional_position(nlohmann::json const& j, char const* key)
+{
+  std::optional<double> const v = hf_optional_number(j, key);
+  if (!v) { return std::nullopt; }
+  char text[32];
+  std::snprintf(text, sizeof text, "%.17g", *v);
+  INFERSCALE_EXPECTS(*v >= 0 && *v == std::floor(*v) && *v <= 9007199254740992.0,
+                     std::string{"config.json: "} + key +
+                       " must be a non-negative integer (at most 2^53), got " + text);
+  return static_cast<std::int64_t>(*v);
 }
 inline std::int32_t hf_int(nlohmann::json const& j, char const* key)
 {
@@ -133,8 +148,9 @@ inline rope_spec rope_spec_from_hf_config(nlohmann::json const& config,
     spec.rotary_dim = static_cast<std::int32_t>(spec.head_dim * *partial);
     if (spec.rotary_dim == spec.head_dim) { spec.rotary_dim = 0; }
   }
-  if (std::optional<double> max_pos = hf_optional_number(config, "max_position_embeddings")) {
-    spec.max_position = static_cast<std::int64_t>(*max_pos);
+  if (std::optional<std::int64_t> max_pos =
+        hf_optional_position(config, "max_position_embeddings")) {
+    spec.max_position = *max_pos;
   }
   std::string type = "default";
   if (params) {
@@ -147,8 +163,9 @@ inline rope_spec rope_spec_from_hf_config(nlohmann::json const& config,
   auto const optional = [&](char const* key) {
     return params ? hf_optional_number(*params, key) : std::nullopt;
   };
-  if (std::optional<double> l0 = optional("original_max_position_embeddings")) {
-    spec.original_max_position = static_cast<std::int64_t>(*l0);
+  if (std::optional<std::int64_t> l0 =
+        params ? hf_optional_position(*params, "original_max_position_embeddings") : std::nullopt) {
+    spec.original_max_position = *l0;
   }
   if (type == "default") {
     spec.scaling = rope_scaling::none;
@@ -176,7 +193,7 @@ inline rope_spec rope_spec_from_hf_config(nlohmann::json const& config,
       factor =
         static_cast<double>(spec.max_position) / static_cast<double>(spec.original_max_position);
     }
-    spec.factor    = *factor;
+    spec.factor = *factor;
     // HF: `beta_fast or 32`, `beta_slow or 1`: 0 (or absent) takes the default.
     spec.beta_fast = optional("beta_fast").value_or(0.0);
     spec.beta_slow = optional("beta_slow").value_or(0.0);
@@ -198,9 +215,9 @@ inline rope_spec rope_spec_from_hf_config(nlohmann::json const& config,
     if (std::optional<double> a = optional("attention_factor")) { spec.attention_factor = *a; }
     if (spec.original_max_position == 0) {
       // Phi-3 keeps it at the top level.
-      if (std::optional<double> l0 =
-            hf_optional_number(config, "original_max_position_embeddings")) {
-        spec.original_max_position = static_cast<std::int64_t>(*l0);
+      if (std::optional<std::int64_t> l0 =
+            hf_optional_position(config, "original_max_position_embeddings")) {
+        spec.original_max_position = *l0;
       }
     }
     // HF: an explicit `factor` sets the attention factor sqrt(1 + ln f / ln L0) (1 for f <= 1);
@@ -213,10 +230,10 @@ inline rope_spec rope_spec_from_hf_config(nlohmann::json const& config,
                          "config.json: rope_scaling.factor of LongRoPE must be positive, got " +
                            std::to_string(*factor));
       spec.attention_factor =
-        *factor <= 1.0 ? 1.0
-                       : std::sqrt(1.0 + std::log(*factor) /
-                                           std::log(static_cast<double>(
-                                             std::max<std::int64_t>(spec.original_max_position, 2))));
+        *factor <= 1.0
+          ? 1.0
+          : std::sqrt(1.0 + std::log(*factor) / std::log(static_cast<double>(std::max<std::int64_t>(
+                                                  spec.original_max_position, 2))));
     }
   } else {
     INFERSCALE_FAIL("config.json: rope type '" + type +

@@ -144,9 +144,14 @@ inline void save_store(kv_store const& store, std::string const& path)
  * hold the file's bytes (converted if asked), free pages zeros
  * @throw logic_error naming the problem ("not an InferScale store snapshot", "format version 7 is
  * not supported (this build reads 1)", "truncated: expected N bytes, file has M", "checksum
- * mismatch", "page 3 is held twice", an I/O error with the path and the system's reason, ...)
+ * mismatch", "page 3 is held twice", an I/O error with the path and the system's reason, "the
+ * store the file describes (P pages of B bytes, ...) cannot be allocated", ...)
  * @throw cuda_error when a device pool cannot be allocated or written
  * @note Peak host memory is the pool (host store) plus the catalogue and 8 MiB of staging.
+ * @note The pool is allocated at the capacity and page size the file's header states (free
+ * pages' bytes are not stored, so a file of a few hundred bytes may state gigabytes); to read
+ * files from a source you do not trust, use the overload taking the target configuration, which refuses another geometry,
+ * page size or capacity before allocating anything.
  */
 inline kv_store load_store(std::string const& path, store_load_options const& options = {})
 {

@@ -557,6 +557,15 @@ TEST_CASE("kv_geometry / rope_spec from GGUF metadata", "[engine][rope]")
   CHECK(spec.scaling == rope_scaling::yarn);
   CHECK(spec.original_max_position == 2048);
   CHECK(spec.beta_fast == 32.0);
+  // A length that no int64 holds is refused, not converted (found by tests/fuzz: the cast of
+  // 3.2e65 was undefined behaviour).
+  meta["llama.rope.scaling.original_context_length"] = "3.2e65";
+  CHECK_THROWS_WITH(rope_spec_from_gguf(lookup, rope_pairing::halves),
+                    Catch::Matchers::Contains("original_context_length") &&
+                      Catch::Matchers::Contains("is not a positive integer"));
+  meta["llama.rope.scaling.original_context_length"] = "2048.5";
+  CHECK_THROWS_AS(rope_spec_from_gguf(lookup, rope_pairing::halves), logic_error);
+  meta["llama.rope.scaling.original_context_length"] = "2048";
   meta["llama.rope.scaling.type"] = "longrope";  // factors live in tensors: refused
   CHECK_THROWS_AS(rope_spec_from_gguf(lookup, rope_pairing::halves), logic_error);
   meta.erase("llama.rope.scaling.type");
@@ -664,6 +673,28 @@ TEST_CASE("rope_spec / kv_geometry from HF config.json", "[engine][rope]")
   CHECK_THROWS_AS(rope_spec_from_hf_config(
                     json::parse(R"({"head_dim": 64, "rope_scaling": {"rope_type": "su-per"}})")),
                   logic_error);
+  // Position counts are non-negative integers up to 2^53: refused rather than converted (found by
+  // tests/fuzz: the casts of 1e300 and -1e30 to int64 were undefined behaviour, 4096.5 was
+  // truncated). 2^53 itself and a whole number written as 8192.0 are taken.
+  for (char const* bad : {R"({"head_dim": 64, "max_position_embeddings": 1e300})",
+                          R"({"head_dim": 64, "max_position_embeddings": -1})",
+                          R"({"head_dim": 64, "max_position_embeddings": 4096.5})",
+                          R"({"head_dim": 64, "max_position_embeddings": 9007199254740994})",
+                          R"({"head_dim": 64, "max_position_embeddings": 4096, "rope_scaling":
+                              {"rope_type": "yarn", "factor": 2,
+                               "original_max_position_embeddings": -1e30}})",
+                          R"({"head_dim": 64, "max_position_embeddings": 4096,
+                              "original_max_position_embeddings": 1e19, "rope_scaling":
+                              {"type": "longrope", "short_factor": [1], "long_factor": [1]}})"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_WITH(rope_spec_from_hf_config(json::parse(bad)),
+                      Catch::Matchers::Contains("must be a non-negative integer (at most 2^53)"));
+  }
+  CHECK(rope_spec_from_hf_config(
+          json::parse(R"({"head_dim": 64, "max_position_embeddings": 9007199254740992})"))
+          .max_position == (std::int64_t{1} << 53));
+  CHECK(rope_spec_from_hf_config(json::parse(R"({"head_dim": 64, "max_position_embeddings": 8192.0})"))
+          .max_position == 8192);
   CHECK_THROWS_AS(kv_geometry_from_hf_config(json::parse(R"({"hidden_size": 10})")), logic_error);
   CHECK_THROWS_AS(read_hf_config("/nonexistent/config.json"), logic_error);
 }

@@ -562,6 +562,24 @@ TEST_CASE("llama.cpp: malformed or foreign sequence states are refused, the cont
     std::memcpy(b.data() + 20, &two, 4);  // first cell in two sequences
     refused(b, "cell sequence count");
   }
+  // Found by tests/fuzz: a cell type beyond ggml's table was named by reading past it (a crash),
+  // and a cell count the blob cannot hold sized a vector first (2^32 cells: 16 GiB).
+  {
+    auto b                = good;
+    std::int32_t const id = 99999;
+    std::memcpy(b.data() + after_cells + 8, &id, 4);
+    refused(b, "cell type beyond ggml's");
+    CHECK_THROWS_WITH(lc::parse_state(b.data(), b.size(), ctx.geometry()),
+                      Catch::Matchers::Contains("cell type 99999 (unknown) is not supported"));
+  }
+  {
+    std::vector<std::uint8_t> b(good.begin(), good.begin() + 16);
+    std::uint32_t const cells = 0xFFFFFFFFu;
+    std::memcpy(b.data() + 12, &cells, 4);
+    refused(b, "cell count beyond the blob");
+    CHECK_THROWS_WITH(lc::parse_state(b.data(), b.size(), ctx.geometry()),
+                      Catch::Matchers::Contains("4294967295 cells need 51539607540 bytes"));
+  }
   // A blob from a context with the other V layout.
   lc::context other{m, options(false)};
   other.decode(0, tokens, 0);

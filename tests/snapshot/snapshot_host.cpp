@@ -559,6 +559,27 @@ TEST_CASE("snapshot: forged files with valid checksums are refused by the consis
   CHECK(load_error(bad).empty());
 }
 
+TEST_CASE("snapshot: a capacity the host cannot allocate is refused as the file's", "[snapshot]")
+{
+  // Found by tests/fuzz: a 136-byte file with a valid header claiming 2 pages of 2^30 tokens of
+  // head_dim 2^20 (2^56 bytes of pool: more than any host maps) made load_store throw a bare
+  // std::bad_alloc. It is refused with logic_error, naming the pages and their size.
+  scratch_dir dir;
+  std::string const path = dir.file("huge.iskv");
+  save_store(kv_store{shard_config(dtype::float32, 2)}, path);
+  std::vector<unsigned char> f = read_bytes(path);
+  REQUIRE(f.size() == 120 + 8 * 2);  // no facts: the header, two free pages, three checksums
+  set(f, 24, std::int32_t{1} << 20);  // head_dim
+  set(f, 44, std::int32_t{1} << 30);  // page_size
+  refresh_checksums(f);
+  write_bytes(path, f);
+  // page bytes: K and V, 2 layers, 2^30 tokens, 2 heads, head_dim 2^20, 4-byte elements
+  std::uint64_t const page_bytes = 2ull * 2 * (1ull << 30) * 2 * (1ull << 20) * 4;
+  REQUIRE(page_bytes == (1ull << 55));
+  CHECK_THAT(load_error(path), Contains("(2 pages of " + std::to_string(page_bytes) + " bytes") &&
+                                 Contains("cannot be allocated"));
+}
+
 TEST_CASE("snapshot: loading into another dtype rounds to nearest even", "[snapshot]")
 {
   scratch_dir dir;

@@ -97,10 +97,15 @@ inline dtype cache_dtype_of(std::int32_t ggml_type_id)
     case GGML_TYPE_F32: return dtype::float32;
     case GGML_TYPE_F16: return dtype::float16;
     case GGML_TYPE_BF16: return dtype::bfloat16;
-    default:
+    default: {
+      // ggml_type_name indexes a table: only ids below GGML_TYPE_COUNT may be named.
+      char const* name = ggml_type_id >= 0 && ggml_type_id < GGML_TYPE_COUNT
+                           ? ggml_type_name(static_cast<ggml_type>(ggml_type_id))
+                           : nullptr;
       throw engine_error("sequence state: cell type " + std::to_string(ggml_type_id) + " (" +
-                         ggml_type_name(static_cast<ggml_type>(ggml_type_id)) +
+                         (name != nullptr ? name : "unknown") +
                          ") is not supported (f32, f16, bf16 are)");
+    }
   }
 }
 
@@ -142,6 +147,13 @@ inline state_layout parse_state(std::uint8_t const* data,
     seen           = true;
     out.stream     = s;
     out.cell_count = cells;
+    // 12 bytes per cell (position, n_seq_id = 1, seq_id): a count the blob cannot hold is refused
+    // before it sizes anything.
+    if (cells > (size - in.at) / 12) {
+      throw engine_error("sequence state: truncated: " + std::to_string(cells) + " cells need " +
+                         std::to_string(std::uint64_t{cells} * 12) + " bytes at byte " +
+                         std::to_string(in.at) + ", " + std::to_string(size - in.at) + " left");
+    }
     out.positions.resize(cells);
     for (std::uint32_t c = 0; c < cells; ++c) {
       out.positions[c]             = in.get<std::int32_t>("cell position");

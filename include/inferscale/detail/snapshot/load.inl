@@ -22,7 +22,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <unordered_set>
 #include <utility>
@@ -301,7 +303,19 @@ inline kv_store store_access::load(std::string const& path,
                        to_string(target.store_dtype));
   if (expect != nullptr) { check_target(fc, *expect, where); }
 
-  kv_store store{target};  // zeroed pool; handed out only once every check below has passed
+  // The zeroed pool, handed out only once every check below has passed. The file's capacity
+  // sizes it: a capacity the host cannot hold is refused as the file's, naming the bytes (a
+  // bare bad_alloc, or length_error from the free-page stack, would name nothing).
+  kv_store store = [&] {
+    try {
+      return kv_store{target};
+    } catch (std::bad_alloc const&) {
+    } catch (std::length_error const&) {
+    }
+    INFERSCALE_FAIL(where + "the store the file describes (" + std::to_string(fc.num_pages) +
+                    " pages of " + std::to_string(header.page_bytes) +
+                    " bytes, before any conversion) cannot be allocated");
+  }();
   dtype const from      = fc.store_dtype;
   dtype const to        = target.store_dtype;
   std::size_t const B   = static_cast<std::size_t>(header.page_bytes);

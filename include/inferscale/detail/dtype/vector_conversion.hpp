@@ -34,9 +34,12 @@
 // intrinsics header, so it is silenced for that header's text only.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 #pragma GCC diagnostic pop
+#include <cpuid.h>  // __get_cpuid: F16C (clang 14's __builtin_cpu_supports does not know "f16c")
 #else
 #define INFERSCALE_HOST_X86_SIMD 0
 #endif
@@ -64,8 +67,10 @@ inline host_simd detected_host_simd() noexcept
 #if INFERSCALE_HOST_X86_SIMD
   static host_simd const level = [] {
     __builtin_cpu_init();
-    bool const avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
-                      __builtin_cpu_supports("fma");
+    // F16C from CPUID leaf 1 (ECX bit 29): GCC knows "f16c" as a feature name, clang 14 does not.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    bool const f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+    bool const avx2 = __builtin_cpu_supports("avx2") && f16c && __builtin_cpu_supports("fma");
     if (!avx2) { return host_simd::scalar; }
     if (!__builtin_cpu_supports("avx512f")) { return host_simd::avx2; }
     return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&

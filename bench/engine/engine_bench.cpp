@@ -15,9 +15,11 @@
 // graph-callback capture into a host store. The model path comes from INFERSCALE_SMOLLM2_GGUF
 // (environment) or the one .ci/engine installed when this was configured.
 
+#include "llama_recompute.hpp"
 #include "memory_setup.hpp"
 
 #include <inferscale/engine.hpp>
+#include <inferscale/recompute.hpp>
 
 #include <benchmark/benchmark.h>
 
@@ -45,6 +47,8 @@ struct engine_state {
   lc::context ctx;
   lc::model_adapter adapter;
   inferscale::kv_store store;
+  /// The same facts, each encoded behind the instruction prefix (built on first use).
+  std::unique_ptr<inferscale::kv_store> behind_prefix;
 
   engine_state()
     : model{model_path()},
@@ -52,7 +56,8 @@ struct engine_state {
           [] {
             lc::context_options o;
             o.n_ctx     = 2048;
-            o.n_threads = 1;
+            o.n_threads    = 1;
+            o.n_branch_seq = 64;  // recompute_memory's one_batch
             return o;
           }()},
       adapter{ctx},
@@ -289,11 +294,154 @@ void divergence(benchmark::State& state)
 
 }  // namespace
 
+/// The demo memory with every fact encoded behind the instruction prefix: one forward of prefix +
+/// fact at positions 0 .., the fact's rows kept (the prefix itself stored once, encoded alone).
+inferscale::kv_store const& behind_prefix_store(engine_state& e)
+{
+  if (!e.behind_prefix) {
+    auto s = std::make_unique<inferscale::kv_store>(demo::make_memory_store(e.ctx.geometry()));
+    std::vector<std::int32_t> const prefix = e.model.tokenize(demo::instruction_prefix);
+    inferscale::encode_facts(
+      e.adapter, *s, prefix, 0, {{demo::prefix_id, demo::user_id, 0, prefix}});
+    for (std::size_t i = 0; i < demo::facts.size(); ++i) {
+      std::vector<std::int32_t> const fact = e.model.tokenize(demo::facts[i]);
+      std::vector<std::int32_t> segment    = prefix;
+      segment.insert(segment.end(), fact.begin(), fact.end());
+      inferscale::encode_facts(
+        e.adapter,
+        *s,
+        segment,
+        0,
+        {{demo::fact_id(i), demo::user_id, static_cast<std::int64_t>(prefix.size()), fact}});
+    }
+    e.behind_prefix = std::move(s);
+  }
+  return *e.behind_prefix;
+}
+
+/**
+ * The quality/cost curve of the answers (issue 30): the demo memory (prefix + k facts), each of
+ * the 4 questions, 32 greedy tokens of llama.cpp's joint prefill as the reference (as
+ * engine/divergence). Arguments: k; encoding (0: each fact alone at position 0; 1: each fact
+ * behind the instruction prefix); r (boundary recompute: each fact's first r tokens); rho (percent
+ * of the memory's fact tokens recomputed in all, the rest chosen by the layer-1 K/V deviation
+ * probe, recompute.hpp); batch (1: the runs side by side in one decode, 0: one decode per run in
+ * order). After injection the plan's tokens are decoded again in context (llama_recompute.hpp),
+ * then the question. Counters: kl_mean (nats/token, teacher-forced on the
+ * reference), top1, greedy_exact (the free greedy answer equals the reference), greedy_common
+ * (mean common prefix / 32), recomputed (share of fact tokens), and the time to the first token:
+ * ttft_ms (compose + inject + probe + recompute + question prefill), of it probe_ms and
+ * recompute_ms, beside prefill_ms (the joint prefill of memory + question, the reference's own
+ * first token) measured in the same iterations; speedup = prefill_ms / ttft_ms.
+ */
+void recompute_curve(benchmark::State& state)
+{
+  auto const k        = static_cast<std::size_t>(state.range(0));
+  bool const prefixed = state.range(1) != 0;
+  auto const r        = static_cast<std::int32_t>(state.range(2));
+  double const rho    = static_cast<double>(state.range(3)) / 100.0;
+  auto const batching =
+    state.range(4) ? lc::recompute_batching::one_batch : lc::recompute_batching::sequential;
+  engine_state* const e = engine_or_skip(state);
+  if (!e) { return; }
+  inferscale::kv_store const& store  = prefixed ? behind_prefix_store(*e) : e->store;
+  inferscale::composition const plan = demo::compose_memory(store, k);
+  inferscale::recompute_options ro;
+  ro.boundary_tokens    = r;
+  ro.selective_fraction = rho;
+  ro.exact              = demo::prefix_id;
+  bool const probe      = rho > 0;
+  auto const m          = plan.length();
+
+  lc::sequence_cache cache{e->ctx, 0};
+  double kl_sum = 0, top1 = 0, exact = 0, common = 0, steps = 0, answers = 0, recomputed = 0;
+  double ttft = 0, probe_s = 0, recompute_s = 0, prefill = 0;
+  auto argmax = [](std::vector<float> const& v) {
+    return std::max_element(v.begin(), v.end()) - v.begin();
+  };
+  // Injects, probes, recomputes and prefills the question; returns the seconds to the first token.
+  auto serve = [&](std::vector<std::int32_t> const& question) {
+    e->ctx.clear(0);
+    auto const t0                   = std::chrono::steady_clock::now();
+    inferscale::composition const c = demo::compose_memory(store, k);
+    inferscale::inject_memory_host(store, c, cache, e->adapter.rotation());
+    std::vector<float> deviation;
+    auto const t1 = std::chrono::steady_clock::now();
+    if (probe) { deviation = lc::probe_deviation(e->ctx, 0, store, c); }
+    probe_s += seconds_since(t1);
+    inferscale::recompute_plan const rp = inferscale::plan_recompute(c, ro, deviation);
+    auto const t2                       = std::chrono::steady_clock::now();
+    lc::recompute_memory(e->ctx, 0, c, rp, batching);
+    recompute_s += seconds_since(t2);
+    recomputed += rp.fraction();
+    e->ctx.decode(0, question, m);
+    return seconds_since(t0);
+  };
+  for (auto _ : state) {
+    for (std::string const& q : demo::questions) {
+      std::vector<std::int32_t> const question = e->model.tokenize(demo::question_turn(q));
+      std::vector<std::int32_t> const prompt   = demo::prompt_with_memory(e->model, k, question);
+      auto const end                           = static_cast<std::int64_t>(prompt.size());
+      e->ctx.clear(0);
+      auto const t0 = std::chrono::steady_clock::now();
+      e->ctx.decode(0, prompt, 0);
+      prefill += seconds_since(t0);
+      std::vector<std::vector<float>> ref_logits;
+      std::vector<std::int32_t> const reference = e->ctx.generate(0, end, 32, &ref_logits);
+
+      ttft += serve(question);
+      std::vector<std::vector<float>> const logits = forced_logits(e->ctx, reference, end);
+      for (std::size_t i = 0; i < logits.size(); ++i) {
+        kl_sum += kl(softmax(ref_logits[i]), softmax(logits[i]));
+        top1 += argmax(logits[i]) == argmax(ref_logits[i]);
+      }
+      serve(question);
+      std::vector<std::int32_t> const free_run = e->ctx.generate(0, end, 32);
+      std::size_t c                            = 0;
+      while (c < free_run.size() && c < reference.size() && free_run[c] == reference[c]) {
+        ++c;
+      }
+      common += static_cast<double>(c) / static_cast<double>(reference.size());
+      exact += free_run == reference;
+      steps += static_cast<double>(reference.size());
+      answers += 1;
+    }
+  }
+  e->ctx.clear(0);
+  double const served             = 2 * answers;  // serve() ran twice per answer
+  state.counters["k"]             = static_cast<double>(k);
+  state.counters["prefixed"]      = prefixed;
+  state.counters["r"]             = r;
+  state.counters["rho"]           = rho;
+  state.counters["one_batch"]     = batching == lc::recompute_batching::one_batch;
+  state.counters["memory_tokens"] = static_cast<double>(m);
+  state.counters["recomputed"]    = recomputed / served;
+  state.counters["kl_mean"]       = kl_sum / steps;
+  state.counters["top1"]          = top1 / steps;
+  state.counters["greedy_exact"]  = exact / answers;
+  state.counters["greedy_common"] = common / answers;
+  state.counters["ttft_ms"]       = 1e3 * ttft / answers;
+  state.counters["probe_ms"]      = 1e3 * probe_s / served;
+  state.counters["recompute_ms"]  = 1e3 * recompute_s / served;
+  state.counters["prefill_ms"]    = 1e3 * prefill / answers;
+  state.counters["speedup"]       = prefill / ttft;
+  state.SetLabel("vs llama.cpp prefill of the same text; 4 questions x 32 greedy tokens");
+}
+
 BENCHMARK(divergence)
   ->Name("engine/divergence")
   ->ArgName("k")
   ->Arg(5)
   ->Arg(20)
+  ->Iterations(1)
+  ->Unit(benchmark::kMillisecond);
+
+BENCHMARK(recompute_curve)
+  ->Name("engine/recompute")
+  ->ArgNames({"k", "prefixed", "r", "rho", "batch"})
+  ->ArgsProduct({{5, 20}, {0, 1}, {0}, {0, 2, 5, 10, 15, 25}, {1}})
+  ->ArgsProduct({{5, 20}, {1}, {0}, {10}, {0}})
+  ->ArgsProduct({{5, 20}, {0, 1}, {1, 2}, {0}, {1}})
   ->Iterations(1)
   ->Unit(benchmark::kMillisecond);
 

@@ -12,9 +12,14 @@
 //     --conversations conv-26,conv-30 | all   (default conv-26)
 //     --sessions N       only the first N sessions of each conversation (default: all)
 //     --questions N      at most N questions per conversation (default: all)
-//     --main-window W    the served encoding: single pass, every fact sees >= W turns (20)
+//     --main-window W    the served encoding: single pass, every fact sees >= W turns (20);
+//                        0: each fact alone behind the lead (per_fact)
 //     --windows 0,5,10,20,50   the window curve: aligned windows of W .. 1.25 W turns
 //     --k K              facts retrieved per question for answering (default 10)
+//     --recompute 0,5,10 the recompute curve: after injection, that percent of the memory's fact
+//                        tokens recomputed in context (recompute.hpp: chosen by the layer-1 K/V
+//                        deviation probe; one batch), per encoding (default: 0 only)
+//     --served-recompute P   the percent the main table serves with (one of --recompute; 0)
 //     --no-whole         no (d) baseline: it prefills the whole (cut) conversation for every
 //                        question (about 2,300 tokens in --fast), the largest part of --fast's
 //                        answering time; the main job's default run skips it
@@ -33,11 +38,13 @@
 
 #include "embedder.hpp"
 #include "llama_adapter.hpp"
-#include "model_paths.hpp"
+#include "llama_recompute.hpp"
 #include "locomo/locomo_data.hpp"
+#include "model_paths.hpp"
 
 #include <inferscale/encoding.hpp>
 #include <inferscale/memory.hpp>
+#include <inferscale/recompute.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -75,6 +82,8 @@ struct run_options {
   std::int32_t max_new{24};
   std::int64_t main_window{20};
   bool whole{true};  // (d), the whole conversation prefilled, where it fits
+  std::vector<int> recompute{0};  // percent of memory fact tokens recomputed (the curve)
+  int served_recompute{0};        // the main table's
 };
 
 std::vector<std::string> split(std::string const& s, char sep)
@@ -278,6 +287,7 @@ struct answer_run {
   std::vector<std::vector<float>> dists;  // teacher-forced logits over the gold answer tokens
   double ttft{0};                          // seconds to the first token's logits
   double inject{0};                        // (a): compose + inject part of ttft
+  double recomputed{0};                    // (a): share of fact tokens recomputed
 };
 
 std::vector<double> log_softmax(std::vector<float> const& l)
@@ -371,8 +381,13 @@ struct evaluator {
   }
 
   /// (a): inject the facts' KV through the memory facade, prefill only the question.
-  answer_run injected(memory const& mem, std::vector<std::uint64_t> const& ids,
-                      std::vector<std::int32_t> const& q, std::vector<std::int32_t> const& gold)
+  /// With `recompute_percent` > 0, that share of the memory's fact tokens (the largest layer-1 K/V
+  /// deviations) is recomputed in context after injection, inside the TTFT.
+  answer_run injected(memory const& mem,
+                      std::vector<std::uint64_t> const& ids,
+                      std::vector<std::int32_t> const& q,
+                      std::vector<std::int32_t> const& gold,
+                      int recompute_percent = 0)
   {
     ctx.clear(seq);
     lc::sequence_cache cache{ctx, seq};
@@ -380,12 +395,23 @@ struct evaluator {
     composition const plan = mem.prepare(ids, 0);
     mem.inject(plan, cache, adapter.rotation());
     double const inject = seconds_since(t0);
+    double recomputed   = 0;
+    if (recompute_percent > 0) {
+      recompute_options ro;
+      ro.selective_fraction        = recompute_percent / 100.0;
+      ro.exact                     = mem.instruction_prefix();
+      std::vector<float> const dev = lc::probe_deviation(ctx, seq, mem.store(), plan);
+      recompute_plan const rp      = plan_recompute(plan, ro, dev);
+      lc::recompute_memory(ctx, seq, plan, rp);
+      recomputed = rp.fraction();
+    }
     ctx.decode(seq, q, plan.length());
     std::vector<float> first = ctx.last_logits();
     double const ttft = seconds_since(t0);
     answer_run r = finish(std::move(first), plan.length() + static_cast<std::int64_t>(q.size()), gold);
-    r.ttft   = ttft;
-    r.inject = inject;
+    r.ttft       = ttft;
+    r.inject     = inject;
+    r.recomputed = recomputed;
     return r;
   }
 };
@@ -433,10 +459,14 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
   std::int64_t const main_w = opt.main_window;
   {
     encoding_options o;
-    o.window              = main_w;
-    o.strategy            = encoding_strategy::single_pass;
+    o.window = main_w;
+    // w = 0: each fact behind the lead only (per_fact); a single pass would show it whole turns.
+    o.strategy = main_w == 0 ? encoding_strategy::per_fact : encoding_strategy::single_pass;
     o.max_sequence_tokens = n_ctx - n_batch;
-    variants.push_back({"single pass, w >= " + std::to_string(main_w), o, true});
+    variants.push_back(
+      {main_w == 0 ? std::string{"alone (w = 0)"} : "single pass, w >= " + std::to_string(main_w),
+       o,
+       true});
   }
   for (std::int64_t w : opt.windows) {
     encoding_options o;
@@ -454,9 +484,14 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
   std::map<int, tally> recall5, recall10, recall20, f1a, f1b, f1c, f1d, agree_exact, agree_f1,
     ttft_a, ttft_b, inject_a, count;
   struct curve_cell {
-    tally kl_b, top1_b, kl_d, top1_d, f1;
+    tally kl_b, top1_b, kl_d, top1_d, f1, exact_b, ttft, recomputed;
   };
-  std::vector<curve_cell> curve(variants.size());
+  // Per variant, per recompute percent (opt.recompute).
+  std::vector<std::vector<curve_cell>> curve(variants.size(),
+                                             std::vector<curve_cell>(opt.recompute.size()));
+  auto const served_rho = static_cast<std::size_t>(
+    std::find(opt.recompute.begin(), opt.recompute.end(), opt.served_recompute) -
+    opt.recompute.begin());
   std::vector<tally> turns_seen(variants.size());
   tally retrieve_s;
   double encode_seconds = 0;
@@ -571,20 +606,27 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
           x.c = ev.prefill(prefix_tokens, x.q, x.gold);
           if (full_fits) { x.d = ev.prefill(full, x.q, x.gold); }
         }
-        answer_run const a = ev.injected(mem, x.ids, x.q, x.gold);
-        curve_cell& cell   = curve[wi];
-        for (std::size_t j = 0; j < a.dists.size(); ++j) {
-          auto const [klb, t1b] = kl_top1(x.b.dists[j], a.dists[j]);
-          cell.kl_b.add(klb);
-          cell.top1_b.add(t1b ? 1 : 0);
-          if (full_fits) {
-            auto const [kld, t1d] = kl_top1(x.d.dists[j], a.dists[j]);
-            cell.kl_d.add(kld);
-            cell.top1_d.add(t1d ? 1 : 0);
-          }
-        }
         bool const scored = q.category != 5 && !q.answer.empty();
-        if (scored) { cell.f1.add(lm::token_f1(a.text, q.answer)); }
+        answer_run a;
+        for (std::size_t ri = 0; ri < opt.recompute.size(); ++ri) {
+          answer_run const ar = ev.injected(mem, x.ids, x.q, x.gold, opt.recompute[ri]);
+          curve_cell& cell    = curve[wi][ri];
+          for (std::size_t j = 0; j < ar.dists.size(); ++j) {
+            auto const [klb, t1b] = kl_top1(x.b.dists[j], ar.dists[j]);
+            cell.kl_b.add(klb);
+            cell.top1_b.add(t1b ? 1 : 0);
+            if (full_fits) {
+              auto const [kld, t1d] = kl_top1(x.d.dists[j], ar.dists[j]);
+              cell.kl_d.add(kld);
+              cell.top1_d.add(t1d ? 1 : 0);
+            }
+          }
+          if (scored) { cell.f1.add(lm::token_f1(ar.text, q.answer)); }
+          cell.exact_b.add(ar.text == x.b.text ? 1 : 0);
+          cell.ttft.add(ar.ttft * 1e3);
+          cell.recomputed.add(ar.recomputed);
+          if (ri == served_rho) { a = ar; }
+        }
         if (variants[wi].main) {
           for (int cat : {0, q.category}) {
             count[cat].add(1);
@@ -616,6 +658,12 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
 
   std::printf("## LoCoMo end to end: SmolLM2-135M-Instruct (llama.cpp, CPU, 1 thread), "
               "all-MiniLM-L6-v2 retrieval\n\n");
+  if (opt.served_recompute > 0) {
+    std::printf(
+      "(a) is served with %d%% of its fact tokens recomputed in context after injection "
+      "(the recompute curve below).\n\n",
+      opt.served_recompute);
+  }
   std::printf("Facts encoded with context-window encoding at w = %lld (single pass, branched); "
               "answers from the top %u facts; greedy, at most %d new tokens. (a) injected fact "
               "KV, (b) the same facts' text re-prefilled (same prompt token ids), (c) no memory, "
@@ -655,18 +703,54 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
               "KL(d ‖ a) nats | top-1 (a)=(d) | F1 (a) | F1 (b) | F1 (d) |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (std::size_t i = 0; i < variants.size(); ++i) {
-    curve_cell const& c = curve[i];
+    curve_cell const& c = curve[i][served_rho];
     std::printf("| %s | %lld | %s | %s | %s | %s | %s | %s | %s | %s |\n", variants[i].label.c_str(),
                 static_cast<long long>(variants[i].o.window), fmt(turns_seen[i], "%.1f").c_str(),
                 fmt(c.kl_b).c_str(), fmt(c.top1_b).c_str(), fmt(c.kl_d).c_str(),
                 fmt(c.top1_d).c_str(), fmt(c.f1).c_str(), fmt(f1b[0]).c_str(),
                 fmt(f1d[0]).c_str());
   }
+  if (opt.recompute.size() > 1 || opt.recompute[0] != 0) {
+    std::printf(
+      "\n### Recompute curve: (a) with a share of its fact tokens recomputed in context\n\n");
+    std::printf(
+      "After injection, the fact tokens of the largest layer-1 K/V deviation (a probe of "
+      "the memory's text through layers 0-1) are decoded again with the whole memory in "
+      "place (recompute.hpp, llama_recompute.hpp, one batch). KL and top-1 against (b) "
+      "over the gold answer tokens, categories 1-4; (a)=(b): the same greedy answer, "
+      "every category; TTFT (a) includes probe and recompute; TTFT (b) %s ms.\n\n",
+      fmt(ttft_b[0], "%.0f").c_str());
+    std::printf(
+      "| encoding | recompute %% | recomputed (mean) | KL(b ‖ a) nats | top-1 (a)=(b) | "
+      "(a)=(b) exact | F1 (a) | F1 (b) | TTFT (a) ms |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|\n");
+    for (std::size_t i = 0; i < variants.size(); ++i) {
+      for (std::size_t ri = 0; ri < opt.recompute.size(); ++ri) {
+        curve_cell const& c = curve[i][ri];
+        std::printf("| %s | %d | %s | %s | %s | %s | %s | %s | %s |\n",
+                    variants[i].label.c_str(),
+                    opt.recompute[ri],
+                    fmt(c.recomputed).c_str(),
+                    fmt(c.kl_b).c_str(),
+                    fmt(c.top1_b).c_str(),
+                    fmt(c.exact_b).c_str(),
+                    fmt(c.f1).c_str(),
+                    fmt(f1b[0]).c_str(),
+                    fmt(c.ttft, "%.0f").c_str());
+      }
+    }
+  }
   // A broken path shows as a missing or non-finite figure: fail then, do not print a table of NaN.
   for (std::size_t i = 0; i < variants.size(); ++i) {
-    if (curve[i].kl_b.n == 0 || !std::isfinite(curve[i].kl_b.mean()) || curve[i].f1.n == 0) {
-      std::fprintf(stderr, "locomo: %s produced no finite KL or F1\n", variants[i].label.c_str());
-      return 1;
+    for (std::size_t ri = 0; ri < opt.recompute.size(); ++ri) {
+      curve_cell const& c = curve[i][ri];
+      if (c.kl_b.n == 0 || !std::isfinite(c.kl_b.mean()) || c.f1.n == 0) {
+        std::fprintf(stderr,
+                     "locomo: %s (recompute %d%%) produced no finite KL or F1\n",
+                     variants[i].label.c_str(),
+                     opt.recompute[ri]);
+        return 1;
+      }
     }
   }
   if (f1b[0].n == 0 || f1c[0].n == 0 || ttft_a[0].n != count[0].n) {
@@ -784,6 +868,13 @@ int main(int argc, char** argv)
         opt.main_window = std::stoll(value());
       } else if (a == "--no-whole") {
         opt.whole = false;
+      } else if (a == "--recompute") {
+        opt.recompute.clear();
+        for (auto const& r : split(value(), ',')) {
+          opt.recompute.push_back(std::stoi(r));
+        }
+      } else if (a == "--served-recompute") {
+        opt.served_recompute = std::stoi(value());
       } else if (a == "--k") {
         opt.k = static_cast<std::uint32_t>(std::stoul(value()));
       } else {
@@ -807,6 +898,20 @@ int main(int argc, char** argv)
   }
   if (opt.k == 0 || opt.main_window < 0) {
     std::fprintf(stderr, "locomo_eval: --k must be positive and --main-window non-negative\n");
+    return 2;
+  }
+  for (int r : opt.recompute) {
+    if (r < 0 || r > 100) {
+      std::fprintf(stderr, "locomo_eval: --recompute percents must be in 0..100, got %d\n", r);
+      return 2;
+    }
+  }
+  if (opt.recompute.empty() ||
+      std::find(opt.recompute.begin(), opt.recompute.end(), opt.served_recompute) ==
+        opt.recompute.end()) {
+    std::fprintf(stderr,
+                 "locomo_eval: --served-recompute %d is not one of --recompute\n",
+                 opt.served_recompute);
     return 2;
   }
   try {

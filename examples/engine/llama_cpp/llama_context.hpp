@@ -30,6 +30,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -136,6 +137,18 @@ class context {
       batch.logits[i]    = i + 1 == n ? 1 : 0;
     }
     run_batch(batch, "a batch of " + std::to_string(n) + " tokens of several sequences");
+  }
+
+  /// @brief Removes the cells of `seq` at positions [p0, p1).
+  void remove(std::int32_t seq, std::int64_t p0, std::int64_t p1)
+  {
+    if (!llama_memory_seq_rm(llama_get_memory(ctx_.get()),
+                             seq,
+                             static_cast<llama_pos>(p0),
+                             static_cast<llama_pos>(p1))) {
+      throw engine_error("llama_memory_seq_rm refused positions [" + std::to_string(p0) + ", " +
+                         std::to_string(p1) + ") of sequence " + std::to_string(seq));
+    }
   }
 
   /// @brief Removes every cell of sequence `seq`.
@@ -297,6 +310,46 @@ class context {
   }
   void end_capture() noexcept { capture_ = nullptr; }
 
+  /**
+   * @brief The pre-RoPE K and V of layer `layer` for `tokens` run in sequence `seq` at positions
+   * `first_position ..` (they see the cells `seq` holds below them), from a forward stopped as
+   * soon as that layer's K and V are computed: the cost of `layer + 1` of the model's layers.
+   * Rows are `[tokens, kv heads, head_dim]`, token-major. The cells the stopped forwards leave
+   * hold layers 0 .. layer only: `seq` must be a scratch sequence the caller clears afterwards.
+   * @throw engine_error if a capture is active, `layer` is outside the model, or as decode().
+   */
+  void probe_layer(std::int32_t seq,
+                   std::vector<std::int32_t> const& tokens,
+                   std::int64_t first_position,
+                   std::int32_t layer,
+                   std::vector<float>& keys,
+                   std::vector<float>& values)
+  {
+    if (capture_) { throw engine_error("llama_cpp::context::probe_layer: a capture is active"); }
+    if (layer < 0 || layer >= geometry_.num_layers) {
+      throw engine_error("llama_cpp::context::probe_layer: layer " + std::to_string(layer) +
+                         " outside the model's " + std::to_string(geometry_.num_layers));
+    }
+    std::size_t const row = static_cast<std::size_t>(geometry_.elements_per_token_layer());
+    keys.assign(tokens.size() * row, 0.0f);
+    values.assign(tokens.size() * row, 0.0f);
+    probe_ = probe_state{layer, &keys, &values, 0, 0, nullptr};
+    try {
+      decode(seq, tokens, first_position);
+    } catch (...) {
+      probe_.reset();
+      throw;
+    }
+    bool const whole = probe_->key_rows == static_cast<std::int64_t>(tokens.size()) &&
+                       probe_->value_rows == static_cast<std::int64_t>(tokens.size());
+    probe_.reset();
+    if (!whole) {
+      throw engine_error("llama_cpp::context::probe_layer: the graph did not yield Kcur-" +
+                         std::to_string(layer) + " and Vcur-" + std::to_string(layer) +
+                         " for every token");
+    }
+  }
+
  private:
   /// @brief llama_decode of `batch` (freed here).
   /// @throw engine_error if the capture hook failed or llama.cpp refused `what`.
@@ -346,8 +399,47 @@ class context {
   static bool eval_callback(ggml_tensor* t, bool ask, void* user)
   {
     auto* self = static_cast<context*>(user);
+    if (self->probe_) { return self->on_probe(t, ask); }
     if (!self->capture_) { return ask ? false : true; }
     return self->on_tensor(t, ask);
+  }
+
+  /// @brief probe_layer's hook: takes the layer's K and V, then stops the graph.
+  bool on_probe(ggml_tensor* t, bool ask)
+  {
+    char const* name = ggml_get_name(t);
+    bool const k     = layer_of(name, "Kcur") == probe_->layer;
+    bool const v     = layer_of(name, "Vcur") == probe_->layer;
+    if (!k && !v) { return ask ? false : true; }
+    if (ask) {
+      if (k && t->op == GGML_OP_ROPE) {
+        if (t->src[0] != probe_->last_key) {
+          capture_error_ = "layer " + std::to_string(probe_->layer) +
+                           ": the K probed is not the input of the ROPE node";
+          return true;
+        }
+        return false;
+      }
+      return t->op != GGML_OP_ROPE && is_head_view(t);
+    }
+    if (!capture_error_.empty()) { return false; }
+    if (!ggml_is_contiguous(t)) {
+      capture_error_ = std::string{name} + " is not contiguous";
+      return false;
+    }
+    std::int64_t& rows     = k ? probe_->key_rows : probe_->value_rows;
+    std::vector<float>& to = k ? *probe_->keys : *probe_->values;
+    std::size_t const row  = static_cast<std::size_t>(geometry_.elements_per_token_layer());
+    std::size_t const n    = static_cast<std::size_t>(t->ne[2]);
+    if ((static_cast<std::size_t>(rows) + n) * row > to.size()) {
+      capture_error_ = std::string{name} + ": more rows than tokens probed";
+      return false;
+    }
+    ggml_backend_tensor_get(t, to.data() + static_cast<std::size_t>(rows) * row, 0, ggml_nbytes(t));
+    rows += static_cast<std::int64_t>(n);
+    if (k) { probe_->last_key = t; }
+    // Both of this forward's K and V taken: stop the graph (the layers above are not needed).
+    return probe_->key_rows != probe_->value_rows;
   }
 
   bool on_tensor(ggml_tensor* t, bool ask)
@@ -405,6 +497,15 @@ class context {
   state_format format_{};
   std::unique_ptr<llama_context, deleter> ctx_;
   kv_capture* capture_{nullptr};
+  struct probe_state {
+    std::int32_t layer;
+    std::vector<float>* keys;
+    std::vector<float>* values;
+    std::int64_t key_rows;
+    std::int64_t value_rows;
+    ggml_tensor const* last_key;
+  };
+  std::optional<probe_state> probe_;
   std::vector<std::int64_t> key_tokens_;
   std::vector<std::int64_t> value_tokens_;
   std::vector<ggml_tensor const*> last_key_;

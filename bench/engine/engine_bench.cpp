@@ -11,8 +11,9 @@
 // over_floor = (a)/(c), memory_tokens, and the flatness of (a) across k is read from the table
 // (bench_summary.py prints inferscale_ms per k and its ratio to k = 5).
 //
-// Setup (not timed): the prefix and 50 facts encoded once, each in its own forward, through the
-// graph-callback capture into a host store. The model path comes from INFERSCALE_SMOLLM2_GGUF
+// Setup (not timed): the prefix and 50 facts encoded once, each alone in its own forward, through
+// the graph-callback capture into a host store (engine/recompute adds a store of the same facts
+// encoded behind the prefix). The model path comes from INFERSCALE_SMOLLM2_GGUF
 // (environment) or the one .ci/engine installed when this was configured.
 
 #include "llama_recompute.hpp"
@@ -63,7 +64,7 @@ struct engine_state {
       adapter{ctx},
       store{demo::make_memory_store(ctx.geometry())}
   {
-    demo::store_memory(model, adapter, store, demo::facts.size());
+    demo::store_memory(model, adapter, store, demo::facts.size(), demo::fact_encoding::alone);
   }
 };
 
@@ -294,26 +295,13 @@ void divergence(benchmark::State& state)
 
 }  // namespace
 
-/// The demo memory with every fact encoded behind the instruction prefix: one forward of prefix +
-/// fact at positions 0 .., the fact's rows kept (the prefix itself stored once, encoded alone).
+/// The demo memory with every fact encoded behind the instruction prefix (store_memory's default).
 inferscale::kv_store const& behind_prefix_store(engine_state& e)
 {
   if (!e.behind_prefix) {
     auto s = std::make_unique<inferscale::kv_store>(demo::make_memory_store(e.ctx.geometry()));
-    std::vector<std::int32_t> const prefix = e.model.tokenize(demo::instruction_prefix);
-    inferscale::encode_facts(
-      e.adapter, *s, prefix, 0, {{demo::prefix_id, demo::user_id, 0, prefix}});
-    for (std::size_t i = 0; i < demo::facts.size(); ++i) {
-      std::vector<std::int32_t> const fact = e.model.tokenize(demo::facts[i]);
-      std::vector<std::int32_t> segment    = prefix;
-      segment.insert(segment.end(), fact.begin(), fact.end());
-      inferscale::encode_facts(
-        e.adapter,
-        *s,
-        segment,
-        0,
-        {{demo::fact_id(i), demo::user_id, static_cast<std::int64_t>(prefix.size()), fact}});
-    }
+    demo::store_memory(
+      e.model, e.adapter, *s, demo::facts.size(), demo::fact_encoding::behind_prefix);
     e.behind_prefix = std::move(s);
   }
   return *e.behind_prefix;

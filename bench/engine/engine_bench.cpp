@@ -430,6 +430,7 @@ BENCHMARK(recompute_curve)
   ->ArgsProduct({{5, 20}, {0, 1}, {0}, {0, 2, 5, 10, 15, 25}, {1}})
   ->ArgsProduct({{5, 20}, {1}, {0}, {10}, {0}})
   ->ArgsProduct({{5, 20}, {0, 1}, {1, 2}, {0}, {1}})
+  ->ArgsProduct({{50}, {1}, {0}, {0, 2, 5, 10}, {1}})
   ->Iterations(1)
   ->Unit(benchmark::kMillisecond);
 

@@ -170,7 +170,8 @@ def case_part(name, key):
 
 
 def engine_lines(entries):
-    """bench_engine (--full): llama.cpp TTFT against k, and the divergence of independent facts."""
+    """bench_engine (--full): llama.cpp TTFT against k, the divergence of independent facts, and
+    the recompute curve."""
     lines = []
     ttft = sorted((b for b in entries if b.get("name", "").startswith("engine/ttft") and usable(b)),
                   key=lambda b: b.get("k", 0))
@@ -191,6 +192,20 @@ def engine_lines(entries):
                          b.get("k", 0), b.get("kl_mean_independent", 0),
                          b.get("top1_independent", 0), b.get("kl_mean_joint", 0),
                          b.get("top1_joint", 0)))
+    rec = [b for b in entries if b.get("name", "").startswith("engine/recompute") and usable(b)]
+    if rec:
+        lines.append("recompute after injection (recompute.hpp; KL to the re-prefilled text, 4 "
+                     "questions x 32 tokens; TTFT includes the layer-1 probe and the recompute):")
+        rows = [[str(int(b.get("k", 0))), "behind prefix" if b.get("prefixed") else "alone",
+                 str(int(b.get("r", 0))), "%d%%" % round(100 * b.get("rho", 0)),
+                 "one batch" if b.get("one_batch") else "in order",
+                 "%.1f%%" % (100 * b.get("recomputed", 0)), "%.3f" % b.get("kl_mean", 0),
+                 "%.2f" % b.get("top1", 0), "%.0f" % b.get("ttft_ms", 0),
+                 "%.0f" % b.get("prefill_ms", 0)]
+                for b in sorted(rec, key=lambda b: (b.get("k", 0), b.get("prefixed", 0),
+                                                    b.get("r", 0), b.get("rho", 0)))]
+        lines += table(["k", "facts encoded", "first r", "rho", "runs", "recomputed", "KL",
+                        "top-1", "TTFT ms", "re-prefill ms"], rows)
     return lines
 
 

@@ -16,6 +16,7 @@
 // encoded behind the prefix). The model path comes from INFERSCALE_SMOLLM2_GGUF
 // (environment) or the one .ci/engine installed when this was configured.
 
+#include "divergence.hpp"
 #include "llama_recompute.hpp"
 #include "memory_setup.hpp"
 
@@ -160,32 +161,6 @@ void ttft(benchmark::State& state)
   state.SetLabel("llama.cpp SmolLM2-135M Q4_1, 1 thread, host backend");
 }
 
-/// Next-token distribution (softmax in double) of a logit vector.
-std::vector<double> softmax(std::vector<float> const& logits)
-{
-  double const top = *std::max_element(logits.begin(), logits.end());
-  std::vector<double> p(logits.size());
-  double sum = 0;
-  for (std::size_t i = 0; i < logits.size(); ++i) {
-    p[i] = std::exp(static_cast<double>(logits[i]) - top);
-    sum += p[i];
-  }
-  for (double& v : p) {
-    v /= sum;
-  }
-  return p;
-}
-
-/// KL(p || q) in nats.
-double kl(std::vector<double> const& p, std::vector<double> const& q)
-{
-  double d = 0;
-  for (std::size_t i = 0; i < p.size(); ++i) {
-    if (p[i] > 0) { d += p[i] * std::log(p[i] / std::max(q[i], 1e-300)); }
-  }
-  return d;
-}
-
 /// Logits at each step of feeding `tokens` after the sequence's current state (teacher forcing):
 /// step 0 is the distribution after the prompt, step i after tokens[0 .. i-1].
 std::vector<std::vector<float>> forced_logits(lc::context& ctx,
@@ -258,7 +233,7 @@ void divergence(benchmark::State& state)
         e->ctx.decode(0, question, m);
         std::vector<std::vector<float>> const logits = forced_logits(e->ctx, reference, end);
         for (std::size_t i = 0; i < logits.size(); ++i) {
-          double const d = kl(softmax(ref_logits[i]), softmax(logits[i]));
+          double const d = lc::kl_logits(ref_logits[i], logits[i]);
           kl_sum[which] += d;
           kl_max[which]     = std::max(kl_max[which], d);
           auto const argmax = [](std::vector<float> const& v) {
@@ -380,7 +355,7 @@ void recompute_curve(benchmark::State& state)
       ttft += serve(question);
       std::vector<std::vector<float>> const logits = forced_logits(e->ctx, reference, end);
       for (std::size_t i = 0; i < logits.size(); ++i) {
-        kl_sum += kl(softmax(ref_logits[i]), softmax(logits[i]));
+        kl_sum += lc::kl_logits(ref_logits[i], logits[i]);
         top1 += argmax(logits[i]) == argmax(ref_logits[i]);
       }
       serve(question);

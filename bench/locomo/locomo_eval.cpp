@@ -36,6 +36,7 @@
 // The data set is read in place from ../shared/data/locomo (CC BY-NC 4.0, not copied). Any failure
 // (a missing model, data set or engine error) exits non-zero with the message.
 
+#include "divergence.hpp"
 #include "embedder.hpp"
 #include "llama_adapter.hpp"
 #include "llama_recompute.hpp"
@@ -290,36 +291,7 @@ struct answer_run {
   double recomputed{0};                    // (a): share of fact tokens recomputed
 };
 
-std::vector<double> log_softmax(std::vector<float> const& l)
-{
-  double mx = -1e300;
-  for (float x : l) {
-    mx = std::max(mx, double(x));
-  }
-  double sum = 0;
-  for (float x : l) {
-    sum += std::exp(double(x) - mx);
-  }
-  double const lse = mx + std::log(sum);
-  std::vector<double> out(l.size());
-  for (std::size_t i = 0; i < l.size(); ++i) {
-    out[i] = double(l[i]) - lse;
-  }
-  return out;
-}
-
-/// KL(p || q) of two logit rows, and whether their argmax agrees.
-std::pair<double, bool> kl_top1(std::vector<float> const& p_logits, std::vector<float> const& q_logits)
-{
-  std::vector<double> const lp = log_softmax(p_logits), lq = log_softmax(q_logits);
-  double kl = 0;
-  for (std::size_t i = 0; i < lp.size(); ++i) {
-    kl += std::exp(lp[i]) * (lp[i] - lq[i]);
-  }
-  auto const ap = std::max_element(p_logits.begin(), p_logits.end()) - p_logits.begin();
-  auto const aq = std::max_element(q_logits.begin(), q_logits.end()) - q_logits.begin();
-  return {std::max(0.0, kl), ap == aq};
-}
+using lc::kl_top1;
 
 struct evaluator {
   lc::model const& m;

@@ -5,6 +5,7 @@
 //
 // Expectations are the engine's own: its cache bytes after its own prefill, its greedy tokens.
 
+#include "divergence.hpp"
 #include "llama_adapter.hpp"
 #include "llama_recompute.hpp"
 #include "memory_data.hpp"
@@ -745,35 +746,7 @@ TEST_CASE("llama.cpp: facts branched off one trunk equal a forward per fact behi
   CHECK(store.namespace_facts(7) == 5);
 }
 
-namespace {
-
-/// KL(p || q) in nats of two logit rows (softmax in double).
-double kl_logits(std::vector<float> const& p_logits, std::vector<float> const& q_logits)
-{
-  auto log_softmax = [](std::vector<float> const& l) {
-    double mx = -1e300;
-    for (float x : l) {
-      mx = std::max(mx, double(x));
-    }
-    double sum = 0;
-    for (float x : l) {
-      sum += std::exp(double(x) - mx);
-    }
-    std::vector<double> out(l.size());
-    for (std::size_t i = 0; i < l.size(); ++i) {
-      out[i] = double(l[i]) - mx - std::log(sum);
-    }
-    return out;
-  };
-  std::vector<double> const lp = log_softmax(p_logits), lq = log_softmax(q_logits);
-  double kl = 0;
-  for (std::size_t i = 0; i < lp.size(); ++i) {
-    kl += std::exp(lp[i]) * (lp[i] - lq[i]);
-  }
-  return kl;
-}
-
-}  // namespace
+using lc::kl_logits;
 
 TEST_CASE("llama.cpp: the layer probe yields the K/V a whole forward computes, bit for bit",
           "[llama]")

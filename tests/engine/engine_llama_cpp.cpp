@@ -915,3 +915,32 @@ TEST_CASE("llama.cpp: recomputing every fact token in context gives the engine's
   REQUIRE_THROWS_WITH(lc::recompute_memory(plain, 0, c, heads, lc::recompute_batching::one_batch),
                       Catch::Matchers::Contains("needs branch sequences"));
 }
+
+TEST_CASE("llama.cpp: architectures the adapter cannot serve are refused, named", "[llama]")
+{
+  // SmolLM2 (llama): llama.cpp's own answers, accepted.
+  lc::architecture_facts const smollm = the_model().architecture();
+  CHECK(smollm.name == "llama");
+  CHECK_FALSE(smollm.recurrent);
+  CHECK(smollm.rope_type == LLAMA_ROPE_TYPE_NORM);
+  CHECK(smollm.sliding_window == 0);
+  CHECK(smollm.kv_lora_rank == 0);
+  REQUIRE_NOTHROW(lc::check_architecture(smollm));
+
+  // The others, as llama.cpp describes them (gemma3: a 512-token window, NEOX rope; mamba:
+  // recurrent; deepseek2: MLA; bert: no rope; qwen2vl: M-RoPE).
+  auto refused = [](lc::architecture_facts f, char const* reason) {
+    INFO(f.name);
+    REQUIRE_THROWS_WITH(lc::check_architecture(f),
+                        Catch::Matchers::Contains("architecture '" + f.name + "'") &&
+                          Catch::Matchers::Contains(reason) &&
+                          Catch::Matchers::Contains("refused"));
+  };
+  refused({"gemma3", false, LLAMA_ROPE_TYPE_NEOX, 512, 0},
+          "sliding-window attention layers (window 512)");
+  refused({"mamba", true, LLAMA_ROPE_TYPE_NONE, 0, 0}, "recurrent state");
+  refused({"deepseek2", false, LLAMA_ROPE_TYPE_NORM, 0, 512}, "MLA, kv_lora_rank 512");
+  refused({"bert", false, LLAMA_ROPE_TYPE_NONE, 0, 0}, "no rotary embedding");
+  refused({"qwen2vl", false, LLAMA_ROPE_TYPE_MROPE, 0, 0}, "multi-section or vision RoPE");
+  REQUIRE_NOTHROW(lc::check_architecture({"qwen2", false, LLAMA_ROPE_TYPE_NEOX, 0, 0}));
+}

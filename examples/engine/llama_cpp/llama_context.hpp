@@ -6,9 +6,10 @@
  * `Kcur-<l>` node that feeds the ROPE node (its input, checked against the ROPE node's `src[0]`)
  * and `Vcur-<l>`.
  *
- * The blob format the context expects (streams, V transposition, layer count, cell types and row
- * sizes) is read from the engine itself when the context is made (a one-token probe in a
- * scratch sequence), and every blob read or written is checked against it.
+ * Only architectures check_architecture() accepts are served (the constructor refuses the others,
+ * naming them). The blob format the context expects (streams, V transposition, layer count, cell
+ * types and row sizes) is read from the engine itself when the context is made (a one-token probe
+ * in a scratch sequence), and every blob read or written is checked against it.
  */
 #pragma once
 
@@ -58,7 +59,10 @@ struct context_options {
 class context {
  public:
   context(model const& m, context_options const& options = {})
-    : model_{&m}, options_{options}, geometry_{m.geometry()}
+    : model_{supported(m)},
+      architecture_{m.architecture().name},
+      options_{options},
+      geometry_{m.geometry()}
   {
     if (options.n_seq_max < 2) {
       throw engine_error("llama_cpp::context: n_seq_max must be at least 2 (one scratch sequence)");
@@ -351,6 +355,13 @@ class context {
   }
 
  private:
+  /// @brief `m`, once check_architecture accepts it (before anything else reads the model).
+  static model const* supported(model const& m)
+  {
+    check_architecture(m.architecture());
+    return &m;
+  }
+
   /// @brief llama_decode of `batch` (freed here).
   /// @throw engine_error if the capture hook failed or llama.cpp refused `what`.
   void run_batch(llama_batch batch, std::string const& what)
@@ -453,9 +464,9 @@ class context {
       if (k >= 0 && t->op == GGML_OP_ROPE) {
         // The ROPE node's input must be the K we took for this layer.
         if (t->src[0] != last_key_[static_cast<std::size_t>(k)]) {
-          capture_error_ = "layer " + std::to_string(k) +
+          capture_error_ = "architecture '" + architecture_ + "', layer " + std::to_string(k) +
                            ": the K captured is not the input of the ROPE node (a k-norm or "
-                           "another op sits between them in this architecture)";
+                           "another op sits between them): not supported";
           return true;  // asked, so the callback below can stop the graph
         }
         return false;
@@ -492,6 +503,7 @@ class context {
     void operator()(llama_context* c) const noexcept { llama_free(c); }
   };
   model const* model_;
+  std::string architecture_;
   context_options options_;
   kv_geometry geometry_;
   state_format format_{};

@@ -41,6 +41,57 @@ inline void quiet_logs()
 }
 
 // ------------------------------------------------------------------------------------------------
+// Which architectures the adapter serves
+
+/// @brief What decides whether the adapter can serve a generative model (llama.cpp's own answers
+/// and the GGUF metadata; see check_architecture).
+struct architecture_facts {
+  std::string name;                ///< general.architecture
+  bool recurrent{false};           ///< llama_model_is_recurrent or llama_model_is_hybrid
+  std::int32_t rope_type{0};       ///< llama_model_rope_type
+  std::int32_t sliding_window{0};  ///< llama_model_n_swa (0: none)
+  std::int64_t kv_lora_rank{0};    ///< `<arch>.attention.kv_lora_rank` (MLA; 0: none)
+};
+
+/**
+ * @brief Refuses, naming the architecture, a model whose keys the adapter cannot capture before
+ * RoPE and inject: a recurrent state instead of a per-token cache, keys compressed into a latent
+ * (MLA), no rotary embedding or a multi-section one, and sliding-window layers (llama.cpp keeps
+ * them in a second cache, whose state this adapter does not read, and may rotate them with another
+ * base: gemma3's sliding-window layers use 10,000, its global ones 1,000,000).
+ * @throw engine_error with the reason.
+ */
+inline void check_architecture(architecture_facts const& f)
+{
+  std::string const who = "llama_cpp: architecture '" + f.name + "' ";
+  if (f.recurrent) {
+    throw engine_error(who +
+                       "keeps a recurrent state instead of a per-token KV cache (llama.cpp: "
+                       "recurrent or hybrid): there are no keys to inject; refused");
+  }
+  if (f.kv_lora_rank > 0) {
+    throw engine_error(who + "compresses keys and values into a latent (MLA, kv_lora_rank " +
+                       std::to_string(f.kv_lora_rank) +
+                       "): its cache holds no per-head keys to rotate; refused");
+  }
+  if (f.rope_type == LLAMA_ROPE_TYPE_NONE) {
+    throw engine_error(who +
+                       "has no rotary embedding: its keys pass through no ROPE node; refused");
+  }
+  if (f.rope_type != LLAMA_ROPE_TYPE_NORM && f.rope_type != LLAMA_ROPE_TYPE_NEOX) {
+    throw engine_error(who + "rotates with rope type " + std::to_string(f.rope_type) +
+                       " (multi-section or vision RoPE): not supported; refused");
+  }
+  if (f.sliding_window > 0) {
+    throw engine_error(who + "has sliding-window attention layers (window " +
+                       std::to_string(f.sliding_window) +
+                       "): llama.cpp keeps them in a second cache whose state this adapter does "
+                       "not read, and may rotate them with another rope base than the global "
+                       "layers (gemma3: 10,000 against 1,000,000); not supported yet; refused");
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // Model
 
 /// @brief A loaded GGUF model (move-only owner of a llama_model).
@@ -75,6 +126,25 @@ class model {
     llama_model_meta_val_str(model_.get(), key.c_str(), out.data(), out.size());
     out.resize(static_cast<std::size_t>(n));
     return out;
+  }
+
+  /// @brief What check_architecture() decides on, read from llama.cpp and the metadata.
+  architecture_facts architecture() const
+  {
+    architecture_facts f;
+    f.name      = meta("general.architecture").value_or("?");
+    f.recurrent = llama_model_is_recurrent(model_.get()) || llama_model_is_hybrid(model_.get());
+    f.rope_type = static_cast<std::int32_t>(llama_model_rope_type(model_.get()));
+    f.sliding_window = llama_model_n_swa(model_.get());
+    if (auto const r = meta(f.name + ".attention.kv_lora_rank")) {
+      try {
+        f.kv_lora_rank = std::stoll(*r);
+      } catch (std::exception const&) {
+        throw engine_error("llama_cpp::model: " + f.name + ".attention.kv_lora_rank is '" + *r +
+                           "', not a number");
+      }
+    }
+    return f;
   }
 
   /// @brief The KV geometry from the GGUF metadata, cross-checked against llama.cpp's own counts.

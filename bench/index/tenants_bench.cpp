@@ -10,9 +10,11 @@
  *    std::mt19937_64(20261205) (median 100, so about a quarter of the users sit at 50, mean ~170,
  *    p99 ~1,000, a few users in the thousands). The set's N, mean, median, p99 and max are
  *    printed to stderr and reported as counters.
- *  - each user's vectors come from its own Gaussian mixture (tests/common/gaussian_mixture.hpp:
+ *  - (bench/common/tenants_shape.hpp, shared with the device and serving-step benchmarks)
+ *    each user's vectors come from its own Gaussian mixture (tests/common/gaussian_mixture.hpp:
  *    1 + n_u / 50 anisotropic centres, L2-normalised, seed 20261205 + 1,000,003 dim + u):
- *    ceil(1,024 / U) queries drawn first (two at 1,000 users, one at 10,000), then the n_u facts. dim 384 (MiniLM-sized) and 768.
+ *    ceil(1,024 / U) queries drawn first (two at 1,000 users, one at 10,000), then the n_u facts.
+ * dim 384 (MiniLM-sized) and 768.
  *  - the queries: Q = 1,024, query i belongs to user perm[i mod U] (perm: a random permutation
  *    of the users, std::mt19937_64(20261206)) and is that user's (i div U)-th query. So at
  *    10,000 users the 1,024 queries come from 1,024 distinct users drawn uniformly (most of them
@@ -33,12 +35,19 @@
  *    figure counts it per index as it is), built by `addPoint` per fact, users spread over every
  *    hardware thread. A step runs its B queries one after another on the calling thread.
  *
- * Cases: index_tenants/users:U/dim:d/target:T/batch:B (T = 95, 99: recall@10 >= 0.T over the Q
- * queries; B = 1, 16, 128, 1,024). In setup (untimed), once per (U, d), each side's list size
- * (graph `itopk_size`, hnswlib `ef`) is swept over bench_index_host's grid (10, 11, ..., 40, 44,
- * ..., 512) on the Q queries and the smallest reaching the target is used. Each iteration then
- * runs the Q queries as Q / B steps with the fact index (`Time`), then with hnswlib; every step
- * is timed. Counters:
+ * Cases: index_tenants/users:U/dim:d/store:S/target:T/batch:B. S, how the fact index holds its
+ * rows: `f32` (float32 rows, the index_config defaults); `f32_f16copy` (the same index with
+ * `host_traversal_dtype` float16: a float16 copy beside the float32 rows, which the graph walk
+ * and, under cosine, the exact search of small namespaces read, the candidates then measured
+ * again on the float32 rows, so results and distances are the float32 rows'; the copy counts as
+ * overhead); `f16` (a second index with `vector_dtype` float16: the rows themselves in float16,
+ * half the vector memory, distances and results those of the rounded rows, recall still against
+ * the float32 truth). T = 95, 99: recall@10 >= 0.T over the Q queries; B = 1, 16, 128, 1,024. In
+ * setup (untimed), once per (U, d) for hnswlib and once per (U, d, S) for the index, each side's
+ * list size (graph `itopk_size`, hnswlib `ef`) is swept over bench_index_host's grid (10, 11, ...,
+ * 40, 44, ..., 512) on the Q queries and the smallest reaching the target is used. Each iteration
+ * then runs the Q queries as Q / B steps with the fact index (`Time`), then with hnswlib; every
+ * step is timed. Counters:
  *  - `QPS`, `hnswlib_QPS`, `vs_hnswlib` = hnswlib time / fact index time (> 1: the index is
  *    faster); `recall`, `hnswlib_recall`, `itopk`, `hnswlib_ef`; `exact_share`: the share of the
  *    queries whose namespace the automatic choice searched exactly;
@@ -62,7 +71,10 @@
  *    `hnswlib_rss_overhead_B_per_fact` (it includes the allocator's slack and freed build
  *    scratch the allocator kept). The index's parts: `arena_B_per_fact` (graph, id, flag of every
  *    arena row), `spare_B_per_fact` (spare rows' vectors), `entries_B_per_fact`,
- *    `maps_B_per_fact`; `arena_rows_per_fact` = arena_rows() / N.
+ *    `maps_B_per_fact`; `arena_rows_per_fact` = arena_rows() / N; `copy_B_per_fact`, the
+ *    float16 copies under f32_f16copy (`host_traversal_bytes`, included in
+ *    `overhead_B_per_fact`); `vector_B_per_fact` and `hnswlib_vector_B_per_fact`, the vectors
+ *    themselves (dim x 4, or dim x 2 under f16), so that overhead + vectors compares the memory.
  *  - the set: `users`, `N`, `size_mean`, `size_median`, `size_p99`, `size_max`.
  *
  * Sizes: every (U, d) set is built when its first case runs, and one set is kept at a time (the
@@ -73,13 +85,15 @@
  * peer, ~3.3 GB of hnswlib indexes, 2.6 GB of them locks). Within them, --benchmark_filter
  * chooses (e.g. 'users:1000/dim:384/').
  */
+#include "../common/tenants_shape.hpp"
 #include "hnsw_baseline.hpp"
-
-#include <gaussian_mixture.hpp>
 
 #include <inferscale/index.hpp>
 
 #include <benchmark/benchmark.h>
+
+#include <malloc.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -96,10 +110,8 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
-
-#include <malloc.h>
-#include <unistd.h>
 
 namespace {
 
@@ -109,13 +121,8 @@ using clock_type = std::chrono::steady_clock;
 
 constexpr std::uint32_t top_k         = 10;
 constexpr std::int64_t num_queries    = 1024;
-constexpr std::uint64_t size_seed     = 20261205;
 constexpr std::uint64_t order_seed    = 20261206;
-constexpr std::uint64_t data_seed     = 20261205;
-constexpr double size_median          = 100.0;
-constexpr double size_sigma           = 1.0;
-constexpr std::uint32_t size_min      = 50;
-constexpr std::uint32_t size_max      = 5000;
+using ib::tenants::size_min;
 constexpr int hnsw_m                  = 16;
 constexpr int hnsw_ef_construction    = 200;
 constexpr std::int64_t tenant_estimate = 200;  ///< bytes per namespace: tenant record, map node
@@ -172,16 +179,37 @@ float cosine(float const* a, float const* b, std::int64_t dim)
   return 1.0f - s;
 }
 
-std::vector<std::uint32_t> namespace_sizes(std::int64_t users)
+/// @brief The fact index's overhead in bytes (see the file comment): graph + ids + flags of every
+/// arena row, the spare rows' vectors, entry points, hash maps and tenant records.
+struct index_accounting {
+  double arena{0}, spare{0}, entries{0}, maps{0};
+  double total() const { return arena + spare + entries + maps; }
+};
+
+index_accounting account(is::graph_index const& ix, std::int64_t users)
 {
-  std::mt19937_64 rng{size_seed};
-  std::normal_distribution<double> normal;
-  std::vector<std::uint32_t> sizes(static_cast<std::size_t>(users));
-  for (auto& n : sizes) {
-    double const x = std::round(std::exp(std::log(size_median) + size_sigma * normal(rng)));
-    n = static_cast<std::uint32_t>(std::clamp(x, double{size_min}, double{size_max}));
+  double const element   = ix.config().vector_dtype == is::dtype::float16 ? 2.0 : 4.0;
+  double const row_bytes = static_cast<double>(ix.row_elements()) * element;
+  double const arena_vec = static_cast<double>(ix.arena_rows()) * row_bytes;
+  index_accounting a;
+  for (std::int64_t u = 0; u < users; ++u) {
+    a.entries +=
+      static_cast<double>(ix.host_entry_points(static_cast<std::uint64_t>(u))) * (4.0 + row_bytes);
   }
-  return sizes;
+  a.arena = static_cast<double>(ix.arena_bytes()) - arena_vec;
+  a.spare =
+    static_cast<double>(ix.arena_rows() - static_cast<std::int64_t>(ix.total_size())) * row_bytes;
+  a.maps = static_cast<double>(ix.total_size()) * (48.0 + 8.0) +
+           static_cast<double>(users * tenant_estimate);
+  return a;
+}
+
+/// @brief How the fact index holds its rows (the `store:` of a case).
+enum class store_kind { f32, f32_f16copy, f16 };
+
+char const* store_name(store_kind k)
+{
+  return k == store_kind::f32 ? "f32" : k == store_kind::f32_f16copy ? "f32_f16copy" : "f16";
 }
 
 /// @brief One (users, dim) set: both sides built, the queries, the truth and the sweep.
@@ -190,7 +218,8 @@ struct tenants_set {
   std::vector<std::uint32_t> sizes;
   std::vector<std::uint64_t> first_id;     ///< [users] the fact id of a user's row 0
   std::uint64_t n{0};
-  std::unique_ptr<is::graph_index> index;
+  std::unique_ptr<is::graph_index> index;  ///< float32 rows (stores f32 and f32_f16copy)
+  std::unique_ptr<is::graph_index> half;   ///< float16 rows (store f16), built on first use
   std::vector<std::int64_t> query_user;    ///< [Q]
   std::vector<std::int64_t> peer_of_user;  ///< [users] slot in `peers`, -1 when not built
   std::vector<std::unique_ptr<ib::hnsw_baseline>> peers;
@@ -199,13 +228,15 @@ struct tenants_set {
   std::vector<std::uint64_t> query_ns;     ///< [Q]
   std::vector<std::uint64_t> truth;        ///< [Q][top_k] fact ids
   double build_cpu_s{0}, build_s{0}, peer_build_cpu_s{0}, peer_build_s{0};
-  double overhead_bytes{0}, rss_overhead_bytes{0};
-  /// overhead_bytes' parts: graph + ids + flags of every arena row, spare rows' vectors, entry
-  /// points, hash maps and tenant records
-  double arena_overhead{0}, spare_overhead{0}, entry_overhead{0}, map_overhead{0};
+  double half_build_cpu_s{0};
+  double rss_overhead_bytes{0}, half_rss_overhead_bytes{0};
+  index_accounting acct, half_acct;
   double peer_overhead_bytes{0}, peer_fixed_bytes{0}, peer_rss_overhead_bytes{0};
-  std::map<int, int> itopk, ef;            ///< target (percent) -> chosen list size
-  std::map<int, double> recall, peer_recall;
+  /// (store, target percent) -> the index's chosen list size and its recall
+  std::map<std::pair<int, int>, int> itopk;
+  std::map<std::pair<int, int>, double> recall;
+  std::map<int, int> ef;  ///< target (percent) -> hnswlib's chosen ef
+  std::map<int, double> peer_recall;
 };
 
 double recall_of(std::vector<std::uint64_t> const& truth, std::vector<std::uint64_t> const& got)
@@ -231,14 +262,20 @@ is::search_params index_params(int itopk)
 }
 
 /// @brief Queries [begin, begin + count) with one batched `search` call.
-void index_step(tenants_set const& s, is::search_params const& p, std::int64_t begin,
-                std::int64_t count, std::uint64_t* ids, float* dist)
+void index_step(tenants_set const& s,
+                is::graph_index const& index,
+                is::search_params const& p,
+                std::int64_t begin,
+                std::int64_t count,
+                std::uint64_t* ids,
+                float* dist)
 {
-  is::search(*s.index,
+  is::search(index,
              is::make_matrix_view<float const>(s.queries.data() + begin * s.dim, count, s.dim),
              cuda::std::span<std::uint64_t const>{s.query_ns.data() + begin,
                                                   static_cast<std::size_t>(count)},
-             top_k, p,
+             top_k,
+             p,
              is::make_matrix_view<std::uint64_t>(ids + begin * top_k, count, top_k),
              is::make_matrix_view<float>(dist + begin * top_k, count, top_k));
 }
@@ -266,7 +303,7 @@ std::unique_ptr<tenants_set> build_set(std::int64_t users, std::int64_t dim)
   auto s   = std::make_unique<tenants_set>();
   s->users = users;
   s->dim   = dim;
-  s->sizes = namespace_sizes(users);
+  s->sizes = ib::tenants::namespace_sizes(users);
   s->first_id.resize(static_cast<std::size_t>(users));
   for (std::int64_t u = 0; u < users; ++u) {
     s->first_id[static_cast<std::size_t>(u)] = s->n;
@@ -319,11 +356,9 @@ std::unique_ptr<tenants_set> build_set(std::int64_t users, std::int64_t dim)
   for (std::int64_t u = 0; u < users; ++u) {
     std::uint32_t const nu = s->sizes[static_cast<std::size_t>(u)];
     auto const g0          = clock_type::now();
-    is::test::gaussian_mixture mix{is::test::mixture_spec{
-      dim, 1 + nu / 50, true, data_seed + 1000003 * static_cast<std::uint64_t>(dim) +
-                                static_cast<std::uint64_t>(u)}};
-    std::vector<float> const q2   = mix.draw(queries_per_user);
-    std::vector<float> rows = mix.draw(nu);
+    ib::tenants::user_data data = ib::tenants::user_vectors(u, dim, nu, queries_per_user);
+    std::vector<float> const q2 = std::move(data.queries);
+    std::vector<float> rows     = std::move(data.facts);
     ids.resize(nu);
     std::iota(ids.begin(), ids.end(), s->first_id[static_cast<std::size_t>(u)]);
     gen_s += seconds_since(g0);
@@ -361,24 +396,7 @@ std::unique_ptr<tenants_set> build_set(std::int64_t users, std::int64_t dim)
   s->rss_overhead_bytes =
     static_cast<double>(rss1 - rss0) - static_cast<double>(kept_bytes) - vector_bytes;
 
-  // the index's own accounting (see the file comment)
-  {
-    auto const& ix         = *s->index;
-    double const row_bytes = static_cast<double>(ix.row_elements()) * 4.0;
-    double const arena_vec = static_cast<double>(ix.arena_rows()) * row_bytes;
-    double entries         = 0.0;
-    for (std::int64_t u = 0; u < users; ++u) {
-      entries += static_cast<double>(ix.host_entry_points(static_cast<std::uint64_t>(u))) *
-                 (4.0 + row_bytes);
-    }
-    s->arena_overhead = static_cast<double>(ix.arena_bytes()) - arena_vec;
-    s->spare_overhead =
-      static_cast<double>(ix.arena_rows() - static_cast<std::int64_t>(ix.total_size())) * row_bytes;
-    s->entry_overhead = entries;
-    s->map_overhead   = static_cast<double>(ix.total_size()) * (48.0 + 8.0) +
-                      static_cast<double>(users * tenant_estimate);
-    s->overhead_bytes = s->arena_overhead + s->spare_overhead + s->entry_overhead + s->map_overhead;
-  }
+  s->acct = account(*s->index, users);
 
   // the peer: one hnswlib index per queried user, the users spread over the hardware threads
   s->peers.resize(peer_users.size());
@@ -428,36 +446,93 @@ std::unique_ptr<tenants_set> build_set(std::int64_t users, std::int64_t dim)
                s->build_cpu_s, s->peers.size(), static_cast<unsigned long long>(s->peer_facts),
                s->peer_build_s, s->peer_build_cpu_s);
 
-  // the sweep (untimed): the smallest list size of the grid reaching each target, per side
+  // the peer's sweep (untimed): the smallest ef of the grid reaching each target
   std::vector<std::uint64_t> got(static_cast<std::size_t>(num_queries * top_k));
   std::vector<float> dist(got.size());
   std::ostringstream os;
-  os << "bench_index_tenants sweep users:" << users << " dim:" << dim
-     << " (list size: index recall / hnswlib recall):";
+  os << "bench_index_tenants sweep users:" << users << " dim:" << dim << " (ef: hnswlib recall):";
   for (int ef : ef_grid()) {
-    auto p    = index_params(ef);
-    p.threads = 0;  // setup: every hardware thread
-    index_step(*s, p, 0, num_queries, got.data(), dist.data());
-    double const ri = recall_of(s->truth, got);
     set_peer_ef(*s, ef);
     peer_step(*s, 0, num_queries, got.data(), dist.data());
     double const rh = recall_of(s->truth, got);
-    os << " " << ef << ": " << ri << "/" << rh << ";";
+    os << " " << ef << ": " << rh << ";";
     for (int target : {95, 99}) {
-      if (ri >= target / 100.0 && !s->itopk.count(target)) {
-        s->itopk[target]  = ef;
-        s->recall[target] = ri;
-      }
       if (rh >= target / 100.0 && !s->ef.count(target)) {
         s->ef[target]          = ef;
         s->peer_recall[target] = rh;
       }
     }
-    if (s->itopk.count(99) && s->ef.count(99)) { break; }
+    if (s->ef.count(99)) { break; }
   }
   os << "\n";
   std::fputs(os.str().c_str(), stderr);
   return s;
+}
+
+/// @brief The fact index of store `kind`: `index` with `host_traversal_dtype` float32 (f32) or
+/// float16 (f32_f16copy: a float16 copy beside the float32 rows), or `half`, built the first time
+/// (f16: `vector_dtype` float16, the users' facts drawn again and added as for `index`); and, the
+/// first time, its sweep (untimed): the smallest list size of the grid reaching each target.
+is::graph_index& use_store(tenants_set& s, store_kind kind)
+{
+  is::graph_index* ix = s.index.get();
+  if (kind == store_kind::f16) {
+    if (!s.half) {
+      // the float32 index's float16 copy goes first (memory: at 10,000 users x 768-d it is 2.6 GB)
+      s.index->set_host_traversal_dtype(is::dtype::float32);
+      std::int64_t const r0 = resident_bytes();
+      is::index_config config;
+      config.dim          = s.dim;
+      config.vector_dtype = is::dtype::float16;
+      s.half              = std::make_unique<is::graph_index>(config);
+      std::vector<std::uint64_t> ids;
+      for (std::int64_t u = 0; u < s.users; ++u) {
+        std::uint32_t const nu              = s.sizes[static_cast<std::size_t>(u)];
+        std::int64_t const queries_per_user = (num_queries + s.users - 1) / s.users;
+        ib::tenants::user_data const data =
+          ib::tenants::user_vectors(u, s.dim, nu, queries_per_user);
+        ids.resize(nu);
+        std::iota(ids.begin(), ids.end(), s.first_id[static_cast<std::size_t>(u)]);
+        std::clock_t const c0 = std::clock();
+        s.half->add(static_cast<std::uint64_t>(u),
+                    is::make_matrix_view<float const>(data.facts.data(), nu, s.dim),
+                    cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+        s.half_build_cpu_s += cpu_seconds_since(c0);
+      }
+      s.half_rss_overhead_bytes = static_cast<double>(resident_bytes() - r0) -
+                                  static_cast<double>(s.n) * static_cast<double>(s.dim) * 2.0;
+      s.half_acct = account(*s.half, s.users);
+    }
+    ix = s.half.get();
+  } else {
+    is::dtype const want =
+      kind == store_kind::f32_f16copy ? is::dtype::float16 : is::dtype::float32;
+    if (ix->config().host_traversal_dtype != want) { ix->set_host_traversal_dtype(want); }
+  }
+  int const key = static_cast<int>(kind);
+  if (s.itopk.count({key, 99}) != 0) { return *ix; }
+  std::vector<std::uint64_t> got(static_cast<std::size_t>(num_queries * top_k));
+  std::vector<float> dist(got.size());
+  std::ostringstream os;
+  os << "bench_index_tenants sweep users:" << s.users << " dim:" << s.dim
+     << " store:" << store_name(kind) << " (list size: index recall):";
+  for (int ef : ef_grid()) {
+    auto p    = index_params(ef);
+    p.threads = 0;  // setup: every hardware thread
+    index_step(s, *ix, p, 0, num_queries, got.data(), dist.data());
+    double const ri = recall_of(s.truth, got);
+    os << " " << ef << ": " << ri << ";";
+    for (int target : {95, 99}) {
+      if (ri >= target / 100.0 && s.itopk.count({key, target}) == 0) {
+        s.itopk[{key, target}]  = ef;
+        s.recall[{key, target}] = ri;
+      }
+    }
+    if (s.itopk.count({key, 99}) != 0) { break; }
+  }
+  os << "\n";
+  std::fputs(os.str().c_str(), stderr);
+  return *ix;
 }
 
 /// @brief The set of (users, dim), built on first use; one set is kept at a time.
@@ -478,21 +553,28 @@ double percentile(std::vector<double> v, double p)
   return v[std::min(at, v.size() - 1)];
 }
 
-void tenants_case(benchmark::State& state, std::int64_t users, std::int64_t dim, int target,
+void tenants_case(benchmark::State& state,
+                  std::int64_t users,
+                  std::int64_t dim,
+                  store_kind kind,
+                  int target,
                   std::int64_t batch)
 {
-  tenants_set* s = nullptr;
+  tenants_set* s      = nullptr;
+  is::graph_index* ix = nullptr;
+  int const key       = static_cast<int>(kind);
   try {
-    s = &prepare(users, dim);
+    s  = &prepare(users, dim);
+    ix = &use_store(*s, kind);
   } catch (std::exception const& e) {
     state.SkipWithError(e.what());
     return;
   }
-  if (!s->itopk.count(target) || !s->ef.count(target)) {
+  if (!s->itopk.count({key, target}) || !s->ef.count(target)) {
     state.SkipWithError("a side never reached the target recall on the grid (see the sweep)");
     return;
   }
-  auto const p = index_params(s->itopk[target]);
+  auto const p = index_params(s->itopk[{key, target}]);
   set_peer_ef(*s, s->ef[target]);
   std::vector<std::uint64_t> got(static_cast<std::size_t>(num_queries * top_k));
   std::vector<float> dist(got.size());
@@ -503,7 +585,7 @@ void tenants_case(benchmark::State& state, std::int64_t users, std::int64_t dim,
     for (std::int64_t b = 0; b < num_queries; b += batch) {
       std::int64_t const count = std::min(batch, num_queries - b);
       auto const t0            = clock_type::now();
-      index_step(*s, p, b, count, got.data(), dist.data());
+      index_step(*s, *ix, p, b, count, got.data(), dist.data());
       double const t = seconds_since(t0);
       index_steps.push_back(t);
       index_s += t;
@@ -525,10 +607,8 @@ void tenants_case(benchmark::State& state, std::int64_t users, std::int64_t dim,
   }
   std::int64_t exact = 0;
   for (std::int64_t q = 0; q < num_queries; ++q) {
-    exact += s->index->uses_exact(
-               s->index->tenant_segment(s->query_ns[static_cast<std::size_t>(q)]), p)
-               ? 1
-               : 0;
+    exact +=
+      ix->uses_exact(ix->tenant_segment(s->query_ns[static_cast<std::size_t>(q)]), p) ? 1 : 0;
   }
   double const queries = static_cast<double>(state.iterations() * num_queries);
   double const nd      = static_cast<double>(s->n);
@@ -541,7 +621,7 @@ void tenants_case(benchmark::State& state, std::int64_t users, std::int64_t dim,
   c["vs_hnswlib"]                        = peer_s / index_s;
   c["recall"]                            = index_recall;
   c["hnswlib_recall"]                    = peer_recall;
-  c["itopk"]                             = s->itopk[target];
+  c["itopk"]                             = s->itopk[{key, target}];
   c["hnswlib_ef"]                        = s->ef[target];
   c["exact_share"]                       = static_cast<double>(exact) / num_queries;
   c["p50_step_ms"]                       = percentile(index_steps, 0.50) * 1e3;
@@ -549,19 +629,28 @@ void tenants_case(benchmark::State& state, std::int64_t users, std::int64_t dim,
   c["hnswlib_p50_step_ms"]               = percentile(peer_steps, 0.50) * 1e3;
   c["hnswlib_p99_step_ms"]               = percentile(peer_steps, 0.99) * 1e3;
   c["steps"]                             = static_cast<double>(index_steps.size());
-  c["build_cpu_us_per_fact"]             = s->build_cpu_s / nd * 1e6;
+  bool const half                        = kind == store_kind::f16;
+  double const build_cpu_s               = half ? s->half_build_cpu_s : s->build_cpu_s;
+  index_accounting const& a              = half ? s->half_acct : s->acct;
+  c["build_cpu_us_per_fact"]             = build_cpu_s / nd * 1e6;
   c["hnswlib_build_cpu_us_per_fact"]     = s->peer_build_cpu_s / pf * 1e6;
-  c["build_cpu_vs_hnswlib"]              = (s->build_cpu_s / nd) / (s->peer_build_cpu_s / pf);
-  c["overhead_B_per_fact"]               = s->overhead_bytes / nd;
+  c["build_cpu_vs_hnswlib"]              = (build_cpu_s / nd) / (s->peer_build_cpu_s / pf);
+  // under f32_f16copy the float16 copies (rows and entry points) are overhead too
+  double const copy_bytes                = static_cast<double>(ix->host_traversal_bytes());
+  double const overhead                  = a.total() + copy_bytes;
+  c["overhead_B_per_fact"]               = overhead / nd;
+  c["copy_B_per_fact"]                   = copy_bytes / nd;
+  c["vector_B_per_fact"]                 = static_cast<double>(dim) * (half ? 2.0 : 4.0);
+  c["hnswlib_vector_B_per_fact"]         = static_cast<double>(dim) * 4.0;
   c["hnswlib_overhead_B_per_fact"]       = s->peer_overhead_bytes / pf;
   c["hnswlib_fixed_B_per_fact"]          = s->peer_fixed_bytes / pf;
-  c["arena_B_per_fact"]                  = s->arena_overhead / nd;
-  c["spare_B_per_fact"]                  = s->spare_overhead / nd;
-  c["entries_B_per_fact"]                = s->entry_overhead / nd;
-  c["maps_B_per_fact"]                   = s->map_overhead / nd;
-  c["arena_rows_per_fact"]               = static_cast<double>(s->index->arena_rows()) / nd;
-  c["overhead_vs_hnswlib"]               = (s->overhead_bytes / nd) / (s->peer_overhead_bytes / pf);
-  c["rss_overhead_B_per_fact"]           = s->rss_overhead_bytes / nd;
+  c["arena_B_per_fact"]                  = a.arena / nd;
+  c["spare_B_per_fact"]                  = a.spare / nd;
+  c["entries_B_per_fact"]                = a.entries / nd;
+  c["maps_B_per_fact"]                   = a.maps / nd;
+  c["arena_rows_per_fact"]               = static_cast<double>(ix->arena_rows()) / nd;
+  c["overhead_vs_hnswlib"]               = (overhead / nd) / (s->peer_overhead_bytes / pf);
+  c["rss_overhead_B_per_fact"] = (half ? s->half_rss_overhead_bytes : s->rss_overhead_bytes) / nd;
   c["hnswlib_rss_overhead_B_per_fact"]   = s->peer_rss_overhead_bytes / pf;
   c["users"]                             = static_cast<double>(users);
   c["N"]                                 = nd;
@@ -569,7 +658,8 @@ void tenants_case(benchmark::State& state, std::int64_t users, std::int64_t dim,
   c["size_median"]                       = sorted[sorted.size() / 2];
   c["size_p99"]                          = sorted[sorted.size() * 99 / 100];
   c["size_max"]                          = sorted.back();
-  state.SetLabel("batch " + std::to_string(batch) + ", one thread each side");
+  state.SetLabel("batch " + std::to_string(batch) + ", store " + store_name(kind) +
+                 ", one thread each side");
 }
 
 std::vector<std::int64_t> selected_users()
@@ -589,17 +679,20 @@ void register_all()
 {
   for (std::int64_t users : selected_users()) {
     for (std::int64_t dim : {384, 768}) {
-      for (int target : {95, 99}) {
-        for (std::int64_t batch : {1, 16, 128, 1024}) {
-          std::string const name = "index_tenants/users:" + std::to_string(users) + "/dim:" +
-                                   std::to_string(dim) + "/target:" + std::to_string(target) +
-                                   "/batch:" + std::to_string(batch);
-          benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& st) {
-            tenants_case(st, users, dim, target, batch);
-          })
-            ->Unit(benchmark::kMillisecond)
-            ->UseRealTime()
-            ->MinTime(0.5);
+      for (store_kind kind : {store_kind::f32, store_kind::f32_f16copy, store_kind::f16}) {
+        for (int target : {95, 99}) {
+          for (std::int64_t batch : {1, 16, 128, 1024}) {
+            std::string const name = "index_tenants/users:" + std::to_string(users) +
+                                     "/dim:" + std::to_string(dim) + "/store:" + store_name(kind) +
+                                     "/target:" + std::to_string(target) +
+                                     "/batch:" + std::to_string(batch);
+            benchmark::RegisterBenchmark(
+              name.c_str(),
+              [=](benchmark::State& st) { tenants_case(st, users, dim, kind, target, batch); })
+              ->Unit(benchmark::kMillisecond)
+              ->UseRealTime()
+              ->MinTime(0.5);
+          }
         }
       }
     }

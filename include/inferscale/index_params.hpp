@@ -128,9 +128,12 @@ struct index_config {
    * where the float32 walk gave 0.82-1.00x), and 0.78-0.97 at 8,000-10,000 rows
    * (bench/results/2026-12-02-host-search-traversal.md). It costs 2 bytes per element more
    * (+50 % of the vectors). Vectors must then also fit float16
-   * (as for `vector_dtype` float16; cosine rows always do). The exact search, the reference
-   * mode and the builds use the float32 rows. Stored by `save_index`: a host index loaded by
-   * `load_index` walks as the saved one did (a device one gets float32).
+   * (as for `vector_dtype` float16; cosine rows always do). Under cosine the fast exact search
+   * of a small namespace scans the copy too and measures again, on the float32 rows, every row
+   * within the copy's error bound of the k-th (`detail::index::exact_search_rounded`): the same
+   * exact top k from half the bytes. The reference mode and the builds use the float32 rows. Stored
+   * by `save_index`: a host index loaded by `load_index` walks as the saved one did (a device one
+   * gets float32).
    */
   dtype host_traversal_dtype{dtype::float32};
 };

@@ -715,6 +715,80 @@ TEST_CASE("float16 traversal: the cosine error bound holds and the window change
   }
 }
 
+TEST_CASE("float16 traversal: the exact search scans the copy and finds the float32 rows' top k",
+          "[index][fast][traversal]")
+{
+  // Expected: brute force over each namespace's live float32 rows with the float32 fast
+  // distance, sorted by (distance, row): the exact top k, ids and distance bits. Namespace 3
+  // holds triples of near-duplicates (relative differences ~1e-5, below float16's 4.9e-4), which
+  // the copy cannot order: only the measurement again on the float32 rows can.
+  for (std::int64_t dim : {96, 384}) {
+    test::gaussian_mixture mix({dim, 8, true, 31});
+    std::mt19937_64 rng(7);
+    std::normal_distribution<float> g(0.0f, 1.0f);
+    std::vector<float> const queries = mix.draw(60);
+    std::vector<std::vector<float>> data{mix.draw(7), mix.draw(150), {}};
+    std::vector<float> const bases = mix.draw(40);
+    for (std::size_t b = 0; b < 40; ++b) {
+      for (int copy = 0; copy < 3; ++copy) {
+        double norm = 0.0;
+        std::vector<float> row(static_cast<std::size_t>(dim));
+        for (std::int64_t e = 0; e < dim; ++e) {
+          row[e] = bases[b * dim + e] * (1.0f + 1e-5f * g(rng));
+          norm += double{row[e]} * row[e];
+        }
+        for (auto& v : row) {
+          data[2].push_back(static_cast<float>(v / std::sqrt(norm)));
+        }
+      }
+    }
+    index_config c;
+    c.dim                  = dim;
+    c.host_traversal_dtype = dtype::float16;
+    graph_index index{c};
+    std::vector<std::vector<std::uint64_t>> ids(3);
+    for (std::uint64_t ns = 1; ns <= 3; ++ns) {
+      std::size_t const n = data[ns - 1].size() / static_cast<std::size_t>(dim);
+      ids[ns - 1]         = iota_ids(n, ns * 1000);
+      index.add(
+        ns,
+        make_matrix_view<float const>(data[ns - 1].data(), static_cast<std::int64_t>(n), dim),
+        cuda::std::span<std::uint64_t const>{ids[ns - 1].data(), n});
+    }
+    std::vector<std::uint64_t> const gone{2003, 2017, 2040, 2041, 2042, 3005};
+    index.erase(cuda::std::span<std::uint64_t const>{gone.data(), gone.size()});
+    std::set<std::uint64_t> const erased(gone.begin(), gone.end());
+
+    std::vector<float> const prepared =
+      index.prepare_queries(make_matrix_view<float const>(queries.data(), 60, dim));
+    auto const fast32     = ix::fast_kernels_for<float>(distance_metric::cosine).distance;
+    std::int64_t const re = index.row_elements();
+    search_params p;
+    p.algo = search_algo::exact;  // host_mode fast (the default)
+    for (std::uint64_t ns = 1; ns <= 3; ++ns) {
+      auto const* rows    = static_cast<float const*>(index.vector_rows(ns));
+      std::size_t const n = ids[ns - 1].size();
+      answers const got   = run(index, queries, ns, 10, p);
+      for (std::size_t q = 0; q < 60; ++q) {
+        std::vector<std::pair<float, std::uint32_t>> all;
+        for (std::uint32_t r = 0; r < n; ++r) {
+          if (erased.count(ids[ns - 1][r]) != 0) { continue; }
+          all.push_back({fast32(rows + std::int64_t{r} * re, prepared.data() + q * re, re), r});
+        }
+        std::sort(all.begin(), all.end());
+        for (std::size_t j = 0; j < 10; ++j) {
+          if (j >= all.size()) {
+            REQUIRE(got.ids[q * 10 + j] == invalid_fact_id);
+            continue;
+          }
+          REQUIRE(got.ids[q * 10 + j] == ids[ns - 1][all[j].second]);
+          REQUIRE(std::memcmp(&all[j].first, &got.distances[q * 10 + j], sizeof(float)) == 0);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("float16 traversal: refused where it cannot apply, nothing changed",
           "[index][fast][traversal][validation]")
 {

@@ -9,13 +9,14 @@
 #include <inferscale/detail/index/tuning.hpp>
 #include <inferscale/index.hpp>
 
+#include <catch2/catch.hpp>
+
 #include <gaussian_mixture.hpp>
 #include <index_answers.hpp>
 #include <index_reference.hpp>
 
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -124,6 +125,67 @@ TEST_CASE("parallel_ranges: an exception in a range is rethrown after every rang
   };
   REQUIRE_THROWS_WITH(detail::index::parallel_ranges(1000, 3, fn), "range 333");
   REQUIRE(std::all_of(covered.begin(), covered.end(), [](int c) { return c == 1; }));
+}
+
+TEST_CASE("parallel_chunks: every chunk once, in chunk-sized pieces, on at most `threads` threads",
+          "[index][threads]")
+{
+  unsigned const hw = std::max(1u, std::thread::hardware_concurrency());
+  for (unsigned const threads : {1u, 2u, 3u, 0u}) {
+    for (std::int64_t const n : {std::int64_t{0},
+                                 std::int64_t{5},
+                                 std::int64_t{127},
+                                 std::int64_t{128},
+                                 std::int64_t{1000},
+                                 std::int64_t{5003}}) {
+      CAPTURE(threads, n);
+      std::mutex lock;
+      std::vector<int> covered(static_cast<std::size_t>(n), 0);
+      std::set<std::thread::id> used;
+      std::size_t calls      = 0;
+      unsigned const allowed = threads == 0 ? hw : threads;
+      // shared out only where parallel_ranges would use two threads or more; else one call
+      bool const shared = n >= 128 && allowed >= 2;
+      detail::index::parallel_chunks(n, threads, 8, [&](std::int64_t begin, std::int64_t end) {
+        std::lock_guard<std::mutex> guard(lock);
+        ++calls;
+        used.insert(std::this_thread::get_id());
+        REQUIRE(0 <= begin);
+        REQUIRE(begin <= end);
+        REQUIRE(end <= n);
+        if (shared) {  // chunks start on a multiple of 8 and hold 8, the last one the rest
+          REQUIRE(begin % 8 == 0);
+          REQUIRE(end - begin == std::min<std::int64_t>(8, n - begin));
+        }
+        for (std::int64_t i = begin; i < end; ++i) {
+          ++covered[static_cast<std::size_t>(i)];
+        }
+      });
+      REQUIRE(std::all_of(covered.begin(), covered.end(), [](int c) { return c == 1; }));
+      REQUIRE(used.size() <= allowed);
+      REQUIRE(used.count(std::this_thread::get_id()) == 1);
+      REQUIRE(calls == (shared ? static_cast<std::size_t>((n + 7) / 8) : 1u));
+      if (threads == 1) { REQUIRE(used == std::set<std::thread::id>{std::this_thread::get_id()}); }
+    }
+  }
+  // an exception stops the handing out and is rethrown once every started thread has joined
+  std::vector<std::atomic<int>> runs(100);
+  REQUIRE_THROWS_WITH(detail::index::parallel_chunks(1000,
+                                                     3,
+                                                     10,
+                                                     [&](std::int64_t begin, std::int64_t) {
+                                                       ++runs[static_cast<std::size_t>(begin / 10)];
+                                                       if (begin == 500) {
+                                                         throw std::runtime_error("chunk 500");
+                                                       }
+                                                     }),
+                      "chunk 500");
+  for (std::size_t c = 0; c < runs.size(); ++c) {
+    CAPTURE(c);
+    // chunks 0..50 were handed out, in order, before the throw; none ran twice
+    REQUIRE(runs[c].load() <= 1);
+    if (c <= 50) { REQUIRE(runs[c].load() == 1); }
+  }
 }
 
 TEST_CASE("index: search with threads = 1, 2 or 3 answers as with one per hardware thread",

@@ -53,7 +53,9 @@ void search(graph_index const& index,
   std::int64_t const nq           = queries.extent(0);
   std::int64_t const row_elements = index.row_elements_;
   search_params const split = graph_index::resolve_split(params, nq, k);  // (automatic: by size)
-  detail::index::parallel_ranges(nq, params.threads, [&](std::int64_t begin, std::int64_t end) {
+  // chunks of 8 queries handed out as threads come free: a step's queries differ in cost by up
+  // to 100x (namespaces of 50 to 5,000 rows), so fixed ranges would leave a thread idle
+  detail::index::parallel_chunks(nq, params.threads, 8, [&](std::int64_t begin, std::int64_t end) {
     // per thread, kept across calls: single-query searches reuse the visited stamps (an epoch
     // per query, so nothing is cleared) instead of allocating a table of n entries each time
     thread_local detail::index::search_scratch scratch;
@@ -273,6 +275,19 @@ void graph_index::search_tenant_typed(T const* rows,
     search_params resolved = params;  // the namespace's calibrated list when itopk_size is 0
     if (resolved.itopk_size == 0) { resolved.itopk_size = tn.default_ef; }
     if (uses_exact(tr, resolved)) {
+      if constexpr (std::is_same_v<T, float>) {
+        // cosine under float16 traversal: the scan reads the float16 copy (half the bytes) and
+        // the rows within the copy's error bound of the k-th are measured again, so the result
+        // is the float32 rows' exact top k all the same (other metrics have no bound: float32)
+        if (traverses_fp16() && config_.metric == distance_metric::cosine) {
+          assert(tn.traversal.size() >= std::size_t{tr.size} * static_cast<std::size_t>(row_elements_));
+          detail::index::exact_search_rounded(
+            tn.traversal.data(), rows, row_elements_, tr.size, deleted, query,
+            detail::index::fast_kernels_for<half_t>(config_.metric).scan, kernels.distance, k,
+            2.0 * detail::index::cosine_fp16_error_bound(row_elements_), scratch, result);
+          return;
+        }
+      }
       detail::index::exact_search_fast(rows, row_elements_, tr.size, deleted, query, kernels, k,
                                        scratch, result);
       return;

@@ -624,6 +624,54 @@ void exact_search_fast(T const* rows,
   std::sort(out.begin(), out.end(), closer{});
 }
 
+/**
+ * @brief Exact search of one query in one tenant over a float16 copy of its rows, with the
+ * float32 result: every live row's distance on `copy` (half the bytes of `rows`: a small
+ * namespace searched exactly is read from memory, not cache, so its bytes are its time), then
+ * every row within `window` of the k-th of those measured again on `rows` by `distance`
+ * (`rerank_exact`). With `window` at least twice a bound on |copy distance - row distance| per
+ * row (`cosine_fp16_error_bound` for cosine), `out` is the best `k` live rows by the rows'
+ * own distances, as `exact_search_fast` on `rows` finds them (distances by `distance`).
+ */
+template <class T>
+void exact_search_rounded(half_t const* copy,
+                          T const* rows,
+                          std::int64_t row_elements,
+                          std::uint32_t n,
+                          std::uint8_t const* deleted,
+                          float const* query,
+                          fast_scan_fn<half_t> scan,
+                          fast_distance_fn<T> distance,
+                          std::uint32_t k,
+                          double window,
+                          search_scratch& scratch,
+                          std::vector<search_entry>& out)
+{
+  out.clear();
+  auto& d = scratch.scanned;
+  d.resize(n);
+  constexpr std::uint32_t block = 256;
+  auto& best = scratch.top;  // the k best by the copy's distances (a bounded max-heap)
+  best.clear();
+  for (std::uint32_t first = 0; first < n; first += block) {
+    std::uint32_t const count = std::min(block, n - first);
+    scan(copy + std::int64_t{first} * row_elements, row_elements, count, query, d.data() + first);
+    for (std::uint32_t i = first; i < first + count; ++i) {
+      if (!deleted[i]) { offer_bounded(best, k, d[i], i); }
+    }
+  }
+  if (best.empty()) { return; }
+  // the heap's front is the k-th best; every live row within the window of it is a candidate
+  double const last = static_cast<double>(best.front().distance) + window;
+  auto& approx      = scratch.walked;
+  approx.clear();
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (!deleted[i] && static_cast<double>(d[i]) <= last) { approx.push_back({d[i], i, false}); }
+  }
+  std::sort(approx.begin(), approx.end(), closer{});
+  rerank_exact(rows, row_elements, query, distance, approx, k, window, out);
+}
+
 /// @brief Exact search of one query in one tenant: every row, best `k` live rows by (distance, node).
 template <class T>
 void exact_search_host(T const* rows,

@@ -283,6 +283,26 @@ def search_lines(entries):
                    "graph speed-up", "build s graph / hnswlib"], rows))
 
 
+def tenants_lines(entries):
+    """bench_index_tenants: many users' small namespaces in one index vs one hnswlib per user."""
+    cells = {}
+    for b in entries:
+        name = b.get("name", "")
+        if not name.startswith("index_tenants/") or not usable(b) or "vs_hnswlib" not in b:
+            continue
+        key = (case_part(name, "users"), case_part(name, "dim"), case_part(name, "batch"))
+        cells.setdefault(key, []).append((case_part(name, "store"), case_part(name, "target"), b))
+    lines = []
+    for (users, dim, batch), found in sorted(cells.items()):
+        parts = ["%s rows at recall >= 0.%s: %.2fx (%.0f vs %.0f QPS)" % (
+            store, target, b["vs_hnswlib"], b.get("QPS", 0), b.get("hnswlib_QPS", 0))
+            for store, target, b in sorted(found, key=lambda x: (x[0], x[1]))]
+        lines.append("many users (bench_index_tenants): %s users, %s-d, a step of %s users' "
+                     "queries, one index vs one hnswlib per user, one thread: %s" % (
+                         fmt_int(float(users)), dim, batch, "; ".join(parts)))
+    return lines
+
+
 def index_lines(entries):
     """bench_index (--full): the best graph-over-exact speed-up and the range against hnswlib."""
     lines = []
@@ -405,6 +425,7 @@ def headline_only(paths):
     blocks.append(engine_lines(entries))
     blocks.append(inject_lines(entries))
     blocks.append(search_lines(entries))
+    blocks.append(tenants_lines(entries))
     blocks.append(index_lines(entries))
     if locomo:
         blocks.append(locomo_lines(locomo))

@@ -44,6 +44,32 @@ inline std::vector<std::uint32_t> namespace_sizes(std::int64_t users)
   return sizes;
 }
 
+/**
+ * @brief Which user each of `count` queries belongs to, and which of its own queries it is: query
+ * i is user perm[i mod users]'s (i div users)-th, perm a random permutation of the users
+ * (std::shuffle with std::mt19937_64(20261206)). So with more users than queries the queries come
+ * from distinct users drawn uniformly (most of them small), and with fewer every user is queried.
+ */
+struct query_owner {
+  std::int64_t user;
+  std::int64_t nth;  ///< the user's own query number
+};
+
+inline std::vector<query_owner> query_owners(std::int64_t users, std::int64_t count)
+{
+  std::vector<std::int64_t> perm(static_cast<std::size_t>(users));
+  for (std::int64_t u = 0; u < users; ++u) {
+    perm[static_cast<std::size_t>(u)] = u;
+  }
+  std::mt19937_64 order{20261206};
+  std::shuffle(perm.begin(), perm.end(), order);
+  std::vector<query_owner> out(static_cast<std::size_t>(count));
+  for (std::int64_t q = 0; q < count; ++q) {
+    out[static_cast<std::size_t>(q)] = {perm[static_cast<std::size_t>(q % users)], q / users};
+  }
+  return out;
+}
+
 /// @brief User `u`'s vectors: `queries` queries, then its `n` facts (row-major, `dim` floats each).
 struct user_data {
   std::vector<float> queries;

@@ -32,8 +32,8 @@
  *    as many threads (`hnswlib_build_s`, `vs_hnswlib` = hnswlib seconds / graph seconds, > 1: the
  *    graph builds faster). One iteration per repetition; the index built last is kept for the
  *    search cases.
- *  - index/host/build_cpu/dim:D/N:N/exact:E/rho_pct:R: CPU seconds of the NN-descent build (and of the
- *    exact one when E = 1) beside hnswlib's build, recall@10 after pruning at a fixed setting
+ *  - index/host/build_cpu/dim:D/N:N/exact:E/rho_pct:R: CPU seconds of the NN-descent build (and of
+ * the exact one when E = 1) beside hnswlib's build, recall@10 after pruning at a fixed setting
  *    beside hnswlib's at the matched ef (see host_build_cpu_bench).
  *  - index/host/search/dim:D/N:N/batch:B (k = 10): each iteration searches the next B queries
  *    (cycling through the 1,024) with the graph (search_algo::graph, the chosen parameters; this
@@ -60,15 +60,20 @@
  *    by the same sweep, its graph search split into P parts, `search_params::ctas_per_query`;
  *    P > 1 only for batches of 1 and 16 at N = 100,000, and P = 0, the automatic choice, at
  *    batches 1, 16 and 1,024 there; timed on the device) between CUDA
- *    events on the resources' stream (`Time`, `QPS`, `us_per_query`; `wall_us_per_query`: host clock from the call to the end of the
- *    work, launch and staging included), then inferscale::exact_search (RAFT gemm + select_k) of
- *    the same queries (`exact_*`, `speedup`); each from a cold L2 (the fixture's l2_flusher).
- *    Recall is measured against exact_search's answer.
+ *    events on the resources' stream (`Time`, `QPS`, `us_per_query`; `wall_us_per_query`: host
+ * clock from the call to the end of the work, launch and staging included), then
+ * inferscale::exact_search (RAFT gemm + select_k) of the same queries (`exact_*`, `speedup`); each
+ * from a cold L2 (the fixture's l2_flusher). Recall is measured against exact_search's answer.
  *  - index/device/multi_tenant/dim:D: 1,024 queries over 64 namespaces of 2,000 facts each (query
  *    q in namespace q / 16), one search call with the graph forced (2,000 is below the device's
  *    exact-search threshold), beside the same call with search_algo::exact (`exact_*`, the
  *    in-kernel brute force, also the recall reference) and exact_search once per namespace
  *    (`raft_exact_us_per_query`, 64 calls).
+ *  - index/device/tenants/dim:D/batch:B: the multi-tenant shape (bench/common/tenants_shape.hpp:
+ *    1,000 users, namespaces of 50 to 5,000 facts, median 100), one search call per B queries of
+ *    distinct users with search_params{}, beside the same call exact; recall against fp32 brute
+ *    force; the exact part's bytes against the copy bandwidth of the same run (see
+ *    device_tenants_bench).
  *  - index/device/crossover/dim:384/N:N for N = 256 .. 65,536: batch 1, graph vs the in-kernel
  *    exact search (search_algo::exact, what default_device_exact_threshold chooses between;
  *    `raft_exact_us` = exact_search beside), index/device/crossover/summary/dim:384, and the
@@ -85,6 +90,7 @@
  *   bench_index --benchmark_filter=index/device
  */
 #include "../common/fixture.hpp"
+#include "../common/tenants_shape.hpp"
 
 #if INFERSCALE_BENCH_HNSWLIB
 #include "hnsw_baseline.hpp"
@@ -1258,6 +1264,148 @@ void device_multi_tenant_bench(benchmark::State& state)
   });
 }
 
+/**
+ * @brief The multi-tenant shape on the device (issue 32; the host's is bench_index_tenants):
+ * 1,000 users with namespaces of bench/common/tenants_shape.hpp (median 100 facts, 50 to 5,000),
+ * one device index, the 1,024 queries of tenants_shape::query_owners; each iteration one call
+ * of inferscale::search over the next B queries (each in its own namespace; search_params{}, so
+ * the automatic exact/graph choice and the calibrated list size), timed between CUDA events from
+ * a cold L2, then the same call with search_algo::exact (`exact_*`). Recall against the fp32
+ * brute force over each query's namespace, computed on the host. The ceiling beside it: the
+ * bytes the exact part of a step must read (every row of each namespace searched exactly, its
+ * `exact_share` of the queries) at the device's copy bandwidth measured in the same run
+ * (cudaMemcpyAsync device to device, 256 MiB: `copy_GBps`, reads + writes), `exact_bytes_per_query`
+ * and `scan_GBps` = those bytes / the step time: the fraction of the copy bandwidth the step's
+ * scans reach (graph queries read less than their rows and are not counted).
+ */
+void device_tenants_bench(benchmark::State& state)
+{
+  if (!ib::require_device(state)) { return; }
+  std::int64_t const dim       = state.range(0);
+  std::int64_t const batch     = state.range(1);
+  constexpr std::int64_t users = 1000;
+  ib::run_guarded(state, [&] {
+    struct shape_set {
+      std::unique_ptr<is::graph_index> index;
+      std::vector<std::uint32_t> sizes;
+      std::vector<std::uint64_t> namespaces;  ///< [Q]
+      std::vector<std::uint64_t> truth;       ///< [Q][k]
+      std::unique_ptr<ib::device_buffer<float>> queries;
+    };
+    static std::map<std::int64_t, shape_set> sets;
+    shape_set& set = sets[dim];
+    if (!set.index) {
+      set.index         = new_device_index(dim);
+      set.sizes         = ib::tenants::namespace_sizes(users);
+      auto const owners = ib::tenants::query_owners(users, num_queries);
+      std::vector<float> queries(static_cast<std::size_t>(num_queries * dim));
+      set.namespaces.resize(static_cast<std::size_t>(num_queries));
+      set.truth.resize(static_cast<std::size_t>(num_queries * top_k));
+      std::uint64_t first_id      = 0;
+      std::int64_t const per_user = (num_queries + users - 1) / users;
+      for (std::int64_t u = 0; u < users; ++u) {
+        std::uint32_t const n = set.sizes[static_cast<std::size_t>(u)];
+        auto const d          = ib::tenants::user_vectors(u, dim, n, per_user);
+        std::vector<std::uint64_t> ids(n);
+        std::iota(ids.begin(), ids.end(), first_id);
+        set.index->add(static_cast<std::uint64_t>(u),
+                       is::make_matrix_view<float const>(d.facts.data(), n, dim),
+                       cuda::std::span<std::uint64_t const>{ids.data(), ids.size()},
+                       device_builder(*set.index));
+        for (std::int64_t q = 0; q < num_queries; ++q) {
+          auto const& o = owners[static_cast<std::size_t>(q)];
+          if (o.user != u) { continue; }
+          float const* query = d.queries.data() + o.nth * dim;
+          std::copy(query, query + dim, queries.begin() + q * dim);
+          set.namespaces[static_cast<std::size_t>(q)] = static_cast<std::uint64_t>(u);
+          std::vector<std::pair<float, std::uint64_t>> all(n);
+          for (std::uint32_t r = 0; r < n; ++r) {
+            float dot = 0.0f;
+            for (std::int64_t e = 0; e < dim; ++e) {
+              dot += query[e] * d.facts[static_cast<std::size_t>(r * dim + e)];
+            }
+            all[r] = {1.0f - dot, ids[r]};
+          }
+          std::partial_sort(all.begin(), all.begin() + top_k, all.end());
+          for (std::int64_t j = 0; j < top_k; ++j) {
+            set.truth[static_cast<std::size_t>(q * top_k + j)] =
+              all[static_cast<std::size_t>(j)].second;
+          }
+        }
+        first_id += n;
+      }
+      set.queries = std::make_unique<ib::device_buffer<float>>(queries);
+    }
+    device_outputs const out;
+    auto const run = [&](std::int64_t first, is::search_params const& p) {
+      is::search(device_res(),
+                 *set.index,
+                 is::make_matrix_view<float const>(set.queries->data() + first * dim, batch, dim),
+                 cuda::std::span<std::uint64_t const>{set.namespaces.data() + first,
+                                                      static_cast<std::size_t>(batch)},
+                 top_k,
+                 p,
+                 out.ids_view(batch),
+                 out.distances_view(batch));
+    };
+    is::search_params const automatic{};
+    is::search_params exact;
+    exact.algo = is::search_algo::exact;
+    // recall and the exact share over the whole query set, outside the timed loop
+    std::size_t hits     = 0;
+    double exact_queries = 0.0, exact_bytes = 0.0;
+    double const row_bytes = static_cast<double>(set.index->row_elements()) * 4.0;
+    for (std::int64_t first = 0; first + batch <= num_queries; first += batch) {
+      run(first, automatic);
+      auto const got = out.host_ids(batch);
+      for (std::int64_t q = 0; q < batch; ++q) {
+        auto const* want = set.truth.data() + (first + q) * top_k;
+        for (std::int64_t j = 0; j < top_k; ++j) {
+          hits += std::find(want, want + top_k, got[static_cast<std::size_t>(q * top_k + j)]) !=
+                      want + top_k
+                    ? 1
+                    : 0;
+        }
+        auto const seg =
+          set.index->tenant_segment(set.namespaces[static_cast<std::size_t>(first + q)]);
+        if (set.index->uses_exact(seg, automatic)) {
+          exact_queries += 1.0;
+          exact_bytes += static_cast<double>(seg.size) * row_bytes;
+        }
+      }
+    }
+    double const measured = static_cast<double>(num_queries / batch * batch);
+    // the copy ceiling, same run: 256 MiB device to device
+    std::size_t const copy_bytes = std::size_t{256} << 20;
+    ib::device_buffer<unsigned char> src(copy_bytes), dst(copy_bytes);
+    ib::cuda_event c0, c1;
+    double copy_s = 1e30;
+    for (int i = 0; i < 5; ++i) {
+      copy_s = std::min(
+        copy_s, event_seconds(c0, c1, [&] {
+          INFERSCALE_CUDA_TRY(cudaMemcpyAsync(
+            dst.data(), src.data(), copy_bytes, cudaMemcpyDeviceToDevice, device_stream()));
+        }));
+    }
+    device_search_loop(
+      state,
+      batch,
+      [&](std::int64_t first) { run(first % (num_queries - batch + 1), automatic); },
+      [&](std::int64_t first) { run(first % (num_queries - batch + 1), exact); });
+    double const copy_gbps                  = 2.0 * static_cast<double>(copy_bytes) / copy_s / 1e9;
+    double const per_query                  = exact_bytes / measured;
+    state.counters["recall"]                = static_cast<double>(hits) / (measured * top_k);
+    state.counters["exact_share"]           = exact_queries / measured;
+    state.counters["exact_bytes_per_query"] = per_query;
+    state.counters["copy_GBps"]             = copy_gbps;
+    state.counters["scan_GBps"]             = per_query * state.counters["QPS"].value / 1e9;
+    state.counters["vs_copy"]               = state.counters["scan_GBps"].value / copy_gbps;
+    state.counters["users"]                 = static_cast<double>(users);
+    state.SetLabel("1,000 users (median 100 facts), batch " + std::to_string(batch) +
+                   ", search_params{}; exact = search_algo::exact; cold L2");
+  });
+}
+
 void device_crossover_bench(benchmark::State& state, bool defaults)
 {
   if (!ib::require_device(state)) { return; }
@@ -1363,6 +1511,11 @@ void register_index_benchmarks()
     ->ArgNames({"dim"})
     ->Args({384})
     ->Args({768});
+  benchmark::RegisterBenchmark("index/device/tenants", device_tenants_bench)
+    ->Apply(ib::device_benchmark)
+    ->MinTime(device_min_time)
+    ->ArgNames({"dim", "batch"})
+    ->ArgsProduct({{384, 768}, {1, 16, 128, 1024}});
   for (bool defaults : {false, true}) {
     std::string const name =
       defaults ? "index/device/crossover_default_params" : "index/device/crossover";

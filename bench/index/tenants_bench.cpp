@@ -121,7 +121,6 @@ using clock_type = std::chrono::steady_clock;
 
 constexpr std::uint32_t top_k         = 10;
 constexpr std::int64_t num_queries    = 1024;
-constexpr std::uint64_t order_seed    = 20261206;
 using ib::tenants::size_min;
 constexpr int hnsw_m                  = 16;
 constexpr int hnsw_ef_construction    = 200;
@@ -324,16 +323,14 @@ std::unique_ptr<tenants_set> build_set(std::int64_t users, std::int64_t dim)
   }
 
   // which user each query belongs to, and which users need a peer index
-  std::vector<std::int64_t> perm(static_cast<std::size_t>(users));
-  std::iota(perm.begin(), perm.end(), std::int64_t{0});
-  std::mt19937_64 order{order_seed};
-  std::shuffle(perm.begin(), perm.end(), order);
+  std::vector<ib::tenants::query_owner> const owners =
+    ib::tenants::query_owners(users, num_queries);
   s->query_user.resize(static_cast<std::size_t>(num_queries));
   s->query_ns.resize(static_cast<std::size_t>(num_queries));
   s->peer_of_user.assign(static_cast<std::size_t>(users), -1);
   std::vector<std::int64_t> peer_users;
   for (std::int64_t q = 0; q < num_queries; ++q) {
-    std::int64_t const u = perm[static_cast<std::size_t>(q % users)];
+    std::int64_t const u                       = owners[static_cast<std::size_t>(q)].user;
     s->query_user[static_cast<std::size_t>(q)] = u;
     s->query_ns[static_cast<std::size_t>(q)]   = static_cast<std::uint64_t>(u);
     if (s->peer_of_user[static_cast<std::size_t>(u)] < 0) {

@@ -8,6 +8,14 @@
 //                                  main job's --full; its default runs --fast --windows ''
 //                                  --no-whole); the options below override these (CTest
 //                                  locomo.fast: --fast --questions 3 --sessions 2 --windows 0,2)
+//   locomo_eval --step [options]   retrieval inside the serving step at many users (issue 32):
+//                                  per step of B requests, the query embeddings, one batched
+//                                  search, the compositions and injections, beside the engine's
+//                                  prefill of the step's questions (see step_mode)
+//     --users U          users in the index (default 1000): the served conversations, and
+//                        U - C index-only users of synthetic facts (see step_mode)
+//     --batches 1,16,64  requests per step (at most 255)
+//     --requests R       requests per batch size (default 256)
 //   locomo_eval --full [options]   the figures for bench/results/
 //     --conversations conv-26,conv-30 | all   (default conv-26)
 //     --sessions N       only the first N sessions of each conversation (default: all)
@@ -47,6 +55,8 @@
 #include <inferscale/memory.hpp>
 #include <inferscale/recompute.hpp>
 
+#include <gaussian_mixture.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -55,7 +65,9 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
+#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -67,7 +79,8 @@ namespace lm = inferscale::locomo;
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
+using clock_type         = std::chrono::steady_clock;
+using sequence_cache_ptr = std::unique_ptr<inferscale::llama_cpp::sequence_cache>;
 double seconds_since(clock_type::time_point t)
 {
   return std::chrono::duration<double>(clock_type::now() - t).count();
@@ -85,6 +98,9 @@ struct run_options {
   bool whole{true};  // (d), the whole conversation prefilled, where it fits
   std::vector<int> recompute{0};  // percent of memory fact tokens recomputed (the curve)
   int served_recompute{0};        // the main table's
+  std::int64_t users{1000};       // --step
+  std::vector<std::int64_t> batches{1, 16, 64};
+  std::int64_t requests{256};
 };
 
 std::vector<std::string> split(std::string const& s, char sep)
@@ -809,6 +825,262 @@ int retrieval_mode(lc::model const& m, std::vector<lm::sample> const& samples)
   return 0;
 }
 
+// ------------------------------------------------------------------------------------------------
+// --step: retrieval inside the serving step (issue 32, item 3)
+//
+// One memory holds C served users (the chosen conversations, all their sessions unless
+// --sessions cuts them: facts encoded alone behind the prefix, w = 0, MiniLM embeddings indexed)
+// and U - C index-only users: namespaces of synthetic 384-d facts (sizes n = clamp(round(exp(ln
+// 100 + z)), 50, 5000), z ~ N(0, 1) from std::mt19937_64(20261205), as bench_index_tenants;
+// each user's vectors a Gaussian mixture of 1 + n / 50 centres), added to the memory's index
+// only: they are never served, so their K/V is not stored (a request reads only its own facts'
+// K/V; their presence is the index's, whose rows then fill far more than the cache). The
+// requests are the served conversations' questions, taken in turn from each conversation. A
+// step of B requests runs what serve_step does, phase by phase and timed apart: the B question
+// embeddings (MiniLM, one batched forward: embedder::embed(texts)), one batched `search` (each
+// query in its namespace, the memory's search parameters), the B compositions (`prepare`, prefix +
+// top k), the B injections into llama.cpp sequences 0 .. B-1 (`inject`: llama.cpp's sequences are
+// separate state blobs, so each is injected alone, as serve() does); then the engine's prefill of
+// the B questions
+// (`decode_step`: the sequences packed into n_batch = 2,048-token batches, one thread, as the
+// other modes) to each one's first token. Every request of a step waits for the whole step, so
+// its TTFT is the step's time, and the retrieval share is (embed + search + compose + inject) /
+// the step's time.
+
+int step_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_options const& opt)
+{
+  lc::model embed_model{lc::minilm_path()};
+  lc::embedder embedder{embed_model};
+  std::int64_t const max_batch = *std::max_element(opt.batches.begin(), opt.batches.end());
+  lc::context_options co;
+  co.n_ctx        = 32768;
+  co.n_batch      = 2048;
+  co.n_threads    = 1;
+  co.n_seq_max    = static_cast<std::uint32_t>(max_batch) + 1;
+  co.n_branch_seq = 0;
+  lc::context ctx{m, co};
+  lc::model_adapter adapter{ctx};
+
+  std::set<std::string> wanted(opt.conversations.begin(), opt.conversations.end());
+  bool const all = wanted.count("all") != 0;
+  std::vector<prepared> served;
+  std::uint64_t ns = 0;
+  for (lm::sample const& s : samples) {
+    ++ns;
+    if (!all && !wanted.count(s.id)) { continue; }
+    prepared p = prepare(m, s, ns, opt.sessions, 1000 + 100000 * ns);
+    if (!p.facts.empty() && !p.questions.empty()) { served.push_back(std::move(p)); }
+  }
+  if (served.empty()) { throw std::runtime_error("--step: no conversation chosen"); }
+  auto const C = static_cast<std::int64_t>(served.size());
+  if (opt.users < C) {
+    throw std::runtime_error("--step: --users " + std::to_string(opt.users) + " is below the " +
+                             std::to_string(C) + " served conversations");
+  }
+
+  std::vector<std::int32_t> const prefix_tokens = m.tokenize(lm::instruction_prefix());
+  memory_config mc;
+  mc.store.model       = ctx.geometry();
+  mc.store.store_dtype = dtype::float32;
+  mc.store.page_size   = 16;
+  std::int64_t pages   = static_cast<std::int64_t>(prefix_tokens.size()) / 16 + 2;
+  std::int64_t facts   = 0;
+  for (prepared const& p : served) {
+    for (auto const& f : p.facts) {
+      pages += (static_cast<std::int64_t>(f.token_ids.size()) + 15) / 16;
+      ++facts;
+    }
+  }
+  mc.store.num_pages = pages;
+  mc.store.space     = memory_space::host;
+  mc.index.dim       = embedder.dimension();
+  mc.index.metric    = distance_metric::cosine;
+  memory mem{mc};
+  mem.set_instruction_prefix(adapter, prefix_tokens, 1, 0);
+  encoding_options eo;
+  eo.window        = 0;
+  eo.strategy      = encoding_strategy::per_fact;
+  auto const t_add = clock_type::now();
+  for (prepared const& p : served) {
+    mem.add_conversation(
+      adapter, embedder, p.facts.front().namespace_id, p.conv, p.facts, p.texts, eo);
+  }
+  double const add_s = seconds_since(t_add);
+
+  // the index-only users
+  std::mt19937_64 size_rng{20261205};
+  std::normal_distribution<double> normal;
+  std::int64_t background_facts = 0;
+  auto const t_bg               = clock_type::now();
+  std::vector<std::uint64_t> ids;
+  for (std::int64_t u = 0; u < opt.users - C; ++u) {
+    double const x = std::round(std::exp(std::log(100.0) + normal(size_rng)));
+    auto const n   = static_cast<std::int64_t>(std::clamp(x, 50.0, 5000.0));
+    test::gaussian_mixture mix{
+      test::mixture_spec{mc.index.dim, 1 + n / 50, true, 20261205 + static_cast<std::uint64_t>(u)}};
+    std::vector<float> const rows = mix.draw(n);
+    ids.resize(static_cast<std::size_t>(n));
+    std::iota(ids.begin(),
+              ids.end(),
+              std::uint64_t{1} << 40 | static_cast<std::uint64_t>(background_facts));
+    mem.index().add(std::uint64_t{1} << 32 | static_cast<std::uint64_t>(u),
+                    make_matrix_view<float const>(rows.data(), n, mc.index.dim),
+                    cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+    background_facts += n;
+  }
+  double const bg_s = seconds_since(t_bg);
+  std::fprintf(stderr,
+               "locomo --step: %lld served users (%lld facts, encoded and indexed in %.1f s), "
+               "%lld index-only users (%lld facts, indexed in %.1f s)\n",
+               static_cast<long long>(C),
+               static_cast<long long>(facts),
+               add_s,
+               static_cast<long long>(opt.users - C),
+               static_cast<long long>(background_facts),
+               bg_s);
+
+  // the requests: each conversation's questions in turn
+  struct request {
+    std::uint64_t ns;
+    std::string text;
+    std::vector<std::int32_t> tokens;
+  };
+  std::vector<request> pool;
+  for (std::size_t i = 0; pool.size() < static_cast<std::size_t>(opt.requests); ++i) {
+    bool any = false;
+    for (prepared const& p : served) {
+      if (i < p.questions.size() && pool.size() < static_cast<std::size_t>(opt.requests)) {
+        pool.push_back({p.facts.front().namespace_id,
+                        p.questions[i]->text,
+                        m.tokenize(lm::question_turn(p.questions[i]->text))});
+        any = true;
+      }
+    }
+    if (!any) { break; }
+  }
+
+  std::printf(
+    "## Retrieval inside the serving step: %lld users, LoCoMo questions, SmolLM2 "
+    "(llama.cpp, CPU, 1 thread), MiniLM\n\n",
+    static_cast<long long>(opt.users));
+  std::printf(
+    "%lld served users (%lld facts, K/V stored), %lld index-only users (%lld facts); "
+    "%lld facts indexed in all. Top %u facts per request behind the instruction prefix. "
+    "Per request (ms, mean over %zu requests): the phases of retrieval and composition, "
+    "and the engine's prefill of the step's questions to their first tokens per request; "
+    "step = the whole step's wall time (each request's TTFT, p50 over steps).\n\n",
+    static_cast<long long>(C),
+    static_cast<long long>(facts),
+    static_cast<long long>(opt.users - C),
+    static_cast<long long>(background_facts),
+    static_cast<long long>(facts + background_facts),
+    opt.k,
+    pool.size());
+  std::printf(
+    "| B | embed | search | compose | inject | retrieval + composition | prefill | "
+    "step p50 (TTFT) | share of TTFT | share without the embedder |\n"
+    "|---|---|---|---|---|---|---|---|---|---|\n");
+  std::vector<sequence_cache_ptr> caches;
+  for (std::int64_t b = 0; b < max_batch; ++b) {
+    caches.push_back(std::make_unique<lc::sequence_cache>(ctx, static_cast<std::int32_t>(b)));
+  }
+  auto const rotation = adapter.rotation();
+  for (std::int64_t B : opt.batches) {
+    tally embed_t, search_t, compose_t, inject_t, prefill_t;
+    std::vector<double> step_t;
+    std::int64_t served_requests = 0;
+    for (std::size_t first = 0; first < pool.size(); first += static_cast<std::size_t>(B)) {
+      std::size_t const count = std::min(static_cast<std::size_t>(B), pool.size() - first);
+      for (std::size_t i = 0; i < count; ++i) {
+        ctx.clear(static_cast<std::int32_t>(i));
+      }
+      auto const t0 = clock_type::now();
+      std::vector<float> queries;
+      std::vector<std::uint64_t> namespaces;
+      std::vector<std::string> texts;
+      for (std::size_t i = 0; i < count; ++i) {
+        texts.push_back(pool[first + i].text);
+        namespaces.push_back(pool[first + i].ns);
+      }
+      for (std::vector<float> const& v : embedder.embed(texts)) {  // one forward per step
+        queries.insert(queries.end(), v.begin(), v.end());
+      }
+      auto const t1 = clock_type::now();
+      std::vector<std::uint64_t> top(count * opt.k);
+      std::vector<float> dist(top.size());
+      inferscale::search<float>(
+        mem.index(),
+        make_matrix_view<float const>(
+          queries.data(), static_cast<std::int64_t>(count), mc.index.dim),
+        cuda::std::span<std::uint64_t const>{namespaces.data(), count},
+        opt.k,
+        mem.config().search,
+        make_matrix_view<std::uint64_t>(top.data(), static_cast<std::int64_t>(count), opt.k),
+        make_matrix_view<float>(dist.data(), static_cast<std::int64_t>(count), opt.k));
+      auto const t2 = clock_type::now();
+      std::vector<composition> plans;
+      for (std::size_t i = 0; i < count; ++i) {
+        std::vector<std::uint64_t> got;
+        for (std::uint32_t j = 0; j < opt.k; ++j) {
+          if (top[i * opt.k + j] != invalid_fact_id) { got.push_back(top[i * opt.k + j]); }
+        }
+        plans.push_back(mem.prepare(got, 0));
+      }
+      auto const t3 = clock_type::now();
+      for (std::size_t i = 0; i < count; ++i) {
+        mem.inject(plans[i], *caches[i], rotation);
+      }
+      auto const t4 = clock_type::now();
+      std::vector<std::vector<std::int32_t>> tokens;
+      std::vector<std::int64_t> positions;
+      std::vector<std::int32_t> seqs;
+      for (std::size_t i = 0; i < count; ++i) {
+        tokens.push_back(pool[first + i].tokens);
+        positions.push_back(plans[i].length());
+        seqs.push_back(static_cast<std::int32_t>(i));
+      }
+      std::vector<std::int32_t> const firsts = ctx.decode_step(tokens, positions, seqs);
+      auto const t5                          = clock_type::now();
+      if (firsts.size() != count) { throw std::runtime_error("--step: first tokens missing"); }
+      auto const d = [](clock_type::time_point a, clock_type::time_point b) {
+        return std::chrono::duration<double>(b - a).count();
+      };
+      double const per = 1e3 / static_cast<double>(count);
+      embed_t.add(d(t0, t1) * per);
+      search_t.add(d(t1, t2) * per);
+      compose_t.add(d(t2, t3) * per);
+      inject_t.add(d(t3, t4) * per);
+      prefill_t.add(d(t4, t5) * per);
+      step_t.push_back(d(t0, t5) * 1e3);
+      served_requests += static_cast<std::int64_t>(count);
+    }
+    std::vector<double> sorted = step_t;
+    std::sort(sorted.begin(), sorted.end());
+    double const retrieval = embed_t.mean() + search_t.mean() + compose_t.mean() + inject_t.mean();
+    double const total     = retrieval + prefill_t.mean();
+    std::printf("| %lld | %.3f | %.4f | %.3f | %.3f | %.3f | %.2f | %.1f | %.1f%% | %.2f%% |\n",
+                static_cast<long long>(B),
+                embed_t.mean(),
+                search_t.mean(),
+                compose_t.mean(),
+                inject_t.mean(),
+                retrieval,
+                prefill_t.mean(),
+                sorted[sorted.size() / 2],
+                100.0 * retrieval / total,
+                100.0 * (retrieval - embed_t.mean()) / total);
+    std::fflush(stdout);
+    (void)served_requests;
+  }
+  std::printf(
+    "\nPhase means are per request over steps of B (a step's phase time / B). "
+    "Shares: of the request's whole time (retrieval + composition + prefill). The "
+    "search used search_params::threads = %u (0: one thread per core); the embedder and the "
+    "engine one thread each.\n",
+    mem.config().search.threads);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv)
@@ -823,7 +1095,7 @@ int main(int argc, char** argv)
       return argv[++i];
     };
     try {
-      if (a == "--count" || a == "--fast" || a == "--full" || a == "--retrieval") {
+      if (a == "--count" || a == "--fast" || a == "--full" || a == "--retrieval" || a == "--step") {
         opt.mode = a.substr(2);
       } else if (a == "--conversations") {
         opt.conversations = split(value(), ',');
@@ -847,6 +1119,15 @@ int main(int argc, char** argv)
         }
       } else if (a == "--served-recompute") {
         opt.served_recompute = std::stoi(value());
+      } else if (a == "--users") {
+        opt.users = std::stoll(value());
+      } else if (a == "--requests") {
+        opt.requests = std::stoll(value());
+      } else if (a == "--batches") {
+        opt.batches.clear();
+        for (auto const& b : split(value(), ',')) {
+          opt.batches.push_back(std::stoll(b));
+        }
       } else if (a == "--k") {
         opt.k = static_cast<std::uint32_t>(std::stoul(value()));
       } else {
@@ -859,7 +1140,8 @@ int main(int argc, char** argv)
     }
   }
   if (opt.mode.empty()) {
-    std::fprintf(stderr, "usage: locomo_eval --count | --retrieval | --fast | --full [options]\n");
+    std::fprintf(stderr,
+                 "usage: locomo_eval --count | --retrieval | --fast | --full | --step [options]\n");
     return 2;
   }
   if (opt.mode == "fast") {  // its defaults; options given on the command line win
@@ -867,6 +1149,19 @@ int main(int argc, char** argv)
     if (!given.count("--sessions")) { opt.sessions = 3; }
     if (!given.count("--questions")) { opt.questions = 6; }
     if (!given.count("--windows")) { opt.windows = {0, 20}; }
+  }
+  if (opt.mode == "step" && !given.count("--conversations")) { opt.conversations = {"all"}; }
+  if (opt.mode == "step" && !given.count("--k")) { opt.k = 5; }
+  for (std::int64_t b : opt.batches) {
+    if (b < 1 || b > 255) {
+      std::fprintf(
+        stderr, "locomo_eval: --batches must be in 1..255, got %lld\n", static_cast<long long>(b));
+      return 2;
+    }
+  }
+  if (opt.batches.empty() || opt.users < 1 || opt.requests < 1) {
+    std::fprintf(stderr, "locomo_eval: --batches, --users and --requests must be positive\n");
+    return 2;
   }
   if (opt.k == 0 || opt.main_window < 0) {
     std::fprintf(stderr, "locomo_eval: --k must be positive and --main-window non-negative\n");
@@ -894,6 +1189,7 @@ int main(int argc, char** argv)
     lc::model const m{model_path};
     int const rc = opt.mode == "count"       ? count_mode(m, samples)
                    : opt.mode == "retrieval" ? retrieval_mode(m, samples)
+                   : opt.mode == "step"      ? step_mode(m, samples, opt)
                                              : eval_mode(m, samples, opt);
     llama_backend_free();
     return rc;

@@ -36,11 +36,31 @@ struct is_embedder<
       std::is_convertible<decltype(std::declval<E&>().embed(std::declval<std::string const&>())),
                           std::vector<float>>> {
 };
+template <class, class = void>
+struct embeds_batches : std::false_type {
+};
+template <class E>
+struct embeds_batches<
+  E,
+  std::void_t<decltype(std::declval<E&>().embed(std::declval<std::vector<std::string> const&>()))>>
+  : std::is_convertible<decltype(std::declval<E&>().embed(
+                          std::declval<std::vector<std::string> const&>())),
+                        std::vector<std::vector<float>>> {
+};
 }  // namespace detail
 
 /// @brief True when E provides `dimension()` and `embed(text) -> std::vector<float>`.
 template <class E>
 inline constexpr bool is_embedder_v = detail::is_embedder<E>::value;
+
+/**
+ * @brief True when E also embeds a batch at once: `embed(texts) -> std::vector<std::vector<float>>`
+ * (one vector per text, in order). memory::serve_step() then embeds a step's queries with one
+ * call (an encoder runs the batch as one forward, reading its weights once rather than once per
+ * query); otherwise one `embed(text)` per request.
+ */
+template <class E>
+inline constexpr bool embeds_batches_v = detail::embeds_batches<E>::value;
 
 /// @brief How a memory is built.
 struct memory_config {

@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -163,6 +164,29 @@ TEST_CASE("embedder: a batch gives the same vectors as single calls, in order", 
     CHECK(cosine(batch[i], the_embedder().embed(texts[i])) > 0.999999);
   }
   CHECK(the_embedder().embed(std::vector<std::string>{}).empty());
+
+  // 70 texts: two forwards (n_seq_max 64), each text its own sequence; every vector as alone
+  std::vector<std::string> many;
+  for (int i = 0; i < 70; ++i) {
+    many.push_back(texts[static_cast<std::size_t>(i) % texts.size()] + " Note " +
+                   std::to_string(i) + (i % 3 == 0 ? " about the weather in the valley." : "."));
+  }
+  std::vector<std::vector<float>> const packed = the_embedder().embed(many);
+  REQUIRE(packed.size() == many.size());
+  double worst = 0.0;
+  for (std::size_t i = 0; i < many.size(); ++i) {
+    CAPTURE(i);
+    std::vector<float> const alone = the_embedder().embed(many[i]);
+    REQUIRE(packed[i].size() == alone.size());
+    for (std::size_t e = 0; e < alone.size(); ++e) {
+      worst = std::max(worst, static_cast<double>(std::fabs(packed[i][e] - alone[e])));
+    }
+    CHECK(cosine(packed[i], alone) > 0.999999);
+  }
+  std::printf(
+    "embedder: 70 texts in two forwards, largest element difference from one text "
+    "alone %.3g\n",
+    worst);
 }
 
 TEST_CASE("embedder: semantic sanity", "[llama]")

@@ -360,6 +360,85 @@ TEST_CASE("memory: a scheduler step serves every request as serve() alone does, 
   CHECK(m.searches() == searches + 1);
 }
 
+namespace {
+/// word_embedder that also embeds a batch at once (embeds_batches_v): counts the batch calls
+/// and the texts each held; `short_by` drops that many embeddings from the answer.
+struct batch_word_embedder : word_embedder {
+  std::vector<std::vector<std::string>> batches;
+  std::size_t short_by{0};
+  using word_embedder::embed;
+  std::vector<std::vector<float>> embed(std::vector<std::string> const& texts)
+  {
+    batches.push_back(texts);
+    std::vector<std::vector<float>> out;
+    for (std::size_t i = 0; i + short_by < texts.size(); ++i) {
+      out.push_back(word_embedder::embed(texts[i]));
+    }
+    return out;
+  }
+};
+static_assert(embeds_batches_v<batch_word_embedder>);
+static_assert(!embeds_batches_v<word_embedder>);
+}  // namespace
+
+TEST_CASE("memory: a step embeds its queries with one call of a batch embedder", "[memory]")
+{
+  step_fixture f;
+  memory& m = f.m;
+  std::vector<std::pair<std::uint64_t, std::string>> const asks{
+    {7, f.a.texts[4]}, {8, f.b.texts[2]}, {9, f.c.texts[1]}, {7, "no word of any fact"}};
+  std::uint32_t const k = 3;
+  auto step = [&](auto& embedder, host_cache& cache, std::vector<sequence_adapter>& sequences) {
+    std::vector<memory_step_request<sequence_adapter>> requests;
+    for (std::size_t i = 0; i < asks.size(); ++i) {
+      sequences[i].shared = &cache;
+      for (std::int64_t j = 0; j < 40; ++j) {
+        sequences[i].slots.push_back(static_cast<std::int64_t>(i) +
+                                     static_cast<std::int64_t>(asks.size()) * j);
+      }
+      requests.push_back({asks[i].first, asks[i].second, 0, &sequences[i]});
+    }
+    return m.serve_step(embedder, requests, k, f.model.rotation());
+  };
+  host_cache plain_cache, batch_cache;
+  std::vector<sequence_adapter> plain_seqs(asks.size()), batch_seqs(asks.size());
+  std::vector<memory_request> const plain = step(f.embedder, plain_cache, plain_seqs);
+  batch_word_embedder batched;
+  batched.dim                           = f.embedder.dim;
+  std::vector<memory_request> const got = step(batched, batch_cache, batch_seqs);
+  // one batch call holding the step's queries in request order, no single-text call
+  REQUIRE(batched.batches.size() == 1);
+  REQUIRE(batched.batches[0].size() == asks.size());
+  for (std::size_t i = 0; i < asks.size(); ++i) {
+    CHECK(batched.batches[0][i] == asks[i].second);
+  }
+  CHECK(batched.calls == static_cast<std::int64_t>(asks.size()));  // each text embedded once
+  // the same answers as one embed(text) per request (the same embedding function)
+  REQUIRE(got.size() == plain.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CHECK(got[i].fact_ids == plain[i].fact_ids);
+    CHECK(got[i].plan.token_ids == plain[i].plan.token_ids);
+  }
+  CHECK(batch_cache.data == plain_cache.data);
+
+  // a batch answer of the wrong length is refused before any adapter allocates
+  batch_word_embedder bad;
+  bad.dim               = f.embedder.dim;
+  bad.short_by          = 1;
+  snapshot const before = snap(m);
+  host_cache untouched;
+  std::vector<float> const original = untouched.data;
+  std::vector<sequence_adapter> seqs(asks.size());
+  CHECK_THROWS_WITH(step(bad, untouched, seqs),
+                    Catch::Contains("memory::serve_step: the embedder returned 3 embeddings for "
+                                    "4 queries"));
+  CHECK(snap(m) == before);
+  CHECK(untouched.data == original);
+  for (auto const& s : seqs) {
+    CHECK(s.committed.empty());
+  }
+}
+
 TEST_CASE("memory: a refused step leaves the store, the index, the cache and every sequence as "
           "they were",
           "[memory]")

@@ -26,6 +26,11 @@ namespace inferscale::llama_cpp {
 struct embedder_options {
   std::uint32_t n_ctx{512};   ///< tokens per text, [CLS] and [SEP] included (at most n_ctx_train)
   std::int32_t n_threads{1};  ///< one thread: 2 OpenMP threads on shared cores can collapse
+  /// Tokens one forward of embed(texts) holds (its texts packed whole, each its own sequence):
+  /// at least n_ctx, so any accepted text fits a forward alone.
+  std::uint32_t n_batch{2048};
+  /// Texts one forward of embed(texts) holds (llama.cpp sequences, at most 256).
+  std::uint32_t n_seq_max{64};
 };
 
 /**
@@ -61,16 +66,23 @@ class embedder {
                          " must be in 1.." + std::to_string(n_ctx_train) +
                          " (the model's position embeddings)");
     }
+    if (options.n_batch < options.n_ctx || options.n_seq_max < 1 || options.n_seq_max > 256) {
+      throw engine_error("llama_cpp::embedder: n_batch " + std::to_string(options.n_batch) +
+                         " must be at least n_ctx " + std::to_string(options.n_ctx) +
+                         ", and n_seq_max " + std::to_string(options.n_seq_max) + " in 1..256");
+    }
     if (options.n_threads < 1) {
       throw engine_error("llama_cpp::embedder: n_threads must be at least 1");
     }
     dimension_ = llama_model_n_embd_out(m.get());
 
     llama_context_params params = llama_context_default_params();
-    params.n_ctx                = options.n_ctx;
-    params.n_batch              = options.n_ctx;  // the encoder sees a whole text in one batch
-    params.n_ubatch             = options.n_ctx;
-    params.n_seq_max            = 1;
+    // the encoder sees each forward's texts whole, in one micro-batch (non-causal attention)
+    params.n_ctx                = options.n_batch;
+    params.n_batch              = options.n_batch;
+    params.n_ubatch             = options.n_batch;
+    params.n_seq_max            = options.n_seq_max;
+    params.kv_unified           = true;  // a text may use the whole context, not n_ctx / n_seq_max
     params.n_threads            = options.n_threads;
     params.n_threads_batch      = options.n_threads;
     params.embeddings           = true;
@@ -115,6 +127,54 @@ class embedder {
    */
   std::vector<float> embed(std::string const& text)
   {
+    std::vector<std::vector<std::int32_t>> tokens{checked_tokens(text)};
+    return std::move(forward(tokens, 0, 1).front());
+  }
+
+  /**
+   * @brief embed() of each text, in order, the texts packed whole into forwards of at most
+   * n_batch tokens and n_seq_max texts (each text its own sequence: attention and the mean stay
+   * within it). One forward for a scheduler step's queries reads the weights once, not once per
+   * query. Every text is checked before any forward runs.
+   * @throw engine_error as embed(), naming the index of the text refused.
+   */
+  std::vector<std::vector<float>> embed(std::vector<std::string> const& texts)
+  {
+    std::vector<std::vector<std::int32_t>> tokens;
+    tokens.reserve(texts.size());
+    for (std::size_t i = 0; i < texts.size(); ++i) {
+      try {
+        tokens.push_back(checked_tokens(texts[i]));
+      } catch (engine_error const& e) {
+        throw engine_error("text " + std::to_string(i) + ": " + e.what());
+      }
+    }
+    std::vector<std::vector<float>> out;
+    out.reserve(texts.size());
+    std::size_t first = 0;
+    while (first < tokens.size()) {
+      std::size_t end = first, n = 0;  // texts [first, end) fill one forward
+      while (end < tokens.size() && end - first < options_.n_seq_max &&
+             n + tokens[end].size() <= options_.n_batch) {
+        n += tokens[end++].size();
+      }
+      try {
+        for (auto& v : forward(tokens, first, end)) {
+          out.push_back(std::move(v));
+        }
+      } catch (engine_error const& e) {
+        throw engine_error("texts " + std::to_string(first) + ".." + std::to_string(end - 1) +
+                           ": " + e.what());
+      }
+      first = end;
+    }
+    return out;
+  }
+
+ private:
+  /// The tokens of `text`, refused when empty or longer than n_ctx.
+  std::vector<std::int32_t> checked_tokens(std::string const& text) const
+  {
     if (text.empty()) { throw engine_error("llama_cpp::embedder: cannot embed an empty text"); }
     std::vector<std::int32_t> tokens = tokenize(text);
     if (tokens.size() > options_.n_ctx) {
@@ -123,62 +183,62 @@ class embedder {
                          std::to_string(options_.n_ctx) +
                          " the context holds; split it (texts are never truncated)");
     }
-    if (llama_memory_t memory = llama_get_memory(ctx_.get())) { llama_memory_clear(memory, true); }
+    return tokens;
+  }
 
-    auto const n      = static_cast<std::int32_t>(tokens.size());
-    llama_batch batch = llama_batch_init(n, 0, 1);
-    for (std::int32_t i = 0; i < n; ++i) {
-      batch.token[i]     = tokens[static_cast<std::size_t>(i)];
-      batch.pos[i]       = i;
-      batch.n_seq_id[i]  = 1;
-      batch.seq_id[i][0] = 0;
-      batch.logits[i]    = 1;  // every token's output enters the mean
+  /// One forward of texts [first, end) of `tokens` (sequence s - first each, positions from 0):
+  /// their mean-pooled, L2-normalised embeddings.
+  std::vector<std::vector<float>> forward(std::vector<std::vector<std::int32_t>> const& tokens,
+                                          std::size_t first,
+                                          std::size_t end)
+  {
+    if (llama_memory_t memory = llama_get_memory(ctx_.get())) { llama_memory_clear(memory, true); }
+    std::size_t n = 0;
+    for (std::size_t t = first; t < end; ++t) {
+      n += tokens[t].size();
     }
-    batch.n_tokens        = n;
+    llama_batch batch = llama_batch_init(static_cast<std::int32_t>(n), 0, 1);
+    std::size_t j     = 0;
+    for (std::size_t t = first; t < end; ++t) {
+      for (std::size_t i = 0; i < tokens[t].size(); ++i, ++j) {
+        batch.token[j]     = tokens[t][i];
+        batch.pos[j]       = static_cast<llama_pos>(i);
+        batch.n_seq_id[j]  = 1;
+        batch.seq_id[j][0] = static_cast<llama_seq_id>(t - first);
+        batch.logits[j]    = 1;  // every token's output enters its text's mean
+      }
+    }
+    batch.n_tokens        = static_cast<std::int32_t>(n);
     std::int32_t const rc = llama_decode(ctx_.get(), batch);
     llama_batch_free(batch);
     if (rc != 0) {
       throw engine_error("llama_cpp::embedder: llama_decode failed (" + std::to_string(rc) +
-                         ") on a text of " + std::to_string(n) + " tokens");
+                         ") on " + std::to_string(end - first) + " text(s) of " +
+                         std::to_string(n) + " tokens");
     }
-    float const* pooled = llama_get_embeddings_seq(ctx_.get(), 0);
-    if (!pooled) { throw engine_error("llama_cpp::embedder: llama.cpp returned no embedding"); }
-
-    std::vector<float> out(pooled, pooled + dimension_);
-    double squares = 0.0;
-    for (float v : out) {
-      if (!std::isfinite(v)) {
-        throw engine_error("llama_cpp::embedder: the embedding has a non-finite value");
-      }
-      squares += static_cast<double>(v) * v;
-    }
-    if (!(squares > 0.0)) { throw engine_error("llama_cpp::embedder: the embedding is zero"); }
-    auto const scale = static_cast<float>(1.0 / std::sqrt(squares));
-    for (float& v : out) {
-      v *= scale;
-    }
-    return out;
-  }
-
-  /**
-   * @brief embed() of each text, in order.
-   * @throw engine_error as embed(), naming the index of the text refused.
-   */
-  std::vector<std::vector<float>> embed(std::vector<std::string> const& texts)
-  {
     std::vector<std::vector<float>> out;
-    out.reserve(texts.size());
-    for (std::size_t i = 0; i < texts.size(); ++i) {
-      try {
-        out.push_back(embed(texts[i]));
-      } catch (engine_error const& e) {
-        throw engine_error("text " + std::to_string(i) + ": " + e.what());
+    for (std::size_t t = first; t < end; ++t) {
+      float const* pooled =
+        llama_get_embeddings_seq(ctx_.get(), static_cast<llama_seq_id>(t - first));
+      if (!pooled) { throw engine_error("llama_cpp::embedder: llama.cpp returned no embedding"); }
+      std::vector<float> v(pooled, pooled + dimension_);
+      double squares = 0.0;
+      for (float x : v) {
+        if (!std::isfinite(x)) {
+          throw engine_error("llama_cpp::embedder: the embedding has a non-finite value");
+        }
+        squares += static_cast<double>(x) * x;
       }
+      if (!(squares > 0.0)) { throw engine_error("llama_cpp::embedder: the embedding is zero"); }
+      auto const scale = static_cast<float>(1.0 / std::sqrt(squares));
+      for (float& x : v) {
+        x *= scale;
+      }
+      out.push_back(std::move(v));
     }
     return out;
   }
 
- private:
   struct deleter {
     void operator()(llama_context* c) const noexcept { llama_free(c); }
   };

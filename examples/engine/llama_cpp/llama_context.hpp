@@ -143,6 +143,66 @@ class context {
     run_batch(batch, "a batch of " + std::to_string(n) + " tokens of several sequences");
   }
 
+  /**
+   * @brief One scheduler step's prefill: sequence `seqs[i]` takes `tokens[i]` from position
+   * `positions[i]`, the sequences packed whole into as few llama_decode calls as n_batch allows,
+   * with logits for each sequence's last token. Returns each sequence's greedy next token (lowest
+   * id on ties): the step's first tokens.
+   * @throw engine_error for mismatched lengths, an empty or over-n_batch sequence, or a failed
+   *        decode.
+   */
+  std::vector<std::int32_t> decode_step(std::vector<std::vector<std::int32_t>> const& tokens,
+                                        std::vector<std::int64_t> const& positions,
+                                        std::vector<std::int32_t> const& seqs)
+  {
+    std::size_t const m = tokens.size();
+    if (positions.size() != m || seqs.size() != m) {
+      throw engine_error("llama_cpp::context::decode_step: " + std::to_string(m) +
+                         " token lists, " + std::to_string(positions.size()) + " positions, " +
+                         std::to_string(seqs.size()) + " sequences");
+    }
+    for (std::size_t i = 0; i < m; ++i) {
+      if (tokens[i].empty() || tokens[i].size() > options_.n_batch) {
+        throw engine_error("llama_cpp::context::decode_step: sequence " + std::to_string(seqs[i]) +
+                           " has " + std::to_string(tokens[i].size()) +
+                           " tokens (1 to n_batch = " + std::to_string(options_.n_batch) + ")");
+      }
+    }
+    std::vector<std::int32_t> first(m);
+    std::int32_t const vocab = model_->vocab_size();
+    std::size_t i            = 0;
+    while (i < m) {
+      std::size_t end = i, n = 0;  // the sequences [i, end) fit one batch
+      while (end < m && n + tokens[end].size() <= options_.n_batch) {
+        n += tokens[end++].size();
+      }
+      llama_batch batch = llama_batch_init(static_cast<std::int32_t>(n), 0, 1);
+      batch.n_tokens    = static_cast<std::int32_t>(n);
+      std::vector<std::int32_t> last;  // the batch index of each sequence's last token
+      std::size_t t = 0;
+      for (std::size_t s = i; s < end; ++s) {
+        for (std::size_t j = 0; j < tokens[s].size(); ++j, ++t) {
+          batch.token[t]     = tokens[s][j];
+          batch.pos[t]       = static_cast<llama_pos>(positions[s] + static_cast<std::int64_t>(j));
+          batch.n_seq_id[t]  = 1;
+          batch.seq_id[t][0] = seqs[s];
+          batch.logits[t]    = j + 1 == tokens[s].size() ? 1 : 0;
+        }
+        last.push_back(static_cast<std::int32_t>(t - 1));
+      }
+      run_batch(
+        batch,
+        "a step of " + std::to_string(end - i) + " sequences (" + std::to_string(n) + " tokens)");
+      for (std::size_t s = i; s < end; ++s) {
+        float const* l = llama_get_logits_ith(ctx_.get(), last[s - i]);
+        if (!l) { throw engine_error("llama_cpp::context::decode_step: no logits"); }
+        first[s] = static_cast<std::int32_t>(std::max_element(l, l + vocab) - l);
+      }
+      i = end;
+    }
+    return first;
+  }
+
   /// @brief Removes the cells of `seq` at positions [p0, p1).
   void remove(std::int32_t seq, std::int64_t p0, std::int64_t p1)
   {

@@ -288,8 +288,21 @@ std::vector<memory_request> memory::serve_requests(
   std::vector<float> queries;
   std::vector<std::uint64_t> namespaces(n);
   queries.reserve(n * static_cast<std::size_t>(dim));
+  std::vector<std::vector<float>> embedded;  // a batch embedder's answer: one call for the step
+  if constexpr (embeds_batches_v<Embedder>) {
+    std::vector<std::string> texts(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      texts[i] = requests[i].query;
+    }
+    embedded = embedder.embed(texts);
+    INFERSCALE_EXPECTS(embedded.size() == n,
+                       std::string{who} + ": the embedder returned " +
+                         detail::count_of(static_cast<std::int64_t>(embedded.size()), "embedding") +
+                         " for " + detail::count_of(static_cast<std::int64_t>(n), "query", "queries"));
+  }
   for (std::size_t i = 0; i < n; ++i) {
-    std::vector<float> const v = embedder.embed(requests[i].query);
+    std::vector<float> const v =
+      embeds_batches_v<Embedder> ? std::move(embedded[i]) : embedder.embed(requests[i].query);
     INFERSCALE_EXPECTS(static_cast<std::int64_t>(v.size()) == dim,
                        where(i) + ": the query embedded to " + std::to_string(v.size()) +
                          " values, expected " + std::to_string(dim));

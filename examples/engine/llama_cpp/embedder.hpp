@@ -134,8 +134,9 @@ class embedder {
   /**
    * @brief embed() of each text, in order, the texts packed whole into forwards of at most
    * n_batch tokens and n_seq_max texts (each text its own sequence: attention and the mean stay
-   * within it). One forward for a scheduler step's queries reads the weights once, not once per
-   * query. Every text is checked before any forward runs.
+   * within it): a scheduler step's queries in one forward. (On one CPU thread that costs what one
+   * forward per text costs: the forward is compute-bound.) Every text is checked before any
+   * forward runs.
    * @throw engine_error as embed(), naming the index of the text refused.
    */
   std::vector<std::vector<float>> embed(std::vector<std::string> const& texts)

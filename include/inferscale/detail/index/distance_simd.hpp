@@ -103,6 +103,26 @@ inline void fast_scan_portable(T const* rows, std::int64_t row_elements, std::ui
   }
 }
 
+/**
+ * @brief Asks the CPU to fetch the first `bytes` of a row (or of any span) into the caches, one
+ * hint per 64-byte line; a hint never faults. The scans use it as their read-ahead: a scan reads
+ * its rows as four interleaved streams of one row each (1.5 KiB at 384-d fp32), too short for
+ * the hardware's stream prefetcher to run ahead of, so each step of a group of four rows asks for
+ * its share of the next group (contiguous after it, past the scanned rows included).
+ */
+inline void prefetch_row(void const* row, std::size_t bytes) noexcept
+{
+#if defined(__GNUC__)
+  auto const* p = static_cast<char const*>(row);
+  for (std::size_t b = 0; b < bytes; b += 64) {
+    __builtin_prefetch(p + b, 0, 3);
+  }
+#else
+  (void)row;
+  (void)bytes;
+#endif
+}
+
 #if INFERSCALE_HOST_X86_SIMD
 
 /// @brief Eight elements of a row as fp32 (fp16 through F16C).
@@ -168,26 +188,6 @@ INFERSCALE_TARGET_AVX2 inline float fast_distance_avx2(T const* x, float const* 
   return fast_finish<M>(sum);
 }
 
-/**
- * @brief The scans' read-ahead: hints for the `bytes` at `p` (one per 64-byte line). A scan reads
- * its rows as four interleaved streams of one row each (1.5 KiB at 384-d fp32), too short for the
- * hardware's stream prefetcher to run ahead of, so each step of a group of four rows asks for
- * its share of the next group (contiguous after it): the whole next group has been asked for
- * by the time it starts. A hint never faults, past the scanned rows included.
- */
-inline void scan_read_ahead(void const* p, std::size_t bytes) noexcept
-{
-#if defined(__GNUC__)
-  auto const* c = static_cast<char const*>(p);
-  for (std::size_t b = 0; b < bytes; b += 64) {
-    __builtin_prefetch(c + b, 0, 3);
-  }
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
-
 /// @brief AVX2 + FMA scan: four rows at a time, two accumulators each (eight independent
 /// chains), each query load shared by the four rows; the rest of the rows one by one.
 template <class T, distance_metric M>
@@ -208,7 +208,7 @@ INFERSCALE_TARGET_AVX2 inline void fast_scan_avx2(T const* rows, std::int64_t ro
     T const* const next = x3 + row_elements;  // the next group of four rows
     std::int64_t i = 0;
     for (; i + 16 <= row_elements; i += 16) {
-      scan_read_ahead(next + 4 * i, 64 * sizeof(T));  // this step's share of the next group
+      prefetch_row(next + 4 * i, 64 * sizeof(T));  // this step's share of the next group
       __m256 const qa = _mm256_loadu_ps(q + i);
       __m256 const qb = _mm256_loadu_ps(q + i + 8);
       a0 = fast_step8<l2>(a0, fast_load8(x0 + i), qa);
@@ -334,7 +334,7 @@ INFERSCALE_TARGET_AVX512 inline void fast_scan_avx512(T const* rows, std::int64_
     T const* const next = x3 + row_elements;  // the next group of four rows
     std::int64_t i = 0;
     for (; i + 32 <= row_elements; i += 32) {
-      scan_read_ahead(next + 4 * i, 128 * sizeof(T));  // this step's share of the next group
+      prefetch_row(next + 4 * i, 128 * sizeof(T));  // this step's share of the next group
       __m512 const qa = _mm512_loadu_ps(q + i);
       __m512 const qb = _mm512_loadu_ps(q + i + 16);
       a0 = fast_step16<l2>(a0, fast_load16(x0 + i), qa);
@@ -645,20 +645,6 @@ inline dot_block_fn dot_block_for() noexcept
   }
 #endif
   return &dot_block_portable;
-}
-
-/// @brief Asks the CPU to fetch the first `bytes` of a row into the caches (one hint per line).
-inline void prefetch_row(void const* row, std::size_t bytes) noexcept
-{
-#if defined(__GNUC__)
-  auto const* p = static_cast<char const*>(row);
-  for (std::size_t b = 0; b < bytes; b += 64) {
-    __builtin_prefetch(p + b, 0, 3);
-  }
-#else
-  (void)row;
-  (void)bytes;
-#endif
 }
 
 }  // namespace inferscale::detail::index

@@ -46,15 +46,19 @@ inline unsigned hardware_threads() noexcept
   return count;
 }
 
+/// @brief How many threads (the caller included) parallel_ranges and parallel_chunks use for
+/// `n` items: one per 64 items at most, `threads` at most (0: one per hardware thread).
+inline std::int64_t parallel_parts(std::int64_t n, unsigned threads) noexcept
+{
+  if (n < 128) { return 1; }  // one range of at least 64 items: the caller alone, nothing to ask
+  unsigned const wanted = threads != 0 ? threads : hardware_threads();
+  return std::min<std::int64_t>(wanted, std::max<std::int64_t>(1, n / 64));
+}
+
 template <class Fn>
 void parallel_ranges(std::int64_t n, unsigned threads, Fn&& fn)
 {
-  if (n < 128) {  // one range of at least 64 items: the caller alone, nothing to ask
-    fn(std::int64_t{0}, n);
-    return;
-  }
-  unsigned const wanted    = threads != 0 ? threads : hardware_threads();
-  std::int64_t const parts = std::min<std::int64_t>(wanted, std::max<std::int64_t>(1, n / 64));
+  std::int64_t const parts = parallel_parts(n, threads);
   if (parts <= 1) {
     fn(std::int64_t{0}, n);
     return;
@@ -102,12 +106,7 @@ void parallel_ranges(std::int64_t n, unsigned threads, Fn&& fn)
 template <class Fn>
 void parallel_chunks(std::int64_t n, unsigned threads, std::int64_t chunk, Fn&& fn)
 {
-  if (n < 128) {
-    fn(std::int64_t{0}, n);
-    return;
-  }
-  unsigned const wanted    = threads != 0 ? threads : hardware_threads();
-  std::int64_t const parts = std::min<std::int64_t>(wanted, std::max<std::int64_t>(1, n / 64));
+  std::int64_t const parts = parallel_parts(n, threads);
   if (parts <= 1) {
     fn(std::int64_t{0}, n);
     return;

@@ -27,6 +27,7 @@
 #include <set>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 #include <vector>
 
 using namespace inferscale;
@@ -69,6 +70,34 @@ std::int64_t bound_at_default(std::uint64_t live)
   return std::max(static_cast<std::int64_t>(std::floor(1.5 * static_cast<double>(n))), n + 256);
 }
 
+/// What a parallel helper's calls covered: each call's range (checked to lie in [0, n)), the
+/// threads that ran them and how often each item was covered.
+struct range_log {
+  std::int64_t n;
+  std::mutex lock;
+  std::vector<int> covered;
+  std::set<std::thread::id> used;
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+
+  explicit range_log(std::int64_t items) : n{items}, covered(static_cast<std::size_t>(items), 0) {}
+  void record(std::int64_t begin, std::int64_t end)
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    ranges.emplace_back(begin, end);
+    used.insert(std::this_thread::get_id());
+    REQUIRE(0 <= begin);
+    REQUIRE(begin <= end);
+    REQUIRE(end <= n);
+    for (std::int64_t i = begin; i < end; ++i) {
+      ++covered[static_cast<std::size_t>(i)];
+    }
+  }
+  bool each_once() const
+  {
+    return std::all_of(covered.begin(), covered.end(), [](int c) { return c == 1; });
+  }
+};
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -82,22 +111,12 @@ TEST_CASE("parallel_ranges: [0, n) once each, on at most `threads` threads, the 
     for (std::int64_t const n : {std::int64_t{0}, std::int64_t{1}, std::int64_t{127},
                                  std::int64_t{128}, std::int64_t{1000}, std::int64_t{5003}}) {
       CAPTURE(threads, n);
-      std::mutex lock;
-      std::vector<int> covered(static_cast<std::size_t>(n), 0);
-      std::set<std::thread::id> used;
-      std::size_t calls = 0;
-      detail::index::parallel_ranges(n, threads, [&](std::int64_t begin, std::int64_t end) {
-        std::lock_guard<std::mutex> guard(lock);
-        ++calls;
-        used.insert(std::this_thread::get_id());
-        REQUIRE(0 <= begin);
-        REQUIRE(begin <= end);
-        REQUIRE(end <= n);
-        for (std::int64_t i = begin; i < end; ++i) {
-          ++covered[static_cast<std::size_t>(i)];
-        }
-      });
-      REQUIRE(std::all_of(covered.begin(), covered.end(), [](int c) { return c == 1; }));
+      range_log log{n};
+      detail::index::parallel_ranges(
+        n, threads, [&](std::int64_t begin, std::int64_t end) { log.record(begin, end); });
+      std::size_t const calls = log.ranges.size();
+      auto const& used        = log.used;
+      REQUIRE(log.each_once());
       unsigned const allowed = threads == 0 ? hw : threads;
       REQUIRE(used.size() <= allowed);
       REQUIRE(used.count(std::this_thread::get_id()) == 1);  // the caller works too
@@ -139,29 +158,21 @@ TEST_CASE("parallel_chunks: every chunk once, in chunk-sized pieces, on at most 
                                  std::int64_t{1000},
                                  std::int64_t{5003}}) {
       CAPTURE(threads, n);
-      std::mutex lock;
-      std::vector<int> covered(static_cast<std::size_t>(n), 0);
-      std::set<std::thread::id> used;
-      std::size_t calls      = 0;
       unsigned const allowed = threads == 0 ? hw : threads;
       // shared out only where parallel_ranges would use two threads or more; else one call
       bool const shared = n >= 128 && allowed >= 2;
-      detail::index::parallel_chunks(n, threads, 8, [&](std::int64_t begin, std::int64_t end) {
-        std::lock_guard<std::mutex> guard(lock);
-        ++calls;
-        used.insert(std::this_thread::get_id());
-        REQUIRE(0 <= begin);
-        REQUIRE(begin <= end);
-        REQUIRE(end <= n);
+      range_log log{n};
+      detail::index::parallel_chunks(
+        n, threads, 8, [&](std::int64_t begin, std::int64_t end) { log.record(begin, end); });
+      std::size_t const calls = log.ranges.size();
+      auto const& used        = log.used;
+      for (auto const& [begin, end] : log.ranges) {
         if (shared) {  // chunks start on a multiple of 8 and hold 8, the last one the rest
           REQUIRE(begin % 8 == 0);
           REQUIRE(end - begin == std::min<std::int64_t>(8, n - begin));
         }
-        for (std::int64_t i = begin; i < end; ++i) {
-          ++covered[static_cast<std::size_t>(i)];
-        }
-      });
-      REQUIRE(std::all_of(covered.begin(), covered.end(), [](int c) { return c == 1; }));
+      }
+      REQUIRE(log.each_once());
       REQUIRE(used.size() <= allowed);
       REQUIRE(used.count(std::this_thread::get_id()) == 1);
       REQUIRE(calls == (shared ? static_cast<std::size_t>((n + 7) / 8) : 1u));

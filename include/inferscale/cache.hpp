@@ -45,6 +45,15 @@ struct paged_kv_layout {
   std::int64_t dim_stride{1};   ///< elements between consecutive dims of one chunk
   std::int32_t dim_chunk{};     ///< dims per chunk: head_dim, or x = 16 / element size (legacy key)
   std::int64_t chunk_stride{};  ///< elements between chunks (unused when dim_chunk == head_dim)
+  /// Tokens per token chunk, 0 for none: token t of a block then lies at (t / token_chunk) *
+  /// token_chunk_stride + (t % token_chunk) * token_stride (vLLM's CPU cache under AMX tiles
+  /// keys by 16 tokens and pairs values' tokens; make_vllm_cpu_cache). Divides block_size.
+  std::int32_t token_chunk{};
+  std::int64_t token_chunk_stride{};  ///< elements between token chunks (token_chunk > 0)
+
+  /// The address map's dimensions: blocks, tokens (of a chunk), heads, dims (of a chunk), dim
+  /// chunks, token chunks.
+  static constexpr int address_dimensions = 6;
 
   /// @brief Slots addressable: `num_blocks * block_size`.
   INFERSCALE_HOST_DEVICE constexpr std::int64_t num_slots() const noexcept
@@ -58,7 +67,11 @@ struct paged_kv_layout {
                                                        std::int32_t head,
                                                        std::int32_t dim) const noexcept
   {
-    return block * block_stride + token * token_stride + head * head_stride +
+    std::int64_t const tokens =
+      token_chunk > 0 ? static_cast<std::int64_t>(token / token_chunk) * token_chunk_stride +
+                          static_cast<std::int64_t>(token % token_chunk) * token_stride
+                      : token * token_stride;
+    return block * block_stride + tokens + head * head_stride +
            static_cast<std::int64_t>(dim / dim_chunk) * chunk_stride +
            static_cast<std::int64_t>(dim % dim_chunk) * dim_stride;
   }
@@ -73,16 +86,20 @@ struct paged_kv_layout {
   }
 
   /**
-   * @brief The address map's five dimensions (blocks, tokens, heads, dims within a chunk,
-   * chunks) with strides in bytes for elements of `element_bytes` bytes.
+   * @brief The address map's `address_dimensions` dimensions (blocks, tokens within a token
+   * chunk, heads, dims within a chunk, dim chunks, token chunks) with strides in bytes for elements
+   * of `element_bytes` bytes.
    */
   void dimensions(std::int64_t element_bytes, detail::stride_dimension* out) const noexcept
   {
+    bool const chunked = token_chunk > 0;
     out[0] = {num_blocks, block_stride * element_bytes};
-    out[1] = {block_size, token_stride * element_bytes};
+    out[1]             = {chunked ? token_chunk : block_size, token_stride * element_bytes};
     out[2] = {num_heads, head_stride * element_bytes};
     out[3] = {dim_chunk, dim_stride * element_bytes};
     out[4] = {dim_chunk > 0 ? head_dim / dim_chunk : 0, chunk_stride * element_bytes};
+    out[5]             = {chunked ? block_size / token_chunk : 1,
+              chunked ? token_chunk_stride * element_bytes : 0};
   }
 
   /**
@@ -98,38 +115,44 @@ struct paged_kv_layout {
                          std::to_string(num_blocks) + ", " + std::to_string(block_size) + ", " +
                          std::to_string(num_heads) + ", " + std::to_string(head_dim));
     INFERSCALE_EXPECTS(block_stride >= 0 && token_stride >= 0 && head_stride >= 0 &&
-                         dim_stride >= 0 && chunk_stride >= 0,
+                         dim_stride >= 0 && chunk_stride >= 0 && token_chunk_stride >= 0,
                        what + ": strides must be non-negative");
     INFERSCALE_EXPECTS(dim_chunk > 0 && head_dim % dim_chunk == 0,
                        what + ": dim_chunk " + std::to_string(dim_chunk) +
                          " must divide head_dim " + std::to_string(head_dim));
+    INFERSCALE_EXPECTS(token_chunk >= 0 && (token_chunk == 0 || block_size % token_chunk == 0),
+                       what + ": token_chunk " + std::to_string(token_chunk) +
+                         " must be 0 (none) or divide block_size " + std::to_string(block_size));
     constexpr std::int64_t limit = std::numeric_limits<std::int64_t>::max() / 16;
     INFERSCALE_EXPECTS(block_stride <= limit && token_stride <= limit && head_stride <= limit &&
-                         dim_stride <= limit && chunk_stride <= limit,
+                         dim_stride <= limit && chunk_stride <= limit &&
+                         token_chunk_stride <= limit,
                        what + ": a stride exceeds 2^59 elements");
-    detail::stride_dimension dims[5];
+    detail::stride_dimension dims[address_dimensions];
     dimensions(element_bytes, dims);
     std::int64_t reach = 0;
     INFERSCALE_EXPECTS(
-      detail::strides_disjoint(dims, 5, element_bytes, &reach),
+      detail::strides_disjoint(dims, address_dimensions, element_bytes, &reach),
       what + ": elements overlap in memory (or the span overflows 64 bits): block, token, head, " +
         "dim and chunk strides " + std::to_string(block_stride) + ", " +
         std::to_string(token_stride) + ", " + std::to_string(head_stride) + ", " +
         std::to_string(dim_stride) + ", " + std::to_string(chunk_stride) + " for extents " +
         std::to_string(num_blocks) + ", " + std::to_string(block_size) + ", " +
         std::to_string(num_heads) + ", " + std::to_string(dim_chunk) + ", " +
-        std::to_string(head_dim / dim_chunk) +
-        " must nest (sorted by stride, each larger than the span of the smaller ones) so that "
+        std::to_string(head_dim / dim_chunk) + " (token chunks " + std::to_string(token_chunk) +
+        " apart by " + std::to_string(token_chunk_stride) +
+        ") must nest (sorted by stride, each larger than the span of the smaller ones) so that "
         "heads, tokens and blocks never share an element");
   }
 
   /// @brief Bytes from an element's base to the last byte the layout touches, plus one.
   std::int64_t span_bytes(std::int64_t element_bytes) const noexcept
   {
-    detail::stride_dimension dims[5];
+    detail::stride_dimension dims[address_dimensions];
     dimensions(element_bytes, dims);
     std::int64_t reach = 0;
-    return detail::strides_disjoint(dims, 5, element_bytes, &reach) ? reach + 1 : -1;
+    return detail::strides_disjoint(dims, address_dimensions, element_bytes, &reach) ? reach + 1
+                                                                                     : -1;
   }
 
   friend constexpr bool operator==(paged_kv_layout const& a, paged_kv_layout const& b) noexcept
@@ -138,7 +161,8 @@ struct paged_kv_layout {
            a.num_heads == b.num_heads && a.head_dim == b.head_dim &&
            a.block_stride == b.block_stride && a.token_stride == b.token_stride &&
            a.head_stride == b.head_stride && a.dim_stride == b.dim_stride &&
-           a.dim_chunk == b.dim_chunk && a.chunk_stride == b.chunk_stride;
+           a.dim_chunk == b.dim_chunk && a.chunk_stride == b.chunk_stride &&
+           a.token_chunk == b.token_chunk && a.token_chunk_stride == b.token_chunk_stride;
   }
 };
 
@@ -336,11 +360,14 @@ struct paged_kv_cache {
         bool disjoint = false;
         if (layout(i) == layout(j)) {
           std::int64_t const difference = base(j) - base(i);
-          detail::stride_dimension dims[6];
+          detail::stride_dimension dims[paged_kv_layout::address_dimensions + 1];
           layout(i).dimensions(element_bytes, dims);
-          dims[5]            = {2, difference < 0 ? -difference : difference};
+          dims[paged_kv_layout::address_dimensions] = {2,
+                                                       difference < 0 ? -difference : difference};
           std::int64_t reach = 0;
-          disjoint = difference != 0 && detail::strides_disjoint(dims, 6, element_bytes, &reach);
+          disjoint                                  = difference != 0 &&
+                     detail::strides_disjoint(
+                       dims, paged_kv_layout::address_dimensions + 1, element_bytes, &reach);
         } else {
           disjoint = detail::interleaved_blocks_disjoint(
             layout(i), base(i), layout(j), base(j), element_bytes);

@@ -157,25 +157,47 @@ inline paged_kv_cache make_vllm_flash_attn_cache(dtype cache_dtype,
   return cache;
 }
 
+/// @brief The kernel family ("ISA") vLLM's CPU attention backend picked for a layer
+/// (`cpu_attn._get_attn_isa`): it decides how the layer's cache cells are laid out.
+enum class vllm_cpu_isa : std::uint8_t {
+  vec,  ///< the portable vector kernels (AVX-512 / AVX2 without AMX)
+  amx,  ///< Intel AMX tiles (bfloat16 on a CPU with AMX-BF16)
+};
+
+/// @brief Name of an ISA, as vLLM spells it ("vec", "amx").
+inline char const* to_string(vllm_cpu_isa isa) noexcept
+{
+  return isa == vllm_cpu_isa::amx ? "amx" : "vec";
+}
+
 /**
- * @brief vLLM's CPU attention backend (`CPU_ATTN`, ISA `vec`; `reference/vllm-cpu.md`): one tensor
- * per layer of shape `(num_blocks, heads, block_size, 2 * head_dim)`. Each (block, head) holds
- * `2 * block_size * head_dim` elements: first the block's keys stored transposed, `[head_dim,
- * block_size]` (key (t, d) at `d * block_size + t`), then its values row-major, `[block_size,
- * head_dim]` (value (t, d) at `block_size * head_dim + t * head_dim + d`).
+ * @brief vLLM's CPU attention backend (`CPU_ATTN`; `reference/vllm-cpu.md`): one tensor per layer
+ * of shape `(num_blocks, heads, block_size, 2 * head_dim)`. Each (block, head) cell holds
+ * `2 * block_size * head_dim` elements: first the block's keys, then its values, laid out as the
+ * layer's ISA writes them (`cpu_attn_reshape_and_cache`):
+ *  - `vec`: keys transposed, `[head_dim, block_size]` (key (t, d) at `d * block_size + t`), values
+ *    row-major `[block_size, head_dim]` (value (t, d) at `block_size * head_dim + t * head_dim +
+ *    d`);
+ *  - `amx` (bfloat16 on an AMX CPU): keys in tiles of 16 tokens with dims paired, key (t, d) at
+ *    `(t / 16) * 16 * head_dim + (d / 2) * 32 + (t % 16) * 2 + d % 2`; values in strips of 16
+ *    dims with tokens paired, value (t, d) at `block_size * head_dim + (d / 16) * 16 * block_size
+ *    + (t / 2) * 32 + (d % 16) * 2 + t % 2` (measured on an AMX Xeon with vLLM 0.32.0's own op for
+ *    block sizes 32 and 128 and head sizes 64 and 128: `bench/results/2026-12-05-vllm-amx.md`).
+ *    Needs head_dim a multiple of 16 and block_size of 16.
  *
  * The last two dimensions must be dense (stride of dimension 3 = s, of dimension 2 = 2 * head_dim
- * * s), since the transposed key region reinterprets them; blocks and heads may have any strides.
- * Other ISAs of that backend (`amx`, `neon`) are not described by this factory.
+ * * s), since the cell is reinterpreted; blocks and heads may have any strides. Other ISAs of
+ * that backend (`vec16`, `neon`) are not described by this factory: refuse them before calling it.
  *
  * @param layer_tensors `data_ptr()` of each layer's tensor, in layer order
- * @throw logic_error if shapes or strides are invalid, the last dimension is odd or the last two
- *        dimensions are not dense.
+ * @throw logic_error if shapes or strides are invalid, the last dimension is odd, the last two
+ *        dimensions are not dense, or (amx) head_dim is not a multiple of 16 or block_size of 16.
  */
 inline paged_kv_cache make_vllm_cpu_cache(dtype cache_dtype,
                                           std::vector<void*> const& layer_tensors,
                                           std::array<std::int64_t, 4> const& shape,
-                                          std::array<std::int64_t, 4> const& strides)
+                                          std::array<std::int64_t, 4> const& strides,
+                                          vllm_cpu_isa isa = vllm_cpu_isa::vec)
 {
   char const* who = "make_vllm_cpu_cache";
   detail::expect_cache_dtype(cache_dtype, who);
@@ -188,16 +210,39 @@ inline paged_kv_cache make_vllm_cpu_cache(dtype cache_dtype,
   INFERSCALE_EXPECTS(s > 0 && shape[3] <= std::numeric_limits<std::int64_t>::max() / 16 / s &&
                        strides[2] == shape[3] * s,
                      std::string{who} +
-                       ": the last two dimensions must be dense (the key region is read "
-                       "transposed): stride 2 must be dimension 3 * stride 3 = " +
+                       ": the last two dimensions must be dense (the cell is reinterpreted): "
+                       "stride 2 must be dimension 3 * stride 3 = " +
                        std::to_string(shape[3]) + " * " + std::to_string(s) + ", got " +
                        std::to_string(strides[2]));
   std::int64_t const block_size = shape[2];
-  // K: token t at t * s, dim d at d * block_size * s. V: after the block_size * head_dim keys.
-  auto const k = detail::block_token_head_dim_layout(
-    shape[0], block_size, shape[1], head_dim, strides[0], s, strides[1], block_size * s, who);
-  auto const v = detail::block_token_head_dim_layout(
-    shape[0], block_size, shape[1], head_dim, strides[0], head_dim * s, strides[1], s, who);
+  paged_kv_layout k{}, v{};
+  if (isa == vllm_cpu_isa::amx) {
+    INFERSCALE_EXPECTS(head_dim % 16 == 0 && block_size % 16 == 0,
+                       std::string{who} +
+                         ": the amx layout needs head_dim and block_size "
+                         "multiples of 16, got " +
+                         std::to_string(head_dim) + " and " + std::to_string(block_size));
+    // K: tiles of 16 tokens (16 * head_dim apart), a token's dims in pairs 32 apart.
+    k = detail::block_token_head_dim_layout(
+      shape[0], block_size, shape[1], head_dim, strides[0], 2 * s, strides[1], s, who);
+    k.token_chunk        = 16;
+    k.token_chunk_stride = 16 * head_dim * s;
+    k.dim_chunk          = 2;
+    k.chunk_stride       = 32 * s;
+    // V: strips of 16 dims (16 * block_size apart), tokens in pairs 32 apart.
+    v = detail::block_token_head_dim_layout(
+      shape[0], block_size, shape[1], head_dim, strides[0], s, strides[1], 2 * s, who);
+    v.token_chunk        = 2;
+    v.token_chunk_stride = 32 * s;
+    v.dim_chunk          = 16;
+    v.chunk_stride       = 16 * block_size * s;
+  } else {
+    // K: token t at t * s, dim d at d * block_size * s. V: after the block_size * head_dim keys.
+    k = detail::block_token_head_dim_layout(
+      shape[0], block_size, shape[1], head_dim, strides[0], s, strides[1], block_size * s, who);
+    v = detail::block_token_head_dim_layout(
+      shape[0], block_size, shape[1], head_dim, strides[0], head_dim * s, strides[1], s, who);
+  }
   std::vector<void*> values;
   for (void* base : layer_tensors) {
     values.push_back(base ? detail::advance(base, block_size * head_dim * s, cache_dtype)

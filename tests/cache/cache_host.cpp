@@ -16,6 +16,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 using namespace inferscale;
@@ -413,6 +415,64 @@ TEST_CASE("factories refuse malformed engine tensors", "[cache]")
         dt, nullptr, to_array<5>(cc.key_tensor(0).shape), to_array<5>(cc.key_tensor(0).strides)),
       logic_error);
   }
+}
+
+TEST_CASE("vLLM CPU under AMX: keys in tiles of 16 tokens, values in strips of 16 dims", "[cache]")
+{
+  // The layout vLLM 0.32's cpu_attn_reshape_and_cache writes with isa 'amx' (bfloat16), written
+  // out from its measurement (make_vllm_cpu_cache's comment): per (block, head) cell of
+  // 2 * B * D elements, key (t, d) at (t / 16) * 16 D + (d / 2) * 32 + (t % 16) * 2 + d % 2, value
+  // (t, d) at B D + (d / 16) * 16 B + (t / 2) * 32 + (d % 16) * 2 + t % 2.
+  for (auto const& [block, dim] : {std::pair<std::int64_t, std::int64_t>{32, 64},
+                                   std::pair<std::int64_t, std::int64_t>{128, 64},
+                                   std::pair<std::int64_t, std::int64_t>{64, 128}}) {
+    CAPTURE(block, dim);
+    std::int64_t const blocks = 3, heads = 2;
+    std::array<std::int64_t, 4> const shape{blocks, heads, block, 2 * dim};
+    std::array<std::int64_t, 4> const strides{heads * block * 2 * dim, block * 2 * dim, 2 * dim, 1};
+    std::vector<std::uint16_t> memory(static_cast<std::size_t>(blocks * strides[0]));
+    std::vector<void*> layers{memory.data()};
+    paged_kv_cache const c =
+      make_vllm_cpu_cache(dtype::bfloat16, layers, shape, strides, vllm_cpu_isa::amx);
+    REQUIRE(c.format == paged_kv_format::vllm_cpu);
+    REQUIRE(c.num_slots() == blocks * block);
+    std::vector<int> touched(memory.size(), 0);
+    for (std::int64_t slot = 0; slot < blocks * block; ++slot) {
+      std::int64_t const b = slot / block, t = slot % block;
+      for (std::int32_t h = 0; h < heads; ++h) {
+        std::int64_t const cell = b * strides[0] + h * strides[1];
+        for (std::int32_t d = 0; d < dim; ++d) {
+          std::int64_t const key = cell + (t / 16) * 16 * dim + (d / 2) * 32 + (t % 16) * 2 + d % 2;
+          std::int64_t const value =
+            cell + block * dim + (d / 16) * 16 * block + (t / 2) * 32 + (d % 16) * 2 + t % 2;
+          REQUIRE(c.key_layout.slot_offset(slot, h, d) == key);
+          // values are addressed from the values' base, block * dim elements after the layer's
+          REQUIRE(c.value_layout.slot_offset(slot, h, d) + block * dim == value);
+          ++touched[static_cast<std::size_t>(key)];
+          ++touched[static_cast<std::size_t>(value)];
+        }
+      }
+    }
+    // every element of every cell is one key or one value, exactly once
+    for (int n : touched) {
+      REQUIRE(n == 1);
+    }
+  }
+  // refused where the tiles do not fit, naming why
+  std::vector<std::uint16_t> memory(2 * 2 * 32 * 2 * 40);
+  std::vector<void*> layers{memory.data()};
+  CHECK_THROWS_WITH(
+    make_vllm_cpu_cache(
+      dtype::bfloat16, layers, {2, 2, 32, 80}, {2 * 32 * 80, 32 * 80, 80, 1}, vllm_cpu_isa::amx),
+    Catch::Contains("multiples of 16"));
+  // token_chunk must divide the block
+  paged_kv_layout l =
+    make_vllm_cpu_cache(
+      dtype::bfloat16, layers, {2, 2, 32, 64}, {2 * 32 * 64, 32 * 64, 64, 1}, vllm_cpu_isa::amx)
+      .key_layout;
+  l.token_chunk = 24;
+  CHECK_THROWS_WITH(l.validate("amx key"), Catch::Contains("token_chunk 24 must be 0"));
+  CHECK(std::string{to_string(vllm_cpu_isa::amx)} == "amx");
 }
 
 TEST_CASE("the generic factory checks that the key and value layouts agree", "[cache]")

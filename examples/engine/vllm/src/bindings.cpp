@@ -352,14 +352,23 @@ class cache_handle {
   cache_handle(std::vector<std::uintptr_t> const& layers,
                std::vector<std::int64_t> const& shape,
                std::vector<std::int64_t> const& strides,
-               std::string const& dtype_name)
+               std::string const& dtype_name,
+               std::string const& isa)
   {
     std::vector<void*> bases;
     for (auto p : layers) {
       bases.push_back(as_pointer(p));
     }
-    cache_ = make_vllm_cpu_cache(parse_dtype(dtype_name), bases, to_array<4>(shape, "shape"),
-                                 to_array<4>(strides, "strides"));
+    if (isa != "vec" && isa != "amx") {
+      throw std::invalid_argument(
+        "VllmCpuCache: vLLM's CPU attention ISA '" + isa +
+        "' lays its cache out in a way InferScale does not describe (supported: vec, amx)");
+    }
+    cache_ = make_vllm_cpu_cache(parse_dtype(dtype_name),
+                                 bases,
+                                 to_array<4>(shape, "shape"),
+                                 to_array<4>(strides, "strides"),
+                                 isa == "amx" ? vllm_cpu_isa::amx : vllm_cpu_isa::vec);
   }
   paged_kv_cache const& get() const { return cache_; }
 
@@ -751,9 +760,18 @@ NB_MODULE(_inferscale, m)
     .def_prop_ro("rows", &rotation_handle::rows);
 
   nb::class_<cache_handle>(m, "VllmCpuCache")
-    .def(nb::init<std::vector<std::uintptr_t> const&, std::vector<std::int64_t> const&,
-                  std::vector<std::int64_t> const&, std::string const&>(),
-         nb::arg("layers"), nb::arg("shape"), nb::arg("strides"), nb::arg("dtype"))
+    .def(nb::init<std::vector<std::uintptr_t> const&,
+                  std::vector<std::int64_t> const&,
+                  std::vector<std::int64_t> const&,
+                  std::string const&,
+                  std::string const&>(),
+         nb::arg("layers"),
+         nb::arg("shape"),
+         nb::arg("strides"),
+         nb::arg("dtype"),
+         nb::arg("isa") = "vec",
+         "vLLM's CPU paged cache; isa: the kernels vLLM's CPU attention picked for the layers "
+         "(cpu_attn._get_attn_isa: 'vec' or 'amx'; others are refused), which decide the layout.")
     .def_prop_ro("num_slots", [](cache_handle const& c) { return c.get().num_slots(); })
     .def_prop_ro("block_size", [](cache_handle const& c) { return c.get().key_layout.block_size; })
     .def_prop_ro("num_layers", [](cache_handle const& c) { return c.get().num_layers; })

@@ -34,7 +34,7 @@ inline bool strides_disjoint(stride_dimension* dims,
                              std::int64_t element_bytes,
                              std::int64_t* reach)
 {
-  // Insertion sort: at most six dimensions.
+  // Insertion sort: at most seven dimensions.
   for (int i = 1; i < count; ++i) {
     for (int j = i; j > 0 && dims[j].stride < dims[j - 1].stride; --j) {
       stride_dimension const t = dims[j];
@@ -73,11 +73,12 @@ inline bool interleaved_blocks_disjoint(Layout const& a,
     return false;
   }
   auto const inner_span = [element_bytes](Layout const& l) -> std::int64_t {
-    stride_dimension dims[5];
+    stride_dimension dims[6];
     l.dimensions(element_bytes, dims);
-    stride_dimension inner[3] = {dims[1], dims[3], dims[4]};  // tokens, dims, chunks
+    // tokens, dims, dim chunks, token chunks
+    stride_dimension inner[4] = {dims[1], dims[3], dims[4], dims[5]};
     std::int64_t reach        = 0;
-    return strides_disjoint(inner, 3, element_bytes, &reach) ? reach + 1 : -1;
+    return strides_disjoint(inner, 4, element_bytes, &reach) ? reach + 1 : -1;
   };
   std::int64_t const na = inner_span(a);
   std::int64_t const nb = inner_span(b);

@@ -393,7 +393,8 @@ bool inject_vectorizable(kv_store_ref const& store,
   std::uintptr_t const align = static_cast<std::uintptr_t>(run) * sizeof(CacheT);
   auto const layout_ok       = [&](paged_kv_layout const& l) {
     return l.dim_stride == 1 && l.dim_chunk % run == 0 && l.block_stride % run == 0 &&
-           l.token_stride % run == 0 && l.head_stride % run == 0 && l.chunk_stride % run == 0;
+           l.token_stride % run == 0 && l.head_stride % run == 0 && l.chunk_stride % run == 0 &&
+           l.token_chunk_stride % run == 0;
   };
   if (!layout_ok(cache.key_layout) || !layout_ok(cache.value_layout)) { return false; }
   for (std::int32_t l = 0; l < cache.num_layers; ++l) {

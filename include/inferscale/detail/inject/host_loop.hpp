@@ -184,7 +184,8 @@ INFERSCALE_FORCEINLINE void inject_host_typed(kv_store_ref const& store,
 /// right after token t (vLLM's CPU keys, `[head_dim, block_size]` per block and head).
 inline bool keys_token_major(paged_kv_layout const& layout)
 {
-  return layout.token_stride == 1 && layout.dim_chunk == layout.head_dim && layout.block_size > 1;
+  return layout.token_stride == 1 && layout.token_chunk == 0 &&
+         layout.dim_chunk == layout.head_dim && layout.block_size > 1;
 }
 
 #if INFERSCALE_HOST_X86_SIMD

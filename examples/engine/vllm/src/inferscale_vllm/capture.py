@@ -111,12 +111,14 @@ class CaptureWorkerExtension:
         import torch
 
         from . import _inferscale
-        from .tensors import vllm_cpu_cache
+        from .tensors import vllm_cpu_cache, vllm_cpu_isa
 
         modules = _attention_modules(self.model_runner.model)
         caches = {a.attn.layer_name: c for a, c in zip(modules, self.model_runner.kv_caches)}
         names = [a.attn.layer_name for a in modules]
-        cache = vllm_cpu_cache(caches, names)
+        first = caches[names[0]]
+        # read in the layout vLLM's kernels wrote (its ISA for the cache's dtype)
+        cache = vllm_cpu_cache(caches, names, vllm_cpu_isa(first.dtype, first))
         table = modules[0].rotary_emb.cos_sin_cache.float().contiguous()
         dim = cache.head_dim
         rotation = _inferscale.Rotation(table.data_ptr(), table.shape[0], table.stride(0), dim,

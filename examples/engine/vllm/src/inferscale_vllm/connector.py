@@ -299,7 +299,9 @@ class InferScaleConnector(KVConnectorBase_V1):
             raise ValueError(f"inferscale: pipeline stage {pp_rank}/{pp} got the KV caches of "
                              f"layers [{first_layer}, {first_layer + num_layers}), vLLM assigns "
                              f"it layers [{start}, {end})")
-        self._device, self._cache = kv_cache_descriptor(kv_caches, names)
+        self._device, self._cache = kv_cache_descriptor(
+            kv_caches, names, self._vllm_config.model_config.dtype,
+            self._vllm_config.cache_config.cache_dtype)
         self._kv_caches = kv_caches  # keep the tensors alive with the descriptor
         tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
         heads = self._model["num_kv_heads"]

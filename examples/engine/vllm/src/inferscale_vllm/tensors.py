@@ -12,11 +12,13 @@ def as_tensor_arg(t) -> "_inferscale.Tensor":
     return _inferscale.Tensor(t.data_ptr(), list(t.shape), list(t.stride()), str(t.dtype))
 
 
-def vllm_cpu_cache(kv_caches: dict, layer_names: list[str]) -> "_inferscale.VllmCpuCache":
+def vllm_cpu_cache(kv_caches: dict, layer_names: list[str],
+                   isa: str = "vec") -> "_inferscale.VllmCpuCache":
     """The descriptor of vLLM's CPU paged cache from `register_kv_caches`' tensors, in layer order.
 
     Every layer's tensor must have one shape, strides and dtype:
-    `[num_blocks, num_kv_heads, block_size, 2 * head_size]`.
+    `[num_blocks, num_kv_heads, block_size, 2 * head_size]`. `isa`: the kernels vLLM's CPU
+    attention uses for these layers (`vllm_cpu_isa`), which decide how each cell is laid out.
     """
     tensors = [kv_caches[n] for n in layer_names]
     first = tensors[0]
@@ -29,7 +31,26 @@ def vllm_cpu_cache(kv_caches: dict, layer_names: list[str]) -> "_inferscale.Vllm
         if t.device.type != "cpu":
             raise ValueError(f"inferscale_vllm: layer {n} is on {t.device}; this is the CPU path")
     return _inferscale.VllmCpuCache([t.data_ptr() for t in tensors], list(first.shape),
-                                    list(first.stride()), str(first.dtype))
+                                    list(first.stride()), str(first.dtype), isa)
+
+
+def vllm_cpu_isa(model_dtype, cache_tensor, kv_cache_dtype: str = "auto") -> str:
+    """The kernels ("ISA") vLLM's CPU attention picks for a layer whose cache is `cache_tensor`
+    (`[num_blocks, num_kv_heads, block_size, 2 * head_size]`), asked of vLLM itself
+    (`cpu_attn._get_attn_isa`, what its metadata builder sets on the layers): "amx" for bfloat16 on
+    a CPU with AMX tiles, "vec" on other x86 CPUs, "vec16" for head sizes not a multiple of 32, ...
+    Only "vec" and "amx" are described by the library (`make_vllm_cpu_cache`); a ValueError names
+    any other, before anything is injected."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    block_size, head_size = int(cache_tensor.shape[2]), int(cache_tensor.shape[3]) // 2
+    isa = _get_attn_isa(model_dtype, block_size, head_size, kv_cache_dtype)
+    if isa not in ("vec", "amx"):
+        raise ValueError(
+            f"inferscale: vLLM's CPU attention uses its '{isa}' kernels here (dtype {model_dtype}, "
+            f"block size {block_size}, head size {head_size}), whose cache layout InferScaleConnector "
+            f"does not describe (supported: 'vec', 'amx')")
+    return isa
 
 
 def _one_layout(kv_caches: dict, layer_names: list[str]):
@@ -69,10 +90,14 @@ def vllm_gpu_cache(kv_caches: dict, layer_names: list[str]) -> "_inferscale.Vllm
                                           list(first.stride()), str(first.dtype))
 
 
-def kv_cache_descriptor(kv_caches: dict, layer_names: list[str]):
+def kv_cache_descriptor(kv_caches: dict, layer_names: list[str], model_dtype=None,
+                        kv_cache_dtype: str = "auto"):
     """(on_device, descriptor): the device path's VllmFlashAttnCache when vLLM's caches are CUDA
-    tensors, else the host path's VllmCpuCache."""
+    tensors, else the host path's VllmCpuCache in the layout of the ISA vLLM picks for the model's
+    dtype (`vllm_cpu_isa`; the caches' dtype when `model_dtype` is None)."""
     _, first = _one_layout(kv_caches, layer_names)
     if first.device.type == "cuda":
         return True, vllm_gpu_cache(kv_caches, layer_names)
-    return False, vllm_cpu_cache(kv_caches, layer_names)
+    isa = vllm_cpu_isa(model_dtype if model_dtype is not None else first.dtype, first,
+                       kv_cache_dtype)
+    return False, vllm_cpu_cache(kv_caches, layer_names, isa)

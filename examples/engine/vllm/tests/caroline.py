@@ -60,6 +60,11 @@ def joint_memory(llm, directory, users, **store_args):
     prefix = mem.store.token_ids(mem.manifest["prefix"])
     kv = capture(llm, prefix + ids)
     c = len(prefix)
+    # Theorem 3's case is one forward of prefix + facts, so the prefix's K/V come from it too:
+    # set_prefix's forward of the prefix alone need not give the same bits (on an Intel Xeon with
+    # AMX, vLLM's 18-token forward differs from this 205-token one in the last bits of every layer
+    # but the first; on an AMD EPYC they were equal: bench/results/2026-12-05-vllm-amx.md).
+    mem.set_prefix(SYSTEM, prefix, kv["k"][:, :c], kv["v"][:, :c])
     facts = {u: mem.add_fact(u, text, ids, kv["k"][:, c:], kv["v"][:, c:]) for u in users}
     mem.commit()
     return mem, tok, facts, kv

@@ -7,6 +7,7 @@
  */
 #pragma once
 
+#include <inferscale/detail/index/parallel.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/index.hpp>

@@ -14,6 +14,12 @@ not, and how many leading tokens agree.
              is vLLM's prefill of the same text. In vLLM a shift needs preceding tokens, so this
              mixes relocation (exact in real arithmetic) with the filler the memory never saw
              (the cross-fact attention independent encoding lacks, issue 30).
+  recompute  the 12 facts encoded apart, each behind the prefix (shared-prefix encoding, issue
+             30), injected with the segment's last R% of tokens left to vLLM's prefill (suffix
+             recompute, recompute_tokens: what a connector allows); in the facts' own order and
+             with the fact that answers the question last (where retrieval's "best_last" puts
+             it); per R the answers identical to vLLM's prefill, the tokens loaded and the TTFT
+             (median of 3 single-token generations)
 Usage:
   eval "$(bash .ci/vllm --print)"
   PYTHONPATH=build/ci/examples/engine/vllm/python "$INFERSCALE_VLLM_PYTHON" bench/vllm/fidelity_vllm.py \
@@ -56,6 +62,59 @@ def locomo_text(path, tokens, tok):
     raise SystemExit(f"fidelity_vllm: {path} holds fewer than {tokens} tokens of turns")
 
 
+# the fact (index into FACTS) that answers each of QUESTIONS
+ANSWERED_BY = [0, 2, 3, 5, 6, 7, 8, 11]
+
+
+def recompute_curve(llm, mem, tok, apart, percents, answer):
+    import statistics
+    import time
+
+    from vllm import SamplingParams
+
+    def ttft(prompt, extra):
+        times = []
+        for _ in range(3):
+            llm.reset_prefix_cache()
+            t = time.perf_counter()
+            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1,
+                                                  extra_args=extra), use_tqdm=False)
+            times.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(times)
+
+    assert len(ANSWERED_BY) == len(QUESTIONS)
+    out = {}
+    for order in ("facts' order", "answer last"):
+        rows = {p: [] for p in percents}
+        for i, q in enumerate(QUESTIONS):
+            facts = list(apart)
+            if order == "answer last":
+                facts.append(facts.pop(ANSWERED_BY[i]))
+            base = mem.request("caroline", facts, query_tokens(tok, q))
+            ids = base["prompt"]["prompt_token_ids"]
+            llm.reset_prefix_cache()
+            plain, _ = answer({"prompt_token_ids": ids, "cache_salt": f"plain-rc-{i}"})
+            for p in percents:
+                r = mem.request("caroline", facts, query_tokens(tok, q),
+                                recompute_tokens=round(base["memory_tokens"] * p / 100))
+                llm.reset_prefix_cache()
+                injected, cached = answer(r["prompt"], r["extra_args"])
+                rows[p].append({"identical": injected == plain,
+                                "agree": agreement(injected, plain), "loaded": cached,
+                                "memory_tokens": r["memory_tokens"],
+                                "ttft_ms": ttft(r["prompt"], r["extra_args"]) if i < 2 else None})
+        for p in percents:
+            rr = rows[p]
+            t = [x["ttft_ms"] for x in rr if x["ttft_ms"] is not None]
+            print(f"recompute {p:5.1f}% ({order}): identical on "
+                  f"{sum(x['identical'] for x in rr)} of {len(rr)}; leading tokens agreeing "
+                  f"{[x['agree'] for x in rr]}; loaded {min(x['loaded'] for x in rr)}-"
+                  f"{max(x['loaded'] for x in rr)} of {rr[0]['memory_tokens']} memory tokens; "
+                  f"TTFT {statistics.median(t):.0f} ms (median, 2 questions x 3)", flush=True)
+        out[order] = {str(p): rows[p] for p in percents}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=os.environ.get("INFERSCALE_SMOLLM2_HF"))
@@ -63,6 +122,9 @@ def main():
         "INFERSCALE_LOCOMO", os.path.join(HERE, "..", "..", "..", "shared", "data", "locomo",
                                           "locomo10.json")))
     ap.add_argument("--shifts", default="16,200", help="filler lengths in tokens (at least: whole turns)")
+    ap.add_argument("--recompute", default="0,10,25,50,100",
+                    help="suffix recompute points, percent of the memory segment")
+    ap.add_argument("--block-size", type=int, default=128, help="vLLM's KV block size")
     ap.add_argument("--json")
     a = ap.parse_args()
     if not a.model or not os.path.isfile(os.path.join(a.model, "config.json")):
@@ -77,7 +139,7 @@ def main():
     from inferscale_vllm.memory import MemoryStore, load_store
 
     directory = tempfile.mkdtemp(prefix="inferscale-fidelity-")
-    llm = make_llm(a.model, directory)
+    llm = make_llm(a.model, directory, block_size=a.block_size)
     tok = llm.get_tokenizer()
     mem = MemoryStore.create(directory, model=model_description(llm), num_pages=2048)
     prefix = tok.encode(SYSTEM, add_special_tokens=False)
@@ -92,6 +154,9 @@ def main():
         text = locomo_text(a.locomo, d, tok)
         ids = tok.encode(text, add_special_tokens=False)
         fillers[len(ids)] = add_fact(mem, llm, "caroline", text, ids, context=prefix)
+    apart = [add_fact(mem, llm, "caroline", f"- {f}\n",
+                      tok.encode(f"- {f}\n", add_special_tokens=False), context=prefix)
+             for f in FACTS]
     mem.commit()
 
     def answer(prompt, extra=None):
@@ -129,6 +194,8 @@ def main():
     for d, fid in fillers.items():
         results["relocate"][d] = compare(mem, [fid, joint],
                                          f"relocated by {d} tokens (behind a filler)")
+    results["recompute"] = recompute_curve(
+        llm, mem, tok, apart, [float(x) for x in a.recompute.split(",")], answer)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

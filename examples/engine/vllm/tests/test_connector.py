@@ -82,7 +82,7 @@ def assert_theorem3(setup, memory):
     for q in QUESTIONS:
         r = memory.request("caroline", [setup["joint"]], query_tokens(tok, q))
         m = r["memory_tokens"]
-        usable = m  # the whole segment, its last block partly (the query fills the rest)
+        usable = m // 128 * 128  # the segment's whole blocks (vLLM prefills its tail + query)
         assert m % 128 != 0 and m > 128, "the segment must end inside a block, after the first"
         plain, plain_cached = run(setup, {"prompt_token_ids": r["prompt"]["prompt_token_ids"]})
         injected, cached = run(setup, r["prompt"], r["extra_args"])
@@ -160,8 +160,34 @@ def test_injected_blocks_are_never_a_plain_text_prefix_hit(setup):
     assert again >= 128
 
 
+def test_suffix_recompute_loads_the_whole_blocks_before_it(setup):
+    """recompute_tokens = r: the connector loads the whole blocks of the segment's first m - r
+    tokens and vLLM prefills the rest in context; with the joint memory (Theorem 3's case) the
+    answer is vLLM's prefill's at every r. The salt differs from the r = 0 request's (blocks vLLM
+    computed are not blocks injected), and an r outside [0, m] is refused by the client."""
+    mem, tok = setup["mem"], setup["tok"]
+    q = query_tokens(tok, "What instrument does Caroline play?")
+    base = mem.request("caroline", [setup["joint"]], q)
+    m = base["memory_tokens"]
+    assert m > 128
+    plain, _ = run(setup, {"prompt_token_ids": base["prompt"]["prompt_token_ids"],
+                           "cache_salt": "plain-recompute"})
+    for r in (m - 128, m - 127, m):
+        req = mem.request("caroline", [setup["joint"]], q, recompute_tokens=r)
+        assert req["prompt"]["prompt_token_ids"] == base["prompt"]["prompt_token_ids"]
+        assert req["prompt"]["cache_salt"] != base["prompt"]["cache_salt"]
+        assert setup["llm"].reset_prefix_cache()
+        out, cached = run(setup, req["prompt"], req["extra_args"])
+        assert cached == (m - r) // 128 * 128, f"recompute {r} of {m}: {cached} tokens loaded"
+        assert out == plain, f"recompute {r}: {tok.decode(out)!r} vs {tok.decode(plain)!r}"
+    for bad in (-1, m + 1, 2.0, True):
+        with pytest.raises(ValueError, match="recompute_tokens"):
+            mem.request("caroline", [setup["joint"]], q, recompute_tokens=bad)
+
+
 @pytest.mark.parametrize("fault", ["unknown user", "unknown fact", "wrong salt",
-                                   "prompt differs", "no salt"])
+                                   "prompt differs", "no salt", "recompute beyond the segment",
+                                   "recompute not an int"])
 def test_refused_requests_are_prefilled_and_answer_as_plain_text(setup, fault):
     mem, tok = setup["mem"], setup["tok"]
     q = query_tokens(tok, "What is the name of Caroline's cat?")
@@ -181,6 +207,10 @@ def test_refused_requests_are_prefilled_and_answer_as_plain_text(setup, fault):
         prompt["prompt_token_ids"] = ids
     elif fault == "no salt":
         del prompt["cache_salt"]
+    elif fault == "recompute beyond the segment":
+        p["recompute_tokens"] = r["memory_tokens"] + 1
+    elif fault == "recompute not an int":
+        p["recompute_tokens"] = "16"
     plain, _ = run(setup, {"prompt_token_ids": prompt["prompt_token_ids"],
                            "cache_salt": "plain-" + fault})
     # Nothing cached: whatever vLLM reports as cached now came from the connector.

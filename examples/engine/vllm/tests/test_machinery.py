@@ -95,16 +95,16 @@ def preemptions(setup) -> float:
 
 def test_chunked_prefill_with_memory_equals_chunked_prefill(setup):
     """The memory segment spans several prefill chunks and so does the query after it: the
-    injected run loads the whole segment (its last block partly), vLLM computes the rest chunk
-    by chunk from inside that block, and the
+    injected run loads the segment's whole blocks, vLLM computes the rest (the segment's tail,
+    then the query) chunk by chunk, and the
     greedy tokens equal vLLM's own (chunked) prefill of the same prompt."""
     llm, mem, tok, sched = setup["llm"], setup["mem"], setup["tok"], setup["sched"]
     for i, q in enumerate(["What should I keep in mind about her diet?",
                            "Which city should we travel to, and why?"]):
         r = mem.request("ana", [setup["facts"]["ana"]], query_tokens(tok, LONG + q))
         m, n = r["memory_tokens"], len(r["prompt"]["prompt_token_ids"])
-        usable = m
-        assert m > CHUNK and n - m > CHUNK and m % BLOCK != 0, (m, n)
+        usable = m // BLOCK * BLOCK
+        assert usable >= BLOCK and n - m > CHUNK and m % BLOCK != 0, (m, n)
         sp = params(setup, 24, r["extra_args"])
         assert llm.reset_prefix_cache()
         want, plain_cached = run(setup, plain(r), params(setup, 24))
@@ -157,7 +157,7 @@ def test_preempted_memory_requests_recompute_to_greedy_answers(setup):
         assert llm.reset_prefix_cache()
         alone.append(run(setup, r["prompt"], params(setup, gen, r["extra_args"], True)))
     for (_, cached), r in zip(alone, reqs):
-        assert cached == r["memory_tokens"], (cached, r["memory_tokens"])
+        assert cached == r["memory_tokens"] // BLOCK * BLOCK > 0, (cached, r["memory_tokens"])
     assert llm.reset_prefix_cache()
     before, loads = preemptions(setup), dict(setup["connector"].counters)
     outs = llm.generate([r["prompt"] for r in reqs],

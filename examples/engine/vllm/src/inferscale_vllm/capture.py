@@ -77,7 +77,11 @@ class CaptureWorkerExtension:
         return len(modules)
 
     def inferscale_capture_end(self, path: str) -> tuple:
+        """Writes this rank's rows to ``path`` (TP = 1) or ``path.tp<rank>.npz`` (its KV heads,
+        ``[rank * h, (rank + 1) * h)``, under tensor parallelism); returns (the file, rank, TP)."""
         import torch
+        from vllm.distributed import (get_tensor_model_parallel_rank,
+                                      get_tensor_model_parallel_world_size)
 
         for h in getattr(self, "_inferscale_hooks", []):
             h.remove()
@@ -98,10 +102,13 @@ class CaptureWorkerExtension:
             rs.append(torch.cat(rotated, 0).float().reshape(-1, heads, head_dim).numpy())
         slots = torch.cat(self._inferscale_slots).numpy().astype(np.int64)
         self._inferscale_slots = []
+        tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        if tp > 1:
+            path = f"{path}.tp{rank}.npz"
         # [layers, tokens, heads, head_dim] each, float32 (exact for a bf16 model); slots [tokens]
         np.savez(path, k=np.stack(ks), v=np.stack(vs), k_rotated=np.stack(rs), slots=slots,
                  dtype=str(keys[0].dtype))
-        return tuple(np.stack(ks).shape)
+        return path, rank, tp
 
     def inferscale_extract(self, slots: list, first_position: int, path: str) -> tuple:
         """Capture by extraction: reads the tokens at `slots` (positions first_position ..) back

@@ -7,14 +7,13 @@ Enable with (nothing else in vLLM changes):
         "kv_connector_extra_config": {"memory_dir": "/path/to/memory"}}'
 
 A request asks for memory through ``kv_transfer_params = {"inferscale": {"user", "facts",
-"generation", "memory_tokens"}}`` with a prompt that starts with the memory segment (prefix + the
+"generation", "memory_tokens"[, "recompute_tokens"]}}`` with a prompt that starts with the memory segment (prefix + the
 facts' tokens) and carries the memory's ``cache_salt`` — ``MemoryStore.request`` builds all three.
 
 Scheduler side (one instance, in the engine core): checks the request against the memory (user,
 facts, the prompt's leading tokens equal the composed segment, the salt, the model), and offers
-vLLM the whole segment, its last block partly filled (vLLM 0.32's scheduler takes a connector's
-tokens at any count; at least one prompt token is always left to compute; under tensor
-parallelism only whole blocks, see __init__). Anything
+vLLM the segment's whole blocks (vLLM prefills the rest of the segment with the query; see
+get_num_new_matched_tokens for why a partly filled last block is never offered). Anything
 wrong is logged once with the reason and the request is prefilled normally (0 tokens offered).
 Worker side (one per rank): holds its shard of the store (its KV heads under tensor parallelism),
 and before the forward writes each admitted request's tokens into the blocks vLLM allocated,
@@ -143,10 +142,6 @@ class InferScaleConnector(KVConnectorBase_V1):
                            "\"recompute\"", policy)
         self._directory = directory
         self._block_size = vllm_config.cache_config.block_size
-        # Under tensor parallelism a partly loaded last block gave a wrong answer (test_tp.py:
-        # "cello" became "guitar" on one question at TP = 3 while TP = 1 matched vLLM's prefill
-        # on every question); not understood yet, so only whole blocks are offered there.
-        self._whole_blocks_only = vllm_config.parallel_config.tensor_parallel_size > 1
         model = vllm_config.model_config
         self._model = {
             # the whole model's layers (get_num_layers would give one pipeline stage's)
@@ -185,7 +180,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         return None
 
     def _plan(self, request):
-        """(facts in layout order, memory tokens) or a refusal reason (str)."""
+        """(facts in layout order, memory tokens, tokens to recompute) or a refusal reason
+        (str)."""
         params = (request.kv_transfer_params or {}).get("inferscale")
         if not isinstance(params, dict):
             return "kv_transfer_params.inferscale is not a dict"
@@ -216,11 +212,16 @@ class InferScaleConnector(KVConnectorBase_V1):
             return "the prompt does not start with the composed memory segment"
         if params.get("memory_tokens") != len(tokens):
             return f"memory_tokens {params.get('memory_tokens')} != the segment's {len(tokens)}"
-        salt = cache_salt(user, facts, params.get("generation"))
+        recompute = params.get("recompute_tokens", 0)
+        if (isinstance(recompute, bool) or not isinstance(recompute, int)
+                or not 0 <= recompute <= len(tokens)):
+            return (f"recompute_tokens {recompute!r} is not an int in [0, {len(tokens)}] (the "
+                    "segment's tokens)")
+        salt = cache_salt(user, facts, params.get("generation"), recompute)
         if getattr(request, "cache_salt", None) != salt:
             return ("the request's cache_salt is not the memory's (blocks filled from memory "
                     "must not be shared with plain-text requests)")
-        return order, len(tokens)
+        return order, len(tokens), recompute
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         if not (request.kv_transfer_params or {}).get("inferscale"):
@@ -232,12 +233,17 @@ class InferScaleConnector(KVConnectorBase_V1):
                                plan)
                 self._refused[request.request_id] = plan
             return 0, False
-        order, m = plan
-        # Every memory token, the last block partly (vLLM computes the prompt's remaining tokens
-        # into the rest of it), and at least one prompt token left for vLLM to compute.
-        usable = min(m, request.num_prompt_tokens - 1)
-        if self._whole_blocks_only:
-            usable = usable // self._block_size * self._block_size
+        order, m, recompute = plan
+        # The segment's whole blocks only, and at least one prompt token left for vLLM to compute.
+        # vLLM's own prefix cache only ever hands back whole blocks, and its CPU attention over a
+        # context that ends inside a block is not bit for bit its cold prefill: with the injected
+        # bytes equal to vLLM's own writes, a partly loaded last block changed 2 of 8 greedy
+        # answers on an Intel Xeon with AMX kernels (and 1 of 3 at TP = 3 on an AMD EPYC), whole
+        # blocks 0 of 8 (bench/results/2026-12-05-vllm-amx.md). The cost: vLLM prefills up to
+        # block_size - 1 memory tokens with the query. A request's recompute_tokens (suffix
+        # recompute, MemoryStore.request) are left to vLLM's prefill as well.
+        usable = min(m - recompute, request.num_prompt_tokens - 1)
+        usable = usable // self._block_size * self._block_size
         user = request.kv_transfer_params["inferscale"]["user"]
         self._plans[request.request_id] = (order, m, num_computed_tokens, user)
         return max(0, usable - num_computed_tokens), False

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 
@@ -14,22 +15,39 @@ import numpy as np
 def capture(llm, token_ids: list[int]) -> dict:
     """Pre-RoPE keys, values and the rotated keys vLLM wrote, of every token of `token_ids` run as
     one prompt from position 0: arrays ``[layers, tokens, kv_heads, head_dim]`` (float32; the
-    whole model's heads, from tensor-parallel rank 0's view when TP = 1), and ``slots``, the
-    cache slots vLLM wrote them to."""
+    whole model's heads: under tensor parallelism each rank's heads, put side by side in rank
+    order, as that engine computed them), and ``slots``, the cache slots vLLM wrote them to.
+    Pipeline parallelism is refused (each stage holds only its layers): encode with PP = 1."""
     from vllm import SamplingParams
 
+    parallel = llm.llm_engine.vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError(f"inferscale: capture needs every layer in one stage; this engine has "
+                         f"pipeline_parallel_size = {parallel.pipeline_parallel_size}")
     llm.collective_rpc("inferscale_capture_begin")
-    path = os.path.join(tempfile.mkdtemp(prefix="inferscale-capture-"), "kv.npz")
+    directory = tempfile.mkdtemp(prefix="inferscale-capture-")
     try:
-        # A unique salt: the prefix cache must not hand back blocks (the forward must run).
-        llm.generate([{"prompt_token_ids": list(token_ids), "cache_salt": uuid.uuid4().hex}],
-                     SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        path = os.path.join(directory, "kv.npz")
+        try:
+            # A unique salt: the prefix cache must not hand back blocks (the forward must run).
+            llm.generate([{"prompt_token_ids": list(token_ids), "cache_salt": uuid.uuid4().hex}],
+                         SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        finally:
+            written = llm.collective_rpc("inferscale_capture_end", args=(path,))
+        ranks = sorted(written, key=lambda w: w[1])
+        if [w[1] for w in ranks] != list(range(len(ranks))) or any(w[2] != len(ranks)
+                                                                   for w in ranks):
+            raise RuntimeError(f"inferscale: capture got files from ranks {written}")
+        parts = []
+        for file, _, _ in ranks:
+            with np.load(file) as z:
+                parts.append({k: z[k] for k in ("k", "v", "k_rotated", "slots")})
     finally:
-        llm.collective_rpc("inferscale_capture_end", args=(path,))
-    with np.load(path) as z:
-        out = {k: z[k] for k in ("k", "v", "k_rotated", "slots")}
-    os.remove(path)
-    os.rmdir(os.path.dirname(path))
+        shutil.rmtree(directory, ignore_errors=True)
+    out = {k: np.concatenate([p[k] for p in parts], axis=2) for k in ("k", "v", "k_rotated")}
+    if any(not np.array_equal(p["slots"], parts[0]["slots"]) for p in parts):
+        raise RuntimeError("inferscale: the tensor-parallel ranks wrote different slots")
+    out["slots"] = parts[0]["slots"]
     n = len(token_ids)
     if out["k"].shape[1] != n:
         raise RuntimeError(f"inferscale: captured {out['k'].shape[1]} tokens for a prompt of {n}")

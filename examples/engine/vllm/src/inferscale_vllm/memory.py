@@ -47,11 +47,14 @@ def _tensor(a: np.ndarray) -> Tensor:
     return Tensor(a.ctypes.data, list(a.shape), [s // 4 for s in a.strides], "float32"), a
 
 
-def cache_salt(user: str, facts: list[int], generation: int) -> str:
+def cache_salt(user: str, facts: list[int], generation: int, recompute_tokens: int = 0) -> str:
     """The prefix-cache salt of a memory request: vLLM hashes it into the first block, so blocks
-    filled from memory are shared only by requests with the same user, facts and generation, and
-    never with a request whose text merely starts with the same tokens."""
+    filled from memory are shared only by requests with the same user, facts, generation and
+    recompute setting (a block vLLM computed in context is not one injected), and never with a
+    request whose text merely starts with the same tokens."""
     key = f"inferscale/1/{user}/{generation}/{','.join(str(f) for f in facts)}"
+    if recompute_tokens:
+        key += f"/recompute={recompute_tokens}"
     return "inferscale-" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -321,34 +324,51 @@ class MemoryStore:
 
     # -- the client helper ----------------------------------------------------------------------
     def request_for_query(self, user: str, query: str, query_token_ids: list[int], k: int, *,
-                          order: str = "best_last") -> dict:
+                          order: str = "best_last", recompute_tokens: int = 0) -> dict:
         """``request`` for the user's k facts retrieved for the query text: the same dict, plus
         "retrieved" (the ids, best first). ``order`` lays them out: "best_last" (the most
-        relevant fact next to the query, as the library's memory facade does) or "best_first"."""
+        relevant fact next to the query, as the library's memory facade does; with
+        ``recompute_tokens`` the facts vLLM recomputes in context are the most relevant) or
+        "best_first"."""
         if order not in ("best_last", "best_first"):
             raise ValueError(f"MemoryStore.request_for_query: order is 'best_last' or "
                              f"'best_first', got {order!r}")
         retrieved = self.retrieve(user, query, k)
         r = self.request(user, retrieved[::-1] if order == "best_last" else retrieved,
-                         query_token_ids)
+                         query_token_ids, recompute_tokens=recompute_tokens)
         r["retrieved"] = retrieved
         return r
 
-    def request(self, user: str, facts: list[int], query_token_ids: list[int]) -> dict:
+    def request(self, user: str, facts: list[int], query_token_ids: list[int], *,
+                recompute_tokens: int = 0) -> dict:
         """What to pass vLLM for a question answered with memory: the prompt (memory segment +
         query tokens, with the memory's prefix-cache salt) and the kv_transfer_params naming the
         user and the facts. Use as ``llm.generate(r["prompt"], SamplingParams(..., extra_args=
-        r["extra_args"]))``. The same prompt without the extra_args is the re-prefill baseline."""
+        r["extra_args"]))``. The same prompt without the extra_args is the re-prefill baseline.
+
+        ``recompute_tokens``: the segment's last tokens that vLLM prefills in context instead of
+        loading them (suffix recompute, the form of issue 30's recompute a KV connector allows:
+        it can only hand vLLM a prefix of the prompt). Those tokens see every fact before them,
+        so the facts at the end (the most relevant, with ``request_for_query``'s "best_last")
+        regain the cross-fact attention independent encoding lacks; the connector loads the
+        segment's whole blocks before them."""
         owned = set(self.manifest["users"].get(user, []))
         for f in facts:
             if f not in owned:
                 raise ValueError(f"MemoryStore.request: fact {f} is not one of {user}'s facts")
         order = ([self.manifest["prefix"]] if self.manifest["prefix"] is not None else []) + list(facts)
         memory = self.store.composed_tokens(order)
+        if (isinstance(recompute_tokens, bool) or not isinstance(recompute_tokens, int)
+                or not 0 <= recompute_tokens <= len(memory)):
+            raise ValueError(f"MemoryStore.request: recompute_tokens must be an int in [0, "
+                             f"{len(memory)}] (the segment's tokens), got {recompute_tokens!r}")
         params = {"user": user, "facts": list(facts), "generation": self.generation,
                   "memory_tokens": len(memory)}
+        if recompute_tokens:
+            params["recompute_tokens"] = recompute_tokens
         return {"prompt": {"prompt_token_ids": list(memory) + list(query_token_ids),
-                           "cache_salt": cache_salt(user, facts, self.generation)},
+                           "cache_salt": cache_salt(user, facts, self.generation,
+                                                    recompute_tokens)},
                 "extra_args": {"kv_transfer_params": {"inferscale": params}},
                 "memory_tokens": len(memory)}
 

@@ -133,6 +133,9 @@ class kv_store {
       cuda_pool_ = device_buffer<unsigned char>(bytes, nullptr, config_.resource);
       // Zeroed like the host pool, so snapshots of either are repeatable and equal.
       INFERSCALE_CUDA_TRY(cudaMemset(cuda_pool_.data(), 0, std::max<std::size_t>(bytes, 1)));
+      // The zeroing runs on the legacy default stream: wait for it (not the device), so a later
+      // insert on a non-blocking stream cannot be overtaken by it.
+      INFERSCALE_CUDA_TRY(cudaStreamSynchronize(cudaStream_t{}));
       ref_.pool = cuda_pool_.data();
     } else if (config_.pinned) {
       cuda_pool_ = device_buffer<unsigned char>(

@@ -133,6 +133,9 @@ class kv_store {
       cuda_pool_ = device_buffer<unsigned char>(bytes, nullptr, config_.resource);
       // Zeroed like the host pool, so snapshots of either are repeatable and equal.
       INFERSCALE_CUDA_TRY(cudaMemset(cuda_pool_.data(), 0, std::max<std::size_t>(bytes, 1)));
+      // The zeroing runs on the legacy default stream: wait for it (not the device), so a later
+      // insert on a non-blocking stream cannot be overtaken by it.
+      INFERSCALE_CUDA_TRY(cudaStreamSynchronize(cudaStream_t{}));
       ref_.pool = cuda_pool_.data();
     } else if (config_.pinned) {
       cuda_pool_ = device_buffer<unsigned char>(
@@ -254,7 +257,24 @@ class kv_store {
    *  - host views (`views_space == host`): any strides, element type float, half_t or bfloat16_t
    *    (converted to the store dtype);
    *  - device views: element type equal to the store dtype and each token's `[heads, head_dim]`
-   *    contiguous (`strides[2] == head_dim`, `strides[3] == 1`); copied with cudaMemcpy2D.
+   *    contiguous (`strides[2] == head_dim`, `strides[3] == 1`); copied with cudaMemcpy2DAsync.
+   *
+   * Device stores are written on `stream` (stream-ordered; the device is never synchronised):
+   *  - host views are converted into one page-locked staging buffer for the whole fact, copied
+   *    with one cudaMemcpyAsync per page on `stream`, and `stream` is waited for
+   *    (cudaStreamSynchronize) so the staging buffer outlives the copies: the fact is in the pool
+   *    when insert returns, for work on any stream;
+   *  - device views are copied device to device (cudaMemcpy2DAsync, and cudaMemsetAsync for the
+   *    unused rows of the last page) on `stream` and **not waited for**: work enqueued later on
+   *    `stream` sees the fact; work on any other stream must be ordered after it by the caller
+   *    (an event recorded on `stream`, or a cudaStreamSynchronize). The views must stay valid
+   *    until the copies have run. With the default `stream` (the legacy default stream, 0) that
+   *    means: blocking streams are ordered after it by the legacy stream's implicit
+   *    synchronisation, streams created with cudaStreamNonBlocking (and per-thread default
+   *    streams) are not, and the host must synchronise before reading the pool itself.
+   * The finiteness check of device views reads them on `stream` (after the work already enqueued
+   * there, e.g. the forward that produced them) and waits for that read. A host store ignores
+   * `stream`.
    *
    * @throw logic_error if the id is already present, the views' shape matches neither the model nor
    *        the shard, keys and values disagree, `token_ids.size()` differs from the views' tokens,
@@ -266,7 +286,10 @@ class kv_store {
    * @note Non-finite KV is refused as the index refuses non-finite embeddings: a NaN or an
    *       infinity stored here would be injected into every request that retrieves the fact and
    *       poison the engine's attention. Device views are copied to the host once for this check.
-   * @note Waits for the copies to complete.
+   * @note Synchronisation: host views: waits for `stream` (not the device); device views: waits
+   *       only for the finiteness check's read, the copies into the pool are left in flight on
+   *       `stream` (see above).
+   * @param stream the stream the device pool is written on (default: the legacy default stream)
    */
   template <class T>
   void insert(std::uint64_t fact_id,
@@ -274,7 +297,8 @@ class kv_store {
               std::vector<std::int32_t> token_ids,
               fact_kv_view<T const> keys,
               fact_kv_view<T const> values,
-              memory_space views_space = memory_space::host)
+              memory_space views_space = memory_space::host,
+              cudaStream_t stream      = cudaStream_t{})
   {
     static_assert(
       std::is_same_v<T, float> || std::is_same_v<T, half_t> || std::is_same_v<T, bfloat16_t>,
@@ -331,17 +355,19 @@ class kv_store {
                        "kv_store::insert: fact " + std::to_string(fact_id) + " needs " +
                          detail::count_of(pages_needed, "page") + ", " +
                          std::to_string(free_pages()) + " free (capacity exhausted)");
-    check_finite(fact_id, keys, values, layer_offset, head_offset, views_space);
+    check_finite(fact_id, keys, values, layer_offset, head_offset, views_space, stream);
 
     // Everything checked: take pages, write, then record.
     fact_record record{fact_id, namespace_id, std::move(token_ids), take_pages(pages_needed)};
     try {
       if (views_space == memory_space::device) {
-        copy_from_device(record, keys, values, layer_offset, head_offset);
+        copy_from_device(record, keys, values, layer_offset, head_offset, stream);
       } else {
-        copy_from_host(record, keys, values, layer_offset, head_offset);
+        copy_from_host(record, keys, values, layer_offset, head_offset, stream);
       }
     } catch (...) {
+      // Copies enqueued before the failure must not land in pages handed out again.
+      if (config_.space == memory_space::device) { (void)cudaStreamSynchronize(stream); }
       return_pages(record.pages);
       throw;
     }
@@ -555,21 +581,27 @@ class kv_store {
                     fact_kv_view<T const> values,
                     std::int32_t layer_offset,
                     std::int32_t head_offset,
-                    memory_space views_space) const;
+                    memory_space views_space,
+                    cudaStream_t stream) const;
 
+  /// Host views: in place (host pool), or staged in one pinned buffer and copied on `stream`,
+  /// then `stream` waited for (device pool).
   template <class T>
   void copy_from_host(fact_record const& record,
                       fact_kv_view<T const> keys,
                       fact_kv_view<T const> values,
                       std::int32_t layer_offset,
-                      std::int32_t head_offset);
+                      std::int32_t head_offset,
+                      cudaStream_t stream);
 
+  /// Device views: enqueued on `stream`, not waited for.
   template <class T>
   void copy_from_device(fact_record const& record,
                         fact_kv_view<T const> keys,
                         fact_kv_view<T const> values,
                         std::int32_t layer_offset,
-                        std::int32_t head_offset);
+                        std::int32_t head_offset,
+                        cudaStream_t stream);
 
   void swap(kv_store& other) noexcept
   {

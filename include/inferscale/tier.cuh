@@ -28,7 +28,9 @@ namespace inferscale {
  * `workspace` on `stream`; one all-layer launch for the tokens of resident facts; then per layer
  * `l` a wait on the copy event of layer `l` and a one-layer launch for the staged tokens.
  * Work enqueued on `stream` afterwards sees every staged fact (its copies are ordered before the
- * last launch); work on another stream must wait on an event recorded on `stream`.
+ * last launch); work on another stream must wait on an event recorded on `stream`. Last, the
+ * tier's compute-stream event is recorded on `stream` (tiered_store::mark_injected), which
+ * tiered_store::evict waits for before it frees the pages.
  *
  * @throw logic_error as the checked inject_async, or if the request is stale (nothing is
  *        enqueued then); cuda_error on a CUDA failure.
@@ -71,6 +73,7 @@ void inject_tiered_async(tiered_store& tiers,
   std::int64_t const staged = split.num_tokens() - split.resident;
   if (staged == 0) {
     workspace.mark_used(stream);
+    tiers.mark_injected(stream.get());  // evict() waits for this, not for the device
     return;
   }
   injection_batch_view const tail{all.store_token + split.resident,
@@ -84,6 +87,7 @@ void inject_tiered_async(tiered_store& tiers,
                  l == 0 ? workspace.device_errors() : nullptr, stream);
   }
   workspace.mark_used(stream);
+  tiers.mark_injected(stream.get());  // evict() waits for this, not for the device
 }
 
 }  // namespace inferscale

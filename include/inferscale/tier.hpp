@@ -273,7 +273,11 @@ class tiered_store {
    * @throw logic_error if the id is present, the views are refused by kv_store::insert, or a
    *        tier has too few free pages (device placement never evicts: call admit or evict);
    *        nothing is changed then.
-   * @note Waits for the copies (as kv_store::insert).
+   * @param stream the stream the device tier is written on (kv_store::insert: host views are
+   *        staged through pinned memory, copied on `stream`, and `stream`, not the device, is
+   *        waited for); default: the legacy default stream
+   * @note Waits for the copies (as kv_store::insert with host views): the fact is in both tiers
+   *       on return.
    */
   template <class T>
   void insert(std::uint64_t id,
@@ -281,7 +285,8 @@ class tiered_store {
               std::vector<std::int32_t> token_ids,
               fact_kv_view<T const> keys,
               fact_kv_view<T const> values,
-              fact_residency placement = fact_residency::host);
+              fact_residency placement = fact_residency::host,
+              cudaStream_t stream      = cudaStream_t{});
 
   /// @brief Removes a fact from both tiers, zeroing its pages. @throw logic_error if unknown.
   /// @note Not for the request path: on the device the zeroing is a cudaMemset on the default
@@ -306,8 +311,12 @@ class tiered_store {
   /**
    * @brief Drops the device copy of a fact held in both tiers.
    * @throw logic_error if unknown, pinned, or held on the device only (demote it first).
-   * @note Not for the request path: waits for the device first, so no injection still reads the
-   *       pages.
+   * @note Not for the request path: first waits (on the host) for the tier's events, not the
+   *       whole device: the last staging's copies and the last inject_tiered_async (mark_injected),
+   *       so no injection enqueued through them still reads the pages. Injections the caller
+   *       enqueued by other means against device_tier() (a plain inject_async, or
+   *       injection_batch::run) are not tracked: the caller orders them before evict (a
+   *       cudaStreamSynchronize of their stream, or mark_injected on it).
    */
   void evict(std::uint64_t id);
 
@@ -355,6 +364,14 @@ class tiered_store {
 
   /// @brief The event recorded when layer `l` of the last staging had landed (device tiers).
   cudaEvent_t layer_ready(std::int32_t l) const noexcept;
+
+  /**
+   * @brief Device tiers: records the tier's compute-stream event on `compute_stream`, marking
+   * the end of injections enqueued there that read the device tier (inject_tiered_async calls it
+   * after its last launch). evict() waits for this event, not for the device. Host tiers: nothing.
+   * @throw cuda_error if recording fails.
+   */
+  void mark_injected(cudaStream_t compute_stream);
 
   /// @brief Host tiers: copies layer `l` of the request's runs (memcpy).
   void copy_layer_host(tier_request const& r, std::int32_t l);
@@ -441,6 +458,7 @@ class tiered_store {
   /// Copies a just-admitted request synchronously (pin()).
   void stage_now(tier_request& r);
 
+  /// Waits for the tier's device work (its events), not the device: see evict().
   void wait_device();
 
   /// Device tiers: one event per layer and the compute-stream mark (none for host tiers).

@@ -2,7 +2,8 @@
 // views and from device views (contiguous, and with padded token rows) equal the same inserts into
 // a host store byte for byte, and read back (through read_pool() of store_pool.hpp, written from
 // the documented layout [num_pages][layers][2][page_size][heads][head_dim]) as the input bits;
-// refused calls leave the device pool unchanged. Reported skipped by CTest where no GPU is visible.
+// refused calls leave the device pool unchanged; an insert on a non-blocking stream is ordered on
+// that stream alone. Reported skipped by CTest where no GPU is visible.
 #include "counting_resource.hpp"
 #include "device_memory.hpp"
 #include "store_pool.hpp"
@@ -19,6 +20,7 @@
 #include <cstring>
 #include <random>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 using namespace inferscale;
@@ -440,4 +442,73 @@ TEST_CASE("a device pool comes from the configured memory resource and goes back
   REQUIRE(resource.deallocations.size() == 1);
   REQUIRE(resource.deallocations[0].pointer == resource.allocations[0].pointer);
   INFERSCALE_CUDA_TRY(cudaDeviceSynchronize());  // the stream-ordered free completes
+}
+
+// Stream-ordered inserts (store.hpp, insert's `stream`): on a non-blocking stream, with every
+// step enqueued on that stream only and no device-wide synchronisation, the pool read back on the
+// stream holds each fact's input bits. The device views are produced on the stream without a
+// wait (the finiteness check must read them after that), and overwritten on the stream right
+// after the insert (the copies into the pool must have been ordered before that).
+TEST_CASE("an insert on a non-default stream is ordered on that stream", "[gpu][store][stream]")
+{
+  inferscale_test::cuda_stream stream;
+  cudaStream_t const s = stream.get();
+  dtype const t        = dtype::bfloat16;
+  pool_shape const shape{3, 4, 8, 3, t};
+  kv_store device{make_config(t, memory_space::device, shard{0, 0, 0, 0})};
+  kv_store host{make_config(t, memory_space::host, shard{0, 0, 0, 0})};
+
+  // 1. Device views (padded token rows, 7 tokens: the last page holds 1 of 3 rows).
+  auto const f1 = make_input<bfloat16_t>(3, 7, 4, 8, 2, 11);
+  device_buffer<bfloat16_t> d1(f1.buffer.size());
+  INFERSCALE_CUDA_TRY(cudaMemcpyAsync(
+    d1.data(), f1.buffer.data(), f1.buffer.size() * sizeof(bfloat16_t), cudaMemcpyHostToDevice, s));
+  device.insert(
+    1, 0, token_ids_for(1, 7), f1.keys(d1.data()), f1.values(d1.data()), memory_space::device, s);
+  // The source is overwritten on the same stream after the insert: not what the pool holds.
+  INFERSCALE_CUDA_TRY(cudaMemsetAsync(d1.data(), 0x7f, d1.bytes(), s));
+  host.insert(1, 0, token_ids_for(1, 7), f1.keys(f1.buffer.data()), f1.values(f1.buffer.data()));
+
+  // 2. Host views of the store dtype on the same stream (staged through pinned memory), 5 tokens.
+  auto const f2 = make_input<bfloat16_t>(3, 5, 4, 8, 1, 12);
+  device.insert(2,
+                0,
+                token_ids_for(2, 5),
+                f2.keys(f2.buffer.data()),
+                f2.values(f2.buffer.data()),
+                memory_space::host,
+                s);
+  host.insert(2, 0, token_ids_for(2, 5), f2.keys(f2.buffer.data()), f2.values(f2.buffer.data()));
+
+  // Read back on the stream only, then wait for that stream.
+  std::vector<unsigned char> pool(device.pool_bytes());
+  INFERSCALE_CUDA_TRY(
+    cudaMemcpyAsync(pool.data(), device.ref().pool, pool.size(), cudaMemcpyDeviceToHost, s));
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(s));
+
+  for (auto const& [id, in] : {std::pair<std::uint64_t, kv_input<bfloat16_t> const*>{1, &f1},
+                               std::pair<std::uint64_t, kv_input<bfloat16_t> const*>{2, &f2}}) {
+    CAPTURE(id);
+    auto const& pages       = device.at(id).pages;
+    std::int64_t mismatches = 0;
+    for (int kv = 0; kv < 2; ++kv) {
+      for (std::int64_t l = 0; l < 3; ++l) {
+        for (std::int64_t tok = 0; tok < in->tokens; ++tok) {
+          for (std::int64_t h = 0; h < 4; ++h) {
+            for (std::int64_t e = 0; e < 8; ++e) {
+              if (read_pool(pool, shape, pages, l, kv, tok, h, e) !=
+                  bits_of_element(in->at(kv, l, tok, h, e))) {
+                ++mismatches;
+              }
+            }
+          }
+        }
+      }
+    }
+    REQUIRE(mismatches == 0);
+  }
+  // The whole pool, unused rows of last pages included (zeroed), equals the host store's.
+  REQUIRE(device.at(1).pages == host.at(1).pages);
+  REQUIRE(device.at(2).pages == host.at(2).pages);
+  REQUIRE(pool == host.pool_to_host());
 }

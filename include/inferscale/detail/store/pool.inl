@@ -1,8 +1,8 @@
 /**
  * @file detail/store/pool.inl
  * @brief Definitions for store.hpp: the pool's host and device buffers — writing a fact's K/V
- * into its pages from host or device views (after the finiteness check) and copying the whole
- * pool back to host memory.
+ * into its pages from host or device views (after the finiteness check), stream-ordered on the
+ * caller's stream for a device pool, and copying the whole pool back to host memory.
  */
 #pragma once
 
@@ -80,7 +80,8 @@ void kv_store::check_finite(std::uint64_t fact_id,
                             fact_kv_view<T const> values,
                             std::int32_t layer_offset,
                             std::int32_t head_offset,
-                            memory_space views_space) const
+                            memory_space views_space,
+                            cudaStream_t stream) const
 {
   dispatch_dtype(config_.store_dtype, [&](auto tag) {
     using S = typename decltype(tag)::type;
@@ -96,13 +97,17 @@ void kv_store::check_finite(std::uint64_t fact_id,
         for (std::int32_t kv = 0; kv < 2; ++kv) {
           auto const& src = kv == 0 ? keys : values;
           if (device) {  // each token's [heads, head_dim] is contiguous (checked by insert)
-            INFERSCALE_CUDA_TRY(cudaMemcpy2D(staging.data(),
-                                             static_cast<std::size_t>(row) * sizeof(T),
-                                             &src(l + layer_offset, 0, head_offset, 0),
-                                             static_cast<std::size_t>(src.stride(1)) * sizeof(T),
-                                             static_cast<std::size_t>(row) * sizeof(T),
-                                             static_cast<std::size_t>(tokens),
-                                             cudaMemcpyDeviceToHost));
+            // On the caller's stream, so the read follows the work that produced the views.
+            INFERSCALE_CUDA_TRY(
+              cudaMemcpy2DAsync(staging.data(),
+                                static_cast<std::size_t>(row) * sizeof(T),
+                                &src(l + layer_offset, 0, head_offset, 0),
+                                static_cast<std::size_t>(src.stride(1)) * sizeof(T),
+                                static_cast<std::size_t>(row) * sizeof(T),
+                                static_cast<std::size_t>(tokens),
+                                cudaMemcpyDeviceToHost,
+                                stream));
+            INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream));
           }
           for (std::int64_t t = 0; t < tokens; ++t) {
             for (std::int32_t h = 0; h < heads; ++h) {
@@ -137,22 +142,30 @@ void kv_store::copy_from_host(fact_record const& record,
                               fact_kv_view<T const> keys,
                               fact_kv_view<T const> values,
                               std::int32_t layer_offset,
-                              std::int32_t head_offset)
+                              std::int32_t head_offset,
+                              cudaStream_t stream)
 {
   dispatch_dtype(config_.store_dtype, [&](auto tag) {
     using S = typename decltype(tag)::type;
     if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
                   std::is_same_v<S, bfloat16_t>) {
-      std::int64_t const row = ref_.row_elements();
-      std::int32_t const ps  = config_.page_size;
-      std::int32_t const d   = config_.model.head_dim;
-      // Host store: write pages in place. Device store: pack one page at a time, then copy.
-      std::vector<S> staging(
-        config_.space == memory_space::device ? static_cast<std::size_t>(page_elements()) : 0);
-      for (std::size_t p = 0; p < record.pages.size(); ++p) {
-        S* const page = config_.space == memory_space::device
-                          ? staging.data()
-                          : static_cast<S*>(ref_.pool) + record.pages[p] * page_elements();
+      std::int64_t const row    = ref_.row_elements();
+      std::int32_t const ps     = config_.page_size;
+      std::int32_t const d      = config_.model.head_dim;
+      std::int64_t const pe     = page_elements();
+      bool const device         = config_.space == memory_space::device;
+      std::size_t const n_pages = record.pages.size();
+      // Host store: write pages in place. Device store: pack the whole fact into one page-locked
+      // buffer (so the copies are truly asynchronous), then one copy per page on `stream`.
+      device_buffer<S> staging;
+      if (device) {
+        staging = device_buffer<S>(n_pages * static_cast<std::size_t>(pe),
+                                   cudaStream_t{},
+                                   pinned_host_resource());
+      }
+      for (std::size_t p = 0; p < n_pages; ++p) {
+        S* const page = device ? staging.data() + p * static_cast<std::size_t>(pe)
+                               : static_cast<S*>(ref_.pool) + record.pages[p] * pe;
         for (std::int32_t l = 0; l < config_.num_layers; ++l) {
           for (std::int32_t kv = 0; kv < 2; ++kv) {
             auto const& src = kv == 0 ? keys : values;
@@ -172,17 +185,23 @@ void kv_store::copy_from_host(fact_record const& record,
             }
           }
         }
-        if (config_.space == memory_space::device) {
-          INFERSCALE_CUDA_TRY(
-            cudaMemcpy(static_cast<S*>(ref_.pool) + record.pages[p] * page_elements(),
-                       staging.data(),
-                       staging.size() * sizeof(S),
-                       cudaMemcpyHostToDevice));
-        }
       }
-      // A pageable host-to-device cudaMemcpy may return before the data lands: wait, so work
-      // enqueued next on any stream sees the fact (and the staging buffer may be reused).
-      if (config_.space == memory_space::device) { INFERSCALE_CUDA_TRY(cudaDeviceSynchronize()); }
+      if (!device) { return; }
+      try {
+        for (std::size_t p = 0; p < n_pages; ++p) {
+          INFERSCALE_CUDA_TRY(cudaMemcpyAsync(static_cast<S*>(ref_.pool) + record.pages[p] * pe,
+                                              staging.data() + p * static_cast<std::size_t>(pe),
+                                              static_cast<std::size_t>(pe) * sizeof(S),
+                                              cudaMemcpyHostToDevice,
+                                              stream));
+        }
+        // The staging buffer is freed on return: wait for `stream` (not the device), which also
+        // makes the fact visible to work enqueued next on any stream.
+        INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream));
+      } catch (...) {
+        (void)cudaStreamSynchronize(stream);  // copies already enqueued still read the buffer
+        throw;
+      }
     }
   });
 }
@@ -192,7 +211,8 @@ void kv_store::copy_from_device(fact_record const& record,
                                 fact_kv_view<T const> keys,
                                 fact_kv_view<T const> values,
                                 std::int32_t layer_offset,
-                                std::int32_t head_offset)
+                                std::int32_t head_offset,
+                                cudaStream_t stream)
 {
   std::int64_t const row = ref_.row_elements();
   std::int32_t const ps  = config_.page_size;
@@ -204,21 +224,22 @@ void kv_store::copy_from_device(fact_record const& record,
         auto const& src = kv == 0 ? keys : values;
         T* const dst = static_cast<T*>(ref_.pool) + ref_.row_offset(record.pages[p] * ps, l, kv);
         T const* const from = &src(l + layer_offset, first, head_offset, 0);
-        INFERSCALE_CUDA_TRY(cudaMemcpy2D(dst,
-                                         static_cast<std::size_t>(row) * sizeof(T),
-                                         from,
-                                         static_cast<std::size_t>(src.stride(1)) * sizeof(T),
-                                         static_cast<std::size_t>(row) * sizeof(T),
-                                         static_cast<std::size_t>(n),
-                                         cudaMemcpyDeviceToDevice));
+        INFERSCALE_CUDA_TRY(cudaMemcpy2DAsync(dst,
+                                              static_cast<std::size_t>(row) * sizeof(T),
+                                              from,
+                                              static_cast<std::size_t>(src.stride(1)) * sizeof(T),
+                                              static_cast<std::size_t>(row) * sizeof(T),
+                                              static_cast<std::size_t>(n),
+                                              cudaMemcpyDeviceToDevice,
+                                              stream));
         if (n < ps) {  // zero the unused rows, as the host path does
-          INFERSCALE_CUDA_TRY(
-            cudaMemset(dst + n * row, 0, static_cast<std::size_t>((ps - n) * row) * sizeof(T)));
+          INFERSCALE_CUDA_TRY(cudaMemsetAsync(
+            dst + n * row, 0, static_cast<std::size_t>((ps - n) * row) * sizeof(T), stream));
         }
       }
     }
   }
-  INFERSCALE_CUDA_TRY(cudaDeviceSynchronize());
+  // Not waited for: the caller orders later work after `stream` (store.hpp, insert).
 }
 
 }  // namespace inferscale

@@ -55,7 +55,8 @@ void tiered_store::insert(std::uint64_t id,
                           std::vector<std::int32_t> token_ids,
                           fact_kv_view<T const> keys,
                           fact_kv_view<T const> values,
-                          fact_residency placement)
+                          fact_residency placement,
+                          cudaStream_t stream)
 {
   INFERSCALE_EXPECTS(!contains(id),
                      "tiered_store::insert: fact id " + std::to_string(id) + " already stored");
@@ -78,7 +79,13 @@ void tiered_store::insert(std::uint64_t id,
   if (hst) { host_.insert(id, ns, dev ? token_ids : std::move(token_ids), keys, values); }
   if (dev) {
     try {
-      device_.insert(id, ns, hst ? host_.at(id).token_ids : std::move(token_ids), keys, values);
+      device_.insert(id,
+                     ns,
+                     hst ? host_.at(id).token_ids : std::move(token_ids),
+                     keys,
+                     values,
+                     memory_space::host,
+                     stream);
     } catch (...) {
       if (hst) { host_.erase(id); }
       throw;

@@ -2,7 +2,8 @@
  * @file detail/tier/staging.inl
  * @brief Definitions for tier.hpp, staging of host-resident facts into the device tier: copy runs,
  * the host copies (whole runs or per layer), the device copies (one cudaMemcpy2DAsync per layer
- * and run, one event per layer), the batch split for tiered injection, and the events.
+ * and run, one event per layer), the batch split for tiered injection, and the events (which
+ * wait_device synchronises on, instead of the whole device).
  */
 #pragma once
 
@@ -177,11 +178,23 @@ inline void tiered_store::stage_now(tier_request& r)
   r.copies_issued = true;
 }
 
+inline void tiered_store::mark_injected(cudaStream_t compute_stream)
+{
+  if (config_.device.space != memory_space::device) { return; }
+  INFERSCALE_CUDA_TRY(cudaEventRecord(compute_mark_, compute_stream));
+}
+
 inline void tiered_store::wait_device()
 {
-  if (config_.device.space == memory_space::device) {
-    INFERSCALE_CUDA_TRY(cudaDeviceSynchronize());
+  if (config_.device.space != memory_space::device) { return; }
+  // The tier's own device work, not the whole device: the last staging's copies (one event per
+  // layer, recorded in order on the copy stream) and the compute-stream mark, recorded by
+  // stage_async and again after the last launch of inject_tiered_async (mark_injected). An
+  // event never recorded completes at once.
+  for (cudaEvent_t e : copy_done_) {
+    if (e) { INFERSCALE_CUDA_TRY(cudaEventSynchronize(e)); }
   }
+  if (compute_mark_) { INFERSCALE_CUDA_TRY(cudaEventSynchronize(compute_mark_)); }
 }
 
 inline void tiered_store::create_events()

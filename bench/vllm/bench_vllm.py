@@ -128,9 +128,8 @@ def main():
             t, _ = timed(llm, {"prompt_token_ids": ids, "cache_salt": f"plain-{k}-{rep}"})
             pre.append(t)
             llm.reset_prefix_cache()
-            # what vLLM prefills after injection: everything after the segment's whole blocks
-            loaded = min(r["memory_tokens"], len(ids) - 1) // a.block_size * a.block_size
-            rest = ids[loaded:]
+            # what vLLM prefilled after injection: everything after the tokens it loaded
+            rest = ids[cached[-1]:]
             t, _ = timed(llm, {"prompt_token_ids": rest, "cache_salt": f"floor-{k}-{rep}"})
             floor.append(t)
         row = {"k": k, "prompt_tokens": len(ids), "memory_tokens": r["memory_tokens"],

@@ -62,8 +62,15 @@ def locomo_text(path, tokens, tok):
     raise SystemExit(f"fidelity_vllm: {path} holds fewer than {tokens} tokens of turns")
 
 
-# the fact (index into FACTS) that answers each of QUESTIONS
+# the fact (index into FACTS) that answers each of QUESTIONS, and the words one of which a right
+# answer names (lower case)
 ANSWERED_BY = [0, 2, 3, 5, 6, 7, 8, 11]
+KEYWORDS = [("lisbon",), ("pixel",), ("marathon",), ("cello",), ("peanut",), ("friend", "paint"),
+            ("southampton",), ("bakery", "baker")]
+
+
+def right(i, text):
+    return any(w in text.lower() for w in KEYWORDS[i])
 
 
 def recompute_curve(llm, mem, tok, apart, percents, answer):
@@ -94,6 +101,7 @@ def recompute_curve(llm, mem, tok, apart, percents, answer):
             ids = base["prompt"]["prompt_token_ids"]
             llm.reset_prefix_cache()
             plain, _ = answer({"prompt_token_ids": ids, "cache_salt": f"plain-rc-{i}"})
+            plain_right = right(i, tok.decode(plain))
             for p in percents:
                 r = mem.request("caroline", facts, query_tokens(tok, q),
                                 recompute_tokens=round(base["memory_tokens"] * p / 100))
@@ -101,6 +109,9 @@ def recompute_curve(llm, mem, tok, apart, percents, answer):
                 injected, cached = answer(r["prompt"], r["extra_args"])
                 rows[p].append({"identical": injected == plain,
                                 "agree": agreement(injected, plain), "loaded": cached,
+                                "answer": tok.decode(injected),
+                                "right": right(i, tok.decode(injected)),
+                                "prefill_right": plain_right,
                                 "memory_tokens": r["memory_tokens"],
                                 "ttft_ms": ttft(r["prompt"], r["extra_args"]) if i < 2 else None})
         for p in percents:
@@ -108,7 +119,8 @@ def recompute_curve(llm, mem, tok, apart, percents, answer):
             t = [x["ttft_ms"] for x in rr if x["ttft_ms"] is not None]
             print(f"recompute {p:5.1f}% ({order}): identical on "
                   f"{sum(x['identical'] for x in rr)} of {len(rr)}; leading tokens agreeing "
-                  f"{[x['agree'] for x in rr]}; loaded {min(x['loaded'] for x in rr)}-"
+                  f"{[x['agree'] for x in rr]}; right answers {sum(x['right'] for x in rr)} "
+                  f"(prefill {sum(x['prefill_right'] for x in rr)}) of {len(rr)}; loaded {min(x['loaded'] for x in rr)}-"
                   f"{max(x['loaded'] for x in rr)} of {rr[0]['memory_tokens']} memory tokens; "
                   f"TTFT {statistics.median(t):.0f} ms (median, 2 questions x 3)", flush=True)
         out[order] = {str(p): rows[p] for p in percents}

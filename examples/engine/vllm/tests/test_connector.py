@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inferscale_vllm import Rotation, Store, Tensor, inject
-from inferscale_vllm.connector import rotation_matching_vllm
+from inferscale_vllm.connector import partial_last_block, rotation_matching_vllm
 from inferscale_vllm.encode import capture
 from inferscale_vllm.memory import MemoryStore
 from inferscale_vllm.tensors import vllm_cpu_cache
@@ -23,7 +23,14 @@ def setup(shared_engine):
 
     s = shared_engine.get()
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN)
-    return dict(s, greedy=greedy, sampling=SamplingParams)
+    return dict(s, greedy=greedy, sampling=SamplingParams,
+                partial=partial_last_block(s["llm"].llm_engine.vllm_config))
+
+
+def loaded(setup, m):
+    """The memory tokens the connector loads of an m-token segment: all of them where it may load
+    the last block partly (partial_last_block), else the whole blocks."""
+    return m if setup["partial"] else m // 128 * 128
 
 
 def run(setup, prompt, extra_args=None):
@@ -82,7 +89,7 @@ def assert_theorem3(setup, memory):
     for q in QUESTIONS:
         r = memory.request("caroline", [setup["joint"]], query_tokens(tok, q))
         m = r["memory_tokens"]
-        usable = m // 128 * 128  # the segment's whole blocks (vLLM prefills its tail + query)
+        usable = loaded(setup, m)
         assert m % 128 != 0 and m > 128, "the segment must end inside a block, after the first"
         plain, plain_cached = run(setup, {"prompt_token_ids": r["prompt"]["prompt_token_ids"]})
         injected, cached = run(setup, r["prompt"], r["extra_args"])
@@ -161,8 +168,9 @@ def test_injected_blocks_are_never_a_plain_text_prefix_hit(setup):
 
 
 def test_suffix_recompute_loads_the_whole_blocks_before_it(setup):
-    """recompute_tokens = r: the connector loads the whole blocks of the segment's first m - r
-    tokens and vLLM prefills the rest in context; with the joint memory (Theorem 3's case) the
+    """recompute_tokens = r: the connector loads the segment's first m - r tokens (their whole
+    blocks where it loads whole blocks only) and vLLM prefills the rest in context; with the joint
+    memory (Theorem 3's case) the
     answer is vLLM's prefill's at every r. The salt differs from the r = 0 request's (blocks vLLM
     computed are not blocks injected), and an r outside [0, m] is refused by the client."""
     mem, tok = setup["mem"], setup["tok"]
@@ -178,11 +186,38 @@ def test_suffix_recompute_loads_the_whole_blocks_before_it(setup):
         assert req["prompt"]["cache_salt"] != base["prompt"]["cache_salt"]
         assert setup["llm"].reset_prefix_cache()
         out, cached = run(setup, req["prompt"], req["extra_args"])
-        assert cached == (m - r) // 128 * 128, f"recompute {r} of {m}: {cached} tokens loaded"
+        assert cached == loaded(setup, m - r), f"recompute {r} of {m}: {cached} tokens loaded"
         assert out == plain, f"recompute {r}: {tok.decode(out)!r} vs {tok.decode(plain)!r}"
     for bad in (-1, m + 1, 2.0, True):
         with pytest.raises(ValueError, match="recompute_tokens"):
             mem.request("caroline", [setup["joint"]], q, recompute_tokens=bad)
+
+
+def test_the_last_block_is_loaded_partly_only_where_measured_exact(setup):
+    """partial_last_block: an explicit true / false wins; "auto" allows a partly loaded last block
+    only for vLLM's CPU "vec" attention kernels at TP = 1 (float32 or a CPU without AMX tiles,
+    block size a multiple of 32), never for "amx" (bfloat16 on AMX), "vec16" (block 16), a TP > 1
+    engine or a GPU; anything else is refused."""
+    from types import SimpleNamespace
+
+    def config(dtype=torch.float32, block=128, tp=1, device="cpu"):
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+            device_config=SimpleNamespace(device_type=device),
+            model_config=SimpleNamespace(dtype=dtype, get_head_size=lambda: 64),
+            cache_config=SimpleNamespace(block_size=block, cache_dtype="auto"))
+
+    assert partial_last_block(config(), "auto") is True
+    assert partial_last_block(config(), False) is False
+    assert partial_last_block(config(tp=3), True) is True
+    assert partial_last_block(config(tp=3)) is False
+    assert partial_last_block(config(device="cuda")) is False
+    assert partial_last_block(config(block=16)) is False  # vec16
+    amx = torch.cpu._is_amx_tile_supported()
+    assert partial_last_block(config(dtype=torch.bfloat16)) is (not amx)
+    assert setup["partial"] is (not amx)  # this engine: bfloat16, block 128, TP = 1, CPU
+    with pytest.raises(ValueError, match="partial_last_block"):
+        partial_last_block(config(), "yes")
 
 
 @pytest.mark.parametrize("fault", ["unknown user", "unknown fact", "wrong salt",

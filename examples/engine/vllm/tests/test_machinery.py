@@ -17,6 +17,7 @@ from caroline import QUESTIONS, joint_memory, query_tokens
 from conftest import InProcessEngine
 
 from inferscale_vllm.engine import make_llm
+from inferscale_vllm.connector import partial_last_block
 
 BLOCK = 128  # vLLM CPU's block size (its default; the fixture checks it)
 CHUNK = 64  # max_num_batched_tokens: no step computes more than this many tokens
@@ -49,7 +50,8 @@ def setup(model_dir, shared_engine):
         mem, tok, facts, _ = joint_memory(llm, directory, USERS)
         print(f"async scheduling: {llm.llm_engine.vllm_config.scheduler_config.async_scheduling}")
         yield {"llm": llm, "tok": tok, "mem": mem, "facts": facts, "sched": sched,
-               "connector": sched.connector, "sampling": SamplingParams}
+               "connector": sched.connector, "sampling": SamplingParams,
+               "partial": partial_last_block(llm.llm_engine.vllm_config)}
     finally:
         engine.close()
 
@@ -65,6 +67,12 @@ def nothing_left_behind(setup):
     assert not any(state.values()), f"the connector still holds state: {state}"
     free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
     assert free == NUM_BLOCKS - 1, f"{NUM_BLOCKS - 1 - free} KV blocks were not given back"
+
+
+def loaded(setup, m):
+    """The memory tokens the connector loads of an m-token segment: all of them where it may load
+    the last block partly (connector.partial_last_block), else the whole blocks."""
+    return m if setup["partial"] else m // BLOCK * BLOCK
 
 
 def params(setup, gen, extra_args=None, ignore_eos=False):
@@ -95,15 +103,15 @@ def preemptions(setup) -> float:
 
 def test_chunked_prefill_with_memory_equals_chunked_prefill(setup):
     """The memory segment spans several prefill chunks and so does the query after it: the
-    injected run loads the segment's whole blocks, vLLM computes the rest (the segment's tail,
-    then the query) chunk by chunk, and the
+    injected run loads the segment (its whole blocks, or its last block partly where the connector
+    may), vLLM computes the rest chunk by chunk, and the
     greedy tokens equal vLLM's own (chunked) prefill of the same prompt."""
     llm, mem, tok, sched = setup["llm"], setup["mem"], setup["tok"], setup["sched"]
     for i, q in enumerate(["What should I keep in mind about her diet?",
                            "Which city should we travel to, and why?"]):
         r = mem.request("ana", [setup["facts"]["ana"]], query_tokens(tok, LONG + q))
         m, n = r["memory_tokens"], len(r["prompt"]["prompt_token_ids"])
-        usable = m // BLOCK * BLOCK
+        usable = loaded(setup, m)
         assert usable >= BLOCK and n - m > CHUNK and m % BLOCK != 0, (m, n)
         sp = params(setup, 24, r["extra_args"])
         assert llm.reset_prefix_cache()
@@ -157,7 +165,7 @@ def test_preempted_memory_requests_recompute_to_greedy_answers(setup):
         assert llm.reset_prefix_cache()
         alone.append(run(setup, r["prompt"], params(setup, gen, r["extra_args"], True)))
     for (_, cached), r in zip(alone, reqs):
-        assert cached == r["memory_tokens"] // BLOCK * BLOCK > 0, (cached, r["memory_tokens"])
+        assert cached == loaded(setup, r["memory_tokens"]) > 0, (cached, r["memory_tokens"])
     assert llm.reset_prefix_cache()
     before, loads = preemptions(setup), dict(setup["connector"].counters)
     outs = llm.generate([r["prompt"] for r in reqs],

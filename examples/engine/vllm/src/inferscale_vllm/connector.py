@@ -12,8 +12,9 @@ facts' tokens) and carries the memory's ``cache_salt`` — ``MemoryStore.request
 
 Scheduler side (one instance, in the engine core): checks the request against the memory (user,
 facts, the prompt's leading tokens equal the composed segment, the salt, the model), and offers
-vLLM the segment's whole blocks (vLLM prefills the rest of the segment with the query; see
-get_num_new_matched_tokens for why a partly filled last block is never offered). Anything
+vLLM the segment (but a request's recompute_tokens): its last block partly where that was
+measured exact (vLLM's CPU ``vec`` kernels at TP = 1), else its whole blocks only
+(``partial_last_block``). Anything
 wrong is logged once with the reason and the request is prefilled normally (0 tokens offered).
 Worker side (one per rank): holds its shard of the store (its KV heads under tensor parallelism),
 and before the forward writes each admitted request's tokens into the blocks vLLM allocated,
@@ -128,6 +129,36 @@ def rank_layers(kv_caches, total_layers: int) -> tuple[int, int]:
     return first, len(layers)
 
 
+def partial_last_block(vllm_config, setting="auto") -> bool:
+    """Whether the connector may load the memory's last block partly (vLLM then prefills the query
+    into the rest of it) or only whole blocks (vLLM prefills the segment's tail with the query: up
+    to block_size - 1 more tokens). ``kv_connector_extra_config.partial_last_block``: true, false
+    or "auto" (the default): partly only where the answers were measured to equal vLLM's prefill
+    bit for bit, vLLM's CPU ``vec`` attention kernels at TP = 1 (8 of 8 greedy answers on an AMD
+    EPYC, every session since 2026-12-04). Its ``amx`` kernels over a context that ends inside a
+    block give other floats than its cold prefill, though the injected bytes equal vLLM's own
+    writes (6 of 8 answers partly, 8 of 8 with whole blocks, on an Intel Xeon:
+    bench/results/2026-12-05-vllm-amx.md); vLLM's own prefix cache only ever hands back whole
+    blocks; tensor parallelism and the GPU path are not measured: whole blocks there."""
+    if setting is True or setting is False:
+        return setting
+    if setting != "auto":
+        raise ValueError(f"InferScaleConnector: kv_connector_extra_config.partial_last_block is "
+                         f"true, false or \"auto\", got {setting!r}")
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        return False
+    if getattr(vllm_config.device_config, "device_type", None) != "cpu":
+        return False
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return False
+    mc = vllm_config.model_config
+    isa = _get_attn_isa(mc.dtype, vllm_config.cache_config.block_size, mc.get_head_size(),
+                        vllm_config.cache_config.cache_dtype)
+    return isa == "vec"
+
+
 class InferScaleConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -142,6 +173,8 @@ class InferScaleConnector(KVConnectorBase_V1):
                            "\"recompute\"", policy)
         self._directory = directory
         self._block_size = vllm_config.cache_config.block_size
+        self._partial_block = partial_last_block(vllm_config, extra.get("partial_last_block",
+                                                                        "auto"))
         model = vllm_config.model_config
         self._model = {
             # the whole model's layers (get_num_layers would give one pipeline stage's)
@@ -234,16 +267,12 @@ class InferScaleConnector(KVConnectorBase_V1):
                 self._refused[request.request_id] = plan
             return 0, False
         order, m, recompute = plan
-        # The segment's whole blocks only, and at least one prompt token left for vLLM to compute.
-        # vLLM's own prefix cache only ever hands back whole blocks, and its CPU attention over a
-        # context that ends inside a block is not bit for bit its cold prefill: with the injected
-        # bytes equal to vLLM's own writes, a partly loaded last block changed 2 of 8 greedy
-        # answers on an Intel Xeon with AMX kernels (and 1 of 3 at TP = 3 on an AMD EPYC), whole
-        # blocks 0 of 8 (bench/results/2026-12-05-vllm-amx.md). The cost: vLLM prefills up to
-        # block_size - 1 memory tokens with the query. A request's recompute_tokens (suffix
-        # recompute, MemoryStore.request) are left to vLLM's prefill as well.
+        # Every memory token but the request's recompute_tokens (suffix recompute,
+        # MemoryStore.request), at least one prompt token left for vLLM to compute, and the last
+        # block partly only where that is exact (partial_last_block): elsewhere whole blocks.
         usable = min(m - recompute, request.num_prompt_tokens - 1)
-        usable = usable // self._block_size * self._block_size
+        if not self._partial_block:
+            usable = usable // self._block_size * self._block_size
         user = request.kv_transfer_params["inferscale"]["user"]
         self._plans[request.request_id] = (order, m, num_computed_tokens, user)
         return max(0, usable - num_computed_tokens), False

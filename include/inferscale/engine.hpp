@@ -179,6 +179,43 @@ inline void check_captured_facts(kv_store const& store,
     }
   });
 }
+
+/**
+ * @brief Refuses the facts when one of their tokens is flagged in `faults` (one flag per captured
+ * token, as the device capture's finiteness check leaves them: detail/capture/block.hpp): a
+ * logic_error naming the first faulty fact, its first faulty token, and every other faulty fact.
+ * Plain host code, so that the host test runs it on flags the check's per-element code computed
+ * on the CPU.
+ * @pre every fact's range is inside `faults` (check_captured_ranges passed)
+ */
+inline void refuse_faulty_facts(dtype store_dtype,
+                                std::vector<captured_fact> const& facts,
+                                std::vector<std::uint32_t> const& faults)
+{
+  std::string first;
+  std::vector<std::uint64_t> others;
+  for (captured_fact const& f : facts) {
+    auto const count = static_cast<std::int64_t>(f.token_ids.size());
+    for (std::int64_t t = 0; t < count; ++t) {
+      if (faults[static_cast<std::size_t>(f.begin + t)] == 0u) { continue; }
+      if (first.empty()) {
+        first = "store_captured_facts: fact " + std::to_string(f.fact_id) +
+                " holds a NaN, an infinity or a value beyond the store dtype " +
+                to_string(store_dtype) + " at token " + std::to_string(t) + " (captured token " +
+                std::to_string(f.begin + t) + ")";
+      } else {
+        others.push_back(f.fact_id);
+      }
+      break;
+    }
+  }
+  std::string also;
+  for (std::size_t i = 0; i < others.size(); ++i) {
+    also += (i == 0 ? (others.size() == 1 ? "; so does fact " : "; so do facts ") : ", ") +
+            std::to_string(others[i]);
+  }
+  INFERSCALE_EXPECTS(first.empty(), first + also + "; none of the facts is stored");
+}
 }  // namespace detail
 
 /**

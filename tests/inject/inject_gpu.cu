@@ -1401,8 +1401,10 @@ TEMPLATE_TEST_CASE(
   REQUIRE_FALSE(fresh.complete(0, 1));
 }
 
-TEST_CASE("the device capture flags tokens whose stored K/V is not finite in the store dtype",
-          "[gpu][engine][capture]")
+TEST_CASE(
+  "the device capture refuses facts whose K/V is not finite in the store dtype before storing "
+  "anything",
+  "[gpu][engine][capture]")
 {
   kv_geometry const g = capture_geometry;
   cuda_stream stream;
@@ -1422,13 +1424,32 @@ TEST_CASE("the device capture flags tokens whose stored K/V is not finite in the
     capture.write_values(
       l, 0, make_token_head_view<float const>(l == 0 ? odd.data() : ones.data(), 6, 2, 16), ref);
   }
-  kv_store bf16_store = capture_store(dtype::bfloat16, memory_space::device);
-  store_captured_facts(bf16_store, capture, {{1, 1, 0, token_ids(0, 6)}}, ref);
+  REQUIRE(capture.faulty_tokens(ref).empty());  // no check yet
+
+  // A NaN: refused in any dtype, the store unchanged (no page reserved, no fact recorded).
+  kv_store bf16_store           = capture_store(dtype::bfloat16, memory_space::device);
+  store_state const bf16_before = state_of(bf16_store);
+  std::vector<captured_fact> nan_facts{{1, 1, 0, token_ids(0, 2)}, {2, 1, 4, token_ids(0, 2)}};
+  REQUIRE_THROWS_WITH(
+    store_captured_facts(bf16_store, capture, nan_facts, ref),
+    Catch::Contains("fact 2 holds a NaN") && Catch::Contains("at token 1 (captured token 5)"));
   REQUIRE(capture.faulty_tokens(ref) == std::vector<std::int64_t>{5});
-  kv_store half_store = capture_store(dtype::float16, memory_space::device);
-  store_captured_facts(half_store, capture, {{1, 1, 0, token_ids(0, 3)}}, ref);
-  REQUIRE(capture.faulty_tokens(ref) == std::vector<std::int64_t>{2, 5});  // accumulated
-  REQUIRE(half_store.contains(1));  // stored: the caller erases what covers a flagged token
+  REQUIRE(state_of(bf16_store) == bf16_before);
+  // 1e6 is within bfloat16: the first 5 tokens are stored.
+  store_captured_facts(bf16_store, capture, {{1, 1, 0, token_ids(0, 5)}}, ref);
+  REQUIRE(capture.faulty_tokens(ref).empty());  // the last check's flags
+  REQUIRE(bf16_store.contains(1));
+  REQUIRE(bf16_store.num_facts() == bf16_before.facts + 1);
+
+  // Beyond float16: refused with every faulty token listed, the store unchanged.
+  kv_store half_store           = capture_store(dtype::float16, memory_space::device);
+  store_state const half_before = state_of(half_store);
+  REQUIRE_THROWS_AS(store_captured_facts(half_store, capture, {{1, 1, 0, token_ids(0, 6)}}, ref),
+                    logic_error);
+  REQUIRE(capture.faulty_tokens(ref) == std::vector<std::int64_t>{2, 5});
+  REQUIRE(state_of(half_store) == half_before);
+  store_captured_facts(half_store, capture, {{1, 1, 0, token_ids(0, 2)}, {2, 1, 3, {7}}}, ref);
+  REQUIRE(half_store.num_facts() == half_before.facts + 2);
 }
 
 namespace {

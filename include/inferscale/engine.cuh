@@ -4,10 +4,11 @@
  * where a CPU engine calls the host functions of engine.hpp, with a stream added — storing a
  * capture's facts into a device store (store_captured_facts: from a host kv_capture, or from a
  * device_kv_capture (kv_capture.cuh) converted and scattered on the device, the GPU engine's
- * path) and one request's memory from a device store through a paged-cache adapter whose cache
- * is device memory (inject_memory_async). Stream-ordered: nothing here synchronises the device,
- * and only the device capture's store waits for its stream, once, to refuse a NaN or an infinity
- * before anything is stored.
+ * path; encode_facts runs a device model adapter's forward into one) and one request's memory
+ * from a device store through a paged-cache adapter whose cache is device memory
+ * (inject_memory_async). Stream-ordered: nothing here synchronises the device, and only the
+ * device capture's store (and so its encode_facts) waits for its stream, once, to refuse a NaN or
+ * an infinity before anything is stored.
  */
 #pragma once
 
@@ -296,6 +297,82 @@ inline void store_captured_facts(kv_store& store,
     }
     throw;
   }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The device model adapter
+
+namespace detail {
+template <class, class = void>
+struct is_device_model_adapter : std::false_type {
+};
+template <class M>
+struct is_device_model_adapter<
+  M,
+  std::void_t<decltype(std::declval<M const&>().geometry()),
+              decltype(std::declval<M const&>().rotation()),
+              decltype(std::declval<M&>().encode(std::declval<std::vector<std::int32_t> const&>(),
+                                                 std::int64_t{},
+                                                 std::declval<device_kv_capture&>(),
+                                                 std::declval<cuda::stream_ref>()))>>
+  : std::is_same<decltype(std::declval<M const&>().geometry()), kv_geometry> {
+};
+}  // namespace detail
+
+/**
+ * @brief True when M provides geometry(), rotation() and encode(tokens, p0, device_kv_capture&,
+ * stream): a GPU engine's model adapter, whose hooks write the forward's pre-RoPE K and V into a
+ * device capture on `stream` (is_model_adapter_v, engine.hpp, is the host one's).
+ */
+template <class M>
+inline constexpr bool is_device_model_adapter_v = detail::is_device_model_adapter<M>::value;
+
+/**
+ * @brief Encodes one token sequence through a device model adapter (one forward at positions
+ * `first_position ..`, its hooks writing a device_kv_capture on `stream`) and stores the given
+ * token ranges of it as facts of a device store: the device twin of encode_facts(model, store,
+ * tokens, first_position, facts) (engine.hpp), with the same checks in the same order, the
+ * capture and its store on the device (store_captured_facts with a device capture).
+ *
+ * A device model adapter `M` has geometry() and rotation() as a model adapter (engine.hpp) and
+ *  - `void M::encode(std::vector<std::int32_t> const& tokens, std::int64_t first_position,
+ *    device_kv_capture& out, cuda::stream_ref stream)` — runs one forward over `tokens` and
+ *    enqueues, ordered before work enqueued after it on `stream`, the writes of every layer's
+ *    pre-RoPE K and V of every token to `out` (device_kv_capture::write_keys / write_values).
+ *
+ * @param model          the device model adapter
+ * @param store          a device store; receives the facts (pre-RoPE, any store dtype)
+ * @param tokens         the sequence the forward runs over (e.g. context window + facts)
+ * @param first_position position of `tokens[0]`
+ * @param facts          the ranges to keep; each range's token ids must equal `tokens` there
+ * @param stream         the stream the capture is allocated, written, checked and stored on
+ * @throw logic_error if a range's token ids differ from the encoded tokens or the store is not a
+ *        device store (before the forward runs), or as store_captured_facts (a NaN or an infinity
+ *        included); the store is then unchanged. cuda_error on a CUDA failure; whatever the
+ *        adapter throws.
+ * @note Synchronises `stream` once, as store_captured_facts with a device capture does; the
+ *       capture buffer (`8 * layers * tokens * heads * head_dim` bytes) is allocated and freed on
+ *       `stream` (stream-ordered).
+ */
+template <class ModelAdapter>
+void encode_facts(ModelAdapter& model,
+                  kv_store& store,
+                  std::vector<std::int32_t> const& tokens,
+                  std::int64_t first_position,
+                  std::vector<captured_fact> const& facts,
+                  cuda::stream_ref stream)
+{
+  static_assert(is_device_model_adapter_v<ModelAdapter>,
+                "encode_facts: ModelAdapter needs geometry(), rotation() and "
+                "encode(tokens, first_position, device_kv_capture&, stream) (see engine.cuh)");
+  detail::check_encoded_ranges(tokens, first_position, facts);
+  INFERSCALE_EXPECTS(store.space() == memory_space::device,
+                     std::string{"encode_facts: a device capture is stored into a device store; "
+                                 "this store's pool is in "} +
+                       to_string(store.space()) + " memory (a host store takes a kv_capture)");
+  device_kv_capture capture{model.geometry(), static_cast<std::int64_t>(tokens.size()), stream};
+  model.encode(tokens, first_position, capture, stream);
+  store_captured_facts(store, capture, facts, stream);
 }
 
 /**

@@ -28,7 +28,8 @@
  * device store on a stream: a GPU engine calls the same functions as a CPU engine, with a
  * workspace and a stream added. A GPU engine's hooks fill a
  * device_kv_capture (kv_capture.cuh) from device rows instead of a kv_capture, so its K/V never
- * goes through the host.
+ * goes through the host; encode_facts has a device twin there too (engine.cuh), for a model
+ * adapter whose encode fills a device_kv_capture on a stream.
  *
  * ## How engines map onto the two adapters
  *
@@ -58,6 +59,9 @@
  *  - `void M::encode(std::vector<std::int32_t> const& tokens, std::int64_t first_position,
  *    kv_capture& out)` — runs one forward over `tokens` at positions `first_position ..` in a
  *    scratch sequence and hands every layer's pre-RoPE K and V of every token to `out`.
+ * A GPU engine's model adapter (is_device_model_adapter_v, engine.cuh) has instead, or as well,
+ *  - `void M::encode(tokens, first_position, device_kv_capture& out, cuda::stream_ref stream)` —
+ *    the same forward, its hooks writing `out` on `stream` (encode_facts with a stream).
  *
  * A paged-cache adapter `C`:
  *  - `std::vector<std::int64_t> C::allocate(std::int64_t first_position, std::int64_t tokens)` —
@@ -216,6 +220,31 @@ inline void refuse_faulty_facts(dtype store_dtype,
   }
   INFERSCALE_EXPECTS(first.empty(), first + also + "; none of the facts is stored");
 }
+
+/**
+ * @brief What encode_facts checks before the forward runs: tokens to encode, a non-negative first
+ * position, every fact's range inside the tokens with the encoded token ids there.
+ */
+inline void check_encoded_ranges(std::vector<std::int32_t> const& tokens,
+                                 std::int64_t first_position,
+                                 std::vector<captured_fact> const& facts)
+{
+  INFERSCALE_EXPECTS(!tokens.empty(), std::string{"encode_facts: no tokens to encode"});
+  INFERSCALE_EXPECTS(
+    first_position >= 0,
+    "encode_facts: first position must be non-negative, got " + std::to_string(first_position));
+  for (captured_fact const& f : facts) {
+    auto const n = static_cast<std::int64_t>(f.token_ids.size());
+    INFERSCALE_EXPECTS(
+      f.begin >= 0 && n > 0 && f.begin <= static_cast<std::int64_t>(tokens.size()) - n,
+      "encode_facts: fact " + std::to_string(f.fact_id) + " range [" + std::to_string(f.begin) +
+        ", " + std::to_string(f.begin + n) + ") is outside the " + std::to_string(tokens.size()) +
+        " encoded tokens");
+    INFERSCALE_EXPECTS(std::equal(f.token_ids.begin(), f.token_ids.end(), tokens.begin() + f.begin),
+                       "encode_facts: fact " + std::to_string(f.fact_id) +
+                         "'s token ids differ from the encoded tokens at its range");
+  }
+}
 }  // namespace detail
 
 /**
@@ -291,21 +320,7 @@ void encode_facts(ModelAdapter& model,
   static_assert(is_model_adapter_v<ModelAdapter>,
                 "encode_facts: ModelAdapter needs geometry(), rotation() and "
                 "encode(tokens, first_position, kv_capture&) (see engine.hpp)");
-  INFERSCALE_EXPECTS(!tokens.empty(), std::string{"encode_facts: no tokens to encode"});
-  INFERSCALE_EXPECTS(
-    first_position >= 0,
-    "encode_facts: first position must be non-negative, got " + std::to_string(first_position));
-  for (captured_fact const& f : facts) {
-    auto const n = static_cast<std::int64_t>(f.token_ids.size());
-    INFERSCALE_EXPECTS(
-      f.begin >= 0 && n > 0 && f.begin <= static_cast<std::int64_t>(tokens.size()) - n,
-      "encode_facts: fact " + std::to_string(f.fact_id) + " range [" + std::to_string(f.begin) +
-        ", " + std::to_string(f.begin + n) + ") is outside the " + std::to_string(tokens.size()) +
-        " encoded tokens");
-    INFERSCALE_EXPECTS(std::equal(f.token_ids.begin(), f.token_ids.end(), tokens.begin() + f.begin),
-                       "encode_facts: fact " + std::to_string(f.fact_id) +
-                         "'s token ids differ from the encoded tokens at its range");
-  }
+  detail::check_encoded_ranges(tokens, first_position, facts);
   kv_capture capture{model.geometry(), static_cast<std::int64_t>(tokens.size())};
   model.encode(tokens, first_position, capture);
   store_captured_facts(store, capture, facts);

@@ -28,7 +28,8 @@
  * device store on a stream: a GPU engine calls the same functions as a CPU engine, with a
  * workspace and a stream added. A GPU engine's hooks fill a
  * device_kv_capture (kv_capture.cuh) from device rows instead of a kv_capture, so its K/V never
- * goes through the host.
+ * goes through the host; encode_facts has a device twin there too (engine.cuh), for a model
+ * adapter whose encode fills a device_kv_capture on a stream.
  *
  * ## How engines map onto the two adapters
  *
@@ -58,6 +59,9 @@
  *  - `void M::encode(std::vector<std::int32_t> const& tokens, std::int64_t first_position,
  *    kv_capture& out)` — runs one forward over `tokens` at positions `first_position ..` in a
  *    scratch sequence and hands every layer's pre-RoPE K and V of every token to `out`.
+ * A GPU engine's model adapter (is_device_model_adapter_v, engine.cuh) has instead, or as well,
+ *  - `void M::encode(tokens, first_position, device_kv_capture& out, cuda::stream_ref stream)` —
+ *    the same forward, its hooks writing `out` on `stream` (encode_facts with a stream).
  *
  * A paged-cache adapter `C`:
  *  - `std::vector<std::int64_t> C::allocate(std::int64_t first_position, std::int64_t tokens)` —
@@ -179,6 +183,68 @@ inline void check_captured_facts(kv_store const& store,
     }
   });
 }
+
+/**
+ * @brief Refuses the facts when one of their tokens is flagged in `faults` (one flag per captured
+ * token, as the device capture's finiteness check leaves them: detail/capture/block.hpp): a
+ * logic_error naming the first faulty fact, its first faulty token, and every other faulty fact.
+ * Plain host code, so that the host test runs it on flags the check's per-element code computed
+ * on the CPU.
+ * @pre every fact's range is inside `faults` (check_captured_ranges passed)
+ */
+inline void refuse_faulty_facts(dtype store_dtype,
+                                std::vector<captured_fact> const& facts,
+                                std::vector<std::uint32_t> const& faults)
+{
+  std::string first;
+  std::vector<std::uint64_t> others;
+  for (captured_fact const& f : facts) {
+    auto const count = static_cast<std::int64_t>(f.token_ids.size());
+    for (std::int64_t t = 0; t < count; ++t) {
+      if (faults[static_cast<std::size_t>(f.begin + t)] == 0u) { continue; }
+      if (first.empty()) {
+        first = "store_captured_facts: fact " + std::to_string(f.fact_id) +
+                " holds a NaN, an infinity or a value beyond the store dtype " +
+                to_string(store_dtype) + " at token " + std::to_string(t) + " (captured token " +
+                std::to_string(f.begin + t) + ")";
+      } else {
+        others.push_back(f.fact_id);
+      }
+      break;
+    }
+  }
+  std::string also;
+  for (std::size_t i = 0; i < others.size(); ++i) {
+    also += (i == 0 ? (others.size() == 1 ? "; so does fact " : "; so do facts ") : ", ") +
+            std::to_string(others[i]);
+  }
+  INFERSCALE_EXPECTS(first.empty(), first + also + "; none of the facts is stored");
+}
+
+/**
+ * @brief What encode_facts checks before the forward runs: tokens to encode, a non-negative first
+ * position, every fact's range inside the tokens with the encoded token ids there.
+ */
+inline void check_encoded_ranges(std::vector<std::int32_t> const& tokens,
+                                 std::int64_t first_position,
+                                 std::vector<captured_fact> const& facts)
+{
+  INFERSCALE_EXPECTS(!tokens.empty(), std::string{"encode_facts: no tokens to encode"});
+  INFERSCALE_EXPECTS(
+    first_position >= 0,
+    "encode_facts: first position must be non-negative, got " + std::to_string(first_position));
+  for (captured_fact const& f : facts) {
+    auto const n = static_cast<std::int64_t>(f.token_ids.size());
+    INFERSCALE_EXPECTS(
+      f.begin >= 0 && n > 0 && f.begin <= static_cast<std::int64_t>(tokens.size()) - n,
+      "encode_facts: fact " + std::to_string(f.fact_id) + " range [" + std::to_string(f.begin) +
+        ", " + std::to_string(f.begin + n) + ") is outside the " + std::to_string(tokens.size()) +
+        " encoded tokens");
+    INFERSCALE_EXPECTS(std::equal(f.token_ids.begin(), f.token_ids.end(), tokens.begin() + f.begin),
+                       "encode_facts: fact " + std::to_string(f.fact_id) +
+                         "'s token ids differ from the encoded tokens at its range");
+  }
+}
 }  // namespace detail
 
 /**
@@ -254,21 +320,7 @@ void encode_facts(ModelAdapter& model,
   static_assert(is_model_adapter_v<ModelAdapter>,
                 "encode_facts: ModelAdapter needs geometry(), rotation() and "
                 "encode(tokens, first_position, kv_capture&) (see engine.hpp)");
-  INFERSCALE_EXPECTS(!tokens.empty(), std::string{"encode_facts: no tokens to encode"});
-  INFERSCALE_EXPECTS(
-    first_position >= 0,
-    "encode_facts: first position must be non-negative, got " + std::to_string(first_position));
-  for (captured_fact const& f : facts) {
-    auto const n = static_cast<std::int64_t>(f.token_ids.size());
-    INFERSCALE_EXPECTS(
-      f.begin >= 0 && n > 0 && f.begin <= static_cast<std::int64_t>(tokens.size()) - n,
-      "encode_facts: fact " + std::to_string(f.fact_id) + " range [" + std::to_string(f.begin) +
-        ", " + std::to_string(f.begin + n) + ") is outside the " + std::to_string(tokens.size()) +
-        " encoded tokens");
-    INFERSCALE_EXPECTS(std::equal(f.token_ids.begin(), f.token_ids.end(), tokens.begin() + f.begin),
-                       "encode_facts: fact " + std::to_string(f.fact_id) +
-                         "'s token ids differ from the encoded tokens at its range");
-  }
+  detail::check_encoded_ranges(tokens, first_position, facts);
   kv_capture capture{model.geometry(), static_cast<std::int64_t>(tokens.size())};
   model.encode(tokens, first_position, capture);
   store_captured_facts(store, capture, facts);

@@ -3,8 +3,8 @@
  * @brief The device capture buffer: the device twin of kv_capture (kv_capture.hpp) for a GPU
  * engine, whose K and V are already in device memory. The hooks write rows with stream-ordered
  * kernels (no copy to the host), the written-rows record stays on the host, and
- * store_captured_facts (engine.cuh) converts and scatters the rows into a device store's pages on
- * the device.
+ * store_captured_facts (engine.cuh) checks the facts' rows finite in the store dtype and converts
+ * and scatters them into a device store's pages on the device.
  *
  * Which engines' hooks it serves, and how: every GPU engine whose pre-RoPE K and V a hook sees as
  * device tensors, on the stream the forward runs on —
@@ -22,9 +22,12 @@
  * capture.write_keys(l, 0, make_token_head_view<bfloat16_t const>(k, n, H, D, k_ld, D), stream);
  * capture.write_values(l, 0, make_token_head_view<bfloat16_t const>(v, n, H, D, v_ld, D), stream);
  * ...
- * store_captured_facts(device_store, capture, facts, stream);  // engine.cuh; nothing waits
- * // Optionally, once the stream may be waited on: tokens whose stored K/V is not finite.
- * for (std::int64_t t : capture.faulty_tokens(stream)) { ... erase the facts covering t ... }
+ * // engine.cuh: waits for `stream` once (the finiteness check), then enqueues the scatter.
+ * try {
+ *   store_captured_facts(device_store, capture, facts, stream);
+ * } catch (logic_error const&) {  // e.g. a NaN: nothing stored
+ *   for (std::int64_t t : capture.faulty_tokens(stream)) { ... drop the facts covering t ... }
+ * }
  * @endcode
  */
 #pragma once
@@ -152,10 +155,10 @@ class device_kv_capture {
   fact_kv_view<float const> values() const { return values(0, num_tokens()); }
 
   /**
-   * @brief The fault flags (device memory, one per token, zeroed at construction):
-   * store_captured_facts sets a token's flag when one of its elements stored is NaN or infinite in
-   * the store dtype (captured so, or beyond the dtype's range). The device cannot refuse such a
-   * fact before it is stored, as the host path does; faulty_tokens reads them back.
+   * @brief The fault flags (device memory, one per token, zeroed at construction): the check
+   * store_captured_facts runs before it stores anything zeroes them and sets the flag of each of
+   * the facts' tokens with an element that is NaN or infinite in the store dtype (captured so, or
+   * beyond the dtype's range), then refuses the facts if one is set; faulty_tokens reads them back.
    */
   std::uint32_t* fault_flags() const noexcept
   {
@@ -163,10 +166,14 @@ class device_kv_capture {
   }
 
   /**
-   * @brief The tokens flagged so far by store_captured_facts calls on this buffer, ascending:
-   * a fact covering one of them holds a NaN or an infinity (erase it before it is injected).
+   * @brief The tokens the last finiteness check of store_captured_facts on this buffer found
+   * faulty (among its facts' tokens), ascending: a fact covering one of them holds a NaN or an
+   * infinity and was refused with the others of that call (the exception names the first faulty
+   * token only; this lists all, so that the caller can store the other facts again). Empty after
+   * a call that stored its facts, and before any check (a call refused before its check, by its
+   * ranges, leaves the previous check's flags).
    * @throw cuda_error on a CUDA failure.
-   * @note Waits for `stream` (which must be ordered after the stores to be checked).
+   * @note Waits for `stream` (which must be ordered after the store to be read).
    */
   std::vector<std::int64_t> faulty_tokens(cuda::stream_ref stream) const
   {

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -251,34 +252,62 @@ std::vector<float> emulate_write(T const* src,
   return rows;
 }
 
-/// Stores `facts` of `capture` as store_captured_facts(store, device_kv_capture, ...) does, with
-/// the scatter kernel's every (page, element) run on the CPU over a host store's pool (a host
-/// kv_capture's keys and values have the device buffer's layout).
+/// Runs every element of the device capture's finiteness check on the CPU (what
+/// capture_check_kernel's threads do) over the facts' tokens: one flag per captured token.
 template <class S>
-std::vector<std::uint32_t> emulate_scatter(kv_store& store,
-                                           kv_capture const& capture,
-                                           std::vector<captured_fact> const& facts)
+std::vector<std::uint32_t> emulate_check(kv_capture const& capture,
+                                         std::vector<captured_fact> const& facts)
+{
+  std::vector<detail::capture_token_range> ranges;
+  for (captured_fact const& f : facts) {
+    ranges.push_back({f.begin, static_cast<std::int64_t>(f.token_ids.size())});
+  }
+  std::vector<std::uint32_t> faults(static_cast<std::size_t>(capture.num_tokens()), 0u);
+  detail::capture_check_args const a{capture.keys().data_handle(),
+                                     capture.values().data_handle(),
+                                     capture.num_tokens(),
+                                     capture.geometry().num_layers,
+                                     capture.geometry().elements_per_token_layer(),
+                                     ranges.data(),
+                                     static_cast<std::int64_t>(ranges.size()),
+                                     faults.data()};
+  for (std::int64_t r = 0; r < a.num_ranges; ++r) {
+    for (std::int64_t e = 0; e < detail::capture_check_elements(a, r); ++e) {
+      detail::capture_check_element<S>(a, r, e);
+    }
+  }
+  return faults;
+}
+
+/// Stores `facts` of `capture` as store_captured_facts(store, device_kv_capture, ...) does, with
+/// the check kernel's and the scatter kernel's every element run on the CPU over a host store's
+/// pool (a host kv_capture's keys and values have the device buffer's layout): the ranges
+/// checked, the check's flags refused (refuse_faulty_facts), then the facts reserved and
+/// scattered.
+template <class S>
+void emulate_store(kv_store& store,
+                   kv_capture const& capture,
+                   std::vector<captured_fact> const& facts)
 {
   detail::check_captured_ranges(store, capture, facts);
+  if (facts.empty()) { return; }
+  detail::refuse_faulty_facts(store.store_dtype(), facts, emulate_check<S>(capture, facts));
   std::vector<detail::capture_scatter_page> pages;
   for (captured_fact const& f : facts) {
     detail::append_scatter_pages(
       pages, store.reserve(f.fact_id, f.namespace_id, f.token_ids), f.begin, store.page_size());
   }
-  std::vector<std::uint32_t> faults(static_cast<std::size_t>(capture.num_tokens()), 0u);
   detail::capture_scatter_args const a{store.ref(),
                                        capture.keys().data_handle(),
                                        capture.values().data_handle(),
                                        capture.num_tokens(),
                                        pages.data(),
-                                       static_cast<std::int64_t>(pages.size()),
-                                       faults.data()};
+                                       static_cast<std::int64_t>(pages.size())};
   for (std::int64_t p = 0; p < a.num_pages; ++p) {
     for (std::int64_t e = 0; e < detail::capture_page_elements(a.store); ++e) {
       detail::capture_scatter_element<S>(a, p, e);
     }
   }
-  return faults;
 }
 
 /// A store of `t` whose free pages are out of order and hold stale bytes: facts inserted and
@@ -340,7 +369,8 @@ TEST_CASE("device capture scatter, emulated: the pool equals the host capture's,
     using S = typename decltype(tag_type)::type;
     if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
                   std::is_same_v<S, bfloat16_t>) {
-      faults = emulate_scatter<S>(by_emulate, c, facts);
+      faults = emulate_check<S>(c, facts);
+      emulate_store<S>(by_emulate, c, facts);
     }
   });
   for (captured_fact const& f : facts) {
@@ -365,31 +395,110 @@ TEST_CASE("device capture scatter, emulated: the pool equals the host capture's,
   }
 }
 
-TEST_CASE("device capture scatter, emulated: tokens whose stored K/V is not finite are flagged",
-          "[engine][capture]")
+namespace {
+/// What a refused call must leave as it was: the catalogue, the free pages (count and the order
+/// the next reservation takes them in), the version and the pool's bytes.
+struct store_state {
+  std::int64_t facts;
+  std::int64_t free_pages;
+  std::uint64_t version;
+  std::vector<unsigned char> pool;
+  bool operator==(store_state const& o) const
+  {
+    return facts == o.facts && free_pages == o.free_pages && version == o.version && pool == o.pool;
+  }
+};
+store_state state_of(kv_store const& s)
 {
+  return {s.num_facts(), s.free_pages(), s.version(), s.pool_to_host()};
+}
+}  // namespace
+
+TEST_CASE(
+  "device capture check, emulated: a NaN, an infinity or a value beyond the store dtype in a "
+  "fact's tokens is refused before anything is stored",
+  "[engine][capture]")
+{
+  // 6 tokens of tags; token 2 holds 1e6 in K of layer 1 (beyond float16's 65504, within
+  // bfloat16), token 3 the largest float in V of layer 1 (rounds to +inf in bfloat16, beyond
+  // float16 too), token 5 a NaN in V of layer 0 and token 4 +inf in K of layer 0.
   kv_capture c{small, 6};
   for (std::int32_t l = 0; l < 2; ++l) {
     feed(c, 0, l, 0, 6);
     feed(c, 1, l, 0, 6);
   }
-  // Token 2 holds 1e6 (beyond float16's 65504, within bfloat16), token 5 a NaN.
   std::vector<float> row(8, 1.0f);
   row[3] = 1e6f;
   c.write_keys(1, 2, make_token_head_view<float const>(row.data(), 1, 2, 4));
+  row[3] = std::numeric_limits<float>::max();
+  c.write_values(1, 3, make_token_head_view<float const>(row.data(), 1, 2, 4));
+  row[3] = std::numeric_limits<float>::infinity();
+  c.write_keys(0, 4, make_token_head_view<float const>(row.data(), 1, 2, 4));
   row[3] = std::nanf("");
   c.write_values(0, 5, make_token_head_view<float const>(row.data(), 1, 2, 4));
-  std::vector<captured_fact> const facts{{1, 1, 0, {1, 2, 3, 4, 5, 6}}};
-  kv_store half_store                          = host_store(small, dtype::float16);
-  kv_store bf16_store                          = host_store(small, dtype::bfloat16);
-  std::vector<std::uint32_t> const half_faults = emulate_scatter<half_t>(half_store, c, facts);
-  std::vector<std::uint32_t> const bf16_faults = emulate_scatter<bfloat16_t>(bf16_store, c, facts);
-  CHECK(half_faults == std::vector<std::uint32_t>{0, 0, 1, 0, 0, 1});
-  CHECK(bf16_faults == std::vector<std::uint32_t>{0, 0, 0, 0, 0, 1});
-  // The host path refuses both (its check runs before anything is stored).
-  kv_store refused = host_store(small, dtype::bfloat16);
-  CHECK_THROWS_AS(store_captured_facts(refused, c, facts), logic_error);
-  CHECK(refused.num_facts() == 0);
+  std::vector<captured_fact> const all{{1, 1, 0, {1, 2, 3, 4, 5, 6}}};
+  // Written out: the flags of each store dtype over all 6 tokens.
+  CHECK(emulate_check<float>(c, all) == std::vector<std::uint32_t>{0, 0, 0, 0, 1, 1});
+  CHECK(emulate_check<half_t>(c, all) == std::vector<std::uint32_t>{0, 0, 1, 1, 1, 1});
+  CHECK(emulate_check<bfloat16_t>(c, all) == std::vector<std::uint32_t>{0, 0, 0, 1, 1, 1});
+  // Only the facts' tokens are checked.
+  CHECK(emulate_check<half_t>(c, {{1, 1, 0, {1, 2}}, {2, 1, 4, {5}}}) ==
+        std::vector<std::uint32_t>{0, 0, 0, 0, 1, 0});
+
+  struct refusal {
+    char const* what;
+    dtype store_dtype;
+    std::int64_t begin;
+    std::int64_t count;
+    std::int64_t faulty;  // the first faulty captured token of the range
+    char const* message;  // the first faulty token, relative and captured
+  };
+  for (refusal const& r :
+       {refusal{"NaN",
+                dtype::bfloat16,
+                5,
+                1,
+                5,
+                "fact 7 holds a NaN, an infinity or a value beyond "
+                "the store dtype bfloat16 at token 0 (captured token "
+                "5); so does fact 8; none of the facts is stored"},
+        refusal{"+inf", dtype::float32, 3, 2, 4, "at token 1 (captured token 4)"},
+        refusal{"1e6 in float16", dtype::float16, 1, 3, 2, "at token 1 (captured token 2)"},
+        refusal{
+          "FLT_MAX in bfloat16", dtype::bfloat16, 3, 1, 3, "at token 0 (captured token 3)"}}) {
+    CAPTURE(r.what);
+    // A finite fact first in the list, refused with the faulty ones; fact 8 is the faulty token
+    // alone.
+    std::vector<captured_fact> facts{{6, 1, 0, {1}}, {7, 1, r.begin, {}}, {8, 1, r.faulty, {1}}};
+    facts[1].token_ids.assign(static_cast<std::size_t>(r.count), 1);
+    kv_store store           = dirty_store(r.store_dtype);
+    store_state const before = state_of(store);
+    dispatch_dtype(r.store_dtype, [&](auto tag_type) {
+      using S = typename decltype(tag_type)::type;
+      if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
+                    std::is_same_v<S, bfloat16_t>) {
+        CHECK_THROWS_WITH(emulate_store<S>(store, c, facts),
+                          Catch::Contains(r.message) && Catch::Contains("; so does fact 8;") &&
+                            Catch::Contains("fact 7 holds"));
+      }
+    });
+    CHECK(state_of(store) == before);
+    // The host capture's path refuses the same facts, the store unchanged too.
+    CHECK_THROWS_AS(store_captured_facts(store, c, facts), logic_error);
+    CHECK(state_of(store) == before);
+  }
+
+  // Finite facts are stored: 1e6 within bfloat16, and the faulty tokens outside the facts.
+  kv_store bf16_store = dirty_store(dtype::bfloat16);
+  kv_store bf16_host  = dirty_store(dtype::bfloat16);
+  std::vector<captured_fact> const finite{{1, 1, 0, {1, 2, 3}}};
+  emulate_store<bfloat16_t>(bf16_store, c, finite);
+  store_captured_facts(bf16_host, c, finite);
+  CHECK(bf16_store.num_facts() == 2);  // fact 91 of dirty_store, and fact 1
+  CHECK(bf16_store.pool_to_host() == bf16_host.pool_to_host());
+  kv_store half_store = dirty_store(dtype::float16);
+  emulate_store<half_t>(half_store, c, {{1, 1, 0, {1, 2}}});
+  CHECK(half_store.contains(1));
 }
 
 TEST_CASE("inject_memory_host: allocate, inject rotated keys into the adapter's slots, commit",

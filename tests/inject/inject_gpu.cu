@@ -1401,8 +1401,10 @@ TEMPLATE_TEST_CASE(
   REQUIRE_FALSE(fresh.complete(0, 1));
 }
 
-TEST_CASE("the device capture flags tokens whose stored K/V is not finite in the store dtype",
-          "[gpu][engine][capture]")
+TEST_CASE(
+  "the device capture refuses facts whose K/V is not finite in the store dtype before storing "
+  "anything",
+  "[gpu][engine][capture]")
 {
   kv_geometry const g = capture_geometry;
   cuda_stream stream;
@@ -1422,13 +1424,135 @@ TEST_CASE("the device capture flags tokens whose stored K/V is not finite in the
     capture.write_values(
       l, 0, make_token_head_view<float const>(l == 0 ? odd.data() : ones.data(), 6, 2, 16), ref);
   }
-  kv_store bf16_store = capture_store(dtype::bfloat16, memory_space::device);
-  store_captured_facts(bf16_store, capture, {{1, 1, 0, token_ids(0, 6)}}, ref);
+  REQUIRE(capture.faulty_tokens(ref).empty());  // no check yet
+
+  // A NaN: refused in any dtype, the store unchanged (no page reserved, no fact recorded).
+  kv_store bf16_store           = capture_store(dtype::bfloat16, memory_space::device);
+  store_state const bf16_before = state_of(bf16_store);
+  std::vector<captured_fact> nan_facts{{1, 1, 0, token_ids(0, 2)}, {2, 1, 4, token_ids(0, 2)}};
+  REQUIRE_THROWS_WITH(
+    store_captured_facts(bf16_store, capture, nan_facts, ref),
+    Catch::Contains("fact 2 holds a NaN") && Catch::Contains("at token 1 (captured token 5)"));
   REQUIRE(capture.faulty_tokens(ref) == std::vector<std::int64_t>{5});
-  kv_store half_store = capture_store(dtype::float16, memory_space::device);
-  store_captured_facts(half_store, capture, {{1, 1, 0, token_ids(0, 3)}}, ref);
-  REQUIRE(capture.faulty_tokens(ref) == std::vector<std::int64_t>{2, 5});  // accumulated
-  REQUIRE(half_store.contains(1));  // stored: the caller erases what covers a flagged token
+  REQUIRE(state_of(bf16_store) == bf16_before);
+  // 1e6 is within bfloat16: the first 5 tokens are stored.
+  store_captured_facts(bf16_store, capture, {{1, 1, 0, token_ids(0, 5)}}, ref);
+  REQUIRE(capture.faulty_tokens(ref).empty());  // the last check's flags
+  REQUIRE(bf16_store.contains(1));
+  REQUIRE(bf16_store.num_facts() == bf16_before.facts + 1);
+
+  // Beyond float16: refused with every faulty token listed, the store unchanged.
+  kv_store half_store           = capture_store(dtype::float16, memory_space::device);
+  store_state const half_before = state_of(half_store);
+  REQUIRE_THROWS_AS(store_captured_facts(half_store, capture, {{1, 1, 0, token_ids(0, 6)}}, ref),
+                    logic_error);
+  REQUIRE(capture.faulty_tokens(ref) == std::vector<std::int64_t>{2, 5});
+  REQUIRE(state_of(half_store) == half_before);
+  store_captured_facts(half_store, capture, {{1, 1, 0, token_ids(0, 2)}, {2, 1, 3, {7}}}, ref);
+  REQUIRE(half_store.num_facts() == half_before.facts + 2);
+}
+
+namespace {
+
+/// fake::plain_model (tests/common/fake_model.hpp) as a GPU engine's model adapter as well: its
+/// device encode runs the host forward, uploads each plane and hands every layer's rows to the
+/// device capture's write kernels on the stream, as a GPU engine's hooks would. `nan_at` puts a
+/// NaN into V of layer 1 at that token.
+struct device_plain_model : inferscale_test::fake::plain_model {
+  using plain_model::encode;
+  void encode(std::vector<std::int32_t> const& tokens,
+              std::int64_t first_position,
+              device_kv_capture& out,
+              cuda::stream_ref stream)
+  {
+    kv_geometry const g  = geometry();
+    std::int64_t const n = static_cast<std::int64_t>(tokens.size());
+    kv_capture host{g, n};
+    plain_model::encode(tokens, first_position, host);
+    std::int64_t const row = g.elements_per_token_layer();
+    for (int kv = 0; kv < 2; ++kv) {
+      float const* const plane = kv == 0 ? host.keys().data_handle() : host.values().data_handle();
+      std::vector<float> rows(plane, plane + g.num_layers * n * row);
+      if (kv == 1 && nan_at >= 0) {
+        rows[static_cast<std::size_t>((n + nan_at) * row + 2)] =
+          std::numeric_limits<float>::quiet_NaN();
+      }
+      uploads.emplace_back(rows);  // kept until the writes have run
+      for (std::int32_t l = 0; l < g.num_layers; ++l) {
+        auto const view = make_token_head_view<float const>(
+          uploads.back().data() + l * n * row, n, g.num_kv_heads, g.head_dim);
+        if (kv == 0) {
+          out.write_keys(l, 0, view, stream);
+        } else {
+          out.write_values(l, 0, view, stream);
+        }
+      }
+    }
+  }
+  std::int64_t nan_at{-1};
+  std::vector<device_buffer<float>> uploads;
+};
+
+static_assert(is_device_model_adapter_v<device_plain_model>);
+static_assert(is_model_adapter_v<device_plain_model>);
+static_assert(!is_device_model_adapter_v<inferscale_test::fake::plain_model>);
+
+kv_store encode_store(dtype t, memory_space where)
+{
+  kv_store_config c{};
+  c.model       = inferscale_test::fake::tiny;
+  c.store_dtype = t;
+  c.page_size   = 4;
+  c.num_pages   = 16;
+  c.space       = where;
+  return kv_store{c};
+}
+
+}  // namespace
+
+TEST_CASE(
+  "encode_facts with a device model adapter: the device store equals the host adapter's, byte "
+  "for byte; refusals change nothing",
+  "[gpu][engine][capture]")
+{
+  dtype const store_dtype = GENERATE(dtype::float32, dtype::float16, dtype::bfloat16);
+  CAPTURE(to_string(store_dtype));
+  cuda_stream stream;
+  cuda::stream_ref const ref{stream.get()};
+  device_plain_model model;
+  std::vector<std::int32_t> const tokens{11, 12, 13, 14, 15, 16, 17};
+  // Ranges of 5, 1 and 2 tokens (last pages partly used), overlapping.
+  std::vector<captured_fact> const facts{
+    {1, 5, 1, {12, 13, 14, 15, 16}}, {2, 5, 6, {17}}, {3, 5, 0, {11, 12}}};
+  kv_store host_store   = encode_store(store_dtype, memory_space::host);
+  kv_store device_store = encode_store(store_dtype, memory_space::device);
+  encode_facts(model, host_store, tokens, 3, facts);
+  encode_facts(model, device_store, tokens, 3, facts, ref);
+  REQUIRE(model.forwards == 2);
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+  for (captured_fact const& f : facts) {
+    REQUIRE(device_store.at(f.fact_id).pages == host_store.at(f.fact_id).pages);
+    REQUIRE(device_store.at(f.fact_id).token_ids == f.token_ids);
+  }
+  REQUIRE(first_difference(device_store.pool_to_host(), host_store.pool_to_host()) == -1);
+
+  // Refused before the forward: token ids that differ from the encoded ones, a host store.
+  store_state const before = state_of(device_store);
+  REQUIRE_THROWS_WITH(encode_facts(model, device_store, tokens, 3, {{4, 5, 0, {11, 99}}}, ref),
+                      Catch::Contains("token ids differ"));
+  kv_store host_target = encode_store(store_dtype, memory_space::host);
+  REQUIRE_THROWS_AS(encode_facts(model, host_target, tokens, 3, {{4, 5, 0, {11}}}, ref),
+                    logic_error);
+  REQUIRE(model.forwards == 2);
+  // Refused after the forward: a NaN in one fact's tokens stores none of them.
+  model.nan_at = 4;
+  REQUIRE_THROWS_WITH(
+    encode_facts(model, device_store, tokens, 3, {{4, 5, 0, {11}}, {5, 5, 3, {14, 15}}}, ref),
+    Catch::Contains("fact 5 holds a NaN") && Catch::Contains("at token 1 (captured token 4)"));
+  REQUIRE(model.forwards == 3);
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+  REQUIRE(state_of(device_store) == before);
+  REQUIRE(host_target.num_facts() == 0);
 }
 
 namespace {

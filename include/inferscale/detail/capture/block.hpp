@@ -1,12 +1,13 @@
 /**
  * @file detail/capture/block.hpp
  * @brief The device capture's per-element code (device_kv_capture, kv_capture.cuh): a hook's
- * strided rows converted to fp32 into the capture buffer (capture_write_element), and captured
- * rows converted to the store dtype and scattered into facts' pool pages
- * (capture_scatter_element), as __host__ __device__ functions that detail/capture/kernels.cuh
- * wraps in __global__ shells and that a plain C++ compiler compiles too (the host test runs every
- * element of a launch on the CPU with them); plus the host side of a scatter, its page list
- * (append_scatter_pages), built without any CUDA call.
+ * strided rows converted to fp32 into the capture buffer (capture_write_element), the facts'
+ * captured rows checked finite in the store dtype before anything is stored
+ * (capture_check_element), and captured rows converted to the store dtype and scattered into
+ * facts' pool pages (capture_scatter_element), as __host__ __device__ functions that
+ * detail/capture/kernels.cuh wraps in __global__ shells and that a plain C++ compiler compiles too
+ * (the host test runs every element of a launch on the CPU with them); plus the host side of a
+ * scatter, its page list (append_scatter_pages), built without any CUDA call.
  */
 #pragma once
 
@@ -25,6 +26,17 @@ namespace inferscale::detail {
 INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE bool finite_bits(float x) noexcept
 {
   return (float_bits(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+/**
+ * @brief True when captured `x` stores as a finite value of StoreT: `x` is neither NaN nor an
+ * infinity, nor beyond StoreT's range (rounded to an infinity by from_float). The host capture's
+ * check (engine.hpp) asks the same of every element.
+ */
+template <class StoreT>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE bool stores_finite(float x) noexcept
+{
+  return finite_bits(x) && finite_bits(to_float(from_float<StoreT>(x)));
 }
 
 /**
@@ -65,6 +77,57 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void capture_write_element(
                              td.remainder * a.dim_stride]);
 }
 
+/// @brief One token range of a finiteness check: a fact's captured tokens.
+struct capture_token_range {
+  std::int64_t first_token;  ///< the capture token of the range's first token
+  std::int64_t count;        ///< its tokens (at least 1)
+};
+
+/**
+ * @brief The check that runs before a device capture's facts are stored: every element of K and
+ * V of every layer of the listed ranges' tokens, converted to the store dtype; a token whose
+ * element does not store as a finite value is flagged.
+ */
+struct capture_check_args {
+  float const* keys;    ///< the capture's keys, `[layers, capture_tokens, row_elements]`
+  float const* values;  ///< its values, the same shape
+  std::int64_t capture_tokens;
+  std::int32_t num_layers;
+  std::int64_t row_elements;          ///< heads * head_dim
+  capture_token_range const* ranges;  ///< `num_ranges` entries (device memory for the kernel)
+  std::int64_t num_ranges;
+  /// Per capture token (zeroed before the check): set to 1 where one of its elements is NaN or
+  /// infinite as captured, or beyond the store dtype's range.
+  std::uint32_t* faults;
+};
+
+/// @brief Elements of listed range `r`: `layers * 2 * count * row_elements`.
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE std::int64_t capture_check_elements(
+  capture_check_args const& a, std::int64_t r) noexcept
+{
+  return 2 * static_cast<std::int64_t>(a.num_layers) * a.ranges[r].count * a.row_elements;
+}
+
+/**
+ * @brief Element `e` of listed range `r`: `e = ((layer * 2 + kv) * count + token) * row_elements
+ * + x`; flags capture token `first_token + token` in `faults` unless the element stores as a
+ * finite StoreT value (stores_finite).
+ * @pre 0 <= r < num_ranges, 0 <= e < capture_check_elements(a, r)
+ */
+template <class StoreT>
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void capture_check_element(
+  capture_check_args const& a, std::int64_t r, std::int64_t e) noexcept
+{
+  capture_token_range const range = a.ranges[r];
+  index_quotient const rx         = index_divmod(e, a.row_elements);  // (.., element of the row)
+  index_quotient const lt         = index_divmod(rx.quotient, range.count);
+  auto const layer                = lt.quotient / 2;
+  float const* const src          = lt.quotient % 2 == 0 ? a.keys : a.values;
+  std::int64_t const token        = range.first_token + lt.remainder;
+  float const x = src[(layer * a.capture_tokens + token) * a.row_elements + rx.remainder];
+  if (!stores_finite<StoreT>(x)) { a.faults[token] = 1u; }
+}
+
 /// @brief One destination page of a scatter: which pool page, and which captured tokens fill it.
 struct capture_scatter_page {
   std::int64_t pool_page;    ///< the page of the store's pool written
@@ -84,9 +147,6 @@ struct capture_scatter_args {
   std::int64_t capture_tokens;
   capture_scatter_page const* pages;  ///< `num_pages` entries (device memory for the kernel)
   std::int64_t num_pages;
-  /// Per capture token: set to 1 where one of its stored elements is NaN or infinite in the store
-  /// dtype (a NaN or infinity captured, or a value beyond the dtype's range).
-  std::uint32_t* faults;
 };
 
 /// @brief Elements of one pool page: `layers * 2 * page_size * heads * head_dim`.
@@ -100,7 +160,7 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE std::int64_t capture_page_elements
  * @brief Element `e` of listed page `p`: `e = ((layer * 2 + kv) * page_size + row) * row_elements
  * + x`, the order of the pool's page layout (store.hpp), written at kv_store_ref::row_offset.
  * Row `row < pages[p].rows` takes capture token `first_token + row`'s element converted to the
- * store dtype (flagging the token in `faults` if the result is not finite); a later row is zero.
+ * store dtype (checked finite there before: capture_check_element); a later row is zero.
  * @pre 0 <= p < num_pages, 0 <= e < capture_page_elements(store)
  */
 template <class StoreT>
@@ -121,7 +181,6 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE void capture_scatter_element(
       src[(static_cast<std::int64_t>(layer) * a.capture_tokens + token) * row_elements +
           rx.remainder];
     out = from_float<StoreT>(x);
-    if (!finite_bits(x) || !finite_bits(to_float(out))) { a.faults[token] = 1u; }
   }
   static_cast<StoreT*>(
     a.store.pool)[a.store.row_offset(page.pool_page * a.store.page_size + lr.remainder, layer, kv) +

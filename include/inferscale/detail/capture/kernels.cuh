@@ -28,6 +28,22 @@ void __launch_bounds__(capture_threads) capture_write_kernel(capture_write_args<
   }
 }
 
+/// @brief A finiteness check: blockIdx.y strides over the listed ranges, x over each range's
+/// elements.
+template <class StoreT>
+INFERSCALE_KERNEL
+void __launch_bounds__(capture_threads) capture_check_kernel(capture_check_args const args)
+{
+  std::int64_t const stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t r = blockIdx.y; r < args.num_ranges; r += gridDim.y) {
+    std::int64_t const n = capture_check_elements(args, r);
+    for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+         e += stride) {
+      capture_check_element<StoreT>(args, r, e);
+    }
+  }
+}
+
 /// @brief A scatter: blockIdx.y strides over the listed pages, x over each page's elements.
 template <class StoreT>
 INFERSCALE_KERNEL

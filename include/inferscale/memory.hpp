@@ -26,11 +26,16 @@
  *  - `std::vector<float> E::embed(std::string const& text)` — one embedding of `dimension()`
  *    values (normalised or not: the index's metric decides how they compare).
  *
- * C++17, host only (the store may still live in device memory; the search needs a host-memory
- * index). `serve_step` / `serve` / `inject` inject a host store on the host; their overloads with
- * a workspace and a stream inject a device store on the device (inject_async, inject.cuh: they
- * compile where memory.cuh is included, with nvcc, and this header does not need the CUDA
- * toolkit), as `erase_fact` / `erase_namespace` with a stream zero a device store's pages on it.
+ * C++17, host only (the store and the index may still live in device memory). `serve_step` /
+ * `serve` / `inject` inject a host store on the host; their overloads with a workspace and a
+ * stream inject a device store on the device (inject_async, inject.cuh: they compile where
+ * memory.cuh is included, with nvcc, and this header does not need the CUDA toolkit), as
+ * `erase_fact` / `erase_namespace` with a stream zero a device store's pages on it. The search of
+ * `serve_step` / `serve` runs on the host for a host-memory index; for a device-memory index
+ * (`memory_config::index.space`) their overloads with a `raft::resources` first run the device
+ * `search` (index.cuh: they compile where memory_device_index.cuh is included, with nvcc and
+ * RAFT), the rest of the step unchanged. Every mutation works on either index (the index keeps
+ * a host mirror and copies each changed namespace to the device).
  *
  * The parts: the value types (memory_types.hpp); the definitions in detail/memory/ — the
  * facade's request path (facade.inl), the fact lifecycle and its catalogue (lifecycle.inl),
@@ -247,6 +252,45 @@ class memory {
     Stream stream) const;
 
   /**
+   * @brief serve_step() from a device index (`config().index.space == memory_space::device`): the
+   * same embedding, checks, composition and injection into a host cache (a host store), with the
+   * step's one batched search run on the device by `search(res, index(), ...)` (index.cuh): the
+   * queries are copied to the device, the ids back, on `res`'s stream, under the read lock.
+   * Every request's ids, plan and cache bytes equal the host serve_step's on a host index with
+   * the same content (the device search answers as the host search, bit for bit).
+   * @param res a `raft::resources` (or a type derived from it): the search's stream and workspace
+   * @throw logic_error as the host serve_step, and before anything is embedded if the index is in
+   *        host memory (serve it without `res`); cuda_error on a CUDA failure.
+   * @note Needs <inferscale/memory_device_index.cuh> (nvcc, RAFT). Waits for `res`'s stream once
+   *       (the ids are composed on the host).
+   */
+  template <class Resources, class Embedder, class CacheAdapter, class Rotation>
+  std::vector<memory_request> serve_step(
+    Resources const& res,
+    Embedder& embedder,
+    std::vector<memory_step_request<CacheAdapter>> const& requests,
+    std::uint32_t k,
+    Rotation const& rotation) const;
+
+  /**
+   * @brief serve_step() from a device index and a device store — a GPU engine's step: the device
+   * search of serve_step(res, embedder, requests, k, rotation), then the one checked inject_async
+   * on `stream` of serve_step(embedder, requests, k, rotation, workspace, stream).
+   * @throw logic_error as both; cuda_error on a CUDA failure.
+   * @note Needs <inferscale/memory_device_index.cuh> and <inferscale/memory.cuh> (nvcc, RAFT).
+   *       Waits for `res`'s stream once (the search's ids); the injection never synchronises.
+   */
+  template <class Resources, class Embedder, class CacheAdapter, class Rotation, class Stream>
+  std::vector<memory_request> serve_step(
+    Resources const& res,
+    Embedder& embedder,
+    std::vector<memory_step_request<CacheAdapter>> const& requests,
+    std::uint32_t k,
+    Rotation const& rotation,
+    injection_workspace& workspace,
+    Stream stream) const;
+
+  /**
    * @brief One request: embed `query`, retrieve the top `k` of namespace `ns`, compose them behind
    * the prefix at `first_position ..`, inject through `cache`. The engine then prefills the query
    * at `first_position + result.plan.length()`. A serve_step() of this one request.
@@ -272,6 +316,34 @@ class memory {
    */
   template <class Embedder, class CacheAdapter, class Rotation, class Stream>
   memory_request serve(Embedder& embedder,
+                       std::uint64_t ns,
+                       std::string const& query,
+                       std::uint32_t k,
+                       std::int64_t first_position,
+                       CacheAdapter& cache,
+                       Rotation const& rotation,
+                       injection_workspace& workspace,
+                       Stream stream) const;
+
+  /// @brief serve() from a device index (a serve_step(res, ...) of this one request), injecting a
+  /// host store into a host cache. @throw logic_error as serve() and serve_step(res, ...)
+  /// @note Needs <inferscale/memory_device_index.cuh> (nvcc, RAFT).
+  template <class Resources, class Embedder, class CacheAdapter, class Rotation>
+  memory_request serve(Resources const& res,
+                       Embedder& embedder,
+                       std::uint64_t ns,
+                       std::string const& query,
+                       std::uint32_t k,
+                       std::int64_t first_position,
+                       CacheAdapter& cache,
+                       Rotation const& rotation) const;
+
+  /// @brief serve() from a device index and a device store (a serve_step(res, ..., workspace,
+  /// stream) of this one request). @throw logic_error as serve() and serve_step(res, ...)
+  /// @note Needs <inferscale/memory_device_index.cuh> and <inferscale/memory.cuh> (nvcc, RAFT).
+  template <class Resources, class Embedder, class CacheAdapter, class Rotation, class Stream>
+  memory_request serve(Resources const& res,
+                       Embedder& embedder,
                        std::uint64_t ns,
                        std::string const& query,
                        std::uint32_t k,
@@ -452,10 +524,14 @@ class memory {
   /// search, the plans (each checked against `rotation`'s position range), the slots and one
   /// batch; `check_tokens(total)` before any adapter allocates, `inject_batch(batch, cache)`, then
   /// the commits. A step (`name_requests`) names the request in a refusal; serve() keeps the
-  /// messages of the calls it makes.
+  /// messages of the calls it makes. The search is `search_index.run(queries, namespaces, ids,
+  /// distances)` (host views: `[n][dim]` queries, `[n][k]` outputs) of an index in
+  /// `search_index.space` memory (another is refused before anything is embedded):
+  /// host_index_search() or device_index_search().
   template <class Embedder,
             class CacheAdapter,
             class Rotation,
+            class SearchIndex,
             class CheckTokens,
             class InjectBatch>
   std::vector<memory_request> serve_requests(
@@ -465,8 +541,17 @@ class memory {
     char const* who,
     bool name_requests,
     Rotation const& rotation,
+    SearchIndex const& search_index,
     CheckTokens const& check_tokens,
     InjectBatch const& inject_batch) const;
+
+  /// The search of serve_requests() on a host index (graph_index::search with config().search).
+  auto host_index_search(std::uint32_t k) const;
+
+  /// The search of serve_requests() with `res`: detail::memory_index_search<Resources>
+  /// (memory_device_index.cuh: a device index) with config().search.
+  template <class Resources>
+  auto device_index_search(Resources const& res, std::uint32_t k) const;
 
   /// prepare() without taking the read lock (the caller holds a lock).
   composition prepare_unlocked(std::vector<std::uint64_t> const& fact_ids,

@@ -13,15 +13,22 @@
  *    pruning equal to `prune_host`, and an index built with it reaching the stated recall;
  *  - `exact_search` against a brute-force double-precision loop written here.
  *  - after automatic compactions (a repack that only moves segments, then repacks that rebuild
- *    namespaces) the device index answers as before the move, and as the host index, bit for bit.
+ *    namespaces) the device index answers as before the move, and as the host index, bit for bit;
+ *  - the memory facade over a device index (memory_device_index.cuh): after the same additions,
+ *    erasure and compaction, a scheduler step and a lone request of serve_step(res, ...) /
+ *    serve(res, ...) give the ids, plans and cache bytes of the host index's serve_step / serve.
  * Reported skipped by CTest where no GPU is visible.
  */
 #include "device_memory.hpp"
+#include "fake_model.hpp"
 #include "float_bits.hpp"
+#include "memory_fixtures.hpp"
 
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/index.cuh>
 #include <inferscale/index.hpp>
+#include <inferscale/memory.hpp>
+#include <inferscale/memory_device_index.cuh>
 
 #include <raft/core/device_resources.hpp>
 #include <raft/core/resource/cuda_stream.hpp>
@@ -38,6 +45,7 @@
 #include <limits>
 #include <numeric>
 #include <set>
+#include <string>
 #include <vector>
 
 using namespace inferscale;
@@ -1134,4 +1142,138 @@ TEST_CASE("index device search after automatic compactions equals the host searc
     auto const got      = device_search(res, device, d_queries, nq, dim, targets, k, p);
     require_identical(expected, got, targets, k);
   }
+}
+
+namespace {
+/// One sequence of a step over a shared host cache: allocate(p0, n) hands out its next n slots.
+struct step_sequence {
+  inferscale_test::memory_fixtures::host_cache* shared{};
+  std::vector<std::int64_t> slots;
+  std::vector<std::int64_t> committed;
+  std::vector<std::int64_t> allocate(std::int64_t, std::int64_t n)
+  {
+    return {slots.begin(), slots.begin() + static_cast<std::ptrdiff_t>(n)};
+  }
+  paged_kv_cache const& cache() const { return shared->cache(); }
+  void commit(std::int64_t n) { committed.push_back(n); }
+};
+
+/// A memory of three users (namespaces 7, 8, 9) behind an instruction prefix, with its index in
+/// `space`; one fact erased and the index compacted (mutations of the index's host mirror).
+memory make_served_memory(memory_space space,
+                          inferscale_test::fake::branching_model& model,
+                          inferscale_test::memory_fixtures::word_embedder& embedder)
+{
+  using namespace inferscale_test::memory_fixtures;
+  memory_config c;
+  c.store.model       = inferscale_test::fake::tiny;
+  c.store.store_dtype = dtype::float32;
+  c.store.page_size   = 4;
+  c.store.num_pages   = 512;
+  c.store.space       = memory_space::host;
+  c.index.dim         = 32;
+  c.index.metric      = distance_metric::cosine;
+  c.index.space       = space;
+  memory m{c};
+  encoding_options o;
+  o.window = 3;
+  m.set_instruction_prefix(model, {11, 12, 13}, 1, 0);
+  user_data const a = make_user(7, 100, 12);
+  user_data const b = make_user(8, 200, 9);
+  user_data const u = make_user(9, 300, 6, 2);
+  m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o);
+  m.add_conversation(model, embedder, 8, b.c, b.facts, b.texts, o);
+  m.add_conversation(model, embedder, 9, u.c, u.facts, u.texts, o);
+  m.erase_fact(104);
+  m.compact_index();
+  return m;
+}
+}  // namespace
+
+TEST_CASE(
+  "memory facade over a device index serves a step as over a host index (ids, plans, cache "
+  "bytes)",
+  "[index][gpu][memory]")
+{
+  using namespace inferscale_test::memory_fixtures;
+  raft::device_resources res;
+  inferscale_test::fake::branching_model model;
+  word_embedder embedder;
+  memory const on_host   = make_served_memory(memory_space::host, model, embedder);
+  memory const on_device = make_served_memory(memory_space::device, model, embedder);
+  REQUIRE(on_device.index().space() == memory_space::device);
+
+  user_data const a = make_user(7, 100, 12);
+  user_data const b = make_user(8, 200, 9);
+  user_data const u = make_user(9, 300, 6, 2);
+  struct ask {
+    std::uint64_t ns;
+    std::string query;
+    std::int64_t p0;
+  };
+  std::vector<ask> const asks{{7, a.texts[4], 5},  // fact 104's own text: erased, not served
+                              {8, b.texts[2], 0},
+                              {9, u.texts[1] + " " + a.texts[3], 17},
+                              {7, a.texts[9], 3},
+                              {8, "no word of any fact", 40}};
+  std::uint32_t const k = 3;
+  auto const n          = static_cast<std::int64_t>(asks.size());
+  auto make_step        = [&](host_cache& cache, std::vector<step_sequence>& sequences) {
+    sequences.assign(asks.size(), step_sequence{});
+    std::vector<memory_step_request<step_sequence>> requests;
+    for (std::int64_t i = 0; i < n; ++i) {
+      step_sequence& s = sequences[static_cast<std::size_t>(i)];
+      s.shared         = &cache;
+      for (std::int64_t j = 0; j < 40; ++j) {
+        s.slots.push_back(i + n * j);
+      }
+      ask const& q = asks[static_cast<std::size_t>(i)];
+      requests.push_back({q.ns, q.query, q.p0, &s});
+    }
+    return requests;
+  };
+  host_cache host_cache_step;
+  host_cache device_cache_step;
+  std::vector<step_sequence> host_sequences;
+  std::vector<step_sequence> device_sequences;
+  auto const host_requests   = make_step(host_cache_step, host_sequences);
+  auto const device_requests = make_step(device_cache_step, device_sequences);
+
+  std::vector<memory_request> const expected =
+    on_host.serve_step(embedder, host_requests, k, model.rotation());
+  std::uint64_t const searches = on_device.searches();
+  std::vector<memory_request> const got =
+    on_device.serve_step(res, embedder, device_requests, k, model.rotation());
+  CHECK(on_device.searches() == searches + 1);
+  REQUIRE(got.size() == expected.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i].fact_ids == expected[i].fact_ids);
+    CHECK(std::find(got[i].fact_ids.begin(), got[i].fact_ids.end(), 104) == got[i].fact_ids.end());
+    for (std::uint64_t id : got[i].fact_ids) {
+      CHECK(on_device.store().at(id).namespace_id == asks[i].ns);
+    }
+    CHECK(got[i].plan.first_position == expected[i].plan.first_position);
+    CHECK(got[i].plan.token_ids == expected[i].plan.token_ids);
+    CHECK(device_sequences[i].committed == host_sequences[i].committed);
+  }
+  CHECK(device_cache_step.data != std::vector<float>(device_cache_step.data.size(), -1.0f));
+  CHECK(std::memcmp(device_cache_step.data.data(),
+                    host_cache_step.data.data(),
+                    host_cache_step.data.size() * sizeof(float)) == 0);
+
+  // A lone request, and the host overload refusing the device index (naming the one to use).
+  host_cache alone;
+  host_cache alone_device;
+  memory_request const one =
+    on_host.serve(embedder, 9, asks[2].query, k, 7, alone, model.rotation());
+  memory_request const one_device =
+    on_device.serve(res, embedder, 9, asks[2].query, k, 7, alone_device, model.rotation());
+  CHECK(one_device.fact_ids == one.fact_ids);
+  CHECK(one_device.plan.token_ids == one.plan.token_ids);
+  CHECK(alone_device.data == alone.data);
+  CHECK_THROWS_WITH(on_device.serve_step(embedder, device_requests, k, model.rotation()),
+                    Catch::Contains("serve_step(res, embedder, ...)"));
+  CHECK_THROWS_WITH(on_host.serve_step(res, embedder, host_requests, k, model.rotation()),
+                    Catch::Contains("the index is in host memory"));
 }

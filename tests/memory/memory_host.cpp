@@ -532,6 +532,165 @@ TEST_CASE("memory: a refused step leaves the store, the index, the cache and eve
   CHECK(shared.data != original);
 }
 
+namespace {
+/// The search of the facade's overloads with a resources first, supplied from outside (as
+/// memory_device_index.cuh supplies the device one): it records what it is asked and answers
+/// with `answer_space`'s index through the host `search`.
+struct external_retrieval {
+  mutable std::int64_t calls{0};
+  mutable std::vector<std::uint64_t> namespaces;
+  mutable std::vector<float> queries;
+};
+/// The same, claiming to search a device index (to see the facade refuse a host one).
+struct device_claiming_retrieval {
+  mutable std::int64_t calls{0};
+};
+}  // namespace
+
+namespace inferscale::detail {
+template <>
+struct memory_index_search<external_retrieval> {
+  static constexpr memory_space index_space = memory_space::host;
+  static void run(external_retrieval const& r,
+                  graph_index const& index,
+                  matrix_view<float const> queries,
+                  cuda::std::span<std::uint64_t const> namespaces,
+                  std::uint32_t k,
+                  search_params const& params,
+                  matrix_view<std::uint64_t> ids,
+                  matrix_view<float> distances)
+  {
+    ++r.calls;
+    r.namespaces.assign(namespaces.begin(), namespaces.end());
+    r.queries.assign(queries.data_handle(),
+                     queries.data_handle() + queries.extent(0) * queries.extent(1));
+    inferscale::search(index, queries, namespaces, k, params, ids, distances);
+  }
+};
+template <>
+struct memory_index_search<device_claiming_retrieval> {
+  static constexpr memory_space index_space = memory_space::device;
+  template <class... Args>
+  static void run(device_claiming_retrieval const& r, Args&&...)
+  {
+    ++r.calls;
+  }
+};
+}  // namespace inferscale::detail
+
+TEST_CASE(
+  "memory: a step whose search is supplied from outside serves as the host step, byte for "
+  "byte; each search refuses the other memory's index",
+  "[memory]")
+{
+  step_fixture f;
+  memory& m = f.m;
+  struct ask {
+    std::uint64_t ns;
+    std::string query;
+    std::int64_t p0;
+  };
+  std::vector<ask> const asks{{7, f.a.texts[4], 5},
+                              {8, f.b.texts[2], 0},
+                              {9, f.c.texts[1] + " " + f.a.texts[3], 17},
+                              {7, f.a.texts[9], 3}};
+  std::uint32_t const k = 3;
+  std::int64_t const n  = static_cast<std::int64_t>(asks.size());
+  auto make_step        = [&](host_cache& cache, std::vector<sequence_adapter>& sequences) {
+    sequences.assign(asks.size(), sequence_adapter{});
+    std::vector<memory_step_request<sequence_adapter>> requests;
+    for (std::int64_t i = 0; i < n; ++i) {
+      sequence_adapter& s = sequences[static_cast<std::size_t>(i)];
+      s.shared            = &cache;
+      for (std::int64_t j = 0; j < 40; ++j) {
+        s.slots.push_back(i + n * j);
+      }
+      ask const& q = asks[static_cast<std::size_t>(i)];
+      requests.push_back({q.ns, q.query, q.p0, &s});
+    }
+    return requests;
+  };
+  host_cache host_step_cache;
+  std::vector<sequence_adapter> host_sequences;
+  auto const host_requests = make_step(host_step_cache, host_sequences);
+  std::vector<memory_request> const expected =
+    m.serve_step(f.embedder, host_requests, k, f.model.rotation());
+
+  host_cache external_cache;
+  std::vector<sequence_adapter> external_sequences;
+  auto const external_requests = make_step(external_cache, external_sequences);
+  external_retrieval external;
+  std::uint64_t const searches = m.searches();
+  std::vector<memory_request> const got =
+    m.serve_step(external, f.embedder, external_requests, k, f.model.rotation());
+  CHECK(m.searches() == searches + 1);
+  // One search of every request's embedded query, each in its namespace.
+  CHECK(external.calls == 1);
+  std::vector<float> queries;
+  std::vector<std::uint64_t> namespaces;
+  for (ask const& q : asks) {
+    std::vector<float> const v = word_embedder{}.embed(q.query);
+    queries.insert(queries.end(), v.begin(), v.end());
+    namespaces.push_back(q.ns);
+  }
+  CHECK(external.queries == queries);
+  CHECK(external.namespaces == namespaces);
+  REQUIRE(got.size() == expected.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i].fact_ids == expected[i].fact_ids);
+    CHECK(got[i].plan.first_position == expected[i].plan.first_position);
+    CHECK(got[i].plan.token_ids == expected[i].plan.token_ids);
+    CHECK(external_sequences[i].committed == host_sequences[i].committed);
+  }
+  CHECK(external_cache.data != std::vector<float>(external_cache.data.size(), -1.0f));
+  CHECK(std::memcmp(external_cache.data.data(),
+                    host_step_cache.data.data(),
+                    host_step_cache.data.size() * sizeof(float)) == 0);
+
+  // serve(res, ...) is a step of one request, as serve() is.
+  host_cache alone{1, 0};
+  host_cache alone_external{1, 0};
+  memory_request const one = m.serve(f.embedder, 8, asks[1].query, k, 0, alone, f.model.rotation());
+  memory_request const one_external =
+    m.serve(external, f.embedder, 8, asks[1].query, k, 0, alone_external, f.model.rotation());
+  CHECK(external.calls == 2);
+  CHECK(one_external.fact_ids == one.fact_ids);
+  CHECK(one_external.plan.token_ids == one.plan.token_ids);
+  CHECK(alone_external.data == alone.data);
+
+  // A search of device memory refuses this host index, before anything is embedded or searched.
+  device_claiming_retrieval device_search;
+  std::int64_t const calls = f.embedder.calls;
+  CHECK_THROWS_WITH(
+    m.serve_step(device_search, f.embedder, external_requests, k, f.model.rotation()),
+    Catch::Contains("memory::serve_step: the index is in host memory; serve a host index without "
+                    "the raft::resources"));
+  CHECK_THROWS_WITH(
+    m.serve(device_search, f.embedder, 8, asks[1].query, k, 0, alone_external, f.model.rotation()),
+    Catch::Contains("memory::serve: the index is in host memory"));
+  CHECK(device_search.calls == 0);
+  CHECK(f.embedder.calls == calls);
+
+  // The host search refuses a device index (constructing one allocates nothing on the device),
+  // naming the overload to use, before anything is embedded.
+  memory_config dc = m.config();
+  dc.index.space   = memory_space::device;
+  memory const on_gpu{dc};
+  CHECK_THROWS_WITH(on_gpu.serve_step(f.embedder, external_requests, k, f.model.rotation()),
+                    Catch::Contains("memory::serve_step: the index is in device memory; serve a "
+                                    "device index with the overload taking a raft::resources "
+                                    "first, memory::serve_step(res, embedder, ...) "
+                                    "(memory_device_index.cuh)"));
+  CHECK_THROWS_WITH(on_gpu.serve(f.embedder, 8, asks[1].query, k, 0, alone, f.model.rotation()),
+                    Catch::Contains("memory::serve: the index is in device memory") &&
+                      Catch::Contains("memory::serve(res, embedder, ...)"));
+  CHECK(f.embedder.calls == calls);
+  for (sequence_adapter const& s : external_sequences) {
+    CHECK(s.committed.size() == 1);  // only the step that went through
+  }
+}
+
 TEST_CASE("memory: erase_fact and erase_namespace on a stream zero a host store's pages as the "
           "plain calls do",
           "[memory]")

@@ -37,6 +37,36 @@ struct dependent_type {
   using type = T;
 };
 
+/**
+ * @brief The search of the facade's overloads with a `raft::resources` first (serve_step(res, ...),
+ * serve(res, ...)) on a device-memory index: `run(res, index, queries, namespaces, k, params,
+ * out_ids, out_distances)` with host views, as graph_index::search takes them, on an index in
+ * `index_space` memory (a `static constexpr memory_space`). Declared here only:
+ * memory_device_index.cuh defines it for raft::resources and the types derived from it
+ * (`memory_space::device`), so this header needs neither RAFT nor C++20.
+ */
+template <class Resources, class = void>
+struct memory_index_search;
+
+/// @brief A search of the facade's serving path: `run(queries, namespaces, ids, distances)` (host
+/// views) on an index in `space` memory.
+template <class Run>
+struct index_search {
+  memory_space space;
+  Run run;
+};
+template <class Run>
+index_search<Run> make_index_search(memory_space space, Run run)
+{
+  return {space, std::move(run)};
+}
+
+/// @brief Whether `T` is a complete type here (memory_index_search<R>: its header included).
+template <class T, class = void>
+struct is_complete : std::false_type {};
+template <class T>
+struct is_complete<T, std::void_t<decltype(sizeof(T))>> : std::true_type {};
+
 }  // namespace detail
 
 template <class ModelAdapter>
@@ -218,9 +248,39 @@ void memory::inject(composition const& plan,
   inject_memory_async(store_, plan, cache, rotation, workspace, stream);
 }
 
+inline auto memory::host_index_search(std::uint32_t k) const
+{
+  return detail::make_index_search(memory_space::host,
+                                   [this, k](matrix_view<float const> queries,
+                                             cuda::std::span<std::uint64_t const> namespaces,
+                                             matrix_view<std::uint64_t> ids,
+                                             matrix_view<float> distances) {
+                                     index_.search<float>(
+                                       queries, namespaces, k, config_.search, ids, distances);
+                                   });
+}
+
+template <class Resources>
+auto memory::device_index_search(Resources const& res, std::uint32_t k) const
+{
+  using search_on = detail::memory_index_search<Resources>;
+  static_assert(detail::is_complete<search_on>::value,
+                "memory::serve_step / serve with a raft::resources first: include "
+                "<inferscale/memory_device_index.cuh> (nvcc, RAFT) and pass a raft::resources");
+  return detail::make_index_search(
+    search_on::index_space,
+    [this, &res, k](matrix_view<float const> queries,
+                    cuda::std::span<std::uint64_t const> namespaces,
+                    matrix_view<std::uint64_t> ids,
+                    matrix_view<float> distances) {
+      search_on::run(res, index_, queries, namespaces, k, config_.search, ids, distances);
+    });
+}
+
 template <class Embedder,
           class CacheAdapter,
           class Rotation,
+          class SearchIndex,
           class CheckTokens,
           class InjectBatch>
 std::vector<memory_request> memory::serve_requests(
@@ -230,6 +290,7 @@ std::vector<memory_request> memory::serve_requests(
   char const* who,
   bool name_requests,
   Rotation const& rotation,
+  SearchIndex const& search_index,
   CheckTokens const& check_tokens,
   InjectBatch const& inject_batch) const
 {
@@ -259,7 +320,16 @@ std::vector<memory_request> memory::serve_requests(
     }
   };
 
-  // 1. Everything about the requests that needs no embedding: k, the adapters, the namespaces.
+  // 1. Everything about the requests that needs no embedding: the index's memory, k, the
+  // adapters, the namespaces.
+  INFERSCALE_EXPECTS(index_.space() == search_index.space,
+                     std::string{who} + ": the index is in " + to_string(index_.space()) +
+                       " memory; " +
+                       (search_index.space == memory_space::host
+                          ? "serve a device index with the overload taking a raft::resources "
+                            "first, " + std::string{who} +
+                              "(res, embedder, ...) (memory_device_index.cuh)"
+                          : "serve a host index without the raft::resources"));
   INFERSCALE_EXPECTS(k > 0, std::string{who} + ": k must be positive");
   if (n == 0) { return {}; }
   std::unordered_set<CacheAdapter const*> adapters;
@@ -316,12 +386,10 @@ std::vector<memory_request> memory::serve_requests(
   std::vector<float> distances(n * k);
   named(who, [&] {
     searches_.add();
-    index_.search<float>(make_matrix_view<float const>(queries.data(), rows, dim),
-                         cuda::std::span<std::uint64_t const>{namespaces.data(), n},
-                         k,
-                         config_.search,
-                         make_matrix_view<std::uint64_t>(ids.data(), rows, k),
-                         make_matrix_view<float>(distances.data(), rows, k));
+    search_index.run(make_matrix_view<float const>(queries.data(), rows, dim),
+                     cuda::std::span<std::uint64_t const>{namespaces.data(), n},
+                     make_matrix_view<std::uint64_t>(ids.data(), rows, k),
+                     make_matrix_view<float>(distances.data(), rows, k));
   });
 
   // 3. The plans.
@@ -382,6 +450,7 @@ std::vector<memory_request> memory::serve_step(
     "memory::serve_step",
     true,
     rotation,
+    host_index_search(k),
     [&](std::int64_t) { require_host_store("memory::serve_step"); },
     [&](injection_batch const& batch, paged_kv_cache const& cache) {
       inject_host(store_, batch, cache, rotation);
@@ -405,6 +474,7 @@ std::vector<memory_request> memory::serve_step(
     "memory::serve_step",
     true,
     rotation,
+    host_index_search(k),
     [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve_step"); },
     [&](injection_batch const& batch, paged_kv_cache const& cache) {
       // Found where memory.cuh (inject.cuh) is included: the call depends on the template
@@ -433,6 +503,7 @@ memory_request memory::serve(Embedder& embedder,
     "memory::serve",
     false,
     rotation,
+    host_index_search(k),
     [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve"); },
     [&](injection_batch const& batch, paged_kv_cache const& c) {
       inject_async(store_, batch, c, rotation, ws, stream);
@@ -456,9 +527,110 @@ memory_request memory::serve(Embedder& embedder,
     "memory::serve",
     false,
     rotation,
+    host_index_search(k),
     [&](std::int64_t) { require_host_store("memory::serve"); },
     [&](injection_batch const& batch, paged_kv_cache const& c) {
       inject_host(store_, batch, c, rotation);
+    })[0]);
+}
+
+template <class Resources, class Embedder, class CacheAdapter, class Rotation>
+std::vector<memory_request> memory::serve_step(
+  Resources const& res,
+  Embedder& embedder,
+  std::vector<memory_step_request<CacheAdapter>> const& requests,
+  std::uint32_t k,
+  Rotation const& rotation) const
+{
+  return serve_requests(
+    embedder,
+    cuda::std::span<memory_step_request<CacheAdapter> const>{requests.data(), requests.size()},
+    k,
+    "memory::serve_step",
+    true,
+    rotation,
+    device_index_search(res, k),
+    [&](std::int64_t) { require_host_store("memory::serve_step"); },
+    [&](injection_batch const& batch, paged_kv_cache const& cache) {
+      inject_host(store_, batch, cache, rotation);
+    });
+}
+
+template <class Resources, class Embedder, class CacheAdapter, class Rotation, class Stream>
+std::vector<memory_request> memory::serve_step(
+  Resources const& res,
+  Embedder& embedder,
+  std::vector<memory_step_request<CacheAdapter>> const& requests,
+  std::uint32_t k,
+  Rotation const& rotation,
+  injection_workspace& workspace,
+  Stream stream) const
+{
+  typename detail::dependent_type<Stream, injection_workspace>::type& ws = workspace;
+  return serve_requests(
+    embedder,
+    cuda::std::span<memory_step_request<CacheAdapter> const>{requests.data(), requests.size()},
+    k,
+    "memory::serve_step",
+    true,
+    rotation,
+    device_index_search(res, k),
+    [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve_step"); },
+    [&](injection_batch const& batch, paged_kv_cache const& cache) {
+      inject_async(store_, batch, cache, rotation, ws, stream);  // memory.cuh, as above
+    });
+}
+
+template <class Resources, class Embedder, class CacheAdapter, class Rotation>
+memory_request memory::serve(Resources const& res,
+                             Embedder& embedder,
+                             std::uint64_t ns,
+                             std::string const& query,
+                             std::uint32_t k,
+                             std::int64_t first_position,
+                             CacheAdapter& cache,
+                             Rotation const& rotation) const
+{
+  memory_step_request<CacheAdapter> const one{ns, query, first_position, &cache};
+  return std::move(serve_requests(
+    embedder,
+    cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
+    k,
+    "memory::serve",
+    false,
+    rotation,
+    device_index_search(res, k),
+    [&](std::int64_t) { require_host_store("memory::serve"); },
+    [&](injection_batch const& batch, paged_kv_cache const& c) {
+      inject_host(store_, batch, c, rotation);
+    })[0]);
+}
+
+template <class Resources, class Embedder, class CacheAdapter, class Rotation, class Stream>
+memory_request memory::serve(Resources const& res,
+                             Embedder& embedder,
+                             std::uint64_t ns,
+                             std::string const& query,
+                             std::uint32_t k,
+                             std::int64_t first_position,
+                             CacheAdapter& cache,
+                             Rotation const& rotation,
+                             injection_workspace& workspace,
+                             Stream stream) const
+{
+  typename detail::dependent_type<Stream, injection_workspace>::type& ws = workspace;
+  memory_step_request<CacheAdapter> const one{ns, query, first_position, &cache};
+  return std::move(serve_requests(
+    embedder,
+    cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
+    k,
+    "memory::serve",
+    false,
+    rotation,
+    device_index_search(res, k),
+    [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve"); },
+    [&](injection_batch const& batch, paged_kv_cache const& c) {
+      inject_async(store_, batch, c, rotation, ws, stream);
     })[0]);
 }
 

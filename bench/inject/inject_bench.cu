@@ -784,7 +784,7 @@ std::int64_t mismatches_fp8_host(is::kv_store_ref const& store,
 }
 
 /**
- * @brief inject_host of a bf16 store into an fp8 e4m3 cache with per-tensor scales (vLLM's
+ * @brief The host run of a bf16 store into an fp8 e4m3 cache with per-tensor scales (vLLM's
  * `kv_cache_dtype="fp8"`, divide convention): `calibrated:0` vLLM's default scales (1.0, 1.0),
  * `calibrated:1` calibrated-looking ones (k 0.0537, v 0.0213), against memcpy of the same bytes
  * (bf16 K+V read, e4m3 K+V written) in the same iterations; checked bit for bit against a
@@ -1207,7 +1207,7 @@ void tier_loop(benchmark::State& state, tier_case& c, bool resident, bool device
               device);
 }
 
-/// Host tiers: staging is memcpy of whole page runs, then one all-layer inject_host pass.
+/// Host tiers: staging is memcpy of whole page runs, then one all-layer host injection pass.
 void tier_host_bench(benchmark::State& state, model mdl, bool resident)
 {
   ib::run_guarded(state, [&] {

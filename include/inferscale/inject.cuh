@@ -12,9 +12,7 @@
  *    inject_device_errors (device memory) the caller reads back: the device cannot throw.
  *  - injection_batch::run(cache, rotation, workspace, stream), defined here: the injection step's
  *    device run. Validates the host step completely (as the host run does), stages its arrays
- *    into the workspace, launches, then commits the step's cache adapters. The checked
- *    inject_async(store, batch, cache, rotation, workspace, stream) is the same run under its
- *    former name, for steps without adapters.
+ *    into the workspace, launches, then commits the step's cache adapters.
  *
  * Either level dispatches on the store's and the cache's element types at run time, which
  * compiles the kernel for every pair (15 per rotation type). A program that knows its pair names
@@ -165,8 +163,8 @@ class injection_workspace {
   }
 
   /**
-   * @brief The device counters the checked inject_async passes to its kernel; they accumulate
-   * over launches until reset_errors_async().
+   * @brief The device counters the device run (injection_batch::run) passes to its kernel; they
+   * accumulate over launches until reset_errors_async().
    */
   inject_device_errors* device_errors() const noexcept { return errors_.data(); }
 
@@ -367,8 +365,8 @@ void inject_async(kv_store_ref const& store,
 }
 
 namespace detail {
-/// @brief The device run's body (injection_batch::run and the checked inject_async): every host
-/// check, the staging and the launch.
+/// @brief The device run's body (injection_batch::run): every host check, the staging and the
+/// launch.
 template <class StoreT, class CacheT, class Rotation>
 void inject_batch_device(kv_store const& store,
                          injection_batch const& batch,
@@ -402,28 +400,6 @@ void injection_batch::run(paged_kv_cache const& cache,
   detail::inject_batch_device<StoreT, CacheT>(
     store(), *this, cache, rotation, workspace, cuda::stream_ref{stream}, "injection_batch::run");
   commit_pending();
-}
-
-/**
- * @brief The device run under its former name: `batch.run<StoreT, CacheT>(cache, rotation,
- * workspace, stream)` for a step with no cache adapter, which it refuses (adapters commit only
- * through run()). Kept for existing callers and the tests; new code calls run().
- * @throw logic_error as injection_batch::run, if `store` is not the batch's, or if the batch holds
- *        cache adapters (nothing is staged or launched); cuda_error on a CUDA failure.
- */
-template <class StoreT = void, class CacheT = void, class Rotation>
-void inject_async(kv_store const& store,
-                  injection_batch const& batch,
-                  paged_kv_cache const& cache,
-                  Rotation const& rotation,
-                  injection_workspace& workspace,
-                  cuda::stream_ref stream)
-{
-  INFERSCALE_EXPECTS(batch.num_pending_commits() == 0,
-                     std::string{"inject_async: the batch holds cache adapters, which commit "
-                                 "only through injection_batch::run"});
-  detail::inject_batch_device<StoreT, CacheT>(
-    store, batch, cache, rotation, workspace, stream, "inject_async");
 }
 
 /**

@@ -24,7 +24,7 @@
 namespace inferscale {
 
 namespace detail {
-/// @brief The host run's body (injection_batch::run and inject_host): every check, then the write.
+/// @brief The host run's body (injection_batch::run): every check, then the write.
 template <class Rotation>
 void inject_batch_host(kv_store const& store,
                        injection_batch const& batch,
@@ -43,27 +43,6 @@ void injection_batch::run(paged_kv_cache const& cache, Rotation const& rotation)
 {
   detail::inject_batch_host(store(), *this, cache, rotation, "injection_batch::run");
   commit_pending();
-}
-
-/**
- * @brief The host run under its former name: `batch.run(cache, rotation)` for a step with no cache
- * adapter, which it refuses (adapters commit only through run()). Kept for existing callers and
- * the tests; new code calls run().
- *
- * @param store    the batch's store (a host-memory store)
- * @throw logic_error as injection_batch::run, if `store` is not the batch's, or if the batch holds
- *        cache adapters; nothing is written then.
- */
-template <class Rotation>
-void inject_host(kv_store const& store,
-                 injection_batch const& batch,
-                 paged_kv_cache const& cache,
-                 Rotation const& rotation)
-{
-  INFERSCALE_EXPECTS(batch.num_pending_commits() == 0,
-                     std::string{"inject_host: the batch holds cache adapters, which commit only "
-                                 "through injection_batch::run"});
-  detail::inject_batch_host(store, batch, cache, rotation, "inject_host");
 }
 
 }  // namespace inferscale

@@ -5,9 +5,9 @@
  *
  * The host backend dispatches the store and cache dtypes, the layout, the fp8 scales, the rotary
  * pairing and rounding and the CPU's vector level at run time, into one loop per combination:
- * several hundred functions, compiled wherever inject_host, inject_tiered_host, extract_host or
- * the memory facade's serve is used. A program with many such units (an engine's sources, a test
- * suite) may instead
+ * several hundred functions, compiled wherever the host run (injection_batch::run),
+ * inject_tiered_host, extract_host or the memory facade's serve is used. A program with many such
+ * units (an engine's sources, a test suite) may instead
  *  1. define `INFERSCALE_EXTERN_TEMPLATES` in every translation unit (a compile definition of the
  *     target), so that the headers declare those functions `extern template`, and
  *  2. include this header in exactly one translation unit (which defines them).

@@ -32,7 +32,8 @@ namespace inferscale {
  * tier's compute-stream event is recorded on `stream` (tiered_store::mark_injected), which
  * tiered_store::evict waits for before it frees the pages.
  *
- * @throw logic_error as the checked inject_async, or if the request is stale (nothing is
+ * @throw logic_error as the device run (injection_batch::run), if the batch holds cache adapters
+ *        (they commit only through injection_batch::run), or if the request is stale (nothing is
  *        enqueued then); cuda_error on a CUDA failure.
  * @note `workspace` holds the split arrays: at least `batch.num_tokens()` tokens; its device
  *       error counters (injection_workspace::read_errors) count what the launches skipped.

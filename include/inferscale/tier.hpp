@@ -479,7 +479,7 @@ class tiered_store {
 /// @brief How inject_tiered_host orders its copies and writes.
 enum class tier_host_order : std::uint8_t {
   /// Copy every staged page, then inject the whole batch in one all-layer pass (the fastest on
-  /// the host: one cos/sin per token and pair, as inject_host).
+  /// the host: one cos/sin per token and pair, as the host run).
   whole,
   /// The device's order: the resident tokens in one all-layer pass, then per layer the layer's
   /// copies and a one-layer pass over the staged tokens through tier_layer_view (what
@@ -490,13 +490,14 @@ enum class tier_host_order : std::uint8_t {
 /**
  * @brief Host backend of tiered injection: copies the request's staged facts into the device
  * tier and writes the batch (in the order `order` names). The cache bytes equal those of
- * inject_host from one store holding every fact, in either order.
+ * the host run (injection_batch::run) from one store holding every fact, in either order.
  *
  * @param tiers    host tiers (`config().device.space == host`)
  * @param request  what admit() returned for the facts of `batch`
  * @param batch    built against `tiers.device_tier()` after admit()
- * @throw logic_error as inject_host (a batch holding cache adapters included: they commit only
- *        through injection_batch::run), or if the request is stale; nothing is written then.
+ * @throw logic_error as the host run (injection_batch::run), if the batch holds cache adapters
+ *        (they commit only through injection_batch::run), or if the request is stale; nothing is
+ *        written then.
  */
 template <class Rotation>
 void inject_tiered_host(tiered_store& tiers,

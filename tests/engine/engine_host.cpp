@@ -619,7 +619,7 @@ TEST_CASE("fused multiply-add rotation: fma(x, c, -(y s)), fma(x, s, y c) on a f
   opts.first_position = 1;
   injection_batch batch{store};
   batch.add(compose(store, {1}, opts), std::vector<std::int64_t>{0});
-  inject_host(store, batch, cache, fused);
+  batch.run(cache, fused);
   CHECK(out[0] == std::fma(k[0], c, -(k[1] * s)));
   CHECK(out[1] == std::fma(k[0], s, k[1] * c));
   CHECK(out[2] == std::fma(k[2], c, -(k[3] * s)));

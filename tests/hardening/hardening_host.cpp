@@ -1,6 +1,6 @@
 // The input-hardening battery: bad input thrown at every public entry point a user reaches on the
 // host (the store, compose, the injection batch, cache descriptors, rotation specs and HF configs,
-// the index, inject_host / extract_host). Each case runs in its own process (fork + waitpid), so a
+// the index, the host run / extract_host). Each case runs in its own process (fork + waitpid), so a
 // segmentation fault or an abort fails that case and not the battery. A case passes when the call
 // is refused with an inferscale::logic_error whose message holds the expected words and the
 // store (catalogue, pool bytes, version, free pages), the cache bytes, the index (size, version,
@@ -636,7 +636,7 @@ void batch_cases()
     host_cache<bfloat16_t> c;
     cache_guard<bfloat16_t> const gc{c};
     rotation_fixture r;
-    expect_refused([&] { inject_host(s, b, c.desc, r.params); }, "the store changed");
+    expect_refused([&] { b.run(c.desc, r.params); }, "the store changed");
     gb.check();
     gs.check();
     gc.check();
@@ -769,18 +769,14 @@ void inject_cases()
   inject_case(
     "slot beyond the cache (pluralised)",
     "slot 64 is beyond the cache's 64 slots",
-    [](kv_store& s, injection_batch& b, cache_t& c, rotation_fixture& r) {
-      inject_host(s, b, c.desc, r.params);
-    },
+    [](kv_store&, injection_batch& b, cache_t& c, rotation_fixture& r) { b.run(c.desc, r.params); },
     [](kv_store& s, injection_batch& b, cache_t&, rotation_fixture&) {
       b.add(compose(s, {3}), std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 64});
     });
   inject_case(
     "position beyond the engine's cos/sin table",
     "is beyond the cos/sin table (32 rows)",
-    [](kv_store& s, injection_batch& b, cache_t& c, rotation_fixture& r) {
-      inject_host(s, b, c.desc, r.table);
-    },
+    [](kv_store&, injection_batch& b, cache_t& c, rotation_fixture& r) { b.run(c.desc, r.table); },
     [](kv_store& s, injection_batch& b, cache_t&, rotation_fixture&) {
       compose_options o{};
       o.first_position = 30;
@@ -790,10 +786,10 @@ void inject_cases()
     "position beyond the model's max_position (rope_params)",
     "position 36 is beyond the model's range (max_position 32; set "
     "rope_params::allow_beyond_max_position to opt in)",
-    [](kv_store& s, injection_batch& b, cache_t& c, rotation_fixture& r) {
+    [](kv_store&, injection_batch& b, cache_t& c, rotation_fixture& r) {
       rope_params p  = r.params;
       p.max_position = 32;
-      inject_host(s, b, c.desc, p);
+      b.run(c.desc, p);
     },
     [](kv_store& s, injection_batch& b, cache_t&, rotation_fixture&) {
       compose_options o{};
@@ -802,68 +798,59 @@ void inject_cases()
     });
   inject_case("hand-built plan near INT64_MAX refused with the opt-in",
               "below rope_position_limit",
-              [](kv_store& s, injection_batch& b, cache_t& c, rotation_fixture& r) {
+              [](kv_store&, injection_batch& b, cache_t& c, rotation_fixture& r) {
                 rope_params p               = r.params;
                 p.allow_beyond_max_position = true;
                 b.add(hand_plan(std::numeric_limits<std::int64_t>::max() - 3, 3),
                       slot_range(40, 3));
-                inject_host(s, b, c.desc, p);
+                b.run(c.desc, p);
               });
   inject_case("hand-built plan at a negative position never reaches the table",
               "must be non-negative",
-              [](kv_store& s, injection_batch& b, cache_t& c, rotation_fixture& r) {
+              [](kv_store&, injection_batch& b, cache_t& c, rotation_fixture& r) {
                 b.add(hand_plan(-2, 3), slot_range(40, 3));
-                inject_host(s, b, c.desc, r.table);
-              });
-  inject_case("batch of another store",
-              "different store",
-              [](kv_store&, injection_batch&, cache_t& c, rotation_fixture& r) {
-                kv_store other     = make_store();
-                kv_store mine      = make_store();
-                injection_batch ob = make_batch(other);
-                inject_host(mine, ob, c.desc, r.params);
+                b.run(c.desc, r.table);
               });
   inject_case("cache of 1 layer for a store of 2 (pluralised)",
               "the store holds 2 layers x 2 heads x 8, the cache 1 x 2 x 8",
-              [](kv_store& s, injection_batch& b, cache_t& c, rotation_fixture& r) {
+              [](kv_store&, injection_batch& b, cache_t& c, rotation_fixture& r) {
                 paged_kv_cache one = c.desc;
                 one.num_layers     = 1;
-                inject_host(s, b, one, r.params);
+                b.run(one, r.params);
               });
   inject_case("rotation for another head_dim",
               "differs from the store's 8",
-              [](kv_store& s, injection_batch& b, cache_t& c, rotation_fixture&) {
+              [](kv_store&, injection_batch& b, cache_t& c, rotation_fixture&) {
                 rope_spec sp = spec();
                 sp.head_dim  = 16;
-                inject_host(s, b, c.desc, make_rope_params(sp));
+                b.run(c.desc, make_rope_params(sp));
               });
   inject_case("cos/sin table with null data",
               "data is null",
-              [](kv_store& s, injection_batch& b, cache_t& c, rotation_fixture& r) {
+              [](kv_store&, injection_batch& b, cache_t& c, rotation_fixture& r) {
                 auto t = r.table;
                 t.data = nullptr;
-                inject_host(s, b, c.desc, t);
+                b.run(c.desc, t);
               });
   inject_case("cos/sin table rows shorter than rotary_dim",
               "row_stride 4 is shorter",
-              [](kv_store& s, injection_batch& b, cache_t& c, rotation_fixture& r) {
+              [](kv_store&, injection_batch& b, cache_t& c, rotation_fixture& r) {
                 auto t       = r.table;
                 t.row_stride = 4;
-                inject_host(s, b, c.desc, t);
+                b.run(c.desc, t);
               });
   auto const scale_case = [](std::string name, float bad, char const* words) {
-    inject_case<e4m3>(
-      "fp8 scale " + name,
-      words,
-      [=](kv_store& s, injection_batch& b, host_cache<e4m3>& c, rotation_fixture& r) {
-        static float k[2], v[2];
-        k[0] = 1.0f;
-        k[1] = 0.5f;
-        v[0] = 2.0f;
-        v[1] = bad;
-        set_scales(c.desc, k, v);
-        inject_host(s, b, c.desc, r.params);
-      });
+    inject_case<e4m3>("fp8 scale " + name,
+                      words,
+                      [=](kv_store&, injection_batch& b, host_cache<e4m3>& c, rotation_fixture& r) {
+                        static float k[2], v[2];
+                        k[0] = 1.0f;
+                        k[1] = 0.5f;
+                        v[0] = 2.0f;
+                        v[1] = bad;
+                        set_scales(c.desc, k, v);
+                        b.run(c.desc, r.params);
+                      });
   };
   scale_case("zero", 0.0f, "the value scale of layer 1 is 0.000000; fp8 scales must be positive");
   scale_case("negative", -0.5f, "fp8 scales must be positive and finite");
@@ -874,12 +861,12 @@ void inject_cases()
   inject_case<e4m3>(
     "fp8 per-head scale zero for head 1",
     "the key scale of layer 0, head 1",
-    [](kv_store& s, injection_batch& b, host_cache<e4m3>& c, rotation_fixture& r) {
+    [](kv_store&, injection_batch& b, host_cache<e4m3>& c, rotation_fixture& r) {
       static float k[2][2] = {{1.0f, 0.0f}, {1.0f, 1.0f}};
       static float v[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};
       c.desc.set_fp8_scales(
         kv_scale_convention::multiply, kv_scale_granularity::per_head, {k[0], k[1]}, {v[0], v[1]});
-      inject_host(s, b, c.desc, r.params);
+      b.run(c.desc, r.params);
     });
 
   // Extraction (host): the store, the cache and the batch unchanged.

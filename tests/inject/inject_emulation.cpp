@@ -2,7 +2,7 @@
 // extract_kernel's units are __host__ __device__ functions, and make_inject_launch resolves a
 // launch without any CUDA call. Emulating every block and thread of that launch on the host, with
 // the same arguments the device would get, tests the kernel's tiling, unit indexing, vectorized
-// and scalar paths against the host backend (inject_host, extract_host) on machines without a GPU.
+// and scalar paths against the host backend (the host run, extract_host) on machines without a GPU.
 // Both sides compute cos/sin with the same host functions, so the results must agree bit for bit.
 // A plain C++ unit: the block code (detail/inject/block.hpp) needs no CUDA compiler.
 
@@ -246,8 +246,8 @@ void check_inject(engine_layout layout,
   set_scales<Pair>(host_desc, scales, s);
   set_scales<Pair>(kernel_desc, scales, s);
 
-  injection_batch const batch = make_batch(store, 0);
-  inject_host(store, batch, host_desc, rotation);
+  injection_batch batch = make_batch(store, 0);
+  batch.run(host_desc, rotation);
   bool const vectorized = emulate_inject<S, C>(store, batch, kernel_desc, rotation, sm_count);
   CAPTURE(vectorized, batch.num_tokens());
   REQUIRE(vectorized == expect_vectorized<S>(s, layout));
@@ -288,7 +288,7 @@ void check_all(int sm_count)
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("the inject kernel's code, emulated on the CPU, equals inject_host bit for bit",
+TEMPLATE_TEST_CASE("the inject kernel's code, emulated on the CPU, equals the host run bit for bit",
                    "[inject][emulation]",
                    bf16_to_bf16,
                    fp32_to_fp32,
@@ -518,7 +518,7 @@ TEST_CASE("the inject kernel's code skips and counts rows whose fp8 scale is unu
   kv_store store = inferscale_test::make_host_store(s.layers, s.heads, s.head_dim, dtype::bfloat16, 8, 32);
   populate(store, make_facts(s), s);
   rope_params const params    = make_params(s);
-  injection_batch const batch = make_batch(store, 0);
+  injection_batch batch       = make_batch(store, 0);
 
   engine_cache<C> by_host(ly, s.layers, s.blocks, block_size, s.heads, s.head_dim);
   engine_cache<C> by_kernel(ly, s.layers, s.blocks, block_size, s.heads, s.head_dim);
@@ -533,7 +533,7 @@ TEST_CASE("the inject kernel's code skips and counts rows whose fp8 scale is unu
                            {good + 0, good + 2}, {good + 1, good + 3});
   kernel_desc.set_fp8_scales(kv_scale_convention::divide, kv_scale_granularity::per_tensor,
                              {bad + 0, bad + 2}, {bad + 1, bad + 3});
-  inject_host(store, batch, host_desc, params);
+  batch.run(host_desc, params);
 
   inject_device_errors errors{};
   auto const config = detail::make_inject_launch<S, C>(

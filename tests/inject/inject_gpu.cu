@@ -405,9 +405,8 @@ void require_device_equals_host(scenario<Pair>& s, bool large)
 {
   using S                  = typename Pair::store_t;
   using C                  = typename Pair::cache_t;
-  injection_batch const hb = large ? make_large_batch(s.host_store) : make_batch(s.host_store, 0);
-  injection_batch const db =
-    large ? make_large_batch(s.device_store) : make_batch(s.device_store, 0);
+  injection_batch hb       = large ? make_large_batch(s.host_store) : make_batch(s.host_store, 0);
+  injection_batch db = large ? make_large_batch(s.device_store) : make_batch(s.device_store, 0);
   REQUIRE(hb.store_tokens() == db.store_tokens());  // same history, same pages
   REQUIRE(hb.positions() == db.positions());
   REQUIRE(hb.slots() == db.slots());
@@ -418,15 +417,10 @@ void require_device_equals_host(scenario<Pair>& s, bool large)
   REQUIRE(vectorized == (s.g.vectorizable && s.layout != engine_layout::vllm_legacy &&
                          s.layout != engine_layout::vllm_cpu));
 
-  inject_host(s.host_store, hb, s.host_desc, s.host_rotation);
+  hb.run(s.host_desc, s.host_rotation);
   cuda_stream stream;
   injection_workspace workspace(db.num_tokens());
-  inject_async<S, C>(s.device_store,
-               db,
-               s.device_desc,
-               s.device_rotation,
-               workspace,
-               cuda::stream_ref{stream.get()});
+  db.run<S, C>(s.device_desc, s.device_rotation, workspace, cuda::stream_ref{stream.get()});
   bytes const device = s.device_bytes(stream.get());
   bytes const host   = s.host_bytes();
   REQUIRE(first_difference(host, s.original) != -1);  // something was written
@@ -477,13 +471,12 @@ TEMPLATE_TEST_CASE("device injection with computed rope_params is within one uni
   rope_params params = s.params;
   params.angle_mode  = mode;
   // Positions near 90000: large angles, where the two sincos implementations differ most.
-  injection_batch const hb = make_batch(s.host_store, 90000);
-  injection_batch const db = make_batch(s.device_store, 90000);
-  inject_host(s.host_store, hb, s.host_desc, params);
+  injection_batch hb = make_batch(s.host_store, 90000);
+  injection_batch db = make_batch(s.device_store, 90000);
+  hb.run(s.host_desc, params);
   cuda_stream stream;
   injection_workspace workspace(db.num_tokens());
-  inject_async<S, C>(
-    s.device_store, db, s.device_desc, params, workspace, cuda::stream_ref{stream.get()});
+  db.run<S, C>(s.device_desc, params, workspace, cuda::stream_ref{stream.get()});
   bytes const device = s.device_bytes(stream.get());
   bytes const host   = s.host_bytes();
   REQUIRE(first_difference(host, s.original) != -1);
@@ -572,7 +565,7 @@ TEMPLATE_TEST_CASE("a captured CUDA graph of the raw injection replays restaged 
     CAPTURE(shift);
     workspace.stage(*batch, ref);
     INFERSCALE_CUDA_TRY(cudaGraphLaunch(owner.exec, stream.get()));
-    inject_host(s.host_store, make_batch(s.host_store, shift), s.host_desc, s.host_rotation);
+    make_batch(s.host_store, shift).run(s.host_desc, s.host_rotation);
     bytes const device = s.device_bytes(stream.get());
     REQUIRE(first_difference(device, s.host_bytes()) == -1);
     if (batch == &second) {
@@ -616,7 +609,7 @@ TEST_CASE("staging on another stream waits for the launch still to read the prev
   workspace.stage(second, cuda::stream_ref{b.get()});
   INFERSCALE_CUDA_TRY(cudaStreamSynchronize(b.get()));
 
-  inject_host(s.host_store, make_batch(s.host_store, 0), s.host_desc, s.host_rotation);
+  make_batch(s.host_store, 0).run(s.host_desc, s.host_rotation);
   REQUIRE(first_difference(s.device_bytes(a.get()), s.host_bytes()) == -1);
 }
 
@@ -709,7 +702,7 @@ void require_raw_launch_skips(engine_layout layout, geometry_case const& g)
     expected.add(requests[r].plan, host_slots[r]);
   }
   REQUIRE(expected.store_tokens() == store_tokens);
-  inject_host(s.host_store, expected, s.host_desc, s.host_rotation);
+  expected.run(s.host_desc, s.host_rotation);
   bytes const device = s.device_bytes(stream.get());
   bytes const host   = s.host_bytes();
   REQUIRE(first_difference(host, s.original) != -1);
@@ -768,13 +761,13 @@ TEMPLATE_TEST_CASE("device extraction equals host extraction",
 
   // Inject first, so that one extracted span holds injected keys (request A's 27 tokens at their
   // positions 12..); the other is 19 random tokens in unused blocks at positions 777...
-  injection_batch const hb = make_batch(s.host_store, 0);
-  injection_batch const db = make_batch(s.device_store, 0);
-  inject_host(s.host_store, hb, s.host_desc, s.host_rotation);
+  injection_batch hb = make_batch(s.host_store, 0);
+  injection_batch db = make_batch(s.device_store, 0);
+  hb.run(s.host_desc, s.host_rotation);
   injection_workspace workspace(db.num_tokens());
   using S = typename TestType::store_t;
   using C = typename TestType::cache_t;
-  inject_async<S, C>(s.device_store, db, s.device_desc, s.device_rotation, workspace, ref);
+  db.run<S, C>(s.device_desc, s.device_rotation, workspace, ref);
   REQUIRE(first_difference(s.device_bytes(stream.get()), s.host_bytes()) == -1);
 
   std::vector<std::int32_t> const blocks = unused_blocks();
@@ -826,7 +819,7 @@ TEMPLATE_TEST_CASE("device extraction equals host extraction",
 
 namespace {
 
-/// Every refusal of the checked inject_async leaves the device cache as it was.
+/// Every refusal of the checked device run leaves the device cache as it was.
 template <class Pair>
 void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case const& g)
 {
@@ -853,9 +846,8 @@ void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case 
     auto slots = free_slots;
     slots[5]   = s.device_desc.num_slots();
     batch.add(plan, slots);
-    REQUIRE_THROWS_AS(
-      (inject_async<S, C>(s.device_store, batch, s.device_desc, s.device_rotation, workspace, ref)),
-      logic_error);
+    REQUIRE_THROWS_AS((batch.run<S, C>(s.device_desc, s.device_rotation, workspace, ref)),
+                      logic_error);
     unchanged();
   }
   SECTION("a position beyond the table")
@@ -865,45 +857,35 @@ void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case 
     far.order          = fact_order::as_given;
     injection_batch batch(s.device_store);
     batch.add(compose(s.device_store, {11, 13}, far), free_slots);
-    REQUIRE_THROWS_AS(
-      (inject_async<S, C>(s.device_store, batch, s.device_desc, s.device_rotation, workspace, ref)),
-      logic_error);
+    REQUIRE_THROWS_AS((batch.run<S, C>(s.device_desc, s.device_rotation, workspace, ref)),
+                      logic_error);
     unchanged();
   }
   SECTION("a workspace too small for the batch")
   {
-    injection_batch const batch = make_batch(s.device_store, 0);
+    injection_batch batch = make_batch(s.device_store, 0);
     injection_workspace small(batch.num_tokens() - 1);
-    REQUIRE_THROWS_AS(
-      (inject_async<S, C>(s.device_store, batch, s.device_desc, s.device_rotation, small, ref)),
-      logic_error);
+    REQUIRE_THROWS_AS((batch.run<S, C>(s.device_desc, s.device_rotation, small, ref)), logic_error);
     unchanged();
   }
-  SECTION("a batch of another store, a host store")
+  SECTION("a batch of a host store")
   {
-    injection_batch const host_batch = make_batch(s.host_store, 0);
-    REQUIRE_THROWS_AS(
-      (inject_async<S, C>(
-        s.device_store, host_batch, s.device_desc, s.device_rotation, workspace, ref)),
-      logic_error);
-    REQUIRE_THROWS_AS(
-      (inject_async<S, C>(
-        s.host_store, host_batch, s.device_desc, s.device_rotation, workspace, ref)),
-      logic_error);
+    injection_batch host_batch = make_batch(s.host_store, 0);
+    REQUIRE_THROWS_AS((host_batch.run<S, C>(s.device_desc, s.device_rotation, workspace, ref)),
+                      logic_error);
     unchanged();
   }
   SECTION("a stale batch, then a fresh one is accepted")
   {
-    injection_batch const stale = make_batch(s.device_store, 0);
+    injection_batch stale = make_batch(s.device_store, 0);
     insert_fact(s.device_store, 900, 2, 3, g);
     insert_fact(s.host_store, 900, 2, 3, g);
-    REQUIRE_THROWS_AS(
-      (inject_async<S, C>(s.device_store, stale, s.device_desc, s.device_rotation, workspace, ref)),
-      logic_error);
+    REQUIRE_THROWS_AS((stale.run<S, C>(s.device_desc, s.device_rotation, workspace, ref)),
+                      logic_error);
     unchanged();
-    injection_batch const fresh = make_batch(s.device_store, 0);
-    inject_async<S, C>(s.device_store, fresh, s.device_desc, s.device_rotation, workspace, ref);
-    inject_host(s.host_store, make_batch(s.host_store, 0), s.host_desc, s.host_rotation);
+    injection_batch fresh = make_batch(s.device_store, 0);
+    fresh.run<S, C>(s.device_desc, s.device_rotation, workspace, ref);
+    make_batch(s.host_store, 0).run(s.host_desc, s.host_rotation);
     REQUIRE(first_difference(s.device_bytes(stream.get()), s.host_bytes()) == -1);
   }
 }
@@ -928,27 +910,26 @@ TEST_CASE("the dtype dispatch and a named dtype pair launch the same kernels; a 
           "refused",
           "[gpu][inject]")
 {
-  // Every other test here names its pair (inject_async<S, C>, extract<S, C>), which compiles only
+  // Every other test here names its pair (run<S, C>, extract<S, C>), which compiles only
   // that pair's kernels; this one goes through the run-time dispatch (all fifteen pairs compiled
   // for the bfloat16 table) and checks it lands on the same bytes as the host.
   auto const g = geometry_cases()[0];
   scenario<bf16_to_bf16> s(engine_layout::vllm_flash_attn_nhd, g);
   cuda_stream stream;
   cuda::stream_ref const ref{stream.get()};
-  injection_batch const db = make_batch(s.device_store, 0);
+  injection_batch db = make_batch(s.device_store, 0);
   injection_workspace workspace(db.num_tokens());
 
   // A pair other than the store's and the cache's: refused before staging, cache unchanged.
-  REQUIRE_THROWS_AS((inject_async<float, float>(
-                      s.device_store, db, s.device_desc, s.device_rotation, workspace, ref)),
+  REQUIRE_THROWS_AS((db.run<float, float>(s.device_desc, s.device_rotation, workspace, ref)),
                     logic_error);
-  REQUIRE_THROWS_AS((inject_async<bfloat16_t, float8_e4m3_t>(
-                      s.device_store, db, s.device_desc, s.device_rotation, workspace, ref)),
-                    logic_error);
+  REQUIRE_THROWS_AS(
+    (db.run<bfloat16_t, float8_e4m3_t>(s.device_desc, s.device_rotation, workspace, ref)),
+    logic_error);
   REQUIRE(first_difference(s.device_bytes(stream.get()), s.original) == -1);
 
-  inject_async(s.device_store, db, s.device_desc, s.device_rotation, workspace, ref);
-  inject_host(s.host_store, make_batch(s.host_store, 0), s.host_desc, s.host_rotation);
+  db.run(s.device_desc, s.device_rotation, workspace, ref);
+  make_batch(s.host_store, 0).run(s.host_desc, s.host_rotation);
   REQUIRE(first_difference(s.host_bytes(), s.original) != -1);
   REQUIRE(first_difference(s.device_bytes(stream.get()), s.host_bytes()) == -1);
 

@@ -231,7 +231,7 @@ float read_store(kv_store const& store,
 // ------------------------------------------------------------------------------------------------
 // a. Rotation and conversion
 
-TEMPLATE_TEST_CASE("inject_host writes keys rotated to their positions and values converted",
+TEMPLATE_TEST_CASE("the host run writes keys rotated to their positions and values converted",
                    "[inject]",
                    float,
                    half_t,
@@ -264,14 +264,14 @@ TEMPLATE_TEST_CASE("inject_host writes keys rotated to their positions and value
   }
   injection_batch batch(store);
   batch.add(compose(store, {7}, at(p0)), slots);
-  inject_host(store, batch, describe_cache(ec), rope.params());
+  batch.run(describe_cache(ec), rope.params());
 
   std::vector<placed_token> writes;
   place(writes, fact, 0, tokens, p0, slots);
   check_cache(ec, before, writes, rope, store_dt);
 }
 
-TEMPLATE_TEST_CASE("inject_host into fp8 caches: within one fp8 step, both scale conventions",
+TEMPLATE_TEST_CASE("the host run into fp8 caches: within one fp8 step, both scale conventions",
                    "[inject]",
                    float8_e4m3_t,
                    float8_e5m2_t)
@@ -331,7 +331,7 @@ TEMPLATE_TEST_CASE("inject_host into fp8 caches: within one fp8 step, both scale
   slots.resize(static_cast<std::size_t>(tokens));
   injection_batch batch(store);
   batch.add(compose(store, {3}, at(29)), slots);
-  inject_host(store, batch, cache, rope.params());
+  batch.run(cache, rope.params());
 
   std::vector<placed_token> writes;
   place(writes, fact, 0, tokens, 29, slots);
@@ -391,7 +391,7 @@ TEMPLATE_TEST_CASE("a multi-request batch lands in every engine layout and nowhe
   REQUIRE(batch.max_slot() == 38);
   REQUIRE(batch.max_position() == 1006);
 
-  inject_host(store, batch, describe_cache(ec), rope.params());
+  batch.run(describe_cache(ec), rope.params());
 
   std::vector<placed_token> writes;
   place(writes, f11, 0, 5, 0, {3, -1, 17, 18, 19});
@@ -442,7 +442,7 @@ TEMPLATE_TEST_CASE("inject, extract, inject again reproduces the cache",
   {
     injection_batch batch(store);
     batch.add(compose(store, {21}, at(p0)), slots);
-    inject_host(store, batch, describe_cache(a), params);
+    batch.run(describe_cache(a), params);
   }
   std::vector<std::int32_t> const ids(fact.token_ids);
   extract_host(describe_cache(a), slots, p0, params, store, 99, 1, ids);
@@ -475,7 +475,7 @@ TEMPLATE_TEST_CASE("inject, extract, inject again reproduces the cache",
   {
     injection_batch batch(store);
     batch.add(compose(store, {99}, at(p0)), slots);
-    inject_host(store, batch, describe_cache(b), params);
+    batch.run(describe_cache(b), params);
   }
   std::int64_t elements = 0, identical = 0, beyond = 0;
   for (int l = 0; l < L; ++l) {
@@ -552,7 +552,7 @@ TEST_CASE("scores against injected keys depend only on the query-key distance", 
     ec.fill_random(1);
     injection_batch batch(store);
     batch.add(compose(store, {5}, at(p0)), slots);
-    inject_host(store, batch, describe_cache(ec), rope.params());
+    batch.run(describe_cache(ec), rope.params());
   };
   engine_cache<float> ca(engine_layout::contiguous, L, 4, 4, H, D);
   engine_cache<float> cb(engine_layout::contiguous, L, 4, 4, H, D);
@@ -621,8 +621,8 @@ TEST_CASE("an engine cos/sin table rotates as rope_params do; positions beyond i
   // Last position 63: the table's last row.
   injection_batch batch(store);
   batch.add(compose(store, {8}, at(rows - m)), slots);
-  inject_host(store, batch, describe_cache(x), table);
-  inject_host(store, batch, describe_cache(y), params);
+  batch.run(describe_cache(x), table);
+  batch.run(describe_cache(y), params);
 
   std::vector<placed_token> writes;
   place(writes, fact, 0, m, rows - m, slots);
@@ -649,11 +649,10 @@ TEST_CASE("an engine cos/sin table rotates as rope_params do; positions beyond i
   injection_batch late(store);
   late.add(compose(store, {8}, at(rows - m + 1)), slots);
   REQUIRE(late.max_position() == rows);
-  REQUIRE_THROWS_WITH(inject_host(store, late, describe_cache(z), table),
-                      Contains("beyond the cos/sin table"));
+  REQUIRE_THROWS_WITH(late.run(describe_cache(z), table), Contains("beyond the cos/sin table"));
   REQUIRE(snapshot(z, store) == s0);
   // rope_params have no table: the same batch is accepted.
-  REQUIRE_NOTHROW(inject_host(store, late, describe_cache(z), params));
+  REQUIRE_NOTHROW(late.run(describe_cache(z), params));
   REQUIRE(z.hash() != s0.cache_hash);
 }
 
@@ -674,7 +673,7 @@ TEST_CASE("a 16-bit table with vLLM's per-operation rounding stays within bf16 r
   std::vector<std::int64_t> const slots{7, 6, 5, 4, 3};
   injection_batch batch(store);
   batch.add(compose(store, {1}, at(4000)), slots);
-  inject_host(store, batch, describe_cache(ec), table);
+  batch.run(describe_cache(ec), table);
 
   // cos and sin rounded to bf16 (the table), each product and the sum rounded to bf16: a few
   // bf16 roundings (2^-9 relative) of the pair's norm, on top of the exact rotation.
@@ -722,7 +721,7 @@ TEST_CASE("truncate_to_bfloat16: fp32 rotation truncated to bf16, as vLLM's AVX2
   }
   injection_batch batch(store);
   batch.add(compose(store, {1}, at(1000)), slots);
-  inject_host(store, batch, describe_cache(ec), table);
+  batch.run(describe_cache(ec), table);
 
   // Written out: x c - y s and y c + x s in fp32 (each product and the sum rounded once, no
   // fused multiply-add), then the upper 16 bits of the fp32 result.
@@ -770,8 +769,7 @@ TEST_CASE("truncate_to_bfloat16: fp32 rotation truncated to bf16, as vLLM's AVX2
     engine_cache<half_t> ech(engine_layout::vllm_cpu, L, 2, 32, H, D);
     ech.fill_random(4);
     std::uint64_t const before = ech.hash();
-    REQUIRE_THROWS_WITH(inject_host(store, batch, describe_cache(ech), table),
-                        Contains("truncate_to_bfloat16"));
+    REQUIRE_THROWS_WITH(batch.run(describe_cache(ech), table), Contains("truncate_to_bfloat16"));
     REQUIRE(ech.hash() == before);
   }
 }
@@ -850,7 +848,7 @@ TEST_CASE("refused compositions, batches, injections and extractions change noth
     injection_batch batch(store);
     batch.add(compose(store, {2}), std::vector<std::int64_t>{15, 16, -1});
     REQUIRE(batch.max_slot() == 16);
-    REQUIRE_THROWS_WITH(inject_host(store, batch, cache, params), Contains("beyond the cache"));
+    REQUIRE_THROWS_WITH(batch.run(cache, params), Contains("beyond the cache"));
     REQUIRE(snapshot(ec, store) == s0);
   }
   SECTION("a slot written twice in one batch: add refuses, the batch is unchanged")
@@ -881,8 +879,7 @@ TEST_CASE("refused compositions, batches, injections and extractions change noth
     for (auto* other : {&heads3, &layers1, &dim32}) {
       other->fill_random(4);
       state const s0 = snapshot(*other, store);
-      REQUIRE_THROWS_WITH(inject_host(store, batch, describe_cache(*other), params),
-                          Contains("geometry mismatch"));
+      REQUIRE_THROWS_WITH(batch.run(describe_cache(*other), params), Contains("geometry mismatch"));
       REQUIRE(snapshot(*other, store) == s0);
     }
   }
@@ -892,23 +889,23 @@ TEST_CASE("refused compositions, batches, injections and extractions change noth
     injection_batch batch(store);
     batch.add(compose(store, {1}), std::vector<std::int64_t>{0, 1, 2, 3, 4});
     ref_rope const wide{32, 32, 10000.0, false, true};
-    REQUIRE_THROWS_WITH(inject_host(store, batch, cache, wide.params()),
+    REQUIRE_THROWS_WITH(batch.run(cache, wide.params()),
                         Contains("the rotation's head_dim 32 differs"));
     rope_params odd = params;
     odd.rotary_dim  = 18;  // more than head_dim 16
-    REQUIRE_THROWS_WITH(inject_host(store, batch, cache, odd), Contains("rotary_dim"));
+    REQUIRE_THROWS_WITH(batch.run(cache, odd), Contains("rotary_dim"));
     odd.rotary_dim = 7;
-    REQUIRE_THROWS_WITH(inject_host(store, batch, cache, odd), Contains("rotary_dim"));
+    REQUIRE_THROWS_WITH(batch.run(cache, odd), Contains("rotary_dim"));
     REQUIRE(snapshot(ec, store) == s0);
   }
-  SECTION("a batch built before the store changed, or for another store")
+  SECTION("a batch built before the store changed")
   {
     injection_batch batch(store);
     batch.add(compose(store, {1}), std::vector<std::int64_t>{0, 1, 2, 3, 4});
     fact_data const f3(3, L, 2, H, D, 3);
     f3.insert_into(store);
     state const s0 = snapshot(ec, store);
-    REQUIRE_THROWS_WITH(inject_host(store, batch, cache, params), Contains("the store changed"));
+    REQUIRE_THROWS_WITH(batch.run(cache, params), Contains("the store changed"));
     REQUIRE_THROWS_WITH(batch.add(compose(store, {3}), std::vector<std::int64_t>{9, 10}),
                         Contains("the store changed"));
     REQUIRE(snapshot(ec, store) == s0);
@@ -917,16 +914,8 @@ TEST_CASE("refused compositions, batches, injections and extractions change noth
     fresh.add(compose(store, {1}), std::vector<std::int64_t>{0, 1, 2, 3, 4});
     store.erase(3);
     state const s1 = snapshot(ec, store);
-    REQUIRE_THROWS_WITH(inject_host(store, fresh, cache, params), Contains("the store changed"));
+    REQUIRE_THROWS_WITH(fresh.run(cache, params), Contains("the store changed"));
     REQUIRE(snapshot(ec, store) == s1);
-
-    kv_store other = make_host_store(L, H, D, dtype::float32, 4, 6);
-    f1.insert_into(other);
-    injection_batch theirs(other);
-    theirs.add(compose(other, {1}), std::vector<std::int64_t>{0, 1, 2, 3, 4});
-    REQUIRE_THROWS_WITH(inject_host(store, theirs, cache, params), Contains("different store"));
-    REQUIRE(snapshot(ec, store) == s1);
-    // (A device-memory store with inject_host needs a GPU to construct; not tested here.)
   }
   SECTION("extraction: negative or out-of-range slot, existing id, exhausted capacity, counts")
   {
@@ -992,7 +981,7 @@ TEST_CASE("a store holding a layer and head shard fills the rank's cache", "[inj
   auto const before = storage_bytes(ec);
   injection_batch batch(store);
   batch.add(compose(store, {1, 2}, at(11)), std::vector<std::int64_t>{15, 0, 1, 2, 3, 4, 5, 6});
-  inject_host(store, batch, describe_cache(ec), rope.params());
+  batch.run(describe_cache(ec), rope.params());
 
   std::vector<placed_token> writes;
   std::int64_t const whole_slots[] = {15, 0, 1};
@@ -1007,7 +996,7 @@ TEST_CASE("a store holding a layer and head shard fills the rank's cache", "[inj
   engine_cache<float> full(layout, ML, 4, 4, MH, D);
   full.fill_random(12);
   std::uint64_t const h = full.hash();
-  REQUIRE_THROWS_WITH(inject_host(store, batch, describe_cache(full), rope.params()),
+  REQUIRE_THROWS_WITH(batch.run(describe_cache(full), rope.params()),
                       Contains("geometry mismatch"));
   REQUIRE(full.hash() == h);
 }
@@ -1151,12 +1140,12 @@ TEST_CASE("an injection step planned three ways runs on the host as the referenc
     REQUIRE(writes.size() == 4 + 7 + 4);
     check_cache(a, before, writes, rope, dtype::float32);
 
-    // The reference path: one explicit slot mapping per request through inject_host.
+    // The reference path: one explicit slot mapping per request, run into b.
     injection_batch reference(store);
     reference.add(r0, s0);
     reference.add(r1, s1);
     reference.add(r2, std::vector<std::int64_t>{28, 29, 30, 31});
-    inject_host(store, reference, desc_b, params);
+    reference.run(desc_b, params);
     REQUIRE(storage_bytes(a) == storage_bytes(b));
 
     // A second run rewrites the same bytes and commits nothing more.
@@ -1209,8 +1198,6 @@ TEST_CASE("an injection step planned three ways runs on the host as the referenc
     // A rotation for another head_dim.
     ref_rope const wide{2 * D, 2 * D, 10000.0, false, true};
     REQUIRE_THROWS_AS(step.run(desc_a, wide.params()), logic_error);
-    // The former name refuses a step holding adapters (they commit only through run).
-    REQUIRE_THROWS_WITH(inject_host(store, step, desc_a, params), Contains("cache adapters"));
     REQUIRE(snapshot(a, store) == sa);
     REQUIRE(snapshot(b, store) == sb);
     REQUIRE(adapter.commits == 0);
@@ -1258,7 +1245,7 @@ TEST_CASE(
   {
     injection_batch step(store);
     step.add(compose(store, {3}, at(100 - m)), slots);  // positions 96 .. 99
-    REQUIRE_NOTHROW(inject_host(store, step, desc, ranged));
+    REQUIRE_NOTHROW(step.run(desc, ranged));
     std::vector<placed_token> writes;
     place(writes, f3, 0, m, 100 - m, slots);
     check_cache(c, before, writes, rope, dtype::float32);
@@ -1268,7 +1255,7 @@ TEST_CASE(
     state const s0 = snapshot(c, store);
     injection_batch step(store);
     step.add(compose(store, {3}, at(100 - m + 1)), slots);  // positions 97 .. 100
-    REQUIRE_THROWS_WITH(inject_host(store, step, desc, ranged),
+    REQUIRE_THROWS_WITH(step.run(desc, ranged),
                         Contains("position 100 is beyond the model's range (max_position 100") &&
                           Contains("allow_beyond_max_position") &&
                           Contains("positions must be in [0, 100)"));
@@ -1277,11 +1264,11 @@ TEST_CASE(
     // p0 = 10^9 for the same model: refused the same way
     injection_batch far(store);
     far.add(compose(store, {3}, at(1000000000)), slots);
-    REQUIRE_THROWS_WITH(inject_host(store, far, desc, ranged),
+    REQUIRE_THROWS_WITH(far.run(desc, ranged),
                         Contains("position 1000000003 is beyond the model's range"));
     REQUIRE(storage_bytes(c) == before);
     // the opt-in accepts it, and writes what an unranged rotation writes
-    REQUIRE_NOTHROW(inject_host(store, far, desc, opted));
+    REQUIRE_NOTHROW(far.run(desc, opted));
     std::vector<placed_token> writes;
     place(writes, f3, 0, m, 1000000000, slots);
     check_cache(c, before, writes, rope, dtype::float32);

@@ -112,7 +112,7 @@ void check_injection(dtype store_dt,
     }
     slots[4] = -1;  // a skipped token
     batch.add(plan, slots);
-    rot.visit(rotation, rows, [&](auto const& r) { inject_host(store, batch, cache, r); });
+    rot.visit(rotation, rows, [&](auto const& r) { batch.run(cache, r); });
     results.push_back(storage_bytes(ec));
   });
   REQUIRE(results.size() >= 2);
@@ -298,7 +298,7 @@ TEST_CASE("token-major keys with vLLM's truncating rotation: the vector path wri
     }
     slots[20] = -1;  // a skipped token breaks a run
     batch.add(plan, slots);
-    inject_host(store, batch, describe_cache(ec), table);
+    batch.run(describe_cache(ec), table);
     results.push_back(storage_bytes(ec));
   });
   REQUIRE(results.size() >= 2);

@@ -413,7 +413,7 @@ TEST_CASE("snapshot: composition and host injection from a reloaded store give i
     }
     injection_batch batch{s};
     batch.add(plan, slots);
-    inject_host(s, batch, cache, rotation);
+    batch.run(cache, rotation);
     return std::make_pair(plan.token_ids, data);
   };
   auto const [tokens_a, cache_a] = run(store);

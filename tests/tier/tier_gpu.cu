@@ -1,6 +1,6 @@
 // The device tier in device memory and the host tier in pinned host memory (tier.cuh): staged
 // facts are copied layer by layer on a copy stream and injected per layer behind their copy
-// events; the cache bytes must equal inject_async from one device store holding every fact, over
+// events; the cache bytes must equal the device run from one device store holding every fact, over
 // random requests with evictions. Reported skipped by CTest where no GPU is visible.
 #include "device_memory.hpp"
 
@@ -108,7 +108,7 @@ TEST_CASE("tier gpu: staged per-layer injection equals injection from one device
     batch.add(plan, slots);
     want_batch.add(want_plan, slots);
     inject_tiered_async(tiers, r, batch, got_desc, rot, ws_got, cuda::stream_ref{compute.get()}, copy.get());
-    inject_async(reference, want_batch, want_desc, rot, ws_want, cuda::stream_ref{compute.get()});
+    want_batch.run(want_desc, rot, ws_want, cuda::stream_ref{compute.get()});
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(compute.get()));
     auto const g = got.to_host(), w = want.to_host();
     REQUIRE(std::equal(g.begin(), g.end(), w.begin(), [](bfloat16_t a, bfloat16_t b) { return a.bits == b.bits; }));

@@ -1,7 +1,7 @@
 // The two tiers (tier.hpp) with both tiers in host memory: the residency catalogue, the LRU policy
 // (checked against a small model of the policy written out here), capacity accounting, refusals
-// that change nothing, and tiered injection, whose cache bytes must equal plain inject_host from one
-// store holding every fact.
+// that change nothing, and tiered injection, whose cache bytes must equal the plain host run from
+// one store holding every fact.
 
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
@@ -514,7 +514,7 @@ TEST_CASE("tier: tiered host injection equals injection from one store holding e
     host_cache got, want;
     tier_host_order const order = step % 2 == 0 ? tier_host_order::per_layer : tier_host_order::whole;
     inject_tiered_host(s, r, batch, got.desc, rot, order);
-    inject_host(reference, want_batch, want.desc, rot);
+    want_batch.run(want.desc, rot);
     REQUIRE(got.bytes() == want.bytes());
     // Something was written (the cache started at -7 everywhere).
     REQUIRE(got.bytes() != host_cache{}.bytes());

@@ -91,7 +91,7 @@ void check_rotation(Rotation const& rotation,
                        std::to_string(rope_table_rows(rotation)) + ")");
 }
 
-/// @brief Everything inject_host and inject_async check before writing.
+/// @brief Everything the host and the device run (injection_batch::run) check before writing.
 template <class Rotation>
 void check_injection(kv_store const& store,
                      injection_batch const& batch,

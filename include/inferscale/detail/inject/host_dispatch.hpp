@@ -169,8 +169,9 @@ void dispatch_store_cache(dtype store_dtype, dtype cache_dtype, F&& f)
 
 /**
  * @brief The host injection of a checked batch view: the runtime dtypes, then the loop. The one
- * place inject_host and inject_tiered_host reach the loops through, so that a program defining
- * INFERSCALE_EXTERN_TEMPLATES compiles them once (instances.hpp) instead of in every unit.
+ * place the host run (injection_batch::run) and inject_tiered_host reach the loops through, so that
+ * a program defining INFERSCALE_EXTERN_TEMPLATES compiles them once (instances.hpp) instead of in
+ * every unit.
  */
 template <class Rotation>
 void inject_host_view(kv_store_ref const& store,

@@ -496,11 +496,11 @@ std::int64_t inject_async(store_handle const& store,
       "(Store.to_device(), or Store.load(path, device=True))");
   }
   expect_device_memory(rotation.data(), "inject_async: the rotation's cos/sin table");
-  injection_batch const batch = make_batch(s, requests);
+  injection_batch batch = make_batch(s, requests);
 #ifdef INFERSCALE_VLLM_CUDA
   {
     nb::gil_scoped_release release;
-    cache.injector().inject(s, batch, cache.get(), rotation.table(), stream);
+    cache.injector().inject(batch, cache.get(), rotation.table(), stream);
   }
 #else
   (void)cache;

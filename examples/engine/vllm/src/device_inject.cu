@@ -22,8 +22,7 @@ device_injector::~device_injector()                                     = defaul
 device_injector::device_injector(device_injector&&) noexcept            = default;
 device_injector& device_injector::operator=(device_injector&&) noexcept = default;
 
-void device_injector::inject(inferscale::kv_store const& store,
-                             inferscale::injection_batch const& batch,
+void device_injector::inject(inferscale::injection_batch& batch,
                              inferscale::paged_kv_cache const& cache,
                              rotation_table const& rotation,
                              std::uintptr_t stream)
@@ -38,11 +37,7 @@ void device_injector::inject(inferscale::kv_store const& store,
     impl_->workspace.reset();
     impl_->workspace.emplace(capacity);
   }
-  std::visit(
-    [&](auto const& table) {
-      inferscale::inject_async(store, batch, cache, table, *impl_->workspace, s);
-    },
-    rotation);
+  std::visit([&](auto const& table) { batch.run(cache, table, *impl_->workspace, s); }, rotation);
 }
 
 }  // namespace inferscale_vllm

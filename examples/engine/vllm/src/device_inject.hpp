@@ -33,15 +33,14 @@ class device_injector {
   device_injector& operator=(device_injector const&) = delete;
 
   /**
-   * @brief inject_async(store, batch, cache, rotation, workspace, stream): validates everything on
+   * @brief batch.run(cache, rotation, workspace, stream) (the device run): validates everything on
    * the host (store in device memory, geometry, slots within the cache, positions within the
    * table), stages the batch and launches on `stream` (a cudaStream_t as an integer; 0 = the
    * legacy default stream). Never waits for the kernel.
    * @throw inferscale::logic_error on a refusal (nothing staged or launched);
    *        inferscale::cuda_error on a CUDA failure.
    */
-  void inject(inferscale::kv_store const& store,
-              inferscale::injection_batch const& batch,
+  void inject(inferscale::injection_batch& batch,
               inferscale::paged_kv_cache const& cache,
               rotation_table const& rotation,
               std::uintptr_t stream);

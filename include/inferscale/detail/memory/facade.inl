@@ -452,8 +452,8 @@ std::vector<memory_request> memory::serve_step(
     rotation,
     host_index_search(k),
     [&](std::int64_t) { require_host_store("memory::serve_step"); },
-    [&](injection_batch const& batch, paged_kv_cache const& cache) {
-      inject_host(store_, batch, cache, rotation);
+    [&](injection_batch& batch, paged_kv_cache const& cache) {
+      batch.run(cache, rotation);
     });
 }
 
@@ -476,10 +476,10 @@ std::vector<memory_request> memory::serve_step(
     rotation,
     host_index_search(k),
     [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve_step"); },
-    [&](injection_batch const& batch, paged_kv_cache const& cache) {
-      // Found where memory.cuh (inject.cuh) is included: the call depends on the template
-      // arguments, so this header compiles without the CUDA toolkit.
-      inject_async(store_, batch, cache, rotation, ws, stream);
+    [&](injection_batch& batch, paged_kv_cache const& cache) {
+      // Defined in inject.cuh (memory.cuh includes it): instantiated only there, so this
+      // header compiles without the CUDA toolkit.
+      batch.run(cache, rotation, ws, stream);
     });
 }
 
@@ -505,8 +505,8 @@ memory_request memory::serve(Embedder& embedder,
     rotation,
     host_index_search(k),
     [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve"); },
-    [&](injection_batch const& batch, paged_kv_cache const& c) {
-      inject_async(store_, batch, c, rotation, ws, stream);
+    [&](injection_batch& batch, paged_kv_cache const& c) {
+      batch.run(c, rotation, ws, stream);
     })[0]);
 }
 
@@ -529,8 +529,8 @@ memory_request memory::serve(Embedder& embedder,
     rotation,
     host_index_search(k),
     [&](std::int64_t) { require_host_store("memory::serve"); },
-    [&](injection_batch const& batch, paged_kv_cache const& c) {
-      inject_host(store_, batch, c, rotation);
+    [&](injection_batch& batch, paged_kv_cache const& c) {
+      batch.run(c, rotation);
     })[0]);
 }
 
@@ -551,8 +551,8 @@ std::vector<memory_request> memory::serve_step(
     rotation,
     device_index_search(res, k),
     [&](std::int64_t) { require_host_store("memory::serve_step"); },
-    [&](injection_batch const& batch, paged_kv_cache const& cache) {
-      inject_host(store_, batch, cache, rotation);
+    [&](injection_batch& batch, paged_kv_cache const& cache) {
+      batch.run(cache, rotation);
     });
 }
 
@@ -576,8 +576,8 @@ std::vector<memory_request> memory::serve_step(
     rotation,
     device_index_search(res, k),
     [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve_step"); },
-    [&](injection_batch const& batch, paged_kv_cache const& cache) {
-      inject_async(store_, batch, cache, rotation, ws, stream);  // memory.cuh, as above
+    [&](injection_batch& batch, paged_kv_cache const& cache) {
+      batch.run(cache, rotation, ws, stream);  // memory.cuh, as above
     });
 }
 
@@ -601,8 +601,8 @@ memory_request memory::serve(Resources const& res,
     rotation,
     device_index_search(res, k),
     [&](std::int64_t) { require_host_store("memory::serve"); },
-    [&](injection_batch const& batch, paged_kv_cache const& c) {
-      inject_host(store_, batch, c, rotation);
+    [&](injection_batch& batch, paged_kv_cache const& c) {
+      batch.run(c, rotation);
     })[0]);
 }
 
@@ -629,8 +629,8 @@ memory_request memory::serve(Resources const& res,
     rotation,
     device_index_search(res, k),
     [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve"); },
-    [&](injection_batch const& batch, paged_kv_cache const& c) {
-      inject_async(store_, batch, c, rotation, ws, stream);
+    [&](injection_batch& batch, paged_kv_cache const& c) {
+      batch.run(c, rotation, ws, stream);
     })[0]);
 }
 

@@ -5,8 +5,11 @@
 
 #include <inferscale/cache.hpp>
 #include <inferscale/encoding.hpp>
+#include <inferscale/memory_types.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -140,5 +143,54 @@ struct host_cache {
   std::int64_t first{-1};
   std::vector<std::int64_t> committed;
 };
+
+/// One sequence of a step, over a cache shared by the step's sequences (`shared`'s):
+/// allocate(p0, n) hands out the first n of `slots` (fewer when it has fewer), or throws when
+/// `fail` is set; what it was asked and committed is recorded.
+struct sequence_adapter {
+  host_cache* shared{};
+  std::vector<std::int64_t> slots;
+  bool fail{false};
+  std::int64_t allocated_at{-1};
+  std::vector<std::int64_t> committed;
+
+  std::vector<std::int64_t> allocate(std::int64_t p0, std::int64_t n)
+  {
+    allocated_at = p0;
+    if (fail) { throw std::runtime_error("fake adapter failure"); }
+    auto const given = std::min<std::size_t>(static_cast<std::size_t>(n), slots.size());
+    return {slots.begin(), slots.begin() + static_cast<std::ptrdiff_t>(given)};
+  }
+  inferscale::paged_kv_cache const& cache() const { return shared->cache(); }
+  void commit(std::int64_t n) { committed.push_back(n); }
+};
+
+/// One request of a test's serve step: the user's namespace, the query text, the first position.
+struct step_ask {
+  std::uint64_t ns;
+  std::string query;
+  std::int64_t p0;
+};
+
+/// A step's requests over `cache`, one fresh sequence each in `sequences`: request i's tokens go
+/// to slots i, i + n, i + 2n, .. (40 of them; the n requests interleave in the cache, as paged
+/// sequences do).
+inline std::vector<inferscale::memory_step_request<sequence_adapter>> interleaved_step(
+  std::vector<step_ask> const& asks, host_cache& cache, std::vector<sequence_adapter>& sequences)
+{
+  auto const n = static_cast<std::int64_t>(asks.size());
+  sequences.assign(asks.size(), sequence_adapter{});
+  std::vector<inferscale::memory_step_request<sequence_adapter>> requests;
+  for (std::int64_t i = 0; i < n; ++i) {
+    sequence_adapter& s = sequences[static_cast<std::size_t>(i)];
+    s.shared            = &cache;
+    for (std::int64_t j = 0; j < 40; ++j) {
+      s.slots.push_back(i + n * j);
+    }
+    step_ask const& q = asks[static_cast<std::size_t>(i)];
+    requests.push_back({q.ns, q.query, q.p0, &s});
+  }
+  return requests;
+}
 
 }  // namespace inferscale_test::memory_fixtures

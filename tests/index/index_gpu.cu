@@ -1145,19 +1145,6 @@ TEST_CASE("index device search after automatic compactions equals the host searc
 }
 
 namespace {
-/// One sequence of a step over a shared host cache: allocate(p0, n) hands out its next n slots.
-struct step_sequence {
-  inferscale_test::memory_fixtures::host_cache* shared{};
-  std::vector<std::int64_t> slots;
-  std::vector<std::int64_t> committed;
-  std::vector<std::int64_t> allocate(std::int64_t, std::int64_t n)
-  {
-    return {slots.begin(), slots.begin() + static_cast<std::ptrdiff_t>(n)};
-  }
-  paged_kv_cache const& cache() const { return shared->cache(); }
-  void commit(std::int64_t n) { committed.push_back(n); }
-};
-
 /// A memory of three users (namespaces 7, 8, 9) behind an instruction prefix, with its index in
 /// `space`; one fact erased and the index compacted (mutations of the index's host mirror).
 memory make_served_memory(memory_space space,
@@ -1206,38 +1193,18 @@ TEST_CASE(
   user_data const a = make_user(7, 100, 12);
   user_data const b = make_user(8, 200, 9);
   user_data const u = make_user(9, 300, 6, 2);
-  struct ask {
-    std::uint64_t ns;
-    std::string query;
-    std::int64_t p0;
-  };
-  std::vector<ask> const asks{{7, a.texts[4], 5},  // fact 104's own text: erased, not served
-                              {8, b.texts[2], 0},
-                              {9, u.texts[1] + " " + a.texts[3], 17},
-                              {7, a.texts[9], 3},
-                              {8, "no word of any fact", 40}};
+  std::vector<step_ask> const asks{{7, a.texts[4], 5},  // fact 104's own text: erased, not served
+                                   {8, b.texts[2], 0},
+                                   {9, u.texts[1] + " " + a.texts[3], 17},
+                                   {7, a.texts[9], 3},
+                                   {8, "no word of any fact", 40}};
   std::uint32_t const k = 3;
-  auto const n          = static_cast<std::int64_t>(asks.size());
-  auto make_step        = [&](host_cache& cache, std::vector<step_sequence>& sequences) {
-    sequences.assign(asks.size(), step_sequence{});
-    std::vector<memory_step_request<step_sequence>> requests;
-    for (std::int64_t i = 0; i < n; ++i) {
-      step_sequence& s = sequences[static_cast<std::size_t>(i)];
-      s.shared         = &cache;
-      for (std::int64_t j = 0; j < 40; ++j) {
-        s.slots.push_back(i + n * j);
-      }
-      ask const& q = asks[static_cast<std::size_t>(i)];
-      requests.push_back({q.ns, q.query, q.p0, &s});
-    }
-    return requests;
-  };
   host_cache host_cache_step;
   host_cache device_cache_step;
-  std::vector<step_sequence> host_sequences;
-  std::vector<step_sequence> device_sequences;
-  auto const host_requests   = make_step(host_cache_step, host_sequences);
-  auto const device_requests = make_step(device_cache_step, device_sequences);
+  std::vector<sequence_adapter> host_sequences;
+  std::vector<sequence_adapter> device_sequences;
+  auto const host_requests   = interleaved_step(asks, host_cache_step, host_sequences);
+  auto const device_requests = interleaved_step(asks, device_cache_step, device_sequences);
 
   std::vector<memory_request> const expected =
     on_host.serve_step(embedder, host_requests, k, model.rotation());

@@ -79,26 +79,6 @@ snapshot snap(memory const& m)
           m.index().version(), live_bytes(m)};
 }
 
-/// One sequence of a step, over a cache shared by the step's sequences (`shared`'s):
-/// allocate(p0, n) hands out the first n of `slots` (fewer when it has fewer), or throws when
-/// `fail` is set; what it was asked and committed is recorded.
-struct sequence_adapter {
-  host_cache* shared{};
-  std::vector<std::int64_t> slots;
-  bool fail{false};
-  std::int64_t allocated_at{-1};
-  std::vector<std::int64_t> committed;
-
-  std::vector<std::int64_t> allocate(std::int64_t p0, std::int64_t n)
-  {
-    allocated_at = p0;
-    if (fail) { throw std::runtime_error("fake adapter failure"); }
-    auto const given = std::min<std::size_t>(static_cast<std::size_t>(n), slots.size());
-    return {slots.begin(), slots.begin() + static_cast<std::ptrdiff_t>(given)};
-  }
-  paged_kv_cache const& cache() const { return shared->cache(); }
-  void commit(std::int64_t n) { committed.push_back(n); }
-};
 static_assert(is_cache_adapter_v<sequence_adapter>);
 
 /// A memory with the instruction prefix and three users (namespaces 7, 8, 9) added.
@@ -287,16 +267,11 @@ TEST_CASE("memory: a scheduler step serves every request as serve() alone does, 
   memory& m = f.m;
   // Five requests of three users; request i's tokens go to slots i, i + 5, i + 10, .. (the
   // requests interleave in the cache, as paged sequences do).
-  struct ask {
-    std::uint64_t ns;
-    std::string query;
-    std::int64_t p0;
-  };
-  std::vector<ask> const asks{{7, f.a.texts[4], 5},
-                              {8, f.b.texts[2], 0},
-                              {9, f.c.texts[1] + " " + f.a.texts[3], 17},
-                              {7, f.a.texts[9], 3},
-                              {8, "no word of any fact", 40}};
+  std::vector<step_ask> const asks{{7, f.a.texts[4], 5},
+                                   {8, f.b.texts[2], 0},
+                                   {9, f.c.texts[1] + " " + f.a.texts[3], 17},
+                                   {7, f.a.texts[9], 3},
+                                   {8, "no word of any fact", 40}};
   std::uint32_t const k = 3;
   std::int64_t const n  = static_cast<std::int64_t>(asks.size());
 
@@ -306,24 +281,15 @@ TEST_CASE("memory: a scheduler step serves every request as serve() alone does, 
   std::vector<memory_request> expected;
   std::uint64_t searches = m.searches();
   for (std::int64_t i = 0; i < n; ++i) {
-    alone.offset     = i;
-    ask const& q     = asks[static_cast<std::size_t>(i)];
+    alone.offset      = i;
+    step_ask const& q = asks[static_cast<std::size_t>(i)];
     expected.push_back(m.serve(f.embedder, q.ns, q.query, k, q.p0, alone, f.model.rotation()));
   }
   CHECK(m.searches() == searches + static_cast<std::uint64_t>(n));
 
   host_cache step_cache;
-  std::vector<sequence_adapter> sequences(asks.size());
-  std::vector<memory_step_request<sequence_adapter>> requests;
-  for (std::int64_t i = 0; i < n; ++i) {
-    sequence_adapter& s = sequences[static_cast<std::size_t>(i)];
-    s.shared            = &step_cache;
-    for (std::int64_t j = 0; j < 40; ++j) {
-      s.slots.push_back(i + n * j);
-    }
-    ask const& q = asks[static_cast<std::size_t>(i)];
-    requests.push_back({q.ns, q.query, q.p0, &s});
-  }
+  std::vector<sequence_adapter> sequences;
+  auto const requests                     = interleaved_step(asks, step_cache, sequences);
   searches                                = m.searches();
   std::int64_t const calls                = f.embedder.calls;
   std::vector<memory_request> const got   = m.serve_step(f.embedder, requests, k, f.model.rotation());
@@ -585,40 +551,20 @@ TEST_CASE(
 {
   step_fixture f;
   memory& m = f.m;
-  struct ask {
-    std::uint64_t ns;
-    std::string query;
-    std::int64_t p0;
-  };
-  std::vector<ask> const asks{{7, f.a.texts[4], 5},
-                              {8, f.b.texts[2], 0},
-                              {9, f.c.texts[1] + " " + f.a.texts[3], 17},
-                              {7, f.a.texts[9], 3}};
+  std::vector<step_ask> const asks{{7, f.a.texts[4], 5},
+                                   {8, f.b.texts[2], 0},
+                                   {9, f.c.texts[1] + " " + f.a.texts[3], 17},
+                                   {7, f.a.texts[9], 3}};
   std::uint32_t const k = 3;
-  std::int64_t const n  = static_cast<std::int64_t>(asks.size());
-  auto make_step        = [&](host_cache& cache, std::vector<sequence_adapter>& sequences) {
-    sequences.assign(asks.size(), sequence_adapter{});
-    std::vector<memory_step_request<sequence_adapter>> requests;
-    for (std::int64_t i = 0; i < n; ++i) {
-      sequence_adapter& s = sequences[static_cast<std::size_t>(i)];
-      s.shared            = &cache;
-      for (std::int64_t j = 0; j < 40; ++j) {
-        s.slots.push_back(i + n * j);
-      }
-      ask const& q = asks[static_cast<std::size_t>(i)];
-      requests.push_back({q.ns, q.query, q.p0, &s});
-    }
-    return requests;
-  };
   host_cache host_step_cache;
   std::vector<sequence_adapter> host_sequences;
-  auto const host_requests = make_step(host_step_cache, host_sequences);
+  auto const host_requests = interleaved_step(asks, host_step_cache, host_sequences);
   std::vector<memory_request> const expected =
     m.serve_step(f.embedder, host_requests, k, f.model.rotation());
 
   host_cache external_cache;
   std::vector<sequence_adapter> external_sequences;
-  auto const external_requests = make_step(external_cache, external_sequences);
+  auto const external_requests = interleaved_step(asks, external_cache, external_sequences);
   external_retrieval external;
   std::uint64_t const searches = m.searches();
   std::vector<memory_request> const got =
@@ -628,7 +574,7 @@ TEST_CASE(
   CHECK(external.calls == 1);
   std::vector<float> queries;
   std::vector<std::uint64_t> namespaces;
-  for (ask const& q : asks) {
+  for (step_ask const& q : asks) {
     std::vector<float> const v = word_embedder{}.embed(q.query);
     queries.insert(queries.end(), v.begin(), v.end());
     namespaces.push_back(q.ns);

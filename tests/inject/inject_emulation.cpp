@@ -470,7 +470,7 @@ TEST_CASE("the inject kernel's code skips and counts what the host did not valid
     store_tokens.data(), positions.data(), slots.data(), static_cast<std::int64_t>(slots.size())};
   injection_batch_view const host_view{
     batch.store_tokens().data(), batch.positions().data(), reference.data(), batch.num_tokens()};
-  detail::dispatch_host_inject<S, C>(store.ref(), host_view, host_desc, rotation);
+  detail::inject_host_view(store.ref(), host_view, host_desc, rotation);
 
   inject_device_errors errors{};
   auto const config = detail::make_inject_launch<S, C>(

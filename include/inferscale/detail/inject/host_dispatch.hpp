@@ -1,12 +1,16 @@
 /**
  * @file detail/inject/host_dispatch.hpp
  * @brief The host backend's dispatch: runtime switches (layout, scales, pairing, rounding, the
- * CPU's vector level) and dtypes turned into the template parameters of one loop.
+ * CPU's vector level) and dtypes turned into the template parameters of one loop. The loops read
+ * the rotation through host_rotation (its row function), so they are compiled once for every
+ * rotation type: inject_host_loops<0>, which a program defining INFERSCALE_EXTERN_TEMPLATES
+ * compiles in one unit (instances.hpp); inject_host_view<Rotation> is the few lines of each type.
  */
 #pragma once
 
 #include <inferscale/cache.hpp>
 #include <inferscale/detail/inject/host_loop.hpp>
+#include <inferscale/detail/inject/host_rotation.hpp>
 #include <inferscale/detail/inject/host_simd.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
@@ -39,12 +43,11 @@ template <bool ContiguousK,
           bool Halves,
           bool RoundEach,
           class StoreT,
-          class CacheT,
-          class Rotation>
+          class CacheT>
 __attribute__((target("fma"))) void inject_host_typed_fma(kv_store_ref const& store,
                                                           injection_batch_view const& batch,
                                                           paged_kv_cache const& cache,
-                                                          Rotation const& rotation)
+                                                          host_rotation const& rotation)
 {
   inject_host_typed<ContiguousK, ContiguousV, Scaled, Halves, RoundEach, true, StoreT, CacheT>(
     store, batch, cache, rotation);
@@ -67,27 +70,19 @@ void with_flag(bool value, F&& f)
   f(std::false_type{});
 }
 
-template <class Rotation>
-struct is_cos_sin_table : std::false_type {
-};
-template <class U>
-struct is_cos_sin_table<rope_cos_sin_table<U>> : std::true_type {
-};
-
 /// @brief Turns the host loop's runtime switches into template parameters (one place).
-template <class StoreT, class CacheT, class Rotation>
+template <class StoreT, class CacheT>
 void dispatch_host_inject(kv_store_ref const& store,
                           injection_batch_view const& batch,
                           paged_kv_cache const& cache,
-                          Rotation const& rotation)
+                          host_rotation const& rotation)
 {
   constexpr bool fp8 =
     std::is_same_v<CacheT, float8_e4m3_t> || std::is_same_v<CacheT, float8_e5m2_t>;
-  constexpr bool may_round = is_cos_sin_table<Rotation>::value && !std::is_same_v<StoreT, float>;
-  constexpr bool may_fuse  = is_cos_sin_table<Rotation>::value;
+  constexpr bool may_round = !std::is_same_v<StoreT, float>;  // float stores never round each
   bool const contiguous = dims_contiguous(cache.key_layout) && dims_contiguous(cache.value_layout);
-  if constexpr (is_cos_sin_table<Rotation>::value && std::is_same_v<CacheT, bfloat16_t>) {
-    if (truncates_to_bfloat16(rotation)) {  // checked: unscaled bfloat16 cache
+  if constexpr (std::is_same_v<CacheT, bfloat16_t>) {
+    if (rotation.truncate_to_bfloat16) {  // checked: unscaled bfloat16 cache
 #if INFERSCALE_HOST_X86_SIMD
       if (!contiguous && keys_token_major(cache.key_layout) &&
           dims_contiguous(cache.value_layout) && store.head_dim % 8 == 0 &&
@@ -104,7 +99,7 @@ void dispatch_host_inject(kv_store_ref const& store,
         with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {
           constexpr bool C = decltype(c)::value;
           constexpr bool H = decltype(halves)::value;
-          inject_host_typed<C, C, false, H, false, false, StoreT, CacheT, Rotation, true>(
+          inject_host_typed<C, C, false, H, false, false, StoreT, CacheT, host_rotation, true>(
             store, batch, cache, rotation);
         });
       });
@@ -114,39 +109,36 @@ void dispatch_host_inject(kv_store_ref const& store,
   with_flag(contiguous, [&](auto c) {
     with_flag<fp8>(cache.scale_granularity != kv_scale_granularity::none, [&](auto scaled) {
       with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {
-        with_flag<may_round>(
-          rope_rounds_each_operation<StoreT>(rotation, rope_op::forward), [&](auto round_each) {
-            with_flag<may_fuse>(
-              rope_fuses_multiply_add(rotation, rope_op::forward), [&](auto fused) {
-                constexpr bool C = decltype(c)::value;
-                constexpr bool S = decltype(scaled)::value;
-                constexpr bool H = decltype(halves)::value;
-                constexpr bool F = decltype(fused)::value;
-                // A fused rotation does not round each operation (the loops test Fused first):
-                // (R, F) = (1, 1) is the (0, 1) loop, one instance instead of two of each.
-                constexpr bool R = decltype(round_each)::value && !F;
+        with_flag<may_round>(rotation.round_each, [&](auto round_each) {
+          with_flag(rotation.fused, [&](auto fused) {
+            constexpr bool C = decltype(c)::value;
+            constexpr bool S = decltype(scaled)::value;
+            constexpr bool H = decltype(halves)::value;
+            constexpr bool F = decltype(fused)::value;
+            // A fused rotation does not round each operation (the loops test Fused first):
+            // (R, F) = (1, 1) is the (0, 1) loop, one instance instead of two of each.
+            constexpr bool R = decltype(round_each)::value && !F;
 #if INFERSCALE_HOST_X86_SIMD
-                if constexpr (C && H) {
-                  host_simd const level = active_host_simd();
-                  if (level != host_simd::scalar) {
-                    inject_host_typed_simd<S, R, F, StoreT, CacheT>(
-                      store, batch, cache, rotation, level);
-                    return;
-                  }
-                }
+            if constexpr (C && H) {
+              host_simd const level = active_host_simd();
+              if (level != host_simd::scalar) {
+                inject_host_typed_simd<S, R, F, StoreT, CacheT>(
+                  store, batch, cache, rotation, level);
+                return;
+              }
+            }
 #endif
 #if INFERSCALE_HOST_FMA_DISPATCH
-                if constexpr (F) {
-                  if (__builtin_cpu_supports("fma")) {
-                    inject_host_typed_fma<C, C, S, H, R, StoreT, CacheT>(
-                      store, batch, cache, rotation);
-                    return;
-                  }
-                }
+            if constexpr (F) {
+              if (__builtin_cpu_supports("fma")) {
+                inject_host_typed_fma<C, C, S, H, R, StoreT, CacheT>(store, batch, cache, rotation);
+                return;
+              }
+            }
 #endif
-                inject_host_typed<C, C, S, H, R, F, StoreT, CacheT>(store, batch, cache, rotation);
-              });
+            inject_host_typed<C, C, S, H, R, F, StoreT, CacheT>(store, batch, cache, rotation);
           });
+        });
       });
     });
   });
@@ -168,10 +160,27 @@ void dispatch_store_cache(dtype store_dtype, dtype cache_dtype, F&& f)
 }
 
 /**
- * @brief The host injection of a checked batch view: the runtime dtypes, then the loop. The one
- * place the host run (injection_batch::run) and inject_tiered_host reach the loops through, so that
- * a program defining INFERSCALE_EXTERN_TEMPLATES compiles them once (instances.hpp) instead of in
- * every unit.
+ * @brief The host injection of a checked batch view for any rotation: the runtime dtypes, then the
+ * loop. Compiled once per program where it defines INFERSCALE_EXTERN_TEMPLATES (instances.hpp;
+ * the template parameter exists only for that: one instance, `<0>`).
+ */
+template <int = 0>
+void inject_host_loops(kv_store_ref const& store,
+                       injection_batch_view const& batch,
+                       paged_kv_cache const& cache,
+                       host_rotation const& rotation)
+{
+  dispatch_store_cache(store.store_dtype, cache.cache_dtype, [&](auto s, auto c) {
+    using S = typename decltype(s)::type;
+    using C = typename decltype(c)::type;
+    dispatch_host_inject<S, C>(store, batch, cache, rotation);
+  });
+}
+
+/**
+ * @brief The host injection of a checked batch view: the one place the host run
+ * (injection_batch::run) and inject_tiered_host reach the loops through (inject_host_loops, with
+ * `rotation` erased).
  */
 template <class Rotation>
 void inject_host_view(kv_store_ref const& store,
@@ -179,11 +188,7 @@ void inject_host_view(kv_store_ref const& store,
                       paged_kv_cache const& cache,
                       Rotation const& rotation)
 {
-  dispatch_store_cache(store.store_dtype, cache.cache_dtype, [&](auto s, auto c) {
-    using S = typename decltype(s)::type;
-    using C = typename decltype(c)::type;
-    dispatch_host_inject<S, C>(store, batch, cache, rotation);
-  });
+  inject_host_loops(store, batch, cache, erase_host_rotation(rotation));
 }
 
 }  // namespace inferscale::detail

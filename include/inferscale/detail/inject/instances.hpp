@@ -1,14 +1,23 @@
 /**
  * @file detail/inject/instances.hpp
- * @brief The list of host injection and extraction instances a program may compile once: every
- * dtype pair, layout and vector level of inject_host_view and extract_host_view, for each rotation
- * the library ships (rope_params and the engine cos/sin tables of float, bfloat16 and float16).
+ * @brief The list of host injection and extraction instances a program may compile once: the
+ * injection loops (every dtype pair, layout and vector level, for any rotation: inject_host_loops),
+ * and for each rotation the library ships (rope_params and the engine cos/sin tables of float,
+ * bfloat16 and float16) the front of the injection (inject_host_view) and the extraction loops
+ * (extract_host_view).
  *
  * `INFERSCALE_HOST_INSTANCES(extern)` declares them (inject.hpp does, when the program defines
  * INFERSCALE_EXTERN_TEMPLATES); `INFERSCALE_HOST_INSTANCES()` defines them (instances.hpp, in one
  * translation unit). Another rotation type is instantiated where it is used, as without the macro.
  */
 #pragma once
+
+#define INFERSCALE_HOST_LOOP_INSTANCES(PREFIX)                     \
+  PREFIX template void ::inferscale::detail::inject_host_loops<0>( \
+    ::inferscale::kv_store_ref const&,                             \
+    ::inferscale::injection_batch_view const&,                     \
+    ::inferscale::paged_kv_cache const&,                           \
+    ::inferscale::detail::host_rotation const&);
 
 #define INFERSCALE_INJECT_HOST_VIEW_INSTANCE(PREFIX, ROTATION)                                \
   PREFIX template void ::inferscale::detail::inject_host_view<ROTATION>(                     \
@@ -27,7 +36,9 @@
   INFERSCALE_EXTRACT_HOST_VIEW_INSTANCE(PREFIX, false, ROTATION)
 
 #define INFERSCALE_HOST_INSTANCES(PREFIX)                                                   \
+  INFERSCALE_HOST_LOOP_INSTANCES(PREFIX)                                                    \
   INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_params)                          \
   INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_cos_sin_table<float>)            \
-  INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_cos_sin_table<::inferscale::bfloat16_t>) \
+  INFERSCALE_HOST_INSTANCES_FOR(PREFIX,                                                     \
+                                ::inferscale::rope_cos_sin_table<::inferscale::bfloat16_t>) \
   INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_cos_sin_table<::inferscale::half_t>)

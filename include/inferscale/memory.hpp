@@ -27,13 +27,13 @@
  *    values (normalised or not: the index's metric decides how they compare).
  *
  * C++17, host only (the store and the index may still live in device memory). `serve_step` /
- * `serve` / `inject` inject a host store on the host; their overloads with a workspace and a
- * stream inject a device store on the device (inject_async, inject.cuh: they compile where
- * memory.cuh is included, with nvcc, and this header does not need the CUDA toolkit), as
- * `erase_fact` / `erase_namespace` with a stream zero a device store's pages on it. The search of
- * `serve_step` / `serve` runs on the host for a host-memory index; for a device-memory index
- * (`memory_config::index.space`) their overloads with a `raft::resources` first run the device
- * `search` (index.cuh: they compile where memory_device_index.cuh is included, with nvcc and
+ * `serve` / `inject` inject a host store on the host; with a workspace and a stream added they
+ * inject a device store on the device (inject_async, inject.cuh: they compile where memory.cuh is
+ * included, with nvcc, and this header does not need the CUDA toolkit), as `erase_fact` /
+ * `erase_namespace` with a stream zero a device store's pages on it. The search of `serve_step` /
+ * `serve` runs on the host for a host-memory index; for a device-memory index
+ * (`memory_config::index.space`) a `raft::resources` added after the rotation runs the device
+ * `search` (index.cuh: this compiles where memory_device_index.cuh is included, with nvcc and
  * RAFT), the rest of the step unchanged. Every mutation works on either index (the index keeps
  * a host mirror and copies each changed namespace to the device).
  *
@@ -202,7 +202,20 @@ class memory {
    * namespace are found (one `search` of all the queries, each in its own namespace), composed
    * behind the prefix at its `first_position ..` (prepare), and given slots by its cache adapter
    * (`allocate(p0, m)`); all the plans with their slots form one injection_batch, injected with
-   * one inject_host; then every adapter commits its tokens, in request order.
+   * one run; then every adapter commits its tokens, in request order.
+   *
+   * Where it runs is said by the trailing `device` arguments, none for a host store and index:
+   *  - `workspace, stream` (an injection_workspace& and a cudaStream_t): a store in device memory,
+   *    injected into a cache in device memory with one checked inject_async on `stream` (one
+   *    launch, never a device-wide synchronisation; staging may wait for the workspace's previous
+   *    staging copy). The engine prefills the step's queries on `stream` (or after an event
+   *    recorded on it). Needs <inferscale/memory.cuh> (nvcc).
+   *  - `res` (a `raft::resources` or a type derived from it): an index in device memory
+   *    (`config().index.space`), searched by `search(res, index(), ...)` (index.cuh): the queries
+   *    copied to the device, the ids back, on `res`'s stream (waited for once), under the read
+   *    lock; the ids, plans and cache bytes equal a host index's with the same content. Needs
+   *    <inferscale/memory_device_index.cuh> (nvcc, RAFT).
+   *  - `res, workspace, stream`: both (a GPU engine's step).
    *
    * Every request's result equals what serve() gives it alone (the same ids, plan and cache
    * bytes), with one exception: under `search_params::ctas_per_query = 0` (automatic) a graph
@@ -219,103 +232,30 @@ class memory {
    *        unknown namespace, the embedder's dimension or an embedding (wrong size, non-finite)
    *        refused, as graph_index search, prepare (a superseded fact), an empty plan (no prefix
    *        and nothing retrieved), an adapter handing other than `m` slots, injection_batch::add
-   *        (a slot written twice in the step) and inject_host (a slot beyond the cache, a
-   *        position beyond the table, a store in device memory). Whatever an adapter or the
+   *        (a slot written twice in the step) and the injection (a slot beyond the cache, a
+   *        position beyond the table); before anything is embedded, an index in the other memory
+   *        than `device` says; before any adapter allocates, a store in the other memory than
+   *        `device` says, or more tokens than the workspace holds. Whatever an adapter or the
    *        embedder throws (nothing committed then). A commit that throws leaves the requests
-   *        before it committed (their tokens are in the cache) and the rest not.
+   *        before it committed (their tokens are in the cache) and the rest not. cuda_error on a
+   *        CUDA failure.
    */
-  template <class Embedder, class CacheAdapter, class Rotation>
-  std::vector<memory_request> serve_step(
-    Embedder& embedder,
-    std::vector<memory_step_request<CacheAdapter>> const& requests,
-    std::uint32_t k,
-    Rotation const& rotation) const;
-
-  /**
-   * @brief serve_step() from a device store: the same embedding, search (on the host, a host
-   * index), composition and one injection batch, injected into a cache in device memory with one
-   * checked inject_async on `stream` (one launch), then every adapter commits. The engine prefills
-   * the step's queries on `stream` (or after an event recorded on it).
-   * @param workspace room for the step's memory tokens (all requests' plans together)
-   * @throw logic_error as the host serve_step, and before any adapter allocates if the store is
-   *        not in device memory or the step's tokens exceed the workspace; as the checked
-   *        inject_async. cuda_error on a CUDA failure.
-   * @note Needs <inferscale/memory.cuh> (nvcc). Never synchronises the device; staging may wait
-   *       for the workspace's previous staging copy (injection_workspace::stage).
-   */
-  template <class Embedder, class CacheAdapter, class Rotation, class Stream>
+  template <class Embedder, class CacheAdapter, class Rotation, class... Device>
   std::vector<memory_request> serve_step(
     Embedder& embedder,
     std::vector<memory_step_request<CacheAdapter>> const& requests,
     std::uint32_t k,
     Rotation const& rotation,
-    injection_workspace& workspace,
-    Stream stream) const;
-
-  /**
-   * @brief serve_step() from a device index (`config().index.space == memory_space::device`): the
-   * same embedding, checks, composition and injection into a host cache (a host store), with the
-   * step's one batched search run on the device by `search(res, index(), ...)` (index.cuh): the
-   * queries are copied to the device, the ids back, on `res`'s stream, under the read lock.
-   * Every request's ids, plan and cache bytes equal the host serve_step's on a host index with
-   * the same content (the device search answers as the host search, bit for bit).
-   * @param res a `raft::resources` (or a type derived from it): the search's stream and workspace
-   * @throw logic_error as the host serve_step, and before anything is embedded if the index is in
-   *        host memory (serve it without `res`); cuda_error on a CUDA failure.
-   * @note Needs <inferscale/memory_device_index.cuh> (nvcc, RAFT). Waits for `res`'s stream once
-   *       (the ids are composed on the host).
-   */
-  template <class Resources, class Embedder, class CacheAdapter, class Rotation>
-  std::vector<memory_request> serve_step(
-    Resources const& res,
-    Embedder& embedder,
-    std::vector<memory_step_request<CacheAdapter>> const& requests,
-    std::uint32_t k,
-    Rotation const& rotation) const;
-
-  /**
-   * @brief serve_step() from a device index and a device store — a GPU engine's step: the device
-   * search of serve_step(res, embedder, requests, k, rotation), then the one checked inject_async
-   * on `stream` of serve_step(embedder, requests, k, rotation, workspace, stream).
-   * @throw logic_error as both; cuda_error on a CUDA failure.
-   * @note Needs <inferscale/memory_device_index.cuh> and <inferscale/memory.cuh> (nvcc, RAFT).
-   *       Waits for `res`'s stream once (the search's ids); the injection never synchronises.
-   */
-  template <class Resources, class Embedder, class CacheAdapter, class Rotation, class Stream>
-  std::vector<memory_request> serve_step(
-    Resources const& res,
-    Embedder& embedder,
-    std::vector<memory_step_request<CacheAdapter>> const& requests,
-    std::uint32_t k,
-    Rotation const& rotation,
-    injection_workspace& workspace,
-    Stream stream) const;
+    Device&&... device) const;
 
   /**
    * @brief One request: embed `query`, retrieve the top `k` of namespace `ns`, compose them behind
    * the prefix at `first_position ..`, inject through `cache`. The engine then prefills the query
-   * at `first_position + result.plan.length()`. A serve_step() of this one request.
-   * @throw logic_error as retrieve, prepare and inject (nothing committed then).
+   * at `first_position + result.plan.length()`. A serve_step() of this one request, with the same
+   * trailing `device` arguments.
+   * @throw logic_error as retrieve, prepare and inject (nothing committed then); as serve_step.
    */
-  template <class Embedder, class CacheAdapter, class Rotation>
-  memory_request serve(Embedder& embedder,
-                       std::uint64_t ns,
-                       std::string const& query,
-                       std::uint32_t k,
-                       std::int64_t first_position,
-                       CacheAdapter& cache,
-                       Rotation const& rotation) const;
-
-  /**
-   * @brief serve() from a device store: the same retrieval and composition, then the injection
-   * inject(plan, cache, rotation, workspace, stream) makes (allocate, one checked inject_async on
-   * `stream`, commit) into a cache in device memory. The engine prefills the query on `stream` (or
-   * after an event recorded on it). A serve_step() of this one request.
-   * @throw logic_error as retrieve, prepare and inject_memory_async (nothing committed then).
-   * @note Needs <inferscale/memory.cuh> (nvcc). The embedding and the search run on the host (a
-   *       host index); the injection never synchronises.
-   */
-  template <class Embedder, class CacheAdapter, class Rotation, class Stream>
+  template <class Embedder, class CacheAdapter, class Rotation, class... Device>
   memory_request serve(Embedder& embedder,
                        std::uint64_t ns,
                        std::string const& query,
@@ -323,33 +263,7 @@ class memory {
                        std::int64_t first_position,
                        CacheAdapter& cache,
                        Rotation const& rotation,
-                       injection_workspace& workspace,
-                       Stream stream) const;
-
-  /// @brief serve() from a device index (a serve_step(res, ...) of this one request), host store.
-  template <class Resources, class Embedder, class CacheAdapter, class Rotation>
-  memory_request serve(Resources const& res,
-                       Embedder& embedder,
-                       std::uint64_t ns,
-                       std::string const& query,
-                       std::uint32_t k,
-                       std::int64_t first_position,
-                       CacheAdapter& cache,
-                       Rotation const& rotation) const;
-
-  /// @brief serve() from a device index and a device store (serve_step(res, ..., workspace,
-  /// stream) of this one request; needs memory_device_index.cuh and memory.cuh).
-  template <class Resources, class Embedder, class CacheAdapter, class Rotation, class Stream>
-  memory_request serve(Resources const& res,
-                       Embedder& embedder,
-                       std::uint64_t ns,
-                       std::string const& query,
-                       std::uint32_t k,
-                       std::int64_t first_position,
-                       CacheAdapter& cache,
-                       Rotation const& rotation,
-                       injection_workspace& workspace,
-                       Stream stream) const;
+                       Device&&... device) const;
 
   // ==============================================================================================
   // Fact lifecycle (update, re-encode after a turn changed, erase). Every call validates first,
@@ -542,6 +456,15 @@ class memory {
     SearchIndex const& search_index,
     CheckTokens const& check_tokens,
     InjectBatch const& inject_batch) const;
+
+  /// The search, the token check and the injection of serve_requests() that serve_step's
+  /// trailing `device` arguments say (none, `workspace, stream`, `res`, `res, workspace, stream`),
+  /// as a tuple; they refer to `rotation` and `device`.
+  template <class Rotation, class... Device>
+  auto serving_parts(std::uint32_t k,
+                     char const* who,
+                     Rotation const& rotation,
+                     Device&... device) const;
 
   /// The search of serve_requests() on a host index (graph_index::search with config().search).
   auto host_index_search(std::uint32_t k) const;

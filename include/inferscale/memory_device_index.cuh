@@ -1,12 +1,14 @@
 /**
  * @file memory_device_index.cuh
  * @brief The memory facade serving from a device-memory index: include this (nvcc, RAFT, C++20
- * like index.cuh) to call memory::serve_step and memory::serve with a `raft::resources` first.
+ * like index.cuh) to call memory::serve_step and memory::serve with a `raft::resources` after the
+ * rotation (`serve_step(embedder, requests, k, rotation, res)`).
  * Their step is the facade's one serving path (memory.hpp) with its batched search run by the
  * device `search` of index.cuh: the queries are embedded on the host, copied to the device, the
  * ids and distances copied back on the resources' stream, and the composition and injection go on
  * as from a host index. A device store (injected with a workspace and a stream) needs memory.cuh
- * too; a GPU engine includes both.
+ * too (`serve_step(embedder, requests, k, rotation, res, workspace, stream)`); a GPU engine
+ * includes both.
  *
  * The facade itself, and every mutation of a device index (add, erase, update, compact, save,
  * load: the index keeps a host mirror and copies each changed namespace to the device), stay

@@ -15,18 +15,22 @@
  *  - after automatic compactions (a repack that only moves segments, then repacks that rebuild
  *    namespaces) the device index answers as before the move, and as the host index, bit for bit;
  *  - the memory facade over a device index (memory_device_index.cuh): after the same additions,
- *    erasure and compaction, a scheduler step and a lone request of serve_step(res, ...) /
- *    serve(res, ...) give the ids, plans and cache bytes of the host index's serve_step / serve.
+ *    erasure and compaction, a scheduler step and a lone request of serve_step(..., res) /
+ *    serve(..., res) give the ids, plans and cache bytes of the host index's serve_step / serve;
+ *    a GPU engine's step (device index and device store, serve_step(..., res, workspace,
+ *    stream) into a cache in device memory) gives the bytes of the host's step.
  * Reported skipped by CTest where no GPU is visible.
  */
 #include "device_memory.hpp"
 #include "fake_model.hpp"
 #include "float_bits.hpp"
+#include "memory_checks.hpp"
 #include "memory_fixtures.hpp"
 
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/index.cuh>
 #include <inferscale/index.hpp>
+#include <inferscale/memory.cuh>
 #include <inferscale/memory.hpp>
 #include <inferscale/memory_device_index.cuh>
 
@@ -1148,6 +1152,7 @@ namespace {
 /// A memory of three users (namespaces 7, 8, 9) behind an instruction prefix, with its index in
 /// `space`; one fact erased and the index compacted (mutations of the index's host mirror).
 memory make_served_memory(memory_space space,
+                          memory_space store_space,
                           inferscale_test::fake::branching_model& model,
                           inferscale_test::memory_fixtures::word_embedder& embedder)
 {
@@ -1157,7 +1162,7 @@ memory make_served_memory(memory_space space,
   c.store.store_dtype = dtype::float32;
   c.store.page_size   = 4;
   c.store.num_pages   = 512;
-  c.store.space       = memory_space::host;
+  c.store.space       = store_space;
   c.index.dim         = 32;
   c.index.metric      = distance_metric::cosine;
   c.index.space       = space;
@@ -1177,17 +1182,36 @@ memory make_served_memory(memory_space space,
 }
 }  // namespace
 
+namespace {
+/// One sequence of a step over a cache in device memory: allocate(p0, n) hands out the first n
+/// of `slots`; its commits are recorded.
+struct device_sequence {
+  paged_kv_cache cache_{};
+  std::vector<std::int64_t> slots;
+  std::vector<std::int64_t> committed;
+
+  std::vector<std::int64_t> allocate(std::int64_t, std::int64_t n)
+  {
+    return {slots.begin(), slots.begin() + static_cast<std::ptrdiff_t>(n)};
+  }
+  paged_kv_cache const& cache() const { return cache_; }
+  void commit(std::int64_t n) { committed.push_back(n); }
+};
+}  // namespace
+
 TEST_CASE(
   "memory facade over a device index serves a step as over a host index (ids, plans, cache "
-  "bytes)",
+  "bytes), and with a device store too (a GPU engine's step) into a device cache",
   "[index][gpu][memory]")
 {
   using namespace inferscale_test::memory_fixtures;
   raft::device_resources res;
   inferscale_test::fake::branching_model model;
   word_embedder embedder;
-  memory const on_host   = make_served_memory(memory_space::host, model, embedder);
-  memory const on_device = make_served_memory(memory_space::device, model, embedder);
+  memory const on_host =
+    make_served_memory(memory_space::host, memory_space::host, model, embedder);
+  memory const on_device =
+    make_served_memory(memory_space::device, memory_space::host, model, embedder);
   REQUIRE(on_device.index().space() == memory_space::device);
 
   user_data const a = make_user(7, 100, 12);
@@ -1210,37 +1234,68 @@ TEST_CASE(
     on_host.serve_step(embedder, host_requests, k, model.rotation());
   std::uint64_t const searches = on_device.searches();
   std::vector<memory_request> const got =
-    on_device.serve_step(res, embedder, device_requests, k, model.rotation());
+    on_device.serve_step(embedder, device_requests, k, model.rotation(), res);
   CHECK(on_device.searches() == searches + 1);
-  REQUIRE(got.size() == expected.size());
+  check_same_step(
+    got, expected, device_sequences, host_sequences, device_cache_step.data, host_cache_step.data);
   for (std::size_t i = 0; i < got.size(); ++i) {
     CAPTURE(i);
-    CHECK(got[i].fact_ids == expected[i].fact_ids);
     CHECK(std::find(got[i].fact_ids.begin(), got[i].fact_ids.end(), 104) == got[i].fact_ids.end());
     for (std::uint64_t id : got[i].fact_ids) {
       CHECK(on_device.store().at(id).namespace_id == asks[i].ns);
     }
-    CHECK(got[i].plan.first_position == expected[i].plan.first_position);
-    CHECK(got[i].plan.token_ids == expected[i].plan.token_ids);
-    CHECK(device_sequences[i].committed == host_sequences[i].committed);
   }
-  CHECK(device_cache_step.data != std::vector<float>(device_cache_step.data.size(), -1.0f));
-  CHECK(std::memcmp(device_cache_step.data.data(),
-                    host_cache_step.data.data(),
-                    host_cache_step.data.size() * sizeof(float)) == 0);
 
-  // A lone request, and the host overload refusing the device index (naming the one to use).
+  // A lone request, and the host search refusing the device index (naming the call to use).
   host_cache alone;
   host_cache alone_device;
   memory_request const one =
     on_host.serve(embedder, 9, asks[2].query, k, 7, alone, model.rotation());
   memory_request const one_device =
-    on_device.serve(res, embedder, 9, asks[2].query, k, 7, alone_device, model.rotation());
+    on_device.serve(embedder, 9, asks[2].query, k, 7, alone_device, model.rotation(), res);
   CHECK(one_device.fact_ids == one.fact_ids);
   CHECK(one_device.plan.token_ids == one.plan.token_ids);
   CHECK(alone_device.data == alone.data);
   CHECK_THROWS_WITH(on_device.serve_step(embedder, device_requests, k, model.rotation()),
-                    Catch::Contains("serve_step(res, embedder, ...)"));
-  CHECK_THROWS_WITH(on_host.serve_step(res, embedder, host_requests, k, model.rotation()),
+                    Catch::Contains("serve_step(embedder, ..., rotation, res)"));
+  CHECK_THROWS_WITH(on_host.serve_step(embedder, host_requests, k, model.rotation(), res),
                     Catch::Contains("the index is in host memory"));
+
+  // A GPU engine's step: the index and the store in device memory, the cache too.
+  memory const on_gpu =
+    make_served_memory(memory_space::device, memory_space::device, model, embedder);
+  REQUIRE(on_gpu.index().space() == memory_space::device);
+  REQUIRE(on_gpu.store().space() == memory_space::device);
+  // The engine's cos/sin table on each side, the same values (computed rope_params may differ
+  // in the last bit between the host's and the device's sincos).
+  std::vector<float> const values = make_rope_cos_sin_values<float>(model.rotation(), 256);
+  device_buffer<float> device_values{values};
+  auto const host_table   = make_rope_cos_sin_table(model.rotation(), values.data(), 256);
+  auto const device_table = make_rope_cos_sin_table(model.rotation(), device_values.data(), 256);
+
+  host_cache table_cache;
+  std::vector<sequence_adapter> table_sequences;
+  auto const table_requests = interleaved_step(asks, table_cache, table_sequences);
+  device_buffer<float> gpu_storage{table_cache.data};  // every element -1, as the host's
+  std::vector<device_sequence> gpu_sequences(asks.size());
+  std::vector<memory_step_request<device_sequence>> gpu_requests;
+  for (std::size_t i = 0; i < asks.size(); ++i) {
+    gpu_sequences[i].cache_ = make_contiguous_cache(
+      dtype::float32, gpu_storage.data(), {2, 2, 256, 1, 4}, {2 * 256 * 4, 256 * 4, 4, 4, 1});
+    gpu_sequences[i].slots = table_sequences[i].slots;
+    gpu_requests.push_back({asks[i].ns, asks[i].query, asks[i].p0, &gpu_sequences[i]});
+  }
+  std::vector<memory_request> const table_expected =
+    on_host.serve_step(embedder, table_requests, k, host_table);
+  inferscale_test::cuda_stream stream;
+  injection_workspace workspace(512);
+  std::vector<memory_request> const gpu_got = on_gpu.serve_step(
+    embedder, gpu_requests, k, device_table, res, workspace, cuda::stream_ref{stream.get()});
+  INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
+  check_same_step(gpu_got,
+                  table_expected,
+                  gpu_sequences,
+                  table_sequences,
+                  gpu_storage.to_host(),
+                  table_cache.data);
 }

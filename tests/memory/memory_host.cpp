@@ -5,6 +5,10 @@
 // is checked against the same requests served one at a time, and its refusals against the bytes
 // of the store, the index and the cache before it.
 
+#include "fake_model.hpp"
+#include "memory_checks.hpp"
+#include "memory_fixtures.hpp"
+
 #include <inferscale/memory.hpp>
 
 #include <catch2/catch.hpp>
@@ -12,16 +16,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
-#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#include "fake_model.hpp"
-#include "memory_fixtures.hpp"
 
 using namespace inferscale;
 using namespace inferscale_test::fake;
@@ -499,7 +500,7 @@ TEST_CASE("memory: a refused step leaves the store, the index, the cache and eve
 }
 
 namespace {
-/// The search of the facade's overloads with a resources first, supplied from outside (as
+/// The search of serve / serve_step given resources after the rotation, supplied from outside (as
 /// memory_device_index.cuh supplies the device one): it records what it is asked and answers
 /// with `answer_space`'s index through the host `search`.
 struct external_retrieval {
@@ -568,7 +569,7 @@ TEST_CASE(
   external_retrieval external;
   std::uint64_t const searches = m.searches();
   std::vector<memory_request> const got =
-    m.serve_step(external, f.embedder, external_requests, k, f.model.rotation());
+    m.serve_step(f.embedder, external_requests, k, f.model.rotation(), external);
   CHECK(m.searches() == searches + 1);
   // One search of every request's embedded query, each in its namespace.
   CHECK(external.calls == 1);
@@ -581,25 +582,15 @@ TEST_CASE(
   }
   CHECK(external.queries == queries);
   CHECK(external.namespaces == namespaces);
-  REQUIRE(got.size() == expected.size());
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    CAPTURE(i);
-    CHECK(got[i].fact_ids == expected[i].fact_ids);
-    CHECK(got[i].plan.first_position == expected[i].plan.first_position);
-    CHECK(got[i].plan.token_ids == expected[i].plan.token_ids);
-    CHECK(external_sequences[i].committed == host_sequences[i].committed);
-  }
-  CHECK(external_cache.data != std::vector<float>(external_cache.data.size(), -1.0f));
-  CHECK(std::memcmp(external_cache.data.data(),
-                    host_step_cache.data.data(),
-                    host_step_cache.data.size() * sizeof(float)) == 0);
+  check_same_step(
+    got, expected, external_sequences, host_sequences, external_cache.data, host_step_cache.data);
 
-  // serve(res, ...) is a step of one request, as serve() is.
+  // serve(..., rotation, res) is a step of one request, as serve() is.
   host_cache alone{1, 0};
   host_cache alone_external{1, 0};
   memory_request const one = m.serve(f.embedder, 8, asks[1].query, k, 0, alone, f.model.rotation());
   memory_request const one_external =
-    m.serve(external, f.embedder, 8, asks[1].query, k, 0, alone_external, f.model.rotation());
+    m.serve(f.embedder, 8, asks[1].query, k, 0, alone_external, f.model.rotation(), external);
   CHECK(external.calls == 2);
   CHECK(one_external.fact_ids == one.fact_ids);
   CHECK(one_external.plan.token_ids == one.plan.token_ids);
@@ -609,11 +600,11 @@ TEST_CASE(
   device_claiming_retrieval device_search;
   std::int64_t const calls = f.embedder.calls;
   CHECK_THROWS_WITH(
-    m.serve_step(device_search, f.embedder, external_requests, k, f.model.rotation()),
+    m.serve_step(f.embedder, external_requests, k, f.model.rotation(), device_search),
     Catch::Contains("memory::serve_step: the index is in host memory; serve a host index without "
                     "the raft::resources"));
   CHECK_THROWS_WITH(
-    m.serve(device_search, f.embedder, 8, asks[1].query, k, 0, alone_external, f.model.rotation()),
+    m.serve(f.embedder, 8, asks[1].query, k, 0, alone_external, f.model.rotation(), device_search),
     Catch::Contains("memory::serve: the index is in host memory"));
   CHECK(device_search.calls == 0);
   CHECK(f.embedder.calls == calls);
@@ -625,12 +616,12 @@ TEST_CASE(
   memory const on_gpu{dc};
   CHECK_THROWS_WITH(on_gpu.serve_step(f.embedder, external_requests, k, f.model.rotation()),
                     Catch::Contains("memory::serve_step: the index is in device memory; serve a "
-                                    "device index with the overload taking a raft::resources "
-                                    "first, memory::serve_step(res, embedder, ...) "
+                                    "device index with a raft::resources after the rotation, "
+                                    "memory::serve_step(embedder, ..., rotation, res) "
                                     "(memory_device_index.cuh)"));
   CHECK_THROWS_WITH(on_gpu.serve(f.embedder, 8, asks[1].query, k, 0, alone, f.model.rotation()),
                     Catch::Contains("memory::serve: the index is in device memory") &&
-                      Catch::Contains("memory::serve(res, embedder, ...)"));
+                      Catch::Contains("memory::serve(embedder, ..., rotation, res)"));
   CHECK(f.embedder.calls == calls);
   for (sequence_adapter const& s : external_sequences) {
     CHECK(s.committed.size() == 1);  // only the step that went through

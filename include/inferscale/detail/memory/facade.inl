@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -38,8 +40,8 @@ struct dependent_type {
 };
 
 /**
- * @brief The search of the facade's overloads with a `raft::resources` first (serve_step(res, ...),
- * serve(res, ...)) on a device-memory index: `run(res, index, queries, namespaces, k, params,
+ * @brief The search of serve_step / serve given a `raft::resources` (after the rotation) on a
+ * device-memory index: `run(res, index, queries, namespaces, k, params,
  * out_ids, out_distances)` with host views, as graph_index::search takes them, on an index in
  * `index_space` memory (a `static constexpr memory_space`). Declared here only:
  * memory_device_index.cuh defines it for raft::resources and the types derived from it
@@ -265,7 +267,7 @@ auto memory::device_index_search(Resources const& res, std::uint32_t k) const
 {
   using search_on = detail::memory_index_search<Resources>;
   static_assert(detail::is_complete<search_on>::value,
-                "memory::serve_step / serve with a raft::resources first: include "
+                "memory::serve_step / serve with a raft::resources after the rotation: include "
                 "<inferscale/memory_device_index.cuh> (nvcc, RAFT) and pass a raft::resources");
   return detail::make_index_search(
     search_on::index_space,
@@ -326,9 +328,9 @@ std::vector<memory_request> memory::serve_requests(
                      std::string{who} + ": the index is in " + to_string(index_.space()) +
                        " memory; " +
                        (search_index.space == memory_space::host
-                          ? "serve a device index with the overload taking a raft::resources "
-                            "first, " + std::string{who} +
-                              "(res, embedder, ...) (memory_device_index.cuh)"
+                          ? "serve a device index with a raft::resources after the rotation, " +
+                              std::string{who} +
+                              "(embedder, ..., rotation, res) (memory_device_index.cuh)"
                           : "serve a host index without the raft::resources"));
   INFERSCALE_EXPECTS(k > 0, std::string{who} + ": k must be positive");
   if (n == 0) { return {}; }
@@ -436,54 +438,72 @@ std::vector<memory_request> memory::serve_requests(
   return out;
 }
 
-template <class Embedder, class CacheAdapter, class Rotation>
-std::vector<memory_request> memory::serve_step(
-  Embedder& embedder,
-  std::vector<memory_step_request<CacheAdapter>> const& requests,
-  std::uint32_t k,
-  Rotation const& rotation) const
+template <class Rotation, class... Device>
+auto memory::serving_parts(std::uint32_t k,
+                           char const* who,
+                           Rotation const& rotation,
+                           Device&... device) const
 {
-  return serve_requests(
-    embedder,
-    cuda::std::span<memory_step_request<CacheAdapter> const>{requests.data(), requests.size()},
-    k,
-    "memory::serve_step",
-    true,
-    rotation,
-    host_index_search(k),
-    [&](std::int64_t) { require_host_store("memory::serve_step"); },
-    [&](injection_batch& batch, paged_kv_cache const& cache) {
-      batch.run(cache, rotation);
-    });
+  constexpr std::size_t n = sizeof...(Device);
+  static_assert(n <= 3,
+                "memory::serve / serve_step: after the rotation come nothing (host), `workspace, "
+                "stream` (a device store), `res` (a device index) or `res, workspace, stream`");
+  auto const args = std::forward_as_tuple(device...);
+  // `res` first where there is one (1 or 3 arguments): the device search; else the host's.
+  auto search = [&] {
+    if constexpr (n % 2 == 1) {
+      return device_index_search(std::get<0>(args), k);
+    } else {
+      return host_index_search(k);
+    }
+  }();
+  if constexpr (n >= 2) {  // `workspace, stream` last: a device store, injected on `stream`
+    auto& ws    = std::get<n - 2>(args);
+    auto stream = std::get<n - 1>(args);
+    static_assert(std::is_same_v<std::decay_t<decltype(ws)>, injection_workspace>,
+                  "memory::serve / serve_step: a device store is served with `workspace, stream` "
+                  "(an injection_workspace and a cudaStream_t) after the rotation");
+    return std::make_tuple(
+      std::move(search),
+      [this, &ws, who](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), who); },
+      [&rotation, &ws, stream](injection_batch& batch, paged_kv_cache const& cache) {
+        // Defined in inject.cuh (memory.cuh includes it): instantiated only there, so this
+        // header compiles without the CUDA toolkit.
+        batch.run(cache, rotation, ws, stream);
+      });
+  } else {
+    return std::make_tuple(
+      std::move(search),
+      [this, who](std::int64_t) { require_host_store(who); },
+      [&rotation](injection_batch& batch, paged_kv_cache const& cache) {
+        batch.run(cache, rotation);
+      });
+  }
 }
 
-template <class Embedder, class CacheAdapter, class Rotation, class Stream>
+template <class Embedder, class CacheAdapter, class Rotation, class... Device>
 std::vector<memory_request> memory::serve_step(
   Embedder& embedder,
   std::vector<memory_step_request<CacheAdapter>> const& requests,
   std::uint32_t k,
   Rotation const& rotation,
-  injection_workspace& workspace,
-  Stream stream) const
+  Device&&... device) const
 {
-  typename detail::dependent_type<Stream, injection_workspace>::type& ws = workspace;
+  char const* const who = "memory::serve_step";
+  auto const parts      = serving_parts(k, who, rotation, device...);
   return serve_requests(
     embedder,
     cuda::std::span<memory_step_request<CacheAdapter> const>{requests.data(), requests.size()},
     k,
-    "memory::serve_step",
+    who,
     true,
     rotation,
-    host_index_search(k),
-    [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve_step"); },
-    [&](injection_batch& batch, paged_kv_cache const& cache) {
-      // Defined in inject.cuh (memory.cuh includes it): instantiated only there, so this
-      // header compiles without the CUDA toolkit.
-      batch.run(cache, rotation, ws, stream);
-    });
+    std::get<0>(parts),
+    std::get<1>(parts),
+    std::get<2>(parts));
 }
 
-template <class Embedder, class CacheAdapter, class Rotation, class Stream>
+template <class Embedder, class CacheAdapter, class Rotation, class... Device>
 memory_request memory::serve(Embedder& embedder,
                              std::uint64_t ns,
                              std::string const& query,
@@ -491,147 +511,20 @@ memory_request memory::serve(Embedder& embedder,
                              std::int64_t first_position,
                              CacheAdapter& cache,
                              Rotation const& rotation,
-                             injection_workspace& workspace,
-                             Stream stream) const
+                             Device&&... device) const
 {
-  typename detail::dependent_type<Stream, injection_workspace>::type& ws = workspace;
+  char const* const who = "memory::serve";
   memory_step_request<CacheAdapter> const one{ns, query, first_position, &cache};
-  return std::move(serve_requests(
-    embedder,
-    cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
-    k,
-    "memory::serve",
-    false,
-    rotation,
-    host_index_search(k),
-    [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve"); },
-    [&](injection_batch& batch, paged_kv_cache const& c) {
-      batch.run(c, rotation, ws, stream);
-    })[0]);
-}
-
-template <class Embedder, class CacheAdapter, class Rotation>
-memory_request memory::serve(Embedder& embedder,
-                             std::uint64_t ns,
-                             std::string const& query,
-                             std::uint32_t k,
-                             std::int64_t first_position,
-                             CacheAdapter& cache,
-                             Rotation const& rotation) const
-{
-  memory_step_request<CacheAdapter> const one{ns, query, first_position, &cache};
-  return std::move(serve_requests(
-    embedder,
-    cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
-    k,
-    "memory::serve",
-    false,
-    rotation,
-    host_index_search(k),
-    [&](std::int64_t) { require_host_store("memory::serve"); },
-    [&](injection_batch& batch, paged_kv_cache const& c) {
-      batch.run(c, rotation);
-    })[0]);
-}
-
-template <class Resources, class Embedder, class CacheAdapter, class Rotation>
-std::vector<memory_request> memory::serve_step(
-  Resources const& res,
-  Embedder& embedder,
-  std::vector<memory_step_request<CacheAdapter>> const& requests,
-  std::uint32_t k,
-  Rotation const& rotation) const
-{
-  return serve_requests(
-    embedder,
-    cuda::std::span<memory_step_request<CacheAdapter> const>{requests.data(), requests.size()},
-    k,
-    "memory::serve_step",
-    true,
-    rotation,
-    device_index_search(res, k),
-    [&](std::int64_t) { require_host_store("memory::serve_step"); },
-    [&](injection_batch& batch, paged_kv_cache const& cache) {
-      batch.run(cache, rotation);
-    });
-}
-
-template <class Resources, class Embedder, class CacheAdapter, class Rotation, class Stream>
-std::vector<memory_request> memory::serve_step(
-  Resources const& res,
-  Embedder& embedder,
-  std::vector<memory_step_request<CacheAdapter>> const& requests,
-  std::uint32_t k,
-  Rotation const& rotation,
-  injection_workspace& workspace,
-  Stream stream) const
-{
-  typename detail::dependent_type<Stream, injection_workspace>::type& ws = workspace;
-  return serve_requests(
-    embedder,
-    cuda::std::span<memory_step_request<CacheAdapter> const>{requests.data(), requests.size()},
-    k,
-    "memory::serve_step",
-    true,
-    rotation,
-    device_index_search(res, k),
-    [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve_step"); },
-    [&](injection_batch& batch, paged_kv_cache const& cache) {
-      batch.run(cache, rotation, ws, stream);  // memory.cuh, as above
-    });
-}
-
-template <class Resources, class Embedder, class CacheAdapter, class Rotation>
-memory_request memory::serve(Resources const& res,
-                             Embedder& embedder,
-                             std::uint64_t ns,
-                             std::string const& query,
-                             std::uint32_t k,
-                             std::int64_t first_position,
-                             CacheAdapter& cache,
-                             Rotation const& rotation) const
-{
-  memory_step_request<CacheAdapter> const one{ns, query, first_position, &cache};
-  return std::move(serve_requests(
-    embedder,
-    cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
-    k,
-    "memory::serve",
-    false,
-    rotation,
-    device_index_search(res, k),
-    [&](std::int64_t) { require_host_store("memory::serve"); },
-    [&](injection_batch& batch, paged_kv_cache const& c) {
-      batch.run(c, rotation);
-    })[0]);
-}
-
-template <class Resources, class Embedder, class CacheAdapter, class Rotation, class Stream>
-memory_request memory::serve(Resources const& res,
-                             Embedder& embedder,
-                             std::uint64_t ns,
-                             std::string const& query,
-                             std::uint32_t k,
-                             std::int64_t first_position,
-                             CacheAdapter& cache,
-                             Rotation const& rotation,
-                             injection_workspace& workspace,
-                             Stream stream) const
-{
-  typename detail::dependent_type<Stream, injection_workspace>::type& ws = workspace;
-  memory_step_request<CacheAdapter> const one{ns, query, first_position, &cache};
-  return std::move(serve_requests(
-    embedder,
-    cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
-    k,
-    "memory::serve",
-    false,
-    rotation,
-    device_index_search(res, k),
-    [&](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), "memory::serve"); },
-    [&](injection_batch& batch, paged_kv_cache const& c) {
-      batch.run(c, rotation, ws, stream);
-    })[0]);
+  auto const parts = serving_parts(k, who, rotation, device...);
+  return std::move(serve_requests(embedder,
+                                  cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
+                                  k,
+                                  who,
+                                  false,
+                                  rotation,
+                                  std::get<0>(parts),
+                                  std::get<1>(parts),
+                                  std::get<2>(parts))[0]);
 }
 
 inline void memory::require_host_store(char const* who) const

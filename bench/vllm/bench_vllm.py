@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+from bench_args import add_model_and_locomo, check_model_and_locomo
+
 SYSTEM = ("<|im_start|>system\nYou are a helpful assistant. Answer from what you know about the "
           "user's conversations:\n")
 QUESTION = "What did they talk about most recently?"
@@ -59,11 +61,7 @@ def timed(llm, prompt, extra=None, max_tokens=1):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=os.environ.get("INFERSCALE_SMOLLM2_HF"))
-    here = os.path.dirname(os.path.abspath(__file__))
-    ap.add_argument("--locomo", default=os.environ.get(
-        "INFERSCALE_LOCOMO", os.path.join(here, "..", "..", "..", "shared", "data", "locomo",
-                                          "locomo10.json")))
+    add_model_and_locomo(ap)
     ap.add_argument("--ks", default="5,10,20,50")
     ap.add_argument("--users", default="1,8,32,64,100")
     ap.add_argument("--block-size", type=int, default=128,
@@ -71,10 +69,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json")
     a = ap.parse_args()
-    if not a.model or not os.path.isfile(os.path.join(a.model, "config.json")):
-        sys.exit("bench_vllm: --model must be SmolLM2's HF folder (bash .ci/vllm prints it)")
-    if not os.path.isfile(a.locomo):
-        sys.exit(f"bench_vllm: LoCoMo not found at {a.locomo} (INFERSCALE_LOCOMO)")
+    check_model_and_locomo(a, "bench_vllm")
     ks = [int(x) for x in a.ks.split(",")]
     users = [int(x) for x in a.users.split(",")]
 

@@ -35,6 +35,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "engine", "vllm", "tests"))
 
+from bench_args import add_model_and_locomo, check_model_and_locomo  # noqa: E402
 from caroline import FACTS, GEN, QUESTIONS, SYSTEM, query_tokens  # noqa: E402
 
 
@@ -129,20 +130,14 @@ def recompute_curve(llm, mem, tok, apart, percents, answer):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=os.environ.get("INFERSCALE_SMOLLM2_HF"))
-    ap.add_argument("--locomo", default=os.environ.get(
-        "INFERSCALE_LOCOMO", os.path.join(HERE, "..", "..", "..", "shared", "data", "locomo",
-                                          "locomo10.json")))
+    add_model_and_locomo(ap)
     ap.add_argument("--shifts", default="16,200", help="filler lengths in tokens (at least: whole turns)")
     ap.add_argument("--recompute", default="0,10,25,50,100",
                     help="suffix recompute points, percent of the memory segment")
     ap.add_argument("--block-size", type=int, default=128, help="vLLM's KV block size")
     ap.add_argument("--json")
     a = ap.parse_args()
-    if not a.model or not os.path.isfile(os.path.join(a.model, "config.json")):
-        sys.exit("fidelity_vllm: --model must be SmolLM2's HF folder (bash .ci/vllm prints it)")
-    if not os.path.isfile(a.locomo):
-        sys.exit(f"fidelity_vllm: LoCoMo not found at {a.locomo} (INFERSCALE_LOCOMO)")
+    check_model_and_locomo(a, "fidelity_vllm")
 
     from vllm import SamplingParams
 

@@ -25,13 +25,14 @@ Usage:
 
 import argparse
 import json
-import os
 import re
 import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
+
+from bench_args import add_model_and_locomo, check_model_and_locomo
 
 SYSTEM = ("<|im_start|>system\nYou are a helpful assistant. Answer the user's question in a few "
           "words from these conversation turns:\n")
@@ -70,11 +71,7 @@ def turns_and_questions(path, conversation, count):
 
 def main():
     ap = argparse.ArgumentParser()
-    here = os.path.dirname(os.path.abspath(__file__))
-    ap.add_argument("--model", default=os.environ.get("INFERSCALE_SMOLLM2_HF"))
-    ap.add_argument("--locomo", default=os.environ.get(
-        "INFERSCALE_LOCOMO", os.path.join(here, "..", "..", "..", "shared", "data", "locomo",
-                                          "locomo10.json")))
+    add_model_and_locomo(ap)
     ap.add_argument("--conversation", type=int, default=0, help="index in locomo10.json")
     ap.add_argument("--questions", type=int, default=60)
     ap.add_argument("--k", type=int, default=10, help="facts retrieved per question")
@@ -82,10 +79,7 @@ def main():
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--json")
     a = ap.parse_args()
-    if not a.model or not os.path.isfile(os.path.join(a.model, "config.json")):
-        sys.exit("locomo_vllm: --model must be SmolLM2's HF folder (bash .ci/vllm prints it)")
-    if not os.path.isfile(a.locomo):
-        sys.exit(f"locomo_vllm: LoCoMo not found at {a.locomo} (INFERSCALE_LOCOMO)")
+    check_model_and_locomo(a, "locomo_vllm")
     percents = [float(x) for x in a.recompute.split(",")]
 
     from vllm import SamplingParams

@@ -99,6 +99,15 @@ struct step_fixture {
     m.add_conversation(model, embedder, 8, b.c, b.facts, b.texts, o);
     m.add_conversation(model, embedder, 9, c.c, c.facts, c.texts, o);
   }
+  /// Five requests of the three users (the last one matches no fact's words).
+  std::vector<step_ask> asks() const
+  {
+    return {{7, a.texts[4], 5},
+            {8, b.texts[2], 0},
+            {9, c.texts[1] + " " + a.texts[3], 17},
+            {7, a.texts[9], 3},
+            {8, "no word of any fact", 40}};
+  }
 };
 
 }  // namespace
@@ -268,11 +277,7 @@ TEST_CASE("memory: a scheduler step serves every request as serve() alone does, 
   memory& m = f.m;
   // Five requests of three users; request i's tokens go to slots i, i + 5, i + 10, .. (the
   // requests interleave in the cache, as paged sequences do).
-  std::vector<step_ask> const asks{{7, f.a.texts[4], 5},
-                                   {8, f.b.texts[2], 0},
-                                   {9, f.c.texts[1] + " " + f.a.texts[3], 17},
-                                   {7, f.a.texts[9], 3},
-                                   {8, "no word of any fact", 40}};
+  std::vector<step_ask> const asks = f.asks();
   std::uint32_t const k = 3;
   std::int64_t const n  = static_cast<std::int64_t>(asks.size());
 
@@ -552,10 +557,8 @@ TEST_CASE(
 {
   step_fixture f;
   memory& m = f.m;
-  std::vector<step_ask> const asks{{7, f.a.texts[4], 5},
-                                   {8, f.b.texts[2], 0},
-                                   {9, f.c.texts[1] + " " + f.a.texts[3], 17},
-                                   {7, f.a.texts[9], 3}};
+  std::vector<step_ask> asks = f.asks();
+  asks.pop_back();  // the first four
   std::uint32_t const k = 3;
   host_cache host_step_cache;
   std::vector<sequence_adapter> host_sequences;

@@ -2,9 +2,10 @@
  * @file detail/inject/host_dispatch.hpp
  * @brief The host backend's dispatch: runtime switches (layout, scales, pairing, rounding, the
  * CPU's vector level) and dtypes turned into the template parameters of one loop. The loops read
- * the rotation through host_rotation (its row function), so they are compiled once for every
- * rotation type: inject_host_loops<0>, which a program defining INFERSCALE_EXTERN_TEMPLATES
- * compiles in one unit (instances.hpp); inject_host_view<Rotation> is the few lines of each type.
+ * the rotation through host_rotation (its row function), so they are compiled once for each kind
+ * of rotation: inject_host_loops<Table> (the three cos/sin tables; rope_params, without the
+ * tables' roundings), which a program defining INFERSCALE_EXTERN_TEMPLATES compiles in one unit
+ * (instances.hpp); inject_host_view<Rotation> is the few lines of each type.
  */
 #pragma once
 
@@ -71,7 +72,9 @@ void with_flag(bool value, F&& f)
 }
 
 /// @brief Turns the host loop's runtime switches into template parameters (one place).
-template <class StoreT, class CacheT>
+/// `Table`: the rotation is a cos/sin table (is_cos_sin_table), the only kind whose switches
+/// (round each operation, fused multiply-adds, bfloat16 truncation) may be set.
+template <bool Table, class StoreT, class CacheT>
 void dispatch_host_inject(kv_store_ref const& store,
                           injection_batch_view const& batch,
                           paged_kv_cache const& cache,
@@ -79,9 +82,11 @@ void dispatch_host_inject(kv_store_ref const& store,
 {
   constexpr bool fp8 =
     std::is_same_v<CacheT, float8_e4m3_t> || std::is_same_v<CacheT, float8_e5m2_t>;
-  constexpr bool may_round = !std::is_same_v<StoreT, float>;  // float stores never round each
+  // float stores never round each operation
+  constexpr bool may_round = Table && !std::is_same_v<StoreT, float>;
+  constexpr bool may_fuse  = Table;
   bool const contiguous = dims_contiguous(cache.key_layout) && dims_contiguous(cache.value_layout);
-  if constexpr (std::is_same_v<CacheT, bfloat16_t>) {
+  if constexpr (Table && std::is_same_v<CacheT, bfloat16_t>) {
     if (rotation.truncate_to_bfloat16) {  // checked: unscaled bfloat16 cache
 #if INFERSCALE_HOST_X86_SIMD
       if (!contiguous && keys_token_major(cache.key_layout) &&
@@ -110,7 +115,7 @@ void dispatch_host_inject(kv_store_ref const& store,
     with_flag<fp8>(cache.scale_granularity != kv_scale_granularity::none, [&](auto scaled) {
       with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {
         with_flag<may_round>(rotation.round_each, [&](auto round_each) {
-          with_flag(rotation.fused, [&](auto fused) {
+          with_flag<may_fuse>(rotation.fused, [&](auto fused) {
             constexpr bool C = decltype(c)::value;
             constexpr bool S = decltype(scaled)::value;
             constexpr bool H = decltype(halves)::value;
@@ -160,11 +165,11 @@ void dispatch_store_cache(dtype store_dtype, dtype cache_dtype, F&& f)
 }
 
 /**
- * @brief The host injection of a checked batch view for any rotation: the runtime dtypes, then the
- * loop. Compiled once per program where it defines INFERSCALE_EXTERN_TEMPLATES (instances.hpp;
- * the template parameter exists only for that: one instance, `<0>`).
+ * @brief The host injection of a checked batch view for any rotation of its kind (`Table`: a
+ * cos/sin table, else rope_params): the runtime dtypes, then the loop. Compiled once per program
+ * where it defines INFERSCALE_EXTERN_TEMPLATES (instances.hpp: `<false>` and `<true>`).
  */
-template <int = 0>
+template <bool Table>
 void inject_host_loops(kv_store_ref const& store,
                        injection_batch_view const& batch,
                        paged_kv_cache const& cache,
@@ -173,7 +178,7 @@ void inject_host_loops(kv_store_ref const& store,
   dispatch_store_cache(store.store_dtype, cache.cache_dtype, [&](auto s, auto c) {
     using S = typename decltype(s)::type;
     using C = typename decltype(c)::type;
-    dispatch_host_inject<S, C>(store, batch, cache, rotation);
+    dispatch_host_inject<Table, S, C>(store, batch, cache, rotation);
   });
 }
 
@@ -188,7 +193,8 @@ void inject_host_view(kv_store_ref const& store,
                       paged_kv_cache const& cache,
                       Rotation const& rotation)
 {
-  inject_host_loops(store, batch, cache, erase_host_rotation(rotation));
+  inject_host_loops<is_cos_sin_table<Rotation>::value>(
+    store, batch, cache, erase_host_rotation(rotation));
 }
 
 }  // namespace inferscale::detail

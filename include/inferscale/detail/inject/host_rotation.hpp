@@ -3,8 +3,9 @@
  * @brief The rotation as the host injection loops read it: its shape, its switches and one
  * function that computes a position's cos/sin row. The loops differ between rotation types
  * (rope_params, the engines' cos/sin tables of float, bfloat16 and float16) only in that row, so
- * they are compiled once for all of them (one set of dtype x layout x vector-level loops instead
- * of four), and each rotation type adds a front of a few lines (inject_host_view).
+ * they are compiled once for the three table types and once, without the tables' roundings, for
+ * rope_params (two sets of dtype x layout x vector-level loops instead of four), and each rotation
+ * type adds a front of a few lines (inject_host_view).
  */
 #pragma once
 
@@ -13,8 +14,19 @@
 #include <inferscale/rope.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace inferscale::detail {
+
+/// Whether `Rotation` is an engine's cos/sin table (rope_cos_sin_table<U>): only a table can ask
+/// for vLLM's roundings (round each operation, fused multiply-adds, bfloat16 truncation), so the
+/// loops of rope_params are compiled without them.
+template <class Rotation>
+struct is_cos_sin_table : std::false_type {
+};
+template <class U>
+struct is_cos_sin_table<rope_cos_sin_table<U>> : std::true_type {
+};
 
 struct host_rotation {
   std::int32_t rotary_dim{};

@@ -1,7 +1,8 @@
 /**
  * @file detail/inject/instances.hpp
  * @brief The list of host injection and extraction instances a program may compile once: the
- * injection loops (every dtype pair, layout and vector level, for any rotation: inject_host_loops),
+ * injection loops (every dtype pair, layout and vector level: inject_host_loops, once for the
+ * cos/sin tables and once for rope_params),
  * and for each rotation the library ships (rope_params and the engine cos/sin tables of float,
  * bfloat16 and float16) the front of the injection (inject_host_view) and the extraction loops
  * (extract_host_view).
@@ -12,12 +13,16 @@
  */
 #pragma once
 
-#define INFERSCALE_HOST_LOOP_INSTANCES(PREFIX)                     \
-  PREFIX template void ::inferscale::detail::inject_host_loops<0>( \
-    ::inferscale::kv_store_ref const&,                             \
-    ::inferscale::injection_batch_view const&,                     \
-    ::inferscale::paged_kv_cache const&,                           \
+#define INFERSCALE_HOST_LOOP_INSTANCE(PREFIX, TABLE)                   \
+  PREFIX template void ::inferscale::detail::inject_host_loops<TABLE>( \
+    ::inferscale::kv_store_ref const&,                                 \
+    ::inferscale::injection_batch_view const&,                         \
+    ::inferscale::paged_kv_cache const&,                               \
     ::inferscale::detail::host_rotation const&);
+
+#define INFERSCALE_HOST_LOOP_INSTANCES(PREFIX) \
+  INFERSCALE_HOST_LOOP_INSTANCE(PREFIX, false) \
+  INFERSCALE_HOST_LOOP_INSTANCE(PREFIX, true)
 
 #define INFERSCALE_INJECT_HOST_VIEW_INSTANCE(PREFIX, ROTATION)                                \
   PREFIX template void ::inferscale::detail::inject_host_view<ROTATION>(                     \

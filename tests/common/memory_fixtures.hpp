@@ -3,6 +3,8 @@
 // Free of Catch macros.
 #pragma once
 
+#include "fake_model.hpp"
+
 #include <inferscale/cache.hpp>
 #include <inferscale/encoding.hpp>
 #include <inferscale/memory_types.hpp>
@@ -19,6 +21,26 @@
 #include <vector>
 
 namespace inferscale_test::memory_fixtures {
+
+/// The facade tests' deployment: the fake model's geometry (fake::tiny), pages of 4 tokens, a
+/// 32-d cosine index; the store's dtype and pages, and where the store and the index live, vary.
+inline inferscale::memory_config tiny_memory_config(
+  inferscale::dtype store_dtype,
+  std::int64_t pages,
+  inferscale::memory_space store_space = inferscale::memory_space::host,
+  inferscale::memory_space index_space = inferscale::memory_space::host)
+{
+  inferscale::memory_config c;
+  c.store.model       = inferscale_test::fake::tiny;
+  c.store.store_dtype = store_dtype;
+  c.store.page_size   = 4;
+  c.store.num_pages   = pages;
+  c.store.space       = store_space;
+  c.index.dim         = 32;
+  c.index.metric      = inferscale::distance_metric::cosine;
+  c.index.space       = index_space;
+  return c;
+}
 
 /// Bag of words hashed into `dim` buckets, L2-normalised; counts its calls. One text can be made
 /// to give NaN (`nan_for`), zeros (`zero_for`) or to throw (`throw_for`).

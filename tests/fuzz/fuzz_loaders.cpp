@@ -355,15 +355,7 @@ tiered_store make_tiers()
 
 memory_config memory_config_of()
 {
-  memory_config c;
-  c.store.model       = inferscale_test::fake::tiny;
-  c.store.store_dtype = dtype::bfloat16;
-  c.store.page_size   = 4;
-  c.store.num_pages   = 64;
-  c.store.space       = memory_space::host;
-  c.index.dim         = 32;
-  c.index.metric      = distance_metric::cosine;
-  return c;
+  return inferscale_test::memory_fixtures::tiny_memory_config(dtype::bfloat16, 64);
 }
 
 /// A deployment with a prefix, two conversations, an erased fact and a superseded one.

@@ -1150,23 +1150,15 @@ TEST_CASE("index device search after automatic compactions equals the host searc
 
 namespace {
 /// A memory of three users (namespaces 7, 8, 9) behind an instruction prefix, with its index in
-/// `space`; one fact erased and the index compacted (mutations of the index's host mirror).
+/// `space` and its store in `store_space`; one fact erased and the index compacted (mutations of
+/// the index's host mirror).
 memory make_served_memory(memory_space space,
                           memory_space store_space,
                           inferscale_test::fake::branching_model& model,
                           inferscale_test::memory_fixtures::word_embedder& embedder)
 {
   using namespace inferscale_test::memory_fixtures;
-  memory_config c;
-  c.store.model       = inferscale_test::fake::tiny;
-  c.store.store_dtype = dtype::float32;
-  c.store.page_size   = 4;
-  c.store.num_pages   = 512;
-  c.store.space       = store_space;
-  c.index.dim         = 32;
-  c.index.metric      = distance_metric::cosine;
-  c.index.space       = space;
-  memory m{c};
+  memory m{tiny_memory_config(dtype::float32, 512, store_space, space)};
   encoding_options o;
   o.window = 3;
   m.set_instruction_prefix(model, {11, 12, 13}, 1, 0);

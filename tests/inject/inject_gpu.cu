@@ -1543,15 +1543,7 @@ namespace mf = inferscale_test::memory_fixtures;
 /// The memory of the facade tests (tests/memory/memory_host.cpp) with its store in `where`.
 memory make_seam_memory(memory_space where)
 {
-  memory_config c;
-  c.store.model       = inferscale_test::fake::tiny;
-  c.store.store_dtype = dtype::float32;
-  c.store.page_size   = 4;
-  c.store.num_pages   = 64;
-  c.store.space       = where;
-  c.index.dim         = 32;
-  c.index.metric      = distance_metric::cosine;
-  return memory{c};
+  return memory{mf::tiny_memory_config(dtype::float32, 64, where)};
 }
 
 /// The same deployment with its store on the host and on the device: the prefix, the users

@@ -33,15 +33,8 @@ namespace {
 
 memory make_memory(std::int64_t pages = 512, search_algo algo = search_algo::automatic)
 {
-  memory_config c;
-  c.store.model       = tiny;
-  c.store.store_dtype = dtype::float32;
-  c.store.page_size   = 4;
-  c.store.num_pages   = pages;
-  c.store.space       = memory_space::host;
-  c.index.dim         = 32;
-  c.index.metric      = distance_metric::cosine;
-  c.search.algo       = algo;
+  memory_config c = tiny_memory_config(dtype::float32, pages);
+  c.search.algo   = algo;
   return memory{c};
 }
 

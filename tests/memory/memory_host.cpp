@@ -30,18 +30,7 @@ using namespace inferscale_test::memory_fixtures;
 
 namespace {
 
-memory make_memory()
-{
-  memory_config c;
-  c.store.model       = tiny;
-  c.store.store_dtype = dtype::float32;
-  c.store.page_size   = 4;
-  c.store.num_pages   = 512;
-  c.store.space       = memory_space::host;
-  c.index.dim         = 32;
-  c.index.metric      = distance_metric::cosine;
-  return memory{c};
-}
+memory make_memory() { return memory{tiny_memory_config(dtype::float32, 512)}; }
 
 /// Everything observable about a memory, to compare before and after a refused call.
 struct snapshot {

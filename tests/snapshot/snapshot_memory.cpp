@@ -28,18 +28,7 @@ using Catch::Matchers::Contains;
 
 namespace {
 
-memory_config make_config()
-{
-  memory_config c;
-  c.store.model       = tiny;
-  c.store.store_dtype = dtype::bfloat16;
-  c.store.page_size   = 4;
-  c.store.num_pages   = 256;
-  c.store.space       = memory_space::host;
-  c.index.dim         = 32;
-  c.index.metric      = distance_metric::cosine;
-  return c;
-}
+memory_config make_config() { return tiny_memory_config(dtype::bfloat16, 256); }
 
 std::set<std::string> files_in(std::string const& directory)
 {

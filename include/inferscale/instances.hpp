@@ -5,7 +5,9 @@
  *
  * The host backend dispatches the store and cache dtypes, the layout, the fp8 scales, the rotary
  * pairing and rounding and the CPU's vector level at run time, into one loop per combination:
- * several hundred functions, compiled wherever the host run (injection_batch::run),
+ * several hundred functions for each kind of rotation (rope_params; the engines' cos/sin tables,
+ * whose types share one set: detail/inject/host_rotation.hpp), compiled wherever the host run
+ * (injection_batch::run),
  * inject_tiered_host, extract_host or the memory facade's serve is used. A program with many such
  * units (an engine's sources, a test suite) may instead
  *  1. define `INFERSCALE_EXTERN_TEMPLATES` in every translation unit (a compile definition of the

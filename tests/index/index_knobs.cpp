@@ -174,9 +174,10 @@ TEST_CASE("parallel_chunks: every chunk once, in chunk-sized pieces, on at most 
       }
       REQUIRE(log.each_once());
       REQUIRE(used.size() <= allowed);
-      REQUIRE(used.count(std::this_thread::get_id()) == 1);
       REQUIRE(calls == (shared ? static_cast<std::size_t>((n + 7) / 8) : 1u));
-      if (threads == 1) { REQUIRE(used == std::set<std::thread::id>{std::this_thread::get_id()}); }
+      // Not shared out: one call, on the caller. Shared out, the caller takes chunks as the other
+      // threads do, but they may have taken them all by the time it asks (a loaded machine).
+      if (!shared) { REQUIRE(used == std::set<std::thread::id>{std::this_thread::get_id()}); }
     }
   }
   // an exception stops the handing out and is rethrown once every started thread has joined

@@ -434,18 +434,11 @@ class memory {
  private:
   /// The one serving path of serve() and serve_step(), host and device: checks, one batched
   /// search, the plans (each checked against `rotation`'s position range), the slots and one
-  /// batch; `check_tokens(total)` before any adapter allocates, `inject_batch(batch, cache)`, then
-  /// the commits. A step (`name_requests`) names the request in a refusal; serve() keeps the
-  /// messages of the calls it makes. The search is `search_index.run(queries, namespaces, ids,
-  /// distances)` (host views: `[n][dim]` queries, `[n][k]` outputs) of an index in
-  /// `search_index.space` memory (another is refused before anything is embedded):
-  /// host_index_search() or device_index_search().
-  template <class Embedder,
-            class CacheAdapter,
-            class Rotation,
-            class SearchIndex,
-            class CheckTokens,
-            class InjectBatch>
+  /// batch; the token check before any adapter allocates, the injection, then the commits, as
+  /// serving_parts() makes them from the trailing `device` arguments. A step (`name_requests`)
+  /// names the request in a refusal; serve() keeps the messages of the calls it makes. An index
+  /// in the other memory than the search's is refused before anything is embedded.
+  template <class Embedder, class CacheAdapter, class Rotation, class... Device>
   std::vector<memory_request> serve_requests(
     Embedder& embedder,
     cuda::std::span<memory_step_request<CacheAdapter> const> requests,
@@ -453,13 +446,13 @@ class memory {
     char const* who,
     bool name_requests,
     Rotation const& rotation,
-    SearchIndex const& search_index,
-    CheckTokens const& check_tokens,
-    InjectBatch const& inject_batch) const;
+    Device&... device) const;
 
-  /// The search, the token check and the injection of serve_requests() that serve_step's
-  /// trailing `device` arguments say (none, `workspace, stream`, `res`, `res, workspace, stream`),
-  /// as a tuple; they refer to `rotation` and `device`.
+  /// The search (`run(queries, namespaces, ids, distances)` on host views, `[n][dim]` queries and
+  /// `[n][k]` outputs, of an index in `.space` memory: host_index_search() or
+  /// device_index_search()), the token check `(total)` and the injection `(batch, cache)` of
+  /// serve_requests() that the trailing `device` arguments say (none, `workspace, stream`, `res`,
+  /// `res, workspace, stream`), as a tuple; they refer to `rotation` and `device`.
   template <class Rotation, class... Device>
   auto serving_parts(std::uint32_t k,
                      char const* who,

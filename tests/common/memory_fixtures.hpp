@@ -18,6 +18,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace inferscale_test::memory_fixtures {
@@ -185,6 +186,29 @@ struct sequence_adapter {
   }
   inferscale::paged_kv_cache const& cache() const { return shared->cache(); }
   void commit(std::int64_t n) { committed.push_back(n); }
+};
+
+/// A paged-cache adapter over any cache descriptor (a device cache too): allocate(p0, n) hands
+/// out the first n - short_by of `slots`; what it was asked and committed is recorded.
+struct slot_adapter {
+  slot_adapter(inferscale::paged_kv_cache const& cache, std::vector<std::int64_t> given)
+    : desc{cache}, slots{std::move(given)}
+  {
+  }
+
+  inferscale::paged_kv_cache desc;
+  std::vector<std::int64_t> slots;
+  std::int64_t short_by{0};
+  std::int64_t allocated_at{-1};
+  std::vector<std::int64_t> committed;
+
+  std::vector<std::int64_t> allocate(std::int64_t first_position, std::int64_t tokens)
+  {
+    allocated_at = first_position;
+    return {slots.begin(), slots.begin() + static_cast<std::ptrdiff_t>(tokens - short_by)};
+  }
+  inferscale::paged_kv_cache const& cache() const { return desc; }
+  void commit(std::int64_t tokens) { committed.push_back(tokens); }
 };
 
 /// One request of a test's serve step: the user's namespace, the query text, the first position.

@@ -1174,23 +1174,6 @@ memory make_served_memory(memory_space space,
 }
 }  // namespace
 
-namespace {
-/// One sequence of a step over a cache in device memory: allocate(p0, n) hands out the first n
-/// of `slots`; its commits are recorded.
-struct device_sequence {
-  paged_kv_cache cache_{};
-  std::vector<std::int64_t> slots;
-  std::vector<std::int64_t> committed;
-
-  std::vector<std::int64_t> allocate(std::int64_t, std::int64_t n)
-  {
-    return {slots.begin(), slots.begin() + static_cast<std::ptrdiff_t>(n)};
-  }
-  paged_kv_cache const& cache() const { return cache_; }
-  void commit(std::int64_t n) { committed.push_back(n); }
-};
-}  // namespace
-
 TEST_CASE(
   "memory facade over a device index serves a step as over a host index (ids, plans, cache "
   "bytes), and with a device store too (a GPU engine's step) into a device cache",
@@ -1269,12 +1252,14 @@ TEST_CASE(
   std::vector<sequence_adapter> table_sequences;
   auto const table_requests = interleaved_step(asks, table_cache, table_sequences);
   device_buffer<float> gpu_storage{table_cache.data};  // every element -1, as the host's
-  std::vector<device_sequence> gpu_sequences(asks.size());
-  std::vector<memory_step_request<device_sequence>> gpu_requests;
+  paged_kv_cache const gpu_cache = make_contiguous_cache(
+    dtype::float32, gpu_storage.data(), {2, 2, 256, 1, 4}, {2 * 256 * 4, 256 * 4, 4, 4, 1});
+  std::vector<slot_adapter> gpu_sequences;
+  for (sequence_adapter const& s : table_sequences) {
+    gpu_sequences.emplace_back(gpu_cache, s.slots);
+  }
+  std::vector<memory_step_request<slot_adapter>> gpu_requests;
   for (std::size_t i = 0; i < asks.size(); ++i) {
-    gpu_sequences[i].cache_ = make_contiguous_cache(
-      dtype::float32, gpu_storage.data(), {2, 2, 256, 1, 4}, {2 * 256 * 4, 256 * 4, 4, 4, 1});
-    gpu_sequences[i].slots = table_sequences[i].slots;
     gpu_requests.push_back({asks[i].ns, asks[i].query, asks[i].p0, &gpu_sequences[i]});
   }
   std::vector<memory_request> const table_expected =

@@ -953,28 +953,7 @@ TEST_CASE("the dtype dispatch and a named dtype pair launch the same kernels; a 
 
 namespace {
 
-/// A paged-cache adapter over a descriptor: allocate(p0, n) hands out the first n - short_by of
-/// `slots`; what the flow asked and committed is recorded.
-struct slot_adapter {
-  slot_adapter(paged_kv_cache const& cache, std::vector<std::int64_t> given)
-    : desc{cache}, slots{std::move(given)}
-  {
-  }
-
-  paged_kv_cache desc;
-  std::vector<std::int64_t> slots;
-  std::int64_t short_by{0};
-  std::int64_t allocated_at{-1};
-  std::vector<std::int64_t> committed;
-
-  std::vector<std::int64_t> allocate(std::int64_t first_position, std::int64_t tokens)
-  {
-    allocated_at = first_position;
-    return {slots.begin(), slots.begin() + (tokens - short_by)};
-  }
-  paged_kv_cache const& cache() const { return desc; }
-  void commit(std::int64_t tokens) { committed.push_back(tokens); }
-};
+using inferscale_test::memory_fixtures::slot_adapter;
 static_assert(is_cache_adapter_v<slot_adapter>);
 
 /// A capture of `tokens` tokens in the store's shard geometry, every row written with values of

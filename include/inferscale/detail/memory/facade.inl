@@ -32,12 +32,6 @@ cudaStream_t raw_stream(S const& s) noexcept
   return s.get();
 }
 
-/// @brief `T`, as a type that depends on `Dependent` (a member of an incomplete class named in a
-/// template is looked up when the template is instantiated).
-template <class Dependent, class T>
-struct dependent_type {
-  using type = T;
-};
 
 /**
  * @brief The search of serve_step / serve given a `raft::resources` (after the rotation) on a
@@ -279,12 +273,7 @@ auto memory::device_index_search(Resources const& res, std::uint32_t k) const
     });
 }
 
-template <class Embedder,
-          class CacheAdapter,
-          class Rotation,
-          class SearchIndex,
-          class CheckTokens,
-          class InjectBatch>
+template <class Embedder, class CacheAdapter, class Rotation, class... Device>
 std::vector<memory_request> memory::serve_requests(
   Embedder& embedder,
   cuda::std::span<memory_step_request<CacheAdapter> const> requests,
@@ -292,10 +281,12 @@ std::vector<memory_request> memory::serve_requests(
   char const* who,
   bool name_requests,
   Rotation const& rotation,
-  SearchIndex const& search_index,
-  CheckTokens const& check_tokens,
-  InjectBatch const& inject_batch) const
+  Device&... device) const
 {
+  auto const parts         = serving_parts(k, who, rotation, device...);
+  auto const& search_index = std::get<0>(parts);
+  auto const& check_tokens = std::get<1>(parts);
+  auto const& inject_batch = std::get<2>(parts);
   static_assert(is_embedder_v<Embedder>,
                 "memory::serve: Embedder needs dimension() and "
                 "embed(std::string const&) -> std::vector<float> (see memory.hpp)");
@@ -489,18 +480,14 @@ std::vector<memory_request> memory::serve_step(
   Rotation const& rotation,
   Device&&... device) const
 {
-  char const* const who = "memory::serve_step";
-  auto const parts      = serving_parts(k, who, rotation, device...);
   return serve_requests(
     embedder,
     cuda::std::span<memory_step_request<CacheAdapter> const>{requests.data(), requests.size()},
     k,
-    who,
+    "memory::serve_step",
     true,
     rotation,
-    std::get<0>(parts),
-    std::get<1>(parts),
-    std::get<2>(parts));
+    device...);
 }
 
 template <class Embedder, class CacheAdapter, class Rotation, class... Device>
@@ -513,18 +500,14 @@ memory_request memory::serve(Embedder& embedder,
                              Rotation const& rotation,
                              Device&&... device) const
 {
-  char const* const who = "memory::serve";
   memory_step_request<CacheAdapter> const one{ns, query, first_position, &cache};
-  auto const parts = serving_parts(k, who, rotation, device...);
   return std::move(serve_requests(embedder,
                                   cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
                                   k,
-                                  who,
+                                  "memory::serve",
                                   false,
                                   rotation,
-                                  std::get<0>(parts),
-                                  std::get<1>(parts),
-                                  std::get<2>(parts))[0]);
+                                  device...)[0]);
 }
 
 inline void memory::require_host_store(char const* who) const

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/detail/index/device_workspace.inl>
 #include <inferscale/error.hpp>
 #include <inferscale/index.cuh>
 #include <inferscale/memory.hpp>

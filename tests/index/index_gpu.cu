@@ -28,6 +28,12 @@
 #include "memory_fixtures.hpp"
 
 #include <inferscale/cuda_error.hpp>
+// the backend's internals (launch shapes, brute force) are tested here too: their headers
+// directly, as index.cuh declares its functions only in this build
+// (INFERSCALE_EXTERN_DEVICE_INSTANCES)
+#include <inferscale/detail/index/device_brute_force.inl>
+#include <inferscale/detail/index/device_launch.inl>
+#include <inferscale/detail/index/graph_build.hpp>
 #include <inferscale/index.cuh>
 #include <inferscale/index.hpp>
 #include <inferscale/memory.cuh>

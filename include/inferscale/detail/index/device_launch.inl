@@ -2,13 +2,14 @@
  * @file detail/index/device_launch.inl
  * @brief Launch support of the index's device backend (part of `index.cuh`, which includes it;
  * RAFT-based, so not a header of its own): the device policy, the search kernel's shared-memory
- * limit and occupancy, the vector dtype dispatch, workspace from the `raft::resources`, and the
- * check that an index lives in device memory.
+ * limit and occupancy, the vector dtype dispatch (its workspace and the check that an index lives
+ * in device memory: `device_workspace.inl`).
  */
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/detail/math.hpp>
+#include <inferscale/detail/index/device_workspace.inl>
 #include <inferscale/detail/index/kernels.cuh>
 #include <inferscale/detail/index/tuning.hpp>
 #include <inferscale/dtype.hpp>
@@ -131,40 +132,6 @@ inline unsigned elementwise_blocks(std::int64_t work, int threads)
 {
   std::int64_t const blocks = ceil_div(work, threads);
   return static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, std::int64_t{1} << 20));
-}
-
-/// @brief Temporary device memory from the resources' workspace, on their stream.
-template <class T>
-rmm::device_uvector<T> workspace_vector(raft::resources const& res, std::int64_t count)
-{
-  return rmm::device_uvector<T>(static_cast<std::size_t>(std::max<std::int64_t>(count, 1)),
-                                raft::resource::get_cuda_stream(res),
-                                raft::resource::get_workspace_resource_ref(res));
-}
-
-/// @brief Workspace a call may not need: nothing is allocated for `count` 0 (`data_or_null` is then
-/// null), so a search that needs none enqueues nothing but its kernel (capturable in a CUDA graph;
-/// an allocation during a capture fails with cudaErrorStreamCaptureUnsupported).
-template <class T>
-std::optional<rmm::device_uvector<T>> optional_workspace(raft::resources const& res,
-                                                         std::int64_t count)
-{
-  if (count <= 0) { return std::nullopt; }
-  return workspace_vector<T>(res, count);
-}
-
-template <class T>
-T* data_or_null(std::optional<rmm::device_uvector<T>>& v) noexcept
-{
-  return v ? v->data() : nullptr;
-}
-
-inline void require_device_index(graph_index const& index, char const* what)
-{
-  INFERSCALE_EXPECTS(index.space() == memory_space::device,
-                     std::string{what} +
-                       ": the index lives in host memory; search it with search(index, ...) of index.hpp "
-                       "(or build it with index_config::memory = memory_space::device)");
 }
 
 }  // namespace inferscale::detail::index

@@ -40,14 +40,16 @@ endfunction()
 #   The target's units declare the host injection / extraction instances extern
 #   (INFERSCALE_EXTERN_TEMPLATES) and link the objects that define them (instances.hpp), so the
 #   several hundred dtype x layout x vector-level loops are compiled once per build (for every
-#   rotation type at once: detail/inject/host_rotation.hpp) instead of once per unit that injects. OWN: the target compiles that object itself, with its own flags
+#   rotation type at once: detail/inject/host_rotation.hpp) instead of once per unit that injects,
+#   and the fact index's members (index.hpp) once instead of once per unit that indexes or serves. OWN: the target compiles that object itself, with its own flags
 #   (tests/contraction checks the host math under -march=native -ffp-contract=fast).
 function(inferscale_shared_instances target)
   cmake_parse_arguments(ARG "OWN" "" "" ${ARGN})
   target_compile_definitions(${target} PRIVATE INFERSCALE_EXTERN_TEMPLATES)
   if(ARG_OWN)
     target_sources(${target} PRIVATE ${PROJECT_SOURCE_DIR}/cmake/host_instances_loops.cpp
-                                     ${PROJECT_SOURCE_DIR}/cmake/host_instances_rotations.cpp)
+                                     ${PROJECT_SOURCE_DIR}/cmake/host_instances_rotations.cpp
+                                     ${PROJECT_SOURCE_DIR}/cmake/host_instances_index.cpp)
     return()
   endif()
   inferscale_instance_objects(HOST)
@@ -66,7 +68,8 @@ function(inferscale_instance_objects)
   if(ARG_HOST AND NOT TARGET inferscale_host_instances)
     add_library(inferscale_host_instances OBJECT
                 ${PROJECT_SOURCE_DIR}/cmake/host_instances_loops.cpp
-                ${PROJECT_SOURCE_DIR}/cmake/host_instances_rotations.cpp)
+                ${PROJECT_SOURCE_DIR}/cmake/host_instances_rotations.cpp
+                ${PROJECT_SOURCE_DIR}/cmake/host_instances_index.cpp)
     inferscale_target_defaults(inferscale_host_instances)
     target_compile_definitions(inferscale_host_instances PRIVATE INFERSCALE_EXTERN_TEMPLATES)
     # Position-independent and hidden, so that a shared module (the vLLM extension) links them as

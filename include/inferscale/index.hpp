@@ -61,6 +61,15 @@ struct index_access;
 
 class graph_index;
 
+/// How `graph_index`'s out-of-class members are defined: `inline` in the header-only form;
+/// nothing when the program compiles them once (`INFERSCALE_EXTERN_TEMPLATES`: the unit that
+/// includes instances.hpp holds their one definition, `detail/index/definitions.inl`).
+#if defined(INFERSCALE_EXTERN_TEMPLATES)
+#define INFERSCALE_INDEX_LINKAGE
+#else
+#define INFERSCALE_INDEX_LINKAGE inline
+#endif
+
 /**
  * @brief Searches a host-memory index: query `q` looks in namespace `namespaces[q]` (or all in
  * `namespaces[0]` when one namespace is given). Row `q` of the outputs gets the `k` nearest live
@@ -597,6 +606,8 @@ class graph_index {
 }  // namespace inferscale
 
 // The member definitions, by concept (see the file comment). Persistence is index_snapshot.hpp.
-#include <inferscale/detail/index/arena.inl>
-#include <inferscale/detail/index/maintenance.inl>
-#include <inferscale/detail/index/search.inl>
+// A program that compiles them once (INFERSCALE_EXTERN_TEMPLATES, instances.hpp) sees only the
+// declarations above here; the unit that includes instances.hpp defines them.
+#if !defined(INFERSCALE_EXTERN_TEMPLATES)
+#include <inferscale/detail/index/definitions.inl>
+#endif

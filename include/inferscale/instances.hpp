@@ -1,7 +1,9 @@
 /**
  * @file instances.hpp
- * @brief Explicit instantiation of the host injection and extraction paths, for programs that
- * compile them once instead of in every translation unit that injects.
+ * @brief The host library's heavy code compiled once: explicit instantiation of the host
+ * injection and extraction paths, and the definitions of the fact index (`graph_index`'s members
+ * and the host `search`, for float and half_t), for programs that compile them once instead of in
+ * every translation unit that injects or indexes.
  *
  * The host backend dispatches the store and cache dtypes, the layout, the fp8 scales, the rotary
  * pairing and rounding and the CPU's vector level at run time, into one loop per combination:
@@ -11,7 +13,8 @@
  * inject_tiered_host, extract_host or the memory facade's serve is used. A program with many such
  * units (an engine's sources, a test suite) may instead
  *  1. define `INFERSCALE_EXTERN_TEMPLATES` in every translation unit (a compile definition of the
- *     target), so that the headers declare those functions `extern template`, and
+ *     target), so that the headers declare those functions `extern template` (and `index.hpp`
+ *     declares the index's members without defining them), and
  *  2. include this header in exactly one translation unit (which defines them).
  * Results are the same; only where the code is compiled changes. Rotation types other than
  * rope_params and rope_cos_sin_table<float / bfloat16_t / half_t> are instantiated where they are
@@ -19,6 +22,8 @@
  */
 #pragma once
 
+#include <inferscale/detail/index/definitions.inl>
 #include <inferscale/inject.hpp>
 
 INFERSCALE_HOST_INSTANCES()
+INFERSCALE_INDEX_INSTANCES()

@@ -28,7 +28,7 @@ namespace inferscale {
 // ---------------------------------------------------------------------------------------------
 // Construction and moves
 
-inline graph_index::graph_index(index_config const& config) : config_(config)
+INFERSCALE_INDEX_LINKAGE graph_index::graph_index(index_config const& config) : config_(config)
 {
   INFERSCALE_EXPECTS(config.dim > 0 && config.dim <= (1 << 20),
                      "index_config: dim must be in [1, 2^20], got " + std::to_string(config.dim));
@@ -69,7 +69,7 @@ inline graph_index::graph_index(index_config const& config) : config_(config)
   row_elements_ = detail::index::padded_dim(config.dim, element_size_);
 }
 
-inline graph_index& graph_index::operator=(graph_index&& other) noexcept
+INFERSCALE_INDEX_LINKAGE graph_index& graph_index::operator=(graph_index&& other) noexcept
 {
   if (this != &other) {
     graph_index tmp{std::move(other)};
@@ -78,7 +78,7 @@ inline graph_index& graph_index::operator=(graph_index&& other) noexcept
   return *this;
 }
 
-inline void graph_index::swap(graph_index& o) noexcept
+INFERSCALE_INDEX_LINKAGE void graph_index::swap(graph_index& o) noexcept
 {
   std::swap(config_, o.config_);
   std::swap(element_size_, o.element_size_);
@@ -106,7 +106,7 @@ inline void graph_index::swap(graph_index& o) noexcept
 // ---------------------------------------------------------------------------------------------
 // Tenants and their rows
 
-inline std::vector<std::uint64_t> graph_index::namespaces() const
+INFERSCALE_INDEX_LINKAGE std::vector<std::uint64_t> graph_index::namespaces() const
 {
   std::vector<std::uint64_t> out;
   for (auto const& t : tenants_) {
@@ -115,39 +115,39 @@ inline std::vector<std::uint64_t> graph_index::namespaces() const
   return out;
 }
 
-inline std::uint32_t graph_index::size(std::uint64_t ns) const noexcept
+INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::size(std::uint64_t ns) const noexcept
 {
   auto it = tenant_of_.find(ns);
   return it == tenant_of_.end() ? 0 : tenants_[it->second].ref.live;
 }
 
-inline std::uint32_t graph_index::host_entry_points(std::uint64_t ns) const noexcept
+INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::host_entry_points(std::uint64_t ns) const noexcept
 {
   auto it = tenant_of_.find(ns);
   return it == tenant_of_.end() ? 0
                                 : static_cast<std::uint32_t>(tenants_[it->second].entries.size());
 }
 
-inline std::uint32_t graph_index::host_default_ef(std::uint64_t ns) const noexcept
+INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::host_default_ef(std::uint64_t ns) const noexcept
 {
   auto it = tenant_of_.find(ns);
   return it == tenant_of_.end() ? 0 : tenants_[it->second].default_ef;
 }
 
-inline std::uint32_t graph_index::rows(std::uint64_t ns) const noexcept
+INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::rows(std::uint64_t ns) const noexcept
 {
   auto it = tenant_of_.find(ns);
   return it == tenant_of_.end() ? 0 : tenants_[it->second].ref.size;
 }
 
-inline std::uint64_t graph_index::namespace_of(std::uint64_t id) const
+INFERSCALE_INDEX_LINKAGE std::uint64_t graph_index::namespace_of(std::uint64_t id) const
 {
   auto it = id_to_row_.find(id);
   INFERSCALE_EXPECTS(it != id_to_row_.end(), "graph_index: unknown fact id " + std::to_string(id));
   return tenants_[it->second.tenant].ns;
 }
 
-inline std::vector<std::uint64_t> graph_index::ids(std::uint64_t ns) const
+INFERSCALE_INDEX_LINKAGE std::vector<std::uint64_t> graph_index::ids(std::uint64_t ns) const
 {
   std::vector<std::uint64_t> out;
   auto it = tenant_of_.find(ns);
@@ -159,13 +159,13 @@ inline std::vector<std::uint64_t> graph_index::ids(std::uint64_t ns) const
   return out;
 }
 
-inline auto graph_index::tenant_segment(std::uint64_t ns) const noexcept -> tenant_ref
+INFERSCALE_INDEX_LINKAGE auto graph_index::tenant_segment(std::uint64_t ns) const noexcept -> tenant_ref
 {
   auto it = tenant_of_.find(ns);
   return it == tenant_of_.end() ? tenant_ref{} : tenants_[it->second].ref;
 }
 
-inline auto graph_index::tenant_table() const -> std::vector<tenant_ref>
+INFERSCALE_INDEX_LINKAGE auto graph_index::tenant_table() const -> std::vector<tenant_ref>
 {
   std::vector<tenant_ref> out;
   for (auto const& t : tenants_) {
@@ -174,7 +174,7 @@ inline auto graph_index::tenant_table() const -> std::vector<tenant_ref>
   return out;
 }
 
-inline auto graph_index::checked_tenant(std::uint64_t ns) const -> tenant_ref
+INFERSCALE_INDEX_LINKAGE auto graph_index::checked_tenant(std::uint64_t ns) const -> tenant_ref
 {
   auto it = tenant_of_.find(ns);
   INFERSCALE_EXPECTS(it != tenant_of_.end(),
@@ -182,29 +182,29 @@ inline auto graph_index::checked_tenant(std::uint64_t ns) const -> tenant_ref
   return tenants_[it->second].ref;
 }
 
-inline std::uint32_t const* graph_index::graph_rows(std::uint64_t ns) const
+INFERSCALE_INDEX_LINKAGE std::uint32_t const* graph_index::graph_rows(std::uint64_t ns) const
 {
   auto const t = checked_tenant(ns);
   return graph_.data() + t.row_begin * config_.graph_degree;
 }
 
-inline void const* graph_index::vector_rows(std::uint64_t ns) const
+INFERSCALE_INDEX_LINKAGE void const* graph_index::vector_rows(std::uint64_t ns) const
 {
   auto const t = checked_tenant(ns);
   return vectors_.data() + static_cast<std::size_t>(t.row_begin * row_elements_) * element_size_;
 }
 
-inline std::uint64_t const* graph_index::id_rows(std::uint64_t ns) const
+INFERSCALE_INDEX_LINKAGE std::uint64_t const* graph_index::id_rows(std::uint64_t ns) const
 {
   return ids_.data() + checked_tenant(ns).row_begin;
 }
 
-inline std::uint8_t const* graph_index::deleted_rows(std::uint64_t ns) const
+INFERSCALE_INDEX_LINKAGE std::uint8_t const* graph_index::deleted_rows(std::uint64_t ns) const
 {
   return deleted_.data() + checked_tenant(ns).row_begin;
 }
 
-inline std::uint64_t graph_index::arena_bytes() const noexcept
+INFERSCALE_INDEX_LINKAGE std::uint64_t graph_index::arena_bytes() const noexcept
 {
   return static_cast<std::uint64_t>(arena_capacity_) *
          (static_cast<std::uint64_t>(row_elements_) * element_size_ +
@@ -262,7 +262,7 @@ void graph_index::write_rows(std::size_t t,
 // ---------------------------------------------------------------------------------------------
 // Growth
 
-inline auto graph_index::allocate_arena(std::int64_t rows) const -> arena
+INFERSCALE_INDEX_LINKAGE auto graph_index::allocate_arena(std::int64_t rows) const -> arena
 {
   arena a;
   a.vectors.assign(static_cast<std::size_t>(rows * row_elements_) * element_size_, 0);
@@ -272,7 +272,7 @@ inline auto graph_index::allocate_arena(std::int64_t rows) const -> arena
   return a;
 }
 
-inline std::int64_t graph_index::row_limit(std::uint64_t live) const noexcept
+INFERSCALE_INDEX_LINKAGE std::int64_t graph_index::row_limit(std::uint64_t live) const noexcept
 {
   if (config_.max_row_overhead == 0.0) { return std::numeric_limits<std::int64_t>::max(); }
   std::int64_t const n = static_cast<std::int64_t>(live);
@@ -280,23 +280,23 @@ inline std::int64_t graph_index::row_limit(std::uint64_t live) const noexcept
                   n + compaction_floor_rows);
 }
 
-inline std::int64_t graph_index::growth_cap(std::int64_t needed,
-                                            std::uint64_t live_after) const noexcept
+INFERSCALE_INDEX_LINKAGE std::int64_t graph_index::growth_cap(std::int64_t needed,
+                                                              std::uint64_t live_after) const noexcept
 {
   std::int64_t const limit = row_limit(live_after);
   std::int64_t const cap   = needed < limit ? needed + (limit - needed) / 2 : needed;
   return std::max(cap, arena_capacity_);
 }
 
-inline std::uint32_t graph_index::spare_rows(std::uint32_t rows,
-                                            std::int64_t end,
-                                            std::uint64_t live_after) const noexcept
+INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::spare_rows(std::uint32_t rows,
+                                                              std::int64_t end,
+                                                              std::uint64_t live_after) const noexcept
 {
   std::int64_t const room = growth_cap(end, live_after) - end;
   return static_cast<std::uint32_t>(std::clamp<std::int64_t>(room, 0, rows / 4));
 }
 
-inline void graph_index::grow_arena(std::int64_t needed, std::uint64_t live_after)
+INFERSCALE_INDEX_LINKAGE void graph_index::grow_arena(std::int64_t needed, std::uint64_t live_after)
 {
   if (needed <= arena_capacity_) { return; }
   std::int64_t const capacity =
@@ -317,9 +317,9 @@ inline void graph_index::grow_arena(std::int64_t needed, std::uint64_t live_afte
   device_stale_   = true;
 }
 
-inline std::size_t graph_index::ensure_room(std::uint64_t ns,
-                                           std::uint32_t rows,
-                                           std::uint64_t live_after)
+INFERSCALE_INDEX_LINKAGE std::size_t graph_index::ensure_room(std::uint64_t ns,
+                                                             std::uint32_t rows,
+                                                             std::uint64_t live_after)
 {
   bool const automatic = config_.max_row_overhead != 0.0;
   auto it = tenant_of_.find(ns);
@@ -376,7 +376,7 @@ inline std::size_t graph_index::ensure_room(std::uint64_t ns,
 // ---------------------------------------------------------------------------------------------
 // Compaction
 
-inline void graph_index::compact(graph_builder const& builder)
+INFERSCALE_INDEX_LINKAGE void graph_index::compact(graph_builder const& builder)
 {
   std::vector<std::uint8_t> rebuild(tenants_.size(), 0);
   for (std::size_t t = 0; t < tenants_.size(); ++t) {
@@ -386,7 +386,7 @@ inline void graph_index::compact(graph_builder const& builder)
   ++version_;
 }
 
-inline std::int64_t graph_index::repack_target(std::uint64_t live) const noexcept
+INFERSCALE_INDEX_LINKAGE std::int64_t graph_index::repack_target(std::uint64_t live) const noexcept
 {
   std::int64_t const n = static_cast<std::int64_t>(live);
   double const factor  = 1.0 + (config_.max_row_overhead - 1.0) / 2.0;
@@ -394,7 +394,7 @@ inline std::int64_t graph_index::repack_target(std::uint64_t live) const noexcep
                   n + compaction_floor_rows / 2);
 }
 
-inline bool graph_index::compact_if_needed(graph_builder const& builder)
+INFERSCALE_INDEX_LINKAGE bool graph_index::compact_if_needed(graph_builder const& builder)
 {
   std::uint64_t const live = total_size();
   if (arena_capacity_ <= row_limit(live)) { return false; }
@@ -425,9 +425,9 @@ inline bool graph_index::compact_if_needed(graph_builder const& builder)
   return true;
 }
 
-inline void graph_index::repack(std::vector<std::uint8_t> const& rebuild,
-                                std::int64_t spare,
-                                graph_builder const& builder)
+INFERSCALE_INDEX_LINKAGE void graph_index::repack(std::vector<std::uint8_t> const& rebuild,
+                                                  std::int64_t spare,
+                                                  graph_builder const& builder)
 {
   std::vector<std::size_t> order;
   std::int64_t packed = 0;
@@ -507,7 +507,7 @@ inline void graph_index::repack(std::vector<std::uint8_t> const& rebuild,
 // ---------------------------------------------------------------------------------------------
 // Float16 copies of the rows (index_config::host_traversal_dtype)
 
-inline void graph_index::set_host_traversal_dtype(dtype d)
+INFERSCALE_INDEX_LINKAGE void graph_index::set_host_traversal_dtype(dtype d)
 {
   index_config next         = config_;
   next.host_traversal_dtype = d;
@@ -534,14 +534,14 @@ inline void graph_index::set_host_traversal_dtype(dtype d)
   ++version_;
 }
 
-inline half_t const* graph_index::host_traversal_rows(std::uint64_t ns) const noexcept
+INFERSCALE_INDEX_LINKAGE half_t const* graph_index::host_traversal_rows(std::uint64_t ns) const noexcept
 {
   auto it = tenant_of_.find(ns);
   if (it == tenant_of_.end() || !traverses_fp16()) { return nullptr; }
   return tenants_[it->second].traversal.data();
 }
 
-inline std::uint64_t graph_index::host_traversal_bytes() const noexcept
+INFERSCALE_INDEX_LINKAGE std::uint64_t graph_index::host_traversal_bytes() const noexcept
 {
   std::uint64_t total = 0;
   for (auto const& t : tenants_) {
@@ -550,7 +550,7 @@ inline std::uint64_t graph_index::host_traversal_bytes() const noexcept
   return total;
 }
 
-inline void graph_index::check_traversal_dtype(index_config const& config, char const* who)
+INFERSCALE_INDEX_LINKAGE void graph_index::check_traversal_dtype(index_config const& config, char const* who)
 {
   INFERSCALE_EXPECTS(config.host_traversal_dtype == dtype::float32 ||
                        config.host_traversal_dtype == dtype::float16,
@@ -564,7 +564,7 @@ inline void graph_index::check_traversal_dtype(index_config const& config, char 
                        (config.space == memory_space::host ? "host" : "device") + " memory)");
 }
 
-inline void graph_index::write_traversal(std::size_t t, std::uint32_t first, std::uint32_t count)
+INFERSCALE_INDEX_LINKAGE void graph_index::write_traversal(std::size_t t, std::uint32_t first, std::uint32_t count)
 {
   if (!traverses_fp16() || count == 0) { return; }
   auto& tn                   = tenants_[t];
@@ -577,14 +577,14 @@ inline void graph_index::write_traversal(std::size_t t, std::uint32_t first, std
   to_half(rows + begin, tn.traversal.data() + begin, needed - begin);
 }
 
-inline void graph_index::to_half(float const* from, half_t* to, std::size_t n) noexcept
+INFERSCALE_INDEX_LINKAGE void graph_index::to_half(float const* from, half_t* to, std::size_t n) noexcept
 {
   for (std::size_t i = 0; i < n; ++i) {
     to[i] = from_float<half_t>(from[i]);
   }
 }
 
-inline void graph_index::rebuild_traversal(std::size_t t)
+INFERSCALE_INDEX_LINKAGE void graph_index::rebuild_traversal(std::size_t t)
 {
   auto& tn = tenants_[t];
   if (!traverses_fp16()) {
@@ -602,7 +602,7 @@ inline void graph_index::rebuild_traversal(std::size_t t)
 // ---------------------------------------------------------------------------------------------
 // Device mirror (device-memory indexes only)
 
-inline graph_index_ref graph_index::ref() const noexcept
+INFERSCALE_INDEX_LINKAGE graph_index_ref graph_index::ref() const noexcept
 {
   graph_index_ref r;
   r.vectors      = d_vectors_.data();
@@ -616,7 +616,7 @@ inline graph_index_ref graph_index::ref() const noexcept
   return r;
 }
 
-inline void graph_index::free_device() noexcept
+INFERSCALE_INDEX_LINKAGE void graph_index::free_device() noexcept
 {
   d_vectors_.release();
   d_graph_.release();
@@ -625,7 +625,7 @@ inline void graph_index::free_device() noexcept
   d_capacity_ = 0;
 }
 
-inline void graph_index::reallocate_device()
+INFERSCALE_INDEX_LINKAGE void graph_index::reallocate_device()
 {
   if (config_.space != memory_space::device) { return; }
   free_device();
@@ -642,7 +642,7 @@ inline void graph_index::reallocate_device()
   device_stale_ = false;
 }
 
-inline void graph_index::copy_rows(std::int64_t begin, std::int64_t count, unsigned parts)
+INFERSCALE_INDEX_LINKAGE void graph_index::copy_rows(std::int64_t begin, std::int64_t count, unsigned parts)
 {
   if (count <= 0) { return; }
   std::size_t const vb = static_cast<std::size_t>(row_elements_) * element_size_;
@@ -665,7 +665,7 @@ inline void graph_index::copy_rows(std::int64_t begin, std::int64_t count, unsig
   }
 }
 
-inline void graph_index::upload_tenant(std::size_t t, std::uint32_t first_new, unsigned parts)
+INFERSCALE_INDEX_LINKAGE void graph_index::upload_tenant(std::size_t t, std::uint32_t first_new, unsigned parts)
 {
   if (config_.space != memory_space::device) { return; }
   if (device_stale_ || d_capacity_ < arena_capacity_) {

@@ -86,8 +86,8 @@ void graph_index::build(std::uint64_t ns,
   compact_if_needed(builder);  // an empty build leaves the old rows behind (add did not check)
 }
 
-inline void graph_index::erase(cuda::std::span<std::uint64_t const> ids,
-                               graph_builder const& builder)
+INFERSCALE_INDEX_LINKAGE void graph_index::erase(cuda::std::span<std::uint64_t const> ids,
+                                                 graph_builder const& builder)
 {
   INFERSCALE_EXPECTS(ids.empty() || ids.data() != nullptr,
                      std::string{"graph_index::erase: null ids"});
@@ -117,7 +117,7 @@ inline void graph_index::erase(cuda::std::span<std::uint64_t const> ids,
   }
 }
 
-inline std::uint32_t graph_index::erase_namespace(std::uint64_t ns, graph_builder const& builder)
+INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::erase_namespace(std::uint64_t ns, graph_builder const& builder)
 {
   auto it = tenant_of_.find(ns);
   if (it == tenant_of_.end()) { return 0; }
@@ -133,7 +133,7 @@ inline std::uint32_t graph_index::erase_namespace(std::uint64_t ns, graph_builde
 // ---------------------------------------------------------------------------------------------
 // Checks and row removal
 
-inline std::uint32_t graph_index::rebuild_limit() const noexcept
+INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::rebuild_limit() const noexcept
 {
   return std::max<std::uint32_t>(256, 2 * config_.intermediate_graph_degree);
 }
@@ -202,7 +202,7 @@ void graph_index::check_new_facts(matrix_view<T const> vectors,
   }
 }
 
-inline void graph_index::erase_namespace_rows(std::uint64_t ns)
+INFERSCALE_INDEX_LINKAGE void graph_index::erase_namespace_rows(std::uint64_t ns)
 {
   auto it = tenant_of_.find(ns);
   if (it == tenant_of_.end()) { return; }
@@ -228,13 +228,13 @@ inline void graph_index::erase_namespace_rows(std::uint64_t ns)
 // ---------------------------------------------------------------------------------------------
 // Graph builds, inserts and repair
 
-inline bool graph_index::uses_nn_descent(std::uint32_t rows) const noexcept
+INFERSCALE_INDEX_LINKAGE bool graph_index::uses_nn_descent(std::uint32_t rows) const noexcept
 {
   if (config_.host_knn == knn_build::automatic) { return rows > exact_knn_max_rows; }
   return config_.host_knn == knn_build::nn_descent;
 }
 
-inline void graph_index::rebuild_graph(std::size_t t, graph_builder const& builder)
+INFERSCALE_INDEX_LINKAGE void graph_index::rebuild_graph(std::size_t t, graph_builder const& builder)
 {
   auto const& tr = tenants_[t].ref;
   std::uint32_t const n = tr.size;
@@ -275,10 +275,10 @@ inline void graph_index::rebuild_graph(std::size_t t, graph_builder const& build
   refresh_entry_points(t);
 }
 
-inline void graph_index::insert_node(std::size_t t,
-                                     std::uint32_t v,
-                                     std::vector<std::uint32_t>& in_degree,
-                                     detail::index::search_scratch& scratch)
+INFERSCALE_INDEX_LINKAGE void graph_index::insert_node(std::size_t t,
+                                                       std::uint32_t v,
+                                                       std::vector<std::uint32_t>& in_degree,
+                                                       detail::index::search_scratch& scratch)
 {
   auto const& tr             = tenants_[t].ref;
   std::uint32_t const degree = config_.graph_degree;
@@ -356,7 +356,7 @@ inline void graph_index::insert_node(std::size_t t,
   }
 }
 
-inline float graph_index::node_distance(std::size_t t, std::uint32_t a, std::uint32_t b) const
+INFERSCALE_INDEX_LINKAGE float graph_index::node_distance(std::size_t t, std::uint32_t a, std::uint32_t b) const
 {
   return with_rows(t, [&](auto const* rows) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>;
@@ -370,7 +370,7 @@ inline float graph_index::node_distance(std::size_t t, std::uint32_t a, std::uin
   });
 }
 
-inline void graph_index::repair(std::size_t t)
+INFERSCALE_INDEX_LINKAGE void graph_index::repair(std::size_t t)
 {
   auto const& tr = tenants_[t].ref;
   std::uint32_t* graph = graph_.data() + tr.row_begin * config_.graph_degree;
@@ -383,14 +383,14 @@ inline void graph_index::repair(std::size_t t)
 // ---------------------------------------------------------------------------------------------
 // Entry points of the fast host search
 
-inline std::uint32_t graph_index::entry_point_count(std::uint32_t rows) const noexcept
+INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::entry_point_count(std::uint32_t rows) const noexcept
 {
   if (config_.host_entry_points < 0) { return default_host_entry_points(rows); }
   return static_cast<std::uint32_t>(
     std::min<std::int64_t>(config_.host_entry_points, rows));
 }
 
-inline void graph_index::refresh_entry_points(std::size_t t)
+INFERSCALE_INDEX_LINKAGE void graph_index::refresh_entry_points(std::size_t t)
 {
   auto& tn                   = tenants_[t];
   std::uint32_t const n      = tn.ref.size;

@@ -169,9 +169,9 @@ std::vector<float> graph_index::prepare_queries(matrix_view<T const> queries) co
   return out;
 }
 
-inline detail::index::search_plan graph_index::plan_for(std::uint32_t n,
-                                                       std::uint32_t k,
-                                                       search_params const& p) const noexcept
+INFERSCALE_INDEX_LINKAGE detail::index::search_plan graph_index::plan_for(std::uint32_t n,
+                                                                         std::uint32_t k,
+                                                                         search_params const& p) const noexcept
 {
   detail::index::search_plan plan;
   plan.k         = k;
@@ -186,9 +186,9 @@ inline detail::index::search_plan graph_index::plan_for(std::uint32_t n,
   return plan;
 }
 
-inline search_params graph_index::resolve_split(search_params const& p,
-                                                std::int64_t queries,
-                                                std::uint32_t k) noexcept
+INFERSCALE_INDEX_LINKAGE search_params graph_index::resolve_split(search_params const& p,
+                                                                  std::int64_t queries,
+                                                                  std::uint32_t k) noexcept
 {
   search_params r = p;
   if (r.ctas_per_query == 0) {
@@ -197,9 +197,9 @@ inline search_params graph_index::resolve_split(search_params const& p,
   return r;
 }
 
-inline search_params graph_index::split_part(search_params const& p,
-                                             std::uint32_t k,
-                                             std::uint32_t c) noexcept
+INFERSCALE_INDEX_LINKAGE search_params graph_index::split_part(search_params const& p,
+                                                               std::uint32_t k,
+                                                               std::uint32_t c) noexcept
 {
   search_params part  = p;
   part.itopk_size     = split_itopk(resolved_itopk(p.itopk_size, k), k, p.ctas_per_query);
@@ -208,8 +208,8 @@ inline search_params graph_index::split_part(search_params const& p,
   return part;
 }
 
-inline std::int64_t graph_index::exact_search_threshold(search_params const& p,
-                                                       std::uint32_t rows) const noexcept
+INFERSCALE_INDEX_LINKAGE std::int64_t graph_index::exact_search_threshold(search_params const& p,
+                                                                         std::uint32_t rows) const noexcept
 {
   if (config_.exact_search_threshold >= 0) { return config_.exact_search_threshold; }
   if (config_.space == memory_space::host && p.host_mode == host_search_mode::fast) {
@@ -227,7 +227,7 @@ inline std::int64_t graph_index::exact_search_threshold(search_params const& p,
     factor * detail::index::estimated_graph_distances(plan, config_.graph_degree));
 }
 
-inline bool graph_index::uses_exact(tenant_ref const& t, search_params const& p) const noexcept
+INFERSCALE_INDEX_LINKAGE bool graph_index::uses_exact(tenant_ref const& t, search_params const& p) const noexcept
 {
   if (p.algo == search_algo::exact) { return true; }
   if (p.algo == search_algo::graph) { return false; }
@@ -237,12 +237,12 @@ inline bool graph_index::uses_exact(tenant_ref const& t, search_params const& p)
 // ---------------------------------------------------------------------------------------------
 // One tenant
 
-inline void graph_index::search_tenant(tenant const& tn,
-                                       float const* query,
-                                       std::uint32_t k,
-                                       search_params const& params,
-                                       detail::index::search_scratch& scratch,
-                                       std::vector<detail::index::search_entry>& result) const
+INFERSCALE_INDEX_LINKAGE void graph_index::search_tenant(tenant const& tn,
+                                                         float const* query,
+                                                         std::uint32_t k,
+                                                         search_params const& params,
+                                                         detail::index::search_scratch& scratch,
+                                                         std::vector<detail::index::search_entry>& result) const
 {
   tenant_ref const& tr = tn.ref;
   unsigned char const* base =

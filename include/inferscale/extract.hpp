@@ -65,6 +65,7 @@ void check_extraction(paged_kv_cache const& cache,
                  store.geometry().head_dim,
                  first_position + static_cast<std::int64_t>(slots.size()) - 1,
                  who);
+  check_rotation_layers(rotation, cache.num_layers, who);
   INFERSCALE_EXPECTS(!store.contains(fact_id),
                      std::string{who} + ": fact id " + std::to_string(fact_id) + " already stored");
   INFERSCALE_EXPECTS(store.pages_for(static_cast<std::int64_t>(slots.size())) <= store.free_pages(),
@@ -101,15 +102,22 @@ void extract_host_typed(paged_kv_cache const& cache,
                         kv_store_ref const& store,
                         extraction_fault* fault = nullptr)
 {
-  std::int32_t const pairs  = rotation.num_pairs();
-  std::int32_t const rotary = rotation.rotary_dim;
-  std::int32_t const dim    = store.head_dim;
-  auto* const pool          = static_cast<StoreT*>(store.pool);
-  std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(pairs));
+  // A per-layer rotation: the inverse rows of each of its rotations, layer l reading its own.
+  auto const& first_rotation = rotation_at(rotation, 0);
+  std::int32_t const pairs   = first_rotation.num_pairs();
+  std::int32_t const rotary  = first_rotation.rotary_dim;
+  std::int32_t const dim     = store.head_dim;
+  auto* const pool           = static_cast<StoreT*>(store.pool);
+  std::int32_t const count   = rotation_count(rotation);
+  std::vector<rope_cos_sin> rows(static_cast<std::size_t>(count * pairs));
   for (std::int64_t i = 0; i < n; ++i) {
     std::int64_t const slot = slots[i];
-    detail::rope_cos_sin_row(rotation, positions[i], rope_op::inverse, cos_sin.data());
+    for (std::int32_t r = 0; r < count; ++r) {
+      detail::rope_cos_sin_row(
+        rotation_at(rotation, r), positions[i], rope_op::inverse, rows.data() + r * pairs);
+    }
     for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+      rope_cos_sin const* const cos_sin = rows.data() + rotation_of_layer(rotation, l) * pairs;
       StoreT* const krow      = CheckOnly ? nullptr : pool + store.row_offset(store_tokens[i], l, 0);
       StoreT* const vrow      = CheckOnly ? nullptr : pool + store.row_offset(store_tokens[i], l, 1);
       auto const* const kbase = static_cast<CacheT const*>(cache.key_base[l]);
@@ -136,9 +144,9 @@ void extract_host_typed(paged_kv_cache const& cache,
         };
         for (std::int32_t p = 0; p < pairs; ++p) {
           std::int32_t first, second;
-          pair_elements(rotation.pairing, rotary, p, &first, &second);
+          pair_elements(first_rotation.pairing, rotary, p, &first, &second);
           float x, y;
-          unrotate_pair(kat(first), kat(second), cos_sin[static_cast<std::size_t>(p)], &x, &y);
+          unrotate_pair(kat(first), kat(second), cos_sin[p], &x, &y);
           put(k, first, x, false);
           put(k, second, y, false);
         }

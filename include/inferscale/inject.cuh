@@ -255,6 +255,10 @@ void inject_launch(kv_store_ref const& store,
                    inject_device_errors* errors,
                    cuda::stream_ref stream)
 {
+  static_assert(!is_per_layer_rotation_v<Rotation>,
+                "inferscale: the device injection takes one rotation for every layer; a "
+                "per_layer_rotation is served by the host run (injection_batch::run(cache, "
+                "rotation)) in this version");
   using policy = inject_policy_sm90;
   if (batch.num_tokens == 0) { return; }
   int device = 0, sm_count = 0;
@@ -423,6 +427,9 @@ void extract(paged_kv_cache const& cache,
              std::vector<std::int32_t> token_ids,
              cuda::stream_ref stream)
 {
+  static_assert(!is_per_layer_rotation_v<Rotation>,
+                "inferscale: the device extraction takes one rotation for every layer; a "
+                "per_layer_rotation is served by extract_host in this version");
   detail::check_extraction(cache,
                            slots,
                            first_position,

@@ -19,6 +19,7 @@
 #include <inferscale/detail/inject/host_dispatch.hpp>
 #include <inferscale/injection_batch.hpp>
 #include <inferscale/rope.hpp>
+#include <inferscale/rope_layers.hpp>
 #include <inferscale/store.hpp>
 
 namespace inferscale {

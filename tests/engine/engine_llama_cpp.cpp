@@ -221,7 +221,8 @@ TEST_CASE("llama.cpp: hook-captured pre-RoPE K rotated by the library equals the
 
   // Rotate every captured key with the library (host batch rotation, the engine's table, fused
   // multiply-adds as ggml's compiled rope) and compare with the cache's f16 bits.
-  rope_cos_sin_table<float> const fused = adapter.rotation();
+  REQUIRE(adapter.distinct_rotations() == 1);  // SmolLM2: one rope base for every layer
+  rope_cos_sin_table<float> const fused = adapter.rotation().rotations[0];
   rope_cos_sin_table<float> plain       = fused;
   plain.fused_multiply_add              = false;
   std::int64_t const T                  = static_cast<std::int64_t>(s.tokens.size());
@@ -927,8 +928,8 @@ TEST_CASE("llama.cpp: architectures the adapter cannot serve are refused, named"
   CHECK(smollm.kv_lora_rank == 0);
   REQUIRE_NOTHROW(lc::check_architecture(smollm));
 
-  // The others, as llama.cpp describes them (gemma3: a 512-token window, NEOX rope; mamba:
-  // recurrent; deepseek2: MLA; bert: no rope; qwen2vl: M-RoPE).
+  // The others, as llama.cpp describes them (mamba: recurrent; deepseek2: MLA; bert: no rope;
+  // qwen2vl: M-RoPE); gemma3 (a 512-token window, NEOX rope) and qwen2 are served.
   auto refused = [](lc::architecture_facts f, char const* reason) {
     INFO(f.name);
     REQUIRE_THROWS_WITH(lc::check_architecture(f),
@@ -936,11 +937,10 @@ TEST_CASE("llama.cpp: architectures the adapter cannot serve are refused, named"
                           Catch::Matchers::Contains(reason) &&
                           Catch::Matchers::Contains("refused"));
   };
-  refused({"gemma3", false, LLAMA_ROPE_TYPE_NEOX, 512, 0},
-          "sliding-window attention layers (window 512)");
   refused({"mamba", true, LLAMA_ROPE_TYPE_NONE, 0, 0}, "recurrent state");
   refused({"deepseek2", false, LLAMA_ROPE_TYPE_NORM, 0, 512}, "MLA, kv_lora_rank 512");
   refused({"bert", false, LLAMA_ROPE_TYPE_NONE, 0, 0}, "no rotary embedding");
   refused({"qwen2vl", false, LLAMA_ROPE_TYPE_MROPE, 0, 0}, "multi-section or vision RoPE");
   REQUIRE_NOTHROW(lc::check_architecture({"qwen2", false, LLAMA_ROPE_TYPE_NEOX, 0, 0}));
+  REQUIRE_NOTHROW(lc::check_architecture({"gemma3", false, LLAMA_ROPE_TYPE_NEOX, 512, 0}));
 }

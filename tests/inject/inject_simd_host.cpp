@@ -20,6 +20,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -311,4 +312,241 @@ TEST_CASE("token-major keys with vLLM's truncating rotation: the vector path wri
     }
     CHECK(differing == 0);
   }
+}
+
+namespace {
+
+constexpr double eps32_unit = 1.0 / 16777216.0;  // 2^-24, fp32 unit roundoff
+
+/// Keys and values of layer `l` of `a` that differ from `b`'s in their bits (all slots, heads,
+/// dims).
+template <class T>
+std::int64_t layer_differences(engine_cache<T> const& a, engine_cache<T> const& b, int l)
+{
+  std::int64_t differ = 0;
+  for (std::int64_t s = 0; s < a.num_slots(); ++s) {
+    for (int h = 0; h < a.num_heads(); ++h) {
+      for (int d = 0; d < a.head_dim(); ++d) {
+        T const ka = a.key(l, s, h, d), kb = b.key(l, s, h, d);
+        T const va = a.value(l, s, h, d), vb = b.value(l, s, h, d);
+        differ += std::memcmp(&ka, &kb, sizeof(T)) != 0;
+        differ += std::memcmp(&va, &vb, sizeof(T)) != 0;
+      }
+    }
+  }
+  return differ;
+}
+
+}  // namespace
+
+TEST_CASE("a per-layer rotation rotates each layer as its own rotation does, at every vector level",
+          "[inject][simd][rope_layers]")
+{
+  // Gemma 3's shape: the sliding-window layers at one rope base, the global ones at another. The
+  // expectation: layer l of the cache equals, bit for bit, a cache the same batch was injected
+  // into with layer l's rotation alone (those single rotations are checked against independent
+  // references in inject_host.cpp); and, for fp32, each key is the double-precision rotation at
+  // layer l's own base (ref_rope), so a layer rotated at the other base would fail.
+  auto const pairing = GENERATE(rope_pairing::halves, rope_pairing::interleaved);
+  auto const layout  = GENERATE(engine_layout::vllm_flash_attn_nhd, engine_layout::vllm_legacy);
+  auto const kind    = GENERATE(rotation_kind::fp32_angles, rotation_kind::table_fused);
+  CAPTURE(static_cast<int>(pairing), to_string(layout), name_of(kind));
+  int const L = 3, H = 2, D = 64;
+  std::int64_t const rows              = 2048;
+  double const bases[2]                = {10000.0, 1000000.0};
+  std::int32_t const layer_rotation[L] = {1, 0, 1};
+  std::vector<rope_params> params;
+  std::vector<std::vector<float>> values;
+  for (double const base : bases) {
+    rope_spec spec  = rope_presets::llama_3_1_8b();
+    spec.scaling    = rope_scaling::none;
+    spec.theta      = base;
+    spec.head_dim   = D;
+    spec.rotary_dim = D;
+    spec.pairing    = pairing;
+    params.push_back(make_rope_params(spec));
+    values.push_back(make_rope_cos_sin_values<float>(params.back(), rows));
+  }
+  std::vector<rope_cos_sin_table<float>> tables;
+  for (int r = 0; r < 2; ++r) {
+    tables.push_back(make_rope_cos_sin_table(params[r], values[r].data(), rows, false));
+    tables.back().fused_multiply_add = true;
+  }
+  kv_store store = make_host_store(L, H, D, dtype::float32, 4, 8);
+  fact_data const a(1, L, 21, H, D, 31);
+  a.insert_into(store);
+  compose_options options;
+  options.first_position = 1500;
+  composition const plan = compose(store, {1}, options);
+  std::vector<std::int64_t> slots;
+  for (std::int64_t j = 0; j < plan.length(); ++j) {
+    slots.push_back((3 * j + 1) % 32);
+  }
+  slots[5] = -1;  // a skipped token
+
+  auto const run = [&](engine_cache<float>& ec, auto const& rotation) {
+    injection_batch batch(store);
+    batch.add(plan, slots);
+    batch.run(describe_cache(ec), rotation);
+  };
+  all_paths([&](detail::host_simd) {
+    engine_cache<float> layered(layout, L, 4, 8, H, D);
+    layered.fill_random(7);
+    std::vector<engine_cache<float>> alone;
+    for (int r = 0; r < 2; ++r) {
+      alone.emplace_back(layout, L, 4, 8, H, D);
+      alone.back().fill_random(7);
+    }
+    if (kind == rotation_kind::fp32_angles) {
+      run(layered, per_layer_rotation<rope_params>{params.data(), 2, layer_rotation, L});
+      for (int r = 0; r < 2; ++r) {
+        run(alone[r], params[r]);
+      }
+    } else {
+      run(layered,
+          per_layer_rotation<rope_cos_sin_table<float>>{tables.data(), 2, layer_rotation, L});
+      for (int r = 0; r < 2; ++r) {
+        run(alone[r], tables[r]);
+      }
+    }
+    for (int l = 0; l < L; ++l) {
+      CAPTURE(l);
+      REQUIRE(layer_differences(layered, alone[layer_rotation[l]], l) == 0);
+      ref_rope const rope{
+        D, D, bases[layer_rotation[l]], pairing == rope_pairing::interleaved, true};
+      std::vector<double> x(D);
+      for (std::int64_t j = 0; j < plan.length(); ++j) {
+        if (slots[j] < 0) { continue; }
+        for (int h = 0; h < H; ++h) {
+          for (int d = 0; d < D; ++d) {
+            x[d] = a.key(l, static_cast<int>(j), h, d);
+          }
+          auto const y = rope.rotate(x, options.first_position + j);
+          for (int d = 0; d < D; ++d) {
+            CAPTURE(j, h, d);
+            // fp32 cos/sin and a fp32 rotation of |x| <= 2.83 pairs: a few ulps of the pair.
+            REQUIRE(std::fabs(layered.key(l, slots[j], h, d) - y[d]) <=
+                    64 * eps32_unit * rope.pair_norm(x, d) + 1e-7);
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_CASE("vLLM's CPU cache with a per-layer truncating rotation: each layer as its own rotation",
+          "[inject][simd][rope_layers]")
+{
+  // The token-major path (runs of eight slots) and its scalar remainder, per layer.
+  int const L = 2, H = 2, D = 64, block = 32, blocks = 3;
+  std::int64_t const rows              = 4096;
+  std::int32_t const layer_rotation[L] = {1, 0};
+  std::vector<rope_params> params;
+  std::vector<std::vector<bfloat16_t>> values;
+  std::vector<rope_cos_sin_table<bfloat16_t>> tables;
+  for (double const base : {10000.0, 1000000.0}) {
+    rope_spec spec  = rope_presets::qwen2_5_7b();
+    spec.theta      = base;
+    spec.head_dim   = D;
+    spec.rotary_dim = D;
+    params.push_back(make_rope_params(spec));
+    values.push_back(make_rope_cos_sin_values<bfloat16_t>(params.back(), rows));
+  }
+  for (int r = 0; r < 2; ++r) {
+    tables.push_back(make_rope_cos_sin_table(params[r], values[r].data(), rows, true));
+    tables.back().truncate_to_bfloat16 = true;
+  }
+  kv_store store = make_host_store(L, H, D, dtype::bfloat16, 8, 8);
+  fact_data const a(1, L, 37, H, D, 41);
+  a.insert_into(store);
+  compose_options options;
+  options.first_position = 900;
+  composition const plan = compose(store, {1}, options);
+  std::vector<std::int64_t> slots;
+  for (std::int64_t j = 0; j < plan.length(); ++j) {
+    slots.push_back(j < 30 ? 2 + j : 95 - j);
+  }
+  auto const run = [&](engine_cache<bfloat16_t>& ec, auto const& rotation) {
+    injection_batch batch(store);
+    batch.add(plan, slots);
+    batch.run(describe_cache(ec), rotation);
+  };
+  all_paths([&](detail::host_simd) {
+    engine_cache<bfloat16_t> layered(engine_layout::vllm_cpu, L, blocks, block, H, D);
+    layered.fill_random(9);
+    run(layered,
+        per_layer_rotation<rope_cos_sin_table<bfloat16_t>>{tables.data(), 2, layer_rotation, L});
+    for (int r = 0; r < 2; ++r) {
+      engine_cache<bfloat16_t> alone(engine_layout::vllm_cpu, L, blocks, block, H, D);
+      alone.fill_random(9);
+      run(alone, tables[r]);
+      for (int l = 0; l < L; ++l) {
+        CAPTURE(r, l);
+        if (layer_rotation[l] == r) {
+          REQUIRE(layer_differences(layered, alone, l) == 0);
+        } else {
+          REQUIRE(layer_differences(layered, alone, l) > 0);  // the other base differs
+        }
+      }
+    }
+  });
+}
+
+TEST_CASE("a malformed per-layer rotation is refused before anything is written",
+          "[inject][rope_layers]")
+{
+  int const L = 2, H = 1, D = 32;
+  std::int64_t const rows = 256;
+  std::vector<rope_params> params;
+  std::vector<std::vector<float>> values;
+  for (double const base : {10000.0, 500000.0}) {
+    rope_spec spec  = rope_presets::qwen2_5_7b();
+    spec.theta      = base;
+    spec.head_dim   = D;
+    spec.rotary_dim = D;
+    params.push_back(make_rope_params(spec));
+    values.push_back(make_rope_cos_sin_values<float>(params.back(), rows));
+  }
+  std::vector<rope_cos_sin_table<float>> tables{
+    make_rope_cos_sin_table(params[0], values[0].data(), rows, false),
+    make_rope_cos_sin_table(params[1], values[1].data(), rows - 100, false)};
+  kv_store store = make_host_store(L, H, D, dtype::float32, 4, 4);
+  fact_data const a(1, L, 6, H, D, 3);
+  a.insert_into(store);
+  engine_cache<float> ec(engine_layout::vllm_flash_attn_nhd, L, 2, 4, H, D);
+  ec.fill_random(2);
+  auto const before = storage_bytes(ec);
+  auto const refuse = [&](auto const& rotation, std::int64_t first, char const* why) {
+    injection_batch batch(store);
+    compose_options options;
+    options.first_position = first;
+    batch.add(compose(store, {1}, options), std::vector<std::int64_t>{0, 1, 2, 3, 4, 5});
+    REQUIRE_THROWS_WITH(batch.run(describe_cache(ec), rotation), Catch::Matchers::Contains(why));
+    REQUIRE(storage_bytes(ec) == before);
+  };
+  std::int32_t const both[2]    = {0, 1};
+  std::int32_t const outside[2] = {0, 2};
+  using table_layers            = per_layer_rotation<rope_cos_sin_table<float>>;
+  refuse(table_layers{tables.data(), 2, both, 1}, 0, "covers 1 layers, the cache has 2");
+  refuse(table_layers{tables.data(), 2, outside, 2}, 0, "layer 1 names rotation 2 of 2");
+  refuse(table_layers{tables.data(), 0, both, 2}, 0, "0 rotations (1 to 8)");
+  refuse(table_layers{nullptr, 2, both, 2}, 0, "the rotations and the layer indices");
+  // Positions the second table does not hold: refused by it, though the first holds them.
+  refuse(table_layers{tables.data(), 2, both, 2}, rows - 103, "beyond the cos/sin table");
+  auto fused                  = tables;
+  fused[1].fused_multiply_add = true;
+  refuse(table_layers{fused.data(), 2, both, 2}, 0, "asks for other roundings than rotation 0");
+  std::vector<rope_params> narrow = params;
+  narrow[1].rotary_dim            = 16;
+  refuse(per_layer_rotation<rope_params>{narrow.data(), 2, both, 2},
+         0,
+         "or its pairing different from rotation 0's");
+  // And memory::inject's early check refuses the same positions.
+  REQUIRE_THROWS_WITH(rope_check_positions(table_layers{tables.data(), 2, both, 2}, rows - 103, 6),
+                      Catch::Matchers::Contains("beyond the cos/sin table"));
+  // The well-formed rotation is accepted and writes.
+  injection_batch batch(store);
+  batch.add(compose(store, {1}, compose_options{}), std::vector<std::int64_t>{0, 1, 2, 3, 4, 5});
+  REQUIRE_NOTHROW(batch.run(describe_cache(ec), table_layers{tables.data(), 2, both, 2}));
+  REQUIRE(storage_bytes(ec) != before);
 }

@@ -22,6 +22,7 @@
 #include <inferscale/geometry.hpp>
 #include <inferscale/kv_capture.hpp>
 #include <inferscale/rope.hpp>
+#include <inferscale/rope_layers.hpp>
 #include <inferscale/views.hpp>
 
 #include <algorithm>
@@ -47,30 +48,63 @@ namespace inferscale::llama_cpp {
  */
 class model_adapter {
  public:
-  /// @param table_rows positions the rotation table covers (default: the context length)
+  /// @param table_rows positions the rotation tables cover (default: the context length)
   explicit model_adapter(context& ctx, std::int64_t table_rows = 0)
-    : ctx_{&ctx},
-      spec_{ctx.owner().rotation_spec()},
-      table_values_{make_ggml_rope_table(
-        spec_,
-        table_rows > 0 ? table_rows
-                       : std::max<std::int64_t>(ctx.options().n_ctx, spec_.max_position))}
+    : ctx_{&ctx}, spec_{ctx.owner().rotation_spec()}
   {
-    rope_params const params = make_rope_params(spec_);
-    table_ =
-      make_rope_cos_sin_table(params,
-                              table_values_.data(),
-                              static_cast<std::int64_t>(table_values_.size()) / params.rotary_dim,
-                              /*round_each_operation*/ false);
-    // ggml's CPU rope computes x0*cos - x1*sin in fp32, which GCC contracts into FMAs in the
-    // x86-64 build (FMA enabled with GGML_NATIVE=OFF): measured bit-exact only in this form.
-    table_.fused_multiply_add = true;
+    std::int64_t const rows =
+      table_rows > 0 ? table_rows : std::max<std::int64_t>(ctx.options().n_ctx, spec_.max_position);
+    // One table per distinct rotation among the layers, as the engine's ROPE nodes hold them
+    // (context::layer_rotations): one for most models, two for Gemma 3 (its sliding-window layers
+    // at base 10,000, its global ones at 1,000,000).
+    std::vector<layer_rope> distinct;
+    for (layer_rope const& r : ctx.layer_rotations()) {
+      auto const at = std::find(distinct.begin(), distinct.end(), r);
+      layer_rotation_.push_back(static_cast<std::int32_t>(at - distinct.begin()));
+      if (at == distinct.end()) { distinct.push_back(r); }
+    }
+    if (distinct.size() >
+        static_cast<std::size_t>(per_layer_rotation<rope_params>::max_rotations)) {
+      throw engine_error("model_adapter: " + std::to_string(distinct.size()) +
+                         " different rotations among the layers (at most " +
+                         std::to_string(per_layer_rotation<rope_params>::max_rotations) + ")");
+    }
+    table_values_.reserve(distinct.size());
+    for (layer_rope const& r : distinct) {
+      rope_spec const spec = layer_spec(r);
+      table_values_.push_back(make_ggml_rope_table(spec, rows));
+      rope_params const params        = make_rope_params(spec);
+      rope_cos_sin_table<float> table = make_rope_cos_sin_table(
+        params,
+        table_values_.back().data(),
+        static_cast<std::int64_t>(table_values_.back().size()) / params.rotary_dim,
+        /*round_each_operation*/ false);
+      // ggml's CPU rope computes x0*cos - x1*sin in fp32, which GCC contracts into FMAs in the
+      // x86-64 build (FMA enabled with GGML_NATIVE=OFF): measured bit-exact only in this form.
+      table.fused_multiply_add = true;
+      tables_.push_back(table);
+    }
   }
+  model_adapter(model_adapter const&)            = delete;  // the rotation views its own arrays
+  model_adapter& operator=(model_adapter const&) = delete;
 
   kv_geometry geometry() const { return ctx_->geometry(); }
+  /// @brief The rotation from the GGUF metadata (the global layers' where layers differ).
   rope_spec const& spec() const noexcept { return spec_; }
-  /// @brief llama.cpp's rotation as a table (host memory; valid while the adapter lives).
-  rope_cos_sin_table<float> rotation() const noexcept { return table_; }
+  /// @brief llama.cpp's rotation of each layer as tables (host memory; valid while the adapter
+  /// lives); for injection's host run.
+  per_layer_rotation<rope_cos_sin_table<float>> rotation() const noexcept
+  {
+    return {tables_.data(),
+            static_cast<std::int32_t>(tables_.size()),
+            layer_rotation_.data(),
+            static_cast<std::int32_t>(layer_rotation_.size())};
+  }
+  /// @brief How many different rotations the layers use (1 for most models).
+  std::int32_t distinct_rotations() const noexcept
+  {
+    return static_cast<std::int32_t>(tables_.size());
+  }
 
   /// @brief One forward over `tokens` at `first_position ..` in the scratch sequence (cleared
   /// before and after); the graph callback hands every layer's pre-RoPE K and V to `out`.
@@ -219,9 +253,42 @@ class model_adapter {
   }
 
   context* ctx_;
+  /// @brief The GGUF rotation with a layer's base, scaling and dims from its ROPE node.
+  rope_spec layer_spec(layer_rope const& r) const
+  {
+    std::string const who =
+      "model_adapter: architecture '" + ctx_->owner().architecture().name + "': a ROPE node with ";
+    if (r.ext_factor != 0.0f || r.attn_factor != 1.0f) {
+      throw engine_error(who + "YaRN's extrapolation mix or an attention factor (ext_factor " +
+                         std::to_string(r.ext_factor) + ", attn_factor " +
+                         std::to_string(r.attn_factor) + ") is not reproduced; refused");
+    }
+    if ((r.mode != LLAMA_ROPE_TYPE_NORM && r.mode != LLAMA_ROPE_TYPE_NEOX) || r.n_dims <= 0 ||
+        r.n_dims % 2 != 0 || r.n_dims > spec_.head_dim || !(r.freq_base > 0.0f) ||
+        !(r.freq_scale > 0.0f)) {
+      throw engine_error(who + "mode " + std::to_string(r.mode) + ", " + std::to_string(r.n_dims) +
+                         " dims, base " + std::to_string(r.freq_base) + ", scale " +
+                         std::to_string(r.freq_scale) + " is not supported; refused");
+    }
+    rope_spec spec  = spec_;
+    spec.theta      = r.freq_base;
+    spec.rotary_dim = r.n_dims;
+    spec.pairing =
+      r.mode == LLAMA_ROPE_TYPE_NORM ? rope_pairing::interleaved : rope_pairing::halves;
+    if (r.freq_scale == 1.0f) {
+      spec.scaling = rope_scaling::none;
+      spec.factor  = 1.0;
+    } else {
+      spec.scaling = rope_scaling::linear;
+      spec.factor  = 1.0 / static_cast<double>(r.freq_scale);
+    }
+    return spec;
+  }
+
   rope_spec spec_;
-  std::vector<float> table_values_;
-  rope_cos_sin_table<float> table_{};
+  std::vector<std::vector<float>> table_values_;  // reserved: the tables view their data
+  std::vector<rope_cos_sin_table<float>> tables_;
+  std::vector<std::int32_t> layer_rotation_;
 };
 
 /**

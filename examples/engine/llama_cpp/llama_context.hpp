@@ -16,6 +16,7 @@
 #include "llama_model.hpp"
 #include "llama_state.hpp"
 
+#include <inferscale/dtype.hpp>
 #include <inferscale/geometry.hpp>
 #include <inferscale/kv_capture.hpp>
 #include <inferscale/views.hpp>
@@ -25,6 +26,7 @@
 #include <llama.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -39,6 +41,23 @@ namespace inferscale::llama_cpp {
 
 // ------------------------------------------------------------------------------------------------
 // Context
+
+/// @brief One layer's rotation as the engine's ROPE node of its keys holds it (ggml_rope_ext's
+/// parameters, read by the context's probe).
+struct layer_rope {
+  std::int32_t n_dims{};  ///< rotated dims
+  std::int32_t mode{};    ///< LLAMA_ROPE_TYPE_NORM (adjacent pairs) or _NEOX (halves)
+  float freq_base{};      ///< the layer's rope base (Gemma 3: 10,000 sliding, 1e6 global)
+  float freq_scale{};     ///< 1 / linear scaling factor
+  float ext_factor{};     ///< YaRN's extrapolation mix (0: none)
+  float attn_factor{};    ///< cos/sin multiplier
+
+  bool operator==(layer_rope const& o) const noexcept
+  {
+    return n_dims == o.n_dims && mode == o.mode && freq_base == o.freq_base &&
+           freq_scale == o.freq_scale && ext_factor == o.ext_factor && attn_factor == o.attn_factor;
+  }
+};
 
 /// @brief How a context is made.
 struct context_options {
@@ -82,6 +101,9 @@ class context {
     params.flash_attn_type =
       options.flash_attention ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     params.kv_unified        = true;
+    // Sliding-window layers: a full-size second cache, so injected cells (and a branch's trunk)
+    // are never evicted for room; attention still masks by position, as in a prefill.
+    params.swa_full          = llama_model_n_swa(m.get()) > 0;
     params.cb_eval           = &context::eval_callback;
     params.cb_eval_user_data = this;
     params.no_perf           = true;
@@ -96,6 +118,8 @@ class context {
   model const& owner() const noexcept { return *model_; }
   kv_geometry geometry() const noexcept { return geometry_; }
   state_format const& format() const noexcept { return format_; }
+  /// @brief Each layer's rotation, read from the engine's ROPE nodes when the context was made.
+  std::vector<layer_rope> const& layer_rotations() const noexcept { return layer_rope_; }
   context_options const& options() const noexcept { return options_; }
   std::int32_t scratch_sequence() const noexcept
   {
@@ -370,6 +394,7 @@ class context {
     key_tokens_.assign(static_cast<std::size_t>(geometry_.num_layers), first_row);
     value_tokens_.assign(static_cast<std::size_t>(geometry_.num_layers), first_row);
     last_key_.assign(static_cast<std::size_t>(geometry_.num_layers), nullptr);
+    pending_keys_.assign(static_cast<std::size_t>(geometry_.num_layers), 0);
     capture_error_.clear();
   }
   void end_capture() noexcept { capture_ = nullptr; }
@@ -415,6 +440,13 @@ class context {
   }
 
  private:
+  /// @brief What probe_format reads off the ROPE nodes: per layer its parameters and its output
+  /// for the probe token (empty where the node was not seen).
+  struct rope_probe {
+    std::vector<layer_rope> rope;
+    std::vector<std::vector<float>> keys;
+  };
+
   /// @brief `m`, once check_architecture accepts it (before anything else reads the model).
   static model const* supported(model const& m)
   {
@@ -438,17 +470,102 @@ class context {
     }
   }
 
+  /**
+   * @brief One token at position 0 in the scratch sequence, to read off the engine: the blob's
+   * format; each layer's ROPE parameters (ggml_rope_ext's op_params); and, for a blob of several
+   * sections (sliding-window layers), which model layer each of its layer records holds: at
+   * position 0 the rotation is the identity, so the record whose K row equals layer l's ROPE
+   * output (to the cell type's rounding) is layer l's.
+   */
   void probe_format()
   {
     std::int32_t const seq = scratch_sequence();
     std::int32_t const bos = llama_vocab_bos(model_->vocab());
-    decode(seq, {bos >= 0 ? bos : 0}, 0);
+    std::size_t const layers = static_cast<std::size_t>(geometry_.num_layers);
+    rope_probe_.emplace();
+    rope_probe_->rope.assign(layers, layer_rope{});
+    rope_probe_->keys.assign(layers, {});
+    try {
+      decode(seq, {bos >= 0 ? bos : 0}, 0);
+    } catch (...) {
+      rope_probe_.reset();
+      throw;
+    }
+    rope_probe probe = std::move(*rope_probe_);
+    rope_probe_.reset();
     std::vector<std::uint8_t> const blob = state(seq);
     clear(seq);
-    format_ = parse_state(blob.data(), blob.size(), geometry_).format;
+    state_layout const layout = parse_state(blob.data(), blob.size(), geometry_);
+    format_                   = layout.format;
     if (format_.k_type != format_.v_type) {
       throw engine_error("llama_cpp::context: K and V cells of different types");
     }
+    for (std::size_t l = 0; l < layers; ++l) {
+      if (probe.keys[l].empty()) {
+        throw engine_error("llama_cpp::context: architecture '" + architecture_ + "', layer " +
+                           std::to_string(l) + ": no ROPE node named Kcur-" + std::to_string(l) +
+                           " rotates its keys; refused");
+      }
+    }
+    layer_rope_ = probe.rope;
+    if (format_.section_layers.size() > 1) {
+      format_.layer_order = match_layers(blob, layout, probe);
+    }
+  }
+
+  /// @brief The model layer of each layer record of a probe blob (see probe_format).
+  std::vector<std::int32_t> match_layers(std::vector<std::uint8_t> const& blob,
+                                         state_layout const& layout,
+                                         rope_probe const& probe) const
+  {
+    std::size_t const layers = static_cast<std::size_t>(geometry_.num_layers);
+    std::size_t const row    = static_cast<std::size_t>(geometry_.elements_per_token_layer());
+    dtype const cell         = detail::cache_dtype_of(format_.k_type);
+    std::vector<std::int32_t> order(layers, -1);
+    std::vector<bool> taken(layers, false);
+    for (std::size_t r = 0; r < layers; ++r) {
+      // parse_state without a format took record r as layer r: its rows are at key_rows[r].
+      std::uint8_t const* k = blob.data() + layout.key_rows[r];
+      std::vector<float> cells(row);
+      for (std::size_t e = 0; e < row; ++e) {
+        if (cell == dtype::float32) {
+          std::memcpy(&cells[e], k + 4 * e, 4);
+        } else if (cell == dtype::float16) {
+          half_t h;
+          std::memcpy(&h, k + 2 * e, 2);
+          cells[e] = to_float(h);
+        } else {
+          bfloat16_t b;
+          std::memcpy(&b, k + 2 * e, 2);
+          cells[e] = to_float(b);
+        }
+      }
+      std::int32_t found = -1;
+      for (std::size_t l = 0; l < layers; ++l) {
+        std::vector<float> const& key = probe.keys[l];
+        bool same                     = key.size() == row;
+        for (std::size_t e = 0; same && e < row; ++e) {
+          // the cell type's rounding: a relative 2^-8 covers bfloat16's half ulp
+          same = std::fabs(cells[e] - key[e]) <= std::ldexp(std::fabs(key[e]), -8) + 1e-30f;
+        }
+        if (!same) { continue; }
+        if (found >= 0) {
+          throw engine_error("llama_cpp::context: layers " + std::to_string(found) + " and " +
+                             std::to_string(l) +
+                             " have the same probe keys: the blob's layer "
+                             "records cannot be matched to the model's layers");
+        }
+        found = static_cast<std::int32_t>(l);
+      }
+      if (found < 0 || taken[static_cast<std::size_t>(found)]) {
+        throw engine_error("llama_cpp::context: architecture '" + architecture_ +
+                           "': the state blob's layer record " + std::to_string(r) +
+                           " matches no layer's keys one to one; refused");
+      }
+      taken[static_cast<std::size_t>(found)] = true;
+      order[r]                               = found;
+    }
+    return order;
   }
 
   /// @brief Layer number of a node named `<prefix>-<l>`, or -1.
@@ -470,16 +587,40 @@ class context {
   static bool eval_callback(ggml_tensor* t, bool ask, void* user)
   {
     auto* self = static_cast<context*>(user);
+    if (self->rope_probe_) { return self->on_rope_probe(t, ask); }
     if (self->probe_) { return self->on_probe(t, ask); }
     if (!self->capture_) { return ask ? false : true; }
     return self->on_tensor(t, ask);
+  }
+
+  /// @brief probe_format's hook: each layer's ROPE node of its keys, its parameters and output.
+  bool on_rope_probe(ggml_tensor* t, bool ask)
+  {
+    int const l = layer_of(ggml_get_name(t), "Kcur");
+    if (l < 0 || l >= geometry_.num_layers || t->op != GGML_OP_ROPE) { return ask ? false : true; }
+    if (ask) { return true; }
+    std::size_t const layer = static_cast<std::size_t>(l);
+    layer_rope r;
+    std::memcpy(&r.n_dims, reinterpret_cast<char const*>(t->op_params) + 4, 4);
+    std::memcpy(&r.mode, reinterpret_cast<char const*>(t->op_params) + 8, 4);
+    std::memcpy(&r.freq_base, reinterpret_cast<char const*>(t->op_params) + 20, 4);
+    std::memcpy(&r.freq_scale, reinterpret_cast<char const*>(t->op_params) + 24, 4);
+    std::memcpy(&r.ext_factor, reinterpret_cast<char const*>(t->op_params) + 28, 4);
+    std::memcpy(&r.attn_factor, reinterpret_cast<char const*>(t->op_params) + 32, 4);
+    rope_probe_->rope[layer] = r;
+    if (t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) &&
+        ggml_nelements(t) == geometry_.elements_per_token_layer()) {
+      rope_probe_->keys[layer].resize(static_cast<std::size_t>(ggml_nelements(t)));
+      ggml_backend_tensor_get(t, rope_probe_->keys[layer].data(), 0, ggml_nbytes(t));
+    }
+    return true;
   }
 
   /// @brief probe_layer's hook: takes the layer's K and V, then stops the graph.
   bool on_probe(ggml_tensor* t, bool ask)
   {
     char const* name = ggml_get_name(t);
-    bool const k     = layer_of(name, "Kcur") == probe_->layer;
+    bool const k     = key_layer(name) == probe_->layer;
     bool const v     = layer_of(name, "Vcur") == probe_->layer;
     if (!k && !v) { return ask ? false : true; }
     if (ask) {
@@ -489,46 +630,68 @@ class context {
                            ": the K probed is not the input of the ROPE node";
           return true;
         }
-        return false;
+        probe_->key_rows += probe_->pending_key_rows;  // the K taken is the ROPE node's input
+        probe_->pending_key_rows = 0;
+        // Observed only to stop the graph once this forward's K and V are both taken.
+        return probe_->key_rows == probe_->value_rows;
       }
       return t->op != GGML_OP_ROPE && is_head_view(t);
     }
     if (!capture_error_.empty()) { return false; }
+    if (k && t->op == GGML_OP_ROPE) { return false; }  // K and V taken: stop the graph
     if (!ggml_is_contiguous(t)) {
       capture_error_ = std::string{name} + " is not contiguous";
       return false;
     }
-    std::int64_t& rows     = k ? probe_->key_rows : probe_->value_rows;
-    std::vector<float>& to = k ? *probe_->keys : *probe_->values;
-    std::size_t const row  = static_cast<std::size_t>(geometry_.elements_per_token_layer());
-    std::size_t const n    = static_cast<std::size_t>(t->ne[2]);
+    std::int64_t const rows = k ? probe_->key_rows : probe_->value_rows;
+    std::vector<float>& to  = k ? *probe_->keys : *probe_->values;
+    std::size_t const row   = static_cast<std::size_t>(geometry_.elements_per_token_layer());
+    std::size_t const n     = static_cast<std::size_t>(t->ne[2]);
     if ((static_cast<std::size_t>(rows) + n) * row > to.size()) {
       capture_error_ = std::string{name} + ": more rows than tokens probed";
       return false;
     }
+    // Keys: a K norm's output overwrites the un-normed rows; they count once the ROPE node shows
+    // which of them it rotates.
     ggml_backend_tensor_get(t, to.data() + static_cast<std::size_t>(rows) * row, 0, ggml_nbytes(t));
-    rows += static_cast<std::int64_t>(n);
-    if (k) { probe_->last_key = t; }
+    if (k) {
+      probe_->last_key         = t;
+      probe_->pending_key_rows = static_cast<std::int64_t>(n);
+      return true;
+    }
+    probe_->value_rows += static_cast<std::int64_t>(n);
     // Both of this forward's K and V taken: stop the graph (the layers above are not needed).
     return probe_->key_rows != probe_->value_rows;
+  }
+
+  /// @brief The layer of a pre-RoPE key node: `Kcur-<l>`, or `Kcur_normed-<l>` (a per-head K norm
+  /// before the ROPE node: gemma3, qwen3, olmo2), or -1.
+  static int key_layer(char const* name)
+  {
+    int const normed = layer_of(name, "Kcur_normed");
+    return normed >= 0 ? normed : layer_of(name, "Kcur");
   }
 
   bool on_tensor(ggml_tensor* t, bool ask)
   {
     char const* name = ggml_get_name(t);
-    int const k      = layer_of(name, "Kcur");
+    int const k      = key_layer(name);
     int const v      = layer_of(name, "Vcur");
     int const layer  = k >= 0 ? k : v;
     if (layer < 0 || layer >= geometry_.num_layers) { return ask ? false : true; }
     if (ask) {
       if (k >= 0 && t->op == GGML_OP_ROPE) {
-        // The ROPE node's input must be the K we took for this layer.
-        if (t->src[0] != last_key_[static_cast<std::size_t>(k)]) {
+        // The ROPE node's input must be the K we took for this layer (after its norm, if any):
+        // only then do its rows count.
+        std::size_t const kl = static_cast<std::size_t>(k);
+        if (t->src[0] != last_key_[kl]) {
           capture_error_ = "architecture '" + architecture_ + "', layer " + std::to_string(k) +
-                           ": the K captured is not the input of the ROPE node (a k-norm or "
-                           "another op sits between them): not supported";
+                           ": the K captured is not the input of the ROPE node (an op other "
+                           "than a K norm named Kcur_normed sits between them): not supported";
           return true;  // asked, so the callback below can stop the graph
         }
+        key_tokens_[kl] += pending_keys_[kl];
+        pending_keys_[kl] = 0;
         return false;
       }
       return t->op != GGML_OP_ROPE && is_head_view(t);
@@ -544,14 +707,16 @@ class context {
       ggml_backend_tensor_get(t, buf.data(), 0, ggml_nbytes(t));
       auto const rows = make_token_head_view<float const>(
         buf.data(), tokens, geometry_.num_kv_heads, geometry_.head_dim);
-      auto& counter = (k >= 0 ? key_tokens_ : value_tokens_)[static_cast<std::size_t>(layer)];
+      std::size_t const at = static_cast<std::size_t>(layer);
       if (k >= 0) {
-        capture_->write_keys(layer, counter, rows);
-        last_key_[static_cast<std::size_t>(layer)] = t;
+        // A K norm's output overwrites the un-normed rows; they count at the ROPE node.
+        capture_->write_keys(layer, key_tokens_[at], rows);
+        last_key_[at]     = t;
+        pending_keys_[at] = tokens;
       } else {
-        capture_->write_values(layer, counter, rows);
+        capture_->write_values(layer, value_tokens_[at], rows);
+        value_tokens_[at] += tokens;
       }
-      counter += tokens;
     } catch (std::exception const& e) {
       capture_error_ = e.what();
       return false;
@@ -576,10 +741,14 @@ class context {
     std::int64_t key_rows;
     std::int64_t value_rows;
     ggml_tensor const* last_key;
+    std::int64_t pending_key_rows{0};
   };
   std::optional<probe_state> probe_;
+  std::optional<rope_probe> rope_probe_;
+  std::vector<layer_rope> layer_rope_;
   std::vector<std::int64_t> key_tokens_;
   std::vector<std::int64_t> value_tokens_;
+  std::vector<std::int64_t> pending_keys_;  ///< rows taken, counted once the ROPE node confirms
   std::vector<ggml_tensor const*> last_key_;
   std::string capture_error_;
 };

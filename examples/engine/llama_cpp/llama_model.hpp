@@ -56,9 +56,10 @@ struct architecture_facts {
 /**
  * @brief Refuses, naming the architecture, a model whose keys the adapter cannot capture before
  * RoPE and inject: a recurrent state instead of a per-token cache, keys compressed into a latent
- * (MLA), no rotary embedding or a multi-section one, and sliding-window layers (llama.cpp keeps
- * them in a second cache, whose state this adapter does not read, and may rotate them with another
- * base: gemma3's sliding-window layers use 10,000, its global ones 1,000,000).
+ * (MLA), no rotary embedding or a multi-section one. Served: every architecture whose keys pass
+ * through a ROPE node, with or without a per-head K norm before it (captured after the norm),
+ * a rope base per layer (read from the engine's ROPE nodes) and sliding-window layers (llama.cpp
+ * keeps them in a second cache, the blob's second section; the context keeps it full-size).
  * @throw engine_error with the reason.
  */
 inline void check_architecture(architecture_facts const& f)
@@ -81,13 +82,6 @@ inline void check_architecture(architecture_facts const& f)
   if (f.rope_type != LLAMA_ROPE_TYPE_NORM && f.rope_type != LLAMA_ROPE_TYPE_NEOX) {
     throw engine_error(who + "rotates with rope type " + std::to_string(f.rope_type) +
                        " (multi-section or vision RoPE): not supported; refused");
-  }
-  if (f.sliding_window > 0) {
-    throw engine_error(who + "has sliding-window attention layers (window " +
-                       std::to_string(f.sliding_window) +
-                       "): llama.cpp keeps them in a second cache whose state this adapter does "
-                       "not read, and may rotate them with another rope base than the global "
-                       "layers (gemma3: 10,000 against 1,000,000); not supported yet; refused");
   }
 }
 

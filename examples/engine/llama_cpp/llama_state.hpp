@@ -5,6 +5,11 @@
  * like (state_format), where the parts of one lie (state_layout), parsing and checking a blob
  * (parse_state), laying one out (make_state), and its K and V rows as a paged_kv_cache for
  * inject_host (describe_state).
+ *
+ * A blob is the magic and the sequence id, then one section per KV cache of the model
+ * (`llama_kv_cache::state_write`): one for most models; two for a model with sliding-window
+ * layers (`llama_kv_cache_iswa::state_write`: the global layers' cache, then the sliding-window
+ * layers'). Each section holds the sequence's cells and the K and V rows of its own layers.
  */
 #pragma once
 
@@ -30,34 +35,42 @@ namespace inferscale::llama_cpp {
 // The sequence-state blob
 
 /// @brief What a context's sequence-state blobs look like (read from the engine by a probe).
+/// Every section has the same streams, V transposition, cell types and row sizes.
 struct state_format {
   std::uint32_t n_stream{};
   std::uint32_t v_trans{};
-  std::uint32_t n_layer{};
+  std::uint32_t n_layer{};  ///< layers in all sections
   std::int32_t k_type{};
   std::int32_t v_type{};
   std::uint64_t k_row_bytes{};
   std::uint64_t v_row_bytes{};  ///< v_trans == 0
   std::uint32_t v_el_bytes{};   ///< v_trans == 1
   std::uint32_t n_embd_v{};     ///< v_trans == 1: elements per token row of V
+  /// Layers of each section, in blob order (one entry per KV cache of the model).
+  std::vector<std::uint32_t> section_layers;
+  /// The model layer of each layer record, in blob order (section after section): the identity
+  /// for one section; for a sliding-window model, read off the engine by the context's probe.
+  std::vector<std::int32_t> layer_order;
 
   bool operator==(state_format const& o) const noexcept
   {
     return n_stream == o.n_stream && v_trans == o.v_trans && n_layer == o.n_layer &&
            k_type == o.k_type && v_type == o.v_type && k_row_bytes == o.k_row_bytes &&
-           v_row_bytes == o.v_row_bytes && v_el_bytes == o.v_el_bytes && n_embd_v == o.n_embd_v;
+           v_row_bytes == o.v_row_bytes && v_el_bytes == o.v_el_bytes && n_embd_v == o.n_embd_v &&
+           section_layers == o.section_layers && layer_order == o.layer_order;
   }
 };
 
-/// @brief Where the parts of one blob lie (byte offsets into it).
+/// @brief Where the parts of one blob lie (byte offsets into it). Every section holds the same
+/// cells (parse_state refuses a blob whose sections differ).
 struct state_layout {
   state_format format{};
   std::int32_t seq_id{};
   std::uint32_t stream{};      ///< the one stream holding cells
   std::uint32_t cell_count{};  ///< cells (tokens) of the sequence
   std::vector<std::int32_t> positions;
-  std::vector<std::size_t> key_rows;    ///< per layer: offset of its first K row
-  std::vector<std::size_t> value_rows;  ///< per layer: offset of its first V row (or V element)
+  std::vector<std::size_t> key_rows;    ///< per model layer: offset of its first K row
+  std::vector<std::size_t> value_rows;  ///< per model layer: offset of its first V row (or element)
   std::size_t size{};                   ///< bytes in all
 };
 
@@ -112,10 +125,13 @@ inline dtype cache_dtype_of(std::int32_t ggml_type_id)
 }  // namespace detail
 
 /**
- * @brief Parses a sequence-state blob, checking everything: magic, one non-empty stream, cells of
- * exactly one sequence without the M-RoPE cell extension, the V transposition, the layer count,
- * supported cell types with the row sizes `geometry` implies, and that the blob ends where its
- * contents do. With `expected`, the format must equal it.
+ * @brief Parses a sequence-state blob, checking everything: magic, then section after section
+ * until the model's layers are covered: one non-empty stream, cells of exactly one sequence
+ * without the M-RoPE cell extension (the same cells in every section), the V transposition,
+ * supported cell types with the row sizes `geometry` implies (the same in every section); and that
+ * the blob ends where its contents do. With `expected`, the format must equal it, and its
+ * layer_order says which model layer each record holds; without, records are taken in the model's
+ * order.
  * @throw engine_error naming the first problem.
  */
 inline state_layout parse_state(std::uint8_t const* data,
@@ -131,113 +147,166 @@ inline state_layout parse_state(std::uint8_t const* data,
     std::snprintf(buf, sizeof(buf), "0x%08x (expected 0x%08x)", magic, state_magic);
     throw engine_error(std::string{"sequence state: unknown magic "} + buf);
   }
-  out.seq_id          = in.get<std::int32_t>("seq_id");
-  out.format.n_stream = in.get<std::uint32_t>("n_stream");
-  if (out.format.n_stream == 0 || out.format.n_stream > 4096) {
-    throw engine_error("sequence state: implausible stream count " +
-                       std::to_string(out.format.n_stream));
-  }
+  out.seq_id = in.get<std::int32_t>("seq_id");
   std::uint64_t const row_elements =
     static_cast<std::uint64_t>(geometry.elements_per_token_layer());
-  bool seen = false;
-  for (std::uint32_t s = 0; s < out.format.n_stream; ++s) {
-    std::uint32_t const cells = in.get<std::uint32_t>("cell_count");
-    if (cells == 0) { continue; }
-    if (seen) { throw engine_error("sequence state: more than one stream holds cells"); }
-    seen           = true;
-    out.stream     = s;
-    out.cell_count = cells;
-    // 12 bytes per cell (position, n_seq_id = 1, seq_id): a count the blob cannot hold is refused
-    // before it sizes anything.
-    if (cells > (size - in.at) / 12) {
-      throw engine_error("sequence state: truncated: " + std::to_string(cells) + " cells need " +
-                         std::to_string(std::uint64_t{cells} * 12) + " bytes at byte " +
-                         std::to_string(in.at) + ", " + std::to_string(size - in.at) + " left");
-    }
-    out.positions.resize(cells);
-    for (std::uint32_t c = 0; c < cells; ++c) {
-      out.positions[c]             = in.get<std::int32_t>("cell position");
-      std::uint32_t const n_seq_id = in.get<std::uint32_t>("cell n_seq_id");
-      if (n_seq_id != 1) {
-        throw engine_error("sequence state: cell " + std::to_string(c) + " belongs to " +
-                           std::to_string(n_seq_id) + " sequences (one expected)");
-      }
-      (void)in.get<std::int32_t>("cell seq_id");
-    }
-    out.format.v_trans = in.get<std::uint32_t>("v_trans");
-    if (out.format.v_trans > 1) {
-      throw engine_error("sequence state: V transposition flag " +
-                         std::to_string(out.format.v_trans) +
-                         " (the cells may carry an M-RoPE extension, which is not supported)");
-    }
-    out.format.n_layer = in.get<std::uint32_t>("n_layer");
-    if (out.format.n_layer != static_cast<std::uint32_t>(geometry.num_layers)) {
+  std::uint32_t const model_layers = static_cast<std::uint32_t>(geometry.num_layers);
+  std::vector<std::size_t> key_records, value_records;  // in blob order
+  for (std::uint32_t section = 0; out.format.n_layer < model_layers; ++section) {
+    std::string const where =
+      section == 0 ? std::string{} : " (section " + std::to_string(section) + ")";
+    if (section > 0 && in.at == size) {
       throw engine_error("sequence state: " + std::to_string(out.format.n_layer) +
                          " layers, the model has " + std::to_string(geometry.num_layers));
     }
-    for (std::uint32_t l = 0; l < out.format.n_layer; ++l) {
-      std::int32_t const type  = in.get<std::int32_t>("k_type");
-      std::uint64_t const rows = in.get<std::uint64_t>("k_row_bytes");
-      dtype const t            = detail::cache_dtype_of(type);
-      if (rows != row_elements * size_of(t)) {
-        throw engine_error("sequence state: layer " + std::to_string(l) + " K rows of " +
-                           std::to_string(rows) + " bytes, expected " +
-                           std::to_string(row_elements * size_of(t)));
-      }
-      if (l > 0 && (type != out.format.k_type || rows != out.format.k_row_bytes)) {
-        throw engine_error("sequence state: layers with different K cell types");
-      }
-      out.format.k_type      = type;
-      out.format.k_row_bytes = rows;
-      out.key_rows.push_back(in.at);
-      in.skip(rows * cells, "K rows");
+    std::uint32_t const n_stream = in.get<std::uint32_t>("n_stream");
+    if (n_stream == 0 || n_stream > 4096) {
+      throw engine_error("sequence state: implausible stream count " + std::to_string(n_stream) +
+                         where);
     }
-    for (std::uint32_t l = 0; l < out.format.n_layer; ++l) {
-      std::int32_t const type = in.get<std::int32_t>("v_type");
-      dtype const t           = detail::cache_dtype_of(type);
-      if (l > 0 && type != out.format.v_type) {
-        throw engine_error("sequence state: layers with different V cell types");
+    if (section > 0 && n_stream != out.format.n_stream) {
+      throw engine_error("sequence state: sections with different stream counts");
+    }
+    out.format.n_stream = n_stream;
+    bool seen           = false;
+    for (std::uint32_t s = 0; s < n_stream; ++s) {
+      std::uint32_t const cells = in.get<std::uint32_t>("cell_count");
+      if (cells == 0) { continue; }
+      if (seen) { throw engine_error("sequence state: more than one stream holds cells" + where); }
+      seen = true;
+      if (section > 0 && (s != out.stream || cells != out.cell_count)) {
+        throw engine_error("sequence state: section " + std::to_string(section) + " holds " +
+                           std::to_string(cells) + " cells in stream " + std::to_string(s) +
+                           ", the first " + std::to_string(out.cell_count) + " in stream " +
+                           std::to_string(out.stream) +
+                           " (a sliding-window cache saves only the cells inside its window: a "
+                           "sequence longer than the window is not read back)");
       }
-      out.format.v_type = type;
-      if (out.format.v_trans == 0) {
-        std::uint64_t const rows = in.get<std::uint64_t>("v_row_bytes");
+      out.stream     = s;
+      out.cell_count = cells;
+      // 12 bytes per cell (position, n_seq_id = 1, seq_id): a count the blob cannot hold is
+      // refused before it sizes anything.
+      if (cells > (size - in.at) / 12) {
+        throw engine_error("sequence state: truncated: " + std::to_string(cells) + " cells need " +
+                           std::to_string(std::uint64_t{cells} * 12) + " bytes at byte " +
+                           std::to_string(in.at) + ", " + std::to_string(size - in.at) + " left");
+      }
+      out.positions.resize(cells);
+      for (std::uint32_t c = 0; c < cells; ++c) {
+        std::int32_t const position = in.get<std::int32_t>("cell position");
+        if (section > 0 && position != out.positions[c]) {
+          throw engine_error("sequence state: cell " + std::to_string(c) + " is at position " +
+                             std::to_string(position) + " in section " + std::to_string(section) +
+                             ", at " + std::to_string(out.positions[c]) + " in the first");
+        }
+        out.positions[c]             = position;
+        std::uint32_t const n_seq_id = in.get<std::uint32_t>("cell n_seq_id");
+        if (n_seq_id != 1) {
+          throw engine_error("sequence state: cell " + std::to_string(c) + " belongs to " +
+                             std::to_string(n_seq_id) + " sequences (one expected)");
+        }
+        (void)in.get<std::int32_t>("cell seq_id");
+      }
+      std::uint32_t const v_trans = in.get<std::uint32_t>("v_trans");
+      if (v_trans > 1) {
+        throw engine_error("sequence state: V transposition flag " + std::to_string(v_trans) +
+                           " (the cells may carry an M-RoPE extension, which is not supported)");
+      }
+      if (section > 0 && v_trans != out.format.v_trans) {
+        throw engine_error("sequence state: sections with different V transpositions");
+      }
+      out.format.v_trans          = v_trans;
+      std::uint32_t const n_layer = in.get<std::uint32_t>("n_layer");
+      if (n_layer == 0 || n_layer > model_layers - out.format.n_layer) {
+        throw engine_error(
+          "sequence state: " + std::to_string(out.format.n_layer + n_layer) + " layers" +
+          (section > 0 ? " in " + std::to_string(section + 1) + " sections" : std::string{}) +
+          ", the model has " + std::to_string(geometry.num_layers));
+      }
+      out.format.section_layers.push_back(n_layer);
+      for (std::uint32_t l = 0; l < n_layer; ++l) {
+        std::int32_t const type  = in.get<std::int32_t>("k_type");
+        std::uint64_t const rows = in.get<std::uint64_t>("k_row_bytes");
+        dtype const t            = detail::cache_dtype_of(type);
         if (rows != row_elements * size_of(t)) {
-          throw engine_error("sequence state: layer " + std::to_string(l) + " V rows of " +
+          throw engine_error("sequence state: layer " + std::to_string(l) + where + " K rows of " +
                              std::to_string(rows) + " bytes, expected " +
                              std::to_string(row_elements * size_of(t)));
         }
-        out.format.v_row_bytes = rows;
-        out.value_rows.push_back(in.at);
-        in.skip(rows * cells, "V rows");
-      } else {
-        std::uint32_t const el = in.get<std::uint32_t>("v_el_bytes");
-        std::uint32_t const n  = in.get<std::uint32_t>("n_embd_v_gqa");
-        if (el != size_of(t) || n != row_elements) {
-          throw engine_error("sequence state: layer " + std::to_string(l) + " transposed V of " +
-                             std::to_string(n) + " x " + std::to_string(el) +
-                             "-byte elements, expected " + std::to_string(row_elements) + " x " +
-                             std::to_string(size_of(t)));
+        if (!key_records.empty() && (type != out.format.k_type || rows != out.format.k_row_bytes)) {
+          throw engine_error("sequence state: layers with different K cell types");
         }
-        out.format.v_el_bytes = el;
-        out.format.n_embd_v   = n;
-        out.value_rows.push_back(in.at);
-        in.skip(static_cast<std::uint64_t>(el) * n * cells, "transposed V");
+        out.format.k_type      = type;
+        out.format.k_row_bytes = rows;
+        key_records.push_back(in.at);
+        in.skip(rows * cells, "K rows");
       }
+      for (std::uint32_t l = 0; l < n_layer; ++l) {
+        std::int32_t const type = in.get<std::int32_t>("v_type");
+        dtype const t           = detail::cache_dtype_of(type);
+        if (!value_records.empty() && type != out.format.v_type) {
+          throw engine_error("sequence state: layers with different V cell types");
+        }
+        out.format.v_type = type;
+        if (out.format.v_trans == 0) {
+          std::uint64_t const rows = in.get<std::uint64_t>("v_row_bytes");
+          if (rows != row_elements * size_of(t)) {
+            throw engine_error("sequence state: layer " + std::to_string(l) + where +
+                               " V rows of " + std::to_string(rows) + " bytes, expected " +
+                               std::to_string(row_elements * size_of(t)));
+          }
+          out.format.v_row_bytes = rows;
+          value_records.push_back(in.at);
+          in.skip(rows * cells, "V rows");
+        } else {
+          std::uint32_t const el = in.get<std::uint32_t>("v_el_bytes");
+          std::uint32_t const n  = in.get<std::uint32_t>("n_embd_v_gqa");
+          if (el != size_of(t) || n != row_elements) {
+            throw engine_error("sequence state: layer " + std::to_string(l) + where +
+                               " transposed V of " + std::to_string(n) + " x " +
+                               std::to_string(el) + "-byte elements, expected " +
+                               std::to_string(row_elements) + " x " + std::to_string(size_of(t)));
+          }
+          out.format.v_el_bytes = el;
+          out.format.n_embd_v   = n;
+          value_records.push_back(in.at);
+          in.skip(static_cast<std::uint64_t>(el) * n * cells, "transposed V");
+        }
+      }
+      out.format.n_layer += n_layer;
+    }
+    if (!seen) {
+      throw engine_error("sequence state: no stream holds cells (empty sequence)" + where);
     }
   }
-  if (!seen) { throw engine_error("sequence state: no stream holds cells (empty sequence)"); }
   if (in.at != size) {
     throw engine_error("sequence state: " + std::to_string(size - in.at) +
                        " trailing bytes after the contents");
+  }
+  if (expected) {
+    out.format.layer_order = expected->layer_order;
+  } else {
+    for (std::uint32_t l = 0; l < out.format.n_layer; ++l) {
+      out.format.layer_order.push_back(static_cast<std::int32_t>(l));
+    }
   }
   if (expected && !(out.format == *expected)) {
     throw engine_error(
       "sequence state: the blob's format (streams " + std::to_string(out.format.n_stream) +
       ", v_trans " + std::to_string(out.format.v_trans) + ", K type " +
       std::to_string(out.format.k_type) + ", V type " + std::to_string(out.format.v_type) +
+      ", sections " + std::to_string(out.format.section_layers.size()) +
       ") differs from the context's (streams " + std::to_string(expected->n_stream) + ", v_trans " +
       std::to_string(expected->v_trans) + ", K type " + std::to_string(expected->k_type) +
-      ", V type " + std::to_string(expected->v_type) + ")");
+      ", V type " + std::to_string(expected->v_type) + ", sections " +
+      std::to_string(expected->section_layers.size()) + ")");
+  }
+  out.key_rows.assign(out.format.n_layer, 0);
+  out.value_rows.assign(out.format.n_layer, 0);
+  for (std::size_t r = 0; r < key_records.size(); ++r) {
+    std::size_t const layer = static_cast<std::size_t>(out.format.layer_order[r]);
+    out.key_rows[layer]     = key_records[r];
+    out.value_rows[layer]   = value_records[r];
   }
   out.size = size;
   return out;
@@ -245,9 +314,10 @@ inline state_layout parse_state(std::uint8_t const* data,
 
 /**
  * @brief Lays out in `out` a blob of `positions.size()` cells of sequence `seq_id` at those
- * positions, in `format`; `layout` receives where its rows lie. The K and V rows are not cleared
- * (bytes `out` already held stay, new bytes are zero): injection overwrites every row, and reusing
- * one buffer per sequence keeps a request from allocating and zeroing megabytes.
+ * positions, in `format` (every section holding those cells); `layout` receives where its rows
+ * lie. The K and V rows are not cleared (bytes `out` already held stay, new bytes are zero):
+ * injection overwrites every row, and reusing one buffer per sequence keeps a request from
+ * allocating and zeroing megabytes.
  */
 inline void make_state(state_format const& format,
                        kv_geometry const& geometry,
@@ -257,13 +327,19 @@ inline void make_state(state_format const& format,
                        std::vector<std::uint8_t>& out)
 {
   if (positions.empty()) { throw engine_error("make_state: no cells"); }
+  if (format.layer_order.size() != format.n_layer || format.section_layers.empty()) {
+    throw engine_error("make_state: the format's layer order does not cover its layers");
+  }
   std::uint32_t const cells = static_cast<std::uint32_t>(positions.size());
   std::uint64_t const row_elements =
     static_cast<std::uint64_t>(geometry.elements_per_token_layer());
   std::uint64_t const v_bytes =
     format.v_trans ? std::uint64_t{format.v_el_bytes} * row_elements : format.v_row_bytes;
   std::uint64_t const v_header = 12;  // type + (u64 row bytes | u32 element bytes + u32 n_embd)
-  std::size_t const total      = 12 + 4 * format.n_stream + 12 * std::size_t{cells} + 8 +
+  std::size_t const sections   = format.section_layers.size();
+  // magic and seq_id; per section: n_stream, the streams' cell counts, the cells, v_trans and
+  // n_layer
+  std::size_t const total = 8 + sections * (4 + 4 * format.n_stream + 12 * std::size_t{cells} + 8) +
                             format.n_layer * (12 + format.k_row_bytes * cells) +
                             format.n_layer * (v_header + v_bytes * cells);
   out.resize(total);
@@ -278,36 +354,42 @@ inline void make_state(state_format const& format,
   layout.stream     = 0;
   layout.cell_count = cells;
   layout.positions  = positions;
+  layout.key_rows.assign(format.n_layer, 0);
+  layout.value_rows.assign(format.n_layer, 0);
   put(state_magic);
   put(seq_id);
-  put(format.n_stream);
-  for (std::uint32_t s = 0; s < format.n_stream; ++s) {
-    put(s == 0 ? cells : std::uint32_t{0});
-    if (s != 0) { continue; }
-    for (std::int32_t p : positions) {
-      put(p);
-      put(std::uint32_t{1});
-      put(seq_id);
-    }
-    put(format.v_trans);
-    put(format.n_layer);
-    for (std::uint32_t l = 0; l < format.n_layer; ++l) {
-      put(format.k_type);
-      put(format.k_row_bytes);
-      layout.key_rows.push_back(at);
-      at += static_cast<std::size_t>(format.k_row_bytes * cells);
-    }
-    for (std::uint32_t l = 0; l < format.n_layer; ++l) {
-      put(format.v_type);
-      if (format.v_trans == 0) {
-        put(format.v_row_bytes);
-      } else {
-        put(format.v_el_bytes);
-        put(format.n_embd_v);
+  std::size_t record = 0;  // the first layer record of the section
+  for (std::uint32_t const n_layer : format.section_layers) {
+    put(format.n_stream);
+    for (std::uint32_t s = 0; s < format.n_stream; ++s) {
+      put(s == 0 ? cells : std::uint32_t{0});
+      if (s != 0) { continue; }
+      for (std::int32_t p : positions) {
+        put(p);
+        put(std::uint32_t{1});
+        put(seq_id);
       }
-      layout.value_rows.push_back(at);
-      at += static_cast<std::size_t>(v_bytes * cells);
+      put(format.v_trans);
+      put(n_layer);
+      for (std::uint32_t l = 0; l < n_layer; ++l) {
+        put(format.k_type);
+        put(format.k_row_bytes);
+        layout.key_rows[static_cast<std::size_t>(format.layer_order[record + l])] = at;
+        at += static_cast<std::size_t>(format.k_row_bytes * cells);
+      }
+      for (std::uint32_t l = 0; l < n_layer; ++l) {
+        put(format.v_type);
+        if (format.v_trans == 0) {
+          put(format.v_row_bytes);
+        } else {
+          put(format.v_el_bytes);
+          put(format.n_embd_v);
+        }
+        layout.value_rows[static_cast<std::size_t>(format.layer_order[record + l])] = at;
+        at += static_cast<std::size_t>(v_bytes * cells);
+      }
     }
+    record += n_layer;
   }
   if (at != total) { throw engine_error("make_state: internal size mismatch"); }
   layout.size = total;

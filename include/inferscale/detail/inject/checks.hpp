@@ -12,6 +12,7 @@
 #include <inferscale/error.hpp>
 #include <inferscale/injection_batch.hpp>
 #include <inferscale/rope.hpp>
+#include <inferscale/rope_layers.hpp>
 #include <inferscale/store.hpp>
 
 #include <algorithm>
@@ -53,6 +54,11 @@ constexpr bool truncates_to_bfloat16(rope_cos_sin_table<U> const& table) noexcep
 {
   return table.truncate_to_bfloat16;
 }
+template <class R>
+bool truncates_to_bfloat16(per_layer_rotation<R> const& r) noexcept
+{
+  return truncates_to_bfloat16(r.rotations[0]);  // equal for all (check_per_layer_rotation)
+}
 
 /// @brief fp32 -> bfloat16 by truncation (the upper 16 bits; NaN stays NaN).
 inline bfloat16_t bfloat16_toward_zero(float x) noexcept
@@ -91,6 +97,32 @@ void check_rotation(Rotation const& rotation,
                        std::to_string(rope_table_rows(rotation)) + ")");
 }
 
+/// @brief check_rotation of a per-layer rotation: its structure, then each of its rotations.
+template <class R>
+void check_rotation(per_layer_rotation<R> const& rotation,
+                    std::int32_t head_dim,
+                    std::int64_t max_position,
+                    char const* who)
+{
+  check_per_layer_rotation(rotation, -1, who);
+  for (std::int32_t i = 0; i < rotation.num_rotations; ++i) {
+    check_rotation(rotation.rotations[i], head_dim, max_position, who);
+  }
+}
+
+/// @brief A per-layer rotation covers the cache's layers (a single rotation covers any).
+template <class Rotation>
+void check_rotation_layers(Rotation const&, std::int32_t, char const*)
+{
+}
+template <class R>
+void check_rotation_layers(per_layer_rotation<R> const& rotation,
+                           std::int32_t num_layers,
+                           char const* who)
+{
+  check_per_layer_rotation(rotation, num_layers, who);
+}
+
 /// @brief Everything the host and the device run (injection_batch::run) check before writing.
 template <class Rotation>
 void check_injection(kv_store const& store,
@@ -111,6 +143,7 @@ void check_injection(kv_store const& store,
                      std::string{who} + ": slot " + std::to_string(batch.max_slot()) +
                        " is beyond the cache's " + detail::count_of(cache.num_slots(), "slot"));
   check_rotation(rotation, store.geometry().head_dim, batch.max_position(), who);
+  check_rotation_layers(rotation, cache.num_layers, who);
   if (truncates_to_bfloat16(rotation)) {
     INFERSCALE_EXPECTS(backend == memory_space::host && cache.cache_dtype == dtype::bfloat16 &&
                          cache.scale_granularity == kv_scale_granularity::none,

@@ -9,6 +9,7 @@
 #include <inferscale/cache.hpp>
 #include <inferscale/detail/inject/checks.hpp>
 #include <inferscale/detail/inject/element.hpp>
+#include <inferscale/detail/inject/host_rotation.hpp>
 #include <inferscale/detail/inject/token_major_keys.hpp>
 #include <inferscale/detail/rope/rotate_simd.hpp>
 #include <inferscale/injection_batch.hpp>
@@ -138,8 +139,10 @@ INFERSCALE_FORCEINLINE void inject_host_typed(kv_store_ref const& store,
   // cache lines instead of each touching head_dim lines the next token's visit no longer finds in
   // cache after a sweep over every layer (bench/vllm/inject_cost.py). The cos/sin rows
   // of a chunk are computed once, shared by its layers and heads. The values written are the same.
+  // A per-layer rotation: the rows of each of its rotations, `rows` apart; layer l reads its own.
   constexpr std::int64_t chunk_tokens = 64;
-  std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(chunk_tokens * pairs));
+  std::int64_t const rows             = chunk_tokens * pairs;
+  std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(rotation.num_rotations * rows));
   std::vector<std::int64_t> block(static_cast<std::size_t>(chunk_tokens));
   std::vector<std::int32_t> in_block(static_cast<std::size_t>(chunk_tokens));
   for (std::int64_t first = 0; first < batch.num_tokens; first += chunk_tokens) {
@@ -149,10 +152,16 @@ INFERSCALE_FORCEINLINE void inject_host_typed(kv_store_ref const& store,
       if (!slot_in_cache(slot, n_slots)) { continue; }
       block[j]    = slot / bs;
       in_block[j] = static_cast<std::int32_t>(slot % bs);
-      detail::rope_cos_sin_row(
-        rotation, batch.position[first + j], rope_op::forward, cos_sin.data() + j * pairs);
+      for (std::int32_t r = 0; r < rotation.num_rotations; ++r) {
+        detail::rope_cos_sin_row(rotation,
+                                 r,
+                                 batch.position[first + j],
+                                 rope_op::forward,
+                                 cos_sin.data() + r * rows + j * pairs);
+      }
     }
     for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+      rope_cos_sin const* const layer_cos_sin = cos_sin.data() + rotation.of_layer(l) * rows;
       auto* const kbase = static_cast<CacheT*>(cache.key_base[l]);
       auto* const vbase = static_cast<CacheT*>(cache.value_base[l]);
       for (std::int64_t j = 0; j < count; ++j) {
@@ -161,19 +170,25 @@ INFERSCALE_FORCEINLINE void inject_host_typed(kv_store_ref const& store,
         StoreT const* const krow = pool + store.row_offset(batch.store_token[i], l, 0);
         StoreT const* const vrow = pool + store.row_offset(batch.store_token[i], l, 1);
         for (std::int32_t h = 0; h < store.num_heads; ++h) {
-          inject_host_head<ContiguousK, ContiguousV, Scaled, Halves, RoundEach, Fused, StoreT,
-                           CacheT, Truncate>(
-            krow + static_cast<std::int64_t>(h) * dim,
-            vrow + static_cast<std::int64_t>(h) * dim,
-            kbase + cache.key_layout.offset(block[j], in_block[j], h, 0),
-            vbase + cache.value_layout.offset(block[j], in_block[j], h, 0),
-            cache.key_layout,
-            cache.value_layout,
-            rotation.rotary_dim,
-            cos_sin.data() + j * pairs,
-            cache.scale(l, h, false),
-            cache.scale(l, h, true),
-            cache.scale_convention);
+          inject_host_head<ContiguousK,
+                           ContiguousV,
+                           Scaled,
+                           Halves,
+                           RoundEach,
+                           Fused,
+                           StoreT,
+                           CacheT,
+                           Truncate>(krow + static_cast<std::int64_t>(h) * dim,
+                                     vrow + static_cast<std::int64_t>(h) * dim,
+                                     kbase + cache.key_layout.offset(block[j], in_block[j], h, 0),
+                                     vbase + cache.value_layout.offset(block[j], in_block[j], h, 0),
+                                     cache.key_layout,
+                                     cache.value_layout,
+                                     rotation.rotary_dim,
+                                     layer_cos_sin + j * pairs,
+                                     cache.scale(l, h, false),
+                                     cache.scale(l, h, true),
+                                     cache.scale_convention);
         }
       }
     }
@@ -207,10 +222,13 @@ void inject_host_token_major_truncate(kv_store_ref const& store,
   std::int64_t const n_slots = cache.num_slots();
   std::int32_t const bs      = cache.key_layout.block_size;
   constexpr std::int64_t chunk_tokens = 64;  // chunks as inject_host_typed's, for the same reason
-  std::vector<rope_cos_sin> cos_sin(static_cast<std::size_t>(chunk_tokens * pairs));
+  // Each rotation of a per-layer one has its rows, `rows` apart (layer l reads its own).
+  std::int64_t const rows    = chunk_tokens * pairs;
+  std::size_t const all_rows = static_cast<std::size_t>(rotation.num_rotations * rows);
+  std::vector<rope_cos_sin> cos_sin(all_rows);
   // [token][pair] per token, and [run][pair][8] for the runs of eight.
-  std::vector<float> cos(static_cast<std::size_t>(chunk_tokens * pairs));
-  std::vector<float> sin(static_cast<std::size_t>(chunk_tokens * pairs));
+  std::vector<float> cos(all_rows);
+  std::vector<float> sin(all_rows);
   std::vector<float> cos8(cos.size()), sin8(sin.size());
   std::vector<std::int64_t> run_start;  // first token (in the chunk) of each run of eight
   std::vector<std::int64_t> single;     // tokens not in a run
@@ -232,10 +250,17 @@ void inject_host_token_major_truncate(kv_store_ref const& store,
       std::int64_t const slot = batch.slot[first + j];
       if (!slot_in_cache(slot, n_slots)) { continue; }
       row_base[static_cast<std::size_t>(j)] = store.row_offset(batch.store_token[first + j], 0, 0);
-      rope_cos_sin_row(rotation, batch.position[first + j], rope_op::forward,
-                       cos.data() + j * pairs, sin.data() + j * pairs);
-      for (std::int32_t p = 0; p < pairs; ++p) {
-        cos_sin[static_cast<std::size_t>(j * pairs + p)] = {cos[j * pairs + p], sin[j * pairs + p]};
+      for (std::int32_t r = 0; r < rotation.num_rotations; ++r) {
+        std::int64_t const at = r * rows + j * pairs;
+        rope_cos_sin_row(rotation,
+                         r,
+                         batch.position[first + j],
+                         rope_op::forward,
+                         cos.data() + at,
+                         sin.data() + at);
+        for (std::int32_t p = 0; p < pairs; ++p) {
+          cos_sin[static_cast<std::size_t>(at + p)] = {cos[at + p], sin[at + p]};
+        }
       }
     }
     for (std::int64_t j = 0; j < count;) {
@@ -248,16 +273,19 @@ void inject_host_token_major_truncate(kv_store_ref const& store,
         continue;
       }
       std::size_t const r = run_start.size();
-      for (std::int32_t p = 0; p < pairs; ++p) {
-        for (std::int64_t t = 0; t < 8; ++t) {
-          cos8[r * pairs * 8 + p * 8 + t] = cos[(j + t) * pairs + p];
-          sin8[r * pairs * 8 + p * 8 + t] = sin[(j + t) * pairs + p];
+      for (std::int32_t w = 0; w < rotation.num_rotations; ++w) {
+        for (std::int32_t p = 0; p < pairs; ++p) {
+          for (std::int64_t t = 0; t < 8; ++t) {
+            cos8[w * rows + r * pairs * 8 + p * 8 + t] = cos[w * rows + (j + t) * pairs + p];
+            sin8[w * rows + r * pairs * 8 + p * 8 + t] = sin[w * rows + (j + t) * pairs + p];
+          }
         }
       }
       run_start.push_back(j);
       j += 8;
     }
     for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+      std::int64_t const own = rotation.of_layer(l) * rows;  // this layer's rotation's rows
       auto* const kbase = static_cast<bfloat16_t*>(cache.key_base[l]);
       auto* const vbase = static_cast<bfloat16_t*>(cache.value_base[l]);
       for (std::size_t r = 0; r < run_start.size(); ++r) {
@@ -281,8 +309,8 @@ void inject_host_token_major_truncate(kv_store_ref const& store,
             dim,
             rotation.rotary_dim,
             Halves,
-            cos8.data() + r * pairs * 8,
-            sin8.data() + r * pairs * 8);
+            cos8.data() + own + r * pairs * 8,
+            sin8.data() + own + r * pairs * 8);
         }
       }
       for (std::int64_t const j : single) {
@@ -300,7 +328,7 @@ void inject_host_token_major_truncate(kv_store_ref const& store,
             cache.key_layout,
             cache.value_layout,
             rotation.rotary_dim,
-            cos_sin.data() + j * pairs,
+            cos_sin.data() + own + j * pairs,
             1.0f,
             1.0f,
             cache.scale_convention);

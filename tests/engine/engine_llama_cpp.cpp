@@ -1081,3 +1081,51 @@ TEST_CASE(
     CHECK(ours == reference);
   }
 }
+
+TEST_CASE("llama.cpp: Gemma 3 - a memory longer than the sliding window injects as it prefills",
+          "[llama]")
+{
+  // Beyond 512 tokens the sliding-window layers no longer see the segment's first cells, and
+  // llama.cpp saves only the cells inside the window in their section. Injected with every cell
+  // in both sections, the sequence must read back as the prefilled one and answer alike.
+  lc::model const& m = gemma_model();
+  lc::context ctx{m, options(true)};
+  lc::model_adapter adapter{ctx};
+  segment s;
+  std::vector<std::int32_t> prefix{llama_vocab_bos(m.vocab())};
+  s.pieces.push_back({1, 7, 0, prefix});
+  s.tokens = prefix;
+  for (std::uint64_t id = 2; s.tokens.size() < 700; ++id) {
+    std::vector<std::int32_t> const t = m.tokenize(demo::facts[(id - 2) % demo::facts.size()]);
+    s.pieces.push_back({id, 7, static_cast<std::int64_t>(s.tokens.size()), t});
+    s.tokens.insert(s.tokens.end(), t.begin(), t.end());
+  }
+  kv_store store = make_store(ctx.geometry());
+  encode_facts(adapter, store, s.tokens, 0, s.pieces);
+  compose_options opts;
+  opts.first_position     = 0;
+  opts.order              = fact_order::as_given;
+  opts.instruction_prefix = 1;
+  composition const plan  = compose(store, fact_ids(s), opts);
+  REQUIRE(plan.length() > 512);
+
+  ctx.decode(0, s.tokens, 0);
+  std::vector<std::uint8_t> const prefilled = ctx.state(0);
+  lc::context fresh{m, options(true)};
+  lc::sequence_cache cache{fresh, 0};
+  inject_memory_host(store, plan, cache, adapter.rotation());
+  std::vector<std::uint8_t> const injected = fresh.state(0);
+  CHECK(same_bytes(injected, prefilled));
+  // Parsing needs the sections to hold the same cells: the window's refusal names it.
+  CHECK_THROWS_WITH(lc::parse_state(prefilled.data(), prefilled.size(), ctx.geometry()),
+                    Catch::Matchers::Contains("saves only the cells inside its window"));
+
+  std::vector<std::int32_t> const question =
+    m.tokenize("Question: " + demo::questions[0] + "\nAnswer:");
+  std::int64_t const p                      = plan.length();
+  std::vector<std::int32_t> const reference = answer(ctx, 0, question, p, 16);
+  std::vector<std::int32_t> const ours      = answer(fresh, 0, question, p, 16);
+  INFO("engine:     " << m.detokenize(reference));
+  INFO("InferScale: " << m.detokenize(ours));
+  CHECK(ours == reference);
+}

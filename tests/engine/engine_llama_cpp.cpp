@@ -106,6 +106,19 @@ std::vector<std::uint64_t> fact_ids(segment const& s)
   return ids;
 }
 
+/// The segment's pieces composed as given from position 0, the first piece the instruction
+/// prefix: the text the engine prefills, token for token.
+composition compose_segment(kv_store const& store, segment const& s)
+{
+  compose_options opts;
+  opts.first_position     = 0;
+  opts.order              = fact_order::as_given;
+  opts.instruction_prefix = 1;
+  composition plan        = compose(store, fact_ids(s), opts);
+  REQUIRE(plan.token_ids == s.tokens);
+  return plan;
+}
+
 /// A context on the model, its model adapter, a segment of the prefix and `facts` facts, and an
 /// empty store.
 struct rig {
@@ -300,12 +313,7 @@ TEST_CASE(
   encode_facts(adapter, store, s.tokens, 0, s.pieces);
   REQUIRE(store.num_facts() == 6);
 
-  compose_options opts;
-  opts.first_position     = 0;
-  opts.order              = fact_order::as_given;
-  opts.instruction_prefix = 1;
-  composition const plan  = compose(store, fact_ids(s), opts);
-  REQUIRE(plan.token_ids == s.tokens);
+  composition const plan = compose_segment(store, s);
 
   // The engine's own prefill in this context; the injection into a fresh context of the same
   // model, which has never seen the text.
@@ -1020,12 +1028,7 @@ TEST_CASE(
   for (std::size_t i = 0; i < 5; ++i) { add(m.tokenize(demo::facts[i] + "\n"), 2 + i); }
   kv_store store = make_store(g);
   encode_facts(adapter, store, s.tokens, 0, s.pieces);
-  compose_options opts;
-  opts.first_position     = 0;
-  opts.order              = fact_order::as_given;
-  opts.instruction_prefix = 1;
-  composition const plan  = compose(store, fact_ids(s), opts);
-  REQUIRE(plan.token_ids == s.tokens);
+  composition const plan = compose_segment(store, s);
 
   // The engine's prefill against the injection into a fresh context: the whole blob, both
   // sections (every layer's keys at its own base), byte for byte.
@@ -1102,11 +1105,7 @@ TEST_CASE("llama.cpp: Gemma 3 - a memory longer than the sliding window injects 
   }
   kv_store store = make_store(ctx.geometry());
   encode_facts(adapter, store, s.tokens, 0, s.pieces);
-  compose_options opts;
-  opts.first_position     = 0;
-  opts.order              = fact_order::as_given;
-  opts.instruction_prefix = 1;
-  composition const plan  = compose(store, fact_ids(s), opts);
+  composition const plan = compose_segment(store, s);
   REQUIRE(plan.length() > 512);
 
   ctx.decode(0, s.tokens, 0);

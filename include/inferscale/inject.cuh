@@ -255,10 +255,6 @@ void inject_launch(kv_store_ref const& store,
                    inject_device_errors* errors,
                    cuda::stream_ref stream)
 {
-  static_assert(!is_per_layer_rotation_v<Rotation>,
-                "inferscale: the device injection takes one rotation for every layer; a "
-                "per_layer_rotation is served by the host run (injection_batch::run(cache, "
-                "rotation)) in this version");
   using policy = inject_policy_sm90;
   if (batch.num_tokens == 0) { return; }
   int device = 0, sm_count = 0;
@@ -267,11 +263,12 @@ void inject_launch(kv_store_ref const& store,
   auto const config =
     make_inject_launch<StoreT, CacheT>(store, batch, cache, rotation, sm_count, errors);
   dim3 const grid{static_cast<unsigned>(config.grid_x), static_cast<unsigned>(config.grid_y)};
+  using kernel_rotation = kernel_rotation_t<Rotation>;  // a per_layer_rotation by value
   if (config.vectorized) {
-    inject_kernel<policy, StoreT, CacheT, Rotation, true>
+    inject_kernel<policy, StoreT, CacheT, kernel_rotation, true>
       <<<grid, policy::block_threads, config.shared_bytes, stream.get()>>>(config.args);
   } else {
-    inject_kernel<policy, StoreT, CacheT, Rotation, false>
+    inject_kernel<policy, StoreT, CacheT, kernel_rotation, false>
       <<<grid, policy::block_threads, config.shared_bytes, stream.get()>>>(config.args);
   }
   INFERSCALE_CHECK_LAUNCH();
@@ -335,6 +332,7 @@ void inject_async(kv_store_ref const& store,
                        cache.head_dim() == store.head_dim,
                      "inject_async: geometry mismatch between the store and the cache");
   detail::check_rotation(rotation, store.head_dim, -1, "inject_async");
+  detail::check_rotation_layers(rotation, cache.num_layers, "inject_async");
   INFERSCALE_EXPECTS(batch.num_tokens >= 0, std::string{"inject_async: negative token count"});
   // Device pointers cannot be dereferenced here, but a null one can be refused.
   INFERSCALE_EXPECTS(batch.num_tokens == 0 || (batch.store_token != nullptr &&
@@ -427,9 +425,6 @@ void extract(paged_kv_cache const& cache,
              std::vector<std::int32_t> token_ids,
              cuda::stream_ref stream)
 {
-  static_assert(!is_per_layer_rotation_v<Rotation>,
-                "inferscale: the device extraction takes one rotation for every layer; a "
-                "per_layer_rotation is served by extract_host in this version");
   detail::check_extraction(cache,
                            slots,
                            first_position,
@@ -483,7 +478,7 @@ void extract(paged_kv_cache const& cache,
       auto const args = detail::make_extract_args(
         store.ref(), cache, rotation, {device, device + n, device + 2 * n, n});
       dim3 const grid = detail::extract_grid<policy>(args);
-      detail::extract_kernel<policy, S, C, Rotation>
+      detail::extract_kernel<policy, S, C, detail::kernel_rotation_t<Rotation>>
         <<<grid, policy::extract_threads, 0, stream.get()>>>(args);
       INFERSCALE_CHECK_LAUNCH();
     };

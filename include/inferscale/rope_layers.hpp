@@ -10,9 +10,10 @@
  * cos/sin rows of each distinct rotation are computed once per token and chunk, as for a single
  * rotation, and layer l reads those of `rotations[layer_rotation[l]]`. The distinct rotations
  * must share their shape (head_dim, rotary_dim, pairing) and their arithmetic switches (a table's
- * rounding, fused multiply-adds, bfloat16 truncation); only their angles differ. Host extraction
- * (extract_host) takes one too. The device run and device extraction do not yet (a compile-time
- * error says so).
+ * rounding, fused multiply-adds, bfloat16 truncation); only their angles differ. Extraction takes
+ * one too. The device run and device extraction take it as a kernel argument
+ * (device_layer_rotation: the rotations by value, a byte per layer, up to 256 layers): the
+ * injection kernel's tile holds each distinct rotation's cos/sin, layer l reading its own.
  */
 #pragma once
 
@@ -63,7 +64,7 @@ namespace detail {
 /// `rotation_at(r, i)` the i-th, layer l reading `rotation_of_layer(r, l)`; a single rotation is
 /// one rotation for every layer.
 template <class R>
-R const& rotation_at(R const& rotation, std::int32_t) noexcept
+INFERSCALE_HOST_DEVICE R const& rotation_at(R const& rotation, std::int32_t) noexcept
 {
   return rotation;
 }
@@ -73,7 +74,7 @@ R const& rotation_at(per_layer_rotation<R> const& rotation, std::int32_t i) noex
   return rotation.rotations[i];
 }
 template <class R>
-std::int32_t rotation_count(R const&) noexcept
+INFERSCALE_HOST_DEVICE constexpr std::int32_t rotation_count(R const&) noexcept
 {
   return 1;
 }
@@ -83,7 +84,7 @@ std::int32_t rotation_count(per_layer_rotation<R> const& rotation) noexcept
   return rotation.num_rotations;
 }
 template <class R>
-std::int32_t rotation_of_layer(R const&, std::int32_t) noexcept
+INFERSCALE_HOST_DEVICE constexpr std::int32_t rotation_of_layer(R const&, std::int32_t) noexcept
 {
   return 0;
 }
@@ -91,6 +92,87 @@ template <class R>
 std::int32_t rotation_of_layer(per_layer_rotation<R> const& rotation, std::int32_t l) noexcept
 {
   return rotation.layer_rotation[l];
+}
+
+/**
+ * @brief A per_layer_rotation as a kernel argument: its rotations by value and one byte per layer
+ * (a trivially copyable __grid_constant__ parameter; a table's data must be device memory, as for
+ * a single table). The shared shape is copied out so launch code reads it as a single rotation's.
+ */
+template <class R>
+struct device_layer_rotation {
+  static constexpr std::int32_t max_layers = 256;
+  R rotations[per_layer_rotation<R>::max_rotations]{};
+  std::int32_t num_rotations{};
+  std::uint8_t layer_rotation[max_layers]{};
+  std::int32_t head_dim{};
+  std::int32_t rotary_dim{};
+  rope_pairing pairing{rope_pairing::halves};
+
+  INFERSCALE_HOST_DEVICE constexpr std::int32_t num_pairs() const noexcept
+  {
+    return rotary_dim / 2;
+  }
+};
+template <class R>
+INFERSCALE_HOST_DEVICE R const& rotation_at(device_layer_rotation<R> const& rotation,
+                                            std::int32_t i) noexcept
+{
+  return rotation.rotations[i];
+}
+template <class R>
+INFERSCALE_HOST_DEVICE std::int32_t rotation_count(
+  device_layer_rotation<R> const& rotation) noexcept
+{
+  return rotation.num_rotations;
+}
+template <class R>
+INFERSCALE_HOST_DEVICE std::int32_t rotation_of_layer(device_layer_rotation<R> const& rotation,
+                                                      std::int32_t l) noexcept
+{
+  return rotation.layer_rotation[l];
+}
+
+/// @brief The rotation type a kernel takes for `Rotation`: itself, or a per_layer_rotation's
+/// device form.
+template <class Rotation>
+struct kernel_rotation {
+  using type = Rotation;
+};
+template <class R>
+struct kernel_rotation<per_layer_rotation<R>> {
+  using type = device_layer_rotation<R>;
+};
+template <class Rotation>
+using kernel_rotation_t = typename kernel_rotation<Rotation>::type;
+
+template <class Rotation>
+Rotation const& to_kernel_rotation(Rotation const& rotation)
+{
+  return rotation;
+}
+/// @brief The device form of a (checked) per_layer_rotation.
+/// @throw logic_error if it covers more than device_layer_rotation::max_layers layers.
+template <class R>
+device_layer_rotation<R> to_kernel_rotation(per_layer_rotation<R> const& rotation)
+{
+  using out_t = device_layer_rotation<R>;
+  INFERSCALE_EXPECTS(rotation.num_layers >= 0 && rotation.num_layers <= out_t::max_layers,
+                     "per_layer_rotation: the device run takes up to " +
+                       std::to_string(out_t::max_layers) + " layers, got " +
+                       std::to_string(rotation.num_layers));
+  out_t out{};
+  out.num_rotations = rotation.num_rotations;
+  for (std::int32_t i = 0; i < rotation.num_rotations; ++i) {
+    out.rotations[i] = rotation.rotations[i];
+  }
+  for (std::int32_t l = 0; l < rotation.num_layers; ++l) {
+    out.layer_rotation[l] = static_cast<std::uint8_t>(rotation.layer_rotation[l]);
+  }
+  out.head_dim   = rotation.rotations[0].head_dim;
+  out.rotary_dim = rotation.rotations[0].rotary_dim;
+  out.pairing    = rotation.rotations[0].pairing;
+  return out;
 }
 
 template <class R>

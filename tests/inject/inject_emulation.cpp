@@ -16,6 +16,7 @@
 #include <inferscale/detail/rope/position.hpp>
 #include <inferscale/inject.hpp>
 #include <inferscale/rope.hpp>
+#include <inferscale/rope_layers.hpp>
 #include <inferscale/store.hpp>
 
 #include <catch2/catch.hpp>
@@ -202,12 +203,12 @@ bytes storage_of(engine_cache<C> const& cache)
   return bytes(p, p + cache.storage_bytes());
 }
 
-rope_params make_params(shape_case const& s)
+rope_params make_params(shape_case const& s, double theta = 10000.0)
 {
   rope_spec spec{};
   spec.head_dim   = s.head_dim;
   spec.rotary_dim = s.rotary_dim;
-  spec.theta      = 10000.0;
+  spec.theta      = theta;
   spec.pairing    = s.pairing;
   return make_rope_params(spec);
 }
@@ -283,6 +284,32 @@ void check_all(int sm_count)
     auto fused               = make_rope_cos_sin_table(params, table.data(), 2048, false);
     fused.fused_multiply_add = true;
     check_inject<Pair>(ly, s, store, fused, sm_count);
+  }
+  SECTION("a per-layer rotation: two bases, alternating layers (Gemma's shape)")
+  {
+    // The tile holds both rotations' cos/sin; layer l reads its own (the host run is checked
+    // against single rotations and a double-precision reference in inject_simd_host.cpp).
+    rope_params other       = make_params(s, 1000000.0);
+    std::vector<S> const t2 = make_rope_cos_sin_values<S>(other, 2048);
+    std::vector<std::int32_t> layers(static_cast<std::size_t>(s.layers));
+    for (int l = 0; l < s.layers; ++l) {
+      layers[static_cast<std::size_t>(l)] = (l % 3 == 2) ? 0 : 1;
+    }
+    rope_params const both_params[2] = {params, other};
+    check_inject<Pair>(ly,
+                       s,
+                       store,
+                       per_layer_rotation<rope_params>{both_params, 2, layers.data(), s.layers},
+                       sm_count);
+    rope_cos_sin_table<S> both_tables[2] = {
+      make_rope_cos_sin_table(params, table.data(), 2048, true),
+      make_rope_cos_sin_table(other, t2.data(), 2048, true)};
+    check_inject<Pair>(
+      ly,
+      s,
+      store,
+      per_layer_rotation<rope_cos_sin_table<S>>{both_tables, 2, layers.data(), s.layers},
+      sm_count);
   }
 }
 
@@ -365,7 +392,18 @@ TEMPLATE_TEST_CASE("the extract kernel's units, emulated on the CPU, equal extra
     token_ids[j] = static_cast<std::int32_t>(500 + j);
   }
   std::int64_t const first_position = 40;
-  extract_host(desc, slots, first_position, params, by_host, 5, 1, token_ids);
+  // One rotation, or two bases over alternating layers (each layer de-rotated by its own).
+  bool const layered = GENERATE(false, true);
+  CAPTURE(layered);
+  rope_params const both[2] = {params, make_params(s, 1000000.0)};
+  std::vector<std::int32_t> layer_map(static_cast<std::size_t>(s.layers));
+  for (int l = 0; l < s.layers; ++l) {
+    layer_map[static_cast<std::size_t>(l)] = l % 2;
+  }
+  per_layer_rotation<rope_params> const per_layer{both, 2, layer_map.data(), s.layers};
+  auto const run_with = [&](auto&& f) { layered ? f(per_layer) : f(params); };
+  run_with(
+    [&](auto const& r) { extract_host(desc, slots, first_position, r, by_host, 5, 1, token_ids); });
 
   fact_record const& fact = by_kernel.reserve(5, 1, token_ids);
   std::int64_t const n    = static_cast<std::int64_t>(slots.size());
@@ -375,21 +413,29 @@ TEMPLATE_TEST_CASE("the extract kernel's units, emulated on the CPU, equal extra
     arrays[static_cast<std::size_t>(n + j)]     = first_position + j;
     arrays[static_cast<std::size_t>(2 * n + j)] = slots[static_cast<std::size_t>(j)];
   }
-  auto const args = detail::make_extract_args(
-    by_kernel.ref(), desc, params, {arrays.data(), arrays.data() + n, arrays.data() + 2 * n, n});
-  std::int64_t const units = detail::extract_units(args);
-  // tokens x layers x heads x (pairs + pass-through dims + value dims)
-  REQUIRE(units ==
-          n * s.layers * s.heads * (s.rotary_dim / 2 + (s.head_dim - s.rotary_dim) + s.head_dim));
-  std::int64_t const per_token = detail::extract_units_per_token(args);
-  REQUIRE(units == n * per_token);
-  for (std::int64_t i = 0; i < n; ++i) {
-    for (std::int32_t w = 0; w < per_token; ++w) {
-      detail::extract_unit<S, C>(args, i, w);
+  run_with([&](auto const& r) {
+    auto const args = detail::make_extract_args(
+      by_kernel.ref(), desc, r, {arrays.data(), arrays.data() + n, arrays.data() + 2 * n, n});
+    std::int64_t const units = detail::extract_units(args);
+    // tokens x layers x heads x (pairs + pass-through dims + value dims)
+    REQUIRE(units ==
+            n * s.layers * s.heads * (s.rotary_dim / 2 + (s.head_dim - s.rotary_dim) + s.head_dim));
+    std::int64_t const per_token = detail::extract_units_per_token(args);
+    REQUIRE(units == n * per_token);
+    for (std::int64_t i = 0; i < n; ++i) {
+      for (std::int32_t w = 0; w < per_token; ++w) {
+        detail::extract_unit<S, C>(args, i, w);
+      }
     }
-  }
+  });
   REQUIRE(by_kernel.at(5).pages == by_host.at(5).pages);
   REQUIRE(by_kernel.pool_to_host() == by_host.pool_to_host());
+  if (layered && s.layers > 1) {
+    // The two bases de-rotate differently: extracting with one base for every layer differs.
+    kv_store single = make_store();
+    extract_host(desc, slots, first_position, params, single, 5, 1, token_ids);
+    REQUIRE(single.pool_to_host() != by_host.pool_to_host());
+  }
 }
 
 namespace {

@@ -168,12 +168,12 @@ kv_store_config store_config(geometry_case const& g, dtype store_dtype, memory_s
   return c;
 }
 
-rope_params make_params(geometry_case const& g)
+rope_params make_params(geometry_case const& g, double theta = 10000.0)
 {
   rope_spec spec{};
   spec.head_dim   = g.head_dim;
   spec.rotary_dim = g.rotary_dim;
-  spec.theta      = 10000.0;
+  spec.theta      = theta;
   spec.pairing    = g.pairing;
   return make_rope_params(spec);
 }
@@ -442,6 +442,47 @@ TEMPLATE_TEST_CASE("device injection equals the host injection byte for byte",
   CAPTURE(inferscale_test::to_string(layout), g.name);
   scenario<TestType> s(layout, g);
   require_device_equals_host(s, false);
+}
+
+TEMPLATE_TEST_CASE("device injection with a per-layer rotation equals the host run byte for byte",
+                   "[gpu][inject]",
+                   bf16_to_bf16,
+                   fp32_to_fp32)
+{
+  // Gemma's shape: two bases, every third layer at the other one. The kernel takes the rotations
+  // by value (device_layer_rotation) and its tile holds both; the host run is checked against
+  // single rotations and a double-precision reference (inject_simd_host.cpp).
+  using S           = typename TestType::store_t;
+  using C           = typename TestType::cache_t;
+  auto const layout = GENERATE(from_range(inferscale_test::all_engine_layouts()));
+  auto const g      = GENERATE(from_range(geometry_cases()));
+  CAPTURE(inferscale_test::to_string(layout), g.name);
+  scenario<TestType> s(layout, g);
+  rope_params const other = make_params(g, 1000000.0);
+  std::vector<S> const t2 = make_rope_cos_sin_values<S>(other, default_rows);
+  device_buffer<S> const d2{t2};
+  std::vector<std::int32_t> layers(static_cast<std::size_t>(g.layers));
+  for (std::int32_t l = 0; l < g.layers; ++l) {
+    layers[static_cast<std::size_t>(l)] = l % 3 == 2 ? 0 : 1;
+  }
+  rope_cos_sin_table<S> const host_tables[2] = {
+    s.host_rotation, make_rope_cos_sin_table(other, t2.data(), default_rows, g.round_each)};
+  rope_cos_sin_table<S> const device_tables[2] = {
+    s.device_rotation, make_rope_cos_sin_table(other, d2.data(), default_rows, g.round_each)};
+  per_layer_rotation<rope_cos_sin_table<S>> const host_layers{
+    host_tables, 2, layers.data(), g.layers};
+  per_layer_rotation<rope_cos_sin_table<S>> const device_layers{
+    device_tables, 2, layers.data(), g.layers};
+  injection_batch hb = make_batch(s.host_store, 0);
+  injection_batch db = make_batch(s.device_store, 0);
+  hb.run(s.host_desc, host_layers);
+  cuda_stream stream;
+  injection_workspace workspace(db.num_tokens());
+  db.run<S, C>(s.device_desc, device_layers, workspace, cuda::stream_ref{stream.get()});
+  bytes const device = s.device_bytes(stream.get());
+  bytes const host   = s.host_bytes();
+  REQUIRE(first_difference(host, s.original) != -1);
+  REQUIRE(first_difference(device, host) == -1);
 }
 
 TEMPLATE_TEST_CASE("device injection of a batch larger than a wave equals the host injection",

@@ -6,8 +6,9 @@
  * emulation test runs every block and thread of a launch on the CPU with them).
  *
  * inject_block: block (x, y) takes `tile_tokens` tokens and `tile_layers` layers. Its threads
- * first compute the tile's cos/sin (one per token and pair) into shared memory, shared by every
- * layer and head of the tile, then walk the tile's work units: a unit is `pairs_per_unit` rotary
+ * first compute the tile's cos/sin (one per token and pair; for a per-layer rotation, one per
+ * rotation, token and pair) into shared memory, shared by every layer and head of the tile, then
+ * walk the tile's work units: a unit is `pairs_per_unit` rotary
  * pairs of one head's key, or a run of elements of its pass-through dims or of its value. On the
  * vectorized path a unit reads 16 bytes of the store per run (for halves pairing, 16 bytes of the
  * first half and the matching 16 bytes of the second) and writes the same elements to the cache
@@ -17,12 +18,13 @@
 
 #include <inferscale/cache.hpp>
 #include <inferscale/config.hpp>
-#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/inject/element.hpp>
 #include <inferscale/detail/inject/tuning.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/injection_batch.hpp>
 #include <inferscale/rope.hpp>
+#include <inferscale/rope_layers.hpp>
 #include <inferscale/store.hpp>
 
 #include <algorithm>
@@ -166,12 +168,18 @@ struct inject_block {
       // Offset of the token's layer-0 key row: the page division is done once per token.
       tile.source[t] = ok ? args.store.row_offset(store_token, 0, 0) : 0;
     }
-    for (std::int32_t i = thread; i < tokens * pairs; i += threads) {
-      std::int32_t const t        = i / pairs;
+    // Rotation r's entries of token t start at (r * tile_tokens + t) * pairs (work() reads them).
+    std::int32_t const per_rotation = tokens * pairs;
+    std::int32_t const entries      = rotation_count(args.rotation) * per_rotation;
+    for (std::int32_t i = thread; i < entries; i += threads) {
+      std::int32_t const r        = i / per_rotation;
+      std::int32_t const rest     = i - r * per_rotation;
+      std::int32_t const t        = rest / pairs;
       std::int64_t const position = args.batch.position[first_token + t];
-      tile.cos_sin[cos_sin_swizzle(i)] =
+      tile.cos_sin[cos_sin_swizzle(r * args.tile_tokens * pairs + rest)] =
         (position >= 0 && position < args.table_rows)
-          ? rope_angle_cos_sin(args.rotation, position, i - t * pairs, rope_op::forward)
+          ? rope_angle_cos_sin(
+              rotation_at(args.rotation, r), position, rest - t * pairs, rope_op::forward)
           : rope_cos_sin{1.0f, 0.0f};
     }
   }
@@ -230,7 +238,9 @@ struct inject_block {
         StoreT const* const src =
           pool + source + row_stride * (2 * l) + static_cast<std::int64_t>(h) * head_dim;
         auto* const dst             = static_cast<CacheT*>(args.cache.key_base[l]);
-        std::int32_t const cos_sin_row = t * pairs;  // the token's first cos/sin entry
+        // the token's first cos/sin entry for this layer's rotation
+        std::int32_t const cos_sin_row =
+          (rotation_of_layer(args.rotation, l) * args.tile_tokens + t) * pairs;
         auto const cos_sin = [&](std::int32_t pair) -> rope_cos_sin const& {
           return tile.cos_sin[cos_sin_swizzle(cos_sin_row + pair)];
         };
@@ -354,7 +364,10 @@ INFERSCALE_HOST_DEVICE void extract_unit(extract_kernel_args<Rotation> const& ar
     std::int32_t first, second;
     pair_elements(args.rotation.pairing, rotary, u, &first, &second);
     rope_cos_sin const cs =
-      rope_angle_cos_sin(args.rotation, args.tokens.position[i], u, rope_op::inverse);
+      rope_angle_cos_sin(rotation_at(args.rotation, rotation_of_layer(args.rotation, l)),
+                         args.tokens.position[i],
+                         u,
+                         rope_op::inverse);
     float x, y;
     unrotate_pair(
       dequantize(
@@ -424,27 +437,34 @@ struct inject_launch_config {
  * @param sm_count multiprocessors of the device the kernel will run on
  */
 template <class StoreT, class CacheT, class Rotation>
-inject_launch_config<Rotation> make_inject_launch(kv_store_ref const& store,
-                                                  injection_batch_view const& batch,
-                                                  paged_kv_cache const& cache,
-                                                  Rotation const& rotation,
-                                                  int sm_count,
-                                                  inject_device_errors* errors = nullptr)
+inject_launch_config<kernel_rotation_t<Rotation>> make_inject_launch(
+  kv_store_ref const& store,
+  injection_batch_view const& batch,
+  paged_kv_cache const& cache,
+  Rotation const& rotation_source,
+  int sm_count,
+  inject_device_errors* errors = nullptr)
 {
   using policy = inject_policy_sm90;
-  inject_launch_config<Rotation> config{};
-  config.vectorized = inject_vectorizable<StoreT, CacheT>(store, cache, rotation);
+  inject_launch_config<kernel_rotation_t<Rotation>> config{};
+  // A per-layer rotation's rotations share their shape and roundings: the first one speaks for all.
+  auto const& rotation = rotation_at(rotation_source, 0);
+  config.vectorized    = inject_vectorizable<StoreT, CacheT>(store, cache, rotation);
   std::int32_t const run =
     config.vectorized ? policy::vector_bytes / static_cast<std::int32_t>(sizeof(StoreT)) : 1;
   std::int32_t const rotary = rotation.rotary_dim;
   std::int32_t const dim    = store.head_dim;
+  std::int32_t const count  = rotation_count(rotation_source);
 
   auto& args      = config.args;
   args.store      = store;
   args.cache      = cache;
-  args.rotation   = rotation;
+  args.rotation   = to_kernel_rotation(rotation_source);
   args.batch      = batch;
   args.table_rows = rope_table_rows(rotation);
+  for (std::int32_t r = 1; r < count; ++r) {  // positions every rotation holds
+    args.table_rows = std::min(args.table_rows, rope_table_rows(rotation_at(rotation_source, r)));
+  }
   args.round_each = rope_rounds_each_operation<StoreT>(rotation, rope_op::forward);
   args.fused      = rope_fuses_multiply_add(rotation, rope_op::forward);
   args.errors     = errors;
@@ -467,25 +487,32 @@ inject_launch_config<Rotation> make_inject_launch(kv_store_ref const& store,
   config.grid_x       = token_tiles;
   config.grid_y       = ceil_div(cache.num_layers, tile_layers);
   config.shared_bytes = static_cast<std::size_t>(cos_sin_tile_entries(
-                          std::int64_t{policy::tile_tokens} * rotation.num_pairs())) *
+                          std::int64_t{count} * policy::tile_tokens * rotation.num_pairs())) *
                         sizeof(rope_cos_sin);
+  // The default dynamic shared memory of a block (no opt-in attribute is set): a per-layer
+  // rotation of many distinct rotations over wide heads could exceed it.
+  INFERSCALE_EXPECTS(config.shared_bytes <= 48 * 1024,
+                     "inject_async: the tile's cos/sin of " + std::to_string(count) +
+                       " rotations need " + std::to_string(config.shared_bytes) +
+                       " bytes of shared memory, more than 48 KiB");
   return config;
 }
 
 /// @brief Arguments of extract_kernel for `tokens` (device arrays).
 template <class Rotation>
-extract_kernel_args<Rotation> make_extract_args(kv_store_ref const& store,
-                                                paged_kv_cache const& cache,
-                                                Rotation const& rotation,
-                                                injection_batch_view const& tokens)
+extract_kernel_args<kernel_rotation_t<Rotation>> make_extract_args(
+  kv_store_ref const& store,
+  paged_kv_cache const& cache,
+  Rotation const& rotation,
+  injection_batch_view const& tokens)
 {
-  extract_kernel_args<Rotation> args{};
-  args.store    = store;
-  args.cache    = cache;
-  args.rotation = rotation;
-  args.tokens   = tokens;
-  args.units_per_head =
-    rotation.num_pairs() + (store.head_dim - rotation.rotary_dim) + store.head_dim;
+  extract_kernel_args<kernel_rotation_t<Rotation>> args{};
+  args.store          = store;
+  args.cache          = cache;
+  args.rotation       = to_kernel_rotation(rotation);
+  args.tokens         = tokens;
+  auto const& first   = rotation_at(rotation, 0);
+  args.units_per_head = first.num_pairs() + (store.head_dim - first.rotary_dim) + store.head_dim;
   return args;
 }
 

@@ -114,6 +114,12 @@ struct device_layer_rotation {
     return rotary_dim / 2;
   }
 };
+template <class T>
+struct is_device_layer_rotation : std::false_type {
+};
+template <class R>
+struct is_device_layer_rotation<device_layer_rotation<R>> : std::true_type {
+};
 template <class R>
 INFERSCALE_HOST_DEVICE R const& rotation_at(device_layer_rotation<R> const& rotation,
                                             std::int32_t i) noexcept

@@ -172,7 +172,8 @@ struct inject_block {
     std::int32_t const per_rotation = tokens * pairs;
     std::int32_t const entries      = rotation_count(args.rotation) * per_rotation;
     for (std::int32_t i = thread; i < entries; i += threads) {
-      std::int32_t const r        = i / per_rotation;
+      // One rotation: no division (a single rotation's count is the constant 1).
+      std::int32_t const r = is_device_layer_rotation<Rotation>::value ? i / per_rotation : 0;
       std::int32_t const rest     = i - r * per_rotation;
       std::int32_t const t        = rest / pairs;
       std::int64_t const position = args.batch.position[first_token + t];

@@ -26,19 +26,22 @@
  * best SIMD kernels for this CPU (AVX-512 here), while the library is the portable build choosing
  * its kernels at run time: the comparison is against hnswlib at its fastest.
  *
+ * INFERSCALE_BENCH_GRAPH_DEGREE=d builds the fact index with graph degree d (intermediate 2d)
+ * instead of index_config's 32 (64): the lever measured for one user's 1,000 facts.
+ *
  * Cases:
  *  - index_host/equal_recall/data:D/dim:d[/N:n]/target:T (T = 95, 98, 99: recall@10 >= 0.T):
  *    in setup (untimed) each side's `ef` is swept over one grid (10, 11, ..., 40, 44, 48, 56, 64,
  *    80, 96, 128, 160, 192, 256, 384, 512) on the 1,024 queries, and the smallest reaching the
  *    target is used. Each iteration then searches the 1,024 queries one at a time on the calling
  *    thread with the graph (`Time`), then with hnswlib. Counters: `us_per_query`, `QPS`,
- *    `recall`, `ef`, `entry_points` (graph); `hnswlib_us_per_query`, `hnswlib_recall`, `hnswlib_ef`;
- *    `vs_hnswlib` = hnswlib time / graph time (> 1: the graph is faster). The builds, once per
- *    data set: `graph_build_s` / `hnswlib_build_s` (wall) and `graph_build_cpu_s` /
+ *    `recall`, `ef`, `entry_points` (graph); `hnswlib_us_per_query`, `hnswlib_recall`,
+ * `hnswlib_ef`; `vs_hnswlib` = hnswlib time / graph time (> 1: the graph is faster). The builds,
+ * once per data set: `graph_build_s` / `hnswlib_build_s` (wall) and `graph_build_cpu_s` /
  *    `hnswlib_build_cpu_s` (CPU seconds of the process, all threads; `std::clock`),
  *    `build_cpu_vs_hnswlib` = graph CPU seconds / hnswlib CPU seconds (< 1: the graph is cheaper).
- *  - index_host/equal_recall/data:mixture/dim:d/N:100000/rows:fp16/target:T: the same, with the
- *    fact index storing its rows in fp16 (`index_config::vector_dtype`; half the bytes per
+ *  - index_host/equal_recall/data:mixture/dim:d/N:{1000,100000}/rows:fp16/target:T: the same, with
+ * the fact index storing its rows in fp16 (`index_config::vector_dtype`; half the bytes per
  *    distance, half the memory), built and searched on them; hnswlib, the queries and the truth
  *    are the fp32 set's (hnswlib stores fp32). `hnswlib_build_*` repeat the fp32 set's build.
  *  - index_host/equal_recall/data:D/dim:d[/N:n]/traversal:fp16/target:T: the fp32 set's
@@ -77,6 +80,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -89,11 +94,10 @@
 #include <memory>
 #include <numeric>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <unistd.h>
 
 namespace {
 
@@ -357,6 +361,21 @@ void hnsw_queries(prepared const& c, std::uint64_t* ids, float* dist)
   }
 }
 
+/// @brief The graph degree the fact index is built with: index_config's default (32, intermediate
+/// 64), or INFERSCALE_BENCH_GRAPH_DEGREE (intermediate twice it), an experiment's knob for small
+/// namespaces (bench/results/2026-12-06-tenants-quiet.md).
+std::uint32_t graph_degree_override(std::uint32_t fallback)
+{
+  char const* e = std::getenv("INFERSCALE_BENCH_GRAPH_DEGREE");
+  if (e == nullptr || *e == '\0') { return fallback; }
+  long const d = std::strtol(e, nullptr, 10);
+  if (d < 2 || d > 256) {
+    throw std::runtime_error(
+      std::string{"INFERSCALE_BENCH_GRAPH_DEGREE must be in [2, 256], got '"} + e + "'");
+  }
+  return static_cast<std::uint32_t>(d);
+}
+
 /// @brief Sets a shared index's host_traversal_dtype for a scope, float32 again after it.
 struct traversal_scope {
   is::graph_index& index;
@@ -412,6 +431,8 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
     is::index_config config;
     config.dim          = v.dim;
     config.vector_dtype = rows;
+    config.graph_degree              = graph_degree_override(config.graph_degree);
+    config.intermediate_graph_degree = 2 * config.graph_degree;
     c->index            = std::make_shared<is::graph_index>(config);
     c->index->add(the_namespace, is::make_matrix_view<float const>(v.base.data(), v.n(), v.dim),
                   cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
@@ -667,12 +688,16 @@ void register_all()
     std::string name;
     std::int64_t dim, n;
   };
-  std::vector<set> const sets{{"mixture", 384, 10000},  {"mixture", 384, 100000},
-                              {"mixture", 768, 10000},  {"mixture", 768, 100000},
+  std::vector<set> const sets{{"mixture", 384, 1000},
+                              {"mixture", 384, 10000},
+                              {"mixture", 384, 100000},
+                              {"mixture", 768, 10000},
+                              {"mixture", 768, 100000},
                               {"locomo_minilm", 384, -1}};
   // fp32 rows on every set; fp16 rows (half the bytes per distance, the graph built and searched
-  // on them) on the 100,000-row sets, against the same fp32 hnswlib index and fp32 truth
-  // and fp32 rows walked on their float16 copy (index_config::host_traversal_dtype) on every set
+  // on them) on the 100,000-row sets and on one user's 1,000 facts (issue 32's single namespace),
+  // against the same fp32 hnswlib index and fp32 truth; and fp32 rows walked on their float16 copy
+  // (index_config::host_traversal_dtype) on every set
   struct variant {
     is::dtype rows, traversal;
     char const* suffix;
@@ -681,7 +706,7 @@ void register_all()
                             variant{is::dtype::float16, is::dtype::float32, "/rows:fp16"},
                             variant{is::dtype::float32, is::dtype::float16, "/traversal:fp16"}}) {
     for (auto const& s : sets) {
-      if (var.rows == is::dtype::float16 && s.n != 100000) { continue; }
+      if (var.rows == is::dtype::float16 && s.n != 100000 && s.n != 1000) { continue; }
       std::string const base = "index_host/equal_recall/data:" + s.name + "/dim:" +
                                std::to_string(s.dim) + (s.n < 0 ? "" : "/N:" + std::to_string(s.n)) +
                                var.suffix;

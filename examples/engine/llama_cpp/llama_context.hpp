@@ -509,63 +509,13 @@ class context {
     }
     layer_rope_ = probe.rope;
     if (format_.section_layers.size() > 1) {
-      format_.layer_order = match_layers(blob, layout, probe);
+      format_.layer_order =
+        match_state_layers(blob.data(),
+                           layout,
+                           geometry_,
+                           probe.keys,
+                           "llama_cpp::context: architecture '" + architecture_ + "'");
     }
-  }
-
-  /// @brief The model layer of each layer record of a probe blob (see probe_format).
-  std::vector<std::int32_t> match_layers(std::vector<std::uint8_t> const& blob,
-                                         state_layout const& layout,
-                                         rope_probe const& probe) const
-  {
-    std::size_t const layers = static_cast<std::size_t>(geometry_.num_layers);
-    std::size_t const row    = static_cast<std::size_t>(geometry_.elements_per_token_layer());
-    dtype const cell         = detail::cache_dtype_of(format_.k_type);
-    std::vector<std::int32_t> order(layers, -1);
-    std::vector<bool> taken(layers, false);
-    for (std::size_t r = 0; r < layers; ++r) {
-      // parse_state without a format took record r as layer r: its rows are at key_rows[r].
-      std::uint8_t const* k = blob.data() + layout.key_rows[r];
-      std::vector<float> cells(row);
-      for (std::size_t e = 0; e < row; ++e) {
-        if (cell == dtype::float32) {
-          std::memcpy(&cells[e], k + 4 * e, 4);
-        } else if (cell == dtype::float16) {
-          half_t h;
-          std::memcpy(&h, k + 2 * e, 2);
-          cells[e] = to_float(h);
-        } else {
-          bfloat16_t b;
-          std::memcpy(&b, k + 2 * e, 2);
-          cells[e] = to_float(b);
-        }
-      }
-      std::int32_t found = -1;
-      for (std::size_t l = 0; l < layers; ++l) {
-        std::vector<float> const& key = probe.keys[l];
-        bool same                     = key.size() == row;
-        for (std::size_t e = 0; same && e < row; ++e) {
-          // the cell type's rounding: a relative 2^-8 covers bfloat16's half ulp
-          same = std::fabs(cells[e] - key[e]) <= std::ldexp(std::fabs(key[e]), -8) + 1e-30f;
-        }
-        if (!same) { continue; }
-        if (found >= 0) {
-          throw engine_error("llama_cpp::context: layers " + std::to_string(found) + " and " +
-                             std::to_string(l) +
-                             " have the same probe keys: the blob's layer "
-                             "records cannot be matched to the model's layers");
-        }
-        found = static_cast<std::int32_t>(l);
-      }
-      if (found < 0 || taken[static_cast<std::size_t>(found)]) {
-        throw engine_error("llama_cpp::context: architecture '" + architecture_ +
-                           "': the state blob's layer record " + std::to_string(r) +
-                           " matches no layer's keys one to one; refused");
-      }
-      taken[static_cast<std::size_t>(found)] = true;
-      order[r]                               = found;
-    }
-    return order;
   }
 
   /// @brief Layer number of a node named `<prefix>-<l>`, or -1.

@@ -22,6 +22,7 @@
 
 #include <ggml.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -310,6 +311,66 @@ inline state_layout parse_state(std::uint8_t const* data,
   }
   out.size = size;
   return out;
+}
+
+/**
+ * @brief Which model layer each layer record of a blob holds, for a blob of several sections: the
+ * blob of one token at position 0 (where the rotation is the identity), `layout` its parse in
+ * record order (parse_state without a format), `keys[l]` layer l's ROPE output for that token. The
+ * record whose K row equals layer l's keys to the cell type's rounding is layer l's.
+ * @throw engine_error (prefixed by `who`) if a record matches no layer, or several, or two records
+ *        the same layer.
+ */
+inline std::vector<std::int32_t> match_state_layers(std::uint8_t const* blob,
+                                                    state_layout const& layout,
+                                                    kv_geometry const& geometry,
+                                                    std::vector<std::vector<float>> const& keys,
+                                                    std::string const& who)
+{
+  std::size_t const layers = static_cast<std::size_t>(geometry.num_layers);
+  std::size_t const row    = static_cast<std::size_t>(geometry.elements_per_token_layer());
+  dtype const cell         = detail::cache_dtype_of(layout.format.k_type);
+  std::vector<std::int32_t> order(layers, -1);
+  std::vector<bool> taken(layers, false);
+  std::vector<float> cells(row);
+  for (std::size_t r = 0; r < layers; ++r) {
+    std::uint8_t const* k = blob + layout.key_rows[r];  // record r, taken as layer r by the parse
+    for (std::size_t e = 0; e < row; ++e) {
+      if (cell == dtype::float32) {
+        std::memcpy(&cells[e], k + 4 * e, 4);
+      } else if (cell == dtype::float16) {
+        half_t h;
+        std::memcpy(&h, k + 2 * e, 2);
+        cells[e] = to_float(h);
+      } else {
+        bfloat16_t b;
+        std::memcpy(&b, k + 2 * e, 2);
+        cells[e] = to_float(b);
+      }
+    }
+    std::int32_t found = -1;
+    for (std::size_t l = 0; l < layers && l < keys.size(); ++l) {
+      bool same = keys[l].size() == row;
+      for (std::size_t e = 0; same && e < row; ++e) {
+        // the cell type's rounding: a relative 2^-8 covers bfloat16's half ulp
+        same = std::fabs(cells[e] - keys[l][e]) <= std::ldexp(std::fabs(keys[l][e]), -8) + 1e-30f;
+      }
+      if (!same) { continue; }
+      if (found >= 0) {
+        throw engine_error(who + ": layers " + std::to_string(found) + " and " + std::to_string(l) +
+                           " have the same probe keys: the blob's layer records cannot be "
+                           "matched to the model's layers");
+      }
+      found = static_cast<std::int32_t>(l);
+    }
+    if (found < 0 || taken[static_cast<std::size_t>(found)]) {
+      throw engine_error(who + ": the state blob's layer record " + std::to_string(r) +
+                         " matches no layer's keys one to one; refused");
+    }
+    taken[static_cast<std::size_t>(found)] = true;
+    order[r]                               = found;
+  }
+  return order;
 }
 
 /**

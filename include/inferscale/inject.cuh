@@ -301,7 +301,9 @@ dim3 extract_grid(extract_kernel_args<Rotation> const& args)
  * @param store    the store's ref (device pool)
  * @param batch    device arrays of store tokens, positions and slots (e.g. injection_workspace)
  * @param cache    the engine's cache for the store's shard
- * @param rotation rope_params (by value) or a rope_cos_sin_table with device data
+ * @param rotation rope_params (by value), a rope_cos_sin_table with device data, or a
+ *                 per_layer_rotation of either (copied into the kernel's arguments; its tables'
+ *                 data on the device, up to 256 layers)
  * @param stream   the stream the kernel is enqueued on
  * @throw logic_error if the store and cache disagree on geometry or the rotation on head_dim, or
  *        the batch arrays or the pool are null (nothing is launched); cuda_error if the launch

@@ -27,7 +27,9 @@
  * its kernels at run time: the comparison is against hnswlib at its fastest.
  *
  * INFERSCALE_BENCH_GRAPH_DEGREE=d builds the fact index with graph degree d (intermediate 2d)
- * instead of index_config's 32 (64): the lever measured for one user's 1,000 facts.
+ * instead of index_config's 32 (64), and INFERSCALE_BENCH_NEIGHBORS=n searches with
+ * `search_params::host_neighbors` n (the first n neighbours of each expanded node): the levers
+ * measured for one user's 1,000 facts.
  *
  * Cases:
  *  - index_host/equal_recall/data:D/dim:d[/N:n]/target:T (T = 95, 98, 99: recall@10 >= 0.T):
@@ -331,11 +333,26 @@ double recall_of(std::vector<std::uint64_t> const& truth, std::vector<std::uint6
   return static_cast<double>(hits) / static_cast<double>(num_queries * top_k);
 }
 
+/// @brief search_params::host_neighbors for the graph searches: INFERSCALE_BENCH_NEIGHBORS, or 0
+/// (all of a node's neighbours, the default).
+std::uint32_t neighbors_override()
+{
+  char const* e = std::getenv("INFERSCALE_BENCH_NEIGHBORS");
+  if (e == nullptr || *e == '\0') { return 0; }
+  long const v = std::strtol(e, nullptr, 10);
+  if (v < 0 || v > 1024) {
+    throw std::runtime_error(std::string{"INFERSCALE_BENCH_NEIGHBORS must be in [0, 1024], got '"} +
+                             e + "'");
+  }
+  return static_cast<std::uint32_t>(v);
+}
+
 is::search_params graph_params(int ef, is::search_algo algo = is::search_algo::graph)
 {
   is::search_params p;
-  p.itopk_size = static_cast<std::uint32_t>(ef);
-  p.algo       = algo;
+  p.itopk_size     = static_cast<std::uint32_t>(ef);
+  p.algo           = algo;
+  p.host_neighbors = neighbors_override();
   return p;
 }
 

@@ -253,6 +253,14 @@ struct search_params {
   /// `num_random_samplings` and `rand_xor_mask` do not apply; `max_iterations`, when not 0,
   /// bounds the nodes expanded (`max_iterations * search_width`).
   host_search_mode host_mode{host_search_mode::fast};
+  /// Host fast search only: the neighbours read of each node the walk expands, the first
+  /// `host_neighbors` of its adjacency list (0, the default: all `graph_degree`; a larger value
+  /// reads all). Fewer is cheaper per expansion and costs recall: one namespace of 1,000 x 384
+  /// mixture rows, 8 of 32 answered at recall@10 0.972 and 12-16 at 0.99 with the list at k,
+  /// 1.31-1.57x hnswlib's speed with float16 rows (bench/results/2026-12-06-tenants-quiet.md). A
+  /// small namespace's cheapest setting for a recall target. Exact searches, the reference mode
+  /// and the device backend ignore it.
+  std::uint32_t host_neighbors{0};
   /**
    * Graph searches split into this many independent parts: 1..16 (1, the default: one search per
    * query), or 0: automatic, auto_ctas_per_query of the call's batch size (4 parts for up to 32

@@ -643,3 +643,77 @@ TEST_CASE("search_launch_plan: the device workspace is bounded by the resident C
   REQUIRE(search_launch_plan(std::int64_t{3} << 30, 264, true, true, 16, 64).grid ==
           (std::int64_t{1} << 30));
 }
+
+TEST_CASE(
+  "index: host_neighbors bounds the neighbours a fast search reads; 0 or >= degree reads all",
+  "[index][neighbors]")
+{
+  std::int64_t const dim = 48;
+  index_config cfg;
+  cfg.dim = dim;
+  graph_index index(cfg);
+  test::gaussian_mixture mix({dim, 20, true, 7});
+  std::int64_t const n = 1000;
+  add_rows(index, 1, mix.draw(n), sequential_ids(static_cast<std::size_t>(n), 1));
+  auto const queries = mix.draw(300);
+  std::vector<std::uint64_t> const targets{1};
+  std::uint32_t const k = 10;
+  search_params p;
+  p.algo            = search_algo::graph;
+  p.itopk_size      = k;
+  answers const all = run_search(index, queries, targets, k, p);
+  // The whole list read: one search, bit for bit.
+  for (std::uint32_t limit : {cfg.graph_degree, cfg.graph_degree + 1, 1000u}) {
+    CAPTURE(limit);
+    p.host_neighbors = limit;
+    require_identical(run_search(index, queries, targets, k, p), all);
+  }
+  // The reference mode ignores it.
+  search_params ref     = p;
+  ref.host_mode         = host_search_mode::reference;
+  ref.host_neighbors    = 0;
+  answers const ref_all = run_search(index, queries, targets, k, ref);
+  ref.host_neighbors    = 2;
+  require_identical(run_search(index, queries, targets, k, ref), ref_all);
+
+  // Fewer neighbours: still the namespace's facts, distinct, best first, and fewer of the true
+  // nearest (brute force: the exact search) as the walk reads less.
+  search_params exact;
+  exact.algo          = search_algo::exact;
+  answers const truth = run_search(index, queries, targets, k, exact);
+  auto const recall   = [&](answers const& a) {
+    std::int64_t hits = 0;
+    for (std::size_t q = 0; q < 300; ++q) {
+      for (std::uint32_t i = 0; i < k; ++i) {
+        std::uint64_t const id = a.ids[q * k + i];
+        for (std::uint32_t j = 0; j < k; ++j) {
+          hits += id == truth.ids[q * k + j] ? 1 : 0;
+        }
+      }
+    }
+    return static_cast<double>(hits) / (300.0 * k);
+  };
+  double previous = recall(all);
+  CAPTURE(previous);
+  REQUIRE(previous >= 0.95);
+  for (std::uint32_t limit : {16u, 8u, 2u}) {
+    CAPTURE(limit);
+    p.host_neighbors   = limit;
+    answers const some = run_search(index, queries, targets, k, p);
+    for (std::size_t q = 0; q < 300; ++q) {
+      std::set<std::uint64_t> seen;
+      for (std::uint32_t i = 0; i < k; ++i) {
+        std::uint64_t const id = some.ids[q * k + i];
+        REQUIRE(id >= 1);
+        REQUIRE(id <= static_cast<std::uint64_t>(n));
+        REQUIRE(seen.insert(id).second);
+        if (i > 0) { REQUIRE(some.distances[q * k + i - 1] <= some.distances[q * k + i]); }
+      }
+    }
+    double const r = recall(some);
+    CAPTURE(r);
+    REQUIRE(r <= previous + 0.01);  // reading less finds no more (to the noise of a few queries)
+    previous = r;
+  }
+  REQUIRE(previous < recall(all));  // two neighbours per node lose some of the true nearest
+}

@@ -303,6 +303,7 @@ void graph_index::search_tenant_typed(T const* rows,
                                              : static_cast<std::uint32_t>(tn.entries.size());
     plan.xor_mask       = params.rand_xor_mask;
     plan.max_expansions = params.max_iterations * params.search_width;
+    plan.neighbors      = params.host_neighbors;
     if constexpr (std::is_same_v<T, float>) {
       if (traverses_fp16()) {  // the walk on the float16 copy, the best entries measured again
         assert(tn.traversal.size() >= std::size_t{tr.size} * static_cast<std::size_t>(row_elements_));

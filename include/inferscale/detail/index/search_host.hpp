@@ -167,6 +167,9 @@ struct fast_plan {
   void const* entry_rows{nullptr};
   std::uint32_t entry_count{1};
   std::uint32_t max_expansions{0};///< nodes expanded at most; 0 = until the list stops improving
+  /// Neighbours read per expanded node, the first of its list (search_params::host_neighbors);
+  /// 0 = all of them.
+  std::uint32_t neighbors{0};
   /// A node the search neither returns nor routes through (`calibrate_ef`'s probe: a row
   /// searched for as if it were not indexed); `invalid_node` = none.
   std::uint32_t excluded{invalid_node};
@@ -303,6 +306,8 @@ void graph_search_fast(T const* rows,
   }
 
   std::uint32_t expanded = 0;
+  std::uint32_t const read =
+    plan.neighbors != 0 && plan.neighbors < degree ? plan.neighbors : degree;
   while (!candidates.empty()) {
     search_entry const c = candidates.front();
     if (results.size() == ef &&
@@ -315,7 +320,7 @@ void graph_search_fast(T const* rows,
     ++expanded;
     std::uint32_t const* row = graph + std::uint64_t{c.node} * degree;
     fresh.clear();
-    for (std::uint32_t r = 0; r < degree; ++r) {
+    for (std::uint32_t r = 0; r < read; ++r) {
       std::uint32_t const v = row[r];
       if (v >= n) { continue; }  // an empty slot (invalid_node) or a stale id
       if (scratch.visit(v)) { fresh.push_back(v); }

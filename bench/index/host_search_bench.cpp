@@ -333,16 +333,16 @@ double recall_of(std::vector<std::uint64_t> const& truth, std::vector<std::uint6
   return static_cast<double>(hits) / static_cast<double>(num_queries * top_k);
 }
 
-/// @brief search_params::host_neighbors for the graph searches: INFERSCALE_BENCH_NEIGHBORS, or 0
-/// (all of a node's neighbours, the default).
-std::uint32_t neighbors_override()
+/// @brief An experiment's knob: the integer in environment variable `name`, in [lo, hi], or
+/// `fallback` when it is unset or empty.
+std::uint32_t env_knob(char const* name, long lo, long hi, std::uint32_t fallback)
 {
-  char const* e = std::getenv("INFERSCALE_BENCH_NEIGHBORS");
-  if (e == nullptr || *e == '\0') { return 0; }
+  char const* e = std::getenv(name);
+  if (e == nullptr || *e == '\0') { return fallback; }
   long const v = std::strtol(e, nullptr, 10);
-  if (v < 0 || v > 1024) {
-    throw std::runtime_error(std::string{"INFERSCALE_BENCH_NEIGHBORS must be in [0, 1024], got '"} +
-                             e + "'");
+  if (v < lo || v > hi) {
+    throw std::runtime_error(std::string{name} + " must be in [" + std::to_string(lo) + ", " +
+                             std::to_string(hi) + "], got '" + e + "'");
   }
   return static_cast<std::uint32_t>(v);
 }
@@ -352,7 +352,8 @@ is::search_params graph_params(int ef, is::search_algo algo = is::search_algo::g
   is::search_params p;
   p.itopk_size     = static_cast<std::uint32_t>(ef);
   p.algo           = algo;
-  p.host_neighbors = neighbors_override();
+  // INFERSCALE_BENCH_NEIGHBORS: search_params::host_neighbors (0, all, by default)
+  p.host_neighbors = env_knob("INFERSCALE_BENCH_NEIGHBORS", 0, 1024, 0);
   return p;
 }
 
@@ -376,21 +377,6 @@ void hnsw_queries(prepared const& c, std::uint64_t* ids, float* dist)
   for (std::int64_t q = 0; q < num_queries; ++q) {
     c.hnsw->search(c.data.query(q), top_k, ids + q * top_k, dist + q * top_k);
   }
-}
-
-/// @brief The graph degree the fact index is built with: index_config's default (32, intermediate
-/// 64), or INFERSCALE_BENCH_GRAPH_DEGREE (intermediate twice it), an experiment's knob for small
-/// namespaces (bench/results/2026-12-06-tenants-quiet.md).
-std::uint32_t graph_degree_override(std::uint32_t fallback)
-{
-  char const* e = std::getenv("INFERSCALE_BENCH_GRAPH_DEGREE");
-  if (e == nullptr || *e == '\0') { return fallback; }
-  long const d = std::strtol(e, nullptr, 10);
-  if (d < 2 || d > 256) {
-    throw std::runtime_error(
-      std::string{"INFERSCALE_BENCH_GRAPH_DEGREE must be in [2, 256], got '"} + e + "'");
-  }
-  return static_cast<std::uint32_t>(d);
 }
 
 /// @brief Sets a shared index's host_traversal_dtype for a scope, float32 again after it.
@@ -448,7 +434,7 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
     is::index_config config;
     config.dim          = v.dim;
     config.vector_dtype = rows;
-    config.graph_degree              = graph_degree_override(config.graph_degree);
+    config.graph_degree              = env_knob("INFERSCALE_BENCH_GRAPH_DEGREE", 2, 256, config.graph_degree);
     config.intermediate_graph_degree = 2 * config.graph_degree;
     c->index            = std::make_shared<is::graph_index>(config);
     c->index->add(the_namespace, is::make_matrix_view<float const>(v.base.data(), v.n(), v.dim),

@@ -110,7 +110,8 @@ void check_rotation(per_layer_rotation<R> const& rotation,
   }
 }
 
-/// @brief A per-layer rotation covers the cache's layers (a single rotation covers any).
+/// @brief A per-layer rotation covers the cache's layers (a single rotation covers any). Called
+/// after check_rotation, which has checked the rest of its structure.
 template <class Rotation>
 void check_rotation_layers(Rotation const&, std::int32_t, char const*)
 {
@@ -120,7 +121,10 @@ void check_rotation_layers(per_layer_rotation<R> const& rotation,
                            std::int32_t num_layers,
                            char const* who)
 {
-  check_per_layer_rotation(rotation, num_layers, who);
+  INFERSCALE_EXPECTS(rotation.num_layers == num_layers,
+                     std::string{who} + ": per_layer_rotation: covers " +
+                       std::to_string(rotation.num_layers) + " layers, the cache has " +
+                       std::to_string(num_layers));
 }
 
 /// @brief Everything the host and the device run (injection_batch::run) check before writing.

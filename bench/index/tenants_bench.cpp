@@ -59,10 +59,11 @@
  *  - index overhead, vectors excluded, in bytes per fact: `overhead_B_per_fact` from the index's
  *    own accounting: the arena's graph (degree x 4), fact id (8) and deleted flag (1) for every
  *    arena row allocated (`arena_bytes` less the vectors), the vector bytes of the arena's spare
- *    rows (`arena_rows() - total_size()`), each namespace's entry points (4 bytes and a packed
- *    copy of the row each), the id -> row hash map (48 a node: next, key, row location, glibc's
- *    chunk header rounded to 16; 8 a bucket at load factor 1) and per namespace 200 bytes (its
- *    tenant record and map node, an estimate); `hnswlib_overhead_B_per_fact` from
+ *    rows (`arena_rows() - total_size()`), each namespace's entry points (`host_entry_bytes`:
+ *    4 bytes each, and a packed copy of their rows in namespaces of at least
+ *    `graph_index::packed_entry_min_rows` rows), the id -> row hash map (48 a node: next, key, row
+ * location, glibc's chunk header rounded to 16; 8 a bucket at load factor 1) and per namespace 200
+ * bytes (its tenant record and map node, an estimate); `hnswlib_overhead_B_per_fact` from
  *    hnsw_baseline::overhead_bytes (its formula there: 0.6.2's layout read off the index), summed
  *    over the built indexes, over their facts; `hnswlib_fixed_B_per_fact`, the part of it that is
  *    the per-index update locks; `overhead_vs_hnswlib` = index / hnswlib (< 1: smaller). Beside
@@ -191,10 +192,7 @@ index_accounting account(is::graph_index const& ix, std::int64_t users)
   double const row_bytes = static_cast<double>(ix.row_elements()) * element;
   double const arena_vec = static_cast<double>(ix.arena_rows()) * row_bytes;
   index_accounting a;
-  for (std::int64_t u = 0; u < users; ++u) {
-    a.entries +=
-      static_cast<double>(ix.host_entry_points(static_cast<std::uint64_t>(u))) * (4.0 + row_bytes);
-  }
+  a.entries = static_cast<double>(ix.host_entry_bytes());
   a.arena = static_cast<double>(ix.arena_bytes()) - arena_vec;
   a.spare =
     static_cast<double>(ix.arena_rows() - static_cast<std::int64_t>(ix.total_size())) * row_bytes;

@@ -185,7 +185,7 @@ class graph_index {
   /// `index_config::host_entry_points`).
   std::uint32_t host_entry_points(std::uint64_t ns) const noexcept;
   /// @brief The fast host search's result list for `itopk_size` 0 in a namespace (0 if unknown):
-  /// the smallest of a grid (10 .. 256) with which searches for 128 of its rows found 99 % of
+  /// the smallest of a grid (10 .. 256) with which searches for 256 of its rows found 99 % of
   /// their 10 nearest other rows, chosen whenever its entry points are.
   std::uint32_t host_default_ef(std::uint64_t ns) const noexcept;
   /**
@@ -238,6 +238,24 @@ class graph_index {
   /// @brief Bytes of the float16 copies under `host_traversal_dtype` float16 (each namespace's
   /// rows and packed entry rows; 0 otherwise), beside `arena_bytes`.
   std::uint64_t host_traversal_bytes() const noexcept;
+
+  /**
+   * Namespaces of at least this many rows (when their entry points are chosen) keep a packed
+   * copy of their entry points' rows, which the fast search scans as one stream; smaller ones
+   * read the entry rows in place, at random, as the walk reads every other row. The copy costs
+   * `entries / rows` of the vectors (at most 4 / sqrt(n) above 256 rows: 1/16 from here on,
+   * but 6-13 % at 500-1,000 rows, where most of a many-user index's facts are, and searched
+   * exactly, which reads no entry point). It saves time: measured at 384-d, reading the entry
+   * rows in place took 1.03-1.10x the packed scan's search time at 1,000 rows and 1.10-1.26x at
+   * 10,000 (bench/results/2026-12-06-tenants-overhead.md).
+   */
+  static constexpr std::uint32_t packed_entry_min_rows = 4096;
+
+  /// @brief Bytes of the fast host search's entry points beside `arena_bytes`: each
+  /// namespace's entry point ids (4 bytes each) and, in namespaces of at least
+  /// `packed_entry_min_rows` rows, the packed copy of their rows in the index's dtype (their
+  /// float16 copies count in `host_traversal_bytes`).
+  std::uint64_t host_entry_bytes() const noexcept;
 
   bool contains(std::uint64_t id) const noexcept { return id_to_row_.count(id) != 0; }
   /// @brief The namespace holding a live fact. @throw logic_error for an unknown id.
@@ -534,6 +552,16 @@ class graph_index {
 
   /// Entry points a namespace of `rows` rows gets at most (`index_config::host_entry_points`).
   std::uint32_t entry_point_count(std::uint32_t rows) const noexcept;
+
+  /// Makes tenant `t`'s packed entry rows (and their float16 copy under float16 traversal)
+  /// those of its current entry points, or empties them below `packed_entry_min_rows`.
+  void pack_entry_rows(std::size_t t);
+
+  /// The packed entry rows of a tenant for `fast_plan::entry_rows`, or null when not packed.
+  static void const* packed_entry_rows(tenant const& tn) noexcept
+  {
+    return tn.entry_vectors.empty() ? nullptr : tn.entry_vectors.data();
+  }
 
   /// Chooses a tenant's entry points for the fast host search from its current rows.
   void refresh_entry_points(std::size_t t);

@@ -258,8 +258,12 @@ struct search_params {
   /// reads all). Fewer is cheaper per expansion and costs recall: one namespace of 1,000 x 384
   /// mixture rows, 8 of 32 answered at recall@10 0.972 and 12-16 at 0.99 with the list at k,
   /// 1.31-1.57x hnswlib's speed with float16 rows (bench/results/2026-12-06-tenants-quiet.md). A
-  /// small namespace's cheapest setting for a recall target. Exact searches, the reference mode
-  /// and the device backend ignore it.
+  /// small namespace's cheapest setting for a recall target, but data-dependent: on 4,096 x 16
+  /// mixture rows, 16 of 32 levelled off at recall 0.94-0.96 (ef 10-32; all 32: 0.99), and the
+  /// namespace's own rows used as probes (as `host_default_ef` is calibrated) still reached 0.99,
+  /// so it is not chosen automatically; measure held-out queries before lowering it
+  /// (bench/results/2026-12-06-tenants-overhead.md). Exact searches, the reference mode and the
+  /// device backend ignore it.
   std::uint32_t host_neighbors{0};
   /**
    * Graph searches split into this many independent parts: 1..16 (1, the default: one search per

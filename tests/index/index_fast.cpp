@@ -461,6 +461,69 @@ TEST_CASE("fast graph search: recall on a clustered mixture, live results only, 
                       after.distances.size() * sizeof(float)) == 0);
 }
 
+TEST_CASE("fast graph search: a namespace of packed_entry_min_rows scans its packed entry rows",
+          "[index][fast]")
+{
+  // at the threshold the entry points' rows are packed (the index dtype, and float16 under
+  // float16 traversal); one row fewer reads them in place. Both answer as a brute force does.
+  std::int64_t const dim = 16;
+  std::uint32_t const n  = graph_index::packed_entry_min_rows;
+  test::gaussian_mixture mix({dim, 40, true, 23});
+  std::vector<float> const queries = mix.draw(100);
+  std::vector<float> const data    = mix.draw(n);
+  auto const ids                   = iota_ids(n);
+  index_config c;
+  c.dim                  = dim;
+  c.host_traversal_dtype = dtype::float16;
+  graph_index index{c};
+  index.add(3,
+            make_matrix_view<float const>(data.data(), n, dim),
+            cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+  auto const ids4 = iota_ids(n - 1, 100000);
+  index.add(4,
+            make_matrix_view<float const>(data.data(), n - 1, dim),
+            cuda::std::span<std::uint64_t const>{ids4.data(), ids4.size()});
+  std::uint64_t const e3 = index.host_entry_points(3), e4 = index.host_entry_points(4);
+  std::uint64_t const row_elements = static_cast<std::uint64_t>(index.row_elements());
+  REQUIRE(e3 >= 64);
+  REQUIRE(e4 >= 64);
+  // ids of both, rows of namespace 3 only: float32 in the index's copy, float16 in the walk's
+  REQUIRE(index.host_entry_bytes() == (e3 + e4) * 4 + e3 * row_elements * 4);
+  REQUIRE(index.host_traversal_bytes() == (std::uint64_t{n} + (n - 1) + e3) * row_elements * 2);
+
+  std::vector<float> const data4(data.begin(), data.end() - dim);
+  auto const truth3 = truth_of(data, queries, dim, 10), truth4 = truth_of(data4, queries, dim, 10);
+  search_params graph;
+  graph.algo = search_algo::graph;
+  for (std::uint64_t ns : {std::uint64_t{3}, std::uint64_t{4}}) {
+    answers got = run(index, queries, ns, 10, graph);
+    for (auto& id : got.ids) {
+      id = ns == 4 && id != invalid_fact_id ? id - 100000 : id;
+    }
+    double const r = recall_of(got, ns == 3 ? truth3 : truth4, 10);
+    std::printf("namespace of %u rows (%s entry rows): recall@10 %.4f at the defaults (ef %u)\n",
+                index.rows(ns),
+                ns == 3 ? "packed" : "in-place",
+                r,
+                index.host_default_ef(ns));
+    REQUIRE(r >= 0.98);
+  }
+
+  // a loaded index packs the same rows again: identical answers, bit for bit
+  std::string const path = "index_packed_entries.isidx";
+  save_index(index, path);
+  graph_index const loaded = load_index(path);
+  std::remove(path.c_str());
+  REQUIRE(loaded.host_entry_bytes() == index.host_entry_bytes());
+  REQUIRE(loaded.host_traversal_bytes() == index.host_traversal_bytes());
+  for (std::uint64_t ns : {std::uint64_t{3}, std::uint64_t{4}}) {
+    answers const a = run(index, queries, ns, 10, graph), b = run(loaded, queries, ns, 10, graph);
+    REQUIRE(a.ids == b.ids);
+    REQUIRE(
+      std::memcmp(a.distances.data(), b.distances.data(), a.distances.size() * sizeof(float)) == 0);
+  }
+}
+
 TEST_CASE("fast graph search keeps tenants apart and answers tiny namespaces", "[index][fast]")
 {
   std::int64_t const dim = 16;
@@ -581,10 +644,12 @@ TEST_CASE("float16 traversal: the copy follows the rows through every mutation a
   loaded.set_host_traversal_dtype(dtype::float16);
   REQUIRE(loaded.version() == version + 2);
   require_copy_current(loaded, 1);
-  // the copy's bytes: every row of the namespace in float16, and its packed entry rows
+  // the copy's bytes: every row of the namespace in float16; its 1,040 rows are below
+  // packed_entry_min_rows, so its entry rows are read in place (no packed copy, in either dtype)
   std::uint64_t const row_bytes = static_cast<std::uint64_t>(loaded.row_elements()) * 2;
-  REQUIRE(loaded.host_traversal_bytes() ==
-          (std::uint64_t{loaded.rows(1)} + loaded.host_entry_points(1)) * row_bytes);
+  REQUIRE(loaded.rows(1) < graph_index::packed_entry_min_rows);
+  REQUIRE(loaded.host_traversal_bytes() == std::uint64_t{loaded.rows(1)} * row_bytes);
+  REQUIRE(loaded.host_entry_bytes() == std::uint64_t{loaded.host_entry_points(1)} * 4);
   search_params p;
   p.algo = search_algo::graph;
   std::vector<float> const queries = mix.draw(50);

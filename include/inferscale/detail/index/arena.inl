@@ -299,22 +299,31 @@ INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::spare_rows(std::uint32_t row
 INFERSCALE_INDEX_LINKAGE void graph_index::grow_arena(std::int64_t needed, std::uint64_t live_after)
 {
   if (needed <= arena_capacity_) { return; }
-  std::int64_t const capacity =
+  // The arena holds exactly the rows handed out (`needed`); its growth is amortized by the
+  // vectors' capacity, reserved ahead and not written, so not resident until rows use it. Spare
+  // rows are given per namespace (`ensure_room`), where they save a move.
+  std::int64_t const reserved =
     config_.max_row_overhead == 0.0
       ? std::max<std::int64_t>(needed, 2 * arena_capacity_)
       : std::max<std::int64_t>(needed, std::min(arena_capacity_ + arena_capacity_ / 4,
                                                 growth_cap(needed, live_after)));
-  std::size_t const rows = static_cast<std::size_t>(capacity);
-  vectors_.reserve(rows * static_cast<std::size_t>(row_elements_) * element_size_);
-  graph_.reserve(rows * config_.graph_degree);
-  ids_.reserve(rows);
-  deleted_.reserve(rows);
+  std::size_t const ahead = static_cast<std::size_t>(reserved);
+  if (ids_.capacity() < static_cast<std::size_t>(needed)) {
+    vectors_.reserve(ahead * static_cast<std::size_t>(row_elements_) * element_size_);
+    graph_.reserve(ahead * config_.graph_degree);
+    ids_.reserve(ahead);
+    deleted_.reserve(ahead);
+  }
+  std::int64_t const capacity = needed;
+  std::size_t const rows      = static_cast<std::size_t>(capacity);
   vectors_.resize(rows * static_cast<std::size_t>(row_elements_) * element_size_, 0);
   graph_.resize(rows * config_.graph_degree, detail::index::invalid_node);
   ids_.resize(rows, invalid_fact_id);
   deleted_.resize(rows, 0);
   arena_capacity_ = capacity;
-  device_stale_   = true;
+  // the device mirror is reallocated (and copied whole) only when the new rows do not fit it;
+  // within it, the namespace given the rows uploads them (`upload_tenant`)
+  if (d_capacity_ < capacity) { device_stale_ = true; }
 }
 
 INFERSCALE_INDEX_LINKAGE std::size_t graph_index::ensure_room(std::uint64_t ns,
@@ -324,9 +333,9 @@ INFERSCALE_INDEX_LINKAGE std::size_t graph_index::ensure_room(std::uint64_t ns,
   bool const automatic = config_.max_row_overhead != 0.0;
   auto it = tenant_of_.find(ns);
   if (it == tenant_of_.end()) {
-    std::uint32_t const capacity =
-      automatic ? rows + spare_rows(rows, arena_used_ + rows, live_after)
-                : std::max<std::uint32_t>(rows, 16);
+    // a new namespace gets exactly its rows (one built in one call, a bulk import or a
+    // restored user, may never grow); spare rows come with its first growth
+    std::uint32_t const capacity = automatic ? rows : std::max<std::uint32_t>(rows, 16);
     grow_arena(arena_used_ + capacity, live_after);
     tenant t;
     t.ns            = ns;
@@ -550,6 +559,15 @@ INFERSCALE_INDEX_LINKAGE std::uint64_t graph_index::host_traversal_bytes() const
   return total;
 }
 
+INFERSCALE_INDEX_LINKAGE std::uint64_t graph_index::host_entry_bytes() const noexcept
+{
+  std::uint64_t total = 0;
+  for (auto const& t : tenants_) {
+    total += t.entries.size() * sizeof(std::uint32_t) + t.entry_vectors.size();
+  }
+  return total;
+}
+
 INFERSCALE_INDEX_LINKAGE void graph_index::check_traversal_dtype(index_config const& config, char const* who)
 {
   INFERSCALE_EXPECTS(config.host_traversal_dtype == dtype::float32 ||
@@ -629,7 +647,9 @@ INFERSCALE_INDEX_LINKAGE void graph_index::reallocate_device()
 {
   if (config_.space != memory_space::device) { return; }
   free_device();
-  std::int64_t const rows = std::max<std::int64_t>(arena_capacity_, 1);
+  // a quarter beyond the arena (as the host arena reserves ahead), so that a growing index is
+  // not allocated and copied again at every add
+  std::int64_t const rows = std::max<std::int64_t>(arena_capacity_ + arena_capacity_ / 4, 1);
   auto const n            = static_cast<std::size_t>(rows);
   memory_resource* const resource = config_.resource;
   d_vectors_ = device_buffer<unsigned char>(n * static_cast<std::size_t>(row_elements_) * element_size_,

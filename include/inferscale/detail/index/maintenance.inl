@@ -291,7 +291,7 @@ INFERSCALE_INDEX_LINKAGE void graph_index::insert_node(std::size_t t,
   plan.k           = want;
   plan.ef          = std::max<std::uint32_t>(2 * want, 64);
   plan.entry_nodes = tn.entries.empty() ? nullptr : tn.entries.data();
-  plan.entry_rows  = tn.entries.empty() ? nullptr : tn.entry_vectors.data();
+  plan.entry_rows  = tn.entries.empty() ? nullptr : packed_entry_rows(tn);
   plan.entry_count = tn.entries.empty() ? entry_point_count(v)
                                         : static_cast<std::uint32_t>(tn.entries.size());
   std::vector<detail::index::search_entry> top;
@@ -399,40 +399,51 @@ INFERSCALE_INDEX_LINKAGE void graph_index::refresh_entry_points(std::size_t t)
   tn.entries = with_rows(t, [&](auto const* rows) {
     return detail::index::choose_entry_points(rows, row_elements_, n, count, 8 * count, seed);
   });
-  std::size_t const row_bytes = static_cast<std::size_t>(row_elements_) * element_size_;
-  tn.entry_vectors.resize(tn.entries.size() * row_bytes);
-  unsigned char const* base =
-    vectors_.data() + static_cast<std::size_t>(tn.ref.row_begin) * row_bytes;
-  for (std::size_t i = 0; i < tn.entries.size(); ++i) {
-    std::memcpy(tn.entry_vectors.data() + i * row_bytes, base + tn.entries[i] * row_bytes,
-                row_bytes);
-  }
+  tn.entries_rows = n;
+  pack_entry_rows(t);
   if (config_.host_entry_points < 0) {  // automatic: as many as the data's clusters need
     std::uint32_t const needed = with_rows(t, [&](auto const* rows) {
       using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>;
       return detail::index::entry_points_needed(
         rows, row_elements_, graph_.data() + tn.ref.row_begin * config_.graph_degree,
         config_.graph_degree, n, tn.entries.data(),
-        reinterpret_cast<T const*>(tn.entry_vectors.data()),
+        static_cast<T const*>(packed_entry_rows(tn)),
         static_cast<std::uint32_t>(tn.entries.size()),
         detail::index::fast_kernels_for<T>(config_.metric), min_host_entry_points,
         entry_probes);
     });
     tn.entries.resize(needed);  // a prefix: its rows are the packed buffer's first ones
-    tn.entry_vectors.resize(std::size_t{needed} * row_bytes);
+    pack_entry_rows(t);
   }
   tn.default_ef = with_rows(t, [&](auto const* rows) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>;
     return detail::index::calibrate_ef(
       rows, row_elements_, graph_.data() + tn.ref.row_begin * config_.graph_degree,
       config_.graph_degree, n, tn.entries.data(),
-      reinterpret_cast<T const*>(tn.entry_vectors.data()),
+      static_cast<T const*>(packed_entry_rows(tn)),
       static_cast<std::uint32_t>(tn.entries.size()),
       detail::index::fast_kernels_for<T>(config_.metric), calibration_probes,
       calibration_recall);
   });
-  tn.entries_rows = n;
   rebuild_traversal(t);
+}
+
+INFERSCALE_INDEX_LINKAGE void graph_index::pack_entry_rows(std::size_t t)
+{
+  auto& tn                    = tenants_[t];
+  std::size_t const row_bytes = static_cast<std::size_t>(row_elements_) * element_size_;
+  if (tn.entries_rows < packed_entry_min_rows) {
+    std::vector<unsigned char>().swap(tn.entry_vectors);
+    return;
+  }
+  tn.entry_vectors.resize(tn.entries.size() * row_bytes);
+  tn.entry_vectors.shrink_to_fit();
+  unsigned char const* base =
+    vectors_.data() + static_cast<std::size_t>(tn.ref.row_begin) * row_bytes;
+  for (std::size_t i = 0; i < tn.entries.size(); ++i) {
+    std::memcpy(tn.entry_vectors.data() + i * row_bytes, base + tn.entries[i] * row_bytes,
+                row_bytes);
+  }
 }
 
 }  // namespace inferscale

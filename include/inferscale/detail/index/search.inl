@@ -298,7 +298,7 @@ void graph_index::search_tenant_typed(T const* rows,
     plan.ef             = std::max(resolved.itopk_size, k);
     // a namespace built before its entry points existed (none yet) seeds from the generator
     plan.entry_nodes    = tn.entries.empty() ? nullptr : tn.entries.data();
-    plan.entry_rows     = tn.entries.empty() ? nullptr : tn.entry_vectors.data();
+    plan.entry_rows     = tn.entries.empty() ? nullptr : packed_entry_rows(tn);
     plan.entry_count    = tn.entries.empty() ? entry_point_count(tr.size)
                                              : static_cast<std::uint32_t>(tn.entries.size());
     plan.xor_mask       = params.rand_xor_mask;
@@ -308,7 +308,7 @@ void graph_index::search_tenant_typed(T const* rows,
       if (traverses_fp16()) {  // the walk on the float16 copy, the best entries measured again
         assert(tn.traversal.size() >= std::size_t{tr.size} * static_cast<std::size_t>(row_elements_));
         plan.k          = plan.ef;  // the whole list
-        plan.entry_rows = tn.entries.empty() ? nullptr : tn.entry_traversal.data();
+        plan.entry_rows = tn.entry_traversal.empty() ? nullptr : tn.entry_traversal.data();
         auto& walked    = scratch.walked;
         detail::index::graph_search_fast(
           tn.traversal.data(), row_elements_, graph_.data() + tr.row_begin * config_.graph_degree,

@@ -518,16 +518,8 @@ struct index_access {
       t.entries      = std::move(s.entries[i]);
       t.entries_rows = s.entries_rows[i];
       t.default_ef   = s.default_ef[i];
-      std::size_t const row_bytes =
-        static_cast<std::size_t>(index.row_elements_) * index.element_size_;
-      t.entry_vectors.resize(t.entries.size() * row_bytes);
-      unsigned char const* base =
-        index.vectors_.data() + static_cast<std::size_t>(t.ref.row_begin) * row_bytes;
-      for (std::size_t e = 0; e < t.entries.size(); ++e) {
-        std::memcpy(t.entry_vectors.data() + e * row_bytes, base + t.entries[e] * row_bytes,
-                    row_bytes);
-      }
       index.tenants_.push_back(std::move(t));
+      index.pack_entry_rows(i);    // where the namespace is large enough to keep them packed
       index.rebuild_traversal(i);  // float16 copies, under float16 traversal
     }
     index.reallocate_device();  // no-op for a host index

@@ -65,13 +65,14 @@
  *    one vector (no per-row work, no top-k: the scan's ceiling on this machine), and
  *    `memcpy_GBps` (memcpy of the same bytes); `vs_stream` = exact GB/s / stream GB/s.
  */
+#include "../common/env_knob.hpp"
 #include "hnsw_baseline.hpp"
-
-#include <gaussian_mixture.hpp>
 
 #include <inferscale/detail/index/distance_simd.hpp>
 #include <inferscale/detail/serialize.hpp>
 #include <inferscale/index.hpp>
+
+#include <gaussian_mixture.hpp>
 
 #if INFERSCALE_BENCH_LOCOMO
 #include "../../examples/engine/llama_cpp/embedder.hpp"
@@ -333,27 +334,14 @@ double recall_of(std::vector<std::uint64_t> const& truth, std::vector<std::uint6
   return static_cast<double>(hits) / static_cast<double>(num_queries * top_k);
 }
 
-/// @brief An experiment's knob: the integer in environment variable `name`, in [lo, hi], or
-/// `fallback` when it is unset or empty.
-std::uint32_t env_knob(char const* name, long lo, long hi, std::uint32_t fallback)
-{
-  char const* e = std::getenv(name);
-  if (e == nullptr || *e == '\0') { return fallback; }
-  long const v = std::strtol(e, nullptr, 10);
-  if (v < lo || v > hi) {
-    throw std::runtime_error(std::string{name} + " must be in [" + std::to_string(lo) + ", " +
-                             std::to_string(hi) + "], got '" + e + "'");
-  }
-  return static_cast<std::uint32_t>(v);
-}
-
 is::search_params graph_params(int ef, is::search_algo algo = is::search_algo::graph)
 {
   is::search_params p;
   p.itopk_size     = static_cast<std::uint32_t>(ef);
   p.algo           = algo;
   // INFERSCALE_BENCH_NEIGHBORS: search_params::host_neighbors (0, all, by default)
-  p.host_neighbors = env_knob("INFERSCALE_BENCH_NEIGHBORS", 0, 1024, 0);
+  p.host_neighbors =
+    static_cast<std::uint32_t>(ib::env_knob("INFERSCALE_BENCH_NEIGHBORS", 0, 1024, 0));
   return p;
 }
 
@@ -434,7 +422,8 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
     is::index_config config;
     config.dim          = v.dim;
     config.vector_dtype = rows;
-    config.graph_degree              = env_knob("INFERSCALE_BENCH_GRAPH_DEGREE", 2, 256, config.graph_degree);
+    config.graph_degree = static_cast<std::uint32_t>(
+      ib::env_knob("INFERSCALE_BENCH_GRAPH_DEGREE", 2, 256, config.graph_degree));
     config.intermediate_graph_degree = 2 * config.graph_degree;
     c->index            = std::make_shared<is::graph_index>(config);
     c->index->add(the_namespace, is::make_matrix_view<float const>(v.base.data(), v.n(), v.dim),

@@ -78,6 +78,12 @@
  *    themselves (dim x 4, or dim x 2 under f16), so that overhead + vectors compares the memory.
  *  - the set: `users`, `N`, `size_mean`, `size_median`, `size_p99`, `size_max`.
  *
+ * Two experiment knobs (the defaults are what the headline reports): INFERSCALE_BENCH_NEIGHBORS=n
+ * searches the fact index with `search_params::host_neighbors` n (the first n neighbours of each
+ * expanded node), INFERSCALE_BENCH_EXACT_THRESHOLD=t builds it with
+ * `index_config::exact_search_threshold` t (namespaces of at most t live facts searched exactly;
+ * -1, the default, the cost model's choice).
+ *
  * Sizes: every (U, d) set is built when its first case runs, and one set is kept at a time (the
  * cases are registered set by set). The user counts registered are INFERSCALE_BENCH_TENANTS_USERS
  * (a comma list; default "1000", about 3 minutes on two cores, since `.ci/bench --full` runs
@@ -86,6 +92,7 @@
  * peer, ~3.3 GB of hnswlib indexes, 2.6 GB of them locks). Within them, --benchmark_filter
  * chooses (e.g. 'users:1000/dim:384/').
  */
+#include "../common/env_knob.hpp"
 #include "../common/tenants_shape.hpp"
 #include "hnsw_baseline.hpp"
 
@@ -252,6 +259,8 @@ double recall_of(std::vector<std::uint64_t> const& truth, std::vector<std::uint6
 is::search_params index_params(int itopk)
 {
   is::search_params p;
+  p.host_neighbors =
+    static_cast<std::uint32_t>(ib::env_knob("INFERSCALE_BENCH_NEIGHBORS", 0, 1024, 0));
   p.itopk_size = static_cast<std::uint32_t>(itopk);
   p.algo       = is::search_algo::automatic;
   p.threads    = 1;
@@ -344,6 +353,8 @@ std::unique_ptr<tenants_set> build_set(std::int64_t users, std::int64_t dim)
   std::int64_t const rss0 = resident_bytes();
   is::index_config config;
   config.dim = dim;
+  config.exact_search_threshold =
+    ib::env_knob("INFERSCALE_BENCH_EXACT_THRESHOLD", -1, 1L << 30, config.exact_search_threshold);
   s->index   = std::make_unique<is::graph_index>(config);
   double gen_s = 0.0;
   std::vector<std::uint64_t> ids;

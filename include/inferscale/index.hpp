@@ -242,14 +242,15 @@ class graph_index {
   /**
    * Namespaces of at least this many rows (when their entry points are chosen) keep a packed
    * copy of their entry points' rows, which the fast search scans as one stream; smaller ones
-   * read the entry rows in place, at random, as the walk reads every other row. The copy costs
-   * `entries / rows` of the vectors (at most 4 / sqrt(n) above 256 rows: 1/16 from here on,
-   * but 6-13 % at 500-1,000 rows, where most of a many-user index's facts are, and searched
-   * exactly, which reads no entry point). It saves time: measured at 384-d, reading the entry
-   * rows in place took 1.03-1.10x the packed scan's search time at 1,000 rows and 1.10-1.26x at
-   * 10,000 (bench/results/2026-12-06-tenants-overhead.md).
+   * read the entry rows in place, at random, as the walk reads every other row. From here on
+   * the copy is at most 6.4 % of the vectors (64 of 1,000 rows; 4 / sqrt(n) above), and it saves
+   * 3-10 % of a search at 1,000 rows and 10-26 % at 10,000 (384-d). Below, a namespace is mostly
+   * searched exactly (the automatic threshold is 313-1,523 rows at the default lists), which
+   * reads no entry point, and the copy would cost up to 64 % of its vectors: at 1,000 users with
+   * every namespace's entry rows packed the index held 564 B per fact of them
+   * (bench/results/2026-12-06-tenants-overhead.md).
    */
-  static constexpr std::uint32_t packed_entry_min_rows = 4096;
+  static constexpr std::uint32_t packed_entry_min_rows = 1000;
 
   /// @brief Bytes of the fast host search's entry points beside `arena_bytes`: each
   /// namespace's entry point ids (4 bytes each) and, in namespaces of at least

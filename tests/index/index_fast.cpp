@@ -644,12 +644,14 @@ TEST_CASE("float16 traversal: the copy follows the rows through every mutation a
   loaded.set_host_traversal_dtype(dtype::float16);
   REQUIRE(loaded.version() == version + 2);
   require_copy_current(loaded, 1);
-  // the copy's bytes: every row of the namespace in float16; its 1,040 rows are below
-  // packed_entry_min_rows, so its entry rows are read in place (no packed copy, in either dtype)
+  // the copy's bytes: every row of the namespace in float16, and its entry points' rows packed
+  // (its entry points were chosen at 1,040 rows, at least packed_entry_min_rows); the index's own
+  // packed entry rows are float32, beside their ids
   std::uint64_t const row_bytes = static_cast<std::uint64_t>(loaded.row_elements()) * 2;
-  REQUIRE(loaded.rows(1) < graph_index::packed_entry_min_rows);
-  REQUIRE(loaded.host_traversal_bytes() == std::uint64_t{loaded.rows(1)} * row_bytes);
-  REQUIRE(loaded.host_entry_bytes() == std::uint64_t{loaded.host_entry_points(1)} * 4);
+  std::uint64_t const entries   = loaded.host_entry_points(1);
+  REQUIRE(loaded.rows(1) >= graph_index::packed_entry_min_rows);
+  REQUIRE(loaded.host_traversal_bytes() == (std::uint64_t{loaded.rows(1)} + entries) * row_bytes);
+  REQUIRE(loaded.host_entry_bytes() == entries * 4 + entries * row_bytes * 2);
   search_params p;
   p.algo = search_algo::graph;
   std::vector<float> const queries = mix.draw(50);

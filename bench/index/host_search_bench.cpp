@@ -27,9 +27,10 @@
  * its kernels at run time: the comparison is against hnswlib at its fastest.
  *
  * INFERSCALE_BENCH_GRAPH_DEGREE=d builds the fact index with graph degree d (intermediate 2d)
- * instead of index_config's 32 (64), and INFERSCALE_BENCH_NEIGHBORS=n searches with
- * `search_params::host_neighbors` n (the first n neighbours of each expanded node): the levers
- * measured for one user's 1,000 facts.
+ * instead of index_config's 32 (64), INFERSCALE_BENCH_ENTRY_POINTS=e with
+ * `index_config::host_entry_points` e (-1, the default: automatic, at least 64), and
+ * INFERSCALE_BENCH_NEIGHBORS=n searches with `search_params::host_neighbors` n (the first n
+ * neighbours of each expanded node): the levers measured for one user's 1,000 facts.
  *
  * Cases:
  *  - index_host/equal_recall/data:D/dim:d[/N:n]/target:T (T = 95, 98, 99: recall@10 >= 0.T):
@@ -425,6 +426,8 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
     config.graph_degree = static_cast<std::uint32_t>(
       ib::env_knob("INFERSCALE_BENCH_GRAPH_DEGREE", 2, 256, config.graph_degree));
     config.intermediate_graph_degree = 2 * config.graph_degree;
+    config.host_entry_points =
+      ib::env_knob("INFERSCALE_BENCH_ENTRY_POINTS", -1, 1 << 20, config.host_entry_points);
     c->index            = std::make_shared<is::graph_index>(config);
     c->index->add(the_namespace, is::make_matrix_view<float const>(v.base.data(), v.n(), v.dim),
                   cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});

@@ -205,7 +205,9 @@ class graph_index {
   std::uint32_t rows(std::uint64_t ns) const noexcept;
   /// @brief Live facts over all namespaces.
   std::uint64_t total_size() const noexcept { return id_to_row_.size(); }
-  /// @brief Arena rows allocated (capacity), and rows in use by tenants, holes included.
+  /// @brief Arena rows held (what the namespaces were given: their rows, spare rows and holes;
+  /// the vectors' capacity reserved beyond them is not written, so not resident), and rows in
+  /// use by tenants, holes included.
   std::int64_t arena_rows() const noexcept { return arena_capacity_; }
   std::int64_t arena_rows_in_use() const noexcept { return arena_used_; }
   /**
@@ -228,8 +230,9 @@ class graph_index {
    * the arena gains at least a quarter of the live facts in holes and growth (at the default
    * 1.5), or a sixth of the live facts are erased: a repack's copy of the arena is paid for by
    * the moves and erasures that made it necessary. Growth itself stays below the bound: with
-   * automatic compaction a segment grows to 1.25x what it needs and the arena by at most 1.25x,
-   * both clipped half way between what is needed and the bound for the facts after the change.
+   * automatic compaction a new namespace takes exactly its rows, a growing one 1.25x what it
+   * needs, clipped half way between what is needed and the bound for the facts after the change,
+   * and the arena holds what its namespaces take (its vectors reserve up to 1.25x ahead).
    */
   std::uint64_t compactions() const noexcept { return compactions_; }
   /// @brief Bytes of the arena's vectors, graph, ids and flags (one copy).
@@ -479,9 +482,9 @@ class graph_index {
                            std::int64_t end,
                            std::uint64_t live_after) const noexcept;
 
-  /// Makes the arena hold at least `needed` rows: doubling without automatic compaction, else
-  /// 1.25x clipped at `growth_cap` (never below `needed`). The vectors are reserved exactly, so
-  /// `arena_rows()` is what is allocated.
+  /// Makes the arena hold `needed` rows when it holds fewer. Its vectors reserve ahead when they
+  /// must reallocate: doubling without automatic compaction, else 1.25x clipped at `growth_cap`
+  /// (never below `needed`); the reserve is not written, so `arena_rows()` is what is resident.
   void grow_arena(std::int64_t needed, std::uint64_t live_after);
 
   /// Finds or creates the tenant of `ns` with room for `rows` rows (moving it if needed), for an
@@ -554,8 +557,8 @@ class graph_index {
   /// Entry points a namespace of `rows` rows gets at most (`index_config::host_entry_points`).
   std::uint32_t entry_point_count(std::uint32_t rows) const noexcept;
 
-  /// Makes tenant `t`'s packed entry rows (and their float16 copy under float16 traversal)
-  /// those of its current entry points, or empties them below `packed_entry_min_rows`.
+  /// Makes tenant `t`'s packed entry rows those of its current entry points, or empties them
+  /// below `packed_entry_min_rows` (their float16 copy follows in `rebuild_traversal`).
   void pack_entry_rows(std::size_t t);
 
   /// The packed entry rows of a tenant for `fast_plan::entry_rows`, or null when not packed.

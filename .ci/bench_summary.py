@@ -297,6 +297,20 @@ def tenants_lines(entries):
         parts = ["%s rows at recall >= 0.%s: %.2fx (%.0f vs %.0f QPS)" % (
             store, target, b["vs_hnswlib"], b.get("QPS", 0), b.get("hnswlib_QPS", 0))
             for store, target, b in sorted(found, key=lambda x: (x[0], x[1]))]
+        overhead = {}
+        peer = None
+        for store, _, b in found:
+            if "overhead_B_per_fact" in b:
+                overhead[store] = b["overhead_B_per_fact"]
+            if "hnswlib_overhead_B_per_fact" in b and "hnswlib_fixed_B_per_fact" in b:
+                peer = b
+        if overhead and peer is not None:
+            parts.append("index overhead beside the vectors %s B per fact, hnswlib's %s B per "
+                         "element + %s B of its per-index locks" % (
+                             " / ".join("%.0f (%s)" % (v, k) for k, v in sorted(overhead.items())),
+                             fmt_int(peer["hnswlib_overhead_B_per_fact"] -
+                                     peer["hnswlib_fixed_B_per_fact"]),
+                             fmt_int(peer["hnswlib_fixed_B_per_fact"])))
         lines.append("many users (bench_index_tenants): %s users, %s-d, a step of %s users' "
                      "queries, one index vs one hnswlib per user, one thread: %s" % (
                          fmt_int(float(users)), dim, batch, "; ".join(parts)))

@@ -291,7 +291,7 @@ INFERSCALE_INDEX_LINKAGE void graph_index::insert_node(std::size_t t,
   plan.k           = want;
   plan.ef          = std::max<std::uint32_t>(2 * want, 64);
   plan.entry_nodes = tn.entries.empty() ? nullptr : tn.entries.data();
-  plan.entry_rows  = tn.entries.empty() ? nullptr : packed_entry_rows(tn);
+  plan.entry_rows  = packed_entry_rows(tn);
   plan.entry_count = tn.entries.empty() ? entry_point_count(v)
                                         : static_cast<std::uint32_t>(tn.entries.size());
   std::vector<detail::index::search_entry> top;

@@ -298,7 +298,7 @@ void graph_index::search_tenant_typed(T const* rows,
     plan.ef             = std::max(resolved.itopk_size, k);
     // a namespace built before its entry points existed (none yet) seeds from the generator
     plan.entry_nodes    = tn.entries.empty() ? nullptr : tn.entries.data();
-    plan.entry_rows     = tn.entries.empty() ? nullptr : packed_entry_rows(tn);
+    plan.entry_rows     = packed_entry_rows(tn);  // null unless packed (and with no entries)
     plan.entry_count    = tn.entries.empty() ? entry_point_count(tr.size)
                                              : static_cast<std::uint32_t>(tn.entries.size());
     plan.xor_mask       = params.rand_xor_mask;

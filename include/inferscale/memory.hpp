@@ -564,11 +564,17 @@ class memory {
   std::uint64_t next_conversation_{1};
 
   // ---- snapshots (see save_memory / load_memory) -----------------------------------------------
-  friend void save_memory(memory const& mem, std::string const& directory);
-  friend memory load_memory(std::string const& directory, memory_config const& config);
+  friend void save_memory(memory const& mem,
+                          std::string const& directory,
+                          std::optional<std::string> const& application);
+  friend memory load_memory(std::string const& directory,
+                            memory_config const& config,
+                            std::optional<std::string>* application);
 
-  static constexpr char const* manifest_name  = "memory.ismem";
-  static constexpr std::size_t manifest_bytes = 72;
+  static constexpr char const* manifest_name = "memory.ismem";
+  /// Version 1 (no application data) and version 2 (with it): 72 and 80 bytes.
+  static constexpr std::size_t manifest_bytes    = 72;
+  static constexpr std::size_t manifest_v2_bytes = 80;
 
   struct snapshot_manifest;
 
@@ -584,6 +590,9 @@ class memory {
   static std::string index_file_name(snapshot_manifest const& m);
 
   static std::string lifecycle_file_name(snapshot_manifest const& m);
+  static std::string application_file_name(snapshot_manifest const& m);
+  static std::string decode_application(std::vector<unsigned char> const& b,
+                                        std::string const& what);
 
   static void encode_manifest(snapshot_manifest const& m, unsigned char* bytes);
 
@@ -592,6 +601,8 @@ class memory {
 
   static constexpr unsigned char manifest_magic[8]  = {0x89, 'I', 'S', 'M', 'E', 'M', 0x0D, 0x0A};
   static constexpr unsigned char lifecycle_magic[8] = {0x89, 'I', 'S', 'L', 'C', 'Y', 0x0D, 0x0A};
+  static constexpr unsigned char application_magic[8] = {
+    0x89, 'I', 'S', 'A', 'P', 'P', 0x0D, 0x0A};
 
   struct lifecycle_out;
 

@@ -9,6 +9,7 @@
 
 #include <inferscale/memory.hpp>
 
+#include <optional>
 #include <string>
 
 namespace inferscale {
@@ -69,6 +70,23 @@ namespace inferscale {
 void save_memory(memory const& mem, std::string const& directory);
 
 /**
+ * @brief save_memory() with the caller's *application data* in the same directory transaction:
+ * opaque bytes the library does not interpret (an engine integration keeps there what the facade
+ * does not know: its users' names for the namespaces, the facts' texts, the model's identity).
+ * They are written to `application-<file crc>.isap` — magic `89 49 53 41 50 50 0D 0A`
+ * ("\x89ISAPP\r\n"), version uint32 = 1, byte-order mark uint32 0x01020304, the length uint64,
+ * the bytes, then the CRC-64 of every byte before it — and the manifest becomes version 2: 80
+ * bytes, the version-1 fields at the same offsets, the application file's checksum at offset 64
+ * and the CRC-64 of bytes [0, 72) at offset 72. Without `application` (nullopt) the snapshot is
+ * version 1, byte for byte what save_memory(mem, directory) writes. The data is saved with the
+ * state it describes, or not at all: a reader never sees one without the other.
+ * @throw logic_error as save_memory
+ */
+void save_memory(memory const& mem,
+                 std::string const& directory,
+                 std::optional<std::string> const& application);
+
+/**
  * @brief Restarts a deployment from a snapshot written by save_memory: the store and the index are
  * loaded (every check of load_store and load_index), nothing is re-encoded or re-embedded.
  *
@@ -88,6 +106,18 @@ void save_memory(memory const& mem, std::string const& directory);
  * namespace there, a prefix missing from the store or indexed)
  */
 memory load_memory(std::string const& directory, memory_config const& config);
+
+/**
+ * @brief load_memory() that also hands back the snapshot's application data (see the
+ * three-argument save_memory): `*application` is set to the bytes (a version-2 snapshot; its
+ * file checked against the manifest's checksum and its own, before anything is loaded), or to
+ * nullopt (a version-1 snapshot). A null `application` reads either version and ignores the data.
+ * @throw logic_error as load_memory; when the application file is missing, of another save,
+ *        corrupted or of another version
+ */
+memory load_memory(std::string const& directory,
+                   memory_config const& config,
+                   std::optional<std::string>* application);
 
 }  // namespace inferscale
 

@@ -200,6 +200,97 @@ TEST_CASE("memory snapshot: mismatched, corrupted and interrupted snapshots", "[
   CHECK_THROWS_WITH(save_memory(m, dir.file("nowhere")), Contains("cannot create"));
 }
 
+TEST_CASE("memory snapshot: application data saved and loaded with the state", "[snapshot][memory]")
+{
+  scratch_dir dir;
+  memory_config const config = make_config();
+  memory m{config};
+  branching_model model;
+  word_embedder embedder;
+  user_data const a = make_user(7, 100, 8, 5);
+  m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts);
+
+  // bytes of every value, a NUL among them: the data is opaque
+  std::string data = "{\"users\": {\"alice\": 7}}";
+  data.push_back('\0');
+  data += "\xff\x01tail";
+  save_memory(m, dir.path(), data);
+  std::vector<unsigned char> const manifest = read_bytes(dir.file("memory.ismem"));
+  REQUIRE(manifest.size() == 80);
+  CHECK(manifest[8] == 2);  // version 2, little-endian
+  std::set<std::string> const files = files_in(dir.path());
+  CHECK(files.size() == 5);
+  std::string application_file;
+  for (std::string const& f : files) {
+    if (f.rfind("application-", 0) == 0) { application_file = dir.file(f); }
+  }
+  REQUIRE_FALSE(application_file.empty());
+  std::vector<unsigned char> const app = read_bytes(application_file);
+  REQUIRE(app.size() == 32 + data.size());  // 24-byte header, the bytes, the CRC-64
+  CHECK(std::string(app.begin() + 24, app.end() - 8) == data);
+
+  std::optional<std::string> back;
+  memory const restarted = load_memory(dir.path(), config, &back);
+  REQUIRE(back.has_value());
+  CHECK(*back == data);
+  CHECK(restarted.store().namespace_facts(7) == m.store().namespace_facts(7));
+  CHECK(load_memory(dir.path(), config).store().num_facts() == m.store().num_facts());
+
+  // a corrupted application file, at every byte, is refused (its own CRC, then the manifest's)
+  for (std::size_t at = 0; at < app.size(); ++at) {
+    std::vector<unsigned char> bad = app;
+    bad[at] ^= 0x21;
+    write_bytes(application_file, bad);
+    CAPTURE(at);
+    std::optional<std::string> ignored;
+    CHECK_THROWS_AS(load_memory(dir.path(), config, &ignored), logic_error);
+  }
+  // a missing one too, naming it
+  fs::remove(application_file);
+  std::optional<std::string> ignored;
+  CHECK_THROWS_WITH(load_memory(dir.path(), config, &ignored), Contains(application_file));
+  write_bytes(application_file, app);
+  // a corrupted version-2 manifest, at every byte
+  for (std::size_t at = 0; at < manifest.size(); ++at) {
+    std::vector<unsigned char> bad = manifest;
+    bad[at] ^= 0x5A;
+    write_bytes(dir.file("memory.ismem"), bad);
+    CAPTURE(at);
+    CHECK_FALSE(load_error(dir.path(), config).empty());
+  }
+  write_bytes(dir.file("memory.ismem"), manifest);
+
+  // the application file of another save (the same state, other data) is never paired with it
+  {
+    scratch_dir elsewhere;
+    save_memory(m, elsewhere.path(), std::string{"other data"});
+    std::string other_file;
+    for (std::string const& f : files_in(elsewhere.path())) {
+      if (f.rfind("application-", 0) == 0) { other_file = elsewhere.file(f); }
+    }
+    REQUIRE_FALSE(other_file.empty());
+    write_bytes(application_file, read_bytes(other_file));
+    CHECK_THROWS_WITH(load_memory(dir.path(), config, &ignored),
+                      Contains("does not carry the manifest's checksum"));
+    write_bytes(application_file, app);
+    CHECK_NOTHROW(load_memory(dir.path(), config, &ignored));
+  }
+
+  // a save without data writes version 1 and removes the previous application file
+  save_memory(m, dir.path());
+  CHECK(read_bytes(dir.file("memory.ismem")).size() == 72);
+  for (std::string const& f : files_in(dir.path())) {
+    CHECK(f.rfind("application-", 0) != 0);
+  }
+  std::optional<std::string> none = std::string{"stale"};
+  (void)load_memory(dir.path(), config, &none);
+  CHECK_FALSE(none.has_value());
+  // and an empty string is data, not its absence
+  save_memory(m, dir.path(), std::string{});
+  (void)load_memory(dir.path(), config, &none);
+  CHECK(none == std::optional<std::string>{std::string{}});
+}
+
 TEST_CASE("memory snapshot: the lifecycle state survives a restart", "[snapshot][memory]")
 {
   scratch_dir dir;

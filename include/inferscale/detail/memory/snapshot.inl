@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <utility>
@@ -19,6 +20,13 @@
 namespace inferscale {
 
 inline void save_memory(memory const& mem, std::string const& directory)
+{
+  save_memory(mem, directory, std::nullopt);
+}
+
+inline void save_memory(memory const& mem,
+                        std::string const& directory,
+                        std::optional<std::string> const& application)
 {
   auto const serial = mem.locks_.serial();  // between two mutations; reads go on
   using manifest                         = memory::snapshot_manifest;
@@ -31,6 +39,9 @@ inline void save_memory(memory const& mem, std::string const& directory)
     previous_files = {memory::store_file_name(*previous),
                       memory::index_file_name(*previous),
                       memory::lifecycle_file_name(*previous)};
+    if (previous->application_checksum) {
+      previous_files.push_back(memory::application_file_name(*previous));
+    }
   }
   detail::snapshot::directory_transaction tx{
     directory, "save_memory('" + directory + "')", std::move(previous_files)};
@@ -59,13 +70,41 @@ inline void save_memory(memory const& mem, std::string const& directory)
   tx.place(store_pending, memory::store_file_name(m));
   tx.place(index_pending, memory::index_file_name(m));
   tx.place(lifecycle_pending, memory::lifecycle_file_name(m));
+  if (application) {
+    std::string const application_pending =
+      tx.stage("application.pending.isap", [&](std::string const& path) {
+        (void)detail::serial::write_file_atomically(
+          path, who, false, [&](detail::serial::checksummed_writer& out) {
+            unsigned char header[24] = {};
+            std::memcpy(header, memory::application_magic, 8);
+            detail::serial::put_le(header + 8, std::uint32_t{1});
+            detail::serial::put_le(header + 12, std::uint32_t{0x01020304u});
+            detail::serial::put_le(header + 16, static_cast<std::uint64_t>(application->size()));
+            out.write(header, sizeof header);
+            out.write(application->data(), application->size());
+            unsigned char crc[8];
+            detail::serial::put_le(crc, out.checksum());
+            out.write(crc, sizeof crc);
+          });
+      });
+    m.application_checksum = detail::serial::stored_checksum(application_pending, -8, who);
+    tx.place(application_pending, memory::application_file_name(m));
+  }
 
-  std::vector<unsigned char> bytes(memory::manifest_bytes);
+  std::vector<unsigned char> bytes(m.application_checksum ? memory::manifest_v2_bytes
+                                                          : memory::manifest_bytes);
   memory::encode_manifest(m, bytes.data());
   tx.commit(memory::manifest_name, bytes);
 }
 
 inline memory load_memory(std::string const& directory, memory_config const& config)
+{
+  return load_memory(directory, config, nullptr);
+}
+
+inline memory load_memory(std::string const& directory,
+                          memory_config const& config,
+                          std::optional<std::string>* application)
 {
   std::string const who             = "load_memory('" + directory + "')";
   std::string const where           = who + ": ";
@@ -74,13 +113,25 @@ inline memory load_memory(std::string const& directory, memory_config const& con
   std::string const store_path     = directory + "/" + memory::store_file_name(m);
   std::string const index_path     = directory + "/" + memory::index_file_name(m);
   std::string const lifecycle_path = directory + "/" + memory::lifecycle_file_name(m);
-  detail::snapshot::check_named_files({{store_path, -8, m.store_checksum},
-                                       {index_path, 72, m.index_header_checksum},
-                                       {index_path, -8, m.index_checksum},
-                                       {lifecycle_path, -8, m.lifecycle_checksum}},
+  std::vector<detail::snapshot::named_file> named{{store_path, -8, m.store_checksum},
+                                                 {index_path, 72, m.index_header_checksum},
+                                                 {index_path, -8, m.index_checksum},
+                                                 {lifecycle_path, -8, m.lifecycle_checksum}};
+  std::string const application_path = directory + "/" + memory::application_file_name(m);
+  if (m.application_checksum) {
+    named.push_back({application_path, -8, *m.application_checksum});
+  }
+  detail::snapshot::check_named_files(named,
                                       who,
-                                      "the store or index file does not carry the manifest's "
-                                      "checksum (files of different saves are never paired)");
+                                      "the store, index, lifecycle or application file does not "
+                                      "carry the manifest's checksum (files of different saves "
+                                      "are never paired)");
+
+  std::optional<std::string> data;
+  if (m.application_checksum && application != nullptr) {
+    data = memory::decode_application(detail::serial::read_whole_file(application_path, who),
+                                      where + "application file '" + application_path + "': ");
+  }
 
   kv_store store         = load_store(store_path, config.store);
   graph_index index      = load_index(index_path, config.index.space);
@@ -111,6 +162,7 @@ inline memory load_memory(std::string const& directory, memory_config const& con
   memory loaded{resolved, std::move(store), std::move(index), m.prefix};
   loaded.decode_lifecycle(detail::serial::read_whole_file(lifecycle_path, who),
                           where + "lifecycle file '" + lifecycle_path + "': ");
+  if (application != nullptr) { *application = std::move(data); }
   return loaded;
 }
 

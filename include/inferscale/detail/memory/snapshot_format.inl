@@ -23,6 +23,8 @@ struct memory::snapshot_manifest {
   std::uint64_t index_header_checksum{};
   std::uint64_t index_checksum{};
   std::uint64_t lifecycle_checksum{};
+  /// Version 2: the application file's checksum (save_memory with application data).
+  std::optional<std::uint64_t> application_checksum;
 };
 
 inline std::string memory::store_file_name(snapshot_manifest const& m)
@@ -41,12 +43,21 @@ inline std::string memory::lifecycle_file_name(snapshot_manifest const& m)
   return "lifecycle-" + detail::serial::checksum_digits(m.lifecycle_checksum) + ".islc";
 }
 
+inline std::string memory::application_file_name(snapshot_manifest const& m)
+{
+  return "application-" + detail::serial::checksum_digits(m.application_checksum.value_or(0)) +
+         ".isap";
+}
+
+/// `bytes` holds manifest_bytes (version 1) or, with an application checksum, manifest_v2_bytes.
 inline void memory::encode_manifest(snapshot_manifest const& m, unsigned char* bytes)
 {
-  namespace s = detail::serial;
-  std::memset(bytes, 0, manifest_bytes);
+  namespace s        = detail::serial;
+  bool const v2      = m.application_checksum.has_value();
+  std::size_t const n = v2 ? manifest_v2_bytes : manifest_bytes;
+  std::memset(bytes, 0, n);
   std::memcpy(bytes, manifest_magic, 8);
-  s::put_le(bytes + 8, std::uint32_t{1});
+  s::put_le(bytes + 8, std::uint32_t{v2 ? 2u : 1u});
   s::put_le(bytes + 12, std::uint32_t{0x01020304u});
   bytes[16] = m.prefix ? 1 : 0;
   s::put_le(bytes + 24, m.prefix.value_or(0));
@@ -54,7 +65,8 @@ inline void memory::encode_manifest(snapshot_manifest const& m, unsigned char* b
   s::put_le(bytes + 40, m.index_header_checksum);
   s::put_le(bytes + 48, m.index_checksum);
   s::put_le(bytes + 56, m.lifecycle_checksum);
-  s::put_le(bytes + 64, s::crc64_of(bytes, 64));
+  if (v2) { s::put_le(bytes + 64, *m.application_checksum); }
+  s::put_le(bytes + n - 8, s::crc64_of(bytes, n - 8));
 }
 
 inline memory::snapshot_manifest memory::parse_manifest(std::vector<unsigned char> const& b,
@@ -62,18 +74,23 @@ inline memory::snapshot_manifest memory::parse_manifest(std::vector<unsigned cha
 {
   namespace s            = detail::serial;
   std::string const what = where + "manifest " + manifest_name + ": ";
-  INFERSCALE_EXPECTS(
-    b.size() == manifest_bytes,
-    what + std::to_string(b.size()) + " bytes, expected " + std::to_string(manifest_bytes));
+  INFERSCALE_EXPECTS(b.size() == manifest_bytes || b.size() == manifest_v2_bytes,
+                     what + std::to_string(b.size()) + " bytes, expected " +
+                       std::to_string(manifest_bytes) + " (version 1) or " +
+                       std::to_string(manifest_v2_bytes) + " (version 2)");
   INFERSCALE_EXPECTS(std::memcmp(b.data(), manifest_magic, 8) == 0,
                      what + "not an InferScale memory manifest (wrong magic bytes)");
   std::uint32_t const version = s::get_le<std::uint32_t>(b.data() + 8);
-  INFERSCALE_EXPECTS(
-    version == 1,
-    what + "format version " + std::to_string(version) + " is not supported (this build reads 1)");
+  INFERSCALE_EXPECTS(version == 1 || version == 2,
+                     what + "format version " + std::to_string(version) +
+                       " is not supported (this build reads 1 and 2)");
+  std::size_t const n = version == 1 ? manifest_bytes : manifest_v2_bytes;
+  INFERSCALE_EXPECTS(b.size() == n,
+                     what + "version " + std::to_string(version) + " has " + std::to_string(n) +
+                       " bytes, this one " + std::to_string(b.size()));
   INFERSCALE_EXPECTS(s::get_le<std::uint32_t>(b.data() + 12) == 0x01020304u,
                      what + "bad byte-order mark");
-  INFERSCALE_EXPECTS(s::get_le<std::uint64_t>(b.data() + 64) == s::crc64_of(b.data(), 64),
+  INFERSCALE_EXPECTS(s::get_le<std::uint64_t>(b.data() + n - 8) == s::crc64_of(b.data(), n - 8),
                      what + "checksum mismatch (the manifest is corrupted)");
   bool reserved_zero = true;
   for (std::size_t i = 17; i < 24; ++i) {
@@ -88,7 +105,34 @@ inline memory::snapshot_manifest memory::parse_manifest(std::vector<unsigned cha
   m.index_header_checksum = s::get_le<std::uint64_t>(b.data() + 40);
   m.index_checksum        = s::get_le<std::uint64_t>(b.data() + 48);
   m.lifecycle_checksum    = s::get_le<std::uint64_t>(b.data() + 56);
+  if (version == 2) { m.application_checksum = s::get_le<std::uint64_t>(b.data() + 64); }
   return m;
+}
+
+/// The application file's bytes (save_memory's layout), every field checked.
+inline std::string memory::decode_application(std::vector<unsigned char> const& b,
+                                              std::string const& what)
+{
+  namespace s = detail::serial;
+  INFERSCALE_EXPECTS(
+    b.size() >= 32,
+    what + std::to_string(b.size()) + " bytes, shorter than the 32-byte header and checksum");
+  INFERSCALE_EXPECTS(s::get_le<std::uint64_t>(b.data() + b.size() - 8) ==
+                       s::crc64_of(b.data(), b.size() - 8),
+                     what + "checksum mismatch (the file is corrupted)");
+  INFERSCALE_EXPECTS(std::memcmp(b.data(), application_magic, 8) == 0,
+                     what + "not an InferScale application file (wrong magic bytes)");
+  std::uint32_t const version = s::get_le<std::uint32_t>(b.data() + 8);
+  INFERSCALE_EXPECTS(
+    version == 1,
+    what + "format version " + std::to_string(version) + " is not supported (this build reads 1)");
+  INFERSCALE_EXPECTS(s::get_le<std::uint32_t>(b.data() + 12) == 0x01020304u,
+                     what + "bad byte-order mark");
+  std::uint64_t const length = s::get_le<std::uint64_t>(b.data() + 16);
+  INFERSCALE_EXPECTS(length == b.size() - 32,
+                     what + "records " + std::to_string(length) + " bytes of data, the file holds " +
+                       std::to_string(b.size() - 32));
+  return std::string(reinterpret_cast<char const*>(b.data() + 24), static_cast<std::size_t>(length));
 }
 
 /// Little-endian appends for the lifecycle file.

@@ -570,6 +570,7 @@ class memory {
   friend memory load_memory(std::string const& directory,
                             memory_config const& config,
                             std::optional<std::string>* application);
+  friend std::optional<std::string> load_memory_application(std::string const& directory);
 
   static constexpr char const* manifest_name = "memory.ismem";
   /// Version 1 (no application data) and version 2 (with it): 72 and 80 bytes.

@@ -119,6 +119,16 @@ memory load_memory(std::string const& directory,
                    memory_config const& config,
                    std::optional<std::string>* application);
 
+/**
+ * @brief The application data of the snapshot in `directory` (nullopt for a version-1 snapshot),
+ * read and checked — the manifest, the file's own checksum and the manifest's — without loading
+ * the store or the index: what an integration reads first to learn the configuration it keeps
+ * there. A save may replace the snapshot between this call and a load_memory: compare the data
+ * load_memory hands back.
+ * @throw logic_error as load_memory for the manifest and the application file
+ */
+std::optional<std::string> load_memory_application(std::string const& directory);
+
 }  // namespace inferscale
 
 #include <inferscale/detail/memory/snapshot.inl>  // and snapshot_format.inl

@@ -233,6 +233,7 @@ TEST_CASE("memory snapshot: application data saved and loaded with the state", "
   memory const restarted = load_memory(dir.path(), config, &back);
   REQUIRE(back.has_value());
   CHECK(*back == data);
+  CHECK(load_memory_application(dir.path()) == std::optional<std::string>{data});
   CHECK(restarted.store().namespace_facts(7) == m.store().namespace_facts(7));
   CHECK(load_memory(dir.path(), config).store().num_facts() == m.store().num_facts());
 
@@ -244,6 +245,7 @@ TEST_CASE("memory snapshot: application data saved and loaded with the state", "
     CAPTURE(at);
     std::optional<std::string> ignored;
     CHECK_THROWS_AS(load_memory(dir.path(), config, &ignored), logic_error);
+    CHECK_THROWS_AS(load_memory_application(dir.path()), logic_error);
   }
   // a missing one too, naming it
   fs::remove(application_file);
@@ -285,6 +287,7 @@ TEST_CASE("memory snapshot: application data saved and loaded with the state", "
   std::optional<std::string> none = std::string{"stale"};
   (void)load_memory(dir.path(), config, &none);
   CHECK_FALSE(none.has_value());
+  CHECK_FALSE(load_memory_application(dir.path()).has_value());
   // and an empty string is data, not its absence
   save_memory(m, dir.path(), std::string{});
   (void)load_memory(dir.path(), config, &none);

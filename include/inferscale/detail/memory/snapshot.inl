@@ -166,6 +166,21 @@ inline memory load_memory(std::string const& directory,
   return loaded;
 }
 
+inline std::optional<std::string> load_memory_application(std::string const& directory)
+{
+  std::string const who             = "load_memory_application('" + directory + "')";
+  memory::snapshot_manifest const m = memory::parse_manifest(
+    detail::snapshot::read_manifest(directory, memory::manifest_name, who), who + ": ");
+  if (!m.application_checksum) { return std::nullopt; }
+  std::string const path = directory + "/" + memory::application_file_name(m);
+  detail::snapshot::check_named_files({{path, -8, *m.application_checksum}},
+                                      who,
+                                      "the application file does not carry the manifest's "
+                                      "checksum (files of different saves are never paired)");
+  return memory::decode_application(detail::serial::read_whole_file(path, who),
+                                    who + ": application file '" + path + "': ");
+}
+
 inline void memory::save(std::string const& directory) const { save_memory(*this, directory); }
 
 inline memory memory::load(std::string const& directory, memory_config const& config)

@@ -76,14 +76,14 @@ def main():
     from inferscale_vllm.connector import InferScaleConnector  # noqa: F401 (importable)
     from inferscale_vllm.encode import add_fact, model_description, set_prefix
     from inferscale_vllm.engine import make_llm
-    from inferscale_vllm.memory import MemoryStore
+    from inferscale_vllm.memory import Memory
 
     directory = tempfile.mkdtemp(prefix="inferscale-bench-")
     t0 = time.perf_counter()
     llm = make_llm(a.model, directory, disable_log_stats=False, block_size=a.block_size)
     print(f"engine start {time.perf_counter() - t0:.1f} s", flush=True)
     tok = llm.get_tokenizer()
-    mem = MemoryStore.create(directory, model=model_description(llm), num_pages=8192)
+    mem = Memory.create(directory, model=model_description(llm), num_pages=8192)
     prefix_ids = tok.encode(SYSTEM, add_special_tokens=False)
     set_prefix(mem, llm, SYSTEM, prefix_ids)
     turns = locomo_turns(a.locomo, max(ks))

@@ -143,12 +143,12 @@ def main():
 
     from inferscale_vllm.encode import add_fact, capture, model_description
     from inferscale_vllm.engine import make_llm
-    from inferscale_vllm.memory import MemoryStore, load_store
+    from inferscale_vllm.memory import Memory
 
     directory = tempfile.mkdtemp(prefix="inferscale-fidelity-")
     llm = make_llm(a.model, directory, block_size=a.block_size)
     tok = llm.get_tokenizer()
-    mem = MemoryStore.create(directory, model=model_description(llm), num_pages=2048)
+    mem = Memory.create(directory, model=model_description(llm), num_pages=2048)
     prefix = tok.encode(SYSTEM, add_special_tokens=False)
     joint_text = "".join(f"- {f}\n" for f in FACTS)
     joint_ids = tok.encode(joint_text, add_special_tokens=False)
@@ -156,8 +156,7 @@ def main():
     # Theorem 3's case is one forward of prefix + facts, so the prefix's K/V come from it too (a
     # forward of the prefix alone differs in the last bits on some CPUs: caroline.joint_memory).
     mem.set_prefix(SYSTEM, prefix, kv["k"][:, :len(prefix)], kv["v"][:, :len(prefix)])
-    joint = mem.add_fact("caroline", joint_text, joint_ids, kv["k"][:, len(prefix):],
-                         kv["v"][:, len(prefix):])
+    joint = mem.add_fact("caroline", joint_text, joint_ids, kv["k"], kv["v"], context=prefix)
     fillers = {}
     for d in (int(x) for x in a.shifts.split(",")):
         text = locomo_text(a.locomo, d, tok)
@@ -194,11 +193,12 @@ def main():
 
     results = {"theorem3": {}, "relocate": {}}
     results["theorem3"]["bfloat16"] = compare(mem, [joint], "theorem3 bf16 store")
-    wide = MemoryStore(directory, dict(mem.manifest), load_store(directory, mem.manifest,
-                                                                 "float32"))
+    mem.close()  # one writer: the float32 copy takes over, then the bf16 one again
+    wide = Memory.open(directory, writer=True, dtype="float32")
     wide.commit()
     results["theorem3"]["float32"] = compare(wide, [joint], "theorem3 fp32 store")
-    mem.manifest = dict(wide.manifest)
+    wide.close()
+    mem = Memory.open(directory, writer=True, dtype="bfloat16")
     mem.commit()
     for d, fid in fillers.items():
         results["relocate"][d] = compare(mem, [fid, joint],

@@ -87,7 +87,7 @@ def main():
     from inferscale_vllm.embed import MiniLMEmbedder
     from inferscale_vllm.encode import add_fact, model_description, set_prefix
     from inferscale_vllm.engine import make_llm
-    from inferscale_vllm.memory import MemoryStore
+    from inferscale_vllm.memory import Memory
 
     sample_id, turns, qa = turns_and_questions(a.locomo, a.conversation, a.questions)
     directory = tempfile.mkdtemp(prefix="inferscale-locomo-vllm-")
@@ -97,7 +97,7 @@ def main():
     # as many pages as the facts fill (every reader of the memory loads the whole pool)
     pages = -(-len(prefix) // 16) + sum(-(-len(tok.encode(t, add_special_tokens=False)) // 16)
                                         for t in turns)
-    mem = MemoryStore.create(directory, model=model_description(llm), num_pages=pages + 8,
+    mem = Memory.create(directory, model=model_description(llm), num_pages=pages + 8,
                              embedder=MiniLMEmbedder())
     set_prefix(mem, llm, SYSTEM, prefix)
     t0 = time.perf_counter()

@@ -44,13 +44,13 @@ def main(argv):
     from inferscale_vllm.embed import MiniLMEmbedder
     from inferscale_vllm.encode import add_fact, model_description, set_prefix
     from inferscale_vllm.engine import make_llm
-    from inferscale_vllm.memory import MemoryStore
+    from inferscale_vllm.memory import Memory
 
     embedder = MiniLMEmbedder()  # fails with a message without INFERSCALE_MINILM_HF
     directory = tempfile.mkdtemp(prefix="inferscale-demo-")
     llm = make_llm(model, directory)
     tok = llm.get_tokenizer()
-    mem = MemoryStore.create(directory, model=model_description(llm), embedder=embedder)
+    mem = Memory.create(directory, model=model_description(llm), embedder=embedder)
     prefix = tok.encode(SYSTEM, add_special_tokens=False)
     set_prefix(mem, llm, SYSTEM, prefix)
     for f in FACTS:  # the prompt's line is stored; the bare sentence is embedded

@@ -28,6 +28,7 @@
 #include <inferscale/store.hpp>
 
 #include "device_inject.hpp"
+#include "memory_binding.hpp"
 
 #ifdef INFERSCALE_VLLM_CUDA
 #include <cuda_runtime_api.h>
@@ -138,10 +139,12 @@ struct tensor_arg {
 
 class store_handle {
  public:
-  explicit store_handle(kv_store s) : store_{std::move(s)} {}
+  explicit store_handle(kv_store s) : owned_{std::move(s)} {}
+  /// A view of a store another object owns (Memory.store): Python keeps that owner alive.
+  explicit store_handle(kv_store* borrowed) : borrowed_{borrowed} {}
 
-  kv_store& get() { return store_; }
-  kv_store const& get() const { return store_; }
+  kv_store& get() { return borrowed_ != nullptr ? *borrowed_ : *owned_; }
+  kv_store const& get() const { return borrowed_ != nullptr ? *borrowed_ : *owned_; }
 
   void insert(std::uint64_t fact_id,
               std::uint64_t namespace_id,
@@ -163,7 +166,7 @@ class store_handle {
         static_cast<T const*>(as_pointer(keys.data)), ks[0], ks[1], ks[2], ks[3], kt);
       auto vv_ = make_fact_kv_view(
         static_cast<T const*>(as_pointer(values.data)), vs[0], vs[1], vs[2], vs[3], vt);
-      store_.insert(fact_id, namespace_id, std::move(token_ids), kv_, vv_, memory_space::host);
+      get().insert(fact_id, namespace_id, std::move(token_ids), kv_, vv_, memory_space::host);
     };
     switch (t) {
       case dtype::float32: run(float{}); break;
@@ -176,14 +179,14 @@ class store_handle {
   /// allocated as [layers, tokens, heads, head_dim] contiguous.
   void read(std::uint64_t id, std::uintptr_t keys, std::uintptr_t values) const
   {
-    if (!store_.contains(id)) {
+    if (!get().contains(id)) {
       throw std::invalid_argument("Store.read: unknown fact id " + std::to_string(id));
     }
-    fact_record const& f = store_.at(id);
-    kv_store_ref r       = store_.ref();
+    fact_record const& f = get().at(id);
+    kv_store_ref r       = get().ref();
     std::vector<unsigned char> host_pool;
-    if (store_.space() == memory_space::device) {
-      host_pool = store_.pool_to_host();  // waits; reading a device store is not a hot path
+    if (get().space() == memory_space::device) {
+      host_pool = get().pool_to_host();  // waits; reading a device store is not a hot path
       r.pool    = host_pool.data();
     }
     std::int64_t const re = r.row_elements();
@@ -195,7 +198,7 @@ class store_handle {
       std::int64_t n = f.length();
       for (std::int32_t l = 0; l < r.num_layers; ++l) {
         for (std::int32_t j = 0; j < f.length(); ++j) {
-          std::int64_t const st  = store_.store_token(f, j);
+          std::int64_t const st  = get().store_token(f, j);
           std::int64_t const dst = (static_cast<std::int64_t>(l) * n + j) * re;
           T const* k             = pool + r.row_offset(st, l, 0);
           T const* v             = pool + r.row_offset(st, l, 1);
@@ -206,7 +209,7 @@ class store_handle {
         }
       }
     };
-    switch (store_.store_dtype()) {
+    switch (get().store_dtype()) {
       case dtype::float32: copy(float{}); break;
       case dtype::float16: copy(half_t{}); break;
       default: copy(bfloat16_t{}); break;
@@ -218,29 +221,29 @@ class store_handle {
   store_handle to_device() const
   {
     expect_cuda_build("Store.to_device");
-    if (store_.space() != memory_space::host) {
+    if (get().space() != memory_space::host) {
       throw std::invalid_argument("Store.to_device: the store is already in device memory");
     }
-    kv_store_config c = store_.config();
+    kv_store_config c = get().config();
     c.space           = memory_space::device;
     c.pinned          = false;
     kv_store device{c};
-    kv_store_ref const r  = store_.ref();
-    kv_geometry const g   = store_.geometry();
+    kv_store_ref const r  = get().ref();
+    kv_geometry const g   = get().geometry();
     std::int64_t const re = r.row_elements();
     auto copy             = [&](auto tag) {
       using T       = decltype(tag);
       T const* pool = static_cast<T const*>(r.pool);
       std::vector<T> k, v;
-      for (std::uint64_t ns : store_.namespace_ids()) {
-        for (std::uint64_t id : store_.namespace_fact_ids(ns)) {
-          fact_record const& f = store_.at(id);
+      for (std::uint64_t ns : get().namespace_ids()) {
+        for (std::uint64_t id : get().namespace_fact_ids(ns)) {
+          fact_record const& f = get().at(id);
           std::int64_t const n = f.length();
           k.assign(static_cast<std::size_t>(g.num_layers * n * re), T{});
           v.assign(k.size(), T{});
           for (std::int32_t l = 0; l < g.num_layers; ++l) {
             for (std::int32_t j = 0; j < f.length(); ++j) {
-              std::int64_t const st  = store_.store_token(f, j);
+              std::int64_t const st  = get().store_token(f, j);
               std::int64_t const dst = (static_cast<std::int64_t>(l) * n + j) * re;
               std::copy_n(pool + r.row_offset(st, l, 0), re, k.data() + dst);
               std::copy_n(pool + r.row_offset(st, l, 1), re, v.data() + dst);
@@ -254,7 +257,7 @@ class store_handle {
         }
       }
     };
-    switch (store_.store_dtype()) {
+    switch (get().store_dtype()) {
       case dtype::float32: copy(float{}); break;
       case dtype::float16: copy(half_t{}); break;
       default: copy(bfloat16_t{}); break;
@@ -263,7 +266,8 @@ class store_handle {
   }
 
  private:
-  kv_store store_;
+  std::optional<kv_store> owned_;
+  kv_store* borrowed_{nullptr};
 };
 
 /// Store(num_layers, num_kv_heads, head_dim, dtype, num_pages, page_size, first_head, num_heads,
@@ -652,6 +656,97 @@ class index_handle {
 
 }  // namespace
 
+/// The Memory class (memory_binding.hpp): the facade, its snapshot, and a view of its store.
+void bind_memory(nb::module_& m)
+{
+  using inferscale_vllm::memory_handle;
+  auto config = [](std::int32_t layers, std::int32_t heads, std::int32_t head_dim,
+                   std::string const& store_dtype, std::int64_t num_pages, std::int32_t page_size,
+                   std::int64_t embedding_dim) {
+    return inferscale_vllm::make_memory_config(layers, heads, head_dim, parse_dtype(store_dtype),
+                                               num_pages, page_size, embedding_dim);
+  };
+  nb::class_<memory_handle>(m, "Memory")
+    .def("__init__",
+         [config](memory_handle* self, std::int32_t layers, std::int32_t heads,
+                  std::int32_t head_dim, std::string const& store_dtype, std::int64_t num_pages,
+                  std::int32_t page_size, std::int64_t embedding_dim) {
+           new (self) memory_handle(memory{
+             config(layers, heads, head_dim, store_dtype, num_pages, page_size, embedding_dim)});
+         },
+         nb::arg("num_layers"), nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("dtype"),
+         nb::arg("num_pages"), nb::arg("page_size"), nb::arg("embedding_dim"))
+    .def_static(
+      "load",
+      [config](std::string const& directory, std::int32_t layers, std::int32_t heads,
+               std::int32_t head_dim, std::string const& store_dtype, std::int64_t num_pages,
+               std::int32_t page_size, std::int64_t embedding_dim) {
+        memory_config const c =
+          config(layers, heads, head_dim, store_dtype, num_pages, page_size, embedding_dim);
+        std::optional<std::string> application;
+        auto* handle = [&] {
+          nb::gil_scoped_release release;
+          return new memory_handle(load_memory(directory, c, &application));
+        }();
+        nb::object data = application ? nb::object(nb::bytes(application->data(),
+                                                              application->size()))
+                                      : nb::none();
+        return nb::make_tuple(nb::cast(handle, nb::rv_policy::take_ownership), data);
+      },
+      nb::arg("directory"), nb::arg("num_layers"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
+      nb::arg("dtype"), nb::arg("num_pages"), nb::arg("page_size"), nb::arg("embedding_dim"),
+      "(Memory, application data: bytes or None) from a snapshot save() wrote; every check of "
+      "the library's load_memory (manifest, checksums of every file, geometry)")
+    .def_static(
+      "application",
+      [](std::string const& directory) -> nb::object {
+        std::optional<std::string> data;
+        {
+          nb::gil_scoped_release release;
+          data = load_memory_application(directory);
+        }
+        if (!data) { return nb::none(); }
+        return nb::bytes(data->data(), data->size());
+      },
+      nb::arg("directory"),
+      "The snapshot's application data (bytes, or None for a snapshot without), checked against "
+      "the manifest, without loading the store or the index")
+    .def("save", &memory_handle::save, nb::arg("directory"), nb::arg("application"),
+         "The library's crash-safe save_memory, with `application` (bytes) in the same "
+         "transaction")
+    .def("add_facts", &memory_handle::add_facts, nb::arg("namespace"), nb::arg("ids"),
+         nb::arg("contexts"), nb::arg("tokens"), nb::arg("first_positions"), nb::arg("keys"),
+         nb::arg("values"), nb::arg("texts"), nb::arg("embeddings"))
+    .def("set_instruction_prefix", &memory_handle::set_instruction_prefix, nb::arg("tokens"),
+         nb::arg("fact_id"), nb::arg("namespace"), nb::arg("keys"), nb::arg("values"))
+    .def("erase_fact", [](memory_handle& h, std::uint64_t id) { h.get().erase_fact(id); },
+         nb::arg("fact_id"))
+    .def("erase_namespace",
+         [](memory_handle& h, std::uint64_t ns) { return h.get().erase_namespace(ns); },
+         nb::arg("namespace"))
+    .def("retrieve", &memory_handle::retrieve, nb::arg("namespace"), nb::arg("query"),
+         nb::arg("k"))
+    .def("prepare", &memory_handle::prepare, nb::arg("fact_ids"), nb::arg("first_position") = 0)
+    .def("tracks", [](memory_handle const& h, std::uint64_t id) { return h.get().tracks(id); })
+    .def("facts",
+         [](memory_handle const& h, std::uint64_t ns) {
+           return h.get().store().namespace_fact_ids(ns);
+         },
+         nb::arg("namespace"))
+    .def("has_namespace",
+         [](memory_handle const& h, std::uint64_t ns) { return h.get().index().has_namespace(ns); })
+    .def_prop_ro("instruction_prefix",
+                 [](memory_handle const& h) { return h.get().instruction_prefix(); })
+    .def_prop_ro("embedding_dim",
+                 [](memory_handle const& h) { return h.get().config().index.dim; })
+    .def_prop_ro(
+      "store",
+      [](memory_handle& h) { return store_handle{&h.get().store()}; },
+      nb::keep_alive<0, 1>(),
+      "A view of the memory's store (Store: read, composed_tokens, inject); valid while the "
+      "Memory lives (the view keeps it alive)");
+}
+
 NB_MODULE(_inferscale, m)
 {
   m.doc() = "InferScale's host request path for vLLM (CPU build): store, cache, inject, extract";
@@ -662,6 +757,7 @@ NB_MODULE(_inferscale, m)
       PyErr_SetString(PyExc_ValueError, e.what());
     }
   });
+  bind_memory(m);
 
   nb::class_<tensor_arg>(m, "Tensor")
     .def(nb::init<std::uintptr_t, std::vector<std::int64_t>, std::vector<std::int64_t>, std::string>(),

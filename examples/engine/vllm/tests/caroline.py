@@ -39,32 +39,30 @@ SPARE_PAGES = 32  # room in the store for facts a test adds later
 
 
 def joint_memory(llm, directory, users, **store_args):
-    """A MemoryStore in `directory` (MemoryStore.create's keyword arguments in `store_args`; by
-    default as many pages as the facts fill, plus SPARE_PAGES: every reader loads the whole pool
-    at each generation, so it is kept small) whose prefix is SYSTEM and in which each of `users`
-    holds the whole fact list encoded jointly: one forward of prefix + facts through `llm`,
-    captured pre-RoPE (Theorem 3's case). Returns (mem, tok, {user: fact id}, the capture's
-    {"k", "v"})."""
-    from inferscale_vllm.encode import capture, model_description, set_prefix
-    from inferscale_vllm.memory import MemoryStore
+    """A Memory in `directory` (Memory.create's keyword arguments in `store_args`; by default as
+    many pages as the facts fill, plus SPARE_PAGES: every reader loads the whole pool at each
+    generation, so it is kept small) whose prefix is SYSTEM and in which each of `users` holds the
+    whole fact list encoded jointly: one forward of prefix + facts through `llm`, captured
+    pre-RoPE (Theorem 3's case). The caller holds the writer. Returns (mem, tok, {user: fact id},
+    the capture's {"k", "v"})."""
+    from inferscale_vllm.encode import capture, model_description
+    from inferscale_vllm.memory import Memory
 
     tok = llm.get_tokenizer()
-    system_ids = tok.encode(SYSTEM, add_special_tokens=False)
+    prefix = tok.encode(SYSTEM, add_special_tokens=False)
     text = "".join(f"- {f}\n" for f in FACTS)
     ids = tok.encode(text, add_special_tokens=False)
     page = store_args.get("page_size", 16)
-    store_args.setdefault("num_pages", -(-len(system_ids) // page)
+    store_args.setdefault("num_pages", -(-len(prefix) // page)
                           + len(users) * -(-len(ids) // page) + SPARE_PAGES)
-    mem = MemoryStore.create(directory, model=model_description(llm), **store_args)
-    set_prefix(mem, llm, SYSTEM, system_ids)
-    prefix = mem.store.token_ids(mem.manifest["prefix"])
+    mem = Memory.create(directory, model=model_description(llm), **store_args)
     kv = capture(llm, prefix + ids)
     c = len(prefix)
-    # Theorem 3's case is one forward of prefix + facts, so the prefix's K/V come from it too:
-    # set_prefix's forward of the prefix alone need not give the same bits (on an Intel Xeon with
-    # AMX, vLLM's 18-token forward differs from this 205-token one in the last bits of every layer
-    # but the first; on an AMD EPYC they were equal: bench/results/2026-12-05-vllm-amx.md).
+    # Theorem 3's case is one forward of prefix + facts, so the prefix's K/V come from it too (a
+    # forward of the prefix alone need not give the same bits: on an Intel Xeon with AMX, vLLM's
+    # 18-token forward differs from this 205-token one in the last bits of every layer but the
+    # first; on an AMD EPYC they were equal: bench/results/2026-12-05-vllm-amx.md).
     mem.set_prefix(SYSTEM, prefix, kv["k"][:, :c], kv["v"][:, :c])
-    facts = {u: mem.add_fact(u, text, ids, kv["k"][:, c:], kv["v"][:, c:]) for u in users}
+    facts = {u: mem.add_fact(u, text, ids, kv["k"], kv["v"], context=prefix) for u in users}
     mem.commit()
     return mem, tok, facts, kv

@@ -11,7 +11,7 @@ import torch
 from inferscale_vllm import Rotation, Store, Tensor, inject
 from inferscale_vllm.connector import partial_last_block, rotation_matching_vllm
 from inferscale_vllm.encode import capture
-from inferscale_vllm.memory import MemoryStore
+from inferscale_vllm.memory import Memory
 from inferscale_vllm.tensors import vllm_cpu_cache
 
 from caroline import GEN, QUESTIONS, query_tokens  # noqa: E402
@@ -104,22 +104,23 @@ def test_theorem3_greedy_tokens_equal_prefill(setup):
     assert_theorem3(setup, setup["mem"])
 
 
-def test_theorem3_with_a_float32_store(setup):
-    """The same memory held as float32 (each bf16 key widened exactly): the connector rotates in
-    fp32 and converts as vLLM's kernel does, so the answers are again vLLM's prefill's. The
-    float32 generation is committed over the running engine and the bf16 one restored after."""
-    from inferscale_vllm.memory import load_store
-
+def test_theorem3_with_a_float32_store(setup, shared_engine):
+    """The same memory held as float32 (each bf16 key widened exactly, as the facade's load
+    converts): the connector rotates in fp32 and converts as vLLM's kernel does, so the answers
+    are again vLLM's prefill's. The float32 generation is committed over the running engine and
+    the bf16 one restored after."""
     mem = setup["mem"]
-    wide = MemoryStore(mem.directory, dict(mem.manifest),
-                       load_store(mem.directory, mem.manifest, "float32"))
-    assert wide.store.dtype == "float32"
-    wide.commit()
+    mem.close()  # one writer: the float32 one takes over, then the bf16 one again
+    wide = Memory.open(mem.directory, writer=True, dtype="float32")
     try:
+        assert wide.store.dtype == "float32"
+        wide.commit()
         assert_theorem3(setup, wide)
     finally:
-        mem.manifest = dict(wide.manifest)
-        mem.commit()  # a new generation with the bf16 store again
+        wide.close()
+        back = Memory.open(mem.directory, writer=True, dtype="bfloat16")
+        back.commit()  # a new generation with the bf16 store again
+        setup["mem"] = shared_engine.state["mem"] = back
 
 
 def test_capture_by_extraction_equals_the_hook_within_rounding(setup):
@@ -131,7 +132,7 @@ def test_capture_by_extraction_equals_the_hook_within_rounding(setup):
     from inferscale_vllm.encode import extract_from_cache
 
     llm, mem = setup["llm"], setup["mem"]
-    ids = mem.store.token_ids(mem.manifest["prefix"]) + mem.store.token_ids(setup["joint"])
+    ids = mem.store.token_ids(mem.prefix) + mem.store.token_ids(setup["joint"])
     kv = capture(llm, ids)  # a fresh forward: its blocks hold these tokens now
     assert kv["slots"].shape == (len(ids),)
     got = extract_from_cache(llm, kv["slots"])
@@ -280,7 +281,7 @@ def test_a_fact_erased_after_the_request_was_made_is_prefilled(setup):
 
     mem, tok, llm = setup["mem"], setup["tok"], setup["llm"]
     text = "Caroline once met a dolphin named Azul off the coast of Sagres."
-    prefix = mem.store.token_ids(mem.manifest["prefix"])
+    prefix = mem.store.token_ids(mem.prefix)
     fid = add_fact(mem, llm, "caroline", text, tok.encode(text, add_special_tokens=False),
                    context=prefix)
     mem.commit()

@@ -6,10 +6,11 @@ and written by InferScale's C++ injection path straight into the paged cache ten
 connector, so vLLM prefills only the query.
 
 Pieces:
-  - ``MemoryStore`` (memory.py): the memory directory (facts' K/V in InferScale's store snapshot,
-    a catalogue per user, the facts' text embeddings), retrieval (``retrieve``), and the client
-    helpers ``request`` and ``request_for_query`` that turn (user, facts or query) into a vLLM
-    prompt and its kv_transfer_params. Fact capture through vLLM itself is encode.py.
+  - ``Memory`` (memory.py): the memory directory through the library's memory facade, bound once
+    (``_inferscale.Memory``: store, index, fact lifecycle, crash-safe snapshot), with this
+    package's record of users, texts and the model's identity in the same snapshot; one writer
+    at a time, readers that never fail while it commits; retrieval and the client helpers
+    ``request`` / ``request_for_query``. Fact capture through vLLM itself is encode.py.
   - ``InferScaleConnector`` (connector.py): the KVConnectorBase_V1 subclass vLLM loads with
     ``--kv-transfer-config '{"kv_connector": "InferScaleConnector",
     "kv_connector_module_path": "inferscale_vllm.connector", "kv_role": "kv_both",
@@ -25,7 +26,8 @@ Pieces:
 from ._inferscale import (  # noqa: F401
     HAS_CUDA, Index, Rotation, Store, Tensor, VllmCpuCache, VllmFlashAttnCache, extract, inject,
     inject_async)
+from .memory import Memory, MemoryReader  # noqa: F401
 
-__all__ = ["HAS_CUDA", "Index", "Rotation", "Store", "Tensor", "VllmCpuCache", "VllmFlashAttnCache",
-           "extract", "inject", "inject_async"]
+__all__ = ["HAS_CUDA", "Index", "Memory", "MemoryReader", "Rotation", "Store", "Tensor",
+           "VllmCpuCache", "VllmFlashAttnCache", "extract", "inject", "inject_async"]
 __version__ = "0.1.0"

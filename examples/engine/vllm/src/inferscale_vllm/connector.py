@@ -8,7 +8,7 @@ Enable with (nothing else in vLLM changes):
 
 A request asks for memory through ``kv_transfer_params = {"inferscale": {"user", "facts",
 "generation", "memory_tokens"[, "recompute_tokens"]}}`` with a prompt that starts with the memory segment (prefix + the
-facts' tokens) and carries the memory's ``cache_salt`` — ``MemoryStore.request`` builds all three.
+facts' tokens) and carries the memory's keyed ``cache_salt`` — ``Memory.request`` builds all three.
 
 Scheduler side (one instance, in the engine core): checks the request against the memory (user,
 facts, the prompt's leading tokens equal the composed segment, the salt, the model), and offers
@@ -36,6 +36,7 @@ import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -45,10 +46,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from . import _inferscale
-from .memory import MANIFEST, cache_salt, load_store, read_manifest, shard_store
+from .memory import MemoryReader, cache_salt, check_model, describe_model, shard_store
 from .tensors import kv_cache_descriptor
 
 logger = logging.getLogger("inferscale_vllm")
+# How long a request may wait for a just-committed generation to load before it is prefilled.
+DEFER_SECONDS = 30.0
 
 
 @dataclass
@@ -58,6 +61,8 @@ class _Load:
     facts: list  # fact ids in layout order (prefix first)
     slots: list  # one per segment token; -1 = not loaded (vLLM computes it, or already cached)
     block_ids: list  # the blocks these slots fall in (reported on a failed load)
+    generation: int = 0  # the memory generation the plan was checked against (0: none, a failure)
+    error: str | None = None  # set: the scheduler could not plan it; the worker reports its blocks
 
 
 @dataclass
@@ -65,34 +70,24 @@ class InferScaleMetadata(KVConnectorMetadata):
     loads: list = field(default_factory=list)
 
 
-class _Memory:
-    """A reader of a memory directory that follows its generations."""
+def _worker_view(shard, device):
+    """What a worker keeps of a generation: its store shard (its KV heads and layers), in device
+    memory on the GPU path."""
 
-    def __init__(self, directory: str, shard=None, device: bool = False):
-        self.directory = directory
-        self.shard = shard  # (first_head, num_heads, first_layer, num_layers) or None
-        self.device = device  # keep the store in device memory (the GPU path)
-        self.stamp = None
-        self.manifest = None
-        self.store = None
-        self.lock = threading.Lock()
+    def transform(facade, app):
+        store = facade.store
+        if shard is not None:
+            layers, heads, _ = store.geometry
+            first_head, num_heads, first_layer, num_layers = shard
+            if (first_head, num_heads, first_layer, num_layers) != (0, heads, 0, layers):
+                store = shard_store(store, [int(k) for k in app["facts"]], *shard)
+        if device:
+            store = store.to_device()
+        logger.info("inferscale: memory generation %d loaded (%d facts)", app["generation"],
+                    len(app["facts"]))
+        return (facade, store)  # the facade keeps a view's store alive
 
-    def refresh(self):
-        path = os.path.join(self.directory, MANIFEST)
-        st = os.stat(path)
-        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
-        if stamp == self.stamp:
-            return
-        with self.lock:
-            manifest = read_manifest(self.directory)
-            store = load_store(self.directory, manifest)
-            if self.shard is not None:
-                store = shard_store(store, manifest, *self.shard)
-            if self.device:
-                store = store.to_device()
-            self.manifest, self.store, self.stamp = manifest, store, stamp
-            logger.info("inferscale: memory %s generation %d loaded (%d facts)", self.directory,
-                        manifest["generation"], len(manifest["facts"]))
+    return transform
 
 
 def _layer_index(name: str) -> int:
@@ -176,12 +171,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._partial_block = partial_last_block(vllm_config, extra.get("partial_last_block",
                                                                         "auto"))
         model = vllm_config.model_config
-        self._model = {
-            # the whole model's layers (get_num_layers would give one pipeline stage's)
-            "num_layers": model.get_total_num_hidden_layers(),
-            "num_kv_heads": model.get_total_num_kv_heads(),
-            "head_dim": model.get_head_size(),
-        }
+        # what a memory must have been encoded with (geometry, rotation, dtype, weights' digest)
+        self._model = describe_model(model)
         self._vllm_config = vllm_config
         self._refused = {}  # request id -> reason (scheduler side: logged once)
         self._plans = {}  # request id -> (facts, memory_tokens, local hit asked with)
@@ -189,8 +180,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._errors = set()  # worker side: block ids of failed loads
         # scheduler side, for observation: loads planned, and of those for preempted requests
         self.counters = {"loads": 0, "loads_after_preemption": 0}
+        self._finished = {}  # request id -> what its load did (returned with its output)
+        self._deferred = {}  # request id -> when it first waited for a generation to load
         if role == KVConnectorRole.SCHEDULER:
-            self._memory = _Memory(directory)
+            self._memory = MemoryReader(directory)
         else:
             self._memory = None  # made in register_kv_caches (knows this rank's heads)
             self._cache = None
@@ -198,98 +191,122 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     # ---------------------------------------------------------------------------------------
     # Scheduler side
-    def _check_model(self, manifest) -> str | None:
-        m = manifest["model"]
-        for key, value in self._model.items():
-            if m.get(key) != value:
-                return (f"the memory was built for {key} = {m.get(key)}, this model has {value} "
-                        f"(memory model '{m.get('name')}')")
-        hf = self._vllm_config.model_config.hf_config
-        theta = getattr(hf, "rope_theta", None)
-        if theta is None:
-            theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta")
-        if theta is not None and float(m["rope_theta"]) != float(theta):
-            return f"the memory's rope_theta is {m['rope_theta']}, this model's {theta}"
-        return None
-
     def _plan(self, request):
-        """(facts in layout order, memory tokens, tokens to recompute) or a refusal reason
-        (str)."""
+        """(facts in layout order, memory tokens, tokens to recompute, user, generation), the str
+        reason of a refusal, or None while the request's generation is still loading."""
         params = (request.kv_transfer_params or {}).get("inferscale")
         if not isinstance(params, dict):
             return "kv_transfer_params.inferscale is not a dict"
+        user, facts, generation = params.get("user"), params.get("facts"), params.get("generation")
+        if not isinstance(user, str) or not user:
+            return f"user must be a non-empty str, got {user!r}"
+        if (not isinstance(facts, list) or not facts
+                or not all(isinstance(f, int) and not isinstance(f, bool) for f in facts)):
+            return "facts must be a non-empty list of fact ids"
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
+            return f"generation must be an int >= 1, got {generation!r}"
         try:
-            self._memory.refresh()
-        except (OSError, ValueError) as e:
-            return f"the memory directory cannot be read: {e}"
-        manifest, store = self._memory.manifest, self._memory.store
-        reason = self._check_model(manifest)
+            app, (facade, _) = self._memory.poll()
+        except Exception as e:  # noqa: BLE001 - an unreadable memory: prefill
+            return f"the memory cannot be read: {e}"
+        if app["generation"] < generation:
+            if not self._memory.loading:
+                return (f"generation {generation} is not committed (the memory's newest is "
+                        f"{app['generation']})")
+            # committed, still loading here (in the background, off the scheduling path): vLLM
+            # asks again in a later step; a load that takes too long is given up (prefill)
+            first = self._deferred.setdefault(request.request_id, time.monotonic())
+            if time.monotonic() - first > DEFER_SECONDS:
+                return f"generation {generation} did not load within {DEFER_SECONDS} s"
+            return None
+        reason = check_model(app["model"], self._model)
         if reason:
             return reason
-        user, facts = params.get("user"), params.get("facts")
-        if not isinstance(facts, list) or not all(isinstance(f, int) for f in facts):
-            return "facts must be a list of fact ids"
-        owned = set(manifest["users"].get(user, [])) if isinstance(user, str) else set()
+        ns = app["users"].get(user)
+        owned = set(int(i) for i in facade.facts(ns)) if ns is not None else set()
         if not owned:
             return f"unknown user {user!r}"
         missing = [f for f in facts if f not in owned]
         if missing:
             return f"facts {missing} are not (or no longer) in {user!r}'s memory"
-        order = ([manifest["prefix"]] if manifest["prefix"] is not None else []) + facts
-        try:
-            tokens = store.composed_tokens(order)
-        except ValueError as e:
-            return str(e)
+        if len(set(facts)) != len(facts):
+            return f"facts {facts} name a fact twice"
+        order = ([app["prefix"]] if app["prefix"] is not None else []) + facts
+        tokens = facade.store.composed_tokens(order)
         prompt = request.prompt_token_ids or []
         if list(prompt[: len(tokens)]) != list(tokens):
             return "the prompt does not start with the composed memory segment"
         if params.get("memory_tokens") != len(tokens):
-            return f"memory_tokens {params.get('memory_tokens')} != the segment's {len(tokens)}"
+            return f"memory_tokens {params.get('memory_tokens')!r} != the segment's {len(tokens)}"
         recompute = params.get("recompute_tokens", 0)
         if (isinstance(recompute, bool) or not isinstance(recompute, int)
                 or not 0 <= recompute <= len(tokens)):
             return (f"recompute_tokens {recompute!r} is not an int in [0, {len(tokens)}] (the "
                     "segment's tokens)")
-        salt = cache_salt(user, facts, params.get("generation"), recompute)
+        salt = cache_salt(self._directory, user, facts, generation, recompute)
         if getattr(request, "cache_salt", None) != salt:
             return ("the request's cache_salt is not the memory's (blocks filled from memory "
                     "must not be shared with plain-text requests)")
-        return order, len(tokens), recompute
+        return order, len(tokens), recompute, user, app["generation"]
+
+    def _refuse(self, request, reason):
+        if self._refused.get(request.request_id) != reason:
+            logger.warning("inferscale: request %s served by prefill: %s", request.request_id,
+                           reason)
+            self._refused[request.request_id] = reason
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        if not (request.kv_transfer_params or {}).get("inferscale"):
+        # Nothing a request or a file holds may escape into vLLM's scheduler (it would stop the
+        # engine for every user): any failure is logged with the request id and the request is
+        # prefilled normally.
+        try:
+            if not (request.kv_transfer_params or {}).get("inferscale"):
+                return 0, False
+            plan = self._plan(request)
+            if plan is None:
+                return None, False  # vLLM asks again in a later step
+            if isinstance(plan, str):
+                self._refuse(request, plan)
+                return 0, False
+            order, m, recompute, user, generation = plan
+            # Every memory token but the request's recompute_tokens (suffix recompute), at least
+            # one prompt token left for vLLM to compute, and the last block partly only where
+            # that is exact (partial_last_block): elsewhere whole blocks.
+            usable = min(m - recompute, request.num_prompt_tokens - 1)
+            if not self._partial_block:
+                usable = usable // self._block_size * self._block_size
+            self._plans[request.request_id] = (order, m, num_computed_tokens, user, generation)
+            return max(0, usable - num_computed_tokens), False
+        except Exception as e:  # noqa: BLE001
+            logger.exception("inferscale: request %s: the memory check failed", request.request_id)
+            self._refuse(request, f"internal error: {e!r}")
             return 0, False
-        plan = self._plan(request)
-        if isinstance(plan, str):
-            if self._refused.get(request.request_id) != plan:
-                logger.warning("inferscale: request %s served by prefill: %s", request.request_id,
-                               plan)
-                self._refused[request.request_id] = plan
-            return 0, False
-        order, m, recompute = plan
-        # Every memory token but the request's recompute_tokens (suffix recompute,
-        # MemoryStore.request), at least one prompt token left for vLLM to compute, and the last
-        # block partly only where that is exact (partial_last_block): elsewhere whole blocks.
-        usable = min(m - recompute, request.num_prompt_tokens - 1)
-        if not self._partial_block:
-            usable = usable // self._block_size * self._block_size
-        user = request.kv_transfer_params["inferscale"]["user"]
-        self._plans[request.request_id] = (order, m, num_computed_tokens, user)
-        return max(0, usable - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         if num_external_tokens <= 0:
             return
-        order, m, start, user = self._plans[request.request_id]
-        block_ids = list(blocks.get_block_ids()[0])
-        bs = self._block_size
-        end = start + num_external_tokens
-        slots = [block_ids[p // bs] * bs + p % bs if start <= p < end else -1 for p in range(m)]
-        loaded_blocks = sorted({block_ids[p // bs] for p in range(start, end)})
-        self._pending.append(_Load(request.request_id, user, order, slots, loaded_blocks))
-        self.counters["loads"] += 1
-        if getattr(request, "num_preemptions", 0) > 0:
-            self.counters["loads_after_preemption"] += 1
+        try:
+            order, m, start, user, generation = self._plans[request.request_id]
+            block_ids = list(blocks.get_block_ids()[0])
+            bs = self._block_size
+            end = start + num_external_tokens
+            slots = [block_ids[p // bs] * bs + p % bs if start <= p < end else -1
+                     for p in range(m)]
+            loaded_blocks = sorted({block_ids[p // bs] for p in range(start, end)})
+            self._pending.append(_Load(request.request_id, user, order, slots, loaded_blocks,
+                                       generation))
+            self._finished[request.request_id] = {"loaded_tokens": num_external_tokens,
+                                                  "generation": generation}
+            self.counters["loads"] += 1
+            if getattr(request, "num_preemptions", 0) > 0:
+                self.counters["loads_after_preemption"] += 1
+        except Exception as e:  # noqa: BLE001 - the tokens were promised: the worker reports them
+            logger.exception("inferscale: request %s: planning its load failed", request.request_id)
+            try:
+                ids = sorted(set(blocks.get_block_ids()[0]))
+            except Exception:  # noqa: BLE001
+                ids = []
+            self._pending.append(_Load(request.request_id, "", [], [], ids, 0, repr(e)))
 
     def build_connector_meta(self, scheduler_output):
         meta = InferScaleMetadata(loads=self._pending)
@@ -298,13 +315,21 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         self._plans.pop(request.request_id, None)
-        self._refused.pop(request.request_id, None)
-        return False, None  # the blocks are vLLM's to free now (every load is synchronous)
+        self._deferred.pop(request.request_id, None)
+        reason = self._refused.pop(request.request_id, None)
+        done = self._finished.pop(request.request_id, None)
+        if not (getattr(request, "kv_transfer_params", None) or {}).get("inferscale"):
+            return False, None
+        # what the memory did for this request, handed back with its output
+        # (RequestOutput.kv_transfer_params; the OpenAI server's responses carry it)
+        report = {"loaded_tokens": 0, "refused": reason} if done is None else dict(done)
+        return False, {"inferscale": report}  # blocks are vLLM's to free now (loads are sync)
 
     def request_state(self) -> dict:
         """The request ids this (scheduler-side) connector holds state for: planned loads,
         refusals, loads not yet handed to the workers. Empty when no request is in flight."""
         return {"plans": set(self._plans), "refused": set(self._refused),
+                "finished": set(self._finished), "deferred": set(self._deferred),
                 "pending": {load.request_id for load in self._pending}}
 
     # ---------------------------------------------------------------------------------------
@@ -346,8 +371,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         if self._cache.num_heads != per:
             raise ValueError(f"inferscale: rank {rank}'s cache holds {self._cache.num_heads} heads, "
                              f"expected {per}")
-        self._memory = _Memory(self._directory, shard=(rank * per, per, first_layer, num_layers),
-                               device=self._device)
+        self._memory = MemoryReader(self._directory, transform=_worker_view(
+            (rank * per, per, first_layer, num_layers), self._device))
         self._rotation = self._make_rotation()
         logger.info("inferscale: TP rank %d/%d, PP stage %d/%d injects KV heads [%d, %d) into "
                     "layers [%d, %d) of %d slots (%s path)", rank, tp, pp_rank, pp, rank * per,
@@ -375,29 +400,31 @@ class InferScaleConnector(KVConnectorBase_V1):
         return rotation
 
     def start_load_kv(self, forward_context, **kwargs):
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, InferScaleMetadata) or not meta.loads:
-            return
         try:
-            self._memory.refresh()
-        except (OSError, ValueError) as e:
-            for load in meta.loads:
-                self._fail(load, f"the memory directory cannot be read: {e}")
+            meta = self._get_connector_metadata()
+        except Exception:  # noqa: BLE001 - no metadata bound: nothing to load
+            return
+        if not isinstance(meta, InferScaleMetadata) or not meta.loads:
             return
         failpoint = os.environ.get("INFERSCALE_VLLM_FAIL_LOAD_FOR_USER")
         for load in meta.loads:
             try:
+                if load.error is not None:
+                    raise RuntimeError(f"the scheduler could not plan it: {load.error}")
                 if failpoint and load.user == failpoint:
                     raise RuntimeError(f"failpoint INFERSCALE_VLLM_FAIL_LOAD_FOR_USER={failpoint}")
+                # the generation the scheduler checked (loaded in the background; waited for
+                # here only if this worker has not finished loading it yet)
+                _, (_, store) = self._memory.wait_for(load.generation)
                 if self._device:
                     import torch
 
                     # enqueued before the forward on the stream it runs on; not waited for
-                    _inferscale.inject_async(self._memory.store, self._cache, self._rotation,
+                    _inferscale.inject_async(store, self._cache, self._rotation,
                                              [(load.facts, 0, load.slots)],
                                              torch.cuda.current_stream().cuda_stream)
                 else:
-                    _inferscale.inject(self._memory.store, self._cache, self._rotation,
+                    _inferscale.inject(store, self._cache, self._rotation,
                                        [(load.facts, 0, load.slots)])
             except Exception as e:  # noqa: BLE001 - any failure: prefill instead, keep serving
                 self._fail(load, str(e))

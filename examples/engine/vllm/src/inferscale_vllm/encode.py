@@ -1,5 +1,5 @@
 """Encoding facts through vLLM itself: one forward over the text, pre-RoPE K/V captured by hooks
-(capture.py), stored in a MemoryStore. The LLM must be made with
+(capture.py), stored in a Memory (memory.py). The LLM must be made with
 ``worker_extension_cls="inferscale_vllm.capture.CaptureWorkerExtension"``."""
 
 from __future__ import annotations
@@ -73,15 +73,11 @@ def extract_from_cache(llm, slots, first_position: int = 0) -> dict:
 
 
 def model_description(llm) -> dict:
-    """What a memory records of the model (the connector refuses a vLLM model that differs)."""
-    mc = llm.llm_engine.model_config
-    hf = mc.hf_config
-    theta = getattr(hf, "rope_theta", None)
-    if theta is None:
-        theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    return {"name": mc.model, "num_layers": hf.num_hidden_layers,
-            "num_kv_heads": mc.get_total_num_kv_heads(), "head_dim": mc.get_head_size(),
-            "rope_theta": float(theta), "dtype": str(mc.dtype)}
+    """What a memory records of the model (memory.describe_model: geometry, rotation, dtype and
+    weights' digest; the connector refuses a vLLM model that differs)."""
+    from .memory import describe_model
+
+    return describe_model(llm.llm_engine.model_config)
 
 
 def add_fact(memory, llm, user: str, text: str, token_ids: list[int],
@@ -91,8 +87,7 @@ def add_fact(memory, llm, user: str, text: str, token_ids: list[int],
     `text`)."""
     context = list(context or [])
     kv = capture(llm, context + list(token_ids))
-    c = len(context)
-    return memory.add_fact(user, text, token_ids, kv["k"][:, c:], kv["v"][:, c:],
+    return memory.add_fact(user, text, token_ids, kv["k"], kv["v"], context=context,
                            embed_text=embed_text)
 
 

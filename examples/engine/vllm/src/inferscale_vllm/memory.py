@@ -1,427 +1,744 @@
-"""The memory directory: what the connector serves from, and the client helper.
+"""The memory directory: the library's memory facade bound once (``_inferscale.Memory``), what the
+connector serves from, and the client helpers.
 
-Layout of ``memory_dir`` (one deployment; one namespace per user):
-  manifest.json        {"format": 1, "generation": G, "model": {...}, "store": "store-G.iskv",
-                        "prefix": id | null, "next_id": n, "users": {user: [fact ids]},
-                        "facts": {id: {"user": u, "text": t, "tokens": c}},
-                        "embedder": {...} | null, "embeddings": "embeddings-G.npz" | null}
-  store-G.iskv         InferScale's store snapshot (pre-RoPE K/V of every fact, whole model)
-  embeddings-G.npz     retrieval (when the memory has an embedder): "ids" [n] uint64 and
-                       "vectors" [n, dim] float32, one unit-length text embedding per user fact
+One on-disk format for C++ and Python: the directory is a snapshot of the C++ facade written by its
+crash-safe ``save_memory`` — ``memory.ismem`` (the manifest, CRC-64 checksummed, naming every file
+by its checksum), ``store-*.iskv`` (every fact's pre-RoPE K/V), ``index-*.isx`` (the facts' text
+embeddings, one namespace per user), ``lifecycle-*.islc`` and ``application-*.isap``: this package's
+record (JSON) of what the facade does not know — the model's identity, the store's configuration,
+the embedder, each user's name and namespace, each fact's owner and text, the generation. All of it
+is replaced by one atomic manifest rename; a reader never sees half of a generation, and a file of
+another save is refused by its checksum. Beside it, ``salt.key`` (0600, made once) keys the
+memory's prefix-cache salts, and ``.writer.lock`` is the writers' lock.
 
-Writers (``MemoryStore``) change the store in memory and ``commit()`` a new generation: the snapshot
-and the embeddings are written under new names, then the manifest is replaced atomically (rename),
-then the previous generation's files are removed. Readers (the connector's scheduler and workers)
-check the manifest's stat before each step and reload a new generation; a reader never sees a
-half-written state.
+Contracts:
+  - One writer at a time: a writer (``Memory.create`` / ``Memory.open(..., writer=True)``) holds an
+    exclusive ``flock`` on ``.writer.lock`` until ``close()``; a second writer, in this process or
+    another, is refused with ValueError at once (never two writers taking the same fact id).
+  - Readers (``Memory.open(directory)``, ``MemoryReader``) take no lock and never fail because a
+    writer commits: a load that meets files a commit removed reads the new manifest and tries
+    again.
+  - Fact ids are never reused and a fact's K/V never change under its id, so a request planned
+    against generation G injects the same bytes from any later generation that still holds its
+    facts; a fact erased since is refused (the request falls back to prefill).
+  - Every refusal is a ValueError with the reason and the path, raised before anything changes.
 
-Retrieval: a memory made with an embedder (``MemoryStore.create(..., embedder=MiniLMEmbedder())``)
-embeds each fact's text as it is added and keeps InferScale's host graph index (the library's
-``graph_index``, one namespace per user) over the embeddings; it is rebuilt from the embeddings
-file on ``open`` and ``refresh``. ``retrieve(user, query, k)`` gives the user's k facts nearest to
-the query (cosine), best first; ``request_for_query`` composes that with ``request``.
-
-Fact ids are never reused and a fact's K/V never change under its id (an update is a new id), so a
-plan made against generation G injects the same bytes from any later generation that still holds
-its facts, and a fact erased since is refused (the request falls back to prefill).
+A memory without an embedder still goes through the facade, whose index then holds one 1-d unit
+vector per fact (the facade's lifecycle needs an index entry); retrieval is refused for it.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
+import hmac
 import json
 import os
-import tempfile
+import re
+import secrets
+import threading
 
 import numpy as np
 
-from ._inferscale import Index, Store, Tensor
+from ._inferscale import Memory as _Facade
 
-FORMAT = 1
-MANIFEST = "manifest.json"
-INVALID_ID = (1 << 64) - 1  # the index's "no fact" id
-
-
-def _tensor(a: np.ndarray) -> Tensor:
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    return Tensor(a.ctypes.data, list(a.shape), [s // 4 for s in a.strides], "float32"), a
-
-
-def cache_salt(user: str, facts: list[int], generation: int, recompute_tokens: int = 0) -> str:
-    """The prefix-cache salt of a memory request: vLLM hashes it into the first block, so blocks
-    filled from memory are shared only by requests with the same user, facts, generation and
-    recompute setting (a block vLLM computed in context is not one injected), and never with a
-    request whose text merely starts with the same tokens."""
-    key = f"inferscale/1/{user}/{generation}/{','.join(str(f) for f in facts)}"
-    if recompute_tokens:
-        key += f"/recompute={recompute_tokens}"
-    return "inferscale-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+FORMAT = 2
+MANIFEST = "memory.ismem"
+LOCK = ".writer.lock"
+SALT_KEY = "salt.key"
+PREFIX_NAMESPACE = 0
+MODEL_KEYS = ("name", "num_layers", "num_kv_heads", "head_dim", "rope_theta")
+_USER = re.compile(r"[^\x00-\x1f]{1,256}")
+# load attempts while a writer keeps committing under a reader (each attempt sees a newer manifest)
+_LOAD_ATTEMPTS = 20
 
 
-class MemoryStore:
-    """Read-write access to a memory directory (the offline side: adding and erasing facts) and
-    the client helper (retrieval, requests)."""
+def _error(directory: str, what: str) -> ValueError:
+    return ValueError(f"inferscale: memory {directory}: {what}")
 
-    def __init__(self, directory: str, manifest: dict, store: Store, embedder=None,
-                 vectors: dict | None = None):
+
+def _check_user(user) -> str:
+    if not isinstance(user, str) or not _USER.fullmatch(user):
+        raise ValueError(f"inferscale: a user is a str of 1-256 printable characters, got {user!r}")
+    return user
+
+
+def _check_tokens(tokens, what: str) -> list[int]:
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+        raise ValueError(f"inferscale: {what} must be a list of token ids, got {type(tokens).__name__}")
+    out = []
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31:
+            raise ValueError(f"inferscale: {what} must hold token ids in [0, 2^31), got {t!r}")
+        out.append(int(t))
+    return out
+
+
+def _kv(a, what: str) -> np.ndarray:
+    """A [layers, tokens, heads, head_dim] float32 C-contiguous array from numpy or torch."""
+    if hasattr(a, "detach"):  # torch
+        a = a.detach().float().cpu().numpy()
+    a = np.asarray(a)
+    if not np.issubdtype(a.dtype, np.floating):
+        raise ValueError(f"inferscale: {what} are {a.dtype}, not floating point")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def weights_digest(model_dir: str) -> str:
+    """sha256 over the model folder's weight files (name, size and bytes, in name order): the
+    model's identity beyond its geometry (two models of one geometry differ here)."""
+    names = sorted(f for f in os.listdir(model_dir)
+                   if f.endswith((".safetensors", ".bin", ".pt", ".gguf")))
+    if not names:
+        raise ValueError(f"inferscale: {model_dir} holds no weight files (*.safetensors, *.bin)")
+    h = hashlib.sha256()
+    for name in names:
+        path = os.path.join(model_dir, name)
+        h.update(f"{name}\0{os.path.getsize(path)}\0".encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+_digests: dict = {}
+
+
+def describe_model(model_config) -> dict:
+    """What a memory records of the model it was encoded with, from vLLM's ModelConfig: the
+    geometry, the rotation (theta, scaling, rotary fraction), the dtype and the weights' digest
+    (weights_digest of a local folder; computed once per process and folder state). The
+    connector refuses a serving model that differs in any of them."""
+    hf = model_config.hf_config
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    theta = getattr(hf, "rope_theta", None)
+    if theta is None:
+        theta = params.get("rope_theta", 10000.0)
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"} or \
+        getattr(hf, "rope_scaling", None)
+    d = {"name": str(model_config.model),
+         "num_layers": model_config.get_total_num_hidden_layers(),
+         "num_kv_heads": model_config.get_total_num_kv_heads(),
+         "head_dim": model_config.get_head_size(), "rope_theta": float(theta),
+         "rope_scaling": json.loads(json.dumps(scaling, default=str)) if scaling else None,
+         "partial_rotary_factor": float(getattr(hf, "partial_rotary_factor", 1.0) or 1.0),
+         "dtype": str(model_config.dtype).replace("torch.", "")}
+    folder = str(model_config.model)
+    if os.path.isdir(folder):
+        state = tuple(sorted((f, os.stat(os.path.join(folder, f)).st_size,
+                              os.stat(os.path.join(folder, f)).st_mtime_ns)
+                             for f in os.listdir(folder)))
+        key = (os.path.realpath(folder), state)
+        if key not in _digests:
+            _digests[key] = weights_digest(folder)
+        d["weights"] = _digests[key]
+    return d
+
+
+def check_model(recorded: dict, running: dict) -> str | None:
+    """Why a memory recorded for `recorded` must not serve `running` (both model descriptions),
+    or None. Every key the memory recorded must match, the weights' digest among them."""
+    for key, value in recorded.items():
+        if key == "name":
+            continue  # a folder may move; its weights' digest says whether it is the same model
+        if running.get(key) != value:
+            return (f"the memory was built for {key} = {value!r}, this model has "
+                    f"{running.get(key)!r} (memory model {recorded.get('name')!r})")
+    return None
+
+
+class Memory:
+    """A memory directory through the C++ facade: the writer's side (facts added, erased,
+    committed) and a reader's (retrieval, requests)."""
+
+    def __init__(self, directory: str, facade, app: dict, embedder=None, lock_fd=None):
         self.directory = directory
-        self.manifest = manifest
-        self.store = store
+        self._facade = facade
+        self.app = app
         self.embedder = embedder
+        self._lock_fd = lock_fd
         self._dirty = False
-        self._vectors = {}  # fact id -> float32 [dim]: the embeddings of the user facts
-        self._index = None
-        self._ns = {}       # user -> the index namespace holding their facts
-        if manifest.get("embedder") is not None:
-            _check_embedder(manifest["embedder"], embedder, directory)
-            self._vectors = dict(vectors or {})
-            self._build_index()
+        self._mutex = threading.RLock()  # one Python thread at a time changes app + facade
+        if app.get("embedder") is not None and embedder is not None:
+            got = embedder.description()
+            for key in ("name", "dim"):
+                if got.get(key) != app["embedder"].get(key):
+                    raise _error(directory, f"it embeds with {app['embedder']}, this embedder is "
+                                            f"{got}")
 
-    # -- creation and loading -------------------------------------------------------------------
+    # -- creation, opening, closing ---------------------------------------------------------
     @classmethod
     def create(cls, directory: str, *, model: dict, dtype: str = "bfloat16",
-               num_pages: int = 4096, page_size: int = 16, embedder=None) -> "MemoryStore":
-        """A new, empty memory for a model. ``model`` names at least num_layers, num_kv_heads,
-        head_dim, rope_theta and name (the connector refuses a vLLM model that differs).
-        ``embedder`` (e.g. ``embed.MiniLMEmbedder()``): facts are embedded as they are added and
-        can be retrieved by a query text; the memory records it and refuses another one later."""
-        for key in ("name", "num_layers", "num_kv_heads", "head_dim", "rope_theta"):
+               num_pages: int = 4096, page_size: int = 16, embedder=None) -> "Memory":
+        """A new, empty memory for a model (the caller becomes its writer). ``model`` names at
+        least name, num_layers, num_kv_heads, head_dim and rope_theta; every key it holds (the
+        weights' digest, the dtype, the rotation) is checked against the serving model."""
+        for key in MODEL_KEYS:
             if key not in model:
-                raise ValueError(f"MemoryStore.create: model description lacks '{key}'")
+                raise ValueError(f"inferscale: Memory.create: the model description lacks {key!r}")
+        dim = 1
         description = None
         if embedder is not None:
             description = embedder.description()
             if not isinstance(description.get("dim"), int) or description["dim"] < 1:
-                raise ValueError(f"MemoryStore.create: the embedder's description {description} "
-                                 "has no positive 'dim'")
+                raise ValueError(f"inferscale: Memory.create: the embedder's description "
+                                 f"{description} has no positive 'dim'")
+            dim = description["dim"]
         os.makedirs(directory, exist_ok=True)
-        if os.path.exists(os.path.join(directory, MANIFEST)):
-            raise ValueError(f"MemoryStore.create: {directory} already holds a memory")
-        store = Store(model["num_layers"], model["num_kv_heads"], model["head_dim"], dtype,
-                      num_pages, page_size)
-        manifest = {"format": FORMAT, "generation": 0, "model": dict(model), "store": None,
-                    "prefix": None, "next_id": 1, "users": {}, "facts": {},
-                    "embedder": description, "embeddings": None}
-        m = cls(directory, manifest, store, embedder)
-        m.commit()
-        return m
+        lock_fd = _lock_writer(directory)
+        try:
+            if os.path.exists(os.path.join(directory, MANIFEST)):
+                raise _error(directory, "it already holds a memory (Memory.open it)")
+            store = {"dtype": dtype, "num_pages": int(num_pages), "page_size": int(page_size),
+                     "embedding_dim": dim}
+            facade = _Facade(model["num_layers"], model["num_kv_heads"], model["head_dim"],
+                             dtype, int(num_pages), int(page_size), dim)
+            _make_salt_key(directory)
+            app = {"format": FORMAT, "generation": 0, "model": dict(model), "store": store,
+                   "embedder": description, "users": {}, "next_namespace": 1, "next_id": 1,
+                   "facts": {}, "prefix": None}
+            m = cls(directory, facade, app, embedder, lock_fd)
+            m.commit()
+            return m
+        except BaseException:
+            _unlock(lock_fd)
+            raise
 
     @classmethod
-    def open(cls, directory: str, embedder=None) -> "MemoryStore":
-        """The memory's newest generation. A memory with retrieval needs ``embedder`` (the same
-        model it was made with) to add facts or to retrieve by text; its index is rebuilt here
-        from the generation's embeddings."""
-        manifest = read_manifest(directory)
-        store = load_store(directory, manifest)
-        return cls(directory, manifest, store, embedder, load_embeddings(directory, manifest))
+    def open(cls, directory: str, embedder=None, *, writer: bool = False,
+             dtype: str | None = None) -> "Memory":
+        """The memory's newest generation; ``writer=True`` takes the writers' lock (refused while
+        another writer holds it). A memory with retrieval needs ``embedder`` to add facts or to
+        retrieve by text. ``dtype`` converts the store as it loads (the library's load_store:
+        float32 widens exactly); a writer's next commit keeps that dtype."""
+        lock_fd = _lock_writer(directory) if writer else None
+        try:
+            facade, app = load_generation(directory, dtype)
+            return cls(directory, facade, app, embedder, lock_fd)
+        except BaseException:
+            _unlock(lock_fd)
+            raise
+
+    def close(self) -> None:
+        """Gives the writers' lock back (uncommitted changes are dropped)."""
+        _unlock(self._lock_fd)
+        self._lock_fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def refresh(self) -> bool:
-        """Loads a newer generation committed by another writer (store, embeddings, index);
-        False when the directory holds this one. Refused while this writer has uncommitted
-        changes (they would be lost)."""
-        manifest = read_manifest(self.directory)
-        if manifest["generation"] == self.generation:
+        """A reader: loads a newer generation if one was committed; False when none was."""
+        if self._lock_fd is not None:
+            raise _error(self.directory, "refresh() is a reader's: this writer's generation is the "
+                                         "newest")
+        facade, app = load_generation(self.directory)
+        if app["generation"] == self.generation:
             return False
-        if self._dirty:
-            raise ValueError("MemoryStore.refresh: this writer has uncommitted changes; commit "
-                             "them (or reopen) first")
-        store = load_store(self.directory, manifest)
-        vectors = load_embeddings(self.directory, manifest)
-        MemoryStore.__init__(self, self.directory, manifest, store, self.embedder, vectors)
+        with self._mutex:
+            self._facade, self.app = facade, app
         return True
 
-    # -- facts ----------------------------------------------------------------------------------
+    # -- what it holds ----------------------------------------------------------------------
     @property
     def generation(self) -> int:
-        return self.manifest["generation"]
+        return self.app["generation"]
 
-    def facts(self, user: str) -> list[int]:
-        return list(self.manifest["users"].get(user, []))
+    @property
+    def model(self) -> dict:
+        return self.app["model"]
 
-    def text(self, fact_id: int) -> str:
-        return self.manifest["facts"][str(fact_id)]["text"]
+    @property
+    def manifest(self) -> dict:
+        """The package's record of this generation (read-only use)."""
+        return self.app
 
-    def add_fact(self, user: str, text: str, token_ids, keys, values, *,
-                 embed_text: str | None = None) -> int:
-        """Stores a fact's pre-RoPE K/V (``[layers, tokens, kv_heads, head_dim]``, any float
-        type) under a new id in the user's namespace; with retrieval, also embeds ``embed_text``
-        (default: ``text``) into the user's index. Nothing is written on a refusal."""
-        if not isinstance(user, str) or not user:
-            raise ValueError("MemoryStore.add_fact: the user is a non-empty str")
-        vector = None
-        if self.retrieval:
-            self._need_embedder("add_fact")
-            vector = self.embedder.embed(text if embed_text is None else embed_text)[0]
-        elif embed_text is not None:
-            raise ValueError("MemoryStore.add_fact: embed_text given, but this memory has no "
-                             "embedder (MemoryStore.create(..., embedder=...))")
-        fid = self.manifest["next_id"]
-        self._insert(fid, token_ids, keys, values)
-        if vector is not None:
-            try:
-                self._index.add(self._namespace(user), vector.ctypes.data, 1, vector.shape[0], [fid])
-            except Exception:
-                self.store.erase(fid)
-                raise
-            self._vectors[fid] = vector
-        self.manifest["next_id"] = fid + 1
-        self.manifest["users"].setdefault(user, []).append(fid)
-        self.manifest["facts"][str(fid)] = {"user": user, "text": text, "tokens": len(token_ids)}
-        self._dirty = True
-        return fid
+    @property
+    def store(self):
+        """The facade's store (a view: token ids, composed tokens, injection)."""
+        return self._facade.store
 
-    def set_prefix(self, text: str, token_ids, keys, values) -> int:
-        """The shared head of every memory segment (e.g. the chat template's system turn): its
-        K/V stored once, injected first in every request."""
-        fid = self.manifest["next_id"]
-        self._insert(fid, token_ids, keys, values)
-        old = self.manifest["prefix"]
-        if old is not None:
-            self.store.erase(old)
-            del self.manifest["facts"][str(old)]
-        self.manifest["next_id"] = fid + 1
-        self.manifest["prefix"] = fid
-        self.manifest["facts"][str(fid)] = {"user": None, "text": text, "tokens": len(token_ids)}
-        self._dirty = True
-        return fid
+    @property
+    def facade(self):
+        return self._facade
 
-    def erase_fact(self, fact_id: int) -> None:
-        key = str(fact_id)
-        if key not in self.manifest["facts"] or fact_id == self.manifest["prefix"]:
-            raise ValueError(f"MemoryStore.erase_fact: no user fact {fact_id}")
-        if self._index is not None and self._index.contains(fact_id):
-            self._index.erase([fact_id])
-        self._vectors.pop(fact_id, None)
-        self.store.erase(fact_id)
-        user = self.manifest["facts"].pop(key)["user"]
-        self.manifest["users"][user].remove(fact_id)
-        if not self.manifest["users"][user]:
-            del self.manifest["users"][user]
-        self._dirty = True
-
-    def _insert(self, fid, token_ids, keys, values):
-        k = keys.float().numpy() if hasattr(keys, "numpy") else np.asarray(keys)
-        v = values.float().numpy() if hasattr(values, "numpy") else np.asarray(values)
-        kt, kbuf = _tensor(k)
-        vt, vbuf = _tensor(v)
-        self.store.insert(fid, 0, [int(t) for t in token_ids], kt, vt)
-        del kbuf, vbuf
-
-    # -- commit ---------------------------------------------------------------------------------
-    def commit(self) -> int:
-        """Writes a new generation (snapshot and embeddings, then the manifest by rename);
-        returns it."""
-        gen = self.manifest["generation"] + 1
-        name = f"store-{gen}.iskv"
-        self.store.save(os.path.join(self.directory, name))
-        old = self.manifest.get("store")
-        old_embeddings = self.manifest.get("embeddings")
-        embeddings = None
-        if self.retrieval:
-            embeddings = f"embeddings-{gen}.npz"
-            ids = np.array(sorted(self._vectors), dtype=np.uint64)
-            dim = self.manifest["embedder"]["dim"]
-            vectors = (np.stack([self._vectors[int(i)] for i in ids]) if len(ids)
-                       else np.zeros((0, dim), np.float32))
-            fd, tmp = tempfile.mkstemp(prefix=".embeddings-", suffix=".npz", dir=self.directory)
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, ids=ids, vectors=vectors.astype(np.float32, copy=False))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(self.directory, embeddings))
-        manifest = dict(self.manifest, generation=gen, store=name, embeddings=embeddings)
-        fd, tmp = tempfile.mkstemp(prefix=".manifest-", dir=self.directory)
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.directory, MANIFEST))
-        self.manifest = manifest
-        self._dirty = False
-        for previous, current in ((old, name), (old_embeddings, embeddings)):
-            if previous and previous != current:
-                try:
-                    os.remove(os.path.join(self.directory, previous))
-                except FileNotFoundError:
-                    pass
-        return gen
-
-    # -- retrieval ------------------------------------------------------------------------------
     @property
     def retrieval(self) -> bool:
-        """Whether this memory embeds its facts (it was created with an embedder)."""
-        return self.manifest.get("embedder") is not None
+        return self.app.get("embedder") is not None
 
-    def search(self, user: str, queries, k: int, *, algo: str = "automatic"):
-        """The k facts of ``user`` nearest to each query embedding (``[n, dim]`` or ``[dim]``,
-        any float type; cosine): ``(ids [n, k] int64, distances [n, k] float32)``, best first,
-        distance = 1 - cosine. ``algo``: "automatic" (the library's choice: exact for small
-        namespaces), "graph" or "exact". Refused (ValueError): a memory without retrieval, an
-        unknown user, k outside 1 .. the user's facts, a wrong dimension, NaN or zero queries."""
+    @property
+    def prefix(self) -> int | None:
+        return self.app["prefix"]
+
+    def users(self) -> list[str]:
+        return sorted(self.app["users"])
+
+    def facts(self, user: str) -> list[int]:
+        ns = self.app["users"].get(user) if isinstance(user, str) else None
+        return [] if ns is None else sorted(int(i) for i in self._facade.facts(ns))
+
+    def owner(self, fact_id: int) -> str | None:
+        f = self.app["facts"].get(str(fact_id))
+        return None if f is None else f["user"]
+
+    def text(self, fact_id: int) -> str:
+        f = self.app["facts"].get(str(fact_id))
+        if f is None:
+            raise _error(self.directory, f"no fact {fact_id!r}")
+        return f["text"]
+
+    # -- writing ----------------------------------------------------------------------------
+    def _writer(self, what: str) -> None:
+        if self._lock_fd is None:
+            raise _error(self.directory, f"{what} needs the writer (Memory.open(..., writer=True))")
+
+    def add_fact(self, user: str, text: str, token_ids, keys, values, *, context=(),
+                 first_position: int = 0, embed_text: str | None = None, embedding=None) -> int:
+        """Stores a fact of `user`: its tokens seen behind ``context`` (whose K/V are dropped) at
+        positions ``first_position ..``; ``keys`` / ``values`` are the engine's pre-RoPE K/V of
+        ``context + token_ids`` (``[layers, len(context) + len(token_ids), kv_heads, head_dim]``,
+        any float type). With retrieval, ``embed_text`` (default ``text``) is embedded by the
+        memory's embedder, or ``embedding`` is given. Nothing is written on a refusal."""
+        return self.add_facts(user, [dict(text=text, token_ids=token_ids, keys=keys, values=values,
+                                          context=context, first_position=first_position,
+                                          embed_text=embed_text, embedding=embedding)])[0]
+
+    def add_facts(self, user: str, facts: list[dict]) -> list[int]:
+        """add_fact for several facts of one user, all or nothing (one facade call)."""
+        self._writer("add_facts")
+        _check_user(user)
+        if not isinstance(facts, list) or not facts:
+            raise ValueError("inferscale: add_facts takes a non-empty list of facts")
+        with self._mutex:
+            ids, contexts, tokens, positions, keys, values, texts, vectors = ([] for _ in range(8))
+            next_id = self.app["next_id"]
+            for i, f in enumerate(facts):
+                text = f.get("text")
+                if not isinstance(text, str) or not text.strip():
+                    raise ValueError(f"inferscale: fact {i}: the text is a non-empty str, got "
+                                     f"{text!r}")
+                toks = _check_tokens(f.get("token_ids"), f"fact {i}'s token_ids")
+                ctx = _check_tokens(f.get("context", ()), f"fact {i}'s context")
+                if not toks:
+                    raise ValueError(f"inferscale: fact {i} has no tokens")
+                p0 = f.get("first_position", 0)
+                if isinstance(p0, bool) or not isinstance(p0, int) or p0 < 0:
+                    raise ValueError(f"inferscale: fact {i}: first_position is an int >= 0")
+                ids.append(next_id + i)
+                contexts.append(ctx)
+                tokens.append(toks)
+                positions.append(p0)
+                keys.append(_kv(f.get("keys"), f"fact {i}'s keys"))
+                values.append(_kv(f.get("values"), f"fact {i}'s values"))
+                texts.append(text)
+                vectors.append(self._embedding(f, text))
+            ns = self.app["users"].get(user)
+            new_user = ns is None
+            if new_user:
+                ns = self.app["next_namespace"]
+            # unique texts for the embedder adapter: the facade embeds by text
+            keyed = [f"{fid}\0{t}" for fid, t in zip(ids, texts)]
+            self._facade.add_facts(ns, ids, contexts, tokens, positions, keys, values, keyed,
+                                   np.ascontiguousarray(np.stack(vectors), dtype=np.float32))
+            if new_user:
+                self.app["users"][user] = ns
+                self.app["next_namespace"] = ns + 1
+            for fid, text in zip(ids, texts):
+                self.app["facts"][str(fid)] = {"user": user, "text": text}
+            self.app["next_id"] = next_id + len(ids)
+            self._dirty = True
+            return ids
+
+    def _embedding(self, f: dict, text: str) -> np.ndarray:
+        dim = self.app["store"]["embedding_dim"]
         if not self.retrieval:
-            raise ValueError("MemoryStore.search: this memory has no embedder "
-                             "(MemoryStore.create(..., embedder=...))")
-        facts = self.manifest["users"].get(user) if isinstance(user, str) else None
+            if f.get("embedding") is not None or f.get("embed_text") is not None:
+                raise _error(self.directory, "an embedding was given, but this memory has no "
+                                             "embedder (Memory.create(..., embedder=...))")
+            return np.ones(1, np.float32)
+        if f.get("embedding") is not None:
+            v = np.asarray(f["embedding"], dtype=np.float32).reshape(-1)
+        else:
+            self._need_embedder("add_fact")
+            v = np.asarray(self.embedder.embed(f.get("embed_text") or text)[0], np.float32)
+        if v.shape != (dim,) or not np.isfinite(v).all() or not np.any(v):
+            raise ValueError(f"inferscale: a fact's embedding must be {dim} finite values, not all "
+                             f"zero (got shape {v.shape})")
+        return v
+
+    def set_prefix(self, text: str, token_ids, keys, values) -> int:
+        """The shared head of every memory segment (e.g. the chat template's system turn), set
+        once: its K/V at position 0, injected first in every request."""
+        self._writer("set_prefix")
+        toks = _check_tokens(token_ids, "the prefix's token_ids")
+        with self._mutex:
+            if self.app["prefix"] is not None:
+                raise _error(self.directory, f"the prefix is already set (fact "
+                                             f"{self.app['prefix']})")
+            fid = self.app["next_id"]
+            self._facade.set_instruction_prefix(toks, fid, PREFIX_NAMESPACE,
+                                                _kv(keys, "the prefix's keys"),
+                                                _kv(values, "the prefix's values"))
+            self.app["prefix"] = fid
+            self.app["facts"][str(fid)] = {"user": None, "text": text}
+            self.app["next_id"] = fid + 1
+            self._dirty = True
+            return fid
+
+    def erase_fact(self, fact_id: int, user: str | None = None) -> None:
+        """Erases a fact (its K/V pages zeroed); with `user`, only one of that user's."""
+        self._writer("erase_fact")
+        with self._mutex:
+            f = self.app["facts"].get(str(fact_id)) if isinstance(fact_id, int) else None
+            if f is None or f["user"] is None:
+                raise _error(self.directory, f"no user fact {fact_id!r}")
+            if user is not None and f["user"] != user:
+                raise _error(self.directory, f"fact {fact_id} is not one of {user!r}'s facts")
+            self._facade.erase_fact(int(fact_id))
+            del self.app["facts"][str(fact_id)]
+            self._dirty = True
+
+    def erase_user(self, user: str) -> int:
+        """Forgets a user: every fact erased; returns how many."""
+        self._writer("erase_user")
+        with self._mutex:
+            ns = self.app["users"].get(user) if isinstance(user, str) else None
+            if ns is None:
+                raise _error(self.directory, f"unknown user {user!r}")
+            n = self._facade.erase_namespace(ns)
+            for key in [k for k, f in self.app["facts"].items() if f["user"] == user]:
+                del self.app["facts"][key]
+            del self.app["users"][user]
+            self._dirty = True
+            return int(n)
+
+    def commit(self) -> int:
+        """Writes a new generation with the facade's crash-safe save (every file and this
+        package's record in one directory transaction); returns it."""
+        self._writer("commit")
+        with self._mutex:
+            app = dict(self.app, generation=self.app["generation"] + 1)
+            self._facade.save(self.directory, json.dumps(app, sort_keys=True).encode())
+            self.app = app
+            self._dirty = False
+            return app["generation"]
+
+    # -- retrieval and requests -------------------------------------------------------------
+    def retrieve(self, user: str, query, k: int) -> list[int]:
+        """The ids of `user`'s k facts nearest to the query (a text, embedded by the memory's
+        embedder, or an embedding), most relevant first. k outside 1 .. the user's facts, an
+        unknown user and a memory without retrieval are refused, never cut down."""
+        if not self.retrieval:
+            raise _error(self.directory, "it has no embedder: retrieval is not available")
+        ns = self.app["users"].get(user) if isinstance(user, str) else None
+        facts = self.facts(user) if ns is not None else []
         if not facts:
-            raise ValueError(f"MemoryStore.search: unknown user {user!r} (no facts)")
+            raise _error(self.directory, f"unknown user {user!r} (no facts)")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= len(facts):
-            raise ValueError(f"MemoryStore.search: k must be in 1 .. {len(facts)} ({user!r}'s "
+            raise ValueError(f"inferscale: k must be an int in 1 .. {len(facts)} ({user!r}'s "
                              f"facts), got {k!r}")
-        q = np.asarray(queries)
-        if q.ndim == 1:
-            q = q[None, :]
-        if q.ndim != 2 or q.shape[1] != self._index.dim:
-            raise ValueError(f"MemoryStore.search: queries have shape {np.shape(queries)}, the "
-                             f"index takes [n, {self._index.dim}]")
-        if not np.issubdtype(q.dtype, np.floating):
-            raise ValueError(f"MemoryStore.search: queries are {q.dtype}, not floating point")
-        q = np.ascontiguousarray(q, dtype=np.float32)
-        ids = np.empty((q.shape[0], int(k)), np.uint64)
-        distances = np.empty((q.shape[0], int(k)), np.float32)
-        self._index.search(self._ns[user], q.ctypes.data, q.shape[0], q.shape[1], int(k),
-                           ids.ctypes.data, distances.ctypes.data, algo)
-        if (ids == INVALID_ID).any():  # k <= the user's facts: every slot is a fact
-            raise RuntimeError("MemoryStore.search: the index returned fewer facts than the user has")
-        return ids.astype(np.int64), distances
+        if isinstance(query, str):
+            self._need_embedder("retrieve")
+            vector = np.asarray(self.embedder.embed(query)[0], np.float32)
+        else:
+            vector = np.asarray(query, np.float32).reshape(-1)
+        dim = self.app["store"]["embedding_dim"]
+        if vector.shape != (dim,):
+            raise ValueError(f"inferscale: a query embedding has {dim} values, got shape "
+                             f"{vector.shape}")
+        if not np.isfinite(vector).all():
+            raise ValueError("inferscale: the query embedding holds NaN or infinite values")
+        if not np.any(vector):
+            raise ValueError("inferscale: the query embedding is all zero (no direction to "
+                             "compare under cosine)")
+        return [int(i) for i in self._facade.retrieve(ns, np.ascontiguousarray(vector), int(k))]
 
-    def retrieve(self, user: str, query: str, k: int, *, algo: str = "automatic") -> list[int]:
-        """The ids of ``user``'s k facts nearest to the query text (cosine of the embeddings),
-        best first. k larger than the user's facts is refused, never cut down."""
-        if not self.retrieval:
-            raise ValueError("MemoryStore.retrieve: this memory has no embedder "
-                             "(MemoryStore.create(..., embedder=...))")
-        self._need_embedder("retrieve")
-        if not isinstance(user, str) or not self.manifest["users"].get(user):
-            raise ValueError(f"MemoryStore.retrieve: unknown user {user!r} (no facts)")
-        ids, _ = self.search(user, self.embedder.embed(query), k, algo=algo)
-        return [int(i) for i in ids[0]]
+    def search(self, user: str, queries, k: int):
+        """Ids (best first) of `user`'s k nearest facts for each query embedding ([n, dim])."""
+        q = np.atleast_2d(np.asarray(queries, np.float32))
+        return np.array([self.retrieve(user, row, k) for row in q], np.int64)
 
     def _need_embedder(self, what: str) -> None:
         if self.embedder is None:
-            raise ValueError(f"MemoryStore.{what}: this memory embeds with "
-                             f"{self.manifest['embedder']['name']}; open it with that embedder "
-                             "(MemoryStore.open(directory, embedder=...))")
+            raise _error(self.directory, f"{what}: it embeds with {self.app['embedder']['name']}; "
+                                         "open it with that embedder")
 
-    def _namespace(self, user: str) -> int:
-        if user not in self._ns:
-            self._ns[user] = len(self._ns) + 1
-        return self._ns[user]
+    def salt(self, user: str, facts: list[int], recompute_tokens: int = 0) -> str:
+        return cache_salt(self.directory, user, facts, self.generation, recompute_tokens)
 
-    def _build_index(self) -> None:
-        """The index of the current facts, from their embeddings (one namespace per user)."""
-        dim = self.manifest["embedder"]["dim"]
-        index = Index(dim, "cosine")
-        self._ns = {}
-        for user in sorted(self.manifest["users"]):
-            ids = self.manifest["users"][user]
-            missing = [f for f in ids if f not in self._vectors]
-            if missing:
-                raise ValueError(f"inferscale: the memory at {self.directory} has no embeddings "
-                                 f"for {user!r}'s facts {missing[:5]}")
-            m = np.ascontiguousarray(np.stack([self._vectors[f] for f in ids]), dtype=np.float32)
-            index.add(self._namespace(user), m.ctypes.data, m.shape[0], m.shape[1], list(ids))
-        self._index = index
+    def request(self, user: str, facts: list[int], query_token_ids, *,
+                recompute_tokens: int = 0) -> dict:
+        """What to pass vLLM for a question answered with memory: the prompt (the prefix and
+        `facts` in this order, then the query) with the memory's keyed cache salt, and the
+        kv_transfer_params naming the user and the facts."""
+        owned = set(self.facts(user))
+        if not isinstance(facts, list) or not facts:
+            raise ValueError("inferscale: facts must be a non-empty list of fact ids")
+        for f in facts:
+            if isinstance(f, bool) or not isinstance(f, int) or f not in owned:
+                raise _error(self.directory, f"fact {f!r} is not one of {user!r}'s facts")
+        if len(set(facts)) != len(facts):
+            raise ValueError(f"inferscale: facts {facts} name a fact twice")
+        query = _check_tokens(query_token_ids, "query_token_ids")
+        order = ([self.prefix] if self.prefix is not None else []) + list(facts)
+        memory = list(self.store.composed_tokens(order))
+        if (isinstance(recompute_tokens, bool) or not isinstance(recompute_tokens, int)
+                or not 0 <= recompute_tokens <= len(memory)):
+            raise ValueError(f"inferscale: recompute_tokens must be an int in [0, {len(memory)}] "
+                             f"(the segment's tokens), got {recompute_tokens!r}")
+        params = {"user": user, "facts": list(facts), "generation": self.generation,
+                  "memory_tokens": len(memory)}
+        if recompute_tokens:
+            params["recompute_tokens"] = recompute_tokens
+        return {"prompt": {"prompt_token_ids": memory + query,
+                           "cache_salt": self.salt(user, facts, recompute_tokens)},
+                "extra_args": {"kv_transfer_params": {"inferscale": params}},
+                "memory_tokens": len(memory)}
 
-    # -- the client helper ----------------------------------------------------------------------
-    def request_for_query(self, user: str, query: str, query_token_ids: list[int], k: int, *,
+    def request_for_query(self, user: str, query: str, query_token_ids, k: int, *,
                           order: str = "best_last", recompute_tokens: int = 0) -> dict:
-        """``request`` for the user's k facts retrieved for the query text: the same dict, plus
-        "retrieved" (the ids, best first). ``order`` lays them out: "best_last" (the most
-        relevant fact next to the query, as the library's memory facade does; with
-        ``recompute_tokens`` the facts vLLM recomputes in context are the most relevant) or
-        "best_first"."""
+        """``request`` for the user's k facts retrieved for the query text, laid out with the
+        most relevant fact last (next to the query: "best_last", the facade's layout) or first;
+        the dict also names them ("retrieved", best first)."""
         if order not in ("best_last", "best_first"):
-            raise ValueError(f"MemoryStore.request_for_query: order is 'best_last' or "
-                             f"'best_first', got {order!r}")
+            raise ValueError(f"inferscale: order is 'best_last' or 'best_first', got {order!r}")
         retrieved = self.retrieve(user, query, k)
         r = self.request(user, retrieved[::-1] if order == "best_last" else retrieved,
                          query_token_ids, recompute_tokens=recompute_tokens)
         r["retrieved"] = retrieved
         return r
 
-    def request(self, user: str, facts: list[int], query_token_ids: list[int], *,
-                recompute_tokens: int = 0) -> dict:
-        """What to pass vLLM for a question answered with memory: the prompt (memory segment +
-        query tokens, with the memory's prefix-cache salt) and the kv_transfer_params naming the
-        user and the facts. Use as ``llm.generate(r["prompt"], SamplingParams(..., extra_args=
-        r["extra_args"]))``. The same prompt without the extra_args is the re-prefill baseline.
 
-        ``recompute_tokens``: the segment's last tokens that vLLM prefills in context instead of
-        loading them (suffix recompute, the form of issue 30's recompute a KV connector allows:
-        it can only hand vLLM a prefix of the prompt). Those tokens see every fact before them,
-        so the facts at the end (the most relevant, with ``request_for_query``'s "best_last")
-        regain the cross-fact attention independent encoding lacks; the connector loads the
-        segment's whole blocks before them."""
-        owned = set(self.manifest["users"].get(user, []))
-        for f in facts:
-            if f not in owned:
-                raise ValueError(f"MemoryStore.request: fact {f} is not one of {user}'s facts")
-        order = ([self.manifest["prefix"]] if self.manifest["prefix"] is not None else []) + list(facts)
-        memory = self.store.composed_tokens(order)
-        if (isinstance(recompute_tokens, bool) or not isinstance(recompute_tokens, int)
-                or not 0 <= recompute_tokens <= len(memory)):
-            raise ValueError(f"MemoryStore.request: recompute_tokens must be an int in [0, "
-                             f"{len(memory)}] (the segment's tokens), got {recompute_tokens!r}")
-        params = {"user": user, "facts": list(facts), "generation": self.generation,
-                  "memory_tokens": len(memory)}
-        if recompute_tokens:
-            params["recompute_tokens"] = recompute_tokens
-        return {"prompt": {"prompt_token_ids": list(memory) + list(query_token_ids),
-                           "cache_salt": cache_salt(user, facts, self.generation,
-                                                    recompute_tokens)},
-                "extra_args": {"kv_transfer_params": {"inferscale": params}},
-                "memory_tokens": len(memory)}
-
-
-def read_manifest(directory: str) -> dict:
-    path = os.path.join(directory, MANIFEST)
+# -- the directory's files ----------------------------------------------------------------------
+def _lock_writer(directory: str) -> int:
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"inferscale: no memory at {directory} (no {MANIFEST})") from None
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"inferscale: {path} has format {manifest.get('format')}, expected {FORMAT}")
-    return manifest
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise _error(directory, f"another writer holds {path} (one writer at a time; readers "
+                                    "need no lock)") from None
+        raise _error(directory, f"cannot lock {path}: {e}") from None
+    return fd
 
 
-def _check_embedder(recorded: dict, embedder, directory: str) -> None:
-    if embedder is None:
-        return  # the index still loads; adding and retrieving by text ask for the embedder
-    got = embedder.description()
-    for key in ("name", "dim"):
-        if got.get(key) != recorded.get(key):
-            raise ValueError(f"inferscale: the memory at {directory} embeds with {recorded}, "
-                             f"this embedder is {got}")
+def _unlock(fd) -> None:
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
 
-def load_embeddings(directory: str, manifest: dict) -> dict:
-    """fact id -> embedding (float32 [dim]) of a generation ({} without retrieval)."""
-    name = manifest.get("embeddings")
-    if manifest.get("embedder") is None:
-        return {}
-    if name is None:
-        raise ValueError(f"inferscale: the memory at {directory} has an embedder but its "
-                         "manifest names no embeddings file")
-    path = os.path.join(directory, name)
-    with np.load(path) as z:
-        ids, vectors = z["ids"], z["vectors"]
-    dim = manifest["embedder"]["dim"]
-    if ids.ndim != 1 or vectors.shape != (ids.shape[0], dim) or vectors.dtype != np.float32:
-        raise ValueError(f"inferscale: {path} holds ids {ids.shape} and vectors {vectors.shape} "
-                         f"{vectors.dtype}; expected [n] and [n, {dim}] float32")
-    return {int(i): vectors[j].copy() for j, i in enumerate(ids)}
+def _make_salt_key(directory: str) -> None:
+    path = os.path.join(directory, SALT_KEY)
+    if os.path.exists(path):
+        return
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
-def load_store(directory: str, manifest: dict, dtype: str | None = None) -> Store:
-    return Store.load(os.path.join(directory, manifest["store"]), dtype)
+_salt_keys: dict = {}
 
 
-def shard_store(full: Store, manifest: dict, first_head: int, num_heads: int,
-                first_layer: int = 0, num_layers: int | None = None) -> Store:
+def salt_key(directory: str) -> bytes:
+    """The memory's secret salt key (read once per process)."""
+    path = os.path.realpath(os.path.join(directory, SALT_KEY))
+    key = _salt_keys.get(path)
+    if key is None:
+        try:
+            with open(path, "rb") as f:
+                key = f.read()
+        except OSError as e:
+            raise _error(directory, f"cannot read its salt key {path}: {e.strerror}") from None
+        if len(key) != 32:
+            raise _error(directory, f"its salt key {path} holds {len(key)} bytes, expected 32")
+        _salt_keys[path] = key
+    return key
+
+
+def cache_salt(directory: str, user: str, facts: list[int], generation: int,
+               recompute_tokens: int = 0) -> str:
+    """The prefix-cache salt of a memory request: vLLM hashes it into the first block, so blocks
+    filled from memory are shared only by requests with the same user, facts, generation and
+    recompute setting, never with a plain-text request. Keyed (HMAC-SHA256) with the memory's
+    secret: no tenant can compute another's."""
+    msg = f"inferscale/2/{user}/{generation}/{','.join(str(f) for f in facts)}/{recompute_tokens}"
+    return "inferscale-" + hmac.new(salt_key(directory), msg.encode(), hashlib.sha256).hexdigest()[:40]
+
+
+def _manifest_stamp(directory: str):
+    st = os.stat(os.path.join(directory, MANIFEST))
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def _parse_app(directory: str, data) -> dict:
+    if data is None:
+        raise _error(directory, "its snapshot carries no inferscale_vllm record (written by the C++ "
+                                "library alone?)")
+    try:
+        app = json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _error(directory, f"its record is not JSON: {e}") from None
+    problem = _check_app(app)
+    if problem:
+        raise _error(directory, f"its record is malformed: {problem}")
+    return app
+
+
+def _check_app(app) -> str | None:
+    if not isinstance(app, dict):
+        return "not an object"
+    if app.get("format") != FORMAT:
+        return f"format {app.get('format')!r}, this package reads {FORMAT}"
+    ints = ("generation", "next_namespace", "next_id")
+    if any(isinstance(app.get(k), bool) or not isinstance(app.get(k), int) for k in ints):
+        return f"{ints} must be ints"
+    model, store = app.get("model"), app.get("store")
+    if not isinstance(model, dict) or any(k not in model for k in MODEL_KEYS):
+        return f"model must name {MODEL_KEYS}"
+    if not isinstance(store, dict) or any(not isinstance(store.get(k), int) for k in
+                                          ("num_pages", "page_size", "embedding_dim")) \
+            or not isinstance(store.get("dtype"), str):
+        return "store must give dtype, num_pages, page_size, embedding_dim"
+    users, facts = app.get("users"), app.get("facts")
+    if not isinstance(users, dict) or not all(isinstance(u, str) and isinstance(n, int)
+                                              for u, n in users.items()):
+        return "users must map names to namespaces"
+    if not isinstance(facts, dict) or not all(
+            isinstance(f, dict) and isinstance(f.get("text"), str)
+            and (f.get("user") is None or f.get("user") in users) for f in facts.values()):
+        return "facts must map ids to {user, text} of known users"
+    if app.get("prefix") is not None and not isinstance(app["prefix"], int):
+        return "prefix must be a fact id or null"
+    return None
+
+
+def load_generation(directory: str, dtype: str | None = None):
+    """(facade, record) of the directory's newest generation, every file checked (``dtype``:
+    the store converted to it as it loads). A commit that replaces the snapshot while it loads
+    (its old files removed) makes it load the new one."""
+    last = None
+    for _ in range(_LOAD_ATTEMPTS):
+        try:
+            stamp = _manifest_stamp(directory)
+        except FileNotFoundError:
+            raise _error(directory, f"no memory here (no {MANIFEST})") from None
+        try:
+            app = _parse_app(directory, _Facade.application(directory))
+            s = app["store"]
+            m = app["model"]
+            facade, data = _Facade.load(directory, m["num_layers"], m["num_kv_heads"],
+                                        m["head_dim"], dtype or s["dtype"], s["num_pages"],
+                                        s["page_size"], s["embedding_dim"])
+            if _parse_app(directory, data) != app:
+                raise ValueError("the snapshot changed while it loaded")
+            if dtype:
+                app = dict(app, store=dict(s, dtype=dtype))
+            return facade, app
+        except (ValueError, OSError) as e:
+            last = e
+            try:
+                if _manifest_stamp(directory) == stamp:
+                    raise  # the same snapshot: a real refusal
+            except FileNotFoundError:
+                raise _error(directory, f"no memory here (no {MANIFEST})") from None
+    raise _error(directory, f"it kept changing while it loaded ({_LOAD_ATTEMPTS} attempts; last: "
+                            f"{last})")
+
+
+class MemoryReader:
+    """What the connector serves from: the newest generation, loaded off the caller's path.
+
+    ``current()`` returns the loaded generation at once and, when the manifest changed, starts
+    loading the new one in a background thread; ``wait_for(generation, timeout)`` blocks until a
+    generation at least that new is loaded (a worker asked to inject facts of it)."""
+
+    def __init__(self, directory: str, transform=None):
+        self.directory = directory
+        self._transform = transform  # (facade, app) -> what the reader keeps (a worker's shard)
+        self._lock = threading.Condition()
+        self._loaded = None  # (stamp, app, value)
+        self._loading = False
+        self._error = None
+
+    def _load(self, stamp):
+        try:
+            facade, app = load_generation(self.directory)
+            value = self._transform(facade, app) if self._transform else facade
+            with self._lock:
+                self._loaded = (stamp, app, value)
+                self._error = None
+        except Exception as e:  # noqa: BLE001 - reported through current()
+            with self._lock:
+                self._error = e
+        finally:
+            with self._lock:
+                self._loading = False
+                self._lock.notify_all()
+
+    @property
+    def loading(self) -> bool:
+        """True while a newer generation is being loaded in the background."""
+        with self._lock:
+            return self._loading
+
+    def poll(self, block: bool = False):
+        """Starts a load when the manifest changed (in the background unless `block` or nothing
+        is loaded yet); returns (app, value) of the loaded generation or raises its error."""
+        try:
+            stamp = _manifest_stamp(self.directory)
+        except OSError as e:
+            raise _error(self.directory, f"cannot read {MANIFEST}: {e.strerror}") from None
+        with self._lock:
+            stale = self._loaded is None or self._loaded[0] != stamp
+            start = stale and not self._loading
+            if start:
+                self._loading = True
+        if start:
+            if block or self._loaded is None:
+                self._load(stamp)
+            else:
+                threading.Thread(target=self._load, args=(stamp,), daemon=True,
+                                 name="inferscale-memory-load").start()
+        with self._lock:
+            if self._loaded is None:
+                raise self._error or _error(self.directory, "not loaded")
+            return self._loaded[1], self._loaded[2]
+
+    def wait_for(self, generation: int, timeout: float = 30.0):
+        """(app, value) of a generation >= `generation`, loading it if needed."""
+        app, value = self.poll()
+        if app["generation"] >= generation:
+            return app, value
+        with self._lock:
+            self._lock.wait_for(lambda: not self._loading, timeout)
+        app, value = self.poll(block=True)
+        if app["generation"] < generation:
+            raise _error(self.directory, f"generation {generation} is not (yet) committed; the "
+                                         f"newest is {app['generation']}")
+        return app, value
+
+
+def shard_store(full, fact_ids, first_head: int, num_heads: int, first_layer: int = 0,
+                num_layers: int | None = None, page_size: int = 16):
     """The heads [first_head, first_head + num_heads) of the layers [first_layer, first_layer +
-    num_layers) of every fact (a tensor-parallel rank's heads in a pipeline stage's layers; the
-    shard's layer 0 is the model's layer first_layer)."""
+    num_layers) of every fact in `fact_ids` (a tensor-parallel rank's heads in a pipeline stage's
+    layers; the shard's layer 0 is the model's layer first_layer), as a Store of its own."""
+    from ._inferscale import Store, Tensor
+
     layers, heads, dim = full.geometry
     if num_layers is None:
         num_layers = layers - first_layer
@@ -431,17 +748,19 @@ def shard_store(full: Store, manifest: dict, first_head: int, num_heads: int,
     if not (0 <= first_head and num_heads >= 1 and first_head + num_heads <= heads):
         raise ValueError(f"shard_store: KV heads [{first_head}, {first_head + num_heads}) are not "
                          f"inside the store's {heads}")
-    if first_head == 0 and num_heads == heads and first_layer == 0 and num_layers == layers:
-        return full
-    pages = max(1, sum((f["tokens"] + 15) // 16 for f in manifest["facts"].values()))
-    shard = Store(num_layers, heads, dim, full.dtype, pages, 16, first_head, num_heads)
-    for key in manifest["facts"]:
-        fid = int(key)
+    fact_ids = [int(f) for f in fact_ids]
+    pages = max(1, sum((full.length(f) + page_size - 1) // page_size for f in fact_ids))
+    shard = Store(num_layers, heads, dim, full.dtype, pages, page_size, first_head, num_heads)
+    for fid in fact_ids:
         n = full.length(fid)
         k = np.empty((layers, n, heads, dim), np.float32)
         v = np.empty_like(k)
         full.read(fid, k.ctypes.data, v.ctypes.data)
-        kt, _kb = _tensor(k[first_layer:first_layer + num_layers])
-        vt, _vb = _tensor(v[first_layer:first_layer + num_layers])
-        shard.insert(fid, 0, full.token_ids(fid), kt, vt)
+        ks = np.ascontiguousarray(k[first_layer:first_layer + num_layers])
+        vs = np.ascontiguousarray(v[first_layer:first_layer + num_layers])
+        shard.insert(fid, 0, full.token_ids(fid),
+                     Tensor(ks.ctypes.data, list(ks.shape), [s // 4 for s in ks.strides],
+                            "float32"),
+                     Tensor(vs.ctypes.data, list(vs.shape), [s // 4 for s in vs.strides],
+                            "float32"))
     return shard

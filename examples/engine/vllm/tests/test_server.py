@@ -8,14 +8,13 @@ refusal (the server keeps serving), erasure, a restart, and a kill during a writ
 import concurrent.futures
 import os
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
 import pytest
+
+from inferscale_vllm.server_process import BLOCK, Server
 
 KEY = "test-key-" + os.urandom(6).hex()
 MARKERS = {  # one marker fact per user; every answer is checked against its own user's
@@ -30,87 +29,13 @@ OTHER = {
 }
 JOINT = ("Dana adopted a grey cat called Pixel in March; she trains for a marathon in Lisbon, "
          "teaches chemistry at a night school and collects old maps of the Azores.")
-BLOCK = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model_dir, directory, log):
-        self.model_dir, self.directory, self.log = model_dir, directory, log
-        self.proc = None
-        self.port = None
-
-    def start(self, timeout=600):
-        self.port = free_port()
-        env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_CPU_KVCACHE_SPACE="1")
-        cmd = [sys.executable, "-m", "inferscale_vllm.serve", self.model_dir, "--memory",
-               self.directory, "--host", "127.0.0.1", "--port", str(self.port), "--api-key", KEY,
-               "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048", "--seed", "0",
-               "--block-size", str(BLOCK), "--memory-pages", "512", "--memory-k", "2",
-               "--served-model-name", "smollm2"]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}); log: "
-                                   f"{self.log.name}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    # /health answers once the engine is up; the memory routes once start() ran
-                    r = httpx.get(f"{self.url}/v1/models", headers=self.headers, timeout=5)
-                    if r.status_code == 200:
-                        return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"the server did not come up in {timeout} s; log: {self.log.name}")
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def headers(self):
-        return {"Authorization": f"Bearer {KEY}"}
-
-    def stop(self, sig=signal.SIGTERM):
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        self.proc = None
-
-    # -- the client's calls ------------------------------------------------------------------
-    def post(self, path, body, **kw):
-        return httpx.post(f"{self.url}{path}", json=body, headers=self.headers, timeout=600, **kw)
-
-    def write(self, user, facts, context=None):
-        body = {"facts": facts} if context is None else {"facts": facts, "context": context}
-        r = self.post(f"/v1/memory/{user}/facts", body)
-        assert r.status_code == 200, r.text
-        return r.json()["ids"]
-
-    def openai(self):
-        import openai
-
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
     directory = os.path.join(tempfile.mkdtemp(prefix="inferscale-served-"), "memory")
     log = open(os.path.join(os.path.dirname(directory), "server.log"), "w")
-    s = Server(model_dir, directory, log)
+    s = Server(model_dir, directory, log, KEY)
     s.start()
     s.ids = {u: s.write(u, [MARKERS[u]] + OTHER[u]) for u in MARKERS}
     s.joint = s.write("dana", [JOINT])[0]

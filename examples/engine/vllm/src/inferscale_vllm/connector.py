@@ -183,7 +183,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._finished = {}  # request id -> what its load did (returned with its output)
         self._deferred = {}  # request id -> when it first waited for a generation to load
         if role == KVConnectorRole.SCHEDULER:
-            self._memory = MemoryReader(directory)
+            self._memory = MemoryReader(directory, transform=_worker_view(None, False))
         else:
             self._memory = None  # made in register_kv_caches (knows this rank's heads)
             self._cache = None

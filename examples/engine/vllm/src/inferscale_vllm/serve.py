@@ -180,9 +180,15 @@ class MemoryService:
                 kv = await self._capture(prefix + ctx + ids)
                 items.append(dict(text=text, token_ids=ids, keys=kv["k"], values=kv["v"],
                                   context=prefix + ctx, embedding=vector))
-            ids = await asyncio.to_thread(self.memory.add_facts, user, items)
-            generation = await asyncio.to_thread(self.memory.commit)
+            ids, generation = await asyncio.to_thread(self._add_and_commit, user, items)
         return {"user": user, "ids": ids, "generation": generation}
+
+    def _add_and_commit(self, user, items):
+        # under the memory's mutex: an answer composed meanwhile sees the committed generation
+        # (its facts, tokens and salt), never facts that are not committed yet
+        with self.memory._mutex:
+            ids = self.memory.add_facts(user, items)
+            return ids, self.memory.commit()
 
     def list(self, user: str) -> dict:
         check_user(user)
@@ -195,18 +201,21 @@ class MemoryService:
     async def erase(self, user: str, fact_id: int | None) -> dict:
         check_user(user)
         async with self.write_lock:
+            return await asyncio.to_thread(self._erase_and_commit, user, fact_id)
+
+    def _erase_and_commit(self, user, fact_id):
+        with self.memory._mutex:
             if fact_id is None:
                 if not self.memory.facts(user):
                     raise _bad(f"unknown user {user!r} (no facts)", 404)
-                n = self.memory.erase_user(user)
-                result = {"erased": n}
+                result = {"erased": self.memory.erase_user(user)}
             else:
                 if self.memory.owner(fact_id) != user:
                     raise _bad(f"fact {fact_id} is not one of {user!r}'s facts", 404)
                 self.memory.erase_fact(fact_id, user)
                 result = {"erased": fact_id}
-            result["generation"] = await asyncio.to_thread(self.memory.commit)
-        return result
+            result["generation"] = self.memory.commit()
+            return result
 
     def compose(self, body: dict, chat: bool) -> tuple[dict, dict | None]:
         """The request body rewritten to answer from the user's memory, and what it used (None:

@@ -126,10 +126,12 @@ class CaptureWorkerExtension:
         first = caches[names[0]]
         # read in the layout vLLM's kernels wrote (its ISA for the cache's dtype)
         cache = vllm_cpu_cache(caches, names, vllm_cpu_isa(first.dtype, first))
-        table = modules[0].rotary_emb.cos_sin_cache.float().contiguous()
+        rope = modules[0].rotary_emb
+        table = rope.cos_sin_cache.float().contiguous()
         dim = cache.head_dim
         rotation = _inferscale.Rotation(table.data_ptr(), table.shape[0], table.stride(0), dim,
-                                        table.shape[1], "float32", True, False, False)
+                                        table.shape[1], "float32", bool(rope.is_neox_style),
+                                        False, False)
         n = len(slots)
         store = _inferscale.Store(cache.num_layers, cache.num_heads, dim, "float32",
                                   (n + 15) // 16 + 1)

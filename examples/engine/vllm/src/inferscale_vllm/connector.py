@@ -47,6 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import _inferscale
 from .memory import MemoryReader, cache_salt, check_model, describe_model, shard_store
+from .rotary import find_model_runner, model_rotary
+from .serve_capture import CaptureScheduler, CaptureWriter
 from .tensors import kv_cache_descriptor
 
 logger = logging.getLogger("inferscale_vllm")
@@ -68,6 +70,9 @@ class _Load:
 @dataclass
 class InferScaleMetadata(KVConnectorMetadata):
     loads: list = field(default_factory=list)
+    # serve_capture.CaptureJob of the requests whose prompt is finished in this step: after the
+    # forward each worker reads their K/V back from its cache (wait_for_save)
+    captures: list = field(default_factory=list)
 
 
 def _worker_view(shard, device):
@@ -184,10 +189,12 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._deferred = {}  # request id -> when it first waited for a generation to load
         if role == KVConnectorRole.SCHEDULER:
             self._memory = MemoryReader(directory, transform=_worker_view(None, False))
+            self._captures = CaptureScheduler(self._block_size)  # serve_capture.py
         else:
             self._memory = None  # made in register_kv_caches (knows this rank's heads)
             self._cache = None
             self._rotation = None
+            self._capture_writer = None  # register_kv_caches (host caches only)
 
     # ---------------------------------------------------------------------------------------
     # Scheduler side
@@ -309,13 +316,30 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._pending.append(_Load(request.request_id, "", [], [], ids, 0, repr(e)))
 
     def build_connector_meta(self, scheduler_output):
-        meta = InferScaleMetadata(loads=self._pending)
+        meta = InferScaleMetadata(loads=self._pending,
+                                  captures=self._capture_jobs(scheduler_output))
         self._pending = []
         return meta
+
+    # Capture while serving (serve_capture.py): a request with kv_transfer_params.inferscale_capture
+    # is noted when vLLM adds it; in the step that computes its last prompt token the workers get
+    # its token ids and slots, and read its K/V back after that step's forward.
+    def on_new_request(self, request):
+        self._captures.on_new_request(request)  # never raises (a malformed one is logged)
+
+    def _capture_jobs(self, scheduler_output) -> list:
+        try:
+            return self._captures.jobs(
+                scheduler_output,
+                lambda request_id: self._kv_cache_manager.get_block_ids(request_id)[0])
+        except Exception as e:  # noqa: BLE001 - never into vLLM's scheduling
+            logger.warning("inferscale: captures of this step dropped: %r", e)
+            return []
 
     def request_finished(self, request, block_ids):
         self._plans.pop(request.request_id, None)
         self._deferred.pop(request.request_id, None)
+        self._captures.finished(request.request_id)
         reason = self._refused.pop(request.request_id, None)
         done = self._finished.pop(request.request_id, None)
         if not (getattr(request, "kv_transfer_params", None) or {}).get("inferscale"):
@@ -330,7 +354,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         refusals, loads not yet handed to the workers. Empty when no request is in flight."""
         return {"plans": set(self._plans), "refused": set(self._refused),
                 "finished": set(self._finished), "deferred": set(self._deferred),
-                "pending": {load.request_id for load in self._pending}}
+                "pending": {load.request_id for load in self._pending},
+                "captures": set(self._captures.requests)}
 
     # ---------------------------------------------------------------------------------------
     # Worker side
@@ -373,30 +398,44 @@ class InferScaleConnector(KVConnectorBase_V1):
                              f"expected {per}")
         self._memory = MemoryReader(self._directory, transform=_worker_view(
             (rank * per, per, first_layer, num_layers), self._device))
-        self._rotation = self._make_rotation()
+        self._rotation = self._make_rotation(names)
+        self._capture_writer = None
+        if self._device or pp > 1:
+            logger.warning("inferscale: capture while serving is not available on this worker "
+                           "(%s): requests asking for it are served without capture",
+                           "device caches" if self._device else "pipeline parallelism")
+        else:
+            self._capture_writer = CaptureWriter(
+                self._directory, self._cache, self._table, self._rotary.neox, rank=rank, tp=tp,
+                first_head=rank * per, kv_heads=heads)
         logger.info("inferscale: TP rank %d/%d, PP stage %d/%d injects KV heads [%d, %d) into "
                     "layers [%d, %d) of %d slots (%s path)", rank, tp, pp_rank, pp, rank * per,
                     rank * per + per, first_layer, first_layer + num_layers, self._cache.num_slots,
                     "device" if self._device else "host")
 
-    def _make_rotation(self):
-        """vLLM's own rotary table (the module its Llama builds), and the rounding its rotary
-        kernel uses on this machine, found by running that kernel (``rotation_matching_vllm``)."""
+    def _make_rotation(self, layer_names):
+        """The rotation of the model vLLM built, read from its attention layers' rotary module
+        (rotary.model_rotary: pairing, rotary dims and the table with any scaling in it; a
+        rotation the library cannot reproduce is refused here, at start-up, with the reason),
+        and the rounding vLLM's rotary kernel uses on this machine, found by running that module
+        (``rotation_matching_vllm``, which also checks the whole rotation bit for bit)."""
         from vllm.config import set_current_vllm_config
-        from vllm.model_executor.layers.rotary_embedding import get_rope
 
         mc = self._vllm_config.model_config
-        hf = mc.hf_config
-        params = getattr(hf, "rope_parameters", None) or {
-            "rope_type": "default", "rope_theta": getattr(hf, "rope_theta", 10000.0)}
+        runner = find_model_runner()
+        if runner is None:
+            raise ValueError("inferscale: register_kv_caches was not called by vLLM's model "
+                             "runner: the model whose rotation InferScale must reproduce cannot "
+                             "be found")
+        self._rotary = model_rotary(runner.get_model(), layer_names, mc.get_head_size(),
+                                    mc.hf_config)
+        rope = self._rotary.module
         with set_current_vllm_config(self._vllm_config):
-            rope = get_rope(mc.get_head_size(), max_position=hf.max_position_embeddings,
-                            is_neox_style=True, rope_parameters=params, dtype=mc.dtype)
             rotation, self._table, mode = rotation_matching_vllm(
                 rope, mc.dtype, mc.get_head_size(), device=self._device)
         self._rope = rope
-        logger.info("inferscale: rotation with vLLM's table (%d rows), rounding '%s' (matches "
-                    "vLLM's rotary kernel here bit for bit)", self._table.shape[0], mode)
+        logger.info("inferscale: the model's rotation: %s; rounding '%s' (matches vLLM's rotary "
+                    "kernel here bit for bit)", self._rotary.description, mode)
         return rotation
 
     def start_load_kv(self, forward_context, **kwargs):
@@ -438,10 +477,26 @@ class InferScaleConnector(KVConnectorBase_V1):
         return  # every layer was written in start_load_kv, before the forward
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        return  # the connector only loads
+        return  # captures read every layer at once, after the forward (wait_for_save)
 
     def wait_for_save(self):
-        return
+        """After this step's forward (vLLM has written every scheduled token's K/V to its cache):
+        the captures of the requests whose prompt this step finished (serve_capture.py)."""
+        try:
+            if not self.has_connector_metadata():
+                return
+            meta = self._get_connector_metadata()
+            captures = getattr(meta, "captures", None)
+            if not captures:
+                return
+            if self._capture_writer is None:
+                for job in captures:
+                    logger.warning("inferscale: request %s: capture %s not made (capture is not "
+                                   "available on this worker)", job.request_id, job.capture_id)
+                return
+            self._capture_writer.run(captures)
+        except Exception as e:  # noqa: BLE001 - a capture never takes the engine down
+            logger.warning("inferscale: captures of this step failed: %r", e)
 
     def get_block_ids_with_load_errors(self):
         errors, self._errors = self._errors, set()
@@ -453,10 +508,12 @@ ROUNDING_MODES = {"round_each": (True, False), "fp32_truncate": (False, True),
                   "fp32_nearest": (False, False)}
 
 
-def rotation_for(table, head_dim: int, mode: str):
+def rotation_for(table, head_dim: int, mode: str, neox: bool = True):
+    """neox: the model's pairing (vLLM's is_neox_style: halves; False: GPT-J interleaved)."""
     round_each, truncate = ROUNDING_MODES[mode]
     return _inferscale.Rotation(table.data_ptr(), table.shape[0], table.stride(0), head_dim,
-                                table.shape[1], str(table.dtype), True, round_each, truncate)
+                                table.shape[1], str(table.dtype), bool(neox), round_each,
+                                truncate)
 
 
 def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: int = 2,
@@ -472,6 +529,7 @@ def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: 
     from ._inferscale import Store, Tensor, VllmCpuCache, inject
 
     where = torch.device("cuda", torch.cuda.current_device()) if device else torch.device("cpu")
+    neox = bool(rope.is_neox_style)  # the module's pairing, never assumed
     if device:
         rope = rope.to(where)  # the model's own module is there already (get_rope caches it)
     table = rope.cos_sin_cache.to(device=where, dtype=dtype).contiguous()
@@ -513,7 +571,7 @@ def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: 
     for mode in ROUNDING_MODES:
         if mode == "fp32_truncate" and (dtype != torch.bfloat16 or device):
             continue  # vLLM's AVX2 CPU kernel only (the library refuses it on the device)
-        rotation = rotation_for(table, head_dim, mode)
+        rotation = rotation_for(table, head_dim, mode, neox)
         cache.zero_()
         got = run(rotation).clone()
         bad = int((got.view(torch.int16) != want.view(torch.int16)).sum())

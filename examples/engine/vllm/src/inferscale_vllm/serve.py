@@ -144,7 +144,10 @@ class MemoryService:
         prompt = {"prompt_token_ids": list(ids), "cache_salt": "inferscale-capture-" + cid}
         async for _ in self.engine.generate(prompt, params, f"inferscale-capture-{cid}"):
             pass
-        return await asyncio.to_thread(read_capture, self.directory, cid, self.tp)
+        kv = await asyncio.to_thread(read_capture, self.directory, cid, self.tp)
+        if [int(t) for t in kv["token_ids"]] != list(ids):
+            raise ValueError(f"inferscale serve: capture {cid} holds other tokens than were sent")
+        return kv
 
     # -- routes ------------------------------------------------------------------------------
     async def write(self, user: str, body) -> dict:

@@ -1,0 +1,327 @@
+"""Capture while serving: the connector's save path (issue 48, item 2).
+
+A request that asks to be remembered carries
+``kv_transfer_params = {"inferscale_capture": {"id": "<capture id>"}}`` (the id: 1 to 64 of
+``A-Z a-z 0-9 _ -``). Nothing else about it changes: vLLM schedules and prefills it as any other
+request (chunked, prefix-cached, preempted, batched). The connector then
+
+- on the scheduler side (``CaptureScheduler``): checks the parameter when vLLM adds the request
+  (a malformed one is logged with the request id and ignored: the request is served, nothing is
+  captured), and in the step whose batch holds the request's last prompt token hands the workers
+  (``InferScaleMetadata.captures``) the prompt's token ids and the cache slot of every prompt
+  token: the request's blocks as vLLM's KV cache manager holds them in that step;
+- on each worker (``CaptureWriter``), after that step's forward (``wait_for_save``: by then vLLM
+  has written every prompt token's K and V into its paged cache): reads those tokens back from the
+  cache tensors vLLM registered, de-rotates the keys with the library's ``extract`` and the
+  model's own rotary table, and writes this rank's KV heads, float32, atomically (a temporary file,
+  fsync, rename, fsync of the folder) to ``<memory_dir>/.captures/<id>.rank<r>.npz``.
+
+``read_capture(memory_dir, id, tp)`` joins the ranks' files into the whole model's heads and
+removes them. No hook on the model: whatever the model does to K before its rotation (a norm, a
+bias), the cache holds what attention reads, and the de-rotation is the exact inverse of the
+rotation vLLM applied (the model's table; the pairing, rotary dims and scaling read from the
+model's rotary module, ``model_rotary``), up to the rounding of the rotated keys to the cache
+dtype.
+
+File format (``np.load(path, allow_pickle=False)``):
+  k, v          float32 [layers, tokens, heads_of_rank, head_dim] (v: the cache's values widened
+                exactly; k: de-rotated in fp32 from the cache's keys)
+  token_ids     int64 [tokens] (the prompt's, from position 0)
+  first_head    int64 scalar: this rank's first KV head in the whole model
+  num_heads     int64 scalar: this rank's KV heads (= k.shape[2])
+  kv_heads      int64 scalar: the whole model's KV heads
+  rank, tp_size int64 scalars: the tensor-parallel rank and size
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+import zipfile
+from dataclasses import dataclass
+
+import numpy as np
+
+logger = logging.getLogger("inferscale_vllm")
+
+CAPTURE_PARAM = "inferscale_capture"  # the key in kv_transfer_params
+CAPTURE_DIR = ".captures"  # under the memory directory
+CAPTURE_KEYS = ("id",)  # the keys a capture parameter may have
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_FIELDS = ("k", "v", "token_ids", "first_head", "num_heads", "kv_heads", "rank", "tp_size")
+
+
+def parse_capture_param(kv_transfer_params):
+    """(capture id, None) for a request that asks to be captured, (None, reason) for a malformed
+    ``inferscale_capture`` parameter, (None, None) when there is none. Never raises."""
+    if not isinstance(kv_transfer_params, dict) or CAPTURE_PARAM not in kv_transfer_params:
+        return None, None
+    param = kv_transfer_params[CAPTURE_PARAM]
+    if not isinstance(param, dict):
+        return None, f"{CAPTURE_PARAM} must be a dict, got {type(param).__name__}"
+    unknown = sorted(str(k) for k in param if k not in CAPTURE_KEYS)
+    if unknown:
+        return None, f"{CAPTURE_PARAM} has unknown keys {unknown} (allowed: {list(CAPTURE_KEYS)})"
+    capture_id = param.get("id")
+    if not isinstance(capture_id, str) or not _ID.fullmatch(capture_id):
+        return None, (f"{CAPTURE_PARAM}.id must be 1 to 64 characters of A-Z a-z 0-9 _ -, got "
+                      f"{capture_id!r:.80}")
+    return capture_id, None
+
+
+def capture_path(memory_dir: str, capture_id: str, rank: int) -> str:
+    return os.path.join(memory_dir, CAPTURE_DIR, f"{capture_id}.rank{rank}.npz")
+
+
+@dataclass
+class CaptureJob:
+    """One capture handed to the workers (in InferScaleMetadata.captures): the prompt's tokens,
+    from position 0, and the cache slot each of them is in this step."""
+
+    request_id: str
+    capture_id: str
+    token_ids: list
+    slots: list
+
+
+class CaptureScheduler:
+    """The scheduler side's bookkeeping of capture requests (in the engine core)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.requests = {}  # request id -> (capture id, prompt token ids), until handed over
+        self.counters = {"captures": 0, "malformed": 0}
+
+    def on_new_request(self, request) -> None:
+        try:
+            capture_id, reason = parse_capture_param(getattr(request, "kv_transfer_params", None))
+            if reason is not None:
+                self.counters["malformed"] += 1
+                logger.warning("inferscale: request %s: kv_transfer_params.%s ignored (nothing "
+                               "is captured): %s", request.request_id, CAPTURE_PARAM, reason)
+                return
+            if capture_id is None:
+                return
+            prompt = list(request.prompt_token_ids or [])
+            if not prompt:
+                logger.warning("inferscale: request %s: capture %s ignored: the request has no "
+                               "prompt token ids", request.request_id, capture_id)
+                return
+            self.requests[request.request_id] = (capture_id, prompt)
+        except Exception as e:  # noqa: BLE001 - a request never takes the engine down
+            logger.warning("inferscale: request %s: capture parameter ignored: %r",
+                           getattr(request, "request_id", "?"), e)
+
+    def jobs(self, scheduler_output, block_ids_of) -> list:
+        """The captures whose request's last prompt token is computed in this step.
+        block_ids_of(request id): the request's block ids (KV cache group 0), position order."""
+        if not self.requests:
+            return []
+        jobs = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for request_id in list(self.requests):
+            if request_id not in scheduled or request_id not in computed:
+                continue
+            capture_id, prompt = self.requests[request_id]
+            n = len(prompt)
+            start, count = computed[request_id], scheduled[request_id]
+            if not start < n <= start + count:
+                continue  # the prompt is not finished in this step (or was, earlier)
+            del self.requests[request_id]
+            try:
+                blocks = list(block_ids_of(request_id))
+                bs = self.block_size
+                if len(blocks) * bs < n:
+                    raise ValueError(f"{len(blocks)} blocks of {bs} for {n} prompt tokens")
+                slots = [blocks[p // bs] * bs + p % bs for p in range(n)]
+            except Exception as e:  # noqa: BLE001
+                logger.warning("inferscale: request %s: capture %s not made: %s", request_id,
+                               capture_id, e)
+                continue
+            jobs.append(CaptureJob(request_id, capture_id, prompt, slots))
+            self.counters["captures"] += 1
+        return jobs
+
+    def finished(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_npz_atomically(path: str, arrays: dict) -> None:
+    """`arrays` as an npz at `path`: a temporary file beside it, fsynced, renamed over `path`, and
+    the folder fsynced; a reader sees the old file or the whole new one, never a part."""
+    folder = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
+                               dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(folder)
+
+
+class CaptureWriter:
+    """The worker side: reads captured tokens back from this rank's paged cache and writes them.
+
+    cache: the rank's VllmCpuCache (every layer of the model, this rank's KV heads); table: the
+    model's cos/sin table as vLLM holds it (rows = positions, [cos | sin] of rotary_dim); neox:
+    the model's pairing."""
+
+    def __init__(self, memory_dir: str, cache, table, neox: bool, *, rank: int, tp: int,
+                 first_head: int, kv_heads: int):
+        import torch
+
+        from . import _inferscale
+
+        self.directory = os.path.join(memory_dir, CAPTURE_DIR)
+        self.memory_dir = memory_dir
+        self.cache = cache
+        # De-rotation in fp32 with the table's values (a bf16 table widened exactly): the inverse
+        # of the rotation vLLM applied with those values (extract divides by cos^2 + sin^2).
+        self.table = table.detach().to("cpu", torch.float32).contiguous()
+        self.rotation = _inferscale.Rotation(
+            self.table.data_ptr(), self.table.shape[0], self.table.stride(0), cache.head_dim,
+            self.table.shape[1], "float32", bool(neox), False, False)
+        self.rank, self.tp, self.first_head, self.kv_heads = rank, tp, first_head, kv_heads
+        self.seconds = 0.0  # time spent capturing (extraction + writing), for the benchmark
+        self.written = 0
+        self.lock = threading.Lock()
+
+    def read(self, job: CaptureJob):
+        """(k, v) float32 [layers, tokens, heads of this rank, head_dim] of the job's tokens."""
+        from . import _inferscale
+
+        n = len(job.slots)
+        c = self.cache
+        if n > self.table.shape[0]:
+            raise ValueError(f"{n} tokens, the model's rotary table has {self.table.shape[0]} "
+                             f"positions")
+        store = _inferscale.Store(c.num_layers, c.num_heads, c.head_dim, "float32",
+                                  (n + 15) // 16, 16)
+        _inferscale.extract(store, c, self.rotation, [int(s) for s in job.slots], 0, 1, 0,
+                            [int(t) for t in job.token_ids])
+        k = np.empty((c.num_layers, n, c.num_heads, c.head_dim), dtype=np.float32)
+        v = np.empty_like(k)
+        store.read(1, k.ctypes.data, v.ctypes.data)
+        return k, v
+
+    def capture(self, job: CaptureJob) -> str:
+        t0 = time.perf_counter()
+        k, v = self.read(job)
+        os.makedirs(self.directory, exist_ok=True)
+        path = capture_path(self.memory_dir, job.capture_id, self.rank)
+        write_npz_atomically(path, {
+            "k": k, "v": v, "token_ids": np.asarray(job.token_ids, dtype=np.int64),
+            "first_head": np.int64(self.first_head), "num_heads": np.int64(k.shape[2]),
+            "kv_heads": np.int64(self.kv_heads), "rank": np.int64(self.rank),
+            "tp_size": np.int64(self.tp)})
+        with self.lock:
+            self.seconds += time.perf_counter() - t0
+            self.written += 1
+        return path
+
+    def run(self, jobs) -> None:
+        """Every job of this step; a failure is logged with its request and never raised (the
+        request itself is served as usual)."""
+        for job in jobs:
+            try:
+                path = self.capture(job)
+                logger.info("inferscale: request %s: captured %d tokens to %s", job.request_id,
+                            len(job.slots), path)
+            except Exception as e:  # noqa: BLE001 - a capture never takes the engine down
+                logger.warning("inferscale: request %s: capture %s failed on rank %d: %s",
+                               job.request_id, job.capture_id, self.rank, e)
+
+
+def _refuse(path, why):
+    raise ValueError(f"inferscale: capture file {path}: {why}")
+
+
+def _load_rank(path: str) -> dict:
+    if not os.path.isfile(path):
+        _refuse(path, "missing (not captured yet, failed, or another tensor-parallel size)")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            missing = [f for f in _FIELDS if f not in z.files]
+            if missing:
+                _refuse(path, f"partial: no {missing}")
+            out = {f: z[f] for f in _FIELDS}
+    except ValueError as e:
+        if str(e).startswith("inferscale:"):
+            raise
+        _refuse(path, f"unreadable ({e})")
+    except (OSError, EOFError, KeyError, zipfile.BadZipFile) as e:
+        _refuse(path, f"unreadable ({type(e).__name__}: {e})")
+    return out
+
+
+def read_capture(memory_dir: str, capture_id: str, tp: int = 1) -> dict:
+    """The capture `capture_id` of a memory directory: ``{"k", "v": float32 [layers, tokens,
+    kv_heads, head_dim], "token_ids": int64 [tokens]}``, the `tp` ranks' files joined by heads; the
+    files are then removed. Raises ValueError naming the file when one is missing, unreadable,
+    partial or inconsistent with the others (nothing is removed then)."""
+    if not isinstance(capture_id, str) or not _ID.fullmatch(capture_id):
+        raise ValueError(f"inferscale: capture id {capture_id!r:.80} is not 1 to 64 characters "
+                         f"of A-Z a-z 0-9 _ -")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"inferscale: tp must be a positive int, got {tp!r}")
+    paths = [capture_path(memory_dir, capture_id, r) for r in range(tp)]
+    parts = [_load_rank(p) for p in paths]
+    next_head = 0
+    for r, (path, p) in enumerate(zip(paths, parts)):
+        k, v = p["k"], p["v"]
+        scalars = {f: p[f] for f in ("first_head", "num_heads", "kv_heads", "rank", "tp_size")}
+        for f, a in scalars.items():
+            if a.shape != () or a.dtype.kind not in "iu":
+                _refuse(path, f"{f} is not an integer scalar ({a.dtype} {a.shape})")
+        if int(scalars["rank"]) != r or int(scalars["tp_size"]) != tp:
+            _refuse(path, f"written by rank {int(scalars['rank'])} of "
+                          f"{int(scalars['tp_size'])}, expected rank {r} of {tp}")
+        if k.dtype != np.float32 or v.dtype != np.float32 or k.ndim != 4 or k.shape != v.shape:
+            _refuse(path, f"k {k.dtype} {k.shape} and v {v.dtype} {v.shape} are not float32 "
+                          f"[layers, tokens, heads, head_dim] of one shape")
+        ids = p["token_ids"]
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.shape[0] != k.shape[1]:
+            _refuse(path, f"{ids.shape} token ids ({ids.dtype}) for {k.shape[1]} tokens")
+        if int(scalars["num_heads"]) != k.shape[2] or int(scalars["first_head"]) != next_head:
+            _refuse(path, f"heads [{int(scalars['first_head'])}, +{int(scalars['num_heads'])}) "
+                          f"(k has {k.shape[2]}), expected the run to start at head {next_head}")
+        next_head += k.shape[2]
+        first = parts[0]
+        if r and (k.shape[0] != first["k"].shape[0] or k.shape[1] != first["k"].shape[1]
+                  or k.shape[3] != first["k"].shape[3]
+                  or not np.array_equal(ids, first["token_ids"])
+                  or int(scalars["kv_heads"]) != int(first["kv_heads"])):
+            _refuse(path, f"another capture than {paths[0]}'s (layers, tokens, head size, token "
+                          f"ids or the model's KV heads differ): one id reused?")
+    if next_head != int(parts[0]["kv_heads"]):
+        _refuse(paths[-1], f"the ranks hold {next_head} KV heads, the model "
+                           f"{int(parts[0]['kv_heads'])}")
+    out = {"k": np.concatenate([p["k"] for p in parts], axis=2),
+           "v": np.concatenate([p["v"] for p in parts], axis=2),
+           "token_ids": parts[0]["token_ids"].astype(np.int64)}
+    for path in paths:
+        os.remove(path)
+    return out

@@ -4,6 +4,8 @@ conftest's shared TP = 1 engine (its engine core in this process; test_tp.py reu
 memory of the facts encoded jointly for users 'caroline' and 'failpoint' (every load for the
 latter fails in the worker: INFERSCALE_VLLM_FAIL_LOAD_FOR_USER)."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -254,6 +256,46 @@ def test_refused_requests_are_prefilled_and_answer_as_plain_text(setup, fault):
     out, cached = run(setup, prompt, extra)
     assert cached == 0, f"{fault}: {cached} tokens were loaded from memory"
     assert out == plain
+
+
+def test_malformed_parameters_never_reach_vllms_scheduler(setup):
+    """kv_transfer_params of every wrong shape (valid JSON, as a client or another connector
+    could send), and a generation never committed, in one batch: each request is prefilled (0
+    tokens from memory), the engine keeps serving, and the next valid request loads its memory.
+    A generation from the future is refused at once, never deferred forever."""
+    mem, tok = setup["mem"], setup["tok"]
+    q = query_tokens(tok, "What is the name of Caroline's cat?")
+    r = mem.request("caroline", [setup["joint"]], q)
+    good = r["extra_args"]["kv_transfer_params"]["inferscale"]
+    shapes = [[], "caroline", 7, None, {"user": 5, "facts": [setup["joint"]]},
+              dict(good, facts={"a": 1}), dict(good, facts=[True]), dict(good, facts=[-1]),
+              dict(good, facts=[]), dict(good, facts="1,2"), dict(good, user=""),
+              dict(good, user=["caroline"]), dict(good, generation="1"),
+              dict(good, generation=None), dict(good, generation=10 ** 12),
+              dict(good, memory_tokens="205"), dict(good, memory_tokens=None),
+              dict(good, recompute_tokens=-1), {"inferscale": {"deep": {"deeper": [1, {}]}}},
+              dict(good, facts=[setup["joint"], setup["joint"]])]
+    prompts = [dict(r["prompt"]) for _ in shapes]
+    params = [setup["sampling"](temperature=0.0, max_tokens=1, extra_args={
+        "kv_transfer_params": {"inferscale": shape}}) for shape in shapes]
+    assert setup["llm"].reset_prefix_cache()
+    t = time.monotonic()
+    outs = setup["llm"].generate(prompts, params, use_tqdm=False)
+    assert time.monotonic() - t < 120  # none waited for a generation that never comes
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1] * len(shapes)
+    # the connector's report of each (request_finished, handed back with the output): nothing
+    # loaded, and the reason for every request that asked for memory (vLLM's own prefix cache
+    # may share the identical prompts' blocks within the batch: those were prefilled)
+    for shape, o in zip(shapes, outs):
+        report = (o.kv_transfer_params or {}).get("inferscale")
+        if not shape:
+            assert report is None, shape
+            continue
+        assert report["loaded_tokens"] == 0, (shape, report)
+        assert isinstance(report["refused"], str) and report["refused"], (shape, report)
+    assert setup["llm"].reset_prefix_cache()
+    _, cached = run(setup, r["prompt"], r["extra_args"])
+    assert cached == loaded(setup, r["memory_tokens"]) > 0
 
 
 def test_a_load_failing_in_the_worker_is_prefilled_and_vllm_keeps_serving(setup):

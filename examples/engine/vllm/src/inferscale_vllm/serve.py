@@ -9,6 +9,7 @@ these routes are added (under /v1, so ``--api-key`` guards them as it guards vLL
 
   POST   /v1/memory/{user}/facts        {"facts": [text, ...], "context": text?}  -> {"ids", ...}
   GET    /v1/memory/{user}/facts        -> {"user", "facts": [{"id", "text"}], "generation"}
+  POST   /v1/memory/{user}/retrieve     {"query": text, "k": int?} -> the facts an answer uses
   DELETE /v1/memory/{user}/facts/{id}   -> {"erased": id, "generation"}
   DELETE /v1/memory/{user}              -> {"erased": n, "generation"}
 
@@ -193,6 +194,24 @@ class MemoryService:
             ids = self.memory.add_facts(user, items)
             return ids, self.memory.commit()
 
+    def retrieve(self, user: str, body) -> dict:
+        """The user's k facts for a query, most relevant first (what an answer would use)."""
+        check_user(user)
+        if not isinstance(body, dict) or not isinstance(body.get("query"), str) \
+                or not body["query"].strip():
+            raise _bad("the body is {\"query\": text, \"k\": int}")
+        facts = self.memory.facts(user)
+        if not facts:
+            raise _bad(f"unknown user {user!r} (no facts)", 404)
+        k = body.get("k", min(self.default_k, len(facts)))
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(facts):
+            raise _bad(f"k must be an int in 1 .. {len(facts)} ({user!r}'s facts), got {k!r}")
+        vector = self.embedder.embed(body["query"])[0]
+        with self.memory._mutex:
+            ids = self.memory.retrieve(user, vector, k)
+            return {"user": user, "generation": self.memory.generation,
+                    "facts": [{"id": f, "text": self.memory.text(f)} for f in ids]}
+
     def list(self, user: str) -> dict:
         check_user(user)
         facts = self.memory.facts(user)
@@ -323,6 +342,16 @@ def install(app, service: MemoryService) -> None:
             except json.JSONDecodeError as e:
                 raise _bad(f"the body is not JSON: {e}") from None
             return JSONResponse(await service.write(user, body))
+        return await guarded(call)
+
+    @router.post("/v1/memory/{user}/retrieve")
+    async def retrieve(user: str, request: Request):
+        async def call():
+            try:
+                body = await request.json()
+            except json.JSONDecodeError as e:
+                raise _bad(f"the body is not JSON: {e}") from None
+            return JSONResponse(await asyncio.to_thread(service.retrieve, user, body))
         return await guarded(call)
 
     @router.get("/v1/memory/{user}/facts")

@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""Load over HTTP: the memory server (``python -m inferscale_vllm.serve``) under 1 / 8 / 32 / 64
+concurrent users, each with a memory of their own, memory injected against the same server
+answering with the facts as text (the Mem0 way), in the same run.
+
+Each user's facts are LoCoMo turns (read from ../shared/data/locomo, never copied), a slice of one
+conversation per user, written through the server's API (encoded by the running engine). Each
+request asks one of that conversation's LoCoMo questions; the server retrieves the user's top k
+(k = --k) for it, so every request has its own set and order of facts, as real questions give.
+  injected  POST /v1/chat/completions with ``user``: retrieval, composition and the connector's
+            load in the server; TTFT from the request to the first streamed token.
+  text      the same facts, retrieved beforehand (untimed) through /v1/memory/{user}/retrieve,
+            sent as a system message of plain text to the same server without ``user``: vLLM
+            prefills them (prefix caching on: the shared system head is a hit, the facts are not).
+  repeated  one user asking the same question again and again, both ways: vLLM's own prefix
+            cache then holds the text request's facts too, where injection pays least.
+Every injected answer is checked for its own user's facts (``x-inferscale-memory``: the user
+and fact ids), and the leak count printed. Prints the CPU (model, AVX2 / AVX-512 / AMX) with
+the figures, writes JSON (--json) and a PNG of TTFT and throughput against users (--png).
+Usage:
+  eval "$(bash .ci/vllm --print)"; export INFERSCALE_MINILM_HF
+  PYTHONPATH=build/ci/examples/engine/vllm/python "$INFERSCALE_VLLM_PYTHON" \\
+      bench/serve/bench_serve.py --users 1,8,32,64 --k 20 [--json out.json] [--png out.png]
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "vllm"))
+from bench_args import add_model_and_locomo, check_model_and_locomo  # noqa: E402
+
+SYSTEM = "You are a helpful assistant. Facts you remember about the user:"
+
+
+def cpu_description() -> str:
+    model, flags = "unknown CPU", set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name") and model == "unknown CPU":
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    isa = [n for n, f in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AVX512_BF16", "avx512_bf16"),
+                          ("AMX-BF16", "amx_bf16")) if f in flags]
+    return f"{model} ({os.cpu_count()} CPUs; {', '.join(isa) or 'no AVX2'})"
+
+
+def locomo_users(path, users, facts):
+    """Per user: `facts` turns of one conversation (user u reads conversation u % 10 from turn
+    (u // 10) * facts), and that conversation's questions."""
+    with open(path) as f:
+        data = json.load(f)
+    out = []
+    for u in range(users):
+        conv = data[u % len(data)]
+        turns = []
+        s = 1
+        while f"session_{s}" in conv["conversation"]:
+            turns += [f"{t['speaker']}: {t['text']}" for t in conv["conversation"][f"session_{s}"]]
+            s += 1
+        start = (u // len(data)) * facts
+        if start + facts > len(turns):
+            raise SystemExit(f"bench_serve: conversation {u % len(data)} has {len(turns)} turns")
+        questions = [q["question"] for q in conv["qa"] if isinstance(q.get("question"), str)]
+        out.append({"user": f"user{u}", "facts": [t[:1500] for t in turns[start:start + facts]],
+                    "questions": questions})
+    return out
+
+
+async def stream_ttft(client, url, headers, body):
+    """(TTFT, total, the memory header or None) of one streamed request."""
+    t = time.perf_counter()
+    first = None
+    async with client.stream("POST", url, json=body, headers=headers, timeout=900) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread()).decode()[:300]}")
+        memory = r.headers.get("x-inferscale-memory")
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: ") and '"content"' in line \
+                    and '"content":""' not in line.replace(" ", ""):
+                first = time.perf_counter() - t
+    return first if first is not None else time.perf_counter() - t, \
+        time.perf_counter() - t, json.loads(memory) if memory else None
+
+
+def percentile(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+async def level(server, users, n, reqs, k, max_tokens, mode, repeated=False):
+    """n users at once, `reqs` requests each (one after another per user)."""
+    import httpx
+
+    url = f"{server.url}/v1/chat/completions"
+    ttfts, leaks, checked = [], 0, 0
+    async with httpx.AsyncClient() as client:
+        async def one_user(u):
+            nonlocal leaks, checked
+            for i in range(reqs):
+                q = u["questions"][0 if repeated else (i * 7 + len(u["user"])) % len(u["questions"])]
+                if mode == "injected":
+                    body = {"model": "smollm2", "user": u["user"], "stream": True,
+                            "max_tokens": max_tokens, "temperature": 0.0,
+                            "messages": [{"role": "user", "content": q}],
+                            "memory": {"k": k}}
+                else:
+                    r = await client.post(f"{server.url}/v1/memory/{u['user']}/retrieve",
+                                          json={"query": q, "k": k}, headers=server.headers,
+                                          timeout=300)
+                    facts = [f["text"] for f in r.json()["facts"]][::-1]  # the best last
+                    system = SYSTEM + "\n" + "".join(f"- {f}\n" for f in facts)
+                    body = {"model": "smollm2", "stream": True, "max_tokens": max_tokens,
+                            "temperature": 0.0,
+                            "messages": [{"role": "system", "content": system},
+                                         {"role": "user", "content": q}]}
+                ttft, _, memory = await stream_ttft(client, url, server.headers, body)
+                ttfts.append(ttft)
+                if mode == "injected":
+                    checked += 1
+                    if memory is None or memory["user"] != u["user"] or not set(
+                            memory["facts"]) <= set(u["ids"]):
+                        leaks += 1
+
+        t = time.perf_counter()
+        await asyncio.gather(*(one_user(u) for u in users[:n]))
+        wall = time.perf_counter() - t
+    return {"users": n, "mode": mode, "requests": len(ttfts), "rps": len(ttfts) / wall,
+            "ttft_p50_ms": 1e3 * statistics.median(ttfts),
+            "ttft_p99_ms": 1e3 * percentile(ttfts, 99), "leaks": leaks, "checked": checked}
+
+
+def plot(rows, path, cpu):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, style in (("injected", "o-"), ("text", "s--")):
+        r = [x for x in rows if x["mode"] == mode]
+        a.plot([x["users"] for x in r], [x["ttft_p50_ms"] for x in r], style, label=f"{mode} p50")
+        a.plot([x["users"] for x in r], [x["ttft_p99_ms"] for x in r], style, alpha=0.4,
+               label=f"{mode} p99")
+        b.plot([x["users"] for x in r], [x["rps"] for x in r], style, label=mode)
+    a.set(xscale="log", yscale="log", xlabel="concurrent users", ylabel="TTFT (ms)")
+    b.set(xscale="log", xlabel="concurrent users", ylabel="requests/s")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.suptitle(f"memory server over HTTP, SmolLM2-135M, {cpu}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_and_locomo(ap)
+    ap.add_argument("--users", default="1,8,32,64")
+    ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--requests", type=int, default=2, help="requests per user per level")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--json")
+    ap.add_argument("--png")
+    a = ap.parse_args()
+    check_model_and_locomo(a, "bench_serve")
+    from inferscale_vllm.server_process import Server
+
+    levels = [int(x) for x in a.users.split(",")]
+    users = locomo_users(a.locomo, max(levels), a.k)
+    cpu = cpu_description()
+    print(f"bench_serve: {cpu}", flush=True)
+    work = tempfile.mkdtemp(prefix="inferscale-bench-serve-")
+    log = open(os.path.join(work, "server.log"), "w")
+    server = Server(a.model, os.path.join(work, "memory"), log, "bench-" + os.urandom(4).hex(),
+                    ["--memory-pages", str(max(levels) * a.k * 8 + 64), "--memory-k", str(a.k),
+                     "--max-num-seqs", str(max(levels))])
+    t = time.perf_counter()
+    server.start()
+    print(f"bench_serve: server up in {time.perf_counter() - t:.0f} s", flush=True)
+    try:
+        import httpx
+
+        t = time.perf_counter()
+        for u in users:
+            r = httpx.post(f"{server.url}/v1/memory/{u['user']}/facts", json={"facts": u["facts"]},
+                           headers=server.headers, timeout=3600)
+            r.raise_for_status()
+            u["ids"] = r.json()["ids"]
+        written = sum(len(u["facts"]) for u in users)
+        print(f"bench_serve: {written} facts of {len(users)} users written through the API in "
+              f"{time.perf_counter() - t:.0f} s", flush=True)
+        rows = []
+        for n in levels:
+            for mode in ("injected", "text"):
+                asyncio.run(level(server, users, 1, 1, a.k, a.max_tokens, mode))  # warm
+                row = asyncio.run(level(server, users, n, a.requests, a.k, a.max_tokens, mode))
+                rows.append(row)
+                print(f"  {n:3d} users  {mode:8s}  TTFT p50 {row['ttft_p50_ms']:8.1f} ms  p99 "
+                      f"{row['ttft_p99_ms']:8.1f} ms  {row['rps']:6.2f} req/s"
+                      + (f"  leaks {row['leaks']}/{row['checked']}" if mode == "injected" else ""),
+                      flush=True)
+        repeated = []
+        for mode in ("injected", "text"):
+            row = asyncio.run(level(server, users, 1, 4, a.k, a.max_tokens, mode, repeated=True))
+            row["mode"] = f"{mode}-repeated"
+            repeated.append(row)
+            print(f"  repeated question, 1 user  {mode:8s}  TTFT p50 {row['ttft_p50_ms']:.1f} ms",
+                  flush=True)
+        by = {(r["users"], r["mode"]): r for r in rows}
+        for n in levels:
+            i, x = by[(n, "injected")], by[(n, "text")]
+            print(f"  {n:3d} users: TTFT speed-up {x['ttft_p50_ms'] / i['ttft_p50_ms']:.2f}x (p50), "
+                  f"requests/s {i['rps'] / x['rps']:.2f}x", flush=True)
+        leaks = sum(r["leaks"] for r in rows + repeated)
+        checked = sum(r["checked"] for r in rows + repeated)
+        print(f"bench_serve: leaks {leaks} in {checked} injected answers", flush=True)
+        result = {"cpu": cpu, "k": a.k, "max_tokens": a.max_tokens, "rows": rows,
+                  "repeated": repeated, "leaks": leaks, "checked": checked}
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=1)
+        if a.png:
+            plot(rows, a.png, cpu)
+        return 0 if leaks == 0 else 1
+    finally:
+        server.stop()
+        log.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

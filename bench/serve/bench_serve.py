@@ -100,7 +100,7 @@ async def level(server, users, n, reqs, k, max_tokens, mode, repeated=False):
     import httpx
 
     url = f"{server.url}/v1/chat/completions"
-    ttfts, leaks, checked = [], 0, 0
+    ttfts, leaks, checked, compose = [], 0, 0, []
     async with httpx.AsyncClient() as client:
         async def one_user(u):
             nonlocal leaks, checked
@@ -125,6 +125,8 @@ async def level(server, users, n, reqs, k, max_tokens, mode, repeated=False):
                 ttfts.append(ttft)
                 if mode == "injected":
                     checked += 1
+                    if memory is not None:
+                        compose.append(memory.get("compose_ms", 0.0))
                     if memory is None or memory["user"] != u["user"] or not set(
                             memory["facts"]) <= set(u["ids"]):
                         leaks += 1
@@ -134,7 +136,8 @@ async def level(server, users, n, reqs, k, max_tokens, mode, repeated=False):
         wall = time.perf_counter() - t
     return {"users": n, "mode": mode, "requests": len(ttfts), "rps": len(ttfts) / wall,
             "ttft_p50_ms": 1e3 * statistics.median(ttfts),
-            "ttft_p99_ms": 1e3 * percentile(ttfts, 99), "leaks": leaks, "checked": checked}
+            "ttft_p99_ms": 1e3 * percentile(ttfts, 99), "leaks": leaks, "checked": checked,
+            "compose_p50_ms": statistics.median(compose) if compose else None}
 
 
 def plot(rows, path, cpu):
@@ -204,7 +207,8 @@ def main():
                 rows.append(row)
                 print(f"  {n:3d} users  {mode:8s}  TTFT p50 {row['ttft_p50_ms']:8.1f} ms  p99 "
                       f"{row['ttft_p99_ms']:8.1f} ms  {row['rps']:6.2f} req/s"
-                      + (f"  leaks {row['leaks']}/{row['checked']}" if mode == "injected" else ""),
+                      + (f"  retrieval+composition p50 {row['compose_p50_ms']:.1f} ms  leaks "
+                         f"{row['leaks']}/{row['checked']}" if mode == "injected" else ""),
                       flush=True)
         repeated = []
         for mode in ("injected", "text"):

@@ -48,10 +48,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from . import _inferscale
 from .memory import MemoryReader, cache_salt, check_model, describe_model, shard_store
 from .rotary import find_model_runner, model_rotary
-from .serve_capture import CaptureScheduler, CaptureWriter
+from .serve_capture import CaptureScheduler, CaptureWriter, ExactKeys
 from .tensors import kv_cache_descriptor
 
-logger = logging.getLogger("inferscale_vllm")
+logger = logging.getLogger("vllm.inferscale")  # vLLM's handlers: its log shows ours
 # How long a request may wait for a just-committed generation to load before it is prefilled.
 DEFER_SECONDS = 30.0
 
@@ -388,6 +388,12 @@ class InferScaleConnector(KVConnectorBase_V1):
             kv_caches, names, self._vllm_config.model_config.dtype,
             self._vllm_config.cache_config.cache_dtype)
         self._kv_caches = kv_caches  # keep the tensors alive with the descriptor
+        self._isa = None
+        if not self._device:  # vLLM's CPU attention kernels (the cache layout) of these layers
+            from .tensors import vllm_cpu_isa
+
+            self._isa = vllm_cpu_isa(self._vllm_config.model_config.dtype, kv_caches[names[0]],
+                                     self._vllm_config.cache_config.cache_dtype)
         tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
         heads = self._model["num_kv_heads"]
         if heads % tp:
@@ -407,7 +413,9 @@ class InferScaleConnector(KVConnectorBase_V1):
         else:
             self._capture_writer = CaptureWriter(
                 self._directory, self._cache, self._table, self._rotary.neox, rank=rank, tp=tp,
-                first_head=rank * per, kv_heads=heads)
+                first_head=rank * per, kv_heads=heads,
+                exact=ExactKeys(self._rotation, self._rotation_mode, self._cache, self._isa,
+                                self._table, self._rotary.neox))
         logger.info("inferscale: TP rank %d/%d, PP stage %d/%d injects KV heads [%d, %d) into "
                     "layers [%d, %d) of %d slots (%s path)", rank, tp, pp_rank, pp, rank * per,
                     rank * per + per, first_layer, first_layer + num_layers, self._cache.num_slots,
@@ -434,6 +442,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             rotation, self._table, mode = rotation_matching_vllm(
                 rope, mc.dtype, mc.get_head_size(), device=self._device)
         self._rope = rope
+        self._rotation_mode = mode
         logger.info("inferscale: the model's rotation: %s; rounding '%s' (matches vLLM's rotary "
                     "kernel here bit for bit)", self._rotary.description, mode)
         return rotation

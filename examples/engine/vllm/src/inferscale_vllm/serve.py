@@ -30,7 +30,7 @@ memory with a 4xx, false answers without memory instead. Requests without ``user
 unchanged; ``kv_transfer_params`` and ``inferscale-`` salts from clients are refused.
 """
 
-from __future__ import annotations
+# (no `from __future__ import annotations`: FastAPI resolves the routes' annotations at runtime)
 
 import asyncio
 import json
@@ -38,9 +38,10 @@ import logging
 import os
 import re
 import sys
+import time
 import uuid
 
-logger = logging.getLogger("inferscale_vllm.serve")
+logger = logging.getLogger("vllm.inferscale.serve")
 
 MARKER = "\x00inferscale-memory\x00"
 DEFAULT_SYSTEM = ("You are a helpful assistant. Facts you remember about the user:")
@@ -386,7 +387,10 @@ def install(app, service: MemoryService) -> None:
             return error(e.status, e.message)
         if body.get("user") is not None or body.get("memory") is not None:
             try:
+                started = time.perf_counter()
                 body, used = await asyncio.to_thread(service.compose, body, chat)
+                if used is not None:  # embedding, retrieval and composition, in the server
+                    used["compose_ms"] = round(1e3 * (time.perf_counter() - started), 3)
             except MemoryError4xx as e:
                 return error(e.status, e.message)
             except ValueError as e:

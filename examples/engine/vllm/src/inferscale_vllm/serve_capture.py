@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-logger = logging.getLogger("inferscale_vllm")
+logger = logging.getLogger("vllm.inferscale")
 
 CAPTURE_PARAM = "inferscale_capture"  # the key in kv_transfer_params
 CAPTURE_DIR = ".captures"  # under the memory directory
@@ -190,7 +190,7 @@ class CaptureWriter:
     the model's pairing."""
 
     def __init__(self, memory_dir: str, cache, table, neox: bool, *, rank: int, tp: int,
-                 first_head: int, kv_heads: int):
+                 first_head: int, kv_heads: int, exact: "ExactKeys | None" = None):
         import torch
 
         from . import _inferscale
@@ -205,6 +205,8 @@ class CaptureWriter:
             self.table.data_ptr(), self.table.shape[0], self.table.stride(0), cache.head_dim,
             self.table.shape[1], "float32", bool(neox), False, False)
         self.rank, self.tp, self.first_head, self.kv_heads = rank, tp, first_head, kv_heads
+        # ExactKeys: the keys moved to bf16 keys that rotate back to vLLM's exact bytes
+        self.exact = exact
         self.seconds = 0.0  # time spent capturing (extraction + writing), for the benchmark
         self.written = 0
         self.lock = threading.Lock()
@@ -225,6 +227,8 @@ class CaptureWriter:
         k = np.empty((c.num_layers, n, c.num_heads, c.head_dim), dtype=np.float32)
         v = np.empty_like(k)
         store.read(1, k.ctypes.data, v.ctypes.data)
+        if self.exact is not None:
+            k = self.exact.fix(k, self.exact.raw_keys(c, job.slots, n))
         return k, v
 
     def capture(self, job: CaptureJob) -> str:
@@ -253,6 +257,230 @@ class CaptureWriter:
             except Exception as e:  # noqa: BLE001 - a capture never takes the engine down
                 logger.warning("inferscale: request %s: capture %s failed on rank %d: %s",
                                job.request_id, job.capture_id, self.rank, e)
+
+
+class ExactKeys:
+    """Moves de-rotated keys to bf16 keys that the engine's own rotation maps back to the bytes
+    vLLM wrote, bit for bit.
+
+    vLLM wrote round(R k) for bf16 pre-RoPE keys k; the capture reads those bytes back and
+    de-rotates them exactly (in fp32), which gives k only up to that rounding. Some bf16 key near
+    the de-rotation rotates back to the same bytes (k itself does), so: round the de-rotation to
+    bf16, rotate it with `rotation` — the library's rotation that reproduces vLLM's rotary kernel
+    bit for bit on this machine (connector.rotation_matching_vllm) — into a scratch cache, and
+    where a rotary pair's bytes differ, try its bf16 neighbours (1, then 2 units in the last place
+    each way) until they match. Stored, such keys re-inject at the captured positions exactly what
+    vLLM's prefill wrote (Theorem 3 through the server); a pair no neighbour fixes is left as the
+    rounding gave it (counted in `unmatched`)."""
+
+    def __init__(self, rotation, mode: str, cache, isa: str, table, neox: bool):
+        import torch
+
+        self.rotation, self.isa, self.neox = rotation, isa, bool(neox)
+        self.mode = mode  # connector.ROUNDING_MODES: how vLLM's kernel rounds (the grid's model)
+        self.layers, self.heads, self.dim = cache.num_layers, cache.num_heads, cache.head_dim
+        self.block = cache.block_size
+        self.rotary = table.shape[1]
+        self.table = table.detach().to("cpu", torch.float32).numpy()
+        # the identity rotation (cos 1, sin 0): extract then reads a cache's keys as stored
+        self.identity_table = torch.zeros(table.shape[0], self.rotary, dtype=torch.float32)
+        self.identity_table[:, : self.rotary // 2] = 1.0
+        from . import _inferscale
+
+        self.identity = _inferscale.Rotation(
+            self.identity_table.data_ptr(), self.identity_table.shape[0],
+            self.identity_table.stride(0), self.dim, self.rotary, "float32", self.neox, False,
+            False)
+        self.unmatched = 0
+
+    def raw_keys(self, cache, slots, n):
+        from . import _inferscale
+
+        store = _inferscale.Store(self.layers, self.heads, self.dim, "float32", (n + 15) // 16, 16)
+        _inferscale.extract(store, cache, self.identity, [int(x) for x in slots], 0, 1, 0,
+                            [0] * n)
+        k = np.empty((self.layers, n, self.heads, self.dim), np.float32)
+        v = np.empty_like(k)
+        store.read(1, k.ctypes.data, v.ctypes.data)
+        return k
+
+    def forward(self, keys):
+        """The bytes (as float32) `rotation` writes for `keys` at positions 0 .. n-1."""
+        import torch
+
+        from . import _inferscale
+        from .tensors import vllm_cpu_cache
+
+        n = keys.shape[1]
+        blocks = (n + self.block - 1) // self.block
+        caches = {f"model.layers.{i}.self_attn.attn":
+                  torch.zeros(blocks, self.heads, self.block, 2 * self.dim, dtype=torch.bfloat16)
+                  for i in range(self.layers)}
+        names = list(caches)
+        cache = vllm_cpu_cache(caches, names, self.isa)
+        # a bf16 store, as a memory of this model holds its keys: the rotation rounds in the
+        # store's dtype where vLLM's kernel does (round_each), and the keys are bf16 values
+        store = _inferscale.Store(self.layers, self.heads, self.dim, "bfloat16",
+                                  (n + 15) // 16, 16)
+        k = np.ascontiguousarray(keys, np.float32)
+        t = _inferscale.Tensor(k.ctypes.data, list(k.shape), [x // 4 for x in k.strides],
+                               "float32")
+        store.insert(1, 0, [0] * n, t, t)
+        _inferscale.inject(store, cache, self.rotation, [([1], 0, list(range(n)))])
+        return self.raw_keys(cache, range(n), n)
+
+    def fix(self, k: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+        """`k`: the de-rotated keys [layers, n, heads, dim]; `wanted`: the bytes vLLM wrote (as
+        float32). Returns bf16-valued float32 keys."""
+        bits = _bf16_bits(k)
+        keys = bits.view(np.float32).copy()
+        r = self.rotary
+        idx = np.arange(r // 2)
+        first, second = (idx, idx + r // 2) if self.neox else (2 * idx, 2 * idx + 1)
+
+        def bad_pairs(got):
+            d = (got != wanted)
+            return d[..., first] | d[..., second]
+
+        got = self.forward(keys)
+        bad = bad_pairs(got)
+        # first a few corrections by the de-rotated residual (the rotation is nearly linear: a
+        # pair off by R d comes back by d), each keeping only the pairs it fixes
+        for _ in range(6):
+            if not bad.any():
+                break
+            step = _rotate((got - wanted).astype(np.float64), self.table, self.neox, inverse=True)
+            trial = _bf16_bits(keys.astype(np.float64) - step).view(np.float32)
+            trial_got = self.forward(trial)
+            better = bad & ~bad_pairs(trial_got)
+            moved = np.zeros(keys.shape, bool)
+            moved[..., first] = better
+            moved[..., second] = better
+            keys = np.where(moved, trial, keys)
+            got = np.where(moved, trial_got, got)
+            bad &= ~better
+        if bad.any():  # the rest: a grid of bf16 neighbours per pair, tried on a model of the
+            # kernel's arithmetic, then checked with the library's own rotation below; the
+            # pairs left get a grid each, wide in the element that is small beside the pair's
+            # norm (its rounding error spans many of its own units in the last place)
+            keys = self._grid(keys, wanted, bad, first, second)
+            bad = bad_pairs(self.forward(keys))
+            for where in np.argwhere(bad)[:4096]:
+                one = np.zeros(bad.shape, bool)
+                one[tuple(where)] = True
+                a = abs(float(keys[tuple(where[:3]) + (first[where[3]],)]))
+                b = abs(float(keys[tuple(where[:3]) + (second[where[3]],)]))
+                norm = max(np.hypot(a, b), 1e-30)
+                radii = [int(min(2048, 4 + 3 * norm / max(x, norm * 2 ** -11))) for x in (a, b)]
+                keys = self._grid(keys, wanted, one, first, second, radii)
+            bad = bad_pairs(self.forward(keys))
+        bits = keys.view(np.uint32).copy()
+        for ring in (1, 2):
+            for da in range(-ring, ring + 1):
+                for db in range(-ring, ring + 1):
+                    if max(abs(da), abs(db)) != ring or not bad.any():
+                        continue
+                    trial = keys.copy()
+                    sel = np.zeros(keys.shape, bool)
+                    sel[..., first] = bad
+                    a_bits = bits[..., first].astype(np.int64) + da * 0x10000
+                    b_bits = bits[..., second].astype(np.int64) + db * 0x10000
+                    ta = trial[..., first]
+                    tb = trial[..., second]
+                    ta[bad] = (a_bits[bad] & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+                    tb[bad] = (b_bits[bad] & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+                    trial[..., first] = ta
+                    trial[..., second] = tb
+                    now = bad_pairs(self.forward(trial))
+                    fixed = bad & ~now
+                    if fixed.any():
+                        ka, kb = keys[..., first], keys[..., second]
+                        ka[fixed] = ta[fixed]
+                        kb[fixed] = tb[fixed]
+                        keys[..., first] = ka
+                        keys[..., second] = kb
+                        bad &= ~fixed
+        self.unmatched += int(bad.sum())
+        return keys
+
+
+    RADIUS = 24  # bf16 steps each way, per element of a pair
+
+    def _grid(self, keys, wanted, bad, first, second, radii=None):
+        """For each bad pair, the bf16 pair within RADIUS steps of each element whose rotation
+        (vLLM's arithmetic as `mode` says, modelled in numpy) gives the wanted bytes, nearest the
+        current guess (the library's rotation checks every choice afterwards)."""
+        r = self.rotary
+        where = np.argwhere(bad)  # (layer, token, head, pair)
+        if len(where) == 0:
+            return keys
+        l, t, h, p = where.T
+        a = keys[l, t, h, first[p]].astype(np.float32)
+        b = keys[l, t, h, second[p]].astype(np.float32)
+        ya = wanted[l, t, h, first[p]].astype(np.float64)
+        yb = wanted[l, t, h, second[p]].astype(np.float64)
+        cos = self.table[t, p].astype(np.float64)
+        sin = self.table[t, r // 2 + p].astype(np.float64)
+        ra, rb = radii if radii is not None else (self.RADIUS, self.RADIUS)
+        da = np.arange(-ra, ra + 1, dtype=np.int64)
+        db = np.arange(-rb, rb + 1, dtype=np.int64)
+        ab = (a.view(np.uint32).astype(np.int64)[:, None] + da * 0x10000) & 0xFFFFFFFF
+        bb = (b.view(np.uint32).astype(np.int64)[:, None] + db * 0x10000) & 0xFFFFFFFF
+        ca = ab.astype(np.uint32).view(np.float32).astype(np.float64)[:, :, None]
+        cb = bb.astype(np.uint32).view(np.float32).astype(np.float64)[:, None, :]
+        c, s_ = cos[:, None, None], sin[:, None, None]
+
+        def bf(x):
+            return _bf16_bits(x).view(np.float32).astype(np.float64)
+
+        if self.mode == "round_each":  # cos, sin, each product and the sum rounded to bf16
+            cr, sr = bf(c), bf(s_)
+            ga, gb = bf(bf(ca * cr) - bf(cb * sr)), bf(bf(cb * cr) + bf(ca * sr))
+        else:  # fp32 arithmetic, rounded (or truncated) to bf16 once
+            fa = (ca * c - cb * s_).astype(np.float32)
+            fb = (cb * c + ca * s_).astype(np.float32)
+            if self.mode == "fp32_truncate":
+                ga = (fa.view(np.uint32) & 0xFFFF0000).view(np.float32).astype(np.float64)
+                gb = (fb.view(np.uint32) & 0xFFFF0000).view(np.float32).astype(np.float64)
+            else:
+                ga, gb = bf(fa), bf(fb)
+        ok = (ga == ya[:, None, None]) & (gb == yb[:, None, None])
+        cost = np.where(ok, np.abs(da)[None, :, None] + np.abs(db)[None, None, :], 10 ** 9)
+        best = cost.reshape(len(where), -1).argmin(axis=1)
+        found = cost.reshape(len(where), -1)[np.arange(len(where)), best] < 10 ** 9
+        ia, ib = np.unravel_index(best, cost.shape[1:])
+        keys = keys.copy()
+        sel = np.nonzero(found)[0]
+        keys[l[sel], t[sel], h[sel], first[p[sel]]] = ca[sel, ia[sel], 0]
+        keys[l[sel], t[sel], h[sel], second[p[sel]]] = cb[sel, 0, ib[sel]]
+        return keys
+
+
+def _rotate(x: np.ndarray, table: np.ndarray, neox: bool, inverse: bool) -> np.ndarray:
+    """The rotation of `x` ([layers, tokens, heads, head_dim], float64; token t at position t)
+    with vLLM's table ([positions, rotary_dim]: cos | sin halves), or its exact inverse."""
+    n, rot = x.shape[1], table.shape[1]
+    cos = table[:n, : rot // 2].astype(np.float64)[None, :, None, :]
+    sin = table[:n, rot // 2:].astype(np.float64)[None, :, None, :]
+    if inverse:
+        norm = cos * cos + sin * sin
+        cos, sin = cos / norm, -sin / norm
+    out = x.copy()
+    if neox:
+        a, b = x[..., : rot // 2], x[..., rot // 2: rot]
+        out[..., : rot // 2] = a * cos - b * sin
+        out[..., rot // 2: rot] = b * cos + a * sin
+    else:
+        a, b = x[..., 0:rot:2], x[..., 1:rot:2]
+        out[..., 0:rot:2] = a * cos - b * sin
+        out[..., 1:rot:2] = b * cos + a * sin
+    return out
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float -> the nearest bfloat16 (ties to even), as float32 bit patterns (uint32)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32)
 
 
 def _refuse(path, why):

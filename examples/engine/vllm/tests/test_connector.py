@@ -296,6 +296,26 @@ def test_malformed_parameters_never_reach_vllms_scheduler(setup):
     assert setup["llm"].reset_prefix_cache()
     _, cached = run(setup, r["prompt"], r["extra_args"])
     assert cached == loaded(setup, r["memory_tokens"]) > 0
+    # a memory whose record is valid JSON of the wrong shape, committed over the running engine
+    # (by the C++ save alone, as a foreign writer could): its load fails in the background (it is
+    # logged), the engine keeps serving — requests naming the last good generation from it, a
+    # newer one prefilled — and the memory serves again once a good generation is committed
+    from inferscale_vllm import _inferscale
+
+    _inferscale.Memory(1, 1, 8, "bfloat16", 1, 16, 1).save(mem.directory, b'{"format": 2}')
+    newer = dict(good, generation=mem.generation + 1)
+    for _ in range(3):
+        assert setup["llm"].reset_prefix_cache()
+        outs = setup["llm"].generate([r["prompt"], r["prompt"]], [setup["sampling"](
+            temperature=0.0, max_tokens=1, extra_args=e) for e in (
+                r["extra_args"], {"kv_transfer_params": {"inferscale": newer}})], use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 1]
+        assert outs[1].kv_transfer_params["inferscale"]["loaded_tokens"] == 0
+    mem.commit()  # the writer's state saved again over the foreign one
+    r = mem.request("caroline", [setup["joint"]], q)
+    assert setup["llm"].reset_prefix_cache()
+    _, cached = run(setup, r["prompt"], r["extra_args"])
+    assert cached == loaded(setup, r["memory_tokens"]) > 0
 
 
 def test_a_load_failing_in_the_worker_is_prefilled_and_vllm_keeps_serving(setup):

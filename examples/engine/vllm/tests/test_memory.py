@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from inferscale_vllm import _inferscale
-from inferscale_vllm.memory import (SALT_KEY, Memory, MemoryReader, cache_salt, load_generation,
-                                    shard_store)
+from inferscale_vllm.memory import (SALT_KEY, Memory, MemoryReader, cache_salt, check_model,
+                                    load_generation, shard_store, weights_digest)
 
 MODEL = {"name": "toy", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "rope_theta": 10000.0,
          "weights": "0" * 64}
@@ -278,3 +278,26 @@ def test_shard_store(directory):
     np.testing.assert_array_equal(got_k, bf16(k[1:2, :, 1:2]))
     np.testing.assert_array_equal(got_v, bf16(v[1:2, :, 1:2]))
     mem.close()
+
+
+def test_model_identity(tmp_path):
+    """A memory serves only the model it was encoded with: every recorded key must match, the
+    weights' digest among them (two folders of one geometry and other weights differ there)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "model.safetensors").write_bytes(b"\x01" * 1000)
+    (b / "model.safetensors").write_bytes(b"\x01" * 999 + b"\x02")
+    assert weights_digest(str(a)) == hashlib.sha256(
+        b"model.safetensors\x001000\x00" + b"\x01" * 1000).hexdigest()
+    assert weights_digest(str(a)) != weights_digest(str(b))
+    recorded = dict(MODEL, weights=weights_digest(str(a)), dtype="bfloat16")
+    assert check_model(recorded, dict(recorded, name="moved/elsewhere")) is None
+    assert "weights" in check_model(recorded, dict(recorded, weights=weights_digest(str(b))))
+    assert "dtype" in check_model(recorded, dict(recorded, dtype="float16"))
+    assert "rope_theta" in check_model(recorded, dict(recorded, rope_theta=1e6))
+    missing = dict(recorded)
+    del missing["weights"]
+    assert "weights" in check_model(recorded, missing)
+    with pytest.raises(ValueError, match="no weight files"):
+        weights_digest(str(tmp_path))

@@ -283,6 +283,11 @@ class InferScaleConnector(KVConnectorBase_V1):
             if not self._partial_block:
                 usable = usable // self._block_size * self._block_size
             self._plans[request.request_id] = (order, m, num_computed_tokens, user, generation)
+            # the report handed back with the output: vLLM's own prefix-cache hit (blocks of an
+            # earlier identical request) and what this connector loads on top of it
+            self._finished[request.request_id] = {
+                "loaded_tokens": 0, "cached_tokens": min(num_computed_tokens, m),
+                "memory_tokens": m, "generation": generation}
             return max(0, usable - num_computed_tokens), False
         except Exception as e:  # noqa: BLE001
             logger.exception("inferscale: request %s: the memory check failed", request.request_id)
@@ -302,8 +307,9 @@ class InferScaleConnector(KVConnectorBase_V1):
             loaded_blocks = sorted({block_ids[p // bs] for p in range(start, end)})
             self._pending.append(_Load(request.request_id, user, order, slots, loaded_blocks,
                                        generation))
-            self._finished[request.request_id] = {"loaded_tokens": num_external_tokens,
-                                                  "generation": generation}
+            self._finished.setdefault(request.request_id, {
+                "cached_tokens": start, "memory_tokens": m, "generation": generation})
+            self._finished[request.request_id]["loaded_tokens"] = num_external_tokens
             self.counters["loads"] += 1
             if getattr(request, "num_preemptions", 0) > 0:
                 self.counters["loads_after_preemption"] += 1

@@ -34,6 +34,7 @@ import fcntl
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
@@ -681,9 +682,14 @@ class MemoryReader:
             with self._lock:
                 self._loaded = (stamp, app, value)
                 self._error = None
-        except Exception as e:  # noqa: BLE001 - reported through current()
+        except Exception as e:  # noqa: BLE001 - reported through poll()
             with self._lock:
+                first = repr(e) != repr(self._error)
                 self._error = e
+            if first:  # the last good generation keeps serving the requests that name it
+                logging.getLogger("vllm.inferscale").warning(
+                    "inferscale: a new generation of %s cannot be loaded (%s); requests naming "
+                    "it are prefilled", self.directory, e)
         finally:
             with self._lock:
                 self._loading = False

@@ -409,7 +409,10 @@ def install(app, service: MemoryService) -> None:
             content = generator.model_dump()
             if used is not None:
                 report = (content.get("kv_transfer_params") or {}).get("inferscale") or {}
-                content["memory"] = dict(used, loaded_tokens=report.get("loaded_tokens", 0))
+                content["memory"] = dict(used, loaded_tokens=report.get("loaded_tokens", 0),
+                                         cached_tokens=report.get("cached_tokens", 0))
+                if report.get("refused"):
+                    content["memory"]["refused"] = report["refused"]
             return JSONResponse(content=content)
         headers = {"x-inferscale-memory": json.dumps(used)} if used is not None else None
         return StreamingResponse(content=generator, media_type="text/event-stream",

@@ -56,7 +56,7 @@ def full_store(n=40):
     store = Store(LAYERS, HEADS, DIM, "float32", num_pages=16)
     kt, vt = torch.from_numpy(k), torch.from_numpy(v)
     store.insert(7, 0, list(range(100, 100 + n)), as_tensor_arg(kt), as_tensor_arg(vt))
-    manifest = {"facts": {"7": {"tokens": n}}}
+    manifest = [7]  # the fact ids to shard
     return store, manifest, k, v
 
 

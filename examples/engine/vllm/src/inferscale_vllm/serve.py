@@ -180,11 +180,11 @@ class MemoryService:
             encoded.append((text.strip(), ids))
         vectors = await asyncio.to_thread(self.embedder.embed, [t for t, _ in encoded])
         async with self.write_lock:
-            items = []
-            for (text, ids), vector in zip(encoded, vectors):
-                kv = await self._capture(prefix + ctx + ids)
-                items.append(dict(text=text, token_ids=ids, keys=kv["k"], values=kv["v"],
-                                  context=prefix + ctx, embedding=vector))
+            # the facts' forwards at once: the engine batches them
+            kvs = await asyncio.gather(*(self._capture(prefix + ctx + ids) for _, ids in encoded))
+            items = [dict(text=text, token_ids=ids, keys=kv["k"], values=kv["v"],
+                          context=prefix + ctx, embedding=vector)
+                     for (text, ids), vector, kv in zip(encoded, vectors, kvs)]
             ids, generation = await asyncio.to_thread(self._add_and_commit, user, items)
         return {"user": user, "ids": ids, "generation": generation}
 

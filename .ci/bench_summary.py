@@ -389,6 +389,32 @@ def steps_line(path):
     return ["steps, wall seconds: " + "; ".join(short)] if short else []
 
 
+def serve_lines(doc, args):
+    """bench/serve/bench_serve.py's JSON: the memory server over HTTP, injected against the same
+    server answering with the facts as text."""
+    rows = doc.get("rows", [])
+    if not rows:
+        return []
+    lines = ["the memory server over HTTP (python -m inferscale_vllm.serve; bench_serve.py %s; "
+             "k = %d facts per request, each request's own retrieval; prefix caching on), %s:"
+             % (args, doc.get("k", 0), doc.get("cpu", "?"))]
+    by = {(r["users"], r["mode"]): r for r in rows}
+    table_rows = []
+    for n in sorted({r["users"] for r in rows}):
+        i, t = by.get((n, "injected")), by.get((n, "text"))
+        if not i or not t:
+            continue
+        table_rows.append([str(n), "%s / %s" % (fmt_int(i["ttft_p50_ms"]), fmt_int(t["ttft_p50_ms"])),
+                           "%.1fx" % (t["ttft_p50_ms"] / i["ttft_p50_ms"]),
+                           "%.2f / %.2f" % (i["rps"], t["rps"]), "%.1fx" % (i["rps"] / t["rps"]),
+                           "%.1f ms" % (i.get("compose_p50_ms") or 0.0)])
+    lines += table(["users", "TTFT p50 ms injected / text", "speed-up", "req/s injected / text",
+                    "ratio", "retrieval+composition p50"], table_rows)
+    lines.append("  leaks: %d in %d injected answers checked for their own user's facts"
+                 % (doc.get("leaks", -1), doc.get("checked", 0)))
+    return lines
+
+
 def headline_only(paths):
     """--headline DIR (the main job's results) or FILES: the mission in a few lines."""
     if len(paths) == 1 and os.path.isdir(paths[0]):
@@ -407,7 +433,7 @@ def headline_only(paths):
         steps = os.path.join(d, "steps.txt")
     else:
         config, steps = {}, None
-    entries, vllm_doc, locomo = [], None, None
+    entries, vllm_doc, locomo, serve_doc = [], None, None, None
     for path in paths:
         if path.endswith(".md"):
             locomo = path
@@ -418,6 +444,8 @@ def headline_only(paths):
             continue
         if isinstance(doc, dict) and "ttft" in doc and "benchmarks" not in doc:
             vllm_doc = doc
+        elif isinstance(doc, dict) and "rows" in doc and "leaks" in doc:
+            serve_doc = doc
         elif isinstance(doc, dict):
             entries += doc.get("benchmarks", [])
     reps = config.get("bench_vllm.py", "")
@@ -436,6 +464,8 @@ def headline_only(paths):
     blocks = []
     if vllm_doc is not None:
         blocks.append(vllm_lines(vllm_doc, reps))
+    if serve_doc is not None:
+        blocks.append(serve_lines(serve_doc, config.get("bench_serve.py", "")))
     blocks.append(engine_lines(entries))
     blocks.append(inject_lines(entries))
     blocks.append(search_lines(entries))

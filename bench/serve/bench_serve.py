@@ -16,11 +16,12 @@ request asks one of that conversation's LoCoMo questions; the server retrieves t
             cache then holds the text request's facts too, where injection pays least.
 Every injected answer is checked for its own user's facts (``x-inferscale-memory``: the user
 and fact ids), and the leak count printed. Prints the CPU (model, AVX2 / AVX-512 / AMX) with
-the figures, writes JSON (--json) and a PNG of TTFT and throughput against users (--png).
+the figures and writes JSON (--json); plot_serve.py draws TTFT and throughput against users from it.
 Usage:
   eval "$(bash .ci/vllm --print)"; export INFERSCALE_MINILM_HF
   PYTHONPATH=build/ci/examples/engine/vllm/python "$INFERSCALE_VLLM_PYTHON" \\
-      bench/serve/bench_serve.py --users 1,8,32,64 --k 20 [--json out.json] [--png out.png]
+      bench/serve/bench_serve.py --users 1,8,32,64 --k 20 [--json out.json]
+  python3 bench/serve/plot_serve.py out.json out.png   # a Python with matplotlib
 """
 
 import argparse
@@ -140,28 +141,6 @@ async def level(server, users, n, reqs, k, max_tokens, mode, repeated=False):
             "compose_p50_ms": statistics.median(compose) if compose else None}
 
 
-def plot(rows, path, cpu):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode, style in (("injected", "o-"), ("text", "s--")):
-        r = [x for x in rows if x["mode"] == mode]
-        a.plot([x["users"] for x in r], [x["ttft_p50_ms"] for x in r], style, label=f"{mode} p50")
-        a.plot([x["users"] for x in r], [x["ttft_p99_ms"] for x in r], style, alpha=0.4,
-               label=f"{mode} p99")
-        b.plot([x["users"] for x in r], [x["rps"] for x in r], style, label=mode)
-    a.set(xscale="log", yscale="log", xlabel="concurrent users", ylabel="TTFT (ms)")
-    b.set(xscale="log", xlabel="concurrent users", ylabel="requests/s")
-    a.legend(fontsize=7)
-    b.legend(fontsize=7)
-    fig.suptitle(f"memory server over HTTP, SmolLM2-135M, {cpu}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_and_locomo(ap)
@@ -170,7 +149,6 @@ def main():
     ap.add_argument("--requests", type=int, default=2, help="requests per user per level")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--json")
-    ap.add_argument("--png")
     a = ap.parse_args()
     check_model_and_locomo(a, "bench_serve")
     from inferscale_vllm.server_process import Server
@@ -230,8 +208,6 @@ def main():
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(result, f, indent=1)
-        if a.png:
-            plot(rows, a.png, cpu)
         return 0 if leaks == 0 else 1
     finally:
         server.stop()

@@ -61,17 +61,16 @@ class replay_model {
   {
     for (captured_sequence& s : sequences_) {
       if (s.used || s.first_position != first_position || s.tokens != tokens) { continue; }
-      s.used                 = true;
-      std::int64_t const n   = static_cast<std::int64_t>(tokens.size());
-      std::int64_t const row = static_cast<std::int64_t>(geometry_.num_kv_heads) * geometry_.head_dim;
+      s.used               = true;
+      std::int64_t const n = static_cast<std::int64_t>(tokens.size());
+      std::int64_t const row =
+        static_cast<std::int64_t>(geometry_.num_kv_heads) * geometry_.head_dim;
       for (std::int32_t l = 0; l < geometry_.num_layers; ++l) {
         std::int64_t const at = static_cast<std::int64_t>(l) * n * row;
-        out.write_keys(l, 0,
-                       make_token_head_view(s.keys + at, n, geometry_.num_kv_heads,
-                                            geometry_.head_dim));
-        out.write_values(l, 0,
-                         make_token_head_view(s.values + at, n, geometry_.num_kv_heads,
-                                              geometry_.head_dim));
+        out.write_keys(
+          l, 0, make_token_head_view(s.keys + at, n, geometry_.num_kv_heads, geometry_.head_dim));
+        out.write_values(
+          l, 0, make_token_head_view(s.values + at, n, geometry_.num_kv_heads, geometry_.head_dim));
       }
       return;
     }
@@ -116,15 +115,15 @@ inline memory_config make_memory_config(std::int32_t layers,
                                         std::int64_t embedding_dim)
 {
   memory_config c;
-  c.store.model       = kv_geometry{layers, heads, head_dim};
-  c.store.store_dtype = store_dtype;
-  c.store.space       = memory_space::host;  // the CPU engine's; a GPU worker copies its shard
-  c.store.num_pages   = num_pages;
-  c.store.page_size   = page_size;
-  c.index.dim         = embedding_dim;
-  c.index.metric      = distance_metric::cosine;
+  c.store.model        = kv_geometry{layers, heads, head_dim};
+  c.store.store_dtype  = store_dtype;
+  c.store.space        = memory_space::host;  // the CPU engine's; a GPU worker copies its shard
+  c.store.num_pages    = num_pages;
+  c.store.page_size    = page_size;
+  c.index.dim          = embedding_dim;
+  c.index.metric       = distance_metric::cosine;
   c.index.vector_dtype = dtype::float32;
-  c.index.space       = memory_space::host;
+  c.index.space        = memory_space::host;
   return c;
 }
 
@@ -155,10 +154,11 @@ class memory_handle {
                        "texts must have one entry per fact (" +
                          std::to_string(n) + " ids)");
     std::int64_t const dim = memory_.config().index.dim;
-    INFERSCALE_EXPECTS(embeddings.shape(0) == n && static_cast<std::int64_t>(embeddings.shape(1)) == dim,
-                       "Memory.add_facts: embeddings are [" + std::to_string(embeddings.shape(0)) +
-                         ", " + std::to_string(embeddings.shape(1)) + "], expected [" +
-                         std::to_string(n) + ", " + std::to_string(dim) + "]");
+    INFERSCALE_EXPECTS(
+      embeddings.shape(0) == n && static_cast<std::int64_t>(embeddings.shape(1)) == dim,
+      "Memory.add_facts: embeddings are [" + std::to_string(embeddings.shape(0)) + ", " +
+        std::to_string(embeddings.shape(1)) + "], expected [" + std::to_string(n) + ", " +
+        std::to_string(dim) + "]");
     std::vector<captured_sequence> sequences;
     std::vector<direct_fact> facts;
     std::unordered_map<std::string, std::vector<float>> vectors;
@@ -208,12 +208,13 @@ class memory_handle {
     memory_.set_instruction_prefix(model, tokens, fact_id, ns);
   }
 
-  std::vector<std::uint64_t> retrieve(std::uint64_t ns, vector_array const& query, std::uint32_t k) const
+  std::vector<std::uint64_t> retrieve(std::uint64_t ns,
+                                      vector_array const& query,
+                                      std::uint32_t k) const
   {
     INFERSCALE_EXPECTS(static_cast<std::int64_t>(query.shape(0)) == memory_.config().index.dim,
                        "Memory.retrieve: the query has " + std::to_string(query.shape(0)) +
-                         " values, the index takes " +
-                         std::to_string(memory_.config().index.dim));
+                         " values, the index takes " + std::to_string(memory_.config().index.dim));
     std::vector<float> q(query.data(), query.data() + query.shape(0));
     nb::gil_scoped_release release;
     return memory_.retrieve(ns, q, k);
@@ -243,17 +244,17 @@ class memory_handle {
   void check_rows(kv_array const& a, std::size_t tokens, char const* what, std::uint64_t id) const
   {
     kv_geometry const g = memory_.store().geometry();
-    bool const ok = static_cast<std::int64_t>(a.shape(0)) == g.num_layers &&
-                    a.shape(1) == tokens &&
+    bool const ok = static_cast<std::int64_t>(a.shape(0)) == g.num_layers && a.shape(1) == tokens &&
                     static_cast<std::int64_t>(a.shape(2)) == g.num_kv_heads &&
                     static_cast<std::int64_t>(a.shape(3)) == g.head_dim;
-    INFERSCALE_EXPECTS(ok, "Memory: the " + std::string{what} + " of fact " + std::to_string(id) +
-                             " are [" + std::to_string(a.shape(0)) + ", " +
-                             std::to_string(a.shape(1)) + ", " + std::to_string(a.shape(2)) +
-                             ", " + std::to_string(a.shape(3)) + "], expected [" +
-                             std::to_string(g.num_layers) + ", " + std::to_string(tokens) + ", " +
-                             std::to_string(g.num_kv_heads) + ", " + std::to_string(g.head_dim) +
-                             "] (layers, context + fact tokens, KV heads, head_dim)");
+    INFERSCALE_EXPECTS(ok,
+                       "Memory: the " + std::string{what} + " of fact " + std::to_string(id) +
+                         " are [" + std::to_string(a.shape(0)) + ", " + std::to_string(a.shape(1)) +
+                         ", " + std::to_string(a.shape(2)) + ", " + std::to_string(a.shape(3)) +
+                         "], expected [" + std::to_string(g.num_layers) + ", " +
+                         std::to_string(tokens) + ", " + std::to_string(g.num_kv_heads) + ", " +
+                         std::to_string(g.head_dim) +
+                         "] (layers, context + fact tokens, KV heads, head_dim)");
   }
 
   memory memory_;

@@ -67,7 +67,8 @@ def _check_user(user) -> str:
 
 def _check_tokens(tokens, what: str) -> list[int]:
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
-        raise ValueError(f"inferscale: {what} must be a list of token ids, got {type(tokens).__name__}")
+        raise ValueError(f"inferscale: {what} must be a list of token ids, got "
+                         f"{type(tokens).__name__}")
     out = []
     for t in tokens:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31:
@@ -577,7 +578,8 @@ def cache_salt(directory: str, user: str, facts: list[int], generation: int,
     recompute setting, never with a plain-text request. Keyed (HMAC-SHA256) with the memory's
     secret: no tenant can compute another's."""
     msg = f"inferscale/2/{user}/{generation}/{','.join(str(f) for f in facts)}/{recompute_tokens}"
-    return "inferscale-" + hmac.new(salt_key(directory), msg.encode(), hashlib.sha256).hexdigest()[:40]
+    digest = hmac.new(salt_key(directory), msg.encode(), hashlib.sha256).hexdigest()
+    return "inferscale-" + digest[:40]
 
 
 def _manifest_stamp(directory: str):
@@ -587,8 +589,8 @@ def _manifest_stamp(directory: str):
 
 def _parse_app(directory: str, data) -> dict:
     if data is None:
-        raise _error(directory, "its snapshot carries no inferscale_vllm record (written by the C++ "
-                                "library alone?)")
+        raise _error(directory, "its snapshot carries no inferscale_vllm record (written by "
+                                "the C++ library alone?)")
     try:
         app = json.loads(data.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -110,7 +110,8 @@ class MemoryService:
             self.memory.set_prefix(self.head, ids, kv["k"], kv["v"])
             self.memory.commit()
         elif self.memory.text(self.memory.prefix) != self.head:
-            raise ValueError(f"inferscale serve: the memory's prefix is {self.memory.text(self.memory.prefix)!r}, "
+            prefix = self.memory.text(self.memory.prefix)
+            raise ValueError(f"inferscale serve: the memory's prefix is {prefix!r}, "
                              f"this server's system prompt renders {self.head!r} (--memory-system)")
         logger.info("inferscale serve: memory %s, generation %d, %d users", self.directory,
                     self.memory.generation, len(self.memory.users()))

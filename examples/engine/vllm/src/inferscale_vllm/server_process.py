@@ -37,7 +37,8 @@ class Server:
         # later flags win: `extra` may override the defaults here
         cmd = [sys.executable, "-m", "inferscale_vllm.serve", self.model_dir, "--memory",
                self.directory, "--host", "127.0.0.1", "--port", str(self.port),
-               "--api-key", self.key, "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048", "--seed", "0",
+               "--api-key", self.key, "--dtype", "bfloat16", "--enforce-eager",
+               "--max-model-len", "2048", "--seed", "0",
                "--block-size", str(BLOCK), "--memory-pages", "512", "--memory-k", "2",
                "--served-model-name", "smollm2"] + self.extra
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,

@@ -4,9 +4,9 @@ that computed its last prompt token the connector's worker reads its prompt's K/
 paged cache, de-rotated (serve_capture.py); ``read_capture`` gives them back.
 
 Compared with the hook capture (capture.py) of the same forward and of another forward of the
-same tokens: values bit for bit; keys the exact (float64) inverse of the rotated keys vLLM wrote,
-up to fp32 rounding, hence within the bf16 rounding of vLLM's rotation (2^-7 of each pair's norm:
-capture_check.py) of the pre-RoPE keys the hook saw. Prompts: 205 tokens (longer than one 128-token
+same tokens: values bit for bit; keys bf16 values that the engine's rotation maps back to exactly
+the rotated keys vLLM wrote (serve_capture.ExactKeys), within twice the bf16 rounding of vLLM's
+rotation (2^-7 of each pair's norm: capture_check.py) of the pre-RoPE keys the hook saw. Prompts: 205 tokens (longer than one 128-token
 block, ending inside the second), 77 (inside the first), 256 (ending on a block boundary), a prompt
 whose first block is a prefix-cache hit, and a memory request whose first block was injected.
 Chunked prefill: test_machinery.py; TP = 3: test_tp.py."""
@@ -31,7 +31,9 @@ def setup(shared_engine):
     ids = mem.store.token_ids(mem.manifest["prefix"]) + mem.store.token_ids(s["joint"])
     theta = float(mem.manifest["model"]["rope_theta"])
     connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    return dict(s, ids=ids, theta=theta, connector=connector)
+    from capture_check import vllm_rotation
+
+    return dict(s, ids=ids, theta=theta, connector=connector, rotate=vllm_rotation(llm))
 
 
 def captures_left(directory):
@@ -53,7 +55,7 @@ def test_served_capture_is_the_hooks_forward_read_back(setup, length):
     the first block), 256 (two whole blocks: the prompt's last token is a block's last slot)."""
     ids = (setup["ids"] * 2)[:length]
     hook, served, _ = hook_and_served(setup["llm"], ids, setup["directory"], f"same-{length}")
-    print(check_served_against_hook(hook, served, ids, setup["theta"], f"{length} tokens"))
+    print(check_served_against_hook(hook, served, ids, setup["rotate"], f"{length} tokens"))
 
 
 def test_served_capture_equals_encode_capture_of_the_same_tokens(setup):
@@ -64,7 +66,7 @@ def test_served_capture_equals_encode_capture_of_the_same_tokens(setup):
     hook = capture(llm, ids)
     generate(llm, ids, capture_params("separate"))
     served = read_capture(setup["directory"], "separate", 1)
-    print(check_served_against_hook(hook, served, ids, setup["theta"], "separate forwards"))
+    print(check_served_against_hook(hook, served, ids, setup["rotate"], "separate forwards"))
 
 
 def test_a_prefix_cache_hit_is_read_from_its_block(setup):
@@ -106,7 +108,7 @@ def test_a_memory_request_is_captured_with_its_injected_segment(setup):
     loaded = out.num_cached_tokens
     assert np.array_equal(got["v"][:, :loaded], kv["v"][:, :loaded]), "injected values differ"
     err, norm = pair_error(got["k"][:, :loaded], kv["k"][:, :loaded])
-    assert np.all(err <= PAIR_BOUND * norm + 1e-6)
+    assert np.all(err <= 2 * PAIR_BOUND * norm + 1e-6)
     assert got["k"].shape[1] == len(ids) > m
 
 

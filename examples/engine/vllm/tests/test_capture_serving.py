@@ -134,4 +134,4 @@ def test_a_malformed_capture_parameter_is_ignored_and_vllm_keeps_serving(setup):
 
 def test_read_capture_refuses_a_capture_never_made(setup):
     with pytest.raises(ValueError, match=r"never-made\.rank0\.npz: missing"):
-        read_capture(setup["directory"], "never-made", 1)
+        read_capture(setup["directory"], "never-made", 1, timeout=0)

@@ -166,10 +166,10 @@ def test_tensor_parallel_ranks_are_joined_by_heads_and_checked(tmp_path):
     with pytest.raises(ValueError, match="rank of|expected rank 0 of 2"):
         read_capture(str(tmp_path), "joined", 2)
     with pytest.raises(ValueError, match="ranks hold 3 KV heads|rank"):
-        read_capture(str(tmp_path), "joined", 4)
+        read_capture(str(tmp_path), "joined", 4, timeout=0)
     os.remove(paths[1])
     with pytest.raises(ValueError, match=f"{paths[1]}.*missing"):
-        read_capture(str(tmp_path), "joined", 3)
+        read_capture(str(tmp_path), "joined", 3, timeout=0.2)  # waits for it, then refuses
     restore()
     with open(paths[2], "wb") as f:
         f.write(saved[paths[2]][: len(saved[paths[2]]) // 2])

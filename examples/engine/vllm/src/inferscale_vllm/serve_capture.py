@@ -52,6 +52,7 @@ CAPTURE_PARAM = "inferscale_capture"  # the key in kv_transfer_params
 CAPTURE_DIR = ".captures"  # under the memory directory
 CAPTURE_KEYS = ("id",)  # the keys a capture parameter may have
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+NULL_BLOCK = 0  # vLLM's null block id (v1/core/block_pool.py: the first block of the pool)
 KEEP_STORE_BYTES = 256 << 20  # the largest extraction store a worker keeps between captures
 _FIELDS = ("k", "v", "token_ids", "first_head", "num_heads", "kv_heads", "rank", "tp_size")
 
@@ -141,6 +142,10 @@ class CaptureScheduler:
                 bs = self.block_size
                 if len(blocks) * bs < n:
                     raise ValueError(f"{len(blocks)} blocks of {bs} for {n} prompt tokens")
+                if NULL_BLOCK in blocks[: (n + bs - 1) // bs]:
+                    # vLLM's placeholder for blocks a sliding window has dropped (block_pool.py
+                    # L187: the pool's first block): those tokens are no longer in the cache
+                    raise ValueError("some prompt blocks were dropped (sliding window)")
                 slots = [blocks[p // bs] * bs + p % bs for p in range(n)]
             except Exception as e:  # noqa: BLE001
                 logger.warning("inferscale: request %s: capture %s not made: %s", request_id,

@@ -142,6 +142,47 @@ def test_chunked_prefill_with_memory_equals_chunked_prefill(setup):
 NEAR_TIE = 0.25  # logprob margin within which bf16 batch effects may flip a greedy choice
 
 
+def test_a_chunked_prompt_is_captured_after_its_last_chunk(setup):
+    """Capture while serving under chunked prefill: a prompt of several CHUNK-token steps asks to
+    be captured; its capture file appears after the step that computed its last prompt token, not
+    before, and holds every prompt token: the hook capture of the same (chunked) forward read back
+    (values bit for bit, keys within the rounding bound: capture_check.py)."""
+    import os
+    import uuid
+
+    from capture_check import (capture_params, check_served_against_hook, hook_and_served,
+                               vllm_rotation)
+
+    from inferscale_vllm.serve_capture import capture_path
+
+    llm, mem, tok = setup["llm"], setup["mem"], setup["tok"]
+    ids = (mem.store.token_ids(mem.manifest["prefix"]) + mem.store.token_ids(setup["facts"]["ana"])
+           + query_tokens(tok, LONG + "Which city should we travel to?"))
+    n = len(ids)
+    assert n > 3 * CHUNK and n % BLOCK != 0, n
+    # Step by step: the file is written in the step whose batch holds the last prompt token.
+    engine, rid = llm.llm_engine, "capture-chunked"
+    path = capture_path(mem.directory, "chunked-steps", 0)
+    engine.add_request(rid, {"prompt_token_ids": ids, "cache_salt": uuid.uuid4().hex},
+                       params(setup, 2, capture_params("chunked-steps")))
+    steps, captured_at = 0, None
+    while engine.has_unfinished_requests():
+        req = in_scheduler(setup, rid)
+        before = req.num_computed_tokens if req is not None else 0
+        engine.step()
+        steps += 1
+        if captured_at is None:
+            if before + CHUNK < n:
+                assert not os.path.exists(path), f"captured after {before} of {n} prompt tokens"
+            else:
+                assert os.path.exists(path), "the last prompt chunk ran and nothing was captured"
+                captured_at = steps
+    assert captured_at == -(-n // CHUNK) and steps > captured_at, (captured_at, steps)
+    os.remove(path)
+    hook, served, _ = hook_and_served(llm, ids, mem.directory, "chunked")
+    print(check_served_against_hook(hook, served, ids, vllm_rotation(llm), f"chunked by {CHUNK}"))
+
+
 def test_preempted_memory_requests_recompute_to_greedy_answers(setup):
     """Four memory requests with long generations in a cache that holds three prompts and none of
     their growth: vLLM preempts (counted by its own metric) and recomputes. Every token each

@@ -166,10 +166,10 @@ def test_tensor_parallel_ranks_are_joined_by_heads_and_checked(tmp_path):
     with pytest.raises(ValueError, match="rank of|expected rank 0 of 2"):
         read_capture(str(tmp_path), "joined", 2)
     with pytest.raises(ValueError, match="ranks hold 3 KV heads|rank"):
-        read_capture(str(tmp_path), "joined", 4)
+        read_capture(str(tmp_path), "joined", 4, timeout=0)
     os.remove(paths[1])
     with pytest.raises(ValueError, match=f"{paths[1]}.*missing"):
-        read_capture(str(tmp_path), "joined", 3)
+        read_capture(str(tmp_path), "joined", 3, timeout=0.2)  # waits for it, then refuses
     restore()
     with open(paths[2], "wb") as f:
         f.write(saved[paths[2]][: len(saved[paths[2]]) // 2])
@@ -339,3 +339,48 @@ class _AssumedNeox:
 
     def __call__(self, positions, q, k):
         return self.rope(positions, q, k)
+
+
+def test_the_scheduler_hands_a_capture_over_in_the_step_of_the_last_prompt_token():
+    """CaptureScheduler on scheduler outputs shaped as vLLM 0.32's (scheduled_new_reqs,
+    scheduled_cached_reqs, num_scheduled_tokens): a 300-token prompt chunked by 128 is handed
+    over in its third step only, with the slots of its blocks in position order; a prompt whose
+    blocks include vLLM's null block (dropped by a sliding window) is not; a finished request's
+    state goes."""
+    from types import SimpleNamespace as NS
+
+    from inferscale_vllm.serve_capture import CaptureScheduler
+
+    s = CaptureScheduler(block_size=128)
+    ids = list(range(300))
+
+    def request(rid, param, prompt=ids):
+        return NS(request_id=rid, prompt_token_ids=prompt, kv_transfer_params=param)
+
+    s.on_new_request(request("a", {"inferscale_capture": {"id": "cap-a"}}))
+    s.on_new_request(request("b", {"inferscale_capture": {"id": 5}}))  # malformed: ignored
+    s.on_new_request(request("c", None))
+    s.on_new_request(request("d", {"inferscale_capture": {"id": "cap-d"}}))
+    assert set(s.requests) == {"a", "d"} and s.counters["malformed"] == 1
+    blocks = {"a": [7, 3, 9], "d": [4, 0, 5]}
+
+    def output(new, cached, scheduled):
+        return NS(scheduled_new_reqs=[NS(req_id=r, num_computed_tokens=c) for r, c in new],
+                  scheduled_cached_reqs=NS(req_ids=[r for r, _ in cached],
+                                           num_computed_tokens=[c for _, c in cached]),
+                  num_scheduled_tokens=scheduled)
+
+    assert s.jobs(output([("a", 0)], [], {"a": 128}), blocks.get) == []
+    assert s.jobs(output([], [("a", 128)], {"a": 128}), blocks.get) == []
+    jobs = s.jobs(output([], [("a", 256)], {"a": 44}), blocks.get)
+    assert [(j.request_id, j.capture_id) for j in jobs] == [("a", "cap-a")]
+    assert jobs[0].token_ids == ids
+    assert jobs[0].slots == ([7 * 128 + i for i in range(128)] + [3 * 128 + i for i in range(128)]
+                             + [9 * 128 + i for i in range(44)])
+    assert "a" not in s.requests  # handed over once
+    assert s.jobs(output([], [("a", 300)], {"a": 1}), blocks.get) == []  # decoding: nothing
+    assert s.jobs(output([("d", 0)], [], {"d": 300}), blocks.get) == []  # null block: refused
+    assert "d" not in s.requests
+    s.on_new_request(request("e", {"inferscale_capture": {"id": "cap-e"}}))
+    s.finished("e")
+    assert not s.requests

@@ -13,6 +13,7 @@ changed one of 3 answers). Correctness only: nothing is timed (3 ranks on 2 core
 import gc
 import os
 
+from capture_check import check_served_against_hook, hook_and_served, vllm_rotation
 from caroline import query_tokens
 
 from inferscale_vllm.engine import make_llm
@@ -56,6 +57,12 @@ def test_tp3_each_rank_injects_its_heads(model_dir, shared_engine, tmp_path):
     try:
         mem3, _, facts3, kv3 = joint_memory(llm3, directory, ["caroline"], dtype="bfloat16")
         tp3 = answers(llm3, mem3, facts3["caroline"], tok)
+        # Capture while serving at TP = 3: each rank writes its KV head, read_capture joins them;
+        # the hook capture of the same forward, read back (capture_check.py).
+        ids = mem3.store.token_ids(mem3.manifest["prefix"]) + mem3.store.token_ids(
+            facts3["caroline"])
+        hook, served, _ = hook_and_served(llm3, ids, directory, "tp3", tp=3)
+        print(check_served_against_hook(hook, served, ids, vllm_rotation(llm3), "TP = 3"))
     finally:
         llm3.llm_engine.engine_core.shutdown()
         del llm3

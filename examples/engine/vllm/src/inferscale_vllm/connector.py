@@ -28,6 +28,12 @@ prefills them, and keeps serving.
 
 Testing failpoint: with INFERSCALE_VLLM_FAIL_LOAD_FOR_USER=<user> in the workers' environment, every
 load for that user fails in the worker as an exception in the injection would (the tests use it).
+
+Capture while serving (serve_capture.py): a request with
+``kv_transfer_params = {"inferscale_capture": {"id": ...}}`` gets its prompt's pre-RoPE K/V read
+back from vLLM's cache after the forward that computed its last prompt token (``wait_for_save``),
+each rank its own KV heads, in ``<memory_dir>/.captures/<id>.rank<r>.npz``. The rotation (pairing,
+rotary dims, table) is read from the model's rotary module for both directions (rotary.py).
 """
 
 from __future__ import annotations

@@ -52,6 +52,8 @@ CAPTURE_PARAM = "inferscale_capture"  # the key in kv_transfer_params
 CAPTURE_DIR = ".captures"  # under the memory directory
 CAPTURE_KEYS = ("id",)  # the keys a capture parameter may have
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+NULL_BLOCK = 0  # vLLM's null block id (v1/core/block_pool.py: the first block of the pool)
+KEEP_STORE_BYTES = 256 << 20  # the largest extraction store a worker keeps between captures
 _FIELDS = ("k", "v", "token_ids", "first_head", "num_heads", "kv_heads", "rank", "tp_size")
 
 
@@ -140,6 +142,10 @@ class CaptureScheduler:
                 bs = self.block_size
                 if len(blocks) * bs < n:
                     raise ValueError(f"{len(blocks)} blocks of {bs} for {n} prompt tokens")
+                if NULL_BLOCK in blocks[: (n + bs - 1) // bs]:
+                    # vLLM's placeholder for blocks a sliding window has dropped (block_pool.py
+                    # L187: the pool's first block): those tokens are no longer in the cache
+                    raise ValueError("some prompt blocks were dropped (sliding window)")
                 slots = [blocks[p // bs] * bs + p % bs for p in range(n)]
             except Exception as e:  # noqa: BLE001
                 logger.warning("inferscale: request %s: capture %s not made: %s", request_id,
@@ -205,14 +211,20 @@ class CaptureWriter:
             self.table.data_ptr(), self.table.shape[0], self.table.stride(0), cache.head_dim,
             self.table.shape[1], "float32", bool(neox), False, False)
         self.rank, self.tp, self.first_head, self.kv_heads = rank, tp, first_head, kv_heads
+        # The float32 store extract writes into, kept between captures (a new one's pool costs
+        # its page faults: 0.13 s for 1,024 tokens of SmolLM2 here) while it stays within
+        # KEEP_STORE_BYTES; its one fact is erased after each read.
+        self._store, self._store_tokens, self._buffer = None, 0, None
         # ExactKeys: the keys moved to bf16 keys that rotate back to vLLM's exact bytes
         self.exact = exact
         self.seconds = 0.0  # time spent capturing (extraction + writing), for the benchmark
+        self.write_seconds = 0.0  # of which writing the file (npz, fsync, rename, fsync)
         self.written = 0
         self.lock = threading.Lock()
 
     def read(self, job: CaptureJob):
-        """(k, v) float32 [layers, tokens, heads of this rank, head_dim] of the job's tokens."""
+        """(k, v) float32 [layers, tokens, heads of this rank, head_dim] of the job's tokens (views
+        of the writer's buffer, valid until its next read)."""
         from . import _inferscale
 
         n = len(job.slots)
@@ -220,20 +232,38 @@ class CaptureWriter:
         if n > self.table.shape[0]:
             raise ValueError(f"{n} tokens, the model's rotary table has {self.table.shape[0]} "
                              f"positions")
-        store = _inferscale.Store(c.num_layers, c.num_heads, c.head_dim, "float32",
-                                  (n + 15) // 16, 16)
-        _inferscale.extract(store, c, self.rotation, [int(s) for s in job.slots], 0, 1, 0,
-                            [int(t) for t in job.token_ids])
-        k = np.empty((c.num_layers, n, c.num_heads, c.head_dim), dtype=np.float32)
-        v = np.empty_like(k)
-        store.read(1, k.ctypes.data, v.ctypes.data)
-        if self.exact is not None:
-            k = self.exact.fix(k, self.exact.raw_keys(c, job.slots, n))
+        pages = (n + 15) // 16
+        per_token = c.num_layers * c.num_heads * c.head_dim  # elements of k (or v) per token
+        if self._store is None or self._store_tokens < pages * 16:
+            self._store, self._buffer = None, None
+            store = _inferscale.Store(c.num_layers, c.num_heads, c.head_dim, "float32", pages, 16)
+            if pages * 16 * per_token * 2 * 4 <= KEEP_STORE_BYTES:
+                self._store, self._store_tokens = store, pages * 16
+                # k and v's memory too (written to the file before the next capture reuses it)
+                self._buffer = np.empty((2, pages * 16 * per_token), dtype=np.float32)
+        else:
+            store = self._store
+        shape = (c.num_layers, n, c.num_heads, c.head_dim)
+        try:
+            _inferscale.extract(store, c, self.rotation, [int(s) for s in job.slots], 0, 1, 0,
+                                [int(t) for t in job.token_ids])
+            if self._buffer is not None and store is self._store:
+                k = self._buffer[0, : n * per_token].reshape(shape)
+                v = self._buffer[1, : n * per_token].reshape(shape)
+            else:
+                k, v = np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32)
+            store.read(1, k.ctypes.data, v.ctypes.data)
+            if self.exact is not None:
+                k = self.exact.fix(k, self.exact.raw_keys(c, job.slots, n))
+        finally:
+            if store.contains(1):
+                store.erase(1)
         return k, v
 
     def capture(self, job: CaptureJob) -> str:
         t0 = time.perf_counter()
         k, v = self.read(job)
+        t1 = time.perf_counter()
         os.makedirs(self.directory, exist_ok=True)
         path = capture_path(self.memory_dir, job.capture_id, self.rank)
         write_npz_atomically(path, {
@@ -241,8 +271,10 @@ class CaptureWriter:
             "first_head": np.int64(self.first_head), "num_heads": np.int64(k.shape[2]),
             "kv_heads": np.int64(self.kv_heads), "rank": np.int64(self.rank),
             "tp_size": np.int64(self.tp)})
+        t2 = time.perf_counter()
         with self.lock:
-            self.seconds += time.perf_counter() - t0
+            self.seconds += t2 - t0
+            self.write_seconds += t2 - t1
             self.written += 1
         return path
 
@@ -505,17 +537,25 @@ def _load_rank(path: str) -> dict:
     return out
 
 
-def read_capture(memory_dir: str, capture_id: str, tp: int = 1) -> dict:
+def read_capture(memory_dir: str, capture_id: str, tp: int = 1, *,
+                 timeout: float = 5.0) -> dict:
     """The capture `capture_id` of a memory directory: ``{"k", "v": float32 [layers, tokens,
     kv_heads, head_dim], "token_ids": int64 [tokens]}``, the `tp` ranks' files joined by heads; the
     files are then removed. Raises ValueError naming the file when one is missing, unreadable,
-    partial or inconsistent with the others (nothing is removed then)."""
+    partial or inconsistent with the others (nothing is removed then).
+
+    timeout: seconds to wait for rank files that are not there yet. At TP = 1 the file is written
+    before vLLM returns the request's first token; at TP > 1 vLLM returns it from one rank while
+    the others may still be writing theirs."""
     if not isinstance(capture_id, str) or not _ID.fullmatch(capture_id):
         raise ValueError(f"inferscale: capture id {capture_id!r:.80} is not 1 to 64 characters "
                          f"of A-Z a-z 0-9 _ -")
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"inferscale: tp must be a positive int, got {tp!r}")
     paths = [capture_path(memory_dir, capture_id, r) for r in range(tp)]
+    deadline = time.monotonic() + max(0.0, float(timeout))
+    while not all(os.path.isfile(p) for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.01)
     parts = [_load_rank(p) for p in paths]
     next_head = 0
     for r, (path, p) in enumerate(zip(paths, parts)):

@@ -70,7 +70,8 @@ def locomo_users(path, users, facts):
         if start + facts > len(turns):
             raise SystemExit(f"bench_serve: conversation {u % len(data)} has {len(turns)} turns")
         questions = [q["question"] for q in conv["qa"] if isinstance(q.get("question"), str)]
-        out.append({"user": f"user{u}", "facts": [t[:1500] for t in turns[start:start + facts]],
+        # at most 600 characters a fact: MiniLM embeds up to 256 word pieces, never truncated
+        out.append({"user": f"user{u}", "facts": [t[:600] for t in turns[start:start + facts]],
                     "questions": questions})
     return out
 

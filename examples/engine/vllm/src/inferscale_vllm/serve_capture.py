@@ -374,71 +374,36 @@ class ExactKeys:
             d = (got != wanted)
             return d[..., first] | d[..., second]
 
-        got = self.forward(keys)
-        bad = bad_pairs(got)
-        # first a few corrections by the de-rotated residual (the rotation is nearly linear: a
-        # pair off by R d comes back by d), each keeping only the pairs it fixes
-        for _ in range(6):
+        # one rotation by the library (the reference), then candidates chosen on a numpy model of
+        # the kernel's rounding (vectorised, in chunks of pairs), each round checked by the
+        # library again: bf16 neighbours first, then values spread over the pair's rounding
+        # interval for an element small beside its pair's norm (whose error spans more of its
+        # own units in the last place than a neighbour grid can hold)
+        bad = bad_pairs(self.forward(keys))
+        for radius in (1, self.RADIUS, None):  # None: values over the rounding interval
             if not bad.any():
                 break
-            step = _rotate((got - wanted).astype(np.float64), self.table, self.neox, inverse=True)
-            trial = _bf16_bits(keys.astype(np.float64) - step).view(np.float32)
-            trial_got = self.forward(trial)
-            better = bad & ~bad_pairs(trial_got)
-            moved = np.zeros(keys.shape, bool)
-            moved[..., first] = better
-            moved[..., second] = better
-            keys = np.where(moved, trial, keys)
-            got = np.where(moved, trial_got, got)
-            bad &= ~better
-        if bad.any():  # the rest: a grid of bf16 neighbours per pair, tried on a model of the
-            # kernel's arithmetic, then checked with the library's own rotation below; the
-            # pairs left get a grid each, wide in the element that is small beside the pair's
-            # norm (its rounding error spans many of its own units in the last place)
-            keys = self._grid(keys, wanted, bad, first, second)
+            keys = self._grid_chunked(keys, wanted, bad, first, second, radius)
             bad = bad_pairs(self.forward(keys))
-            for where in np.argwhere(bad)[:4096]:
-                one = np.zeros(bad.shape, bool)
-                one[tuple(where)] = True
-                a = abs(float(keys[tuple(where[:3]) + (first[where[3]],)]))
-                b = abs(float(keys[tuple(where[:3]) + (second[where[3]],)]))
-                norm = max(np.hypot(a, b), 1e-30)
-                radii = [int(min(2048, 4 + 3 * norm / max(x, norm * 2 ** -11))) for x in (a, b)]
-                keys = self._grid(keys, wanted, one, first, second, radii)
-            bad = bad_pairs(self.forward(keys))
-        bits = keys.view(np.uint32).copy()
-        for ring in (1, 2):
-            for da in range(-ring, ring + 1):
-                for db in range(-ring, ring + 1):
-                    if max(abs(da), abs(db)) != ring or not bad.any():
-                        continue
-                    trial = keys.copy()
-                    sel = np.zeros(keys.shape, bool)
-                    sel[..., first] = bad
-                    a_bits = bits[..., first].astype(np.int64) + da * 0x10000
-                    b_bits = bits[..., second].astype(np.int64) + db * 0x10000
-                    ta = trial[..., first]
-                    tb = trial[..., second]
-                    ta[bad] = (a_bits[bad] & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
-                    tb[bad] = (b_bits[bad] & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
-                    trial[..., first] = ta
-                    trial[..., second] = tb
-                    now = bad_pairs(self.forward(trial))
-                    fixed = bad & ~now
-                    if fixed.any():
-                        ka, kb = keys[..., first], keys[..., second]
-                        ka[fixed] = ta[fixed]
-                        kb[fixed] = tb[fixed]
-                        keys[..., first] = ka
-                        keys[..., second] = kb
-                        bad &= ~fixed
         self.unmatched += int(bad.sum())
         return keys
 
 
-    RADIUS = 24  # bf16 steps each way, per element of a pair
+    RADIUS = 6  # bf16 steps each way, per element of a pair
 
-    def _grid(self, keys, wanted, bad, first, second, radii=None):
+    def _grid_chunked(self, keys, wanted, bad, first, second, radius):
+        """_grid over the bad pairs in chunks (bounded memory); radius None: the value grid."""
+        where = np.argwhere(bad)
+        chunk = 64 if radius is None else max(64, 200000 // (2 * radius + 1) ** 2)
+        for start in range(0, len(where), chunk):
+            part = np.zeros(bad.shape, bool)
+            part[tuple(where[start:start + chunk].T)] = True
+            keys = self._grid(keys, wanted, part, first, second,
+                              radii=None if radius is None else (radius, radius),
+                              values=radius is None)
+        return keys
+
+    def _grid(self, keys, wanted, bad, first, second, radii=None, values=False):
         """For each bad pair, the bf16 pair within RADIUS steps of each element whose rotation
         (vLLM's arithmetic as `mode` says, modelled in numpy) gives the wanted bytes, nearest the
         current guess (the library's rotation checks every choice afterwards)."""
@@ -456,14 +421,24 @@ class ExactKeys:
         ra, rb = radii if radii is not None else (self.RADIUS, self.RADIUS)
         da = np.arange(-ra, ra + 1, dtype=np.int64)
         db = np.arange(-rb, rb + 1, dtype=np.int64)
-        ab = (a.view(np.uint32).astype(np.int64)[:, None] + da * 0x10000) & 0xFFFFFFFF
-        bb = (b.view(np.uint32).astype(np.int64)[:, None] + db * 0x10000) & 0xFFFFFFFF
+        if values:  # bf16 values spread over +-2^-6 of the pair's norm around each element
+            span = np.hypot(a.astype(np.float64), b.astype(np.float64))[:, None] * 2.0 ** -6
+            grid = np.linspace(-1.0, 1.0, 161)[None, :]
+            ab = _bf16_bits(a.astype(np.float64)[:, None] + grid * span).astype(np.int64)
+            bb = _bf16_bits(b.astype(np.float64)[:, None] + grid * span).astype(np.int64)
+            da = db = np.abs(np.linspace(-80, 80, 161)).astype(np.int64)
+        else:
+            ab = (a.view(np.uint32).astype(np.int64)[:, None] + da * 0x10000) & 0xFFFFFFFF
+            bb = (b.view(np.uint32).astype(np.int64)[:, None] + db * 0x10000) & 0xFFFFFFFF
         ca = ab.astype(np.uint32).view(np.float32).astype(np.float64)[:, :, None]
         cb = bb.astype(np.uint32).view(np.float32).astype(np.float64)[:, None, :]
         c, s_ = cos[:, None, None], sin[:, None, None]
 
-        def bf(x):
-            return _bf16_bits(x).view(np.float32).astype(np.float64)
+        def bf(x):  # to bf16 (ties to even) and back, by torch (as vLLM's own arithmetic)
+            import torch
+
+            t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+            return t.to(torch.bfloat16).to(torch.float64).numpy()
 
         if self.mode == "round_each":  # cos, sin, each product and the sum rounded to bf16
             cr, sr = bf(c), bf(s_)
@@ -510,9 +485,12 @@ def _rotate(x: np.ndarray, table: np.ndarray, neox: bool, inverse: bool) -> np.n
 
 
 def _bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float -> the nearest bfloat16 (ties to even), as float32 bit patterns (uint32)."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32)
+    """float -> the nearest bfloat16 (ties to even), as float32 bit patterns (uint32; finite
+    values: no carry out of 32 bits)."""
+    u = np.array(a, dtype=np.float32).view(np.uint32)
+    u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    u &= np.uint32(0xFFFF0000)
+    return u
 
 
 def _refuse(path, why):

@@ -871,15 +871,23 @@ TEST_CASE("index: refused calls change nothing", "[index][validation]")
     auto big = good;
     big[3]   = 1e6f;
     REQUIRE_THROWS_WITH(add_all(half_index, 0, big, new_ids), Catch::Contains("float16"));
+    // squared norm 9e30: overflows squared L2 (cosine takes it as a direction; issue 49's
+    // index_degenerate.cpp)
+    index_config l2_float32 = cfg;
+    l2_float32.metric       = distance_metric::squared_l2;
+    graph_index l2_index(l2_float32);
+    add_all(l2_index, 0, good, new_ids);
     auto huge = good;
-    huge[1]   = 3e15f;  // squared norm 9e30
-    REQUIRE_THROWS_WITH(add_all(index, 0, huge, new_ids), Catch::Contains("overflow"));
+    huge[1]   = 3e15f;
+    REQUIRE_THROWS_WITH(add_all(l2_index, 0, huge, {9004, 9005, 9006}),
+                        Catch::Contains("overflow"));
+    REQUIRE(l2_index.total_size() == 3);
     auto huge_query = queries;
     huge_query[2]   = 3e15f;
     std::vector<std::uint64_t> qi(8 * k10);
     std::vector<float> qd(8 * k10);
     std::uint64_t ns = 0;
-    REQUIRE_THROWS_WITH(inferscale::search(index,
+    REQUIRE_THROWS_WITH(inferscale::search(l2_index,
                                            make_matrix_view<float const>(huge_query.data(), 8, dim),
                                            cuda::std::span<std::uint64_t const>{&ns, 1},
                                            k10,

@@ -1295,3 +1295,117 @@ TEST_CASE("llama.cpp: batch splits - one token, n_batch - 1, n_batch, n_batch + 
     }
   }
 }
+
+TEST_CASE("llama.cpp state blob: the smallest shapes - one cell, one layer, one head, head_dim 2 "
+          "and 6, one and two sections, V as rows and transposed - as written out here",
+          "[llama]")
+{
+  struct shape {
+    kv_geometry g;
+    std::vector<std::uint32_t> sections;
+    std::vector<std::int32_t> order;  // the model layer of each record
+  };
+  for (shape const& s : {shape{{1, 1, 6}, {1}, {0}},        // 12-byte rows: no whole 16 bytes
+                         shape{{2, 1, 2}, {1, 1}, {1, 0}},  // a global layer, a windowed one
+                         shape{{1, 3, 10}, {1}, {0}}}) {
+    for (std::uint32_t const v_trans : {0u, 1u}) {
+      for (std::vector<std::int32_t> const& positions :
+           {std::vector<std::int32_t>{7}, std::vector<std::int32_t>{7, 8}}) {
+        kv_geometry const g      = s.g;
+        std::uint32_t const L    = static_cast<std::uint32_t>(g.num_layers);
+        std::uint64_t const row  = static_cast<std::uint64_t>(g.num_kv_heads * g.head_dim);
+        std::uint32_t const n    = static_cast<std::uint32_t>(positions.size());
+        CAPTURE(L, g.num_kv_heads, g.head_dim, s.sections.size(), v_trans, n);
+        lc::state_format f;
+        f.n_stream       = 1;
+        f.v_trans        = v_trans;
+        f.n_layer        = L;
+        f.k_type         = GGML_TYPE_F16;
+        f.v_type         = GGML_TYPE_F16;
+        f.k_row_bytes    = row * 2;
+        f.v_row_bytes    = v_trans ? 0 : row * 2;
+        f.v_el_bytes     = v_trans ? 2 : 0;
+        f.n_embd_v       = v_trans ? static_cast<std::uint32_t>(row) : 0;
+        f.section_layers = s.sections;
+        f.layer_order    = s.order;
+        lc::state_layout made;
+        std::vector<std::uint8_t> blob;
+        lc::make_state(f, g, 3, positions, made, blob);
+        // Written out (reference/llama-cpp.md): magic, seq_id; per section n_stream, cell_count,
+        // 12 bytes per cell, v_trans, n_layer; per layer a 12-byte K header and its rows, then a
+        // 12-byte V header (u64 row bytes, or u32 element bytes + u32 elements) and its rows.
+        std::size_t const S = s.sections.size();
+        REQUIRE(blob.size() == 8 + S * (4 + 4 + 12 * n + 4 + 4) + L * (12 + row * 2 * n) +
+                                 L * (12 + row * 2 * n));
+        auto u32 = [&](std::size_t at) {
+          std::uint32_t x;
+          std::memcpy(&x, blob.data() + at, 4);
+          return x;
+        };
+        CHECK(u32(0) == 0xaf143cd8u);
+        CHECK(u32(4) == 3);
+        CHECK(u32(8) == 1);
+        CHECK(u32(12) == n);
+        for (std::uint32_t c = 0; c < n; ++c) {
+          CHECK(u32(16 + 12 * c) == static_cast<std::uint32_t>(positions[c]));
+          CHECK(u32(20 + 12 * c) == 1);
+          CHECK(u32(24 + 12 * c) == 3);
+        }
+        CHECK(u32(16 + 12 * n) == v_trans);
+        CHECK(u32(20 + 12 * n) == s.sections[0]);
+        // the first record's K rows start after its header; records follow section by section
+        std::size_t at = 8;
+        std::vector<std::size_t> key_at(L), value_at(L);
+        std::size_t record = 0;
+        for (std::uint32_t section_layers : s.sections) {
+          at += 4 + 4 + 12 * n + 4 + 4;
+          for (std::uint32_t r = 0; r < section_layers; ++r) {
+            key_at[static_cast<std::size_t>(s.order[record + r])] = at + 12;
+            at += 12 + row * 2 * n;
+          }
+          for (std::uint32_t r = 0; r < section_layers; ++r) {
+            value_at[static_cast<std::size_t>(s.order[record + r])] = at + 12;
+            at += 12 + row * 2 * n;
+          }
+          record += section_layers;
+        }
+        REQUIRE(at == blob.size());
+        CHECK(made.key_rows == key_at);
+        CHECK(made.value_rows == value_at);
+
+        lc::state_layout const parsed = lc::parse_state(blob.data(), blob.size(), g, &f);
+        CHECK(parsed.format == f);
+        CHECK(parsed.cell_count == n);
+        CHECK(parsed.positions == positions);
+        CHECK(parsed.key_rows == key_at);
+        CHECK(parsed.value_rows == value_at);
+        // element (cell c, head h, dim d): K at c * row + h * D + d; V the same, or transposed
+        // (h * D + d) * cells + c
+        paged_kv_cache const cache = lc::describe_state(blob.data(), parsed, g);
+        for (std::int32_t l = 0; l < g.num_layers; ++l) {
+          for (std::uint32_t c = 0; c < n; ++c) {
+            for (std::int32_t h = 0; h < g.num_kv_heads; ++h) {
+              for (std::int32_t d = 0; d < g.head_dim; ++d) {
+                std::size_t const e = static_cast<std::size_t>(h * g.head_dim + d);
+                auto const* k = static_cast<std::uint8_t const*>(cache.key_base[l]) +
+                                cache.key_layout.slot_offset(c, h, d) * 2;
+                auto const* v = static_cast<std::uint8_t const*>(cache.value_base[l]) +
+                                cache.value_layout.slot_offset(c, h, d) * 2;
+                CHECK(k == blob.data() + key_at[l] + (c * row + e) * 2);
+                CHECK(v == blob.data() + value_at[l] +
+                             (v_trans ? e * n + c : c * row + e) * 2);
+              }
+            }
+          }
+        }
+        // one byte short or one too many: refused
+        CHECK_THROWS_WITH(lc::parse_state(blob.data(), blob.size() - 1, g, &f),
+                          Catch::Matchers::Contains("truncated"));
+        std::vector<std::uint8_t> longer = blob;
+        longer.push_back(0);
+        CHECK_THROWS_WITH(lc::parse_state(longer.data(), longer.size(), g, &f),
+                          Catch::Matchers::Contains("trailing"));
+      }
+    }
+  }
+}

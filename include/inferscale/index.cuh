@@ -15,8 +15,9 @@
  * temporary memory from their workspace resource. Queries and outputs are device memory; the
  * host checks shapes, namespaces and parameters before anything is written and never reads
  * device data, so a device query with a NaN or infinite element, a zero query under cosine, or
- * a squared norm above 1e30 (where the host refuses) is answered with a row of `invalid_fact_id` /
- * +infinity instead of an exception.
+ * a squared norm above 1e30 under inner product or squared L2 (where the host refuses) is answered
+ * with a row of `invalid_fact_id` / +infinity instead of an exception. Cosine normalises every
+ * other finite query, denormal or huge, in double, as the host does.
  *
  * The backend's detail lives in `detail/index/`: these functions' definitions
  * (`device_index.inl`); the kernels (`kernels.cuh`) and their launch shapes (`tuning.hpp`); launch
@@ -81,8 +82,8 @@ INFERSCALE_DEVICE_INDEX_LINKAGE graph_builder make_device_graph_builder(raft::re
  *        `graph_index::check_search`: dimension mismatch, unknown namespace, k == 0 or above
  *        1024, output shapes other than `[q][k]`
  * @note Enqueued on the resources' stream; does not wait for completion. A query with a NaN or
- *       infinite element, a zero query under cosine or a squared norm above 1e30 gets a row of
- *       invalid ids / +inf.
+ *       infinite element, a zero query under cosine or a squared norm above 1e30 under inner
+ *       product or squared L2 gets a row of invalid ids / +inf.
  */
 INFERSCALE_DEVICE_INDEX_LINKAGE void exact_search(raft::resources const& res,
                                                   graph_index const& index,
@@ -122,9 +123,9 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void exact_search(raft::resources const& res,
  *        `graph_index::check_search`: dimension mismatch, unknown namespace, k == 0, itopk (raised
  *        to k) above 1024, search_width outside 1..64, output shapes other than `[q][k]`
  * @note Enqueued on the resources' stream; does not wait for the kernel (the host staging of the
- *       tenant table is consumed before returning). A query with a NaN or infinite element, or a
- *       zero query under cosine, gets a row of invalid ids / +inf (the host never reads device
- *       queries). Mutating the index while a search is in flight is the caller's race.
+ *       tenant table is consumed before returning). A query with a NaN or infinite element, a
+ *       zero query under cosine or a squared norm above 1e30 under inner product or squared L2
+ *       gets a row of invalid ids / +inf (the host never reads device queries). Mutating the index while a search is in flight is the caller's race.
  */
 INFERSCALE_DEVICE_INDEX_LINKAGE void search(raft::resources const& res,
                                             graph_index const& index,

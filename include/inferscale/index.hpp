@@ -92,8 +92,9 @@ class graph_index;
  * @param[out] out_ids `[q][k]` fact ids; `invalid_fact_id` beyond the namespace's live facts
  * @param[out] out_distances `[q][k]` distances under the index metric; +infinity where no fact
  * @throw logic_error (outputs untouched) for a device index, a dimension mismatch, NaN/Inf in a
- * query, a zero query under cosine, an unknown namespace, k == 0, output shapes other than
- * `[queries][k]`, or search_width outside 1..64
+ * query, a zero query under cosine, a query with a squared norm above 1e30 under inner product or
+ * squared L2, an unknown namespace, k == 0, output shapes other than `[queries][k]`, or
+ * search_width outside 1..64
  */
 template <class T>
 void search(graph_index const& index,
@@ -294,7 +295,9 @@ class graph_index {
    *                `uses_nn_descent` says); `index.cuh` has a device one. Also builds the
    *                namespaces an automatic compaction rebuilds (see `compactions`).
    * @throw logic_error (nothing changed) on a dimension mismatch, NaN/Inf, a zero vector under the
-   * cosine metric, a repeated or existing id, `ids.size() != rows`, or a namespace over 2^31 rows
+   * cosine metric, a squared norm above 1e30 under inner product or squared L2 (cosine normalises
+   * every other finite vector, denormal or huge), a value beyond float16 under float16 rows, a
+   * repeated or existing id, `ids.size() != rows`, or a namespace over 2^31 rows
    */
   template <class T>
   void add(std::uint64_t ns,
@@ -376,7 +379,8 @@ class graph_index {
 
   /**
    * @brief Queries padded to the row length and normalised for cosine, as both backends compare
-   * them (fp32). @throw logic_error on a dimension mismatch, NaN/Inf or a zero cosine query.
+   * them (fp32). @throw logic_error on a dimension mismatch, NaN/Inf, a zero cosine query or a
+   * squared norm above 1e30 under inner product or squared L2.
    */
   template <class T>
   std::vector<float> prepare_queries(matrix_view<T const> queries) const;
@@ -439,10 +443,16 @@ class graph_index {
     std::vector<std::uint8_t> deleted;
   };
 
-  /// Vectors and queries with a larger squared norm are refused: with |q|^2, |x|^2 <= 1e30 every
-  /// dot product and squared distance stays below float32's 3.4e38 (never Inf or NaN), so the
-  /// (distance, node) order stays total.
+  /// Vectors and queries with a larger squared norm are refused under inner product and squared
+  /// L2: with |q|^2, |x|^2 <= 1e30 every dot product and squared distance stays below float32's
+  /// 3.4e38 (never Inf or NaN), so the (distance, node) order stays total. Cosine normalises
+  /// every finite non-zero vector (denormal and largest finite ones too) and needs no bound.
   static constexpr double max_norm2 = 1e30;
+
+  /// Squared norm of row `r` of `vectors` in double, its elements in order: what `add` checks
+  /// and (under cosine) normalises by.
+  template <class T>
+  static double row_norm2(matrix_view<T const> vectors, std::int64_t r) noexcept;
 
   // ---------------------------------------------------------------------------------------------
   // Arena: rows, tenants, growth, compaction, float16 copies (detail/index/arena.inl)

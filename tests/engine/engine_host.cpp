@@ -807,3 +807,96 @@ TEST_CASE("rope_spec / kv_geometry from HF config.json", "[engine][rope]")
   CHECK_THROWS_AS(kv_geometry_from_hf_config(json::parse(R"({"hidden_size": 10})")), logic_error);
   CHECK_THROWS_AS(read_hf_config("/nonexistent/config.json"), logic_error);
 }
+
+TEST_CASE("capture of the smallest shapes: one layer, one head, head_dim 6 (not a whole 16-byte "
+          "run), one token, pages of one token - host, the device kernels' code and the "
+          "written-out pool agree",
+          "[engine][capture][degenerate]")
+{
+  dtype const t = GENERATE(dtype::float32, dtype::float16, dtype::bfloat16);
+  CAPTURE(to_string(t));
+  constexpr int D = 6;  // head_dim: even (rotary pairs), 24 / 12 bytes
+  kv_geometry const g{1, 1, D};
+  // three tokens' K and V, values exact in every store dtype (quarters up to 9), so the pool must
+  // hold them as written
+  std::vector<float> k(3 * D), v(3 * D);
+  for (int i = 0; i < 3 * D; ++i) {
+    k[static_cast<std::size_t>(i)] = 0.25f * static_cast<float>(i - 7);
+    v[static_cast<std::size_t>(i)] = -0.5f * static_cast<float>(i + 1);
+  }
+  // the device capture write of one head (strides 8, 7, 1 over a padded source)
+  std::vector<float> padded(3 * 8, -99.0f);
+  for (int j = 0; j < 3; ++j) {
+    for (int d = 0; d < D; ++d) {
+      padded[static_cast<std::size_t>(j * 8 + d)] = k[static_cast<std::size_t>(j * D + d)];
+    }
+  }
+  for (std::int64_t count : {1, 3}) {
+    CAPTURE(count);
+    std::vector<float> rows(static_cast<std::size_t>(count * D), 0.0f);
+    detail::capture_write_args<float> const a{rows.data(), padded.data(), count, 1, D, 8, 7, 1};
+    REQUIRE(detail::capture_write_elements(a) == count * D);
+    for (std::int64_t i = 0; i < detail::capture_write_elements(a); ++i) {
+      detail::capture_write_element(a, i);
+    }
+    CHECK(rows == std::vector<float>(k.begin(), k.begin() + count * D));
+  }
+  kv_capture c{g, 3};
+  for (std::int64_t j = 0; j < 3; ++j) {  // one token per write, as a one-token forward gives
+    c.write_keys(0, j, make_token_head_view<float const>(k.data() + j * D, 1, 1, D));
+    c.write_values(0, j, make_token_head_view<float const>(v.data() + j * D, 1, 1, D));
+  }
+  REQUIRE(c.complete());
+  // facts of one token (the first, the last) and of three, over pages of one token
+  std::vector<captured_fact> const facts{{1, 9, 0, {11}}, {2, 9, 2, {13}}, {3, 9, 0, {11, 12, 13}}};
+  kv_store_config sc;
+  sc.model       = g;
+  sc.store_dtype = t;
+  sc.page_size   = 1;
+  sc.num_pages   = 8;
+  sc.space       = memory_space::host;
+  kv_store by_host{sc};
+  kv_store by_emulate{sc};
+  store_captured_facts(by_host, c, facts);
+  dispatch_dtype(t, [&](auto tag_type) {
+    using S = typename decltype(tag_type)::type;
+    if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
+                  std::is_same_v<S, bfloat16_t>) {
+      emulate_store<S>(by_emulate, c, facts);
+    }
+  });
+  CHECK(by_emulate.pool_to_host() == by_host.pool_to_host());
+  // Written out: the pool is [pages][layers][2][page_size][heads][head_dim], so with one layer,
+  // one head and pages of one token, K of a fact's token j is elements page * 2D + 0..D-1, V
+  // page * 2D + D..2D-1.
+  std::vector<unsigned char> const pool = by_host.pool_to_host();
+  std::size_t const bytes               = size_of(t);
+  auto read = [&](std::int64_t element) {
+    float x                = 0;
+    unsigned char const* p = pool.data() + static_cast<std::size_t>(element) * bytes;
+    if (t == dtype::float32) { std::memcpy(&x, p, 4); }
+    if (t == dtype::float16) {
+      half_t h;
+      std::memcpy(&h, p, 2);
+      x = to_float(h);
+    }
+    if (t == dtype::bfloat16) {
+      bfloat16_t b;
+      std::memcpy(&b, p, 2);
+      x = to_float(b);
+    }
+    return x;
+  };
+  for (captured_fact const& f : facts) {
+    fact_record const& r = by_host.at(f.fact_id);
+    REQUIRE(r.pages.size() == f.token_ids.size());
+    for (std::size_t j = 0; j < f.token_ids.size(); ++j) {
+      std::int64_t const token = f.begin + static_cast<std::int64_t>(j);
+      for (int d = 0; d < D; ++d) {
+        CAPTURE(f.fact_id, j, d);
+        CHECK(read(r.pages[j] * 2 * D + d) == k[static_cast<std::size_t>(token * D + d)]);
+        CHECK(read(r.pages[j] * 2 * D + D + d) == v[static_cast<std::size_t>(token * D + d)]);
+      }
+    }
+  }
+}

@@ -1128,3 +1128,284 @@ TEST_CASE("llama.cpp: Gemma 3 - a memory longer than the sliding window injects 
   INFO("InferScale: " << m.detokenize(ours));
   CHECK(ours == reference);
 }
+
+namespace {
+
+/// At least `n` tokens of the demo's facts (repeated as needed), cut to `n`.
+std::vector<std::int32_t> text_tokens(lc::model const& m, std::size_t n)
+{
+  std::vector<std::int32_t> out;
+  for (std::size_t i = 0; out.size() < n; ++i) {
+    std::vector<std::int32_t> const t = m.tokenize(demo::facts[i % demo::facts.size()]);
+    out.insert(out.end(), t.begin(), t.end());
+  }
+  out.resize(n);
+  return out;
+}
+
+/// Decodes `tokens` in sequence `seq` from position 0 in the given pieces (one llama_decode
+/// each); no pieces: one decode() call, which llama.cpp runs in n_batch-sized batches.
+void decode_in_pieces(lc::context& ctx,
+                      std::int32_t seq,
+                      std::vector<std::int32_t> const& tokens,
+                      std::vector<std::size_t> const& pieces)
+{
+  if (pieces.empty()) {
+    ctx.decode(seq, tokens, 0);
+    return;
+  }
+  std::size_t at = 0;
+  for (std::size_t n : pieces) {
+    ctx.decode(seq,
+               std::vector<std::int32_t>(tokens.begin() + static_cast<std::ptrdiff_t>(at),
+                                         tokens.begin() + static_cast<std::ptrdiff_t>(at + n)),
+               static_cast<std::int64_t>(at));
+    at += n;
+  }
+  REQUIRE(at == tokens.size());
+}
+
+/// The batch-split sweep of one model: each segment's K/V captured by the graph callback as its
+/// batches arrive, stored as one fact and injected into a fresh context, must give the sequence
+/// state of the engine's own prefill of the same batches, byte for byte (cells, every layer's K
+/// rotated by the library, V). For the one-token segment the layer probe must also yield the
+/// captured K/V, bit for bit.
+void check_batch_splits(lc::model const& m, bool flash)
+{
+  std::uint32_t const n_batch = 16;  // n_batch's boundaries, at 1/32 of the default's cost
+  lc::context ctx{m, options(flash, n_batch)};
+  lc::model_adapter adapter{ctx};
+  lc::context fresh{m, options(flash, n_batch)};
+  lc::sequence_cache cache{fresh, 0};
+  kv_geometry const g = ctx.geometry();
+  struct split {
+    char const* name;
+    std::size_t tokens;
+    std::vector<std::size_t> pieces;  // empty: model_adapter::encode (batches of n_batch)
+  };
+  std::vector<split> const splits{
+    {"one token", 1, {}},
+    {"n_batch - 1", n_batch - 1, {}},
+    {"n_batch", n_batch, {}},
+    {"n_batch + 1 (a one-token second batch)", n_batch + 1, {}},
+    {"2 n_batch + 1", 2 * n_batch + 1, {}},
+    {"in pieces of 1, 5, n_batch, 1", n_batch + 7, {1, 5, n_batch, 1}},
+  };
+  for (split const& s : splits) {
+    CAPTURE(s.name, flash);
+    std::vector<std::int32_t> const tokens = text_tokens(m, s.tokens);
+    auto const T                           = static_cast<std::int64_t>(tokens.size());
+    kv_capture capture{g, T};
+    if (s.pieces.empty()) {
+      adapter.encode(tokens, 0, capture);
+    } else {  // rows arrive forward by forward, each after the last
+      std::int32_t const scratch = ctx.scratch_sequence();
+      ctx.clear(scratch);
+      ctx.begin_capture(capture, 0);
+      try {
+        decode_in_pieces(ctx, scratch, tokens, s.pieces);
+      } catch (...) {
+        ctx.end_capture();
+        throw;
+      }
+      ctx.end_capture();
+      ctx.clear(scratch);
+    }
+    REQUIRE(capture.complete());
+
+    ctx.clear(0);
+    decode_in_pieces(ctx, 0, tokens, s.pieces);
+    std::vector<std::uint8_t> const prefilled = ctx.state(0);
+    ctx.clear(0);
+
+    kv_store store = make_store(g, 64);
+    store.insert<float>(1, 7, tokens, capture.keys(), capture.values());
+    compose_options opts;
+    opts.order             = fact_order::as_given;
+    composition const plan = compose(store, {1}, opts);
+    REQUIRE(plan.token_ids == tokens);
+    fresh.clear(0);
+    inject_memory_host(store, plan, cache, adapter.rotation());
+    std::vector<std::uint8_t> const injected = fresh.state(0);
+    REQUIRE(injected.size() == prefilled.size());
+    CHECK(differing_halves(injected.data(), prefilled.data(), injected.size()) == 0);
+    CHECK(same_bytes(injected, prefilled));
+
+    if (T == 1) {
+      for (std::int32_t layer : {0, g.num_layers - 1}) {
+        CAPTURE(layer);
+        std::vector<float> k, v;
+        ctx.probe_layer(ctx.scratch_sequence(), tokens, 0, layer, k, v);
+        ctx.clear(ctx.scratch_sequence());
+        std::size_t const row = static_cast<std::size_t>(g.elements_per_token_layer());
+        REQUIRE(k.size() == row);
+        REQUIRE(v.size() == row);
+        CHECK(std::memcmp(k.data(), &capture.keys()(layer, 0, 0, 0), row * sizeof(float)) == 0);
+        CHECK(std::memcmp(v.data(), &capture.values()(layer, 0, 0, 0), row * sizeof(float)) == 0);
+      }
+    }
+  }
+
+  // Branches of one token (encode_branches, one branch sequence per forward): every forward's
+  // batch is one token of a sequence sharing the trunk's cells. Against a forward per fact over
+  // trunk[0, attach) + fact: equal to llama.cpp's rounding (other cells change its sums; the
+  // bound and the reason as in the branching test above).
+  lc::context_options branching = options(flash, n_batch);
+  branching.n_branch_seq        = 1;
+  lc::context bctx{m, branching};
+  lc::model_adapter badapter{bctx};
+  std::vector<std::int32_t> const trunk = text_tokens(m, 6);
+  std::vector<encoding_branch> const branches{{201, 7, {trunk[5]}, 5, 5, 0, 0},
+                                              {202, 7, {trunk[2]}, 2, 2, 0, 0}};
+  kv_capture branched{g, 2};
+  badapter.encode_branches(trunk, 0, branches, branched);
+  REQUIRE(branched.complete());
+  for (std::size_t i = 0; i < branches.size(); ++i) {
+    encoding_branch const& b = branches[i];
+    CAPTURE(b.fact_id, flash);
+    std::vector<std::int32_t> tokens(trunk.begin(), trunk.begin() + b.attach);
+    tokens.push_back(b.token_ids[0]);
+    kv_capture one{g, static_cast<std::int64_t>(tokens.size())};
+    badapter.encode(tokens, 0, one);
+    auto const row = static_cast<std::int64_t>(i);
+    for (std::int32_t l = 0; l < g.num_layers; ++l) {
+      CAPTURE(l);
+      CHECK(relative_error(branched.keys(row, 1), one.keys(b.attach, 1), l) <= 6e-2);
+      CHECK(relative_error(branched.values(row, 1), one.values(b.attach, 1), l) <= 6e-2);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("llama.cpp: batch splits - one token, n_batch - 1, n_batch, n_batch + 1 and a segment "
+          "in pieces capture as the engine prefills, byte for byte, on every model family",
+          "[llama]")
+{
+  // SmolLM2 (3 KV heads) and Gemma 3 (one KV head: its 2-D V projection of one token has the 3-D
+  // V's shape, issue 49), V stored as rows (flash attention) and transposed.
+  for (bool const flash : {true, false}) {
+    SECTION(flash ? "SmolLM2, flash attention" : "SmolLM2, V transposed")
+    {
+      check_batch_splits(the_model(), flash);
+    }
+    SECTION(flash ? "Gemma 3, flash attention" : "Gemma 3, V transposed")
+    {
+      check_batch_splits(gemma_model(), flash);
+    }
+  }
+}
+
+TEST_CASE("llama.cpp state blob: the smallest shapes - one cell, one layer, one head, head_dim 2 "
+          "and 6, one and two sections, V as rows and transposed - as written out here",
+          "[llama]")
+{
+  struct shape {
+    kv_geometry g;
+    std::vector<std::uint32_t> sections;
+    std::vector<std::int32_t> order;  // the model layer of each record
+  };
+  for (shape const& s : {shape{{1, 1, 6}, {1}, {0}},        // 12-byte rows: no whole 16 bytes
+                         shape{{2, 1, 2}, {1, 1}, {1, 0}},  // a global layer, a windowed one
+                         shape{{1, 3, 10}, {1}, {0}}}) {
+    for (std::uint32_t const v_trans : {0u, 1u}) {
+      for (std::vector<std::int32_t> const& positions :
+           {std::vector<std::int32_t>{7}, std::vector<std::int32_t>{7, 8}}) {
+        kv_geometry const g      = s.g;
+        std::uint32_t const L    = static_cast<std::uint32_t>(g.num_layers);
+        std::uint64_t const row  = static_cast<std::uint64_t>(g.num_kv_heads * g.head_dim);
+        std::uint32_t const n    = static_cast<std::uint32_t>(positions.size());
+        CAPTURE(L, g.num_kv_heads, g.head_dim, s.sections.size(), v_trans, n);
+        lc::state_format f;
+        f.n_stream       = 1;
+        f.v_trans        = v_trans;
+        f.n_layer        = L;
+        f.k_type         = GGML_TYPE_F16;
+        f.v_type         = GGML_TYPE_F16;
+        f.k_row_bytes    = row * 2;
+        f.v_row_bytes    = v_trans ? 0 : row * 2;
+        f.v_el_bytes     = v_trans ? 2 : 0;
+        f.n_embd_v       = v_trans ? static_cast<std::uint32_t>(row) : 0;
+        f.section_layers = s.sections;
+        f.layer_order    = s.order;
+        lc::state_layout made;
+        std::vector<std::uint8_t> blob;
+        lc::make_state(f, g, 3, positions, made, blob);
+        // Written out (reference/llama-cpp.md): magic, seq_id; per section n_stream, cell_count,
+        // 12 bytes per cell, v_trans, n_layer; per layer a 12-byte K header and its rows, then a
+        // 12-byte V header (u64 row bytes, or u32 element bytes + u32 elements) and its rows.
+        std::size_t const S = s.sections.size();
+        REQUIRE(blob.size() == 8 + S * (4 + 4 + 12 * n + 4 + 4) + L * (12 + row * 2 * n) +
+                                 L * (12 + row * 2 * n));
+        auto u32 = [&](std::size_t at) {
+          std::uint32_t x;
+          std::memcpy(&x, blob.data() + at, 4);
+          return x;
+        };
+        CHECK(u32(0) == 0xaf143cd8u);
+        CHECK(u32(4) == 3);
+        CHECK(u32(8) == 1);
+        CHECK(u32(12) == n);
+        for (std::uint32_t c = 0; c < n; ++c) {
+          CHECK(u32(16 + 12 * c) == static_cast<std::uint32_t>(positions[c]));
+          CHECK(u32(20 + 12 * c) == 1);
+          CHECK(u32(24 + 12 * c) == 3);
+        }
+        CHECK(u32(16 + 12 * n) == v_trans);
+        CHECK(u32(20 + 12 * n) == s.sections[0]);
+        // the first record's K rows start after its header; records follow section by section
+        std::size_t at = 8;
+        std::vector<std::size_t> key_at(L), value_at(L);
+        std::size_t record = 0;
+        for (std::uint32_t section_layers : s.sections) {
+          at += 4 + 4 + 12 * n + 4 + 4;
+          for (std::uint32_t r = 0; r < section_layers; ++r) {
+            key_at[static_cast<std::size_t>(s.order[record + r])] = at + 12;
+            at += 12 + row * 2 * n;
+          }
+          for (std::uint32_t r = 0; r < section_layers; ++r) {
+            value_at[static_cast<std::size_t>(s.order[record + r])] = at + 12;
+            at += 12 + row * 2 * n;
+          }
+          record += section_layers;
+        }
+        REQUIRE(at == blob.size());
+        CHECK(made.key_rows == key_at);
+        CHECK(made.value_rows == value_at);
+
+        lc::state_layout const parsed = lc::parse_state(blob.data(), blob.size(), g, &f);
+        CHECK(parsed.format == f);
+        CHECK(parsed.cell_count == n);
+        CHECK(parsed.positions == positions);
+        CHECK(parsed.key_rows == key_at);
+        CHECK(parsed.value_rows == value_at);
+        // element (cell c, head h, dim d): K at c * row + h * D + d; V the same, or transposed
+        // (h * D + d) * cells + c
+        paged_kv_cache const cache = lc::describe_state(blob.data(), parsed, g);
+        for (std::int32_t l = 0; l < g.num_layers; ++l) {
+          for (std::uint32_t c = 0; c < n; ++c) {
+            for (std::int32_t h = 0; h < g.num_kv_heads; ++h) {
+              for (std::int32_t d = 0; d < g.head_dim; ++d) {
+                std::size_t const e = static_cast<std::size_t>(h * g.head_dim + d);
+                auto const* k = static_cast<std::uint8_t const*>(cache.key_base[l]) +
+                                cache.key_layout.slot_offset(c, h, d) * 2;
+                auto const* v = static_cast<std::uint8_t const*>(cache.value_base[l]) +
+                                cache.value_layout.slot_offset(c, h, d) * 2;
+                CHECK(k == blob.data() + key_at[l] + (c * row + e) * 2);
+                CHECK(v == blob.data() + value_at[l] +
+                             (v_trans ? e * n + c : c * row + e) * 2);
+              }
+            }
+          }
+        }
+        // one byte short or one too many: refused
+        CHECK_THROWS_WITH(lc::parse_state(blob.data(), blob.size() - 1, g, &f),
+                          Catch::Matchers::Contains("truncated"));
+        std::vector<std::uint8_t> longer = blob;
+        longer.push_back(0);
+        CHECK_THROWS_WITH(lc::parse_state(longer.data(), longer.size(), g, &f),
+                          Catch::Matchers::Contains("trailing"));
+      }
+    }
+  }
+}

@@ -1318,9 +1318,17 @@ void index_cases()
   index_case("add: zero vector under cosine", "is zero, which has no cosine", [](graph_index& i) {
     add_rows(i, {0, 0, 0, 0}, {10}, 1);
   });
-  index_case("add: squared norm above 1e30", "squared norm above 1e30", [](graph_index& i) {
-    add_rows(i, {1e16f, 0, 0, 0}, {10}, 1);
-  });
+  // cosine (the default) takes any finite non-zero vector as a direction (issue 49)
+  index_case(
+    "add: squared norm above 1e30 (squared L2)", "squared norm above 1e30", [](graph_index&) {
+      index_config c{};
+      c.dim    = dim;
+      c.metric = distance_metric::squared_l2;
+      graph_index l2{c};
+      std::vector<float> const v{1e16f, 0, 0, 0};
+      std::vector<std::uint64_t> const id{1};
+      l2.add(1, make_matrix_view<float const>(v.data(), 1, dim), ids_span{id.data(), 1});
+    });
   index_case(
     "add: 3 dimensions (pluralised)", "vectors have 3 dimensions, the index 4", [](graph_index& i) {
       add_rows(i, {1, 0, 0}, {10}, 1, 3);

@@ -45,6 +45,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <degenerate_vectors.hpp>
 #include <gaussian_mixture.hpp>
 #include <index_reference.hpp>
 
@@ -664,6 +665,65 @@ TEST_CASE("index device search: NaN, infinite and zero-cosine queries get invali
       bool const invalid = bad.count(q) != 0;
       for (std::uint32_t j = 0; j < k; ++j) {
         REQUIRE((exact.ids[static_cast<std::size_t>(q * k + j)] == invalid_fact_id) == invalid);
+      }
+    }
+  }
+}
+
+TEST_CASE("index device search: degenerate vectors (zeros, denormals, largest values, "
+          "duplicates, all-identical namespaces) answer as the host, bit for bit, never NaN",
+          "[index][gpu]")
+{
+  raft::device_resources res;
+  for (auto const metric :
+       {distance_metric::inner_product, distance_metric::cosine, distance_metric::squared_l2}) {
+    for (auto const t : {dtype::float32, dtype::float16}) {
+      CAPTURE(to_string(metric), to_string(t));
+      test::degenerate_set const set = test::make_degenerate_set(metric, t);
+      std::int64_t const dim         = set.dim;
+      index_config config            = small_config(t, metric, dim);
+      config.host_knn                = knn_build::exact;
+      index_config device_config     = config;
+      device_config.space            = memory_space::device;
+      graph_index host{config}, device{device_config};
+      std::vector<std::vector<float> const*> const rows{
+        &set.mixed, &set.identical, &set.degenerate_identical};
+      for (std::uint64_t ns = 1; ns <= 3; ++ns) {
+        auto const& r = *rows[ns - 1];
+        std::vector<std::uint64_t> ids(r.size() / static_cast<std::size_t>(dim));
+        std::iota(ids.begin(), ids.end(), ns * 1000);
+        for (graph_index* index : {&host, &device}) {
+          index->add(ns,
+                     make_matrix_view<float const>(r.data(), set.rows(r), dim),
+                     cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+        }
+      }
+      std::int64_t const nq = set.rows(set.queries);
+      auto const d_queries  = upload_queries(set.queries, nq, dim, dim);
+      std::uint32_t const k = 8;
+      for (auto const algo : {search_algo::graph, search_algo::exact}) {
+        search_params params;
+        params.algo = algo;
+        for (std::uint64_t ns = 1; ns <= 3; ++ns) {
+          CAPTURE(static_cast<int>(algo), ns);
+          std::vector<std::uint64_t> const one{ns};
+          auto const expected = host_search(host, set.queries, nq, one, k, params);
+          auto const got = device_search(res, device, d_queries, nq, dim, one, k, params);
+          require_identical(expected, got, one, k);
+          for (float d : got.distances) { REQUIRE(std::isfinite(d)); }
+        }
+      }
+      // exact_search (the brute force on RAFT's gemm) on the mixed namespace: finite, its ids
+      device_outputs out{nq, k, k};
+      exact_search(res, device, 1, make_matrix_view<float const>(d_queries.data(), nq, dim), k,
+                   out.ids_view(), out.distances_view());
+      raft::resource::sync_stream(res);
+      auto const exact = out.result();
+      for (std::size_t at = 0; at < exact.ids.size(); ++at) {
+        CAPTURE(at);
+        REQUIRE(std::isfinite(exact.distances[at]));
+        REQUIRE(exact.ids[at] >= 1000);
+        REQUIRE(exact.ids[at] < 1000 + static_cast<std::uint64_t>(set.rows(set.mixed)));
       }
     }
   }

@@ -572,7 +572,8 @@ TEST_CASE("the inject kernel's code skips and counts rows whose fp8 scale is unu
   by_kernel.fill_random(5);
   bytes const original = storage_of(by_host);
   paged_kv_cache host_desc   = inferscale_test::describe_engine_cache(by_host, by_host.storage());
-  paged_kv_cache kernel_desc = inferscale_test::describe_engine_cache(by_kernel, by_kernel.storage());
+  paged_kv_cache kernel_desc =
+    inferscale_test::describe_engine_cache(by_kernel, by_kernel.storage());
   float const good[4] = {0.5f, 0.75f, 1.25f, 2.0f};  // K0, V0, K1, V1
   float const bad[4]  = {std::numeric_limits<float>::quiet_NaN(), 0.75f, 1.25f, 0.0f};
   host_desc.set_fp8_scales(kv_scale_convention::divide, kv_scale_granularity::per_tensor,
@@ -622,4 +623,89 @@ TEST_CASE("the rope kernel's position rule refuses INT64_MIN and rows beyond the
   // |INT64_MIN + 2| = INT64_MAX - 1 is below INT64_MAX rows (computed rotations have no table).
   CHECK(detail::rope_position_ok(min + 2, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
   CHECK_FALSE(detail::rope_position_ok(min + 1, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
+}
+
+TEMPLATE_TEST_CASE("degenerate shapes - one layer, one head, head_dim off the 16-byte run, blocks "
+                   "of one token, one-token batches: the kernels' code equals the host run",
+                   "[inject][emulation][degenerate]",
+                   bf16_to_bf16,
+                   bf16_to_e4m3)
+{
+  // inject_host.cpp checks the host run against a brute-force rotation on these shapes (fp32,
+  // fp16 and bf16 caches); here the inject kernel's blocks and the extract kernel's units, run on
+  // the CPU, must give its bytes (16-bit and fp8 caches: runs of 8 and 16 elements).
+  using S = typename TestType::store_t;
+  using C = typename TestType::cache_t;
+  shape_case const s = GENERATE(values<shape_case>(
+    {{"1 layer, 1 head, d2", 1, 1, 2, 2, rope_pairing::halves, 0},
+     {"1 layer, 1 head, d6 interleaved", 1, 1, 6, 6, rope_pairing::interleaved, 0},
+     {"d36 halves (not a whole 16-byte run)", 1, 1, 36, 36, rope_pairing::halves, 0},
+     {"d40 halves, rotary 36", 1, 1, 40, 36, rope_pairing::halves, 0},
+     {"3 heads, d10", 1, 3, 10, 10, rope_pairing::halves, 0}}));
+  engine_layout const ly = GENERATE(from_range(inferscale_test::all_engine_layouts()));
+  int const block        = GENERATE(1, 16);
+  int const sm_count     = GENERATE(132, 1);
+  CAPTURE(s.name, to_string(ly), block, sm_count);
+  if (ly == engine_layout::vllm_legacy && s.head_dim % (16 / static_cast<int>(sizeof(C))) != 0) {
+    return;  // no such vLLM cache
+  }
+  kv_store store = inferscale_test::make_host_store(s.layers, s.heads, s.head_dim, dtype_of_v<S>,
+                                                    /*page_size*/ 1, /*pages*/ 8);
+  fact_data const one(1, s.layers, 1, s.heads, s.head_dim, 11);
+  fact_data const three(2, s.layers, 3, s.heads, s.head_dim, 12);
+  one.insert_into(store);
+  three.insert_into(store);
+  rope_params const params = make_params(s);
+  std::int64_t const slots_total = 4 * 16;
+  auto make_cache = [&] {
+    engine_cache<C> c(ly, s.layers, slots_total / block, block, s.heads, s.head_dim);
+    c.fill_random(42);
+    return c;
+  };
+  engine_cache<C> by_host = make_cache(), by_kernel = make_cache();
+  auto const scales = make_scales(s, TestType::granularity);
+  paged_kv_cache host_desc   = inferscale_test::describe_engine_cache(by_host, by_host.storage());
+  paged_kv_cache kernel_desc =
+    inferscale_test::describe_engine_cache(by_kernel, by_kernel.storage());
+  set_scales<TestType>(host_desc, scales, s);
+  set_scales<TestType>(kernel_desc, scales, s);
+  for (int step = 0; step < 2; ++step) {  // a batch of one token, then one of four
+    injection_batch batch(store);
+    compose_options o{};
+    o.order = fact_order::as_given;
+    if (step == 0) {
+      o.first_position = 9;
+      batch.add(compose(store, {1}, o), std::vector<std::int64_t>{slots_total - 1});
+    } else {
+      o.first_position = 2000;
+      batch.add(compose(store, {2, 1}, o), std::vector<std::int64_t>{5, 0, 17, 40});
+    }
+    batch.run(host_desc, params);
+    emulate_inject<S, C>(store, batch, kernel_desc, params, sm_count);
+    REQUIRE(storage_of(by_kernel) == storage_of(by_host));
+  }
+  // extract the four slots back: the kernel's units against extract_host
+  std::vector<std::int64_t> const slots{5, 0, 17, 40};
+  std::vector<std::int32_t> const ids{7, 8, 9, 10};
+  kv_store ex_host = inferscale_test::make_host_store(s.layers, s.heads, s.head_dim,
+                                                      dtype_of_v<S>, 1, 8);
+  kv_store ex_kernel = inferscale_test::make_host_store(s.layers, s.heads, s.head_dim,
+                                                        dtype_of_v<S>, 1, 8);
+  extract_host(host_desc, slots, 2000, params, ex_host, 5, 1, ids);
+  fact_record const& fact = ex_kernel.reserve(5, 1, ids);
+  std::int64_t const n    = 4;
+  std::vector<std::int64_t> arrays(static_cast<std::size_t>(3 * n));
+  for (std::int64_t j = 0; j < n; ++j) {
+    arrays[static_cast<std::size_t>(j)] = ex_kernel.store_token(fact, static_cast<std::int32_t>(j));
+    arrays[static_cast<std::size_t>(n + j)]     = 2000 + j;
+    arrays[static_cast<std::size_t>(2 * n + j)] = slots[static_cast<std::size_t>(j)];
+  }
+  auto const args = detail::make_extract_args(
+    ex_kernel.ref(), host_desc, params,
+    {arrays.data(), arrays.data() + n, arrays.data() + 2 * n, n});
+  std::int64_t const per_token = detail::extract_units_per_token(args);
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int32_t w = 0; w < per_token; ++w) { detail::extract_unit<S, C>(args, i, w); }
+  }
+  REQUIRE(ex_kernel.pool_to_host() == ex_host.pool_to_host());
 }

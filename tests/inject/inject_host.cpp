@@ -1306,3 +1306,77 @@ TEST_CASE(
     REQUIRE(storage_bytes(c) == before);
   }
 }
+
+// ------------------------------------------------------------------------------------------------
+// The smallest and degenerate shapes (issue 49's sweep)
+
+TEMPLATE_TEST_CASE("degenerate shapes - one layer, one head, head_dim off the 16-byte run, blocks "
+                   "of one token, one-token facts - inject and extract as brute force says",
+                   "[inject][degenerate]",
+                   float,
+                   half_t,
+                   bfloat16_t)
+{
+  using T = TestType;
+  struct shape {
+    char const* name;
+    int layers, heads, head_dim, rotary_dim;
+    bool interleaved;
+  };
+  shape const s = GENERATE(values<shape>({{"1 layer, 1 head, d2", 1, 1, 2, 2, false},
+                                          {"1 layer, 1 head, d6 halves", 1, 1, 6, 6, false},
+                                          {"1 layer, 1 head, d6 interleaved", 1, 1, 6, 6, true},
+                                          {"d36 (not a whole 16-byte run)", 1, 1, 36, 36, false},
+                                          {"2 layers, d20, rotary 12", 2, 1, 20, 12, true},
+                                          {"3 heads, d10", 1, 3, 10, 10, false}}));
+  auto const layout       = GENERATE(from_range(inferscale_test::all_engine_layouts()));
+  int const block         = GENERATE(1, 16);
+  std::int64_t const p0   = GENERATE(as<std::int64_t>{}, 0, 4093);
+  int const run           = 16 / static_cast<int>(sizeof(T));
+  CAPTURE(sizeof(T), s.name, to_string(layout), block, p0);
+  if (layout == engine_layout::vllm_legacy && s.head_dim % run != 0) {
+    return;  // vLLM's legacy key layout splits head_dim into runs of x: it has no such cache
+  }
+  ref_rope const rope{s.head_dim, s.rotary_dim, 10000.0, s.interleaved, true};
+  kv_store store = make_host_store(s.layers, s.heads, s.head_dim, dtype::float32, 1, 8);
+  fact_data const one(3, s.layers, 1, s.heads, s.head_dim, 303);  // a fact of one token
+  fact_data const two(4, s.layers, 2, s.heads, s.head_dim, 404);
+  one.insert_into(store);
+  two.insert_into(store);
+  std::int64_t const blocks = 8 * 16 / block;  // 8 x 16 slots either way
+  engine_cache<T> ec(layout, s.layers, blocks, block, s.heads, s.head_dim);
+  ec.fill_random(5);
+  auto const before = storage_bytes(ec);
+  // a one-token batch, then one of both facts in scattered slots (the last slot included)
+  std::vector<std::int64_t> const lone{77};
+  std::vector<std::int64_t> const slots{8 * 16 - 1, 0, 33};
+  injection_batch batch(store);
+  batch.add(compose(store, {3}, at(p0)), lone);
+  batch.add(compose(store, {4, 3}, at(p0 + 1)), slots);
+  batch.run(describe_cache(ec), rope.params());
+  std::vector<placed_token> writes;
+  place(writes, one, 0, 1, p0, lone);
+  place(writes, two, 0, 2, p0 + 1, {slots[0], slots[1]});
+  place(writes, one, 0, 1, p0 + 3, {slots[2]});
+  check_cache(ec, before, writes, rope, dtype::float32);
+
+  // Extracting the lone token back gives the pre-RoPE fact to the cache's rounding: the inverse
+  // rotation of a key within half an ulp of T, the value exactly converted.
+  extract_host(describe_cache(ec), lone, p0, rope.params(), store, 99, 1, one.token_ids);
+  auto const pool = store.pool_to_host();
+  double const unit = std::is_same_v<T, float> ? 16 * eps32 : 1.0 / 256;
+  for (int l = 0; l < s.layers; ++l) {
+    for (int h = 0; h < s.heads; ++h) {
+      double norm = 0;
+      for (int d = 0; d < s.head_dim; ++d) {
+        norm = std::max(norm, std::fabs(double(one.key(l, 0, h, d))));
+      }
+      for (int d = 0; d < s.head_dim; ++d) {
+        CAPTURE(l, h, d);
+        REQUIRE(std::fabs(read_store(store, pool, 99, 0, l, 0, h, d) - one.key(l, 0, h, d)) <=
+                unit * 2 * norm);
+        REQUIRE(read_store(store, pool, 99, 1, l, 0, h, d) == round_to<T>(one.value(l, 0, h, d)));
+      }
+    }
+  }
+}

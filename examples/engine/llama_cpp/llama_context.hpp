@@ -4,7 +4,10 @@
  * examples, tests and benchmarks need (decode at explicit positions, greedy generation, sequence
  * states), and pre-RoPE capture through llama.cpp's graph callback (`cb_eval`): each layer's
  * `Kcur-<l>` node that feeds the ROPE node (its input, checked against the ROPE node's `src[0]`)
- * and `Vcur-<l>`.
+ * and the `Vcur-<l>` node that feeds the cache write (the SET_ROWS node whose rows come from it,
+ * through views and reshapes). Nodes are told apart by op and source, never by shape alone:
+ * llama.cpp also names the 2-D V projection `Vcur-<l>`, and with one KV head and one token it has
+ * the 3-D node's shape.
  *
  * Only architectures check_architecture() accepts are served (the constructor refuses the others,
  * naming them). The blob format the context expects (streams, V transposition, layer count, cell
@@ -395,6 +398,8 @@ class context {
     value_tokens_.assign(static_cast<std::size_t>(geometry_.num_layers), first_row);
     last_key_.assign(static_cast<std::size_t>(geometry_.num_layers), nullptr);
     pending_keys_.assign(static_cast<std::size_t>(geometry_.num_layers), 0);
+    last_value_.assign(static_cast<std::size_t>(geometry_.num_layers), nullptr);
+    pending_values_.assign(static_cast<std::size_t>(geometry_.num_layers), 0);
     capture_error_.clear();
   }
   void end_capture() noexcept { capture_ = nullptr; }
@@ -423,6 +428,7 @@ class context {
     keys.assign(tokens.size() * row, 0.0f);
     values.assign(tokens.size() * row, 0.0f);
     probe_ = probe_state{layer, &keys, &values, 0, 0, nullptr};
+    capture_error_.clear();
     try {
       decode(seq, tokens, first_position);
     } catch (...) {
@@ -528,10 +534,45 @@ class context {
     return (end && *end == '\0' && end != name + n + 1) ? static_cast<int>(l) : -1;
   }
 
+  /// @brief A node whose data may be a layer's K or V rows, `[head_dim, kv heads, tokens]` in
+  /// fp32. Shape only: which such node holds the rows the cache stores is decided by source (the
+  /// ROPE node's input for K, the cache write's for V).
   bool is_head_view(ggml_tensor const* t) const noexcept
   {
     return t->type == GGML_TYPE_F32 && t->ne[0] == geometry_.head_dim &&
            t->ne[1] == geometry_.num_kv_heads && t->ne[3] == 1;
+  }
+
+  /// @brief The ops that move or pad data without computing (between a V node and the cache).
+  static bool moves_data(ggml_op op) noexcept
+  {
+    return op == GGML_OP_VIEW || op == GGML_OP_RESHAPE || op == GGML_OP_CONT ||
+           op == GGML_OP_PERMUTE || op == GGML_OP_TRANSPOSE || op == GGML_OP_PAD ||
+           op == GGML_OP_CPY;
+  }
+
+  /// @brief What a cache write stores, for a SET_ROWS node: the first named node its rows come
+  /// from through data moves (`src[0]` is SET_ROWS's rows, `src[2]` its destination).
+  struct stored_node {
+    ggml_tensor const* node{nullptr};  ///< the `Vcur-<l>` node, or the node the rows came from
+    int layer{-1};                     ///< l of `Vcur-<l>`; -1 when the rows are not V's
+    bool unsupported{false};           ///< V rows from an op other than `Vcur-<l>` (a V norm)
+  };
+
+  static stored_node stored_rows(ggml_tensor const* t) noexcept
+  {
+    if (t->op != GGML_OP_SET_ROWS) { return {}; }
+    ggml_tensor const* s = t->src[0];
+    for (int depth = 0; s != nullptr && depth < 8; ++depth) {
+      int const l = layer_of(s->name, "Vcur");
+      if (l >= 0) { return {s, l, false}; }
+      if (!moves_data(s->op)) {
+        // llama.cpp names a V norm's output `Vcur_normed-<l>` (gemma3n): not the V captured
+        return {s, -1, std::strncmp(s->name, "Vcur", 4) == 0};
+      }
+      s = s->src[0];
+    }
+    return {};
   }
 
   static bool eval_callback(ggml_tensor* t, bool ask, void* user)
@@ -569,6 +610,24 @@ class context {
   /// @brief probe_layer's hook: takes the layer's K and V, then stops the graph.
   bool on_probe(ggml_tensor* t, bool ask)
   {
+    if (t->op == GGML_OP_SET_ROWS) {
+      if (!ask) { return false; }  // observed only to stop the graph (or on an error)
+      stored_node const v = stored_rows(t);
+      if (v.unsupported) {
+        capture_error_ = std::string{"the cache stores "} + v.node->name + ", not a Vcur node";
+        return true;
+      }
+      if (v.layer != probe_->layer) { return false; }
+      if (v.node != probe_->last_value) {
+        capture_error_ = "layer " + std::to_string(probe_->layer) +
+                         ": the V probed is not the V the cache stores";
+        return true;
+      }
+      probe_->value_rows += probe_->pending_value_rows;  // the V taken is the one stored
+      probe_->pending_value_rows = 0;
+      // Observed only to stop the graph once this forward's K and V are both taken.
+      return probe_->key_rows == probe_->value_rows;
+    }
     char const* name = ggml_get_name(t);
     bool const k     = key_layer(name) == probe_->layer;
     bool const v     = layer_of(name, "Vcur") == probe_->layer;
@@ -601,17 +660,18 @@ class context {
       capture_error_ = std::string{name} + ": more rows than tokens probed";
       return false;
     }
-    // Keys: a K norm's output overwrites the un-normed rows; they count once the ROPE node shows
-    // which of them it rotates.
+    // A later node of the same name (K norm's output; the 3-D V after the 2-D projection)
+    // overwrites the rows; they count once the ROPE node (K) or the cache write (V) shows which
+    // node it takes.
     ggml_backend_tensor_get(t, to.data() + static_cast<std::size_t>(rows) * row, 0, ggml_nbytes(t));
     if (k) {
       probe_->last_key         = t;
       probe_->pending_key_rows = static_cast<std::int64_t>(n);
-      return true;
+    } else {
+      probe_->last_value         = t;
+      probe_->pending_value_rows = static_cast<std::int64_t>(n);
     }
-    probe_->value_rows += static_cast<std::int64_t>(n);
-    // Both of this forward's K and V taken: stop the graph (the layers above are not needed).
-    return probe_->key_rows != probe_->value_rows;
+    return true;
   }
 
   /// @brief The layer of a pre-RoPE key node: `Kcur-<l>`, or `Kcur_normed-<l>` (a per-head K norm
@@ -624,6 +684,11 @@ class context {
 
   bool on_tensor(ggml_tensor* t, bool ask)
   {
+    if (t->op == GGML_OP_SET_ROWS) {
+      if (!ask) { return capture_error_.empty(); }  // observed only on an error: stop
+      confirm_values(t);
+      return !capture_error_.empty();
+    }
     char const* name = ggml_get_name(t);
     int const k      = key_layer(name);
     int const v      = layer_of(name, "Vcur");
@@ -664,14 +729,38 @@ class context {
         last_key_[at]     = t;
         pending_keys_[at] = tokens;
       } else {
+        // The 3-D V overwrites the 2-D projection's rows (both Vcur-<l>, and of one shape for one
+        // token and one KV head); they count at the cache write (confirm_values).
         capture_->write_values(layer, value_tokens_[at], rows);
-        value_tokens_[at] += tokens;
+        last_value_[at]     = t;
+        pending_values_[at] = tokens;
       }
     } catch (std::exception const& e) {
       capture_error_ = e.what();
       return false;
     }
     return true;
+  }
+
+  /// @brief At a cache write of layer l's V: the V rows taken count if the node written is the
+  /// last `Vcur-<l>` taken (the same rule as the keys' at the ROPE node).
+  void confirm_values(ggml_tensor const* t)
+  {
+    stored_node const v = stored_rows(t);
+    if (v.unsupported) {
+      capture_error_ = "architecture '" + architecture_ + "': the cache stores " + v.node->name +
+                       ", not a Vcur node (an op such as a V norm after it): not supported";
+      return;
+    }
+    if (v.layer < 0 || v.layer >= geometry_.num_layers) { return; }  // K, or no layer of ours
+    std::size_t const l = static_cast<std::size_t>(v.layer);
+    if (v.node != last_value_[l]) {
+      capture_error_ = "architecture '" + architecture_ + "', layer " + std::to_string(v.layer) +
+                       ": the V the cache stores is not the Vcur node captured: not supported";
+      return;
+    }
+    value_tokens_[l] += pending_values_[l];
+    pending_values_[l] = 0;
   }
 
   struct deleter {
@@ -692,6 +781,8 @@ class context {
     std::int64_t value_rows;
     ggml_tensor const* last_key;
     std::int64_t pending_key_rows{0};
+    ggml_tensor const* last_value{nullptr};
+    std::int64_t pending_value_rows{0};
   };
   std::optional<probe_state> probe_;
   std::optional<rope_probe> rope_probe_;
@@ -700,6 +791,8 @@ class context {
   std::vector<std::int64_t> value_tokens_;
   std::vector<std::int64_t> pending_keys_;  ///< rows taken, counted once the ROPE node confirms
   std::vector<ggml_tensor const*> last_key_;
+  std::vector<std::int64_t> pending_values_;  ///< rows taken, counted once the cache write confirms
+  std::vector<ggml_tensor const*> last_value_;
   std::string capture_error_;
 };
 

@@ -223,6 +223,17 @@ decltype(auto) graph_index::with_rows(std::size_t t, Fn&& fn) const
 }
 
 template <class T>
+double graph_index::row_norm2(matrix_view<T const> vectors, std::int64_t r) noexcept
+{
+  double norm2 = 0.0;
+  for (std::int64_t e = 0; e < vectors.extent(1); ++e) {
+    double const x = to_float(vectors(r, e));
+    norm2 += x * x;
+  }
+  return norm2;
+}
+
+template <class T>
 void graph_index::write_rows(std::size_t t,
                              std::uint32_t first,
                              matrix_view<T const> vectors,
@@ -231,18 +242,13 @@ void graph_index::write_rows(std::size_t t,
   auto& tr = tenants_[t];
   for (std::int64_t r = 0; r < vectors.extent(0); ++r) {
     std::int64_t const row = tr.ref.row_begin + first + r;
-    double norm2           = 0.0;
-    for (std::int64_t e = 0; e < config_.dim; ++e) {
-      double const x = to_float(vectors(r, e));
-      norm2 += x * x;
-    }
-    float const scale = config_.metric == distance_metric::cosine
-                          ? static_cast<float>(1.0 / std::sqrt(norm2))
-                          : 1.0f;
+    bool const cosine      = config_.metric == distance_metric::cosine;
+    double const scale     = cosine ? detail::index::cosine_scale(row_norm2(vectors, r)) : 1.0;
     unsigned char* dst = vectors_.data() + static_cast<std::size_t>(row * row_elements_) * element_size_;
     std::memset(dst, 0, static_cast<std::size_t>(row_elements_) * element_size_);
     for (std::int64_t e = 0; e < config_.dim; ++e) {
-      float const x = to_float(vectors(r, e)) * scale;
+      float const x = cosine ? detail::index::cosine_normalised(to_float(vectors(r, e)), scale)
+                             : to_float(vectors(r, e));
       if (config_.vector_dtype == dtype::float32) {
         std::memcpy(dst + e * 4, &x, 4);
       } else {

@@ -120,7 +120,7 @@ struct search_block_state {
   std::uint32_t parents[64];
   std::uint32_t taken;
   std::uint32_t count;
-  float scale;
+  double scale;  ///< cosine: 1 / |q| (beyond float32 for a denormal query)
   int bad;
 };
 
@@ -305,9 +305,10 @@ __device__ void block_bitonic_sort(Entry* buffer, std::uint32_t size, Less less)
 /**
  * @brief Loads query `q` into `out` (`row_elements` floats, zero padded) and normalises it for
  * cosine exactly as `graph_index::prepare_queries` does: norm2 from `lane_norm2` and a 32-lane
- * butterfly in double, scale = float(1 / sqrt(norm2)), elements multiplied in fp32.
- * @return false (for the whole CTA) when the query has a NaN or infinite element, or is zero
- * under cosine. Ends with a barrier.
+ * butterfly in double, then `cosine_scale` and `cosine_normalised` (the scale and each product
+ * in double, rounded once: a denormal query has a scale beyond float32's range).
+ * @return false (for the whole CTA) when the query has a NaN or infinite element, is zero under
+ * cosine, or has |q|^2 > 1e30 under the other metrics. Ends with a barrier.
  */
 __device__ inline bool prepare_query(float const* queries,
                                      std::int64_t stride0,
@@ -337,18 +338,18 @@ __device__ inline bool prepare_query(float const* queries,
       norm2 = __dadd_rn(norm2, __shfl_xor_sync(full_warp, norm2, o));
     }
     if (lane == 0) {
-      // as the host refuses: a zero cosine query, or |q|^2 > 1e30 (distances would overflow)
-      state.bad   = (cosine && !(norm2 > 0.0)) || norm2 > 1e30 ? 1 : 0;
-      state.scale = state.bad || !cosine ? 1.0f
-                                         : __double2float_rn(__ddiv_rn(1.0, __dsqrt_rn(norm2)));
+      // as the host refuses: a zero cosine query, or |q|^2 > 1e30 under inner product or
+      // squared L2 (distances would overflow); cosine normalises any other finite query
+      state.bad   = cosine ? !(norm2 > 0.0) : norm2 > 1e30;
+      state.scale = state.bad || !cosine ? 1.0 : cosine_scale(norm2);
     }
   }
   __syncthreads();
   if (state.bad != 0) { return false; }
   if (!cosine) { return true; }
-  float const scale = state.scale;
+  double const scale = state.scale;
   for (std::int64_t e = threadIdx.x; e < dim; e += blockDim.x) {
-    out[e] = __fmul_rn(out[e], scale);
+    out[e] = cosine_normalised(out[e], scale);
   }
   __syncthreads();
   return true;

@@ -170,27 +170,29 @@ void graph_index::check_new_facts(matrix_view<T const> vectors,
                           tenants_[it->second.tenant].ns == replacing_ns),
                        "graph_index: fact id " + std::to_string(id) + " is already indexed");
   }
+  bool const cosine = config_.metric == distance_metric::cosine;
   for (std::int64_t r = 0; r < vectors.extent(0); ++r) {
-    double norm2 = 0.0;
     for (std::int64_t e = 0; e < config_.dim; ++e) {
       float const x = to_float(vectors(r, e));
       INFERSCALE_EXPECTS(std::isfinite(x), "graph_index: vector " + std::to_string(r) +
                                              " (fact id " + std::to_string(ids[r]) +
                                              ") has a NaN or infinite element at " +
                                              std::to_string(e));
-      norm2 += double{x} * x;
     }
-    INFERSCALE_EXPECTS(config_.metric != distance_metric::cosine || norm2 > 0.0,
+    double const norm2 = row_norm2(vectors, r);
+    INFERSCALE_EXPECTS(!cosine || norm2 > 0.0,
                        "graph_index: vector " + std::to_string(r) + " (fact id " +
                          std::to_string(ids[r]) + ") is zero, which has no cosine");
-    INFERSCALE_EXPECTS(norm2 <= max_norm2,
+    // cosine stores directions: a denormal or huge vector is normalised like any other
+    INFERSCALE_EXPECTS(cosine || norm2 <= max_norm2,
                        "graph_index: vector " + std::to_string(r) + " (fact id " +
                          std::to_string(ids[r]) +
                          ") has a squared norm above 1e30: its distances would overflow float32");
     if (config_.vector_dtype == dtype::float16 || traverses_fp16()) {
-      double const scale = config_.metric == distance_metric::cosine ? 1.0 / std::sqrt(norm2) : 1.0;
+      double const scale = cosine ? detail::index::cosine_scale(norm2) : 1.0;
       for (std::int64_t e = 0; e < config_.dim; ++e) {
-        float const x = static_cast<float>(to_float(vectors(r, e)) * scale);
+        float const x = cosine ? detail::index::cosine_normalised(to_float(vectors(r, e)), scale)
+                               : to_float(vectors(r, e));
         INFERSCALE_EXPECTS(std::isfinite(to_float(from_float<half_t>(x))),
                            "graph_index: vector " + std::to_string(r) +
                              " overflows float16 at element " + std::to_string(e) +

@@ -18,6 +18,7 @@
 #include <inferscale/dtype.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace inferscale {
@@ -241,7 +242,7 @@ inline float team_distance_by_lane(
 /**
  * @brief Squared norm of `dim` fp32 values in double, in the order a warp computes it: element
  * `e` goes to lane `e % 32`, each lane sums in order, then a butterfly over the 32 lanes. Used to
- * normalise cosine queries identically on host and device (scale = float(1 / sqrt(norm2))).
+ * normalise cosine queries identically on host and device (`cosine_scale`, `cosine_normalised`).
  */
 INFERSCALE_HOST_DEVICE inline double lane_norm2(float const* x, std::int64_t dim, int lane) noexcept
 {
@@ -274,6 +275,36 @@ inline double norm2_spec(float const* x, std::int64_t dim) noexcept
     }
   }
   return partial[0];
+}
+
+/**
+ * @brief The cosine scale of a vector of squared norm `norm2` (> 0, finite): 1 / sqrt(norm2),
+ * correctly rounded in double. It stays in double: for a vector of float32 denormals (norm below
+ * about 1e-38) it exceeds float32's range, where a float scale would be +inf and the normalised
+ * elements Inf or NaN (issue 49). Every finite non-zero float vector has a finite scale: its
+ * squared norm lies between 2^-298 and 2^256 times the dimension, well inside double's range.
+ */
+INFERSCALE_HOST_DEVICE inline double cosine_scale(double norm2) noexcept
+{
+#if INFERSCALE_IS_DEVICE_CODE
+  return __ddiv_rn(1.0, __dsqrt_rn(norm2));
+#else
+  return 1.0 / std::sqrt(norm2);
+#endif
+}
+
+/**
+ * @brief One element of a cosine-normalised vector: `x * scale` in double, rounded once to
+ * float32 (the same bits on host and device). A unit vector's elements are at most 1, so the
+ * result is finite whatever the vector's magnitude.
+ */
+INFERSCALE_HOST_DEVICE inline float cosine_normalised(float x, double scale) noexcept
+{
+#if INFERSCALE_IS_DEVICE_CODE
+  return __double2float_rn(__dmul_rn(static_cast<double>(x), scale));
+#else
+  return static_cast<float>(static_cast<double>(x) * scale);
+#endif
 }
 
 /// @brief xorshift64 (Marsaglia), the generator CAGRA draws its random seed nodes from.

@@ -153,17 +153,22 @@ std::vector<float> graph_index::prepare_queries(matrix_view<T const> queries) co
     }
     // the device kernel normalises with the same double-precision lane order
     double const norm2 = detail::index::norm2_spec(row.data(), config_.dim);
-    INFERSCALE_EXPECTS(config_.metric != distance_metric::cosine || norm2 > 0.0,
+    bool const cosine  = config_.metric == distance_metric::cosine;
+    INFERSCALE_EXPECTS(!cosine || norm2 > 0.0,
                        "graph_index: query " + std::to_string(q) +
                          " is a zero vector, which has no cosine");
-    INFERSCALE_EXPECTS(norm2 <= max_norm2,
+    // cosine compares directions: a denormal or huge query is normalised like any other
+    INFERSCALE_EXPECTS(cosine || norm2 <= max_norm2,
                        "graph_index: query " + std::to_string(q) +
                          " has a squared norm above 1e30: its distances would overflow float32");
-    float const scale = config_.metric == distance_metric::cosine
-                          ? static_cast<float>(1.0 / std::sqrt(norm2))
-                          : 1.0f;
+    float* const dst = out.data() + q * row_elements_;
+    if (!cosine) {
+      std::copy(row.begin(), row.end(), dst);
+      continue;
+    }
+    double const scale = detail::index::cosine_scale(norm2);
     for (std::int64_t e = 0; e < config_.dim; ++e) {
-      out[static_cast<std::size_t>(q * row_elements_ + e)] = row[static_cast<std::size_t>(e)] * scale;
+      dst[e] = detail::index::cosine_normalised(row[static_cast<std::size_t>(e)], scale);
     }
   }
   return out;

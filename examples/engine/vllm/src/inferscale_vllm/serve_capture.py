@@ -380,16 +380,86 @@ class ExactKeys:
         # interval for an element small beside its pair's norm (whose error spans more of its
         # own units in the last place than a neighbour grid can hold)
         bad = bad_pairs(self.forward(keys))
-        for radius in (1, self.RADIUS, None):  # None: values over the rounding interval
+        for radius in (1, self.RADIUS, None, "solve"):  # None: values over the interval
             if not bad.any():
                 break
-            keys = self._grid_chunked(keys, wanted, bad, first, second, radius)
+            if radius == "solve":
+                keys = self._solve(keys, wanted, bad, first, second)
+            else:
+                keys = self._grid_chunked(keys, wanted, bad, first, second, radius)
             bad = bad_pairs(self.forward(keys))
         self.unmatched += int(bad.sum())
         return keys
 
 
     RADIUS = 6  # bf16 steps each way, per element of a pair
+
+    def _model(self, ca, cb, c, s_):
+        """vLLM's rotation of candidate pairs (ca, cb) by (c, s_), as `mode` rounds it."""
+        import torch
+
+        def bf(x):
+            t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+            return t.to(torch.bfloat16).to(torch.float64).numpy()
+
+        if self.mode == "round_each":
+            cr, sr = bf(c), bf(s_)
+            return bf(bf(ca * cr) - bf(cb * sr)), bf(bf(cb * cr) + bf(ca * sr))
+        fa = (ca * c - cb * s_).astype(np.float32)
+        fb = (cb * c + ca * s_).astype(np.float32)
+        if self.mode == "fp32_truncate":
+            return ((fa.view(np.uint32) & 0xFFFF0000).view(np.float32).astype(np.float64),
+                    (fb.view(np.uint32) & 0xFFFF0000).view(np.float32).astype(np.float64))
+        return bf(fa), bf(fb)
+
+    def _solve(self, keys, wanted, bad, first, second, span=96, near=4):
+        """The pairs no grid fixed: their valid pre-images are a thin sliver (one output element
+        small, its rounding cell narrow). Walk one input element over its bf16 lattice and solve
+        the other from each output equation, then try the bf16 values around each solution."""
+        r = self.rotary
+        keys = keys.copy()
+        for l, t, h, p in np.argwhere(bad):
+            ia, ib = first[p], second[p]
+            ya, yb = float(wanted[l, t, h, ia]), float(wanted[l, t, h, ib])
+            c, s_ = float(self.table[t, p]), float(self.table[t, r // 2 + p])
+            if self.mode == "round_each":  # the kernel's own (bf16) cos and sin
+                import torch
+
+                c, s_ = (float(torch.tensor(x).to(torch.bfloat16)) for x in (c, s_))
+            norm = c * c + s_ * s_
+            a_star, b_star = (ya * c + yb * s_) / norm, (yb * c - ya * s_) / norm
+            steps = np.arange(-span, span + 1, dtype=np.int64) * 0x10000
+            offs = np.arange(-near, near + 1, dtype=np.int64) * 0x10000
+            cands = []
+            for walk_a in (True, False):
+                start = a_star if walk_a else b_star
+                lattice = ((_bf16_bits(np.array([start])).astype(np.int64) + steps)
+                           & 0xFFFFFFFF).astype(np.uint32).view(np.float32).astype(np.float64)
+                x = lattice
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    if walk_a:  # b from ya = a c - b s, and from yb = b c + a s
+                        solved = [(x * c - ya) / s_, (yb - x * s_) / c]
+                    else:  # a from ya = a c - b s, and from yb = b c + a s
+                        solved = [(ya + x * s_) / c, (yb - x * c) / s_]
+                for y in solved:
+                    ok = np.isfinite(y)
+                    yb_bits = _bf16_bits(np.where(ok, y, 0.0)).astype(np.int64)
+                    other = ((yb_bits[:, None] + offs[None, :]) & 0xFFFFFFFF).astype(
+                        np.uint32).view(np.float32).astype(np.float64)
+                    xs = np.repeat(x[:, None], len(offs), axis=1)
+                    pa, pb = (xs, other) if walk_a else (other, xs)
+                    cands.append((pa[ok].ravel(), pb[ok].ravel()))
+            pa = np.concatenate([a for a, _ in cands])
+            pb = np.concatenate([b for _, b in cands])
+            ga, gb = self._model(pa, pb, c, s_) if self.mode != "round_each" else self._model(
+                pa, pb, np.float64(self.table[t, p]), np.float64(self.table[t, r // 2 + p]))
+            hit = np.nonzero((ga == ya) & (gb == yb))[0]
+            if len(hit):
+                cur = np.array([keys[l, t, h, ia], keys[l, t, h, ib]], np.float64)
+                d = np.abs(pa[hit] - cur[0]) + np.abs(pb[hit] - cur[1])
+                j = hit[int(np.argmin(d))]
+                keys[l, t, h, ia], keys[l, t, h, ib] = pa[j], pb[j]
+        return keys
 
     def _grid_chunked(self, keys, wanted, bad, first, second, radius):
         """_grid over the bad pairs in chunks (bounded memory); radius None: the value grid."""

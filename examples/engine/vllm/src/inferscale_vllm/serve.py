@@ -336,23 +336,22 @@ def install(app, service: MemoryService) -> None:
         except ValueError as e:  # the library's and the package's refusals
             return error(400, str(e))
 
+    async def json_body(request):
+        try:
+            return await request.json()
+        except json.JSONDecodeError as e:
+            raise _bad(f"the body is not JSON: {e}") from None
+
     @router.post("/v1/memory/{user}/facts")
     async def write(user: str, request: Request):
         async def call():
-            try:
-                body = await request.json()
-            except json.JSONDecodeError as e:
-                raise _bad(f"the body is not JSON: {e}") from None
-            return JSONResponse(await service.write(user, body))
+            return JSONResponse(await service.write(user, await json_body(request)))
         return await guarded(call)
 
     @router.post("/v1/memory/{user}/retrieve")
     async def retrieve(user: str, request: Request):
         async def call():
-            try:
-                body = await request.json()
-            except json.JSONDecodeError as e:
-                raise _bad(f"the body is not JSON: {e}") from None
+            body = await json_body(request)
             return JSONResponse(await asyncio.to_thread(service.retrieve, user, body))
         return await guarded(call)
 

@@ -412,7 +412,7 @@ class ExactKeys:
                     (fb.view(np.uint32) & 0xFFFF0000).view(np.float32).astype(np.float64))
         return bf(fa), bf(fb)
 
-    def _solve(self, keys, wanted, bad, first, second, span=96, near=4):
+    def _solve(self, keys, wanted, bad, first, second, span=512, near=8):
         """The pairs no grid fixed: their valid pre-images are a thin sliver (one output element
         small, its rounding cell narrow). Walk one input element over its bf16 lattice and solve
         the other from each output equation, then try the bf16 values around each solution."""

@@ -504,23 +504,7 @@ class ExactKeys:
         cb = bb.astype(np.uint32).view(np.float32).astype(np.float64)[:, None, :]
         c, s_ = cos[:, None, None], sin[:, None, None]
 
-        def bf(x):  # to bf16 (ties to even) and back, by torch (as vLLM's own arithmetic)
-            import torch
-
-            t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-            return t.to(torch.bfloat16).to(torch.float64).numpy()
-
-        if self.mode == "round_each":  # cos, sin, each product and the sum rounded to bf16
-            cr, sr = bf(c), bf(s_)
-            ga, gb = bf(bf(ca * cr) - bf(cb * sr)), bf(bf(cb * cr) + bf(ca * sr))
-        else:  # fp32 arithmetic, rounded (or truncated) to bf16 once
-            fa = (ca * c - cb * s_).astype(np.float32)
-            fb = (cb * c + ca * s_).astype(np.float32)
-            if self.mode == "fp32_truncate":
-                ga = (fa.view(np.uint32) & 0xFFFF0000).view(np.float32).astype(np.float64)
-                gb = (fb.view(np.uint32) & 0xFFFF0000).view(np.float32).astype(np.float64)
-            else:
-                ga, gb = bf(fa), bf(fb)
+        ga, gb = self._model(ca, cb, c, s_)  # vLLM's arithmetic as `mode` rounds it
         ok = (ga == ya[:, None, None]) & (gb == yb[:, None, None])
         cost = np.where(ok, np.abs(da)[None, :, None] + np.abs(db)[None, None, :], 10 ** 9)
         best = cost.reshape(len(where), -1).argmin(axis=1)
@@ -531,27 +515,6 @@ class ExactKeys:
         keys[l[sel], t[sel], h[sel], first[p[sel]]] = ca[sel, ia[sel], 0]
         keys[l[sel], t[sel], h[sel], second[p[sel]]] = cb[sel, 0, ib[sel]]
         return keys
-
-
-def _rotate(x: np.ndarray, table: np.ndarray, neox: bool, inverse: bool) -> np.ndarray:
-    """The rotation of `x` ([layers, tokens, heads, head_dim], float64; token t at position t)
-    with vLLM's table ([positions, rotary_dim]: cos | sin halves), or its exact inverse."""
-    n, rot = x.shape[1], table.shape[1]
-    cos = table[:n, : rot // 2].astype(np.float64)[None, :, None, :]
-    sin = table[:n, rot // 2:].astype(np.float64)[None, :, None, :]
-    if inverse:
-        norm = cos * cos + sin * sin
-        cos, sin = cos / norm, -sin / norm
-    out = x.copy()
-    if neox:
-        a, b = x[..., : rot // 2], x[..., rot // 2: rot]
-        out[..., : rot // 2] = a * cos - b * sin
-        out[..., rot // 2: rot] = b * cos + a * sin
-    else:
-        a, b = x[..., 0:rot:2], x[..., 1:rot:2]
-        out[..., 0:rot:2] = a * cos - b * sin
-        out[..., 1:rot:2] = b * cos + a * sin
-    return out
 
 
 def _bf16_bits(a: np.ndarray) -> np.ndarray:

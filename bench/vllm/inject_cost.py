@@ -22,7 +22,7 @@ LAYERS, HEADS, DIM, BLOCK = 30, 3, 64, 128
 def main():
     import torch
 
-    from inferscale_vllm import Rotation, Store, Tensor, inject
+    from inferscale_vllm import Rotation, Store, inject
     from inferscale_vllm.tensors import vllm_cpu_cache
 
     torch.manual_seed(0)
@@ -30,7 +30,7 @@ def main():
     inv = 1.0 / (100000.0 ** (torch.arange(0, DIM, 2, dtype=torch.float32) / DIM))
     angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
     table = torch.cat([angles.cos(), angles.sin()], dim=1).to(torch.bfloat16).contiguous()
-    rotation = Rotation(table.data_ptr(), positions, table.stride(0), DIM, DIM, "bfloat16", True,
+    rotation = Rotation(table[:positions], DIM, True,
                         False, True)
     print(f"{'m tokens':>9} {'inject ms':>10} {'copy ms':>8} {'inject / copy time':>19} "
           f"{'MB moved':>9}")
@@ -39,8 +39,8 @@ def main():
         v = torch.randn(LAYERS, m, HEADS, DIM).to(torch.bfloat16).contiguous()
         store = Store(LAYERS, HEADS, DIM, "bfloat16", (m + 15) // 16 + 1)
         store.insert(1, 0, list(range(m)),
-                     Tensor(k.data_ptr(), list(k.shape), list(k.stride()), "bfloat16"),
-                     Tensor(v.data_ptr(), list(v.shape), list(v.stride()), "bfloat16"))
+                     k,
+                     v)
         blocks = (m + BLOCK - 1) // BLOCK + 1
         caches = {f"model.layers.{l}.self_attn.attn":
                   torch.zeros(blocks, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16)

@@ -35,6 +35,7 @@
 #endif
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -80,7 +81,57 @@ std::array<std::int64_t, N> to_array(std::vector<std::int64_t> const& v, char co
   return a;
 }
 
-void* as_pointer(std::uintptr_t address) { return reinterpret_cast<void*>(address); }
+/// Any array the caller hands over (numpy, torch, any DLPack producer), with any dtype, shape,
+/// strides and device: each entry point checks what it needs. Holding it keeps the producer's
+/// buffer alive.
+using any_array = nb::ndarray<>;
+
+/// The library's dtype of an array's elements (float32, float16 or bfloat16), else a refusal
+/// naming `what`.
+dtype array_dtype(any_array const& a, std::string const& what)
+{
+  nb::dlpack::dtype const t = a.dtype();
+  if (t.lanes == 1 && t.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) {
+    if (t.bits == 32) { return dtype::float32; }
+    if (t.bits == 16) { return dtype::float16; }
+  }
+  if (t.lanes == 1 && t.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) &&
+      t.bits == 16) {
+    return dtype::bfloat16;
+  }
+  throw std::invalid_argument(what + ": unsupported element type (DLPack code " +
+                              std::to_string(t.code) + ", " + std::to_string(t.bits) +
+                              " bits; float32, float16 or bfloat16)");
+}
+
+bool on_cuda(any_array const& a) { return a.device_type() == nb::device::cuda::value; }
+
+/// Refuses an array that is not in host memory (the host path reads and writes it on the CPU).
+void expect_host_array(any_array const& a, std::string const& what)
+{
+  if (a.device_type() != nb::device::cpu::value) {
+    throw std::invalid_argument(what + " is not in host memory (DLPack device type " +
+                                std::to_string(a.device_type()) +
+                                "): the host path takes CPU arrays");
+  }
+}
+
+/// The array's shape and strides (in elements), `n` dimensions exactly.
+template <std::size_t N>
+std::pair<std::array<std::int64_t, N>, std::array<std::int64_t, N>> array_layout(
+  any_array const& a, std::string const& what)
+{
+  if (a.ndim() != N) {
+    throw std::invalid_argument(what + " must have " + std::to_string(N) + " dimensions, got " +
+                                std::to_string(a.ndim()));
+  }
+  std::array<std::int64_t, N> shape{}, strides{};
+  for (std::size_t i = 0; i < N; ++i) {
+    shape[i]   = static_cast<std::int64_t>(a.shape(i));
+    strides[i] = a.stride(i);
+  }
+  return {shape, strides};
+}
 
 #ifdef INFERSCALE_VLLM_CUDA
 constexpr bool has_cuda = true;
@@ -129,13 +180,8 @@ void expect_device_memory(void const* p, std::string const& what)
 #endif
 }
 
-/// A fact's K or V as the caller's buffer: [layers, tokens, heads, head_dim] with any strides.
-struct tensor_arg {
-  std::uintptr_t data{};
-  std::vector<std::int64_t> shape;
-  std::vector<std::int64_t> strides;
-  std::string dtype_name;
-};
+/// A store's output buffer: float32 [layers, tokens, heads, head_dim], C-contiguous, on the CPU.
+using float_kv_out = nb::ndarray<float, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
 
 class store_handle {
  public:
@@ -149,23 +195,24 @@ class store_handle {
   void insert(std::uint64_t fact_id,
               std::uint64_t namespace_id,
               std::vector<std::int32_t> token_ids,
-              tensor_arg const& keys,
-              tensor_arg const& values)
+              any_array const& keys,
+              any_array const& values)
   {
-    dtype const t = parse_dtype(keys.dtype_name);
-    if (parse_dtype(values.dtype_name) != t) {
+    expect_host_array(keys, "Store.insert: keys");
+    expect_host_array(values, "Store.insert: values");
+    dtype const t = array_dtype(keys, "Store.insert: keys");
+    if (array_dtype(values, "Store.insert: values") != t) {
       throw std::invalid_argument("Store.insert: keys and values have different dtypes");
     }
-    auto const ks = to_array<4>(keys.shape, "keys' shape");
-    auto const kt = to_array<4>(keys.strides, "keys' strides");
-    auto const vs = to_array<4>(values.shape, "values' shape");
-    auto const vt = to_array<4>(values.strides, "values' strides");
-    auto run      = [&](auto tag) {
+    auto const [ks, kt] = array_layout<4>(keys, "Store.insert: keys [layers, tokens, heads, dim]");
+    auto const [vs, vt] =
+      array_layout<4>(values, "Store.insert: values [layers, tokens, heads, dim]");
+    auto run = [&, ks = ks, kt = kt, vs = vs, vt = vt](auto tag) {
       using T  = decltype(tag);
       auto kv_ = make_fact_kv_view(
-        static_cast<T const*>(as_pointer(keys.data)), ks[0], ks[1], ks[2], ks[3], kt);
+        static_cast<T const*>(keys.data()), ks[0], ks[1], ks[2], ks[3], kt);
       auto vv_ = make_fact_kv_view(
-        static_cast<T const*>(as_pointer(values.data)), vs[0], vs[1], vs[2], vs[3], vt);
+        static_cast<T const*>(values.data()), vs[0], vs[1], vs[2], vs[3], vt);
       get().insert(fact_id, namespace_id, std::move(token_ids), kv_, vv_, memory_space::host);
     };
     switch (t) {
@@ -175,23 +222,41 @@ class store_handle {
     }
   }
 
-  /// Copies fact `id`'s K and V (this shard's layers and heads) into float32 buffers the caller
-  /// allocated as [layers, tokens, heads, head_dim] contiguous.
-  void read(std::uint64_t id, std::uintptr_t keys, std::uintptr_t values) const
+  /// Copies fact `id`'s K and V (this shard's layers and heads) into float32 arrays the caller
+  /// allocated as [layers, tokens, heads, head_dim], C-contiguous (shapes checked first).
+  void read(std::uint64_t id, float_kv_out keys, float_kv_out values) const
   {
     if (!get().contains(id)) {
       throw std::invalid_argument("Store.read: unknown fact id " + std::to_string(id));
     }
     fact_record const& f = get().at(id);
-    kv_store_ref r       = get().ref();
+    kv_geometry const g  = get().geometry();
+    std::size_t const want[4] = {static_cast<std::size_t>(g.num_layers),
+                                 static_cast<std::size_t>(f.length()),
+                                 static_cast<std::size_t>(g.num_kv_heads),
+                                 static_cast<std::size_t>(g.head_dim)};
+    for (auto const* out : {&keys, &values}) {
+      for (std::size_t i = 0; i < 4; ++i) {
+        if (out->shape(i) != want[i]) {
+          throw std::invalid_argument(
+            std::string{"Store.read: "} + (out == &keys ? "keys" : "values") + " are [" +
+            std::to_string(out->shape(0)) + ", " + std::to_string(out->shape(1)) + ", " +
+            std::to_string(out->shape(2)) + ", " + std::to_string(out->shape(3)) + "], fact " +
+            std::to_string(id) + " needs [" + std::to_string(want[0]) + ", " +
+            std::to_string(want[1]) + ", " + std::to_string(want[2]) + ", " +
+            std::to_string(want[3]) + "]");
+        }
+      }
+    }
+    kv_store_ref r = get().ref();
     std::vector<unsigned char> host_pool;
     if (get().space() == memory_space::device) {
       host_pool = get().pool_to_host();  // waits; reading a device store is not a hot path
       r.pool    = host_pool.data();
     }
     std::int64_t const re = r.row_elements();
-    auto* out_k           = static_cast<float*>(as_pointer(keys));
-    auto* out_v           = static_cast<float*>(as_pointer(values));
+    float* out_k          = keys.data();
+    float* out_v          = values.data();
     auto copy             = [&](auto tag) {
       using T        = decltype(tag);
       T const* pool  = static_cast<T const*>(r.pool);
@@ -298,37 +363,48 @@ void init_store(store_handle* self,
 /// The engine's rotation: its own cos/sin table (vLLM's `rotary_emb.cos_sin_cache`).
 class rotation_handle {
  public:
-  rotation_handle(std::uintptr_t data,
-                  std::int64_t rows,
-                  std::int64_t row_stride,
+  /// `table`: [positions, rotary_dim] (cos in the first half of a row, sin in the second), rows
+  /// of any stride, elements contiguous; on the CPU for inject, on the current CUDA device for
+  /// inject_async. Held (kept alive) by the rotation.
+  rotation_handle(any_array table,
                   std::int32_t head_dim,
-                  std::int32_t rotary_dim,
-                  std::string const& dtype_name,
                   bool neox_style,
                   bool round_each_operation,
                   bool truncate_to_bfloat16)
+    : array_{std::move(table)}
   {
-    if (data == 0 || rows <= 0 || head_dim <= 0 || rotary_dim <= 0 || rotary_dim > head_dim ||
-        rotary_dim % 2 != 0 || row_stride < rotary_dim) {
+    auto const [shape, strides] = array_layout<2>(array_, "Rotation: the cos/sin table");
+    std::int64_t const rows = shape[0], rotary_dim = shape[1], row_stride = strides[0];
+    if (array_.data() == nullptr || rows <= 0 || head_dim <= 0 || rotary_dim <= 0 ||
+        rotary_dim > head_dim || rotary_dim % 2 != 0 || strides[1] != 1 ||
+        row_stride < rotary_dim) {
       throw std::invalid_argument(
-        "Rotation: the cos/sin table needs data, rows > 0, an even rotary_dim <= head_dim and "
-        "row_stride >= rotary_dim");
+        "Rotation: the cos/sin table [" + std::to_string(rows) + ", " +
+        std::to_string(rotary_dim) + "] (strides " + std::to_string(row_stride) + ", " +
+        std::to_string(strides[1]) + ") needs rows > 0, an even rotary_dim <= head_dim (" +
+        std::to_string(head_dim) + "), contiguous rows and row_stride >= rotary_dim");
     }
     rope_pairing const pairing = neox_style ? rope_pairing::halves : rope_pairing::interleaved;
-    dtype const t              = parse_dtype(dtype_name);
+    dtype const t              = array_dtype(array_, "Rotation: the cos/sin table");
+    void const* data           = array_.data();
     auto make = [&](auto const* typed) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-      rope_cos_sin_table<T> table{typed, rows, row_stride, head_dim, rotary_dim, pairing,
+      rope_cos_sin_table<T> table{typed,
+                                  rows,
+                                  row_stride,
+                                  head_dim,
+                                  static_cast<std::int32_t>(rotary_dim),
+                                  pairing,
                                   round_each_operation};
       table.truncate_to_bfloat16 = truncate_to_bfloat16;
       table_ = table;
     };
     if (t == dtype::float32) {
-      make(static_cast<float const*>(as_pointer(data)));
+      make(static_cast<float const*>(data));
     } else if (t == dtype::bfloat16) {
-      make(static_cast<bfloat16_t const*>(as_pointer(data)));
+      make(static_cast<bfloat16_t const*>(data));
     } else {
-      make(static_cast<half_t const*>(as_pointer(data)));
+      make(static_cast<half_t const*>(data));
     }
   }
   template <class F>
@@ -345,38 +421,50 @@ class rotation_handle {
     return std::visit([](auto const& t) { return static_cast<void const*>(t.data); }, table_);
   }
   inferscale_vllm::rotation_table const& table() const { return table_; }
+  /// Refuses a table the host path cannot read (one in device memory).
+  void expect_host(char const* who) const
+  {
+    expect_host_array(array_, std::string{who} + ": the rotation's cos/sin table");
+  }
 
  private:
+  any_array array_;
   inferscale_vllm::rotation_table table_;
 };
 
 /// vLLM's CPU paged cache over the layer tensors of one worker (its heads, its layers).
 class cache_handle {
  public:
-  cache_handle(std::vector<std::uintptr_t> const& layers,
-               std::vector<std::int64_t> const& shape,
-               std::vector<std::int64_t> const& strides,
-               std::string const& dtype_name,
-               std::string const& isa)
+  /// `layers`: one CPU tensor per layer, [num_blocks, num_kv_heads, block_size, 2 * head_dim],
+  /// all of one shape, strides and dtype; held (kept alive) by the cache.
+  cache_handle(std::vector<any_array> layers, std::string const& isa) : layers_{std::move(layers)}
   {
+    if (layers_.empty()) { throw std::invalid_argument("VllmCpuCache: no layers"); }
+    auto const [shape, strides] = array_layout<4>(layers_[0], "VllmCpuCache: layer 0");
+    dtype const t               = array_dtype(layers_[0], "VllmCpuCache: layer 0");
     std::vector<void*> bases;
-    for (auto p : layers) {
-      bases.push_back(as_pointer(p));
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      std::string const what = "VllmCpuCache: layer " + std::to_string(l);
+      expect_host_array(layers_[l], what);
+      if (array_layout<4>(layers_[l], what) != std::make_pair(shape, strides) ||
+          array_dtype(layers_[l], what) != t) {
+        throw std::invalid_argument(what + " differs from layer 0 in shape, strides or dtype "
+                                           "(one descriptor needs one layout)");
+      }
+      bases.push_back(layers_[l].data());
     }
     if (isa != "vec" && isa != "amx") {
       throw std::invalid_argument(
         "VllmCpuCache: vLLM's CPU attention ISA '" + isa +
         "' lays its cache out in a way InferScale does not describe (supported: vec, amx)");
     }
-    cache_ = make_vllm_cpu_cache(parse_dtype(dtype_name),
-                                 bases,
-                                 to_array<4>(shape, "shape"),
-                                 to_array<4>(strides, "strides"),
-                                 isa == "amx" ? vllm_cpu_isa::amx : vllm_cpu_isa::vec);
+    cache_ = make_vllm_cpu_cache(
+      t, bases, shape, strides, isa == "amx" ? vllm_cpu_isa::amx : vllm_cpu_isa::vec);
   }
   paged_kv_cache const& get() const { return cache_; }
 
  private:
+  std::vector<any_array> layers_;
   paged_kv_cache cache_{};
 };
 
@@ -407,7 +495,8 @@ std::int64_t inject(store_handle const& store,
                     rotation_handle const& rotation,
                     std::vector<request_arg> const& requests)
 {
-  kv_store const& s     = store.get();
+  kv_store const& s = store.get();
+  rotation.expect_host("inject");
   injection_batch batch = make_batch(s, requests);
   {
     nb::gil_scoped_release release;
@@ -429,23 +518,35 @@ std::int64_t inject(store_handle const& store,
  */
 class flash_attn_cache_handle {
  public:
-  flash_attn_cache_handle(std::vector<std::uintptr_t> const& layers,
-                          std::vector<std::int64_t> const& shape,
-                          std::vector<std::int64_t> const& strides,
-                          std::string const& dtype_name)
+  flash_attn_cache_handle(std::vector<any_array> layers) : layers_{std::move(layers)}
   {
     expect_cuda_build("VllmFlashAttnCache");
-    if (layers.empty()) { throw std::invalid_argument("VllmFlashAttnCache: no layers"); }
-    if (strides.size() != shape.size()) {
-      throw std::invalid_argument("VllmFlashAttnCache: " + std::to_string(shape.size()) +
-                                  " dimensions but " + std::to_string(strides.size()) +
-                                  " strides");
+    if (layers_.empty()) { throw std::invalid_argument("VllmFlashAttnCache: no layers"); }
+    std::size_t const rank = layers_[0].ndim();
+    std::vector<std::int64_t> shape(rank), strides(rank);
+    for (std::size_t i = 0; i < rank; ++i) {
+      shape[i]   = static_cast<std::int64_t>(layers_[0].shape(i));
+      strides[i] = layers_[0].stride(i);
     }
-    dtype const t = parse_dtype(dtype_name);
+    dtype const t = array_dtype(layers_[0], "VllmFlashAttnCache: layer 0");
     std::vector<void*> bases;
-    for (std::size_t l = 0; l < layers.size(); ++l) {
-      expect_device_memory(as_pointer(layers[l]), "VllmFlashAttnCache: layer " + std::to_string(l));
-      bases.push_back(as_pointer(layers[l]));
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      std::string const what = "VllmFlashAttnCache: layer " + std::to_string(l);
+      any_array const& a     = layers_[l];
+      bool same              = a.ndim() == rank && array_dtype(a, what) == t;
+      for (std::size_t i = 0; same && i < rank; ++i) {
+        same = static_cast<std::int64_t>(a.shape(i)) == shape[i] && a.stride(i) == strides[i];
+      }
+      if (!same) {
+        throw std::invalid_argument(what + " differs from layer 0 in shape, strides or dtype "
+                                           "(one descriptor needs one layout)");
+      }
+      if (!on_cuda(a)) {
+        throw std::invalid_argument(what + " is not a CUDA tensor (DLPack device type " +
+                                    std::to_string(a.device_type()) + ")");
+      }
+      expect_device_memory(a.data(), what);
+      bases.push_back(a.data());
     }
     if (shape.size() == 5) {
       cache_ = make_vllm_flash_attn_cache(t, bases, to_array<5>(shape, "shape"),
@@ -479,6 +580,7 @@ class flash_attn_cache_handle {
 #endif
 
  private:
+  std::vector<any_array> layers_;
   paged_kv_cache cache_{};
 #ifdef INFERSCALE_VLLM_CUDA
   inferscale_vllm::device_injector injector_;
@@ -530,11 +632,17 @@ void extract(store_handle& store,
              std::uint64_t namespace_id,
              std::vector<std::int32_t> token_ids)
 {
+  rotation.expect_host("extract");
   rotation.visit([&](auto const& table) {
     extract_host(cache.get(), slots, first_position, table, store.get(), fact_id, namespace_id,
                  std::move(token_ids));
   });
 }
+
+/// Rows of float32 vectors (C-contiguous, on the CPU) and a search's output arrays.
+using index_rows       = nb::ndarray<float const, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using search_ids       = nb::ndarray<std::uint64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using search_distances = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 /// The library's host graph index over float32 embeddings (rows of `dim` contiguous floats).
 class index_handle {
@@ -553,16 +661,16 @@ class index_handle {
   graph_index& get() { return index_; }
   graph_index const& get() const { return index_; }
 
-  void add(std::uint64_t ns, std::uintptr_t vectors, std::int64_t rows, std::int64_t cols,
-           std::vector<std::uint64_t> const& ids, bool replace)
+  void add(std::uint64_t ns, index_rows vectors, std::vector<std::uint64_t> const& ids, bool replace)
   {
-    check_matrix(vectors, rows, cols, "Index.add: vectors");
+    auto const rows = static_cast<std::int64_t>(vectors.shape(0));
+    auto const cols = static_cast<std::int64_t>(vectors.shape(1));
+    check_matrix(rows, cols, "Index.add: vectors");
     if (static_cast<std::int64_t>(ids.size()) != rows) {
       throw std::invalid_argument("Index.add: " + std::to_string(rows) + " vectors but " +
                                   std::to_string(ids.size()) + " ids");
     }
-    auto const view = make_matrix_view<float const>(
-      static_cast<float const*>(as_pointer(vectors)), rows, cols);
+    auto const view = make_matrix_view<float const>(vectors.data(), rows, cols);
     cuda::std::span<std::uint64_t const> const span{ids.data(), ids.size()};
     nb::gil_scoped_release release;
     if (replace) {
@@ -577,16 +685,25 @@ class index_handle {
     index_.erase(cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
   }
 
-  /// Writes the k nearest live facts of namespace `ns` for each of `nq` queries into the caller's
-  /// [nq][k] buffers (ids; distances, 1 - cosine under the cosine metric), best first; slots
-  /// beyond the namespace's live facts get the invalid id (2^64 - 1) and +infinity.
-  void search(std::uint64_t ns, std::uintptr_t queries, std::int64_t nq, std::int64_t cols,
-              std::uint32_t k, std::uintptr_t out_ids, std::uintptr_t out_distances,
-              std::string const& algo, std::uint32_t itopk_size) const
+  /// Writes the k nearest live facts of namespace `ns` for each of the nq queries into the
+  /// caller's [nq, k] arrays (ids; distances, 1 - cosine under the cosine metric), best first;
+  /// slots beyond the namespace's live facts get the invalid id (2^64 - 1) and +infinity.
+  void search(std::uint64_t ns, index_rows queries, std::uint32_t k, search_ids out_ids,
+              search_distances out_distances, std::string const& algo,
+              std::uint32_t itopk_size) const
   {
-    check_matrix(queries, nq, cols, "Index.search: queries");
-    if (nq > 0 && (out_ids == 0 || out_distances == 0)) {
-      throw std::invalid_argument("Index.search: null output buffer");
+    auto const nq   = static_cast<std::int64_t>(queries.shape(0));
+    auto const cols = static_cast<std::int64_t>(queries.shape(1));
+    check_matrix(nq, cols, "Index.search: queries");
+    for (auto const [rows, columns, what] :
+         {std::make_tuple(out_ids.shape(0), out_ids.shape(1), "out_ids"),
+          std::make_tuple(out_distances.shape(0), out_distances.shape(1), "out_distances")}) {
+      if (static_cast<std::int64_t>(rows) != nq || columns != k) {
+        throw std::invalid_argument(std::string{"Index.search: "} + what + " is [" +
+                                    std::to_string(rows) + ", " + std::to_string(columns) +
+                                    "], the search writes [" + std::to_string(nq) + ", " +
+                                    std::to_string(k) + "]");
+      }
     }
     search_params p;
     p.itopk_size = itopk_size;
@@ -602,11 +719,9 @@ class index_handle {
                                   algo + "'");
     }
     std::uint64_t const namespaces[1] = {ns};
-    auto const q    = make_matrix_view<float const>(static_cast<float const*>(as_pointer(queries)),
-                                                    nq, cols);
-    auto const ids  = make_matrix_view<std::uint64_t>(
-      static_cast<std::uint64_t*>(as_pointer(out_ids)), nq, k);
-    auto const dist = make_matrix_view<float>(static_cast<float*>(as_pointer(out_distances)), nq, k);
+    auto const q    = make_matrix_view<float const>(queries.data(), nq, cols);
+    auto const ids  = make_matrix_view<std::uint64_t>(out_ids.data(), nq, k);
+    auto const dist = make_matrix_view<float>(out_distances.data(), nq, k);
     nb::gil_scoped_release release;
     inferscale::search<float>(
       index_, q, cuda::std::span<std::uint64_t const>{namespaces, 1}, k, p, ids, dist);
@@ -641,14 +756,13 @@ class index_handle {
     return c;
   }
 
-  void check_matrix(std::uintptr_t data, std::int64_t rows, std::int64_t cols, char const* what) const
+  void check_matrix(std::int64_t rows, std::int64_t cols, char const* what) const
   {
     if (rows < 0 || cols != index_.dim()) {
       throw std::invalid_argument(std::string{what} + " are [" + std::to_string(rows) + ", " +
                                   std::to_string(cols) + "], the index's dimension is " +
                                   std::to_string(index_.dim()));
     }
-    if (rows > 0 && data == 0) { throw std::invalid_argument(std::string{what} + ": null data"); }
   }
 
   graph_index index_;
@@ -759,10 +873,6 @@ NB_MODULE(_inferscale, m)
   });
   bind_memory(m);
 
-  nb::class_<tensor_arg>(m, "Tensor")
-    .def(nb::init<std::uintptr_t, std::vector<std::int64_t>, std::vector<std::int64_t>, std::string>(),
-         nb::arg("data"), nb::arg("shape"), nb::arg("strides"), nb::arg("dtype"));
-
   nb::class_<store_handle>(m, "Store")
     .def("__init__",
          &init_store,
@@ -799,8 +909,15 @@ NB_MODULE(_inferscale, m)
          nb::arg("namespace"),
          nb::arg("token_ids"),
          nb::arg("keys"),
-         nb::arg("values"))
-    .def("read", &store_handle::read, nb::arg("fact_id"), nb::arg("keys"), nb::arg("values"))
+         nb::arg("values"),
+         "Adds a fact from its K and V: CPU arrays [layers, tokens, heads, head_dim] (this "
+         "shard's layers and heads), float32, float16 or bfloat16, any strides (numpy, torch, any "
+         "DLPack producer).")
+    .def("read", &store_handle::read, nb::arg("fact_id"), nb::arg("keys").noconvert(),
+         nb::arg("values").noconvert(),
+         "Copies a fact's K and V into float32 CPU arrays [layers, tokens, heads, head_dim], "
+         "C-contiguous (shapes checked first; never a converted copy: another dtype or layout is "
+         "a TypeError).")
     .def("erase", [](store_handle& s, std::uint64_t id) { s.get().erase(id); })
     .def("contains", [](store_handle const& s, std::uint64_t id) { return s.get().contains(id); })
     .def("length",
@@ -845,28 +962,21 @@ NB_MODULE(_inferscale, m)
     .def_prop_ro("free_pages", [](store_handle const& s) { return s.get().free_pages(); });
 
   nb::class_<rotation_handle>(m, "Rotation")
-    .def(nb::init<std::uintptr_t, std::int64_t, std::int64_t, std::int32_t, std::int32_t,
-                  std::string const&, bool, bool, bool>(),
-         nb::arg("data"), nb::arg("rows"), nb::arg("row_stride"), nb::arg("head_dim"),
-         nb::arg("rotary_dim"), nb::arg("dtype"), nb::arg("neox_style") = true,
+    .def(nb::init<any_array, std::int32_t, bool, bool, bool>(), nb::arg("table"),
+         nb::arg("head_dim"), nb::arg("neox_style") = true,
          nb::arg("round_each_operation") = false, nb::arg("truncate_to_bfloat16") = false,
-         "The engine's cos/sin table. round_each_operation: round each product and the sum to the "
+         "The engine's cos/sin table [positions, rotary_dim] (vLLM's rotary_emb.cos_sin_cache; "
+         "the rotation keeps it alive). round_each_operation: round each product and the sum to the "
          "key dtype (vLLM's CUDA kernel and its torch path); truncate_to_bfloat16: compute in fp32 "
          "and truncate to bf16 (vLLM's AVX2 CPU kernel); neither: fp32, rounded once to nearest.")
     .def_prop_ro("rows", &rotation_handle::rows);
 
   nb::class_<cache_handle>(m, "VllmCpuCache")
-    .def(nb::init<std::vector<std::uintptr_t> const&,
-                  std::vector<std::int64_t> const&,
-                  std::vector<std::int64_t> const&,
-                  std::string const&,
-                  std::string const&>(),
+    .def(nb::init<std::vector<any_array>, std::string const&>(),
          nb::arg("layers"),
-         nb::arg("shape"),
-         nb::arg("strides"),
-         nb::arg("dtype"),
          nb::arg("isa") = "vec",
-         "vLLM's CPU paged cache; isa: the kernels vLLM's CPU attention picked for the layers "
+         "vLLM's CPU paged cache from its layer tensors (one shape, strides and dtype; the cache "
+         "keeps them alive); isa: the kernels vLLM's CPU attention picked for the layers "
          "(cpu_attn._get_attn_isa: 'vec' or 'amx'; others are refused), which decide the layout.")
     .def_prop_ro("num_slots", [](cache_handle const& c) { return c.get().num_slots(); })
     .def_prop_ro("block_size", [](cache_handle const& c) { return c.get().key_layout.block_size; })
@@ -891,10 +1001,9 @@ NB_MODULE(_inferscale, m)
       "Element offset of a value from its layer's base (for tests).");
 
   nb::class_<flash_attn_cache_handle>(m, "VllmFlashAttnCache")
-    .def(nb::init<std::vector<std::uintptr_t> const&, std::vector<std::int64_t> const&,
-                  std::vector<std::int64_t> const&, std::string const&>(),
-         nb::arg("layers"), nb::arg("shape"), nb::arg("strides"), nb::arg("dtype"),
-         "vLLM's GPU paged cache from its CUDA layer tensors (data_ptr, shape, strides, dtype): "
+    .def(nb::init<std::vector<any_array>>(), nb::arg("layers"),
+         "vLLM's GPU paged cache from its CUDA layer tensors (one shape, strides and dtype; the "
+         "cache keeps them alive): "
          "4-D (num_blocks, kv_heads, block_size, 2 * head_dim) as vLLM 0.32 hands them over, or "
          "5-D (2, num_blocks, block_size, kv_heads, head_dim) as earlier FlashAttention. Needs a "
          "CUDA build.")
@@ -922,17 +1031,23 @@ NB_MODULE(_inferscale, m)
          "The library's host graph index (CAGRA-style graph, one namespace per tenant) over "
          "float32 embeddings. exact_search_threshold: namespaces with at most this many live "
          "facts are searched exactly (-1: the library's automatic choice).")
-    .def("add", &index_handle::add, nb::arg("namespace"), nb::arg("vectors"), nb::arg("rows"),
-         nb::arg("cols"), nb::arg("ids"), nb::arg("replace") = false,
-         "Adds `rows` contiguous float32 rows of `cols` values under new fact ids (replace: the "
-         "namespace's facts become exactly these).")
+    .def("add", &index_handle::add, nb::arg("namespace"), nb::arg("vectors").noconvert(),
+         nb::arg("ids"),
+         nb::arg("replace") = false,
+         "Adds the rows of `vectors` (float32 [rows, dim], C-contiguous, on the CPU; else a "
+         "TypeError) under new "
+         "fact ids (replace: the namespace's facts become exactly these).")
     .def("erase", &index_handle::erase, nb::arg("ids"))
     .def("erase_namespace",
          [](index_handle& i, std::uint64_t ns) { return i.get().erase_namespace(ns); },
          nb::arg("namespace"))
-    .def("search", &index_handle::search, nb::arg("namespace"), nb::arg("queries"), nb::arg("rows"),
-         nb::arg("cols"), nb::arg("k"), nb::arg("out_ids"), nb::arg("out_distances"),
-         nb::arg("algo") = "automatic", nb::arg("itopk_size") = 0)
+    .def("search", &index_handle::search, nb::arg("namespace"), nb::arg("queries").noconvert(),
+         nb::arg("k"), nb::arg("out_ids").noconvert(), nb::arg("out_distances").noconvert(),
+         nb::arg("algo") = "automatic",
+         nb::arg("itopk_size") = 0,
+         "queries: float32 [nq, dim]; out_ids: uint64 [nq, k]; out_distances: float32 [nq, k] "
+         "(C-contiguous CPU arrays, shapes checked first; another dtype or layout is a "
+         "TypeError, never a converted copy).")
     .def("contains", [](index_handle const& i, std::uint64_t id) { return i.get().contains(id); })
     .def("has_namespace",
          [](index_handle const& i, std::uint64_t ns) { return i.get().has_namespace(ns); })

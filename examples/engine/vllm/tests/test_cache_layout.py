@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inferscale_vllm import Rotation, Store, extract, inject
-from inferscale_vllm.tensors import as_tensor_arg, vllm_cpu_cache
+from inferscale_vllm.tensors import vllm_cpu_cache
 
 LAYERS, HEADS, DIM, BLOCK, BLOCKS = 3, 3, 64, 128, 4
 THETA, MAX_POS = 100000.0, 2048
@@ -81,12 +81,11 @@ def test_inject_equals_vllm_rotary_and_reshape_and_cache(store_dtype):
 
     store = Store(LAYERS, HEADS, DIM, store_dtype, num_pages=64)
     kf, vf = (k.float(), v.float()) if store_dtype == "float32" else (k, v)
-    store.insert(11, 5, list(range(n)), as_tensor_arg(kf), as_tensor_arg(vf))
+    store.insert(11, 5, list(range(n)), kf, vf)
     table_t = rope.cos_sin_cache
     # vLLM's CPU rotary kernel rounds each product and the sum to bf16 (checked: an fp32
     # computation rounded once differs in about 15% of the elements).
-    rotation = Rotation(table_t.data_ptr(), table_t.shape[0], table_t.stride(0), DIM, DIM,
-                        str(table_t.dtype), True, True)
+    rotation = Rotation(table_t, DIM, True, True)
     cache = vllm_cpu_cache(ours, names, isa)
     written = inject(store, cache, rotation, [([11], first, slots.tolist())])
     assert written == n
@@ -111,7 +110,7 @@ def test_inject_equals_vllm_rotary_and_reshape_and_cache(store_dtype):
     extract(back, cache, rotation, slots.tolist(), first, 12, 5, list(range(n)))
     kb = torch.empty(LAYERS, n, HEADS, DIM)
     vb = torch.empty(LAYERS, n, HEADS, DIM)
-    back.read(12, kb.data_ptr(), vb.data_ptr())
+    back.read(12, kb, vb)
     assert torch.equal(vb, v.float())
     err = (kb - k.float()).norm() / k.float().norm()
     assert err < 1e-2, f"de-rotated keys differ by {err:.2e} (relative)"
@@ -125,9 +124,9 @@ def test_refusals_leave_the_cache_unchanged():
     names = list(caches)
     store = Store(LAYERS, HEADS, DIM, "bfloat16", num_pages=8)
     k = torch.randn(LAYERS, 10, HEADS, DIM).to(torch.bfloat16)
-    store.insert(1, 1, list(range(10)), as_tensor_arg(k), as_tensor_arg(k))
+    store.insert(1, 1, list(range(10)), k, k)
     t = rope.cos_sin_cache
-    rot = Rotation(t.data_ptr(), t.shape[0], t.stride(0), DIM, DIM, str(t.dtype), True, True)
+    rot = Rotation(t, DIM, True, True)
     cache = vllm_cpu_cache(caches, names)
     with pytest.raises(ValueError, match="unknown fact"):
         inject(store, cache, rot, [([1], 0, list(range(10))), ([99], 0, list(range(10, 20)))])
@@ -142,3 +141,53 @@ def test_refusals_leave_the_cache_unchanged():
         inject(other, cache, rot, [])
     for n in names:
         assert torch.equal(caches[n].view(torch.int16), before[n].view(torch.int16))
+
+
+def test_arrays_cross_as_arrays_and_are_checked_before_use():
+    """Every array argument crosses as the array itself (DLPack), never an address: its dtype,
+    rank, shape, layout and device are checked, and a refusal writes nothing."""
+    _, get_rope, _ = _vllm()
+    rope = _rope(get_rope, torch.bfloat16)
+    caches = _caches(torch.bfloat16)
+    names = list(caches)
+    store = Store(LAYERS, HEADS, DIM, "bfloat16", num_pages=8)
+    k = torch.randn(LAYERS, 10, HEADS, DIM).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="unsupported element type"):
+        store.insert(1, 1, list(range(10)), k.double(), k.double())
+    with pytest.raises(ValueError, match="different dtypes"):
+        store.insert(1, 1, list(range(10)), k, k.float())
+    with pytest.raises(ValueError, match="must have 4 dimensions, got 3"):
+        store.insert(1, 1, list(range(10)), k[0], k[0])
+    assert store.num_facts == 0 and not store.contains(1)
+    # any strides: a transposed view is read as such (the same fact as its contiguous copy)
+    kt = k.transpose(2, 3).contiguous().transpose(2, 3)
+    store.insert(1, 1, list(range(10)), kt, kt)
+    out_k, out_v = torch.empty(LAYERS, 10, HEADS, DIM), torch.empty(LAYERS, 10, HEADS, DIM)
+    store.read(1, out_k, out_v)
+    assert torch.equal(out_k, k.float()) and torch.equal(out_v, k.float())
+    wrong = torch.zeros(LAYERS, 9, HEADS, DIM)
+    with pytest.raises(ValueError, match=r"keys are \[3, 9, 3, 64\], fact 1 needs \[3, 10, 3, 64\]"):
+        store.read(1, wrong, out_v)
+    with pytest.raises(TypeError):  # float64 output: nanobind refuses the argument's type
+        store.read(1, out_k.double(), out_v.double())
+    t = rope.cos_sin_cache
+    with pytest.raises(ValueError, match="must have 2 dimensions"):
+        Rotation(t[0], DIM)
+    with pytest.raises(ValueError, match="rotary_dim <= head_dim"):
+        Rotation(t, DIM // 2)
+    # the rotation holds its table: dropping the caller's reference keeps it valid
+    rot = Rotation(t.clone(), DIM, True, True)
+    import gc
+
+    gc.collect()
+    assert rot.rows == t.shape[0]
+    odd = dict(caches)
+    odd[names[1]] = caches[names[1]][:-1]  # one block fewer
+    with pytest.raises(ValueError, match=r"layer model.layers.1.self_attn.attn has shape \(3, "):
+        vllm_cpu_cache(odd, names)
+    from inferscale_vllm import VllmCpuCache
+
+    with pytest.raises(ValueError, match="layer 1 differs from layer 0"):
+        VllmCpuCache([caches[names[0]], caches[names[1]][:-1]])
+    with pytest.raises(ValueError, match="no layers"):
+        VllmCpuCache([])

@@ -25,10 +25,8 @@ def inject_keys(caches, names, isa, rotation, k, v, slots):
     store = _inferscale.Store(LAYERS, HEADS, DIM, "bfloat16", (n + 15) // 16, 16)
     kc, vc = np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32)
     store.insert(7, 0, list(range(n)),
-                 _inferscale.Tensor(kc.ctypes.data, list(kc.shape), [s // 4 for s in kc.strides],
-                                    "float32"),
-                 _inferscale.Tensor(vc.ctypes.data, list(vc.shape), [s // 4 for s in vc.strides],
-                                    "float32"))
+                 kc,
+                 vc)
     _inferscale.inject(store, vllm_cpu_cache(caches, names, isa), rotation, [([7], 0, slots)])
 
 

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 from inferscale_vllm import _inferscale  # noqa: E402
 from inferscale_vllm._inferscale import Rotation, Store, inject_async  # noqa: E402
-from inferscale_vllm.tensors import as_tensor_arg, kv_cache_descriptor  # noqa: E402
+from inferscale_vllm.tensors import kv_cache_descriptor  # noqa: E402
 
 LAYERS, HEADS, DIM, BLOCK, BLOCKS = 3, 4, 128, 16, 24
 THETA, MAX_POS = 10000.0, 4096
@@ -101,8 +101,8 @@ def make_facts():
 def host_store(facts):
     store = Store(LAYERS, HEADS, DIM, "bfloat16", 64, 16)
     for fid, (k, v) in facts.items():
-        store.insert(fid, 7, list(range(100 * fid, 100 * fid + k.shape[1])), as_tensor_arg(k),
-                     as_tensor_arg(v))
+        store.insert(fid, 7, list(range(100 * fid, 100 * fid + k.shape[1])), k,
+                     v)
     return store
 
 
@@ -145,8 +145,7 @@ def bits(t):
 
 
 def rotation_for(table):
-    return Rotation(table.data_ptr(), table.shape[0], table.stride(0), DIM, DIM, str(table.dtype),
-                    True, True, False)
+    return Rotation(table, DIM, True, True, False)
 
 
 def run_inject(store, caches, names, table, reqs):
@@ -205,7 +204,7 @@ def test_device_store_round_trips_the_host_bytes():
         n = k.shape[1]
         out_k = torch.empty(LAYERS, n, HEADS, DIM)
         out_v = torch.empty_like(out_k)
-        dev.read(fid, out_k.data_ptr(), out_v.data_ptr())
+        dev.read(fid, out_k, out_v)
         assert torch.equal(out_k, k.float()) and torch.equal(out_v, v.float())
         assert dev.token_ids(fid) == host.token_ids(fid)
         assert dev.namespace_of(fid) == 7
@@ -252,6 +251,4 @@ def test_refusals_leave_the_cache_unchanged():
 
     # a CPU tensor described as the GPU cache
     cpu = before[0].cpu()
-    _refused(lambda: _inferscale.VllmFlashAttnCache([cpu.data_ptr()] * LAYERS, list(cpu.shape),
-                                                    list(cpu.stride()), "bfloat16"),
-             "not in device memory|not CUDA memory")
+    _refused(lambda: _inferscale.VllmFlashAttnCache([cpu] * LAYERS), "not a CUDA tensor")

@@ -10,7 +10,7 @@ import torch
 from inferscale_vllm import Rotation, Store, inject
 from inferscale_vllm.connector import _layer_index, rank_layers
 from inferscale_vllm.memory import shard_store
-from inferscale_vllm.tensors import as_tensor_arg, vllm_cpu_cache
+from inferscale_vllm.tensors import vllm_cpu_cache
 
 LAYERS, HEADS, DIM, BLOCK = 6, 3, 64, 128
 
@@ -55,7 +55,7 @@ def full_store(n=40):
     v = rng.standard_normal((LAYERS, n, HEADS, DIM)).astype(np.float32)
     store = Store(LAYERS, HEADS, DIM, "float32", num_pages=16)
     kt, vt = torch.from_numpy(k), torch.from_numpy(v)
-    store.insert(7, 0, list(range(100, 100 + n)), as_tensor_arg(kt), as_tensor_arg(vt))
+    store.insert(7, 0, list(range(100, 100 + n)), kt, vt)
     manifest = [7]  # the fact ids to shard
     return store, manifest, k, v
 
@@ -66,7 +66,7 @@ def test_a_layer_and_head_shard_holds_exactly_that_slice():
     n = k.shape[1]
     kb = np.empty((3, n, 2, DIM), np.float32)
     vb = np.empty_like(kb)
-    shard.read(7, kb.ctypes.data, vb.ctypes.data)
+    shard.read(7, kb, vb)
     assert np.array_equal(kb, k[2:5, :, 1:3]) and np.array_equal(vb, v[2:5, :, 1:3])
     assert shard.token_ids(7) == list(range(100, 100 + n))
 
@@ -89,8 +89,7 @@ def test_a_stage_injects_the_same_bytes_as_the_whole_model_into_its_layers():
     n = 40
     torch.manual_seed(3)
     table = torch.randn(512, DIM)  # any cos/sin table: both injections use the same one
-    rotation = Rotation(table.data_ptr(), table.shape[0], table.stride(0), DIM, DIM,
-                        str(table.dtype), True)
+    rotation = Rotation(table, DIM, True)
     slots = [BLOCK + p for p in range(n)]  # block 1
     whole = {f"model.layers.{l}.self_attn.attn": torch.zeros(2, HEADS, BLOCK, 2 * DIM)
              for l in range(LAYERS)}

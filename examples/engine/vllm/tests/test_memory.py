@@ -60,7 +60,7 @@ def read_fact(store, fid):
     n = store.length(fid)
     shape = (MODEL["num_layers"], n, MODEL["num_kv_heads"], MODEL["head_dim"])
     k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
-    store.read(fid, k.ctypes.data, v.ctypes.data)
+    store.read(fid, k, v)
     return k, v
 
 
@@ -274,7 +274,7 @@ def test_shard_store(directory):
     fid = mem.add_fact("alice", "a", [1, 2, 3], k, v)
     shard = shard_store(mem.store, [fid], 1, 1, 1, 1)
     got_k, got_v = np.empty((1, 3, 1, 8), np.float32), np.empty((1, 3, 1, 8), np.float32)
-    shard.read(fid, got_k.ctypes.data, got_v.ctypes.data)
+    shard.read(fid, got_k, got_v)
     np.testing.assert_array_equal(got_k, bf16(k[1:2, :, 1:2]))
     np.testing.assert_array_equal(got_v, bf16(v[1:2, :, 1:2]))
     mem.close()

@@ -147,7 +147,7 @@ def test_index_exact_and_graph_against_brute_force(locomo, vectors):
     base = [0, 100_000]  # disjoint fact ids per user
     for u, (c, v) in enumerate(zip(locomo, vectors)):
         ids = [base[u] + i for i in range(len(c["turns"]))]
-        index.add(u + 1, v["turns"].ctypes.data, v["turns"].shape[0], 384, ids)
+        index.add(u + 1, v["turns"], ids)
         assert index.size(u + 1) == len(ids)
     assert index.total_size == sum(len(c["turns"]) for c in locomo)
     for u, (c, v) in enumerate(zip(locomo, vectors)):
@@ -158,8 +158,7 @@ def test_index_exact_and_graph_against_brute_force(locomo, vectors):
         for algo in ("exact", "graph", "automatic"):
             ids = np.empty((q.shape[0], K), np.uint64)
             dist = np.empty((q.shape[0], K), np.float32)
-            index.search(u + 1, q.ctypes.data, q.shape[0], 384, K, ids.ctypes.data,
-                         dist.ctypes.data, algo)
+            index.search(u + 1, q, K, ids, dist, algo)
             results[algo] = (ids.astype(np.int64), dist)
         ids, dist = results["exact"]
         same = check_top_k(ids, dist, fact_ids, d, K)
@@ -188,27 +187,37 @@ def test_index_exact_and_graph_against_brute_force(locomo, vectors):
 def test_index_refusals_change_nothing():
     index = Index(4)
     v = np.eye(4, dtype=np.float32)
-    index.add(1, v.ctypes.data, 4, 4, [1, 2, 3, 4])
+    index.add(1, v, [1, 2, 3, 4])
     version = index.version
     bad = np.ones((2, 3), np.float32)
     with pytest.raises(ValueError, match="dimension is 4"):
-        index.add(1, bad.ctypes.data, 2, 3, [5, 6])
+        index.add(1, bad, [5, 6])
     with pytest.raises(ValueError, match="2 vectors but 1 ids"):
-        index.add(1, v.ctypes.data, 2, 4, [5])
+        index.add(1, v[:2], [5])
     with pytest.raises(ValueError):
-        index.add(2, v.ctypes.data, 1, 4, [1])  # id 1 exists (in another namespace)
+        index.add(2, v[:1], [1])  # id 1 exists (in another namespace)
     z = np.zeros((1, 4), np.float32)
     with pytest.raises(ValueError, match="zero"):
-        index.add(1, z.ctypes.data, 1, 4, [9])
+        index.add(1, z, [9])
     with pytest.raises(ValueError, match="unknown fact id 77"):
         index.erase([2, 77])
     assert index.version == version and index.size(1) == 4 and index.contains(2)
     out_i = np.empty((1, 2), np.uint64)
     out_d = np.empty((1, 2), np.float32)
     with pytest.raises(ValueError):
-        index.search(5, v.ctypes.data, 1, 4, 2, out_i.ctypes.data, out_d.ctypes.data)  # no ns 5
+        index.search(5, v[:1], 2, out_i, out_d)  # no ns 5
     with pytest.raises(ValueError, match="algo"):
-        index.search(1, v.ctypes.data, 1, 4, 2, out_i.ctypes.data, out_d.ctypes.data, "fuzzy")
+        index.search(1, v[:1], 2, out_i, out_d, "fuzzy")
+    # arrays are checked before anything is read or written: the outputs' shapes, the dtype
+    with pytest.raises(ValueError, match=r"out_ids is \[1, 3\], the search writes \[1, 2\]"):
+        index.search(1, v[:1], 2, np.empty((1, 3), np.uint64), out_d)
+    with pytest.raises(ValueError, match=r"out_distances is \[2, 2\]"):
+        index.search(1, v[:1], 2, out_i, np.empty((2, 2), np.float32))
+    with pytest.raises(TypeError):  # float64 rows: nanobind refuses the argument's type
+        index.add(1, np.ones((1, 4)), [10])
+    with pytest.raises(TypeError):  # not C-contiguous
+        index.add(1, np.ones((4, 8), np.float32)[:, ::2], [10, 11, 12, 13])
+    assert index.version == version and index.size(1) == 4
     with pytest.raises(ValueError, match="metric"):
         Index(4, "manhattan")
 

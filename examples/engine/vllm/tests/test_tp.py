@@ -5,10 +5,12 @@ kv_transfer_params cross processes). The TP = 3 engine encodes its own memory (c
 rank, each rank's head put side by side: one forward of prefix + facts, Theorem 3's case for that
 engine), and its injected answers equal its own prefill of the same prompts, with the memory's
 whole blocks really loaded. Reported, not asserted: how the TP = 3 capture's bits compare with the
-TP = 1 engine's (conftest's shared one) and whether the answers agree with TP = 1's (TP changes the
-reduction order, so the two engines' forwards, and hence a memory encoded by one and served by the
-other, may differ in the last bits; on an Intel Xeon with AMX a TP = 1 memory served at TP = 3
-changed one of 3 answers). Correctness only: nothing is timed (3 ranks on 2 cores)."""
+TP = 1 engine's (conftest's shared one; TP changes the reduction order, so the two engines'
+forwards, and hence a memory encoded by one and served by the other, may differ in the last bits;
+on an Intel Xeon with AMX a TP = 1 memory served at TP = 3 changed one of 3 answers). Two
+questions: each is an injected answer against the same engine's prefill (a rank injecting another
+rank's head, or none, changes the answer's tokens). Correctness only: nothing is timed (3 ranks on
+2 cores)."""
 
 import gc
 import os
@@ -18,8 +20,7 @@ from caroline import query_tokens
 
 from inferscale_vllm.engine import make_llm
 
-QUESTIONS = ["What is the name of Caroline's cat?", "What instrument does Caroline play?",
-             "Who is Melanie?"]
+QUESTIONS = ["What is the name of Caroline's cat?", "What instrument does Caroline play?"]
 
 
 def answers(llm, mem, joint, tok, gen=16):
@@ -47,7 +48,6 @@ def test_tp3_each_rank_injects_its_heads(model_dir, shared_engine, tmp_path):
 
     shared = shared_engine.get()
     tok = shared["tok"]
-    tp1 = answers(shared["llm"], shared["mem"], shared["joint"], tok)
     kv1 = shared["kv"]
     shared_engine.close()  # one engine at a time
 
@@ -79,10 +79,8 @@ def test_tp3_each_rank_injects_its_heads(model_dir, shared_engine, tmp_path):
         assert rel < 0.05, f"TP = 3 capture's {name} differ from TP = 1's by {rel:.3f} (relative)"
     equal_layers = sum(np.array_equal(kv3["k"][l], kv1["k"][l]) and
                        np.array_equal(kv3["v"][l], kv1["v"][l]) for l in range(kv1["k"].shape[0]))
-    same_as_tp1 = 0
-    for q, (a1, _, _, _), (a3, cached, p3, m) in zip(QUESTIONS, tp1, tp3):
+    for q, (a3, cached, p3, m) in zip(QUESTIONS, tp3):
         assert cached == m // 128 * 128 > 0, f"{q!r}: {cached} tokens loaded under TP = 3 (m = {m})"
         assert a3 == p3, f"{q!r}: TP = 3 injected {tok.decode(a3)!r} vs prefill {tok.decode(p3)!r}"
-        same_as_tp1 += a3 == a1
     print(f"TP = 3 capture equals TP = 1's bit for bit in {equal_layers} of {kv1['k'].shape[0]} "
-          f"layers; TP = 3 injected answers equal TP = 1's on {same_as_tp1} of {len(QUESTIONS)}")
+          f"layers")

@@ -24,10 +24,10 @@ Pieces:
 """
 
 from ._inferscale import (  # noqa: F401
-    HAS_CUDA, Index, Rotation, Store, Tensor, VllmCpuCache, VllmFlashAttnCache, extract, inject,
+    HAS_CUDA, Index, Rotation, Store, VllmCpuCache, VllmFlashAttnCache, extract, inject,
     inject_async)
 from .memory import Memory, MemoryReader  # noqa: F401
 
-__all__ = ["HAS_CUDA", "Index", "Memory", "MemoryReader", "Rotation", "Store", "Tensor",
+__all__ = ["HAS_CUDA", "Index", "Memory", "MemoryReader", "Rotation", "Store",
            "VllmCpuCache", "VllmFlashAttnCache", "extract", "inject", "inject_async"]
 __version__ = "0.1.0"

@@ -129,9 +129,7 @@ class CaptureWorkerExtension:
         rope = modules[0].rotary_emb
         table = rope.cos_sin_cache.float().contiguous()
         dim = cache.head_dim
-        rotation = _inferscale.Rotation(table.data_ptr(), table.shape[0], table.stride(0), dim,
-                                        table.shape[1], "float32", bool(rope.is_neox_style),
-                                        False, False)
+        rotation = _inferscale.Rotation(table, dim, bool(rope.is_neox_style), False, False)
         n = len(slots)
         store = _inferscale.Store(cache.num_layers, cache.num_heads, dim, "float32",
                                   (n + 15) // 16 + 1)
@@ -139,7 +137,7 @@ class CaptureWorkerExtension:
                             1, 0, list(range(n)))
         k = torch.empty(cache.num_layers, n, cache.num_heads, dim)
         v = torch.empty_like(k)
-        store.read(1, k.data_ptr(), v.data_ptr())
+        store.read(1, k, v)
         np.savez(path, k=k.numpy(), v=v.numpy())
         return tuple(k.shape)
 

@@ -532,9 +532,7 @@ ROUNDING_MODES = {"round_each": (True, False), "fp32_truncate": (False, True),
 def rotation_for(table, head_dim: int, mode: str, neox: bool = True):
     """neox: the model's pairing (vLLM's is_neox_style: halves; False: GPT-J interleaved)."""
     round_each, truncate = ROUNDING_MODES[mode]
-    return _inferscale.Rotation(table.data_ptr(), table.shape[0], table.stride(0), head_dim,
-                                table.shape[1], str(table.dtype), bool(neox), round_each,
-                                truncate)
+    return _inferscale.Rotation(table, head_dim, bool(neox), round_each, truncate)
 
 
 def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: int = 2,
@@ -547,7 +545,7 @@ def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: 
     in device memory). Raises if no mode matches."""
     import torch
 
-    from ._inferscale import Store, Tensor, VllmCpuCache, inject
+    from ._inferscale import Store, VllmCpuCache, inject
 
     where = torch.device("cuda", torch.cuda.current_device()) if device else torch.device("cpu")
     neox = bool(rope.is_neox_style)  # the module's pairing, never assumed
@@ -565,8 +563,7 @@ def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: 
     store = Store(1, heads, head_dim, name, tokens)
     for i in range(tokens):
         ki = keys[i].reshape(1, 1, heads, head_dim).contiguous()
-        t = Tensor(ki.data_ptr(), list(ki.shape), list(ki.stride()), str(dtype))
-        store.insert(100 + i, 0, [0], t, t)
+        store.insert(100 + i, 0, [0], ki, ki)
     requests = [([100 + i], int(positions[i]), [i]) for i in range(tokens)]
     if device:
         from ._inferscale import VllmFlashAttnCache, inject_async
@@ -574,8 +571,7 @@ def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: 
         store = store.to_device()
         # vLLM 0.32's GPU layout (num_blocks, heads, block_size, 2 * head_dim): K = [..., :head_dim]
         cache = torch.zeros(tokens, heads, 1, 2 * head_dim, dtype=dtype, device=where)
-        desc = VllmFlashAttnCache([cache.data_ptr()], list(cache.shape), list(cache.stride()),
-                                  str(dtype))
+        desc = VllmFlashAttnCache([cache])
 
         def run(rotation):
             inject_async(store, desc, rotation, requests, torch.cuda.current_stream().cuda_stream)
@@ -583,7 +579,7 @@ def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: 
             return cache[:, :, 0, :head_dim]
     else:
         cache = torch.zeros(tokens, heads, 1, 2 * head_dim, dtype=dtype)
-        desc = VllmCpuCache([cache.data_ptr()], list(cache.shape), list(cache.stride()), str(dtype))
+        desc = VllmCpuCache([cache])
 
         def run(rotation):
             inject(store, desc, rotation, requests)

@@ -745,7 +745,7 @@ def shard_store(full, fact_ids, first_head: int, num_heads: int, first_layer: in
     """The heads [first_head, first_head + num_heads) of the layers [first_layer, first_layer +
     num_layers) of every fact in `fact_ids` (a tensor-parallel rank's heads in a pipeline stage's
     layers; the shard's layer 0 is the model's layer first_layer), as a Store of its own."""
-    from ._inferscale import Store, Tensor
+    from ._inferscale import Store
 
     layers, heads, dim = full.geometry
     if num_layers is None:
@@ -763,12 +763,7 @@ def shard_store(full, fact_ids, first_head: int, num_heads: int, first_layer: in
         n = full.length(fid)
         k = np.empty((layers, n, heads, dim), np.float32)
         v = np.empty_like(k)
-        full.read(fid, k.ctypes.data, v.ctypes.data)
-        ks = np.ascontiguousarray(k[first_layer:first_layer + num_layers])
-        vs = np.ascontiguousarray(v[first_layer:first_layer + num_layers])
-        shard.insert(fid, 0, full.token_ids(fid),
-                     Tensor(ks.ctypes.data, list(ks.shape), [s // 4 for s in ks.strides],
-                            "float32"),
-                     Tensor(vs.ctypes.data, list(vs.shape), [s // 4 for s in vs.strides],
-                            "float32"))
+        full.read(fid, k, v)
+        shard.insert(fid, 0, full.token_ids(fid), k[first_layer:first_layer + num_layers],
+                     v[first_layer:first_layer + num_layers])
     return shard

@@ -207,9 +207,7 @@ class CaptureWriter:
         # De-rotation in fp32 with the table's values (a bf16 table widened exactly): the inverse
         # of the rotation vLLM applied with those values (extract divides by cos^2 + sin^2).
         self.table = table.detach().to("cpu", torch.float32).contiguous()
-        self.rotation = _inferscale.Rotation(
-            self.table.data_ptr(), self.table.shape[0], self.table.stride(0), cache.head_dim,
-            self.table.shape[1], "float32", bool(neox), False, False)
+        self.rotation = _inferscale.Rotation(self.table, cache.head_dim, bool(neox), False, False)
         self.rank, self.tp, self.first_head, self.kv_heads = rank, tp, first_head, kv_heads
         # The float32 store extract writes into, kept between captures (a new one's pool costs
         # its page faults: 0.13 s for 1,024 tokens of SmolLM2 here) while it stays within
@@ -252,7 +250,7 @@ class CaptureWriter:
                 v = self._buffer[1, : n * per_token].reshape(shape)
             else:
                 k, v = np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32)
-            store.read(1, k.ctypes.data, v.ctypes.data)
+            store.read(1, k, v)
             if self.exact is not None:
                 k = self.exact.fix(k, self.exact.raw_keys(c, job.slots, n))
         finally:
@@ -319,10 +317,8 @@ class ExactKeys:
         self.identity_table[:, : self.rotary // 2] = 1.0
         from . import _inferscale
 
-        self.identity = _inferscale.Rotation(
-            self.identity_table.data_ptr(), self.identity_table.shape[0],
-            self.identity_table.stride(0), self.dim, self.rotary, "float32", self.neox, False,
-            False)
+        self.identity = _inferscale.Rotation(self.identity_table, self.dim, self.neox, False,
+                                             False)
         self.unmatched = 0
 
     def raw_keys(self, cache, slots, n):
@@ -333,7 +329,7 @@ class ExactKeys:
                             [0] * n)
         k = np.empty((self.layers, n, self.heads, self.dim), np.float32)
         v = np.empty_like(k)
-        store.read(1, k.ctypes.data, v.ctypes.data)
+        store.read(1, k, v)
         return k
 
     def forward(self, keys):
@@ -355,9 +351,7 @@ class ExactKeys:
         store = _inferscale.Store(self.layers, self.heads, self.dim, "bfloat16",
                                   (n + 15) // 16, 16)
         k = np.ascontiguousarray(keys, np.float32)
-        t = _inferscale.Tensor(k.ctypes.data, list(k.shape), [x // 4 for x in k.strides],
-                               "float32")
-        store.insert(1, 0, [0] * n, t, t)
+        store.insert(1, 0, [0] * n, k, k)
         _inferscale.inject(store, cache, self.rotation, [([1], 0, list(range(n)))])
         return self.raw_keys(cache, range(n), n)
 

@@ -1,15 +1,9 @@
-"""torch tensors as the extension's (data pointer, shape, strides, dtype) arguments."""
+"""vLLM's paged KV cache tensors as the extension's cache descriptors (the tensors themselves
+cross as DLPack arrays: the descriptor holds them, no address is passed)."""
 
 from __future__ import annotations
 
 from . import _inferscale
-
-
-def as_tensor_arg(t) -> "_inferscale.Tensor":
-    """A CPU torch tensor as an extension Tensor (no copy; the caller keeps `t` alive)."""
-    if t.device.type != "cpu":
-        raise ValueError(f"inferscale_vllm: expected a CPU tensor, got one on {t.device}")
-    return _inferscale.Tensor(t.data_ptr(), list(t.shape), list(t.stride()), str(t.dtype))
 
 
 def vllm_cpu_cache(kv_caches: dict, layer_names: list[str],
@@ -20,18 +14,11 @@ def vllm_cpu_cache(kv_caches: dict, layer_names: list[str],
     `[num_blocks, num_kv_heads, block_size, 2 * head_size]`. `isa`: the kernels vLLM's CPU
     attention uses for these layers (`vllm_cpu_isa`), which decide how each cell is laid out.
     """
-    tensors = [kv_caches[n] for n in layer_names]
-    first = tensors[0]
-    for n, t in zip(layer_names, tensors):
-        if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype:
-            raise ValueError(
-                f"inferscale_vllm: layer {n} has shape {tuple(t.shape)} / strides {t.stride()} / "
-                f"{t.dtype}, layer {layer_names[0]} {tuple(first.shape)} / {first.stride()} / "
-                f"{first.dtype}: one descriptor needs one layout")
-        if t.device.type != "cpu":
-            raise ValueError(f"inferscale_vllm: layer {n} is on {t.device}; this is the CPU path")
-    return _inferscale.VllmCpuCache([t.data_ptr() for t in tensors], list(first.shape),
-                                    list(first.stride()), str(first.dtype), isa)
+    tensors, first = _one_layout(kv_caches, layer_names)
+    if first.device.type != "cpu":
+        raise ValueError(f"inferscale_vllm: layer {layer_names[0]} is on {first.device}; this is "
+                         f"the CPU path")
+    return _inferscale.VllmCpuCache(tensors, isa)
 
 
 def vllm_cpu_isa(model_dtype, cache_tensor, kv_cache_dtype: str = "auto") -> str:
@@ -86,8 +73,7 @@ def vllm_gpu_cache(kv_caches: dict, layer_names: list[str]) -> "_inferscale.Vllm
     if first.device.type != "cuda":
         raise ValueError(f"inferscale_vllm: layer {layer_names[0]} is on {first.device}; this is "
                          f"the GPU path")
-    return _inferscale.VllmFlashAttnCache([t.data_ptr() for t in tensors], list(first.shape),
-                                          list(first.stride()), str(first.dtype))
+    return _inferscale.VllmFlashAttnCache(tensors)
 
 
 def kv_cache_descriptor(kv_caches: dict, layer_names: list[str], model_dtype=None,

@@ -242,6 +242,7 @@ def _resave(path, fields):
 
 # A field of the file each: removed (None) or malformed, and the words the refusal must hold.
 MALFORMED_FILES = [
+    ({}, None),  # the control: well-formed
     ({"k_cached": None}, r"no \['k_cached'\]"),
     ({"table": None, "rounding": None}, r"no \['table', 'rounding'\]"),
     ({"k_cached": np.zeros((LAYERS, 20, HEADS, DIM), np.float32)}, "k_cached float32"),
@@ -259,18 +260,32 @@ MALFORMED_FILES = [
 ]
 
 
-@pytest.mark.parametrize("fields, words", MALFORMED_FILES)
-def test_a_malformed_capture_file_is_refused_naming_it(fields, words, tmp_path):
-    """A capture file missing a field or with one malformed: read_capture raises ValueError with
-    the file's path and what is wrong, and leaves the file where it is."""
+@pytest.fixture(scope="module")
+def capture_file(tmp_path_factory):
+    """The bytes of one well-formed capture file (20 tokens, a rounding named), written once."""
     rope = rope_of()
     n = 20
     caches, names, slots, _, _, isa = filled_caches(rope, n)
-    writer = CaptureWriter(str(tmp_path), vllm_cpu_cache(caches, names, isa),
+    folder = str(tmp_path_factory.mktemp("well-formed"))
+    writer = CaptureWriter(folder, vllm_cpu_cache(caches, names, isa),
                            [caches[x] for x in names], rope.cos_sin_cache, True, rank=0, tp=1,
                            first_head=0, kv_heads=HEADS, rounding="round_each")
-    path = writer.capture(CaptureJob("req", "bad", list(range(n)), slots))
+    with open(writer.capture(CaptureJob("req", "good", list(range(n)), slots)), "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("fields, words", MALFORMED_FILES)
+def test_a_malformed_capture_file_is_refused_naming_it(fields, words, capture_file, tmp_path):
+    """A capture file missing a field or with one malformed: read_capture raises ValueError with
+    the file's path and what is wrong, and leaves the file where it is."""
+    path = capture_path(str(tmp_path), "bad", 0)
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as f:
+        f.write(capture_file)
     _resave(path, fields)
+    if words is None:  # the control: the file as written is read
+        assert read_capture(str(tmp_path), "bad", 1)["k"].shape == (LAYERS, 20, HEADS, DIM)
+        return
     with pytest.raises(ValueError, match=f"capture file {re.escape(path)}: .*{words}"):
         read_capture(str(tmp_path), "bad", 1)
     assert os.path.isfile(path), "a refused capture file stays for inspection"

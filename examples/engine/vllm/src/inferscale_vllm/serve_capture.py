@@ -281,10 +281,23 @@ class CaptureWriter:
             for slot in probes:
                 got = self._slot_offsets(name, np.array([slot], np.int64))[0]
                 want = np.array([[at(slot, h, d) for d in range(dim)] for h in range(heads)])
-                if not np.array_equal(got, want) or want.max() >= span or want.min() < 0:
+                if not np.array_equal(got, want):
                     raise ValueError(f"inferscale: the cache's {name} layout is not a sum of "
-                                     f"block, token and (head, dim) parts within its tensor "
-                                     f"(slot {slot}): capture cannot gather it")
+                                     f"block, token and (head, dim) parts (slot {slot}): "
+                                     f"capture cannot gather it")
+            origin, block, token, head_dim = self._parts[name]
+            parts = (origin, block, token.min(), head_dim.min())
+            last = origin + (c.num_slots // bs - 1) * block + token.max() + head_dim.max()
+            if min(parts) < 0 or last >= span:
+                raise ValueError(f"inferscale: the cache's {name} elements reach offset {last}, "
+                                 f"beyond its layer tensors' {span} elements")
+        # each layer's elements from its base, as the descriptor addresses them (torch refuses a
+        # tensor whose storage does not hold them)
+        try:
+            self._flat = [t.as_strided((span,), (1,)) for t in self.tensors]
+        except RuntimeError as e:
+            raise ValueError(f"inferscale: the cache's layer tensors cannot be read as "
+                             f"{span} elements from their bases: {e}") from e
 
     def _slot_offsets(self, name, slots):
         origin, block, token, head_dim = self._parts[name]
@@ -311,9 +324,7 @@ class CaptureWriter:
         for name in ("k", "v"):
             index = torch.from_numpy(self._slot_offsets(name, slots).reshape(-1))
             got = torch.empty((c.num_layers, index.numel()), dtype=self.tensors[0].dtype)
-            for layer, t in enumerate(self.tensors):
-                # the layer's elements from its base, as the descriptor addresses them
-                flat = t.as_strided((t.numel(),), (1,))
+            for layer, flat in enumerate(self._flat):
                 torch.index_select(flat, 0, index, out=got[layer])
             if self.cache_dtype == "bfloat16":
                 got = got.view(torch.int16).numpy().view(np.uint16)

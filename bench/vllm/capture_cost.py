@@ -4,13 +4,22 @@ same prompt): one vLLM engine (CPU build, SmolLM2-135M-Instruct, bf16) with Infe
 for each prompt length, requests of max_tokens = 1 (the prompt's forward and its first token)
 alternate between the plain request and the same prompt with
 ``kv_transfer_params.inferscale_capture`` (the connector's worker then reads the prompt's K/V
-back from vLLM's cache after the forward, de-rotates them and writes them, fsynced, to
-<memory>/.captures). Every request has a fresh cache_salt: nothing is a prefix-cache hit.
-Printed in the same run: the CPU model (lscpu) and its vector/matrix ISA flags, the wall time of
-each kind (median), the overhead, and the worker's own capture time (extraction + write, timed in
-the connector) and file size. Wall times of whole requests drift with anything else running on the
-machine (the load average is printed before and after): the worker's own capture time against the
-plain request's median ("capture / plain") is the figure that does not.
+back from vLLM's cache after the forward and writes them, fsynced, to <memory>/.captures; what
+else it does in the step depends on the package's version). Every request has a fresh
+cache_salt: nothing is a prefix-cache hit. Printed in the same run: the CPU model (lscpu) and its
+vector/matrix ISA flags, the wall time of each kind (median), the overhead, the worker's own
+capture time in the engine step (timed in the connector) and file size. Wall times of whole
+requests drift with anything else running on the machine (the load average is printed before and
+after): the worker's own capture time against the plain request's median ("in-step / plain") is
+the figure that does not.
+
+Then the reader's side (what the server's write path pays, off the engine step): each capture is
+read with ``read_capture`` twice from the same file, with ``exact=False`` (the de-rotation only)
+and with ExactKeys (the default), where the package has that switch; "ExactKeys ms" is the
+difference, per capture (one fact's prompt) and per token.
+
+Run it once per package to compare versions (e.g. main's and a branch's), back to back: the
+script reports what the package it imports does.
 
 The engine core and worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the tests) so
 that the worker's timer can be read; the forward is the same as in vLLM's multi-process layout.
@@ -23,6 +32,7 @@ Usage:
 """
 
 import argparse
+import inspect
 import os
 import random
 import shutil
@@ -66,8 +76,11 @@ def main():
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    import inferscale_vllm.serve_capture as serve_capture
     from inferscale_vllm.engine import make_llm
     from inferscale_vllm.serve_capture import read_capture
+
+    has_exact_switch = "exact" in inspect.signature(read_capture).parameters
 
     directory = a.memory or tempfile.mkdtemp(prefix="inferscale-capture-bench-")
     os.makedirs(directory, exist_ok=True)
@@ -79,6 +92,10 @@ def main():
     writer = worker._capture_writer
     if writer is None:
         sys.exit("capture_cost: the worker has no capture writer (device caches?)")
+    in_step = ("ExactKeys in the step" if getattr(writer, "exact", None) is not None
+               else "the cached bytes only in the step, ExactKeys in the reader"
+               if has_exact_switch else "no ExactKeys")
+    print(f"package: {os.path.dirname(serve_capture.__file__)} ({in_step})", flush=True)
     vocab = llm.get_tokenizer().vocab_size
     rng = random.Random(0)
 
@@ -96,15 +113,38 @@ def main():
     print(f"memory directory {directory} ({fs}); {a.reps} alternating pairs per length, "
           f"max_tokens = 1, fresh salts", flush=True)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{'tokens':>7} {'plain s':>9} {'capture s':>10} {'wall diff':>10} {'worker ms':>10} "
-          f"{'of which write ms':>18} {'capture / plain':>16} {'file MB':>8}")
+    print(f"{'tokens':>7} {'plain s':>9} {'capture s':>10} {'wall diff':>10} {'in-step ms':>11} "
+          f"{'of which write ms':>18} {'in-step / plain':>16} {'file MB':>8} "
+          f"{'read ms':>8} {'ExactKeys ms':>13} {'per token':>10}")
     rows = []
+
+    def read_twice(capture_id):
+        """(seconds of read_capture without ExactKeys, seconds with it; None where the package
+        has no switch) on the same file."""
+        path = os.path.join(directory, ".captures", f"{capture_id}.rank0.npz")
+        with open(path, "rb") as f:
+            saved = f.read()
+        if not has_exact_switch:
+            t = time.perf_counter()
+            read_capture(directory, capture_id, 1)
+            return time.perf_counter() - t, None
+        t = time.perf_counter()
+        read_capture(directory, capture_id, 1, exact=False)
+        plain = time.perf_counter() - t
+        with open(path, "wb") as f:
+            f.write(saved)
+        t = time.perf_counter()
+        got = read_capture(directory, capture_id, 1)
+        exact = time.perf_counter() - t
+        if got.get("unmatched", 0):
+            print(f"  (ExactKeys left {got['unmatched']} key pairs unmatched)")
+        return plain, exact
     for n in a.lengths:
         ids = [rng.randrange(100, vocab) for _ in range(n)]
         run(ids)  # warm-up (this length's shapes)
         run(ids, "warmup")
         read_capture(directory, "warmup", 1)
-        plain, cap, work, write, size = [], [], [], [], 0
+        plain, cap, work, write, size, reads, exacts = [], [], [], [], 0, [], []
         for i in range(a.reps):
             order = (False, True) if i % 2 == 0 else (True, False)
             for with_capture in order:
@@ -115,22 +155,30 @@ def main():
                     write.append(writer.write_seconds - w0)
                     path = os.path.join(directory, ".captures", f"bench-{n}-{i}.rank0.npz")
                     size = os.path.getsize(path)
-                    os.remove(path)
+                    read_s, exact_s = read_twice(f"bench-{n}-{i}")
+                    reads.append(read_s)
+                    if exact_s is not None:
+                        exacts.append(exact_s - read_s)
                 else:
                     plain.append(run(ids))
         p, c, w = statistics.median(plain), statistics.median(cap), statistics.median(work)
-        rows.append((n, p, c, w))
-        print(f"{n:>7} {p:>9.3f} {c:>10.3f} {100 * (c / p - 1):>9.1f}% {1000 * w:>10.1f} "
+        e = statistics.median(exacts) if exacts else None
+        rows.append((n, p, c, w, e))
+        exact_cols = (f"{1000 * e:>13.1f} {1000 * e / n:>10.2f}" if e is not None
+                      else f"{'-':>13} {'-':>10}")
+        print(f"{n:>7} {p:>9.3f} {c:>10.3f} {100 * (c / p - 1):>9.1f}% {1000 * w:>11.1f} "
               f"{1000 * statistics.median(write):>18.1f} {100 * w / p:>15.2f}% "
-              f"{size / 1e6:>8.1f}", flush=True)
+              f"{size / 1e6:>8.1f} {1000 * statistics.median(reads):>8.1f} {exact_cols}",
+              flush=True)
     llm.llm_engine.engine_core.shutdown()
     if a.memory is None:
         shutil.rmtree(directory, ignore_errors=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    worst = max(100 * w / p for _, p, _, w in rows)
-    wall = max(100 * (c / p - 1) for _, p, c, _ in rows)
-    print(f"capture overhead: worker's capture time at most {worst:.2f}% of the plain request "
-          f"(wall-time difference at most {wall:.1f}%); target <= 10%; CPU {model}")
+    worst = max(100 * w / p for _, p, _, w, _ in rows)
+    wall = max(100 * (c / p - 1) for _, p, c, _, _ in rows)
+    print(f"capture overhead: worker's capture time in the step at most {worst:.2f}% of the plain "
+          f"request (wall-time difference at most {wall:.1f}%); target <= 10%; CPU {model}; "
+          f"{in_step}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import uuid
 
 import numpy as np
 
-from inferscale_vllm.serve_capture import read_capture
+from inferscale_vllm.serve_capture import capture_path, read_capture
 
 # A de-rotated key pair against the pre-RoPE pair the hook saw, relative to its norm: vLLM's cache
 # holds its rotation rounded to bf16 (within 2^-7 of each pair's norm, whether its kernel truncates
@@ -50,7 +50,20 @@ def hook_and_served(llm, ids, directory, capture_id, tp=1, salt=None):
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     hook = {k: np.concatenate([p[k] for p in parts], axis=2) for k in ("k", "v", "k_rotated")}
-    return hook, read_capture(directory, capture_id, tp), cached
+    # what the worker wrote in the step, before the reader's de-rotation and ExactKeys: the cached
+    # bytes of every rank's heads (bf16 bit patterns, widened here by a shift)
+    files = [capture_path(directory, capture_id, r) for r in range(tp)]
+    cached_kv = {}
+    for name in ("k_cached", "v_cached"):
+        arrays = []
+        for f in files:
+            with np.load(f, allow_pickle=False) as z:
+                assert str(z["cache_dtype"]) == "bfloat16", f
+                arrays.append((z[name].astype(np.uint32) << 16).view(np.float32))
+        cached_kv[name] = np.concatenate(arrays, axis=2)
+    served = read_capture(directory, capture_id, tp)
+    served.update(cached_kv)
+    return hook, served, cached
 
 
 def pair_error(got, want):
@@ -118,11 +131,17 @@ def vllm_rotation(llm):
 
 
 def check_served_against_hook(hook, served, ids, rotate, label=""):
-    """The served capture of one forward against its hook capture: token ids; values bit for bit;
+    """The served capture of one forward against its hook capture: token ids; the step's file
+    holds the keys and values vLLM cached, bit for bit (where `served` carries them); values bit
+    for bit;
     keys bf16 values that the engine's rotation (`rotate`, vllm_rotation) maps to exactly the
     keys vLLM wrote (ExactKeys), and within 2 x PAIR_BOUND of the pre-RoPE keys the hook saw.
     Returns a line to print."""
     assert served["token_ids"].tolist() == list(ids), f"{label}: token ids"
+    if "k_cached" in served:  # the step's file: the bytes vLLM wrote, as the hook saw them
+        assert np.array_equal(served["k_cached"], hook["k_rotated"]), f"{label}: cached keys"
+        assert np.array_equal(served["v_cached"], hook["v"]), f"{label}: cached values"
+    assert served["unmatched"] == 0, f"{label}: ExactKeys left {served['unmatched']} pairs"
     assert served["k"].shape == hook["k"].shape, (label, served["k"].shape, hook["k"].shape)
     assert served["k"].dtype == np.float32 and served["v"].dtype == np.float32
     assert np.array_equal(served["v"], hook["v"]), f"{label}: values differ from the hook's"

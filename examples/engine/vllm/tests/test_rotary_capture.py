@@ -10,6 +10,7 @@ CPU layout; the capture must give the values back exactly and the keys within th
 rotated keys to bf16 (below)."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -91,6 +92,30 @@ def pair_errors(got, want, rotary_dim, neox):
     return err, norm
 
 
+FILE_FIELDS = ["k_cached", "v_cached", "cache_dtype", "table", "table_dtype", "neox", "rounding",
+               "token_ids", "first_head", "num_heads", "kv_heads", "rank", "tp_size"]
+
+
+def vllm_rotated(rope, k):
+    """vLLM's rotary module's own rotation of pre-RoPE keys k (bf16 [layers, n, heads, dim]) at
+    positions 0 .. n-1: what its cache op writes (the oracle for the cached bytes)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    layers, n, heads, dim = k.shape
+    out = []
+    for l in range(layers):
+        q = torch.zeros(n, heads * dim, dtype=torch.bfloat16)
+        with set_current_vllm_config(VllmConfig()):
+            _, kr = rope(torch.arange(n), q, k[l].reshape(n, -1).clone())
+        out.append(kr.reshape(n, heads, dim))
+    return torch.stack(out)
+
+
+def bits(t):
+    """A bf16 tensor's bit patterns as a numpy uint16 array."""
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
 # The bound on a de-rotated key pair, relative to its norm. vLLM writes its rotation v = R k (R:
 # the table's cos and sin, times any attention factor) rounded to bf16, whose spacing at x is at
 # most 2^-7 |x|: truncated (its AVX2 kernel) each element is off by less than 2^-7 |v_i|, so the
@@ -108,17 +133,23 @@ def test_capture_reads_back_what_vllm_rotated_and_wrote(kind, tmp_path):
     n = 200  # ends inside its second block
     caches, names, slots, k, v, isa = filled_caches(rope, n)
     cache = vllm_cpu_cache(caches, names, isa)
-    writer = CaptureWriter(str(tmp_path), cache, rope.cos_sin_cache, rope.is_neox_style, rank=0,
-                           tp=1, first_head=0, kv_heads=HEADS)
+    writer = CaptureWriter(str(tmp_path), cache, [caches[x] for x in names], rope.cos_sin_cache,
+                           rope.is_neox_style, rank=0, tp=1, first_head=0, kv_heads=HEADS)
     ids = list(range(1000, 1000 + n))
     path = writer.capture(CaptureJob("req-1", f"cap-{kind}", ids, slots))
     assert path == capture_path(str(tmp_path), f"cap-{kind}", 0) and os.path.isfile(path)
     assert not [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".tmp")]
     with np.load(path, allow_pickle=False) as z:
-        assert sorted(z.files) == sorted(["k", "v", "token_ids", "first_head", "num_heads",
-                                          "kv_heads", "rank", "tp_size"])
-        assert z["k"].dtype == np.float32 and z["k"].shape == (LAYERS, n, HEADS, DIM)
+        assert sorted(z.files) == sorted(FILE_FIELDS)
+        # the keys as cached: bf16 bit patterns, vLLM's rotation of k (its own module) exactly
+        assert z["k_cached"].dtype == np.uint16 and z["k_cached"].shape == (LAYERS, n, HEADS, DIM)
+        assert np.array_equal(z["k_cached"], bits(vllm_rotated(rope, k)))
+        assert np.array_equal(z["v_cached"], bits(v))
+        assert str(z["cache_dtype"]) == "bfloat16" and str(z["rounding"]) == ""
+        assert bool(z["neox"]) == rope.is_neox_style
+        assert np.array_equal(z["table"], rope.cos_sin_cache[:n].float().numpy())
     got = read_capture(str(tmp_path), f"cap-{kind}", 1)
+    assert got["unmatched"] == 0
     assert not os.path.exists(path), "read_capture removes the files it joined"
     assert got["token_ids"].tolist() == ids
     assert np.array_equal(got["v"], v.float().numpy()), "values are the cache's, widened"
@@ -132,9 +163,10 @@ def test_capture_reads_back_what_vllm_rotated_and_wrote(kind, tmp_path):
           f"{float((torch.from_numpy(got['k']).bfloat16().float().numpy() == kk).mean()):.3f}")
     assert np.all(err <= PAIR_BOUND * norm + 1e-6), f"{kind}: a pair is off by {worst:.2e}"
     # The pairing matters: the other pairing's de-rotation is far off (this test can fail).
-    wrong = CaptureWriter(str(tmp_path), cache, rope.cos_sin_cache, not rope.is_neox_style,
-                          rank=0, tp=1, first_head=0, kv_heads=HEADS)
-    bad_k, _ = wrong.read(CaptureJob("req-1", "x", ids, slots))
+    wrong = CaptureWriter(str(tmp_path), cache, [caches[x] for x in names], rope.cos_sin_cache,
+                          not rope.is_neox_style, rank=0, tp=1, first_head=0, kv_heads=HEADS)
+    wrong.capture(CaptureJob("req-1", "x", ids, slots))
+    bad_k = read_capture(str(tmp_path), "x", 1)["k"]
     err, norm = pair_errors(bad_k, kk, r, rope.is_neox_style)
     assert float((err / norm).max()) > 0.1
 
@@ -149,12 +181,16 @@ def test_tensor_parallel_ranks_are_joined_by_heads_and_checked(tmp_path):
     ids = list(range(n))
     for r in range(3):
         mine = {name: t[:, r:r + 1].contiguous() for name, t in caches.items()}
-        w = CaptureWriter(str(tmp_path), vllm_cpu_cache(mine, names, isa), rope.cos_sin_cache,
-                          True, rank=r, tp=3, first_head=r, kv_heads=3)
+        w = CaptureWriter(str(tmp_path), vllm_cpu_cache(mine, names, isa),
+                          [mine[x] for x in names], rope.cos_sin_cache, True, rank=r, tp=3,
+                          first_head=r, kv_heads=3)
         w.capture(CaptureJob("req", "joined", ids, slots))
     whole = CaptureWriter(str(tmp_path / "one"), vllm_cpu_cache(caches, names, isa),
-                          rope.cos_sin_cache, True, rank=0, tp=1, first_head=0, kv_heads=3)
-    want_k, want_v = whole.read(CaptureJob("req", "whole", ids, slots))
+                          [caches[x] for x in names], rope.cos_sin_cache, True, rank=0, tp=1,
+                          first_head=0, kv_heads=3)
+    whole.capture(CaptureJob("req", "whole", ids, slots))
+    want = read_capture(str(tmp_path / "one"), "whole", 1)
+    want_k, want_v = want["k"], want["v"]
     paths = [capture_path(str(tmp_path), "joined", r) for r in range(3)]
     saved = {p: open(p, "rb").read() for p in paths}
 
@@ -176,9 +212,10 @@ def test_tensor_parallel_ranks_are_joined_by_heads_and_checked(tmp_path):
     with pytest.raises(ValueError, match=f"{paths[2]}.*unreadable"):
         read_capture(str(tmp_path), "joined", 3)
     restore()
-    other = CaptureWriter(str(tmp_path), vllm_cpu_cache(
-        {name: t[:, 1:2].contiguous() for name, t in caches.items()}, names, isa),
-        rope.cos_sin_cache, True, rank=1, tp=3, first_head=1, kv_heads=3)
+    head1 = {name: t[:, 1:2].contiguous() for name, t in caches.items()}
+    other = CaptureWriter(str(tmp_path), vllm_cpu_cache(head1, names, isa),
+                          [head1[x] for x in names], rope.cos_sin_cache, True, rank=1, tp=3,
+                          first_head=1, kv_heads=3)
     other.capture(CaptureJob("req", "joined", [7] * n, slots))  # another prompt, same id
     with pytest.raises(ValueError, match=f"{paths[1]}.*another capture"):
         read_capture(str(tmp_path), "joined", 3)
@@ -192,6 +229,66 @@ def test_tensor_parallel_ranks_are_joined_by_heads_and_checked(tmp_path):
     assert np.array_equal(got["k"], want_k) and np.array_equal(got["v"], want_v)
     assert got["token_ids"].tolist() == ids
     assert not any(os.path.exists(p) for p in paths)
+
+
+def _resave(path, fields):
+    """The capture file at `path` written again with `fields` replaced (None: removed)."""
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {f: z[f] for f in z.files}
+    arrays.update(fields)
+    with open(path, "wb") as f:
+        np.savez(f, **{f: a for f, a in arrays.items() if a is not None})
+
+
+# A field of the file each: removed (None) or malformed, and the words the refusal must hold.
+MALFORMED_FILES = [
+    ({}, None),  # the control: well-formed
+    ({"k_cached": None}, r"no \['k_cached'\]"),
+    ({"table": None, "rounding": None}, r"no \['table', 'rounding'\]"),
+    ({"k_cached": np.zeros((LAYERS, 20, HEADS, DIM), np.float32)}, "k_cached float32"),
+    ({"v_cached": np.zeros((LAYERS, 20, HEADS, DIM - 2), np.uint16)},
+     r"v_cached uint16 \(2, 20, 3, 62\)"),
+    ({"cache_dtype": np.array("float8")}, "cache_dtype 'float8'"),
+    ({"cache_dtype": np.array(3)}, "cache_dtype 3"),
+    ({"table_dtype": np.array("int8")}, "table_dtype 'int8'"),
+    ({"rounding": np.array("truncate_maybe")}, "rounding 'truncate_maybe'"),
+    ({"neox": np.array(1)}, "neox is not a bool"),
+    ({"table": np.zeros((19, 64), np.float32)}, r"table float32 \(19, 64\)"),
+    ({"table": np.zeros((20, 66), np.float32)}, r"table float32 \(20, 66\)"),
+    ({"table": np.full((20, 64), np.nan, np.float32)}, "finite"),
+    ({"num_heads": np.int64(2)}, "num_heads 2"),
+]
+
+
+@pytest.fixture(scope="module")
+def capture_file(tmp_path_factory):
+    """The bytes of one well-formed capture file (20 tokens, a rounding named), written once."""
+    rope = rope_of()
+    n = 20
+    caches, names, slots, _, _, isa = filled_caches(rope, n)
+    folder = str(tmp_path_factory.mktemp("well-formed"))
+    writer = CaptureWriter(folder, vllm_cpu_cache(caches, names, isa),
+                           [caches[x] for x in names], rope.cos_sin_cache, True, rank=0, tp=1,
+                           first_head=0, kv_heads=HEADS, rounding="round_each")
+    with open(writer.capture(CaptureJob("req", "good", list(range(n)), slots)), "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("fields, words", MALFORMED_FILES)
+def test_a_malformed_capture_file_is_refused_naming_it(fields, words, capture_file, tmp_path):
+    """A capture file missing a field or with one malformed: read_capture raises ValueError with
+    the file's path and what is wrong, and leaves the file where it is."""
+    path = capture_path(str(tmp_path), "bad", 0)
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as f:
+        f.write(capture_file)
+    _resave(path, fields)
+    if words is None:  # the control: the file as written is read
+        assert read_capture(str(tmp_path), "bad", 1)["k"].shape == (LAYERS, 20, HEADS, DIM)
+        return
+    with pytest.raises(ValueError, match=f"capture file {re.escape(path)}: .*{words}"):
+        read_capture(str(tmp_path), "bad", 1)
+    assert os.path.isfile(path), "a refused capture file stays for inspection"
 
 
 @pytest.mark.parametrize("params,want", [

@@ -30,9 +30,11 @@ Testing failpoint: with INFERSCALE_VLLM_FAIL_LOAD_FOR_USER=<user> in the workers
 load for that user fails in the worker as an exception in the injection would (the tests use it).
 
 Capture while serving (serve_capture.py): a request with
-``kv_transfer_params = {"inferscale_capture": {"id": ...}}`` gets its prompt's pre-RoPE K/V read
-back from vLLM's cache after the forward that computed its last prompt token (``wait_for_save``),
-each rank its own KV heads, in ``<memory_dir>/.captures/<id>.rank<r>.npz``. The rotation (pairing,
+``kv_transfer_params = {"inferscale_capture": {"id": ...}}`` gets its prompt's K/V read back from
+vLLM's cache, as cached, after the forward that computed its last prompt token
+(``wait_for_save``), each rank its own KV heads, in ``<memory_dir>/.captures/<id>.rank<r>.npz``
+with the rotation the reader needs; ``read_capture`` de-rotates them to pre-RoPE K/V (and makes
+the keys exact) in the process that reads them, off the engine step. The rotation (pairing,
 rotary dims, table) is read from the model's rotary module for both directions (rotary.py).
 """
 
@@ -54,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from . import _inferscale
 from .memory import MemoryReader, cache_salt, check_model, describe_model, shard_store
 from .rotary import find_model_runner, model_rotary
-from .serve_capture import CaptureScheduler, CaptureWriter, ExactKeys
+from .serve_capture import ROUNDING_MODES, CaptureScheduler, CaptureWriter
 from .tensors import kv_cache_descriptor
 
 logger = logging.getLogger("vllm.inferscale")  # vLLM's handlers: its log shows ours
@@ -423,11 +425,17 @@ class InferScaleConnector(KVConnectorBase_V1):
                            "(%s): requests asking for it are served without capture",
                            "device caches" if self._device else "pipeline parallelism")
         else:
-            self._capture_writer = CaptureWriter(
-                self._directory, self._cache, self._table, self._rotary.neox, rank=rank, tp=tp,
-                first_head=rank * per, kv_heads=heads,
-                exact=ExactKeys(self._rotation, self._rotation_mode, self._cache, self._isa,
-                                self._table, self._rotary.neox))
+            # In the step only the cached bytes are read and written; the reader de-rotates
+            # them and runs ExactKeys with this rounding (serve_capture.read_capture).
+            try:
+                self._capture_writer = CaptureWriter(
+                    self._directory, self._cache, [kv_caches[n] for n in names], self._table,
+                    self._rotary.neox, rank=rank, tp=tp, first_head=rank * per,
+                    kv_heads=heads, rounding=self._rotation_mode)
+            except ValueError as e:
+                logger.warning("inferscale: capture while serving is not available on this "
+                               "worker (%s): requests asking for it are served without "
+                               "capture", e)
         logger.info("inferscale: TP rank %d/%d, PP stage %d/%d injects KV heads [%d, %d) into "
                     "layers [%d, %d) of %d slots (%s path)", rank, tp, pp_rank, pp, rank * per,
                     rank * per + per, first_layer, first_layer + num_layers, self._cache.num_slots,
@@ -524,9 +532,6 @@ class InferScaleConnector(KVConnectorBase_V1):
         return errors
 
 
-# The rounding modes the library can reproduce, in the order tried.
-ROUNDING_MODES = {"round_each": (True, False), "fp32_truncate": (False, True),
-                  "fp32_nearest": (False, False)}
 
 
 def rotation_for(table, head_dim: int, mode: str, neox: bool = True):

@@ -15,8 +15,10 @@ these routes are added (under /v1, so ``--api-key`` guards them as it guards vLL
 
 A write encodes each fact through the running engine (one forward of the memory's prefix, the
 optional context — the conversation turns the fact was said in — and the fact; the connector's
-save path reads the K/V back from vLLM's paged cache and de-rotates them), embeds its text, and
-commits a new generation with the facade's crash-safe save; writes are serialised (one writer).
+save path reads the K/V back from vLLM's paged cache in the engine step, and this process
+de-rotates them and makes the keys exact, off the step: serve_capture.read_capture), embeds its
+text, and commits a new generation with the facade's crash-safe save; writes are serialised (one
+writer).
 
 ``/v1/chat/completions`` and ``/v1/completions`` with OpenAI's ``user`` field answer from that
 user's memory: the query is embedded, the user's top k facts retrieved, and the prompt composed as
@@ -136,7 +138,8 @@ class MemoryService:
     # -- encoding through the engine --------------------------------------------------------
     async def _capture(self, ids: list[int]) -> dict:
         """The engine's pre-RoPE K/V of `ids` run as one prompt from position 0, read back from
-        its paged cache by the connector's save path."""
+        its paged cache by the connector's save path; the de-rotation and ExactKeys run here, in
+        a thread of this process (read_capture), not in the engine's step."""
         from vllm import SamplingParams
 
         from .serve_capture import read_capture

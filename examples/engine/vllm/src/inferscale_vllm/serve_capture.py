@@ -12,23 +12,37 @@ request (chunked, prefix-cached, preempted, batched). The connector then
   token: the request's blocks as vLLM's KV cache manager holds them in that step;
 - on each worker (``CaptureWriter``), after that step's forward (``wait_for_save``: by then vLLM
   has written every prompt token's K and V into its paged cache): reads those tokens back from the
-  cache tensors vLLM registered, de-rotates the keys with the library's ``extract`` and the
-  model's own rotary table, and writes this rank's KV heads, float32, atomically (a temporary file,
-  fsync, rename, fsync of the folder) to ``<memory_dir>/.captures/<id>.rank<r>.npz``.
+  cache tensors vLLM registered exactly as cached (the library's ``extract`` with an identity
+  rotation: any layout the library describes) and writes them with what the reader needs to
+  de-rotate them, this rank's KV heads, atomically (a temporary file, fsync, rename, fsync of the
+  folder) to ``<memory_dir>/.captures/<id>.rank<r>.npz``. That is all the engine step pays for.
 
-``read_capture(memory_dir, id, tp)`` joins the ranks' files into the whole model's heads and
-removes them. No hook on the model: whatever the model does to K before its rotation (a norm, a
-bias), the cache holds what attention reads, and the de-rotation is the exact inverse of the
-rotation vLLM applied (the model's table; the pairing, rotary dims and scaling read from the
-model's rotary module, ``model_rotary``), up to the rounding of the rotated keys to the cache
-dtype.
+``read_capture(memory_dir, id, tp)``, in the process that asks for the capture (the server's
+write path), off the engine step: checks each rank's file, de-rotates its keys with the library's
+``extract`` and the model's own rotary table (``derotate``), moves them with ``ExactKeys`` to bf16
+keys that the engine's rotation maps back to the cached bytes (the rounding the worker found
+vLLM's rotary kernel to use), joins the ranks' heads into the whole model's and removes the
+files. No hook on the model: whatever the model does to K before its rotation (a norm, a bias),
+the cache holds what attention reads, and the de-rotation is the exact inverse of the rotation
+vLLM applied (the model's table; the pairing, rotary dims and scaling read from the model's rotary
+module, ``model_rotary``), up to the rounding of the rotated keys to the cache dtype, which
+ExactKeys then resolves.
 
-File format (``np.load(path, allow_pickle=False)``):
-  k, v          float32 [layers, tokens, heads_of_rank, head_dim] (v: the cache's values widened
-                exactly; k: de-rotated in fp32 from the cache's keys)
+File format (``np.load(path, allow_pickle=False)``), one file per tensor-parallel rank; every
+field is checked on read and a file missing one, or with one malformed, is refused naming it:
+  k_cached, v_cached  [layers, tokens, heads_of_rank, head_dim]: the rotated keys and the values
+                exactly as the cache holds them, in cache_dtype (bfloat16: its bit patterns as
+                uint16; float16; float32)
+  cache_dtype   str: "bfloat16", "float16" or "float32"
+  table         float32 [tokens, rotary_dim]: the model's cos|sin table rows of positions
+                0 .. tokens-1 as the engine's rotation reads them, widened exactly
+  table_dtype   str: the dtype the engine's rotation reads the table in ("bfloat16", ...)
+  neox          bool scalar: the model's pairing (halves; False: GPT-J's interleaved pairs)
+  rounding      str: how vLLM's rotary kernel rounds on the worker's machine (``ROUNDING_MODES``),
+                "" if unknown (the reader then gives the plain de-rotation)
   token_ids     int64 [tokens] (the prompt's, from position 0)
   first_head    int64 scalar: this rank's first KV head in the whole model
-  num_heads     int64 scalar: this rank's KV heads (= k.shape[2])
+  num_heads     int64 scalar: this rank's KV heads (= k_cached.shape[2])
   kv_heads      int64 scalar: the whole model's KV heads
   rank, tp_size int64 scalars: the tensor-parallel rank and size
 """
@@ -53,8 +67,14 @@ CAPTURE_DIR = ".captures"  # under the memory directory
 CAPTURE_KEYS = ("id",)  # the keys a capture parameter may have
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 NULL_BLOCK = 0  # vLLM's null block id (v1/core/block_pool.py: the first block of the pool)
-KEEP_STORE_BYTES = 256 << 20  # the largest extraction store a worker keeps between captures
-_FIELDS = ("k", "v", "token_ids", "first_head", "num_heads", "kv_heads", "rank", "tp_size")
+_FIELDS = ("k_cached", "v_cached", "cache_dtype", "table", "table_dtype", "neox", "rounding",
+           "token_ids", "first_head", "num_heads", "kv_heads", "rank", "tp_size")
+# How a cache's elements are stored in the file, exactly: bfloat16 as its bit patterns
+_STORED_AS = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
+# How vLLM's rotary kernel rounds, as the library's Rotation reproduces it: (round each
+# operation, truncate fp32 to bf16), in the order connector.rotation_matching_vllm tries them.
+ROUNDING_MODES = {"round_each": (True, False), "fp32_truncate": (False, True),
+                  "fp32_nearest": (False, False)}
 
 
 def parse_capture_param(kv_transfer_params):
@@ -189,86 +209,146 @@ def write_npz_atomically(path: str, arrays: dict) -> None:
 
 
 class CaptureWriter:
-    """The worker side: reads captured tokens back from this rank's paged cache and writes them.
+    """The worker side: reads captured tokens back from this rank's paged cache, as cached, and
+    writes them (the module docstring's file format). Nothing else runs in the engine step: the
+    de-rotation and ExactKeys run in the process that reads the capture (``read_capture``).
 
-    cache: the rank's VllmCpuCache (every layer of the model, this rank's KV heads); table: the
-    model's cos/sin table as vLLM holds it (rows = positions, [cos | sin] of rotary_dim); neox:
-    the model's pairing."""
+    cache: the rank's VllmCpuCache (every layer of the model, this rank's KV heads); tensors: the
+    cache tensors it describes, in its layer order (their dtype is the file's cache_dtype);
+    table: the model's cos/sin table as the engine's rotation reads it (rows = positions, [cos |
+    sin] of rotary_dim, its dtype kept); neox: the model's pairing; rounding: how vLLM's rotary
+    kernel rounds on this machine (``ROUNDING_MODES``, found by
+    connector.rotation_matching_vllm), None if unknown (the reader then gives the plain
+    de-rotation only).
 
-    def __init__(self, memory_dir: str, cache, table, neox: bool, *, rank: int, tp: int,
-                 first_head: int, kv_heads: int, exact: "ExactKeys | None" = None):
+    The read-back is one gather per layer and K/V: the element offsets of every (token, head,
+    dim) come from the library's description of the cache (``key_offset``, ``value_offset``;
+    offset = block part + token part + (head, dim) part, cache.hpp), taken once here, so any
+    layout the library describes (vLLM's vec and amx) is read as it describes it, in the
+    cache's own dtype, with no conversion."""
+
+    def __init__(self, memory_dir: str, cache, tensors, table, neox: bool, *, rank: int, tp: int,
+                 first_head: int, kv_heads: int, rounding: "str | None" = None):
         import torch
 
-        from . import _inferscale
-
+        tensors = list(tensors)
+        cache_dtype = str(tensors[0].dtype).replace("torch.", "") if tensors else None
+        if len(tensors) != cache.num_layers or any(
+                t.dtype != tensors[0].dtype or t.shape != tensors[0].shape
+                or t.stride() != tensors[0].stride() or t.device.type != "cpu" for t in tensors):
+            raise ValueError(f"inferscale: capture needs the cache's {cache.num_layers} layer "
+                             f"tensors, on the CPU, of one dtype, shape and strides")
+        if cache_dtype not in _STORED_AS:
+            raise ValueError(f"inferscale: capture of a {cache_dtype!r} cache (supported: "
+                             f"{sorted(_STORED_AS)})")
+        if rounding is not None and rounding not in ROUNDING_MODES:
+            raise ValueError(f"inferscale: rounding {rounding!r} is none of "
+                             f"{list(ROUNDING_MODES)}")
+        table_dtype = str(table.dtype).replace("torch.", "")
+        if table_dtype not in _STORED_AS:
+            raise ValueError(f"inferscale: a {table_dtype} rotary table (supported: "
+                             f"{sorted(_STORED_AS)})")
         self.directory = os.path.join(memory_dir, CAPTURE_DIR)
         self.memory_dir = memory_dir
-        self.cache = cache
-        # De-rotation in fp32 with the table's values (a bf16 table widened exactly): the inverse
-        # of the rotation vLLM applied with those values (extract divides by cos^2 + sin^2).
-        self.table = table.detach().to("cpu", torch.float32).contiguous()
-        self.rotation = _inferscale.Rotation(self.table, cache.head_dim, bool(neox), False, False)
+        self.cache, self.tensors, self.cache_dtype = cache, tensors, cache_dtype
+        self.neox, self.rounding, self.table_dtype = bool(neox), rounding or "", table_dtype
+        # the table's rows as the file carries them: its values widened exactly to float32
+        self.table = table.detach().to("cpu", torch.float32).contiguous().numpy()
         self.rank, self.tp, self.first_head, self.kv_heads = rank, tp, first_head, kv_heads
-        # The float32 store extract writes into, kept between captures (a new one's pool costs
-        # its page faults: 0.13 s for 1,024 tokens of SmolLM2 here) while it stays within
-        # KEEP_STORE_BYTES; its one fact is erased after each read.
-        self._store, self._store_tokens, self._buffer = None, 0, None
-        # ExactKeys: the keys moved to bf16 keys that rotate back to vLLM's exact bytes
-        self.exact = exact
-        self.seconds = 0.0  # time spent capturing (extraction + writing), for the benchmark
+        self._offsets()
+        self.seconds = 0.0  # time spent capturing in the step (read-back + writing), for benches
         self.write_seconds = 0.0  # of which writing the file (npz, fsync, rename, fsync)
         self.written = 0
         self.lock = threading.Lock()
 
-    def read(self, job: CaptureJob):
-        """(k, v) float32 [layers, tokens, heads of this rank, head_dim] of the job's tokens (views
-        of the writer's buffer, valid until its next read)."""
-        from . import _inferscale
+    def _offsets(self):
+        """The parts of each element's offset from its layer's base, from the library's cache
+        description: per (head, dim), per token of a block, per block; checked against the
+        library at a few slots (a layout whose offset is not such a sum is refused)."""
+        c = self.cache
+        heads, dim, bs = c.num_heads, c.head_dim, c.block_size
+        self._parts = {}
+        for name, at in (("k", c.key_offset), ("v", c.value_offset)):
+            origin = at(0, 0, 0)
+            head_dim = np.array([[at(0, h, d) - origin for d in range(dim)] for h in range(heads)],
+                                np.int64)
+            token = np.array([at(t, 0, 0) - origin for t in range(bs)], np.int64)
+            block = at(bs, 0, 0) - origin if c.num_slots > bs else 0
+            self._parts[name] = (origin, block, token, head_dim)
+        probes = {0, bs - 1, min(bs + 1, c.num_slots - 1), c.num_slots - 1}
+        span = self.tensors[0].numel()
+        for name, at in (("k", c.key_offset), ("v", c.value_offset)):
+            for slot in probes:
+                got = self._slot_offsets(name, np.array([slot], np.int64))[0]
+                want = np.array([[at(slot, h, d) for d in range(dim)] for h in range(heads)])
+                if not np.array_equal(got, want):
+                    raise ValueError(f"inferscale: the cache's {name} layout is not a sum of "
+                                     f"block, token and (head, dim) parts (slot {slot}): "
+                                     f"capture cannot gather it")
+            origin, block, token, head_dim = self._parts[name]
+            parts = (origin, block, token.min(), head_dim.min())
+            last = origin + (c.num_slots // bs - 1) * block + token.max() + head_dim.max()
+            if min(parts) < 0 or last >= span:
+                raise ValueError(f"inferscale: the cache's {name} elements reach offset {last}, "
+                                 f"beyond its layer tensors' {span} elements")
+        # each layer's elements from its base, as the descriptor addresses them (torch refuses a
+        # tensor whose storage does not hold them)
+        try:
+            self._flat = [t.as_strided((span,), (1,)) for t in self.tensors]
+        except RuntimeError as e:
+            raise ValueError(f"inferscale: the cache's layer tensors cannot be read as "
+                             f"{span} elements from their bases: {e}") from e
+
+    def _slot_offsets(self, name, slots):
+        origin, block, token, head_dim = self._parts[name]
+        bs = self.cache.block_size
+        base = origin + (slots // bs) * block + token[slots % bs]
+        return base[:, None, None] + head_dim[None]
+
+    def read_cached(self, job: CaptureJob):
+        """(k, v) [layers, tokens, heads of this rank, head_dim] of the job's tokens exactly as
+        the cache holds them (rotated keys), as numpy arrays in the file's storage dtype (bfloat16:
+        its bit patterns as uint16)."""
+        import torch
 
         n = len(job.slots)
         c = self.cache
         if n > self.table.shape[0]:
             raise ValueError(f"{n} tokens, the model's rotary table has {self.table.shape[0]} "
                              f"positions")
-        pages = (n + 15) // 16
-        per_token = c.num_layers * c.num_heads * c.head_dim  # elements of k (or v) per token
-        if self._store is None or self._store_tokens < pages * 16:
-            self._store, self._buffer = None, None
-            store = _inferscale.Store(c.num_layers, c.num_heads, c.head_dim, "float32", pages, 16)
-            if pages * 16 * per_token * 2 * 4 <= KEEP_STORE_BYTES:
-                self._store, self._store_tokens = store, pages * 16
-                # k and v's memory too (written to the file before the next capture reuses it)
-                self._buffer = np.empty((2, pages * 16 * per_token), dtype=np.float32)
-        else:
-            store = self._store
+        slots = np.asarray(job.slots, np.int64)
+        if n == 0 or slots.min() < 0 or slots.max() >= c.num_slots:
+            raise ValueError(f"slots out of the cache's [0, {c.num_slots})")
         shape = (c.num_layers, n, c.num_heads, c.head_dim)
-        try:
-            _inferscale.extract(store, c, self.rotation, [int(s) for s in job.slots], 0, 1, 0,
-                                [int(t) for t in job.token_ids])
-            if self._buffer is not None and store is self._store:
-                k = self._buffer[0, : n * per_token].reshape(shape)
-                v = self._buffer[1, : n * per_token].reshape(shape)
+        out = []
+        for name in ("k", "v"):
+            index = torch.from_numpy(self._slot_offsets(name, slots).reshape(-1))
+            got = torch.empty((c.num_layers, index.numel()), dtype=self.tensors[0].dtype)
+            for layer, flat in enumerate(self._flat):
+                torch.index_select(flat, 0, index, out=got[layer])
+            if self.cache_dtype == "bfloat16":
+                got = got.view(torch.int16).numpy().view(np.uint16)
             else:
-                k, v = np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32)
-            store.read(1, k, v)
-            if self.exact is not None:
-                k = self.exact.fix(k, self.exact.raw_keys(c, job.slots, n))
-        finally:
-            if store.contains(1):
-                store.erase(1)
-        return k, v
+                got = got.numpy()
+            out.append(got.reshape(shape))
+        return out[0], out[1]
 
     def capture(self, job: CaptureJob) -> str:
         t0 = time.perf_counter()
-        k, v = self.read(job)
+        k, v = self.read_cached(job)
+        n = k.shape[1]
+        arrays = {
+            "k_cached": k, "v_cached": v, "cache_dtype": np.array(self.cache_dtype),
+            "table": self.table[:n], "table_dtype": np.array(self.table_dtype),
+            "neox": np.array(self.neox), "rounding": np.array(self.rounding),
+            "token_ids": np.asarray(job.token_ids, dtype=np.int64),
+            "first_head": np.int64(self.first_head), "num_heads": np.int64(k.shape[2]),
+            "kv_heads": np.int64(self.kv_heads), "rank": np.int64(self.rank),
+            "tp_size": np.int64(self.tp)}
         t1 = time.perf_counter()
         os.makedirs(self.directory, exist_ok=True)
         path = capture_path(self.memory_dir, job.capture_id, self.rank)
-        write_npz_atomically(path, {
-            "k": k, "v": v, "token_ids": np.asarray(job.token_ids, dtype=np.int64),
-            "first_head": np.int64(self.first_head), "num_heads": np.int64(k.shape[2]),
-            "kv_heads": np.int64(self.kv_heads), "rank": np.int64(self.rank),
-            "tp_size": np.int64(self.tp)})
+        write_npz_atomically(path, arrays)
         t2 = time.perf_counter()
         with self.lock:
             self.seconds += t2 - t0
@@ -298,10 +378,13 @@ class ExactKeys:
     the de-rotation rotates back to the same bytes (k itself does), so: round the de-rotation to
     bf16, rotate it with `rotation` — the library's rotation that reproduces vLLM's rotary kernel
     bit for bit on this machine (connector.rotation_matching_vllm) — into a scratch cache, and
-    where a rotary pair's bytes differ, try its bf16 neighbours (1, then 2 units in the last place
-    each way) until they match. Stored, such keys re-inject at the captured positions exactly what
-    vLLM's prefill wrote (Theorem 3 through the server); a pair no neighbour fixes is left as the
-    rounding gave it (counted in `unmatched`)."""
+    where a rotary pair's bytes differ, try bf16 pairs around it (neighbours 1, then 6 units in
+    the last place each way, then values spread over the pair's rounding interval, then a walk
+    along one element's bf16 lattice solving for the other) until they match. Stored, such keys
+    re-inject at the captured positions exactly what vLLM's prefill wrote (Theorem 3 through the
+    server); a pair none of them fixes is left as the rounding gave it (counted in `unmatched`).
+    Costly (tens of ms per token for a 30-layer model): it runs in the process that reads the
+    capture (``read_capture``), never in the engine step."""
 
     def __init__(self, rotation, mode: str, cache, isa: str, table, neox: bool):
         import torch
@@ -313,8 +396,7 @@ class ExactKeys:
         self.rotary = table.shape[1]
         self.table = table.detach().to("cpu", torch.float32).numpy()
         # the identity rotation (cos 1, sin 0): extract then reads a cache's keys as stored
-        self.identity_table = torch.zeros(table.shape[0], self.rotary, dtype=torch.float32)
-        self.identity_table[:, : self.rotary // 2] = 1.0
+        self.identity_table = _identity_table(table.shape[0], self.rotary)
         from . import _inferscale
 
         self.identity = _inferscale.Rotation(self.identity_table, self.dim, self.neox, False,
@@ -334,18 +416,11 @@ class ExactKeys:
 
     def forward(self, keys):
         """The bytes (as float32) `rotation` writes for `keys` at positions 0 .. n-1."""
-        import torch
-
         from . import _inferscale
-        from .tensors import vllm_cpu_cache
 
         n = keys.shape[1]
-        blocks = (n + self.block - 1) // self.block
-        caches = {f"model.layers.{i}.self_attn.attn":
-                  torch.zeros(blocks, self.heads, self.block, 2 * self.dim, dtype=torch.bfloat16)
-                  for i in range(self.layers)}
-        names = list(caches)
-        cache = vllm_cpu_cache(caches, names, self.isa)
+        cache, _ = _scratch_cache(self.layers, self.heads, self.dim, n, "bfloat16", self.block,
+                                  self.isa)
         # a bf16 store, as a memory of this model holds its keys: the rotation rounds in the
         # store's dtype where vLLM's kernel does (round_each), and the keys are bf16 values
         store = _inferscale.Store(self.layers, self.heads, self.dim, "bfloat16",
@@ -520,6 +595,83 @@ def _bf16_bits(a: np.ndarray) -> np.ndarray:
     return u
 
 
+
+def _identity_table(rows: int, rotary_dim: int) -> np.ndarray:
+    """A float32 [rows, rotary_dim] cos|sin table of cos 1 and sin 0: a rotation that moves
+    nothing (extract reads a cache's keys as stored, inject writes keys as given)."""
+    table = np.zeros((rows, rotary_dim), np.float32)
+    table[:, : rotary_dim // 2] = 1.0
+    return table
+
+
+def _widen(a: np.ndarray, cache_dtype: str) -> np.ndarray:
+    """A cache's elements as the file stores them (``_STORED_AS``) in float32, exactly."""
+    if cache_dtype == "bfloat16":
+        return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return a.astype(np.float32)
+
+
+def _scratch_cache(layers, heads, dim, n, dtype, block=128, isa="vec"):
+    """(descriptor, tensors) of a zeroed cache of vLLM's CPU layout holding n tokens in slots
+    0 .. n-1 (the caller keeps the tensors alive)."""
+    import torch
+
+    from .tensors import vllm_cpu_cache
+
+    blocks = (n + block - 1) // block
+    caches = {f"model.layers.{i}.self_attn.attn":
+              torch.zeros(blocks, heads, block, 2 * dim, dtype=getattr(torch, dtype))
+              for i in range(layers)}
+    return vllm_cpu_cache(caches, list(caches), isa), caches
+
+
+def derotate(k_cached: np.ndarray, cache_dtype: str, table: np.ndarray, neox: bool) -> np.ndarray:
+    """The library's de-rotation (``extract``, in fp32, with the float32 `table`'s rows as the
+    positions 0 .. n-1) of keys as a cache of `cache_dtype` holds them (float32 [layers, n, heads,
+    head_dim], each a `cache_dtype` value): the keys are put back, bit for bit, into a scratch cache
+    of that dtype (injected with the identity rotation) and extracted from it, the same arithmetic
+    on the same bytes as an extraction from vLLM's own cache."""
+    from . import _inferscale
+
+    layers, n, heads, dim = k_cached.shape
+    rotary = table.shape[1]
+    k_cached = np.ascontiguousarray(k_cached, np.float32)
+    cache, tensors = _scratch_cache(layers, heads, dim, n, cache_dtype)
+    identity_table = _identity_table(n, rotary)
+    identity = _inferscale.Rotation(identity_table, dim, bool(neox), False, False)
+    store = _inferscale.Store(layers, heads, dim, cache_dtype, (n + 15) // 16, 16)
+    store.insert(1, 0, [0] * n, k_cached, k_cached)
+    _inferscale.inject(store, cache, identity, [([1], 0, list(range(n)))])
+    table = np.ascontiguousarray(table, np.float32)
+    rotation = _inferscale.Rotation(table[:n], dim, bool(neox), False, False)
+    out = _inferscale.Store(layers, heads, dim, "float32", (n + 15) // 16, 16)
+    _inferscale.extract(out, cache, rotation, list(range(n)), 0, 1, 0, [0] * n)
+    k = np.empty_like(k_cached)
+    v = np.empty_like(k_cached)
+    out.read(1, k, v)
+    del tensors
+    return k
+
+
+def exact_keys(k: np.ndarray, k_cached: np.ndarray, table: np.ndarray, table_dtype: str,
+               rounding: str, neox: bool) -> tuple[np.ndarray, int]:
+    """(keys, unmatched): ExactKeys on de-rotated keys `k` against the bytes the cache held
+    (`k_cached`, float32), with the engine's rotation rebuilt from the capture: the table's rows
+    in the dtype the engine's rotation reads them, and the rounding vLLM's kernel does here."""
+    import torch
+    from types import SimpleNamespace
+
+    from . import _inferscale
+
+    layers, n, heads, dim = k.shape
+    engine_table = torch.from_numpy(np.ascontiguousarray(table)).to(getattr(torch, table_dtype))
+    round_each, truncate = ROUNDING_MODES[rounding]
+    rotation = _inferscale.Rotation(engine_table[:n], dim, bool(neox), round_each, truncate)
+    geometry = SimpleNamespace(num_layers=layers, num_heads=heads, head_dim=dim, block_size=128)
+    fixer = ExactKeys(rotation, rounding, geometry, "vec", engine_table, neox)
+    return fixer.fix(k, k_cached), fixer.unmatched  # (engine_table alive until fix returns)
+
+
 def _refuse(path, why):
     raise ValueError(f"inferscale: capture file {path}: {why}")
 
@@ -531,7 +683,7 @@ def _load_rank(path: str) -> dict:
         with np.load(path, allow_pickle=False) as z:
             missing = [f for f in _FIELDS if f not in z.files]
             if missing:
-                _refuse(path, f"partial: no {missing}")
+                _refuse(path, f"partial or of another format: no {missing}")
             out = {f: z[f] for f in _FIELDS}
     except ValueError as e:
         if str(e).startswith("inferscale:"):
@@ -542,12 +694,66 @@ def _load_rank(path: str) -> dict:
     return out
 
 
-def read_capture(memory_dir: str, capture_id: str, tp: int = 1, *,
-                 timeout: float = 5.0) -> dict:
+def _text(path, p, field, allowed):
+    a = p[field]
+    if a.shape != () or a.dtype.kind != "U" or str(a) not in allowed:
+        shown = repr(a.item()) if a.shape == () else f"of shape {a.shape}"
+        _refuse(path, f"{field} {shown:.80} ({a.dtype}) is not one of {sorted(allowed)}")
+    return str(a)
+
+
+def _check_rank(path: str, p: dict, r: int, tp: int) -> dict:
+    """The rank file's fields checked one by one (the module docstring's format); returns its
+    scalars and strings as Python values."""
+    meta = {}
+    for f in ("first_head", "num_heads", "kv_heads", "rank", "tp_size"):
+        a = p[f]
+        if a.shape != () or a.dtype.kind not in "iu":
+            _refuse(path, f"{f} is not an integer scalar ({a.dtype} {a.shape})")
+        meta[f] = int(a)
+    if meta["rank"] != r or meta["tp_size"] != tp:
+        _refuse(path, f"written by rank {meta['rank']} of {meta['tp_size']}, expected rank {r} "
+                      f"of {tp}")
+    meta["cache_dtype"] = _text(path, p, "cache_dtype", _STORED_AS)
+    meta["table_dtype"] = _text(path, p, "table_dtype", _STORED_AS)
+    meta["rounding"] = _text(path, p, "rounding", set(ROUNDING_MODES) | {""})
+    if p["neox"].shape != () or p["neox"].dtype != np.bool_:
+        _refuse(path, f"neox is not a bool scalar ({p['neox'].dtype} {p['neox'].shape})")
+    meta["neox"] = bool(p["neox"])
+    k, v = p["k_cached"], p["v_cached"]
+    stored = np.dtype(_STORED_AS[meta["cache_dtype"]])
+    if k.dtype != stored or v.dtype != stored or k.ndim != 4 or k.shape != v.shape \
+            or 0 in k.shape:
+        _refuse(path, f"k_cached {k.dtype} {k.shape} and v_cached {v.dtype} {v.shape} are not "
+                      f"{stored} [layers, tokens, heads, head_dim] of one shape (a "
+                      f"{meta['cache_dtype']} cache)")
+    ids = p["token_ids"]
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.shape[0] != k.shape[1]:
+        _refuse(path, f"{ids.shape} token ids ({ids.dtype}) for {k.shape[1]} tokens")
+    table = p["table"]
+    if (table.dtype != np.float32 or table.ndim != 2 or table.shape[0] != k.shape[1]
+            or not 0 < table.shape[1] <= k.shape[3] or table.shape[1] % 2
+            or not np.all(np.isfinite(table))):
+        _refuse(path, f"table {table.dtype} {table.shape} is not the finite float32 cos|sin rows "
+                      f"of {k.shape[1]} positions, an even number of rotary dims up to the head "
+                      f"size {k.shape[3]}")
+    if meta["num_heads"] != k.shape[2]:
+        _refuse(path, f"num_heads {meta['num_heads']}, k_cached holds {k.shape[2]} heads")
+    return meta
+
+
+def read_capture(memory_dir: str, capture_id: str, tp: int = 1, *, timeout: float = 5.0,
+                 exact: bool = True) -> dict:
     """The capture `capture_id` of a memory directory: ``{"k", "v": float32 [layers, tokens,
-    kv_heads, head_dim], "token_ids": int64 [tokens]}``, the `tp` ranks' files joined by heads; the
-    files are then removed. Raises ValueError naming the file when one is missing, unreadable,
-    partial or inconsistent with the others (nothing is removed then).
+    kv_heads, head_dim], "token_ids": int64 [tokens], "unmatched": int}``, the `tp` ranks' files
+    joined by heads; the files are then removed. Raises ValueError naming the file when one is
+    missing, unreadable, partial, malformed or inconsistent with the others (nothing is removed
+    then).
+
+    k: the cached keys de-rotated (``derotate``) and, with `exact` and a rounding in the file,
+    moved by ExactKeys to bf16 keys that the engine's rotation maps back to the cached bytes;
+    "unmatched": the key pairs ExactKeys left as the de-rotation gave them (0 when it did not run;
+    logged). This is where ExactKeys runs, off the engine step (the caller's thread).
 
     timeout: seconds to wait for rank files that are not there yet. At TP = 1 the file is written
     before vLLM returns the request's first token; at TP > 1 vLLM returns it from one rank while
@@ -562,39 +768,45 @@ def read_capture(memory_dir: str, capture_id: str, tp: int = 1, *,
     while not all(os.path.isfile(p) for p in paths) and time.monotonic() < deadline:
         time.sleep(0.01)
     parts = [_load_rank(p) for p in paths]
+    metas = []
     next_head = 0
     for r, (path, p) in enumerate(zip(paths, parts)):
-        k, v = p["k"], p["v"]
-        scalars = {f: p[f] for f in ("first_head", "num_heads", "kv_heads", "rank", "tp_size")}
-        for f, a in scalars.items():
-            if a.shape != () or a.dtype.kind not in "iu":
-                _refuse(path, f"{f} is not an integer scalar ({a.dtype} {a.shape})")
-        if int(scalars["rank"]) != r or int(scalars["tp_size"]) != tp:
-            _refuse(path, f"written by rank {int(scalars['rank'])} of "
-                          f"{int(scalars['tp_size'])}, expected rank {r} of {tp}")
-        if k.dtype != np.float32 or v.dtype != np.float32 or k.ndim != 4 or k.shape != v.shape:
-            _refuse(path, f"k {k.dtype} {k.shape} and v {v.dtype} {v.shape} are not float32 "
-                          f"[layers, tokens, heads, head_dim] of one shape")
-        ids = p["token_ids"]
-        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.shape[0] != k.shape[1]:
-            _refuse(path, f"{ids.shape} token ids ({ids.dtype}) for {k.shape[1]} tokens")
-        if int(scalars["num_heads"]) != k.shape[2] or int(scalars["first_head"]) != next_head:
-            _refuse(path, f"heads [{int(scalars['first_head'])}, +{int(scalars['num_heads'])}) "
-                          f"(k has {k.shape[2]}), expected the run to start at head {next_head}")
+        meta = _check_rank(path, p, r, tp)
+        k = p["k_cached"]
+        if meta["first_head"] != next_head:
+            _refuse(path, f"heads [{meta['first_head']}, +{meta['num_heads']}), expected the run "
+                          f"to start at head {next_head}")
         next_head += k.shape[2]
-        first = parts[0]
-        if r and (k.shape[0] != first["k"].shape[0] or k.shape[1] != first["k"].shape[1]
-                  or k.shape[3] != first["k"].shape[3]
-                  or not np.array_equal(ids, first["token_ids"])
-                  or int(scalars["kv_heads"]) != int(first["kv_heads"])):
+        first, first_meta = parts[0], metas[0] if metas else meta
+        same = ("kv_heads", "cache_dtype", "table_dtype", "rounding", "neox")
+        if r and (k.shape[0] != first["k_cached"].shape[0]
+                  or k.shape[1] != first["k_cached"].shape[1]
+                  or k.shape[3] != first["k_cached"].shape[3]
+                  or not np.array_equal(p["token_ids"], first["token_ids"])
+                  or not np.array_equal(p["table"], first["table"])
+                  or any(meta[f] != first_meta[f] for f in same)):
             _refuse(path, f"another capture than {paths[0]}'s (layers, tokens, head size, token "
-                          f"ids or the model's KV heads differ): one id reused?")
-    if next_head != int(parts[0]["kv_heads"]):
+                          f"ids, the model's KV heads, dtypes, table or rotation differ): one id "
+                          f"reused?")
+        metas.append(meta)
+    if next_head != metas[0]["kv_heads"]:
         _refuse(paths[-1], f"the ranks hold {next_head} KV heads, the model "
-                           f"{int(parts[0]['kv_heads'])}")
-    out = {"k": np.concatenate([p["k"] for p in parts], axis=2),
-           "v": np.concatenate([p["v"] for p in parts], axis=2),
-           "token_ids": parts[0]["token_ids"].astype(np.int64)}
+                           f"{metas[0]['kv_heads']}")
+    ks, vs, unmatched = [], [], 0
+    for path, p, meta in zip(paths, parts, metas):
+        k_cached = _widen(p["k_cached"], meta["cache_dtype"])
+        k = derotate(k_cached, meta["cache_dtype"], p["table"], meta["neox"])
+        if exact and meta["rounding"]:
+            k, left = exact_keys(k, k_cached, p["table"], meta["table_dtype"], meta["rounding"],
+                                 meta["neox"])
+            if left:
+                logger.warning("inferscale: capture %s: %d key pairs of %s do not rotate back to "
+                               "the cached bytes (left as de-rotated)", capture_id, left, path)
+            unmatched += left
+        ks.append(k)
+        vs.append(_widen(p["v_cached"], meta["cache_dtype"]))
+    out = {"k": np.concatenate(ks, axis=2), "v": np.concatenate(vs, axis=2),
+           "token_ids": parts[0]["token_ids"].astype(np.int64), "unmatched": unmatched}
     for path in paths:
         os.remove(path)
     return out

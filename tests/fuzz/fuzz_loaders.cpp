@@ -136,8 +136,9 @@ bool refused_or_loaded(char const* what, Load&& load)
 // memory.hpp and detail/tier/snapshot.inl).
 
 /// Store file: the header checksum at 96, the catalogue checksum after the catalogue (its length
-/// 16 N + 16 F + 4 T + 8 P from the header), the file checksum at the end over everything but
-/// those two.
+/// 16 N + 16 F + 4 T + 8 P from the header, + 8 F for the fact table of version 2), the file
+/// checksum at the end over everything but those two. The fact table is not repaired: a v2 input
+/// with changed pages stops at its fact checksums (the committed v1 inputs reach the pool checks).
 bytes repaired_store(bytes b)
 {
   namespace fmt = detail::store_format;
@@ -147,7 +148,9 @@ bytes repaired_store(bytes b)
   std::uint64_t const p   = le64(b, 48);
   std::uint64_t catalogue = 0;
   bool const sized = n < (1ull << 56) && f < (1ull << 56) && t < (1ull << 58) && p < (1ull << 58) &&
-                     (catalogue = 16 * n + 16 * f + 4 * t + 8 * p) <= b.size() - fmt::minimum_bytes;
+                     (catalogue = 16 * n + 16 * f + 4 * t + 8 * p +
+                                  (b[8] >= 2 && (b[9] | b[10] | b[11]) == 0 ? 8 * f : 0)) <=
+                       b.size() - fmt::minimum_bytes;
   detail::serial::crc64 file;
   file.update(b.data(), 96);
   if (sized) {

@@ -53,9 +53,20 @@ template <class Bits>
 bool any_exponent_all_ones(unsigned char const* p, std::size_t count, Bits mask) noexcept
 {
   // No early exit and a narrow accumulator: the loop vectorises (about 8 GB/s on one core of the
-  // 2-core Xeon CI machine, against 2.5 GB/s with a bool accumulator).
-  Bits acc = 0;
-  for (std::size_t e = 0; e < count; ++e) {
+  // 2-core Xeon CI machine, against 2.5 GB/s with a bool accumulator). Blocks of a constant 64
+  // elements: g++ 12 at -O2 (the vLLM extension's level, "very cheap" vectorisation) vectorises
+  // only a loop that needs no epilogue; the plain loop stayed scalar there.
+  constexpr std::size_t lanes = 64;
+  Bits acc                    = 0;
+  std::size_t e               = 0;
+  for (; e + lanes <= count; e += lanes) {
+    for (std::size_t l = 0; l < lanes; ++l) {
+      Bits b;
+      std::memcpy(&b, p + sizeof(Bits) * (e + l), sizeof(Bits));
+      acc |= static_cast<Bits>(((b & mask) ^ mask) == 0 ? 1 : 0);
+    }
+  }
+  for (; e < count; ++e) {
     Bits b;
     std::memcpy(&b, p + sizeof(Bits) * e, sizeof(Bits));
     acc |= static_cast<Bits>(((b & mask) ^ mask) == 0 ? 1 : 0);

@@ -76,7 +76,9 @@ std::string store_error(std::function<void()> const& load)
 }
 
 /// File offset of the first byte of page `page` (in use) of `store` saved to a file.
-std::size_t page_offset(std::vector<unsigned char> const& file, kv_store const& store, std::int64_t page)
+std::size_t page_offset(std::vector<unsigned char> const& file,
+                        kv_store const& store,
+                        std::int64_t page)
 {
   std::vector<std::int64_t> used;
   for (std::uint64_t ns : access::namespace_ids(store)) {
@@ -195,7 +197,7 @@ TEST_CASE("snapshot reload: only what changed is read, and what is read is check
 
   // a flipped byte in an unchanged fact's pages: the full load refuses the file; the incremental
   // load never reads those bytes and gives the full load of the undamaged file
-  std::string const damaged = dir.file("damaged.iskv");
+  std::string const damaged    = dir.file("damaged.iskv");
   std::vector<unsigned char> f = good;
   f[page_offset(good, writer, writer.at(12).pages[1]) + 5] ^= 0x10;
   write_bytes(damaged, f);
@@ -217,7 +219,7 @@ TEST_CASE("snapshot reload: only what changed is read, and what is read is check
     f = good;
     refresh_checksums(f);
     REQUIRE(f == good);  // the reference layout and CRCs agree with the writer
-    layout const l = layout_of(f);
+    layout const l      = layout_of(f);
     std::size_t ordinal = 0;  // catalogue order: namespaces ascending, insertion order
     for (std::uint64_t ns : access::namespace_ids(writer)) {
       std::vector<std::uint64_t> const ids = writer.namespace_fact_ids(ns);
@@ -323,8 +325,9 @@ TEST_CASE("memory snapshot reload: load_memory from the previous generation equa
   user_data const a = make_user(7, 100, 12, 5);
   user_data const b = make_user(8, 200, 9, 5);
   encoding_options o;
-  o.window                = 3;
-  std::uint64_t const conv = m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o).conversation;
+  o.window = 3;
+  std::uint64_t const conv =
+    m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o).conversation;
   save_memory(m, dir.path(), std::string{"generation 1"});
   std::optional<memory> previous;
   previous.emplace(load_memory(dir.path(), reader));
@@ -336,7 +339,9 @@ TEST_CASE("memory snapshot reload: load_memory from the previous generation equa
       REQUIRE_FALSE(m.facts_seeing_turn(conv, 3).empty());
       (void)m.update_turns(model, conv, {{3, {3000, 3007, 3014, 3021}}});
     },
-    [&] { m.set_instruction_prefix(model, {11, 12, 13}, 1, 0); },
+    [&] {
+      m.set_instruction_prefix(model, {11, 12, 13}, 1, 0);
+    },
     [&] { (void)m.erase_namespace(8); },
   };
   for (std::size_t step = 0; step < commits.size(); ++step) {
@@ -345,7 +350,7 @@ TEST_CASE("memory snapshot reload: load_memory from the previous generation equa
     std::string const data = "generation " + std::to_string(step + 2);
     save_memory(m, dir.path(), data);
     std::optional<std::string> full_data, incremental_data;
-    memory const full        = load_memory(dir.path(), reader, &full_data);
+    memory const full  = load_memory(dir.path(), reader, &full_data);
     memory incremental = load_memory(dir.path(), reader, &incremental_data, &*previous);
     CHECK(full_data == std::optional<std::string>{data});
     CHECK(incremental_data == full_data);
@@ -353,7 +358,6 @@ TEST_CASE("memory snapshot reload: load_memory from the previous generation equa
     previous.emplace(std::move(incremental));
   }
   // null previous: the full load
-  check_same_memory(load_memory(dir.path(), reader, nullptr, nullptr),
-                    load_memory(dir.path(), reader),
-                    dir);
+  check_same_memory(
+    load_memory(dir.path(), reader, nullptr, nullptr), load_memory(dir.path(), reader), dir);
 }

@@ -361,3 +361,26 @@ TEST_CASE("memory snapshot reload: load_memory from the previous generation equa
   check_same_memory(
     load_memory(dir.path(), reader, nullptr, nullptr), load_memory(dir.path(), reader), dir);
 }
+
+TEST_CASE("snapshot reload: a file without facts allocates nothing for any page size",
+          "[snapshot][reload]")
+{
+  // Found by tests/fuzz: a loadable file with no pages whose header states pages of 2^30 tokens
+  // of head_dim 2^20 (2^55 bytes each) made the incremental load allocate a one-page buffer.
+  scratch_dir dir;
+  std::string const path = dir.file("empty.iskv");
+  kv_store_config c      = shard_config(dtype::float32, 0);
+  save_store(kv_store{c}, path);
+  std::vector<unsigned char> f = read_bytes(path);
+  set(f, 24, std::int32_t{1} << 20);  // head_dim
+  set(f, 44, std::int32_t{1} << 30);  // page_size
+  refresh_checksums(f);
+  write_bytes(path, f);
+  c.model.head_dim = 1 << 20;
+  c.page_size      = 1 << 30;
+  kv_store const previous{c};  // the same page layout, no pages
+  kv_store const full = load_store(path, c);
+  kv_store const incremental = load_store(path, c, previous);
+  CHECK(incremental.num_facts() == 0);
+  CHECK(incremental.num_pages() == full.num_pages());
+}

@@ -410,8 +410,10 @@ inline kv_store store_access::load(std::string const& path,
     std::size_t const Bprev  = B / Ef * size_of(prev_dtype);
     bool const prev_device   = prev.space() == memory_space::device;
     auto const* const ppool  = static_cast<unsigned char const*>(prev.ref().pool);
-    std::vector<unsigned char> page_buffer(B);
-    std::vector<unsigned char> prev_staging(prev_device ? Bprev : 0);
+    // one page of each, only when a fact needs it (a file without facts may state any page size)
+    bool const any_fact = !staged.records.empty();
+    std::vector<unsigned char> page_buffer(any_fact && !direct ? B : 0);
+    std::vector<unsigned char> prev_staging(any_fact && prev_device ? Bprev : 0);
     std::vector<std::pair<std::int64_t, std::size_t>> order;  // (page, token-order index)
     for (std::size_t i = 0; i < staged.records.size(); ++i) {
       fact_record const& r = staged.records[i];

@@ -569,7 +569,8 @@ class memory {
                           std::optional<std::string> const& application);
   friend memory load_memory(std::string const& directory,
                             memory_config const& config,
-                            std::optional<std::string>* application);
+                            std::optional<std::string>* application,
+                            memory const* previous);
   friend std::optional<std::string> load_memory_application(std::string const& directory);
 
   static constexpr char const* manifest_name = "memory.ismem";

@@ -120,6 +120,42 @@ memory load_memory(std::string const& directory,
                    std::optional<std::string>* application);
 
 /**
+ * @brief The incremental load: load_memory(directory, config, application) that reads from the
+ * store file only what `previous` does not already hold. What a reader that follows a
+ * directory's generations calls with the generation it serves: one fact committed into a memory
+ * of N facts costs it the small files, the store's header and catalogue, and that fact's pages,
+ * not the whole store.
+ *
+ * The manifest, the index, the lifecycle and the application files are read and checked whole,
+ * as by load_memory (they are small beside the store); the store is loaded by
+ * load_store(path, config.store, previous->store()) (snapshot.hpp): its header and catalogue read
+ * and checked whole (their checksums, every consistency check), then each fact's pages taken
+ * from `previous` when it holds the fact (same id, tokens and page count) with the bytes the
+ * file's fact table checksums (CRC-64 of the fact's pages, computed over the copied bytes), else
+ * read from the file with pread and checked against the same table. A reader therefore never
+ * serves a byte that was not checked against the file it loads. The returned memory is the one
+ * load_memory returns, in every observable (facts, pages, namespace order, free-page stack,
+ * index, lifecycle; a save of it writes the same bytes), whatever `previous` holds: a fact whose
+ * bytes changed under its id, or a `previous` of another memory, only costs reads.
+ *
+ * The whole-file checksum of the store is not recomputed (it would read every byte); every byte
+ * the load uses is covered by the header's, the catalogue's or a fact's checksum, and the
+ * manifest still pairs the files by their checksums. Damage in a fact's pages that `previous`
+ * supplies is not seen, as those bytes are not read (load_memory, reading everything, refuses
+ * such a file). A version-1 store file (no fact table) is read whole.
+ *
+ * @param previous a memory to take unchanged facts from (its store's dtype and memory space may
+ *        differ from `config.store`'s), or null: load_memory(directory, config, application).
+ *        Its mutations are held off (its serial lock) while its store is read.
+ * @throw logic_error as load_memory; a corrupted fact that is read from the store file is named
+ *        ("fact 12: checksum mismatch of its pages"); nothing is half loaded
+ */
+memory load_memory(std::string const& directory,
+                   memory_config const& config,
+                   std::optional<std::string>* application,
+                   memory const* previous);
+
+/**
  * @brief The application data of the snapshot in `directory` (nullopt for a version-1 snapshot),
  * read and checked — the manifest, the file's own checksum and the manifest's — without loading
  * the store or the index: what an integration reads first to learn the configuration it keeps

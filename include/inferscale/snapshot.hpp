@@ -2,12 +2,14 @@
  * @file snapshot.hpp
  * @brief Store snapshots: `save_store` writes a `kv_store` (configuration, catalogue, namespaces,
  * free-page order and the pages in use) to one file; `load_store` rebuilds it, in host or device
- * memory and, if asked, in another store dtype. Plain C++17 plus the CUDA runtime API (like
+ * memory and, if asked, in another store dtype; the incremental `load_store(path, target, previous)`
+ * reads only the facts `previous` does not hold with the file's bytes. Plain C++17 plus the CUDA runtime API (like
  * store.hpp; a host store never calls it). The format's constants and element helpers are in
  * detail/snapshot/format.hpp; saving and loading are defined in detail/snapshot/ (store_access.hpp,
  * save.inl, load.inl).
  *
- * File format, version 1. Every integer and every pool element is little-endian whatever the
+ * File format, version 2 (version 1, read as well, is the same without the fact table). Every
+ * integer and every pool element is little-endian whatever the
  * host; there is no padding between fields. `P` is the capacity (num_pages), `U` the pages in use,
  * `E` the element size of the store dtype (4 or 2), `B = 2 * L * page_size * H * head_dim * E` the
  * bytes of one page (L, H: the shard's layers and heads).
@@ -16,7 +18,7 @@
  * |-------:|------:|---------------------------------------------------------------------------|
  * |      0 |     8 | magic `89 49 53 4B 56 53 0D 0A` ("\x89ISKVS\r\n"; the high byte catches   |
  * |        |       | a 7-bit channel, CR LF a newline translation)                             |
- * |      8 |     4 | format version, uint32 = 1                                                |
+ * |      8 |     4 | format version, uint32 = 2 (1: no fact table)                             |
  * |     12 |     4 | byte-order mark, uint32 0x01020304 (bytes `04 03 02 01`)                  |
  * |     16 |     4 | model num_layers, int32 (> 0)                                             |
  * |     20 |     4 | model num_kv_heads, int32 (> 0)                                           |
@@ -45,13 +47,18 @@
  * |        |  8 pc |     pages, int64, in token order                                          |
  * |        | 8(P-U)|   the free-page stack, int64 page ids, bottom first (the next fact takes  |
  * |        |       |   its pages from the end)                                                 |
- * |        |     8 | catalogue checksum: CRC-64 of the catalogue (from byte 104)               |
+ * |        |   8 F | the fact table (version 2): per fact, in catalogue order, the CRC-64 of   |
+ * |        |       |   its pages' bytes as the file stores them (ascending page id, whole     |
+ * |        |       |   pages, little-endian, the file's dtype)                                 |
+ * |        |     8 | catalogue checksum: CRC-64 of the catalogue (from byte 104, fact table    |
+ * |        |       | included)                                                                 |
  * |        |   U B | the pages in use, ascending page id, each `[L][2][page_size][H][head_dim]` |
  * |        |       | of the store dtype (whole pages: the zeroed rows past a fact's end too)   |
  * |  end-8 |     8 | file checksum: CRC-64 of every byte before it except the two checksums   |
  * |        |       | above (the header's at 96 and the catalogue's)                            |
  *
- * The file is therefore exactly `120 + 16 N + 16 F + 4 T + 8 P + U B` bytes. Only the pages in
+ * The file is therefore exactly `120 + 16 N + 24 F + 4 T + 8 P + U B` bytes (version 1:
+ * `16 F`). Only the pages in
  * use are stored, so a snapshot never carries the KV of erased facts; free pages load as zeros.
  * The memory space is not stored: `load_store` takes it from the caller. `version()` and
  * `identity()` are not kept (the loaded store is a new object; plans made against the old one
@@ -69,6 +76,13 @@
  * covers every field and every pool byte, so it also identifies the file's contents (the memory
  * facade's manifest uses it).
  *
+ * The fact table (version 2) lets a reader check one fact's pages without the rest of the file:
+ * the incremental load below. It sits after the free-page stack so that the fact records keep
+ * version 1's layout; it is per fact rather than per page (8 bytes per fact, and a fact is the
+ * unit that changes between two saves); its CRC runs over the pages in the order the file stores
+ * them, so a full load computes it in its one front-to-back pass, while the saving takes one pass
+ * over the pool before writing (the catalogue precedes the pages).
+ *
  * `load_store` checks, in this order, and refuses with `inferscale::logic_error` before the store
  * is handed out (nothing is half loaded): the magic, the format version, the byte-order mark, the
  * header length and checksum, the header fields (geometry, shard ranges inside the model, page
@@ -78,9 +92,24 @@
  * ceil(tokens / page_size), every page id below P and held once among all facts and the free
  * stack, the counts summing to the header's), the target (dtype, and for the overload taking a
  * target configuration: geometry, shard, page size, capacity), then the pool while it is read:
- * the file checksum first, then every element finite and, when converting, representable in the
- * target dtype. The pool is read into the new store as it goes (no second copy of a large file);
+ * the file checksum first, then (version 2) every fact's checksum, then every element finite
+ * and, when converting, representable in the target dtype. The pool is read into the new store
+ * as it goes (no second copy of a large file);
  * that store is destroyed if any check fails, and the caller only ever receives a complete one.
+ *
+ * Incremental load (`load_store(path, target, previous)`, version 2): the header and the
+ * catalogue are read and checked as above; then each fact's pages are taken from `previous` when
+ * it holds the fact (same id, tokens and page count) and its pages' bytes, brought to the file's
+ * dtype, have the fact table's CRC (computed over the bytes copied into the new store, so a fact
+ * that changed under its id, or a `previous` of another memory, is simply read instead); every
+ * other fact's pages are read with pread (consecutive pages in one call) and checked against the
+ * table before the load goes on. Each page then goes through the same finiteness check and
+ * conversion as in a full load, so the result is the full load's, byte for byte. The file
+ * checksum is not recomputed (it needs every byte): every byte used is covered by the header's,
+ * the catalogue's or a fact's checksum, and the file checksum still names the file in the memory
+ * facade's manifest. Damage in pages that `previous` supplies is not seen (they are not read).
+ * Erased facts are simply absent from the catalogue. A version-1 file, a `previous` of another
+ * page layout, or a big-endian host: the full load.
  */
 #pragma once
 
@@ -143,7 +172,7 @@ inline void save_store(kv_store const& store, std::string const& path)
  * namespace, token ids and pages, the namespaces' fact order, the free-page stack; pages in use
  * hold the file's bytes (converted if asked), free pages zeros
  * @throw logic_error naming the problem ("not an InferScale store snapshot", "format version 7 is
- * not supported (this build reads 1)", "truncated: expected N bytes, file has M", "checksum
+ * not supported (this build reads 1 to 2)", "truncated: expected N bytes, file has M", "checksum
  * mismatch", "page 3 is held twice", an I/O error with the path and the system's reason, "the
  * store the file describes (P pages of B bytes, ...) cannot be allocated", ...)
  * @throw cuda_error when a device pool cannot be allocated or written
@@ -171,6 +200,28 @@ inline kv_store load_store(std::string const& path, store_load_options const& op
 inline kv_store load_store(std::string const& path, kv_store_config const& target)
 {
   return detail::store_access::load(path, target.space, target.store_dtype, &target);
+}
+
+/**
+ * @brief The incremental load: load_store(path, target) that takes from `previous` (typically
+ * the store this file's previous version loaded into) every fact it holds with the file's bytes,
+ * and reads from the file only the other facts' pages (see "Incremental load" in the file
+ * comment). The result is the store load_store(path, target) returns, byte for byte.
+ *
+ * `previous` lends pages only when the file is of version 2, the host little-endian and
+ * `previous` has the file's page layout (model, shard, page size; any dtype, host or device
+ * memory); otherwise this is load_store(path, target). `previous` is only read; it must not be
+ * modified during the call.
+ *
+ * @throw logic_error as load_store(path, target), except that damage in the pages of a fact
+ * taken from `previous` is not seen (those bytes are not read); damage in a fact read from the
+ * file is named with the fact ("fact 12: checksum mismatch of its pages")
+ */
+inline kv_store load_store(std::string const& path,
+                           kv_store_config const& target,
+                           kv_store const& previous)
+{
+  return detail::store_access::load(path, target.space, target.store_dtype, &target, &previous);
 }
 
 }  // namespace inferscale

@@ -7,7 +7,9 @@
 
 #include <inferscale/store.hpp>
 
+#include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -95,14 +97,20 @@ void set(std::vector<unsigned char>& b, std::size_t at, T value)
 }
 
 /// @brief Where the documented format puts things, from the header's fields (offsets of the
-/// byte table in snapshot.hpp): catalogue = 16 N + 16 F + 4 T + 8 P from byte 104.
+/// byte table in snapshot.hpp): catalogue = 16 N + 16 F + 4 T + 8 P from byte 104, then in
+/// version 2 the fact table, 8 F.
 struct layout {
   std::uint64_t namespaces, facts, tokens, pages_in_use, capacity;
+  std::uint32_t version;
   std::size_t catalogue_begin{104};
-  std::size_t catalogue_end() const
+  std::size_t fact_table_begin() const
   {
     return catalogue_begin +
            static_cast<std::size_t>(16 * namespaces + 16 * facts + 4 * tokens + 8 * capacity);
+  }
+  std::size_t catalogue_end() const
+  {
+    return fact_table_begin() + (version >= 2 ? static_cast<std::size_t>(8 * facts) : 0);
   }
   std::size_t pool_begin() const { return catalogue_end() + 8; }
 };
@@ -113,7 +121,8 @@ inline layout layout_of(std::vector<unsigned char> const& file)
                 get<std::uint64_t>(file, 72),
                 get<std::uint64_t>(file, 80),
                 get<std::uint64_t>(file, 88),
-                static_cast<std::uint64_t>(get<std::int64_t>(file, 48))};
+                static_cast<std::uint64_t>(get<std::int64_t>(file, 48)),
+                get<std::uint32_t>(file, 8)};
 }
 
 /// @brief The file checksum as documented: CRC-64 of every byte before it except the header
@@ -131,15 +140,86 @@ inline std::uint64_t reference_file_checksum(std::vector<unsigned char> const& f
   return reference_crc64(covered.data(), covered.size());
 }
 
-/// @brief Recomputes the three checksums after a deliberate edit (a forged but valid file).
+/// @brief The fact table as documented (version 2), from the catalogue and the pool of `file`:
+/// per fact in catalogue order, the CRC-64 of its pages' bytes in ascending page id; empty when
+/// the catalogue does not describe a consistent file (a forged edit the loader must refuse).
+inline std::vector<std::uint64_t> reference_fact_table(std::vector<unsigned char> const& file)
+{
+  try {
+    layout const l = layout_of(file);
+    std::vector<std::vector<std::int64_t>> facts;
+    std::vector<std::int64_t> used;
+    std::size_t at = l.catalogue_begin;
+    for (std::uint64_t n = 0; n < l.namespaces; ++n) {
+      std::uint64_t const count = get<std::uint64_t>(file, at + 8);
+      at += 16;
+      for (std::uint64_t f = 0; f < count && facts.size() <= l.facts; ++f) {
+        std::int32_t const tokens  = get<std::int32_t>(file, at + 8);
+        std::uint32_t const npages = get<std::uint32_t>(file, at + 12);
+        if (tokens < 0) { return {}; }
+        at += 16 + 4 * static_cast<std::size_t>(tokens);
+        std::vector<std::int64_t> pages;
+        for (std::uint32_t j = 0; j < npages; ++j, at += 8) {
+          pages.push_back(get<std::int64_t>(file, at));
+        }
+        used.insert(used.end(), pages.begin(), pages.end());
+        facts.push_back(std::move(pages));
+      }
+    }
+    if (facts.size() != l.facts || used.size() != l.pages_in_use || used.empty()) { return {}; }
+    std::sort(used.begin(), used.end());
+    std::size_t const pool = l.pool_begin();
+    if (file.size() < pool + 8) { return {}; }
+    std::size_t const B = (file.size() - pool - 8) / used.size();
+    std::vector<std::uint64_t> table;
+    for (std::vector<std::int64_t> pages : facts) {
+      std::sort(pages.begin(), pages.end());
+      std::vector<unsigned char> bytes;
+      for (std::int64_t p : pages) {
+        std::size_t const rank =
+          static_cast<std::size_t>(std::lower_bound(used.begin(), used.end(), p) - used.begin());
+        std::size_t const from = pool + rank * B;
+        if (from + B > file.size()) { return {}; }
+        bytes.insert(bytes.end(),
+                     file.begin() + static_cast<std::ptrdiff_t>(from),
+                     file.begin() + static_cast<std::ptrdiff_t>(from + B));
+      }
+      table.push_back(reference_crc64(bytes.data(), bytes.size()));
+    }
+    return table;
+  } catch (std::exception const&) {
+    return {};
+  }
+}
+
+/// @brief Recomputes the checksums after a deliberate edit (a forged but valid file): the fact
+/// table (version 2, when the catalogue is consistent), the header's, the catalogue's, the file's.
 inline void refresh_checksums(std::vector<unsigned char>& file)
 {
-  set(file, 96, reference_crc64(file.data(), 96));
   layout const l = layout_of(file);
+  if (l.version >= 2) {
+    std::vector<std::uint64_t> const table = reference_fact_table(file);
+    for (std::size_t i = 0; i < table.size(); ++i) {
+      set(file, l.fact_table_begin() + 8 * i, table[i]);
+    }
+  }
+  set(file, 96, reference_crc64(file.data(), 96));
   set(file,
       l.catalogue_end(),
       reference_crc64(file.data() + l.catalogue_begin, l.catalogue_end() - l.catalogue_begin));
   set(file, file.size() - 8, reference_file_checksum(file));
+}
+
+/// @brief A version-1 file of the same store: the fact table removed, the version set to 1, the
+/// checksums recomputed (what a build before version 2 wrote).
+inline std::vector<unsigned char> to_version_1(std::vector<unsigned char> file)
+{
+  layout const l = layout_of(file);
+  file.erase(file.begin() + static_cast<std::ptrdiff_t>(l.fact_table_begin()),
+             file.begin() + static_cast<std::ptrdiff_t>(l.catalogue_end()));
+  set(file, 8, std::uint32_t{1});
+  refresh_checksums(file);
+  return file;
 }
 
 /// @brief The model of the tests: 3 layers, 4 KV heads, head_dim 4; the store holds the shard

@@ -2,7 +2,7 @@
 //
 // Expectations are written here, not taken from the code under test:
 //  - the file is decoded field by field from the byte table of snapshot.hpp (offsets, sizes, the
-//    length formula 120 + 16 N + 16 F + 4 T + 8 P + U B), its checksums recomputed with a
+//    length formula 120 + 16 N + 24 F + 4 T + 8 P + U B), its checksums recomputed with a
 //    bit-at-a-time CRC-64/XZ (snapshot_common.hpp);
 //  - round trips compare the loaded store with the original through the public API (records,
 //    namespace order, free pages taken by the next insert, pool bytes) and the saved bytes;
@@ -240,7 +240,7 @@ TEST_CASE("snapshot: the file follows the documented byte table", "[snapshot]")
   // identification and header fields
   unsigned char const magic[8] = {0x89, 'I', 'S', 'K', 'V', 'S', 0x0D, 0x0A};
   REQUIRE(std::equal(magic, magic + 8, f.begin()));
-  CHECK(get<std::uint32_t>(f, 8) == 1);
+  CHECK(get<std::uint32_t>(f, 8) == 2);
   CHECK(f[12] == 0x04);
   CHECK(f[13] == 0x03);
   CHECK(f[14] == 0x02);
@@ -266,12 +266,13 @@ TEST_CASE("snapshot: the file follows the documented byte table", "[snapshot]")
   CHECK(get<std::uint64_t>(f, 88) == U);
   CHECK(get<std::uint64_t>(f, 96) == reference_crc64(f.data(), 96));
   std::size_t const B = page_bytes(t);
-  REQUIRE(f.size() == 120 + 16 * N + 16 * F + 4 * T + 8 * P + U * B);
+  REQUIRE(f.size() == 120 + 16 * N + 24 * F + 4 * T + 8 * P + U * B);
 
   // the catalogue, decoded here: namespaces ascending, each namespace's facts in insertion order
   std::size_t at = 104;
   std::vector<std::uint64_t> namespaces;
   std::vector<std::int64_t> pages_in_file;
+  std::vector<std::vector<std::int64_t>> fact_pages;  // catalogue order
   for (std::uint64_t n = 0; n < N; ++n) {
     std::uint64_t const ns    = get<std::uint64_t>(f, at);
     std::uint64_t const count = get<std::uint64_t>(f, at + 8);
@@ -297,6 +298,7 @@ TEST_CASE("snapshot: the file follows the documented byte table", "[snapshot]")
         pages_in_file.push_back(r.pages[j]);
         at += 8;
       }
+      fact_pages.push_back(r.pages);
     }
     CHECK(ids == store.namespace_fact_ids(ns));
   }
@@ -316,12 +318,24 @@ TEST_CASE("snapshot: the file follows the documented byte table", "[snapshot]")
   insert_fact(probe, 77, 9, 4 * 2);  // two pages: the top two of the stack, top first
   CHECK(probe.at(77).pages == std::vector<std::int64_t>{free_stack[free_stack.size() - 1],
                                                         free_stack[free_stack.size() - 2]});
+  // the fact table: per fact, in catalogue order, the CRC-64 of its pages ascending
+  std::vector<unsigned char> const pool = store.pool_to_host();
+  for (std::vector<std::int64_t> pages : fact_pages) {
+    std::sort(pages.begin(), pages.end());
+    std::vector<unsigned char> bytes;
+    for (std::int64_t p : pages) {
+      bytes.insert(bytes.end(),
+                   pool.begin() + static_cast<std::ptrdiff_t>(p * static_cast<std::int64_t>(B)),
+                   pool.begin() + static_cast<std::ptrdiff_t>((p + 1) * static_cast<std::int64_t>(B)));
+    }
+    CHECK(get<std::uint64_t>(f, at) == reference_crc64(bytes.data(), bytes.size()));
+    at += 8;
+  }
   CHECK(get<std::uint64_t>(f, at) == reference_crc64(f.data() + 104, at - 104));
   at += 8;
 
   // the pool: pages in use, ascending, whole pages as the pool holds them
   std::sort(pages_in_file.begin(), pages_in_file.end());
-  std::vector<unsigned char> const pool = store.pool_to_host();
   for (std::int64_t p : pages_in_file) {
     CAPTURE(p);
     CHECK(
@@ -523,7 +537,9 @@ TEST_CASE("snapshot: forged files with valid checksums are refused by the consis
     CAPTURE(message);
     CHECK_THAT(load_error(bad), Contains(message));
   };
-  forged([&](auto& f) { set(f, 8, std::uint32_t{2}); }, "format version 2 is not supported");
+  forged([&](auto& f) { set(f, 8, std::uint32_t{3}); },
+         "format version 3 is not supported (this build reads 1 to 2)");
+  forged([&](auto& f) { set(f, 8, std::uint32_t{0}); }, "format version 0 is not supported");
   forged([&](auto& f) { set(f, 12, std::uint32_t{0x04030201u}); }, "bad byte-order mark");
   forged([&](auto& f) { f[0] = 'X'; }, "not an InferScale store snapshot");
   forged([&](auto& f) { f[56] = 3; }, "unknown store dtype code 3");

@@ -625,6 +625,43 @@ class checksummed_reader {
     position_ += bytes;
   }
 
+  /// Reads exactly `bytes` bytes at `offset` (pread: neither the position nor the running
+  /// checksum moves), for a reader that takes only some ranges of the file.
+  void read_at(void* data, std::size_t bytes, std::uint64_t offset)
+  {
+    auto* p         = static_cast<unsigned char*>(data);
+    std::size_t got = 0;
+    int error       = 0;
+    while (got < bytes) {
+#if defined(__unix__) || defined(__APPLE__)
+      ssize_t const n = ::pread(::fileno(file_), p + got, bytes - got,
+                                static_cast<off_t>(offset + got));
+      if (n < 0 && errno == EINTR) { continue; }
+      if (n <= 0) {
+        error = n < 0 ? errno : 0;
+        break;
+      }
+      got += static_cast<std::size_t>(n);
+#else
+      errno = 0;
+      if (std::fseek(file_, static_cast<long>(offset + got), SEEK_SET) != 0) {
+        error = errno != 0 ? errno : EIO;
+        break;
+      }
+      std::size_t const n = std::fread(p + got, 1, bytes - got, file_);
+      if (n == 0) {
+        error = std::ferror(file_) != 0 ? (errno != 0 ? errno : EIO) : 0;
+        break;
+      }
+      got += n;
+#endif
+    }
+    INFERSCALE_EXPECTS(got == bytes,
+                       who_ + ": cannot read '" + path_ + "' at byte " +
+                         std::to_string(offset + got) + ": " +
+                         (error != 0 ? errno_text(error) : std::string{"the file became shorter"}));
+  }
+
  private:
   std::string path_;
   std::string who_;

@@ -794,13 +794,15 @@ void bind_memory(nb::module_& m)
       "load",
       [config](std::string const& directory, std::int32_t layers, std::int32_t heads,
                std::int32_t head_dim, std::string const& store_dtype, std::int64_t num_pages,
-               std::int32_t page_size, std::int64_t embedding_dim) {
+               std::int32_t page_size, std::int64_t embedding_dim,
+               memory_handle const* previous) {
         memory_config const c =
           config(layers, heads, head_dim, store_dtype, num_pages, page_size, embedding_dim);
         std::optional<std::string> application;
         auto* handle = [&] {
           nb::gil_scoped_release release;
-          return new memory_handle(load_memory(directory, c, &application));
+          return new memory_handle(load_memory(
+            directory, c, &application, previous != nullptr ? &previous->get() : nullptr));
         }();
         nb::object data = application ? nb::object(nb::bytes(application->data(),
                                                               application->size()))
@@ -809,8 +811,12 @@ void bind_memory(nb::module_& m)
       },
       nb::arg("directory"), nb::arg("num_layers"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
       nb::arg("dtype"), nb::arg("num_pages"), nb::arg("page_size"), nb::arg("embedding_dim"),
+      nb::arg("previous").none() = nb::none(),
       "(Memory, application data: bytes or None) from a snapshot save() wrote; every check of "
-      "the library's load_memory (manifest, checksums of every file, geometry)")
+      "the library's load_memory (manifest, checksums of every file, geometry). `previous` (a "
+      "Memory, e.g. the generation a reader serves): the incremental load_memory, which takes "
+      "from it every fact it holds with the file's bytes (checked against the store's fact "
+      "checksums) and reads only the others' pages; the result is the full load's")
     .def_static(
       "application",
       [](std::string const& directory) -> nb::object {

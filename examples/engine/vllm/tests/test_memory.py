@@ -268,6 +268,66 @@ def test_keyed_salt(directory):
     m2.close()
 
 
+def _bytes_read():
+    """Bytes this process has read through read()/pread() so far (/proc/self/io rchar)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def _saved_files(facade, app, where):
+    os.makedirs(where)
+    facade.save(where, json.dumps(app).encode())
+    return {n: open(os.path.join(where, n), "rb").read() for n in sorted(os.listdir(where))}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs /proc/self/io (Linux)")
+def test_a_reader_loads_only_what_changed(directory):
+    """After a commit of one fact (and an erasure), a reader's refresh reads the small files, the
+    store's catalogue and the new fact's pages, not the store; what it builds is the full load's
+    (every fact's K/V and tokens, and the bytes of a re-save)."""
+    mem = Memory.create(directory, model=MODEL, num_pages=1024)
+    for i in range(150):
+        mem.add_fact(f"user{i % 3}", f"fact {i}", list(range(i, i + 64)), *kv(64, 100 + i))
+    mem.commit()
+    reader = MemoryReader(directory)
+    first, _ = reader.poll(block=True)
+    opened = Memory.open(directory)
+    fid = mem.add_fact("user1", "one more", list(range(7, 7 + 64)), *kv(64, 999))
+    mem.erase_fact(5)
+    mem.commit()
+    store = [n for n in os.listdir(directory) if n.startswith("store-")]
+    store_bytes = os.path.getsize(os.path.join(directory, store[0]))
+
+    before = _bytes_read()
+    app, facade = reader.poll(block=True)
+    incremental_read = _bytes_read() - before
+    before = _bytes_read()
+    full, full_app = load_generation(directory)
+    full_read = _bytes_read() - before
+    assert app["generation"] == first["generation"] + 1 and app == full_app
+    assert full_read >= store_bytes
+    assert incremental_read < store_bytes / 8, (incremental_read, store_bytes)
+    assert opened.refresh() and opened.generation == app["generation"]
+
+    ids = sorted(int(f) for f in app["facts"])
+    assert fid in ids and 5 not in ids
+    for f in ids:
+        assert facade.store.token_ids(f) == full.store.token_ids(f)
+        for a, b in zip(read_fact(facade.store, f), read_fact(full.store, f)):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(read_fact(opened.store, f)[0], read_fact(full.store, f)[0])
+    scratch = tempfile.mkdtemp(prefix="inferscale-resave-")
+    try:
+        assert _saved_files(facade, app, os.path.join(scratch, "a")) == \
+            _saved_files(full, full_app, os.path.join(scratch, "b"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    mem.close()
+
+
 def test_shard_store(directory):
     mem = Memory.create(directory, model=MODEL, num_pages=16)
     k, v = kv(3, 4)

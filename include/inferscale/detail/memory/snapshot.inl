@@ -106,6 +106,14 @@ inline memory load_memory(std::string const& directory,
                           memory_config const& config,
                           std::optional<std::string>* application)
 {
+  return load_memory(directory, config, application, nullptr);
+}
+
+inline memory load_memory(std::string const& directory,
+                          memory_config const& config,
+                          std::optional<std::string>* application,
+                          memory const* previous)
+{
   std::string const who             = "load_memory('" + directory + "')";
   std::string const where           = who + ": ";
   memory::snapshot_manifest const m = memory::parse_manifest(
@@ -133,7 +141,11 @@ inline memory load_memory(std::string const& directory,
                                       where + "application file '" + application_path + "': ");
   }
 
-  kv_store store         = load_store(store_path, config.store);
+  kv_store store = [&] {
+    if (previous == nullptr) { return load_store(store_path, config.store); }
+    auto const serial = previous->locks_.serial();  // no mutation of `previous` meanwhile
+    return load_store(store_path, config.store, previous->store_);
+  }();
   graph_index index      = load_index(index_path, config.index.space);
   index_config const& ic = index.config();
   INFERSCALE_EXPECTS(

@@ -46,9 +46,10 @@ inline store_access::parsed_header store_access::parse_header(unsigned char cons
                      where + "not an InferScale store snapshot (wrong magic bytes)");
   INFERSCALE_EXPECTS(file_size >= 12, truncated_min());
   std::uint32_t const version = serial::get_le<std::uint32_t>(h + 8);
-  INFERSCALE_EXPECTS(version == store_format::version,
+  INFERSCALE_EXPECTS(version >= store_format::oldest_version && version <= store_format::version,
                      where + "format version " + std::to_string(version) +
                        " is not supported (this build reads " +
+                       std::to_string(store_format::oldest_version) + " to " +
                        std::to_string(store_format::version) + ")");
   INFERSCALE_EXPECTS(file_size >= 16, truncated_min());
   std::uint32_t const byte_order = serial::get_le<std::uint32_t>(h + 12);
@@ -64,6 +65,7 @@ inline store_access::parsed_header store_access::parse_header(unsigned char cons
                        ", computed " + serial::hex(header_actual) + " (the header is corrupted)");
 
   parsed_header r;
+  r.version               = version;
   kv_store_config& c      = r.config;
   c.model.num_layers      = serial::get_le<std::int32_t>(h + 16);
   c.model.num_kv_heads    = serial::get_le<std::int32_t>(h + 20);
@@ -135,10 +137,12 @@ inline store_access::parsed_header store_access::parse_header(unsigned char cons
                        std::to_string(r.namespaces) + ", " + std::to_string(r.facts) + ", " +
                        std::to_string(r.pages_in_use) + ", " + std::to_string(P) + "; " +
                        std::to_string(r.tokens) + " tokens)");
-  // catalogue = 16 N + 16 F + 4 T + 8 P; file = 104 + catalogue + 8 + U B + 8
+  // catalogue = 16 N + 16 F + 4 T + 8 P (+ 8 F, version 2); file = 104 + catalogue + 8 + U B + 8
+  std::uint64_t const fact_record_bytes =
+    store_format::fact_bytes + (version >= 2 ? store_format::fact_checksum_bytes : 0);
   std::uint64_t catalogue = 0, file = 0;
   ok = serial::multiply_add(r.namespaces, store_format::namespace_bytes, 0, catalogue) &&
-       serial::multiply_add(r.facts, store_format::fact_bytes, catalogue, catalogue) &&
+       serial::multiply_add(r.facts, fact_record_bytes, catalogue, catalogue) &&
        serial::multiply_add(r.tokens, 4, catalogue, catalogue) &&
        serial::multiply_add(P, 8, catalogue, catalogue) &&
        serial::multiply_add(r.pages_in_use, page, catalogue, file) &&
@@ -165,6 +169,7 @@ inline store_access::staged_catalogue store_access::parse_catalogue(
   std::vector<char> seen(static_cast<std::size_t>(P), 0);    // held by a fact or free
   std::vector<char> in_use(static_cast<std::size_t>(P), 0);  // held by a fact
   s.page_owner.assign(static_cast<std::size_t>(P), 0);
+  s.page_record.assign(static_cast<std::size_t>(P), 0);
   std::unordered_set<std::uint64_t> ids;
   ids.reserve(static_cast<std::size_t>(h.facts));
   s.records.reserve(static_cast<std::size_t>(h.facts));
@@ -227,7 +232,8 @@ inline store_access::staged_catalogue store_access::parse_catalogue(
       p += 8 * std::size_t{npages};
       for (std::int64_t page : r.pages) {
         take_page(page, fact);
-        s.page_owner[static_cast<std::size_t>(page)] = r.fact_id;
+        s.page_owner[static_cast<std::size_t>(page)]  = r.fact_id;
+        s.page_record[static_cast<std::size_t>(page)] = s.records.size();
         in_use[static_cast<std::size_t>(page)]       = 1;
       }
       ++facts;
@@ -248,6 +254,11 @@ inline store_access::staged_catalogue store_access::parse_catalogue(
   for (std::int64_t page : s.free_pages) {
     take_page(page, "the free-page stack");
   }
+  if (h.version >= 2) {  // the fact table: one checksum per fact, in catalogue order
+    s.fact_checksums.resize(static_cast<std::size_t>(facts));
+    serial::copy_little_endian(s.fact_checksums.data(), p, s.fact_checksums.size(), 8);
+    p += store_format::fact_checksum_bytes * s.fact_checksums.size();
+  }
   // P distinct pages in [0, P): every page exactly once.
   INFERSCALE_EXPECTS(p == bytes.data() + bytes.size(),
                      where + "the catalogue's length disagrees with its contents");
@@ -258,10 +269,26 @@ inline store_access::staged_catalogue store_access::parse_catalogue(
   return s;
 }
 
+inline bool store_access::incremental_source(kv_store const* previous,
+                                             kv_store_config const& file,
+                                             staged_catalogue const& staged)
+{
+  if (previous == nullptr || staged.fact_checksums.size() != staged.records.size() ||
+      !serial::host_is_little_endian()) {
+    return false;
+  }
+  kv_store_config const& p = previous->config();
+  // the same page layout [L][2][page_size][H][head_dim]; the dtype may differ
+  return p.model == file.model && p.first_layer == file.first_layer &&
+         p.num_layers == file.num_layers && p.first_head == file.first_head &&
+         p.num_heads == file.num_heads && p.page_size == file.page_size;
+}
+
 inline kv_store store_access::load(std::string const& path,
                                    memory_space space,
                                    std::optional<dtype> store_dtype,
-                                   kv_store_config const* expect)
+                                   kv_store_config const* expect,
+                                   kv_store const* previous)
 {
   std::string const where = "load_store('" + path + "'): ";
   std::string const who   = "load_store";
@@ -319,67 +346,169 @@ inline kv_store store_access::load(std::string const& path,
   dtype const from      = fc.store_dtype;
   dtype const to        = target.store_dtype;
   std::size_t const B   = static_cast<std::size_t>(header.page_bytes);
+  std::size_t const Ef  = size_of(from);
   std::size_t const Eto = size_of(to);
-  std::size_t const Bto = B / size_of(from) * Eto;
+  std::size_t const Bto = B / Ef * Eto;
   std::size_t const per_chunk =
     B == 0 ? 1 : std::max<std::size_t>(1, store_format::pool_chunk_bytes / B);
   bool const device = space == memory_space::device;
   bool const direct = !device && from == to && serial::host_is_little_endian();
   auto* const pool  = static_cast<unsigned char*>(store.ref().pool);
   std::vector<unsigned char> raw(direct ? 0 : std::min(staged.used_pages.size(), per_chunk) * B);
-  std::vector<unsigned char> converted(device && from != to ? raw.size() / size_of(from) * Eto
-                                                            : 0);
-
-  // Problems in the pool are reported after the file checksum, which names corruption first.
-  std::string pool_problem;
+  std::vector<unsigned char> converted(device && from != to ? raw.size() / Ef * Eto : 0);
   std::vector<std::int64_t> const& used = staged.used_pages;
-  std::size_t i                         = 0;
-  while (i < used.size()) {
-    std::size_t run_end = i + 1;
-    while (run_end < used.size() && used[run_end] == used[run_end - 1] + 1 &&
-           run_end - i < per_chunk) {
-      ++run_end;
+
+  // Takes n consecutive pages from `first`, `source` holding their bytes in the file's dtype and
+  // host order (the destination itself when `direct`), into the pool: the finiteness check, the
+  // conversion (and its overflow check), the copy to the device. Returns the first problem found,
+  // or "": problems in the pool are reported after the checksums, which name corruption first.
+  auto const accept = [&](unsigned char const* source,
+                          std::size_t first,
+                          std::size_t n) -> std::string {
+    std::string problem;
+    std::size_t const elements = n * B / Ef;
+    std::size_t const bad      = first_non_finite(source, elements, from);
+    if (bad != elements) {
+      std::size_t const page = first + bad * Ef / B;
+      problem                = "fact " + std::to_string(staged.page_owner[page]) +
+                " holds a non-finite value (page " + std::to_string(page) + ")";
     }
-    std::size_t const n      = run_end - i;
-    std::size_t const first  = static_cast<std::size_t>(used[i]);
-    unsigned char* const dst = pool + first * Bto;
-    unsigned char* source    = direct ? dst : raw.data();
-    in.read(source, n * B);
-    if (!serial::host_is_little_endian()) {
-      to_host_order(source, n * B / size_of(from), size_of(from));
-    }
-    if (pool_problem.empty()) {
-      std::size_t const elements = n * B / size_of(from);
-      std::size_t const bad      = first_non_finite(source, elements, from);
-      if (bad != elements) {
-        std::size_t const page = first + bad * size_of(from) / B;
-        pool_problem           = "fact " + std::to_string(staged.page_owner[page]) +
-                       " holds a non-finite value (page " + std::to_string(page) + ")";
-      }
-    }
+    unsigned char* const dst   = pool + first * Bto;
     unsigned char const* ready = source;
     if (from != to) {
       unsigned char* const out   = device ? converted.data() : dst;
-      std::size_t const elements = n * B / size_of(from);
       std::size_t const overflow = convert_elements(source, from, out, to, elements);
-      if (overflow != elements && pool_problem.empty()) {
-        std::size_t const page = first + overflow * size_of(from) / B;
-        pool_problem           = "fact " + std::to_string(staged.page_owner[page]) + " (page " +
-                       std::to_string(page) + ") holds a value that overflows " + to_string(to) +
-                       " (largest finite " + (to == dtype::float16 ? "65504" : "3.39e38") +
-                       "); load it into a wider dtype";
+      if (overflow != elements && problem.empty()) {
+        std::size_t const page = first + overflow * Ef / B;
+        problem                = "fact " + std::to_string(staged.page_owner[page]) + " (page " +
+                  std::to_string(page) + ") holds a value that overflows " + to_string(to) +
+                  " (largest finite " + (to == dtype::float16 ? "65504" : "3.39e38") +
+                  "); load it into a wider dtype";
       }
       ready = out;
     }
     if (device) { INFERSCALE_CUDA_TRY(cudaMemcpy(dst, ready, n * Bto, cudaMemcpyHostToDevice)); }
-    i = run_end;
+    return problem;
+  };
+  auto const fact_mismatch = [&](std::size_t record, std::uint64_t actual) {
+    return where + "fact " + std::to_string(staged.records[record].fact_id) +
+           ": checksum mismatch of its pages: stored " +
+           serial::hex(staged.fact_checksums[record]) + ", computed " + serial::hex(actual) +
+           " (the file is corrupted)";
+  };
+
+  std::string pool_problem;
+  if (incremental_source(previous, fc, staged)) {
+    // Only what changed is read. Each fact's pages come from `previous` (same id, tokens and page
+    // count: its pages' bytes, in the file's dtype, checked against the fact table), else from
+    // the file (pread of the fact's pages, checked against the fact table); the file checksum,
+    // which would need every byte, is not recomputed.
+    std::uint64_t const pool_offset =
+      store_format::header_bytes + header.catalogue_bytes + store_format::checksum_bytes;
+    kv_store const& prev     = *previous;
+    dtype const prev_dtype   = prev.store_dtype();
+    std::size_t const Bprev  = B / Ef * size_of(prev_dtype);
+    bool const prev_device   = prev.space() == memory_space::device;
+    auto const* const ppool  = static_cast<unsigned char const*>(prev.ref().pool);
+    // one page of each, only when a fact needs it (a file without facts may state any page size)
+    bool const any_fact = !staged.records.empty();
+    std::vector<unsigned char> page_buffer(any_fact && !direct ? B : 0);
+    std::vector<unsigned char> prev_staging(any_fact && prev_device ? Bprev : 0);
+    std::vector<std::pair<std::int64_t, std::size_t>> order;  // (page, token-order index)
+    for (std::size_t i = 0; i < staged.records.size(); ++i) {
+      fact_record const& r = staged.records[i];
+      order.clear();
+      for (std::size_t j = 0; j < r.pages.size(); ++j) {
+        order.emplace_back(r.pages[j], j);
+      }
+      std::sort(order.begin(), order.end());  // the file's order: ascending page id
+      if (prev.contains(r.fact_id)) {
+        fact_record const& pr = prev.at(r.fact_id);
+        if (pr.token_ids == r.token_ids && pr.pages.size() == r.pages.size()) {
+          serial::crc64 crc;
+          std::string problem;
+          for (auto const& [page, j] : order) {
+            std::size_t const first   = static_cast<std::size_t>(page);
+            unsigned char const* from_prev = ppool + static_cast<std::size_t>(pr.pages[j]) * Bprev;
+            if (prev_device) {
+              INFERSCALE_CUDA_TRY(
+                cudaMemcpy(prev_staging.data(), from_prev, Bprev, cudaMemcpyDeviceToHost));
+              from_prev = prev_staging.data();
+            }
+            unsigned char* const into = direct ? pool + first * Bto : page_buffer.data();
+            if (prev_dtype == from) {
+              std::memcpy(into, from_prev, B);
+            } else {  // back to the file's dtype; the fact table decides whether that is its bytes
+              (void)convert_elements(from_prev, prev_dtype, into, from, B / Ef);
+            }
+            crc.update(into, B);
+            std::string p = accept(into, first, 1);
+            if (problem.empty()) { problem = std::move(p); }
+          }
+          if (crc.value() == staged.fact_checksums[i]) {
+            if (pool_problem.empty()) { pool_problem = std::move(problem); }
+            continue;
+          }
+          // previous holds other bytes under this id: read the file's
+        }
+      }
+      serial::crc64 crc;
+      std::size_t k = 0;
+      while (k < order.size()) {
+        // a run: consecutive in the file (rank) and in the pool (page id), at most per_chunk
+        std::size_t run_end = k + 1;
+        while (run_end < order.size() && order[run_end].first == order[run_end - 1].first + 1 &&
+               run_end - k < per_chunk) {
+          ++run_end;
+        }
+        std::size_t const n     = run_end - k;
+        std::size_t const first = static_cast<std::size_t>(order[k].first);
+        std::size_t const rank  = static_cast<std::size_t>(
+          std::lower_bound(used.begin(), used.end(), order[k].first) - used.begin());
+        // consecutive page ids in use are consecutive ranks too
+        unsigned char* const into = direct ? pool + first * Bto : raw.data();
+        in.read_at(into, n * B, pool_offset + static_cast<std::uint64_t>(rank) * B);
+        crc.update(into, n * B);
+        std::string p = accept(into, first, n);
+        if (pool_problem.empty()) { pool_problem = std::move(p); }
+        k = run_end;
+      }
+      INFERSCALE_EXPECTS(crc.value() == staged.fact_checksums[i], fact_mismatch(i, crc.value()));
+    }
+  } else {
+    // The whole pool, front to back, in runs of consecutive pages.
+    std::vector<serial::crc64> fact_crc(staged.fact_checksums.size());  // version 2
+    std::size_t i = 0;
+    while (i < used.size()) {
+      std::size_t run_end = i + 1;
+      while (run_end < used.size() && used[run_end] == used[run_end - 1] + 1 &&
+             run_end - i < per_chunk) {
+        ++run_end;
+      }
+      std::size_t const n     = run_end - i;
+      std::size_t const first = static_cast<std::size_t>(used[i]);
+      unsigned char* source   = direct ? pool + first * Bto : raw.data();
+      in.read(source, n * B);
+      for (std::size_t k = 0; k < n && !fact_crc.empty(); ++k) {  // little-endian bytes
+        fact_crc[staged.page_record[first + k]].update(source + k * B, B);
+      }
+      if (!serial::host_is_little_endian()) { to_host_order(source, n * B / Ef, Ef); }
+      std::string p = accept(source, first, n);
+      if (pool_problem.empty()) { pool_problem = std::move(p); }
+      i = run_end;
+    }
+    std::uint64_t const file_actual = in.checksum();
+    in.read_excluded(checksum, sizeof checksum);
+    std::uint64_t const file_stored = serial::get_le<std::uint64_t>(checksum);
+    INFERSCALE_EXPECTS(file_stored == file_actual,
+                       where + "checksum mismatch: stored " + serial::hex(file_stored) +
+                         ", computed " + serial::hex(file_actual) + " (the file is corrupted)");
+    for (std::size_t r = 0; r < fact_crc.size(); ++r) {
+      // the file checksum holds, so only a writer could have put a wrong fact checksum here
+      INFERSCALE_EXPECTS(fact_crc[r].value() == staged.fact_checksums[r],
+                         fact_mismatch(r, fact_crc[r].value()));
+    }
   }
-  std::uint64_t const file_actual = in.checksum();
-  in.read_excluded(checksum, sizeof checksum);
-  std::uint64_t const file_stored = serial::get_le<std::uint64_t>(checksum);
-  INFERSCALE_EXPECTS(file_stored == file_actual,
-                     where + "checksum mismatch: stored " + serial::hex(file_stored) +
-                       ", computed " + serial::hex(file_actual) + " (the file is corrupted)");
   INFERSCALE_EXPECTS(pool_problem.empty(), where + pool_problem);
 
   restore(store, std::move(staged));

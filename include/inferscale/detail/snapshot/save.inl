@@ -38,6 +38,7 @@ inline void store_access::save(kv_store const& store, std::string const& path)
   // The catalogue, in memory first (it is small beside the pool) so its checksum is at hand.
   std::vector<unsigned char> catalogue;
   std::vector<std::uint64_t> owner(static_cast<std::size_t>(P), 0);
+  std::vector<std::size_t> record_of(static_cast<std::size_t>(P), 0);  // catalogue order
   std::vector<char> used(static_cast<std::size_t>(P), 0);
   std::uint64_t facts = 0, tokens = 0, pages_in_use = 0;
   auto const append = [&](auto value) {
@@ -59,8 +60,9 @@ inline void store_access::save(kv_store const& store, std::string const& path)
       }
       for (std::int64_t p : r.pages) {
         append(p);
-        owner[static_cast<std::size_t>(p)] = id;
-        used[static_cast<std::size_t>(p)]  = 1;
+        owner[static_cast<std::size_t>(p)]     = id;
+        record_of[static_cast<std::size_t>(p)] = static_cast<std::size_t>(facts);
+        used[static_cast<std::size_t>(p)]      = 1;
       }
       ++facts;
       tokens += r.token_ids.size();
@@ -69,6 +71,63 @@ inline void store_access::save(kv_store const& store, std::string const& path)
   }
   for (std::int64_t p : free_stack(store)) {
     append(p);
+  }
+
+  bool const device = store.space() == memory_space::device;
+  std::size_t const pages_per_chunk =
+    B == 0 ? 1 : std::max<std::size_t>(1, store_format::pool_chunk_bytes / B);
+  std::vector<unsigned char> staging(
+    device ? std::min(pages_per_chunk, static_cast<std::size_t>(P)) * B : 0);
+  auto const* pool = static_cast<unsigned char const*>(store.ref().pool);
+  // Calls visit(first page, page count, host bytes) for the pages in use, ascending, in runs of
+  // consecutive pages (one copy from a device pool per run).
+  auto const for_each_run = [&](auto&& visit) {
+    std::int64_t p = 0;
+    while (p < P) {
+      if (used[static_cast<std::size_t>(p)] == 0) {
+        ++p;
+        continue;
+      }
+      std::int64_t run_end = p + 1;
+      while (run_end < P && used[static_cast<std::size_t>(run_end)] != 0 &&
+             static_cast<std::size_t>(run_end - p) < pages_per_chunk) {
+        ++run_end;
+      }
+      std::size_t const n       = static_cast<std::size_t>(run_end - p);
+      unsigned char const* data = pool + static_cast<std::size_t>(p) * B;
+      if (device) {
+        INFERSCALE_CUDA_TRY(cudaMemcpy(staging.data(), data, n * B, cudaMemcpyDeviceToHost));
+        data = staging.data();
+      }
+      visit(p, n, data);
+      p = run_end;
+    }
+  };
+
+  // The fact table (version 2): each fact's CRC-64 over its pages' little-endian bytes, ascending
+  // page id (the order the file stores them), and the finiteness check: a pass over the pool
+  // before the file is created (the catalogue, which holds the table, precedes the pages).
+  std::vector<serial::crc64> fact_crc(static_cast<std::size_t>(facts));
+  std::vector<unsigned char> little(serial::host_is_little_endian() ? 0 : B);
+  for_each_run([&](std::int64_t first, std::size_t n, unsigned char const* data) {
+    std::size_t const bad = first_non_finite(data, n * B / E, t);
+    INFERSCALE_EXPECTS(bad == n * B / E,
+                       who + ": fact " +
+                         std::to_string(owner[static_cast<std::size_t>(first) + bad * E / B]) +
+                         " holds a non-finite value (page " +
+                         std::to_string(first + static_cast<std::int64_t>(bad * E / B)) +
+                         "); a snapshot holds finite KV only, nothing was saved");
+    for (std::size_t k = 0; k < n; ++k) {
+      unsigned char const* page = data + k * B;
+      if (!little.empty()) {
+        serial::copy_little_endian(little.data(), page, B / E, E);
+        page = little.data();
+      }
+      fact_crc[record_of[static_cast<std::size_t>(first) + k]].update(page, B);
+    }
+  });
+  for (serial::crc64 const& c : fact_crc) {
+    append(c.value());
   }
 
   unsigned char header[store_format::header_bytes] = {};
@@ -92,13 +151,6 @@ inline void store_access::save(kv_store const& store, std::string const& path)
   serial::put_le(header + store_format::header_fields,
                  serial::crc64_of(header, store_format::header_fields));
 
-  bool const device = store.space() == memory_space::device;
-  std::size_t const pages_per_chunk =
-    B == 0 ? 1 : std::max<std::size_t>(1, store_format::pool_chunk_bytes / B);
-  std::vector<unsigned char> staging(
-    device ? std::min(pages_per_chunk, static_cast<std::size_t>(P)) * B : 0);
-  auto const* pool = static_cast<unsigned char const*>(store.ref().pool);
-
   (void)serial::write_file_atomically(path, who, true, [&](serial::checksummed_writer& out) {
     out.write(header, store_format::header_fields);
     out.write_excluded(header + store_format::header_fields, store_format::checksum_bytes);
@@ -108,34 +160,9 @@ inline void store_access::save(kv_store const& store, std::string const& path)
     out.write_excluded(checksum, sizeof checksum);
 
     // The pages in use, ascending, in runs of consecutive pages (one write or copy per run).
-    std::int64_t p = 0;
-    while (p < P) {
-      if (used[static_cast<std::size_t>(p)] == 0) {
-        ++p;
-        continue;
-      }
-      std::int64_t run_end = p + 1;
-      while (run_end < P && used[static_cast<std::size_t>(run_end)] != 0 &&
-             static_cast<std::size_t>(run_end - p) < pages_per_chunk) {
-        ++run_end;
-      }
-      std::size_t const n       = static_cast<std::size_t>(run_end - p);
-      std::size_t const bytes   = n * B;
-      unsigned char const* data = pool + static_cast<std::size_t>(p) * B;
-      if (device) {
-        INFERSCALE_CUDA_TRY(cudaMemcpy(staging.data(), data, bytes, cudaMemcpyDeviceToHost));
-        data = staging.data();
-      }
-      std::size_t const bad = first_non_finite(data, bytes / E, t);
-      INFERSCALE_EXPECTS(bad == bytes / E,
-                         who + ": fact " +
-                           std::to_string(owner[static_cast<std::size_t>(p) + bad * E / B]) +
-                           " holds a non-finite value (page " +
-                           std::to_string(p + static_cast<std::int64_t>(bad * E / B)) +
-                           "); a snapshot holds finite KV only, nothing was saved");
-      out.write_elements(data, bytes / E, E);  // little-endian whatever the host
-      p = run_end;
-    }
+    for_each_run([&](std::int64_t, std::size_t n, unsigned char const* data) {
+      out.write_elements(data, n * B / E, E);  // little-endian whatever the host
+    });
     serial::put_le(checksum, out.checksum());
     out.write_excluded(checksum, sizeof checksum);
   });

@@ -30,6 +30,10 @@ struct store_access {
     std::vector<std::int64_t> free_pages;   ///< bottom of the stack first
     std::vector<std::int64_t> used_pages;   ///< ascending
     std::vector<std::uint64_t> page_owner;  ///< fact id per used page (for messages)
+    std::vector<std::size_t> page_record;   ///< index in `records` per used page
+    /// Version 2: CRC-64 of each record's pages (ascending page id, as the file stores them);
+    /// empty for a version-1 file.
+    std::vector<std::uint64_t> fact_checksums;
   };
 
   /// @brief Namespace ids, ascending.
@@ -65,6 +69,7 @@ struct store_access {
   // Loading
 
   struct parsed_header {
+    std::uint32_t version{};
     kv_store_config config{};
     std::uint64_t namespaces{}, facts{}, tokens{}, pages_in_use{};
     std::uint64_t page_bytes{};
@@ -82,10 +87,19 @@ struct store_access {
                                           parsed_header const& h,
                                           std::string const& where);
 
+  /// `previous` (may be null): a store whose facts' pages are taken instead of read when they
+  /// carry the file's bytes (snapshot.hpp, the incremental load).
   static kv_store load(std::string const& path,
                        memory_space space,
                        std::optional<dtype> store_dtype,
-                       kv_store_config const* expect);
+                       kv_store_config const* expect,
+                       kv_store const* previous = nullptr);
+
+  /// @brief True when `previous` can lend pages to a load of `file`: a version-2 file (its fact
+  /// table), the same page layout (model, shard, page size), a little-endian host.
+  static bool incremental_source(kv_store const* previous,
+                                 kv_store_config const& file,
+                                 staged_catalogue const& staged);
 
   /// @brief Refuses a file whose geometry, shard, page size or capacity differ from `want`'s.
   static void check_target(kv_store_config const& file,

@@ -17,7 +17,8 @@ Contracts:
     another, is refused with ValueError at once (never two writers taking the same fact id).
   - Readers (``Memory.open(directory)``, ``MemoryReader``) take no lock and never fail because a
     writer commits: a load that meets files a commit removed reads the new manifest and tries
-    again.
+    again. A reader's refresh reads only what changed: the facts its loaded generation holds with
+    the new store's bytes (per-fact CRC-64) are copied from it, the others read from disk.
   - Fact ids are never reused and a fact's K/V never change under its id, so a request planned
     against generation G injects the same bytes from any later generation that still holds its
     facts; a fact erased since is refused (the request falls back to prefill).
@@ -238,7 +239,7 @@ class Memory:
         if self._lock_fd is not None:
             raise _error(self.directory, "refresh() is a reader's: this writer's generation is the "
                                          "newest")
-        facade, app = load_generation(self.directory)
+        facade, app = load_generation(self.directory, previous=self._facade)
         if app["generation"] == self.generation:
             return False
         with self._mutex:
@@ -629,10 +630,15 @@ def _check_app(app) -> str | None:
     return None
 
 
-def load_generation(directory: str, dtype: str | None = None):
+def load_generation(directory: str, dtype: str | None = None, previous=None):
     """(facade, record) of the directory's newest generation, every file checked (``dtype``:
     the store converted to it as it loads). A commit that replaces the snapshot while it loads
-    (its old files removed) makes it load the new one."""
+    (its old files removed) makes it load the new one.
+
+    ``previous`` (a facade, e.g. the generation a reader serves): the library's incremental
+    load_memory: the facts it holds with the new store file's bytes (each fact's pages checked
+    against the file's per-fact CRC-64) are copied from it, and only the other facts' pages are
+    read from disk; the result is the full load's, byte for byte."""
     last = None
     for _ in range(_LOAD_ATTEMPTS):
         try:
@@ -645,7 +651,7 @@ def load_generation(directory: str, dtype: str | None = None):
             m = app["model"]
             facade, data = _Facade.load(directory, m["num_layers"], m["num_kv_heads"],
                                         m["head_dim"], dtype or s["dtype"], s["num_pages"],
-                                        s["page_size"], s["embedding_dim"])
+                                        s["page_size"], s["embedding_dim"], previous)
             if _parse_app(directory, data) != app:
                 raise ValueError("the snapshot changed while it loaded")
             if dtype:
@@ -667,22 +673,28 @@ class MemoryReader:
 
     ``current()`` returns the loaded generation at once and, when the manifest changed, starts
     loading the new one in a background thread; ``wait_for(generation, timeout)`` blocks until a
-    generation at least that new is loaded (a worker asked to inject facts of it)."""
+    generation at least that new is loaded (a worker asked to inject facts of it). A new
+    generation is loaded incrementally from the one loaded (``load_generation(..., previous=)``):
+    a commit of one fact costs the small files, the store's catalogue and that fact's pages."""
 
     def __init__(self, directory: str, transform=None):
         self.directory = directory
         self._transform = transform  # (facade, app) -> what the reader keeps (a worker's shard)
         self._lock = threading.Condition()
-        self._loaded = None  # (stamp, app, value)
+        self._loaded = None  # (stamp, app, value, facade)
         self._loading = False
         self._error = None
 
     def _load(self, stamp):
         try:
-            facade, app = load_generation(self.directory)
+            with self._lock:
+                previous = None if self._loaded is None else self._loaded[3]
+            # only what changed since the generation served is read (the incremental load)
+            facade, app = load_generation(self.directory, previous=previous)
+            del previous
             value = self._transform(facade, app) if self._transform else facade
             with self._lock:
-                self._loaded = (stamp, app, value)
+                self._loaded = (stamp, app, value, facade)
                 self._error = None
         except Exception as e:  # noqa: BLE001 - reported through poll()
             with self._lock:

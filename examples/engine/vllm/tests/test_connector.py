@@ -41,6 +41,19 @@ def run(setup, prompt, extra_args=None):
     return list(out.outputs[0].token_ids), out.num_cached_tokens or 0
 
 
+_PLAIN = {}  # prompt token ids -> vLLM's greedy answer to them (no memory), computed once
+
+
+def plain_answer(setup, ids):
+    """vLLM's own prefill of `ids` and its greedy answer: computed once per prompt (the bf16 and
+    float32 Theorem 3 tests and six of the refusals ask for the same prompts)."""
+    key = tuple(ids)
+    if key not in _PLAIN:
+        _PLAIN[key], _ = run(setup, {"prompt_token_ids": list(key),
+                                     "cache_salt": f"plain-{len(_PLAIN)}"})
+    return _PLAIN[key]
+
+
 def test_injected_bytes_equal_vllms_own_prefill_writes(setup):
     """The connector's rotation of the captured pre-RoPE keys gives the keys vLLM's own prefill
     handed its cache write, bit for bit (bf16), for every layer, token and head."""
@@ -93,7 +106,7 @@ def assert_theorem3(setup, memory):
         m = r["memory_tokens"]
         usable = loaded(setup, m)
         assert m % 128 != 0 and m > 128, "the segment must end inside a block, after the first"
-        plain, plain_cached = run(setup, {"prompt_token_ids": r["prompt"]["prompt_token_ids"]})
+        plain = plain_answer(setup, r["prompt"]["prompt_token_ids"])
         injected, cached = run(setup, r["prompt"], r["extra_args"])
         assert cached == usable, f"{q!r}: vLLM reports {cached} cached tokens, memory offered {usable}"
         assert injected == plain, (f"{q!r}: injected {tok.decode(injected)!r} vs prefill "
@@ -181,8 +194,7 @@ def test_suffix_recompute_loads_the_whole_blocks_before_it(setup):
     base = mem.request("caroline", [setup["joint"]], q)
     m = base["memory_tokens"]
     assert m > 128
-    plain, _ = run(setup, {"prompt_token_ids": base["prompt"]["prompt_token_ids"],
-                           "cache_salt": "plain-recompute"})
+    plain = plain_answer(setup, base["prompt"]["prompt_token_ids"])
     for r in (m - 128, m - 127, m):
         req = mem.request("caroline", [setup["joint"]], q, recompute_tokens=r)
         assert req["prompt"]["prompt_token_ids"] == base["prompt"]["prompt_token_ids"]
@@ -223,9 +235,6 @@ def test_the_last_block_is_loaded_partly_only_where_measured_exact(setup):
         partial_last_block(config(), "yes")
 
 
-_PLAIN = {}  # prompt token ids -> vLLM's greedy answer to them (no memory)
-
-
 @pytest.mark.parametrize("fault", ["unknown user", "unknown fact", "wrong salt",
                                    "prompt differs", "no salt", "recompute beyond the segment",
                                    "recompute not an int"])
@@ -252,12 +261,7 @@ def test_refused_requests_are_prefilled_and_answer_as_plain_text(setup, fault):
         p["recompute_tokens"] = r["memory_tokens"] + 1
     elif fault == "recompute not an int":
         p["recompute_tokens"] = "16"
-    # vLLM's own prefill of the same tokens (one per distinct prompt: six faults share theirs)
-    key = tuple(prompt["prompt_token_ids"])
-    if key not in _PLAIN:
-        _PLAIN[key], _ = run(setup, {"prompt_token_ids": list(key),
-                                     "cache_salt": f"plain-{len(_PLAIN)}"})
-    plain = _PLAIN[key]
+    plain = plain_answer(setup, prompt["prompt_token_ids"])
     # Nothing cached: whatever vLLM reports as cached now came from the connector.
     assert setup["llm"].reset_prefix_cache()
     out, cached = run(setup, prompt, extra)
@@ -335,8 +339,7 @@ def test_a_load_failing_in_the_worker_is_prefilled_and_vllm_keeps_serving(setup)
     mem, tok = setup["mem"], setup["tok"]
     q = query_tokens(tok, "Where did Caroline study?")
     r = mem.request("failpoint", [setup["failing"]], q)
-    plain, _ = run(setup, {"prompt_token_ids": r["prompt"]["prompt_token_ids"],
-                           "cache_salt": "plain-failpoint"})
+    plain = plain_answer(setup, r["prompt"]["prompt_token_ids"])
     assert setup["llm"].reset_prefix_cache()
     out, _ = run(setup, r["prompt"], r["extra_args"])
     assert out == plain
@@ -360,8 +363,7 @@ def test_a_fact_erased_after_the_request_was_made_is_prefilled(setup):
     r = mem.request("caroline", [setup["joint"], fid], query_tokens(tok, "Who is Azul?"))
     mem.erase_fact(fid)
     mem.commit()
-    plain, _ = run(setup, {"prompt_token_ids": r["prompt"]["prompt_token_ids"],
-                           "cache_salt": "plain-erased"})
+    plain = plain_answer(setup, r["prompt"]["prompt_token_ids"])
     assert llm.reset_prefix_cache()
     out, cached = run(setup, r["prompt"], r["extra_args"])
     assert cached == 0

@@ -211,10 +211,11 @@ def offline(a, users, n, directory):
                 else:
                     facts = [mem.text(f) for f in retrieved][::-1]
                     system = SYSTEM + "\n" + "".join(f"- {f}\n" for f in facts)
-                    ids = tok.apply_chat_template(
+                    text = tok.apply_chat_template(
                         [{"role": "system", "content": system}, {"role": "user", "content": q}],
-                        tokenize=True, add_generation_prompt=True)
-                    out.append(({"prompt_token_ids": list(ids)},
+                        tokenize=False, add_generation_prompt=True)
+                    ids = tok.encode(text, add_special_tokens=False)
+                    out.append(({"prompt_token_ids": ids},
                                 SamplingParams(temperature=0.0, max_tokens=a.max_tokens)))
             return out
 

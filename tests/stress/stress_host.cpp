@@ -83,6 +83,8 @@ struct shared_state {
   /// Ids are handed out from two ranges, one per mutator: [1, high[0]) and [max_ids/2, high[1]).
   std::array<std::atomic<std::uint64_t>, 2> high{};
   std::atomic<bool> stop{false};
+  /// The kinds of mutation that have run (the `ran_*` bits): the load lasts until each has.
+  std::atomic<unsigned> ran{0};
   std::mutex failures_guard;
   std::vector<std::string> failures;
   void fail(std::string const& what)
@@ -293,6 +295,9 @@ reader_counts serve_loop(shared_state& s, int t)
 
 // ---- the mutators ----------------------------------------------------------------------------
 
+constexpr unsigned ran_update = 1u, ran_supersede = 2u, ran_erase = 4u, ran_compaction = 8u,
+                   ran_save = 16u, ran_all = 31u;
+
 struct mutator_counts {
   std::int64_t adds{0}, updates{0}, supersedes{0}, erases{0}, compactions{0}, saves{0};
 };
@@ -370,10 +375,12 @@ class mutator {
       } else {
         s_.mem->compact_index();
         ++n_.compactions;
+        s_.ran.fetch_or(ran_compaction);
       }
       if (!save_dir.empty() && ++ops % 25 == 0) {
         save_memory(*s_.mem, save_dir);
         ++n_.saves;
+        s_.ran.fetch_or(ran_save);
       }
     }
   }
@@ -428,10 +435,12 @@ class mutator {
       owned_.audit.insert(id);
       owned_.live[u.new_id] = 0;
       ++n_.supersedes;
+      s_.ran.fetch_or(ran_supersede);
     } else {
       rec.version_done.store(v);
       owned_.live[id] = v;
       ++n_.updates;
+      s_.ran.fetch_or(ran_update);
     }
   }
 
@@ -444,6 +453,7 @@ class mutator {
     owned_.live.erase(id);
     owned_.audit.erase(id);
     ++n_.erases;
+    s_.ran.fetch_or(ran_erase);
   }
 
   shared_state& s_;
@@ -520,6 +530,12 @@ TEST_CASE("memory under load: 8 serving and 2 mutating threads, every served com
     threads.emplace_back([&] { ma = a.run(""); });
     threads.emplace_back([&] { mb = b.run(dir); });
     std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    // A slow build (TSan, a loaded machine) may not have run every kind of mutation yet: the
+    // load goes on until each has, up to ten times as long (the checks below then fail).
+    auto const cap = t0 + std::chrono::duration<double>(10.0 * std::max(seconds, 3.0));
+    while (s.ran.load() != ran_all && std::chrono::steady_clock::now() < cap && !s.stop.load()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
     s.stop.store(true);
     for (std::thread& t : threads) {
       t.join();

@@ -141,6 +141,58 @@ def test_embedder_semantics_and_refusals(embedder):
         MiniLMEmbedder(tempfile.mkdtemp())
 
 
+def test_query_batcher_embeds_concurrent_queries_together(embedder):
+    """The server's QueryBatcher: queries that wait together share one forward, each caller gets
+    its own text's vector (as embedding it alone, within the batch's rounding) or its own error."""
+    import threading
+    import time
+
+    from inferscale_vllm.embed import QueryBatcher
+
+    texts = [f"What did user {i} say about the {w}?" for i, w in
+             enumerate(["guitar", "trip to Paris", "new job", "dog", "marathon", "garden"])]
+    texts.append("word " * 300)  # too long for the model: refused, for its caller only
+    n = len(texts)
+
+    class Gated:  # the first forward waits until every other caller is queued behind it
+        def __init__(self):
+            self.calls = 0
+
+        def embed(self, batch):
+            self.calls += 1
+            if self.calls == 1:
+                deadline = time.monotonic() + 60
+                while len(batcher._pending) < n - 1 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            return embedder.embed(batch)
+
+    batcher = QueryBatcher(Gated())
+    got, errors = {}, {}
+
+    def ask(i):
+        try:
+            got[i] = batcher.embed_one(texts[i])
+        except ValueError as e:
+            errors[i] = str(e)
+
+    first = threading.Thread(target=ask, args=(0,))
+    first.start()
+    while batcher.batches == 0 and not batcher._leading:
+        time.sleep(0.001)
+    rest = [threading.Thread(target=ask, args=(i,)) for i in range(1, n)]
+    for t in rest:
+        t.start()
+    for t in [first] + rest:
+        t.join(120)
+    assert sorted(got) == list(range(n - 1)) and sorted(errors) == [n - 1]
+    assert "at most 256" in errors[n - 1]
+    # Two batches: the first caller alone, then the six others in one (the failing one made
+    # that batch run again text by text).
+    assert (batcher.batches, batcher.queries) == (2, n)
+    alone = np.stack([embedder.embed(t)[0] for t in texts[:-1]])
+    np.testing.assert_allclose(np.stack([got[i] for i in range(n - 1)]), alone, atol=1e-5)
+
+
 # -- the bound index against brute force -------------------------------------------------------
 def test_index_exact_and_graph_against_brute_force(locomo, vectors):
     index = Index(384)

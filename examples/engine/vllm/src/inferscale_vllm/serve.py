@@ -83,14 +83,16 @@ class MemoryService:
         self.write_lock = asyncio.Lock()
         self.memory = None
         self.embedder = None
+        self.queries = None
         self.tokenizer = None
         self.head = None  # the prefix's text: the chat template's head before the facts
 
     async def start(self):
-        from .embed import MiniLMEmbedder
+        from .embed import MiniLMEmbedder, QueryBatcher
         from .memory import Memory, check_model, describe_model
 
         self.embedder = MiniLMEmbedder(self.args.embedder)
+        self.queries = QueryBatcher(self.embedder)  # the requests' queries, embedded together
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.vllm_config.model_config.tokenizer)
@@ -211,7 +213,7 @@ class MemoryService:
         k = body.get("k", min(self.default_k, len(facts)))
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(facts):
             raise _bad(f"k must be an int in 1 .. {len(facts)} ({user!r}'s facts), got {k!r}")
-        vector = self.embedder.embed(body["query"])[0]
+        vector = self.queries.embed_one(body["query"])
         with self.memory._mutex:
             ids = self.memory.retrieve(user, vector, k)
             return {"user": user, "generation": self.memory.generation,
@@ -287,7 +289,7 @@ class MemoryService:
             if not isinstance(prompt, str) or not prompt:
                 raise _bad("with memory, prompt is one non-empty string")
             query, query_ids = prompt, self._tokens(prompt)
-        vector = self.embedder.embed(query)[0]
+        vector = self.queries.embed_one(query)
         with self.memory._mutex:  # one consistent generation for retrieval, tokens and salt
             retrieved = self.memory.retrieve(user, vector, k)
             r = self.memory.request(user, retrieved[::-1], query_ids)  # the most relevant last

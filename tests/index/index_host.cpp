@@ -27,6 +27,8 @@
 #include <vector>
 
 using namespace inferscale;
+// graph_index's internals (raw rows, tenant segments, search plans): the detail accessor
+using inferscale::detail::index::index_access;
 using inferscale::detail::index::invalid_node;
 
 namespace {
@@ -132,8 +134,8 @@ double recall(answers const& got,
 std::size_t reachable_count(graph_index const& index, std::uint64_t ns)
 {
   std::uint32_t const n      = index.rows(ns);
-  std::uint32_t const d      = index.graph_degree();
-  std::uint32_t const* graph = index.graph_rows(ns);
+  std::uint32_t const d      = index_access::graph_degree(index);
+  std::uint32_t const* graph = index_access::graph_rows(index, ns);
   std::vector<bool> seen(n, false);
   std::vector<std::uint32_t> frontier{0};
   seen[0]          = true;
@@ -157,8 +159,8 @@ std::size_t reachable_count(graph_index const& index, std::uint64_t ns)
 void check_rows_well_formed(graph_index const& index, std::uint64_t ns)
 {
   std::uint32_t const n      = index.rows(ns);
-  std::uint32_t const d      = index.graph_degree();
-  std::uint32_t const* graph = index.graph_rows(ns);
+  std::uint32_t const d      = index_access::graph_degree(index);
+  std::uint32_t const* graph = index_access::graph_rows(index, ns);
   for (std::uint32_t v = 0; v < n; ++v) {
     std::set<std::uint32_t> row;
     for (std::uint32_t r = 0; r < d; ++r) {
@@ -434,8 +436,10 @@ TEST_CASE("index: build is deterministic and a query's answer does not depend on
   graph_index a(cfg), b(cfg);
   add_all(a, 1, data, ids);
   add_all(b, 1, data, ids);
-  std::vector<std::uint32_t> ga(a.graph_rows(1), a.graph_rows(1) + 3000 * a.graph_degree());
-  std::vector<std::uint32_t> gb(b.graph_rows(1), b.graph_rows(1) + 3000 * b.graph_degree());
+  std::uint32_t const* const rows_a = index_access::graph_rows(a, 1);
+  std::uint32_t const* const rows_b = index_access::graph_rows(b, 1);
+  std::vector<std::uint32_t> ga(rows_a, rows_a + 3000 * index_access::graph_degree(a));
+  std::vector<std::uint32_t> gb(rows_b, rows_b + 3000 * index_access::graph_degree(b));
   REQUIRE(ga == gb);
 
   search_params p;
@@ -727,7 +731,7 @@ TEST_CASE("index: deleted facts leave results at once; compaction reclaims their
   REQUIRE(index.rows(2) == n - gone.size());
   REQUIRE(index.size(2) == n - gone.size());
   REQUIRE(index.arena_rows() < arena_before);
-  REQUIRE(index.arena_rows() == index.arena_rows_in_use());
+  REQUIRE(index.arena_rows() == index_access::arena_rows_in_use(index));
   REQUIRE(reachable_count(index, 2) == n - gone.size());
   check_rows_well_formed(index, 2);
 
@@ -814,7 +818,7 @@ TEST_CASE("index: a multi-tenant batch answers each query from its own namespace
   }
   // compaction keeps every namespace's answers valid
   index.compact();
-  REQUIRE(index.arena_rows() == index.arena_rows_in_use());
+  REQUIRE(index.arena_rows() == index_access::arena_rows_in_use(index));
   for (auto const& [ns, list] : owned) {
     std::size_t const expect = ns == 1004 ? list.size() - 2 : list.size();
     REQUIRE(index.size(ns) == expect);
@@ -836,14 +840,16 @@ TEST_CASE("index: refused calls change nothing", "[index][validation]")
   search_params p;
   auto const before_answers = run_search(index, queries, {0}, k10, p);
   std::uint64_t const version = index.version();
-  std::vector<std::uint32_t> const graph_before(index.graph_rows(0),
-                                                index.graph_rows(0) + 400 * index.graph_degree());
+  std::uint32_t const* const graph_rows = index_access::graph_rows(index, 0);
+  std::vector<std::uint32_t> const graph_before(
+    graph_rows, graph_rows + 400 * index_access::graph_degree(index));
 
   auto unchanged = [&] {
     REQUIRE(index.version() == version);
     REQUIRE(index.size(0) == 400);
     REQUIRE(index.total_size() == 400);
-    REQUIRE(std::equal(graph_before.begin(), graph_before.end(), index.graph_rows(0)));
+    REQUIRE(
+      std::equal(graph_before.begin(), graph_before.end(), index_access::graph_rows(index, 0)));
     auto const again = run_search(index, queries, {0}, k10, p);
     REQUIRE(again.ids == before_answers.ids);
   };
@@ -975,10 +981,10 @@ TEST_CASE("index: refused calls change nothing", "[index][validation]")
     std::vector<std::uint64_t> out_ids(k10);
     std::vector<float> out_d(k10);
     std::uint64_t ns = 0;
-    REQUIRE_THROWS_WITH(device_index.search(make_matrix_view(queries.data(), 1, dim),
-                                            cuda::std::span<std::uint64_t const>{&ns, 1}, k10, p,
-                                            make_matrix_view(out_ids.data(), 1, k10),
-                                            make_matrix_view(out_d.data(), 1, k10)),
+    REQUIRE_THROWS_WITH(search(device_index, make_matrix_view(queries.data(), 1, dim),
+                               cuda::std::span<std::uint64_t const>{&ns, 1}, k10, p,
+                               make_matrix_view(out_ids.data(), 1, k10),
+                               make_matrix_view(out_d.data(), 1, k10)),
                         Catch::Contains("device memory"));
   }
   SECTION("bad configurations")
@@ -1431,7 +1437,7 @@ TEST_CASE("index: the device's query preparation and distance order, run on the 
       }
       // the host's prepared query is the device's, bit for bit
       std::vector<float> const host =
-        index.prepare_queries(make_matrix_view<float const>(raw.data(), 1, dim));
+        index_access::prepare_queries(index, make_matrix_view<float const>(raw.data(), 1, dim));
       REQUIRE(host.size() == padded.size());
       for (std::size_t e = 0; e < host.size(); ++e) {
         CAPTURE(e);
@@ -1443,7 +1449,8 @@ TEST_CASE("index: the device's query preparation and distance order, run on the 
       p.algo                      = search_algo::exact;
       std::uint32_t const k       = 8;
       auto const got              = test::run_search(index, raw, {1}, k, p);
-      std::uint64_t const* ids    = index.id_rows(1);
+      std::uint64_t const* ids    = index_access::id_rows(index, 1);
+      void const* const stored    = index_access::vector_rows(index, 1);
       std::uint32_t const n       = index.rows(1);
       for (std::uint32_t j = 0; j < k; ++j) {
         std::uint32_t const local =
@@ -1452,10 +1459,10 @@ TEST_CASE("index: the device's query preparation and distance order, run on the 
         float const lane_order =
           c.vector_dtype == dtype::float16
             ? detail::index::team_distance_by_lane(
-                static_cast<half_t const*>(index.vector_rows(1)) + local * row_elements,
+                static_cast<half_t const*>(stored) + local * row_elements,
                 padded.data(), chunks, team, c.metric)
             : detail::index::team_distance_by_lane(
-                static_cast<float const*>(index.vector_rows(1)) + local * row_elements,
+                static_cast<float const*>(stored) + local * row_elements,
                 padded.data(), chunks, team, c.metric);
         CAPTURE(j, got.distances[j], lane_order);
         REQUIRE(std::isfinite(lane_order));

@@ -24,12 +24,180 @@
 #include <numeric>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 using namespace inferscale;
 // graph_index's internals (raw rows, tenant segments, search plans): the detail accessor
 using inferscale::detail::index::index_access;
 using inferscale::detail::index::invalid_node;
+
+// -------------------------------------------------------------------------------------------------
+// graph_index's public surface (issue 50): what a user calls (construction, properties, sizes,
+// add / build / erase / erase_namespace / compact / set_host_traversal_dtype) is public; searches
+// are the free `inferscale::search`; the backends' plumbing is private and reached only through
+// `detail::index::index_access`. Checked from outside the class, where access applies: each
+// concept holds iff the call compiles here.
+
+namespace surface {
+
+using ids_view      = matrix_view<std::uint64_t>;
+using distance_view = matrix_view<float>;
+using query_view    = matrix_view<float const>;
+using ns_span       = cuda::std::span<std::uint64_t const>;
+
+// the plumbing, called as the members it was
+template <class I>
+concept member_row_elements = requires(I const& i) { i.row_elements(); };
+template <class I>
+concept member_graph_degree = requires(I const& i) { i.graph_degree(); };
+template <class I>
+concept member_uses_nn_descent = requires(I const& i) { i.uses_nn_descent(1u); };
+template <class I>
+concept member_last_nn_descent = requires(I const& i) { i.last_nn_descent(); };
+template <class I>
+concept member_host_entry_points = requires(I const& i) { i.host_entry_points(std::uint64_t{}); };
+template <class I>
+concept member_host_default_ef = requires(I const& i) { i.host_default_ef(std::uint64_t{}); };
+template <class I>
+concept member_host_traversal_rows = requires(I const& i) {
+  i.host_traversal_rows(std::uint64_t{});
+};
+template <class I>
+concept member_arena_rows_in_use = requires(I const& i) { i.arena_rows_in_use(); };
+template <class I>
+concept member_max_arena_rows = requires(I const& i) { i.max_arena_rows(); };
+template <class I>
+concept member_compactions = requires(I const& i) { i.compactions(); };
+template <class I>
+concept member_tenant_segment = requires(I const& i) { i.tenant_segment(std::uint64_t{}); };
+template <class I>
+concept member_tenant_table = requires(I const& i) { i.tenant_table(); };
+template <class I>
+concept member_graph_rows = requires(I const& i) { i.graph_rows(std::uint64_t{}); };
+template <class I>
+concept member_vector_rows = requires(I const& i) { i.vector_rows(std::uint64_t{}); };
+template <class I>
+concept member_id_rows = requires(I const& i) { i.id_rows(std::uint64_t{}); };
+template <class I>
+concept member_deleted_rows = requires(I const& i) { i.deleted_rows(std::uint64_t{}); };
+template <class I>
+concept member_ref = requires(I const& i) { i.ref(); };
+template <class I>
+concept member_plan_for = requires(I const& i, search_params const& p) { i.plan_for(1u, 1u, p); };
+template <class I>
+concept member_resolve_split = requires(search_params const& p) {
+  I::resolve_split(p, std::int64_t{1}, 1u);
+};
+template <class I>
+concept member_split_part = requires(search_params const& p) { I::split_part(p, 1u, 0u); };
+template <class I>
+concept member_uses_exact = requires(I const& i, search_params const& p) {
+  i.uses_exact(detail::index::tenant_ref{}, p);
+};
+template <class I>
+concept member_prepare_queries = requires(I const& i, query_view q) { i.prepare_queries(q); };
+template <class I>
+concept member_check_search = requires(I const& i, query_view q, ns_span ns, search_params p) {
+  i.check_search(q, ns, 1u, p, std::int64_t{}, std::int64_t{}, std::int64_t{}, std::int64_t{});
+};
+template <class I>
+concept member_tenant_ref = requires { typename I::tenant_ref; };
+template <class I>
+concept member_packed_entry_min_rows = requires { I::packed_entry_min_rows; };
+// the member search that wrapped the free one is gone (one search entry point)
+template <class I>
+concept member_search = requires(I const& i, query_view q, ns_span ns, search_params p,
+                                 ids_view ids, distance_view d) {
+  i.search(q, ns, 1u, p, ids, d);
+};
+template <class I>
+concept member_search_template = requires(I const& i, query_view q, ns_span ns, search_params p,
+                                          ids_view ids, distance_view d) {
+  i.template search<float>(q, ns, 1u, p, ids, d);
+};
+
+static_assert(!member_row_elements<graph_index> && !member_graph_degree<graph_index> &&
+              !member_uses_nn_descent<graph_index> && !member_last_nn_descent<graph_index> &&
+              !member_host_entry_points<graph_index> && !member_host_default_ef<graph_index> &&
+              !member_host_traversal_rows<graph_index> && !member_arena_rows_in_use<graph_index> &&
+              !member_max_arena_rows<graph_index> && !member_compactions<graph_index>);
+static_assert(!member_tenant_segment<graph_index> && !member_tenant_table<graph_index> &&
+              !member_graph_rows<graph_index> && !member_vector_rows<graph_index> &&
+              !member_id_rows<graph_index> && !member_deleted_rows<graph_index> &&
+              !member_ref<graph_index> && !member_tenant_ref<graph_index> &&
+              !member_packed_entry_min_rows<graph_index>);
+static_assert(!member_plan_for<graph_index> && !member_resolve_split<graph_index> &&
+              !member_split_part<graph_index> && !member_uses_exact<graph_index> &&
+              !member_prepare_queries<graph_index> && !member_check_search<graph_index>);
+static_assert(!member_search<graph_index> && !member_search_template<graph_index>);
+
+// The same kind of check sees what stays public (so the negatives above are not vacuous) ...
+template <class I>
+concept user_surface = requires(I& i, I const& c, query_view q, ns_span ns, search_params p,
+                                ids_view ids, distance_view d, graph_builder const& b) {
+  c.config();
+  c.dim();
+  c.space();
+  c.version();
+  c.exact_search_threshold(p, 1u);
+  c.num_namespaces();
+  c.namespaces();
+  c.has_namespace(std::uint64_t{});
+  c.size(std::uint64_t{});
+  c.total_size();
+  c.contains(std::uint64_t{});
+  c.namespace_of(std::uint64_t{});
+  c.ids(std::uint64_t{});
+  c.rows(std::uint64_t{});
+  c.arena_rows();
+  c.arena_bytes();
+  c.host_traversal_bytes();
+  c.host_entry_bytes();
+  i.add(std::uint64_t{}, q, ns, b);
+  i.build(std::uint64_t{}, q, ns, b);
+  i.erase(ns, b);
+  i.erase_namespace(std::uint64_t{}, b);
+  i.compact(b);
+  i.set_host_traversal_dtype(dtype::float16);
+  inferscale::search(c, q, ns, 1u, p, ids, d);
+};
+static_assert(user_surface<graph_index>);
+static_assert(std::is_nothrow_move_constructible_v<graph_index> &&
+              !std::is_copy_constructible_v<graph_index> &&
+              !std::is_copy_assignable_v<graph_index>);
+
+// ... and the detail accessor still reaches the plumbing the library's own code needs.
+template <class A>
+concept accessor_surface = requires(graph_index const& i, query_view q, ns_span ns,
+                                    search_params p) {
+  A::row_elements(i);
+  A::graph_degree(i);
+  A::uses_nn_descent(i, 1u);
+  A::last_nn_descent(i);
+  A::host_entry_points(i, std::uint64_t{});
+  A::host_default_ef(i, std::uint64_t{});
+  A::host_traversal_rows(i, std::uint64_t{});
+  A::arena_rows_in_use(i);
+  A::max_arena_rows(i);
+  A::compactions(i);
+  A::tenant_segment(i, std::uint64_t{});
+  A::tenant_table(i);
+  A::graph_rows(i, std::uint64_t{});
+  A::vector_rows(i, std::uint64_t{});
+  A::id_rows(i, std::uint64_t{});
+  A::deleted_rows(i, std::uint64_t{});
+  A::ref(i);
+  A::plan_for(i, 1u, 1u, p);
+  A::resolve_split(p, std::int64_t{1}, 1u);
+  A::split_part(p, 1u, 0u);
+  A::uses_exact(i, detail::index::tenant_ref{}, p);
+  A::prepare_queries(i, q);
+  A::check_search(i, q, ns, 1u, p, std::int64_t{}, std::int64_t{}, std::int64_t{}, std::int64_t{});
+};
+static_assert(accessor_surface<index_access>);
+
+}  // namespace surface
 
 namespace {
 

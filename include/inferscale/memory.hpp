@@ -154,7 +154,7 @@ class memory {
   /**
    * @brief The `k` facts of namespace `ns` nearest to `query` (an embedding), most relevant first
    * (fewer when the namespace holds fewer).
-   * @throw logic_error as graph_index::search (unknown namespace, wrong dimension, NaN, k == 0).
+   * @throw logic_error as inferscale::search (unknown namespace, wrong dimension, NaN, k == 0).
    */
   std::vector<std::uint64_t> retrieve(std::uint64_t ns,
                                       std::vector<float> const& query,
@@ -459,7 +459,7 @@ class memory {
                      Rotation const& rotation,
                      Device&... device) const;
 
-  /// The search of serve_requests() on a host index (graph_index::search with config().search).
+  /// The search of serve_requests() on a host index (inferscale::search with config().search).
   auto host_index_search(std::uint32_t k) const;
 
   /// The search of serve_requests() with `res`: detail::memory_index_search<Resources>

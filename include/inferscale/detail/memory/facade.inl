@@ -35,8 +35,8 @@ cudaStream_t raw_stream(S const& s) noexcept
 
 /**
  * @brief The search of serve_step / serve given a `raft::resources` (after the rotation) on a
- * device-memory index: `run(res, index, queries, namespaces, k, params,
- * out_ids, out_distances)` with host views, as graph_index::search takes them, on an index in
+ * device-memory index: `run(res, index, queries, namespaces, k, params, out_ids, out_distances)`
+ * with host views, as the host `inferscale::search` takes them after the index, on an index in
  * `index_space` memory (a `static constexpr memory_space`). Declared here only:
  * memory_device_index.cuh defines it for raft::resources and the types derived from it
  * (`memory_space::device`), so this header needs neither RAFT nor C++20.
@@ -166,12 +166,13 @@ inline std::vector<std::uint64_t> memory::retrieve(std::uint64_t ns,
   std::vector<std::uint64_t> ids(k);
   std::vector<float> distances(k);
   searches_.add();
-  index_.search<float>(make_matrix_view<float const>(query.data(), 1, index_.dim()),
-                       cuda::std::span<std::uint64_t const>{&ns, 1},
-                       k,
-                       config_.search,
-                       make_matrix_view<std::uint64_t>(ids.data(), 1, k),
-                       make_matrix_view<float>(distances.data(), 1, k));
+  inferscale::search<float>(index_,
+                            make_matrix_view<float const>(query.data(), 1, index_.dim()),
+                            cuda::std::span<std::uint64_t const>{&ns, 1},
+                            k,
+                            config_.search,
+                            make_matrix_view<std::uint64_t>(ids.data(), 1, k),
+                            make_matrix_view<float>(distances.data(), 1, k));
   std::vector<std::uint64_t> out;
   for (std::uint64_t id : ids) {
     if (id != invalid_fact_id) { out.push_back(id); }
@@ -251,8 +252,13 @@ inline auto memory::host_index_search(std::uint32_t k) const
                                              cuda::std::span<std::uint64_t const> namespaces,
                                              matrix_view<std::uint64_t> ids,
                                              matrix_view<float> distances) {
-                                     index_.search<float>(
-                                       queries, namespaces, k, config_.search, ids, distances);
+                                     inferscale::search<float>(index_,
+                                                               queries,
+                                                               namespaces,
+                                                               k,
+                                                               config_.search,
+                                                               ids,
+                                                               distances);
                                    });
 }
 

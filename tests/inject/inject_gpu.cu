@@ -1623,7 +1623,8 @@ TEST_CASE(
 
   injection_workspace small(2);
   REQUIRE_THROWS_AS(
-    device_memory.serve(embedder, 7, user.texts[4], 2, 5, device_adapter, device_table, small, ref),
+    device_memory.serve(
+      embedder, 7, user.texts[4], 2, 5, device_adapter, device_table, device_context{small, ref}),
     logic_error);
   REQUIRE(device_adapter.committed.empty());
   REQUIRE(device_storage.to_host() == host_cache.data);  // untouched: every element still -1
@@ -1632,7 +1633,7 @@ TEST_CASE(
   memory_request const h =
     host_memory.serve(embedder, 7, user.texts[4], 2, 5, host_cache, host_table);
   memory_request const d = device_memory.serve(
-    embedder, 7, user.texts[4], 2, 5, device_adapter, device_table, workspace, ref);
+    embedder, 7, user.texts[4], 2, 5, device_adapter, device_table, device_context{workspace, ref});
   REQUIRE(d.fact_ids == h.fact_ids);
   REQUIRE(d.plan.token_ids == h.plan.token_ids);
   REQUIRE(device_adapter.allocated_at == 5);
@@ -1647,7 +1648,7 @@ TEST_CASE(
   for (std::int64_t j = 0; j < 256; ++j) {
     device_adapter.slots[static_cast<std::size_t>(j)] = (j + 100) % 256;
   }
-  device_memory.inject(plan, device_adapter, device_table, workspace, ref);
+  device_memory.inject(plan, device_adapter, device_table, device_context{workspace, ref});
   mf::host_cache shifted{1, 100};
   host_memory.inject(host_memory.prepare(h.fact_ids, 5), shifted, host_table);
   INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
@@ -1712,10 +1713,12 @@ TEST_CASE(
   // 3 + 2 x 2 and 3 + 2 x 3), a host store.
   injection_workspace small(20);
   REQUIRE_THROWS_AS(
-    device_memory.serve_step(embedder, device_requests, 2, device_table, small, ref), logic_error);
+    device_memory.serve_step(embedder, device_requests, 2, device_table, device_context{small, ref}),
+    logic_error);
   injection_workspace workspace(64);
   REQUIRE_THROWS_AS(
-    host_memory.serve_step(embedder, host_requests, 2, host_table, workspace, ref), logic_error);
+    host_memory.serve_step(embedder, host_requests, 2, host_table, device_context{workspace, ref}),
+    logic_error);
   for (slot_adapter const& seq : device_sequences) {
     REQUIRE(seq.allocated_at == -1);
     REQUIRE(seq.committed.empty());
@@ -1726,7 +1729,7 @@ TEST_CASE(
     host_memory.serve_step(embedder, host_requests, 2, host_table);
   std::uint64_t const searches = device_memory.searches();
   std::vector<memory_request> const d =
-    device_memory.serve_step(embedder, device_requests, 2, device_table, workspace, ref);
+    device_memory.serve_step(embedder, device_requests, 2, device_table, device_context{workspace, ref});
   REQUIRE(device_memory.searches() == searches + 1);
   REQUIRE(d.size() == 3);
   for (std::size_t i = 0; i < 3; ++i) {

@@ -174,19 +174,23 @@ class memory {
   composition prepare(std::vector<std::uint64_t> const& fact_ids,
                       std::int64_t first_position) const;
 
-  /// @brief Injects a prepared segment through a paged-cache adapter (host backend): a one-request
-  /// injection step (injection_batch::add(plan, cache), run(cache.cache(), rotation)).
-  /// @throw logic_error as injection_batch::add and run, or positions beyond the rotation's range
-  /// (rope_check_positions, before the adapter allocates); nothing written or committed then.
+  /**
+   * @brief Injects a prepared segment through a paged-cache adapter (host backend): a one-request
+   * injection step (injection_batch::add(plan, cache), run(cache.cache(), rotation)) under the
+   * read lock.
+   * @throw logic_error for an empty plan, a store in device memory, positions beyond the
+   *        rotation's range (rope_check_positions), all before the adapter allocates; as
+   *        injection_batch::add and run (nothing written or committed then, and the slots the
+   *        adapter allocated released).
+   */
   template <class CacheAdapter, class Rotation>
   void inject(composition const& plan, CacheAdapter& cache, Rotation const& rotation) const;
 
   /**
-   * @brief Injects a prepared segment from a device store through a paged-cache adapter whose
-   * cache is device memory, on `device.stream()` through `device.workspace()`: the device twin of
-   * inject(plan, cache, rotation), inject_memory_async (engine.cuh).
-   * @throw logic_error if the context has no workspace, or as inject_memory_async (nothing
-   *        written or committed then).
+   * @brief inject() from a device store into an adapter's cache in device memory: the step run on
+   * the device, on `device.stream()` through `device.workspace()`.
+   * @throw logic_error as inject(), for a context without a workspace, a store in host memory or
+   *        a plan longer than the workspace holds (before the adapter allocates).
    * @note Needs <inferscale/memory.cuh> (nvcc). Never synchronises the device.
    */
   template <class CacheAdapter, class Rotation>
@@ -469,6 +473,13 @@ class memory {
     bool name_requests,
     Rotation const& rotation,
     device_context const* device) const;
+
+  /// inject() and its device twin (`OnDevice`, with `device`): checks, one step, its run.
+  template <bool OnDevice, class CacheAdapter, class Rotation>
+  void inject_plan(composition const& plan,
+                   CacheAdapter& cache,
+                   Rotation const& rotation,
+                   device_context const* device) const;
 
   /// prepare() without taking the read lock (the caller holds a lock).
   composition prepare_unlocked(std::vector<std::uint64_t> const& fact_ids,

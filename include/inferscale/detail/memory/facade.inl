@@ -185,15 +185,7 @@ inline composition memory::prepare_unlocked(std::vector<std::uint64_t> const& fa
 template <class CacheAdapter, class Rotation>
 void memory::inject(composition const& plan, CacheAdapter& cache, Rotation const& rotation) const
 {
-  static_assert(is_cache_adapter_v<CacheAdapter>,
-                "memory::inject: CacheAdapter needs allocate(first_position, tokens), cache() and "
-                "commit(tokens) (see engine.hpp)");
-  // The model's range before the adapter allocates (run would refuse it only after).
-  rope_check_positions(rotation, plan.first_position, plan.length(), "memory::inject");
-  auto const read = locks_.read();
-  injection_batch step{store_};
-  step.add(plan, cache);
-  step.run(cache.cache(), rotation);
+  inject_plan<false>(plan, cache, rotation, nullptr);
 }
 
 template <class CacheAdapter, class Rotation>
@@ -202,16 +194,43 @@ void memory::inject(composition const& plan,
                     Rotation const& rotation,
                     device_context const& device) const
 {
-  // Found where memory.cuh (engine.cuh) is included: the call depends on the template arguments,
-  // so this header compiles without the CUDA toolkit. inject_memory_async is the one-request
-  // injection step run on the device (add(plan, cache), run(..., workspace, stream)), with its
-  // store-space and workspace checks made before the adapter allocates (the workspace's type is
-  // incomplete here).
-  INFERSCALE_EXPECTS(device.workspace() != nullptr,
-                     std::string{"memory::inject: the device context has no injection workspace "
-                                 "(a device store is injected through one)"});
+  inject_plan<true>(plan, cache, rotation, &device);
+}
+
+template <bool OnDevice, class CacheAdapter, class Rotation>
+void memory::inject_plan(composition const& plan,
+                         CacheAdapter& cache,
+                         Rotation const& rotation,
+                         device_context const* device) const
+{
+  static_assert(is_cache_adapter_v<CacheAdapter>,
+                "memory::inject: CacheAdapter needs allocate(first_position, tokens), cache() and "
+                "commit(tokens) (see engine.hpp)");
+  char const* const who = "memory::inject";
+  // Everything that can be refused without the adapter, before it allocates: the plan, the
+  // store's memory, the workspace, the model's range (run would refuse it only after).
+  INFERSCALE_EXPECTS(plan.length() > 0, std::string{who} + ": the plan is empty");
   auto const read = locks_.read();
-  inject_memory_async(store_, plan, cache, rotation, *device.workspace(), device.stream());
+  if constexpr (OnDevice) {
+    INFERSCALE_EXPECTS(device->workspace() != nullptr,
+                       std::string{who} +
+                         ": the device context has no injection workspace (a device store is "
+                         "injected through one: device_context{workspace, stream})");
+    // (the workspace's type named through Rotation: complete where inject.cuh is included)
+    using workspace_t = detail::dependent_t<injection_workspace, Rotation>;
+    require_device_store(
+      plan.length(), static_cast<workspace_t*>(device->workspace())->capacity(), who);
+  } else {
+    require_host_store(who);
+  }
+  rope_check_positions(rotation, plan.first_position, plan.length(), who);
+  injection_batch step{store_};
+  step.add(plan, cache);
+  if constexpr (OnDevice) {
+    step.run(cache.cache(), rotation, *device);
+  } else {
+    step.run(cache.cache(), rotation);
+  }
 }
 
 template <bool OnDevice, class Embedder, class CacheAdapter, class Rotation>
@@ -395,7 +414,7 @@ std::vector<memory_request> memory::serve_requests(
     paged_kv_cache const& cache = requests[0].cache->cache();
     if constexpr (device_run_defined) {
       if (device_inject) {
-        batch.run(cache, rotation, *device->workspace(), device->stream());
+        batch.run(cache, rotation, *device);
         return;
       }
     }

@@ -107,6 +107,8 @@ namespace {
 
 namespace is = inferscale;
 namespace ib = inferscale::bench;
+// graph_index's internals (raw rows, tenant segments, search plans): the detail accessor
+using inferscale::detail::index::index_access;
 using clock_type = std::chrono::steady_clock;
 
 constexpr std::uint32_t top_k          = 10;
@@ -530,7 +532,7 @@ void equal_recall(benchmark::State& state, std::string const& name, std::int64_t
   state.counters["hnswlib_ef"]           = c->hnsw_ef[target];
   state.counters["vs_hnswlib"]           = hnsw_s / graph_s;
   state.counters["N"]                    = static_cast<double>(c->data.n());
-  state.counters["entry_points"]         = c->index->host_entry_points(the_namespace);
+  state.counters["entry_points"] = index_access::host_entry_points(*c->index, the_namespace);
   state.counters["graph_build_s"]        = c->graph_build_s;
   state.counters["hnswlib_build_s"]      = c->hnsw_build_s;
   state.counters["graph_build_cpu_s"]    = c->graph_build_cpu_s;
@@ -572,7 +574,7 @@ void defaults_case(benchmark::State& state, std::string const& name, std::int64_
   double const per = static_cast<double>(state.iterations() * num_queries);
   state.counters["us_per_query"]          = default_s / per * 1e6;
   state.counters["recall"]                = recall;
-  state.counters["default_ef"]            = c->index->host_default_ef(the_namespace);
+  state.counters["default_ef"]            = index_access::host_default_ef(*c->index, the_namespace);
   state.counters["cheapest_099_ef"]       = c->graph_ef[99];
   state.counters["cheapest_099_us"]       = cheapest_s / per * 1e6;
   state.counters["vs_cheapest_099"]       = default_s / cheapest_s;
@@ -629,8 +631,9 @@ void exact_scan(benchmark::State& state, std::string const& name, std::int64_t d
   std::vector<std::uint64_t> got(static_cast<std::size_t>(num_queries * top_k));
   std::vector<float> dist(got.size());
   std::int64_t const rows      = c->data.n();
-  std::int64_t const elements  = rows * c->index->row_elements();
-  auto const* arena            = static_cast<float const*>(c->index->vector_rows(the_namespace));
+  std::int64_t const elements  = rows * index_access::row_elements(*c->index);
+  auto const* arena =
+    static_cast<float const*>(index_access::vector_rows(*c->index, the_namespace));
   auto const kernel = is::detail::index::fast_distance_for<float>(is::distance_metric::inner_product);
   std::vector<float> copy(static_cast<std::size_t>(elements));
   double exact_s = 0.0, stream_s = 0.0, memcpy_s = 0.0;

@@ -41,7 +41,7 @@
  *    is `Time`), then exactly (search_algo::exact, same call), then with hnswlib. Counters: `QPS`,
  *    `us_per_query` (wall time / B), `recall`, `recall_tol`; `exact_QPS`, `exact_us_per_query`,
  *    `speedup` = exact seconds / graph seconds; `hnswlib_QPS`, `hnswlib_us_per_query`,
- *    `hnswlib_recall`, `vs_hnswlib` = hnswlib seconds / graph seconds. Threads: graph_index::search
+ *    `hnswlib_recall`, `vs_hnswlib` = hnswlib seconds / graph seconds. Threads: the host search
  *    splits a batch over the hardware threads (one range of queries per thread, batches of 64 or
  *    more); hnswlib runs one query per thread (ann-benchmarks' single-query mode) with the batch
  *    split over the same threads in the same way (`threads`).
@@ -131,6 +131,8 @@ namespace {
 
 namespace ib = inferscale::bench;
 namespace is = inferscale;
+// graph_index's internals (raw rows, tenant segments, search plans): the detail accessor
+using inferscale::detail::index::index_access;
 using clock_type = std::chrono::steady_clock;
 
 constexpr std::uint32_t top_k           = 10;
@@ -156,7 +158,7 @@ double seconds_since(clock_type::time_point t0)
 
 int hardware_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
 
-/// @brief Threads graph_index::search (and hnswlib here) uses for a batch (detail::parallel_ranges).
+/// @brief Threads the host search (and hnswlib here) uses for a batch (detail::parallel_ranges).
 int threads_for_batch(std::int64_t batch)
 {
   return static_cast<int>(
@@ -629,7 +631,7 @@ void host_build_cpu_bench(benchmark::State& state)
       nnd_wall        = seconds_since(t0);
       nnd_cpu         = cpu_seconds() - c0;
       state.SetIterationTime(nnd_wall);
-      iterations = index->last_nn_descent().iterations;
+      iterations = index_access::last_nn_descent(*index).iterations;
       nnd_recall = host_recall(*index, data, *c.gt, fixed);
       index.reset();
       if (with_exact) {
@@ -798,9 +800,8 @@ void report_cost_model(benchmark::State& state,
                        double graph_over_exact)
 {
   auto const rows = static_cast<std::uint32_t>(n);
-  double const estimate =
-    is::detail::index::estimated_graph_distances(index.plan_for(rows, top_k, params),
-                                                 index.graph_degree());
+  double const estimate = is::detail::index::estimated_graph_distances(
+    index_access::plan_for(index, rows, top_k, params), index_access::graph_degree(index));
   std::int64_t const threshold = index.exact_search_threshold(params, rows);
   state.counters["graph_distances_est"] = estimate;
   state.counters["cost_factor"]         = graph_over_exact * static_cast<double>(n) / estimate;
@@ -1361,7 +1362,7 @@ void device_tenants_bench(benchmark::State& state)
     // recall and the exact share over the whole query set, outside the timed loop
     std::size_t hits     = 0;
     double exact_queries = 0.0, exact_bytes = 0.0;
-    double const row_bytes = static_cast<double>(set.index->row_elements()) * 4.0;
+    double const row_bytes = static_cast<double>(index_access::row_elements(*set.index)) * 4.0;
     for (std::int64_t first = 0; first + batch <= num_queries; first += batch) {
       run(first, automatic);
       auto const got = out.host_ids(batch);
@@ -1373,9 +1374,9 @@ void device_tenants_bench(benchmark::State& state)
                     ? 1
                     : 0;
         }
-        auto const seg =
-          set.index->tenant_segment(set.namespaces[static_cast<std::size_t>(first + q)]);
-        if (set.index->uses_exact(seg, automatic)) {
+        auto const seg = index_access::tenant_segment(
+          *set.index, set.namespaces[static_cast<std::size_t>(first + q)]);
+        if (index_access::uses_exact(*set.index, seg, automatic)) {
           exact_queries += 1.0;
           exact_bytes += static_cast<double>(seg.size) * row_bytes;
         }

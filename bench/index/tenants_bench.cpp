@@ -61,9 +61,9 @@
  *    arena row allocated (`arena_bytes` less the vectors), the vector bytes of the arena's spare
  *    rows (`arena_rows() - total_size()`), each namespace's entry points (`host_entry_bytes`:
  *    4 bytes each, and a packed copy of their rows in namespaces of at least
- *    `graph_index::packed_entry_min_rows` rows), the id -> row hash map (48 a node: next, key, row
- * location, glibc's chunk header rounded to 16; 8 a bucket at load factor 1) and per namespace 200
- * bytes (its tenant record and map node, an estimate); `hnswlib_overhead_B_per_fact` from
+ *    `detail::index::packed_entry_min_rows` rows), the id -> row hash map (48 a node: next, key,
+ * row location, glibc's chunk header rounded to 16; 8 a bucket at load factor 1) and per namespace
+ * 200 bytes (its tenant record and map node, an estimate); `hnswlib_overhead_B_per_fact` from
  *    hnsw_baseline::overhead_bytes (its formula there: 0.6.2's layout read off the index), summed
  *    over the built indexes, over their facts; `hnswlib_fixed_B_per_fact`, the part of it that is
  *    the per-index update locks; `overhead_vs_hnswlib` = index / hnswlib (< 1: smaller). Beside
@@ -125,6 +125,8 @@ namespace {
 
 namespace is = inferscale;
 namespace ib = inferscale::bench;
+// graph_index's internals (raw rows, tenant segments, search plans): the detail accessor
+using inferscale::detail::index::index_access;
 using clock_type = std::chrono::steady_clock;
 
 constexpr std::uint32_t top_k         = 10;
@@ -196,7 +198,7 @@ struct index_accounting {
 index_accounting account(is::graph_index const& ix, std::int64_t users)
 {
   double const element   = ix.config().vector_dtype == is::dtype::float16 ? 2.0 : 4.0;
-  double const row_bytes = static_cast<double>(ix.row_elements()) * element;
+  double const row_bytes = static_cast<double>(index_access::row_elements(ix)) * element;
   double const arena_vec = static_cast<double>(ix.arena_rows()) * row_bytes;
   index_accounting a;
   a.entries = static_cast<double>(ix.host_entry_bytes());
@@ -613,8 +615,10 @@ void tenants_case(benchmark::State& state,
   }
   std::int64_t exact = 0;
   for (std::int64_t q = 0; q < num_queries; ++q) {
-    exact +=
-      ix->uses_exact(ix->tenant_segment(s->query_ns[static_cast<std::size_t>(q)]), p) ? 1 : 0;
+    exact += index_access::uses_exact(
+               *ix, index_access::tenant_segment(*ix, s->query_ns[static_cast<std::size_t>(q)]), p)
+               ? 1
+               : 0;
   }
   double const queries = static_cast<double>(state.iterations() * num_queries);
   double const nd      = static_cast<double>(s->n);

@@ -79,7 +79,7 @@ INFERSCALE_DEVICE_INDEX_LINKAGE graph_builder make_device_graph_builder(raft::re
  *                      squared L2 |q|^2 + |x|^2 - 2 dot clamped at 0; +inf for empty slots. fp32
  *                      gemm values: close to, not bitwise equal to, the host `search`.
  * @throw logic_error (outputs untouched) for a host-memory index, and as
- *        `graph_index::check_search`: dimension mismatch, unknown namespace, k == 0 or above
+ *        the host `search` (index.hpp): dimension mismatch, unknown namespace, k == 0 or above
  *        1024, output shapes other than `[q][k]`
  * @note Enqueued on the resources' stream; does not wait for completion. A query with a NaN or
  *       infinite element, a zero query under cosine or a squared norm above 1e30 under inner
@@ -120,8 +120,8 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void exact_search(raft::resources const& res,
  * @param out_ids       device `[q][k]`; `invalid_fact_id` beyond the namespace's live facts
  * @param out_distances device `[q][k]`; +inf beyond the live facts
  * @throw logic_error (outputs untouched) for a host-memory index, and as
- *        `graph_index::check_search`: dimension mismatch, unknown namespace, k == 0, itopk (raised
- *        to k) above 1024, search_width outside 1..64, output shapes other than `[q][k]`
+ *        the host `search` (index.hpp): dimension mismatch, unknown namespace, k == 0, itopk
+ *        (raised to k) above 1024, search_width outside 1..64, output shapes other than `[q][k]`
  * @note Enqueued on the resources' stream; does not wait for the kernel (the host staging of the
  *       tenant table is consumed before returning). A query with a NaN or infinite element, a
  *       zero query under cosine or a squared norm above 1e30 under inner product or squared L2

@@ -56,7 +56,34 @@ struct tenant_ref {
   std::uint32_t live{0};
 };
 
+/// @brief Non-owning device handle of an index's arena (pointers into the device arrays; rows of
+/// a namespace start at its `tenant_ref::row_begin`, graph node ids are local to it).
+struct graph_index_ref {
+  void const* vectors{nullptr};          ///< `[rows][row_elements]` of the index dtype
+  std::uint32_t const* graph{nullptr};   ///< `[rows][degree]` local node ids
+  std::uint64_t const* ids{nullptr};     ///< `[rows]` fact ids
+  std::uint8_t const* deleted{nullptr};  ///< `[rows]` 1 = deleted
+  std::int64_t row_elements{0};
+  std::uint32_t degree{0};
+  distance_metric metric{distance_metric::cosine};
+  dtype vector_dtype{dtype::float32};
+};
+
+/**
+ * Namespaces of at least this many rows (when their entry points are chosen) keep a packed copy
+ * of their entry points' rows, which the fast search scans as one stream; smaller ones read the
+ * entry rows in place, at random, as the walk reads every other row. From here on the copy is at
+ * most 6.4 % of the vectors (64 of 1,000 rows; 4 / sqrt(n) above), and it saves 3-10 % of a
+ * search at 1,000 rows and 10-26 % at 10,000 (384-d). Below, a namespace is mostly searched
+ * exactly (the automatic threshold is 313-1,523 rows at the default lists), which reads no entry
+ * point, and the copy would cost up to 64 % of its vectors: at 1,000 users with every
+ * namespace's entry rows packed the index held 564 B per fact of them
+ * (bench/results/2026-12-06-tenants-overhead.md).
+ */
+inline constexpr std::uint32_t packed_entry_min_rows = 1000;
+
 struct index_access;
+struct snapshot_access;
 }  // namespace detail::index
 
 class graph_index;
@@ -80,8 +107,8 @@ class graph_index;
  * `search(raft::resources const&, index, queries, namespaces, k, params, out_ids,
  * out_distances)`, takes the same arguments after the RAFT handle (as cuVS has one `search` per
  * index type); on a device-memory index of the same content it gives this function's answers
- * under `host_search_mode::reference`, bit for bit. `graph_index::search` (the member) is a thin
- * wrapper of this function.
+ * under `host_search_mode::reference`, bit for bit. It is the host index's one search entry
+ * point (`graph_index` has no search member).
  *
  * @tparam T float or half_t (queries are compared in fp32)
  * @param[in] index a host-memory index
@@ -106,21 +133,13 @@ void search(graph_index const& index,
             matrix_view<float> out_distances);
 
 /**
- * @brief Non-owning device handle of an index (pointers into the device arena).
- */
-struct graph_index_ref {
-  void const* vectors{nullptr};        ///< `[rows][row_elements]` of the index dtype
-  std::uint32_t const* graph{nullptr}; ///< `[rows][degree]` local node ids
-  std::uint64_t const* ids{nullptr};   ///< `[rows]` fact ids
-  std::uint8_t const* deleted{nullptr};///< `[rows]` 1 = deleted
-  std::int64_t row_elements{0};
-  std::uint32_t degree{0};
-  distance_metric metric{distance_metric::cosine};
-  dtype vector_dtype{dtype::float32};
-};
-
-/**
  * @brief The fact index (move-only owner). See the file comment for the layout and contracts.
+ *
+ * The public members are what a user calls: construction, properties, sizes (namespaces, facts,
+ * rows and bytes held) and the mutations; searches are the free `inferscale::search` and
+ * persistence the free `save_index` / `load_index` (`index_snapshot.hpp`). The backends'
+ * plumbing (tenant segments, raw rows, search plans and checks, the fast host search's state) is
+ * private, read by the library's own code through `detail::index::index_access`.
  *
  * @note Searched with the free `inferscale::search`: host-memory indexes with the overload in
  * this header, device-memory indexes with the one in `index.cuh` (a `raft::resources` first).
@@ -129,8 +148,6 @@ struct graph_index_ref {
  */
 class graph_index {
  public:
-  using tenant_ref = detail::index::tenant_ref;
-
   /// @throw logic_error on a zero dimension, a dtype other than float32/float16, or degrees
   /// outside `1 <= graph_degree <= intermediate_graph_degree <= 1024`.
   explicit graph_index(index_config const& config);
@@ -144,11 +161,11 @@ class graph_index {
   // ---------------------------------------------------------------------------------------------
   // Properties
 
+  /// @brief The configuration (of a loaded index: what `load_index` restores, the rest default).
   index_config const& config() const noexcept { return config_; }
+  /// @brief The embedding dimension (`config().dim`): queries and vectors are `[rows][dim]`.
   std::int64_t dim() const noexcept { return config_.dim; }
-  std::int64_t row_elements() const noexcept { return row_elements_; }
-  /// @brief Stored graph out-degree (rows of small tenants are padded with empty slots).
-  std::uint32_t graph_degree() const noexcept { return config_.graph_degree; }
+  /// @brief Where the index lives and is searched (`config().space`).
   memory_space space() const noexcept { return config_.space; }
   /// @brief Increases on every successful mutation; a refused call leaves it unchanged.
   std::uint64_t version() const noexcept { return version_; }
@@ -162,123 +179,45 @@ class graph_index {
   std::int64_t exact_search_threshold(search_params const& p = {},
                                       std::uint32_t rows = 100000) const noexcept;
 
-  /**
-   * @brief Whether the host builds the kNN graph of a namespace of `rows` rows with NN-descent
-   * (true) or exactly: `host_knn`, and under `automatic` NN-descent above `exact_knn_max_rows`.
-   * A `graph_builder` with a `knn` callback overrides both.
-   */
-  bool uses_nn_descent(std::uint32_t rows) const noexcept;
-
-  /// @brief What the last host NN-descent build did (zeros if none ran).
-  detail::index::nn_descent_report const& last_nn_descent() const noexcept
-  {
-    return last_nn_descent_;
-  }
+  // ---------------------------------------------------------------------------------------------
+  // Sizes: namespaces and facts
 
   /// @brief Number of namespaces with a tenant (including ones whose facts were all deleted).
   std::size_t num_namespaces() const noexcept { return tenant_of_.size(); }
   /// @brief The namespaces, in order of creation.
   std::vector<std::uint64_t> namespaces() const;
+  /// @brief Whether a namespace has a tenant (as counted by `num_namespaces`).
   bool has_namespace(std::uint64_t ns) const noexcept { return tenant_of_.count(ns) != 0; }
   /// @brief Live facts of a namespace (0 if unknown).
   std::uint32_t size(std::uint64_t ns) const noexcept;
-  /// @brief Entry points the fast host search of a namespace starts from (0 if unknown; see
-  /// `index_config::host_entry_points`).
-  std::uint32_t host_entry_points(std::uint64_t ns) const noexcept;
-  /// @brief The fast host search's result list for `itopk_size` 0 in a namespace (0 if unknown):
-  /// the smallest of a grid (10 .. 256) with which searches for 256 of its rows found 99 % of
-  /// their 10 nearest other rows, chosen whenever its entry points are.
-  std::uint32_t host_default_ef(std::uint64_t ns) const noexcept;
-  /**
-   * @brief Chooses what the host's fast graph search walks (`index_config::host_traversal_dtype`):
-   * float16 makes every namespace's float16 copy (O(rows x dim)), float32 frees them. Results
-   * change only as the walk does; the rows, graph and ids do not.
-   * @throw logic_error (nothing changed) on another dtype, float16 on a float16 or device index,
-   * or float16 when some stored vector overflows float16
-   */
-  void set_host_traversal_dtype(dtype d);
-
-  /// @brief A namespace's float16 rows `[rows(ns)][row_elements]` under float16 traversal, else
-  /// null (and null for an unknown namespace).
-  half_t const* host_traversal_rows(std::uint64_t ns) const noexcept;
-
-  /// @brief Rows a namespace occupies (live + deleted, until a compaction drops its deleted rows).
-  std::uint32_t rows(std::uint64_t ns) const noexcept;
   /// @brief Live facts over all namespaces.
   std::uint64_t total_size() const noexcept { return id_to_row_.size(); }
-  /// @brief Arena rows held (what the namespaces were given: their rows, spare rows and holes;
-  /// the vectors' capacity reserved beyond them is not written, so not resident), and rows in
-  /// use by tenants, holes included.
-  std::int64_t arena_rows() const noexcept { return arena_capacity_; }
-  std::int64_t arena_rows_in_use() const noexcept { return arena_used_; }
-  /**
-   * @brief The most arena rows automatic compaction allows after a mutation:
-   * `max(floor(max_row_overhead * total_size()), total_size() + compaction_floor_rows)`, or the
-   * largest int64 when `max_row_overhead` is 0.
-   */
-  std::int64_t max_arena_rows() const noexcept { return row_limit(total_size()); }
-  /**
-   * @brief Automatic compactions so far (`compact()` calls not counted; not saved).
-   *
-   * A mutation that leaves `arena_rows() > max_arena_rows()` repacks before it returns: the
-   * namespaces' segments are moved together in creation order (holes vanish; graph node ids are
-   * local to a namespace, so a moved namespace keeps its rows, graph and answers bit for bit), and
-   * namespaces whose deleted rows must go to reach the target are rebuilt from their live facts
-   * (a fresh graph build, most deleted share first, only as many as needed). The target is half
-   * way between the live facts and the bound: `max(floor((1 + (max_row_overhead - 1) / 2) *
-   * total_size()), total_size() + compaction_floor_rows / 2)` rows, spare rows included (each
-   * segment gets up to a quarter of its size spare, within the target). So between two repacks
-   * the arena gains at least a quarter of the live facts in holes and growth (at the default
-   * 1.5), or a sixth of the live facts are erased: a repack's copy of the arena is paid for by
-   * the moves and erasures that made it necessary. Growth itself stays below the bound: with
-   * automatic compaction a new namespace takes exactly its rows, a growing one 1.25x what it
-   * needs, clipped half way between what is needed and the bound for the facts after the change,
-   * and the arena holds what its namespaces take (its vectors reserve up to 1.25x ahead).
-   */
-  std::uint64_t compactions() const noexcept { return compactions_; }
-  /// @brief Bytes of the arena's vectors, graph, ids and flags (one copy).
-  std::uint64_t arena_bytes() const noexcept;
-
-  /// @brief Bytes of the float16 copies under `host_traversal_dtype` float16 (each namespace's
-  /// rows and packed entry rows; 0 otherwise), beside `arena_bytes`.
-  std::uint64_t host_traversal_bytes() const noexcept;
-
-  /**
-   * Namespaces of at least this many rows (when their entry points are chosen) keep a packed
-   * copy of their entry points' rows, which the fast search scans as one stream; smaller ones
-   * read the entry rows in place, at random, as the walk reads every other row. From here on
-   * the copy is at most 6.4 % of the vectors (64 of 1,000 rows; 4 / sqrt(n) above), and it saves
-   * 3-10 % of a search at 1,000 rows and 10-26 % at 10,000 (384-d). Below, a namespace is mostly
-   * searched exactly (the automatic threshold is 313-1,523 rows at the default lists), which
-   * reads no entry point, and the copy would cost up to 64 % of its vectors: at 1,000 users with
-   * every namespace's entry rows packed the index held 564 B per fact of them
-   * (bench/results/2026-12-06-tenants-overhead.md).
-   */
-  static constexpr std::uint32_t packed_entry_min_rows = 1000;
-
-  /// @brief Bytes of the fast host search's entry points beside `arena_bytes`: each
-  /// namespace's entry point ids (4 bytes each) and, in namespaces of at least
-  /// `packed_entry_min_rows` rows, the packed copy of their rows in the index's dtype (their
-  /// float16 copies count in `host_traversal_bytes`).
-  std::uint64_t host_entry_bytes() const noexcept;
-
+  /// @brief Whether a fact id is live in some namespace.
   bool contains(std::uint64_t id) const noexcept { return id_to_row_.count(id) != 0; }
   /// @brief The namespace holding a live fact. @throw logic_error for an unknown id.
   std::uint64_t namespace_of(std::uint64_t id) const;
   /// @brief Live fact ids of a namespace, in row order.
   std::vector<std::uint64_t> ids(std::uint64_t ns) const;
 
-  /// @brief The tenant segment of a namespace (`size == 0` if unknown).
-  tenant_ref tenant_segment(std::uint64_t ns) const noexcept;
-  /// @brief A tenant's graph rows `[rows(ns)][graph_degree]` on the host (local node ids).
-  std::uint32_t const* graph_rows(std::uint64_t ns) const;
-  /// @brief A tenant's padded vector rows on the host (bytes of the index dtype).
-  void const* vector_rows(std::uint64_t ns) const;
-  std::uint64_t const* id_rows(std::uint64_t ns) const;
-  std::uint8_t const* deleted_rows(std::uint64_t ns) const;
+  // ---------------------------------------------------------------------------------------------
+  // Sizes: memory
 
-  /// @brief Device handle (null pointers for a host index).
-  graph_index_ref ref() const noexcept;
+  /// @brief Rows a namespace occupies (live + deleted, until a compaction drops its deleted rows).
+  std::uint32_t rows(std::uint64_t ns) const noexcept;
+  /// @brief Arena rows held (what the namespaces were given: their rows, spare rows and holes;
+  /// the vectors' capacity reserved beyond them is not written, so not resident). Automatic
+  /// compaction keeps them within `index_config::max_row_overhead` of `total_size()`.
+  std::int64_t arena_rows() const noexcept { return arena_capacity_; }
+  /// @brief Bytes of the arena's vectors, graph, ids and flags (one copy).
+  std::uint64_t arena_bytes() const noexcept;
+  /// @brief Bytes of the float16 copies under `host_traversal_dtype` float16 (each namespace's
+  /// rows and packed entry rows; 0 otherwise), beside `arena_bytes`.
+  std::uint64_t host_traversal_bytes() const noexcept;
+  /// @brief Bytes of the fast host search's entry points beside `arena_bytes`: each
+  /// namespace's entry point ids (4 bytes each) and, in namespaces of at least
+  /// `detail::index::packed_entry_min_rows` rows, the packed copy of their rows in the index's
+  /// dtype (their float16 copies count in `host_traversal_bytes`).
+  std::uint64_t host_entry_bytes() const noexcept;
 
   // ---------------------------------------------------------------------------------------------
   // Mutations
@@ -292,8 +231,9 @@ class graph_index {
    * @tparam T float or half_t (converted to the index dtype)
    * @param vectors `[m][dim]` host view; @param ids m fact ids, new to the whole index and distinct
    * @param builder kNN/pruning backend (default: host, exact or NN-descent as
-   *                `uses_nn_descent` says); `index.cuh` has a device one. Also builds the
-   *                namespaces an automatic compaction rebuilds (see `compactions`).
+   *                `index_config::host_knn` says); `index.cuh` has a device one. Also builds
+   *                the namespaces an automatic compaction rebuilds (see
+   *                `index_config::max_row_overhead`).
    * @throw logic_error (nothing changed) on a dimension mismatch, NaN/Inf, a zero vector under the
    * cosine metric, a squared norm above 1e30 under inner product or squared L2 (cosine normalises
    * every other finite vector, denormal or huge), a value beyond float16 under float16 rows, a
@@ -318,13 +258,15 @@ class graph_index {
   /**
    * @brief Deletes facts: they leave search results at once (their nodes still route) and their
    * ids can be added again; the rows are reclaimed by `compact()` or an automatic compaction.
-   * @param builder builds the namespaces an automatic compaction rebuilds (see `compactions`)
+   * @param builder builds the namespaces an automatic compaction rebuilds (see
+   * `index_config::max_row_overhead`)
    * @throw logic_error (nothing changed) if any id is unknown or repeated
    */
   void erase(cuda::std::span<std::uint64_t const> ids, graph_builder const& builder = {});
 
   /// @brief Deletes every fact of a namespace and the namespace itself (its rows become a hole).
-  /// @param builder builds the namespaces an automatic compaction rebuilds (see `compactions`)
+  /// @param builder builds the namespaces an automatic compaction rebuilds (see
+  /// `index_config::max_row_overhead`)
   /// @return the number of live facts removed (0 for an unknown namespace).
   std::uint32_t erase_namespace(std::uint64_t ns, graph_builder const& builder = {});
 
@@ -335,74 +277,18 @@ class graph_index {
    */
   void compact(graph_builder const& builder = {});
 
-  // ---------------------------------------------------------------------------------------------
-  // Host search
-
   /**
-   * @brief Same as the free `inferscale::search(*this, queries, namespaces, k, params, out_ids,
-   * out_distances)` (a thin wrapper kept for existing callers; prefer the free function, which
-   * has a device twin in `index.cuh`).
-   * @throw logic_error as `inferscale::search`
+   * @brief Chooses what the host's fast graph search walks (`index_config::host_traversal_dtype`):
+   * float16 makes every namespace's float16 copy (O(rows x dim)), float32 frees them. Results
+   * change only as the walk does; the rows, graph and ids do not.
+   * @throw logic_error (nothing changed) on another dtype, float16 on a float16 or device index,
+   * or float16 when some stored vector overflows float16
    */
-  template <class T>
-  void search(matrix_view<T const> queries,
-              cuda::std::span<std::uint64_t const> namespaces,
-              std::uint32_t k,
-              search_params const& params,
-              matrix_view<std::uint64_t> out_ids,
-              matrix_view<float> out_distances) const;
-
-  /**
-   * @brief The resolved plan of a search of one tenant of `n` rows (itopk raised to k, automatic
-   * iteration bound). Shared by both backends.
-   */
-  detail::index::search_plan plan_for(std::uint32_t n, std::uint32_t k,
-                                      search_params const& p) const noexcept;
-
-  /**
-   * @brief `p` with its split resolved for a batch of `queries` graph searches:
-   * `ctas_per_query` 0 (automatic) becomes auto_ctas_per_query; any other value stays.
-   */
-  static search_params resolve_split(search_params const& p, std::int64_t queries,
-                                     std::uint32_t k) noexcept;
-
-  /**
-   * @brief The parameters of part `c` of a split search (`search_params::ctas_per_query`): the
-   * part's top list and seed mask, one part. Both backends plan each part from them (plan_for).
-   */
-  static search_params split_part(search_params const& p,
-                                  std::uint32_t k,
-                                  std::uint32_t c) noexcept;
-
-  /// @brief Whether a search of this tenant runs exactly (true) or on the graph.
-  bool uses_exact(tenant_ref const& t, search_params const& p) const noexcept;
-
-  /**
-   * @brief Queries padded to the row length and normalised for cosine, as both backends compare
-   * them (fp32). @throw logic_error on a dimension mismatch, NaN/Inf, a zero cosine query or a
-   * squared norm above 1e30 under inner product or squared L2.
-   */
-  template <class T>
-  std::vector<float> prepare_queries(matrix_view<T const> queries) const;
-
-  /**
-   * @brief Validates a search and resolves each query's tenant (index into the tenant table).
-   * Shared by both backends. @throw logic_error as described at `search`.
-   */
-  template <class T>
-  std::vector<std::int64_t> check_search(matrix_view<T const> queries,
-                                         cuda::std::span<std::uint64_t const> namespaces,
-                                         std::uint32_t k,
-                                         search_params const& params,
-                                         std::int64_t ids_rows, std::int64_t ids_cols,
-                                         std::int64_t dist_rows, std::int64_t dist_cols) const;
-
-  /// @brief The tenant table (for the device backend: index = position in `tenant_table()`).
-  std::vector<tenant_ref> tenant_table() const;
-
+  void set_host_traversal_dtype(dtype d);
 
  private:
   friend struct detail::index::index_access;
+  friend struct detail::index::snapshot_access;
 
   template <class T>
   friend void search(graph_index const& index,
@@ -412,6 +298,103 @@ class graph_index {
                      search_params const& params,
                      matrix_view<std::uint64_t> out_ids,
                      matrix_view<float> out_distances);
+
+  using tenant_ref = detail::index::tenant_ref;
+
+  // ---------------------------------------------------------------------------------------------
+  // Internals that the library's own code (the device backend in index.cuh, the tests and the
+  // benchmarks) reads through `detail::index::index_access`, the only way in from outside
+
+  std::int64_t row_elements() const noexcept { return row_elements_; }
+  /// Stored graph out-degree (rows of small tenants are padded with empty slots).
+  std::uint32_t graph_degree() const noexcept { return config_.graph_degree; }
+
+  /// Whether the host builds the kNN graph of a namespace of `rows` rows with NN-descent (true)
+  /// or exactly: `host_knn`, and under `automatic` NN-descent above `exact_knn_max_rows`. A
+  /// `graph_builder` with a `knn` callback overrides both.
+  bool uses_nn_descent(std::uint32_t rows) const noexcept;
+
+  /// What the last host NN-descent build did (zeros if none ran).
+  detail::index::nn_descent_report const& last_nn_descent() const noexcept
+  {
+    return last_nn_descent_;
+  }
+
+  /// Entry points the fast host search of a namespace starts from (0 if unknown; see
+  /// `index_config::host_entry_points`).
+  std::uint32_t host_entry_points(std::uint64_t ns) const noexcept;
+  /// The fast host search's result list for `itopk_size` 0 in a namespace (0 if unknown): the
+  /// smallest of a grid (10 .. 256) with which searches for 256 of its rows found 99 % of their
+  /// 10 nearest other rows, chosen whenever its entry points are.
+  std::uint32_t host_default_ef(std::uint64_t ns) const noexcept;
+  /// A namespace's float16 rows `[rows(ns)][row_elements]` under float16 traversal, else null
+  /// (and null for an unknown namespace).
+  half_t const* host_traversal_rows(std::uint64_t ns) const noexcept;
+
+  /// Arena rows in use by tenants, holes included (`arena_rows()` less the rows at its end that
+  /// no tenant was given).
+  std::int64_t arena_rows_in_use() const noexcept { return arena_used_; }
+  /// The most arena rows automatic compaction allows after a mutation:
+  /// `max(floor(max_row_overhead * total_size()), total_size() + compaction_floor_rows)`, or the
+  /// largest int64 when `max_row_overhead` is 0 (`index_config::max_row_overhead`).
+  std::int64_t max_arena_rows() const noexcept { return row_limit(total_size()); }
+  /// Automatic compactions so far (`compact()` calls not counted; not saved). A mutation that
+  /// leaves `arena_rows() > max_arena_rows()` repacks before it returns, as
+  /// `index_config::max_row_overhead` describes.
+  std::uint64_t compactions() const noexcept { return compactions_; }
+
+  /// The tenant segment of a namespace (`size == 0` if unknown).
+  tenant_ref tenant_segment(std::uint64_t ns) const noexcept;
+  /// The tenant table (for the device backend: index = position in `tenant_table()`, as
+  /// `check_search` resolves the queries' namespaces).
+  std::vector<tenant_ref> tenant_table() const;
+  /// A tenant's rows on the host: the graph `[rows(ns)][graph_degree]` (local node ids), the
+  /// padded vectors (bytes of the index dtype), the fact ids and the deleted flags.
+  /// @throw logic_error for an unknown namespace
+  std::uint32_t const* graph_rows(std::uint64_t ns) const;
+  void const* vector_rows(std::uint64_t ns) const;
+  std::uint64_t const* id_rows(std::uint64_t ns) const;
+  std::uint8_t const* deleted_rows(std::uint64_t ns) const;
+  /// The device arrays (null pointers for a host index).
+  detail::index::graph_index_ref ref() const noexcept;
+
+  /// The resolved plan of a search of one tenant of `n` rows (itopk raised to k, automatic
+  /// iteration bound). Shared by both backends.
+  detail::index::search_plan plan_for(std::uint32_t n, std::uint32_t k,
+                                      search_params const& p) const noexcept;
+
+  /// `p` with its split resolved for a batch of `queries` graph searches: `ctas_per_query` 0
+  /// (automatic) becomes auto_ctas_per_query; any other value stays.
+  static search_params resolve_split(search_params const& p, std::int64_t queries,
+                                     std::uint32_t k) noexcept;
+
+  /// The parameters of part `c` of a split search (`search_params::ctas_per_query`): the part's
+  /// top list and seed mask, one part. Both backends plan each part from them (plan_for).
+  static search_params split_part(search_params const& p,
+                                  std::uint32_t k,
+                                  std::uint32_t c) noexcept;
+
+  /// Whether a search of this tenant runs exactly (true) or on the graph.
+  bool uses_exact(tenant_ref const& t, search_params const& p) const noexcept;
+
+  /// Queries padded to the row length and normalised for cosine, as both backends compare them
+  /// (fp32). @throw logic_error on a dimension mismatch, NaN/Inf, a zero cosine query or a
+  /// squared norm above 1e30 under inner product or squared L2.
+  template <class T>
+  std::vector<float> prepare_queries(matrix_view<T const> queries) const;
+
+  /// Validates a search and resolves each query's tenant (index into the tenant table). Shared
+  /// by both backends. @throw logic_error as described at `inferscale::search`.
+  template <class T>
+  std::vector<std::int64_t> check_search(matrix_view<T const> queries,
+                                         cuda::std::span<std::uint64_t const> namespaces,
+                                         std::uint32_t k,
+                                         search_params const& params,
+                                         std::int64_t ids_rows, std::int64_t ids_cols,
+                                         std::int64_t dist_rows, std::int64_t dist_cols) const;
+
+  // ---------------------------------------------------------------------------------------------
+  // Arena state
 
   struct tenant {
     std::uint64_t ns{0};
@@ -644,6 +627,126 @@ class graph_index {
   std::int64_t d_capacity_{0};
   detail::index::nn_descent_report last_nn_descent_{};
 };
+
+namespace detail::index {
+
+/**
+ * @brief The library's own way into `graph_index`'s internals (the class befriends it): what the
+ * device backend (`index.cuh`) plans a search from, and what tests and benchmarks inspect (raw
+ * rows, tenant segments, the fast host search's state, the compaction counters). Not part of the
+ * public API: every function forwards to the private member of the same name, documented there.
+ */
+struct index_access {
+  static std::int64_t row_elements(graph_index const& index) noexcept
+  {
+    return index.row_elements();
+  }
+  static std::uint32_t graph_degree(graph_index const& index) noexcept
+  {
+    return index.graph_degree();
+  }
+  static bool uses_nn_descent(graph_index const& index, std::uint32_t rows) noexcept
+  {
+    return index.uses_nn_descent(rows);
+  }
+  static nn_descent_report const& last_nn_descent(graph_index const& index) noexcept
+  {
+    return index.last_nn_descent();
+  }
+  static std::uint32_t host_entry_points(graph_index const& index, std::uint64_t ns) noexcept
+  {
+    return index.host_entry_points(ns);
+  }
+  static std::uint32_t host_default_ef(graph_index const& index, std::uint64_t ns) noexcept
+  {
+    return index.host_default_ef(ns);
+  }
+  static half_t const* host_traversal_rows(graph_index const& index, std::uint64_t ns) noexcept
+  {
+    return index.host_traversal_rows(ns);
+  }
+  static std::int64_t arena_rows_in_use(graph_index const& index) noexcept
+  {
+    return index.arena_rows_in_use();
+  }
+  static std::int64_t max_arena_rows(graph_index const& index) noexcept
+  {
+    return index.max_arena_rows();
+  }
+  static std::uint64_t compactions(graph_index const& index) noexcept
+  {
+    return index.compactions();
+  }
+  static tenant_ref tenant_segment(graph_index const& index, std::uint64_t ns) noexcept
+  {
+    return index.tenant_segment(ns);
+  }
+  static std::vector<tenant_ref> tenant_table(graph_index const& index)
+  {
+    return index.tenant_table();
+  }
+  static std::uint32_t const* graph_rows(graph_index const& index, std::uint64_t ns)
+  {
+    return index.graph_rows(ns);
+  }
+  static void const* vector_rows(graph_index const& index, std::uint64_t ns)
+  {
+    return index.vector_rows(ns);
+  }
+  static std::uint64_t const* id_rows(graph_index const& index, std::uint64_t ns)
+  {
+    return index.id_rows(ns);
+  }
+  static std::uint8_t const* deleted_rows(graph_index const& index, std::uint64_t ns)
+  {
+    return index.deleted_rows(ns);
+  }
+  static graph_index_ref ref(graph_index const& index) noexcept { return index.ref(); }
+  static search_plan plan_for(graph_index const& index,
+                              std::uint32_t n,
+                              std::uint32_t k,
+                              search_params const& p) noexcept
+  {
+    return index.plan_for(n, k, p);
+  }
+  static search_params resolve_split(search_params const& p,
+                                     std::int64_t queries,
+                                     std::uint32_t k) noexcept
+  {
+    return graph_index::resolve_split(p, queries, k);
+  }
+  static search_params split_part(search_params const& p, std::uint32_t k, std::uint32_t c) noexcept
+  {
+    return graph_index::split_part(p, k, c);
+  }
+  static bool uses_exact(graph_index const& index,
+                         tenant_ref const& t,
+                         search_params const& p) noexcept
+  {
+    return index.uses_exact(t, p);
+  }
+  template <class T>
+  static std::vector<float> prepare_queries(graph_index const& index, matrix_view<T const> queries)
+  {
+    return index.prepare_queries(queries);
+  }
+  template <class T>
+  static std::vector<std::int64_t> check_search(graph_index const& index,
+                                                matrix_view<T const> queries,
+                                                cuda::std::span<std::uint64_t const> namespaces,
+                                                std::uint32_t k,
+                                                search_params const& params,
+                                                std::int64_t ids_rows,
+                                                std::int64_t ids_cols,
+                                                std::int64_t dist_rows,
+                                                std::int64_t dist_cols)
+  {
+    return index.check_search(
+      queries, namespaces, k, params, ids_rows, ids_cols, dist_rows, dist_cols);
+  }
+};
+
+}  // namespace detail::index
 
 }  // namespace inferscale
 

@@ -42,7 +42,7 @@ matrix_view<T> make_matrix_view(T* data, std::int64_t rows, std::int64_t cols,
 /// @brief How the host builds the kNN graph a namespace's graph is pruned from (a
 /// `graph_builder` with a `knn` callback, such as the device one, replaces it).
 enum class knn_build : std::uint8_t {
-  /// exact up to `exact_knn_max_rows` rows, NN-descent above (see `graph_index::uses_nn_descent`)
+  /// exact up to `exact_knn_max_rows` rows, NN-descent above
   automatic,
   exact,      ///< brute force, O(n^2 dim); the device builder's kNN graph, up to near-ties
   nn_descent  ///< approximate, `detail::index::nn_descent_knn_host`; host-only graphs
@@ -115,7 +115,22 @@ struct index_config {
    * (`arena_rows()`); a mutation that leaves more repacks the arena before it returns. 0 = never
    * automatically (segments then grow by doubling, and holes and deleted rows stay until
    * `compact()`); otherwise at least 1. Not stored by `save_index` (a loaded index has the
-   * default). See `graph_index::compactions` for what a repack does and costs.
+   * default).
+   *
+   * What a repack does and costs: the namespaces' segments are moved together in creation order
+   * (holes vanish; graph node ids are local to a namespace, so a moved namespace keeps its rows,
+   * graph and answers bit for bit), and namespaces whose deleted rows must go to reach the target
+   * are rebuilt from their live facts (a fresh graph build, most deleted share first, only as many
+   * as needed). The target is half way between the live facts and the bound:
+   * `max(floor((1 + (max_row_overhead - 1) / 2) * total_size()), total_size() +
+   * compaction_floor_rows / 2)` rows, spare rows included (each segment gets up to a quarter of
+   * its size spare, within the target). So between two repacks the arena gains at least a
+   * quarter of the live facts in holes and growth (at the default 1.5), or a sixth of the live
+   * facts are erased: a repack's copy of the arena is paid for by the moves and erasures that
+   * made it necessary. Growth itself stays below the bound: with automatic compaction a new
+   * namespace takes exactly its rows, a growing one 1.25x what it needs, clipped half way between
+   * what is needed and the bound for the facts after the change, and the arena holds what its
+   * namespaces take (its vectors reserve up to 1.25x ahead).
    */
   double max_row_overhead{1.5};
   /**
@@ -235,8 +250,8 @@ constexpr std::uint64_t split_seed_mix(std::uint32_t c) noexcept
 struct search_params {
   /// Internal top list, raised to k when smaller; 0 (the default) = automatic: CAGRA's 64 on
   /// the device and in `host_search_mode::reference`; in the fast host search the namespace's
-  /// calibrated list size (`graph_index::host_default_ef`), the smallest that reached recall@10
-  /// 0.99 on its own rows.
+  /// calibrated list size, the smallest of a grid (10 .. 256) that reached recall@10 0.99 on its
+  /// own rows when its entry points were chosen.
   std::uint32_t itopk_size{0};
   std::uint32_t search_width{1};           ///< parents per iteration (1..64)
   /// 0 = CAGRA's automatic bound. (CAGRA's `min_iterations` has no counterpart: here a step

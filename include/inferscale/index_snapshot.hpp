@@ -42,7 +42,7 @@ inline void save_index(graph_index const& index, std::string const& path)
 {
   (void)detail::serial::write_file_atomically(
     path, "save_index", true, [&](detail::serial::checksummed_writer& out) {
-      detail::index::index_access::write(index, out);
+      detail::index::snapshot_access::write(index, out);
       unsigned char checksum[detail::index::format::checksum_bytes];
       detail::index::put_le(checksum, out.checksum());
       out.write(checksum, sizeof checksum);
@@ -81,7 +81,7 @@ inline graph_index load_index(std::string const& path, memory_space space = memo
     std::vector<unsigned char> const file = detail::serial::read_whole_file(path, "load_index");
     staged = detail::index::parse_index_file(file, "load_index('" + path + "'): ");
   }
-  return detail::index::index_access::assemble(std::move(staged), space);
+  return detail::index::snapshot_access::assemble(std::move(staged), space);
 }
 
 }  // namespace inferscale

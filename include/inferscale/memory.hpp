@@ -153,7 +153,7 @@ class memory {
   /**
    * @brief The `k` facts of namespace `ns` nearest to `query` (an embedding), most relevant first
    * (fewer when the namespace holds fewer).
-   * @throw logic_error as graph_index::search (unknown namespace, wrong dimension, NaN, k == 0).
+   * @throw logic_error as inferscale::search (unknown namespace, wrong dimension, NaN, k == 0).
    */
   std::vector<std::uint64_t> retrieve(std::uint64_t ns,
                                       std::vector<float> const& query,

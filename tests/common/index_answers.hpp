@@ -19,7 +19,8 @@ struct answers {
   std::vector<float> distances;
 };
 
-/// @brief `index.search` of every query: query q in `namespaces[q]` (or all in `namespaces[0]`).
+/// @brief `inferscale::search` of every query: query q in `namespaces[q]` (or all in
+/// `namespaces[0]`).
 inline answers run_search(graph_index const& index, std::vector<float> const& queries,
                           std::vector<std::uint64_t> const& namespaces, std::uint32_t k,
                           search_params const& p)

@@ -27,6 +27,8 @@
 #include <vector>
 
 using namespace inferscale;
+// graph_index's internals (raw rows, tenant segments, search plans): the detail accessor
+using inferscale::detail::index::index_access;
 namespace ix = inferscale::detail::index;
 
 namespace {
@@ -344,14 +346,15 @@ TEST_CASE("fast exact search equals brute force", "[index][fast]")
       std::vector<std::uint64_t> gone{1003, 1100, 1200, 1333};
       index.erase(cuda::std::span<std::uint64_t const>{gone.data(), gone.size()});
       // the rows as the index stores them, and the queries as it compares them
-      auto const* stored = static_cast<unsigned char const*>(index.vector_rows(4));
-      std::int64_t const re = index.row_elements();
+      auto const* stored = static_cast<unsigned char const*>(index_access::vector_rows(index, 4));
+      std::int64_t const re = index_access::row_elements(index);
       auto row_value = [&](std::uint32_t r, std::int64_t e) {
         return vt == dtype::float32
                  ? reinterpret_cast<float const*>(stored)[r * re + e]
                  : to_float(reinterpret_cast<half_t const*>(stored)[r * re + e]);
       };
-      auto const prepared = index.prepare_queries(make_matrix_view<float const>(queries.data(), 20, dim));
+      auto const prepared = index_access::prepare_queries(
+        index, make_matrix_view<float const>(queries.data(), 20, dim));
       search_params p;
       p.algo = search_algo::exact;
       for (auto level : levels()) {
@@ -406,10 +409,13 @@ TEST_CASE("fast graph search: recall on a clustered mixture, live results only, 
   graph.algo = search_algo::graph;  // the defaults otherwise: host_mode fast
   answers const got = run(index, queries, 9, 10, graph);
   double const r    = recall_of(got, truth, 10);
-  std::uint32_t const ef = index.host_default_ef(9);
-  std::printf("fast graph search, 6000 x 64, 60 clusters: recall@10 %.4f at the defaults "
-              "(calibrated ef %u, %u entry points)\n",
-              r, ef, index.host_entry_points(9));
+  std::uint32_t const ef = index_access::host_default_ef(index, 9);
+  std::printf(
+    "fast graph search, 6000 x 64, 60 clusters: recall@10 %.4f at the defaults "
+    "(calibrated ef %u, %u entry points)\n",
+    r,
+    ef,
+    index_access::host_entry_points(index, 9));
   REQUIRE(r >= 0.99);  // held-out queries: the calibration on the namespace's rows carries over
   REQUIRE(ef >= 10);
   REQUIRE(ef <= 64);  // below CAGRA's 64, which the defaults used before the calibration
@@ -467,7 +473,7 @@ TEST_CASE("fast graph search: a namespace of packed_entry_min_rows scans its pac
   // at the threshold the entry points' rows are packed (the index dtype, and float16 under
   // float16 traversal); one row fewer reads them in place. Both answer as a brute force does.
   std::int64_t const dim = 16;
-  std::uint32_t const n  = graph_index::packed_entry_min_rows;
+  std::uint32_t const n  = detail::index::packed_entry_min_rows;
   test::gaussian_mixture mix({dim, 40, true, 23});
   std::vector<float> const queries = mix.draw(100);
   std::vector<float> const data    = mix.draw(n);
@@ -483,8 +489,9 @@ TEST_CASE("fast graph search: a namespace of packed_entry_min_rows scans its pac
   index.add(4,
             make_matrix_view<float const>(data.data(), n - 1, dim),
             cuda::std::span<std::uint64_t const>{ids4.data(), ids4.size()});
-  std::uint64_t const e3 = index.host_entry_points(3), e4 = index.host_entry_points(4);
-  std::uint64_t const row_elements = static_cast<std::uint64_t>(index.row_elements());
+  std::uint64_t const e3           = index_access::host_entry_points(index, 3),
+                      e4           = index_access::host_entry_points(index, 4);
+  std::uint64_t const row_elements = static_cast<std::uint64_t>(index_access::row_elements(index));
   REQUIRE(e3 >= 64);
   REQUIRE(e4 >= 64);
   // ids of both, rows of namespace 3 only: float32 in the index's copy, float16 in the walk's
@@ -505,7 +512,7 @@ TEST_CASE("fast graph search: a namespace of packed_entry_min_rows scans its pac
                 index.rows(ns),
                 ns == 3 ? "packed" : "in-place",
                 r,
-                index.host_default_ef(ns));
+                index_access::host_default_ef(index, ns));
     REQUIRE(r >= 0.98);
   }
 
@@ -579,10 +586,11 @@ namespace {
 /// Every row of `ns` in the float16 copy is `from_float<half_t>` of the stored float32 row.
 void require_copy_current(graph_index const& index, std::uint64_t ns)
 {
-  half_t const* copy = index.host_traversal_rows(ns);
+  half_t const* copy = index_access::host_traversal_rows(index, ns);
   REQUIRE(copy != nullptr);
-  auto const* rows        = static_cast<float const*>(index.vector_rows(ns));
-  std::size_t const count = std::size_t{index.rows(ns)} * static_cast<std::size_t>(index.row_elements());
+  auto const* rows = static_cast<float const*>(index_access::vector_rows(index, ns));
+  std::size_t const count =
+    std::size_t{index.rows(ns)} * static_cast<std::size_t>(index_access::row_elements(index));
   std::size_t wrong = 0;
   for (std::size_t i = 0; i < count; ++i) {
     half_t const want = from_float<half_t>(rows[i]);
@@ -626,7 +634,7 @@ TEST_CASE("float16 traversal: the copy follows the rows through every mutation a
               cuda::std::span<std::uint64_t const>{idb.data(), 0});  // an empty build
   REQUIRE(index.rows(2) == 0);
   (void)index.erase_namespace(2);
-  REQUIRE(index.host_traversal_rows(2) == nullptr);
+  REQUIRE(index_access::host_traversal_rows(index, 2) == nullptr);
   require_copy_current(index, 1);
 
   // a loaded index walks as the saved one did (the file carries the setting), with its copy
@@ -639,7 +647,7 @@ TEST_CASE("float16 traversal: the copy follows the rows through every mutation a
   require_copy_current(loaded, 1);
   std::uint64_t const version = loaded.version();
   loaded.set_host_traversal_dtype(dtype::float32);
-  REQUIRE(loaded.host_traversal_rows(1) == nullptr);
+  REQUIRE(index_access::host_traversal_rows(loaded, 1) == nullptr);
   REQUIRE(loaded.host_traversal_bytes() == 0);
   loaded.set_host_traversal_dtype(dtype::float16);
   REQUIRE(loaded.version() == version + 2);
@@ -647,9 +655,10 @@ TEST_CASE("float16 traversal: the copy follows the rows through every mutation a
   // the copy's bytes: every row of the namespace in float16, and its entry points' rows packed
   // (its entry points were chosen at 1,040 rows, at least packed_entry_min_rows); the index's own
   // packed entry rows are float32, beside their ids
-  std::uint64_t const row_bytes = static_cast<std::uint64_t>(loaded.row_elements()) * 2;
-  std::uint64_t const entries   = loaded.host_entry_points(1);
-  REQUIRE(loaded.rows(1) >= graph_index::packed_entry_min_rows);
+  std::uint64_t const row_bytes =
+    static_cast<std::uint64_t>(index_access::row_elements(loaded)) * 2;
+  std::uint64_t const entries = index_access::host_entry_points(loaded, 1);
+  REQUIRE(loaded.rows(1) >= detail::index::packed_entry_min_rows);
   REQUIRE(loaded.host_traversal_bytes() == (std::uint64_t{loaded.rows(1)} + entries) * row_bytes);
   REQUIRE(loaded.host_entry_bytes() == entries * 4 + entries * row_bytes * 2);
   search_params p;
@@ -658,7 +667,7 @@ TEST_CASE("float16 traversal: the copy follows the rows through every mutation a
   answers const x = run(index, queries, 1, 10, p), y = run(loaded, queries, 1, 10, p);
   REQUIRE(x.ids == y.ids);  // same rows, same graph, same walk
   loaded.set_host_traversal_dtype(dtype::float32);
-  REQUIRE(loaded.host_traversal_rows(1) == nullptr);
+  REQUIRE(index_access::host_traversal_rows(loaded, 1) == nullptr);
   REQUIRE(loaded.host_traversal_bytes() == 0);
 }
 
@@ -692,10 +701,10 @@ TEST_CASE("float16 traversal: the walk's best entries measured again on the floa
     REQUIRE(rb >= ra - 0.01);
     // each result's distance is the float32 fast distance of its row, bit for bit; sorted, unique
     std::vector<float> const prepared =
-      half.prepare_queries(make_matrix_view<float const>(queries.data(), 200, dim));
+      index_access::prepare_queries(half, make_matrix_view<float const>(queries.data(), 200, dim));
     auto const fast32 = ix::fast_kernels_for<float>(distance_metric::cosine).distance;
-    auto const* rows  = static_cast<float const*>(half.vector_rows(3));
-    std::int64_t const re = half.row_elements();
+    auto const* rows      = static_cast<float const*>(index_access::vector_rows(half, 3));
+    std::int64_t const re = index_access::row_elements(half);
     for (std::size_t q = 0; q < 200; ++q) {
       std::set<std::uint64_t> seen;
       for (std::size_t j = 0; j < 10; ++j) {
@@ -827,13 +836,13 @@ TEST_CASE("float16 traversal: the exact search scans the copy and finds the floa
     std::set<std::uint64_t> const erased(gone.begin(), gone.end());
 
     std::vector<float> const prepared =
-      index.prepare_queries(make_matrix_view<float const>(queries.data(), 60, dim));
+      index_access::prepare_queries(index, make_matrix_view<float const>(queries.data(), 60, dim));
     auto const fast32     = ix::fast_kernels_for<float>(distance_metric::cosine).distance;
-    std::int64_t const re = index.row_elements();
+    std::int64_t const re = index_access::row_elements(index);
     search_params p;
     p.algo = search_algo::exact;  // host_mode fast (the default)
     for (std::uint64_t ns = 1; ns <= 3; ++ns) {
-      auto const* rows    = static_cast<float const*>(index.vector_rows(ns));
+      auto const* rows    = static_cast<float const*>(index_access::vector_rows(index, ns));
       std::size_t const n = ids[ns - 1].size();
       answers const got   = run(index, queries, ns, 10, p);
       for (std::size_t q = 0; q < 60; ++q) {
@@ -885,7 +894,7 @@ TEST_CASE("float16 traversal: refused where it cannot apply, nothing changed",
                       Catch::Contains("fact id 1 overflows float16 at element 5"));
   REQUIRE(index.config().host_traversal_dtype == dtype::float32);
   REQUIRE(index.version() == version);
-  REQUIRE(index.host_traversal_rows(1) == nullptr);
+  REQUIRE(index_access::host_traversal_rows(index, 1) == nullptr);
 
   // under float16 traversal, such a vector is refused at add
   c.host_traversal_dtype = dtype::float16;

@@ -2,7 +2,7 @@
  * @file index_gpu.cu
  * @brief GPU tests of the fact index's device backend (index.cuh):
  *  - `inferscale::search` on a device-memory index returns exactly (ids and float bits) what
- *    `graph_index::search` returns on a host-memory index built by the same calls, over both
+ *    the host `search` returns on a host-memory index built by the same calls, over both
  *    dtypes, the three metrics and the three algorithms, for a mixed multi-tenant batch (tenants
  *    of 1, 2, degree + 1, 300 and 5000 facts with deletions, and one with every fact deleted)
  *    larger than two CTAs per SM; also with team sizes 16 and 32, with queries and visited sets
@@ -61,6 +61,8 @@
 #include <vector>
 
 using namespace inferscale;
+// graph_index's internals (raw rows, tenant segments, search plans): the detail accessor
+using inferscale::detail::index::index_access;
 using inferscale_test::bits_of;
 using inferscale_test::device_buffer;
 
@@ -336,12 +338,12 @@ std::vector<param_case> param_cases(search_algo algo)
 std::vector<float> rows_as_float(graph_index const& index, std::uint64_t ns)
 {
   std::int64_t const n  = index.rows(ns);
-  std::int64_t const re = index.row_elements();
+  std::int64_t const re = index_access::row_elements(index);
   std::vector<float> out(static_cast<std::size_t>(n * re));
   if (index.config().vector_dtype == dtype::float32) {
-    std::memcpy(out.data(), index.vector_rows(ns), out.size() * sizeof(float));
+    std::memcpy(out.data(), index_access::vector_rows(index, ns), out.size() * sizeof(float));
   } else {
-    auto const* h = static_cast<half_t const*>(index.vector_rows(ns));
+    auto const* h = static_cast<half_t const*>(index_access::vector_rows(index, ns));
     for (std::size_t i = 0; i < out.size(); ++i) {
       out[i] = to_float(h[i]);
     }
@@ -530,12 +532,13 @@ TEST_CASE("index device search: a batch of several resident grids reuses each CT
   params.search_width = 8;
   int device          = 0;
   INFERSCALE_CUDA_TRY(cudaGetDevice(&device));
-  std::size_t const shared = 512 * sizeof(detail::index::buffer_entry) +
-                             static_cast<std::size_t>(pair.device.row_elements()) * sizeof(float);
+  std::size_t const shared =
+    512 * sizeof(detail::index::buffer_entry) +
+    static_cast<std::size_t>(index_access::row_elements(pair.device)) * sizeof(float);
   std::int64_t const resident =
     detail::index::resident_search_ctas<detail::index::device_policy, float>(device, shared);
-  auto const plan = detail::index::search_launch_plan(3 * resident + 7, resident, true, false,
-                                                      pair.device.row_elements(), 1 << 14);
+  auto const plan = detail::index::search_launch_plan(
+    3 * resident + 7, resident, true, false, index_access::row_elements(pair.device), 1 << 14);
   REQUIRE(plan.grid == resident);  // every CTA takes three or four queries
   std::int64_t const nq = 3 * resident + 7;
   test::gaussian_mixture mixture{mixture_for(config, 17)};
@@ -846,8 +849,8 @@ TEST_CASE("index device graph builder: kNN agrees with exact_knn_host, pruning w
   graph_index const& index = pair.host;
   std::uint32_t const n    = index.rows(1);
   std::uint32_t const k    = 64;
-  std::int64_t const re    = index.row_elements();
-  void const* rows         = index.vector_rows(1);
+  std::int64_t const re    = index_access::row_elements(index);
+  void const* rows         = index_access::vector_rows(index, 1);
   auto const as_float      = rows_as_float(index, 1);
   // ranking distance of the kNN graph: -dot for inner product and cosine, squared L2
   distance_metric const rank_metric =
@@ -1068,7 +1071,7 @@ TEST_CASE("index exact_search equals a brute-force double-precision loop", "[ind
   std::uint32_t const k = 16;
   auto const queries    = mixture.draw(nq);
   auto const d_queries  = upload_queries(queries, nq, dim, dim);
-  std::int64_t const re = index.row_elements();
+  std::int64_t const re = index_access::row_elements(index);
   for (auto const& t : tenants) {
     CAPTURE(t.ns);
     device_outputs out{nq, k, k};
@@ -1083,8 +1086,8 @@ TEST_CASE("index exact_search equals a brute-force double-precision loop", "[ind
     auto const got = out.result();
 
     auto const rows       = rows_as_float(index, t.ns);
-    auto const* ids       = index.id_rows(t.ns);
-    auto const* erased    = index.deleted_rows(t.ns);
+    auto const* ids       = index_access::id_rows(index, t.ns);
+    auto const* erased    = index_access::deleted_rows(index, t.ns);
     std::uint32_t const n = index.rows(t.ns);
     for (std::int64_t q = 0; q < nq; ++q) {
       CAPTURE(q);
@@ -1175,12 +1178,12 @@ TEST_CASE("index device search after automatic compactions equals the host searc
   auto const before = device_search(res, device, d_queries, nq, dim, targets, k, graph_params);
 
   // erasing namespace 20 leaves a hole past the bound: a repack that only moves segments
-  REQUIRE(host.compactions() == 0);
-  REQUIRE(device.compactions() == 0);
+  REQUIRE(index_access::compactions(host) == 0);
+  REQUIRE(index_access::compactions(device) == 0);
   host.erase_namespace(20);
   device.erase_namespace(20);
-  REQUIRE(host.compactions() == 1);
-  REQUIRE(device.compactions() == 1);
+  REQUIRE(index_access::compactions(host) == 1);
+  REQUIRE(index_access::compactions(device) == 1);
   REQUIRE(device.arena_rows() == host.arena_rows());
   auto const moved = device_search(res, device, d_queries, nq, dim, targets, k, graph_params);
   require_identical(before, moved, targets, k);
@@ -1197,8 +1200,8 @@ TEST_CASE("index device search after automatic compactions equals the host searc
       device.erase(cuda::std::span<std::uint64_t const>{batch.data(), batch.size()});
     }
   }
-  REQUIRE(device.compactions() == host.compactions());
-  REQUIRE(device.compactions() > 1);
+  REQUIRE(index_access::compactions(device) == index_access::compactions(host));
+  REQUIRE(index_access::compactions(device) > 1);
   bool rebuilt = false;
   for (std::uint64_t ns = 5; ns <= 8; ++ns) {
     REQUIRE(device.rows(ns) == host.rows(ns));

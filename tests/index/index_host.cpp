@@ -24,10 +24,180 @@
 #include <numeric>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 using namespace inferscale;
+// graph_index's internals (raw rows, tenant segments, search plans): the detail accessor
+using inferscale::detail::index::index_access;
 using inferscale::detail::index::invalid_node;
+
+// -------------------------------------------------------------------------------------------------
+// graph_index's public surface (issue 50): what a user calls (construction, properties, sizes,
+// add / build / erase / erase_namespace / compact / set_host_traversal_dtype) is public; searches
+// are the free `inferscale::search`; the backends' plumbing is private and reached only through
+// `detail::index::index_access`. Checked from outside the class, where access applies: each
+// concept holds iff the call compiles here.
+
+namespace surface {
+
+using ids_view      = matrix_view<std::uint64_t>;
+using distance_view = matrix_view<float>;
+using query_view    = matrix_view<float const>;
+using ns_span       = cuda::std::span<std::uint64_t const>;
+
+// the plumbing, called as the members it was
+template <class I>
+concept member_row_elements = requires(I const& i) { i.row_elements(); };
+template <class I>
+concept member_graph_degree = requires(I const& i) { i.graph_degree(); };
+template <class I>
+concept member_uses_nn_descent = requires(I const& i) { i.uses_nn_descent(1u); };
+template <class I>
+concept member_last_nn_descent = requires(I const& i) { i.last_nn_descent(); };
+template <class I>
+concept member_host_entry_points = requires(I const& i) { i.host_entry_points(std::uint64_t{}); };
+template <class I>
+concept member_host_default_ef = requires(I const& i) { i.host_default_ef(std::uint64_t{}); };
+template <class I>
+concept member_host_traversal_rows = requires(I const& i) {
+  i.host_traversal_rows(std::uint64_t{});
+};
+template <class I>
+concept member_arena_rows_in_use = requires(I const& i) { i.arena_rows_in_use(); };
+template <class I>
+concept member_max_arena_rows = requires(I const& i) { i.max_arena_rows(); };
+template <class I>
+concept member_compactions = requires(I const& i) { i.compactions(); };
+template <class I>
+concept member_tenant_segment = requires(I const& i) { i.tenant_segment(std::uint64_t{}); };
+template <class I>
+concept member_tenant_table = requires(I const& i) { i.tenant_table(); };
+template <class I>
+concept member_graph_rows = requires(I const& i) { i.graph_rows(std::uint64_t{}); };
+template <class I>
+concept member_vector_rows = requires(I const& i) { i.vector_rows(std::uint64_t{}); };
+template <class I>
+concept member_id_rows = requires(I const& i) { i.id_rows(std::uint64_t{}); };
+template <class I>
+concept member_deleted_rows = requires(I const& i) { i.deleted_rows(std::uint64_t{}); };
+template <class I>
+concept member_ref = requires(I const& i) { i.ref(); };
+template <class I>
+concept member_plan_for = requires(I const& i, search_params const& p) { i.plan_for(1u, 1u, p); };
+template <class I>
+concept member_resolve_split = requires(search_params const& p) {
+  I::resolve_split(p, std::int64_t{1}, 1u);
+};
+template <class I>
+concept member_split_part = requires(search_params const& p) { I::split_part(p, 1u, 0u); };
+template <class I>
+concept member_uses_exact = requires(I const& i, search_params const& p) {
+  i.uses_exact(detail::index::tenant_ref{}, p);
+};
+template <class I>
+concept member_prepare_queries = requires(I const& i, query_view q) { i.prepare_queries(q); };
+template <class I>
+concept member_check_search = requires(I const& i, query_view q, ns_span ns, search_params p) {
+  i.check_search(q, ns, 1u, p, std::int64_t{}, std::int64_t{}, std::int64_t{}, std::int64_t{});
+};
+template <class I>
+concept member_tenant_ref = requires { typename I::tenant_ref; };
+template <class I>
+concept member_packed_entry_min_rows = requires { I::packed_entry_min_rows; };
+// the member search that wrapped the free one is gone (one search entry point)
+template <class I>
+concept member_search = requires(I const& i, query_view q, ns_span ns, search_params p,
+                                 ids_view ids, distance_view d) {
+  i.search(q, ns, 1u, p, ids, d);
+};
+template <class I>
+concept member_search_template = requires(I const& i, query_view q, ns_span ns, search_params p,
+                                          ids_view ids, distance_view d) {
+  i.template search<float>(q, ns, 1u, p, ids, d);
+};
+
+static_assert(!member_row_elements<graph_index> && !member_graph_degree<graph_index> &&
+              !member_uses_nn_descent<graph_index> && !member_last_nn_descent<graph_index> &&
+              !member_host_entry_points<graph_index> && !member_host_default_ef<graph_index> &&
+              !member_host_traversal_rows<graph_index> && !member_arena_rows_in_use<graph_index> &&
+              !member_max_arena_rows<graph_index> && !member_compactions<graph_index>);
+static_assert(!member_tenant_segment<graph_index> && !member_tenant_table<graph_index> &&
+              !member_graph_rows<graph_index> && !member_vector_rows<graph_index> &&
+              !member_id_rows<graph_index> && !member_deleted_rows<graph_index> &&
+              !member_ref<graph_index> && !member_tenant_ref<graph_index> &&
+              !member_packed_entry_min_rows<graph_index>);
+static_assert(!member_plan_for<graph_index> && !member_resolve_split<graph_index> &&
+              !member_split_part<graph_index> && !member_uses_exact<graph_index> &&
+              !member_prepare_queries<graph_index> && !member_check_search<graph_index>);
+static_assert(!member_search<graph_index> && !member_search_template<graph_index>);
+
+// The same kind of check sees what stays public (so the negatives above are not vacuous) ...
+template <class I>
+concept user_surface = requires(I& i, I const& c, query_view q, ns_span ns, search_params p,
+                                ids_view ids, distance_view d, graph_builder const& b) {
+  c.config();
+  c.dim();
+  c.space();
+  c.version();
+  c.exact_search_threshold(p, 1u);
+  c.num_namespaces();
+  c.namespaces();
+  c.has_namespace(std::uint64_t{});
+  c.size(std::uint64_t{});
+  c.total_size();
+  c.contains(std::uint64_t{});
+  c.namespace_of(std::uint64_t{});
+  c.ids(std::uint64_t{});
+  c.rows(std::uint64_t{});
+  c.arena_rows();
+  c.arena_bytes();
+  c.host_traversal_bytes();
+  c.host_entry_bytes();
+  i.add(std::uint64_t{}, q, ns, b);
+  i.build(std::uint64_t{}, q, ns, b);
+  i.erase(ns, b);
+  i.erase_namespace(std::uint64_t{}, b);
+  i.compact(b);
+  i.set_host_traversal_dtype(dtype::float16);
+  inferscale::search(c, q, ns, 1u, p, ids, d);
+};
+static_assert(user_surface<graph_index>);
+static_assert(std::is_nothrow_move_constructible_v<graph_index> &&
+              !std::is_copy_constructible_v<graph_index> &&
+              !std::is_copy_assignable_v<graph_index>);
+
+// ... and the detail accessor still reaches the plumbing the library's own code needs.
+template <class A>
+concept accessor_surface = requires(graph_index const& i, query_view q, ns_span ns,
+                                    search_params p) {
+  A::row_elements(i);
+  A::graph_degree(i);
+  A::uses_nn_descent(i, 1u);
+  A::last_nn_descent(i);
+  A::host_entry_points(i, std::uint64_t{});
+  A::host_default_ef(i, std::uint64_t{});
+  A::host_traversal_rows(i, std::uint64_t{});
+  A::arena_rows_in_use(i);
+  A::max_arena_rows(i);
+  A::compactions(i);
+  A::tenant_segment(i, std::uint64_t{});
+  A::tenant_table(i);
+  A::graph_rows(i, std::uint64_t{});
+  A::vector_rows(i, std::uint64_t{});
+  A::id_rows(i, std::uint64_t{});
+  A::deleted_rows(i, std::uint64_t{});
+  A::ref(i);
+  A::plan_for(i, 1u, 1u, p);
+  A::resolve_split(p, std::int64_t{1}, 1u);
+  A::split_part(p, 1u, 0u);
+  A::uses_exact(i, detail::index::tenant_ref{}, p);
+  A::prepare_queries(i, q);
+  A::check_search(i, q, ns, 1u, p, std::int64_t{}, std::int64_t{}, std::int64_t{}, std::int64_t{});
+};
+static_assert(accessor_surface<index_access>);
+
+}  // namespace surface
 
 namespace {
 
@@ -132,8 +302,8 @@ double recall(answers const& got,
 std::size_t reachable_count(graph_index const& index, std::uint64_t ns)
 {
   std::uint32_t const n      = index.rows(ns);
-  std::uint32_t const d      = index.graph_degree();
-  std::uint32_t const* graph = index.graph_rows(ns);
+  std::uint32_t const d      = index_access::graph_degree(index);
+  std::uint32_t const* graph = index_access::graph_rows(index, ns);
   std::vector<bool> seen(n, false);
   std::vector<std::uint32_t> frontier{0};
   seen[0]          = true;
@@ -157,8 +327,8 @@ std::size_t reachable_count(graph_index const& index, std::uint64_t ns)
 void check_rows_well_formed(graph_index const& index, std::uint64_t ns)
 {
   std::uint32_t const n      = index.rows(ns);
-  std::uint32_t const d      = index.graph_degree();
-  std::uint32_t const* graph = index.graph_rows(ns);
+  std::uint32_t const d      = index_access::graph_degree(index);
+  std::uint32_t const* graph = index_access::graph_rows(index, ns);
   for (std::uint32_t v = 0; v < n; ++v) {
     std::set<std::uint32_t> row;
     for (std::uint32_t r = 0; r < d; ++r) {
@@ -434,8 +604,10 @@ TEST_CASE("index: build is deterministic and a query's answer does not depend on
   graph_index a(cfg), b(cfg);
   add_all(a, 1, data, ids);
   add_all(b, 1, data, ids);
-  std::vector<std::uint32_t> ga(a.graph_rows(1), a.graph_rows(1) + 3000 * a.graph_degree());
-  std::vector<std::uint32_t> gb(b.graph_rows(1), b.graph_rows(1) + 3000 * b.graph_degree());
+  std::uint32_t const* const rows_a = index_access::graph_rows(a, 1);
+  std::uint32_t const* const rows_b = index_access::graph_rows(b, 1);
+  std::vector<std::uint32_t> ga(rows_a, rows_a + 3000 * index_access::graph_degree(a));
+  std::vector<std::uint32_t> gb(rows_b, rows_b + 3000 * index_access::graph_degree(b));
   REQUIRE(ga == gb);
 
   search_params p;
@@ -727,7 +899,7 @@ TEST_CASE("index: deleted facts leave results at once; compaction reclaims their
   REQUIRE(index.rows(2) == n - gone.size());
   REQUIRE(index.size(2) == n - gone.size());
   REQUIRE(index.arena_rows() < arena_before);
-  REQUIRE(index.arena_rows() == index.arena_rows_in_use());
+  REQUIRE(index.arena_rows() == index_access::arena_rows_in_use(index));
   REQUIRE(reachable_count(index, 2) == n - gone.size());
   check_rows_well_formed(index, 2);
 
@@ -814,7 +986,7 @@ TEST_CASE("index: a multi-tenant batch answers each query from its own namespace
   }
   // compaction keeps every namespace's answers valid
   index.compact();
-  REQUIRE(index.arena_rows() == index.arena_rows_in_use());
+  REQUIRE(index.arena_rows() == index_access::arena_rows_in_use(index));
   for (auto const& [ns, list] : owned) {
     std::size_t const expect = ns == 1004 ? list.size() - 2 : list.size();
     REQUIRE(index.size(ns) == expect);
@@ -836,14 +1008,16 @@ TEST_CASE("index: refused calls change nothing", "[index][validation]")
   search_params p;
   auto const before_answers = run_search(index, queries, {0}, k10, p);
   std::uint64_t const version = index.version();
-  std::vector<std::uint32_t> const graph_before(index.graph_rows(0),
-                                                index.graph_rows(0) + 400 * index.graph_degree());
+  std::uint32_t const* const graph_rows = index_access::graph_rows(index, 0);
+  std::vector<std::uint32_t> const graph_before(
+    graph_rows, graph_rows + 400 * index_access::graph_degree(index));
 
   auto unchanged = [&] {
     REQUIRE(index.version() == version);
     REQUIRE(index.size(0) == 400);
     REQUIRE(index.total_size() == 400);
-    REQUIRE(std::equal(graph_before.begin(), graph_before.end(), index.graph_rows(0)));
+    REQUIRE(
+      std::equal(graph_before.begin(), graph_before.end(), index_access::graph_rows(index, 0)));
     auto const again = run_search(index, queries, {0}, k10, p);
     REQUIRE(again.ids == before_answers.ids);
   };
@@ -975,10 +1149,10 @@ TEST_CASE("index: refused calls change nothing", "[index][validation]")
     std::vector<std::uint64_t> out_ids(k10);
     std::vector<float> out_d(k10);
     std::uint64_t ns = 0;
-    REQUIRE_THROWS_WITH(device_index.search(make_matrix_view(queries.data(), 1, dim),
-                                            cuda::std::span<std::uint64_t const>{&ns, 1}, k10, p,
-                                            make_matrix_view(out_ids.data(), 1, k10),
-                                            make_matrix_view(out_d.data(), 1, k10)),
+    REQUIRE_THROWS_WITH(search(device_index, make_matrix_view(queries.data(), 1, dim),
+                               cuda::std::span<std::uint64_t const>{&ns, 1}, k10, p,
+                               make_matrix_view(out_ids.data(), 1, k10),
+                               make_matrix_view(out_d.data(), 1, k10)),
                         Catch::Contains("device memory"));
   }
   SECTION("bad configurations")
@@ -1431,7 +1605,7 @@ TEST_CASE("index: the device's query preparation and distance order, run on the 
       }
       // the host's prepared query is the device's, bit for bit
       std::vector<float> const host =
-        index.prepare_queries(make_matrix_view<float const>(raw.data(), 1, dim));
+        index_access::prepare_queries(index, make_matrix_view<float const>(raw.data(), 1, dim));
       REQUIRE(host.size() == padded.size());
       for (std::size_t e = 0; e < host.size(); ++e) {
         CAPTURE(e);
@@ -1443,7 +1617,8 @@ TEST_CASE("index: the device's query preparation and distance order, run on the 
       p.algo                      = search_algo::exact;
       std::uint32_t const k       = 8;
       auto const got              = test::run_search(index, raw, {1}, k, p);
-      std::uint64_t const* ids    = index.id_rows(1);
+      std::uint64_t const* ids    = index_access::id_rows(index, 1);
+      void const* const stored    = index_access::vector_rows(index, 1);
       std::uint32_t const n       = index.rows(1);
       for (std::uint32_t j = 0; j < k; ++j) {
         std::uint32_t const local =
@@ -1452,10 +1627,10 @@ TEST_CASE("index: the device's query preparation and distance order, run on the 
         float const lane_order =
           c.vector_dtype == dtype::float16
             ? detail::index::team_distance_by_lane(
-                static_cast<half_t const*>(index.vector_rows(1)) + local * row_elements,
+                static_cast<half_t const*>(stored) + local * row_elements,
                 padded.data(), chunks, team, c.metric)
             : detail::index::team_distance_by_lane(
-                static_cast<float const*>(index.vector_rows(1)) + local * row_elements,
+                static_cast<float const*>(stored) + local * row_elements,
                 padded.data(), chunks, team, c.metric);
         CAPTURE(j, got.distances[j], lane_order);
         REQUIRE(std::isfinite(lane_order));

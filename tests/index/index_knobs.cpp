@@ -31,6 +31,8 @@
 #include <vector>
 
 using namespace inferscale;
+// graph_index's internals (raw rows, tenant segments, search plans): the detail accessor
+using inferscale::detail::index::index_access;
 
 namespace {
 
@@ -249,14 +251,17 @@ TEST_CASE("index: a build with build_threads = 1 or 3 gives the default's graph 
     return index;
   };
   graph_index const reference = build(0);
-  std::size_t const bytes     = std::size_t{reference.rows(7)} * reference.graph_degree() * 4;
+  std::size_t const bytes =
+    std::size_t{reference.rows(7)} * index_access::graph_degree(reference) * 4;
   REQUIRE(reference.rows(7) == 1540);
   for (std::uint32_t threads : {1u, 3u}) {
     CAPTURE(threads);
     graph_index const other = build(threads);
     REQUIRE(other.config().build_threads == threads);
     REQUIRE(other.rows(7) == reference.rows(7));
-    REQUIRE(std::memcmp(other.graph_rows(7), reference.graph_rows(7), bytes) == 0);
+    REQUIRE(std::memcmp(index_access::graph_rows(other, 7),
+                        index_access::graph_rows(reference, 7),
+                        bytes) == 0);
   }
 }
 
@@ -282,7 +287,7 @@ TEST_CASE("index: max_row_overhead is 0 or a finite factor >= 1", "[index][compa
   index_config cfg;
   cfg.dim = 8;
   REQUIRE(cfg.max_row_overhead == 1.5);
-  REQUIRE(graph_index{cfg}.max_arena_rows() == 256);  // empty: the floor alone
+  REQUIRE(index_access::max_arena_rows(graph_index{cfg}) == 256);  // empty: the floor alone
 }
 
 TEST_CASE("index: a repack that only moves segments leaves every answer bit-identical",
@@ -301,7 +306,7 @@ TEST_CASE("index: a repack that only moves segments leaves every answer bit-iden
     add_rows(index, ns, mix.draw(static_cast<std::int64_t>(n)), sequential_ids(n, next_id));
     next_id += n;
   }
-  REQUIRE(index.compactions() == 0);
+  REQUIRE(index_access::compactions(index) == 0);
   auto const queries = mix.draw(60);
   std::map<std::uint64_t, answers> before;
   std::map<std::uint64_t, std::vector<std::uint32_t>> graphs;
@@ -310,22 +315,25 @@ TEST_CASE("index: a repack that only moves segments leaves every answer bit-iden
   p.algo = search_algo::graph;
   for (auto ns : small) {
     before[ns] = run_search(index, queries, {ns}, 10, p);
-    graphs[ns].assign(index.graph_rows(ns),
-                      index.graph_rows(ns) + std::size_t{index.rows(ns)} * index.graph_degree());
-    begins[ns] = index.tenant_segment(ns).row_begin;
+    graphs[ns].assign(index_access::graph_rows(index, ns),
+                      index_access::graph_rows(index, ns) +
+                        std::size_t{index.rows(ns)} * index_access::graph_degree(index));
+    begins[ns] = index_access::tenant_segment(index, ns).row_begin;
   }
   std::uint64_t const version = index.version();
   REQUIRE(index.erase_namespace(9) == 4000);
   // the scenario is what it claims: the bound broke and a repack ran, exactly one version step
-  REQUIRE(index.compactions() == 1);
+  REQUIRE(index_access::compactions(index) == 1);
   REQUIRE(index.version() == version + 1);
   REQUIRE(index.arena_rows() <= bound_at_default(index.total_size()));
-  REQUIRE(index.arena_rows_in_use() == index.arena_rows());
+  REQUIRE(index_access::arena_rows_in_use(index) == index.arena_rows());
   for (auto ns : small) {
     CAPTURE(ns);
     REQUIRE(index.rows(ns) == index.size(ns));  // nothing was deleted, nothing rebuilt
-    if (ns >= 4) { REQUIRE(index.tenant_segment(ns).row_begin < begins[ns]); }  // it moved
-    REQUIRE(std::equal(graphs[ns].begin(), graphs[ns].end(), index.graph_rows(ns)));
+    if (ns >= 4) {
+      REQUIRE(index_access::tenant_segment(index, ns).row_begin < begins[ns]);
+    }  // it moved
+    REQUIRE(std::equal(graphs[ns].begin(), graphs[ns].end(), index_access::graph_rows(index, ns)));
     require_identical(run_search(index, queries, {ns}, 10, p), before[ns]);
   }
 }
@@ -356,7 +364,7 @@ TEST_CASE("index: a repack rebuilds a namespace whose deleted rows must go, answ
     gone.insert(id);
     REQUIRE(index.arena_rows() <= bound_at_default(index.total_size()));
   }
-  REQUIRE(index.compactions() >= 1);
+  REQUIRE(index_access::compactions(index) >= 1);
   REQUIRE(index.rows(1) == 2000 - gone.size());  // rebuilt from its live facts
   REQUIRE(index.size(1) == 2000 - gone.size());
   REQUIRE(index.rows(2) == 100);
@@ -491,7 +499,7 @@ stress_result run_stress(double max_row_overhead, bool check)
   for (int op = 0; op < 3000; ++op) {
     std::uint64_t const r = pick(100);
     std::set<std::uint64_t> touched;
-    std::uint64_t const before_compactions = index.compactions();
+    std::uint64_t const before_compactions = index_access::compactions(index);
     std::uint64_t const before_version     = index.version();
     bool changes                           = true;
     if (r < 52) {  // add 1..40 facts to a user
@@ -582,9 +590,11 @@ stress_result run_stress(double max_row_overhead, bool check)
     for (auto ns : touched) {
       check_user(ns);
     }
-    if (index.compactions() != before_compactions || op % 50 == 0 || op == 2999) { check_all(); }
+    if (index_access::compactions(index) != before_compactions || op % 50 == 0 || op == 2999) {
+      check_all();
+    }
   }
-  result.compactions = index.compactions();
+  result.compactions = index_access::compactions(index);
   result.seconds     = seconds;
   return result;
 }

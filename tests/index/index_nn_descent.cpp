@@ -22,6 +22,8 @@
 #include <vector>
 
 using namespace inferscale;
+// graph_index's internals (raw rows, tenant segments, search plans): the detail accessor
+using inferscale::detail::index::index_access;
 using inferscale::detail::index::invalid_node;
 
 namespace {
@@ -97,8 +99,9 @@ void add_all(graph_index& index, std::uint64_t ns, std::vector<float> const& dat
 
 std::vector<std::uint32_t> graph_of(graph_index const& index, std::uint64_t ns)
 {
-  return {index.graph_rows(ns),
-          index.graph_rows(ns) + std::size_t{index.rows(ns)} * index.graph_degree()};
+  return {index_access::graph_rows(index, ns),
+          index_access::graph_rows(index, ns) +
+            std::size_t{index.rows(ns)} * index_access::graph_degree(index)};
 }
 
 }  // namespace
@@ -195,7 +198,7 @@ TEST_CASE("index nn_descent: deterministic for a seed, index graphs included", "
   auto const ids = ids_from(1, static_cast<std::size_t>(n));
   add_all(x, 3, data, ids);
   add_all(y, 3, data, ids);
-  CHECK(x.last_nn_descent().iterations >= 1);
+  CHECK(index_access::last_nn_descent(x).iterations >= 1);
   CHECK(graph_of(x, 3) == graph_of(y, 3));
 }
 
@@ -208,13 +211,13 @@ TEST_CASE("index nn_descent: the automatic switch is exact up to exact_knn_max_r
   {
     graph_index automatic(cfg);
     CHECK(exact_knn_max_rows == 4000);
-    CHECK_FALSE(automatic.uses_nn_descent(2));
-    CHECK_FALSE(automatic.uses_nn_descent(4000));
-    CHECK(automatic.uses_nn_descent(4001));
+    CHECK_FALSE(index_access::uses_nn_descent(automatic, 2));
+    CHECK_FALSE(index_access::uses_nn_descent(automatic, 4000));
+    CHECK(index_access::uses_nn_descent(automatic, 4001));
     cfg.host_knn = knn_build::exact;
-    CHECK_FALSE(graph_index(cfg).uses_nn_descent(1000000));
+    CHECK_FALSE(index_access::uses_nn_descent(graph_index(cfg), 1000000));
     cfg.host_knn = knn_build::nn_descent;
-    CHECK(graph_index(cfg).uses_nn_descent(2));
+    CHECK(index_access::uses_nn_descent(graph_index(cfg), 2));
   }
   SECTION("a small automatic build is the exact build; one above the limit runs NN-descent")
   {
@@ -227,11 +230,11 @@ TEST_CASE("index nn_descent: the automatic switch is exact up to exact_knn_max_r
     graph_index exact(cfg);
     add_all(automatic, 1, small, std::vector<std::uint64_t>(ids.begin(), ids.begin() + 2000));
     add_all(exact, 1, small, std::vector<std::uint64_t>(ids.begin(), ids.begin() + 2000));
-    CHECK(automatic.last_nn_descent().iterations == 0);
+    CHECK(index_access::last_nn_descent(automatic).iterations == 0);
     CHECK(graph_of(automatic, 1) == graph_of(exact, 1));
     add_all(automatic, 2, data, ids_from(100000, ids.size()));
-    CHECK(automatic.last_nn_descent().iterations >= 1);
-    CHECK(automatic.last_nn_descent().distances > 0);
+    CHECK(index_access::last_nn_descent(automatic).iterations >= 1);
+    CHECK(index_access::last_nn_descent(automatic).distances > 0);
   }
 }
 
@@ -254,8 +257,8 @@ TEST_CASE("index nn_descent: search recall within 0.01 of the exact-built index"
   graph_index approx(cfg);
   add_all(exact, 0, data, ids);
   add_all(approx, 0, data, ids);
-  REQUIRE(approx.last_nn_descent().iterations >= 1);
-  REQUIRE(exact.last_nn_descent().iterations == 0);
+  REQUIRE(index_access::last_nn_descent(approx).iterations >= 1);
+  REQUIRE(index_access::last_nn_descent(exact).iterations == 0);
 
   // truth: brute force in double on the normalised rows (the mixture is normalised already)
   std::vector<std::set<std::uint64_t>> truth;

@@ -34,7 +34,9 @@
 #include <vector>
 
 using namespace inferscale;
+// graph_index's internals (raw rows, tenant segments, search plans): the detail accessor
 using Catch::Contains;
+using inferscale::detail::index::index_access;
 
 namespace {
 
@@ -279,13 +281,14 @@ graph_index make_scenario(dtype t, distance_metric m, fact_source& source)
   REQUIRE(index.size(33) == 31);
   REQUIRE(index.rows(55) == 0);
   REQUIRE(index.has_namespace(55));
-  REQUIRE(index.arena_rows_in_use() > 600 + 400 + 41);  // holes
+  REQUIRE(index_access::arena_rows_in_use(index) > 600 + 400 + 41);  // holes
   return index;
 }
 
 std::size_t vector_row_bytes(graph_index const& index)
 {
-  return static_cast<std::size_t>(index.row_elements()) * size_of(index.config().vector_dtype);
+  return static_cast<std::size_t>(index_access::row_elements(index)) *
+         size_of(index.config().vector_dtype);
 }
 
 /// Everything persistence promises to keep, compared through the public accessors.
@@ -297,12 +300,12 @@ void require_same_contents(graph_index const& a, graph_index const& b)
   REQUIRE(b.config().graph_degree == a.config().graph_degree);
   REQUIRE(b.config().intermediate_graph_degree == a.config().intermediate_graph_degree);
   REQUIRE(b.config().exact_search_threshold == a.config().exact_search_threshold);
-  REQUIRE(b.row_elements() == a.row_elements());
+  REQUIRE(index_access::row_elements(b) == index_access::row_elements(a));
   REQUIRE(b.namespaces() == a.namespaces());
   REQUIRE(b.num_namespaces() == a.num_namespaces());
   REQUIRE(b.total_size() == a.total_size());
   std::size_t const row_bytes = vector_row_bytes(a);
-  std::size_t const degree    = a.graph_degree();
+  std::size_t const degree    = index_access::graph_degree(a);
   for (std::uint64_t ns : a.namespaces()) {
     CAPTURE(ns);
     std::size_t const rows = a.rows(ns);
@@ -310,10 +313,18 @@ void require_same_contents(graph_index const& a, graph_index const& b)
     REQUIRE(b.size(ns) == a.size(ns));
     REQUIRE(b.ids(ns) == a.ids(ns));
     if (rows == 0) { continue; }
-    REQUIRE(std::equal(a.id_rows(ns), a.id_rows(ns) + rows, b.id_rows(ns)));
-    REQUIRE(std::equal(a.deleted_rows(ns), a.deleted_rows(ns) + rows, b.deleted_rows(ns)));
-    REQUIRE(std::memcmp(a.vector_rows(ns), b.vector_rows(ns), rows * row_bytes) == 0);
-    REQUIRE(std::equal(a.graph_rows(ns), a.graph_rows(ns) + rows * degree, b.graph_rows(ns)));
+    REQUIRE(std::equal(index_access::id_rows(a, ns),
+                       index_access::id_rows(a, ns) + rows,
+                       index_access::id_rows(b, ns)));
+    REQUIRE(std::equal(index_access::deleted_rows(a, ns),
+                       index_access::deleted_rows(a, ns) + rows,
+                       index_access::deleted_rows(b, ns)));
+    REQUIRE(std::memcmp(index_access::vector_rows(a, ns),
+                        index_access::vector_rows(b, ns),
+                        rows * row_bytes) == 0);
+    REQUIRE(std::equal(index_access::graph_rows(a, ns),
+                       index_access::graph_rows(a, ns) + rows * degree,
+                       index_access::graph_rows(b, ns)));
     for (std::uint64_t id : a.ids(ns)) {
       REQUIRE(b.namespace_of(id) == ns);
     }
@@ -453,7 +464,7 @@ TEST_CASE("persist: round trip keeps namespaces, rows, graphs and search results
     REQUIRE(tr.size == original.rows(tr.ns));
     REQUIRE(tr.live == original.size(tr.ns));
     REQUIRE(tr.entries_rows <= tr.size);
-    REQUIRE(tr.default_ef == original.host_default_ef(tr.ns));
+    REQUIRE(tr.default_ef == index_access::host_default_ef(original, tr.ns));
     std::size_t entry_points = 0;
     std::vector<bool> rank_seen(tr.size, false);
     for (std::size_t v = 0; v < tr.size; ++v) {
@@ -464,18 +475,19 @@ TEST_CASE("persist: round trip keeps namespaces, rows, graphs and search results
       rank_seen[r] = true;
       ++entry_points;
     }
-    REQUIRE(entry_points == original.host_entry_points(tr.ns));
+    REQUIRE(entry_points == index_access::host_entry_points(original, tr.ns));
     for (std::size_t v = 0; v < tr.size; ++v) {
-      REQUIRE(le(bytes, tr.ids + 8 * v, 8) == original.id_rows(tr.ns)[v]);
-      REQUIRE(bytes[tr.deleted + v] == original.deleted_rows(tr.ns)[v]);
+      REQUIRE(le(bytes, tr.ids + 8 * v, 8) == index_access::id_rows(original, tr.ns)[v]);
+      REQUIRE(bytes[tr.deleted + v] == index_access::deleted_rows(original, tr.ns)[v]);
       for (std::size_t e = 0; e < 16; ++e) {
         REQUIRE(le(bytes, tr.graph + 4 * (v * 16 + e), 4) ==
-                original.graph_rows(tr.ns)[v * 16 + e]);
+                index_access::graph_rows(original, tr.ns)[v * 16 + e]);
       }
     }
     if (tr.size > 0) {
-      REQUIRE(std::memcmp(bytes.data() + tr.vectors, original.vector_rows(tr.ns), tr.size * w) ==
-              0);
+      REQUIRE(std::memcmp(bytes.data() + tr.vectors,
+                          index_access::vector_rows(original, tr.ns),
+                          tr.size * w) == 0);
     }
   }
 
@@ -860,8 +872,10 @@ TEST_CASE("persist: a namespace grown by inserts since its entry points were cho
   graph_index loaded = load_index(path);
   require_same_contents(original, loaded);
   for (std::uint64_t ns = 1; ns <= 3; ++ns) {
-    REQUIRE(loaded.host_entry_points(ns) == original.host_entry_points(ns));
-    REQUIRE(loaded.host_default_ef(ns) == original.host_default_ef(ns));
+    REQUIRE(index_access::host_entry_points(loaded, ns) ==
+            index_access::host_entry_points(original, ns));
+    REQUIRE(index_access::host_default_ef(loaded, ns) ==
+            index_access::host_default_ef(original, ns));
   }
   require_same_searches(original, loaded, distance_metric::cosine);
   // many queries of the fast search at small lists, where a different start shows
@@ -1064,8 +1078,10 @@ TEST_CASE("persist: random operation sequences round-trip to bit-identical answe
     REQUIRE(loaded.config().host_entry_points == config.host_entry_points);
     REQUIRE(loaded.config().host_traversal_dtype == config.host_traversal_dtype);
     for (std::uint64_t ns : original.namespaces()) {
-      REQUIRE(loaded.host_entry_points(ns) == original.host_entry_points(ns));
-      REQUIRE(loaded.host_default_ef(ns) == original.host_default_ef(ns));
+      REQUIRE(index_access::host_entry_points(loaded, ns) ==
+              index_access::host_entry_points(original, ns));
+      REQUIRE(index_access::host_default_ef(loaded, ns) ==
+              index_access::host_default_ef(original, ns));
     }
     if (sequence % 10 == 0) {  // saving the loaded index writes the same bytes
       save_index(loaded, again);
@@ -1136,12 +1152,12 @@ TEST_CASE("persist: load into device memory puts the same arena on the device", 
   REQUIRE(loaded.space() == memory_space::device);
   require_same_contents(original, loaded);
 
-  graph_index_ref const ref = loaded.ref();
+  detail::index::graph_index_ref const ref = index_access::ref(loaded);
   REQUIRE(ref.vectors != nullptr);
   std::size_t const row_bytes = vector_row_bytes(loaded);
-  std::size_t const degree    = loaded.graph_degree();
+  std::size_t const degree    = index_access::graph_degree(loaded);
   for (std::uint64_t ns : loaded.namespaces()) {
-    auto const seg = loaded.tenant_segment(ns);
+    auto const seg = index_access::tenant_segment(loaded, ns);
     CAPTURE(ns);
     std::vector<unsigned char> vectors(seg.size * row_bytes);
     std::vector<std::uint32_t> graph(seg.size * degree);
@@ -1158,9 +1174,12 @@ TEST_CASE("persist: load into device memory puts the same arena on the device", 
                                    cudaMemcpyDeviceToHost));
     INFERSCALE_CUDA_TRY(cudaMemcpy(deleted.data(), ref.deleted + seg.row_begin, deleted.size(),
                                    cudaMemcpyDeviceToHost));
-    REQUIRE(std::memcmp(vectors.data(), original.vector_rows(ns), vectors.size()) == 0);
-    REQUIRE(std::memcmp(graph.data(), original.graph_rows(ns), graph.size() * 4) == 0);
-    REQUIRE(std::memcmp(ids.data(), original.id_rows(ns), ids.size() * 8) == 0);
-    REQUIRE(std::memcmp(deleted.data(), original.deleted_rows(ns), deleted.size()) == 0);
+    REQUIRE(std::memcmp(vectors.data(), index_access::vector_rows(original, ns), vectors.size()) ==
+            0);
+    REQUIRE(std::memcmp(graph.data(), index_access::graph_rows(original, ns), graph.size() * 4) ==
+            0);
+    REQUIRE(std::memcmp(ids.data(), index_access::id_rows(original, ns), ids.size() * 8) == 0);
+    REQUIRE(std::memcmp(deleted.data(), index_access::deleted_rows(original, ns), deleted.size()) ==
+            0);
   }
 }

@@ -26,6 +26,8 @@
 #include <vector>
 
 using namespace inferscale;
+// graph_index's internals (raw rows, tenant segments, search plans): the detail accessor
+using inferscale::detail::index::index_access;
 using namespace inferscale_test::fake;
 using namespace inferscale_test::memory_fixtures;
 
@@ -682,10 +684,11 @@ TEST_CASE("lifecycle: erasing a fact or a namespace leaves nothing behind", "[me
   }
 
   // compact_index: the index holds no row of the erased facts at all.
-  CHECK(m.index().arena_rows_in_use() > static_cast<std::int64_t>(total0));
+  CHECK(index_access::arena_rows_in_use(m.index()) > static_cast<std::int64_t>(total0));
   m.compact_index();
-  CHECK(m.index().arena_rows_in_use() == static_cast<std::int64_t>(total0));
-  std::vector<std::uint64_t> rows(m.index().id_rows(8), m.index().id_rows(8) + m.index().rows(8));
+  CHECK(index_access::arena_rows_in_use(m.index()) == static_cast<std::int64_t>(total0));
+  std::vector<std::uint64_t> rows(index_access::id_rows(m.index(), 8),
+                                  index_access::id_rows(m.index(), 8) + m.index().rows(8));
   std::sort(rows.begin(), rows.end());
   CHECK(rows == keep_ids);
   std::vector<std::uint64_t> got = m.retrieve(embedder, 8, keep.texts[3], 1000);

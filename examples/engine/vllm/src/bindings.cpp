@@ -1062,19 +1062,6 @@ NB_MODULE(_inferscale, m)
          "Live facts of a namespace (0 if unknown).")
     .def("ids", [](index_handle const& i, std::uint64_t ns) { return i.get().ids(ns); })
     .def("namespaces", [](index_handle const& i) { return i.get().namespaces(); })
-    .def("uses_exact",
-         [](index_handle const& i, std::uint64_t ns, std::uint32_t itopk_size) {
-           if (!i.get().has_namespace(ns)) {
-             throw std::invalid_argument("Index.uses_exact: unknown namespace " + std::to_string(ns));
-           }
-           // as the fast host search decides: its list (itopk_size 0 = the namespace's
-           // calibrated one) against the exact-search threshold
-           search_params p;
-           p.itopk_size = itopk_size != 0 ? itopk_size : i.get().host_default_ef(ns);
-           return i.get().uses_exact(i.get().tenant_segment(ns), p);
-         },
-         nb::arg("namespace"), nb::arg("itopk_size") = 0,
-         "Whether an automatic search of this namespace runs exactly (brute force).")
     .def_prop_ro("dim", [](index_handle const& i) { return i.get().dim(); })
     .def_prop_ro("total_size", [](index_handle const& i) { return i.get().total_size(); })
     .def_prop_ro("version", [](index_handle const& i) { return i.get().version(); });

@@ -626,9 +626,9 @@ INFERSCALE_INDEX_LINKAGE void graph_index::rebuild_traversal(std::size_t t)
 // ---------------------------------------------------------------------------------------------
 // Device mirror (device-memory indexes only)
 
-INFERSCALE_INDEX_LINKAGE graph_index_ref graph_index::ref() const noexcept
+INFERSCALE_INDEX_LINKAGE detail::index::graph_index_ref graph_index::ref() const noexcept
 {
-  graph_index_ref r;
+  detail::index::graph_index_ref r;
   r.vectors      = d_vectors_.data();
   r.graph        = d_graph_.data();
   r.ids          = d_ids_.data();

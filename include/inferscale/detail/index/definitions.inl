@@ -32,13 +32,6 @@
     ::inferscale::matrix_view<T const>,                                                           \
     ::cuda::std::span<std::uint64_t const>,                                                       \
     ::inferscale::graph_builder const&);                                                          \
-  template void ::inferscale::graph_index::search<T>(                                      \
-    ::inferscale::matrix_view<T const>,                                                           \
-    ::cuda::std::span<std::uint64_t const>,                                                       \
-    std::uint32_t,                                                                                \
-    ::inferscale::search_params const&,                                                           \
-    ::inferscale::matrix_view<std::uint64_t>,                                                     \
-    ::inferscale::matrix_view<float>) const;                                                      \
   template std::vector<float> inferscale::graph_index::prepare_queries<T>(               \
     ::inferscale::matrix_view<T const>) const;                                                    \
   template std::vector<std::int64_t> inferscale::graph_index::check_search<T>(           \

@@ -69,19 +69,21 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void exact_search(raft::resources const& res,
   using policy = detail::index::device_policy;
   detail::index::require_device_index(index, "inferscale::exact_search");
   std::uint64_t const one_namespace[1] = {ns};
-  (void)index.check_search(queries,
-                           cuda::std::span<std::uint64_t const>{one_namespace, 1},
-                           k,
-                           search_params{},
-                           out_ids.extent(0),
-                           out_ids.extent(1),
-                           out_distances.extent(0),
-                           out_distances.extent(1));
+  using access = detail::index::index_access;
+  (void)access::check_search(index,
+                             queries,
+                             cuda::std::span<std::uint64_t const>{one_namespace, 1},
+                             k,
+                             search_params{},
+                             out_ids.extent(0),
+                             out_ids.extent(1),
+                             out_distances.extent(0),
+                             out_distances.extent(1));
   std::int64_t const nq = queries.extent(0);
   if (nq == 0) { return; }
-  auto const tenant         = index.tenant_segment(ns);
-  auto const ref            = index.ref();
-  std::int64_t const re     = index.row_elements();
+  auto const tenant         = access::tenant_segment(index, ns);
+  auto const ref            = access::ref(index);
+  std::int64_t const re     = access::row_elements(index);
   cudaStream_t const stream = raft::resource::get_cuda_stream(res).get();
   int const threads         = policy::elementwise_threads;
   bool const l2             = ref.metric == distance_metric::squared_l2;
@@ -167,24 +169,26 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void search(raft::resources const& res,
   using policy = detail::index::device_policy;
   using detail::index::search_mode;
   detail::index::require_device_index(index, "inferscale::search");
-  std::vector<std::int64_t> const tenant_index = index.check_search(queries,
-                                                                    namespaces,
-                                                                    k,
-                                                                    call_params,
-                                                                    out_ids.extent(0),
-                                                                    out_ids.extent(1),
-                                                                    out_distances.extent(0),
-                                                                    out_distances.extent(1));
+  using access = detail::index::index_access;
+  std::vector<std::int64_t> const tenant_index = access::check_search(index,
+                                                                      queries,
+                                                                      namespaces,
+                                                                      k,
+                                                                      call_params,
+                                                                      out_ids.extent(0),
+                                                                      out_ids.extent(1),
+                                                                      out_distances.extent(0),
+                                                                      out_distances.extent(1));
   std::int64_t const nq                        = queries.extent(0);
   if (nq == 0) { return; }
 
-  auto const tenants          = index.tenant_table();
-  auto const ref              = index.ref();
-  std::int64_t const re       = index.row_elements();
-  std::uint32_t const degree  = index.graph_degree();
+  auto const tenants          = access::tenant_table(index);
+  auto const ref              = access::ref(index);
+  std::int64_t const re       = access::row_elements(index);
+  std::uint32_t const degree  = access::graph_degree(index);
   // a split search (search_params::ctas_per_query; 0: automatic, by the batch size, as the host
   // reference search resolves it) runs `parts` virtual queries per query
-  search_params const params = graph_index::resolve_split(call_params, nq, k);
+  search_params const params = access::resolve_split(call_params, nq, k);
   std::uint32_t const parts  = params.ctas_per_query;
   std::uint32_t const itopk = parts == 1 ? resolved_itopk(params.itopk_size, k)
                                          : split_itopk(resolved_itopk(params.itopk_size, k), k, parts);
@@ -205,11 +209,11 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void search(raft::resources const& res,
     task.xor_mask  = params.rand_xor_mask;
     if (tenant.live == 0) {
       task.mode = search_mode::none;
-    } else if (index.uses_exact(tenant, params)) {
+    } else if (access::uses_exact(index, tenant, params)) {
       task.mode = c == 0 ? search_mode::exact : search_mode::none;  // exact: part 0 alone
     } else {
-      search_params const part = parts == 1 ? params : graph_index::split_part(params, k, c);
-      auto const plan     = index.plan_for(tenant.size, k, part);
+      search_params const part = parts == 1 ? params : access::split_part(params, k, c);
+      auto const plan          = access::plan_for(index, tenant.size, k, part);
       task.mode           = search_mode::graph;
       task.xor_mask       = plan.xor_mask;
       task.max_iterations = plan.max_iterations;

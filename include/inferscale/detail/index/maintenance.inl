@@ -434,7 +434,7 @@ INFERSCALE_INDEX_LINKAGE void graph_index::pack_entry_rows(std::size_t t)
 {
   auto& tn                    = tenants_[t];
   std::size_t const row_bytes = static_cast<std::size_t>(row_elements_) * element_size_;
-  if (tn.entries_rows < packed_entry_min_rows) {
+  if (tn.entries_rows < detail::index::packed_entry_min_rows) {
     std::vector<unsigned char>().swap(tn.entry_vectors);
     return;
   }

@@ -25,7 +25,7 @@
 namespace inferscale {
 
 // ---------------------------------------------------------------------------------------------
-// search(): the free host search (a friend of graph_index), and the member that wraps it
+// search(): the free host search (a friend of graph_index)
 
 template <class T>
 void search(graph_index const& index,
@@ -72,17 +72,6 @@ void search(graph_index const& index,
       }
     }
   });
-}
-
-template <class T>
-void graph_index::search(matrix_view<T const> queries,
-                         cuda::std::span<std::uint64_t const> namespaces,
-                         std::uint32_t k,
-                         search_params const& params,
-                         matrix_view<std::uint64_t> out_ids,
-                         matrix_view<float> out_distances) const
-{
-  inferscale::search(*this, queries, namespaces, k, params, out_ids, out_distances);
 }
 
 // ---------------------------------------------------------------------------------------------

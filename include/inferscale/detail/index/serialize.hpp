@@ -1,7 +1,7 @@
 /**
  * @file detail/index/serialize.hpp
  * @brief The index file format behind `save_index` and `load_index` (declared in the public
- * `index_snapshot.hpp`): the layout, the checked parser and `index_access`, which writes and
+ * `index_snapshot.hpp`): the layout, the checked parser and `snapshot_access`, which writes and
  * assembles a `graph_index` (plain C++17 plus the CUDA runtime headers that `index.hpp` already
  * needs).
  *
@@ -416,7 +416,7 @@ inline staged_index parse_index_file(std::vector<unsigned char> const& file,
 // -------------------------------------------------------------------------------------------------
 
 /// @brief What persistence needs of graph_index's private state (the class befriends it).
-struct index_access {
+struct snapshot_access {
   /// @brief Writes `index` in the format of the file comment (header through tenant records).
   static void write(graph_index const& index, checksummed_writer& out)
   {

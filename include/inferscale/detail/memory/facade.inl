@@ -134,12 +134,13 @@ inline std::vector<std::uint64_t> memory::retrieve(std::uint64_t ns,
   std::vector<std::uint64_t> ids(k);
   std::vector<float> distances(k);
   searches_.add();
-  index_.search<float>(make_matrix_view<float const>(query.data(), 1, index_.dim()),
-                       cuda::std::span<std::uint64_t const>{&ns, 1},
-                       k,
-                       config_.search,
-                       make_matrix_view<std::uint64_t>(ids.data(), 1, k),
-                       make_matrix_view<float>(distances.data(), 1, k));
+  inferscale::search<float>(index_,
+                            make_matrix_view<float const>(query.data(), 1, index_.dim()),
+                            cuda::std::span<std::uint64_t const>{&ns, 1},
+                            k,
+                            config_.search,
+                            make_matrix_view<std::uint64_t>(ids.data(), 1, k),
+                            make_matrix_view<float>(distances.data(), 1, k));
   std::vector<std::uint64_t> out;
   for (std::uint64_t id : ids) {
     if (id != invalid_fact_id) { out.push_back(id); }
@@ -354,7 +355,8 @@ std::vector<memory_request> memory::serve_requests(
     if (context_search) {
       device->search_index(index_, query_view, spaces, k, config_.search, id_view, distance_view);
     } else {
-      index_.search<float>(query_view, spaces, k, config_.search, id_view, distance_view);
+      inferscale::search<float>(
+        index_, query_view, spaces, k, config_.search, id_view, distance_view);
     }
   });
 

@@ -115,7 +115,11 @@ void ttft(benchmark::State& state)
     e->ctx.clear(0);
     auto t0                            = std::chrono::steady_clock::now();
     inferscale::composition const plan = demo::compose_memory(e->store, k);
-    inferscale::inject_memory_host(e->store, plan, cache, e->adapter.rotation());
+    {
+      inferscale::injection_batch step{e->store};
+      step.add(plan, cache);
+      step.run(cache.cache(), e->adapter.rotation());
+    }
     double const injected = seconds_since(t0);
     e->ctx.decode(0, question, plan.length());
     std::int32_t const first_a = e->ctx.greedy_token();
@@ -229,7 +233,11 @@ void divergence(benchmark::State& state)
       for (int which = 0; which < 2; ++which) {
         inferscale::composition const plan = demo::compose_memory(*stores[which], k);
         e->ctx.clear(0);
-        inferscale::inject_memory_host(*stores[which], plan, cache, e->adapter.rotation());
+        {
+          inferscale::injection_batch step{*stores[which]};
+          step.add(plan, cache);
+          step.run(cache.cache(), e->adapter.rotation());
+        }
         e->ctx.decode(0, question, m);
         std::vector<std::vector<float>> const logits = forced_logits(e->ctx, reference, end);
         for (std::size_t i = 0; i < logits.size(); ++i) {
@@ -242,7 +250,11 @@ void divergence(benchmark::State& state)
           top1[which] += argmax(logits[i]) == argmax(ref_logits[i]);
         }
         e->ctx.clear(0);
-        inferscale::inject_memory_host(*stores[which], plan, cache, e->adapter.rotation());
+        {
+          inferscale::injection_batch step{*stores[which]};
+          step.add(plan, cache);
+          step.run(cache.cache(), e->adapter.rotation());
+        }
         e->ctx.decode(0, question, m);
         std::vector<std::int32_t> const free_run = e->ctx.generate(0, end, 32);
         std::size_t c                            = 0;
@@ -327,7 +339,11 @@ void recompute_curve(benchmark::State& state)
     e->ctx.clear(0);
     auto const t0                   = std::chrono::steady_clock::now();
     inferscale::composition const c = demo::compose_memory(store, k);
-    inferscale::inject_memory_host(store, c, cache, e->adapter.rotation());
+    {
+      inferscale::injection_batch step{store};
+      step.add(c, cache);
+      step.run(cache.cache(), e->adapter.rotation());
+    }
     std::vector<float> deviation;
     auto const t1 = std::chrono::steady_clock::now();
     if (probe) { deviation = lc::probe_deviation(e->ctx, 0, store, c); }

@@ -22,8 +22,9 @@
  *  - K/V values: pseudo-random bf16 in [-1, 1) (a hash of the element index).
  *
  * What each iteration measures (same machine state for all three):
- *  - fused: the injection step's host run (host store, host cache), or the raw inject_async
- *    launch on a staged injection_workspace (device); `Time` and `GB/s` are this;
+ *  - fused: the injection step's host run (host store, host cache), or the device launch
+ *    (detail::inject_view_async, what the step's device run enqueues) on a staged
+ *    injection_workspace (device); `Time` and `GB/s` are this;
  *  - two-pass baseline, written here: (a) gather the tokens from the store pages into a contiguous
  *    `[L, 2, N, H, D]` bf16 buffer with the keys rotated (library per-element math:
  *    rope_angle_cos_sin once per token and pair, detail::rotate_stored_pair); (b) scatter that
@@ -873,7 +874,8 @@ struct device_case {
 
   void raw(cudaStream_t stream) const
   {
-    is::inject_async(s.store.ref(), workspace.view(), fused_desc, s.rotation, stream);
+    is::detail::inject_view_async(
+      s.store.ref(), workspace.view(), fused_desc, s.rotation, nullptr, cuda::stream_ref{stream});
   }
 };
 
@@ -948,7 +950,9 @@ void inject_checked_device_bench(benchmark::State& state, model mdl, bool batch)
     ib::device_buffer<std::byte> copy_destination(copy_bytes);
     void const* const copy_source = c.s.store.ref().pool;
     auto const checked            = [&] {
-      c.s.batch.run(c.fused_desc, c.s.rotation, c.workspace, cuda::stream_ref{stream.get()});
+      c.s.batch.run(c.fused_desc,
+                    c.s.rotation,
+                    is::device_context{c.workspace, cuda::stream_ref{stream.get()}});
     };
     // Host wall time of `work` up to the end of the stream's work, from a cold L2 and idle stream.
     auto const wall = [&](auto&& work) {
@@ -1222,7 +1226,7 @@ void tier_host_bench(benchmark::State& state, model mdl, bool resident)
       [&] {
         is::tier_request r          = c.tiers.admit(c.ids);
         is::injection_batch const b = c.plan();
-        is::inject_tiered_host(c.tiers, r, b, desc, c.rotation);
+        c.tiers.run(r, b, desc, c.rotation);
       },
       [&] {
         auto const c0 = std::chrono::steady_clock::now();
@@ -1255,8 +1259,12 @@ void tier_device_bench(benchmark::State& state, model mdl, bool resident)
       [&] {
         is::tier_request r          = c.tiers.admit(c.ids);
         is::injection_batch const b = c.plan();
-        is::inject_tiered_async(c.tiers, r, b, desc, c.rotation, workspace,
-                                cuda::stream_ref{compute.get()}, copy.get());
+        c.tiers.run(r,
+                    b,
+                    desc,
+                    c.rotation,
+                    is::device_context{workspace, cuda::stream_ref{compute.get()}}.with_copy_stream(
+                      cuda::stream_ref{copy.get()}));
         INFERSCALE_CUDA_TRY(cudaStreamSynchronize(compute.get()));
       },
       [&] {

@@ -162,7 +162,7 @@ int main()
     std::vector<memory_step_request<paged_sequence>> step;
     for (request& r : admitted) step.push_back({r.user, r.question, /*p0*/ 0, &r.sequence});
     std::vector<memory_request> const served =
-      mem.serve_step(embedder, step, /*k*/ 2, model.rotation(), workspace, stream);
+      mem.serve_step(embedder, step, /*k*/ 2, model.rotation(), device_context{workspace, stream});
     // [/snippet:gpu_step]
 
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(engine_stream));

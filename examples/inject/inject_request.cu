@@ -5,8 +5,8 @@
 // through the request's block table, each key rotated to its virtual position. The program then
 // checks one head of one layer against its own rotation formula.
 //
-// Runs everywhere: the device backend (inject_async) where a CUDA device is visible, the host
-// backend (inject_host) otherwise. Exit status 0 when the check passes, 1 when it fails.
+// Runs everywhere: the device backend (the step's device run) where a CUDA device is visible, the
+// host backend (inject_host) otherwise. Exit status 0 when the check passes, 1 when it fails.
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
 #include <inferscale/cuda_error.hpp>
@@ -110,7 +110,7 @@ int main()
   if (gpu) {
     cudaDeviceProp prop{};
     INFERSCALE_CUDA_TRY(cudaGetDeviceProperties(&prop, 0));
-    std::printf("backend: device (inject_async on %s)\n", prop.name);
+    std::printf("backend: device (injection_batch::run on %s)\n", prop.name);
   } else {
     std::printf("backend: host (inject_host; no CUDA device visible)\n");
   }
@@ -227,7 +227,7 @@ int main()
   if (gpu) {
     injection_workspace workspace(batch.num_tokens());
     cuda::stream_ref const stream{cudaStream_t{}};
-    batch.run(cache, rotation, workspace, stream);
+    batch.run(cache, rotation, device_context{workspace, stream});
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
     host_cache = device_cache.to_host();
   } else {

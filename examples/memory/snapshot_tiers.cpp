@@ -4,7 +4,7 @@
 // the same facts live in a tiered_store: a small "device" tier (here host memory too, the host
 // backend) in front of a larger host tier. A request whose facts are only in the host tier is
 // admitted (its facts staged into the device tier, evicting others when it is full) and injected
-// with inject_tiered_host; the cache bytes equal those of one plain store holding every fact. The
+// with tiered_store::run; the cache bytes equal those of one plain store holding every fact. The
 // tiers are saved with save_tiers and restarted with load_tiers, residency and LRU order kept.
 //
 // The engine is played by the adapters of toy_engine.hpp (as in memory_cpu.cpp). The program
@@ -188,7 +188,7 @@ int main()
                                plan.length());
       injection_batch batch{t.device_tier()};
       batch.add(plan, slots);
-      inject_tiered_host(t, request, batch, cache.desc, model.rotation());
+      t.run(request, batch, cache.desc, model.rotation());
       return std::make_pair(plan, slots);
     };
     auto serve_plain = [&](std::vector<std::uint64_t> const& ids, toy_cache& cache) {

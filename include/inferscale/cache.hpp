@@ -214,7 +214,7 @@ inline char const* to_string(paged_kv_format f) noexcept
  * scales. Kernels take it by value. Build it with the `make_*_cache` factories.
  *
  * The memory it points to is the engine's; whether that is host or device memory is the caller's
- * choice of backend (injection_batch::run on the host or the device, or the raw inject_async).
+ * choice of backend (injection_batch::run on the host or the device).
  */
 struct paged_kv_cache {
   static constexpr std::int32_t max_layers = 128;  ///< Llama-3.1-405B has 126
@@ -256,8 +256,7 @@ struct paged_kv_cache {
 
   /**
    * @brief Sets fp8 scales, one pointer per layer for K and for V (1 or num_heads floats each, in
-   * the memory the backend reads: host for the host run, device for the device run and
-   * inject_async).
+   * the memory the backend reads: host for the host run, device for the device run).
    * @throw logic_error if the cache is not fp8, the counts differ from num_layers or a pointer is
    *        null.
    */

@@ -4,11 +4,11 @@
  * where a CPU engine calls the host functions of engine.hpp, with a stream added — storing a
  * capture's facts into a device store (store_captured_facts: from a host kv_capture, or from a
  * device_kv_capture (kv_capture.cuh) converted and scattered on the device, the GPU engine's
- * path; encode_facts runs a device model adapter's forward into one) and one request's memory
- * from a device store through a paged-cache adapter whose cache is device memory
- * (inject_memory_async). Stream-ordered: nothing here synchronises the device, and only the
- * device capture's store (and so its encode_facts) waits for its stream, once, to refuse a NaN or
- * an infinity before anything is stored.
+ * path; encode_facts runs a device model adapter's forward into one); the injection itself is the
+ * step's device run (injection_batch::run with a device_context, inject.cuh). Stream-ordered:
+ * nothing here synchronises the device, and only the device capture's store (and so its
+ * encode_facts) waits for its stream, once, to refuse a NaN or an infinity before anything is
+ * stored.
  */
 #pragma once
 
@@ -373,57 +373,6 @@ void encode_facts(ModelAdapter& model,
   device_kv_capture capture{model.geometry(), static_cast<std::int64_t>(tokens.size()), stream};
   model.encode(tokens, first_position, capture, stream);
   store_captured_facts(store, capture, facts, stream);
-}
-
-/**
- * @brief One request's memory through a paged-cache adapter, device backend: the device twin of
- * inject_memory_host (engine.hpp), a one-request injection step run on the device —
- * `step.add(plan, cache_adapter); step.run(cache_adapter.cache(), rotation, workspace, stream);`.
- * Allocates slots for the plan's `m` tokens at its positions, enqueues the injection (the composed
- * K/V of the device store, keys rotated by `rotation`) into the adapter's cache (device memory)
- * on `stream`, and commits the tokens as the sequence's prefix.
- *
- * @param store         a device store (the plan's)
- * @param plan          the request's composition (compose(), memory::prepare)
- * @param cache_adapter allocate(first_position, tokens), cache() (device memory), commit(tokens)
- * @param rotation      rope_params, or the engine's rope_cos_sin_table over device data
- * @param workspace     room for at least the plan's tokens
- * @param stream        the stream the injection is enqueued on; the engine's prefill of the
- *                      query must be ordered after it (the same stream, or an event)
- * @throw logic_error before anything is allocated if the plan is empty, the store is not in
- *        device memory or the workspace is too small; after allocation and before anything is
- *        written or committed as injection_batch::add and run (too few slots, a slot written
- *        twice or beyond the cache, a position beyond the table, geometry or dtype mismatch).
- *        cuda_error on a CUDA failure; whatever the adapter throws.
- * @note Never synchronises the device; staging may wait for the workspace's previous staging
- *       copy (injection_workspace::stage). For a scheduler step of many requests, add them all to
- *       one injection_batch and run it once.
- */
-template <class CacheAdapter, class Rotation>
-void inject_memory_async(kv_store const& store,
-                         composition const& plan,
-                         CacheAdapter& cache_adapter,
-                         Rotation const& rotation,
-                         injection_workspace& workspace,
-                         cuda::stream_ref stream)
-{
-  static_assert(is_cache_adapter_v<CacheAdapter>,
-                "inject_memory_async: CacheAdapter needs allocate(first_position, tokens), "
-                "cache() and commit(tokens) (see engine.hpp)");
-  INFERSCALE_EXPECTS(plan.length() > 0, std::string{"inject_memory_async: the plan is empty"});
-  INFERSCALE_EXPECTS(store.space() == memory_space::device,
-                     std::string{"inject_memory_async: the store's pool is in "} +
-                       to_string(store.space()) +
-                       " memory, the device backend reads device memory (inject_memory_host "
-                       "serves a host store)");
-  INFERSCALE_EXPECTS(plan.length() <= workspace.capacity(),
-                     "inject_memory_async: the plan has " +
-                       detail::count_of(plan.length(), "token") + ", the workspace holds " +
-                       std::to_string(workspace.capacity()));
-  rope_check_positions(rotation, plan.first_position, plan.length(), "inject_memory_async");
-  injection_batch step{store};
-  step.add(plan, cache_adapter);
-  step.run(cache_adapter.cache(), rotation, workspace, stream);
 }
 
 }  // namespace inferscale

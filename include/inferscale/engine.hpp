@@ -16,15 +16,15 @@
  * - the engine allocates slots for them: `update_state_after_alloc` (block ids);
  *   `step.add(plan, cache_adapter)` calls `cache_adapter.allocate(p0, m)`;
  * - the memory is written into those slots: `start_load_kv` / `wait_for_layer_load`;
- *   `step.run(cache_adapter.cache(), rotation)` (host) or `step.run(..., workspace, stream)`
- *   (device);
+ *   `step.run(cache_adapter.cache(), rotation)` (host) or `step.run(cache_adapter.cache(),
+ *   rotation, device)` with a device_context (device);
  * - the engine adopts them as computed: the scheduler counts them as `num_computed_tokens`; the
  *   run calls `cache_adapter.commit(m)`;
  * - the engine prefills only the rest: the normal prefill of the query, in both.
  *
  * The injection step (injection_batch, injection_batch.hpp) runs the middle three steps for every
- * request of a scheduler step; inject_memory_host() (here) and inject_memory_async() (engine.cuh)
- * are its one-request form. engine.cuh's store_captured_facts overload stores a capture into a
+ * request of a scheduler step (a request alone is a step of one). engine.cuh's store_captured_facts
+ * overload stores a capture into a
  * device store on a stream: a GPU engine calls the same functions as a CPU engine, with a
  * workspace and a stream added. A GPU engine's hooks fill a
  * device_kv_capture (kv_capture.cuh) from device rows instead of a kv_capture, so its K/V never
@@ -71,7 +71,7 @@
  *  - `void C::commit(std::int64_t tokens)` — the engine adopts the staged tokens as its prefix.
  *
  * Capture without a hook: prefill the text normally and read the token range back from the
- * engine's cache with extract_host / extract_async (inject.hpp), which de-rotate the keys.
+ * engine's cache with extract_host (extract.hpp) / extract (inject.cuh), which de-rotate the keys.
  */
 #pragma once
 
@@ -324,35 +324,6 @@ void encode_facts(ModelAdapter& model,
   kv_capture capture{model.geometry(), static_cast<std::int64_t>(tokens.size())};
   model.encode(tokens, first_position, capture);
   store_captured_facts(store, capture, facts);
-}
-
-/**
- * @brief One request's memory through a paged-cache adapter, host backend: a one-request injection
- * step, `injection_batch step{store}; step.add(plan, cache_adapter);
- * step.run(cache_adapter.cache(), rotation);` — allocate slots for the plan's `m` tokens at its
- * positions, inject the composed K/V (keys rotated by `rotation`), and commit them as the
- * sequence's prefix. The engine then prefills only the query. For a scheduler step of many
- * requests, add them all to one step.
- *
- * @throw logic_error as injection_batch::add and run (an empty plan, unknown fact, too few slots, a
- *        slot outside the cache, geometry or dtype mismatch), or positions beyond the rotation's
- *        range (rope_check_positions: the model's max_position or a table's rows, checked before
- *        the adapter allocates); nothing is committed then, and the engine's sequence is
- *        unchanged. Whatever the adapter throws.
- */
-template <class CacheAdapter, class Rotation>
-void inject_memory_host(kv_store const& store,
-                        composition const& plan,
-                        CacheAdapter& cache_adapter,
-                        Rotation const& rotation)
-{
-  static_assert(is_cache_adapter_v<CacheAdapter>,
-                "inject_memory_host: CacheAdapter needs allocate(first_position, tokens), "
-                "cache() and commit(tokens) (see engine.hpp)");
-  rope_check_positions(rotation, plan.first_position, plan.length(), "inject_memory_host");
-  injection_batch step{store};
-  step.add(plan, cache_adapter);
-  step.run(cache_adapter.cache(), rotation);
 }
 
 }  // namespace inferscale

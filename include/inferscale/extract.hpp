@@ -268,3 +268,9 @@ void extract_host(paged_kv_cache const& cache,
 }
 
 }  // namespace inferscale
+
+#include <inferscale/detail/inject/instances.hpp>
+#if defined(INFERSCALE_EXTERN_TEMPLATES)
+// Compiled once, in the program's unit that includes <inferscale/instances.hpp>.
+INFERSCALE_EXTRACT_HOST_INSTANCES(extern)
+#endif

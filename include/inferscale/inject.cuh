@@ -3,22 +3,20 @@
  * @brief Device backend of injection and extraction: one fused launch per scheduler step writes
  * every admitted request's memory tokens, all layers of the shard, into the engine's paged cache.
  *
- * Two levels:
- *  - inject_async(store_ref, device batch view, cache, rotation, stream): the raw launch. No
- *    allocation, no host synchronisation, nothing read on the host: capturable in a CUDA graph
- *    (update the workspace's arrays, replay). Tokens whose device slot lies outside the cache,
- *    whose position lies outside the table or whose store token lies outside the pool, and rows
- *    whose fp8 scale is not positive and finite, are skipped and counted in an optional
- *    inject_device_errors (device memory) the caller reads back: the device cannot throw.
- *  - injection_batch::run(cache, rotation, workspace, stream), defined here: the injection step's
- *    device run. Validates the host step completely (as the host run does), stages its arrays
- *    into the workspace, launches, then commits the step's cache adapters.
+ * The step's device run, injection_batch::run(cache, rotation, device) with a device_context
+ * (device_context.hpp: its workspace and stream), is defined here: it validates the host step
+ * completely (as the host run does), stages its arrays into the workspace, launches, then commits
+ * the step's cache adapters. Below it, detail::inject_view_async is the launch itself on device
+ * arrays (no allocation, no host synchronisation, nothing read on the host): tokens whose device
+ * slot lies outside the cache, whose position lies outside the table or whose store token lies
+ * outside the pool, and rows whose fp8 scale is not positive and finite, are skipped and counted
+ * in the workspace's inject_device_errors: the device cannot throw.
  *
- * Either level dispatches on the store's and the cache's element types at run time, which
- * compiles the kernel for every pair (15 per rotation type). A program that knows its pair names
- * it, `batch.run<bfloat16_t, bfloat16_t>(...)` or `inject_async<bfloat16_t, bfloat16_t>(...)`:
- * the same checks, plus the two types' (a
- * mismatch is refused before anything is staged), and only that pair's kernels are compiled.
+ * The run dispatches on the store's and the cache's element types at run time, which compiles the
+ * kernel for every pair (15 per rotation type). A program that knows its pair names it,
+ * `step.run<bfloat16_t, bfloat16_t>(cache, rotation, device)`: the same checks, plus the two
+ * types' (a mismatch is refused before anything is staged), and only that pair's kernels are
+ * compiled.
  */
 #pragma once
 
@@ -27,6 +25,8 @@
 #include <inferscale/detail/inject/kernels.cuh>
 #include <inferscale/detail/inject/tuning.hpp>
 #include <inferscale/device_buffer.hpp>
+#include <inferscale/device_context.hpp>
+#include <inferscale/extract.hpp>
 #include <inferscale/inject.hpp>
 #include <inferscale/memory_resource.hpp>
 #include <inferscale/rope.hpp>
@@ -186,9 +186,9 @@ class injection_workspace {
 
   /**
    * @brief Marks the work enqueued so far on `stream` as reading the staged arrays: the next
-   * stage(), on any stream, waits for it on the device before overwriting them. inject_async
-   * and inject_tiered_async call it after their launches; a caller that launches its own kernels
-   * on view() calls it after them. Never waits.
+   * stage(), on any stream, waits for it on the device before overwriting them. The device runs
+   * (injection_batch::run, tiered_store::run) call it after their launches; a caller that
+   * launches its own kernels on view() calls it after them. Never waits.
    */
   void mark_used(cuda::stream_ref stream)
   {
@@ -294,9 +294,12 @@ dim3 extract_grid(extract_kernel_args<Rotation> const& args)
 
 }  // namespace detail
 
+namespace detail {
 /**
- * @brief Device backend, raw launch: writes every token of `batch` (device arrays) into `cache`
- * (device memory), keys rotated to their positions, in one launch for all layers of the shard.
+ * @brief The device launch under the runs: writes every token of `batch` (device arrays) into
+ * `cache` (device memory), keys rotated to their positions, in one launch for all layers of the
+ * shard. Used by injection_batch::run and tiered_store::run (after their host checks); the
+ * library's tests and benchmarks time and check the kernel through it.
  *
  * @param store    the store's ref (device pool)
  * @param batch    device arrays of store tokens, positions and slots (e.g. injection_workspace)
@@ -304,69 +307,53 @@ dim3 extract_grid(extract_kernel_args<Rotation> const& args)
  * @param rotation rope_params (by value), a rope_cos_sin_table with device data, or a
  *                 per_layer_rotation of either (copied into the kernel's arguments; its tables'
  *                 data on the device, up to 256 layers)
+ * @param errors   device counters of what was skipped (inject_device_errors), or null
  * @param stream   the stream the kernel is enqueued on
  * @throw logic_error if the store and cache disagree on geometry or the rotation on head_dim, or
  *        the batch arrays or the pool are null (nothing is launched); cuda_error if the launch
  *        fails.
- * @param errors   device counters of what was skipped (inject_device_errors), or null; the
- *                 caller zeroes them and reads them back after the kernel
- * @note Never waits, allocates nothing and reads nothing on the host beyond its arguments:
- *       CUDA-graph capturable. Tokens whose slot is negative are skipped; tokens whose slot is
- *       beyond the cache, whose position is negative or beyond the table, or whose store token
- *       lies outside the pool are skipped and counted in `errors`, as are rows whose fp8 scale is
- *       not positive and finite (the host cannot check device arrays; use the checked overload to
- *       have the batch refused).
- * @pre  No two tokens of `batch` share a slot. The raw launch cannot check it (injection_batch::add
- *       refuses a slot written twice before anything is staged); if two do, each element of that
- *       slot holds one of the two tokens' values, unspecified which (a row may mix both), and
- *       nothing is counted.
+ * @note Never waits, allocates nothing and reads nothing on the host beyond its arguments.
+ *       Tokens whose slot is negative are skipped; tokens whose slot is beyond the cache, whose
+ *       position is negative or beyond the table, or whose store token lies outside the pool are
+ *       skipped and counted in `errors`, as are rows whose fp8 scale is not positive and finite.
+ * @pre  No two tokens of `batch` share a slot (injection_batch::add refuses a slot written twice
+ *       before anything is staged); if two do, each element of that slot holds one of the two
+ *       tokens' values, unspecified which, and nothing is counted.
  */
 template <class StoreT = void, class CacheT = void, class Rotation>
-void inject_async(kv_store_ref const& store,
-                  injection_batch_view const& batch,
-                  paged_kv_cache const& cache,
-                  Rotation const& rotation,
-                  inject_device_errors* errors,
-                  cuda::stream_ref stream)
+void inject_view_async(kv_store_ref const& store,
+                       injection_batch_view const& batch,
+                       paged_kv_cache const& cache,
+                       Rotation const& rotation,
+                       inject_device_errors* errors,
+                       cuda::stream_ref stream)
 {
+  char const* const who = "inject (device launch)";
   cache.validate();
   INFERSCALE_EXPECTS(cache.num_layers == store.num_layers && cache.num_heads() == store.num_heads &&
                        cache.head_dim() == store.head_dim,
-                     "inject_async: geometry mismatch between the store and the cache");
-  detail::check_rotation(rotation, store.head_dim, -1, "inject_async");
-  detail::check_rotation_layers(rotation, cache.num_layers, "inject_async");
-  INFERSCALE_EXPECTS(batch.num_tokens >= 0, std::string{"inject_async: negative token count"});
+                     std::string{who} + ": geometry mismatch between the store and the cache");
+  check_rotation(rotation, store.head_dim, -1, who);
+  check_rotation_layers(rotation, cache.num_layers, who);
+  INFERSCALE_EXPECTS(batch.num_tokens >= 0, std::string{who} + ": negative token count");
   // Device pointers cannot be dereferenced here, but a null one can be refused.
   INFERSCALE_EXPECTS(batch.num_tokens == 0 || (batch.store_token != nullptr &&
                                                batch.position != nullptr && batch.slot != nullptr),
-                     std::string{"inject_async: null batch arrays"});
+                     std::string{who} + ": null batch arrays");
   INFERSCALE_EXPECTS(batch.num_tokens == 0 || store.pool != nullptr,
-                     std::string{"inject_async: the store's pool is null"});
+                     std::string{who} + ": the store's pool is null");
   if constexpr (std::is_void_v<StoreT> && std::is_void_v<CacheT>) {
-    detail::dispatch_store_cache(store.store_dtype, cache.cache_dtype, [&](auto s, auto c) {
+    dispatch_store_cache(store.store_dtype, cache.cache_dtype, [&](auto s, auto c) {
       using S = typename decltype(s)::type;
       using C = typename decltype(c)::type;
-      detail::inject_launch<S, C>(store, batch, cache, rotation, errors, stream);
+      inject_launch<S, C>(store, batch, cache, rotation, errors, stream);
     });
   } else {
-    detail::check_dtype_pair<StoreT, CacheT>(
-      store.store_dtype, cache.cache_dtype, "inject_async");
-    detail::inject_launch<StoreT, CacheT>(store, batch, cache, rotation, errors, stream);
+    check_dtype_pair<StoreT, CacheT>(store.store_dtype, cache.cache_dtype, who);
+    inject_launch<StoreT, CacheT>(store, batch, cache, rotation, errors, stream);
   }
 }
-
-/// @brief As inject_async(store, batch, cache, rotation, errors, stream) without error counters:
-/// what is skipped is not counted.
-template <class StoreT = void, class CacheT = void, class Rotation>
-void inject_async(kv_store_ref const& store,
-                  injection_batch_view const& batch,
-                  paged_kv_cache const& cache,
-                  Rotation const& rotation,
-                  cuda::stream_ref stream)
-{
-  inject_async<StoreT, CacheT>(
-    store, batch, cache, rotation, static_cast<inject_device_errors*>(nullptr), stream);
-}
+}  // namespace detail
 
 namespace detail {
 /// @brief The device run's body (injection_batch::run): every host check, the staging and the
@@ -389,20 +376,24 @@ void inject_batch_device(kv_store const& store,
   // A wrong pair is refused before staging (the raw launch would refuse it after).
   check_dtype_pair<StoreT, CacheT>(store.store_dtype(), cache.cache_dtype, who);
   workspace.stage(batch, stream);
-  inject_async<StoreT, CacheT>(
+  inject_view_async<StoreT, CacheT>(
     store.ref(), workspace.view(), cache, rotation, workspace.device_errors(), stream);
   workspace.mark_used(stream);
 }
 }  // namespace detail
 
-template <class StoreT, class CacheT, class Rotation, class Stream>
+template <class StoreT, class CacheT, class Rotation>
 void injection_batch::run(paged_kv_cache const& cache,
                           Rotation const& rotation,
-                          injection_workspace& workspace,
-                          Stream stream)
+                          device_context const& device)
 {
+  char const* const who = "injection_batch::run";
+  INFERSCALE_EXPECTS(device.workspace() != nullptr,
+                     std::string{who} +
+                       ": the device context has no injection workspace (the device run stages "
+                       "the step's arrays through one: device_context{workspace, stream})");
   detail::inject_batch_device<StoreT, CacheT>(
-    store(), *this, cache, rotation, workspace, cuda::stream_ref{stream}, "injection_batch::run");
+    store(), *this, cache, rotation, *device.workspace(), device.stream(), who);
   commit_pending();
 }
 

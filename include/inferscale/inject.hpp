@@ -4,13 +4,13 @@
  * to their virtual positions, by the injection step's host run (injection_batch::run(cache,
  * rotation), defined here). The parts: the step (injection_batch.hpp), the checks, the scalar
  * loop, the vector paths and the dispatch (detail/inject/); extraction, the inverse, is
- * extract.hpp (included here too).
+ * extract.hpp.
  *
  * Flow: compose() a plan per request, add each plan with its slots (a span, a block table, or a
  * cache adapter) to one injection_batch per scheduler step, then run it: run(cache, rotation)
- * here, or run(cache, rotation, workspace, stream) on the device (inject.cuh). Everything is
- * validated before the first write; a refused run leaves the store, the cache and the adapters
- * unchanged.
+ * here, or run(cache, rotation, device) with a device_context on the device (inject.cuh).
+ * Everything is validated before the first write; a refused run leaves the store, the cache and the
+ * adapters unchanged.
  */
 #pragma once
 
@@ -48,10 +48,8 @@ void injection_batch::run(paged_kv_cache const& cache, Rotation const& rotation)
 
 }  // namespace inferscale
 
-#include <inferscale/extract.hpp>  // extraction (the inverse) was declared here before the split
-
 #include <inferscale/detail/inject/instances.hpp>
 #if defined(INFERSCALE_EXTERN_TEMPLATES)
 // Compiled once, in the program's unit that includes <inferscale/instances.hpp>.
-INFERSCALE_HOST_INSTANCES(extern)
+INFERSCALE_INJECT_HOST_INSTANCES(extern)
 #endif

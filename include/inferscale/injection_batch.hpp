@@ -3,8 +3,8 @@
  * @brief The injection step: the one object through which memory is injected. A scheduler step
  * plans it on the host (every admitted request's composition with its slots, each token resolved
  * to its store page and checked), then runs it on the host (`run(cache, rotation)`, inject.hpp) or
- * on the device (`run(cache, rotation, workspace, stream)`, inject.cuh): FlashInfer's plan/run
- * split.
+ * on the device (`run(cache, rotation, device)` with a device_context, inject.cuh): FlashInfer's
+ * plan/run split.
  *
  * Why the batch is the step (and not a second class around it): the batch already was the
  * validated, flattened work of one step that both backends read; a separate step object would be a
@@ -12,13 +12,13 @@
  * `add`: a span of slots (vLLM's slot mapping), a block table read with the target cache's own
  * block size, or a paged-cache adapter (engine.hpp) whose slots the step allocates and commits
  * after a successful run; and `run` is the one call per backend. This header is CUDA-free (the
- * device run is declared here, defined in inject.cuh). The raw device launch on an
- * injection_batch_view (inject.cuh) stays as the low-level, CUDA-graph-capturable entry.
+ * device run is declared here, defined in inject.cuh).
  */
 #pragma once
 
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
+#include <inferscale/device_context.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/rope.hpp>
@@ -38,8 +38,6 @@
 #include <vector>
 
 namespace inferscale {
-
-class injection_workspace;  // inject.cuh: the device run's staging
 
 /**
  * @brief Flattened per-token work of an injection, as three arrays of `num_tokens` entries in the
@@ -304,21 +302,18 @@ class injection_batch {
 
   /**
    * @brief Device run: the same checks as the host run (the store in device memory), then stages
-   * the step's arrays into `workspace` and enqueues one fused launch for all layers on `stream`
-   * (a `cuda::stream_ref` or a `cudaStream_t`); then commits the adapters, in order. `StoreT,
-   * CacheT` (both or neither) name the element types, to compile only that pair's kernels (a
-   * mismatch is refused before staging). Rows with an unusable fp8 scale (device memory) are
-   * skipped and counted in the workspace's counters (injection_workspace::read_errors).
-   * @throw logic_error as the host run, or if the step exceeds the workspace (nothing staged,
-   *        launched or committed); cuda_error on a CUDA failure.
+   * the step's arrays into `device.workspace()` and enqueues one fused launch for all layers on
+   * `device.stream()`; then commits the adapters, in order. `StoreT, CacheT` (both or neither)
+   * name the element types, to compile only that pair's kernels (a mismatch is refused before
+   * staging). Rows with an unusable fp8 scale (device memory) are skipped and counted in the
+   * workspace's counters (injection_workspace::read_errors).
+   * @throw logic_error as the host run, if the context has no workspace, or if the step exceeds
+   *        the workspace (nothing staged, launched or committed); cuda_error on a CUDA failure.
    * @note Defined in inject.cuh (include it; nvcc). Never waits for the kernel; staging may wait
    *       for the workspace's previous staging copy.
    */
-  template <class StoreT = void, class CacheT = void, class Rotation, class Stream>
-  void run(paged_kv_cache const& cache,
-           Rotation const& rotation,
-           injection_workspace& workspace,
-           Stream stream);
+  template <class StoreT = void, class CacheT = void, class Rotation>
+  void run(paged_kv_cache const& cache, Rotation const& rotation, device_context const& device);
 
   std::int64_t num_tokens() const noexcept { return static_cast<std::int64_t>(slot_.size()); }
   std::int64_t num_requests() const noexcept

@@ -10,7 +10,7 @@
  * several hundred functions for each kind of rotation (rope_params; the engines' cos/sin tables,
  * whose types share one set: detail/inject/host_rotation.hpp), compiled wherever the host run
  * (injection_batch::run),
- * inject_tiered_host, extract_host or the memory facade's serve is used. A program with many such
+ * tiered_store::run, extract_host or the memory facade's serve is used. A program with many such
  * units (an engine's sources, a test suite) may instead
  *  1. define `INFERSCALE_EXTERN_TEMPLATES` in every translation unit (a compile definition of the
  *     target), so that the headers declare those functions `extern template` (and `index.hpp`
@@ -23,6 +23,7 @@
 #pragma once
 
 #include <inferscale/detail/index/definitions.inl>
+#include <inferscale/extract.hpp>
 #include <inferscale/inject.hpp>
 
 INFERSCALE_HOST_INSTANCES()

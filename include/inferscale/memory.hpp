@@ -12,8 +12,8 @@
  * `prepare` and `inject` are the same steps one at a time. Per scheduler step: `serve_step` serves
  * many users' requests at once — one batched search, one injection batch, one injection — and
  * `serve` is a step of one. A GPU engine (a device store, a cache in device memory) makes the same
- * calls with an injection workspace and a stream added (`serve_step(..., workspace, stream)`,
- * `serve(..., workspace, stream)`, `inject(..., workspace, stream)`; include memory.cuh).
+ * calls with a device context added (device_context.hpp: `serve_step(..., device)`,
+ * `serve(..., device)`, `inject(..., device)`; include memory.cuh).
  * Over time (the fact lifecycle): `update_fact` re-encodes and re-embeds a changed fact, in place
  * or under a superseding id that keeps the old version for audit; `update_turns` re-encodes exactly
  * the facts whose encoding window held a changed conversation turn (the memory keeps each added
@@ -27,12 +27,12 @@
  *    values (normalised or not: the index's metric decides how they compare).
  *
  * C++17, host only (the store and the index may still live in device memory). `serve_step` /
- * `serve` / `inject` inject a host store on the host; with a workspace and a stream added they
- * inject a device store on the device (inject_async, inject.cuh: they compile where memory.cuh is
- * included, with nvcc, and this header does not need the CUDA toolkit), as `erase_fact` /
- * `erase_namespace` with a stream zero a device store's pages on it. The search of `serve_step` /
- * `serve` runs on the host for a host-memory index; for a device-memory index
- * (`memory_config::index.space`) a `raft::resources` added after the rotation runs the device
+ * `serve` / `inject` run on the host; the same calls with a `device_context` last (its workspace
+ * and stream) inject a device store on the device (injection_batch::run, inject.cuh: they compile
+ * where memory.cuh is included, with nvcc, and this header does not need the CUDA toolkit), as
+ * `erase_fact` / `erase_namespace` with a stream zero a device store's pages on it. The search of
+ * `serve_step` / `serve` runs on the host for a host-memory index; for a device-memory index
+ * (`memory_config::index.space`) a device context holding a `raft::resources` runs the device
  * `search` (index.cuh: this compiles where memory_device_index.cuh is included, with nvcc and
  * RAFT), the rest of the step unchanged. Every mutation works on either index (the index keeps
  * a host mirror and copies each changed namespace to the device).
@@ -46,6 +46,7 @@
 
 #include <inferscale/compose.hpp>
 #include <inferscale/detail/memory/facade_state.hpp>
+#include <inferscale/device_context.hpp>
 #include <inferscale/encoding.hpp>
 #include <inferscale/engine.hpp>
 #include <inferscale/error.hpp>
@@ -70,8 +71,6 @@
 #include <vector>
 
 namespace inferscale {
-
-class injection_workspace;  // inject.cuh: the device backend's staging (serve/inject on a stream)
 
 /**
  * @brief Store + index for many users' memories (see the file comment).
@@ -175,26 +174,30 @@ class memory {
   composition prepare(std::vector<std::uint64_t> const& fact_ids,
                       std::int64_t first_position) const;
 
-  /// @brief Injects a prepared segment through a paged-cache adapter (host backend): a one-request
-  /// injection step (injection_batch::add(plan, cache), run(cache.cache(), rotation)).
-  /// @throw logic_error as injection_batch::add and run, or positions beyond the rotation's range
-  /// (rope_check_positions, before the adapter allocates); nothing written or committed then.
+  /**
+   * @brief Injects a prepared segment through a paged-cache adapter (host backend): a one-request
+   * injection step (injection_batch::add(plan, cache), run(cache.cache(), rotation)) under the
+   * read lock.
+   * @throw logic_error for an empty plan, a store in device memory, positions beyond the
+   *        rotation's range (rope_check_positions), all before the adapter allocates; as
+   *        injection_batch::add and run (nothing written or committed then, and the slots the
+   *        adapter allocated released).
+   */
   template <class CacheAdapter, class Rotation>
   void inject(composition const& plan, CacheAdapter& cache, Rotation const& rotation) const;
 
   /**
-   * @brief Injects a prepared segment from a device store through a paged-cache adapter whose
-   * cache is device memory, on `stream`: inject_memory_async (engine.cuh).
-   * @param stream a `cuda::stream_ref` (or a `cudaStream_t`)
-   * @throw logic_error as inject_memory_async (nothing written or committed then).
+   * @brief inject() from a device store into an adapter's cache in device memory: the step run on
+   * the device, on `device.stream()` through `device.workspace()`.
+   * @throw logic_error as inject(), for a context without a workspace, a store in host memory or
+   *        a plan longer than the workspace holds (before the adapter allocates).
    * @note Needs <inferscale/memory.cuh> (nvcc). Never synchronises the device.
    */
-  template <class CacheAdapter, class Rotation, class Stream>
+  template <class CacheAdapter, class Rotation>
   void inject(composition const& plan,
               CacheAdapter& cache,
               Rotation const& rotation,
-              injection_workspace& workspace,
-              Stream stream) const;
+              device_context const& device) const;
 
   /**
    * @brief One scheduler step: every request's memory, retrieved with one batched search and
@@ -204,18 +207,20 @@ class memory {
    * (`allocate(p0, m)`); all the plans with their slots form one injection_batch, injected with
    * one run; then every adapter commits its tokens, in request order.
    *
-   * Where it runs is said by the trailing `device` arguments, none for a host store and index:
-   *  - `workspace, stream` (an injection_workspace& and a cudaStream_t): a store in device memory,
-   *    injected into a cache in device memory with one checked inject_async on `stream` (one
-   *    launch, never a device-wide synchronisation; staging may wait for the workspace's previous
-   *    staging copy). The engine prefills the step's queries on `stream` (or after an event
-   *    recorded on it). Needs <inferscale/memory.cuh> (nvcc).
-   *  - `res` (a `raft::resources` or a type derived from it): an index in device memory
-   *    (`config().index.space`), searched by `search(res, index(), ...)` (index.cuh): the queries
-   *    copied to the device, the ids back, on `res`'s stream (waited for once), under the read
-   *    lock; the ids, plans and cache bytes equal a host index's with the same content. Needs
-   *    <inferscale/memory_device_index.cuh> (nvcc, RAFT).
-   *  - `res, workspace, stream`: both (a GPU engine's step).
+   * Without a device context, the store, the index and the cache are in host memory and all of
+   * it runs on the host. With one (device_context.hpp), what it holds says where each part runs:
+   *  - `device_context{workspace, stream}`: a store in device memory, injected into a cache in
+   *    device memory with one checked device run on `stream` (one launch, never a device-wide
+   *    synchronisation; staging may wait for the workspace's previous staging copy). The engine
+   *    prefills the step's queries on `stream` (or after an event recorded on it). Needs
+   *    <inferscale/memory.cuh> (nvcc).
+   *  - `device_context{res}` (a `raft::resources` or a type derived from it): an index in device
+   *    memory (`config().index.space`), searched by `search(res, index(), ...)` (index.cuh): the
+   *    queries copied to the device, the ids back, on `res`'s stream (waited for once), under the
+   *    read lock; the ids, plans and cache bytes equal a host index's with the same content. The
+   *    store and the cache are in host memory. Needs <inferscale/memory_device_index.cuh> (nvcc,
+   *    RAFT).
+   *  - `device_context{res, workspace, stream}`: both (a GPU engine's step).
    *
    * Every request's result equals what serve() gives it alone (the same ids, plan and cache
    * bytes), with one exception: under `search_params::ctas_per_query = 0` (automatic) a graph
@@ -234,28 +239,47 @@ class memory {
    *        and nothing retrieved), an adapter handing other than `m` slots, injection_batch::add
    *        (a slot written twice in the step) and the injection (a slot beyond the cache, a
    *        position beyond the table); before anything is embedded, an index in the other memory
-   *        than `device` says; before any adapter allocates, a store in the other memory than
-   *        `device` says, or more tokens than the workspace holds. Whatever an adapter or the
+   *        than the context says; before any adapter allocates, a store in the other memory than
+   *        the context says, or more tokens than the workspace holds. Whatever an adapter or the
    *        embedder throws (nothing committed then). A commit that throws leaves the requests
    *        before it committed (their tokens are in the cache) and the rest not. cuda_error on a
    *        CUDA failure.
    */
-  template <class Embedder, class CacheAdapter, class Rotation, class... Device>
+  template <class Embedder, class CacheAdapter, class Rotation>
+  std::vector<memory_request> serve_step(
+    Embedder& embedder,
+    std::vector<memory_step_request<CacheAdapter>> const& requests,
+    std::uint32_t k,
+    Rotation const& rotation) const;
+
+  /// @brief serve_step() with a device context: the device index searched, the device store
+  /// injected, as the context says (see serve_step above). @throw logic_error as serve_step
+  template <class Embedder, class CacheAdapter, class Rotation>
   std::vector<memory_request> serve_step(
     Embedder& embedder,
     std::vector<memory_step_request<CacheAdapter>> const& requests,
     std::uint32_t k,
     Rotation const& rotation,
-    Device&&... device) const;
+    device_context const& device) const;
 
   /**
    * @brief One request: embed `query`, retrieve the top `k` of namespace `ns`, compose them behind
    * the prefix at `first_position ..`, inject through `cache`. The engine then prefills the query
-   * at `first_position + result.plan.length()`. A serve_step() of this one request, with the same
-   * trailing `device` arguments.
+   * at `first_position + result.plan.length()`. A serve_step() of this one request (on the host;
+   * the overload with a device_context as serve_step's).
    * @throw logic_error as retrieve, prepare and inject (nothing committed then); as serve_step.
    */
-  template <class Embedder, class CacheAdapter, class Rotation, class... Device>
+  template <class Embedder, class CacheAdapter, class Rotation>
+  memory_request serve(Embedder& embedder,
+                       std::uint64_t ns,
+                       std::string const& query,
+                       std::uint32_t k,
+                       std::int64_t first_position,
+                       CacheAdapter& cache,
+                       Rotation const& rotation) const;
+
+  /// @brief serve() with a device context (see serve_step). @throw logic_error as serve_step
+  template <class Embedder, class CacheAdapter, class Rotation>
   memory_request serve(Embedder& embedder,
                        std::uint64_t ns,
                        std::string const& query,
@@ -263,7 +287,7 @@ class memory {
                        std::int64_t first_position,
                        CacheAdapter& cache,
                        Rotation const& rotation,
-                       Device&&... device) const;
+                       device_context const& device) const;
 
   // ==============================================================================================
   // Fact lifecycle (update, re-encode after a turn changed, erase). Every call validates first,
@@ -434,11 +458,13 @@ class memory {
  private:
   /// The one serving path of serve() and serve_step(), host and device: checks, one batched
   /// search, the plans (each checked against `rotation`'s position range), the slots and one
-  /// batch; the token check before any adapter allocates, the injection, then the commits, as
-  /// serving_parts() makes them from the trailing `device` arguments. A step (`name_requests`)
-  /// names the request in a refusal; serve() keeps the messages of the calls it makes. An index
-  /// in the other memory than the search's is refused before anything is embedded.
-  template <class Embedder, class CacheAdapter, class Rotation, class... Device>
+  /// batch; the store check before any adapter allocates, the injection, then the commits. The
+  /// search runs on the device when `device` holds resources, the injection when it holds a
+  /// workspace (`OnDevice`: a device serve, compiled where memory.cuh is included). A step
+  /// (`name_requests`) names the request in a refusal; serve() keeps the messages of the calls it
+  /// makes. An index in the other memory than the search's is refused before anything is
+  /// embedded.
+  template <bool OnDevice, class Embedder, class CacheAdapter, class Rotation>
   std::vector<memory_request> serve_requests(
     Embedder& embedder,
     cuda::std::span<memory_step_request<CacheAdapter> const> requests,
@@ -446,26 +472,14 @@ class memory {
     char const* who,
     bool name_requests,
     Rotation const& rotation,
-    Device&... device) const;
+    device_context const* device) const;
 
-  /// The search (`run(queries, namespaces, ids, distances)` on host views, `[n][dim]` queries and
-  /// `[n][k]` outputs, of an index in `.space` memory: host_index_search() or
-  /// device_index_search()), the token check `(total)` and the injection `(batch, cache)` of
-  /// serve_requests() that the trailing `device` arguments say (none, `workspace, stream`, `res`,
-  /// `res, workspace, stream`), as a tuple; they refer to `rotation` and `device`.
-  template <class Rotation, class... Device>
-  auto serving_parts(std::uint32_t k,
-                     char const* who,
-                     Rotation const& rotation,
-                     Device&... device) const;
-
-  /// The search of serve_requests() on a host index (inferscale::search with config().search).
-  auto host_index_search(std::uint32_t k) const;
-
-  /// The search of serve_requests() with `res`: detail::memory_index_search<Resources>
-  /// (memory_device_index.cuh: a device index) with config().search.
-  template <class Resources>
-  auto device_index_search(Resources const& res, std::uint32_t k) const;
+  /// inject() and its device twin (`OnDevice`, with `device`): checks, one step, its run.
+  template <bool OnDevice, class CacheAdapter, class Rotation>
+  void inject_plan(composition const& plan,
+                   CacheAdapter& cache,
+                   Rotation const& rotation,
+                   device_context const* device) const;
 
   /// prepare() without taking the read lock (the caller holds a lock).
   composition prepare_unlocked(std::vector<std::uint64_t> const& fact_ids,

@@ -1,14 +1,15 @@
 /**
  * @file memory_device_index.cuh
  * @brief The memory facade serving from a device-memory index: include this (nvcc, RAFT, C++20
- * like index.cuh) to call memory::serve_step and memory::serve with a `raft::resources` after the
- * rotation (`serve_step(embedder, requests, k, rotation, res)`).
+ * like index.cuh) to make a device_context holding a `raft::resources` and call
+ * memory::serve_step and memory::serve with it (`serve_step(embedder, requests, k, rotation,
+ * device_context{res})`).
  * Their step is the facade's one serving path (memory.hpp) with its batched search run by the
  * device `search` of index.cuh: the queries are embedded on the host, copied to the device, the
  * ids and distances copied back on the resources' stream, and the composition and injection go on
- * as from a host index. A device store (injected with a workspace and a stream) needs memory.cuh
- * too (`serve_step(embedder, requests, k, rotation, res, workspace, stream)`); a GPU engine
- * includes both.
+ * as from a host index. A device store is injected with the same context holding a workspace and
+ * a stream (`serve_step(embedder, requests, k, rotation, device_context{res, workspace, stream})`;
+ * memory.cuh, included here).
  *
  * The facade itself, and every mutation of a device index (add, erase, update, compact, save,
  * load: the index keeps a host mirror and copies each changed namespace to the device), stay
@@ -20,12 +21,13 @@
 #include <inferscale/detail/index/device_workspace.inl>
 #include <inferscale/error.hpp>
 #include <inferscale/index.cuh>
-#include <inferscale/memory.hpp>
+#include <inferscale/memory.cuh>
 
 #include <raft/core/resource/cuda_stream.hpp>
 #include <raft/core/resources.hpp>
 
 #include <cuda/std/span>
+#include <cuda/stream_ref>
 
 #include <cuda_runtime_api.h>
 
@@ -35,7 +37,8 @@
 namespace inferscale::detail {
 
 /**
- * @brief The facade's search on a device-memory index (see memory_index_search in facade.inl):
+ * @brief The facade's search on a device-memory index (see memory_index_search in
+ * device_context.hpp):
  * host queries and outputs, the device `search` between them. Allocates its device buffers from
  * the resources' workspace and waits for their stream before returning (the facade composes the
  * ids on the host).
@@ -45,6 +48,12 @@ template <class Resources>
 struct memory_index_search<Resources,
                            std::enable_if_t<std::is_base_of_v<raft::resources, Resources>>> {
   static constexpr memory_space index_space = memory_space::device;
+
+  /// @brief The resources' stream (a device_context of resources alone runs on it).
+  static cuda::stream_ref stream(raft::resources const& res)
+  {
+    return cuda::stream_ref{raft::resource::get_cuda_stream(res).get()};
+  }
 
   static void run(raft::resources const& res,
                   graph_index const& index,

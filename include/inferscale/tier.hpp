@@ -17,9 +17,10 @@
  *     (too few free plus evictable device pages) is refused and changes nothing.
  *  2. The caller composes against `device_tier()` (every fact of the request is there now) and
  *     builds its `injection_batch` as usual.
- *  3. `inject_tiered_host` (here, host backend) or `inject_tiered_async` (tier.cuh, device)
- *     writes the batch: the tokens of facts that were already on the device in one all-layer
- *     launch, the staged ones layer by layer, each layer as soon as its copy has landed.
+ *  3. `tiered_store::run(request, step, cache, rotation)` (host backend,
+ * detail/tier/inject_host.inl) or the same call with a `device_context` last (tier.cuh, device)
+ * writes the step: the tokens of facts that were already on the device in one all-layer launch, the
+ * staged ones layer by layer, each layer as soon as its copy has landed.
  *
  * On the device, `stage_async` issues one `cudaMemcpy2DAsync` per layer and page run on a copy
  * stream and records one event per layer; injection of layer `l` waits for event `l` on the
@@ -55,6 +56,7 @@
 
 #include <inferscale/cache.hpp>
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/device_context.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/inject.hpp>
 #include <inferscale/memory_space.hpp>
@@ -202,6 +204,17 @@ struct tier_split_batch {
   }
 };
 
+/// @brief How the host run of a tiered step (tiered_store::run) orders its copies and writes.
+enum class tier_host_order : std::uint8_t {
+  /// Copy every staged page, then inject the whole batch in one all-layer pass (the fastest on
+  /// the host: one cos/sin per token and pair, as the host run).
+  whole,
+  /// The device's order: the resident tokens in one all-layer pass, then per layer the layer's
+  /// copies and a one-layer pass over the staged tokens through tier_layer_view (what
+  /// the device run enqueues; the host tests check it here).
+  per_layer,
+};
+
 /**
  * @brief Move-only owner of the two tiers and the residency catalogue.
  *
@@ -312,11 +325,10 @@ class tiered_store {
    * @brief Drops the device copy of a fact held in both tiers.
    * @throw logic_error if unknown, pinned, or held on the device only (demote it first).
    * @note Not for the request path: first waits (on the host) for the tier's events, not the
-   *       whole device: the last staging's copies and the last inject_tiered_async (mark_injected),
-   *       so no injection enqueued through them still reads the pages. Injections the caller
-   *       enqueued by other means against device_tier() (a plain inject_async, or
-   *       injection_batch::run) are not tracked: the caller orders them before evict (a
-   *       cudaStreamSynchronize of their stream, or mark_injected on it).
+   *       whole device: the last staging's copies and the last device run (mark_injected), so no
+   *       injection enqueued through them still reads the pages. Injections the caller enqueued
+   *       by other means against device_tier() (injection_batch::run) are not tracked: the caller
+   * orders them before evict (a cudaStreamSynchronize of their stream, or mark_injected on it).
    */
   void evict(std::uint64_t id);
 
@@ -333,15 +345,61 @@ class tiered_store {
    * recent of its namespace, and each namespace involved the most recently used.
    *
    * @param ids the facts of one scheduler step (one or several requests), each at most once
-   * @return the staging to perform (stage_async / stage_host, or the inject_tiered_* calls do it)
+   * @return the staging to perform (stage_async / stage_host, or run() does it)
    * @throw logic_error if an id is unknown or repeated, or the device tier cannot make room:
    *        the needed, free and evictable page counts are named and nothing is changed.
    */
   tier_request admit(std::vector<std::uint64_t> const& ids);
 
   /**
+   * @brief Host run of a tiered step: copies the request's staged facts into the device tier and
+   * writes `step` (in the order `order` names) into `cache`. The cache bytes equal those of the
+   * step's own host run (injection_batch::run) from one store holding every fact, in either order.
+   *
+   * @param request what admit() returned for the facts of `step`
+   * @param step    built against device_tier() after admit()
+   * @throw logic_error as the host run (injection_batch::run), if the step holds cache adapters
+   *        (they commit only through injection_batch::run), or if the request is stale; nothing is
+   *        written then.
+   * @note Host tiers (`config().device.space == host`). Defined in detail/tier/inject_host.inl.
+   */
+  template <class Rotation>
+  void run(tier_request& request,
+           injection_batch const& step,
+           paged_kv_cache const& cache,
+           Rotation const& rotation,
+           tier_host_order order = tier_host_order::whole);
+
+  /**
+   * @brief Device run of a tiered step: writes `step` (built against device_tier() after admit()
+   * returned `request`) into `cache` (device memory).
+   *
+   * Enqueues, without waiting: (if not done yet) the request's copies on `device.copy_stream()`
+   * after everything already on `device.stream()` (stage_async); the split step's arrays into
+   * `device.workspace()` on `device.stream()`; one all-layer launch for the tokens of resident
+   * facts; then per layer `l` a wait on the copy event of layer `l` and a one-layer launch for
+   * the staged tokens. Work enqueued on `device.stream()` afterwards sees every staged fact (its
+   * copies are ordered before the last launch); work on another stream must wait on an event
+   * recorded there. Last, the tier's compute-stream event is recorded (mark_injected), which
+   * evict waits for before it frees the pages.
+   *
+   * @throw logic_error as the device run (injection_batch::run), if the step holds cache adapters
+   *        (they commit only through injection_batch::run), if the context has no workspace or
+   *        the request is stale (nothing is enqueued then); cuda_error on a CUDA failure.
+   * @note The workspace holds the split arrays: at least `step.num_tokens()` tokens; its device
+   *       error counters (injection_workspace::read_errors) count what the launches skipped.
+   *       Defined in tier.cuh (include it; nvcc).
+   */
+  template <class Rotation>
+  void run(tier_request& request,
+           injection_batch const& step,
+           paged_kv_cache const& cache,
+           Rotation const& rotation,
+           device_context const& device);
+
+  /**
    * @brief Host tiers: copies the request's runs now, all layers at once (the device copies per
-   * layer). Used by pin() and inject_tiered_host, or by a caller that wants the copies first.
+   * layer). Used by pin() and the host run, or by a caller that wants the copies first.
    */
   void stage_host(tier_request& r);
 
@@ -367,7 +425,7 @@ class tiered_store {
 
   /**
    * @brief Device tiers: records the tier's compute-stream event on `compute_stream`, marking
-   * the end of injections enqueued there that read the device tier (inject_tiered_async calls it
+   * the end of injections enqueued there that read the device tier (the device run calls it
    * after its last launch). evict() waits for this event, not for the device. Host tiers: nothing.
    * @throw cuda_error if recording fails.
    */
@@ -475,37 +533,6 @@ class tiered_store {
   std::vector<cudaEvent_t> copy_done_;
   cudaEvent_t compute_mark_{};
 };
-
-/// @brief How inject_tiered_host orders its copies and writes.
-enum class tier_host_order : std::uint8_t {
-  /// Copy every staged page, then inject the whole batch in one all-layer pass (the fastest on
-  /// the host: one cos/sin per token and pair, as the host run).
-  whole,
-  /// The device's order: the resident tokens in one all-layer pass, then per layer the layer's
-  /// copies and a one-layer pass over the staged tokens through tier_layer_view (what
-  /// inject_tiered_async enqueues; the host tests check it here).
-  per_layer,
-};
-
-/**
- * @brief Host backend of tiered injection: copies the request's staged facts into the device
- * tier and writes the batch (in the order `order` names). The cache bytes equal those of
- * the host run (injection_batch::run) from one store holding every fact, in either order.
- *
- * @param tiers    host tiers (`config().device.space == host`)
- * @param request  what admit() returned for the facts of `batch`
- * @param batch    built against `tiers.device_tier()` after admit()
- * @throw logic_error as the host run (injection_batch::run), if the batch holds cache adapters
- *        (they commit only through injection_batch::run), or if the request is stale; nothing is
- *        written then.
- */
-template <class Rotation>
-void inject_tiered_host(tiered_store& tiers,
-                        tier_request& request,
-                        injection_batch const& batch,
-                        paged_kv_cache const& cache,
-                        Rotation const& rotation,
-                        tier_host_order order = tier_host_order::whole);
 
 /**
  * @brief Saves both tiers and the residency state to `directory` (which must exist), as one

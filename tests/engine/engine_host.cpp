@@ -501,8 +501,10 @@ TEST_CASE(
   CHECK(half_store.contains(1));
 }
 
-TEST_CASE("inject_memory_host: allocate, inject rotated keys into the adapter's slots, commit",
-          "[engine]")
+TEST_CASE(
+  "an injection step of one request through a cache adapter: allocate, inject rotated "
+  "keys into the adapter's slots, commit",
+  "[engine]")
 {
   kv_store store = host_store(small);
   fake_model model;
@@ -512,7 +514,13 @@ TEST_CASE("inject_memory_host: allocate, inject rotated keys into the adapter's 
   opts.order             = fact_order::as_given;
   composition const plan = compose(store, {7, 8}, opts);
   fake_cache cache{small};
-  inject_memory_host(store, plan, cache, model.rotation());
+  // The one-request step: planned (the adapter allocates), run, committed.
+  auto const inject = [&](rope_params const& rotation) {
+    injection_batch step{store};
+    step.add(plan, cache);
+    step.run(cache.cache(), rotation);
+  };
+  inject(model.rotation());
   CHECK(cache.allocated_at == 40);
   CHECK(cache.committed == std::vector<std::int64_t>{3});
   // Token j went to slot 15 - j at position 40 + j: K rotated (adjacent... halves here: pairs
@@ -539,29 +547,29 @@ TEST_CASE("inject_memory_host: allocate, inject rotated keys into the adapter's 
   // Too few slots: refused before anything is written or committed.
   std::vector<float> const before = cache.data;
   cache.short_by                  = 1;
-  CHECK_THROWS_AS(inject_memory_host(store, plan, cache, model.rotation()), logic_error);
+  CHECK_THROWS_AS(inject(model.rotation()), logic_error);
   CHECK(cache.data == before);
   CHECK(cache.committed.size() == 1);
 
-  // Beyond the model's range (positions 40 .. 42, max_position 42): refused naming the position
-  // and the range before the adapter allocates; the opt-in accepts it.
+  // Beyond the model's range (positions 40 .. 42, max_position 42): the run refuses it naming the
+  // position and the range, after the adapter allocated, before anything is written or
+  // committed; the opt-in accepts it.
   cache.short_by      = 0;
   cache.allocated_at  = -1;
   rope_params ranged  = model.rotation();
   ranged.max_position = 42;
-  CHECK_THROWS_WITH(inject_memory_host(store, plan, cache, ranged),
-                    Catch::Matchers::Contains("inject_memory_host: position 40 + 2 = 42 is beyond "
-                                              "the model's range (max_position 42"));
-  CHECK(cache.allocated_at == -1);
+  CHECK_THROWS_WITH(inject(ranged),
+                    Catch::Matchers::Contains("injection_batch::run: position 42 is beyond the "
+                                              "model's range (max_position 42"));
   CHECK(cache.data == before);
   CHECK(cache.committed.size() == 1);
   ranged.max_position = 43;  // the boundary: the last position 42 is the last allowed
-  CHECK_NOTHROW(inject_memory_host(store, plan, cache, ranged));
+  CHECK_NOTHROW(inject(ranged));
   CHECK(cache.allocated_at == 40);
   CHECK(cache.committed.size() == 2);
   ranged.max_position              = 42;
   ranged.allow_beyond_max_position = true;
-  CHECK_NOTHROW(inject_memory_host(store, plan, cache, ranged));
+  CHECK_NOTHROW(inject(ranged));
   CHECK(cache.committed.size() == 3);
 }
 

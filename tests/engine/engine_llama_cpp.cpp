@@ -14,6 +14,7 @@
 #include <inferscale/compose.hpp>
 #include <inferscale/encoding.hpp>
 #include <inferscale/engine.hpp>
+#include <inferscale/extract.hpp>
 #include <inferscale/inject.hpp>
 #include <inferscale/recompute.hpp>
 #include <inferscale/store.hpp>
@@ -321,7 +322,11 @@ TEST_CASE(
   std::vector<std::uint8_t> const prefilled = ctx.state(0);
   lc::context fresh{m, options(flash)};
   lc::sequence_cache cache{fresh, 0};
-  inject_memory_host(store, plan, cache, adapter.rotation());
+  {
+    injection_batch step{store};
+    step.add(plan, cache);
+    step.run(cache.cache(), adapter.rotation());
+  }
   REQUIRE(fresh.max_position(0) == static_cast<std::int32_t>(s.tokens.size()) - 1);
   std::vector<std::uint8_t> const injected = fresh.state(0);
   REQUIRE(injected.size() == prefilled.size());
@@ -339,7 +344,11 @@ TEST_CASE(
     ctx.decode(0, s.tokens, 0);
     std::vector<std::int32_t> const reference = answer(ctx, 0, question, p);
     fresh.clear(0);
-    inject_memory_host(store, plan, cache, adapter.rotation());
+    {
+      injection_batch step{store};
+      step.add(plan, cache);
+      step.run(cache.cache(), adapter.rotation());
+    }
     std::vector<std::int32_t> const ours = answer(fresh, 0, question, p);
     INFO("engine:     " << m.detokenize(reference));
     INFO("InferScale: " << m.detokenize(ours));
@@ -384,7 +393,11 @@ TEST_CASE(
     ctx.decode(0, s.tokens, 0);
     std::vector<std::int32_t> const at_zero = answer(ctx, 0, question, n);
     ctx.clear(0);
-    inject_memory_host(store, plan, cache, adapter.rotation());
+    {
+      injection_batch step{store};
+      step.add(plan, cache);
+      step.run(cache.cache(), adapter.rotation());
+    }
     REQUIRE(ctx.max_position(0) == after - 1);
     std::vector<std::int32_t> const ours = answer(ctx, 0, question, after);
     auto const common                    = [&](std::vector<std::int32_t> const& a) {
@@ -491,7 +504,11 @@ TEST_CASE(
   opts.instruction_prefix = 1;
   composition const plan  = compose(store, fact_ids(s), opts);
   lc::sequence_cache cache{ctx, 0};
-  inject_memory_host(store, plan, cache, adapter.rotation());
+  {
+    injection_batch step{store};
+    step.add(plan, cache);
+    step.run(cache.cache(), adapter.rotation());
+  }
   std::vector<std::uint8_t> const independent = ctx.state(0);
   ctx.clear(0);
   ctx.decode(0, s.tokens, 0);
@@ -607,7 +624,13 @@ TEST_CASE("llama.cpp: malformed or foreign sequence states are refused, the cont
   composition const plan = compose(store, {5}, opts);
   store.erase(5);  // the plan now names a fact the store does not hold
   lc::sequence_cache cache{ctx, 0};
-  CHECK_THROWS_AS(inject_memory_host(store, plan, cache, adapter.rotation()), logic_error);
+  CHECK_THROWS_AS(
+    [&] {
+      injection_batch step{store};
+      step.add(plan, cache);
+      step.run(cache.cache(), adapter.rotation());
+    }(),
+    logic_error);
   CHECK(same_bytes(ctx.state(0), good));
   CHECK_THROWS_AS(cache.commit(1), lc::engine_error);  // nothing staged to commit
   CHECK(same_bytes(ctx.state(0), good));
@@ -834,10 +857,18 @@ TEST_CASE("llama.cpp: recomputing every fact token in context gives the engine's
   // The probe: the jointly encoded store deviates from the in-context K/V by rounding only; the
   // facts encoded alone by much more (every fact token after the first fact's sees other facts).
   ctx.clear(0);
-  inject_memory_host(joint, compose(joint, fact_ids(s), co), cache, adapter.rotation());
+  {
+    injection_batch step{joint};
+    step.add(compose(joint, fact_ids(s), co), cache);
+    step.run(cache.cache(), adapter.rotation());
+  }
   std::vector<float> const joint_dev = lc::probe_deviation(ctx, 0, joint, c);
   ctx.clear(0);
-  inject_memory_host(store, c, cache, adapter.rotation());
+  {
+    injection_batch step{store};
+    step.add(c, cache);
+    step.run(cache.cache(), adapter.rotation());
+  }
   std::vector<float> const alone_dev = lc::probe_deviation(ctx, 0, store, c);
   CHECK(ctx.max_position(ctx.scratch_sequence()) == -1);
   double joint_sum = 0, alone_sum = 0;
@@ -870,7 +901,11 @@ TEST_CASE("llama.cpp: recomputing every fact token in context gives the engine's
        {lc::recompute_batching::sequential, lc::recompute_batching::one_batch}) {
     INFO("one batch " << (batching == lc::recompute_batching::one_batch));
     ctx.clear(0);
-    inject_memory_host(store, c, cache, adapter.rotation());
+    {
+      injection_batch step{store};
+      step.add(c, cache);
+      step.run(cache.cache(), adapter.rotation());
+    }
     lc::recompute_memory(ctx, 0, c, all, batching);
     CHECK(ctx.max_position(0) == n - 1);
     CHECK(ctx.max_position(ctx.scratch_sequence()) == -1);
@@ -899,7 +934,11 @@ TEST_CASE("llama.cpp: recomputing every fact token in context gives the engine's
   recompute_plan const heads = plan_recompute(c, first);
   REQUIRE(heads.runs.size() == 5);
   ctx.clear(0);
-  inject_memory_host(store, c, cache, adapter.rotation());
+  {
+    injection_batch step{store};
+    step.add(c, cache);
+    step.run(cache.cache(), adapter.rotation());
+  }
   lc::recompute_memory(ctx, 0, c, heads);
   CHECK(ctx.max_position(0) == n - 1);
   ctx.decode(0, question, n);
@@ -912,7 +951,11 @@ TEST_CASE("llama.cpp: recomputing every fact token in context gives the engine's
                       Catch::Matchers::Contains("scratch sequence"));
   REQUIRE_THROWS_WITH(lc::recompute_memory(ctx, 0, c, heads),
                       Catch::Matchers::Contains("the memory segment ends at"));
-  inject_memory_host(store, c, cache, adapter.rotation());
+  {
+    injection_batch step{store};
+    step.add(c, cache);
+    step.run(cache.cache(), adapter.rotation());
+  }
   recompute_plan outside     = heads;
   outside.runs.back().length = 1000;
   REQUIRE_THROWS_WITH(lc::recompute_memory(ctx, 0, c, outside),
@@ -920,7 +963,11 @@ TEST_CASE("llama.cpp: recomputing every fact token in context gives the engine's
   lc::context plain{m, options(true)};
   lc::sequence_cache plain_cache{plain, 0};
   lc::model_adapter plain_adapter{plain};
-  inject_memory_host(store, c, plain_cache, plain_adapter.rotation());
+  {
+    injection_batch step{store};
+    step.add(c, plain_cache);
+    step.run(plain_cache.cache(), plain_adapter.rotation());
+  }
   REQUIRE_THROWS_WITH(lc::recompute_memory(plain, 0, c, heads, lc::recompute_batching::one_batch),
                       Catch::Matchers::Contains("needs branch sequences"));
 }
@@ -1036,7 +1083,11 @@ TEST_CASE(
   std::vector<std::uint8_t> const prefilled = ctx.state(0);
   lc::context fresh{m, options(flash)};
   lc::sequence_cache cache{fresh, 0};
-  inject_memory_host(store, plan, cache, adapter.rotation());
+  {
+    injection_batch step{store};
+    step.add(plan, cache);
+    step.run(cache.cache(), adapter.rotation());
+  }
   std::vector<std::uint8_t> const injected = fresh.state(0);
   REQUIRE(injected.size() == prefilled.size());
   CHECK(differing_halves(injected.data(), prefilled.data(), injected.size()) == 0);
@@ -1051,7 +1102,11 @@ TEST_CASE(
                                                               one_base.data(), 18};
     lc::context other{m, options(flash)};
     lc::sequence_cache wrong{other, 0};
-    inject_memory_host(store, plan, wrong, global);
+    {
+      injection_batch step{store};
+      step.add(plan, wrong);
+      step.run(wrong.cache(), global);
+    }
     std::vector<std::uint8_t> const blob = other.state(0);
     lc::state_layout const layout = lc::parse_state(blob.data(), blob.size(), g, &ctx.format());
     std::size_t const rows = static_cast<std::size_t>(layout.format.k_row_bytes) * s.tokens.size();
@@ -1077,7 +1132,11 @@ TEST_CASE(
     ctx.decode(0, s.tokens, 0);
     std::vector<std::int32_t> const reference = answer(ctx, 0, question, p, 16);
     fresh.clear(0);
-    inject_memory_host(store, plan, cache, adapter.rotation());
+    {
+      injection_batch step{store};
+      step.add(plan, cache);
+      step.run(cache.cache(), adapter.rotation());
+    }
     std::vector<std::int32_t> const ours = answer(fresh, 0, question, p, 16);
     INFO("engine:     " << m.detokenize(reference));
     INFO("InferScale: " << m.detokenize(ours));
@@ -1112,7 +1171,11 @@ TEST_CASE("llama.cpp: Gemma 3 - a memory longer than the sliding window injects 
   std::vector<std::uint8_t> const prefilled = ctx.state(0);
   lc::context fresh{m, options(true)};
   lc::sequence_cache cache{fresh, 0};
-  inject_memory_host(store, plan, cache, adapter.rotation());
+  {
+    injection_batch step{store};
+    step.add(plan, cache);
+    step.run(cache.cache(), adapter.rotation());
+  }
   std::vector<std::uint8_t> const injected = fresh.state(0);
   CHECK(same_bytes(injected, prefilled));
   // Parsing needs the sections to hold the same cells: the window's refusal names it.
@@ -1225,7 +1288,11 @@ void check_batch_splits(lc::model const& m, bool flash)
     composition const plan = compose(store, {1}, opts);
     REQUIRE(plan.token_ids == tokens);
     fresh.clear(0);
-    inject_memory_host(store, plan, cache, adapter.rotation());
+    {
+      injection_batch step{store};
+      step.add(plan, cache);
+      step.run(cache.cache(), adapter.rotation());
+    }
     std::vector<std::uint8_t> const injected = fresh.state(0);
     REQUIRE(injected.size() == prefilled.size());
     CHECK(differing_halves(injected.data(), prefilled.data(), injected.size()) == 0);

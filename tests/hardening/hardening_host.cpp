@@ -15,6 +15,7 @@
 #include <inferscale/dtype.hpp>
 #include <inferscale/engine.hpp>
 #include <inferscale/error.hpp>
+#include <inferscale/extract.hpp>
 #include <inferscale/geometry.hpp>
 #include <inferscale/hf_config.hpp>
 #include <inferscale/index.hpp>

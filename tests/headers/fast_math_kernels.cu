@@ -25,6 +25,7 @@ void fast_math_inject(kv_store_ref const& store,
                       rope_cos_sin_table<float> const& table,
                       cuda::stream_ref stream)
 {
-  inject_async(store, batch, cache, params, stream);  // every store x cache dtype, fp8 scales
-  inject_async(store, batch, cache, table, stream);
+  // every store x cache dtype, fp8 scales
+  detail::inject_view_async(store, batch, cache, params, nullptr, stream);
+  detail::inject_view_async(store, batch, cache, table, nullptr, stream);
 }

@@ -15,10 +15,11 @@
  *  - after automatic compactions (a repack that only moves segments, then repacks that rebuild
  *    namespaces) the device index answers as before the move, and as the host index, bit for bit;
  *  - the memory facade over a device index (memory_device_index.cuh): after the same additions,
- *    erasure and compaction, a scheduler step and a lone request of serve_step(..., res) /
- *    serve(..., res) give the ids, plans and cache bytes of the host index's serve_step / serve;
- *    a GPU engine's step (device index and device store, serve_step(..., res, workspace,
- *    stream) into a cache in device memory) gives the bytes of the host's step.
+ *    erasure and compaction, a scheduler step and a lone request of serve_step(...,
+ *    device_context{res}) / serve(..., device_context{res}) give the ids, plans and cache bytes
+ *    of the host index's serve_step / serve; a GPU engine's step (device index and device store,
+ *    serve_step(..., device_context{res, workspace, stream}) into a cache in device memory) gives
+ *    the bytes of the host's step.
  * Reported skipped by CTest where no GPU is visible.
  */
 #include "device_memory.hpp"
@@ -1278,7 +1279,7 @@ TEST_CASE(
     on_host.serve_step(embedder, host_requests, k, model.rotation());
   std::uint64_t const searches = on_device.searches();
   std::vector<memory_request> const got =
-    on_device.serve_step(embedder, device_requests, k, model.rotation(), res);
+    on_device.serve_step(embedder, device_requests, k, model.rotation(), device_context{res});
   CHECK(on_device.searches() == searches + 1);
   check_same_step(
     got, expected, device_sequences, host_sequences, device_cache_step.data, host_cache_step.data);
@@ -1296,13 +1297,15 @@ TEST_CASE(
   memory_request const one =
     on_host.serve(embedder, 9, asks[2].query, k, 7, alone, model.rotation());
   memory_request const one_device =
-    on_device.serve(embedder, 9, asks[2].query, k, 7, alone_device, model.rotation(), res);
+    on_device.serve(embedder, 9, asks[2].query, k, 7, alone_device, model.rotation(),
+                    device_context{res});
   CHECK(one_device.fact_ids == one.fact_ids);
   CHECK(one_device.plan.token_ids == one.plan.token_ids);
   CHECK(alone_device.data == alone.data);
   CHECK_THROWS_WITH(on_device.serve_step(embedder, device_requests, k, model.rotation()),
-                    Catch::Contains("serve_step(embedder, ..., rotation, res)"));
-  CHECK_THROWS_WITH(on_host.serve_step(embedder, host_requests, k, model.rotation(), res),
+                    Catch::Contains("serve_step(..., rotation, device_context{res"));
+  CHECK_THROWS_WITH(
+    on_host.serve_step(embedder, host_requests, k, model.rotation(), device_context{res}),
                     Catch::Contains("the index is in host memory"));
 
   // A GPU engine's step: the index and the store in device memory, the cache too.
@@ -1336,7 +1339,8 @@ TEST_CASE(
   inferscale_test::cuda_stream stream;
   injection_workspace workspace(512);
   std::vector<memory_request> const gpu_got = on_gpu.serve_step(
-    embedder, gpu_requests, k, device_table, res, workspace, cuda::stream_ref{stream.get()});
+    embedder, gpu_requests, k, device_table,
+    device_context{res, workspace, cuda::stream_ref{stream.get()}});
   INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
   check_same_step(gpu_got,
                   table_expected,

@@ -14,6 +14,7 @@
 #include <inferscale/compose.hpp>
 #include <inferscale/detail/inject/block.hpp>
 #include <inferscale/detail/rope/position.hpp>
+#include <inferscale/extract.hpp>
 #include <inferscale/inject.hpp>
 #include <inferscale/rope.hpp>
 #include <inferscale/rope_layers.hpp>
@@ -59,8 +60,8 @@ void emulate_blocks(detail::inject_launch_config<Rotation> const& config)
   }
 }
 
-/// Emulates inject_async's launch for a host store and a host cache on a GPU with `sm_count` SMs;
-/// returns whether the vectorized path was taken.
+/// Emulates the device launch's configuration (detail::inject_view_async) for a host store and a
+/// host cache on a GPU with `sm_count` SMs; returns whether the vectorized path was taken.
 template <class StoreT, class CacheT, class Rotation>
 bool emulate_inject(kv_store const& store,
                     injection_batch const& batch,

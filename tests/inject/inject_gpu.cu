@@ -7,8 +7,9 @@
 // last place of the cache dtype. Also: CUDA-graph capture and replay with restaged positions, the
 // raw launch's skipping of out-of-range slots and positions, device extraction against host
 // extraction, and refused checked launches leaving the cache unchanged. The device seam too
-// (engine.cuh, memory.cuh): a capture stored into a device store on a stream, inject_memory_async
-// through a cache adapter and memory::serve / serve_step / inject from a device store, each equal
+// (engine.cuh, memory.cuh): a capture stored into a device store on a stream, a one-request step
+// run on the device through a cache adapter and memory::serve / serve_step / inject from a device
+// store, each equal
 // byte for byte to the host seam's result, and their refusals changing nothing; the device capture
 // buffer (kv_capture.cuh) filled from engine-dtype device rows and stored on the device against
 // the host capture stored, byte for byte. Reported skipped by CTest where no GPU is visible.
@@ -420,7 +421,8 @@ void require_device_equals_host(scenario<Pair>& s, bool large)
   hb.run(s.host_desc, s.host_rotation);
   cuda_stream stream;
   injection_workspace workspace(db.num_tokens());
-  db.run<S, C>(s.device_desc, s.device_rotation, workspace, cuda::stream_ref{stream.get()});
+  db.run<S, C>(
+    s.device_desc, s.device_rotation, device_context{workspace, cuda::stream_ref{stream.get()}});
   bytes const device = s.device_bytes(stream.get());
   bytes const host   = s.host_bytes();
   REQUIRE(first_difference(host, s.original) != -1);  // something was written
@@ -478,7 +480,8 @@ TEMPLATE_TEST_CASE("device injection with a per-layer rotation equals the host r
   hb.run(s.host_desc, host_layers);
   cuda_stream stream;
   injection_workspace workspace(db.num_tokens());
-  db.run<S, C>(s.device_desc, device_layers, workspace, cuda::stream_ref{stream.get()});
+  db.run<S, C>(
+    s.device_desc, device_layers, device_context{workspace, cuda::stream_ref{stream.get()}});
   bytes const device = s.device_bytes(stream.get());
   bytes const host   = s.host_bytes();
   REQUIRE(first_difference(host, s.original) != -1);
@@ -517,7 +520,7 @@ TEMPLATE_TEST_CASE("device injection with computed rope_params is within one uni
   hb.run(s.host_desc, params);
   cuda_stream stream;
   injection_workspace workspace(db.num_tokens());
-  db.run<S, C>(s.device_desc, params, workspace, cuda::stream_ref{stream.get()});
+  db.run<S, C>(s.device_desc, params, device_context{workspace, cuda::stream_ref{stream.get()}});
   bytes const device = s.device_bytes(stream.get());
   bytes const host   = s.host_bytes();
   REQUIRE(first_difference(host, s.original) != -1);
@@ -590,8 +593,8 @@ TEMPLATE_TEST_CASE("a captured CUDA graph of the raw injection replays restaged 
   } owner;
   INFERSCALE_CUDA_TRY(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
   try {
-    inject_async<typename TestType::store_t, typename TestType::cache_t>(
-      s.device_store.ref(), workspace.view(), s.device_desc, s.device_rotation, ref);
+    detail::inject_view_async<typename TestType::store_t, typename TestType::cache_t>(
+      s.device_store.ref(), workspace.view(), s.device_desc, s.device_rotation, nullptr, ref);
   } catch (...) {
     (void)cudaStreamEndCapture(stream.get(), &owner.graph);
     throw;
@@ -643,9 +646,12 @@ TEST_CASE("staging on another stream waits for the launch still to read the prev
   workspace.stage(first, cuda::stream_ref{a.get()});
   hold_stream<<<1, 1, 0, a.get()>>>(200'000'000ll);  // about 0.1 s
   INFERSCALE_CUDA_TRY(cudaGetLastError());
-  inject_async<bfloat16_t, bfloat16_t>(
-    s.device_store.ref(), workspace.view(), s.device_desc, s.device_rotation,
-    cuda::stream_ref{a.get()});
+  detail::inject_view_async<bfloat16_t, bfloat16_t>(s.device_store.ref(),
+                                                    workspace.view(),
+                                                    s.device_desc,
+                                                    s.device_rotation,
+                                                    nullptr,
+                                                    cuda::stream_ref{a.get()});
   workspace.mark_used(cuda::stream_ref{a.get()});
   workspace.stage(second, cuda::stream_ref{b.get()});
   INFERSCALE_CUDA_TRY(cudaStreamSynchronize(b.get()));
@@ -718,12 +724,12 @@ void require_raw_launch_skips(engine_layout layout, geometry_case const& g)
     device_arrays.data(), device_arrays.data() + n, device_arrays.data() + 2 * n, n};
   cuda_stream stream;
   device_buffer<inject_device_errors> errors(std::vector<inject_device_errors>(1));
-  inject_async<S, C>(s.device_store.ref(),
-               view,
-               s.device_desc,
-               s.device_rotation,
-               errors.data(),
-               cuda::stream_ref{stream.get()});
+  detail::inject_view_async<S, C>(s.device_store.ref(),
+                                  view,
+                                  s.device_desc,
+                                  s.device_rotation,
+                                  errors.data(),
+                                  cuda::stream_ref{stream.get()});
   inject_device_errors counted{};
   INFERSCALE_CUDA_TRY(cudaMemcpy(&counted, errors.data(), sizeof counted, cudaMemcpyDeviceToHost));
   // Every corrupted token is counted once: i % 6 == 1 or 3 (positions), i % 6 == 5 (slots).
@@ -808,7 +814,7 @@ TEMPLATE_TEST_CASE("device extraction equals host extraction",
   injection_workspace workspace(db.num_tokens());
   using S = typename TestType::store_t;
   using C = typename TestType::cache_t;
-  db.run<S, C>(s.device_desc, s.device_rotation, workspace, ref);
+  db.run<S, C>(s.device_desc, s.device_rotation, device_context{workspace, ref});
   REQUIRE(first_difference(s.device_bytes(stream.get()), s.host_bytes()) == -1);
 
   std::vector<std::int32_t> const blocks = unused_blocks();
@@ -887,8 +893,9 @@ void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case 
     auto slots = free_slots;
     slots[5]   = s.device_desc.num_slots();
     batch.add(plan, slots);
-    REQUIRE_THROWS_AS((batch.run<S, C>(s.device_desc, s.device_rotation, workspace, ref)),
-                      logic_error);
+    REQUIRE_THROWS_AS(
+      (batch.run<S, C>(s.device_desc, s.device_rotation, device_context{workspace, ref})),
+      logic_error);
     unchanged();
   }
   SECTION("a position beyond the table")
@@ -898,22 +905,25 @@ void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case 
     far.order          = fact_order::as_given;
     injection_batch batch(s.device_store);
     batch.add(compose(s.device_store, {11, 13}, far), free_slots);
-    REQUIRE_THROWS_AS((batch.run<S, C>(s.device_desc, s.device_rotation, workspace, ref)),
-                      logic_error);
+    REQUIRE_THROWS_AS(
+      (batch.run<S, C>(s.device_desc, s.device_rotation, device_context{workspace, ref})),
+      logic_error);
     unchanged();
   }
   SECTION("a workspace too small for the batch")
   {
     injection_batch batch = make_batch(s.device_store, 0);
     injection_workspace small(batch.num_tokens() - 1);
-    REQUIRE_THROWS_AS((batch.run<S, C>(s.device_desc, s.device_rotation, small, ref)), logic_error);
+    REQUIRE_THROWS_AS(
+      (batch.run<S, C>(s.device_desc, s.device_rotation, device_context{small, ref})), logic_error);
     unchanged();
   }
   SECTION("a batch of a host store")
   {
     injection_batch host_batch = make_batch(s.host_store, 0);
-    REQUIRE_THROWS_AS((host_batch.run<S, C>(s.device_desc, s.device_rotation, workspace, ref)),
-                      logic_error);
+    REQUIRE_THROWS_AS(
+      (host_batch.run<S, C>(s.device_desc, s.device_rotation, device_context{workspace, ref})),
+      logic_error);
     unchanged();
   }
   SECTION("a stale batch, then a fresh one is accepted")
@@ -921,11 +931,12 @@ void require_refusals_leave_cache_unchanged(engine_layout layout, geometry_case 
     injection_batch stale = make_batch(s.device_store, 0);
     insert_fact(s.device_store, 900, 2, 3, g);
     insert_fact(s.host_store, 900, 2, 3, g);
-    REQUIRE_THROWS_AS((stale.run<S, C>(s.device_desc, s.device_rotation, workspace, ref)),
-                      logic_error);
+    REQUIRE_THROWS_AS(
+      (stale.run<S, C>(s.device_desc, s.device_rotation, device_context{workspace, ref})),
+      logic_error);
     unchanged();
     injection_batch fresh = make_batch(s.device_store, 0);
-    fresh.run<S, C>(s.device_desc, s.device_rotation, workspace, ref);
+    fresh.run<S, C>(s.device_desc, s.device_rotation, device_context{workspace, ref});
     make_batch(s.host_store, 0).run(s.host_desc, s.host_rotation);
     REQUIRE(first_difference(s.device_bytes(stream.get()), s.host_bytes()) == -1);
   }
@@ -962,14 +973,15 @@ TEST_CASE("the dtype dispatch and a named dtype pair launch the same kernels; a 
   injection_workspace workspace(db.num_tokens());
 
   // A pair other than the store's and the cache's: refused before staging, cache unchanged.
-  REQUIRE_THROWS_AS((db.run<float, float>(s.device_desc, s.device_rotation, workspace, ref)),
-                    logic_error);
   REQUIRE_THROWS_AS(
-    (db.run<bfloat16_t, float8_e4m3_t>(s.device_desc, s.device_rotation, workspace, ref)),
+    (db.run<float, float>(s.device_desc, s.device_rotation, device_context{workspace, ref})),
     logic_error);
+  REQUIRE_THROWS_AS((db.run<bfloat16_t, float8_e4m3_t>(
+                      s.device_desc, s.device_rotation, device_context{workspace, ref})),
+                    logic_error);
   REQUIRE(first_difference(s.device_bytes(stream.get()), s.original) == -1);
 
-  db.run(s.device_desc, s.device_rotation, workspace, ref);
+  db.run(s.device_desc, s.device_rotation, device_context{workspace, ref});
   make_batch(s.host_store, 0).run(s.host_desc, s.host_rotation);
   REQUIRE(first_difference(s.host_bytes(), s.original) != -1);
   REQUIRE(first_difference(s.device_bytes(stream.get()), s.host_bytes()) == -1);
@@ -1116,49 +1128,46 @@ void require_seam_equals_host(engine_layout layout, geometry_case const& g)
   slot_adapter device_adapter{s.device_desc, slots};
   injection_workspace workspace(host_plan.length());
 
-  // Refused before anything is written or committed (the checks before allocate() do not even
-  // allocate): an empty plan, a host store, a workspace too small, too few slots, a slot beyond
-  // the cache, a position beyond the table.
+  // One request as a step of one: planned (the adapter allocates), run on the device.
+  auto const run_one = [&](kv_store const& store,
+                           composition const& plan,
+                           slot_adapter& adapter,
+                           injection_workspace& ws) {
+    injection_batch step{store};
+    step.add(plan, adapter);
+    step.run(adapter.cache(), s.device_rotation, device_context{ws, ref});
+  };
+
+  // Refused before anything is written or committed: an empty plan (before the adapter
+  // allocates), then, at the run, a host store, a workspace too small, too few slots, a slot
+  // beyond the cache, a position beyond the table.
   injection_workspace small(host_plan.length() - 1);
-  REQUIRE_THROWS_AS(
-    inject_memory_async(
-      s.device_store, composition{}, device_adapter, s.device_rotation, workspace, ref),
-    logic_error);
-  REQUIRE_THROWS_AS(
-    inject_memory_async(s.host_store, host_plan, device_adapter, s.device_rotation, workspace, ref),
-    logic_error);
-  REQUIRE_THROWS_AS(
-    inject_memory_async(s.device_store, device_plan, device_adapter, s.device_rotation, small, ref),
-    logic_error);
+  REQUIRE_THROWS_AS(run_one(s.device_store, composition{}, device_adapter, workspace), logic_error);
   REQUIRE(device_adapter.allocated_at == -1);
+  REQUIRE_THROWS_AS(run_one(s.host_store, host_plan, device_adapter, workspace), logic_error);
+  REQUIRE_THROWS_AS(run_one(s.device_store, device_plan, device_adapter, small), logic_error);
   device_adapter.short_by = 1;
-  REQUIRE_THROWS_AS(
-    inject_memory_async(
-      s.device_store, device_plan, device_adapter, s.device_rotation, workspace, ref),
-    logic_error);
+  REQUIRE_THROWS_AS(run_one(s.device_store, device_plan, device_adapter, workspace), logic_error);
   device_adapter.short_by = 0;
   device_adapter.slots[5] = s.device_desc.num_slots();
-  REQUIRE_THROWS_AS(
-    inject_memory_async(
-      s.device_store, device_plan, device_adapter, s.device_rotation, workspace, ref),
-    logic_error);
+  REQUIRE_THROWS_AS(run_one(s.device_store, device_plan, device_adapter, workspace), logic_error);
   device_adapter.slots[5] = slots[5];
   compose_options far     = o;
   far.first_position      = s.device_rotation.max_position - 4;
-  REQUIRE_THROWS_AS(inject_memory_async(s.device_store,
-                                        compose(s.device_store, {202, 201, 203, 13}, far),
-                                        device_adapter,
-                                        s.device_rotation,
-                                        workspace,
-                                        ref),
-                    logic_error);
+  REQUIRE_THROWS_AS(
+    run_one(
+      s.device_store, compose(s.device_store, {202, 201, 203, 13}, far), device_adapter, workspace),
+    logic_error);
   REQUIRE(device_adapter.committed.empty());
   REQUIRE(first_difference(s.device_bytes(stream.get()), s.original) == -1);
   REQUIRE(state_of(s.device_store) == before);
 
-  inject_memory_host(s.host_store, host_plan, host_adapter, s.host_rotation);
-  inject_memory_async(
-    s.device_store, device_plan, device_adapter, s.device_rotation, workspace, ref);
+  {
+    injection_batch host_one{s.host_store};
+    host_one.add(host_plan, host_adapter);
+    host_one.run(host_adapter.cache(), s.host_rotation);
+  }
+  run_one(s.device_store, device_plan, device_adapter, workspace);
   REQUIRE(device_adapter.allocated_at == 12);
   REQUIRE(device_adapter.committed == std::vector<std::int64_t>{device_plan.length()});
   REQUIRE(host_adapter.committed == device_adapter.committed);
@@ -1206,11 +1215,12 @@ void require_seam_equals_host(engine_layout layout, geometry_case const& g)
   injection_workspace step_workspace(device_step.num_tokens());
   // A refused device run (a workspace too small) stages, launches and commits nothing.
   injection_workspace tiny(device_step.num_tokens() - 1);
-  REQUIRE_THROWS_AS(device_step.run(s.device_desc, s.device_rotation, tiny, ref), logic_error);
+  REQUIRE_THROWS_AS(device_step.run(s.device_desc, s.device_rotation, device_context{tiny, ref}),
+                    logic_error);
   REQUIRE(device_step_adapter.committed.empty());
   REQUIRE(first_difference(s.device_bytes(stream.get()), device) == -1);
   host_step.run(s.host_desc, s.host_rotation);
-  device_step.run(s.device_desc, s.device_rotation, step_workspace, ref);
+  device_step.run(s.device_desc, s.device_rotation, device_context{step_workspace, ref});
   REQUIRE(device_step_adapter.committed == std::vector<std::int64_t>{5});
   REQUIRE(host_step_adapter.committed == device_step_adapter.committed);
   REQUIRE(step_workspace.read_errors(ref).total() == 0);
@@ -1623,7 +1633,8 @@ TEST_CASE(
 
   injection_workspace small(2);
   REQUIRE_THROWS_AS(
-    device_memory.serve(embedder, 7, user.texts[4], 2, 5, device_adapter, device_table, small, ref),
+    device_memory.serve(
+      embedder, 7, user.texts[4], 2, 5, device_adapter, device_table, device_context{small, ref}),
     logic_error);
   REQUIRE(device_adapter.committed.empty());
   REQUIRE(device_storage.to_host() == host_cache.data);  // untouched: every element still -1
@@ -1632,7 +1643,7 @@ TEST_CASE(
   memory_request const h =
     host_memory.serve(embedder, 7, user.texts[4], 2, 5, host_cache, host_table);
   memory_request const d = device_memory.serve(
-    embedder, 7, user.texts[4], 2, 5, device_adapter, device_table, workspace, ref);
+    embedder, 7, user.texts[4], 2, 5, device_adapter, device_table, device_context{workspace, ref});
   REQUIRE(d.fact_ids == h.fact_ids);
   REQUIRE(d.plan.token_ids == h.plan.token_ids);
   REQUIRE(device_adapter.allocated_at == 5);
@@ -1647,7 +1658,7 @@ TEST_CASE(
   for (std::int64_t j = 0; j < 256; ++j) {
     device_adapter.slots[static_cast<std::size_t>(j)] = (j + 100) % 256;
   }
-  device_memory.inject(plan, device_adapter, device_table, workspace, ref);
+  device_memory.inject(plan, device_adapter, device_table, device_context{workspace, ref});
   mf::host_cache shifted{1, 100};
   host_memory.inject(host_memory.prepare(h.fact_ids, 5), shifted, host_table);
   INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
@@ -1712,10 +1723,12 @@ TEST_CASE(
   // 3 + 2 x 2 and 3 + 2 x 3), a host store.
   injection_workspace small(20);
   REQUIRE_THROWS_AS(
-    device_memory.serve_step(embedder, device_requests, 2, device_table, small, ref), logic_error);
+    device_memory.serve_step(embedder, device_requests, 2, device_table, device_context{small, ref}),
+    logic_error);
   injection_workspace workspace(64);
   REQUIRE_THROWS_AS(
-    host_memory.serve_step(embedder, host_requests, 2, host_table, workspace, ref), logic_error);
+    host_memory.serve_step(embedder, host_requests, 2, host_table, device_context{workspace, ref}),
+    logic_error);
   for (slot_adapter const& seq : device_sequences) {
     REQUIRE(seq.allocated_at == -1);
     REQUIRE(seq.committed.empty());
@@ -1726,7 +1739,7 @@ TEST_CASE(
     host_memory.serve_step(embedder, host_requests, 2, host_table);
   std::uint64_t const searches = device_memory.searches();
   std::vector<memory_request> const d =
-    device_memory.serve_step(embedder, device_requests, 2, device_table, workspace, ref);
+    device_memory.serve_step(embedder, device_requests, 2, device_table, device_context{workspace, ref});
   REQUIRE(device_memory.searches() == searches + 1);
   REQUIRE(d.size() == 3);
   for (std::size_t i = 0; i < 3; ++i) {

@@ -10,6 +10,7 @@
 #include <inferscale/compose.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
+#include <inferscale/extract.hpp>
 #include <inferscale/inject.hpp>
 #include <inferscale/rope.hpp>
 #include <inferscale/store.hpp>

@@ -494,9 +494,9 @@ TEST_CASE("memory: a refused step leaves the store, the index, the cache and eve
 }
 
 namespace {
-/// The search of serve / serve_step given resources after the rotation, supplied from outside (as
-/// memory_device_index.cuh supplies the device one): it records what it is asked and answers
-/// with `answer_space`'s index through the host `search`.
+/// The search of serve / serve_step given a device_context of resources, supplied from outside
+/// (as memory_device_index.cuh supplies the device one for raft::resources): it records what it
+/// is asked and answers with the host index through the host `search`.
 struct external_retrieval {
   mutable std::int64_t calls{0};
   mutable std::vector<std::uint64_t> namespaces;
@@ -512,6 +512,7 @@ namespace inferscale::detail {
 template <>
 struct memory_index_search<external_retrieval> {
   static constexpr memory_space index_space = memory_space::host;
+  static cuda::stream_ref stream(external_retrieval const&) { return cudaStream_t{}; }
   static void run(external_retrieval const& r,
                   graph_index const& index,
                   matrix_view<float const> queries,
@@ -531,6 +532,7 @@ struct memory_index_search<external_retrieval> {
 template <>
 struct memory_index_search<device_claiming_retrieval> {
   static constexpr memory_space index_space = memory_space::device;
+  static cuda::stream_ref stream(device_claiming_retrieval const&) { return cudaStream_t{}; }
   template <class... Args>
   static void run(device_claiming_retrieval const& r, Args&&...)
   {
@@ -561,7 +563,7 @@ TEST_CASE(
   external_retrieval external;
   std::uint64_t const searches = m.searches();
   std::vector<memory_request> const got =
-    m.serve_step(f.embedder, external_requests, k, f.model.rotation(), external);
+    m.serve_step(f.embedder, external_requests, k, f.model.rotation(), device_context{external});
   CHECK(m.searches() == searches + 1);
   // One search of every request's embedded query, each in its namespace.
   CHECK(external.calls == 1);
@@ -577,12 +579,13 @@ TEST_CASE(
   check_same_step(
     got, expected, external_sequences, host_sequences, external_cache.data, host_step_cache.data);
 
-  // serve(..., rotation, res) is a step of one request, as serve() is.
+  // serve(..., rotation, device_context{res}) is a step of one request, as serve() is.
   host_cache alone{1, 0};
   host_cache alone_external{1, 0};
   memory_request const one = m.serve(f.embedder, 8, asks[1].query, k, 0, alone, f.model.rotation());
   memory_request const one_external =
-    m.serve(f.embedder, 8, asks[1].query, k, 0, alone_external, f.model.rotation(), external);
+    m.serve(f.embedder, 8, asks[1].query, k, 0, alone_external, f.model.rotation(),
+            device_context{external});
   CHECK(external.calls == 2);
   CHECK(one_external.fact_ids == one.fact_ids);
   CHECK(one_external.plan.token_ids == one.plan.token_ids);
@@ -591,12 +594,13 @@ TEST_CASE(
   // A search of device memory refuses this host index, before anything is embedded or searched.
   device_claiming_retrieval device_search;
   std::int64_t const calls = f.embedder.calls;
+  device_context const on_device{device_search};
   CHECK_THROWS_WITH(
-    m.serve_step(f.embedder, external_requests, k, f.model.rotation(), device_search),
-    Catch::Contains("memory::serve_step: the index is in host memory; serve a host index without "
-                    "the raft::resources"));
+    m.serve_step(f.embedder, external_requests, k, f.model.rotation(), on_device),
+    Catch::Contains("memory::serve_step: the index is in host memory; serve a host index with a "
+                    "device_context without raft::resources"));
   CHECK_THROWS_WITH(
-    m.serve(f.embedder, 8, asks[1].query, k, 0, alone_external, f.model.rotation(), device_search),
+    m.serve(f.embedder, 8, asks[1].query, k, 0, alone_external, f.model.rotation(), on_device),
     Catch::Contains("memory::serve: the index is in host memory"));
   CHECK(device_search.calls == 0);
   CHECK(f.embedder.calls == calls);
@@ -608,12 +612,13 @@ TEST_CASE(
   memory const on_gpu{dc};
   CHECK_THROWS_WITH(on_gpu.serve_step(f.embedder, external_requests, k, f.model.rotation()),
                     Catch::Contains("memory::serve_step: the index is in device memory; serve a "
-                                    "device index with a raft::resources after the rotation, "
-                                    "memory::serve_step(embedder, ..., rotation, res) "
+                                    "device index with a device_context holding its "
+                                    "raft::resources, memory::serve_step(..., rotation, "
+                                    "device_context{res[, workspace, stream]}) "
                                     "(memory_device_index.cuh)"));
   CHECK_THROWS_WITH(on_gpu.serve(f.embedder, 8, asks[1].query, k, 0, alone, f.model.rotation()),
                     Catch::Contains("memory::serve: the index is in device memory") &&
-                      Catch::Contains("memory::serve(embedder, ..., rotation, res)"));
+                      Catch::Contains("memory::serve(..., rotation, device_context{res"));
   CHECK(f.embedder.calls == calls);
   for (sequence_adapter const& s : external_sequences) {
     CHECK(s.committed.size() == 1);  // only the step that went through

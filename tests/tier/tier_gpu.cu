@@ -107,8 +107,13 @@ TEST_CASE("tier gpu: staged per-layer injection equals injection from one device
     injection_batch batch{tiers.device_tier()}, want_batch{reference};
     batch.add(plan, slots);
     want_batch.add(want_plan, slots);
-    inject_tiered_async(tiers, r, batch, got_desc, rot, ws_got, cuda::stream_ref{compute.get()}, copy.get());
-    want_batch.run(want_desc, rot, ws_want, cuda::stream_ref{compute.get()});
+    tiers.run(r,
+              batch,
+              got_desc,
+              rot,
+              device_context{ws_got, cuda::stream_ref{compute.get()}}.with_copy_stream(
+                cuda::stream_ref{copy.get()}));
+    want_batch.run(want_desc, rot, device_context{ws_want, cuda::stream_ref{compute.get()}});
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(compute.get()));
     auto const g = got.to_host(), w = want.to_host();
     REQUIRE(std::equal(g.begin(), g.end(), w.begin(), [](bfloat16_t a, bfloat16_t b) { return a.bits == b.bits; }));

@@ -513,7 +513,7 @@ TEST_CASE("tier: tiered host injection equals injection from one store holding e
     want_batch.add(want_plan, slots);
     host_cache got, want;
     tier_host_order const order = step % 2 == 0 ? tier_host_order::per_layer : tier_host_order::whole;
-    inject_tiered_host(s, r, batch, got.desc, rot, order);
+    s.run(r, batch, got.desc, rot, order);
     want_batch.run(want.desc, rot);
     REQUIRE(got.bytes() == want.bytes());
     // Something was written (the cache started at -7 everywhere).
@@ -535,8 +535,7 @@ TEST_CASE("tier: a request admitted before another is stale", "[tier]")
   tier_request r2 = s.admit({2});
   host_cache c;
   auto const before = c.bytes();
-  CHECK_THROWS_WITH(inject_tiered_host(s, r1, batch, c.desc, rotation()),
-                    Catch::Contains("changed since"));
+  CHECK_THROWS_WITH(s.run(r1, batch, c.desc, rotation()), Catch::Contains("changed since"));
   CHECK(c.bytes() == before);
   (void)r2;
 }

@@ -98,7 +98,11 @@ int main(int argc, char** argv)
       ctx.clear(0);
       t0                     = std::chrono::steady_clock::now();
       composition const plan = demo::compose_memory(store, k);
-      inject_memory_host(store, plan, cache, adapter.rotation());
+      {
+        injection_batch step{store};
+        step.add(plan, cache);
+        step.run(cache.cache(), adapter.rotation());
+      }
       recompute_options recompute;
       recompute.selective_fraction = 0.10;
       recompute.exact              = demo::prefix_id;

@@ -16,11 +16,12 @@
 // path for a GPU vLLM: stores whose pool lives in device memory (Store(..., device=True),
 // Store.load(..., device=True), Store.to_device()), vLLM's GPU FlashAttention cache described from
 // its CUDA tensors (VllmFlashAttnCache), a Rotation over a table in device memory, and
-// inject_async on a CUDA stream (the library's checked inject_async, device_inject.cu).
+// inject_async on a CUDA stream (the injection step's checked device run, device_inject.cu).
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
+#include <inferscale/extract.hpp>
 #include <inferscale/index.hpp>
 #include <inferscale/inject.hpp>
 #include <inferscale/rope.hpp>

@@ -37,7 +37,8 @@ void device_injector::inject(inferscale::injection_batch& batch,
     impl_->workspace.reset();
     impl_->workspace.emplace(capacity);
   }
-  std::visit([&](auto const& table) { batch.run(cache, table, *impl_->workspace, s); }, rotation);
+  inferscale::device_context const device{*impl_->workspace, s};
+  std::visit([&](auto const& table) { batch.run(cache, table, device); }, rotation);
 }
 
 }  // namespace inferscale_vllm

@@ -1,5 +1,5 @@
-// The device path of inferscale_vllm._inferscale (built with INFERSCALE_VLLM_CUDA=ON): the one piece
-// that needs nvcc — the library's checked inject_async (inject.cuh) and its staging workspace —
+// The device path of inferscale_vllm._inferscale (built with INFERSCALE_VLLM_CUDA=ON): the one
+// piece that needs nvcc — the injection step's device run (inject.cuh) and its staging workspace —
 // behind a plain C++ interface, so bindings.cpp (nanobind) stays a host C++ translation unit.
 #pragma once
 
@@ -21,7 +21,7 @@ using rotation_table = std::variant<inferscale::rope_cos_sin_table<float>,
 
 /**
  * @brief Owns the device staging of injection batches (grown to the largest batch seen) and runs
- * the library's checked inject_async on a caller's stream.
+ * the injection step's checked device run on a caller's stream.
  */
 class device_injector {
  public:
@@ -33,10 +33,10 @@ class device_injector {
   device_injector& operator=(device_injector const&) = delete;
 
   /**
-   * @brief batch.run(cache, rotation, workspace, stream) (the device run): validates everything on
-   * the host (store in device memory, geometry, slots within the cache, positions within the
-   * table), stages the batch and launches on `stream` (a cudaStream_t as an integer; 0 = the
-   * legacy default stream). Never waits for the kernel.
+   * @brief batch.run(cache, rotation, device_context{workspace, stream}) (the device run):
+   * validates everything on the host (store in device memory, geometry, slots within the cache,
+   * positions within the table), stages the batch and launches on `stream` (a cudaStream_t as an
+   * integer; 0 = the legacy default stream). Never waits for the kernel.
    * @throw inferscale::logic_error on a refusal (nothing staged or launched);
    *        inferscale::cuda_error on a CUDA failure.
    */

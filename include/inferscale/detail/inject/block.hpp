@@ -477,8 +477,9 @@ inject_launch_config<kernel_rotation_t<Rotation>> make_inject_launch(
   args.tile_tokens    = policy::tile_tokens;
 
   std::int64_t const token_tiles = ceil_div(batch.num_tokens, policy::tile_tokens);
-  INFERSCALE_EXPECTS(token_tiles <= std::int64_t{0x7fffffff},
-                     "inject_async: " + std::to_string(batch.num_tokens) + " tokens exceed a grid");
+  INFERSCALE_EXPECTS(
+    token_tiles <= std::int64_t{0x7fffffff},
+    "inject (device launch): " + std::to_string(batch.num_tokens) + " tokens exceed a grid");
   std::int32_t tile_layers = std::min(policy::max_tile_layers, cache.num_layers);
   while (tile_layers > 1 && token_tiles * ceil_div(cache.num_layers, tile_layers) <
                               static_cast<std::int64_t>(sm_count) * policy::min_blocks_per_sm) {
@@ -493,7 +494,7 @@ inject_launch_config<kernel_rotation_t<Rotation>> make_inject_launch(
   // The default dynamic shared memory of a block (no opt-in attribute is set): a per-layer
   // rotation of many distinct rotations over wide heads could exceed it.
   INFERSCALE_EXPECTS(config.shared_bytes <= 48 * 1024,
-                     "inject_async: the tile's cos/sin of " + std::to_string(count) +
+                     "inject (device launch): the tile's cos/sin of " + std::to_string(count) +
                        " rotations need " + std::to_string(config.shared_bytes) +
                        " bytes of shared memory, more than 48 KiB");
   return config;

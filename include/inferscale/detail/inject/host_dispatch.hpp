@@ -184,8 +184,8 @@ void inject_host_loops(kv_store_ref const& store,
 
 /**
  * @brief The host injection of a checked batch view: the one place the host run
- * (injection_batch::run) and inject_tiered_host reach the loops through (inject_host_loops, with
- * `rotation` erased).
+ * (injection_batch::run) and the tiered host run (tiered_store::run) reach the loops through
+ * (inject_host_loops, with `rotation` erased).
  */
 template <class Rotation>
 void inject_host_view(kv_store_ref const& store,

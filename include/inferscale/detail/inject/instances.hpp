@@ -7,8 +7,9 @@
  * bfloat16 and float16) the front of the injection (inject_host_view) and the extraction loops
  * (extract_host_view).
  *
- * `INFERSCALE_HOST_INSTANCES(extern)` declares them (inject.hpp does, when the program defines
- * INFERSCALE_EXTERN_TEMPLATES); `INFERSCALE_HOST_INSTANCES()` defines them (instances.hpp, in one
+ * `INFERSCALE_INJECT_HOST_INSTANCES(extern)` and `INFERSCALE_EXTRACT_HOST_INSTANCES(extern)`
+ * declare them (inject.hpp and extract.hpp do, when the program defines
+ * INFERSCALE_EXTERN_TEMPLATES); `INFERSCALE_HOST_INSTANCES()` defines both (instances.hpp, in one
  * translation unit). Another rotation type is instantiated where it is used, as without the macro.
  */
 #pragma once
@@ -35,15 +36,35 @@
     std::int64_t const*, std::int64_t, ROTATION const&, ::inferscale::kv_store_ref const&,   \
     ::inferscale::detail::extraction_fault*);
 
-#define INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ROTATION)        \
-  INFERSCALE_INJECT_HOST_VIEW_INSTANCE(PREFIX, ROTATION)       \
+#define INFERSCALE_EXTRACT_HOST_INSTANCES_FOR(PREFIX, ROTATION) \
   INFERSCALE_EXTRACT_HOST_VIEW_INSTANCE(PREFIX, true, ROTATION) \
   INFERSCALE_EXTRACT_HOST_VIEW_INSTANCE(PREFIX, false, ROTATION)
 
-#define INFERSCALE_HOST_INSTANCES(PREFIX)                                                   \
-  INFERSCALE_HOST_LOOP_INSTANCES(PREFIX)                                                    \
-  INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_params)                          \
-  INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_cos_sin_table<float>)            \
-  INFERSCALE_HOST_INSTANCES_FOR(PREFIX,                                                     \
-                                ::inferscale::rope_cos_sin_table<::inferscale::bfloat16_t>) \
-  INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_cos_sin_table<::inferscale::half_t>)
+/// One rotation's injection front and extraction loops.
+#define INFERSCALE_HOST_INSTANCES_FOR(PREFIX, ROTATION)  \
+  INFERSCALE_INJECT_HOST_VIEW_INSTANCE(PREFIX, ROTATION) \
+  INFERSCALE_EXTRACT_HOST_INSTANCES_FOR(PREFIX, ROTATION)
+
+/// The injection's instances (inject.hpp declares them extern).
+#define INFERSCALE_INJECT_HOST_INSTANCES(PREFIX)                                                   \
+  INFERSCALE_HOST_LOOP_INSTANCES(PREFIX)                                                           \
+  INFERSCALE_INJECT_HOST_VIEW_INSTANCE(PREFIX, ::inferscale::rope_params)                          \
+  INFERSCALE_INJECT_HOST_VIEW_INSTANCE(PREFIX, ::inferscale::rope_cos_sin_table<float>)            \
+  INFERSCALE_INJECT_HOST_VIEW_INSTANCE(PREFIX,                                                     \
+                                       ::inferscale::rope_cos_sin_table<::inferscale::bfloat16_t>) \
+  INFERSCALE_INJECT_HOST_VIEW_INSTANCE(PREFIX,                                                     \
+                                       ::inferscale::rope_cos_sin_table<::inferscale::half_t>)
+
+/// The extraction's instances (extract.hpp declares them extern).
+#define INFERSCALE_EXTRACT_HOST_INSTANCES(PREFIX)                                        \
+  INFERSCALE_EXTRACT_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_params)               \
+  INFERSCALE_EXTRACT_HOST_INSTANCES_FOR(PREFIX, ::inferscale::rope_cos_sin_table<float>) \
+  INFERSCALE_EXTRACT_HOST_INSTANCES_FOR(                                                 \
+    PREFIX, ::inferscale::rope_cos_sin_table<::inferscale::bfloat16_t>)                  \
+  INFERSCALE_EXTRACT_HOST_INSTANCES_FOR(PREFIX,                                          \
+                                        ::inferscale::rope_cos_sin_table<::inferscale::half_t>)
+
+/// Both (instances.hpp defines them).
+#define INFERSCALE_HOST_INSTANCES(PREFIX)  \
+  INFERSCALE_INJECT_HOST_INSTANCES(PREFIX) \
+  INFERSCALE_EXTRACT_HOST_INSTANCES(PREFIX)

@@ -20,9 +20,6 @@
 namespace inferscale {
 
 namespace detail {
-
-// same_cache (one step, one cache): injection_batch.hpp.
-
 /// @brief The runtime's handle of a stream given as a `cudaStream_t` ...
 inline cudaStream_t raw_stream(cudaStream_t s) noexcept { return s; }
 /// @brief ... or as an object with get() (`cuda::stream_ref`).
@@ -31,39 +28,10 @@ cudaStream_t raw_stream(S const& s) noexcept
 {
   return s.get();
 }
-
-
-/**
- * @brief The search of serve_step / serve given a `raft::resources` (after the rotation) on a
- * device-memory index: `run(res, index, queries, namespaces, k, params, out_ids, out_distances)`
- * with host views, as the host `inferscale::search` takes them after the index, on an index in
- * `index_space` memory (a `static constexpr memory_space`). Declared here only:
- * memory_device_index.cuh defines it for raft::resources and the types derived from it
- * (`memory_space::device`), so this header needs neither RAFT nor C++20.
- */
-template <class Resources, class = void>
-struct memory_index_search;
-
-/// @brief A search of the facade's serving path: `run(queries, namespaces, ids, distances)` (host
-/// views) on an index in `space` memory.
-template <class Run>
-struct index_search {
-  memory_space space;
-  Run run;
-};
-template <class Run>
-index_search<Run> make_index_search(memory_space space, Run run)
-{
-  return {space, std::move(run)};
-}
-
-/// @brief Whether `T` is a complete type here (memory_index_search<R>: its header included).
-template <class T, class = void>
-struct is_complete : std::false_type {};
-template <class T>
-struct is_complete<T, std::void_t<decltype(sizeof(T))>> : std::true_type {};
-
 }  // namespace detail
+
+// same_cache (one step, one cache): injection_batch.hpp. memory_index_search (the device index's
+// search) and the device_context carrying it: device_context.hpp.
 
 template <class ModelAdapter>
 void memory::set_instruction_prefix(ModelAdapter& model,
@@ -218,68 +186,55 @@ inline composition memory::prepare_unlocked(std::vector<std::uint64_t> const& fa
 template <class CacheAdapter, class Rotation>
 void memory::inject(composition const& plan, CacheAdapter& cache, Rotation const& rotation) const
 {
-  static_assert(is_cache_adapter_v<CacheAdapter>,
-                "memory::inject: CacheAdapter needs allocate(first_position, tokens), cache() and "
-                "commit(tokens) (see engine.hpp)");
-  // The model's range before the adapter allocates (run would refuse it only after).
-  rope_check_positions(rotation, plan.first_position, plan.length(), "memory::inject");
-  auto const read = locks_.read();
-  injection_batch step{store_};
-  step.add(plan, cache);
-  step.run(cache.cache(), rotation);
+  inject_plan<false>(plan, cache, rotation, nullptr);
 }
 
-template <class CacheAdapter, class Rotation, class Stream>
+template <class CacheAdapter, class Rotation>
 void memory::inject(composition const& plan,
                     CacheAdapter& cache,
                     Rotation const& rotation,
-                    injection_workspace& workspace,
-                    Stream stream) const
+                    device_context const& device) const
 {
-  // Found where memory.cuh (engine.cuh) is included: the call depends on the template arguments,
-  // so this header compiles without the CUDA toolkit. inject_memory_async is the one-request
-  // injection step run on the device (add(plan, cache), run(..., workspace, stream)), with its
-  // store-space and workspace checks made before the adapter allocates (the workspace's type is
-  // incomplete here).
+  inject_plan<true>(plan, cache, rotation, &device);
+}
+
+template <bool OnDevice, class CacheAdapter, class Rotation>
+void memory::inject_plan(composition const& plan,
+                         CacheAdapter& cache,
+                         Rotation const& rotation,
+                         device_context const* device) const
+{
+  static_assert(is_cache_adapter_v<CacheAdapter>,
+                "memory::inject: CacheAdapter needs allocate(first_position, tokens), cache() and "
+                "commit(tokens) (see engine.hpp)");
+  char const* const who = "memory::inject";
+  // Everything that can be refused without the adapter, before it allocates: the plan, the
+  // store's memory, the workspace, the model's range (run would refuse it only after).
+  INFERSCALE_EXPECTS(plan.length() > 0, std::string{who} + ": the plan is empty");
   auto const read = locks_.read();
-  inject_memory_async(store_, plan, cache, rotation, workspace, stream);
+  if constexpr (OnDevice) {
+    INFERSCALE_EXPECTS(device->workspace() != nullptr,
+                       std::string{who} +
+                         ": the device context has no injection workspace (a device store is "
+                         "injected through one: device_context{workspace, stream})");
+    // (the workspace's type named through Rotation: complete where inject.cuh is included)
+    using workspace_t = detail::dependent_t<injection_workspace, Rotation>;
+    require_device_store(
+      plan.length(), static_cast<workspace_t*>(device->workspace())->capacity(), who);
+  } else {
+    require_host_store(who);
+  }
+  rope_check_positions(rotation, plan.first_position, plan.length(), who);
+  injection_batch step{store_};
+  step.add(plan, cache);
+  if constexpr (OnDevice) {
+    step.run(cache.cache(), rotation, *device);
+  } else {
+    step.run(cache.cache(), rotation);
+  }
 }
 
-inline auto memory::host_index_search(std::uint32_t k) const
-{
-  return detail::make_index_search(memory_space::host,
-                                   [this, k](matrix_view<float const> queries,
-                                             cuda::std::span<std::uint64_t const> namespaces,
-                                             matrix_view<std::uint64_t> ids,
-                                             matrix_view<float> distances) {
-                                     inferscale::search<float>(index_,
-                                                               queries,
-                                                               namespaces,
-                                                               k,
-                                                               config_.search,
-                                                               ids,
-                                                               distances);
-                                   });
-}
-
-template <class Resources>
-auto memory::device_index_search(Resources const& res, std::uint32_t k) const
-{
-  using search_on = detail::memory_index_search<Resources>;
-  static_assert(detail::is_complete<search_on>::value,
-                "memory::serve_step / serve with a raft::resources after the rotation: include "
-                "<inferscale/memory_device_index.cuh> (nvcc, RAFT) and pass a raft::resources");
-  return detail::make_index_search(
-    search_on::index_space,
-    [this, &res, k](matrix_view<float const> queries,
-                    cuda::std::span<std::uint64_t const> namespaces,
-                    matrix_view<std::uint64_t> ids,
-                    matrix_view<float> distances) {
-      search_on::run(res, index_, queries, namespaces, k, config_.search, ids, distances);
-    });
-}
-
-template <class Embedder, class CacheAdapter, class Rotation, class... Device>
+template <bool OnDevice, class Embedder, class CacheAdapter, class Rotation>
 std::vector<memory_request> memory::serve_requests(
   Embedder& embedder,
   cuda::std::span<memory_step_request<CacheAdapter> const> requests,
@@ -287,12 +242,19 @@ std::vector<memory_request> memory::serve_requests(
   char const* who,
   bool name_requests,
   Rotation const& rotation,
-  Device&... device) const
+  device_context const* device) const
 {
-  auto const parts         = serving_parts(k, who, rotation, device...);
-  auto const& search_index = std::get<0>(parts);
-  auto const& check_tokens = std::get<1>(parts);
-  auto const& inject_batch = std::get<2>(parts);
+  // The device run is defined in inject.cuh (memory.cuh includes it). A unit without it may still
+  // serve with a context of resources alone (a device index, a host store: injected on the host,
+  // as the host tests do with a search of their own); a workspace is refused there, before any
+  // adapter allocates.
+  constexpr bool device_run_defined =
+    OnDevice && detail::is_complete<detail::dependent_t<injection_workspace, Rotation>>::value;
+  // Where each part runs: the search with the context's resources, the injection on the device
+  // with its workspace; each on the host without.
+  bool const context_search = device != nullptr && device->searches_index();
+  [[maybe_unused]] bool const device_inject = device != nullptr && device->workspace() != nullptr;
+  memory_space const search_space = context_search ? device->index_space() : memory_space::host;
   static_assert(is_embedder_v<Embedder>,
                 "memory::serve: Embedder needs dimension() and "
                 "embed(std::string const&) -> std::vector<float> (see memory.hpp)");
@@ -321,14 +283,15 @@ std::vector<memory_request> memory::serve_requests(
 
   // 1. Everything about the requests that needs no embedding: the index's memory, k, the
   // adapters, the namespaces.
-  INFERSCALE_EXPECTS(index_.space() == search_index.space,
+  INFERSCALE_EXPECTS(index_.space() == search_space,
                      std::string{who} + ": the index is in " + to_string(index_.space()) +
                        " memory; " +
-                       (search_index.space == memory_space::host
-                          ? "serve a device index with a raft::resources after the rotation, " +
-                              std::string{who} +
-                              "(embedder, ..., rotation, res) (memory_device_index.cuh)"
-                          : "serve a host index without the raft::resources"));
+                       (search_space == memory_space::host
+                          ? "serve a device index with a device_context holding its "
+                            "raft::resources, " + std::string{who} +
+                              "(..., rotation, device_context{res[, workspace, stream]}) "
+                              "(memory_device_index.cuh)"
+                          : "serve a host index with a device_context without raft::resources"));
   INFERSCALE_EXPECTS(k > 0, std::string{who} + ": k must be positive");
   if (n == 0) { return {}; }
   std::unordered_set<CacheAdapter const*> adapters;
@@ -385,10 +348,16 @@ std::vector<memory_request> memory::serve_requests(
   std::vector<float> distances(n * k);
   named(who, [&] {
     searches_.add();
-    search_index.run(make_matrix_view<float const>(queries.data(), rows, dim),
-                     cuda::std::span<std::uint64_t const>{namespaces.data(), n},
-                     make_matrix_view<std::uint64_t>(ids.data(), rows, k),
-                     make_matrix_view<float>(distances.data(), rows, k));
+    auto const query_view = make_matrix_view<float const>(queries.data(), rows, dim);
+    cuda::std::span<std::uint64_t const> const spaces{namespaces.data(), n};
+    auto const id_view       = make_matrix_view<std::uint64_t>(ids.data(), rows, k);
+    auto const distance_view = make_matrix_view<float>(distances.data(), rows, k);
+    if (context_search) {
+      device->search_index(index_, query_view, spaces, k, config_.search, id_view, distance_view);
+    } else {
+      inferscale::search<float>(
+        index_, query_view, spaces, k, config_.search, id_view, distance_view);
+    }
   });
 
   // 3. The plans.
@@ -410,7 +379,22 @@ std::vector<memory_request> memory::serve_requests(
     });
     tokens += out[i].plan.length();
   }
-  check_tokens(tokens);
+  // Before any adapter allocates: the store in the memory the injection reads, the workspace
+  // large enough.
+  if (device_inject) {
+    if constexpr (device_run_defined) {
+      // (the workspace's type named through Rotation: complete only where inject.cuh is)
+      using workspace_t = detail::dependent_t<injection_workspace, Rotation>;
+      require_device_store(tokens, static_cast<workspace_t*>(device->workspace())->capacity(), who);
+    } else {
+      INFERSCALE_EXPECTS(false,
+                         std::string{who} +
+                           ": a device_context with a workspace injects on the device: include "
+                           "<inferscale/memory.cuh> (nvcc)");
+    }
+  } else {
+    require_host_store(who);
+  }
 
   // 4. The slots, into one batch (a slot written twice anywhere in the step is refused here).
   injection_batch batch{store_};
@@ -428,75 +412,78 @@ std::vector<memory_request> memory::serve_requests(
 
   // 5. One injection (it checks the slots against the cache and the positions against the
   // rotation before it writes), then the commits.
-  named(who, [&] { inject_batch(batch, requests[0].cache->cache()); });
+  named(who, [&] {
+    paged_kv_cache const& cache = requests[0].cache->cache();
+    if constexpr (device_run_defined) {
+      if (device_inject) {
+        batch.run(cache, rotation, *device);
+        return;
+      }
+    }
+    batch.run(cache, rotation);
+  });
   for (std::size_t i = 0; i < n; ++i) {
     requests[i].cache->commit(out[i].plan.length());
   }
   return out;
 }
 
-template <class Rotation, class... Device>
-auto memory::serving_parts(std::uint32_t k,
-                           char const* who,
-                           Rotation const& rotation,
-                           Device&... device) const
-{
-  constexpr std::size_t n = sizeof...(Device);
-  static_assert(n <= 3,
-                "memory::serve / serve_step: after the rotation come nothing (host), `workspace, "
-                "stream` (a device store), `res` (a device index) or `res, workspace, stream`");
-  auto const args = std::forward_as_tuple(device...);
-  // `res` first where there is one (1 or 3 arguments): the device search; else the host's.
-  auto search = [&] {
-    if constexpr (n % 2 == 1) {
-      return device_index_search(std::get<0>(args), k);
-    } else {
-      return host_index_search(k);
-    }
-  }();
-  if constexpr (n >= 2) {  // `workspace, stream` last: a device store, injected on `stream`
-    auto& ws    = std::get<n - 2>(args);
-    auto stream = std::get<n - 1>(args);
-    static_assert(std::is_same_v<std::decay_t<decltype(ws)>, injection_workspace>,
-                  "memory::serve / serve_step: a device store is served with `workspace, stream` "
-                  "(an injection_workspace and a cudaStream_t) after the rotation");
-    return std::make_tuple(
-      std::move(search),
-      [this, &ws, who](std::int64_t tokens) { require_device_store(tokens, ws.capacity(), who); },
-      [&rotation, &ws, stream](injection_batch& batch, paged_kv_cache const& cache) {
-        // Defined in inject.cuh (memory.cuh includes it): instantiated only there, so this
-        // header compiles without the CUDA toolkit.
-        batch.run(cache, rotation, ws, stream);
-      });
-  } else {
-    return std::make_tuple(
-      std::move(search),
-      [this, who](std::int64_t) { require_host_store(who); },
-      [&rotation](injection_batch& batch, paged_kv_cache const& cache) {
-        batch.run(cache, rotation);
-      });
-  }
-}
-
-template <class Embedder, class CacheAdapter, class Rotation, class... Device>
+template <class Embedder, class CacheAdapter, class Rotation>
 std::vector<memory_request> memory::serve_step(
   Embedder& embedder,
   std::vector<memory_step_request<CacheAdapter>> const& requests,
   std::uint32_t k,
-  Rotation const& rotation,
-  Device&&... device) const
+  Rotation const& rotation) const
 {
-  return serve_requests(
+  return serve_requests<false>(
     embedder,
     cuda::std::span<memory_step_request<CacheAdapter> const>{requests.data(), requests.size()},
     k,
     "memory::serve_step",
     true,
     rotation,
-    device...);
+    nullptr);
 }
 
-template <class Embedder, class CacheAdapter, class Rotation, class... Device>
+template <class Embedder, class CacheAdapter, class Rotation>
+std::vector<memory_request> memory::serve_step(
+  Embedder& embedder,
+  std::vector<memory_step_request<CacheAdapter>> const& requests,
+  std::uint32_t k,
+  Rotation const& rotation,
+  device_context const& device) const
+{
+  return serve_requests<true>(
+    embedder,
+    cuda::std::span<memory_step_request<CacheAdapter> const>{requests.data(), requests.size()},
+    k,
+    "memory::serve_step",
+    true,
+    rotation,
+    &device);
+}
+
+template <class Embedder, class CacheAdapter, class Rotation>
+memory_request memory::serve(Embedder& embedder,
+                             std::uint64_t ns,
+                             std::string const& query,
+                             std::uint32_t k,
+                             std::int64_t first_position,
+                             CacheAdapter& cache,
+                             Rotation const& rotation) const
+{
+  memory_step_request<CacheAdapter> const one{ns, query, first_position, &cache};
+  return std::move(serve_requests<false>(
+    embedder,
+    cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
+    k,
+    "memory::serve",
+    false,
+    rotation,
+    nullptr)[0]);
+}
+
+template <class Embedder, class CacheAdapter, class Rotation>
 memory_request memory::serve(Embedder& embedder,
                              std::uint64_t ns,
                              std::string const& query,
@@ -504,23 +491,25 @@ memory_request memory::serve(Embedder& embedder,
                              std::int64_t first_position,
                              CacheAdapter& cache,
                              Rotation const& rotation,
-                             Device&&... device) const
+                             device_context const& device) const
 {
   memory_step_request<CacheAdapter> const one{ns, query, first_position, &cache};
-  return std::move(serve_requests(embedder,
-                                  cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
-                                  k,
-                                  "memory::serve",
-                                  false,
-                                  rotation,
-                                  device...)[0]);
+  return std::move(serve_requests<true>(
+    embedder,
+    cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
+    k,
+    "memory::serve",
+    false,
+    rotation,
+    &device)[0]);
 }
 
 inline void memory::require_host_store(char const* who) const
 {
   INFERSCALE_EXPECTS(store_.space() == memory_space::host,
                      std::string{who} + ": the store's pool is in " + to_string(store_.space()) +
-                       " memory; serve a device store with a workspace and a stream (memory.cuh)");
+                       " memory; serve a device store with a device_context{workspace, stream} "
+                       "(memory.cuh)");
 }
 
 inline void memory::require_device_store(std::int64_t tokens,
@@ -530,7 +519,7 @@ inline void memory::require_device_store(std::int64_t tokens,
   INFERSCALE_EXPECTS(store_.space() == memory_space::device,
                      std::string{who} + ": the store's pool is in " + to_string(store_.space()) +
                        " memory, the device backend reads device memory (serve a host store "
-                       "without a workspace and a stream)");
+                       "with a device_context without a workspace, or without one)");
   INFERSCALE_EXPECTS(tokens <= capacity,
                      std::string{who} + ": the memory segments hold " +
                        detail::count_of(tokens, "token") + ", the workspace holds " +

@@ -1,6 +1,6 @@
 /**
  * @file detail/tier/inject_host.inl
- * @brief Definition for tier.hpp, the host backend of tiered injection (inject_tiered_host).
+ * @brief Definition for tier.hpp, the host run of a tiered step (tiered_store::run).
  */
 #pragma once
 
@@ -10,15 +10,15 @@
 namespace inferscale {
 
 template <class Rotation>
-void inject_tiered_host(tiered_store& tiers,
-                        tier_request& request,
-                        injection_batch const& batch,
-                        paged_kv_cache const& cache,
-                        Rotation const& rotation,
-                        tier_host_order order)
+void tiered_store::run(tier_request& request,
+                       injection_batch const& batch,
+                       paged_kv_cache const& cache,
+                       Rotation const& rotation,
+                       tier_host_order order)
 {
-  char const* const who = "inject_tiered_host";
-  kv_store const& store = tiers.device_tier();
+  char const* const who = "tiered_store::run";
+  kv_store const& store = device_;
+  tiered_store& tiers   = *this;
   INFERSCALE_EXPECTS(batch.num_pending_commits() == 0,
                      std::string{who} + ": the batch holds cache adapters, which commit only "
                                         "through injection_batch::run");

@@ -189,7 +189,7 @@ inline void tiered_store::wait_device()
   if (config_.device.space != memory_space::device) { return; }
   // The tier's own device work, not the whole device: the last staging's copies (one event per
   // layer, recorded in order on the copy stream) and the compute-stream mark, recorded by
-  // stage_async and again after the last launch of inject_tiered_async (mark_injected). An
+  // stage_async and again after the last launch of the device run (mark_injected). An
   // event never recorded completes at once.
   for (cudaEvent_t e : copy_done_) {
     if (e) { INFERSCALE_CUDA_TRY(cudaEventSynchronize(e)); }

@@ -87,13 +87,8 @@ int main()
   try {
     toy_model model;
     word_embedder embedder;
-    int failures = 0;
-    auto expect  = [&](bool ok, std::string const& what) {
-      if (!ok) {
-        ++failures;
-        std::fprintf(stderr, "example_gpu_seam: FAILED: %s\n", what.c_str());
-      }
-    };
+    checks check{"example_gpu_seam"};
+    auto expect = [&](bool ok, std::string const& what) { check.expect(ok, what); };
     struct ask {
       std::uint64_t user;
       std::string question;
@@ -129,7 +124,7 @@ int main()
       expect(host_layers[static_cast<std::size_t>(l)] != blank,
              "the host step wrote layer " + std::to_string(l));
     }
-    if (failures > 0) { return 1; }
+    if (!check.passed()) { return 1; }
 
     int devices = 0;
     if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
@@ -180,7 +175,7 @@ int main()
              "layer " + std::to_string(l) + " of the device cache equals the host step's bytes");
     }
     INFERSCALE_CUDA_TRY(cudaStreamDestroy(engine_stream));
-    if (failures > 0) { return 1; }
+    if (!check.passed()) { return 1; }
     std::printf("example_gpu_seam: %zu requests served in one step on the device; the cache "
                 "equals the host step's, byte for byte\n",
                 admitted.size());

@@ -26,14 +26,8 @@ using namespace toy;
 
 namespace {
 
-int failures = 0;
-void expect(bool ok, std::string const& what)
-{
-  if (!ok) {
-    ++failures;
-    if (failures <= 10) { std::fprintf(stderr, "example_memory_cpu: FAILED: %s\n", what.c_str()); }
-  }
-}
+checks check{"example_memory_cpu"};
+void expect(bool ok, std::string const& what) { check.expect(ok, what); }
 
 }  // namespace
 
@@ -152,10 +146,7 @@ int main()
                 static_cast<unsigned long long>(got.fact_ids.at(1)),
                 static_cast<long long>(got.plan.length()),
                 static_cast<long long>(got.plan.length()));
-    if (failures > 0) {
-      std::fprintf(stderr, "example_memory_cpu: %d checks failed\n", failures);
-      return 1;
-    }
+    if (!check.passed()) { return 1; }
     std::printf("example_memory_cpu: every check passed\n");
     return 0;
   } catch (std::exception const& e) {

@@ -33,16 +33,8 @@ using namespace toy;
 
 namespace {
 
-int failures = 0;
-void expect(bool ok, std::string const& what)
-{
-  if (!ok) {
-    ++failures;
-    if (failures <= 10) {
-      std::fprintf(stderr, "example_snapshot_tiers: FAILED: %s\n", what.c_str());
-    }
-  }
-}
+checks check{"example_snapshot_tiers"};
+void expect(bool ok, std::string const& what) { check.expect(ok, what); }
 
 /// An engine cache: one float32 tensor per layer, every element -100 at first.
 struct toy_cache {
@@ -242,10 +234,7 @@ int main()
     expect(restarted_cache.layers == plain_again.layers,
            "the restarted tiers write the plain store's bytes");
 
-    if (failures > 0) {
-      std::fprintf(stderr, "example_snapshot_tiers: %d checks failed\n", failures);
-      return 1;
-    }
+    if (!check.passed()) { return 1; }
     std::printf("example_snapshot_tiers: the restarted memory served facts %llu, %llu into the "
                 "same cache bytes; tiered requests (staging, an eviction, a restart from the tier "
                 "snapshot) wrote the plain store's bytes; every check passed\n",

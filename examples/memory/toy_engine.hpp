@@ -18,6 +18,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
@@ -170,6 +171,24 @@ struct paged_sequence {
   }
   paged_kv_cache const& cache() const { return *cache_; }
   void commit(std::int64_t tokens) { computed_tokens += tokens; }
+};
+
+/// An example's own checks: each failed one counted, the first ten printed under the example's
+/// name; `passed()` says whether the program may exit 0.
+struct checks {
+  char const* program;
+  int failures{0};
+
+  void expect(bool ok, std::string const& what)
+  {
+    if (ok) { return; }
+    if (++failures <= 10) { std::fprintf(stderr, "%s: FAILED: %s\n", program, what.c_str()); }
+  }
+  bool passed() const
+  {
+    if (failures > 0) { std::fprintf(stderr, "%s: %d checks failed\n", program, failures); }
+    return failures == 0;
+  }
 };
 
 }  // namespace toy

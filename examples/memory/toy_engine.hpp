@@ -171,6 +171,9 @@ struct paged_sequence {
   }
   paged_kv_cache const& cache() const { return *cache_; }
   void commit(std::int64_t tokens) { computed_tokens += tokens; }
+  /// A failed step: the slots were the sequence's own blocks and nothing was staged, so there is
+  /// nothing to give back (an engine that reserves blocks per step frees them here).
+  void release(std::int64_t) noexcept {}
 };
 
 /// An example's own checks: each failed one counted, the first ten printed under the example's

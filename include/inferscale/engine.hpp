@@ -17,7 +17,8 @@
  *   `step.add(plan, cache_adapter)` calls `cache_adapter.allocate(p0, m)`;
  * - the memory is written into those slots: `start_load_kv` / `wait_for_layer_load`;
  *   `step.run(cache_adapter.cache(), rotation)` (host) or `step.run(cache_adapter.cache(),
- *   rotation, device)` with a device_context (device);
+ *   rotation, device)` with a device_context (device); a failed step calls
+ *   `cache_adapter.release(m)` instead of commit (its slots given back);
  * - the engine adopts them as computed: the scheduler counts them as `num_computed_tokens`; the
  *   run calls `cache_adapter.commit(m)`;
  * - the engine prefills only the rest: the normal prefill of the query, in both.
@@ -68,7 +69,12 @@
  *    slots for the sequence's next `tokens` tokens at positions `first_position ..` (staged: the
  *    engine does not see them before commit);
  *  - `paged_kv_cache const& C::cache() const` — the cache the slots address;
- *  - `void C::commit(std::int64_t tokens)` — the engine adopts the staged tokens as its prefix.
+ *  - `void C::commit(std::int64_t tokens)` — the engine adopts the staged tokens as its prefix;
+ *  - `void C::release(std::int64_t tokens)` — the engine frees the `tokens` slots the last
+ *    allocate() staged, uncommitted: the library calls it instead of commit when the step fails
+ *    after allocate() (a refused add or run, a failed launch, another request of the step
+ *    refused), so a failed step leaves the sequence as it was. It must not throw (the library
+ *    drops what it throws: the step's own error reaches the caller).
  *
  * Capture without a hook: prefill the text normally and read the token range back from the
  * engine's cache with extract_host (extract.hpp) / extract (inject.cuh), which de-rotate the keys.

@@ -387,14 +387,16 @@ void injection_batch::run(paged_kv_cache const& cache,
                           Rotation const& rotation,
                           device_context const& device)
 {
-  char const* const who = "injection_batch::run";
-  INFERSCALE_EXPECTS(device.workspace() != nullptr,
-                     std::string{who} +
-                       ": the device context has no injection workspace (the device run stages "
-                       "the step's arrays through one: device_context{workspace, stream})");
-  detail::inject_batch_device<StoreT, CacheT>(
-    store(), *this, cache, rotation, *device.workspace(), device.stream(), who);
-  commit_pending();
+  run_and_commit([&] {
+    char const* const who = "injection_batch::run";
+    INFERSCALE_EXPECTS(device.workspace() != nullptr,
+                       std::string{who} +
+                         ": the device context has no injection workspace (the device run "
+                         "stages the step's arrays through one: device_context{workspace, "
+                         "stream})");
+    detail::inject_batch_device<StoreT, CacheT>(
+      store(), *this, cache, rotation, *device.workspace(), device.stream(), who);
+  });
 }
 
 /**

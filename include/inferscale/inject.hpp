@@ -42,8 +42,8 @@ void inject_batch_host(kv_store const& store,
 template <class Rotation>
 void injection_batch::run(paged_kv_cache const& cache, Rotation const& rotation)
 {
-  detail::inject_batch_host(store(), *this, cache, rotation, "injection_batch::run");
-  commit_pending();
+  run_and_commit(
+    [&] { detail::inject_batch_host(store(), *this, cache, rotation, "injection_batch::run"); });
 }
 
 }  // namespace inferscale

@@ -128,7 +128,8 @@ struct is_cache_adapter<
   C,
   std::void_t<decltype(std::declval<C&>().allocate(std::int64_t{}, std::int64_t{})),
               decltype(std::declval<C const&>().cache()),
-              decltype(std::declval<C&>().commit(std::int64_t{}))>>
+              decltype(std::declval<C&>().commit(std::int64_t{})),
+              decltype(std::declval<C&>().release(std::int64_t{}))>>
   : std::conjunction<
       std::is_convertible<decltype(std::declval<C&>().allocate(std::int64_t{}, std::int64_t{})),
                           std::vector<std::int64_t>>,
@@ -154,8 +155,8 @@ inline bool same_cache(paged_kv_cache const& a, paged_kv_cache const& b) noexcep
 }
 }  // namespace detail
 
-/// @brief True when C provides allocate(p0, n), cache() and commit(n) (a paged-cache adapter,
-/// engine.hpp).
+/// @brief True when C provides allocate(p0, n), cache(), commit(n) and release(n) (a paged-cache
+/// adapter, engine.hpp).
 template <class C>
 inline constexpr bool is_cache_adapter_v = detail::is_cache_adapter<C>::value;
 
@@ -167,8 +168,11 @@ inline constexpr bool is_cache_adapter_v = detail::is_cache_adapter<C>::value;
  * A step is tied to the store state it was planned against: running it after the store changed
  * (insert, erase) is refused, since pages may have been reused. A step that names its cache (a
  * block table or a cache adapter was added) runs only into that cache. Every refusal, at add or
- * at run, leaves the step, the store, the cache and the adapters as they were (except that an
- * adapter whose add was refused after its allocate() keeps that staged, uncommitted allocation).
+ * at run, leaves the store and the cache as they were, and gives every slot an adapter allocated
+ * for it back: an add refused after the adapter's allocate() calls its release(m) and leaves the
+ * step unchanged; a run refused (or failed) in a step holding adapters calls release(m) of each
+ * and empties the step (clear(): plan it again), since its tokens name the released slots. A
+ * refused run in a step without adapters leaves the step as it was.
  * A copy of a step holding adapters holds them too: run only one of the two (each run commits).
  */
 class injection_batch {
@@ -252,11 +256,13 @@ class injection_batch {
    * @brief Adds a request through a paged-cache adapter (engine.hpp): `adapter.allocate(p0, m)`
    * gives the slots of the plan's `m` tokens at its positions, the step targets
    * `adapter.cache()`, and a successful run() calls `adapter.commit(m)` (the engine adopts the
-   * tokens as the sequence's prefix). The adapter must outlive the run.
+   * tokens as the sequence's prefix); a failed run calls `adapter.release(m)` instead. The adapter
+   * must outlive the run.
    * @throw logic_error if the plan is empty, the step targets another cache than the adapter's
    *        or its positions reach rope_position_limit (all before allocate()), the adapter
    *        allocates other than `m` slots, or as add(plan, slot_mapping); nothing is committed
-   *        then, and the step is unchanged. Whatever the adapter throws.
+   *        then, and the step is unchanged (a refusal after allocate() calls `release(m)` first).
+   *        Whatever the adapter's allocate throws.
    * @note The model's range is checked at run, after allocate(): call
    *       `rope_check_positions(rotation, plan.first_position, plan.length())` first to refuse
    *       before the adapter allocates (memory::inject does).
@@ -271,17 +277,24 @@ class injection_batch {
     check_target(cache, who);
     check_plan_positions(plan, who);
     std::vector<std::int64_t> const slots = adapter.allocate(plan.first_position, plan.length());
-    INFERSCALE_EXPECTS(static_cast<std::int64_t>(slots.size()) == plan.length(),
-                       std::string{who} + ": the cache adapter allocated " +
-                         detail::count_of(static_cast<std::int64_t>(slots.size()), "slot") +
-                         " for " + detail::count_of(plan.length(), "token"));
-    pending_.reserve(pending_.size() + 1);  // the only allocation after the add: before it
-    add_slots(plan, slots, who);
-    target(cache);
-    pending_.push_back(pending_commit{
+    pending_commit const pending{
       static_cast<void*>(&adapter),
       [](void* a, std::int64_t tokens) { static_cast<CacheAdapter*>(a)->commit(tokens); },
-      plan.length()});
+      [](void* a, std::int64_t tokens) { static_cast<CacheAdapter*>(a)->release(tokens); },
+      plan.length()};
+    try {
+      INFERSCALE_EXPECTS(static_cast<std::int64_t>(slots.size()) == plan.length(),
+                         std::string{who} + ": the cache adapter allocated " +
+                           detail::count_of(static_cast<std::int64_t>(slots.size()), "slot") +
+                           " for " + detail::count_of(plan.length(), "token"));
+      pending_.reserve(pending_.size() + 1);  // the only allocation after the add: before it
+      add_slots(plan, slots, who);
+    } catch (...) {
+      release_one(pending);
+      throw;
+    }
+    target(cache);
+    pending_.push_back(pending);
   }
 
   /**
@@ -293,8 +306,8 @@ class injection_batch {
    * @throw logic_error if the step is stale, the store is not in host memory, the step targets
    *        another cache, geometries differ, a slot is beyond the cache or a position beyond the
    *        table or the model's range (rope_params::max_position, unless
-   *        rope_params::allow_beyond_max_position); nothing is written or committed then.
-   *        Whatever an adapter's commit throws.
+   *        rope_params::allow_beyond_max_position); nothing is written or committed then, and the
+   *        adapters' slots are released (release_pending). Whatever an adapter's commit throws.
    * @note Defined in inject.hpp (include it).
    */
   template <class Rotation>
@@ -309,6 +322,7 @@ class injection_batch {
    * workspace's counters (injection_workspace::read_errors).
    * @throw logic_error as the host run, if the context has no workspace, or if the step exceeds
    *        the workspace (nothing staged, launched or committed); cuda_error on a CUDA failure.
+   *        Either way the adapters' slots are released (release_pending).
    * @note Defined in inject.cuh (include it; nvcc). Never waits for the kernel; staging may wait
    *       for the workspace's previous staging copy.
    */
@@ -390,9 +404,51 @@ class injection_batch {
   struct pending_commit {
     void* adapter;
     void (*commit)(void*, std::int64_t);
+    void (*release)(void*, std::int64_t);
     std::int64_t tokens;
   };
+
+  static void release_one(pending_commit const& p) noexcept
+  {
+    try {
+      p.release(p.adapter, p.tokens);
+    } catch (...) {
+      // The step's own error is what the caller gets (the contract: release does not throw).
+    }
+  }
   std::vector<pending_commit> pending_;
+
+  /**
+   * @brief After a failed run: calls `release(m)` of every adapter added and not committed, in
+   * order, then empties the step (clear()) when it held any, since its tokens name the released
+   * slots. A step without adapters is left as it was. Each adapter is released once; a release
+   * that throws does not stop the others (its exception is dropped: the run's own error is the
+   * one the caller gets).
+   */
+  void release_pending()
+  {
+    if (pending_.empty()) { return; }
+    std::vector<pending_commit> pending;
+    pending.swap(pending_);
+    for (pending_commit const& p : pending) {
+      release_one(p);
+    }
+    clear();
+  }
+
+  /// @brief Runs `write` (a run's checks and writes), then commits the adapters; if `write`
+  /// throws, releases them (release_pending) and rethrows.
+  template <class Write>
+  void run_and_commit(Write&& write)
+  {
+    try {
+      write();
+    } catch (...) {
+      release_pending();
+      throw;
+    }
+    commit_pending();
+  }
 
   void target(paged_kv_cache const& cache) noexcept
   {

@@ -228,7 +228,9 @@ class memory {
    *
    * All checks come before anything is written or committed: a refused step names the request
    * ("memory::serve_step: request 3 (namespace 9): ...") and leaves the store, the index, the
-   * cache and every adapter's sequence unchanged (adapters may have staged slots; none commits).
+   * cache and every adapter's sequence unchanged: none commits, and each adapter that allocated
+   * slots for the step gets them back (`release(m)`, engine.hpp) before the error reaches the
+   * caller.
    * @param requests one per sequence of the step; their adapters are distinct and address one
    *                 cache (the engine's: equal cache() descriptors); none null
    * @param k        facts per request (one search: one `k` for the step)

@@ -153,6 +153,7 @@ struct host_cache {
   }
   inferscale::paged_kv_cache const& cache() const { return cache_; }
   void commit(std::int64_t n) { committed.push_back(n); }
+  void release(std::int64_t n) noexcept { released.push_back(n); }
   /// V element `d` of slot `slot` in layer `layer`.
   float value(std::int64_t layer, std::int64_t slot, std::int64_t d) const
   {
@@ -165,31 +166,36 @@ struct host_cache {
   inferscale::paged_kv_cache cache_{};
   std::int64_t first{-1};
   std::vector<std::int64_t> committed;
+  std::vector<std::int64_t> released;  ///< release(n) calls: a failed step's slots given back
 };
 
 /// One sequence of a step, over a cache shared by the step's sequences (`shared`'s):
 /// allocate(p0, n) hands out the first n of `slots` (fewer when it has fewer), or throws when
-/// `fail` is set; what it was asked and committed is recorded.
+/// `fail` is set; what it was asked, committed and released is recorded.
 struct sequence_adapter {
   host_cache* shared{};
   std::vector<std::int64_t> slots;
   bool fail{false};
   std::int64_t allocated_at{-1};
+  std::vector<std::int64_t> allocated;  ///< n of each allocate(p0, n) that returned slots
   std::vector<std::int64_t> committed;
+  std::vector<std::int64_t> released;
 
   std::vector<std::int64_t> allocate(std::int64_t p0, std::int64_t n)
   {
     allocated_at = p0;
     if (fail) { throw std::runtime_error("fake adapter failure"); }
+    allocated.push_back(n);
     auto const given = std::min<std::size_t>(static_cast<std::size_t>(n), slots.size());
     return {slots.begin(), slots.begin() + static_cast<std::ptrdiff_t>(given)};
   }
   inferscale::paged_kv_cache const& cache() const { return shared->cache(); }
   void commit(std::int64_t n) { committed.push_back(n); }
+  void release(std::int64_t n) noexcept { released.push_back(n); }
 };
 
 /// A paged-cache adapter over any cache descriptor (a device cache too): allocate(p0, n) hands
-/// out the first n - short_by of `slots`; what it was asked and committed is recorded.
+/// out the first n - short_by of `slots`; what it was asked, committed and released is recorded.
 struct slot_adapter {
   slot_adapter(inferscale::paged_kv_cache const& cache, std::vector<std::int64_t> given)
     : desc{cache}, slots{std::move(given)}
@@ -201,6 +207,7 @@ struct slot_adapter {
   std::int64_t short_by{0};
   std::int64_t allocated_at{-1};
   std::vector<std::int64_t> committed;
+  std::vector<std::int64_t> released;
 
   std::vector<std::int64_t> allocate(std::int64_t first_position, std::int64_t tokens)
   {
@@ -209,6 +216,7 @@ struct slot_adapter {
   }
   inferscale::paged_kv_cache const& cache() const { return desc; }
   void commit(std::int64_t tokens) { committed.push_back(tokens); }
+  void release(std::int64_t tokens) noexcept { released.push_back(tokens); }
 };
 
 /// One request of a test's serve step: the user's namespace, the query text, the first position.

@@ -124,16 +124,26 @@ struct fake_cache {
   }
   paged_kv_cache const& cache() const { return cache_; }
   void commit(std::int64_t tokens) { committed.push_back(tokens); }
+  void release(std::int64_t tokens) noexcept { released.push_back(tokens); }
 
   std::vector<float> data;
   paged_kv_cache cache_{};
   std::int64_t allocated_at{-1};
   std::int64_t short_by{0};
   std::vector<std::int64_t> committed;
+  std::vector<std::int64_t> released;
 };
 
 struct not_an_adapter {
   int geometry() const { return 0; }
+};
+
+/// allocate, cache and commit without release: a failed step could not give its slots back.
+struct no_release {
+  std::vector<std::int64_t> allocate(std::int64_t, std::int64_t) { return {}; }
+  paged_kv_cache const& cache() const { return cache_; }
+  void commit(std::int64_t) {}
+  paged_kv_cache cache_{};
 };
 
 }  // namespace
@@ -142,6 +152,7 @@ static_assert(is_model_adapter_v<fake_model>);
 static_assert(is_cache_adapter_v<fake_cache>);
 static_assert(!is_model_adapter_v<not_an_adapter>);
 static_assert(!is_cache_adapter_v<not_an_adapter>);
+static_assert(!is_cache_adapter_v<no_release>);
 
 TEST_CASE("kv_capture: rows land where written, completeness is tracked, refusals change nothing",
           "[engine]")
@@ -523,6 +534,7 @@ TEST_CASE(
   inject(model.rotation());
   CHECK(cache.allocated_at == 40);
   CHECK(cache.committed == std::vector<std::int64_t>{3});
+  CHECK(cache.released.empty());
   // Token j went to slot 15 - j at position 40 + j: K rotated (adjacent... halves here: pairs
   // (0, 2), (1, 3) with inv_freq 1 and 1e-2 for theta 1e4, head_dim 4), V copied.
   for (int j = 0; j < 3; ++j) {
@@ -544,16 +556,19 @@ TEST_CASE(
       }
     }
   }
-  // Too few slots: refused before anything is written or committed.
+  // Too few slots: refused before anything is written or committed; the 2 slots the adapter
+  // handed out for the plan's 3 tokens are given back (release of the 3 it was asked for).
   std::vector<float> const before = cache.data;
   cache.short_by                  = 1;
-  CHECK_THROWS_AS(inject(model.rotation()), logic_error);
+  CHECK_THROWS_WITH(inject(model.rotation()),
+                    Catch::Matchers::Contains("the cache adapter allocated 2 slots for 3 tokens"));
   CHECK(cache.data == before);
   CHECK(cache.committed.size() == 1);
+  CHECK(cache.released == std::vector<std::int64_t>{3});
 
   // Beyond the model's range (positions 40 .. 42, max_position 42): the run refuses it naming the
   // position and the range, after the adapter allocated, before anything is written or
-  // committed; the opt-in accepts it.
+  // committed, and the adapter's slots are released; the opt-in accepts it.
   cache.short_by      = 0;
   cache.allocated_at  = -1;
   rope_params ranged  = model.rotation();
@@ -561,8 +576,10 @@ TEST_CASE(
   CHECK_THROWS_WITH(inject(ranged),
                     Catch::Matchers::Contains("injection_batch::run: position 42 is beyond the "
                                               "model's range (max_position 42"));
+  CHECK(cache.allocated_at == 40);
   CHECK(cache.data == before);
   CHECK(cache.committed.size() == 1);
+  CHECK(cache.released == (std::vector<std::int64_t>{3, 3}));
   ranged.max_position = 43;  // the boundary: the last position 42 is the last allowed
   CHECK_NOTHROW(inject(ranged));
   CHECK(cache.allocated_at == 40);
@@ -571,6 +588,7 @@ TEST_CASE(
   ranged.allow_beyond_max_position = true;
   CHECK_NOTHROW(inject(ranged));
   CHECK(cache.committed.size() == 3);
+  CHECK(cache.released.size() == 2);  // the successful steps released nothing
 }
 
 TEST_CASE("fused multiply-add rotation: fma(x, c, -(y s)), fma(x, s, y c) on a flagged table",

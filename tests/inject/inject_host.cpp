@@ -1068,6 +1068,7 @@ struct recording_adapter {
   std::int64_t allocations{0};
   std::int64_t commits{0};
   std::int64_t committed_tokens{0};
+  std::vector<std::int64_t> released{};  // release(m) calls, in order
 
   std::vector<std::int64_t> allocate(std::int64_t, std::int64_t)
   {
@@ -1080,6 +1081,7 @@ struct recording_adapter {
     ++commits;
     committed_tokens += tokens;
   }
+  void release(std::int64_t tokens) noexcept { released.push_back(tokens); }
 };
 static_assert(is_cache_adapter_v<recording_adapter>);
 }  // namespace
@@ -1176,6 +1178,11 @@ TEST_CASE("an injection step planned three ways runs on the host as the referenc
     composition empty;
     REQUIRE_THROWS_WITH(step.add(empty, taken), Contains("the plan is empty"));
     REQUIRE(taken.allocations == 1);
+    // Each adapter refused after its allocate() got its 3 slots back; the step's own is untouched.
+    REQUIRE(other.released.empty());
+    REQUIRE(short_one.released == std::vector<std::int64_t>{3});
+    REQUIRE(taken.released == std::vector<std::int64_t>{3});
+    REQUIRE(adapter.released.empty());
     REQUIRE(step.num_requests() == 3);
     REQUIRE(step.num_tokens() == 16);
     REQUIRE(step.num_pending_commits() == 1);
@@ -1191,28 +1198,38 @@ TEST_CASE("an injection step planned three ways runs on the host as the referenc
     place(writes, f3, 0, 4, 100, {28, 29, 30, 31});
     check_cache(a, before, writes, rope, dtype::float32);
   }
-  SECTION("a refused run writes nothing and commits nothing")
+  SECTION("a refused run writes nothing, commits nothing and gives the adapter's slots back")
   {
     state const sa = snapshot(a, store), sb = snapshot(b, store);
     // Another cache than the one the block table and the adapter name.
     REQUIRE_THROWS_WITH(step.run(desc_b, params), Contains("targets another cache"));
-    // A rotation for another head_dim.
-    ref_rope const wide{2 * D, 2 * D, 10000.0, false, true};
-    REQUIRE_THROWS_AS(step.run(desc_a, wide.params()), logic_error);
     REQUIRE(snapshot(a, store) == sa);
     REQUIRE(snapshot(b, store) == sb);
     REQUIRE(adapter.commits == 0);
-    // The store changed since the step was planned: refused, still uncommitted.
+    // The adapter's 4 slots are released once, and the step, whose tokens named them, is empty.
+    REQUIRE(adapter.released == std::vector<std::int64_t>{4});
+    REQUIRE(step.num_pending_commits() == 0);
+    REQUIRE(step.num_requests() == 0);
+    REQUIRE(step.num_tokens() == 0);
+
+    // A step without adapters, refused (a rotation for another head_dim), is kept as planned.
+    ref_rope const wide{2 * D, 2 * D, 10000.0, false, true};
+    step.add(r0, s0);
+    REQUIRE_THROWS_AS(step.run(desc_a, wide.params()), logic_error);
+    REQUIRE(snapshot(a, store) == sa);
+    REQUIRE(step.num_tokens() == 5);
+    // Planned again with an adapter: the store changed since, refused; released again.
+    step.add(r2, adapter);
+    REQUIRE(adapter.allocations == 2);
     fact_data const f9(9, L, 2, H, D, 19);
     f9.insert_into(store);
     state const changed = snapshot(a, store);
     REQUIRE_THROWS_WITH(step.run(desc_a, params), Contains("the store changed"));
     REQUIRE(snapshot(a, store) == changed);
     REQUIRE(adapter.commits == 0);
-    REQUIRE(step.num_pending_commits() == 1);
-    // clear() drops the uncommitted adapter and the target: the step runs into b now.
-    step.clear();
+    REQUIRE(adapter.released == (std::vector<std::int64_t>{4, 4}));
     REQUIRE(step.num_pending_commits() == 0);
+    // The emptied step targets no cache: it runs into b now.
     step.add(compose(store, {9}, at(3)), std::vector<std::int64_t>{6, 7});
     step.run(desc_b, params);
     REQUIRE(adapter.commits == 0);
@@ -1284,8 +1301,11 @@ TEST_CASE(
     REQUIRE(adapter.allocations == 0);
     injection_batch step(store);
     step.add(plan, adapter);
+    REQUIRE(adapter.allocations == 1);
     REQUIRE_THROWS_WITH(step.run(desc, ranged), Contains("position 100 is beyond"));
     REQUIRE(adapter.commits == 0);
+    REQUIRE(adapter.released == std::vector<std::int64_t>{m});  // its slots given back
+    REQUIRE(step.num_pending_commits() == 0);
     REQUIRE(storage_bytes(c) == before);
   }
   SECTION("near INT64_MAX: refused by add whatever the opt-in, before the adapter allocates")

@@ -422,15 +422,29 @@ TEST_CASE("memory: a refused step leaves the store, the index, the cache and eve
   }
 
   // `what` names the request; `why` (if given) is the refusal of the call it was refused by.
+  // `allocated`: how many of the step's first requests got slots from their adapter before the
+  // refusal; each of them must have been given its slots back (release of the m it asked for),
+  // and no other adapter asked to release anything.
   auto refused = [&](std::vector<memory_step_request<sequence_adapter>> const& requests,
-                     std::uint32_t k, char const* what, bool searched, char const* why = "") {
+                     std::uint32_t k, char const* what, bool searched, char const* why = "",
+                     std::size_t allocated = 0) {
     std::uint64_t const searches = m.searches();
     CHECK_THROWS_WITH(m.serve_step(f.embedder, requests, k, f.model.rotation()),
                       Catch::Contains(what) && Catch::Contains(why));
     CHECK(snap(m) == before);
     CHECK(std::memcmp(shared.data.data(), original.data(), original.size() * sizeof(float)) == 0);
-    for (sequence_adapter const& s : sequences) {
+    for (std::size_t i = 0; i < sequences.size(); ++i) {
+      sequence_adapter& s = sequences[i];
       CHECK(s.committed.empty());
+      if (i < allocated) {
+        CHECK(s.allocated.size() == 1);
+        CHECK(s.released == s.allocated);
+      } else {
+        CHECK(s.allocated.empty());
+        CHECK(s.released.empty());
+      }
+      s.allocated.clear();
+      s.released.clear();
     }
     CHECK(m.searches() == searches + (searched ? 1 : 0));
   };
@@ -468,20 +482,21 @@ TEST_CASE("memory: a refused step leaves the store, the index, the cache and eve
   // request, an adapter that throws, a slot beyond the cache.
   sequences[3].slots.resize(5);
   refused(good, 3, "request 3 (namespace 8): the cache adapter allocated 5 slots for 12 tokens",
-          true);
+          true, "", 4);
   sequences[3].slots.clear();
   for (std::int64_t j = 0; j < 20; ++j) {
     sequences[3].slots.push_back(60 + j);
   }
   sequences[2].slots[7] = 3;  // request 0's
   refused(good, 3, "memory::serve_step: request 2 (namespace 9): ", true,
-          "injection_batch::add: slot 3 is written twice in this batch");
+          "injection_batch::add: slot 3 is written twice in this batch", 3);
   sequences[2].slots[7] = 47;
   sequences[1].fail     = true;
-  refused(good, 3, "fake adapter failure", true);
+  refused(good, 3, "fake adapter failure", true, "", 1);  // request 0 had its slots
   sequences[1].fail      = false;
   sequences[0].slots[11] = 256;  // the cache holds 256 slots
-  refused(good, 3, "memory::serve_step: ", true, "slot 256 is beyond the cache's 256 slots");
+  // Refused at the run, after every adapter allocated: all four give their slots back.
+  refused(good, 3, "memory::serve_step: ", true, "slot 256 is beyond the cache's 256 slots", 4);
   sequences[0].slots[11] = 11;
 
   // The same step, corrected, goes through and commits every request.
@@ -489,6 +504,8 @@ TEST_CASE("memory: a refused step leaves the store, the index, the cache and eve
   REQUIRE(got.size() == 4);
   for (std::size_t i = 0; i < 4; ++i) {
     CHECK(sequences[i].committed == std::vector<std::int64_t>{got[i].plan.length()});
+    CHECK(sequences[i].allocated == sequences[i].committed);
+    CHECK(sequences[i].released.empty());
   }
   CHECK(shared.data != original);
 }

@@ -129,7 +129,9 @@ struct cache_slice {
     return slots;
   }
   paged_kv_cache const& cache() const { return shared->cache(); }
+  // Its slots are a fixed slice of the shared cache: nothing to adopt or give back.
   void commit(std::int64_t) {}
+  void release(std::int64_t) noexcept {}
 };
 
 /// Checks one served request, injected at slots `offset ..` of `cache` (`before`: what held

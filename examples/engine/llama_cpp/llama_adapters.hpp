@@ -343,6 +343,10 @@ class sequence_cache {
     staged_ = 0;
   }
 
+  /// A failed step: the staged blob is dropped (commit refuses it; the next allocate builds a
+  /// new one); the sequence in llama.cpp was never touched.
+  void release(std::int64_t) noexcept { staged_ = 0; }
+
   /// @brief The staged blob (for tests).
   std::vector<std::uint8_t> const& blob() const noexcept { return blob_; }
 

@@ -93,6 +93,7 @@ struct host_paged_cache {
   }
   paged_kv_cache const& cache() const { return cache_; }
   void commit(std::int64_t n) { committed += n; }
+  void release(std::int64_t) noexcept {}  // fixed slots 20..: nothing staged to give back
   float at(std::int32_t layer, std::int32_t kv, std::int64_t slot, std::int32_t d) const
   {
     return data[static_cast<std::size_t>(((layer * 2 + kv) * slots + slot) * head_dim + d)];

@@ -205,8 +205,8 @@ void memory::inject_plan(composition const& plan,
                          device_context const* device) const
 {
   static_assert(is_cache_adapter_v<CacheAdapter>,
-                "memory::inject: CacheAdapter needs allocate(first_position, tokens), cache() and "
-                "commit(tokens) (see engine.hpp)");
+                "memory::inject: CacheAdapter needs allocate(first_position, tokens), cache(), "
+                "commit(tokens) and release(tokens) (see engine.hpp)");
   char const* const who = "memory::inject";
   // Everything that can be refused without the adapter, before it allocates: the plan, the
   // store's memory, the workspace, the model's range (run would refuse it only after).
@@ -259,8 +259,8 @@ std::vector<memory_request> memory::serve_requests(
                 "memory::serve: Embedder needs dimension() and "
                 "embed(std::string const&) -> std::vector<float> (see memory.hpp)");
   static_assert(is_cache_adapter_v<CacheAdapter>,
-                "memory::serve: CacheAdapter needs allocate(first_position, tokens), cache() and "
-                "commit(tokens) (see engine.hpp)");
+                "memory::serve: CacheAdapter needs allocate(first_position, tokens), cache(), "
+                "commit(tokens) and release(tokens) (see engine.hpp)");
   auto const read     = locks_.read();
   std::size_t const n = requests.size();
   // "memory::serve_step: request 3 (namespace 9)" in a step; the caller's name alone for serve()
@@ -397,31 +397,47 @@ std::vector<memory_request> memory::serve_requests(
   }
 
   // 4. The slots, into one batch (a slot written twice anywhere in the step is refused here).
+  // From the first allocate on, a failure (an adapter's, a refused slot, a refused or failed run)
+  // gives every slot allocated so far back: release(m) of each adapter that allocated, in order.
   injection_batch batch{store_};
   batch.reserve(tokens);
-  for (std::size_t i = 0; i < n; ++i) {
-    composition const& plan = out[i].plan;
-    std::vector<std::int64_t> const slots =
-      requests[i].cache->allocate(plan.first_position, plan.length());
-    INFERSCALE_EXPECTS(static_cast<std::int64_t>(slots.size()) == plan.length(),
-                       where(i) + ": the cache adapter allocated " +
-                         detail::count_of(static_cast<std::int64_t>(slots.size()), "slot") +
-                         " for " + detail::count_of(plan.length(), "token"));
-    named(where(i), [&] { batch.add(plan, slots); });
-  }
+  std::size_t allocated = 0;  // requests[0 .. allocated) hold staged slots
+  try {
+    for (std::size_t i = 0; i < n; ++i) {
+      composition const& plan = out[i].plan;
+      std::vector<std::int64_t> const slots =
+        requests[i].cache->allocate(plan.first_position, plan.length());
+      allocated = i + 1;
+      INFERSCALE_EXPECTS(static_cast<std::int64_t>(slots.size()) == plan.length(),
+                         where(i) + ": the cache adapter allocated " +
+                           detail::count_of(static_cast<std::int64_t>(slots.size()), "slot") +
+                           " for " + detail::count_of(plan.length(), "token"));
+      named(where(i), [&] { batch.add(plan, slots); });
+    }
 
-  // 5. One injection (it checks the slots against the cache and the positions against the
-  // rotation before it writes), then the commits.
-  named(who, [&] {
-    paged_kv_cache const& cache = requests[0].cache->cache();
-    if constexpr (device_run_defined) {
-      if (device_inject) {
-        batch.run(cache, rotation, *device);
-        return;
+    // 5. One injection (it checks the slots against the cache and the positions against the
+    // rotation before it writes).
+    named(who, [&] {
+      paged_kv_cache const& cache = requests[0].cache->cache();
+      if constexpr (device_run_defined) {
+        if (device_inject) {
+          batch.run(cache, rotation, *device);
+          return;
+        }
+      }
+      batch.run(cache, rotation);
+    });
+  } catch (...) {
+    for (std::size_t i = 0; i < allocated; ++i) {
+      try {
+        requests[i].cache->release(out[i].plan.length());
+      } catch (...) {
+        // The step's own error is what the caller gets (the contract: release does not throw).
       }
     }
-    batch.run(cache, rotation);
-  });
+    throw;
+  }
+  // Then the commits.
   for (std::size_t i = 0; i < n; ++i) {
     requests[i].cache->commit(out[i].plan.length());
   }

@@ -14,13 +14,14 @@
  */
 #pragma once
 
+#include <inferscale/detail/cuda_runtime.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/index_params.hpp>
 
 #include <cuda/std/span>
+#if INFERSCALE_HAS_CUDA_RUNTIME
 #include <cuda/stream_ref>
-
-#include <cuda_runtime_api.h>
+#endif
 
 #include <cstdint>
 #include <type_traits>
@@ -30,6 +31,25 @@ class resources;  // raft/core/resources.hpp: declared only, so this header need
 }  // namespace raft
 
 namespace inferscale {
+
+#if INFERSCALE_HAS_CUDA_RUNTIME
+/// The stream of a device run: libcu++'s `cuda::stream_ref`.
+using stream_ref = cuda::stream_ref;
+#else
+/**
+ * @brief A CPU-only build's stand-in for `cuda::stream_ref` (no CUDA runtime headers, so libcu++
+ * declares none): it carries the host-only `cudaStream_t` and nothing runs on it (such a build has
+ * no device run); the facade's signatures stay the same.
+ */
+class stream_ref {
+ public:
+  constexpr stream_ref(cudaStream_t stream) noexcept : stream_{stream} {}  // NOLINT: as cuda's
+  constexpr cudaStream_t get() const noexcept { return stream_; }
+
+ private:
+  cudaStream_t stream_;
+};
+#endif
 
 class injection_workspace;  // inject.cuh: the device run's staging
 class graph_index;          // index.hpp
@@ -81,7 +101,7 @@ struct is_complete<T, std::void_t<decltype(sizeof(T))>> : std::true_type {
 class device_context {
  public:
   /// @brief A device run on `stream`, staging through `workspace`.
-  device_context(injection_workspace& workspace, cuda::stream_ref stream) noexcept
+  device_context(injection_workspace& workspace, stream_ref stream) noexcept
     : workspace_{&workspace}, stream_{stream}, copy_stream_{stream}
   {
   }
@@ -101,13 +121,13 @@ class device_context {
   template <class Resources>
   device_context(Resources const& resources,
                  injection_workspace& workspace,
-                 cuda::stream_ref stream)
+                 stream_ref stream)
     : device_context{resources, &workspace, stream}
   {
   }
 
   /// @brief The same context with a tiered step's copies on `copy_stream`.
-  device_context with_copy_stream(cuda::stream_ref copy_stream) const noexcept
+  device_context with_copy_stream(stream_ref copy_stream) const noexcept
   {
     device_context c = *this;
     c.copy_stream_   = copy_stream;
@@ -117,9 +137,9 @@ class device_context {
   /// @brief The staging workspace; null for a context of resources alone (no device injection).
   injection_workspace* workspace() const noexcept { return workspace_; }
   /// @brief The stream the run is enqueued on.
-  cuda::stream_ref stream() const noexcept { return stream_; }
+  stream_ref stream() const noexcept { return stream_; }
   /// @brief The stream a tiered step's host-tier pages are copied on (stream() unless set).
-  cuda::stream_ref copy_stream() const noexcept { return copy_stream_; }
+  stream_ref copy_stream() const noexcept { return copy_stream_; }
   /// @brief Whether the context searches the facade's index (it was made with resources).
   bool searches_index() const noexcept { return index_search_ != nullptr; }
   /// @brief The memory of the index its resources search (device for a raft::resources).
@@ -152,7 +172,7 @@ class device_context {
   }
 
   template <class Resources>
-  static cuda::stream_ref stream_of(Resources const& resources)
+  static stream_ref stream_of(Resources const& resources)
   {
     check_resources<Resources>();
     return detail::memory_index_search<Resources>::stream(resources);
@@ -181,7 +201,7 @@ class device_context {
   template <class Resources>
   device_context(Resources const& resources,
                  injection_workspace* workspace,
-                 cuda::stream_ref stream)
+                 stream_ref stream)
     : workspace_{workspace},
       stream_{stream},
       copy_stream_{stream},
@@ -193,8 +213,8 @@ class device_context {
   }
 
   injection_workspace* workspace_{};
-  cuda::stream_ref stream_;
-  cuda::stream_ref copy_stream_;
+  stream_ref stream_;
+  stream_ref copy_stream_;
   void const* resources_{};
   detail::index_search_fn index_search_{};
   memory_space index_space_{memory_space::host};

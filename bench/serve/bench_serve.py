@@ -43,22 +43,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "vllm"))
-from bench_args import add_model_and_locomo, check_model_and_locomo  # noqa: E402
+from bench_args import add_model_and_locomo, check_model_and_locomo, cpu_description  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Facts you remember about the user:"
-
-
-def cpu_description() -> str:
-    model, flags = "unknown CPU", set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name") and model == "unknown CPU":
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    isa = [n for n, f in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AVX512_BF16", "avx512_bf16"),
-                          ("AMX-BF16", "amx_bf16")) if f in flags]
-    return f"{model} ({os.cpu_count()} CPUs; {', '.join(isa) or 'no AVX2'})"
 
 
 def locomo_users(path, users, facts):
@@ -113,6 +100,23 @@ async def stream_ttft(client, url, headers, body):
         time.perf_counter() - t, json.loads(memory) if memory else None, "".join(text)
 
 
+def engine_ttft(server) -> tuple[float, int]:
+    """(sum of seconds, count) of vLLM's own ``vllm:time_to_first_token_seconds`` histogram on the
+    server's /metrics: TTFT from the request's arrival in vLLM's engine client (after the memory
+    server's retrieval and composition) to its first token, as the offline connector's
+    ``first_token_latency`` counts it."""
+    import httpx
+
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=30).text
+    total, count = 0.0, 0
+    for line in text.splitlines():
+        if line.startswith("vllm:time_to_first_token_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:time_to_first_token_seconds_count"):
+            count += int(float(line.rsplit(" ", 1)[1]))
+    return total, count
+
+
 def leaked(u: dict, memory, answer: str, codes: set) -> bool:
     """A response that used another user's memory, or names another user's code."""
     if memory is None or memory["user"] != u["user"] or not set(memory["facts"]) <= set(u["ids"]):
@@ -135,23 +139,35 @@ async def level(server, users, n, reqs, k, max_tokens, mode, repeated=False, off
     url = f"{server.url}/v1/chat/completions"
     ttfts, leaks, checked, compose = [], 0, 0, []
     codes = {u["marker"] for u in users}
+    def question(u, i):
+        return "What is my locker code?" if marker else u["questions"][
+            0 if repeated else (i * 7 + len(u["user"]) + offset) % len(u["questions"])]
+
     async with httpx.AsyncClient() as client:
+        texts = {}
+        if mode == "text":
+            # the facts each text request sends, retrieved before the level starts (untimed, as
+            # the offline run composes its prompts before generate): the requests then reach the
+            # server together, as the injected ones do, not spaced by the retrievals' batches
+            async def facts_of(u, i):
+                r = await client.post(f"{server.url}/v1/memory/{u['user']}/retrieve",
+                                      json={"query": question(u, i), "k": k},
+                                      headers=server.headers, timeout=300)
+                r.raise_for_status()
+                texts[(u["user"], i)] = [f["text"] for f in r.json()["facts"]][::-1]  # best last
+            await asyncio.gather(*(facts_of(u, i) for u in users[:n] for i in range(reqs)))
+
         async def one_user(u):
             nonlocal leaks, checked
             for i in range(reqs):
-                q = "What is my locker code?" if marker else u["questions"][
-                    0 if repeated else (i * 7 + len(u["user"]) + offset) % len(u["questions"])]
+                q = question(u, i)
                 if mode == "injected":
                     body = {"model": "smollm2", "user": u["user"], "stream": True,
                             "max_tokens": max_tokens, "temperature": 0.0,
                             "messages": [{"role": "user", "content": q}],
                             "memory": {"k": k}}
                 else:
-                    r = await client.post(f"{server.url}/v1/memory/{u['user']}/retrieve",
-                                          json={"query": q, "k": k}, headers=server.headers,
-                                          timeout=300)
-                    facts = [f["text"] for f in r.json()["facts"]][::-1]  # the best last
-                    system = SYSTEM + "\n" + "".join(f"- {f}\n" for f in facts)
+                    system = SYSTEM + "\n" + "".join(f"- {f}\n" for f in texts[(u["user"], i)])
                     body = {"model": "smollm2", "stream": True, "max_tokens": max_tokens,
                             "temperature": 0.0,
                             "messages": [{"role": "system", "content": system},
@@ -169,6 +185,7 @@ async def level(server, users, n, reqs, k, max_tokens, mode, repeated=False, off
         wall = time.perf_counter() - t
     return {"users": n, "mode": mode, "requests": len(ttfts), "rps": len(ttfts) / wall,
             "ttft_p50_ms": 1e3 * statistics.median(ttfts),
+            "ttft_mean_ms": 1e3 * statistics.fmean(ttfts),
             "ttft_p99_ms": 1e3 * percentile(ttfts, 99), "leaks": leaks, "checked": checked,
             "compose_p50_ms": statistics.median(compose) if compose else None}
 
@@ -235,6 +252,7 @@ def offline(a, users, n, directory):
                 raise SystemExit(f"bench_serve: an offline injected request loaded nothing: {loaded}")
             rows.append({"users": n, "mode": f"offline-{mode}", "requests": len(outs),
                          "rps": len(outs) / wall, "ttft_p50_ms": 1e3 * statistics.median(ttfts),
+                         "ttft_mean_ms": 1e3 * statistics.fmean(ttfts),
                          "ttft_p99_ms": 1e3 * percentile(ttfts, 99)})
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -254,6 +272,8 @@ def main():
     ap.add_argument("--leak-requests", type=int, default=0,
                     help="injected requests more, all users at once, each answer checked for "
                          "other users' codes")
+    ap.add_argument("--memory", help="the memory directory: kept after the run, and a user whose "
+                    "facts it already holds (the same texts) is not written again")
     ap.add_argument("--json")
     a = ap.parse_args()
     check_model_and_locomo(a, "bench_serve")
@@ -265,7 +285,8 @@ def main():
     print(f"bench_serve: {cpu}", flush=True)
     work = tempfile.mkdtemp(prefix="inferscale-bench-serve-")
     log = open(os.path.join(work, "server.log"), "w")
-    server = Server(a.model, os.path.join(work, "memory"), log, "bench-" + os.urandom(4).hex(),
+    memory_dir = os.path.abspath(a.memory) if a.memory else os.path.join(work, "memory")
+    server = Server(a.model, memory_dir, log, "bench-" + os.urandom(4).hex(),
                     ["--memory-pages", str(max(levels) * a.k * 8 + 64), "--memory-k", str(a.k),
                      "--max-num-seqs", str(max(levels))])
     t = time.perf_counter()
@@ -276,6 +297,14 @@ def main():
 
         t = time.perf_counter()
         for u in users:
+            r = httpx.get(f"{server.url}/v1/memory/{u['user']}/facts", headers=server.headers,
+                          timeout=60)
+            if r.status_code == 200:  # a kept memory (--memory): reused if it holds these facts
+                held = r.json()["facts"]
+                if [f["text"] for f in held] == [x.strip() for x in [marker_fact(u)] + u["facts"]]:
+                    u["ids"] = [f["id"] for f in held]
+                    continue
+                raise SystemExit(f"bench_serve: {memory_dir} holds other facts for {u['user']}")
             r = httpx.post(f"{server.url}/v1/memory/{u['user']}/facts",
                            json={"facts": [marker_fact(u)] + u["facts"]},
                            headers=server.headers, timeout=3600)
@@ -289,10 +318,17 @@ def main():
             for mode in ("injected", "text"):
                 # warm (the engine's first requests pay one-time costs): another question
                 asyncio.run(level(server, users, 1, 1, a.k, a.max_tokens, mode, offset=3))
+                before = engine_ttft(server)
                 row = asyncio.run(level(server, users, n, a.requests, a.k, a.max_tokens, mode))
+                after = engine_ttft(server)
+                if after[1] - before[1] != row["requests"]:
+                    raise SystemExit(f"bench_serve: vLLM counted {after[1] - before[1]} first "
+                                     f"tokens for {row['requests']} requests")
+                row["engine_ttft_mean_ms"] = 1e3 * (after[0] - before[0]) / row["requests"]
                 rows.append(row)
                 print(f"  {n:3d} users  {mode:8s}  TTFT p50 {row['ttft_p50_ms']:8.1f} ms  p99 "
-                      f"{row['ttft_p99_ms']:8.1f} ms  {row['rps']:6.2f} req/s"
+                      f"{row['ttft_p99_ms']:8.1f} ms  {row['rps']:6.2f} req/s  mean "
+                      f"{row['ttft_mean_ms']:.1f} ms (vLLM's own {row['engine_ttft_mean_ms']:.1f})"
                       + (f"  retrieval+composition p50 {row['compose_p50_ms']:.1f} ms  leaks "
                          f"{row['leaks']}/{row['checked']}" if mode == "injected" else ""),
                       flush=True)
@@ -329,7 +365,7 @@ def main():
               "repeated": repeated, "leaks": leaks, "checked": checked}
     if a.offline:
         n = a.offline
-        off = offline(a, users, n, os.path.join(work, "memory"))
+        off = offline(a, users, n, memory_dir)
         result["offline"] = off
         o = {r["mode"]: r for r in off}
         oi, ot = o["offline-injected"], o["offline-text"]

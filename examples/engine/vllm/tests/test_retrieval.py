@@ -142,15 +142,19 @@ def test_embedder_semantics_and_refusals(embedder):
 
 
 def test_query_batcher_embeds_concurrent_queries_together(embedder):
-    """The server's QueryBatcher: queries that wait together share one forward, each caller gets
-    its own text's vector (as embedding it alone, within the batch's rounding) or its own error."""
-    import threading
+    """The server's QueryBatcher: queries that wait together share one forward, whatever the
+    size of the thread pool, each caller gets its own text's vector (as embedding it alone,
+    within the batch's rounding) or its own error, and a cancelled caller costs the others
+    nothing."""
+    import asyncio
+    import concurrent.futures
     import time
 
     from inferscale_vllm.embed import QueryBatcher
 
     texts = [f"What did user {i} say about the {w}?" for i, w in
-             enumerate(["guitar", "trip to Paris", "new job", "dog", "marathon", "garden"])]
+             enumerate(["guitar", "trip to Paris", "new job", "dog", "marathon", "garden",
+                        "piano", "sister", "cooking"])]
     texts.append("word " * 300)  # too long for the model: refused, for its caller only
     n = len(texts)
 
@@ -162,35 +166,33 @@ def test_query_batcher_embeds_concurrent_queries_together(embedder):
             self.calls += 1
             if self.calls == 1:
                 deadline = time.monotonic() + 60
-                while len(batcher._pending) < n - 1 and time.monotonic() < deadline:
+                while len(batcher._pending) < n and time.monotonic() < deadline:
                     time.sleep(0.005)
             return embedder.embed(batch)
 
     batcher = QueryBatcher(Gated())
-    got, errors = {}, {}
 
-    def ask(i):
-        try:
-            got[i] = batcher.embed_one(texts[i])
-        except ValueError as e:
-            errors[i] = str(e)
+    async def run():
+        # a pool of 2 threads: a thread per waiting caller would serialise the batches
+        asyncio.get_running_loop().set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(2))
+        first = asyncio.ensure_future(batcher.embed(texts[0]))
+        while batcher.batches == 0:  # the first forward has started, alone
+            await asyncio.sleep(0.001)
+        rest = [asyncio.ensure_future(batcher.embed(t)) for t in texts[1:]]
+        gone = asyncio.ensure_future(batcher.embed(texts[1]))  # its caller goes away
+        await asyncio.sleep(0)
+        gone.cancel()
+        return await asyncio.gather(first, *rest, return_exceptions=True)
 
-    first = threading.Thread(target=ask, args=(0,))
-    first.start()
-    while batcher.batches == 0 and not batcher._leading:
-        time.sleep(0.001)
-    rest = [threading.Thread(target=ask, args=(i,)) for i in range(1, n)]
-    for t in rest:
-        t.start()
-    for t in [first] + rest:
-        t.join(120)
-    assert sorted(got) == list(range(n - 1)) and sorted(errors) == [n - 1]
-    assert "at most 256" in errors[n - 1]
-    # Two batches: the first caller alone, then the six others in one (the failing one made
-    # that batch run again text by text).
-    assert (batcher.batches, batcher.queries) == (2, n)
+    results = asyncio.run(run())
+    assert all(isinstance(r, np.ndarray) for r in results[:-1]), results
+    assert isinstance(results[-1], ValueError) and "at most 256" in str(results[-1])
+    # Two batches: the first caller alone, then the others in one (the failing text made that
+    # batch run again text by text), the cancelled caller's text included.
+    assert (batcher.batches, batcher.queries) == (2, n + 1)
     alone = np.stack([embedder.embed(t)[0] for t in texts[:-1]])
-    np.testing.assert_allclose(np.stack([got[i] for i in range(n - 1)]), alone, atol=1e-5)
+    np.testing.assert_allclose(np.stack(results[:-1]), alone, atol=1e-5)
 
 
 # -- the bound index against brute force -------------------------------------------------------

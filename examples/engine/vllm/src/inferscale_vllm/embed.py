@@ -105,69 +105,69 @@ class MiniLMEmbedder:
 
 
 class QueryBatcher:
-    """One embedding forward for the queries that arrive together.
+    """One embedding forward for the queries that arrive together (an asyncio server's).
 
     A server answers many requests at once, each embedding its one query: 64 forwards of one
     short text each cost far more than one forward of 64 (the same weights are read 64 times,
-    and the forwards fight for the cores the engine uses). ``embed_one`` blocks its caller (a
-    worker thread) while one caller, the leader, embeds every query waiting at that moment in
-    one ``embedder.embed`` call; when the leader is done, a waiting caller leads the next batch.
-    A batch that fails (a query too long for the model, say) is embedded again one text at a
-    time, so each caller gets its own vector or its own error."""
+    and the forwards fight for the cores the engine uses). ``await embed(text)`` queues the text
+    and waits on a future, holding no thread: one drain task embeds every query queued at that
+    moment in one ``embedder.embed`` call (in a worker thread, so the event loop keeps serving),
+    then the queries queued meanwhile in the next, until none waits. So the batch is as large as
+    the concurrency, whatever the size of the thread pool. A batch that fails (a query too long
+    for the model, say) is embedded again one text at a time, so each caller gets its own vector
+    or its own error."""
 
     def __init__(self, embedder):
-        import threading
-
         self.embedder = embedder
-        self._lock = threading.Lock()
-        self._pending = []  # the slots not yet taken into a batch
-        self._leading = False
-        self._event = threading.Event
+        self._pending = []  # (text, future) not yet taken into a batch
+        self._drain = None  # the task running batches while queries wait
         self.batches = 0  # forwards run (how many queries shared one: queries / batches)
         self.queries = 0
 
-    def embed_one(self, text: str) -> np.ndarray:
+    async def embed(self, text: str) -> np.ndarray:
         """``[dimension]`` float32 of unit length: the query's row of ``embedder.embed``."""
-        slot = {"text": text, "done": self._event(), "lead": False, "vector": None, "error": None}
-        with self._lock:
-            self._pending.append(slot)
-            lead = not self._leading
-            if lead:  # this caller leads: one batch of everything waiting, its own slot included
-                self._leading = True
-                batch, self._pending = self._pending, []
-        if not lead:
-            slot["done"].wait()
-            if not slot["lead"]:
-                return self._result(slot)
-            with self._lock:  # handed the lead: the batch is everything waiting now
-                batch, self._pending = self._pending, []
-        self._run(batch)
-        with self._lock:
-            if self._pending:  # the next batch is led by its oldest caller
-                self._pending[0]["lead"] = True
-                self._pending[0]["done"].set()
-            else:
-                self._leading = False
-        return self._result(slot)
+        import asyncio
 
-    def _run(self, batch) -> None:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((text, future))
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._run_batches())
+        return await future
+
+    async def _run_batches(self) -> None:
+        import asyncio
+
+        batch = []
         try:
-            vectors = self.embedder.embed([s["text"] for s in batch])
-            for s, v in zip(batch, vectors):
-                s["vector"] = v
-        except Exception:
-            for s in batch:  # one at a time: each caller its own vector or error
-                try:
-                    s["vector"] = self.embedder.embed(s["text"])[0]
-                except Exception as e:  # noqa: BLE001 - handed to the caller that sent it
-                    s["error"] = e
-        self.batches += 1
-        self.queries += len(batch)
-        for s in batch:
-            s["done"].set()
+            await asyncio.sleep(0)  # the requests parsed in this turn of the loop join the first
+            while self._pending:
+                batch, self._pending = self._pending, []
+                results = await asyncio.to_thread(self._run, [t for t, _ in batch])
+                for (_, future), (vector, error) in zip(batch, results):
+                    if future.done():  # its caller went away (a cancelled request)
+                        continue
+                    if error is not None:
+                        future.set_exception(error)
+                    else:
+                        future.set_result(vector)
+        finally:
+            self._drain = None
+            for _, future in batch + self._pending:  # left only if this task was cancelled
+                if not future.done():
+                    future.set_exception(RuntimeError("QueryBatcher: the batch was cancelled"))
+            self._pending = []
 
-    @staticmethod
-    def _result(slot) -> np.ndarray:
-        if slot["error"] is not None:
-            raise slot["error"]
-        return slot["vector"]
+    def _run(self, texts):
+        """[(vector, None) or (None, error)] per text."""
+        self.batches += 1
+        self.queries += len(texts)
+        try:
+            return [(v, None) for v in self.embedder.embed(texts)]
+        except Exception:
+            out = []
+            for t in texts:  # one at a time: each caller its own vector or error
+                try:
+                    out.append((self.embedder.embed(t)[0], None))
+                except Exception as e:  # noqa: BLE001 - handed to the caller that sent it
+                    out.append((None, e))
+            return out

@@ -201,7 +201,7 @@ class MemoryService:
             ids = self.memory.add_facts(user, items)
             return ids, self.memory.commit()
 
-    def retrieve(self, user: str, body) -> dict:
+    async def retrieve(self, user: str, body) -> dict:
         """The user's k facts for a query, most relevant first (what an answer would use)."""
         check_user(user)
         if not isinstance(body, dict) or not isinstance(body.get("query"), str) \
@@ -213,7 +213,10 @@ class MemoryService:
         k = body.get("k", min(self.default_k, len(facts)))
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(facts):
             raise _bad(f"k must be an int in 1 .. {len(facts)} ({user!r}'s facts), got {k!r}")
-        vector = self.queries.embed_one(body["query"])
+        vector = await self.queries.embed(body["query"])
+        return await asyncio.to_thread(self._retrieve, user, vector, k)
+
+    def _retrieve(self, user, vector, k):
         with self.memory._mutex:
             ids = self.memory.retrieve(user, vector, k)
             return {"user": user, "generation": self.memory.generation,
@@ -246,9 +249,22 @@ class MemoryService:
             result["generation"] = self.memory.commit()
             return result
 
-    def compose(self, body: dict, chat: bool) -> tuple[dict, dict | None]:
+    async def compose(self, body: dict, chat: bool) -> tuple[dict, dict | None]:
         """The request body rewritten to answer from the user's memory, and what it used (None:
-        answered without memory, as the request allowed)."""
+        answered without memory, as the request allowed). The checks and the chat template run
+        in a worker thread, the query waits for its embedding holding no thread (QueryBatcher:
+        the queries of concurrent requests share one forward), and retrieval with the prompt's
+        composition runs in a worker thread under the memory's mutex."""
+        prepared = await asyncio.to_thread(self._prepare, body, chat)
+        if prepared[1] is None:
+            return prepared[0], None
+        body, user, k, query, query_ids = prepared
+        vector = await self.queries.embed(query)
+        return await asyncio.to_thread(self._finish, body, chat, user, k, vector, query_ids)
+
+    def _prepare(self, body: dict, chat: bool):
+        """(body, user, k, query, the query's token ids), or (body, None) to answer without
+        memory; a MemoryError4xx for what the request gets wrong."""
         screen(body)
         options = body.pop("memory", None) or {}
         if not isinstance(options, dict):
@@ -262,7 +278,7 @@ class MemoryService:
             if required:
                 raise _bad(f"unknown user {user!r} (no facts in the memory); send "
                            "\"memory\": {\"required\": false} to be answered without it", 404)
-            return body, None
+            return body, None, None, None, None
         k = options.get("k", min(self.default_k, len(facts)))
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(facts):
             raise _bad(f"memory.k must be an int in 1 .. {len(facts)} ({user!r}'s facts), got "
@@ -289,7 +305,11 @@ class MemoryService:
             if not isinstance(prompt, str) or not prompt:
                 raise _bad("with memory, prompt is one non-empty string")
             query, query_ids = prompt, self._tokens(prompt)
-        vector = self.queries.embed_one(query)
+        return body, user, k, query, query_ids
+
+    def _finish(self, body, chat, user, k, vector, query_ids):
+        """The body with the composed prompt, salt and the connector's parameters, and what it
+        used; retrieval, tokens and salt of one generation."""
         with self.memory._mutex:  # one consistent generation for retrieval, tokens and salt
             retrieved = self.memory.retrieve(user, vector, k)
             r = self.memory.request(user, retrieved[::-1], query_ids)  # the most relevant last
@@ -357,7 +377,7 @@ def install(app, service: MemoryService) -> None:
     async def retrieve(user: str, request: Request):
         async def call():
             body = await json_body(request)
-            return JSONResponse(await asyncio.to_thread(service.retrieve, user, body))
+            return JSONResponse(await service.retrieve(user, body))
         return await guarded(call)
 
     @router.get("/v1/memory/{user}/facts")
@@ -393,7 +413,7 @@ def install(app, service: MemoryService) -> None:
         if body.get("user") is not None or body.get("memory") is not None:
             try:
                 started = time.perf_counter()
-                body, used = await asyncio.to_thread(service.compose, body, chat)
+                body, used = await service.compose(body, chat)
                 if used is not None:  # embedding, retrieval and composition, in the server
                     used["compose_ms"] = round(1e3 * (time.perf_counter() - started), 3)
             except MemoryError4xx as e:

@@ -7,7 +7,10 @@ system prefix (shared-prefix encoding) and stored in a memory directory. Then, i
 alternating and with the prefix cache reset before every request (so nothing is a cache hit):
   ttft       k = 5, 10, 20, 50 facts: time to first token with the facts injected (connector) vs
              the same prompt re-prefilled as text; and the floor, the query alone prefilled
-             (what vLLM computes after the memory is loaded, without its attention to it).
+             (what vLLM computes after the memory is loaded, without its attention to it);
+             and the injected TTFT broken down (PARTS below: vLLM's front end and queue, the
+             connector's planning and load, the query's forward, the attention over the memory),
+             from vLLM's request timestamps and the connector's trace (INFERSCALE_VLLM_TRACE).
   load       N users at once (one request each, k = 20 facts, 8 tokens): requests/s and p50/p99
              TTFT, inject vs re-prefill.
   overhead   the connector's scheduler-side cost for a request that asks for no memory, timed
@@ -26,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from bench_args import add_model_and_locomo, check_model_and_locomo
+from bench_args import add_model_and_locomo, check_model_and_locomo, cpu_description
 
 SYSTEM = ("<|im_start|>system\nYou are a helpful assistant. Answer from what you know about the "
           "user's conversations:\n")
@@ -59,6 +62,49 @@ def timed(llm, prompt, extra=None, max_tokens=1):
     return time.perf_counter() - t, out
 
 
+# The injected request's TTFT, in the order a request meets them (the TTFT breakdown):
+#   front end   arrival in the LLM to the engine core's queue, and the first token back out
+#               (first_token_latency less the engine core's queued -> first-token span)
+#   queue       queued -> scheduled (the engine core's timestamps)
+#   connector   the connector's scheduler hooks (planning the load: the memory check, slots)
+#   load        the workers' injection into vLLM's cache (the slowest rank)
+#   query       the query alone: scheduled -> first token of the same tokens prefilled with no
+#               memory before them (another request, measured next to it)
+#   memory attention  the rest of the injected request's scheduled -> first token span: what
+#               attending to the loaded memory tokens adds to the query's forward (and what else
+#               differs between the two steps)
+PARTS = ("front end", "queue", "connector", "load", "query", "memory attention")
+
+
+def read_trace(path):
+    import json
+
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def breakdown(ttft_s, metrics, events, alone):
+    """{part: seconds} of one injected request (PARTS), from vLLM's request metrics and the
+    connector's trace; `alone`: the metrics of the query prefilled without memory."""
+    if metrics is None or alone is None:
+        raise SystemExit("bench_vllm: vLLM handed back no request metrics (disable_log_stats)")
+    core = metrics.first_token_ts - metrics.queued_ts
+    step = metrics.first_token_ts - metrics.scheduled_ts
+    connector = sum(e["seconds"] for e in events if e["side"] == "scheduler")
+    loads = {}
+    for e in events:
+        if e["side"] == "worker":
+            loads[tuple(e["rank"])] = loads.get(tuple(e["rank"]), 0.0) + e["seconds"]
+    if not loads:
+        raise SystemExit("bench_vllm: the connector traced no load for an injected request")
+    load = max(loads.values())
+    query = alone.first_token_ts - alone.scheduled_ts
+    return {"front end": metrics.first_token_latency - core,
+            "queue": metrics.scheduled_ts - metrics.queued_ts, "connector": connector,
+            "load": load, "query": query,
+            "memory attention": step - connector - load - query}
+
+
 def main():
     ap = argparse.ArgumentParser()
     add_model_and_locomo(ap)
@@ -73,14 +119,19 @@ def main():
     ks = [int(x) for x in a.ks.split(",")]
     users = [int(x) for x in a.users.split(",")]
 
-    from inferscale_vllm.connector import InferScaleConnector  # noqa: F401 (importable)
+    from inferscale_vllm.connector import TRACE_ENV
     from inferscale_vllm.encode import add_fact, model_description, set_prefix
     from inferscale_vllm.engine import make_llm
     from inferscale_vllm.memory import Memory
 
     directory = tempfile.mkdtemp(prefix="inferscale-bench-")
+    # the connector's own work per memory request (its scheduler hooks, each worker's load), for
+    # the TTFT breakdown; the engine's processes inherit the variable
+    trace = os.path.join(directory, "connector-trace.jsonl")
+    os.environ[TRACE_ENV] = trace
     t0 = time.perf_counter()
     llm = make_llm(a.model, directory, disable_log_stats=False, block_size=a.block_size)
+    print(f"bench_vllm: {cpu_description()}", flush=True)
     print(f"engine start {time.perf_counter() - t0:.1f} s", flush=True)
     tok = llm.get_tokenizer()
     mem = Memory.create(directory, model=model_description(llm), num_pages=8192)
@@ -96,6 +147,7 @@ def main():
     q = tok.encode(f"<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n",
                    add_special_tokens=False)
     results = {"machine": os.uname().nodename, "cpus": len(os.sched_getaffinity(0)),
+               "cpu": cpu_description(),
                "block_size": a.block_size,
                "encode_seconds": encode_s, "ttft": [], "load": []}
 
@@ -113,29 +165,38 @@ def main():
     for k in ks:
         r = mem.request("u0", facts[:k], q)
         ids = r["prompt"]["prompt_token_ids"]
-        inj, pre, floor, cached = [], [], [], []
+        inj, pre, floor, cached, parts = [], [], [], [], []
         for rep in range(a.reps):
             llm.reset_prefix_cache()
+            open(trace, "w").close()  # this request's events only
             t, out = timed(llm, r["prompt"], r["extra_args"])
             inj.append(t)
             cached.append(out.num_cached_tokens or 0)
+            events = read_trace(trace)
             llm.reset_prefix_cache()
             t, _ = timed(llm, {"prompt_token_ids": ids, "cache_salt": f"plain-{k}-{rep}"})
             pre.append(t)
             llm.reset_prefix_cache()
             # what vLLM prefilled after injection: everything after the tokens it loaded
             rest = ids[cached[-1]:]
-            t, _ = timed(llm, {"prompt_token_ids": rest, "cache_salt": f"floor-{k}-{rep}"})
+            t, alone = timed(llm, {"prompt_token_ids": rest, "cache_salt": f"floor-{k}-{rep}"})
             floor.append(t)
+            parts.append(breakdown(inj[-1], out.metrics, events, alone.metrics))
         row = {"k": k, "prompt_tokens": len(ids), "memory_tokens": r["memory_tokens"],
                "loaded_tokens": min(cached), "inject_ms": 1e3 * statistics.median(inj),
                "prefill_ms": 1e3 * statistics.median(pre),
                "floor_ms": 1e3 * statistics.median(floor)}
         row["speedup"] = row["prefill_ms"] / row["inject_ms"]
+        row["breakdown_ms"] = {p: 1e3 * statistics.median(x[p] for x in parts) for p in PARTS}
+        b = row["breakdown_ms"]
+        row["ours_fraction"] = (b["connector"] + b["load"]) / row["inject_ms"]
         results["ttft"].append(row)
         print(f"ttft k={k:3d} prompt {len(ids):5d} tok (memory {r['memory_tokens']}, loaded "
               f"{row['loaded_tokens']}): inject {row['inject_ms']:8.1f} ms, re-prefill "
               f"{row['prefill_ms']:8.1f} ms ({row['speedup']:.1f}x), floor {row['floor_ms']:.1f} ms",
+              flush=True)
+        print("  breakdown " + ", ".join(f"{p} {b[p]:.1f}" for p in PARTS) + " ms: ours "
+              f"(connector + load) {100 * row['ours_fraction']:.1f} % of the injected TTFT",
               flush=True)
 
     # --- concurrent users -----------------------------------------------------------------------

@@ -303,3 +303,34 @@ def test_requests_aborted_after_their_load_leave_vllm_serving(setup):
     assert got_ok[1] >= BLOCK, f"the next memory request loaded {got_ok[1]} tokens"
     assert got_ok[0] == want_ok[0], f"{tok.decode(got_ok[0])!r} vs {tok.decode(want_ok[0])!r}"
     assert got_text[0] == want_text[0]
+
+
+def test_the_connector_traces_its_own_work_per_memory_request(setup, tmp_path, monkeypatch):
+    """INFERSCALE_VLLM_TRACE (the TTFT breakdown of bench_vllm.py): a memory request gets one
+    line per scheduler hook it went through and one per worker load, with the tokens that load
+    wrote (those vLLM reports cached); a request without memory, and any request while the
+    variable is unset, get none."""
+    import json
+
+    from inferscale_vllm.connector import TRACE_ENV
+
+    llm, mem, tok = setup["llm"], setup["mem"], setup["tok"]
+    trace = tmp_path / "trace.jsonl"
+    r = mem.request("bea", [setup["facts"]["bea"]], query_tokens(tok, "Where does she live?"))
+    assert llm.reset_prefix_cache()
+    run(setup, r["prompt"], params(setup, 2, r["extra_args"]))  # unset: nothing written
+    assert not trace.exists()
+    monkeypatch.setenv(TRACE_ENV, str(trace))
+    assert llm.reset_prefix_cache()
+    _, cached = run(setup, r["prompt"], params(setup, 2, r["extra_args"]))
+    run(setup, plain(r), params(setup, 2))  # no memory asked: nothing traced
+    monkeypatch.delenv(TRACE_ENV)
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert {e["request"] for e in events} == {events[0]["request"]}, events
+    hooks = sorted(e["hook"] for e in events if e["side"] == "scheduler")
+    assert hooks == ["get_num_new_matched_tokens", "request_finished",
+                     "update_state_after_alloc"], hooks
+    loads = [e for e in events if e["side"] == "worker"]
+    assert len(loads) == 1 and loads[0]["rank"] == [0, 0], loads
+    assert loads[0]["tokens"] == loaded(setup, r["memory_tokens"]) == cached, (loads, cached)
+    assert all(0 <= e["seconds"] < 60 for e in events), events

@@ -62,6 +62,41 @@ from .tensors import kv_cache_descriptor
 logger = logging.getLogger("vllm.inferscale")  # vLLM's handlers: its log shows ours
 # How long a request may wait for a just-committed generation to load before it is prefilled.
 DEFER_SECONDS = 30.0
+# INFERSCALE_VLLM_TRACE=<file>: each memory request's connector work, one JSON line per event,
+# appended by the process that does it (scheduler: the planning hooks; each worker: the load),
+# for a TTFT breakdown (bench/vllm/bench_vllm.py). Unset (the default): nothing is timed.
+TRACE_ENV = "INFERSCALE_VLLM_TRACE"
+
+
+def _trace(event: dict) -> None:
+    path = os.environ.get(TRACE_ENV)
+    if not path:
+        return
+    import json
+
+    try:
+        with open(path, "a") as f:  # one write per line: lines of several processes interleave
+            f.write(json.dumps(event) + "\n")
+    except OSError as e:  # a trace never fails a request
+        logger.warning("inferscale: %s=%s not written: %r", TRACE_ENV, path, e)
+
+
+def _timed_hook(hook):
+    """The scheduler hook, its seconds traced per memory request (INFERSCALE_VLLM_TRACE)."""
+    import functools
+
+    @functools.wraps(hook)
+    def timed(self, request, *args):
+        if not os.environ.get(TRACE_ENV) or not (request.kv_transfer_params or {}).get("inferscale"):
+            return hook(self, request, *args)
+        t = time.perf_counter()
+        try:
+            return hook(self, request, *args)
+        finally:
+            _trace({"side": "scheduler", "hook": hook.__name__, "request": request.request_id,
+                    "seconds": time.perf_counter() - t})
+
+    return timed
 
 
 @dataclass
@@ -203,6 +238,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._cache = None
             self._rotation = None
             self._capture_writer = None  # register_kv_caches (host caches only)
+            self._rank = None  # (TP rank, PP stage): register_kv_caches
 
     # ---------------------------------------------------------------------------------------
     # Scheduler side
@@ -270,6 +306,7 @@ class InferScaleConnector(KVConnectorBase_V1):
                            reason)
             self._refused[request.request_id] = reason
 
+    @_timed_hook
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         # Nothing a request or a file holds may escape into vLLM's scheduler (it would stop the
         # engine for every user): any failure is logged with the request id and the request is
@@ -302,6 +339,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._refuse(request, f"internal error: {e!r}")
             return 0, False
 
+    @_timed_hook
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         if num_external_tokens <= 0:
             return
@@ -350,6 +388,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             logger.warning("inferscale: captures of this step dropped: %r", e)
             return []
 
+    @_timed_hook
     def request_finished(self, request, block_ids):
         self._plans.pop(request.request_id, None)
         self._deferred.pop(request.request_id, None)
@@ -409,6 +448,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._isa = vllm_cpu_isa(self._vllm_config.model_config.dtype, kv_caches[names[0]],
                                      self._vllm_config.cache_config.cache_dtype)
         tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        self._rank = (rank, pp_rank)
         heads = self._model["num_kv_heads"]
         if heads % tp:
             raise ValueError(f"inferscale: {heads} KV heads do not split over {tp} ranks")
@@ -476,6 +516,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             return
         failpoint = os.environ.get("INFERSCALE_VLLM_FAIL_LOAD_FOR_USER")
         for load in meta.loads:
+            started = time.perf_counter()
             try:
                 if load.error is not None:
                     raise RuntimeError(f"the scheduler could not plan it: {load.error}")
@@ -496,6 +537,10 @@ class InferScaleConnector(KVConnectorBase_V1):
                                        [(load.facts, 0, load.slots)])
             except Exception as e:  # noqa: BLE001 - any failure: prefill instead, keep serving
                 self._fail(load, str(e))
+            if os.environ.get(TRACE_ENV):
+                _trace({"side": "worker", "rank": self._rank, "request": load.request_id,
+                        "seconds": time.perf_counter() - started,
+                        "tokens": sum(1 for s in load.slots if s >= 0)})
 
     def _fail(self, load, reason):
         logger.warning("inferscale: request %s: memory load failed (%s); its %d blocks are "

@@ -56,6 +56,14 @@
  * are not powers of two); bytes = bf16 K+V read + e4m3 K+V written;
  * copy ceiling of the same bytes; checked bit for bit against a brute-force recomputation.
  *
+ * inject/host/vllm_cpu/<isa>/<model>/bf16/m:<m> (isa vec or amx; SmolLM2-135M: 30 layers, 3 KV
+ * heads, head_dim 64; Llama-3.1-8B; m = 128 and 1,920): vLLM's CPU cache (make_vllm_cpu_cache, one
+ * `(NB, H, 128, 2 D)` tensor per layer, 64-byte aligned as torch allocates), the segment at the
+ * prompt's start (positions 0 .. m - 1, as the connector loads it), vLLM's CPU rotation (its bf16
+ * cos/sin table, fp32 products truncated to bf16); against memcpy of the same bytes; checked
+ * element by element against the layouts' formulas after the warm-up. The "before" of the line
+ * path is the same binary with INFERSCALE_BENCH_HOST_SIMD=avx512.
+ *
  * Names: inject/<backend>/<model>/bf16/m:<m>, inject_checked/device/<model>/bf16/m:<m>,
  * inject_batch/<backend>/llama3.1-8b/bf16/requests:<R>/facts:20 (R = 64 on the device, 8 on the
  * host to keep the host run short).

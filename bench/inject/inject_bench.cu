@@ -56,6 +56,14 @@
  * are not powers of two); bytes = bf16 K+V read + e4m3 K+V written;
  * copy ceiling of the same bytes; checked bit for bit against a brute-force recomputation.
  *
+ * inject/host/vllm_cpu/<isa>/<model>/bf16/m:<m> (isa vec or amx; SmolLM2-135M: 30 layers, 3 KV
+ * heads, head_dim 64; Llama-3.1-8B; m = 128 and 1,920): vLLM's CPU cache (make_vllm_cpu_cache, one
+ * `(NB, H, 128, 2 D)` tensor per layer, 64-byte aligned as torch allocates), the segment at the
+ * prompt's start (positions 0 .. m - 1, as the connector loads it), vLLM's CPU rotation (its bf16
+ * cos/sin table, fp32 products truncated to bf16); against memcpy of the same bytes; checked
+ * element by element against the layouts' formulas after the warm-up. The "before" of the line
+ * path is the same binary with INFERSCALE_BENCH_HOST_SIMD=avx512.
+ *
  * Names: inject/<backend>/<model>/bf16/m:<m>, inject_checked/device/<model>/bf16/m:<m>,
  * inject_batch/<backend>/llama3.1-8b/bf16/requests:<R>/facts:20 (R = 64 on the device, 8 on the
  * host to keep the host run short).
@@ -83,6 +91,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -112,6 +121,7 @@ struct model {
 
 model const llama{"llama3.1-8b", {32, 8, 128}, is::rope_presets::llama_3_1_8b};
 model const qwen{"qwen2.5-7b", {28, 4, 128}, is::rope_presets::qwen2_5_7b};
+model const smollm2{"smollm2-135m", {30, 3, 64}, is::rope_presets::smollm2_135m};
 
 // ------------------------------------------------------------------------------------------------
 // Data
@@ -178,12 +188,19 @@ struct scenario {
   is::rope_params rotation{};
   std::int64_t tokens{};
 
+  std::int32_t block{block_size};       // tokens per cache block
+  std::int64_t p0{first_position};      // the segment's first prompt position
+
   scenario(model const& mdl,
            std::vector<std::vector<std::int32_t>> const& requests,
-           is::memory_space space)
+           is::memory_space space,
+           std::int32_t cache_block_size = block_size,
+           std::int64_t segment_start    = first_position)
     : store{make_store(mdl, requests, space)},
       batch{store},
-      rotation{is::make_rope_params(mdl.rope())}
+      rotation{is::make_rope_params(mdl.rope())},
+      block{cache_block_size},
+      p0{segment_start}
   {
     INFERSCALE_EXPECTS(rotation.pairing == is::rope_pairing::halves &&
                          rotation.rotary_dim == rotation.head_dim &&
@@ -202,11 +219,10 @@ struct scenario {
     std::int64_t total_blocks = 0;
     for (auto const& request_ids : ids) {
       is::compose_options options;
-      options.first_position = first_position;
+      options.first_position = p0;
       options.order          = is::fact_order::as_given;
       plans.push_back(is::compose(store, request_ids, options));
-      blocks_needed.push_back((first_position + plans.back().length() + block_size - 1) /
-                              block_size);
+      blocks_needed.push_back((p0 + plans.back().length() + block - 1) / block);
       total_blocks += blocks_needed.back();
     }
     num_blocks = total_blocks + total_blocks / 2;
@@ -224,8 +240,8 @@ struct scenario {
       batch.add(plans[r],
                 is::slots_from_block_table(table.data(),
                                            static_cast<std::int64_t>(n),
-                                           block_size,
-                                           first_position,
+                                           block,
+                                           p0,
                                            plans[r].length()));
     }
     tokens = batch.num_tokens();
@@ -283,7 +299,7 @@ struct scenario {
   /// @brief Elements of one cache tensor `(2, NB, 16, H, D)` (one layer).
   std::int64_t layer_elements() const
   {
-    return 2 * num_blocks * block_size * geometry().elements_per_token_layer();
+    return 2 * num_blocks * block * geometry().elements_per_token_layer();
   }
 
   std::int64_t cache_elements() const { return geometry().num_layers * layer_elements(); }
@@ -301,9 +317,8 @@ struct scenario {
     for (std::int32_t l = 0; l < geometry().num_layers; ++l) {
       layers.push_back(base + l * layer_elements());
     }
-    std::array<std::int64_t, 5> const shape{2, num_blocks, block_size, h, d};
-    std::array<std::int64_t, 5> const strides{
-      num_blocks * block_size * h * d, block_size * h * d, h * d, d, 1};
+    std::array<std::int64_t, 5> const shape{2, num_blocks, block, h, d};
+    std::array<std::int64_t, 5> const strides{num_blocks * block * h * d, block * h * d, h * d, d, 1};
     auto cache = is::make_vllm_flash_attn_cache(is::dtype_of_v<CacheT>, layers, shape, strides);
     for (auto const* layout : {&cache.key_layout, &cache.value_layout}) {
       INFERSCALE_EXPECTS(layout->dim_stride == 1 && layout->dim_chunk == layout->head_dim,
@@ -847,6 +862,160 @@ void inject_host_fp8_bench(benchmark::State& state, model mdl)
   });
 }
 
+// ------------------------------------------------------------------------------------------------
+// vLLM's CPU cache (make_vllm_cpu_cache): the layouts its `vec` and `amx` kernels read.
+
+constexpr std::int32_t vllm_cpu_block_size = 128;  // the block size of vLLM's CPU backend
+
+/// @brief A zeroed host buffer aligned to 64 bytes, as torch's CPU allocator aligns a tensor.
+template <class T>
+struct aligned_host_buffer {
+  T* data{};
+  explicit aligned_host_buffer(std::size_t count)
+  {
+    std::size_t const bytes = (count * sizeof(T) + 63) / 64 * 64;
+    data                    = static_cast<T*>(std::aligned_alloc(64, bytes));
+    INFERSCALE_EXPECTS(data != nullptr, "inject_bench: out of host memory");
+    std::memset(static_cast<void*>(data), 0, bytes);
+  }
+  aligned_host_buffer(aligned_host_buffer const&)            = delete;
+  aligned_host_buffer& operator=(aligned_host_buffer const&) = delete;
+  ~aligned_host_buffer() { std::free(data); }
+};
+
+/// @brief Elements of one layer's vLLM CPU tensor `(NB, H, B, 2 D)`.
+std::int64_t vllm_cpu_layer_elements(scenario const& s)
+{
+  return s.num_blocks * s.geometry().num_kv_heads * s.block * 2 * s.geometry().head_dim;
+}
+
+/// @brief The descriptor of L contiguous vLLM CPU tensors back to back from `base`.
+is::paged_kv_cache make_vllm_cpu_desc(scenario const& s, bfloat16_t* base, is::vllm_cpu_isa isa)
+{
+  std::int64_t const h = s.geometry().num_kv_heads, d = s.geometry().head_dim;
+  std::vector<void*> layers;
+  for (std::int32_t l = 0; l < s.geometry().num_layers; ++l) {
+    layers.push_back(base + l * vllm_cpu_layer_elements(s));
+  }
+  std::array<std::int64_t, 4> const shape{s.num_blocks, h, s.block, 2 * d};
+  std::array<std::int64_t, 4> const strides{h * s.block * 2 * d, s.block * 2 * d, 2 * d, 1};
+  return is::make_vllm_cpu_cache(is::dtype::bfloat16, layers, shape, strides, isa);
+}
+
+/**
+ * @brief Elements of a vLLM CPU cache at the batch's slots that differ from a brute-force
+ * recomputation through the layouts' formulas written out (make_vllm_cpu_cache's comment): keys
+ * `x c - y s`, `y c + x s` in fp32 from the bf16 table (each product and the sum rounded once),
+ * truncated to bf16 (the upper 16 bits); values copied.
+ */
+std::int64_t mismatches_vllm_cpu(scenario const& s,
+                                 bfloat16_t const* base,
+                                 is::vllm_cpu_isa isa,
+                                 std::vector<bfloat16_t> const& table)
+{
+  is::kv_store_ref const store = s.store.ref();
+  auto const view              = s.batch.host_view();
+  std::int64_t const B = s.block, H = store.num_heads, D = store.head_dim, half = D / 2;
+  auto const* const pool = static_cast<bfloat16_t const*>(store.pool);
+  auto const bits        = [](bfloat16_t v) {
+    std::uint16_t b;
+    std::memcpy(&b, &v, sizeof b);
+    return b;
+  };
+  auto const upper = [](float f) {
+    std::uint32_t b;
+    std::memcpy(&b, &f, sizeof b);
+    return static_cast<std::uint16_t>(b >> 16);
+  };
+  bool const amx = isa == is::vllm_cpu_isa::amx;
+  auto const key_at = [&](std::int64_t t, std::int64_t d) {
+    return amx ? (t / 16) * 16 * D + (d / 2) * 32 + (t % 16) * 2 + d % 2 : d * B + t;
+  };
+  auto const value_at = [&](std::int64_t t, std::int64_t d) {
+    return B * D + (amx ? (d / 16) * 16 * B + (t / 2) * 32 + (d % 16) * 2 + t % 2 : t * D + d);
+  };
+  std::int64_t bad = 0;
+  for (std::int64_t i = 0; i < view.num_tokens; ++i) {
+    std::int64_t const slot = view.slot[i];
+    if (slot < 0) { continue; }
+    std::int64_t const b = slot / B, t = slot % B, p = view.position[i];
+    for (std::int32_t l = 0; l < store.num_layers; ++l) {
+      for (std::int64_t h = 0; h < H; ++h) {
+        bfloat16_t const* const cell = base + l * vllm_cpu_layer_elements(s) + (b * H + h) * 2 * B * D;
+        bfloat16_t const* const k = pool + store.row_offset(view.store_token[i], l, 0) + h * D;
+        bfloat16_t const* const v = pool + store.row_offset(view.store_token[i], l, 1) + h * D;
+        for (std::int64_t j = 0; j < half; ++j) {
+          float const volatile x = is::to_float(k[j]), y = is::to_float(k[j + half]);
+          float const volatile c  = is::to_float(table[static_cast<std::size_t>(p * D + j)]);
+          float const volatile sn = is::to_float(table[static_cast<std::size_t>(p * D + half + j)]);
+          float const volatile xc = x * c, ys = y * sn, yc = y * c, xs = x * sn;
+          float const volatile first = xc - ys, second = yc + xs;
+          bad += bits(cell[key_at(t, j)]) != upper(first);
+          bad += bits(cell[key_at(t, j + half)]) != upper(second);
+        }
+        for (std::int64_t d = 0; d < D; ++d) { bad += bits(cell[value_at(t, d)]) != bits(v[d]); }
+      }
+    }
+  }
+  return bad;
+}
+
+/**
+ * @brief The host run into vLLM's CPU cache (what the connector does on vLLM's CPU build): an
+ * m-token segment at the prompt's start (vLLM takes external KV as a leading run of the prompt),
+ * block size 128, cache tensors 64-byte aligned, the rotation vLLM's CPU kernel computes (its bf16
+ * cos/sin table, fp32 products truncated to bf16: the connector's `fp32_truncate` mode), layout
+ * `vec` or `amx`; against memcpy of the same bytes in the same iterations; checked element by
+ * element after the warm-up (mismatches_vllm_cpu).
+ */
+void inject_host_vllm_cpu_bench(benchmark::State& state, model mdl, is::vllm_cpu_isa isa)
+{
+  ib::run_guarded(state, [&] {
+    using clock = std::chrono::steady_clock;
+    scenario s{mdl, requests_of(state, false), is::memory_space::host, vllm_cpu_block_size, 0};
+    aligned_host_buffer<bfloat16_t> cache_data(
+      static_cast<std::size_t>(s.geometry().num_layers * vllm_cpu_layer_elements(s)));
+    auto const desc = make_vllm_cpu_desc(s, cache_data.data, isa);
+    std::int64_t const rows = s.p0 + s.tokens;
+    std::vector<bfloat16_t> const table = is::make_rope_cos_sin_values<bfloat16_t>(s.rotation, rows);
+    auto rotation = is::make_rope_cos_sin_table(s.rotation, table.data(), rows, false);
+    rotation.truncate_to_bfloat16 = true;
+    ib::traffic const t          = s.traffic();
+    std::size_t const copy_bytes = static_cast<std::size_t>(t.bytes / 2);
+    std::vector<std::byte> copy_destination(copy_bytes);
+    void const* const copy_source = s.store.ref().pool;  // pool_bytes >= copy_bytes
+
+    auto const fused = [&] { s.batch.run(desc, rotation); };
+    auto const copy  = [&] {
+      std::memcpy(copy_destination.data(), copy_source, copy_bytes);
+      benchmark::DoNotOptimize(copy_destination.data());
+      benchmark::ClobberMemory();
+    };
+    fused();
+    copy();
+    std::int64_t const bad = mismatches_vllm_cpu(s, cache_data.data, isa, table);
+    INFERSCALE_EXPECTS(bad == 0,
+                       "inject_bench: the vLLM CPU cache differs from the recomputation in " +
+                         std::to_string(bad) + " elements");
+
+    double seconds = 0.0, copy_seconds = 0.0;
+    for (auto _ : state) {
+      auto const f0 = clock::now();
+      fused();
+      benchmark::ClobberMemory();
+      auto const f1 = clock::now();
+      copy();
+      auto const c1  = clock::now();
+      double const f = std::chrono::duration<double>(f1 - f0).count();
+      state.SetIterationTime(f);
+      seconds += f;
+      copy_seconds += std::chrono::duration<double>(c1 - f1).count();
+    }
+    ib::report_throughput(state, t, seconds, copy_seconds);
+    report_common(state, s, false);
+  });
+}
+
 /// @brief Device state shared by the raw and checked benchmarks.
 struct device_case {
   scenario s;
@@ -1305,6 +1474,17 @@ void register_inject_benchmarks()
     ->MinTime(0.1)
     ->ArgNames({"m", "calibrated"})
     ->ArgsProduct({{128, 1024}, {0, 1}});
+  for (auto const isa : {is::vllm_cpu_isa::vec, is::vllm_cpu_isa::amx}) {
+    for (model const* m : {&smollm2, &llama}) {
+      std::string const name = std::string{"inject/host/vllm_cpu/"} + is::to_string(isa) + "/" +
+                               m->name + "/bf16";
+      benchmark::RegisterBenchmark(name.c_str(), inject_host_vllm_cpu_bench, *m, isa)
+        ->Apply(ib::host_benchmark)
+        ->MinTime(0.1)
+        ->ArgNames({"m"})
+        ->ArgsProduct({{128, 1920}});
+    }
+  }
   benchmark::RegisterBenchmark(
     ("inject_batch/host" + suffix).c_str(), inject_host_bench, llama, true)
     ->Apply(ib::host_benchmark)

@@ -13,6 +13,7 @@
 #include <inferscale/detail/inject/host_loop.hpp>
 #include <inferscale/detail/inject/host_rotation.hpp>
 #include <inferscale/detail/inject/host_simd.hpp>
+#include <inferscale/detail/inject/vllm_cpu_lines.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/injection_batch.hpp>
@@ -89,6 +90,16 @@ void dispatch_host_inject(kv_store_ref const& store,
   if constexpr (Table && std::is_same_v<CacheT, bfloat16_t>) {
     if (rotation.truncate_to_bfloat16) {  // checked: unscaled bfloat16 cache
 #if INFERSCALE_HOST_X86_SIMD
+      // vLLM's CPU layouts (vec and amx) by whole 64-byte lines: bf16 store, halves pairing,
+      // AVX-512BW (detail/inject/vllm_cpu_lines.hpp).
+      if constexpr (std::is_same_v<StoreT, bfloat16_t>) {
+        if (rotation.pairing == rope_pairing::halves && rotation.rotary_dim % 4 == 0 &&
+            line_path_takes(cache) &&
+            active_host_simd() == host_simd::avx512_bf16) {
+          simd_lines::inject_host_lines_truncate(store, batch, cache, rotation);
+          return;
+        }
+      }
       if (!contiguous && keys_token_major(cache.key_layout) &&
           dims_contiguous(cache.value_layout) && store.head_dim % 8 == 0 &&
           store.head_dim <= simd::token_major_max_dim &&

@@ -214,15 +214,24 @@ def vllm_lines(doc, reps):
     lines = []
     ttft = doc.get("ttft", [])
     if ttft:
-        lines.append("time to first token, vLLM (CPU build, %s CPUs) + SmolLM2-135M bf16, InferScale as "
-                     "its KV connector (bench_vllm.py, %s; prefix cache reset before each request):"
-                     % (doc.get("cpus", "?"), reps))
+        lines.append("time to first token, vLLM (CPU build) + SmolLM2-135M bf16 on %s, InferScale "
+                     "as its KV connector (bench_vllm.py, %s; prefix cache reset before each "
+                     "request):" % (doc.get("cpu") or "%s CPUs" % doc.get("cpus", "?"), reps))
         rows = [[str(r["k"]), fmt_int(r["memory_tokens"]), fmt_int(r["inject_ms"]),
                  fmt_int(r["prefill_ms"]), "%.1fx" % r["speedup"], fmt_int(r.get("floor_ms", 0)),
                  "%.2fx" % (r["inject_ms"] / r["floor_ms"]) if r.get("floor_ms") else "-"]
                 for r in ttft]
         lines += table(["k facts", "memory tokens", "injected ms", "re-prefilled ms", "speed-up",
                         "query alone ms", "injected / query alone"], rows)
+        parts = [r for r in ttft if "breakdown_ms" in r]
+        if parts:
+            lines.append("  the injected TTFT broken down (ms; ours = the connector's planning + "
+                         "its load into vLLM's cache; the rest is vLLM's):")
+            names = list(parts[0]["breakdown_ms"])
+            lines += table(["k"] + names + ["ours / injected TTFT"],
+                           [[str(r["k"])] + ["%.1f" % r["breakdown_ms"][p] for p in names]
+                            + ["%.1f %%" % (100 * r["ours_fraction"])] for r in parts],
+                           indent="    ")
         if "first_request_ms" in doc:
             lines.append("  (not in the table: the first memory request after the commit, %s ms, "
                          "pays the workers' one-time load of the memory generation)"
@@ -407,11 +416,17 @@ def serve_lines(doc, args):
         table_rows.append([str(n), "%s / %s" % (fmt_int(i["ttft_p50_ms"]), fmt_int(t["ttft_p50_ms"])),
                            "%.1fx" % (t["ttft_p50_ms"] / i["ttft_p50_ms"]),
                            "%.2f / %.2f" % (i["rps"], t["rps"]), "%.1fx" % (i["rps"] / t["rps"]),
-                           "%.1f ms" % (i.get("compose_p50_ms") or 0.0)])
+                           "%.1f ms" % (i.get("compose_p50_ms") or 0.0),
+                           "%.0f / %.0f" % (i["ttft_mean_ms"], i["engine_ttft_mean_ms"])
+                           if "engine_ttft_mean_ms" in i else "-"])
     lines += table(["users", "TTFT p50 ms injected / text", "speed-up", "req/s injected / text",
-                    "ratio", "retrieval+composition p50"], table_rows)
+                    "ratio", "retrieval+composition p50",
+                    "injected TTFT mean ms: client / vLLM's own"], table_rows)
     lines.append("  leaks: %d in %d injected answers checked for their own user's facts"
                  % (doc.get("leaks", -1), doc.get("checked", 0)))
+    if "served_over_offline" in doc:
+        lines.append("  through HTTP the TTFT speed-up is %.0f %% of the offline connector's (same "
+                     "users, questions and k, same run)" % (100 * doc["served_over_offline"]))
     return lines
 
 
@@ -456,10 +471,11 @@ def headline_only(paths):
     print("The mission: serve a user's memory to an engine without re-prefilling it; each figure "
           "beside its baseline or ceiling, measured in the same run.")
     if config:
-        print("configuration: %s CPUs, GPU: %s; each step's arguments:" % (
-            config.get("cpus", "?"), config.get("gpu", "?")))
+        print("configuration: %s CPUs, %s, GPU: %s; each step's arguments:" % (
+            config.get("cpus", "?"), config.get("cpu", "CPU model not recorded"),
+            config.get("gpu", "?")))
         for k, v in config.items():
-            if k not in ("mode", "gpu", "cpus"):
+            if k not in ("mode", "gpu", "cpus", "cpu"):
                 print("  %s %s" % (k, v))
     blocks = []
     if vllm_doc is not None:

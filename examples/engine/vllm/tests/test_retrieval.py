@@ -195,6 +195,32 @@ def test_query_batcher_embeds_concurrent_queries_together(embedder):
     np.testing.assert_allclose(np.stack(results[:-1]), alone, atol=1e-5)
 
 
+def test_bfloat16_queries_retrieve_what_float32_queries_retrieve(embedder, locomo, vectors):
+    """The server's queries in bfloat16 (--query-compute, bfloat16 autocast) against the float32
+    facts: each value within 4e-3 of the float32 query's, and the top 20 of every LoCoMo question
+    the same set but where a fact's float32 score lies within the bfloat16 error of the 20th
+    (a near-tie, which either arithmetic may break either way)."""
+    k, tie = 20, 2e-3
+    changed = 0
+    for c, v in zip(locomo, vectors):
+        q16 = embedder.embed(c["questions"], compute="bfloat16")
+        assert q16.dtype == np.float32 and q16.shape == v["questions"].shape
+        np.testing.assert_allclose(np.linalg.norm(q16, axis=1), 1.0, atol=1e-5)
+        assert np.abs(q16 - v["questions"]).max() < 4e-3
+        s32 = v["questions"].astype(np.float64) @ v["turns"].astype(np.float64).T
+        s16 = q16.astype(np.float64) @ v["turns"].astype(np.float64).T
+        for i in range(len(c["questions"])):
+            top32 = set(np.argsort(-s32[i], kind="stable")[:k])
+            top16 = set(np.argsort(-s16[i], kind="stable")[:k])
+            kth = np.sort(s32[i])[::-1][k - 1]
+            for f in top32 ^ top16:
+                assert abs(s32[i, f] - kth) < tie, (i, f, s32[i, f], kth)
+            changed += top32 != top16
+    asked = sum(len(c["questions"]) for c in locomo)
+    print(f"bfloat16 queries: {changed} of {asked} top-{k} sets differ, each by near-ties only")
+    assert changed <= asked // 10
+
+
 # -- the bound index against brute force -------------------------------------------------------
 def test_index_exact_and_graph_against_brute_force(locomo, vectors):
     index = Index(384)

@@ -92,7 +92,8 @@ class MemoryService:
         from .memory import Memory, check_model, describe_model
 
         self.embedder = MiniLMEmbedder(self.args.embedder)
-        self.queries = QueryBatcher(self.embedder)  # the requests' queries, embedded together
+        # the requests' queries, embedded together (in bfloat16 where the CPU has it natively)
+        self.queries = QueryBatcher(self.embedder, self.args.query_compute)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.vllm_config.model_config.tokenizer)
@@ -475,6 +476,9 @@ def parse_args(argv=None):
                        help="the system prompt the facts follow")
     group.add_argument("--memory-pages", type=int, default=8192,
                        help="pages of 16 tokens in a new memory's store")
+    group.add_argument("--query-compute", default="auto", choices=("auto", "float32", "bfloat16"),
+                       help="the queries' embedding arithmetic (facts: float32); auto: bfloat16 "
+                            "where the CPU has it natively (AMX, AVX512_BF16)")
     group.add_argument("--embedder", default=None,
                        help="all-MiniLM-L6-v2's folder (default: $INFERSCALE_MINILM_HF)")
     args = parser.parse_args(argv)

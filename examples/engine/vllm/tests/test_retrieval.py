@@ -187,6 +187,20 @@ def test_query_batcher_embeds_concurrent_queries_together(embedder):
 
     results = asyncio.run(run())
     assert all(isinstance(r, np.ndarray) for r in results[:-1]), results
+
+    # Requests sent together reach the batcher over some milliseconds of parsing: queries that
+    # keep arriving (each well within SETTLE_SECONDS of the last) still share the first forward.
+    spread = QueryBatcher(embedder)
+
+    async def trickle():
+        tasks = []
+        for t in texts[:6]:
+            tasks.append(asyncio.ensure_future(spread.embed(t)))
+            await asyncio.sleep(spread.SETTLE_SECONDS / 4)
+        return await asyncio.gather(*tasks)
+
+    asyncio.run(trickle())
+    assert (spread.batches, spread.queries) == (1, 6)
     assert isinstance(results[-1], ValueError) and "at most 256" in str(results[-1])
     # Two batches: the first caller alone, then the others in one (the failing text made that
     # batch run again text by text), the cancelled caller's text included.

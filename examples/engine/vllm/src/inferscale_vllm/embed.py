@@ -146,12 +146,16 @@ class QueryBatcher:
     A server answers many requests at once, each embedding its one query: 64 forwards of one
     short text each cost far more than one forward of 64 (the same weights are read 64 times,
     and the forwards fight for the cores the engine uses). ``await embed(text)`` queues the text
-    and waits on a future, holding no thread: one drain task embeds every query queued at that
-    moment in one ``embedder.embed`` call (in a worker thread, so the event loop keeps serving),
-    then the queries queued meanwhile in the next, until none waits. So the batch is as large as
+    and waits on a future, holding no thread: one drain task, once no new query has come for
+    SETTLE_SECONDS (at most GATHER_SECONDS), embeds every query queued in one ``embedder.embed``
+    call (in a worker thread, so the event loop keeps serving), then the queries queued meanwhile
+    in the next, until none waits. So the batch is as large as
     the concurrency, whatever the size of the thread pool. A batch that fails (a query too long
     for the model, say) is embedded again one text at a time, so each caller gets its own vector
     or its own error."""
+
+    SETTLE_SECONDS = 0.002  # no new query for this long: the first batch starts (epoll: ms ticks)
+    GATHER_SECONDS = 0.010  # the longest the first batch waits for more
 
     def __init__(self, embedder, compute: str | None = None):
         self.embedder = embedder
@@ -176,7 +180,16 @@ class QueryBatcher:
 
         batch = []
         try:
-            await asyncio.sleep(0)  # the requests parsed in this turn of the loop join the first
+            # The first batch waits while queries keep arriving (requests sent together reach
+            # here over a few milliseconds of parsing), at most GATHER_SECONDS: one forward for
+            # them all, one wave of requests into the engine; a lone query waits one SETTLE.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.GATHER_SECONDS
+            while True:
+                seen = len(self._pending)
+                await asyncio.sleep(self.SETTLE_SECONDS)
+                if len(self._pending) == seen or loop.time() >= deadline:
+                    break
             while self._pending:
                 batch, self._pending = self._pending, []
                 results = await asyncio.to_thread(self._run, [t for t, _ in batch])

@@ -16,7 +16,9 @@ request asks one of that conversation's LoCoMo questions; the server retrieves t
             cache then holds the text request's facts too, where injection pays least.
   offline   (--offline N) after the server stops, the same memory directory, users, questions
             and k through the connector in an offline ``vllm.LLM`` (the package's Memory composes
-            the same prompt ids and salt; the facts as text the same chat): N requests at once,
+            the same prompt ids and salt; the facts as text the same chat) with the server's
+            engine configuration (block size, sequences, --max-num-batched-tokens: vLLM's CPU
+            defaults differ, 2048 served against 4096 offline): N requests at once,
             TTFT from vLLM's request metrics, so the server's speed-up can be set beside the
             offline connector's, same machine, same run.
 Every injected answer is checked for its own user's facts (``x-inferscale-memory``: the user
@@ -137,7 +139,7 @@ async def level(server, users, n, reqs, k, max_tokens, mode, repeated=False, off
     import httpx
 
     url = f"{server.url}/v1/chat/completions"
-    ttfts, leaks, checked, compose = [], 0, 0, []
+    ttfts, leaks, checked, compose, embed, batches = [], 0, 0, [], [], set()
     codes = {u["marker"] for u in users}
     def question(u, i):
         return "What is my locker code?" if marker else u["questions"][
@@ -178,6 +180,9 @@ async def level(server, users, n, reqs, k, max_tokens, mode, repeated=False, off
                     checked += 1
                     if memory is not None:
                         compose.append(memory.get("compose_ms", 0.0))
+                        parts = memory.get("compose_parts_ms", {})
+                        embed.append(parts.get("embed", 0.0))
+                        batches.add((parts.get("embed_batch"), parts.get("embed_forward")))
                     leaks += leaked(u, memory, answer, codes)
 
         t = time.perf_counter()
@@ -187,7 +192,9 @@ async def level(server, users, n, reqs, k, max_tokens, mode, repeated=False, off
             "ttft_p50_ms": 1e3 * statistics.median(ttfts),
             "ttft_mean_ms": 1e3 * statistics.fmean(ttfts),
             "ttft_p99_ms": 1e3 * percentile(ttfts, 99), "leaks": leaks, "checked": checked,
-            "compose_p50_ms": statistics.median(compose) if compose else None}
+            "compose_p50_ms": statistics.median(compose) if compose else None,
+            "embed_p50_ms": statistics.median(embed) if embed else None,
+            "embed_batches": sorted(batches, key=str)}
 
 
 def offline(a, users, n, directory):
@@ -206,7 +213,10 @@ def offline(a, users, n, directory):
     tok = transformers.AutoTokenizer.from_pretrained(a.model)
     embedder = MiniLMEmbedder(os.environ.get("INFERSCALE_MINILM_HF") or None)
     mem = Memory.open(directory, embedder)
-    llm = make_llm(a.model, directory, capture=False, block_size=BLOCK, max_num_seqs=max(n, 1),
+    # the server's engine configuration (block, sequences, token budget, prefix caching)
+    llm = make_llm(a.model, directory, capture=False, block_size=BLOCK,
+                   max_num_seqs=max(max(int(x) for x in a.users.split(",")), 1),
+                   max_num_batched_tokens=a.max_num_batched_tokens,
                    enable_prefix_caching=True, disable_log_stats=False)  # stats: the TTFTs
     rows = []
     try:
@@ -272,6 +282,9 @@ def main():
     ap.add_argument("--leak-requests", type=int, default=0,
                     help="injected requests more, all users at once, each answer checked for "
                          "other users' codes")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="the engine's token budget per step, the same for the server and the "
+                         "offline run (vLLM's CPU defaults differ: 2048 served, 4096 offline)")
     ap.add_argument("--memory", help="the memory directory: kept after the run, and a user whose "
                     "facts it already holds (the same texts) is not written again")
     ap.add_argument("--json")
@@ -288,7 +301,8 @@ def main():
     memory_dir = os.path.abspath(a.memory) if a.memory else os.path.join(work, "memory")
     server = Server(a.model, memory_dir, log, "bench-" + os.urandom(4).hex(),
                     ["--memory-pages", str(max(levels) * a.k * 8 + 64), "--memory-k", str(a.k),
-                     "--max-num-seqs", str(max(levels))])
+                     "--max-num-seqs", str(max(levels)),
+                     "--max-num-batched-tokens", str(a.max_num_batched_tokens)])
     t = time.perf_counter()
     server.start()
     print(f"bench_serve: server up in {time.perf_counter() - t:.0f} s", flush=True)
@@ -329,7 +343,9 @@ def main():
                 print(f"  {n:3d} users  {mode:8s}  TTFT p50 {row['ttft_p50_ms']:8.1f} ms  p99 "
                       f"{row['ttft_p99_ms']:8.1f} ms  {row['rps']:6.2f} req/s  mean "
                       f"{row['ttft_mean_ms']:.1f} ms (vLLM's own {row['engine_ttft_mean_ms']:.1f})"
-                      + (f"  retrieval+composition p50 {row['compose_p50_ms']:.1f} ms  leaks "
+                      + (f"  retrieval+composition p50 {row['compose_p50_ms']:.1f} ms (the "
+                         f"query's embedding {row['embed_p50_ms']:.1f}; forwards (queries, ms) "
+                         f"{row['embed_batches']})  leaks "
                          f"{row['leaks']}/{row['checked']}" if mode == "injected" else ""),
                       flush=True)
         repeated = []

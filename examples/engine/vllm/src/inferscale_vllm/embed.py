@@ -165,11 +165,14 @@ class QueryBatcher:
         self.batches = 0  # forwards run (how many queries shared one: queries / batches)
         self.queries = 0
 
-    async def embed(self, text: str) -> np.ndarray:
-        """``[dimension]`` float32 of unit length: the query's row of ``embedder.embed``."""
+    async def embed(self, text: str, report: dict | None = None) -> np.ndarray:
+        """``[dimension]`` float32 of unit length: the query's row of ``embedder.embed``.
+        ``report`` (a dict) gets the size of the batch it was embedded in and that forward's
+        milliseconds."""
         import asyncio
 
         future = asyncio.get_running_loop().create_future()
+        future.report = report
         self._pending.append((text, future))
         if self._drain is None:
             self._drain = asyncio.ensure_future(self._run_batches())
@@ -192,10 +195,14 @@ class QueryBatcher:
                     break
             while self._pending:
                 batch, self._pending = self._pending, []
+                started = loop.time()
                 results = await asyncio.to_thread(self._run, [t for t, _ in batch])
+                forward_ms = 1e3 * (loop.time() - started)
                 for (_, future), (vector, error) in zip(batch, results):
                     if future.done():  # its caller went away (a cancelled request)
                         continue
+                    if future.report is not None:
+                        future.report.update(batch=len(batch), forward_ms=round(forward_ms, 3))
                     if error is not None:
                         future.set_exception(error)
                     else:

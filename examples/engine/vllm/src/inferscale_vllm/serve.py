@@ -91,7 +91,9 @@ class MemoryService:
         from .embed import MiniLMEmbedder, QueryBatcher
         from .memory import Memory, check_model, describe_model
 
-        self.embedder = MiniLMEmbedder(self.args.embedder)
+        # one thread: the engine's OpenMP threads own the cores (an embedding forward of two
+        # threads here stalls every parallel region of the engine's step on a small machine)
+        self.embedder = MiniLMEmbedder(self.args.embedder, threads=1)
         # the requests' queries, embedded together (in bfloat16 where the CPU has it natively)
         self.queries = QueryBatcher(self.embedder, self.args.query_compute)
         from transformers import AutoTokenizer
@@ -256,12 +258,24 @@ class MemoryService:
         in a worker thread, the query waits for its embedding holding no thread (QueryBatcher:
         the queries of concurrent requests share one forward), and retrieval with the prompt's
         composition runs in a worker thread under the memory's mutex."""
+        started = time.perf_counter()
         prepared = await asyncio.to_thread(self._prepare, body, chat)
         if prepared[1] is None:
             return prepared[0], None
         body, user, k, query, query_ids = prepared
-        vector = await self.queries.embed(query)
-        return await asyncio.to_thread(self._finish, body, chat, user, k, vector, query_ids)
+        asked = time.perf_counter()
+        batch = {}
+        vector = await self.queries.embed(query, batch)
+        embedded = time.perf_counter()
+        body, used = await asyncio.to_thread(self._finish, body, chat, user, k, vector, query_ids)
+        # where the server's time went (the answer's `memory`): the checks and chat template, the
+        # query's embedding (waiting for its batch included), retrieval and composition
+        used["compose_parts_ms"] = {"prepare": round(1e3 * (asked - started), 3),
+                                    "embed": round(1e3 * (embedded - asked), 3),
+                                    "retrieve": round(1e3 * (time.perf_counter() - embedded), 3),
+                                    "embed_batch": batch.get("batch", 0),
+                                    "embed_forward": batch.get("forward_ms", 0.0)}
+        return body, used
 
     def _prepare(self, body: dict, chat: bool):
         """(body, user, k, query, the query's token ids), or (body, None) to answer without

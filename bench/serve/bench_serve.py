@@ -287,6 +287,8 @@ def main():
                          "offline run (vLLM's CPU defaults differ: 2048 served, 4096 offline)")
     ap.add_argument("--memory", help="the memory directory: kept after the run, and a user whose "
                     "facts it already holds (the same texts) is not written again")
+    ap.add_argument("--write-only", action="store_true",
+                    help="write the users' facts into --memory and stop (no level is measured)")
     ap.add_argument("--json")
     a = ap.parse_args()
     check_model_and_locomo(a, "bench_serve")
@@ -327,6 +329,10 @@ def main():
         written = sum(len(u["ids"]) for u in users)
         print(f"bench_serve: {written} facts of {len(users)} users written through the API in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
+        if a.write_only:
+            if not a.memory:
+                raise SystemExit("bench_serve: --write-only keeps nothing without --memory")
+            return 0
         rows = []
         for n in levels:
             for mode in ("injected", "text"):

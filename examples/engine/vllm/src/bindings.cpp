@@ -16,7 +16,8 @@
 // path for a GPU vLLM: stores whose pool lives in device memory (Store(..., device=True),
 // Store.load(..., device=True), Store.to_device()), vLLM's GPU FlashAttention cache described from
 // its CUDA tensors (VllmFlashAttnCache), a Rotation over a table in device memory, and
-// inject_async on a CUDA stream (the injection step's checked device run, device_inject.cu).
+// inject on a CUDA stream (the same entry with a stream: the injection step's checked device run,
+// device_inject.cu).
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
 #include <inferscale/dtype.hpp>
@@ -366,7 +367,7 @@ class rotation_handle {
  public:
   /// `table`: [positions, rotary_dim] (cos in the first half of a row, sin in the second), rows
   /// of any stride, elements contiguous; on the CPU for inject, on the current CUDA device for
-  /// inject_async. Held (kept alive) by the rotation.
+  /// inject's device path. Held (kept alive) by the rotation.
   rotation_handle(any_array table,
                   std::int32_t head_dim,
                   bool neox_style,
@@ -588,21 +589,22 @@ class flash_attn_cache_handle {
 #endif
 };
 
-/// The device path: as inject, on `stream` (a cudaStream_t as an integer), never waiting for it.
-std::int64_t inject_async(store_handle const& store,
+/// The device path of inject (its overload for a VllmFlashAttnCache): on `stream` (a cudaStream_t
+/// as an integer), never waiting for it.
+std::int64_t inject_device(store_handle const& store,
                           flash_attn_cache_handle& cache,
                           rotation_handle const& rotation,
                           std::vector<request_arg> const& requests,
                           std::uintptr_t stream)
 {
-  expect_cuda_build("inject_async");
+  expect_cuda_build("inject (device cache)");
   kv_store const& s = store.get();
   if (s.space() != memory_space::device) {
     throw std::invalid_argument(
-      "inject_async: the store's pool is in host memory; the device path reads a device store "
+      "inject (device cache): the store's pool is in host memory; the device path reads a device store "
       "(Store.to_device(), or Store.load(path, device=True))");
   }
-  expect_device_memory(rotation.data(), "inject_async: the rotation's cos/sin table");
+  expect_device_memory(rotation.data(), "inject (device cache): the rotation's cos/sin table");
   injection_batch batch = make_batch(s, requests);
 #ifdef INFERSCALE_VLLM_CUDA
   {
@@ -1022,7 +1024,9 @@ NB_MODULE(_inferscale, m)
     .def_prop_ro("head_dim", [](flash_attn_cache_handle const& c) { return c.get().head_dim(); });
 
   m.attr("HAS_CUDA") = has_cuda;
-  m.def("inject_async", &inject_async, nb::arg("store"), nb::arg("cache"), nb::arg("rotation"),
+  // One entry, one overload per backend (as injection_batch::run and its device_context twin):
+  // a host cache (VllmCpuCache, ...) without a stream, a VllmFlashAttnCache with one.
+  m.def("inject", &inject_device, nb::arg("store"), nb::arg("cache"), nb::arg("rotation"),
         nb::arg("requests"), nb::arg("stream"),
         "The device path of inject: a device store, a VllmFlashAttnCache and a Rotation whose "
         "table is in device memory; the kernel is enqueued on `stream` (an integer cudaStream_t, "

@@ -139,6 +139,11 @@ def test_refusals_leave_the_cache_unchanged():
     other = Store(LAYERS, 1, DIM, "bfloat16", num_pages=8)
     with pytest.raises(ValueError, match="geometry"):
         inject(other, cache, rot, [])
+    # one entry, one overload per backend: a stream goes with a device cache only (a host cache
+    # and a stream match neither overload; both are named in the error)
+    with pytest.raises(TypeError, match="VllmFlashAttnCache") as e:
+        inject(store, cache, rot, [([1], 0, list(range(10)))], 0)
+    assert "cache: inferscale_vllm._inferscale.VllmCpuCache" in str(e.value)
     for n in names:
         assert torch.equal(caches[n].view(torch.int16), before[n].view(torch.int16))
 

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
                 "path can only be tested on a GPU", allow_module_level=True)
 
 from inferscale_vllm import _inferscale  # noqa: E402
-from inferscale_vllm._inferscale import Rotation, Store, inject_async  # noqa: E402
+from inferscale_vllm._inferscale import Rotation, Store, inject  # noqa: E402
 from inferscale_vllm.tensors import kv_cache_descriptor  # noqa: E402
 
 LAYERS, HEADS, DIM, BLOCK, BLOCKS = 3, 4, 128, 16, 24
@@ -156,7 +156,7 @@ def run_inject(store, caches, names, table, reqs):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())  # the caches' initial values are written
     with torch.cuda.stream(stream):
-        written = inject_async(store, desc, rotation_for(table), reqs, stream.cuda_stream)
+        written = inject(store, desc, rotation_for(table), reqs, stream.cuda_stream)
     stream.synchronize()
     return written
 
@@ -230,20 +230,20 @@ def test_refusals_leave_the_cache_unchanged():
     good = requests()
 
     # a host store given to the device path
-    _refused(lambda: inject_async(host, desc, rotation_for(table), good, stream), "host memory")
+    _refused(lambda: inject(host, desc, rotation_for(table), good, stream), "host memory")
     # a slot beyond the cache (BLOCKS * BLOCK slots): refused before anything is written, although
     # every other token of the batch is valid
     beyond = [(good[0][0], good[0][1], good[0][2][:-1] + [BLOCKS * BLOCK])] + good[1:]
-    _refused(lambda: inject_async(dev, desc, rotation_for(table), beyond, stream), "beyond")
+    _refused(lambda: inject(dev, desc, rotation_for(table), beyond, stream), "beyond")
     # a position beyond the table
     late = [(good[1][0], MAX_POS - 10, good[1][2])]
-    _refused(lambda: inject_async(dev, desc, rotation_for(table), late, stream), "beyond the cos")
+    _refused(lambda: inject(dev, desc, rotation_for(table), late, stream), "beyond the cos")
     # fewer slots than the facts' tokens: nothing is truncated
     short = [(good[1][0], good[1][1], good[1][2][:-1])]
-    _refused(lambda: inject_async(dev, desc, rotation_for(table), short, stream), "truncated")
+    _refused(lambda: inject(dev, desc, rotation_for(table), short, stream), "truncated")
     # the rotation's table in host memory
     host_table = table.cpu()
-    _refused(lambda: inject_async(dev, desc, rotation_for(host_table), good, stream),
+    _refused(lambda: inject(dev, desc, rotation_for(host_table), good, stream),
              "not in device memory|not CUDA memory")
     torch.cuda.synchronize()
     for l, n in enumerate(names):

@@ -19,15 +19,14 @@ Pieces:
     what a memory with retrieval embeds its facts and queries with.
   - ``_inferscale``: the compiled extension (store, vLLM CPU cache descriptor, inject, extract, the
     library's host graph index for retrieval; built with INFERSCALE_VLLM_CUDA=ON also device stores,
-    vLLM's GPU cache descriptor ``VllmFlashAttnCache`` and ``inject_async`` on a CUDA stream —
+    vLLM's GPU cache descriptor ``VllmFlashAttnCache`` and ``inject`` with a CUDA stream —
     ``HAS_CUDA`` says which).
 """
 
 from ._inferscale import (  # noqa: F401
-    HAS_CUDA, Index, Rotation, Store, VllmCpuCache, VllmFlashAttnCache, extract, inject,
-    inject_async)
+    HAS_CUDA, Index, Rotation, Store, VllmCpuCache, VllmFlashAttnCache, extract, inject)
 from .memory import Memory, MemoryReader  # noqa: F401
 
 __all__ = ["HAS_CUDA", "Index", "Memory", "MemoryReader", "Rotation", "Store",
-           "VllmCpuCache", "VllmFlashAttnCache", "extract", "inject", "inject_async"]
+           "VllmCpuCache", "VllmFlashAttnCache", "extract", "inject"]
 __version__ = "0.1.0"

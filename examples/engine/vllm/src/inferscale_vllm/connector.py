@@ -529,7 +529,7 @@ class InferScaleConnector(KVConnectorBase_V1):
                     import torch
 
                     # enqueued before the forward on the stream it runs on; not waited for
-                    _inferscale.inject_async(store, self._cache, self._rotation,
+                    _inferscale.inject(store, self._cache, self._rotation,
                                              [(load.facts, 0, load.slots)],
                                              torch.cuda.current_stream().cuda_stream)
                 else:
@@ -616,7 +616,7 @@ def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: 
         store.insert(100 + i, 0, [0], ki, ki)
     requests = [([100 + i], int(positions[i]), [i]) for i in range(tokens)]
     if device:
-        from ._inferscale import VllmFlashAttnCache, inject_async
+        from ._inferscale import VllmFlashAttnCache, inject
 
         store = store.to_device()
         # vLLM 0.32's GPU layout (num_blocks, heads, block_size, 2 * head_dim): K = [..., :head_dim]
@@ -624,7 +624,7 @@ def rotation_matching_vllm(rope, dtype, head_dim: int, tokens: int = 64, heads: 
         desc = VllmFlashAttnCache([cache])
 
         def run(rotation):
-            inject_async(store, desc, rotation, requests, torch.cuda.current_stream().cuda_stream)
+            inject(store, desc, rotation, requests, torch.cuda.current_stream().cuda_stream)
             torch.cuda.current_stream().synchronize()
             return cache[:, :, 0, :head_dim]
     else:

@@ -139,6 +139,8 @@ def assert_theorem3(setup, memory, questions=QUESTIONS, preamble="", every_token
         assert cached == usable, f"{q!r}: vLLM reports {cached} cached tokens, memory offered {usable}"
         assert injected == plain, (f"{q!r}: injected {tok.decode(injected)!r} vs prefill "
                                    f"{tok.decode(plain)!r}")
+        print(f"{q!r}: {cached} of {m} memory tokens loaded (query {n - m}, prompt {n}), "
+              f"{len(injected)} tokens generated")
         first = next((i for i, (a, b) in enumerate(zip(lps, plain_lps)) if a != b), None)
         assert first is None, (f"{q!r}: {m - cached} memory tokens recomputed; the top logprobs "
                                f"of token {first} differ from vLLM's prefill: {lps[first]} vs "
@@ -152,11 +154,11 @@ def test_theorem3_greedy_tokens_equal_prefill(setup):
 
 
 # Questions whose query (the question and the chat template around it) is as long as a short
-# conversation turn: 40-50 tokens, so that the query and the prompt (~270 tokens) fall in one
+# conversation turn: 46-56 tokens, so that the query and the prompt (~270 tokens) fall in one
 # token class of vLLM's linear layers on the machines measured (an Intel Xeon with AMX: 37-575
 # tokens), and every memory token loads exactly.
-PREAMBLE = ("I am writing Caroline a birthday card and want to get the details right, so please "
-            "answer briefly. ")
+PREAMBLE = ("I am writing Caroline a birthday card and I want to get every detail right, so "
+            "please answer briefly and only from what you know about her. ")
 
 
 def test_theorem3_every_memory_token_loaded_with_a_longer_query(setup):

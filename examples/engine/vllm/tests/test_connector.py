@@ -153,19 +153,35 @@ def test_theorem3_greedy_tokens_equal_prefill(setup):
     assert_theorem3(setup, setup["mem"])
 
 
-# Questions whose query (the question and the chat template around it) is as long as a short
-# conversation turn: 46-56 tokens, so that the query and the prompt (~270 tokens) fall in one
-# token class of vLLM's linear layers on the machines measured (an Intel Xeon with AMX: 37-575
-# tokens), and every memory token loads exactly.
+# A sentence put before a question (0, 1, 2, ... times) until the query's token count falls in
+# the token class of the whole prompt's (token_classes.py: on an Intel Xeon with AMX SmolLM2's
+# linear layers compute 37-575 tokens alike, so a 16-21-token question alone does not): then
+# every memory token is loaded and vLLM computes the query as in its cold prefill.
 PREAMBLE = ("I am writing Caroline a birthday card and I want to get every detail right, so "
             "please answer briefly and only from what you know about her. ")
 
 
-def test_theorem3_every_memory_token_loaded_with_a_longer_query(setup):
-    """Theorem 3 with every memory token loaded (the last block partly): the query is long enough
-    to be computed in the token class of the cold prefill's (token_classes.py), so nothing of the
-    memory is recomputed and the answers are still vLLM's prefill's bit for bit."""
-    assert_theorem3(setup, setup["mem"], preamble=PREAMBLE, every_token=True)
+def test_theorem3_every_memory_token_loaded(setup):
+    """Theorem 3 with every memory token loaded (the last block partly, the context ending
+    inside a block): each question gets the fewest PREAMBLE sentences that put its query in the
+    prompt's token class (none where the classes are one, as on a machine whose GEMMs compute
+    every token count alike), nothing of the memory is recomputed, and the answers are vLLM's
+    prefill's bit for bit."""
+    tok, classes = setup["tok"], setup["loading"]["classes"]
+    assert classes is not None, "the worker's token classes did not reach the scheduler side"
+    for q in QUESTIONS:
+        for times in range(4):
+            ids = query_tokens(tok, PREAMBLE * times + q)
+            r = setup["mem"].request("caroline", [setup["joint"]], ids)
+            n = len(r["prompt"]["prompt_token_ids"])
+            if classes.of(n - r["memory_tokens"]) == classes.of(n):
+                break
+        else:
+            pytest.fail(f"{q!r}: no query of up to 3 preambles shares the prompt's token class "
+                        f"({classes})")
+        print(f"{q!r}: {times} preamble(s), query {len(ids)} tokens")
+        assert_theorem3(setup, setup["mem"], questions=[q], preamble=PREAMBLE * times,
+                        every_token=True)
 
 
 def test_theorem3_with_a_float32_store(setup, shared_engine):

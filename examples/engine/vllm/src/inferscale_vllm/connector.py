@@ -12,9 +12,10 @@ facts' tokens) and carries the memory's keyed ``cache_salt`` — ``Memory.reques
 
 Scheduler side (one instance, in the engine core): checks the request against the memory (user,
 facts, the prompt's leading tokens equal the composed segment, the salt, the model), and offers
-vLLM the segment (but a request's recompute_tokens): its last block partly where that was
-measured exact (vLLM's CPU ``vec`` kernels at TP = 1), else its whole blocks only
-(``partial_last_block``). Anything
+vLLM the segment (but a request's recompute_tokens): as many of its tokens, the last block partly,
+as leave vLLM a rest it computes with the GEMM kernels of its cold prefill (``partial_last_block``
+"measured": the token classes each worker measures at start-up, token_classes.py), whole blocks
+where nothing was measured (the GPU path). Anything
 wrong is logged once with the reason and the request is prefilled normally (0 tokens offered).
 Worker side (one per rank): holds its shard of the store (its KV heads under tensor parallelism),
 and before the forward writes each admitted request's tokens into the blocks vLLM allocated,
@@ -339,8 +340,8 @@ class InferScaleConnector(KVConnectorBase_V1):
                 return 0, False
             order, m, recompute, user, generation = plan
             # Every memory token but the request's recompute_tokens (suffix recompute), at least
-            # one prompt token left for vLLM to compute, and the last block partly only where
-            # that is exact (partial_last_block): elsewhere whole blocks.
+            # one prompt token left for vLLM to compute, and of those as many as leave vLLM a
+            # rest it computes as in its cold prefill (partial_last_block, token_classes.py).
             usable = min(m - recompute, request.num_prompt_tokens - 1)
             usable = self._exact_usable(request, num_computed_tokens, usable)
             self._plans[request.request_id] = (order, m, num_computed_tokens, user, generation)

@@ -30,25 +30,26 @@ def vllm_linear(n, k):
 
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_measured_classes_equal_every_count_computed(n, k):
-    """Two token counts share a class exactly when 2 x PROBE_ROWS rows computed at those counts
-    are the same bits: here each count from 1 to TOP is computed (its own batches, the probe rows
-    at the start and the end of a batch of that many rows, random rows between), grouped by the
-    bits, and the groups compared with the measured classes."""
+    """Two token counts share a class exactly when PROBE_ROWS rows computed at those counts are
+    the same bits: here each count from 1 to TOP is computed (other rows than the measurement's,
+    in batches of that count; from PROBE_ROWS tokens on, half of them first and half last in one
+    batch, random rows between), grouped by the bits, and the groups compared with the measured
+    classes."""
     apply = vllm_linear(n, k)
     classes = measure(apply, k, TOP, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(1)
-    rows = torch.randn(2 * PROBE_ROWS, k, generator=g).bfloat16()
+    rows = torch.randn(PROBE_ROWS, k, generator=g).bfloat16()
+    half = PROBE_ROWS // 2
     fill = torch.randn(TOP, k, generator=g).bfloat16()
     groups = {}
     for t in range(1, TOP + 1):
-        if t < 2 * PROBE_ROWS:  # the rows in batches of t
+        if t < PROBE_ROWS:  # the rows in batches of t
             out = torch.cat([apply(torch.cat([rows[i:i + t], fill[:max(0, t - len(rows[i:i + t]))]])
                                    .contiguous())[:len(rows[i:i + t])]
                              for i in range(0, len(rows), t)])
         else:
-            y = apply(torch.cat([rows[:PROBE_ROWS], fill[:t - 2 * PROBE_ROWS],
-                                 rows[PROBE_ROWS:]]).contiguous())
-            out = torch.cat([y[:PROBE_ROWS], y[t - PROBE_ROWS:]])
+            y = apply(torch.cat([rows[:half], fill[:t - PROBE_ROWS], rows[half:]]).contiguous())
+            out = torch.cat([y[:half], y[t - (PROBE_ROWS - half):]])
         digest = hashlib.sha1(out.view(torch.uint8).numpy().tobytes()).hexdigest()
         groups.setdefault(digest, []).append(t)
     direct = sorted(groups.values())

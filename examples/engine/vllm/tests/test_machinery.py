@@ -344,5 +344,6 @@ def test_the_connector_traces_its_own_work_per_memory_request(setup, tmp_path, m
                      "update_state_after_alloc"], hooks
     loads = [e for e in events if e["side"] == "worker"]
     assert len(loads) == 1 and loads[0]["rank"] == [0, 0], loads
-    assert loads[0]["tokens"] == loaded(setup, r["memory_tokens"]) == cached, (loads, cached)
+    n = len(r["prompt"]["prompt_token_ids"])
+    assert loads[0]["tokens"] == loaded(setup, n, r["memory_tokens"]) == cached, (loads, cached)
     assert all(0 <= e["seconds"] < 60 for e in events), events

@@ -110,11 +110,10 @@ class MemoryService:
                                         num_pages=self.args.memory_pages,
                                         dtype=running["dtype"])
         if self.memory.prefix is None:
-            # The prefix's K/V are taken from the first write's forward (prefix + fact), not from
-            # a forward of the prefix alone: vLLM's CPU GEMMs may round a row by the number of
-            # tokens in the step (token_classes.py), and a prompt's cold prefill computes the
-            # prefix among many tokens (bench/results/2026-12-07-vllm-amx-tail.md).
-            pass
+            ids = self._tokens(self.head)
+            kv = await self._capture(ids)
+            self.memory.set_prefix(self.head, ids, kv["k"], kv["v"])
+            self.memory.commit()
         elif self.memory.text(self.memory.prefix) != self.head:
             prefix = self.memory.text(self.memory.prefix)
             raise ValueError(f"inferscale serve: the memory's prefix is {prefix!r}, "
@@ -175,8 +174,7 @@ class MemoryService:
             raise _bad(f"a fact holds at most {MAX_FACT_CHARS} characters and the context "
                        f"{4 * MAX_FACT_CHARS} (facts {too_long} are longer); nothing is cut",
                        413)
-        prefix = (self.memory.store.token_ids(self.memory.prefix)
-                  if self.memory.prefix is not None else self._tokens(self.head))
+        prefix = self.memory.store.token_ids(self.memory.prefix)
         ctx = self._tokens(context) if context else []
         limit = self.vllm_config.model_config.max_model_len
         encoded = []
@@ -194,18 +192,13 @@ class MemoryService:
             items = [dict(text=text, token_ids=ids, keys=kv["k"], values=kv["v"],
                           context=prefix + ctx, embedding=vector)
                      for (text, ids), vector, kv in zip(encoded, vectors, kvs)]
-            first = None
-            if self.memory.prefix is None:  # the first write: the prefix's rows of its forward
-                first = (prefix, kvs[0]["k"][:, :len(prefix)], kvs[0]["v"][:, :len(prefix)])
-            ids, generation = await asyncio.to_thread(self._add_and_commit, user, items, first)
+            ids, generation = await asyncio.to_thread(self._add_and_commit, user, items)
         return {"user": user, "ids": ids, "generation": generation}
 
-    def _add_and_commit(self, user, items, prefix=None):
+    def _add_and_commit(self, user, items):
         # under the memory's mutex: an answer composed meanwhile sees the committed generation
         # (its facts, tokens and salt), never facts that are not committed yet
         with self.memory._mutex:
-            if prefix is not None and self.memory.prefix is None:
-                self.memory.set_prefix(self.head, *prefix)
             ids = self.memory.add_facts(user, items)
             return ids, self.memory.commit()
 

@@ -136,3 +136,37 @@ def shared_engine(model_dir):
     holder = SharedEngine(model_dir)
     yield holder
     holder.close()
+
+
+def scheduler_connector(llm):
+    """The scheduler-side InferScaleConnector of an in-process engine (InProcessEngine)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def expected_loaded(loading, n, m, recompute=0, computed=0):
+    """The memory tokens an n-token prompt with an m-token segment should have counted as
+    computed (loaded, plus vLLM's own prefix-cache hit `computed`), given the connector's
+    ``loading()``: stated here on its own terms, row by row, not with the connector's code
+    (token_classes.exact_load). Mode True: every usable token; False, or no measured classes:
+    whole blocks; "measured": the most L in [computed, usable] such that every row p >= L that
+    vLLM computes (steps of step_tokens from L, the request alone) is computed at a token count
+    of the class its row has in the cold prefill (steps from 0); whole blocks where none."""
+    usable = min(m - recompute, n - 1)
+    mode, classes = loading["mode"], loading["classes"]
+    whole = usable // loading["block_size"] * loading["block_size"]
+    if mode is True:
+        return usable
+    if mode is False or classes is None:
+        return whole
+    step = loading["step_tokens"]
+
+    def step_size(start, p):  # tokens in the step that computes row p, steps from `start`
+        first = start + (p - start) // step * step
+        return min(first + step, n) - first
+
+    for L in range(usable, computed - 1, -1):
+        if all(classes.of(step_size(L, p)) is not None
+               and classes.of(step_size(L, p)) == classes.of(step_size(0, p))
+               for p in range(L, n)):
+            return L
+    return whole

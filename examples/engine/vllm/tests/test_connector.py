@@ -23,35 +23,55 @@ from caroline import GEN, QUESTIONS, query_tokens  # noqa: E402
 def setup(shared_engine):
     from vllm import SamplingParams
 
+    from conftest import scheduler_connector
+
     s = shared_engine.get()
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN)
     return dict(s, greedy=greedy, sampling=SamplingParams,
-                partial=partial_last_block(s["llm"].llm_engine.vllm_config))
+                loading=scheduler_connector(s["llm"]).loading())
 
 
-def loaded(setup, m):
-    """The memory tokens the connector loads of an m-token segment: all of them where it may load
-    the last block partly (partial_last_block), else the whole blocks."""
-    return m if setup["partial"] else m // 128 * 128
+def loaded(setup, n, m, recompute=0):
+    """The memory tokens the connector loads of an m-token segment in an n-token prompt
+    (conftest.expected_loaded: every one where vLLM then computes the rest as in its cold
+    prefill, else the most for which it does)."""
+    from conftest import expected_loaded
+
+    return expected_loaded(setup["loading"], n, m, recompute)
 
 
-def run(setup, prompt, extra_args=None):
-    sp = setup["sampling"](temperature=0.0, max_tokens=GEN, extra_args=extra_args)
+LOGPROBS = 3  # the top logprobs compared at every generated token
+
+
+def run(setup, prompt, extra_args=None, logprobs=False):
+    sp = setup["sampling"](temperature=0.0, max_tokens=GEN, extra_args=extra_args,
+                           logprobs=LOGPROBS if logprobs else None)
     out = setup["llm"].generate([prompt], sp, use_tqdm=False)[0]
-    return list(out.outputs[0].token_ids), out.num_cached_tokens or 0
+    tokens = list(out.outputs[0].token_ids)
+    if logprobs:
+        lps = [sorted((k, v.logprob) for k, v in step.items()) for step in out.outputs[0].logprobs]
+        return tokens, lps, out.num_cached_tokens or 0
+    return tokens, out.num_cached_tokens or 0
 
 
-_PLAIN = {}  # prompt token ids -> vLLM's greedy answer to them (no memory), computed once
+_PLAIN = {}  # prompt token ids -> vLLM's greedy answer and logprobs (no memory), computed once
+
+
+def plain_run(setup, ids):
+    """vLLM's own prefill of `ids`: its greedy answer and the top logprobs of every token,
+    computed once per prompt (the bf16 and float32 Theorem 3 tests and six of the refusals ask
+    for the same prompts), with vLLM's prefix cache reset first (a cold prefill)."""
+    key = tuple(ids)
+    if key not in _PLAIN:
+        assert setup["llm"].reset_prefix_cache()
+        tokens, lps, _ = run(setup, {"prompt_token_ids": list(key),
+                                     "cache_salt": f"plain-{len(_PLAIN)}"}, logprobs=True)
+        _PLAIN[key] = (tokens, lps)
+    return _PLAIN[key]
 
 
 def plain_answer(setup, ids):
-    """vLLM's own prefill of `ids` and its greedy answer: computed once per prompt (the bf16 and
-    float32 Theorem 3 tests and six of the refusals ask for the same prompts)."""
-    key = tuple(ids)
-    if key not in _PLAIN:
-        _PLAIN[key], _ = run(setup, {"prompt_token_ids": list(key),
-                                     "cache_salt": f"plain-{len(_PLAIN)}"})
-    return _PLAIN[key]
+    return plain_run(setup, ids)[0]
 
 
 def test_injected_bytes_equal_vllms_own_prefill_writes(setup):
@@ -97,26 +117,71 @@ def test_injected_bytes_equal_vllms_own_prefill_writes(setup):
         assert torch.equal(vc.view(torch.int16), want_v[l].view(torch.int16)), f"layer {l} values"
 
 
-def assert_theorem3(setup, memory):
-    """Every question: the jointly encoded memory injected through the connector gives the same
-    greedy tokens as vLLM's prefill of the same prompt, with the memory's blocks really loaded."""
+def assert_theorem3(setup, memory, questions=QUESTIONS, preamble="", every_token=False):
+    """Every question: the jointly encoded memory injected through the connector gives vLLM's
+    prefill of the same prompt bit for bit (the greedy tokens and the top logprobs of every
+    token), with the memory's tokens really loaded: as many as conftest.expected_loaded says (at
+    least the segment's whole blocks), and with every_token, all of them."""
     tok = setup["tok"]
-    for q in QUESTIONS:
-        r = memory.request("caroline", [setup["joint"]], query_tokens(tok, q))
-        m = r["memory_tokens"]
-        usable = loaded(setup, m)
+    for q in questions:
+        r = memory.request("caroline", [setup["joint"]], query_tokens(tok, preamble + q))
+        m, n = r["memory_tokens"], len(r["prompt"]["prompt_token_ids"])
+        usable = loaded(setup, n, m)
         assert m % 128 != 0 and m > 128, "the segment must end inside a block, after the first"
-        plain = plain_answer(setup, r["prompt"]["prompt_token_ids"])
-        injected, cached = run(setup, r["prompt"], r["extra_args"])
+        assert m // 128 * 128 <= usable <= m, (m, usable)
+        if every_token:
+            assert usable == m, (f"{q!r}: only {usable} of the {m} memory tokens would load "
+                                 f"exactly here (query {n - m} tokens, prompt {n}; token "
+                                 f"classes {setup['loading']['classes']})")
+        plain, plain_lps = plain_run(setup, r["prompt"]["prompt_token_ids"])
+        assert setup["llm"].reset_prefix_cache()
+        injected, lps, cached = run(setup, r["prompt"], r["extra_args"], logprobs=True)
         assert cached == usable, f"{q!r}: vLLM reports {cached} cached tokens, memory offered {usable}"
         assert injected == plain, (f"{q!r}: injected {tok.decode(injected)!r} vs prefill "
                                    f"{tok.decode(plain)!r}")
+        print(f"{q!r}: {cached} of {m} memory tokens loaded (query {n - m}, prompt {n}), "
+              f"{len(injected)} tokens generated")
+        first = next((i for i, (a, b) in enumerate(zip(lps, plain_lps)) if a != b), None)
+        assert first is None, (f"{q!r}: {m - cached} memory tokens recomputed; the top logprobs "
+                               f"of token {first} differ from vLLM's prefill: {lps[first]} vs "
+                               f"{plain_lps[first]}")
 
 
 def test_theorem3_greedy_tokens_equal_prefill(setup):
     """Memory encoded jointly, bf16 store (vLLM's own dtype)."""
     assert setup["mem"].store.dtype == "bfloat16"
     assert_theorem3(setup, setup["mem"])
+
+
+# A sentence put before a question (0, 1, 2, ... times) until the query's token count falls in
+# the token class of the whole prompt's (token_classes.py: on an Intel Xeon with AMX SmolLM2's
+# linear layers compute 37-575 tokens alike, so a 16-21-token question alone does not): then
+# every memory token is loaded and vLLM computes the query as in its cold prefill.
+PREAMBLE = ("I am writing Caroline a birthday card and I want to get every detail right, so "
+            "please answer briefly and only from what you know about her. ")
+
+
+def test_theorem3_every_memory_token_loaded(setup):
+    """Theorem 3 with every memory token loaded (the last block partly, the context ending
+    inside a block): each question gets the fewest PREAMBLE sentences that put its query in the
+    prompt's token class (none where the classes are one, as on a machine whose GEMMs compute
+    every token count alike), nothing of the memory is recomputed, and the answers are vLLM's
+    prefill's bit for bit."""
+    tok, classes = setup["tok"], setup["loading"]["classes"]
+    assert classes is not None, "the worker's token classes did not reach the scheduler side"
+    for q in QUESTIONS:
+        for times in range(4):
+            ids = query_tokens(tok, PREAMBLE * times + q)
+            r = setup["mem"].request("caroline", [setup["joint"]], ids)
+            n = len(r["prompt"]["prompt_token_ids"])
+            if classes.of(n - r["memory_tokens"]) == classes.of(n):
+                break
+        else:
+            pytest.fail(f"{q!r}: no query of up to 3 preambles shares the prompt's token class "
+                        f"({classes})")
+        print(f"{q!r}: {times} preamble(s), query {len(ids)} tokens")
+        assert_theorem3(setup, setup["mem"], questions=[q], preamble=PREAMBLE * times,
+                        every_token=True)
 
 
 def test_theorem3_with_a_float32_store(setup, shared_engine):
@@ -201,7 +266,8 @@ def test_suffix_recompute_loads_the_whole_blocks_before_it(setup):
         assert req["prompt"]["cache_salt"] != base["prompt"]["cache_salt"]
         assert setup["llm"].reset_prefix_cache()
         out, cached = run(setup, req["prompt"], req["extra_args"])
-        assert cached == loaded(setup, m - r), f"recompute {r} of {m}: {cached} tokens loaded"
+        n = len(req["prompt"]["prompt_token_ids"])
+        assert cached == loaded(setup, n, m, r), f"recompute {r} of {m}: {cached} tokens loaded"
         assert out == plain, f"recompute {r}: {tok.decode(out)!r} vs {tok.decode(plain)!r}"
     for bad in (-1, m + 1, 2.0, True):
         with pytest.raises(ValueError, match="recompute_tokens"):
@@ -209,30 +275,34 @@ def test_suffix_recompute_loads_the_whole_blocks_before_it(setup):
 
 
 def test_the_last_block_is_loaded_partly_only_where_measured_exact(setup):
-    """partial_last_block: an explicit true / false wins; "auto" allows a partly loaded last block
-    only for vLLM's CPU "vec" attention kernels at TP = 1 (float32 or a CPU without AMX tiles,
-    block size a multiple of 32), never for "amx" (bfloat16 on AMX), "vec16" (block 16), a TP > 1
-    engine or a GPU; anything else is refused."""
+    """partial_last_block: an explicit true / false wins; "auto" is "measured" on vLLM's CPU path
+    (any ISA, any TP: the workers' token classes decide, token_classes.py), whole blocks on a GPU;
+    anything else is refused. This engine's connector got the token classes of its worker's
+    linear layers at start-up: every count from 1 to the most tokens of a step has a class."""
     from types import SimpleNamespace
 
-    def config(dtype=torch.float32, block=128, tp=1, device="cpu"):
+    def config(dtype=torch.bfloat16, tp=1, device="cpu"):
         return SimpleNamespace(
             parallel_config=SimpleNamespace(tensor_parallel_size=tp),
             device_config=SimpleNamespace(device_type=device),
             model_config=SimpleNamespace(dtype=dtype, get_head_size=lambda: 64),
-            cache_config=SimpleNamespace(block_size=block, cache_dtype="auto"))
+            cache_config=SimpleNamespace(block_size=128, cache_dtype="auto"))
 
-    assert partial_last_block(config(), "auto") is True
+    assert partial_last_block(config(), "auto") == "measured"
+    assert partial_last_block(config(dtype=torch.float32)) == "measured"
+    assert partial_last_block(config(tp=3)) == "measured"
     assert partial_last_block(config(), False) is False
     assert partial_last_block(config(tp=3), True) is True
-    assert partial_last_block(config(tp=3)) is False
     assert partial_last_block(config(device="cuda")) is False
-    assert partial_last_block(config(block=16)) is False  # vec16
-    amx = torch.cpu._is_amx_tile_supported()
-    assert partial_last_block(config(dtype=torch.bfloat16)) is (not amx)
-    assert setup["partial"] is (not amx)  # this engine: bfloat16, block 128, TP = 1, CPU
     with pytest.raises(ValueError, match="partial_last_block"):
         partial_last_block(config(), "yes")
+    loading = setup["loading"]
+    assert loading["mode"] == "measured"
+    classes = loading["classes"]
+    assert classes is not None, "the worker's token classes did not reach the scheduler side"
+    assert classes.max_tokens == min(loading["step_tokens"], 2048), classes.max_tokens
+    assert all(classes.of(t) is not None for t in range(1, classes.max_tokens + 1))
+    print(f"token classes here: {classes}")
 
 
 @pytest.mark.parametrize("fault", ["unknown user", "unknown fact", "wrong salt",
@@ -309,7 +379,7 @@ def test_malformed_parameters_never_reach_vllms_scheduler(setup):
         assert isinstance(report["refused"], str) and report["refused"], (shape, report)
     assert setup["llm"].reset_prefix_cache()
     _, cached = run(setup, r["prompt"], r["extra_args"])
-    assert cached == loaded(setup, r["memory_tokens"]) > 0
+    assert cached == loaded(setup, len(r["prompt"]["prompt_token_ids"]), r["memory_tokens"]) > 0
     # a memory whose record is valid JSON of the wrong shape, committed over the running engine
     # (by the C++ save alone, as a foreign writer could): its load fails in the background (it is
     # logged), the engine keeps serving — requests naming the last good generation from it, a
@@ -329,7 +399,7 @@ def test_malformed_parameters_never_reach_vllms_scheduler(setup):
     r = mem.request("caroline", [setup["joint"]], q)
     assert setup["llm"].reset_prefix_cache()
     _, cached = run(setup, r["prompt"], r["extra_args"])
-    assert cached == loaded(setup, r["memory_tokens"]) > 0
+    assert cached == loaded(setup, len(r["prompt"]["prompt_token_ids"]), r["memory_tokens"]) > 0
 
 
 def test_a_load_failing_in_the_worker_is_prefilled_and_vllm_keeps_serving(setup):

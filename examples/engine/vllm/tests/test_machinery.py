@@ -17,7 +17,6 @@ from caroline import QUESTIONS, joint_memory, query_tokens
 from conftest import InProcessEngine
 
 from inferscale_vllm.engine import make_llm
-from inferscale_vllm.connector import partial_last_block
 
 BLOCK = 128  # vLLM CPU's block size (its default; the fixture checks it)
 CHUNK = 64  # max_num_batched_tokens: no step computes more than this many tokens
@@ -51,7 +50,7 @@ def setup(model_dir, shared_engine):
         print(f"async scheduling: {llm.llm_engine.vllm_config.scheduler_config.async_scheduling}")
         yield {"llm": llm, "tok": tok, "mem": mem, "facts": facts, "sched": sched,
                "connector": sched.connector, "sampling": SamplingParams,
-               "partial": partial_last_block(llm.llm_engine.vllm_config)}
+               "loading": sched.connector.loading()}
     finally:
         engine.close()
 
@@ -69,10 +68,13 @@ def nothing_left_behind(setup):
     assert free == NUM_BLOCKS - 1, f"{NUM_BLOCKS - 1 - free} KV blocks were not given back"
 
 
-def loaded(setup, m):
-    """The memory tokens the connector loads of an m-token segment: all of them where it may load
-    the last block partly (connector.partial_last_block), else the whole blocks."""
-    return m if setup["partial"] else m // BLOCK * BLOCK
+def loaded(setup, n, m):
+    """The memory tokens the connector loads of an m-token segment in an n-token prompt
+    (conftest.expected_loaded: every one where vLLM then computes the rest, in its chunks, as in
+    its cold prefill, else the most for which it does)."""
+    from conftest import expected_loaded
+
+    return expected_loaded(setup["loading"], n, m)
 
 
 def params(setup, gen, extra_args=None, ignore_eos=False):
@@ -103,19 +105,26 @@ def preemptions(setup) -> float:
 
 def test_chunked_prefill_with_memory_equals_chunked_prefill(setup):
     """The memory segment spans several prefill chunks and so does the query after it: the
-    injected run loads the segment (its whole blocks, or its last block partly where the connector
-    may), vLLM computes the rest chunk by chunk, and the
-    greedy tokens equal vLLM's own (chunked) prefill of the same prompt."""
+    injected run loads the segment (as much of it as vLLM then computes, in its chunks, as in its
+    cold chunked prefill: conftest.expected_loaded), vLLM computes the rest chunk by chunk, and the
+    greedy tokens and their top logprobs equal vLLM's own (chunked) prefill of the same prompt."""
     llm, mem, tok, sched = setup["llm"], setup["mem"], setup["tok"], setup["sched"]
+
+    def lps(out):
+        return [sorted((k, v.logprob) for k, v in step.items()) for step in out.outputs[0].logprobs]
+
     for i, q in enumerate(["What should I keep in mind about her diet?",
                            "Which city should we travel to, and why?"]):
         r = mem.request("ana", [setup["facts"]["ana"]], query_tokens(tok, LONG + q))
         m, n = r["memory_tokens"], len(r["prompt"]["prompt_token_ids"])
-        usable = loaded(setup, m)
+        usable = loaded(setup, n, m)
         assert usable >= BLOCK and n - m > CHUNK and m % BLOCK != 0, (m, n)
-        sp = params(setup, 24, r["extra_args"])
+        sp = setup["sampling"](temperature=0.0, max_tokens=24, logprobs=3,
+                               extra_args=r["extra_args"])
         assert llm.reset_prefix_cache()
-        want, plain_cached = run(setup, plain(r), params(setup, 24))
+        cold = llm.generate([plain(r)], setup["sampling"](temperature=0.0, max_tokens=24,
+                                                          logprobs=3), use_tqdm=False)[0]
+        want, plain_cached = list(cold.outputs[0].token_ids), cold.num_cached_tokens or 0
         assert plain_cached == 0
         assert llm.reset_prefix_cache()
         # Step by step: after the first step the request is mid-prefill, its memory counted.
@@ -135,8 +144,10 @@ def test_chunked_prefill_with_memory_equals_chunked_prefill(setup):
                 if out.finished:
                     final = out
         got, cached = list(final.outputs[0].token_ids), final.num_cached_tokens or 0
-        assert cached >= usable, f"{q!r}: {cached} tokens reported cached, memory offered {usable}"
+        assert cached == usable, f"{q!r}: {cached} tokens reported cached, memory offered {usable}"
         assert got == want, f"{q!r}: injected {tok.decode(got)!r} vs prefill {tok.decode(want)!r}"
+        assert lps(final) == lps(cold), f"{q!r}: the top logprobs differ from vLLM's prefill"
+        print(f"chunked: {usable} of {m} memory tokens loaded (prompt {n}, chunks of {CHUNK})")
 
 
 NEAR_TIE = 0.25  # logprob margin within which bf16 batch effects may flip a greedy choice
@@ -206,7 +217,8 @@ def test_preempted_memory_requests_recompute_to_greedy_answers(setup):
         assert llm.reset_prefix_cache()
         alone.append(run(setup, r["prompt"], params(setup, gen, r["extra_args"], True)))
     for (_, cached), r in zip(alone, reqs):
-        assert cached == loaded(setup, r["memory_tokens"]) > 0, (cached, r["memory_tokens"])
+        n = len(r["prompt"]["prompt_token_ids"])
+        assert cached == loaded(setup, n, r["memory_tokens"]) > 0, (cached, r["memory_tokens"])
     assert llm.reset_prefix_cache()
     before, loads = preemptions(setup), dict(setup["connector"].counters)
     outs = llm.generate([r["prompt"] for r in reqs],
@@ -332,5 +344,6 @@ def test_the_connector_traces_its_own_work_per_memory_request(setup, tmp_path, m
                      "update_state_after_alloc"], hooks
     loads = [e for e in events if e["side"] == "worker"]
     assert len(loads) == 1 and loads[0]["rank"] == [0, 0], loads
-    assert loads[0]["tokens"] == loaded(setup, r["memory_tokens"]) == cached, (loads, cached)
+    n = len(r["prompt"]["prompt_token_ids"])
+    assert loads[0]["tokens"] == loaded(setup, n, r["memory_tokens"]) == cached, (loads, cached)
     assert all(0 <= e["seconds"] < 60 for e in events), events

@@ -56,23 +56,30 @@ def chat(s, user, question, max_tokens=16, **extra):
     return r.model_dump()
 
 
+_PLAIN_SALTS = iter(range(10**9))
+
+
 def plain_tokens(s, prompt_ids, max_tokens=16):
-    """vLLM's own prefill of the same tokens: a completion without user or memory."""
+    """vLLM's own cold prefill of the same tokens: a completion without user or memory, with a
+    cache salt of its own (no block of an earlier request is reused: a prefix-cache hit would let
+    vLLM compute fewer tokens in the step, which its CPU GEMMs may round differently)."""
     client = s.openai()
     r = client.completions.create(model="smollm2", prompt=prompt_ids, temperature=0.0,
                                   max_tokens=max_tokens, seed=0,
-                                  extra_body={"return_token_ids": True})
+                                  extra_body={"return_token_ids": True,
+                                              "cache_salt": f"plain-{next(_PLAIN_SALTS)}"})
     return r.model_dump()["choices"][0]["token_ids"]
 
 
 def loaded_ok(memory):
-    """The segment came from memory: the connector loaded every token past vLLM's own prefix-cache
-    hit (blocks an earlier request with the same memory and salt left), or up to the segment's
-    last whole block (the last block is loaded partly only where that is exact: vLLM's CPU `vec`
-    kernels), and something was loaded or cached."""
+    """The segment came from memory: the connector loaded tokens past vLLM's own prefix-cache hit
+    (blocks an earlier request with the same memory and salt left), as many as leave vLLM a rest
+    it computes as in its cold prefill (token_classes.py: with this server's 37-token memories
+    and short questions, fewer than the segment's whole blocks on an Intel Xeon with AMX), and
+    something was loaded or cached."""
     m = memory["memory_tokens"]
     have = memory["loaded_tokens"] + memory["cached_tokens"]
-    return have in (m, m // BLOCK * BLOCK) and have > 0
+    return 0 < have <= m
 
 
 def test_write_list_and_answer(server):
@@ -100,7 +107,9 @@ def test_theorem3_through_the_server(server):
         assert r["memory"]["facts"] == [s.joint]
         assert loaded_ok(r["memory"]), json.dumps(r["memory"])
         got = r["choices"][0]["token_ids"]
-        assert got == plain_tokens(s, r["prompt_token_ids"], 24), q
+        want = plain_tokens(s, r["prompt_token_ids"], 24)
+        print(f"{q!r}: prompt {len(r['prompt_token_ids'])} tokens, memory {json.dumps(r['memory'])}")
+        assert got == want, f"{q!r}: {json.dumps(r['memory'])}"
 
 
 def test_isolation_under_prefix_caching_with_concurrent_users(server):

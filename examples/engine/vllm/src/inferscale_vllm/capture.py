@@ -52,6 +52,16 @@ def _attention_modules(model):
 class CaptureWorkerExtension:
     """Methods vLLM adds to its worker class (``worker_extension_cls``)."""
 
+    def inferscale_token_classes(self):
+        """This worker's connector's token classes (token_classes.py, as measured at start-up:
+        TokenClasses.to_list()), or None (not measured, or no InferScale connector)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            return None
+        classes = getattr(get_kv_transfer_group(), "_worker_classes", None)
+        return None if classes is None else classes.to_list()
+
     def inferscale_capture_begin(self) -> int:
         model = self.model_runner.model
         modules = _attention_modules(model)

@@ -12,9 +12,10 @@ facts' tokens) and carries the memory's keyed ``cache_salt`` — ``Memory.reques
 
 Scheduler side (one instance, in the engine core): checks the request against the memory (user,
 facts, the prompt's leading tokens equal the composed segment, the salt, the model), and offers
-vLLM the segment (but a request's recompute_tokens): its last block partly where that was
-measured exact (vLLM's CPU ``vec`` kernels at TP = 1), else its whole blocks only
-(``partial_last_block``). Anything
+vLLM the segment (but a request's recompute_tokens): as many of its tokens, the last block partly,
+as leave vLLM a rest it computes with the GEMM kernels of its cold prefill (``partial_last_block``
+"measured": the token classes each worker measures at start-up, token_classes.py), whole blocks
+where nothing was measured (the GPU path). Anything
 wrong is logged once with the reason and the request is prefilled normally (0 tokens offered).
 Worker side (one per rank): holds its shard of the store (its KV heads under tensor parallelism),
 and before the forward writes each admitted request's tokens into the blocks vLLM allocated,
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -58,6 +60,7 @@ from .memory import MemoryReader, cache_salt, check_model, describe_model, shard
 from .rotary import find_model_runner, model_rotary
 from .serve_capture import ROUNDING_MODES, CaptureScheduler, CaptureWriter
 from .tensors import kv_cache_descriptor
+from .token_classes import TokenClasses, exact_load, join, measure_layers
 
 logger = logging.getLogger("vllm.inferscale")  # vLLM's handlers: its log shows ours
 # How long a request may wait for a just-committed generation to load before it is prefilled.
@@ -118,6 +121,13 @@ class InferScaleMetadata(KVConnectorMetadata):
     captures: list = field(default_factory=list)
 
 
+@dataclass
+class InferScaleHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler side once, at start-up (vLLM's connector handshake):
+    the token classes of its linear layers (token_classes.py, TokenClasses.to_list())."""
+    token_classes: list = field(default_factory=list)
+
+
 def _worker_view(shard, device):
     """What a worker keeps of a generation: its store shard (its KV heads and layers), in device
     memory on the GPU path."""
@@ -172,34 +182,39 @@ def rank_layers(kv_caches, total_layers: int) -> tuple[int, int]:
     return first, len(layers)
 
 
-def partial_last_block(vllm_config, setting="auto") -> bool:
-    """Whether the connector may load the memory's last block partly (vLLM then prefills the query
-    into the rest of it) or only whole blocks (vLLM prefills the segment's tail with the query: up
-    to block_size - 1 more tokens). ``kv_connector_extra_config.partial_last_block``: true, false
-    or "auto" (the default): partly only where the answers were measured to equal vLLM's prefill
-    bit for bit, vLLM's CPU ``vec`` attention kernels at TP = 1 (8 of 8 greedy answers on an AMD
-    EPYC, every session since 2026-12-04). Its ``amx`` kernels over a context that ends inside a
-    block give other floats than its cold prefill, though the injected bytes equal vLLM's own
-    writes (6 of 8 answers partly, 8 of 8 with whole blocks, on an Intel Xeon:
-    bench/results/2026-12-05-vllm-amx.md); vLLM's own prefix cache only ever hands back whole
-    blocks; tensor parallelism and the GPU path are not measured: whole blocks there."""
+def partial_last_block(vllm_config, setting="auto"):
+    """How much of the memory segment the connector may load: True (every token, the last block
+    partly: vLLM then prefills the query into the rest of it), False (whole blocks only: vLLM
+    prefills the segment's tail with the query, up to block_size - 1 more tokens) or "measured"
+    (the default on vLLM's CPU path, ``kv_connector_extra_config.partial_last_block`` = "auto"):
+    the most tokens for which every row vLLM then computes is computed at a token count of the
+    same class as in its cold prefill (token_classes.py: the classes of the model's linear layers,
+    measured by every worker at start-up and joined over the ranks), which is every memory token
+    wherever the query's count and the prompt's share a class.
+
+    Why: vLLM's GEMMs pick their kernel by the number of tokens in the step, and on an Intel Xeon
+    with AMX those kernels round some rows differently (SmolLM2: <= 32, 33-36, 37-575, ... tokens),
+    so loading the whole segment made vLLM compute a 16-21-token query with other roundings than its
+    cold prefill of the ~225-token prompt (2 of 8 greedy answers differed); its attention over a
+    context that ends inside a block is exact (bench/results/2026-12-07-vllm-amx-tail.md). The
+    GPU path is not measured: whole blocks there."""
     if setting is True or setting is False:
         return setting
     if setting != "auto":
         raise ValueError(f"InferScaleConnector: kv_connector_extra_config.partial_last_block is "
                          f"true, false or \"auto\", got {setting!r}")
-    if vllm_config.parallel_config.tensor_parallel_size > 1:
-        return False
     if getattr(vllm_config.device_config, "device_type", None) != "cpu":
         return False
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    except ImportError:
-        return False
-    mc = vllm_config.model_config
-    isa = _get_attn_isa(mc.dtype, vllm_config.cache_config.block_size, mc.get_head_size(),
-                        vllm_config.cache_config.cache_dtype)
-    return isa == "vec"
+    return "measured"
+
+
+def prefill_step_tokens(vllm_config) -> int:
+    """The most tokens vLLM computes for one request in one step (its chunk under chunked
+    prefill): max_num_batched_tokens, or a smaller long_prefill_token_threshold."""
+    sc = vllm_config.scheduler_config
+    chunk = int(sc.max_num_batched_tokens)
+    threshold = int(getattr(sc, "long_prefill_token_threshold", 0) or 0)
+    return min(chunk, threshold) if threshold > 0 else chunk
 
 
 class InferScaleConnector(KVConnectorBase_V1):
@@ -218,6 +233,9 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._partial_block = partial_last_block(vllm_config, extra.get("partial_last_block",
                                                                         "auto"))
+        self._step_tokens = prefill_step_tokens(vllm_config)
+        self._classes = None  # scheduler side: the workers' token classes (handshake), joined
+        self._worker_classes = None  # worker side: this rank's, measured in register_kv_caches
         model = vllm_config.model_config
         # what a memory must have been encoded with (geometry, rotation, dtype, weights' digest)
         self._model = describe_model(model)
@@ -322,11 +340,10 @@ class InferScaleConnector(KVConnectorBase_V1):
                 return 0, False
             order, m, recompute, user, generation = plan
             # Every memory token but the request's recompute_tokens (suffix recompute), at least
-            # one prompt token left for vLLM to compute, and the last block partly only where
-            # that is exact (partial_last_block): elsewhere whole blocks.
+            # one prompt token left for vLLM to compute, and of those as many as leave vLLM a
+            # rest it computes as in its cold prefill (partial_last_block, token_classes.py).
             usable = min(m - recompute, request.num_prompt_tokens - 1)
-            if not self._partial_block:
-                usable = usable // self._block_size * self._block_size
+            usable = self._exact_usable(request, num_computed_tokens, usable)
             self._plans[request.request_id] = (order, m, num_computed_tokens, user, generation)
             # the report handed back with the output: vLLM's own prefix-cache hit (blocks of an
             # earlier identical request) and what this connector loads on top of it
@@ -338,6 +355,46 @@ class InferScaleConnector(KVConnectorBase_V1):
             logger.exception("inferscale: request %s: the memory check failed", request.request_id)
             self._refuse(request, f"internal error: {e!r}")
             return 0, False
+
+    def _exact_usable(self, request, num_computed_tokens, usable):
+        """The memory tokens to count as computed (loaded, or vLLM's own prefix-cache hit) out of
+        the `usable` ones, by partial_last_block: all of them; whole blocks; or ("measured") the
+        most for which vLLM computes the rest of the prompt as in its cold prefill
+        (token_classes.exact_load), whole blocks where no count qualifies or nothing was
+        measured."""
+        if self._partial_block is True:
+            return usable
+        whole = usable // self._block_size * self._block_size
+        if self._partial_block is False or self._classes is None:
+            return whole
+        exact = exact_load(request.num_prompt_tokens, num_computed_tokens, usable, self._classes,
+                           self._step_tokens)
+        return whole if exact is None else exact
+
+    def loading(self) -> dict:
+        """How this scheduler-side connector decides what to load (for tests and logs): the mode
+        (partial_last_block), the joined token classes (None: not measured), the most tokens of
+        one step and the block size."""
+        return {"mode": self._partial_block, "classes": self._classes,
+                "step_tokens": self._step_tokens, "block_size": self._block_size}
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata):
+        """Scheduler side, once at start-up: every worker's token classes (InferScaleHandshake),
+        joined; without one from every rank, nothing is measured (whole blocks)."""
+        ranks = (self._vllm_config.parallel_config.tensor_parallel_size
+                 * self._vllm_config.parallel_config.pipeline_parallel_size)
+        got = [m for m in (metadata or {}).values() if isinstance(m, InferScaleHandshake)]
+        if len(got) != ranks or not all(m.token_classes for m in got):
+            logger.info("inferscale: token classes from %d of %d workers: the memory's whole "
+                        "blocks are loaded (partial_last_block)", len(got), ranks)
+            self._classes = None
+            return
+        self._classes = join(TokenClasses(m.token_classes) for m in got)
+        logger.info("inferscale: token classes of the model's linear layers (every rank): %s",
+                    self._classes)
+
+    def set_xfer_handshake_metadata(self, metadata):
+        self.set_xfer_handshake_metadata_pp_aware({(0, r): m for r, m in metadata.items()})
 
     @_timed_hook
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
@@ -476,10 +533,39 @@ class InferScaleConnector(KVConnectorBase_V1):
                 logger.warning("inferscale: capture while serving is not available on this "
                                "worker (%s): requests asking for it are served without "
                                "capture", e)
+        if not self._device and self._partial_block == "measured":
+            self._worker_classes = self._measure_token_classes()
         logger.info("inferscale: TP rank %d/%d, PP stage %d/%d injects KV heads [%d, %d) into "
                     "layers [%d, %d) of %d slots (%s path)", rank, tp, pp_rank, pp, rank * per,
                     rank * per + per, first_layer, first_layer + num_layers, self._cache.num_slots,
                     "device" if self._device else "host")
+
+    def _measure_token_classes(self):
+        """This rank's token classes (token_classes.measure_layers on the model vLLM built, up
+        to the most tokens of one step), or None (logged) where they cannot be measured."""
+        try:
+            runner = find_model_runner()
+            if runner is None:
+                raise ValueError("the model runner was not found")
+            mc = self._vllm_config.model_config
+            top = min(self._step_tokens, int(mc.max_model_len))
+            t = time.monotonic()
+            classes, per = measure_layers(runner.get_model(), top, mc.dtype)
+            if classes is None:
+                raise ValueError("the model has no linear layers vLLM's LinearBase describes")
+            logger.info("inferscale: token classes of %d linear layer kinds up to %d tokens in "
+                        "%.1f s: %s (%s)", len(per), top, time.monotonic() - t, classes,
+                        "; ".join(f"{k}: {v}" for k, v in per.items()))
+            return classes
+        except Exception as e:  # noqa: BLE001 - then whole blocks, never a failed start
+            logger.warning("inferscale: the token classes of this worker's linear layers could "
+                           "not be measured (%r): the memory's whole blocks are loaded", e)
+            return None
+
+    def get_handshake_metadata(self):
+        if self._worker_classes is None:
+            return None
+        return InferScaleHandshake(self._worker_classes.to_list())
 
     def _make_rotation(self, layer_names):
         """The rotation of the model vLLM built, read from its attention layers' rotary module

@@ -96,6 +96,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -749,6 +750,28 @@ void inject_host_bench(benchmark::State& state, model mdl, bool batch)
   });
 }
 
+/// @brief Each iteration times `fused` (the benchmark's time) and then `copy` of the same bytes
+/// (the ceiling, measured in the same iterations): their total seconds.
+template <class Fused, class Copy>
+std::pair<double, double> timed_against_copy(benchmark::State& state, Fused&& fused, Copy&& copy)
+{
+  using clock = std::chrono::steady_clock;
+  double seconds = 0.0, copy_seconds = 0.0;
+  for (auto _ : state) {
+    auto const f0 = clock::now();
+    fused();
+    benchmark::ClobberMemory();
+    auto const f1 = clock::now();
+    copy();
+    auto const c1  = clock::now();
+    double const f = std::chrono::duration<double>(f1 - f0).count();
+    state.SetIterationTime(f);
+    seconds += f;
+    copy_seconds += std::chrono::duration<double>(c1 - f1).count();
+  }
+  return {seconds, copy_seconds};
+}
+
 /**
  * @brief Elements of an fp8 e4m3 cache with per-tensor scales (vLLM's divide convention) at the
  * batch's slots that differ from a brute-force recomputation: key pairs rotated in fp32
@@ -809,7 +832,6 @@ std::int64_t mismatches_fp8_host(is::kv_store_ref const& store,
 void inject_host_fp8_bench(benchmark::State& state, model mdl)
 {
   ib::run_guarded(state, [&] {
-    using clock = std::chrono::steady_clock;
     scenario s{mdl, requests_of(state, false), is::memory_space::host};
     std::vector<is::float8_e4m3_t> cache_data(static_cast<std::size_t>(s.cache_elements()));
     auto desc                 = s.make_cache(cache_data.data());
@@ -844,19 +866,7 @@ void inject_host_fp8_bench(benchmark::State& state, model mdl)
                        "inject_bench: the fp8 cache differs from the recomputation in " +
                          std::to_string(bad) + " elements");
 
-    double seconds = 0.0, copy_seconds = 0.0;
-    for (auto _ : state) {
-      auto const f0 = clock::now();
-      fused();
-      benchmark::ClobberMemory();
-      auto const f1 = clock::now();
-      copy();
-      auto const c1  = clock::now();
-      double const f = std::chrono::duration<double>(f1 - f0).count();
-      state.SetIterationTime(f);
-      seconds += f;
-      copy_seconds += std::chrono::duration<double>(c1 - f1).count();
-    }
+    auto const [seconds, copy_seconds] = timed_against_copy(state, fused, copy);
     ib::report_throughput(state, t, seconds, copy_seconds);
     report_common(state, s, false);
   });
@@ -971,7 +981,6 @@ std::int64_t mismatches_vllm_cpu(scenario const& s,
 void inject_host_vllm_cpu_bench(benchmark::State& state, model mdl, is::vllm_cpu_isa isa)
 {
   ib::run_guarded(state, [&] {
-    using clock = std::chrono::steady_clock;
     scenario s{mdl, requests_of(state, false), is::memory_space::host, vllm_cpu_block_size, 0};
     aligned_host_buffer<bfloat16_t> cache_data(
       static_cast<std::size_t>(s.geometry().num_layers * vllm_cpu_layer_elements(s)));
@@ -998,19 +1007,7 @@ void inject_host_vllm_cpu_bench(benchmark::State& state, model mdl, is::vllm_cpu
                        "inject_bench: the vLLM CPU cache differs from the recomputation in " +
                          std::to_string(bad) + " elements");
 
-    double seconds = 0.0, copy_seconds = 0.0;
-    for (auto _ : state) {
-      auto const f0 = clock::now();
-      fused();
-      benchmark::ClobberMemory();
-      auto const f1 = clock::now();
-      copy();
-      auto const c1  = clock::now();
-      double const f = std::chrono::duration<double>(f1 - f0).count();
-      state.SetIterationTime(f);
-      seconds += f;
-      copy_seconds += std::chrono::duration<double>(c1 - f1).count();
-    }
+    auto const [seconds, copy_seconds] = timed_against_copy(state, fused, copy);
     ib::report_throughput(state, t, seconds, copy_seconds);
     report_common(state, s, false);
   });

@@ -249,15 +249,10 @@ void inject_host_token_major_truncate(kv_store_ref const& store,
     for (std::int64_t j = 0; j < count; ++j) {
       std::int64_t const slot = batch.slot[first + j];
       if (!slot_in_cache(slot, n_slots)) { continue; }
-      row_base[static_cast<std::size_t>(j)] = store.row_offset(batch.store_token[first + j], 0, 0);
+      chunk_token_rows(store, batch, rotation, first, j, rows, row_base.data(), cos.data(),
+                       sin.data());
       for (std::int32_t r = 0; r < rotation.num_rotations; ++r) {
         std::int64_t const at = r * rows + j * pairs;
-        rope_cos_sin_row(rotation,
-                         r,
-                         batch.position[first + j],
-                         rope_op::forward,
-                         cos.data() + at,
-                         sin.data() + at);
         for (std::int32_t p = 0; p < pairs; ++p) {
           cos_sin[static_cast<std::size_t>(at + p)] = {cos[at + p], sin[at + p]};
         }

@@ -95,6 +95,29 @@ inline void rope_cos_sin_row(host_rotation const& rotation,
   }
 }
 
+/// @brief One token of a chunk of the host loops: its store row's base (row_offset(token, 0, 0):
+/// a layer's K or V row is that plus (2 l + kv) pages) and its forward cos/sin rows, for every
+/// rotation of a per-layer one (rotation r's at `r * rows + j * pairs`).
+template <class Store, class Batch, class Rotation>
+inline void chunk_token_rows(Store const& store,
+                             Batch const& batch,
+                             Rotation const& rotation,
+                             std::int64_t first,
+                             std::int64_t j,
+                             std::int64_t rows,
+                             std::int64_t* row_base,
+                             float* cos,
+                             float* sin)
+{
+  std::int32_t const pairs = rotation.num_pairs();
+  row_base[j]              = store.row_offset(batch.store_token[first + j], 0, 0);
+  for (std::int32_t r = 0; r < rotation.num_rotations; ++r) {
+    std::int64_t const at = r * rows + j * pairs;
+    rope_cos_sin_row(
+      rotation, r, batch.position[first + j], rope_op::forward, cos + at, sin + at);
+  }
+}
+
 /// @brief `rotation` (rope_params or a rope_cos_sin_table) as the host loops read it; refers to
 /// `rotation`, which must outlive the result.
 template <class Rotation>

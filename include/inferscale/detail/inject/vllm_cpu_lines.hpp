@@ -321,12 +321,8 @@ INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& stor
     for (std::int64_t j = 0; j < count; ++j) {
       std::int64_t const slot = batch.slot[first + j];
       if (!slot_in_cache(slot, n_slots)) { continue; }
-      row_base[static_cast<std::size_t>(j)] = store.row_offset(batch.store_token[first + j], 0, 0);
-      for (std::int32_t r = 0; r < rotation.num_rotations; ++r) {
-        std::int64_t const at = r * rows + j * pairs;
-        rope_cos_sin_row(
-          rotation, r, batch.position[first + j], rope_op::forward, cos.data() + at, sin.data() + at);
-      }
+      chunk_token_rows(store, batch, rotation, first, j, rows, row_base.data(), cos.data(),
+                       sin.data());
       std::int64_t const block    = slot / bs;
       std::int32_t const in_block = static_cast<std::int32_t>(slot % bs);
       if (!runs.empty()) {

@@ -49,6 +49,13 @@ MARKER = "\x00inferscale-memory\x00"
 DEFAULT_SYSTEM = ("You are a helpful assistant. Facts you remember about the user:")
 MAX_FACT_CHARS = 4000
 MAX_FACTS_PER_WRITE = 64
+# A capture's forward computes at least this many tokens (its own, then its own again, whose K/V
+# are dropped): vLLM's CPU linear layers may round a row by how many tokens the step computes
+# (token_classes.py; on the AMX Xeon 5-32 and 37-575 tokens are two classes), so a prefix or a
+# short fact encoded alone would hold other bytes than a prompt's cold prefill computes for the
+# same tokens (bench/results/2026-12-07-vllm-amx-tail.md). 64 puts them in the class of short
+# prompts there; a memory is exact only for prompts whose cold prefill shares its class.
+CAPTURE_MIN_TOKENS = 64
 _USER = re.compile(r"[A-Za-z0-9_.@:-]{1,128}")
 
 
@@ -152,13 +159,16 @@ class MemoryService:
         cid = uuid.uuid4().hex
         params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={
             "kv_transfer_params": {"inferscale_capture": {"id": cid}}})
-        prompt = {"prompt_token_ids": list(ids), "cache_salt": "inferscale-capture-" + cid}
+        n = len(ids)
+        sent = list(ids) * max(1, -(-CAPTURE_MIN_TOKENS // n))  # causal: the rows of ids unchanged
+        prompt = {"prompt_token_ids": sent, "cache_salt": "inferscale-capture-" + cid}
         async for _ in self.engine.generate(prompt, params, f"inferscale-capture-{cid}"):
             pass
         kv = await asyncio.to_thread(read_capture, self.directory, cid, self.tp)
-        if [int(t) for t in kv["token_ids"]] != list(ids):
+        if [int(t) for t in kv["token_ids"]] != sent:
             raise ValueError(f"inferscale serve: capture {cid} holds other tokens than were sent")
-        return kv
+        return dict(kv, token_ids=kv["token_ids"][:n], k=kv["k"][:, :n].copy(),
+                    v=kv["v"][:, :n].copy())
 
     # -- routes ------------------------------------------------------------------------------
     async def write(self, user: str, body) -> dict:

@@ -404,7 +404,9 @@ inline int benchmark_main(int argc, char** argv)
     case ::inferscale::detail::host_simd::avx512:
       benchmark::AddCustomContext("host_simd", "avx512");
       break;
-    case ::inferscale::detail::host_simd::avx2: benchmark::AddCustomContext("host_simd", "avx2"); break;
+    case ::inferscale::detail::host_simd::avx2:
+      benchmark::AddCustomContext("host_simd", "avx2");
+      break;
     default: benchmark::AddCustomContext("host_simd", "scalar");
   }
   add_device_context();

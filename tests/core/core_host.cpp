@@ -144,7 +144,7 @@ TEST_CASE("ceil_div and round_up: exact ceilings, edge cases written out", "[cor
   }
   SECTION("negative dividends round toward +infinity")
   {
-    STATIC_REQUIRE(ceil_div(-1, 16) == 0);   // ceil(-0.0625)
+    STATIC_REQUIRE(ceil_div(-1, 16) == 0);  // ceil(-0.0625)
     STATIC_REQUIRE(ceil_div(-16, 16) == -1);
     STATIC_REQUIRE(ceil_div(-17, 16) == -1);  // ceil(-1.0625)
     STATIC_REQUIRE(ceil_div(-7, 2) == -3);    // ceil(-3.5)
@@ -161,7 +161,9 @@ TEST_CASE("ceil_div and round_up: exact ceilings, edge cases written out", "[cor
       for (std::int64_t b = 1; b <= 17; ++b) {
         // the least q with q * b >= a
         std::int64_t q = -50;
-        while (q * b < a) { ++q; }
+        while (q * b < a) {
+          ++q;
+        }
         CAPTURE(a, b);
         REQUIRE(ceil_div(a, b) == q);
         REQUIRE(round_up(a, b) == q * b);

@@ -178,19 +178,19 @@ file_layout read_layout(std::vector<unsigned char> const& b)
   std::uint64_t const tenants = le(b, 56, 8);
   for (std::uint64_t t = 0; t < tenants; ++t) {
     tenant_layout r;
-    r.record  = at;
-    r.ns      = le(b, at, 8);
-    r.size    = le(b, at + 8, 4);
-    r.live    = le(b, at + 12, 4);
+    r.record       = at;
+    r.ns           = le(b, at, 8);
+    r.size         = le(b, at + 8, 4);
+    r.live         = le(b, at + 12, 4);
     r.entries_rows = le(b, at + 16, 4);
     r.default_ef   = le(b, at + 20, 4);
-    r.ids     = at + 24;
-    r.deleted = r.ids + 8 * r.size;
-    r.vectors = r.deleted + r.size;
-    r.graph   = r.vectors + r.size * f.row_elements * f.element_size;
-    r.ranks   = r.graph + 4 * r.size * f.degree;
-    r.end     = r.ranks + 4 * r.size;
-    at        = r.end;
+    r.ids          = at + 24;
+    r.deleted      = r.ids + 8 * r.size;
+    r.vectors      = r.deleted + r.size;
+    r.graph        = r.vectors + r.size * f.row_elements * f.element_size;
+    r.ranks        = r.graph + 4 * r.size * f.degree;
+    r.end          = r.ranks + 4 * r.size;
+    at             = r.end;
     f.tenants.push_back(r);
   }
   return f;
@@ -780,9 +780,7 @@ TEST_CASE("persist: forged files with valid checksums are refused by the consist
      [&](auto& b) { put(b, t1.record + 16, 41, 4); },
      "entry points chosen at 41 rows, more than its 40"},
     {"default ef 0", [&](auto& b) { put(b, t0.record + 20, 0, 4); }, "default ef 0 outside"},
-    {"unknown traversal dtype code",
-     [&](auto& b) { b[26] = 2; },
-     "host traversal dtype code 2"},
+    {"unknown traversal dtype code", [&](auto& b) { b[26] = 2; }, "host traversal dtype code 2"},
     {"host_entry_points 0",
      [&](auto& b) { put(b, 36, 0, 4); },
      "host_entry_points 0 is neither -1"},
@@ -843,8 +841,9 @@ TEST_CASE("persist: a failed save throws and leaves an existing file as it was",
   require_same_contents(second, load_index(path));
 }
 
-TEST_CASE("persist: a namespace grown by inserts since its entry points were chosen answers the same",
-          "[index][persist]")
+TEST_CASE(
+  "persist: a namespace grown by inserts since its entry points were chosen answers the same",
+  "[index][persist]")
 {
   // The fast host search starts from entry points chosen when a namespace is built and again only
   // once it has grown by a quarter; version 1 files did not carry them and the loader chose them
@@ -893,13 +892,19 @@ TEST_CASE("persist: a namespace grown by inserts since its entry points were cho
     p.itopk_size = itopk;
     std::vector<std::uint64_t> ids_a(nq * k), ids_b(nq * k);
     std::vector<float> dist_a(nq * k), dist_b(nq * k);
-    inferscale::search(original, make_matrix_view<float const>(q.data(), nq, dim),
+    inferscale::search(original,
+                       make_matrix_view<float const>(q.data(), nq, dim),
                        cuda::std::span<std::uint64_t const>(namespaces.data(), namespaces.size()),
-                       k, p, make_matrix_view<std::uint64_t>(ids_a.data(), nq, k),
+                       k,
+                       p,
+                       make_matrix_view<std::uint64_t>(ids_a.data(), nq, k),
                        make_matrix_view<float>(dist_a.data(), nq, k));
-    inferscale::search(loaded, make_matrix_view<float const>(q.data(), nq, dim),
+    inferscale::search(loaded,
+                       make_matrix_view<float const>(q.data(), nq, dim),
                        cuda::std::span<std::uint64_t const>(namespaces.data(), namespaces.size()),
-                       k, p, make_matrix_view<std::uint64_t>(ids_b.data(), nq, k),
+                       k,
+                       p,
+                       make_matrix_view<std::uint64_t>(ids_b.data(), nq, k),
                        make_matrix_view<float>(dist_b.data(), nq, k));
     CAPTURE(itopk);
     REQUIRE(ids_a == ids_b);
@@ -916,12 +921,12 @@ namespace {
 index_config random_config(std::mt19937_64& rng)
 {
   index_config c;
-  c.dim    = 5 + static_cast<std::int64_t>(rng() % 8);  // padded: 8 or 16 elements
-  c.metric = rng() % 3 == 0   ? distance_metric::inner_product
-             : rng() % 2 == 0 ? distance_metric::cosine
-                              : distance_metric::squared_l2;
-  c.vector_dtype              = rng() % 4 == 0 ? dtype::float16 : dtype::float32;
-  c.graph_degree              = rng() % 2 == 0 ? 4 : 8;
+  c.dim          = 5 + static_cast<std::int64_t>(rng() % 8);  // padded: 8 or 16 elements
+  c.metric       = rng() % 3 == 0   ? distance_metric::inner_product
+                   : rng() % 2 == 0 ? distance_metric::cosine
+                                    : distance_metric::squared_l2;
+  c.vector_dtype = rng() % 4 == 0 ? dtype::float16 : dtype::float32;
+  c.graph_degree = rng() % 2 == 0 ? 4 : 8;
   c.intermediate_graph_degree = 2 * c.graph_degree;
   c.exact_search_threshold    = rng() % 4 == 0 ? static_cast<std::int64_t>(rng() % 30) : -1;
   c.host_entry_points         = rng() % 4 == 0 ? 1 + static_cast<std::int64_t>(rng() % 9) : -1;
@@ -1006,9 +1011,9 @@ TEST_CASE("persist: random operation sequences round-trip to bit-identical answe
   constexpr int sequences = 1000;
   std::mt19937_64 rng(0x5EED2026);
   scratch_dir dir;
-  std::string const path  = dir.file("sequence.isx");
-  std::string const again = dir.file("again.isx");
-  auto const modes        = every_search_mode();
+  std::string const path   = dir.file("sequence.isx");
+  std::string const again  = dir.file("again.isx");
+  auto const modes         = every_search_mode();
   std::uint64_t operations = 0, slots = 0, filled = 0, stale = 0, emptied = 0, searches = 0;
   std::uint64_t const pool[] = {1, 2, 3, 4, 5};
   for (int sequence = 0; sequence < sequences; ++sequence) {
@@ -1019,30 +1024,37 @@ TEST_CASE("persist: random operation sequences round-trip to bit-identical answe
     std::int64_t const d  = config.dim;
     // every eighth sequence grows a namespace past the rebuild limit (256 rows), so that later
     // adds insert into its graph instead of rebuilding it
-    bool const large  = sequence % 8 == 0;
-    int const steps   = 3 + static_cast<int>(rng() % 4);
+    bool const large = sequence % 8 == 0;
+    int const steps  = 3 + static_cast<int>(rng() % 4);
     std::vector<std::uint64_t> gone_namespaces;
     for (int step = 0; step < steps; ++step, ++operations) {
       std::uint64_t const ns = pool[rng() % 5];
       unsigned const what    = static_cast<unsigned>(rng() % 10);
       if (step == 0 && large) {
-        std::int64_t const n = 257 + static_cast<std::int64_t>(rng() % 24);
+        std::int64_t const n       = 257 + static_cast<std::int64_t>(rng() % 24);
         std::vector<float> const v = random_rows(rng, n, d);
         std::vector<std::uint64_t> ids(static_cast<std::size_t>(n));
-        for (auto& id : ids) { id = next_id++; }
-        original.add(ns, make_matrix_view<float const>(v.data(), n, d),
+        for (auto& id : ids) {
+          id = next_id++;
+        }
+        original.add(ns,
+                     make_matrix_view<float const>(v.data(), n, d),
                      cuda::std::span<std::uint64_t const>(ids.data(), ids.size()));
       } else if (what < 4) {  // add
-        std::int64_t const n = 1 + static_cast<std::int64_t>(rng() % (large ? 12 : 24));
+        std::int64_t const n       = 1 + static_cast<std::int64_t>(rng() % (large ? 12 : 24));
         std::vector<float> const v = random_rows(rng, n, d);
         std::vector<std::uint64_t> ids(static_cast<std::size_t>(n));
-        for (auto& id : ids) { id = next_id++; }
-        original.add(ns, make_matrix_view<float const>(v.data(), n, d),
+        for (auto& id : ids) {
+          id = next_id++;
+        }
+        original.add(ns,
+                     make_matrix_view<float const>(v.data(), n, d),
                      cuda::std::span<std::uint64_t const>(ids.data(), ids.size()));
       } else if (what < 6) {  // erase some facts of a namespace, sometimes all of them
         std::vector<std::uint64_t> live = original.ids(ns);
         std::shuffle(live.begin(), live.end(), rng);
-        std::size_t const m = rng() % 5 == 0 ? live.size() : std::min<std::size_t>(live.size(), 1 + rng() % 6);
+        std::size_t const m =
+          rng() % 5 == 0 ? live.size() : std::min<std::size_t>(live.size(), 1 + rng() % 6);
         live.resize(m);
         erase_ids(original, live);
       } else if (what == 6) {  // update: facts erased and added again under their ids, new rows
@@ -1052,7 +1064,8 @@ TEST_CASE("persist: random operation sequences round-trip to bit-identical answe
         erase_ids(original, live);
         std::int64_t const n       = static_cast<std::int64_t>(live.size());
         std::vector<float> const v = random_rows(rng, n, d);
-        original.add(ns, make_matrix_view<float const>(v.data(), n, d),
+        original.add(ns,
+                     make_matrix_view<float const>(v.data(), n, d),
                      cuda::std::span<std::uint64_t const>(live.data(), live.size()));
       } else if (what == 7) {
         original.compact();
@@ -1060,8 +1073,11 @@ TEST_CASE("persist: random operation sequences round-trip to bit-identical answe
         std::int64_t const n       = rng() % 3 == 0 ? 0 : 1 + static_cast<std::int64_t>(rng() % 20);
         std::vector<float> const v = random_rows(rng, n, d);
         std::vector<std::uint64_t> ids(static_cast<std::size_t>(n));
-        for (auto& id : ids) { id = next_id++; }
-        original.build(ns, make_matrix_view<float const>(v.data(), n, d),
+        for (auto& id : ids) {
+          id = next_id++;
+        }
+        original.build(ns,
+                       make_matrix_view<float const>(v.data(), n, d),
                        cuda::std::span<std::uint64_t const>(ids.data(), ids.size()));
       } else {
         (void)original.erase_namespace(ns);
@@ -1089,9 +1105,9 @@ TEST_CASE("persist: random operation sequences round-trip to bit-identical answe
     }
 
     // queries in every namespace of the pool: live, emptied, erased and never created ones
-    std::int64_t const per = 2;
-    std::int64_t const nq  = per * 5;
-    std::uint32_t const k  = 1 + static_cast<std::uint32_t>(rng() % 8);
+    std::int64_t const per     = 2;
+    std::int64_t const nq      = per * 5;
+    std::uint32_t const k      = 1 + static_cast<std::uint32_t>(rng() % 8);
     std::vector<float> const q = random_rows(rng, nq, d);
     for (auto const& mode : modes) {
       CAPTURE(mode.name, k);
@@ -1100,13 +1116,16 @@ TEST_CASE("persist: random operation sequences round-trip to bit-identical answe
         std::vector<std::uint64_t> const one(1, ns);
         std::vector<std::uint64_t> ids_a(per * k), ids_b(per * k);
         std::vector<float> dist_a(per * k), dist_b(per * k);
-        auto run = [&](graph_index const& index, std::vector<std::uint64_t>& ids,
-                       std::vector<float>& dist) {
-          inferscale::search(index, make_matrix_view<float const>(q.data() + (ns - 1) * per * d, per, d),
-                             cuda::std::span<std::uint64_t const>(one.data(), 1), k, mode.params,
-                             make_matrix_view<std::uint64_t>(ids.data(), per, k),
-                             make_matrix_view<float>(dist.data(), per, k));
-        };
+        auto run =
+          [&](graph_index const& index, std::vector<std::uint64_t>& ids, std::vector<float>& dist) {
+            inferscale::search(index,
+                               make_matrix_view<float const>(q.data() + (ns - 1) * per * d, per, d),
+                               cuda::std::span<std::uint64_t const>(one.data(), 1),
+                               k,
+                               mode.params,
+                               make_matrix_view<std::uint64_t>(ids.data(), per, k),
+                               make_matrix_view<float>(dist.data(), per, k));
+          };
         if (!original.has_namespace(ns)) {  // both refuse it
           REQUIRE_FALSE(loaded.has_namespace(ns));
           REQUIRE_THROWS_AS(run(original, ids_a, dist_a), inferscale::logic_error);
@@ -1124,21 +1143,20 @@ TEST_CASE("persist: random operation sequences round-trip to bit-identical answe
       }
     }
   }
-  WARN("index save/load property: " << sequences << " random operation sequences ("
-                                     << operations << " operations), " << searches
-                                     << " searches in " << modes.size() << " modes, " << slots
-                                     << " result slots (" << filled
-                                     << " filled) bit-identical after the round trip; "
-                                     << stale << " saved namespaces had entry points older "
-                                     << "than their last rows, " << emptied
-                                     << " had no live fact");
+  WARN("index save/load property: " << sequences << " random operation sequences (" << operations
+                                    << " operations), " << searches << " searches in "
+                                    << modes.size() << " modes, " << slots << " result slots ("
+                                    << filled << " filled) bit-identical after the round trip; "
+                                    << stale << " saved namespaces had entry points older "
+                                    << "than their last rows, " << emptied << " had no live fact");
   // not vacuous: most slots hold facts, and the history-dependent state was exercised
   REQUIRE(filled * 2 > slots);
   REQUIRE(stale >= sequences / 40);
   REQUIRE(emptied >= sequences / 20);
 }
 
-TEST_CASE("persist: load into device memory puts the same arena on the device", "[index][persist][gpu]")
+TEST_CASE("persist: load into device memory puts the same arena on the device",
+          "[index][persist][gpu]")
 {
   // the device copy is what the device search reads: read it back through ref() and compare it
   // row by row with the host mirror of the saved index
@@ -1167,13 +1185,16 @@ TEST_CASE("persist: load into device memory puts the same arena on the device", 
     INFERSCALE_CUDA_TRY(cudaMemcpy(vectors.data(),
                                    static_cast<unsigned char const*>(ref.vectors) +
                                      static_cast<std::size_t>(seg.row_begin) * row_bytes,
-                                   vectors.size(), cudaMemcpyDeviceToHost));
-    INFERSCALE_CUDA_TRY(cudaMemcpy(graph.data(), ref.graph + seg.row_begin * std::int64_t(degree),
-                                   graph.size() * 4, cudaMemcpyDeviceToHost));
-    INFERSCALE_CUDA_TRY(cudaMemcpy(ids.data(), ref.ids + seg.row_begin, ids.size() * 8,
+                                   vectors.size(),
                                    cudaMemcpyDeviceToHost));
-    INFERSCALE_CUDA_TRY(cudaMemcpy(deleted.data(), ref.deleted + seg.row_begin, deleted.size(),
+    INFERSCALE_CUDA_TRY(cudaMemcpy(graph.data(),
+                                   ref.graph + seg.row_begin * std::int64_t(degree),
+                                   graph.size() * 4,
                                    cudaMemcpyDeviceToHost));
+    INFERSCALE_CUDA_TRY(
+      cudaMemcpy(ids.data(), ref.ids + seg.row_begin, ids.size() * 8, cudaMemcpyDeviceToHost));
+    INFERSCALE_CUDA_TRY(cudaMemcpy(
+      deleted.data(), ref.deleted + seg.row_begin, deleted.size(), cudaMemcpyDeviceToHost));
     REQUIRE(std::memcmp(vectors.data(), index_access::vector_rows(original, ns), vectors.size()) ==
             0);
     REQUIRE(std::memcmp(graph.data(), index_access::graph_rows(original, ns), graph.size() * 4) ==

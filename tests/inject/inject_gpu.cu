@@ -394,7 +394,8 @@ injection_batch make_large_batch(kv_store const& store)
     o.instruction_prefix    = prefix_id;
     auto const plan         = compose(store, ids, o);
     std::int64_t const need = (plan.length() + block_size - 1) / block_size;
-    batch.add(plan, slots_from_block_table(order.data() + next, need, block_size, 0, plan.length()));
+    batch.add(plan,
+              slots_from_block_table(order.data() + next, need, block_size, 0, plan.length()));
     next += static_cast<std::size_t>(need);
   }
   return batch;
@@ -404,9 +405,9 @@ injection_batch make_large_batch(kv_store const& store)
 template <class Pair>
 void require_device_equals_host(scenario<Pair>& s, bool large)
 {
-  using S                  = typename Pair::store_t;
-  using C                  = typename Pair::cache_t;
-  injection_batch hb       = large ? make_large_batch(s.host_store) : make_batch(s.host_store, 0);
+  using S            = typename Pair::store_t;
+  using C            = typename Pair::cache_t;
+  injection_batch hb = large ? make_large_batch(s.host_store) : make_batch(s.host_store, 0);
   injection_batch db = large ? make_large_batch(s.device_store) : make_batch(s.device_store, 0);
   REQUIRE(hb.store_tokens() == db.store_tokens());  // same history, same pages
   REQUIRE(hb.positions() == db.positions());
@@ -834,14 +835,14 @@ TEMPLATE_TEST_CASE("device extraction equals host extraction",
     extract_host(
       s.host_desc, sp.slots, sp.first_position, s.host_rotation, s.host_store, sp.id, 3, ids);
     extract<S, C>(s.device_desc,
-            sp.slots,
-            sp.first_position,
-            s.device_rotation,
-            s.device_store,
-            sp.id,
-            3,
-            ids,
-            ref);
+                  sp.slots,
+                  sp.first_position,
+                  s.device_rotation,
+                  s.device_store,
+                  sp.id,
+                  3,
+                  ids,
+                  ref);
   }
   // The new facts' pages, byte for byte (the other rows of their last pages are the same on both
   // sides too: both pools start zeroed and saw the same inserts).
@@ -958,9 +959,10 @@ TEST_CASE("a refused checked device injection leaves the cache unchanged", "[gpu
   }
 }
 
-TEST_CASE("the dtype dispatch and a named dtype pair launch the same kernels; a wrong pair is "
-          "refused",
-          "[gpu][inject]")
+TEST_CASE(
+  "the dtype dispatch and a named dtype pair launch the same kernels; a wrong pair is "
+  "refused",
+  "[gpu][inject]")
 {
   // Every other test here names its pair (run<S, C>, extract<S, C>), which compiles only
   // that pair's kernels; this one goes through the run-time dispatch (all fifteen pairs compiled
@@ -989,9 +991,10 @@ TEST_CASE("the dtype dispatch and a named dtype pair launch the same kernels; a 
   // Extraction through the dispatch: the first 27 injected tokens back into both stores.
   std::vector<std::int64_t> const slots(db.slots().begin(), db.slots().begin() + 27);
   std::vector<std::int32_t> ids(slots.size(), 7);
-  REQUIRE_THROWS_AS((extract<float, bfloat16_t>(s.device_desc, slots, 12, s.device_rotation,
-                                                 s.device_store, 600, 3, ids, ref)),
-                    logic_error);
+  REQUIRE_THROWS_AS(
+    (extract<float, bfloat16_t>(
+      s.device_desc, slots, 12, s.device_rotation, s.device_store, 600, 3, ids, ref)),
+    logic_error);
   REQUIRE_FALSE(s.device_store.contains(600));
   extract_host(s.host_desc, slots, 12, s.host_rotation, s.host_store, 600, 3, ids);
   extract(s.device_desc, slots, 12, s.device_rotation, s.device_store, 600, 3, ids, ref);
@@ -1180,7 +1183,7 @@ void require_seam_equals_host(engine_layout layout, geometry_case const& g)
   // fact 15 at p0 = 7 through an adapter (block 4) — run on the device equals the same step run
   // on the host; each adapter commits once, after its run.
   compose_options p{};
-  p.order = fact_order::as_given;
+  p.order          = fact_order::as_given;
   auto const plans = [&](kv_store const& st) {
     std::vector<composition> out;
     std::vector<std::pair<std::vector<std::uint64_t>, std::int64_t>> const requests{
@@ -1208,10 +1211,10 @@ void require_seam_equals_host(engine_layout layout, geometry_case const& g)
     step->add((*ps)[2], *adapter);
   }
   REQUIRE(device_step.slots() == host_step.slots());
-  REQUIRE(std::vector<std::int64_t>(device_step.slots().begin() + 7,
-                                    device_step.slots().begin() + 21) ==
-          std::vector<std::int64_t>{163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174,
-                                    175, 176});
+  REQUIRE(
+    std::vector<std::int64_t>(device_step.slots().begin() + 7, device_step.slots().begin() + 21) ==
+    std::vector<std::int64_t>{
+      163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176});
   injection_workspace step_workspace(device_step.num_tokens());
   // A refused device run (a workspace too small) stages, launches and commits nothing.
   injection_workspace tiny(device_step.num_tokens() - 1);
@@ -1613,8 +1616,8 @@ TEST_CASE(
 {
   mf::user_data const user = mf::make_user(7, 100, 9);
   seam_memories s({{7, &user}});
-  memory& host_memory      = s.host_memory;
-  memory& device_memory    = s.device_memory;
+  memory& host_memory         = s.host_memory;
+  memory& device_memory       = s.device_memory;
   mf::word_embedder& embedder = s.embedder;
   auto const& host_table      = s.host_table;
   auto const& device_table    = s.device_table;
@@ -1722,9 +1725,9 @@ TEST_CASE(
   // Refused before any sequence allocates: a workspace too small for the step's tokens (3 + 2 x 3,
   // 3 + 2 x 2 and 3 + 2 x 3), a host store.
   injection_workspace small(20);
-  REQUIRE_THROWS_AS(
-    device_memory.serve_step(embedder, device_requests, 2, device_table, device_context{small, ref}),
-    logic_error);
+  REQUIRE_THROWS_AS(device_memory.serve_step(
+                      embedder, device_requests, 2, device_table, device_context{small, ref}),
+                    logic_error);
   injection_workspace workspace(64);
   REQUIRE_THROWS_AS(
     host_memory.serve_step(embedder, host_requests, 2, host_table, device_context{workspace, ref}),
@@ -1737,9 +1740,9 @@ TEST_CASE(
 
   std::vector<memory_request> const h =
     host_memory.serve_step(embedder, host_requests, 2, host_table);
-  std::uint64_t const searches = device_memory.searches();
-  std::vector<memory_request> const d =
-    device_memory.serve_step(embedder, device_requests, 2, device_table, device_context{workspace, ref});
+  std::uint64_t const searches        = device_memory.searches();
+  std::vector<memory_request> const d = device_memory.serve_step(
+    embedder, device_requests, 2, device_table, device_context{workspace, ref});
   REQUIRE(device_memory.searches() == searches + 1);
   REQUIRE(d.size() == 3);
   for (std::size_t i = 0; i < 3; ++i) {
@@ -1766,7 +1769,8 @@ TEST_CASE(
   REQUIRE(device_memory.erase_namespace(8, ref) == host_memory.erase_namespace(8));
   INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
   bytes const pool = device_memory.store().pool_to_host();
-  std::size_t const page = pool.size() / static_cast<std::size_t>(device_memory.store().num_pages());
+  std::size_t const page =
+    pool.size() / static_cast<std::size_t>(device_memory.store().num_pages());
   for (std::int64_t p : pages) {
     REQUIRE(std::all_of(pool.begin() + static_cast<std::ptrdiff_t>(p * page),
                         pool.begin() + static_cast<std::ptrdiff_t>((p + 1) * page),
@@ -1837,7 +1841,9 @@ TEST_CASE("an injection workspace allocates through the resources it is given",
     REQUIRE(device.allocations[1].bytes == sizeof(inject_device_errors));
     REQUIRE(pinned.allocations.size() == 1);
     REQUIRE(pinned.allocations[0].bytes == 3 * 5 * sizeof(std::int64_t));
-    for (auto const& a : device.allocations) { REQUIRE(a.stream == nullptr); }
+    for (auto const& a : device.allocations) {
+      REQUIRE(a.stream == nullptr);
+    }
     REQUIRE(workspace.view().store_token == device.allocations[0].pointer);
     REQUIRE(workspace.device_errors() == device.allocations[1].pointer);
 
@@ -1849,7 +1855,8 @@ TEST_CASE("an injection workspace allocates through the resources it is given",
     REQUIRE(v.num_tokens == 3);
     auto const back = [&](std::int64_t const* p) {
       std::vector<std::int64_t> out(3);
-      INFERSCALE_CUDA_TRY(cudaMemcpy(out.data(), p, 3 * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
+      INFERSCALE_CUDA_TRY(
+        cudaMemcpy(out.data(), p, 3 * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
       return out;
     };
     REQUIRE(back(v.store_token) == tokens);

@@ -13,6 +13,7 @@
 
 // select_k<float, int64> from the build's one compiled instance (cmake/device_instances.cu).
 #include <inferscale/detail/index/select_k_instance.hpp>
+
 #include <raft/util/cudart_utils.hpp>
 #include <raft/version_config.hpp>
 

@@ -8,6 +8,7 @@
 #include "fake_model.hpp"
 #include "memory_checks.hpp"
 #include "memory_fixtures.hpp"
+#include "stream_type.hpp"
 
 #include <inferscale/memory.hpp>
 
@@ -558,7 +559,7 @@ namespace inferscale::detail {
 template <>
 struct memory_index_search<external_retrieval> {
   static constexpr memory_space index_space = memory_space::host;
-  static cuda::stream_ref stream(external_retrieval const&) { return cudaStream_t{}; }
+  static stream_ref stream(external_retrieval const&) { return cudaStream_t{}; }
   static void run(external_retrieval const& r,
                   graph_index const& index,
                   matrix_view<float const> queries,
@@ -578,7 +579,7 @@ struct memory_index_search<external_retrieval> {
 template <>
 struct memory_index_search<device_claiming_retrieval> {
   static constexpr memory_space index_space = memory_space::device;
-  static cuda::stream_ref stream(device_claiming_retrieval const&) { return cudaStream_t{}; }
+  static stream_ref stream(device_claiming_retrieval const&) { return cudaStream_t{}; }
   template <class... Args>
   static void run(device_claiming_retrieval const& r, Args&&...)
   {
@@ -687,7 +688,8 @@ TEST_CASE(
   std::vector<std::int64_t> const pages = plain.m.store().at(id).pages;
   REQUIRE(streamed.m.store().at(id).pages == pages);
   plain.m.erase_fact(id);
-  streamed.m.erase_fact(id, cudaStream_t{});  // a host store never reaches the CUDA runtime
+  streamed.m.erase_fact(
+    id, inferscale_test::stream_t{});  // a host store never reaches the CUDA runtime
   CHECK_FALSE(streamed.m.tracks(id));
   CHECK_FALSE(streamed.m.store().contains(id));
   CHECK_FALSE(streamed.m.index().contains(id));
@@ -701,11 +703,12 @@ TEST_CASE(
   CHECK(pool == plain.m.store().pool_to_host());
   CHECK(snap(streamed.m) == snap(plain.m));
 
-  CHECK(streamed.m.erase_namespace(8, cudaStream_t{}) == plain.m.erase_namespace(8));
+  CHECK(streamed.m.erase_namespace(8, inferscale_test::stream_t{}) == plain.m.erase_namespace(8));
   CHECK(streamed.m.store().namespace_facts(8) == 0);
   CHECK(streamed.m.store().pool_to_host() == plain.m.store().pool_to_host());
   CHECK(snap(streamed.m) == snap(plain.m));
-  CHECK_THROWS_WITH(streamed.m.erase_fact(id, cudaStream_t{}), Catch::Contains("erase_fact"));
+  CHECK_THROWS_WITH(streamed.m.erase_fact(id, inferscale_test::stream_t{}),
+                    Catch::Contains("erase_fact"));
 
   // The user added again takes the zeroed pages back.
   encoding_options o;

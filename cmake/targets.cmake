@@ -10,7 +10,12 @@ set(INFERSCALE_CUDA_WARNINGS -Werror=all-warnings -Xcompiler=-Wall,-Wextra,-Werr
 #   ~50 s of nvcc once instead of in each RAFT unit); NO_DEVICE_INSTANCES: the object that defines it.
 function(inferscale_target_defaults target)
   cmake_parse_arguments(ARG "RAFT;NO_DEVICE_INSTANCES" "" "" ${ARGN})
-  target_link_libraries(${target} PRIVATE inferscale::inferscale CCCL::CCCL CUDA::cudart)
+  target_link_libraries(${target} PRIVATE inferscale::inferscale CCCL::CCCL)
+  if(INFERSCALE_HAS_CUDA)
+    target_link_libraries(${target} PRIVATE CUDA::cudart)
+  else()
+    target_compile_definitions(${target} PRIVATE INFERSCALE_HOST_ONLY)  # the runtime's stand-in
+  endif()
   target_compile_options(${target} PRIVATE
     $<$<COMPILE_LANGUAGE:CXX>:${INFERSCALE_CXX_WARNINGS}>
     $<$<COMPILE_LANGUAGE:CUDA>:${INFERSCALE_CUDA_WARNINGS}>)

@@ -43,8 +43,6 @@
 #include <inferscale/device_buffer.hpp>
 #include <inferscale/dtype.hpp>
 
-#include <cuda_runtime_api.h>
-
 #include <benchmark/benchmark.h>
 
 #include <chrono>
@@ -147,6 +145,10 @@ inline void report_throughput(benchmark::State& state,
     state.counters["vs_copy"]   = benchmark::Counter(gbps / copy_gbps);
   }
 }
+
+#if INFERSCALE_HAS_CUDA_RUNTIME
+// The CUDA runtime's streams, events and device timing: absent from a CPU-only build
+// (INFERSCALE_WITH_CUDA=OFF), whose benchmarks run on the host only.
 
 // ------------------------------------------------------------------------------------------------
 // Small RAII owners of CUDA resources (setup only; never inside a timed region).
@@ -281,6 +283,7 @@ void run_device(benchmark::State& state,
   }
   report_throughput(state, t, seconds, copy_seconds);
 }
+#endif  // INFERSCALE_HAS_CUDA_RUNTIME
 
 /**
  * @brief Host timing loop: each iteration times `work()` with std::chrono::steady_clock (wall
@@ -357,6 +360,7 @@ inline void add_device_context()
 {
   int const count = visible_device_count();
   benchmark::AddCustomContext("cuda_devices", std::to_string(count));
+#if INFERSCALE_HAS_CUDA_RUNTIME
   int runtime = 0;
   if (cudaRuntimeGetVersion(&runtime) == cudaSuccess) {
     benchmark::AddCustomContext("cuda_runtime", std::to_string(runtime));
@@ -382,6 +386,12 @@ inline void add_device_context()
   benchmark::AddCustomContext("gpu_sms", std::to_string(prop.multiProcessorCount));
   benchmark::AddCustomContext("gpu_l2_bytes", std::to_string(prop.l2CacheSize));
   benchmark::AddCustomContext("gpu_memory_bytes", std::to_string(prop.totalGlobalMem));
+#else  // the CPU-only build: no CUDA runtime to describe
+  benchmark::AddCustomContext("inferscale_version",
+                              std::to_string(INFERSCALE_VERSION_MAJOR) + "." +
+                                std::to_string(INFERSCALE_VERSION_MINOR) + "." +
+                                std::to_string(INFERSCALE_VERSION_PATCH));
+#endif
 }
 
 /// @brief Google Benchmark's main plus the device context (use instead of BENCHMARK_MAIN()).
@@ -404,7 +414,9 @@ inline int benchmark_main(int argc, char** argv)
     case ::inferscale::detail::host_simd::avx512:
       benchmark::AddCustomContext("host_simd", "avx512");
       break;
-    case ::inferscale::detail::host_simd::avx2: benchmark::AddCustomContext("host_simd", "avx2"); break;
+    case ::inferscale::detail::host_simd::avx2:
+      benchmark::AddCustomContext("host_simd", "avx2");
+      break;
     default: benchmark::AddCustomContext("host_simd", "scalar");
   }
   add_device_context();

@@ -57,7 +57,7 @@ struct engine_state {
       ctx{model,
           [] {
             lc::context_options o;
-            o.n_ctx     = 2048;
+            o.n_ctx        = 2048;
             o.n_threads    = 1;
             o.n_branch_seq = 64;  // recompute_memory's one_batch
             return o;

@@ -18,7 +18,9 @@ struct hnsw_baseline::impl {
 
   impl(std::int64_t dim, std::int64_t capacity, int m, int ef_construction)
     : space(static_cast<std::size_t>(dim)),
-      index(&space, static_cast<std::size_t>(capacity), static_cast<std::size_t>(m),
+      index(&space,
+            static_cast<std::size_t>(capacity),
+            static_cast<std::size_t>(m),
             static_cast<std::size_t>(ef_construction))
   {
   }
@@ -60,12 +62,13 @@ void hnsw_baseline::search(float const* query, int k, std::uint64_t* labels, flo
 
 std::int64_t hnsw_baseline::fixed_overhead_bytes() const
 {
-  return static_cast<std::int64_t>(impl_->index.link_list_update_locks_.size() * sizeof(std::mutex));
+  return static_cast<std::int64_t>(impl_->index.link_list_update_locks_.size() *
+                                   sizeof(std::mutex));
 }
 
 std::int64_t hnsw_baseline::overhead_bytes() const
 {
-  auto const& h = impl_->index;
+  auto const& h             = impl_->index;
   std::size_t const per_row = (h.size_data_per_element_ - h.data_size_) + sizeof(void*) +
                               sizeof(int) + sizeof(std::mutex) + sizeof(hnswlib::vl_type);
   std::size_t upper = 0;

@@ -111,12 +111,12 @@ namespace ib = inferscale::bench;
 using inferscale::detail::index::index_access;
 using clock_type = std::chrono::steady_clock;
 
-constexpr std::uint32_t top_k          = 10;
-constexpr std::int64_t num_queries     = 1024;
-constexpr std::uint64_t data_seed      = 20261130;
-constexpr std::uint64_t the_namespace  = 7;
-constexpr int hnsw_m                   = 16;
-constexpr int hnsw_ef_construction     = 200;
+constexpr std::uint32_t top_k         = 10;
+constexpr std::int64_t num_queries    = 1024;
+constexpr std::uint64_t data_seed     = 20261130;
+constexpr std::uint64_t the_namespace = 7;
+constexpr int hnsw_m                  = 16;
+constexpr int hnsw_ef_construction    = 200;
 
 std::vector<int> ef_grid()
 {
@@ -164,7 +164,8 @@ struct vectors {
 
 vectors mixture(std::int64_t dim, std::int64_t n)
 {
-  is::test::gaussian_mixture mix{is::test::mixture_spec{dim, 100, true, data_seed + std::uint64_t(dim)}};
+  is::test::gaussian_mixture mix{
+    is::test::mixture_spec{dim, 100, true, data_seed + std::uint64_t(dim)}};
   vectors v;
   v.name    = "mixture";
   v.dim     = dim;
@@ -194,8 +195,8 @@ std::string cache_dir()
 /// @brief LoCoMo's turns and facts (base) and questions (queries), embedded by MiniLM (cached).
 vectors locomo_minilm()
 {
-  namespace lm = is::locomo;
-  namespace lc = is::llama_cpp;
+  namespace lm                          = is::locomo;
+  namespace lc                          = is::llama_cpp;
   std::vector<lm::sample> const samples = lm::load(lm::default_path());
   std::vector<std::string> base, questions;
   for (auto const& s : samples) {
@@ -225,26 +226,29 @@ vectors locomo_minilm()
     all += t;
     all.push_back('\0');
   }
-  std::uint64_t const crc = is::detail::serial::crc64_of(
-    reinterpret_cast<unsigned char const*>(all.data()), all.size());
+  std::uint64_t const crc =
+    is::detail::serial::crc64_of(reinterpret_cast<unsigned char const*>(all.data()), all.size());
   std::string const dir = cache_dir();
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(crc));
   std::string const path = dir + "/locomo-minilm-" + hex + ".f32";
 
   vectors v;
-  v.name = "locomo_minilm";
-  v.dim  = 384;
+  v.name                 = "locomo_minilm";
+  v.dim                  = 384;
   std::size_t const rows = base.size() + questions.size();
   std::vector<float> flat(rows * 384);
   std::ifstream in{path, std::ios::binary};
-  if (in && in.read(reinterpret_cast<char*>(flat.data()),
-                    static_cast<std::streamsize>(flat.size() * 4)) &&
+  if (in &&
+      in.read(reinterpret_cast<char*>(flat.data()),
+              static_cast<std::streamsize>(flat.size() * 4)) &&
       in.peek() == std::char_traits<char>::eof()) {
     std::fprintf(stderr, "bench_index_host: LoCoMo embeddings from %s\n", path.c_str());
   } else {
-    std::fprintf(stderr, "bench_index_host: embedding %zu LoCoMo texts with MiniLM into %s\n",
-                 rows, path.c_str());
+    std::fprintf(stderr,
+                 "bench_index_host: embedding %zu LoCoMo texts with MiniLM into %s\n",
+                 rows,
+                 path.c_str());
     lc::quiet_logs();  // llama.cpp logs a line per embedded text otherwise
     lc::model model{lc::minilm_path()};
     lc::embedder embedder{model};
@@ -254,16 +258,18 @@ vectors locomo_minilm()
     }
     auto t0 = clock_type::now();
     for (std::size_t i = 0; i < rows; ++i) {
-      std::string const& text = i < base.size() ? base[i] : questions[i - base.size()];
+      std::string const& text    = i < base.size() ? base[i] : questions[i - base.size()];
       std::vector<float> const e = embedder.embed(text);
       std::copy(e.begin(), e.end(), flat.begin() + static_cast<std::ptrdiff_t>(i * 384));
     }
     std::fprintf(stderr, "bench_index_host: embedded in %.1f s\n", seconds_since(t0));
     std::ofstream out{path + ".tmp", std::ios::binary};
-    out.write(reinterpret_cast<char const*>(flat.data()), static_cast<std::streamsize>(flat.size() * 4));
+    out.write(reinterpret_cast<char const*>(flat.data()),
+              static_cast<std::streamsize>(flat.size() * 4));
     out.close();
     if (!out || std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
-      std::fprintf(stderr, "bench_index_host: could not cache the embeddings at %s\n", path.c_str());
+      std::fprintf(
+        stderr, "bench_index_host: could not cache the embeddings at %s\n", path.c_str());
     }
   }
   v.base.assign(flat.begin(), flat.begin() + static_cast<std::ptrdiff_t>(base.size() * 384));
@@ -275,7 +281,7 @@ vectors locomo_minilm()
 /// @brief Cosine distance of normalised vectors in fp32, sixteen partial sums.
 float cosine(float const* a, float const* b, std::int64_t dim)
 {
-  float acc[16] = {};
+  float acc[16]  = {};
   std::int64_t e = 0;
   for (; e + 16 <= dim; e += 16) {
     for (int j = 0; j < 16; ++j) {
@@ -295,13 +301,13 @@ float cosine(float const* a, float const* b, std::int64_t dim)
 /// @brief Everything built for one data set, kept across cases.
 struct prepared {
   vectors data;
-  std::shared_ptr<is::graph_index> index;  ///< shared by the fp32 rows' two traversals
+  std::shared_ptr<is::graph_index> index;   ///< shared by the fp32 rows' two traversals
   is::dtype traversal{is::dtype::float32};  ///< the host_traversal_dtype this set searches with
   std::shared_ptr<ib::hnsw_baseline> hnsw;  ///< shared by the fp32- and fp16-row sets of a data set
-  std::vector<std::uint64_t> truth;  ///< [num_queries][top_k] row ids
+  std::vector<std::uint64_t> truth;         ///< [num_queries][top_k] row ids
   double graph_build_s{0.0}, hnsw_build_s{0.0};          ///< wall seconds
   double graph_build_cpu_s{0.0}, hnsw_build_cpu_s{0.0};  ///< CPU seconds, all threads
-  std::map<int, int> graph_ef, hnsw_ef;        ///< target (percent) -> chosen ef
+  std::map<int, int> graph_ef, hnsw_ef;                  ///< target (percent) -> chosen ef
   std::map<int, double> graph_recall, hnsw_recall;
 };
 
@@ -340,8 +346,8 @@ double recall_of(std::vector<std::uint64_t> const& truth, std::vector<std::uint6
 is::search_params graph_params(int ef, is::search_algo algo = is::search_algo::graph)
 {
   is::search_params p;
-  p.itopk_size     = static_cast<std::uint32_t>(ef);
-  p.algo           = algo;
+  p.itopk_size = static_cast<std::uint32_t>(ef);
+  p.algo       = algo;
   // INFERSCALE_BENCH_NEIGHBORS: search_params::host_neighbors (0, all, by default)
   p.host_neighbors =
     static_cast<std::uint32_t>(ib::env_knob("INFERSCALE_BENCH_NEIGHBORS", 0, 1024, 0));
@@ -379,17 +385,19 @@ struct traversal_scope {
   traversal_scope& operator=(traversal_scope const&) = delete;
 };
 
-prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
-                  is::dtype rows = is::dtype::float32,
+prepared& prepare(std::string const& name,
+                  std::int64_t dim,
+                  std::int64_t n,
+                  is::dtype rows      = is::dtype::float32,
                   is::dtype traversal = is::dtype::float32)
 {
   static std::map<std::string, std::unique_ptr<prepared>> all;
   std::string const key = name + "/" + std::to_string(dim) + "/" + std::to_string(n) +
                           (rows == is::dtype::float16 ? "/fp16" : "") +
                           (traversal == is::dtype::float16 ? "/traversal16" : "");
-  auto& slot            = all[key];
+  auto& slot = all[key];
   if (slot) { return *slot; }
-  auto c = std::make_unique<prepared>();
+  auto c       = std::make_unique<prepared>();
   c->traversal = traversal;
   if (rows == is::dtype::float16 || traversal == is::dtype::float16) {
     // the same data, queries, truth and hnswlib index as the fp32 set; fp16 rows build their
@@ -410,13 +418,14 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
     c->data = name == "locomo_minilm" ? locomo_minilm() : mixture(dim, n);
 #else
     if (name == "locomo_minilm") {
-      throw std::runtime_error("locomo_minilm needs the reference engine (llama.cpp + MiniLM): "
-                               "configure with it (.ci/engine) to build this case");
+      throw std::runtime_error(
+        "locomo_minilm needs the reference engine (llama.cpp + MiniLM): "
+        "configure with it (.ci/engine) to build this case");
     }
     c->data = mixture(dim, n);
 #endif
   }
-  vectors const& v = c->data;
+  vectors const& v  = c->data;
   auto t0           = clock_type::now();
   std::clock_t cpu0 = std::clock();
   if (traversal == is::dtype::float32) {
@@ -430,8 +439,9 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
     config.intermediate_graph_degree = 2 * config.graph_degree;
     config.host_entry_points =
       ib::env_knob("INFERSCALE_BENCH_ENTRY_POINTS", -1, 1 << 20, config.host_entry_points);
-    c->index            = std::make_shared<is::graph_index>(config);
-    c->index->add(the_namespace, is::make_matrix_view<float const>(v.base.data(), v.n(), v.dim),
+    c->index = std::make_shared<is::graph_index>(config);
+    c->index->add(the_namespace,
+                  is::make_matrix_view<float const>(v.base.data(), v.n(), v.dim),
                   cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
     c->graph_build_s     = seconds_since(t0);
     c->graph_build_cpu_s = static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC;
@@ -483,8 +493,11 @@ prepared& prepare(std::string const& name, std::int64_t dim, std::int64_t n,
 }
 
 /// @brief `prepare`, or the case skipped with the reason (a missing data set or model).
-prepared* prepare_or_skip(benchmark::State& state, std::string const& name, std::int64_t dim,
-                          std::int64_t n, is::dtype rows = is::dtype::float32,
+prepared* prepare_or_skip(benchmark::State& state,
+                          std::string const& name,
+                          std::int64_t dim,
+                          std::int64_t n,
+                          is::dtype rows      = is::dtype::float32,
                           is::dtype traversal = is::dtype::float32)
 {
   try {
@@ -495,8 +508,13 @@ prepared* prepare_or_skip(benchmark::State& state, std::string const& name, std:
   }
 }
 
-void equal_recall(benchmark::State& state, std::string const& name, std::int64_t dim,
-                  std::int64_t n, int target, is::dtype rows, is::dtype traversal)
+void equal_recall(benchmark::State& state,
+                  std::string const& name,
+                  std::int64_t dim,
+                  std::int64_t n,
+                  int target,
+                  is::dtype rows,
+                  is::dtype traversal)
 {
   prepared* c = prepare_or_skip(state, name, dim, n, rows, traversal);
   if (c == nullptr) { return; }
@@ -522,7 +540,7 @@ void equal_recall(benchmark::State& state, std::string const& name, std::int64_t
     benchmark::DoNotOptimize(got.data());
     state.ResumeTiming();
   }
-  double const per = static_cast<double>(state.iterations() * num_queries);
+  double const per                       = static_cast<double>(state.iterations() * num_queries);
   state.counters["us_per_query"]         = graph_s / per * 1e6;
   state.counters["QPS"]                  = per / graph_s;
   state.counters["recall"]               = c->graph_recall[target];
@@ -532,11 +550,11 @@ void equal_recall(benchmark::State& state, std::string const& name, std::int64_t
   state.counters["hnswlib_ef"]           = c->hnsw_ef[target];
   state.counters["vs_hnswlib"]           = hnsw_s / graph_s;
   state.counters["N"]                    = static_cast<double>(c->data.n());
-  state.counters["entry_points"] = index_access::host_entry_points(*c->index, the_namespace);
-  state.counters["graph_build_s"]        = c->graph_build_s;
-  state.counters["hnswlib_build_s"]      = c->hnsw_build_s;
-  state.counters["graph_build_cpu_s"]    = c->graph_build_cpu_s;
-  state.counters["hnswlib_build_cpu_s"]  = c->hnsw_build_cpu_s;
+  state.counters["entry_points"]        = index_access::host_entry_points(*c->index, the_namespace);
+  state.counters["graph_build_s"]       = c->graph_build_s;
+  state.counters["hnswlib_build_s"]     = c->hnsw_build_s;
+  state.counters["graph_build_cpu_s"]   = c->graph_build_cpu_s;
+  state.counters["hnswlib_build_cpu_s"] = c->hnsw_build_cpu_s;
   state.counters["build_cpu_vs_hnswlib"] = c->graph_build_cpu_s / c->hnsw_build_cpu_s;
   state.SetLabel(name + (rows == is::dtype::float16 ? ", graph rows fp16" : "") +
                  (traversal == is::dtype::float16 ? ", fp32 rows walked in fp16" : "") +
@@ -545,7 +563,9 @@ void equal_recall(benchmark::State& state, std::string const& name, std::int64_t
 
 /// @brief The default search_params (automatic algorithm, automatic list size) beside the
 /// cheapest grid setting that reached recall 0.99 in the sweep, timed in the same iteration.
-void defaults_case(benchmark::State& state, std::string const& name, std::int64_t dim,
+void defaults_case(benchmark::State& state,
+                   std::string const& name,
+                   std::int64_t dim,
                    std::int64_t n)
 {
   prepared* c = prepare_or_skip(state, name, dim, n);
@@ -571,14 +591,14 @@ void defaults_case(benchmark::State& state, std::string const& name, std::int64_
     cheapest_s += seconds_since(t0);
     state.ResumeTiming();
   }
-  double const per = static_cast<double>(state.iterations() * num_queries);
-  state.counters["us_per_query"]          = default_s / per * 1e6;
-  state.counters["recall"]                = recall;
-  state.counters["default_ef"]            = index_access::host_default_ef(*c->index, the_namespace);
-  state.counters["cheapest_099_ef"]       = c->graph_ef[99];
-  state.counters["cheapest_099_us"]       = cheapest_s / per * 1e6;
-  state.counters["vs_cheapest_099"]       = default_s / cheapest_s;
-  state.counters["exact_threshold"]       = static_cast<double>(
+  double const per                  = static_cast<double>(state.iterations() * num_queries);
+  state.counters["us_per_query"]    = default_s / per * 1e6;
+  state.counters["recall"]          = recall;
+  state.counters["default_ef"]      = index_access::host_default_ef(*c->index, the_namespace);
+  state.counters["cheapest_099_ef"] = c->graph_ef[99];
+  state.counters["cheapest_099_us"] = cheapest_s / per * 1e6;
+  state.counters["vs_cheapest_099"] = default_s / cheapest_s;
+  state.counters["exact_threshold"] = static_cast<double>(
     c->index->exact_search_threshold(defaults, static_cast<std::uint32_t>(c->data.n())));
   state.SetLabel(name + ", search_params{} (automatic), batch 1, one thread");
 }
@@ -596,27 +616,30 @@ void incremental_case(benchmark::State& state, std::int64_t n, std::int64_t m)
   std::vector<std::uint64_t> ids(static_cast<std::size_t>(n + m));
   std::iota(ids.begin(), ids.end(), std::uint64_t{0});
   is::index_config config;
-  config.dim = dim;
+  config.dim   = dim;
   double add_s = 0.0, rebuild_s = 0.0;
   for (auto _ : state) {
     state.PauseTiming();
     is::graph_index grown{config};
-    grown.add(1, is::make_matrix_view<float const>(data.data(), n, dim),
+    grown.add(1,
+              is::make_matrix_view<float const>(data.data(), n, dim),
               cuda::std::span<std::uint64_t const>{ids.data(), static_cast<std::size_t>(n)});
     state.ResumeTiming();
     std::clock_t c0 = std::clock();
-    grown.add(1, is::make_matrix_view<float const>(data.data() + n * dim, m, dim),
+    grown.add(1,
+              is::make_matrix_view<float const>(data.data() + n * dim, m, dim),
               cuda::std::span<std::uint64_t const>{ids.data() + n, static_cast<std::size_t>(m)});
     add_s += static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
     state.PauseTiming();
     is::graph_index fresh{config};
     c0 = std::clock();
-    fresh.add(1, is::make_matrix_view<float const>(data.data(), n + m, dim),
+    fresh.add(1,
+              is::make_matrix_view<float const>(data.data(), n + m, dim),
               cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
     rebuild_s += static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
     state.ResumeTiming();
   }
-  double const it = static_cast<double>(state.iterations());
+  double const it                  = static_cast<double>(state.iterations());
   state.counters["add_cpu_ms"]     = add_s / it * 1e3;
   state.counters["rebuild_cpu_ms"] = rebuild_s / it * 1e3;
   state.counters["vs_rebuild"]     = add_s / rebuild_s;
@@ -630,14 +653,15 @@ void exact_scan(benchmark::State& state, std::string const& name, std::int64_t d
   auto const p = graph_params(64, is::search_algo::exact);
   std::vector<std::uint64_t> got(static_cast<std::size_t>(num_queries * top_k));
   std::vector<float> dist(got.size());
-  std::int64_t const rows      = c->data.n();
-  std::int64_t const elements  = rows * index_access::row_elements(*c->index);
+  std::int64_t const rows     = c->data.n();
+  std::int64_t const elements = rows * index_access::row_elements(*c->index);
   auto const* arena =
     static_cast<float const*>(index_access::vector_rows(*c->index, the_namespace));
-  auto const kernel = is::detail::index::fast_distance_for<float>(is::distance_metric::inner_product);
+  auto const kernel =
+    is::detail::index::fast_distance_for<float>(is::distance_metric::inner_product);
   std::vector<float> copy(static_cast<std::size_t>(elements));
   double exact_s = 0.0, stream_s = 0.0, memcpy_s = 0.0;
-  std::int64_t queries = 0;
+  std::int64_t queries                 = 0;
   constexpr std::int64_t per_iteration = 32;
   for (auto _ : state) {
     std::uint64_t const ns[1] = {the_namespace};
@@ -655,8 +679,8 @@ void exact_scan(benchmark::State& state, std::string const& name, std::int64_t d
     exact_s += seconds_since(t0);
     state.PauseTiming();
     queries += per_iteration;
-    t0       = clock_type::now();
-    float s  = 0.0f;
+    t0      = clock_type::now();
+    float s = 0.0f;
     for (std::int64_t i = 0; i < per_iteration; ++i) {
       s += kernel(arena, arena, elements);  // one stream: both operands are the same bytes
     }
@@ -670,7 +694,7 @@ void exact_scan(benchmark::State& state, std::string const& name, std::int64_t d
     memcpy_s += seconds_since(t0);
     state.ResumeTiming();
   }
-  double const bytes = static_cast<double>(elements) * 4 * static_cast<double>(queries);
+  double const bytes             = static_cast<double>(elements) * 4 * static_cast<double>(queries);
   state.counters["us_per_query"] = exact_s / static_cast<double>(queries) * 1e6;
   state.counters["GBps"]         = bytes / exact_s / 1e9;
   state.counters["stream_GBps"]  = bytes / stream_s / 1e9;
@@ -705,14 +729,14 @@ void register_all()
                             variant{is::dtype::float32, is::dtype::float16, "/traversal:fp16"}}) {
     for (auto const& s : sets) {
       if (var.rows == is::dtype::float16 && s.n != 100000 && s.n != 1000) { continue; }
-      std::string const base = "index_host/equal_recall/data:" + s.name + "/dim:" +
-                               std::to_string(s.dim) + (s.n < 0 ? "" : "/N:" + std::to_string(s.n)) +
-                               var.suffix;
+      std::string const base = "index_host/equal_recall/data:" + s.name +
+                               "/dim:" + std::to_string(s.dim) +
+                               (s.n < 0 ? "" : "/N:" + std::to_string(s.n)) + var.suffix;
       for (int target : {95, 98, 99}) {
         benchmark::RegisterBenchmark((base + "/target:" + std::to_string(target)).c_str(),
                                      [s, target, var](benchmark::State& st) {
-                                       equal_recall(st, s.name, s.dim, s.n, target, var.rows,
-                                                    var.traversal);
+                                       equal_recall(
+                                         st, s.name, s.dim, s.n, target, var.rows, var.traversal);
                                      })
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime()
@@ -721,22 +745,21 @@ void register_all()
     }
   }
   for (auto const& s : sets) {
-    std::string const name = "index_host/defaults/data:" + s.name + "/dim:" +
-                             std::to_string(s.dim) + (s.n < 0 ? "" : "/N:" + std::to_string(s.n));
-    benchmark::RegisterBenchmark(name.c_str(), [s](benchmark::State& st) {
-      defaults_case(st, s.name, s.dim, s.n);
-    })
+    std::string const name = "index_host/defaults/data:" + s.name +
+                             "/dim:" + std::to_string(s.dim) +
+                             (s.n < 0 ? "" : "/N:" + std::to_string(s.n));
+    benchmark::RegisterBenchmark(
+      name.c_str(), [s](benchmark::State& st) { defaults_case(st, s.name, s.dim, s.n); })
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime()
       ->MinTime(0.5);
   }
   for (std::int64_t n : {300, 1000, 3000}) {
     for (std::int64_t m : {1, 10, 50}) {
-      std::string const name = "index_host/incremental_add/n:" + std::to_string(n) + "/m:" +
-                               std::to_string(m);
-      benchmark::RegisterBenchmark(name.c_str(), [n, m](benchmark::State& st) {
-        incremental_case(st, n, m);
-      })
+      std::string const name =
+        "index_host/incremental_add/n:" + std::to_string(n) + "/m:" + std::to_string(m);
+      benchmark::RegisterBenchmark(name.c_str(),
+                                   [n, m](benchmark::State& st) { incremental_case(st, n, m); })
         ->Unit(benchmark::kMillisecond)
         ->Iterations(3);
     }
@@ -744,9 +767,8 @@ void register_all()
   for (auto const& s : sets) {
     std::string const name = "index_host/exact/data:" + s.name + "/dim:" + std::to_string(s.dim) +
                              (s.n < 0 ? "" : "/N:" + std::to_string(s.n));
-    benchmark::RegisterBenchmark(name.c_str(), [s](benchmark::State& st) {
-      exact_scan(st, s.name, s.dim, s.n);
-    })
+    benchmark::RegisterBenchmark(name.c_str(),
+                                 [s](benchmark::State& st) { exact_scan(st, s.name, s.dim, s.n); })
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime()
       ->MinTime(0.5);

@@ -97,8 +97,6 @@
 #include "hnsw_baseline.hpp"
 #endif
 
-#include <gaussian_mixture.hpp>
-
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/detail/index/graph_build.hpp>
 #include <inferscale/error.hpp>
@@ -109,6 +107,8 @@
 #include <raft/core/resource/cuda_stream.hpp>
 
 #include <benchmark/benchmark.h>
+
+#include <gaussian_mixture.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -135,28 +135,32 @@ namespace is = inferscale;
 using inferscale::detail::index::index_access;
 using clock_type = std::chrono::steady_clock;
 
-constexpr std::uint32_t top_k           = 10;
-constexpr std::int64_t num_queries      = 1024;
-constexpr double target_recall          = 0.95;
-constexpr double tie_tolerance          = 1e-3;
-constexpr std::int64_t mixture_centres  = 100;
-constexpr std::uint64_t data_seed       = 20261130;
-constexpr std::uint64_t the_namespace   = 7;
-constexpr int hnsw_m                    = 16;
-constexpr int hnsw_ef_construction      = 200;
-constexpr std::uint32_t sweep_itopk[]   = {32, 64, 128, 256};
+constexpr std::uint32_t top_k          = 10;
+constexpr std::int64_t num_queries     = 1024;
+constexpr double target_recall         = 0.95;
+constexpr double tie_tolerance         = 1e-3;
+constexpr std::int64_t mixture_centres = 100;
+constexpr std::uint64_t data_seed      = 20261130;
+constexpr std::uint64_t the_namespace  = 7;
+constexpr int hnsw_m                   = 16;
+constexpr int hnsw_ef_construction     = 200;
+constexpr std::uint32_t sweep_itopk[]  = {32, 64, 128, 256};
 /// The host's list sizes: its fast search walks from entry points with any list of at least k,
 /// so its grid starts where hnswlib's does (k = 10), not at the device's 32.
 constexpr std::uint32_t sweep_itopk_host[] = {10, 12, 16, 20, 24, 32, 64, 128, 256};
-constexpr std::uint32_t sweep_samplings[] = {1, 4, 8};
-constexpr int hnsw_efs[] = {10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512};
+constexpr std::uint32_t sweep_samplings[]  = {1, 4, 8};
+constexpr int hnsw_efs[]                   = {
+                    10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512};
 
 double seconds_since(clock_type::time_point t0)
 {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
 }
 
-int hardware_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+int hardware_threads()
+{
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
 
 /// @brief Threads the host search (and hnswlib here) uses for a batch (detail::parallel_ranges).
 int threads_for_batch(std::int64_t batch)
@@ -176,7 +180,8 @@ struct dataset {
   std::vector<float> base;     ///< [rows][dim]
 
   explicit dataset(std::int64_t d)
-    : dim{d}, mixture{is::test::mixture_spec{d, mixture_centres, true, data_seed + std::uint64_t(d)}}
+    : dim{d},
+      mixture{is::test::mixture_spec{d, mixture_centres, true, data_seed + std::uint64_t(d)}}
   {
     queries = mixture.draw(num_queries);
   }
@@ -205,7 +210,7 @@ dataset& data_for(std::int64_t dim, std::int64_t n)
 /// @brief Dot product in fp32 with sixteen partial sums (vectorisable without reassociation).
 float dot(float const* a, float const* b, std::int64_t dim)
 {
-  float acc[16] = {};
+  float acc[16]             = {};
   std::int64_t const blocks = dim / 16;
   for (std::int64_t c = 0; c < blocks; ++c) {
     for (int j = 0; j < 16; ++j) {
@@ -223,7 +228,10 @@ float dot(float const* a, float const* b, std::int64_t dim)
 }
 
 /// @brief Cosine distance of normalised vectors, as the index and hnswlib report it.
-float cosine_distance(float const* a, float const* b, std::int64_t dim) { return 1.0f - dot(a, b, dim); }
+float cosine_distance(float const* a, float const* b, std::int64_t dim)
+{
+  return 1.0f - dot(a, b, dim);
+}
 
 /// @brief The true top-k of every query over the first n points: ids and the k-th distance.
 struct truth {
@@ -243,8 +251,8 @@ truth brute_force_truth(dataset const& data, std::int64_t n)
     for (std::int64_t q = begin; q < end; ++q) {
       best.clear();
       for (std::int64_t r = 0; r < n; ++r) {
-        std::pair<float, std::uint64_t> const e{cosine_distance(data.query(q), data.row(r), data.dim),
-                                                static_cast<std::uint64_t>(r)};
+        std::pair<float, std::uint64_t> const e{
+          cosine_distance(data.query(q), data.row(r), data.dim), static_cast<std::uint64_t>(r)};
         if (best.size() < top_k) {
           best.insert(std::upper_bound(best.begin(), best.end(), e), e);
         } else if (e < best.back()) {
@@ -278,14 +286,15 @@ recall_figures recall_of(dataset const& data,
 {
   double strict = 0.0, tolerant = 0.0;
   for (std::int64_t i = 0; i < count; ++i) {
-    std::int64_t const q  = (first + i) % num_queries;
-    auto const* expected  = t.ids.data() + q * top_k;
+    std::int64_t const q = (first + i) % num_queries;
+    auto const* expected = t.ids.data() + q * top_k;
     std::uint32_t hits = 0, near = 0;
     for (std::uint32_t j = 0; j < top_k; ++j) {
       std::uint64_t const id = ids[i * top_k + j];
       if (id == is::invalid_fact_id || id >= static_cast<std::uint64_t>(t.n)) { continue; }
       if (std::find(expected, expected + top_k, id) != expected + top_k) { ++hits; }
-      float const d = cosine_distance(data.query(q), data.row(static_cast<std::int64_t>(id)), data.dim);
+      float const d =
+        cosine_distance(data.query(q), data.row(static_cast<std::int64_t>(id)), data.dim);
       if (d <= t.kth[static_cast<std::size_t>(q)] + tie_tolerance) { ++near; }
     }
     strict += static_cast<double>(hits) / top_k;
@@ -420,18 +429,19 @@ struct host_case {
 #endif
 };
 
-std::unique_ptr<is::graph_index> build_host_index(dataset const& data, std::int64_t n,
+std::unique_ptr<is::graph_index> build_host_index(dataset const& data,
+                                                  std::int64_t n,
                                                   is::knn_build knn = is::knn_build::automatic,
-                                                  float rho = is::nn_descent_params{}.rho)
+                                                  float rho         = is::nn_descent_params{}.rho)
 {
   is::index_config config;
-  config.dim      = data.dim;
-  config.metric   = is::distance_metric::cosine;
+  config.dim            = data.dim;
+  config.metric         = is::distance_metric::cosine;
   config.space          = is::memory_space::host;
-  config.host_knn = knn;
+  config.host_knn       = knn;
   config.nn_descent.rho = rho;
-  auto index    = std::make_unique<is::graph_index>(config);
-  auto const ids = row_ids(n);
+  auto index            = std::make_unique<is::graph_index>(config);
+  auto const ids        = row_ids(n);
   index->add(the_namespace,
              is::make_matrix_view<float const>(data.base.data(), n, data.dim),
              cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
@@ -483,8 +493,8 @@ void host_search(is::graph_index const& index,
 /// @brief The case's index, ground truth and chosen parameters, made on first use (untimed).
 host_case& prepare_host(std::int64_t dim, std::int64_t n, bool with_hnsw)
 {
-  host_case& c   = host_case_for(dim, n);
-  dataset& data  = data_for(dim, n);
+  host_case& c  = host_case_for(dim, n);
+  dataset& data = data_for(dim, n);
   if (!c.index) { c.index = build_host_index(data, n); }
   if (!c.gt) { c.gt = brute_force_truth(data, n); }
   std::vector<std::uint64_t> ids(static_cast<std::size_t>(num_queries * top_k));
@@ -520,7 +530,8 @@ host_case& prepare_host(std::int64_t dim, std::int64_t n, bool with_hnsw)
       c.hnsw->set_ef(ef);
       is::detail::index::parallel_ranges(num_queries, 0, [&](std::int64_t begin, std::int64_t end) {
         for (std::int64_t q = begin; q < end; ++q) {
-          c.hnsw->search(data.query(q), top_k, ids.data() + q * top_k, distances.data() + q * top_k);
+          c.hnsw->search(
+            data.query(q), top_k, ids.data() + q * top_k, distances.data() + q * top_k);
         }
       });
       c.hnsw_recall = recall_of(data, *c.gt, 0, num_queries, ids.data());
@@ -548,8 +559,8 @@ void host_build_bench(benchmark::State& state)
     double hnsw_seconds = 0.0;
 #endif
     for (auto _ : state) {
-      auto const t0 = clock_type::now();
-      auto index    = build_host_index(data, n);
+      auto const t0  = clock_type::now();
+      auto index     = build_host_index(data, n);
       double const s = seconds_since(t0);
       state.SetIterationTime(s);
       seconds += s;
@@ -564,7 +575,7 @@ void host_build_bench(benchmark::State& state)
       c.hnsw_recall.reset();
 #endif
     }
-    auto const iterations        = static_cast<double>(state.iterations());
+    auto const iterations           = static_cast<double>(state.iterations());
     state.counters["vectors_per_s"] = static_cast<double>(n) * iterations / seconds;
     state.counters["build_s"]       = seconds / iterations;
     state.counters["threads"]       = hardware_threads();
@@ -572,9 +583,10 @@ void host_build_bench(benchmark::State& state)
     state.counters["hnswlib_build_s"]       = hnsw_seconds / iterations;
     state.counters["hnswlib_vectors_per_s"] = static_cast<double>(n) * iterations / hnsw_seconds;
     state.counters["vs_hnswlib"]            = hnsw_seconds / seconds;
-    state.SetLabel("graph: automatic kNN (exact <= 10,000 rows, NN-descent above) + prune + "
-                   "merge, degree 32/64; hnswlib M=16 efC=200; " +
-                   std::to_string(hardware_threads()) + " threads each");
+    state.SetLabel(
+      "graph: automatic kNN (exact <= 10,000 rows, NN-descent above) + prune + "
+      "merge, degree 32/64; hnswlib M=16 efC=200; " +
+      std::to_string(hardware_threads()) + " threads each");
 #else
     state.SetLabel("graph: automatic kNN + prune + merge, degree 32/64; hnswlib not built in");
 #endif
@@ -586,7 +598,9 @@ void host_build_bench(benchmark::State& state)
 double cpu_seconds() { return static_cast<double>(std::clock()) / CLOCKS_PER_SEC; }
 
 /// @brief recall@10 over the 1,024 queries of a host index at fixed search parameters.
-recall_figures host_recall(is::graph_index const& index, dataset const& data, truth const& gt,
+recall_figures host_recall(is::graph_index const& index,
+                           dataset const& data,
+                           truth const& gt,
                            is::search_params const& params)
 {
   std::vector<std::uint64_t> ids(static_cast<std::size_t>(num_queries * top_k));
@@ -603,15 +617,16 @@ recall_figures host_recall(is::graph_index const& index, dataset const& data, tr
  * 12 CPU-minutes at 100k x 384, so off by default there), and of the hnswlib build (M 16, efC 200,
  * all threads), in the same iteration; then recall@10 after pruning at a fixed search setting
  * (itopk 64, width 1, 4 samplings, graph forced) and hnswlib's at the smallest ef of the list
- * reaching the NN-descent graph's recall (`hnswlib_ef`, the matched ef). `nnd_vs_hnswlib` = NN-descent
- * CPU seconds / hnswlib CPU seconds (target <= 1.5). Time = the NN-descent build's wall time.
+ * reaching the NN-descent graph's recall (`hnswlib_ef`, the matched ef). `nnd_vs_hnswlib` =
+ * NN-descent CPU seconds / hnswlib CPU seconds (target <= 1.5). Time = the NN-descent build's wall
+ * time.
  */
 void host_build_cpu_bench(benchmark::State& state)
 {
-  std::int64_t const dim  = state.range(0);
-  std::int64_t const n    = state.range(1);
-  bool const with_exact   = state.range(2) != 0;
-  float const rho         = static_cast<float>(state.range(3)) / 100.0f;
+  std::int64_t const dim = state.range(0);
+  std::int64_t const n   = state.range(1);
+  bool const with_exact  = state.range(2) != 0;
+  float const rho        = static_cast<float>(state.range(3)) / 100.0f;
   ib::run_guarded(state, [&] {
     dataset& data = data_for(dim, n);
     host_case& c  = host_case_for(dim, n);
@@ -657,11 +672,11 @@ void host_build_cpu_bench(benchmark::State& state)
       }
 #endif
     }
-    state.counters["nnd_cpu_s"]        = nnd_cpu;
-    state.counters["nnd_wall_s"]       = nnd_wall;
-    state.counters["nnd_iterations"]   = iterations;
-    state.counters["nnd_recall"]       = nnd_recall.strict;
-    state.counters["nnd_recall_tol"]   = nnd_recall.tolerant;
+    state.counters["nnd_cpu_s"]      = nnd_cpu;
+    state.counters["nnd_wall_s"]     = nnd_wall;
+    state.counters["nnd_iterations"] = iterations;
+    state.counters["nnd_recall"]     = nnd_recall.strict;
+    state.counters["nnd_recall_tol"] = nnd_recall.tolerant;
     if (with_exact) {
       state.counters["exact_cpu_s"]  = exact_cpu;
       state.counters["exact_recall"] = exact_recall.strict;
@@ -669,10 +684,11 @@ void host_build_cpu_bench(benchmark::State& state)
     }
     std::ostringstream os;
     os << "bench_index build_cpu dim " << dim << " N " << n << " rho " << rho << ": nn_descent "
-       << nnd_cpu
-       << " cpu-s (" << nnd_wall << " s wall, " << iterations << " iterations), recall@10 "
-       << nnd_recall.strict << " at itopk 64/4 samplings";
-    if (with_exact) { os << "; exact " << exact_cpu << " cpu-s, recall@10 " << exact_recall.strict; }
+       << nnd_cpu << " cpu-s (" << nnd_wall << " s wall, " << iterations
+       << " iterations), recall@10 " << nnd_recall.strict << " at itopk 64/4 samplings";
+    if (with_exact) {
+      os << "; exact " << exact_cpu << " cpu-s, recall@10 " << exact_recall.strict;
+    }
 #if INFERSCALE_BENCH_HNSWLIB
     state.counters["hnswlib_cpu_s"]  = hnsw_cpu;
     state.counters["hnswlib_ef"]     = ef_matched;
@@ -684,8 +700,9 @@ void host_build_cpu_bench(benchmark::State& state)
 #endif
     os << "\n";
     std::fputs(os.str().c_str(), stderr);
-    state.SetLabel("CPU seconds: NN-descent (1 thread) + prune/merge (all threads) vs hnswlib M=16 "
-                   "efC=200 (all threads); recall@10 at itopk 64, 4 samplings vs hnswlib's matched ef");
+    state.SetLabel(
+      "CPU seconds: NN-descent (1 thread) + prune/merge (all threads) vs hnswlib M=16 "
+      "efC=200 (all threads); recall@10 at itopk 64, 4 samplings vs hnswlib's matched ef");
   });
 }
 
@@ -695,8 +712,8 @@ void host_search_bench(benchmark::State& state)
   std::int64_t const n     = state.range(1);
   std::int64_t const batch = state.range(2);
   ib::run_guarded(state, [&] {
-    host_case& c  = prepare_host(dim, n, true);
-    dataset& data = data_for(dim, n);
+    host_case& c                         = prepare_host(dim, n, true);
+    dataset& data                        = data_for(dim, n);
     is::search_params const graph_params = c.graph->chosen.params;
     is::search_params exact_params       = graph_params;
     exact_params.algo                    = is::search_algo::exact;
@@ -705,17 +722,17 @@ void host_search_bench(benchmark::State& state)
 
     double seconds = 0.0, exact_seconds = 0.0;
 #if INFERSCALE_BENCH_HNSWLIB
-    double hnsw_seconds = 0.0;
+    double hnsw_seconds   = 0.0;
     auto const hnsw_batch = [&](std::int64_t first) {
       is::detail::index::parallel_ranges(batch, 0, [&](std::int64_t begin, std::int64_t end) {
         for (std::int64_t i = begin; i < end; ++i) {
-          c.hnsw->search(data.query(first + i), top_k, ids.data() + i * top_k,
-                         distances.data() + i * top_k);
+          c.hnsw->search(
+            data.query(first + i), top_k, ids.data() + i * top_k, distances.data() + i * top_k);
         }
       });
     };
 #endif
-    std::int64_t first = 0;
+    std::int64_t first  = 0;
     double exact_recall = 0.0, exact_batches = 0.0;
     for (auto _ : state) {
       auto const t0 = clock_type::now();
@@ -747,7 +764,7 @@ void host_search_bench(benchmark::State& state)
     state.counters["exact_recall"]       = exact_recall / exact_batches;
     state.counters["speedup"]            = exact_seconds / seconds;
     state.counters["threads"]            = threads_for_batch(batch);
-    std::string label = "graph " + choice_label(*c.graph);
+    std::string label                    = "graph " + choice_label(*c.graph);
 #if INFERSCALE_BENCH_HNSWLIB
     state.counters["hnswlib_QPS"]          = queries / hnsw_seconds;
     state.counters["hnswlib_us_per_query"] = hnsw_seconds / queries * 1e6;
@@ -777,9 +794,10 @@ enum class crossover_kind : int { host_swept, host_defaults, device_swept, devic
 
 /// @brief Per kind, dimension and N: the crossover cases' measurements.
 std::map<std::int64_t, std::vector<crossover_point>>& crossover_results(crossover_kind kind,
-                                                                         std::int64_t dim)
+                                                                        std::int64_t dim)
 {
-  static std::map<std::pair<int, std::int64_t>, std::map<std::int64_t, std::vector<crossover_point>>>
+  static std::map<std::pair<int, std::int64_t>,
+                  std::map<std::int64_t, std::vector<crossover_point>>>
     all;
   return all[{static_cast<int>(kind), dim}];
 }
@@ -799,10 +817,10 @@ void report_cost_model(benchmark::State& state,
                        std::int64_t n,
                        double graph_over_exact)
 {
-  auto const rows = static_cast<std::uint32_t>(n);
+  auto const rows       = static_cast<std::uint32_t>(n);
   double const estimate = is::detail::index::estimated_graph_distances(
     index_access::plan_for(index, rows, top_k, params), index_access::graph_degree(index));
-  std::int64_t const threshold = index.exact_search_threshold(params, rows);
+  std::int64_t const threshold          = index.exact_search_threshold(params, rows);
   state.counters["graph_distances_est"] = estimate;
   state.counters["cost_factor"]         = graph_over_exact * static_cast<double>(n) / estimate;
   state.counters["auto_threshold"]      = static_cast<double>(threshold);
@@ -814,8 +832,8 @@ void host_crossover_bench(benchmark::State& state, bool defaults)
   std::int64_t const dim = state.range(0);
   std::int64_t const n   = state.range(1);
   ib::run_guarded(state, [&] {
-    host_case& c  = prepare_host(dim, n, false);
-    dataset& data = data_for(dim, n);
+    host_case& c                         = prepare_host(dim, n, false);
+    dataset& data                        = data_for(dim, n);
     graph_choice const& choice           = defaults ? *c.defaults : *c.graph;
     is::search_params const graph_params = choice.chosen.params;
     is::search_params exact_params       = graph_params;
@@ -845,7 +863,8 @@ void host_crossover_bench(benchmark::State& state, bool defaults)
     report_cost_model(state, *c.index, graph_params, n, seconds / exact_seconds);
     state.SetLabel("batch 1, graph " + choice_label(choice));
     crossover_results(defaults ? crossover_kind::host_defaults : crossover_kind::host_swept, dim)[n]
-      .push_back({exact_seconds / seconds, state.counters["cost_factor"].value,
+      .push_back({exact_seconds / seconds,
+                  state.counters["cost_factor"].value,
                   static_cast<std::int64_t>(state.iterations())});
   });
 }
@@ -853,7 +872,8 @@ void host_crossover_bench(benchmark::State& state, bool defaults)
 /// @brief Reports the crossover from the crossover cases that ran before it in this process.
 void crossover_summary_bench(benchmark::State& state, crossover_kind kind)
 {
-  bool const device = kind == crossover_kind::device_swept || kind == crossover_kind::device_defaults;
+  bool const device =
+    kind == crossover_kind::device_swept || kind == crossover_kind::device_defaults;
   if (device && !ib::require_device(state)) { return; }
   std::int64_t const dim = state.range(0);
   auto const& by_n       = crossover_results(kind, dim);
@@ -885,7 +905,7 @@ void crossover_summary_bench(benchmark::State& state, crossover_kind kind)
     }
     mean.push_back({n, speedup / count, factor / count});
   }
-  std::int64_t crossover = 0;
+  std::int64_t crossover  = 0;
   double crossover_factor = 0.0;
   for (auto it = mean.rbegin(); it != mean.rend() && it->speedup > 1.0; ++it) {
     crossover = it->n;
@@ -895,7 +915,8 @@ void crossover_summary_bench(benchmark::State& state, crossover_kind kind)
     if (mean[i].n == crossover) {
       double const a = std::log(mean[i - 1].speedup), b = std::log(mean[i].speedup);
       double const w = b > a ? -a / (b - a) : 1.0;
-      crossover_factor = mean[i - 1].cost_factor + w * (mean[i].cost_factor - mean[i - 1].cost_factor);
+      crossover_factor =
+        mean[i - 1].cost_factor + w * (mean[i].cost_factor - mean[i - 1].cost_factor);
     }
   }
   std::ostringstream label;
@@ -904,19 +925,19 @@ void crossover_summary_bench(benchmark::State& state, crossover_kind kind)
     label << " " << r.n << ": " << r.speedup << " / " << r.cost_factor << ";";
   }
   label << (crossover == 0 ? " graph not faster at the largest N" : "");
-  state.counters["crossover_N"]      = static_cast<double>(crossover);
+  state.counters["crossover_N"]        = static_cast<double>(crossover);
   state.counters["parity_cost_factor"] = crossover_factor;
-  state.counters["measured_Ns"]      = static_cast<double>(mean.size());
-  state.counters["largest_N"]        = static_cast<double>(mean.back().n);
+  state.counters["measured_Ns"]        = static_cast<double>(mean.size());
+  state.counters["largest_N"]          = static_cast<double>(mean.back().n);
   state.SetLabel(label.str());
 }
 
 // ------------------------------------------------------------------------------------------------
 // Device cases
 
-constexpr std::int64_t tenants_in_batch     = 64;
-constexpr std::int64_t facts_per_tenant     = 2000;
-constexpr std::uint64_t first_tenant        = 100;
+constexpr std::int64_t tenants_in_batch = 64;
+constexpr std::int64_t facts_per_tenant = 2000;
+constexpr std::uint64_t first_tenant    = 100;
 
 /// @brief The resources every device case uses (created on first use, after require_device).
 raft::device_resources& device_res()
@@ -943,13 +964,15 @@ is::graph_builder device_builder(is::graph_index const& index)
 }
 
 /// @brief Adds rows [first, first + n) of `data` to namespace `ns` with ids = row numbers.
-void device_add(is::graph_index& index, dataset const& data, std::uint64_t ns, std::int64_t first,
-                std::int64_t n)
+void device_add(
+  is::graph_index& index, dataset const& data, std::uint64_t ns, std::int64_t first, std::int64_t n)
 {
   std::vector<std::uint64_t> ids(static_cast<std::size_t>(n));
   std::iota(ids.begin(), ids.end(), static_cast<std::uint64_t>(first));
-  index.add(ns, is::make_matrix_view<float const>(data.row(first), n, data.dim),
-            cuda::std::span<std::uint64_t const>{ids.data(), ids.size()}, device_builder(index));
+  index.add(ns,
+            is::make_matrix_view<float const>(data.row(first), n, data.dim),
+            cuda::std::span<std::uint64_t const>{ids.data(), ids.size()},
+            device_builder(index));
 }
 
 /// @brief Device outputs of a batch of up to num_queries queries.
@@ -969,16 +992,16 @@ struct device_outputs {
   {
     std::vector<std::uint64_t> out(static_cast<std::size_t>(count * top_k));
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(device_stream()));
-    INFERSCALE_CUDA_TRY(cudaMemcpy(out.data(), ids.data(), out.size() * sizeof(std::uint64_t),
-                                   cudaMemcpyDeviceToHost));
+    INFERSCALE_CUDA_TRY(cudaMemcpy(
+      out.data(), ids.data(), out.size() * sizeof(std::uint64_t), cudaMemcpyDeviceToHost));
     return out;
   }
   std::vector<float> host_distances(std::int64_t count) const
   {
     std::vector<float> out(static_cast<std::size_t>(count * top_k));
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(device_stream()));
-    INFERSCALE_CUDA_TRY(cudaMemcpy(out.data(), distances.data(), out.size() * sizeof(float),
-                                   cudaMemcpyDeviceToHost));
+    INFERSCALE_CUDA_TRY(
+      cudaMemcpy(out.data(), distances.data(), out.size() * sizeof(float), cudaMemcpyDeviceToHost));
     return out;
   }
 };
@@ -989,7 +1012,7 @@ struct device_case {
   std::int64_t n{0};
   std::unique_ptr<is::graph_index> index;
   std::unique_ptr<ib::device_buffer<float>> queries;  ///< [num_queries][dim]
-  std::optional<truth> gt;                             ///< exact_search's answer
+  std::optional<truth> gt;                            ///< exact_search's answer
   std::optional<graph_choice> graph;
   std::optional<graph_choice> defaults;
 
@@ -1008,20 +1031,35 @@ device_case& device_case_for(std::int64_t dim, std::int64_t n)
   return c;
 }
 
-void device_graph_search(device_case const& c, std::int64_t first, std::int64_t count,
-                         is::search_params const& params, device_outputs const& out)
+void device_graph_search(device_case const& c,
+                         std::int64_t first,
+                         std::int64_t count,
+                         is::search_params const& params,
+                         device_outputs const& out)
 {
   std::uint64_t const ns[1] = {the_namespace};
-  is::search(device_res(), *c.index, c.query_view(first, count),
-             cuda::std::span<std::uint64_t const>{ns, 1}, top_k, params, out.ids_view(count),
+  is::search(device_res(),
+             *c.index,
+             c.query_view(first, count),
+             cuda::std::span<std::uint64_t const>{ns, 1},
+             top_k,
+             params,
+             out.ids_view(count),
              out.distances_view(count));
 }
 
-void device_exact_search(device_case const& c, std::int64_t first, std::int64_t count,
+void device_exact_search(device_case const& c,
+                         std::int64_t first,
+                         std::int64_t count,
                          device_outputs const& out)
 {
-  is::exact_search(device_res(), *c.index, the_namespace, c.query_view(first, count), top_k,
-                   out.ids_view(count), out.distances_view(count));
+  is::exact_search(device_res(),
+                   *c.index,
+                   the_namespace,
+                   c.query_view(first, count),
+                   top_k,
+                   out.ids_view(count),
+                   out.distances_view(count));
 }
 
 /// @brief Seconds between two events recorded on the device stream around `work()`.
@@ -1040,8 +1078,8 @@ truth device_truth(device_case const& c, device_outputs const& out)
 {
   device_exact_search(c, 0, num_queries, out);
   truth t;
-  t.n   = c.n;
-  t.ids = out.host_ids(num_queries);
+  t.n          = c.n;
+  t.ids        = out.host_ids(num_queries);
   auto const d = out.host_distances(num_queries);
   t.kth.resize(static_cast<std::size_t>(num_queries));
   for (std::int64_t q = 0; q < num_queries; ++q) {
@@ -1052,8 +1090,12 @@ truth device_truth(device_case const& c, device_outputs const& out)
 
 /// @brief The sweep of a device search over all queries: `run(params)` enqueues one batch search.
 template <class Run>
-graph_choice device_sweep(dataset const& data, truth const& gt, device_outputs const& out,
-                          std::int64_t dim, std::int64_t n, Run&& run)
+graph_choice device_sweep(dataset const& data,
+                          truth const& gt,
+                          device_outputs const& out,
+                          std::int64_t dim,
+                          std::int64_t n,
+                          Run&& run)
 {
   ib::cuda_event start, stop;
   std::vector<sweep_point> points;
@@ -1084,9 +1126,7 @@ device_case& prepare_device(std::int64_t dim, std::int64_t n, device_outputs con
     c.index = new_device_index(dim);
     device_add(*c.index, data, the_namespace, 0, n);
   }
-  if (!c.queries) {
-    c.queries = std::make_unique<ib::device_buffer<float>>(data.queries);
-  }
+  if (!c.queries) { c.queries = std::make_unique<ib::device_buffer<float>>(data.queries); }
   if (!c.gt) { c.gt = device_truth(c, out); }
   if (!c.graph) {
     c.graph = device_sweep(data, *c.gt, out, dim, n, [&](is::search_params const& p) {
@@ -1121,8 +1161,9 @@ void device_build_bench(benchmark::State& state)
     auto const iterations           = static_cast<double>(state.iterations());
     state.counters["vectors_per_s"] = static_cast<double>(n) * iterations / seconds;
     state.counters["build_s"]       = seconds / iterations;
-    state.SetLabel("graph_index::add, make_device_graph_builder(res, config): kNN gemm+select_k "
-                   "and pruning on the GPU, reverse/merge on the host; wall time");
+    state.SetLabel(
+      "graph_index::add, make_device_graph_builder(res, config): kNN gemm+select_k "
+      "and pruning on the GPU, reverse/merge on the host; wall time");
     state.SetItemsProcessed(n * state.iterations());
   });
 }
@@ -1157,9 +1198,9 @@ void device_search_loop(benchmark::State& state, std::int64_t batch, Graph&& gra
     exact_seconds += event_seconds(e0, e1, [&] { exact(first); });
     first = (first + batch) % num_queries;
   }
-  double const queries = static_cast<double>(batch) * static_cast<double>(state.iterations());
-  state.counters["QPS"]                = queries / seconds;
-  state.counters["us_per_query"]       = seconds / queries * 1e6;
+  double const queries  = static_cast<double>(batch) * static_cast<double>(state.iterations());
+  state.counters["QPS"] = queries / seconds;
+  state.counters["us_per_query"] = seconds / queries * 1e6;
   if (!per_call.empty()) {  // the median call, per query (batch 1: the p50 query latency)
     std::nth_element(per_call.begin(), per_call.begin() + per_call.size() / 2, per_call.end());
     state.counters["p50_us_per_query"] =
@@ -1180,11 +1221,13 @@ void device_search_bench(benchmark::State& state)
   std::int64_t const batch = state.range(2);
   ib::run_guarded(state, [&] {
     device_outputs const out;
-    device_case& c = prepare_device(dim, n, out);
+    device_case& c           = prepare_device(dim, n, out);
     is::search_params params = c.graph->chosen.params;
     params.ctas_per_query    = static_cast<std::uint32_t>(state.range(3));
     device_search_loop(
-      state, batch, [&](std::int64_t first) { device_graph_search(c, first, batch, params, out); },
+      state,
+      batch,
+      [&](std::int64_t first) { device_graph_search(c, first, batch, params, out); },
       [&](std::int64_t first) { device_exact_search(c, first, batch, out); });
     report_choice(state, *c.graph);
     state.SetLabel("graph " + choice_label(*c.graph) +
@@ -1210,30 +1253,39 @@ void device_multi_tenant_bench(benchmark::State& state)
     if (!index) {
       index = new_device_index(dim);
       for (std::int64_t t = 0; t < tenants_in_batch; ++t) {
-        device_add(*index, data, first_tenant + static_cast<std::uint64_t>(t),
-                   t * facts_per_tenant, facts_per_tenant);
+        device_add(*index,
+                   data,
+                   first_tenant + static_cast<std::uint64_t>(t),
+                   t * facts_per_tenant,
+                   facts_per_tenant);
       }
     }
     std::int64_t const per_tenant = num_queries / tenants_in_batch;
     std::vector<std::uint64_t> namespaces(static_cast<std::size_t>(num_queries));
     for (std::int64_t q = 0; q < num_queries; ++q) {
-      namespaces[static_cast<std::size_t>(q)] = first_tenant + static_cast<std::uint64_t>(q / per_tenant);
+      namespaces[static_cast<std::size_t>(q)] =
+        first_tenant + static_cast<std::uint64_t>(q / per_tenant);
     }
     ib::device_buffer<float> const queries(data.queries);
     auto const query_view = is::make_matrix_view<float const>(queries.data(), num_queries, dim);
     device_outputs const out;
     auto const run = [&](is::search_params const& p) {
-      is::search(device_res(), *index, query_view,
-                 cuda::std::span<std::uint64_t const>{namespaces.data(), namespaces.size()}, top_k,
-                 p, out.ids_view(num_queries), out.distances_view(num_queries));
+      is::search(device_res(),
+                 *index,
+                 query_view,
+                 cuda::std::span<std::uint64_t const>{namespaces.data(), namespaces.size()},
+                 top_k,
+                 p,
+                 out.ids_view(num_queries),
+                 out.distances_view(num_queries));
     };
     // truth: the in-kernel exact search; ids are global row numbers, so recall_of applies
     is::search_params exact_params;
     exact_params.algo = is::search_algo::exact;
     run(exact_params);
     truth gt;
-    gt.n   = total;
-    gt.ids = out.host_ids(num_queries);
+    gt.n         = total;
+    gt.ids       = out.host_ids(num_queries);
     auto const d = out.host_distances(num_queries);
     gt.kth.resize(static_cast<std::size_t>(num_queries));
     for (std::int64_t q = 0; q < num_queries; ++q) {
@@ -1245,20 +1297,24 @@ void device_multi_tenant_bench(benchmark::State& state)
     ib::cuda_event r0, r1;
     auto const raft_exact = [&] {
       for (std::int64_t t = 0; t < tenants_in_batch; ++t) {
-        is::exact_search(device_res(), *index, first_tenant + static_cast<std::uint64_t>(t),
-                         is::make_matrix_view<float const>(queries.data() + t * per_tenant * dim,
-                                                           per_tenant, dim),
-                         top_k,
-                         is::make_matrix_view<std::uint64_t>(out.ids.data() + t * per_tenant * top_k,
-                                                             per_tenant, top_k),
-                         is::make_matrix_view<float>(out.distances.data() + t * per_tenant * top_k,
-                                                     per_tenant, top_k));
+        is::exact_search(
+          device_res(),
+          *index,
+          first_tenant + static_cast<std::uint64_t>(t),
+          is::make_matrix_view<float const>(queries.data() + t * per_tenant * dim, per_tenant, dim),
+          top_k,
+          is::make_matrix_view<std::uint64_t>(
+            out.ids.data() + t * per_tenant * top_k, per_tenant, top_k),
+          is::make_matrix_view<float>(
+            out.distances.data() + t * per_tenant * top_k, per_tenant, top_k));
       }
     };
     raft_exact();
     double raft_seconds = 0.0;
     device_search_loop(
-      state, num_queries, [&](std::int64_t) { run(choice.chosen.params); },
+      state,
+      num_queries,
+      [&](std::int64_t) { run(choice.chosen.params); },
       [&](std::int64_t) { run(exact_params); });
     for (std::int64_t i = 0; i < 5; ++i) {  // after the loop, on its own events
       raft_seconds += event_seconds(r0, r1, raft_exact);
@@ -1425,20 +1481,22 @@ void device_crossover_bench(benchmark::State& state, bool defaults)
     if (!c.defaults) {
       graph_choice d = default_choice();
       device_graph_search(c, 0, num_queries, d.chosen.params, out);
-      d.chosen.recall = recall_of(data_for(dim, n), *c.gt, 0, num_queries,
-                                  out.host_ids(num_queries).data());
-      d.reached       = d.chosen.recall.strict >= target_recall;
-      c.defaults      = d;
+      d.chosen.recall =
+        recall_of(data_for(dim, n), *c.gt, 0, num_queries, out.host_ids(num_queries).data());
+      d.reached  = d.chosen.recall.strict >= target_recall;
+      c.defaults = d;
     }
     graph_choice const& choice     = defaults ? *c.defaults : *c.graph;
     is::search_params const params = choice.chosen.params;
     is::search_params exact_params = params;
     exact_params.algo              = is::search_algo::exact;
     ib::cuda_event r0, r1;
-    double raft_seconds = 0.0;
+    double raft_seconds     = 0.0;
     std::int64_t raft_first = 0;
     device_search_loop(
-      state, 1, [&](std::int64_t first) { device_graph_search(c, first, 1, params, out); },
+      state,
+      1,
+      [&](std::int64_t first) { device_graph_search(c, first, 1, params, out); },
       [&](std::int64_t first) { device_graph_search(c, first, 1, exact_params, out); });
     for (std::int64_t i = 0; i < 64; ++i) {
       raft_seconds += event_seconds(r0, r1, [&] { device_exact_search(c, raft_first, 1, out); });
@@ -1454,7 +1512,8 @@ void device_crossover_bench(benchmark::State& state, bool defaults)
                    "exact_search");
     crossover_results(defaults ? crossover_kind::device_defaults : crossover_kind::device_swept,
                       dim)[n]
-      .push_back({state.counters["speedup"].value, state.counters["cost_factor"].value,
+      .push_back({state.counters["speedup"].value,
+                  state.counters["cost_factor"].value,
                   static_cast<std::int64_t>(state.iterations())});
   });
 }
@@ -1483,7 +1542,8 @@ void register_index_benchmarks()
   }
   for (std::int64_t dim : {384, 768}) {
     // the default rho (50 %) with and without the exact build, and a lower sampling rate
-    for (auto const& a : {std::vector<std::int64_t>{20000, 1, 50}, {100000, 0, 50}, {100000, 0, 35}}) {
+    for (auto const& a :
+         {std::vector<std::int64_t>{20000, 1, 50}, {100000, 0, 50}, {100000, 0, 35}}) {
       benchmark::RegisterBenchmark("index/host/build_cpu", host_build_cpu_bench)
         ->UseManualTime()
         ->Unit(benchmark::kSecond)
@@ -1493,7 +1553,8 @@ void register_index_benchmarks()
     }
   }
   for (bool defaults : {false, true}) {
-    std::string const name = defaults ? "index/host/crossover_default_params" : "index/host/crossover";
+    std::string const name =
+      defaults ? "index/host/crossover_default_params" : "index/host/crossover";
     for (std::int64_t n : {256, 512, 1024, 2048, 4096, 8192, 16384}) {
       benchmark::RegisterBenchmark(name.c_str(), host_crossover_bench, defaults)
         ->Apply(ib::host_benchmark)
@@ -1502,9 +1563,10 @@ void register_index_benchmarks()
         ->ArgNames({"dim", "N"})
         ->Args({384, n});
     }
-    benchmark::RegisterBenchmark((name + "/summary").c_str(), crossover_summary_bench,
-                                 defaults ? crossover_kind::host_defaults
-                                          : crossover_kind::host_swept)
+    benchmark::RegisterBenchmark(
+      (name + "/summary").c_str(),
+      crossover_summary_bench,
+      defaults ? crossover_kind::host_defaults : crossover_kind::host_swept)
       ->UseManualTime()
       ->Iterations(1)
       ->ArgNames({"dim"})
@@ -1534,9 +1596,10 @@ void register_index_benchmarks()
         ->ArgNames({"dim", "N"})
         ->Args({384, n});
     }
-    benchmark::RegisterBenchmark((name + "/summary").c_str(), crossover_summary_bench,
-                                 defaults ? crossover_kind::device_defaults
-                                          : crossover_kind::device_swept)
+    benchmark::RegisterBenchmark(
+      (name + "/summary").c_str(),
+      crossover_summary_bench,
+      defaults ? crossover_kind::device_defaults : crossover_kind::device_swept)
       ->UseManualTime()
       ->Iterations(1)
       ->ArgNames({"dim"})

@@ -129,11 +129,11 @@ namespace ib = inferscale::bench;
 using inferscale::detail::index::index_access;
 using clock_type = std::chrono::steady_clock;
 
-constexpr std::uint32_t top_k         = 10;
-constexpr std::int64_t num_queries    = 1024;
+constexpr std::uint32_t top_k      = 10;
+constexpr std::int64_t num_queries = 1024;
 using ib::tenants::size_min;
-constexpr int hnsw_m                  = 16;
-constexpr int hnsw_ef_construction    = 200;
+constexpr int hnsw_m                   = 16;
+constexpr int hnsw_ef_construction     = 200;
 constexpr std::int64_t tenant_estimate = 200;  ///< bytes per namespace: tenant record, map node
 
 std::vector<int> ef_grid()
@@ -171,7 +171,7 @@ std::int64_t resident_bytes()
 /// @brief Cosine distance of normalised vectors in fp32, sixteen partial sums.
 float cosine(float const* a, float const* b, std::int64_t dim)
 {
-  float acc[16] = {};
+  float acc[16]  = {};
   std::int64_t e = 0;
   for (; e + 16 <= dim; e += 16) {
     for (int j = 0; j < 16; ++j) {
@@ -202,7 +202,7 @@ index_accounting account(is::graph_index const& ix, std::int64_t users)
   double const arena_vec = static_cast<double>(ix.arena_rows()) * row_bytes;
   index_accounting a;
   a.entries = static_cast<double>(ix.host_entry_bytes());
-  a.arena = static_cast<double>(ix.arena_bytes()) - arena_vec;
+  a.arena   = static_cast<double>(ix.arena_bytes()) - arena_vec;
   a.spare =
     static_cast<double>(ix.arena_rows() - static_cast<std::int64_t>(ix.total_size())) * row_bytes;
   a.maps = static_cast<double>(ix.total_size()) * (48.0 + 8.0) +
@@ -222,7 +222,7 @@ char const* store_name(store_kind k)
 struct tenants_set {
   std::int64_t users{0}, dim{0};
   std::vector<std::uint32_t> sizes;
-  std::vector<std::uint64_t> first_id;     ///< [users] the fact id of a user's row 0
+  std::vector<std::uint64_t> first_id;  ///< [users] the fact id of a user's row 0
   std::uint64_t n{0};
   std::unique_ptr<is::graph_index> index;  ///< float32 rows (stores f32 and f32_f16copy)
   std::unique_ptr<is::graph_index> half;   ///< float16 rows (store f16), built on first use
@@ -230,9 +230,9 @@ struct tenants_set {
   std::vector<std::int64_t> peer_of_user;  ///< [users] slot in `peers`, -1 when not built
   std::vector<std::unique_ptr<ib::hnsw_baseline>> peers;
   std::uint64_t peer_facts{0};
-  std::vector<float> queries;              ///< [Q][dim]
-  std::vector<std::uint64_t> query_ns;     ///< [Q]
-  std::vector<std::uint64_t> truth;        ///< [Q][top_k] fact ids
+  std::vector<float> queries;           ///< [Q][dim]
+  std::vector<std::uint64_t> query_ns;  ///< [Q]
+  std::vector<std::uint64_t> truth;     ///< [Q][top_k] fact ids
   double build_cpu_s{0}, build_s{0}, peer_build_cpu_s{0}, peer_build_s{0};
   double half_build_cpu_s{0};
   double rss_overhead_bytes{0}, half_rss_overhead_bytes{0};
@@ -289,8 +289,8 @@ void index_step(tenants_set const& s,
 }
 
 /// @brief Queries [begin, begin + count), each on its user's hnswlib index.
-void peer_step(tenants_set const& s, std::int64_t begin, std::int64_t count, std::uint64_t* ids,
-               float* dist)
+void peer_step(
+  tenants_set const& s, std::int64_t begin, std::int64_t count, std::uint64_t* ids, float* dist)
 {
   for (std::int64_t q = begin; q < begin + count; ++q) {
     auto const& peer = s.peers[static_cast<std::size_t>(
@@ -323,10 +323,13 @@ std::unique_ptr<tenants_set> build_set(std::int64_t users, std::int64_t dim)
     std::fprintf(stderr,
                  "bench_index_tenants users:%lld dim:%lld: N %llu, size mean %.1f, median %u, "
                  "p99 %u, max %u, at %u: %lld users\n",
-                 static_cast<long long>(users), static_cast<long long>(dim),
+                 static_cast<long long>(users),
+                 static_cast<long long>(dim),
                  static_cast<unsigned long long>(s->n),
                  static_cast<double>(s->n) / static_cast<double>(users),
-                 sorted[sorted.size() / 2], sorted[sorted.size() * 99 / 100], sorted.back(),
+                 sorted[sorted.size() / 2],
+                 sorted[sorted.size() * 99 / 100],
+                 sorted.back(),
                  size_min,
                  static_cast<long long>(std::count(sorted.begin(), sorted.end(), size_min)));
   }
@@ -357,20 +360,20 @@ std::unique_ptr<tenants_set> build_set(std::int64_t users, std::int64_t dim)
   config.dim = dim;
   config.exact_search_threshold =
     ib::env_knob("INFERSCALE_BENCH_EXACT_THRESHOLD", -1, 1L << 30, config.exact_search_threshold);
-  s->index   = std::make_unique<is::graph_index>(config);
+  s->index     = std::make_unique<is::graph_index>(config);
   double gen_s = 0.0;
   std::vector<std::uint64_t> ids;
   std::int64_t const queries_per_user = (num_queries + users - 1) / users;
   for (std::int64_t u = 0; u < users; ++u) {
-    std::uint32_t const nu = s->sizes[static_cast<std::size_t>(u)];
-    auto const g0          = clock_type::now();
+    std::uint32_t const nu      = s->sizes[static_cast<std::size_t>(u)];
+    auto const g0               = clock_type::now();
     ib::tenants::user_data data = ib::tenants::user_vectors(u, dim, nu, queries_per_user);
     std::vector<float> const q2 = std::move(data.queries);
     std::vector<float> rows     = std::move(data.facts);
     ids.resize(nu);
     std::iota(ids.begin(), ids.end(), s->first_id[static_cast<std::size_t>(u)]);
     gen_s += seconds_since(g0);
-    auto const t0     = clock_type::now();
+    auto const t0         = clock_type::now();
     std::clock_t const c0 = std::clock();
     s->index->add(static_cast<std::uint64_t>(u),
                   is::make_matrix_view<float const>(rows.data(), nu, dim),
@@ -395,7 +398,7 @@ std::unique_ptr<tenants_set> build_set(std::int64_t users, std::int64_t dim)
     }
     peer_rows[static_cast<std::size_t>(slot)] = std::move(rows);
   }
-  std::int64_t const rss1 = resident_bytes();
+  std::int64_t const rss1  = resident_bytes();
   std::uint64_t kept_bytes = 0;
   for (auto const& r : peer_rows) {
     kept_bytes += r.capacity() * sizeof(float);
@@ -425,8 +428,7 @@ std::unique_ptr<tenants_set> build_set(std::int64_t users, std::int64_t dim)
           auto peer = std::make_unique<ib::hnsw_baseline>(dim, nu, hnsw_m, hnsw_ef_construction);
           float const* rows = peer_rows[slot].data();
           for (std::uint32_t r = 0; r < nu; ++r) {
-            peer->add(rows + std::int64_t{r} * dim,
-                      s->first_id[static_cast<std::size_t>(u)] + r);
+            peer->add(rows + std::int64_t{r} * dim, s->first_id[static_cast<std::size_t>(u)] + r);
           }
           s->peers[slot] = std::move(peer);
         }
@@ -435,11 +437,11 @@ std::unique_ptr<tenants_set> build_set(std::int64_t users, std::int64_t dim)
     for (auto& w : workers) {
       w.join();
     }
-    s->peer_build_cpu_s = cpu_seconds_since(c0);
-    s->peer_build_s     = seconds_since(t0);
-    std::int64_t const r1 = resident_bytes();
-    s->peer_rss_overhead_bytes = static_cast<double>(r1 - r0) -
-                                 static_cast<double>(s->peer_facts) * static_cast<double>(dim) * 4.0;
+    s->peer_build_cpu_s        = cpu_seconds_since(c0);
+    s->peer_build_s            = seconds_since(t0);
+    std::int64_t const r1      = resident_bytes();
+    s->peer_rss_overhead_bytes = static_cast<double>(r1 - r0) - static_cast<double>(s->peer_facts) *
+                                                                  static_cast<double>(dim) * 4.0;
     for (auto const& p : s->peers) {
       s->peer_overhead_bytes += static_cast<double>(p->overhead_bytes());
       s->peer_fixed_bytes += static_cast<double>(p->fixed_overhead_bytes());
@@ -450,9 +452,15 @@ std::unique_ptr<tenants_set> build_set(std::int64_t users, std::int64_t dim)
   std::fprintf(stderr,
                "bench_index_tenants users:%lld dim:%lld: data drawn in %.1f s; index built in "
                "%.1f s (%.1f CPU s), %zu hnswlib indexes (%llu facts) in %.1f s (%.1f CPU s)\n",
-               static_cast<long long>(users), static_cast<long long>(dim), gen_s, s->build_s,
-               s->build_cpu_s, s->peers.size(), static_cast<unsigned long long>(s->peer_facts),
-               s->peer_build_s, s->peer_build_cpu_s);
+               static_cast<long long>(users),
+               static_cast<long long>(dim),
+               gen_s,
+               s->build_s,
+               s->build_cpu_s,
+               s->peers.size(),
+               static_cast<unsigned long long>(s->peer_facts),
+               s->peer_build_s,
+               s->peer_build_cpu_s);
 
   // the peer's sweep (untimed): the smallest ef of the grid reaching each target
   std::vector<std::uint64_t> got(static_cast<std::size_t>(num_queries * top_k));
@@ -620,54 +628,54 @@ void tenants_case(benchmark::State& state,
                ? 1
                : 0;
   }
-  double const queries = static_cast<double>(state.iterations() * num_queries);
-  double const nd      = static_cast<double>(s->n);
-  double const pf      = static_cast<double>(s->peer_facts);
+  double const queries              = static_cast<double>(state.iterations() * num_queries);
+  double const nd                   = static_cast<double>(s->n);
+  double const pf                   = static_cast<double>(s->peer_facts);
   std::vector<std::uint32_t> sorted = s->sizes;
   std::sort(sorted.begin(), sorted.end());
-  auto& c                                = state.counters;
-  c["QPS"]                               = queries / index_s;
-  c["hnswlib_QPS"]                       = queries / peer_s;
-  c["vs_hnswlib"]                        = peer_s / index_s;
-  c["recall"]                            = index_recall;
-  c["hnswlib_recall"]                    = peer_recall;
-  c["itopk"]                             = s->itopk[{key, target}];
-  c["hnswlib_ef"]                        = s->ef[target];
-  c["exact_share"]                       = static_cast<double>(exact) / num_queries;
-  c["p50_step_ms"]                       = percentile(index_steps, 0.50) * 1e3;
-  c["p99_step_ms"]                       = percentile(index_steps, 0.99) * 1e3;
-  c["hnswlib_p50_step_ms"]               = percentile(peer_steps, 0.50) * 1e3;
-  c["hnswlib_p99_step_ms"]               = percentile(peer_steps, 0.99) * 1e3;
-  c["steps"]                             = static_cast<double>(index_steps.size());
-  bool const half                        = kind == store_kind::f16;
-  double const build_cpu_s               = half ? s->half_build_cpu_s : s->build_cpu_s;
-  index_accounting const& a              = half ? s->half_acct : s->acct;
-  c["build_cpu_us_per_fact"]             = build_cpu_s / nd * 1e6;
-  c["hnswlib_build_cpu_us_per_fact"]     = s->peer_build_cpu_s / pf * 1e6;
-  c["build_cpu_vs_hnswlib"]              = (build_cpu_s / nd) / (s->peer_build_cpu_s / pf);
+  auto& c                            = state.counters;
+  c["QPS"]                           = queries / index_s;
+  c["hnswlib_QPS"]                   = queries / peer_s;
+  c["vs_hnswlib"]                    = peer_s / index_s;
+  c["recall"]                        = index_recall;
+  c["hnswlib_recall"]                = peer_recall;
+  c["itopk"]                         = s->itopk[{key, target}];
+  c["hnswlib_ef"]                    = s->ef[target];
+  c["exact_share"]                   = static_cast<double>(exact) / num_queries;
+  c["p50_step_ms"]                   = percentile(index_steps, 0.50) * 1e3;
+  c["p99_step_ms"]                   = percentile(index_steps, 0.99) * 1e3;
+  c["hnswlib_p50_step_ms"]           = percentile(peer_steps, 0.50) * 1e3;
+  c["hnswlib_p99_step_ms"]           = percentile(peer_steps, 0.99) * 1e3;
+  c["steps"]                         = static_cast<double>(index_steps.size());
+  bool const half                    = kind == store_kind::f16;
+  double const build_cpu_s           = half ? s->half_build_cpu_s : s->build_cpu_s;
+  index_accounting const& a          = half ? s->half_acct : s->acct;
+  c["build_cpu_us_per_fact"]         = build_cpu_s / nd * 1e6;
+  c["hnswlib_build_cpu_us_per_fact"] = s->peer_build_cpu_s / pf * 1e6;
+  c["build_cpu_vs_hnswlib"]          = (build_cpu_s / nd) / (s->peer_build_cpu_s / pf);
   // under f32_f16copy the float16 copies (rows and entry points) are overhead too
-  double const copy_bytes                = static_cast<double>(ix->host_traversal_bytes());
-  double const overhead                  = a.total() + copy_bytes;
-  c["overhead_B_per_fact"]               = overhead / nd;
-  c["copy_B_per_fact"]                   = copy_bytes / nd;
-  c["vector_B_per_fact"]                 = static_cast<double>(dim) * (half ? 2.0 : 4.0);
-  c["hnswlib_vector_B_per_fact"]         = static_cast<double>(dim) * 4.0;
-  c["hnswlib_overhead_B_per_fact"]       = s->peer_overhead_bytes / pf;
-  c["hnswlib_fixed_B_per_fact"]          = s->peer_fixed_bytes / pf;
-  c["arena_B_per_fact"]                  = a.arena / nd;
-  c["spare_B_per_fact"]                  = a.spare / nd;
-  c["entries_B_per_fact"]                = a.entries / nd;
-  c["maps_B_per_fact"]                   = a.maps / nd;
-  c["arena_rows_per_fact"]               = static_cast<double>(ix->arena_rows()) / nd;
-  c["overhead_vs_hnswlib"]               = (overhead / nd) / (s->peer_overhead_bytes / pf);
+  double const copy_bytes          = static_cast<double>(ix->host_traversal_bytes());
+  double const overhead            = a.total() + copy_bytes;
+  c["overhead_B_per_fact"]         = overhead / nd;
+  c["copy_B_per_fact"]             = copy_bytes / nd;
+  c["vector_B_per_fact"]           = static_cast<double>(dim) * (half ? 2.0 : 4.0);
+  c["hnswlib_vector_B_per_fact"]   = static_cast<double>(dim) * 4.0;
+  c["hnswlib_overhead_B_per_fact"] = s->peer_overhead_bytes / pf;
+  c["hnswlib_fixed_B_per_fact"]    = s->peer_fixed_bytes / pf;
+  c["arena_B_per_fact"]            = a.arena / nd;
+  c["spare_B_per_fact"]            = a.spare / nd;
+  c["entries_B_per_fact"]          = a.entries / nd;
+  c["maps_B_per_fact"]             = a.maps / nd;
+  c["arena_rows_per_fact"]         = static_cast<double>(ix->arena_rows()) / nd;
+  c["overhead_vs_hnswlib"]         = (overhead / nd) / (s->peer_overhead_bytes / pf);
   c["rss_overhead_B_per_fact"] = (half ? s->half_rss_overhead_bytes : s->rss_overhead_bytes) / nd;
-  c["hnswlib_rss_overhead_B_per_fact"]   = s->peer_rss_overhead_bytes / pf;
-  c["users"]                             = static_cast<double>(users);
-  c["N"]                                 = nd;
-  c["size_mean"]                         = nd / static_cast<double>(users);
-  c["size_median"]                       = sorted[sorted.size() / 2];
-  c["size_p99"]                          = sorted[sorted.size() * 99 / 100];
-  c["size_max"]                          = sorted.back();
+  c["hnswlib_rss_overhead_B_per_fact"] = s->peer_rss_overhead_bytes / pf;
+  c["users"]                           = static_cast<double>(users);
+  c["N"]                               = nd;
+  c["size_mean"]                       = nd / static_cast<double>(users);
+  c["size_median"]                     = sorted[sorted.size() / 2];
+  c["size_p99"]                        = sorted[sorted.size() * 99 / 100];
+  c["size_max"]                        = sorted.back();
   state.SetLabel("batch " + std::to_string(batch) + ", store " + store_name(kind) +
                  ", one thread each side");
 }
@@ -675,7 +683,7 @@ void tenants_case(benchmark::State& state,
 std::vector<std::int64_t> selected_users()
 {
   std::vector<std::int64_t> out;
-  char const* env = std::getenv("INFERSCALE_BENCH_TENANTS_USERS");
+  char const* env        = std::getenv("INFERSCALE_BENCH_TENANTS_USERS");
   std::string const list = env != nullptr && *env != '\0' ? env : "1000";
   std::stringstream ss{list};
   std::string item;

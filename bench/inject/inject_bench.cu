@@ -189,8 +189,8 @@ struct scenario {
   is::rope_params rotation{};
   std::int64_t tokens{};
 
-  std::int32_t block{block_size};       // tokens per cache block
-  std::int64_t p0{first_position};      // the segment's first prompt position
+  std::int32_t block{block_size};   // tokens per cache block
+  std::int64_t p0{first_position};  // the segment's first prompt position
 
   scenario(model const& mdl,
            std::vector<std::vector<std::int32_t>> const& requests,
@@ -239,11 +239,8 @@ struct scenario {
         permutation.begin() + static_cast<std::ptrdiff_t>(taken + n));
       taken += n;
       batch.add(plans[r],
-                is::slots_from_block_table(table.data(),
-                                           static_cast<std::int64_t>(n),
-                                           block,
-                                           p0,
-                                           plans[r].length()));
+                is::slots_from_block_table(
+                  table.data(), static_cast<std::int64_t>(n), block, p0, plans[r].length()));
     }
     tokens = batch.num_tokens();
   }
@@ -319,7 +316,8 @@ struct scenario {
       layers.push_back(base + l * layer_elements());
     }
     std::array<std::int64_t, 5> const shape{2, num_blocks, block, h, d};
-    std::array<std::int64_t, 5> const strides{num_blocks * block * h * d, block * h * d, h * d, d, 1};
+    std::array<std::int64_t, 5> const strides{
+      num_blocks * block * h * d, block * h * d, h * d, d, 1};
     auto cache = is::make_vllm_flash_attn_cache(is::dtype_of_v<CacheT>, layers, shape, strides);
     for (auto const* layout : {&cache.key_layout, &cache.value_layout}) {
       INFERSCALE_EXPECTS(layout->dim_stride == 1 && layout->dim_chunk == layout->head_dim,
@@ -755,7 +753,7 @@ void inject_host_bench(benchmark::State& state, model mdl, bool batch)
 template <class Fused, class Copy>
 std::pair<double, double> timed_against_copy(benchmark::State& state, Fused&& fused, Copy&& copy)
 {
-  using clock = std::chrono::steady_clock;
+  using clock    = std::chrono::steady_clock;
   double seconds = 0.0, copy_seconds = 0.0;
   for (auto _ : state) {
     auto const f0 = clock::now();
@@ -801,12 +799,12 @@ std::int64_t mismatches_fp8_host(is::kv_store_ref const& store,
         bfloat16_t const* const v = pool + store.row_offset(batch.store_token[i], l, 1) + h * dim;
         for (std::int32_t p = 0; p < pairs; ++p) {
           float x, y;
-          is::detail::rotate_fp32(is::to_float(k[p]),
-                                  is::to_float(k[p + pairs]),
-                                  is::rope_angle_cos_sin(rotation, batch.position[i], p,
-                                                         is::rope_op::forward),
-                                  &x,
-                                  &y);
+          is::detail::rotate_fp32(
+            is::to_float(k[p]),
+            is::to_float(k[p + pairs]),
+            is::rope_angle_cos_sin(rotation, batch.position[i], p, is::rope_op::forward),
+            &x,
+            &y);
           bad += kbase[cache.key_layout.slot_offset(slot, h, p)].bits !=
                  is::from_float<float8_e4m3_t>(x / key_scale).bits;
           bad += kbase[cache.key_layout.slot_offset(slot, h, p + pairs)].bits !=
@@ -834,11 +832,11 @@ void inject_host_fp8_bench(benchmark::State& state, model mdl)
   ib::run_guarded(state, [&] {
     scenario s{mdl, requests_of(state, false), is::memory_space::host};
     std::vector<is::float8_e4m3_t> cache_data(static_cast<std::size_t>(s.cache_elements()));
-    auto desc                 = s.make_cache(cache_data.data());
-    bool const calibrated     = state.range(1) != 0;
-    float const key_scale     = calibrated ? 0.0537f : 1.0f;
-    float const value_scale   = calibrated ? 0.0213f : 1.0f;
-    auto const layers         = static_cast<std::size_t>(s.geometry().num_layers);
+    auto desc               = s.make_cache(cache_data.data());
+    bool const calibrated   = state.range(1) != 0;
+    float const key_scale   = calibrated ? 0.0537f : 1.0f;
+    float const value_scale = calibrated ? 0.0213f : 1.0f;
+    auto const layers       = static_cast<std::size_t>(s.geometry().num_layers);
     std::vector<float const*> const key_scales(layers, &key_scale);
     std::vector<float const*> const value_scales(layers, &value_scale);
     desc.set_fp8_scales(is::kv_scale_convention::divide,
@@ -937,7 +935,7 @@ std::int64_t mismatches_vllm_cpu(scenario const& s,
     std::memcpy(&b, &f, sizeof b);
     return static_cast<std::uint16_t>(b >> 16);
   };
-  bool const amx = isa == is::vllm_cpu_isa::amx;
+  bool const amx    = isa == is::vllm_cpu_isa::amx;
   auto const key_at = [&](std::int64_t t, std::int64_t d) {
     return amx ? (t / 16) * 16 * D + (d / 2) * 32 + (t % 16) * 2 + d % 2 : d * B + t;
   };
@@ -951,7 +949,8 @@ std::int64_t mismatches_vllm_cpu(scenario const& s,
     std::int64_t const b = slot / B, t = slot % B, p = view.position[i];
     for (std::int32_t l = 0; l < store.num_layers; ++l) {
       for (std::int64_t h = 0; h < H; ++h) {
-        bfloat16_t const* const cell = base + l * vllm_cpu_layer_elements(s) + (b * H + h) * 2 * B * D;
+        bfloat16_t const* const cell =
+          base + l * vllm_cpu_layer_elements(s) + (b * H + h) * 2 * B * D;
         bfloat16_t const* const k = pool + store.row_offset(view.store_token[i], l, 0) + h * D;
         bfloat16_t const* const v = pool + store.row_offset(view.store_token[i], l, 1) + h * D;
         for (std::int64_t j = 0; j < half; ++j) {
@@ -963,7 +962,9 @@ std::int64_t mismatches_vllm_cpu(scenario const& s,
           bad += bits(cell[key_at(t, j)]) != upper(first);
           bad += bits(cell[key_at(t, j + half)]) != upper(second);
         }
-        for (std::int64_t d = 0; d < D; ++d) { bad += bits(cell[value_at(t, d)]) != bits(v[d]); }
+        for (std::int64_t d = 0; d < D; ++d) {
+          bad += bits(cell[value_at(t, d)]) != bits(v[d]);
+        }
       }
     }
   }
@@ -984,13 +985,14 @@ void inject_host_vllm_cpu_bench(benchmark::State& state, model mdl, is::vllm_cpu
     scenario s{mdl, requests_of(state, false), is::memory_space::host, vllm_cpu_block_size, 0};
     aligned_host_buffer<bfloat16_t> cache_data(
       static_cast<std::size_t>(s.geometry().num_layers * vllm_cpu_layer_elements(s)));
-    auto const desc = make_vllm_cpu_desc(s, cache_data.data, isa);
+    auto const desc         = make_vllm_cpu_desc(s, cache_data.data, isa);
     std::int64_t const rows = s.p0 + s.tokens;
-    std::vector<bfloat16_t> const table = is::make_rope_cos_sin_values<bfloat16_t>(s.rotation, rows);
+    std::vector<bfloat16_t> const table =
+      is::make_rope_cos_sin_values<bfloat16_t>(s.rotation, rows);
     auto rotation = is::make_rope_cos_sin_table(s.rotation, table.data(), rows, false);
     rotation.truncate_to_bfloat16 = true;
-    ib::traffic const t          = s.traffic();
-    std::size_t const copy_bytes = static_cast<std::size_t>(t.bytes / 2);
+    ib::traffic const t           = s.traffic();
+    std::size_t const copy_bytes  = static_cast<std::size_t>(t.bytes / 2);
     std::vector<std::byte> copy_destination(copy_bytes);
     void const* const copy_source = s.store.ref().pool;  // pool_bytes >= copy_bytes
 
@@ -1209,12 +1211,10 @@ void plan_host_bench(benchmark::State& state)
       is::composition const plan =
         is::compose(store, retrieved[static_cast<std::size_t>(r)], options);
       auto const& table = tables[static_cast<std::size_t>(r)];
-      batch.add(plan,
-                is::slots_from_block_table(table.data(),
-                                           static_cast<std::int64_t>(table.size()),
-                                           block_size,
-                                           0,
-                                           plan.length()));
+      batch.add(
+        plan,
+        is::slots_from_block_table(
+          table.data(), static_cast<std::int64_t>(table.size()), block_size, 0, plan.length()));
     }
     benchmark::DoNotOptimize(batch.slots().data());
   }
@@ -1246,10 +1246,10 @@ struct tier_case {
   {
     std::vector<std::int32_t> const lengths = segment_fact_lengths(m);
     is::kv_geometry const g                 = mdl.geometry;
-    std::uint64_t next = 1;
+    std::uint64_t next                      = 1;
     for (std::int32_t length : lengths) {
-      std::size_t const n = static_cast<std::size_t>(g.num_layers) * length * g.num_kv_heads *
-                            g.head_dim;
+      std::size_t const n =
+        static_cast<std::size_t>(g.num_layers) * length * g.num_kv_heads * g.head_dim;
       std::vector<bfloat16_t> k(n), v(n);
       for (std::size_t i = 0; i < n; ++i) {
         k[i] = random_value(next * 1000003 + i);
@@ -1302,7 +1302,9 @@ struct tier_case {
   {
     is::kv_geometry const g = tiers.device_tier().geometry();
     std::int64_t const h = g.num_kv_heads, d = g.head_dim, n = cache_slots();
-    return is::make_contiguous_cache(is::dtype::bfloat16, base, {g.num_layers, 2, n, h, d},
+    return is::make_contiguous_cache(is::dtype::bfloat16,
+                                     base,
+                                     {g.num_layers, 2, n, h, d},
                                      {2 * n * h * d, n * h * d, h * d, d, 1});
   }
 
@@ -1316,8 +1318,8 @@ struct tier_case {
   is::injection_batch plan() const
   {
     is::compose_options o;
-    o.first_position = first_position;
-    o.order          = is::fact_order::as_given;
+    o.first_position        = first_position;
+    o.order                 = is::fact_order::as_given;
     is::composition const c = is::compose(tiers.device_tier(), ids, o);
     is::injection_batch batch{tiers.device_tier()};
     batch.add(c, slots);
@@ -1325,22 +1327,28 @@ struct tier_case {
   }
 };
 
-void report_tier(benchmark::State& state, double seconds, double resident_seconds,
-                 double copy_seconds, std::int64_t staged_bytes, bool resident, std::int64_t tokens,
+void report_tier(benchmark::State& state,
+                 double seconds,
+                 double resident_seconds,
+                 double copy_seconds,
+                 std::int64_t staged_bytes,
+                 bool resident,
+                 std::int64_t tokens,
                  bool device)
 {
   if (state.error_occurred() || seconds <= 0.0) { return; }
-  double const it = static_cast<double>(state.iterations());
+  double const it          = static_cast<double>(state.iterations());
   state.counters["tokens"] = benchmark::Counter(static_cast<double>(tokens));
   if (!resident) {
-    state.counters["resident_us"]   = benchmark::Counter(resident_seconds / it * 1e6);
-    state.counters["copy_us"]       = benchmark::Counter(copy_seconds / it * 1e6);
-    state.counters["copy_GB/s"]     = benchmark::Counter(static_cast<double>(staged_bytes) * it / copy_seconds / 1e9);
-    state.counters["vs_resident"]   = benchmark::Counter(resident_seconds / seconds);
+    state.counters["resident_us"] = benchmark::Counter(resident_seconds / it * 1e6);
+    state.counters["copy_us"]     = benchmark::Counter(copy_seconds / it * 1e6);
+    state.counters["copy_GB/s"] =
+      benchmark::Counter(static_cast<double>(staged_bytes) * it / copy_seconds / 1e9);
+    state.counters["vs_resident"] = benchmark::Counter(resident_seconds / seconds);
     // Device: perfect overlap costs max(copy, resident); 1.0 = staging added nothing beyond
     // that. The host copies and writes in turn: its bound is copy + resident.
-    double const bound = device ? std::max(copy_seconds, resident_seconds)
-                                : copy_seconds + resident_seconds;
+    double const bound =
+      device ? std::max(copy_seconds, resident_seconds) : copy_seconds + resident_seconds;
     state.counters[device ? "vs_overlap" : "vs_copy_plus_resident"] =
       benchmark::Counter(bound / seconds);
   }
@@ -1352,10 +1360,10 @@ void report_tier(benchmark::State& state, double seconds, double resident_second
  * first (untimed), then time the request, the same request again (resident now) and the copy.
  */
 template <class Request, class Copy>
-void tier_loop(benchmark::State& state, tier_case& c, bool resident, bool device,
-               Request&& request, Copy&& copy)
+void tier_loop(
+  benchmark::State& state, tier_case& c, bool resident, bool device, Request&& request, Copy&& copy)
 {
-  using clock = std::chrono::steady_clock;
+  using clock      = std::chrono::steady_clock;
   auto const timed = [&] {
     auto const t0 = clock::now();
     request();
@@ -1373,8 +1381,8 @@ void tier_loop(benchmark::State& state, tier_case& c, bool resident, bool device
       copy_seconds += copy();
     }
   }
-  report_tier(state, seconds, resident_seconds, copy_seconds, c.staged_bytes(), resident, c.tokens,
-              device);
+  report_tier(
+    state, seconds, resident_seconds, copy_seconds, c.staged_bytes(), resident, c.tokens, device);
 }
 
 /// Host tiers: staging is memcpy of whole page runs, then one all-layer host injection pass.
@@ -1388,7 +1396,10 @@ void tier_host_bench(benchmark::State& state, model mdl, bool resident)
     std::size_t const bytes       = static_cast<std::size_t>(c.staged_bytes());
     std::vector<std::byte> copy_from(bytes), copy_to(bytes);
     tier_loop(
-      state, c, resident, false,
+      state,
+      c,
+      resident,
+      false,
       [&] {
         is::tier_request r          = c.tiers.admit(c.ids);
         is::injection_batch const b = c.plan();
@@ -1421,7 +1432,10 @@ void tier_device_bench(benchmark::State& state, model mdl, bool resident)
     ib::device_buffer<std::byte> copy_to(bytes);
     void const* const copy_from = c.tiers.host_tier().ref().pool;  // pinned, >= bytes
     tier_loop(
-      state, c, resident, true,
+      state,
+      c,
+      resident,
+      true,
       [&] {
         is::tier_request r          = c.tiers.admit(c.ids);
         is::injection_batch const b = c.plan();
@@ -1473,8 +1487,8 @@ void register_inject_benchmarks()
     ->ArgsProduct({{128, 1024}, {0, 1}});
   for (auto const isa : {is::vllm_cpu_isa::vec, is::vllm_cpu_isa::amx}) {
     for (model const* m : {&smollm2, &llama}) {
-      std::string const name = std::string{"inject/host/vllm_cpu/"} + is::to_string(isa) + "/" +
-                               m->name + "/bf16";
+      std::string const name =
+        std::string{"inject/host/vllm_cpu/"} + is::to_string(isa) + "/" + m->name + "/bf16";
       benchmark::RegisterBenchmark(name.c_str(), inject_host_vllm_cpu_bench, *m, isa)
         ->Apply(ib::host_benchmark)
         ->MinTime(0.1)
@@ -1500,13 +1514,13 @@ void register_inject_benchmarks()
     ->ArgsProduct({{64}, {20}});
   for (bool resident : {true, false}) {
     std::string const where = resident ? "/device_resident" : "/host_resident";
-    benchmark::RegisterBenchmark(("tier/host" + suffix + where).c_str(), tier_host_bench, llama,
-                                 resident)
+    benchmark::RegisterBenchmark(
+      ("tier/host" + suffix + where).c_str(), tier_host_bench, llama, resident)
       ->Apply(ib::host_benchmark)
       ->ArgNames({"m"})
       ->ArgsProduct({{1024}});
-    benchmark::RegisterBenchmark(("tier/device" + suffix + where).c_str(), tier_device_bench,
-                                 llama, resident)
+    benchmark::RegisterBenchmark(
+      ("tier/device" + suffix + where).c_str(), tier_device_bench, llama, resident)
       ->UseManualTime()
       ->Unit(benchmark::kMicrosecond)
       ->MinTime(0.1)

@@ -49,10 +49,10 @@ struct fact {
 
 struct question {
   std::string text;
-  std::string answer;  ///< category 5: empty (the conversation does not say)
+  std::string answer;                  ///< category 5: empty (the conversation does not say)
   std::vector<std::int64_t> evidence;  ///< evidence turns that exist
   std::int64_t dangling_evidence{0};   ///< evidence strings naming no turn
-  int category{};                      ///< 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop, 5 adversarial
+  int category{};  ///< 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop, 5 adversarial
 };
 
 struct sample {
@@ -151,7 +151,9 @@ inline std::vector<sample> load(std::string const& path)
   } catch (std::exception const& e) {
     throw data_error("LoCoMo: '" + path + "' is not valid JSON: " + e.what());
   }
-  if (!doc.is_array() || doc.empty()) { throw data_error("LoCoMo: '" + path + "' is not a list of samples"); }
+  if (!doc.is_array() || doc.empty()) {
+    throw data_error("LoCoMo: '" + path + "' is not a list of samples");
+  }
   std::vector<sample> out;
   for (auto const& s : doc) {
     sample x;
@@ -172,7 +174,7 @@ inline std::vector<sample> load(std::string const& path)
           tt.dia_id  = t.at("dia_id").get<std::string>();
           tt.text    = t.at("text").get<std::string>();
           if (t.contains("blip_caption")) { tt.caption = t.at("blip_caption").get<std::string>(); }
-          tt.session = index;
+          tt.session         = index;
           turn_of[tt.dia_id] = static_cast<std::int64_t>(x.turns.size());
           x.turns.push_back(tt);
         }
@@ -207,7 +209,9 @@ inline std::vector<sample> load(std::string const& path)
         question qq;
         qq.text     = q.at("question").get<std::string>();
         qq.category = q.at("category").get<int>();
-        if (qq.category != 5 && q.contains("answer")) { qq.answer = detail::as_text(q.at("answer")); }
+        if (qq.category != 5 && q.contains("answer")) {
+          qq.answer = detail::as_text(q.at("answer"));
+        }
         std::set<std::int64_t> ev;
         if (q.contains("evidence")) {
           for (std::string const& id : detail::evidence_ids(q.at("evidence"))) {
@@ -252,8 +256,8 @@ inline std::string date_of(std::string const& date_time)
 /// @brief A session's header line, written before its first turn in an encoding window.
 inline std::string session_header(sample const& s, int session)
 {
-  return "[Session " + std::to_string(s.sessions[static_cast<std::size_t>(session)].number) +
-         ", " + s.sessions[static_cast<std::size_t>(session)].date_time + "]\n";
+  return "[Session " + std::to_string(s.sessions[static_cast<std::size_t>(session)].number) + ", " +
+         s.sessions[static_cast<std::size_t>(session)].date_time + "]\n";
 }
 
 /// @brief A turn as one line: "Caroline: text [shares a photo: caption]".

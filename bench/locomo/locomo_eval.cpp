@@ -95,7 +95,7 @@ struct run_options {
   std::uint32_t k{10};
   std::int32_t max_new{24};
   std::int64_t main_window{20};
-  bool whole{true};  // (d), the whole conversation prefilled, where it fits
+  bool whole{true};               // (d), the whole conversation prefilled, where it fits
   std::vector<int> recompute{0};  // percent of memory fact tokens recomputed (the curve)
   int served_recompute{0};        // the main table's
   std::int64_t users{1000};       // --step
@@ -124,21 +124,21 @@ struct prepared {
   lm::sample const* s{};
   conversation conv;
   std::vector<conversation_fact> facts;
-  std::vector<std::string> texts;          // embedded (the fact's own sentence)
+  std::vector<std::string> texts;                     // embedded (the fact's own sentence)
   std::vector<std::vector<std::int64_t>> fact_turns;  // evidence turns per fact
   std::vector<lm::question const*> questions;
   std::int64_t turns{0};  // turns used (the first `sessions` sessions)
 };
 
-prepared prepare(lc::model const& m, lm::sample const& s, std::uint64_t ns, int sessions,
-                 std::uint64_t first_id)
+prepared prepare(
+  lc::model const& m, lm::sample const& s, std::uint64_t ns, int sessions, std::uint64_t first_id)
 {
   prepared p;
-  p.s         = &s;
-  p.conv.lead = m.tokenize(lm::instruction_prefix());
-  int const used_sessions =
-    sessions > 0 ? std::min<int>(sessions, static_cast<int>(s.sessions.size()))
-                 : static_cast<int>(s.sessions.size());
+  p.s                     = &s;
+  p.conv.lead             = m.tokenize(lm::instruction_prefix());
+  int const used_sessions = sessions > 0
+                              ? std::min<int>(sessions, static_cast<int>(s.sessions.size()))
+                              : static_cast<int>(s.sessions.size());
   for (int si = 0; si < used_sessions; ++si) {
     p.conv.session_headers.push_back(m.tokenize(lm::session_header(s, si)));
   }
@@ -146,7 +146,7 @@ prepared prepare(lc::model const& m, lm::sample const& s, std::uint64_t ns, int 
     if (t.session >= used_sessions) { break; }
     p.conv.turns.push_back({m.tokenize(lm::turn_text(t)), t.session});
   }
-  p.turns = static_cast<std::int64_t>(p.conv.turns.size());
+  p.turns          = static_cast<std::int64_t>(p.conv.turns.size());
   std::uint64_t id = first_id;
   for (lm::fact const& f : s.facts) {
     if (f.session >= used_sessions) { continue; }
@@ -182,7 +182,8 @@ int count_mode(lc::model const& m, std::vector<lm::sample> const& samples)
   };
   std::vector<row> rows;
   for (std::int64_t w : windows) {
-    auto add = [&](std::string name, encoding_strategy st, std::int64_t stride, std::int64_t budget) {
+    auto add = [&](
+                 std::string name, encoding_strategy st, std::int64_t stride, std::int64_t budget) {
       encoding_options o;
       o.window              = w;
       o.strategy            = st;
@@ -199,7 +200,7 @@ int count_mode(lc::model const& m, std::vector<lm::sample> const& samples)
     add("single_pass, 7680-token segments", encoding_strategy::single_pass, 0, n_ctx - n_batch);
     add("single_pass, unbounded", encoding_strategy::single_pass, 0, 0);
   }
-  std::size_t const per_w = rows.size() / windows.size();
+  std::size_t const per_w  = rows.size() / windows.size();
   std::size_t const served = per_w - 2;  // single_pass in 7680-token segments (what runs)
   std::vector<encoding_stats> totals(rows.size());
   std::vector<std::string> unfit(rows.size());  // the first conversation a row's budget refused
@@ -235,28 +236,39 @@ int count_mode(lc::model const& m, std::vector<lm::sample> const& samples)
     }
   }
   std::printf("## Context-window encoding: forward tokens on LoCoMo (SmolLM2 tokenizer)\n\n");
-  std::printf("%zu conversations, %lld turns (%lld tokens), %lld observation facts (%lld tokens); "
-              "planned in %.1f s. Every fact sees at least the w turns before its source turn "
-              "(all of them when fewer exist).\n\n",
-              samples.size(), static_cast<long long>(turns), static_cast<long long>(conv_tokens),
-              static_cast<long long>(facts), static_cast<long long>(fact_tokens),
-              seconds_since(t0));
-  std::printf("| w | strategy | jobs | forward tokens | vs per_fact | without branching | longest sequence |\n");
+  std::printf(
+    "%zu conversations, %lld turns (%lld tokens), %lld observation facts (%lld tokens); "
+    "planned in %.1f s. Every fact sees at least the w turns before its source turn "
+    "(all of them when fewer exist).\n\n",
+    samples.size(),
+    static_cast<long long>(turns),
+    static_cast<long long>(conv_tokens),
+    static_cast<long long>(facts),
+    static_cast<long long>(fact_tokens),
+    seconds_since(t0));
+  std::printf(
+    "| w | strategy | jobs | forward tokens | vs per_fact | without branching | longest sequence "
+    "|\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   for (std::size_t r = 0; r < rows.size(); ++r) {
     if (!unfit[r].empty()) {
-      std::printf("| %lld | %s | refused: a fact of %s needs its %lld-turn window and itself in "
-                  "more tokens than the segment | | | | |\n",
-                  static_cast<long long>(rows[r].o.window), rows[r].name.c_str(),
-                  unfit[r].c_str(), static_cast<long long>(rows[r].o.window));
+      std::printf(
+        "| %lld | %s | refused: a fact of %s needs its %lld-turn window and itself in "
+        "more tokens than the segment | | | | |\n",
+        static_cast<long long>(rows[r].o.window),
+        rows[r].name.c_str(),
+        unfit[r].c_str(),
+        static_cast<long long>(rows[r].o.window));
       continue;
     }
     std::size_t const base = r - r % per_w;
-    double const ratio = double(totals[base].forward_tokens) / double(totals[r].forward_tokens);
+    double const ratio     = double(totals[base].forward_tokens) / double(totals[r].forward_tokens);
     std::printf("| %lld | %s | %lld | %lld | %.2fx fewer | %lld | %lld |\n",
-                static_cast<long long>(rows[r].o.window), rows[r].name.c_str(),
+                static_cast<long long>(rows[r].o.window),
+                rows[r].name.c_str(),
                 static_cast<long long>(totals[r].jobs),
-                static_cast<long long>(totals[r].forward_tokens), ratio,
+                static_cast<long long>(totals[r].forward_tokens),
+                ratio,
                 static_cast<long long>(totals[r].unbranched_tokens),
                 static_cast<long long>(totals[r].longest_sequence));
   }
@@ -265,18 +277,21 @@ int count_mode(lc::model const& m, std::vector<lm::sample> const& samples)
   std::size_t const w20 = 3 * per_w;
   double const goal_ratio =
     double(totals[w20].forward_tokens) / double(totals[w20 + served].forward_tokens);
-  std::printf("\nw = 20: one forward per fact %lld tokens, single pass in 7680-token segments "
-              "%lld: %.2fx fewer (goal >= 5x: %s)\n",
-              static_cast<long long>(totals[w20].forward_tokens),
-              static_cast<long long>(totals[w20 + served].forward_tokens), goal_ratio,
-              goal_ratio >= 5.0 ? "met" : "NOT met");
+  std::printf(
+    "\nw = 20: one forward per fact %lld tokens, single pass in 7680-token segments "
+    "%lld: %.2fx fewer (goal >= 5x: %s)\n",
+    static_cast<long long>(totals[w20].forward_tokens),
+    static_cast<long long>(totals[w20 + served].forward_tokens),
+    goal_ratio,
+    goal_ratio >= 5.0 ? "met" : "NOT met");
   return 0;
 }
 
 // ------------------------------------------------------------------------------------------------
 // --retrieval: evidence recall@k of MiniLM retrieval over every conversation (no SmolLM2 forward)
 
-double evidence_recall(std::vector<std::uint64_t> const& top, std::size_t k,
+double evidence_recall(std::vector<std::uint64_t> const& top,
+                       std::size_t k,
                        std::map<std::uint64_t, std::size_t> const& fact_index,
                        std::vector<std::vector<std::int64_t>> const& fact_turns,
                        std::vector<std::int64_t> const& evidence)
@@ -302,9 +317,9 @@ int retrieval_mode(lc::model const& m, std::vector<lm::sample> const& samples);
 struct answer_run {
   std::string text;
   std::vector<std::vector<float>> dists;  // teacher-forced logits over the gold answer tokens
-  double ttft{0};                          // seconds to the first token's logits
-  double inject{0};                        // (a): compose + inject part of ttft
-  double recomputed{0};                    // (a): share of fact tokens recomputed
+  double ttft{0};                         // seconds to the first token's logits
+  double inject{0};                       // (a): compose + inject part of ttft
+  double recomputed{0};                   // (a): share of fact tokens recomputed
 };
 
 using lc::kl_top1;
@@ -323,7 +338,9 @@ struct evaluator {
 
   /// After the sequence holds the prompt up to the question's end (at `next` positions), the first
   /// logits in `first`: generate greedily, then teacher-force the gold answer.
-  answer_run finish(std::vector<float> first, std::int64_t next, std::vector<std::int32_t> const& gold)
+  answer_run finish(std::vector<float> first,
+                    std::int64_t next,
+                    std::vector<std::int32_t> const& gold)
   {
     answer_run r;
     // Greedy generation from `first`.
@@ -353,18 +370,19 @@ struct evaluator {
   }
 
   /// Prefill `prompt` (text memory, no memory, or the whole conversation) + `question`.
-  answer_run prefill(std::vector<std::int32_t> const& prompt, std::vector<std::int32_t> const& q,
+  answer_run prefill(std::vector<std::int32_t> const& prompt,
+                     std::vector<std::int32_t> const& q,
                      std::vector<std::int32_t> const& gold)
   {
     ctx.clear(seq);
-    auto const t0 = clock_type::now();
+    auto const t0                 = clock_type::now();
     std::vector<std::int32_t> all = prompt;
     all.insert(all.end(), q.begin(), q.end());
     ctx.decode(seq, all, 0);
     std::vector<float> first = ctx.last_logits();
-    double const ttft = seconds_since(t0);
+    double const ttft        = seconds_since(t0);
     answer_run r = finish(std::move(first), static_cast<std::int64_t>(all.size()), gold);
-    r.ttft = ttft;
+    r.ttft       = ttft;
     return r;
   }
 
@@ -379,7 +397,7 @@ struct evaluator {
   {
     ctx.clear(seq);
     lc::sequence_cache cache{ctx, seq};
-    auto const t0 = clock_type::now();
+    auto const t0          = clock_type::now();
     composition const plan = mem.prepare(ids, 0);
     mem.inject(plan, cache, adapter.rotation());
     double const inject = seconds_since(t0);
@@ -395,8 +413,9 @@ struct evaluator {
     }
     ctx.decode(seq, q, plan.length());
     std::vector<float> first = ctx.last_logits();
-    double const ttft = seconds_since(t0);
-    answer_run r = finish(std::move(first), plan.length() + static_cast<std::int64_t>(q.size()), gold);
+    double const ttft        = seconds_since(t0);
+    answer_run r =
+      finish(std::move(first), plan.length() + static_cast<std::int64_t>(q.size()), gold);
     r.ttft       = ttft;
     r.inject     = inject;
     r.recomputed = recomputed;
@@ -465,7 +484,8 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
     variants.push_back({w == 0 ? std::string{"alone (w = 0)"}
                                : "aligned, " + std::to_string(w) + ".." +
                                    std::to_string(w + o.stride - 1) + " turns",
-                        o, false});
+                        o,
+                        false});
   }
 
   // Per category (0 = all): the tables' cells.
@@ -482,7 +502,7 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
     opt.recompute.begin());
   std::vector<tally> turns_seen(variants.size());
   tally retrieve_s;
-  double encode_seconds = 0;
+  double encode_seconds      = 0;
   std::int64_t encode_tokens = 0, encode_facts = 0;
   std::set<std::string> wanted(opt.conversations.begin(), opt.conversations.end());
   bool const all = wanted.count("all") != 0;
@@ -491,18 +511,23 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
   for (lm::sample const& s : samples) {
     if (!all && !wanted.count(s.id)) { continue; }
     ++ns;
-    prepared const p = prepare(m, s, ns, opt.sessions, 1000);
+    prepared const p                    = prepare(m, s, ns, opt.sessions, 1000);
     std::vector<lm::question const*> qs = p.questions;
     if (opt.questions > 0 && static_cast<int>(qs.size()) > opt.questions) {
       // Spread over the conversation: every (n / Q)-th question.
       std::vector<lm::question const*> pick;
       for (int i = 0; i < opt.questions; ++i) {
-        pick.push_back(qs[static_cast<std::size_t>(i) * qs.size() / static_cast<std::size_t>(opt.questions)]);
+        pick.push_back(
+          qs[static_cast<std::size_t>(i) * qs.size() / static_cast<std::size_t>(opt.questions)]);
       }
       qs = pick;
     }
-    std::fprintf(stderr, "locomo: %s: %lld turns, %zu facts, %zu questions\n", s.id.c_str(),
-                 static_cast<long long>(p.turns), p.facts.size(), qs.size());
+    std::fprintf(stderr,
+                 "locomo: %s: %lld turns, %zu facts, %zu questions\n",
+                 s.id.c_str(),
+                 static_cast<long long>(p.turns),
+                 p.facts.size(),
+                 qs.size());
 
     // The whole (cut) conversation as a prompt, where it fits.
     std::vector<std::int32_t> full = p.conv.lead;
@@ -558,10 +583,13 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
       std::fprintf(stderr,
                    "locomo: %s %s: %lld facts encoded in %.1f s (%lld forward tokens, %.0f "
                    "tok/s, %.2f facts/s, %lld jobs)\n",
-                   s.id.c_str(), variants[wi].label.c_str(),
-                   static_cast<long long>(rep.encode.facts), secs,
+                   s.id.c_str(),
+                   variants[wi].label.c_str(),
+                   static_cast<long long>(rep.encode.facts),
+                   secs,
                    static_cast<long long>(rep.encode.forward_tokens),
-                   double(rep.encode.forward_tokens) / secs, double(rep.encode.facts) / secs,
+                   double(rep.encode.forward_tokens) / secs,
+                   double(rep.encode.facts) / secs,
                    static_cast<long long>(rep.encode.jobs));
       (void)w;
       if (variants[wi].main) {
@@ -574,9 +602,9 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
         lm::question const& q = *qs[qi];
         per_question& x       = pq[qi];
         if (wi == 0) {
-          x.q    = m.tokenize(lm::question_turn(q.text));
-          x.gold = ev.answer_tokens(q.answer);
-          auto const tr = clock_type::now();
+          x.q                                  = m.tokenize(lm::question_turn(q.text));
+          x.gold                               = ev.answer_tokens(q.answer);
+          auto const tr                        = clock_type::now();
           std::vector<std::uint64_t> const top = mem.retrieve(embedder, ns, q.text, 20);
           retrieve_s.add(seconds_since(tr));
           x.ids.assign(top.begin(), top.begin() + std::min<std::size_t>(opt.k, top.size()));
@@ -590,8 +618,8 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
           }
           // (b) the same facts' text, best last as in the composition; (c) no memory; (d) all.
           composition const plan = mem.prepare(x.ids, 0);
-          x.b = ev.prefill(plan.token_ids, x.q, x.gold);
-          x.c = ev.prefill(prefix_tokens, x.q, x.gold);
+          x.b                    = ev.prefill(plan.token_ids, x.q, x.gold);
+          x.c                    = ev.prefill(prefix_tokens, x.q, x.gold);
           if (full_fits) { x.d = ev.prefill(full, x.q, x.gold); }
         }
         bool const scored = q.category != 5 && !q.answer.empty();
@@ -631,9 +659,14 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
             ttft_b[cat].add(x.b.ttft * 1e3);
           }
           if (opt.mode == "fast" || std::getenv("INFERSCALE_LOCOMO_VERBOSE")) {
-            std::fprintf(stderr, "  Q (cat %d) %s\n    gold: %s\n    (a) %s\n    (b) %s\n    (c) %s\n",
-                         q.category, q.text.c_str(), q.answer.c_str(), a.text.c_str(),
-                         x.b.text.c_str(), x.c.text.c_str());
+            std::fprintf(stderr,
+                         "  Q (cat %d) %s\n    gold: %s\n    (a) %s\n    (b) %s\n    (c) %s\n",
+                         q.category,
+                         q.text.c_str(),
+                         q.answer.c_str(),
+                         a.text.c_str(),
+                         x.b.text.c_str(),
+                         x.c.text.c_str());
           }
         }
       }
@@ -644,58 +677,85 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
     return 1;
   }
 
-  std::printf("## LoCoMo end to end: SmolLM2-135M-Instruct (llama.cpp, CPU, 1 thread), "
-              "all-MiniLM-L6-v2 retrieval\n\n");
+  std::printf(
+    "## LoCoMo end to end: SmolLM2-135M-Instruct (llama.cpp, CPU, 1 thread), "
+    "all-MiniLM-L6-v2 retrieval\n\n");
   if (opt.served_recompute > 0) {
     std::printf(
       "(a) is served with %d%% of its fact tokens recomputed in context after injection "
       "(the recompute curve below).\n\n",
       opt.served_recompute);
   }
-  std::printf("Facts encoded with context-window encoding at w = %lld (single pass, branched); "
-              "answers from the top %u facts; greedy, at most %d new tokens. (a) injected fact "
-              "KV, (b) the same facts' text re-prefilled (same prompt token ids), (c) no memory, "
-              "(d) the whole conversation prefilled (%s).\n\n",
-              static_cast<long long>(main_w), opt.k, opt.max_new,
-              !opt.whole ? "not run: --no-whole"
-              : f1d[0].n ? "it fits the context"
-                         : "does not fit the 8192-token context: n/a");
-  std::printf("| category | questions | recall@5 | recall@10 | recall@20 | F1 (a) | F1 (b) | F1 (c) "
-              "| F1 (d) | (a)=(b) exact | F1(a, b) | TTFT (a) ms | of it inject ms | TTFT (b) ms |\n");
+  std::printf(
+    "Facts encoded with context-window encoding at w = %lld (single pass, branched); "
+    "answers from the top %u facts; greedy, at most %d new tokens. (a) injected fact "
+    "KV, (b) the same facts' text re-prefilled (same prompt token ids), (c) no memory, "
+    "(d) the whole conversation prefilled (%s).\n\n",
+    static_cast<long long>(main_w),
+    opt.k,
+    opt.max_new,
+    !opt.whole ? "not run: --no-whole"
+    : f1d[0].n ? "it fits the context"
+               : "does not fit the 8192-token context: n/a");
+  std::printf(
+    "| category | questions | recall@5 | recall@10 | recall@20 | F1 (a) | F1 (b) | F1 (c) "
+    "| F1 (d) | (a)=(b) exact | F1(a, b) | TTFT (a) ms | of it inject ms | TTFT (b) ms |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int cat : {1, 2, 3, 4, 5, 0}) {
     if (!count.count(cat)) { continue; }
     std::printf("| %s | %lld | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
                 cat == 0 ? "**all**" : lm::category_name(cat),
-                static_cast<long long>(count[cat].n), fmt(recall5[cat]).c_str(),
-                fmt(recall10[cat]).c_str(), fmt(recall20[cat]).c_str(), fmt(f1a[cat]).c_str(),
-                fmt(f1b[cat]).c_str(), fmt(f1c[cat]).c_str(), fmt(f1d[cat]).c_str(),
-                fmt(agree_exact[cat]).c_str(), fmt(agree_f1[cat]).c_str(),
-                fmt(ttft_a[cat], "%.0f").c_str(), fmt(inject_a[cat], "%.0f").c_str(),
+                static_cast<long long>(count[cat].n),
+                fmt(recall5[cat]).c_str(),
+                fmt(recall10[cat]).c_str(),
+                fmt(recall20[cat]).c_str(),
+                fmt(f1a[cat]).c_str(),
+                fmt(f1b[cat]).c_str(),
+                fmt(f1c[cat]).c_str(),
+                fmt(f1d[cat]).c_str(),
+                fmt(agree_exact[cat]).c_str(),
+                fmt(agree_f1[cat]).c_str(),
+                fmt(ttft_a[cat], "%.0f").c_str(),
+                fmt(inject_a[cat], "%.0f").c_str(),
                 fmt(ttft_b[cat], "%.0f").c_str());
   }
-  std::printf("\nF1: LoCoMo's token F1 (lower case, punctuation and a/an/the/and removed; no "
-              "stemming) against the gold answers of categories 1-4 (category 5 has none). "
-              "Retrieval (MiniLM embedding + search) %.1f ms per question, the same for (a) and "
-              "(b). TTFT ratio (b)/(a): %.2fx.\n",
-              retrieve_s.mean() * 1e3, ttft_b[0].mean() / ttft_a[0].mean());
-  std::printf("Encoding at w = %lld: %lld facts, %lld forward tokens in %.1f s: %.0f tokens/s, "
-              "%.2f facts/s.\n\n",
-              static_cast<long long>(main_w), static_cast<long long>(encode_facts),
-              static_cast<long long>(encode_tokens), encode_seconds,
-              double(encode_tokens) / encode_seconds, double(encode_facts) / encode_seconds);
-  std::printf("### Window curve: (a) injected vs (b) text re-prefill and (d) whole conversation\n\n");
-  std::printf("Next-token distributions over the gold answer tokens (teacher-forced), "
-              "categories 1-4. The first row is the served encoding of the table above.\n\n");
-  std::printf("| encoding | w | turns seen per fact (mean) | KL(b ‖ a) nats | top-1 (a)=(b) | "
-              "KL(d ‖ a) nats | top-1 (a)=(d) | F1 (a) | F1 (b) | F1 (d) |\n");
+  std::printf(
+    "\nF1: LoCoMo's token F1 (lower case, punctuation and a/an/the/and removed; no "
+    "stemming) against the gold answers of categories 1-4 (category 5 has none). "
+    "Retrieval (MiniLM embedding + search) %.1f ms per question, the same for (a) and "
+    "(b). TTFT ratio (b)/(a): %.2fx.\n",
+    retrieve_s.mean() * 1e3,
+    ttft_b[0].mean() / ttft_a[0].mean());
+  std::printf(
+    "Encoding at w = %lld: %lld facts, %lld forward tokens in %.1f s: %.0f tokens/s, "
+    "%.2f facts/s.\n\n",
+    static_cast<long long>(main_w),
+    static_cast<long long>(encode_facts),
+    static_cast<long long>(encode_tokens),
+    encode_seconds,
+    double(encode_tokens) / encode_seconds,
+    double(encode_facts) / encode_seconds);
+  std::printf(
+    "### Window curve: (a) injected vs (b) text re-prefill and (d) whole conversation\n\n");
+  std::printf(
+    "Next-token distributions over the gold answer tokens (teacher-forced), "
+    "categories 1-4. The first row is the served encoding of the table above.\n\n");
+  std::printf(
+    "| encoding | w | turns seen per fact (mean) | KL(b ‖ a) nats | top-1 (a)=(b) | "
+    "KL(d ‖ a) nats | top-1 (a)=(d) | F1 (a) | F1 (b) | F1 (d) |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (std::size_t i = 0; i < variants.size(); ++i) {
     curve_cell const& c = curve[i][served_rho];
-    std::printf("| %s | %lld | %s | %s | %s | %s | %s | %s | %s | %s |\n", variants[i].label.c_str(),
-                static_cast<long long>(variants[i].o.window), fmt(turns_seen[i], "%.1f").c_str(),
-                fmt(c.kl_b).c_str(), fmt(c.top1_b).c_str(), fmt(c.kl_d).c_str(),
-                fmt(c.top1_d).c_str(), fmt(c.f1).c_str(), fmt(f1b[0]).c_str(),
+    std::printf("| %s | %lld | %s | %s | %s | %s | %s | %s | %s | %s |\n",
+                variants[i].label.c_str(),
+                static_cast<long long>(variants[i].o.window),
+                fmt(turns_seen[i], "%.1f").c_str(),
+                fmt(c.kl_b).c_str(),
+                fmt(c.top1_b).c_str(),
+                fmt(c.kl_d).c_str(),
+                fmt(c.top1_d).c_str(),
+                fmt(c.f1).c_str(),
+                fmt(f1b[0]).c_str(),
                 fmt(f1d[0]).c_str());
   }
   if (opt.recompute.size() > 1 || opt.recompute[0] != 0) {
@@ -771,10 +831,10 @@ int retrieval_mode(lc::model const& m, std::vector<lm::sample> const& samples)
       fact_index[p.facts[i].fact_id] = i;
     }
     facts += static_cast<std::int64_t>(ids.size());
-    index.add<float>(si + 1,
-                     make_matrix_view<float const>(rows.data(), static_cast<std::int64_t>(ids.size()),
-                                                   ic.dim),
-                     cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
+    index.add<float>(
+      si + 1,
+      make_matrix_view<float const>(rows.data(), static_cast<std::int64_t>(ids.size()), ic.dim),
+      cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
     std::set<std::int64_t> cited;  // turns any fact of the conversation cites
     for (auto const& turns : p.fact_turns) {
       cited.insert(turns.begin(), turns.end());
@@ -809,18 +869,27 @@ int retrieval_mode(lc::model const& m, std::vector<lm::sample> const& samples)
     }
   }
   std::printf("## LoCoMo retrieval: all-MiniLM-L6-v2 (llama.cpp) over the observation facts\n\n");
-  std::printf("%zu conversations, %lld facts indexed (one namespace each), %lld questions (%lld "
-              "without usable evidence left out); %.1f s. Evidence recall@k: the share of a "
-              "question's evidence turns cited by the top-k facts; ceiling: the share cited by "
-              "any fact of the conversation (the observations do not cover every turn).\n\n",
-              samples.size(), static_cast<long long>(facts), static_cast<long long>(questions),
-              static_cast<long long>(without), seconds_since(t0));
-  std::printf("| category | questions | recall@5 | recall@10 | recall@20 | ceiling |\n"
-              "|---|---|---|---|---|---|\n");
+  std::printf(
+    "%zu conversations, %lld facts indexed (one namespace each), %lld questions (%lld "
+    "without usable evidence left out); %.1f s. Evidence recall@k: the share of a "
+    "question's evidence turns cited by the top-k facts; ceiling: the share cited by "
+    "any fact of the conversation (the observations do not cover every turn).\n\n",
+    samples.size(),
+    static_cast<long long>(facts),
+    static_cast<long long>(questions),
+    static_cast<long long>(without),
+    seconds_since(t0));
+  std::printf(
+    "| category | questions | recall@5 | recall@10 | recall@20 | ceiling |\n"
+    "|---|---|---|---|---|---|\n");
   for (int cat : {1, 2, 3, 4, 5, 0}) {
-    std::printf("| %s | %lld | %s | %s | %s | %s |\n", cat == 0 ? "**all**" : lm::category_name(cat),
-                static_cast<long long>(r5[cat].n), fmt(r5[cat]).c_str(), fmt(r10[cat]).c_str(),
-                fmt(r20[cat]).c_str(), fmt(ceiling[cat]).c_str());
+    std::printf("| %s | %lld | %s | %s | %s | %s |\n",
+                cat == 0 ? "**all**" : lm::category_name(cat),
+                static_cast<long long>(r5[cat].n),
+                fmt(r5[cat]).c_str(),
+                fmt(r10[cat]).c_str(),
+                fmt(r20[cat]).c_str(),
+                fmt(ceiling[cat]).c_str());
   }
   return 0;
 }
@@ -1090,7 +1159,7 @@ int main(int argc, char** argv)
   for (int i = 1; i < argc; ++i) {
     std::string const a = argv[i];
     given.insert(a);
-    auto value          = [&]() -> std::string {
+    auto value = [&]() -> std::string {
       if (i + 1 >= argc) { throw std::runtime_error(a + " needs a value"); }
       return argv[++i];
     };
@@ -1131,7 +1200,8 @@ int main(int argc, char** argv)
       } else if (a == "--k") {
         opt.k = static_cast<std::uint32_t>(std::stoul(value()));
       } else {
-        std::fprintf(stderr, "locomo_eval: unknown argument '%s' (see the file's header)\n", a.c_str());
+        std::fprintf(
+          stderr, "locomo_eval: unknown argument '%s' (see the file's header)\n", a.c_str());
         return 2;
       }
     } catch (std::exception const& e) {
@@ -1182,7 +1252,7 @@ int main(int argc, char** argv)
     return 2;
   }
   try {
-    std::string const model_path = lc::smollm2_path();
+    std::string const model_path          = lc::smollm2_path();
     std::vector<lm::sample> const samples = lm::load(lm::default_path());
     llama_backend_init();
     lc::quiet_logs();

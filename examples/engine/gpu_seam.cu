@@ -21,6 +21,7 @@
 #include <inferscale/memory.cuh>
 
 #include <cuda/stream_ref>
+
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -102,7 +103,8 @@ int main()
     std::vector<float> const blank(static_cast<std::size_t>(layer_elements), -100.0f);
     memory host_mem = make_memory(memory_space::host, model, embedder);
     std::vector<std::vector<float>> host_layers(num_layers, blank);
-    paged_kv_cache const host_cache = make_toy_cache({host_layers[0].data(), host_layers[1].data()});
+    paged_kv_cache const host_cache =
+      make_toy_cache({host_layers[0].data(), host_layers[1].data()});
     std::vector<paged_sequence> host_sequences;
     for (ask const& a : asks) {
       host_sequences.emplace_back(host_cache, a.blocks);
@@ -128,8 +130,9 @@ int main()
 
     int devices = 0;
     if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-      std::printf("example_gpu_seam: the host step passed; no CUDA device visible: the device "
-                  "step is skipped\n");
+      std::printf(
+        "example_gpu_seam: the host step passed; no CUDA device visible: the device "
+        "step is skipped\n");
       return 77;
     }
     cudaStream_t engine_stream{};
@@ -150,6 +153,8 @@ int main()
     }
     constexpr std::int64_t max_step_tokens = 128;
 
+    // The README shows this region as written (docs.snippets): not reformatted.
+    // clang-format off
     // [snippet:gpu_step]
     memory mem = make_memory(memory_space::device, model, embedder);  // K/V in device memory
     injection_workspace workspace{max_step_tokens};  // device staging, allocated once
@@ -159,6 +164,7 @@ int main()
     std::vector<memory_request> const served =
       mem.serve_step(embedder, step, /*k*/ 2, model.rotation(), device_context{workspace, stream});
     // [/snippet:gpu_step]
+    // clang-format on
 
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(engine_stream));
     for (std::size_t i = 0; i < admitted.size(); ++i) {
@@ -176,9 +182,10 @@ int main()
     }
     INFERSCALE_CUDA_TRY(cudaStreamDestroy(engine_stream));
     if (!check.passed()) { return 1; }
-    std::printf("example_gpu_seam: %zu requests served in one step on the device; the cache "
-                "equals the host step's, byte for byte\n",
-                admitted.size());
+    std::printf(
+      "example_gpu_seam: %zu requests served in one step on the device; the cache "
+      "equals the host step's, byte for byte\n",
+      admitted.size());
     return 0;
   } catch (std::exception const& e) {
     std::fprintf(stderr, "example_gpu_seam: %s\n", e.what());

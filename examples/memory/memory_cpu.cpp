@@ -38,8 +38,7 @@ int main()
     word_embedder embedder;
     // The engine's paged cache: one (2, blocks, 16, heads, head_dim) tensor per layer, every
     // element -100 at first (never a value the memory writes: tells untouched cells apart).
-    std::vector<std::vector<float>> layers(num_layers,
-                                           std::vector<float>(layer_elements, -100.0f));
+    std::vector<std::vector<float>> layers(num_layers, std::vector<float>(layer_elements, -100.0f));
     paged_kv_cache const cache = make_toy_cache({layers[0].data(), layers[1].data()});
     auto at = [&](int kv, std::int32_t l, std::int64_t slot, std::int32_t h, std::int32_t d) {
       return layers[static_cast<std::size_t>(l)][cache_offset(kv, slot, h, d)];
@@ -58,6 +57,8 @@ int main()
     std::vector<std::int64_t> const fact_turns{2, 2, 3};
     std::string const question = "What is my parrot called?";
 
+    // The README shows this region as written (docs.snippets): not reformatted.
+    // clang-format off
     // [snippet:quick_start]
     memory_config config;                               // one per deployment
     config.store.model       = model.geometry();        // layers, KV heads, head_dim
@@ -87,6 +88,7 @@ int main()
     memory_request const got = mem.serve(embedder, user, question, /*k*/ 2, /*p0*/ 0, sequence,
                                          model.rotation());
     // [/snippet:quick_start]
+    // clang-format on
 
     // What was retrieved: the parrot fact first (the only one sharing a word with the question).
     expect(got.fact_ids.size() == 2, "2 facts retrieved");
@@ -107,10 +109,11 @@ int main()
     // p * theta^(-2i / head_dim), computed here in double precision.
     std::vector<bool> written(static_cast<std::size_t>(num_blocks * block_size), false);
     for (std::int64_t p = 0; p < got.plan.length(); ++p) {
-      std::int64_t const slot = std::int64_t{sequence.block_table[static_cast<std::size_t>(
-                                  p / block_size)]} * block_size + p % block_size;
+      std::int64_t const slot =
+        std::int64_t{sequence.block_table[static_cast<std::size_t>(p / block_size)]} * block_size +
+        p % block_size;
       written[static_cast<std::size_t>(slot)] = true;
-      std::int32_t const token = got.plan.token_ids[static_cast<std::size_t>(p)];
+      std::int32_t const token                = got.plan.token_ids[static_cast<std::size_t>(p)];
       for (std::int32_t l = 0; l < num_layers; ++l) {
         for (std::int32_t h = 0; h < num_kv_heads; ++h) {
           for (std::int32_t d = 0; d < head_dim; ++d) {
@@ -121,8 +124,8 @@ int main()
             double const key        = d < head_dim / 2 ? x * std::cos(angle) - y * std::sin(angle)
                                                        : x * std::sin(angle) + y * std::cos(angle);
             std::string const where = "position " + std::to_string(p) + ", layer " +
-                                      std::to_string(l) + ", head " + std::to_string(h) +
-                                      ", dim " + std::to_string(d);
+                                      std::to_string(l) + ", head " + std::to_string(h) + ", dim " +
+                                      std::to_string(d);
             expect(at(1, l, slot, h, d) == toy_kv(1, token, l, h, d), "value at " + where);
             expect(std::fabs(at(0, l, slot, h, d) - key) <= 1e-5 * (1.0 + std::fabs(key)),
                    "key at " + where);
@@ -134,18 +137,19 @@ int main()
     for (std::int64_t slot = 0; slot < num_blocks * block_size; ++slot) {
       if (written[static_cast<std::size_t>(slot)]) { continue; }
       for (std::int32_t l = 0; l < num_layers; ++l) {
-        expect(at(0, l, slot, 0, 0) == -100.0f && at(1, l, slot, 1, head_dim - 1) ==
-                                                           -100.0f,
+        expect(at(0, l, slot, 0, 0) == -100.0f && at(1, l, slot, 1, head_dim - 1) == -100.0f,
                "slot " + std::to_string(slot) + " untouched");
       }
     }
 
-    std::printf("\"%s\": retrieved facts %llu, %llu; %lld memory tokens injected through the "
-                "block table; the engine prefills the question from position %lld\n",
-                question.c_str(), static_cast<unsigned long long>(got.fact_ids.at(0)),
-                static_cast<unsigned long long>(got.fact_ids.at(1)),
-                static_cast<long long>(got.plan.length()),
-                static_cast<long long>(got.plan.length()));
+    std::printf(
+      "\"%s\": retrieved facts %llu, %llu; %lld memory tokens injected through the "
+      "block table; the engine prefills the question from position %lld\n",
+      question.c_str(),
+      static_cast<unsigned long long>(got.fact_ids.at(0)),
+      static_cast<unsigned long long>(got.fact_ids.at(1)),
+      static_cast<long long>(got.plan.length()),
+      static_cast<long long>(got.plan.length()));
     if (!check.passed()) { return 1; }
     std::printf("example_memory_cpu: every check passed\n");
     return 0;

@@ -79,13 +79,17 @@ std::vector<float> fact_rows(int kv, std::vector<std::int32_t> const& tokens)
 }
 
 template <class Store>
-void insert_fact(Store& store, std::uint64_t id, std::uint64_t ns,
-                 std::vector<std::int32_t> const& tokens, fact_residency where)
+void insert_fact(Store& store,
+                 std::uint64_t id,
+                 std::uint64_t ns,
+                 std::vector<std::int32_t> const& tokens,
+                 fact_residency where)
 {
   std::vector<float> const k = fact_rows(0, tokens), v = fact_rows(1, tokens);
-  auto const n               = static_cast<std::int32_t>(tokens.size());
-  auto const keys   = make_fact_kv_view<float const>(k.data(), num_layers, n, num_kv_heads, head_dim);
-  auto const values = make_fact_kv_view<float const>(v.data(), num_layers, n, num_kv_heads, head_dim);
+  auto const n    = static_cast<std::int32_t>(tokens.size());
+  auto const keys = make_fact_kv_view<float const>(k.data(), num_layers, n, num_kv_heads, head_dim);
+  auto const values =
+    make_fact_kv_view<float const>(v.data(), num_layers, n, num_kv_heads, head_dim);
   if constexpr (std::is_same_v<Store, tiered_store>) {
     store.template insert<float>(id, ns, tokens, keys, values, where);
   } else {
@@ -111,7 +115,7 @@ int main()
       "Alice's sister Clara lives in Porto.",
     };
     std::vector<std::int64_t> const fact_turns{1, 1, 2};  // the turn each fact comes from
-    std::uint64_t const user = 7;
+    std::uint64_t const user   = 7;
     std::string const question = "What is my parrot called?";
 
     // A deployment's memory, as in memory_cpu.cpp.
@@ -168,28 +172,32 @@ int main()
 
     // A request for two facts: admitted (staged into the device tier), injected, compared with
     // the plain store's run into another cache at the same slots.
-    auto serve_tiered = [&](tiered_store& t, std::vector<std::uint64_t> const& ids,
-                            toy_cache& cache) {
-      tier_request request = t.admit(ids);
-      compose_options o;
-      o.first_position        = 3;
-      composition const plan  = compose(t.device_tier(), ids, o);
-      std::vector<std::int64_t> const slots =
-        slots_from_block_table(std::vector<std::int32_t>{4, 1}.data(), 2,
-                               static_cast<std::int32_t>(block_size), o.first_position,
-                               plan.length());
-      injection_batch batch{t.device_tier()};
-      batch.add(plan, slots);
-      t.run(request, batch, cache.desc, model.rotation());
-      return std::make_pair(plan, slots);
-    };
+    auto serve_tiered =
+      [&](tiered_store& t, std::vector<std::uint64_t> const& ids, toy_cache& cache) {
+        tier_request request = t.admit(ids);
+        compose_options o;
+        o.first_position       = 3;
+        composition const plan = compose(t.device_tier(), ids, o);
+        std::vector<std::int64_t> const slots =
+          slots_from_block_table(std::vector<std::int32_t>{4, 1}.data(),
+                                 2,
+                                 static_cast<std::int32_t>(block_size),
+                                 o.first_position,
+                                 plan.length());
+        injection_batch batch{t.device_tier()};
+        batch.add(plan, slots);
+        t.run(request, batch, cache.desc, model.rotation());
+        return std::make_pair(plan, slots);
+      };
     auto serve_plain = [&](std::vector<std::uint64_t> const& ids, toy_cache& cache) {
       compose_options o;
       o.first_position       = 3;
       composition const plan = compose(reference, ids, o);
       std::vector<std::int64_t> const slots =
-        slots_from_block_table(std::vector<std::int32_t>{4, 1}.data(), 2,
-                               static_cast<std::int32_t>(block_size), o.first_position,
+        slots_from_block_table(std::vector<std::int32_t>{4, 1}.data(),
+                               2,
+                               static_cast<std::int32_t>(block_size),
+                               o.first_position,
                                plan.length());
       injection_batch batch{reference};
       batch.add(plan, slots);
@@ -202,16 +210,17 @@ int main()
     expect(tiered_cache.layers == plain_cache.layers,
            "the tiered injection writes the plain store's bytes");
     expect(tiered_cache.layers != toy_cache{}.layers, "the tiered injection wrote something");
-    expect(tiers.residency(100) == fact_residency::both &&
-             tiers.residency(102) == fact_residency::both,
-           "the request's facts are staged into the device tier");
+    expect(
+      tiers.residency(100) == fact_residency::both && tiers.residency(102) == fact_residency::both,
+      "the request's facts are staged into the device tier");
 
     // The device tier holds 2 pages: the next request (fact 101) evicts the least recently used
     // device copy; the host tier keeps every fact.
     toy_cache tiered_next, plain_next;
     serve_tiered(tiers, {101}, tiered_next);
     serve_plain({101}, plain_next);
-    expect(tiered_next.layers == plain_next.layers, "the next request's bytes equal the plain run's");
+    expect(tiered_next.layers == plain_next.layers,
+           "the next request's bytes equal the plain run's");
     int on_device = 0;
     for (std::uint64_t id : {100, 101, 102}) {
       on_device += tiers.residency(id) == fact_residency::both ? 1 : 0;
@@ -235,11 +244,12 @@ int main()
            "the restarted tiers write the plain store's bytes");
 
     if (!check.passed()) { return 1; }
-    std::printf("example_snapshot_tiers: the restarted memory served facts %llu, %llu into the "
-                "same cache bytes; tiered requests (staging, an eviction, a restart from the tier "
-                "snapshot) wrote the plain store's bytes; every check passed\n",
-                static_cast<unsigned long long>(a.fact_ids.at(0)),
-                static_cast<unsigned long long>(a.fact_ids.at(1)));
+    std::printf(
+      "example_snapshot_tiers: the restarted memory served facts %llu, %llu into the "
+      "same cache bytes; tiered requests (staging, an eviction, a restart from the tier "
+      "snapshot) wrote the plain store's bytes; every check passed\n",
+      static_cast<unsigned long long>(a.fact_ids.at(0)),
+      static_cast<unsigned long long>(a.fact_ids.at(1)));
     return 0;
   } catch (std::exception const& e) {
     std::fprintf(stderr, "example_snapshot_tiers: %s\n", e.what());

@@ -72,8 +72,8 @@ inline std::vector<std::int32_t> tokenize(std::string const& text)
 /// (exact in fp32). A real model's K/V of a fact token depend on the tokens before it, which is why
 /// the facade encodes each fact behind its conversation turns; these depend on the token alone, so
 /// that an example can recompute what the cache must hold.
-inline float toy_kv(int kv, std::int32_t token, std::int32_t layer, std::int32_t head,
-                    std::int32_t dim)
+inline float toy_kv(
+  int kv, std::int32_t token, std::int32_t layer, std::int32_t head, std::int32_t dim)
 {
   std::int64_t const h = (std::int64_t{token} * 31 + kv * 17 + layer * 7 + head * 5 + dim) % 97;
   return static_cast<float>(h) / 16.0f - 3.0f;
@@ -107,8 +107,8 @@ struct toy_model {
         }
       }
       out.write_keys(l, 0, make_token_head_view<float const>(k.data(), n, num_kv_heads, head_dim));
-      out.write_values(l, 0,
-                       make_token_head_view<float const>(v.data(), n, num_kv_heads, head_dim));
+      out.write_values(
+        l, 0, make_token_head_view<float const>(v.data(), n, num_kv_heads, head_dim));
     }
   }
 };
@@ -139,16 +139,17 @@ inline paged_kv_cache make_toy_cache(std::vector<void*> const& layer_tensors)
 {
   std::int64_t const token = num_kv_heads * head_dim;
   return make_vllm_flash_attn_cache(
-    dtype::float32, layer_tensors, {2, num_blocks, block_size, num_kv_heads, head_dim},
+    dtype::float32,
+    layer_tensors,
+    {2, num_blocks, block_size, num_kv_heads, head_dim},
     {num_blocks * block_size * token, block_size * token, token, head_dim, 1});
 }
 
 /// Offset of element (kv, slot, head, dim) in a layer's tensor of make_toy_cache.
 inline std::size_t cache_offset(int kv, std::int64_t slot, std::int32_t head, std::int32_t dim)
 {
-  return static_cast<std::size_t>(((kv * num_blocks * block_size + slot) * num_kv_heads + head) *
-                                    head_dim +
-                                  dim);
+  return static_cast<std::size_t>(
+    ((kv * num_blocks * block_size + slot) * num_kv_heads + head) * head_dim + dim);
 }
 
 /// The paged-cache adapter of one sequence (is_cache_adapter_v).
@@ -167,7 +168,9 @@ struct paged_sequence {
   {
     return slots_from_block_table(block_table.data(),
                                   static_cast<std::int64_t>(block_table.size()),
-                                  static_cast<std::int32_t>(block_size), first_position, tokens);
+                                  static_cast<std::int32_t>(block_size),
+                                  first_position,
+                                  tokens);
   }
   paged_kv_cache const& cache() const { return *cache_; }
   void commit(std::int64_t tokens) { computed_tokens += tokens; }

@@ -116,7 +116,7 @@ int main()
                   rp,
                   rope_op::forward);
   std::vector<bfloat16_t> const back = device_keys.to_host();  // waits for the device
-  std::size_t differing = 0;
+  std::size_t differing              = 0;
   for (std::size_t i = 0; i < host.size(); ++i) {
     differing += back[i].bits != host[i].bits;
   }

@@ -15,8 +15,8 @@
 #pragma once
 
 #include <inferscale/config.hpp>
-#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/cache/overlap.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 
@@ -93,11 +93,11 @@ struct paged_kv_layout {
   void dimensions(std::int64_t element_bytes, detail::stride_dimension* out) const noexcept
   {
     bool const chunked = token_chunk > 0;
-    out[0] = {num_blocks, block_stride * element_bytes};
+    out[0]             = {num_blocks, block_stride * element_bytes};
     out[1]             = {chunked ? token_chunk : block_size, token_stride * element_bytes};
-    out[2] = {num_heads, head_stride * element_bytes};
-    out[3] = {dim_chunk, dim_stride * element_bytes};
-    out[4] = {dim_chunk > 0 ? head_dim / dim_chunk : 0, chunk_stride * element_bytes};
+    out[2]             = {num_heads, head_stride * element_bytes};
+    out[3]             = {dim_chunk, dim_stride * element_bytes};
+    out[4]             = {dim_chunk > 0 ? head_dim / dim_chunk : 0, chunk_stride * element_bytes};
     out[5]             = {chunked ? block_size / token_chunk : 1,
               chunked ? token_chunk_stride * element_bytes : 0};
   }
@@ -312,9 +312,9 @@ struct paged_kv_cache {
         for (std::int32_t h = 0; h < count; ++h) {
           INFERSCALE_EXPECTS(std::isfinite(s[h]) && s[h] > 0.0f,
                              who + ": the " + (kv == 0 ? "key" : "value") + " scale of layer " +
-                               std::to_string(l) + (count > 1 ? ", head " + std::to_string(h) : "") +
-                               " is " + std::to_string(s[h]) +
-                               "; fp8 scales must be positive and finite");
+                               std::to_string(l) +
+                               (count > 1 ? ", head " + std::to_string(h) : "") + " is " +
+                               std::to_string(s[h]) + "; fp8 scales must be positive and finite");
         }
       }
     }
@@ -339,11 +339,12 @@ struct paged_kv_cache {
     };
     std::vector<range> ranges(static_cast<std::size_t>(regions));
     for (std::int32_t r = 0; r < regions; ++r) {
-      std::int64_t const b = base(r);
-      std::int64_t const n = r % 2 == 0 ? key_span : value_span;
-      ranges[static_cast<std::size_t>(r)] = {
-        b, n <= std::numeric_limits<std::int64_t>::max() - b ? b + n
-                                                              : std::numeric_limits<std::int64_t>::max()};
+      std::int64_t const b                = base(r);
+      std::int64_t const n                = r % 2 == 0 ? key_span : value_span;
+      ranges[static_cast<std::size_t>(r)] = {b,
+                                             n <= std::numeric_limits<std::int64_t>::max() - b
+                                               ? b + n
+                                               : std::numeric_limits<std::int64_t>::max()};
     }
     std::vector<range> sorted = ranges;
     std::sort(sorted.begin(), sorted.end(), [](range a, range b) { return a.begin < b.begin; });
@@ -364,7 +365,7 @@ struct paged_kv_cache {
           layout(i).dimensions(element_bytes, dims);
           dims[paged_kv_layout::address_dimensions] = {2,
                                                        difference < 0 ? -difference : difference};
-          std::int64_t reach = 0;
+          std::int64_t reach                        = 0;
           disjoint                                  = difference != 0 &&
                      detail::strides_disjoint(
                        dims, paged_kv_layout::address_dimensions + 1, element_bytes, &reach);
@@ -374,8 +375,8 @@ struct paged_kv_cache {
         }
         INFERSCALE_EXPECTS(disjoint,
                            "paged_kv_cache: " + detail::cache_region_name(i) + " and " +
-                             detail::cache_region_name(j) +
-                             " overlap in memory (bases " + std::to_string(base(j) - base(i)) +
+                             detail::cache_region_name(j) + " overlap in memory (bases " +
+                             std::to_string(base(j) - base(i)) +
                              " bytes apart); every layer's K and V must be disjoint");
       }
     }
@@ -454,15 +455,14 @@ inline std::vector<std::int64_t> slots_from_block_table(std::int32_t const* bloc
   INFERSCALE_EXPECTS(start_position <= std::numeric_limits<std::int64_t>::max() - num_tokens &&
                        num_block_ids <= std::numeric_limits<std::int64_t>::max() / block_size,
                      "slots_from_block_table: start " + std::to_string(start_position) + " + " +
-                       std::to_string(num_tokens) + " tokens, or " +
-                       std::to_string(num_block_ids) + " blocks of " +
-                       std::to_string(block_size) + ", overflow 64 bits");
-  INFERSCALE_EXPECTS(start_position + num_tokens <= num_block_ids * block_size,
-                     "slots_from_block_table: tokens " + std::to_string(start_position) + " .. " +
-                       std::to_string(start_position + num_tokens) + " need " +
-                       detail::count_of(detail::ceil_div(start_position + num_tokens, block_size),
-                                        "block") +
-                       ", the table has " + std::to_string(num_block_ids));
+                       std::to_string(num_tokens) + " tokens, or " + std::to_string(num_block_ids) +
+                       " blocks of " + std::to_string(block_size) + ", overflow 64 bits");
+  INFERSCALE_EXPECTS(
+    start_position + num_tokens <= num_block_ids * block_size,
+    "slots_from_block_table: tokens " + std::to_string(start_position) + " .. " +
+      std::to_string(start_position + num_tokens) + " need " +
+      detail::count_of(detail::ceil_div(start_position + num_tokens, block_size), "block") +
+      ", the table has " + std::to_string(num_block_ids));
   std::vector<std::int64_t> slots(static_cast<std::size_t>(num_tokens));
   for (std::int64_t j = 0; j < num_tokens; ++j) {
     std::int64_t const p     = start_position + j;

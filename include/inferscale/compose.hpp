@@ -36,7 +36,7 @@ enum class fact_order : std::uint8_t {
 struct compose_options {
   std::int64_t first_position{0};  ///< p0: virtual position of the segment's first token (after
                                    ///< any system prompt the engine already holds)
-  fact_order order{fact_order::best_last};  ///< the one default (see fact_order)
+  fact_order order{fact_order::best_last};          ///< the one default (see fact_order)
   std::optional<std::uint64_t> instruction_prefix;  ///< a stored fact laid out first, if any
 };
 
@@ -116,8 +116,7 @@ inline composition compose(kv_store const& store,
   INFERSCALE_EXPECTS(
     total == 0 || total - 1 < rope_position_limit - options.first_position,
     "compose: the last position p0 + m - 1 = " + std::to_string(options.first_position) + " + " +
-      std::to_string(total - 1) +
-      " reaches " + detail::rope_position_limit_text() + ")");
+      std::to_string(total - 1) + " reaches " + detail::rope_position_limit_text() + ")");
 
   composition plan;
   plan.first_position = options.first_position;

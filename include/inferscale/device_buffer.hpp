@@ -122,8 +122,7 @@ class device_buffer {
   {
     std::vector<T> host(size_);
     if (size_ > 0) {
-      INFERSCALE_CUDA_TRY(
-        cudaMemcpyAsync(host.data(), data_, bytes(), cudaMemcpyDefault, stream_));
+      INFERSCALE_CUDA_TRY(cudaMemcpyAsync(host.data(), data_, bytes(), cudaMemcpyDefault, stream_));
       INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream_));
     }
     return host;

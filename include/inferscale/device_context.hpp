@@ -119,9 +119,7 @@ class device_context {
   /// @brief Both: the device index searched with `resources`, the device store injected on
   /// `stream` through `workspace`. @note Needs <inferscale/memory_device_index.cuh>.
   template <class Resources>
-  device_context(Resources const& resources,
-                 injection_workspace& workspace,
-                 stream_ref stream)
+  device_context(Resources const& resources, injection_workspace& workspace, stream_ref stream)
     : device_context{resources, &workspace, stream}
   {
   }
@@ -199,9 +197,7 @@ class device_context {
   }
 
   template <class Resources>
-  device_context(Resources const& resources,
-                 injection_workspace* workspace,
-                 stream_ref stream)
+  device_context(Resources const& resources, injection_workspace* workspace, stream_ref stream)
     : workspace_{workspace},
       stream_{stream},
       copy_stream_{stream},

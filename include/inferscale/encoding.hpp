@@ -29,13 +29,12 @@ template <class, class = void>
 struct has_encode_branches : std::false_type {
 };
 template <class M>
-struct has_encode_branches<
-  M,
-  std::void_t<decltype(std::declval<M&>().encode_branches(
-    std::declval<std::vector<std::int32_t> const&>(),
-    std::int64_t{},
-    std::declval<std::vector<encoding_branch> const&>(),
-    std::declval<kv_capture&>()))>> : std::true_type {
+struct has_encode_branches<M,
+                           std::void_t<decltype(std::declval<M&>().encode_branches(
+                             std::declval<std::vector<std::int32_t> const&>(),
+                             std::int64_t{},
+                             std::declval<std::vector<encoding_branch> const&>(),
+                             std::declval<kv_capture&>()))>> : std::true_type {
 };
 }  // namespace detail
 
@@ -160,7 +159,8 @@ encode_report encode_plan(ModelAdapter& model, kv_store& store, encoding_plan co
           tokens.insert(tokens.end(), b.token_ids.begin(), b.token_ids.end());
           kv_capture capture{model.geometry(), static_cast<std::int64_t>(tokens.size())};
           model.encode(tokens, job.first_position, capture);
-          store_captured_facts(store, capture, {{b.fact_id, b.namespace_id, b.attach, b.token_ids}});
+          store_captured_facts(
+            store, capture, {{b.fact_id, b.namespace_id, b.attach, b.token_ids}});
           report.forward_tokens += static_cast<std::int64_t>(tokens.size());
           stored.push_back(b.fact_id);
         }

@@ -27,10 +27,12 @@
  *
  * | strategy | jobs | every fact sees |
  * |---|---|---|
- * | per_fact | one per fact, trunk = its window `[t-w, t)` (the paper) | exactly `min(w, t)` turns |
- * | shared_window | one per source turn: its facts are sibling branches of one window | exactly `min(w, t)` turns |
- * | aligned | one per window start rounded down to `stride`: trunk `[a, t_max)`, facts branch at their own turn | `[a, t)` ⊇ `[t-w, t)` |
- * | single_pass | one causal pass over the conversation, cut into segments that fit `max_sequence_tokens`, consecutive segments overlapping by `w` turns | `[a, t)` ⊇ `[t-w, t)` |
+ * | per_fact | one per fact, trunk = its window `[t-w, t)` (the paper) | exactly `min(w, t)` turns
+ * | | shared_window | one per source turn: its facts are sibling branches of one window | exactly
+ * `min(w, t)` turns | | aligned | one per window start rounded down to `stride`: trunk `[a,
+ * t_max)`, facts branch at their own turn | `[a, t)` ⊇ `[t-w, t)` | | single_pass | one causal pass
+ * over the conversation, cut into segments that fit `max_sequence_tokens`, consecutive segments
+ * overlapping by `w` turns | `[a, t)` ⊇ `[t-w, t)` |
  *
  * ## Which turns a fact's K/V depend on (the fact lifecycle)
  *
@@ -210,8 +212,8 @@ class trunk_builder {
   }
   std::vector<std::int32_t> const& header_of(std::int64_t u) const
   {
-    return c_->session_headers[static_cast<std::size_t>(
-      c_->turns[static_cast<std::size_t>(u)].session)];
+    return c_
+      ->session_headers[static_cast<std::size_t>(c_->turns[static_cast<std::size_t>(u)].session)];
   }
 
   /// @brief Tokens of a trunk starting at turn `a` up to the attach point of turn `t` (a <= t).
@@ -266,12 +268,12 @@ inline void validate(conversation const& c,
                      std::vector<conversation_fact> const& facts,
                      encoding_options const& o)
 {
-  INFERSCALE_EXPECTS(o.window >= 0,
-                     "plan_encoding: the window w must be non-negative, got " +
-                       std::to_string(o.window));
-  INFERSCALE_EXPECTS(o.stride >= 0,
-                     "plan_encoding: the stride must be non-negative, got " +
-                       std::to_string(o.stride));
+  INFERSCALE_EXPECTS(
+    o.window >= 0,
+    "plan_encoding: the window w must be non-negative, got " + std::to_string(o.window));
+  INFERSCALE_EXPECTS(
+    o.stride >= 0,
+    "plan_encoding: the stride must be non-negative, got " + std::to_string(o.stride));
   INFERSCALE_EXPECTS(o.max_sequence_tokens >= 0,
                      "plan_encoding: max_sequence_tokens must be non-negative, got " +
                        std::to_string(o.max_sequence_tokens));
@@ -287,12 +289,11 @@ inline void validate(conversation const& c,
                        "plan_encoding: turn " + std::to_string(u) + " is in session " +
                          std::to_string(turn.session) + " after a turn of session " +
                          std::to_string(previous) + " (sessions must not decrease)");
-    INFERSCALE_EXPECTS(
-      c.session_headers.empty() ||
-        turn.session < static_cast<std::int32_t>(c.session_headers.size()),
-      "plan_encoding: turn " + std::to_string(u) + " is in session " +
-        std::to_string(turn.session) + " but only " + std::to_string(c.session_headers.size()) +
-        " session headers are given");
+    INFERSCALE_EXPECTS(c.session_headers.empty() ||
+                         turn.session < static_cast<std::int32_t>(c.session_headers.size()),
+                       "plan_encoding: turn " + std::to_string(u) + " is in session " +
+                         std::to_string(turn.session) + " but only " +
+                         std::to_string(c.session_headers.size()) + " session headers are given");
     previous = turn.session;
   }
   std::unordered_set<std::uint64_t> ids;
@@ -416,7 +417,8 @@ inline encoding_plan plan_encoding(conversation const& c,
       break;
     }
     case encoding_strategy::aligned: {
-      std::int64_t const stride = options.stride > 0 ? options.stride : std::max<std::int64_t>(1, w);
+      std::int64_t const stride =
+        options.stride > 0 ? options.stride : std::max<std::int64_t>(1, w);
       std::map<std::int64_t, std::vector<std::size_t>> groups;
       for (std::size_t i : order) {
         std::int64_t const t = anchor_of(facts[i]);

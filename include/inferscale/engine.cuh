@@ -279,8 +279,7 @@ inline void store_captured_facts(kv_store& store,
       using S = typename decltype(tag)::type;
       if constexpr (std::is_same_v<S, float> || std::is_same_v<S, half_t> ||
                     std::is_same_v<S, bfloat16_t>) {
-        detail::capture_scatter_kernel<S>
-          <<<grid, detail::capture_threads, 0, stream.get()>>>(args);
+        detail::capture_scatter_kernel<S><<<grid, detail::capture_threads, 0, stream.get()>>>(args);
         INFERSCALE_CHECK_LAUNCH();
       }
     });

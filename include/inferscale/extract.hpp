@@ -68,11 +68,11 @@ void check_extraction(paged_kv_cache const& cache,
   check_rotation_layers(rotation, cache.num_layers, who);
   INFERSCALE_EXPECTS(!store.contains(fact_id),
                      std::string{who} + ": fact id " + std::to_string(fact_id) + " already stored");
-  INFERSCALE_EXPECTS(store.pages_for(static_cast<std::int64_t>(slots.size())) <= store.free_pages(),
-                     std::string{who} + ": fact " + std::to_string(fact_id) + " needs " +
-                       detail::count_of(store.pages_for(static_cast<std::int64_t>(slots.size())),
-                                        "page") +
-                       ", " + std::to_string(store.free_pages()) + " free (capacity exhausted)");
+  INFERSCALE_EXPECTS(
+    store.pages_for(static_cast<std::int64_t>(slots.size())) <= store.free_pages(),
+    std::string{who} + ": fact " + std::to_string(fact_id) + " needs " +
+      detail::count_of(store.pages_for(static_cast<std::int64_t>(slots.size())), "page") + ", " +
+      std::to_string(store.free_pages()) + " free (capacity exhausted)");
   if (backend == memory_space::host) { cache.check_scale_values(who); }
 }
 
@@ -118,8 +118,8 @@ void extract_host_typed(paged_kv_cache const& cache,
     }
     for (std::int32_t l = 0; l < cache.num_layers; ++l) {
       rope_cos_sin const* const cos_sin = rows.data() + rotation_of_layer(rotation, l) * pairs;
-      StoreT* const krow      = CheckOnly ? nullptr : pool + store.row_offset(store_tokens[i], l, 0);
-      StoreT* const vrow      = CheckOnly ? nullptr : pool + store.row_offset(store_tokens[i], l, 1);
+      StoreT* const krow = CheckOnly ? nullptr : pool + store.row_offset(store_tokens[i], l, 0);
+      StoreT* const vrow = CheckOnly ? nullptr : pool + store.row_offset(store_tokens[i], l, 1);
       auto const* const kbase = static_cast<CacheT const*>(cache.key_base[l]);
       auto const* const vbase = static_cast<CacheT const*>(cache.value_base[l]);
       for (std::int32_t h = 0; h < store.num_heads; ++h) {
@@ -246,15 +246,14 @@ void extract_host(paged_kv_cache const& cache,
                                   rotation,
                                   store.ref(),
                                   &fault);
-  INFERSCALE_EXPECTS(!fault.found,
-                     "extract_host: token " + std::to_string(fault.token) + " (slot " +
-                       std::to_string(fault.found ? slots[static_cast<std::size_t>(fault.token)]
-                                                  : 0) +
-                       ") would store a non-finite " + (fault.value ? "value" : "key") +
-                       " element (" + std::to_string(fault.element) + ") at layer " +
-                       std::to_string(fault.layer) + ", head " + std::to_string(fault.head) +
-                       " in the store dtype " + to_string(store.store_dtype()) +
-                       "; NaN, infinities and overflowing values are refused");
+  INFERSCALE_EXPECTS(
+    !fault.found,
+    "extract_host: token " + std::to_string(fault.token) + " (slot " +
+      std::to_string(fault.found ? slots[static_cast<std::size_t>(fault.token)] : 0) +
+      ") would store a non-finite " + (fault.value ? "value" : "key") + " element (" +
+      std::to_string(fault.element) + ") at layer " + std::to_string(fault.layer) + ", head " +
+      std::to_string(fault.head) + " in the store dtype " + to_string(store.store_dtype()) +
+      "; NaN, infinities and overflowing values are refused");
   fact_record const& fact = store.reserve(fact_id, namespace_id, std::move(token_ids));
   std::vector<std::int64_t> const store_tokens = detail::fact_store_tokens(store, fact);
   detail::extract_host_view<false>(cache,

@@ -125,7 +125,8 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void exact_search(raft::resources const& res,
  * @note Enqueued on the resources' stream; does not wait for the kernel (the host staging of the
  *       tenant table is consumed before returning). A query with a NaN or infinite element, a
  *       zero query under cosine or a squared norm above 1e30 under inner product or squared L2
- *       gets a row of invalid ids / +inf (the host never reads device queries). Mutating the index while a search is in flight is the caller's race.
+ *       gets a row of invalid ids / +inf (the host never reads device queries). Mutating the index
+ * while a search is in flight is the caller's race.
  */
 INFERSCALE_DEVICE_INDEX_LINKAGE void search(raft::resources const& res,
                                             graph_index const& index,

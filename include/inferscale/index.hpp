@@ -177,7 +177,7 @@ class graph_index {
    * `detail::index::estimated_graph_distances` with the backend's measured factor.
    */
   std::int64_t exact_search_threshold(search_params const& p = {},
-                                      std::uint32_t rows = 100000) const noexcept;
+                                      std::uint32_t rows     = 100000) const noexcept;
 
   // ---------------------------------------------------------------------------------------------
   // Sizes: namespaces and facts
@@ -360,12 +360,14 @@ class graph_index {
 
   /// The resolved plan of a search of one tenant of `n` rows (itopk raised to k, automatic
   /// iteration bound). Shared by both backends.
-  detail::index::search_plan plan_for(std::uint32_t n, std::uint32_t k,
+  detail::index::search_plan plan_for(std::uint32_t n,
+                                      std::uint32_t k,
                                       search_params const& p) const noexcept;
 
   /// `p` with its split resolved for a batch of `queries` graph searches: `ctas_per_query` 0
   /// (automatic) becomes auto_ctas_per_query; any other value stays.
-  static search_params resolve_split(search_params const& p, std::int64_t queries,
+  static search_params resolve_split(search_params const& p,
+                                     std::int64_t queries,
                                      std::uint32_t k) noexcept;
 
   /// The parameters of part `c` of a split search (`search_params::ctas_per_query`): the part's
@@ -390,8 +392,10 @@ class graph_index {
                                          cuda::std::span<std::uint64_t const> namespaces,
                                          std::uint32_t k,
                                          search_params const& params,
-                                         std::int64_t ids_rows, std::int64_t ids_cols,
-                                         std::int64_t dist_rows, std::int64_t dist_cols) const;
+                                         std::int64_t ids_rows,
+                                         std::int64_t ids_cols,
+                                         std::int64_t dist_rows,
+                                         std::int64_t dist_cols) const;
 
   // ---------------------------------------------------------------------------------------------
   // Arena state
@@ -495,14 +499,12 @@ class graph_index {
    * handed out as spare capacity in proportion to the sizes, at most a quarter of a tenant's size
    * each. Re-uploads a device index. Does not change `version()`.
    */
-  void repack(std::vector<std::uint8_t> const& rebuild, std::int64_t spare,
+  void repack(std::vector<std::uint8_t> const& rebuild,
+              std::int64_t spare,
               graph_builder const& builder);
 
   /// Whether the fast host search walks a float16 copy of the rows (`host_traversal_dtype`).
-  bool traverses_fp16() const noexcept
-  {
-    return config_.host_traversal_dtype == dtype::float16;
-  }
+  bool traverses_fp16() const noexcept { return config_.host_traversal_dtype == dtype::float16; }
 
   static void check_traversal_dtype(index_config const& config, char const* who);
 
@@ -533,7 +535,9 @@ class graph_index {
 
   /// Inserts row `v` of tenant `t` into the graph of rows `[0, v)` (CAGRA extend, sequential);
   /// `in_degree` (edges into each row) is kept up to date.
-  void insert_node(std::size_t t, std::uint32_t v, std::vector<std::uint32_t>& in_degree,
+  void insert_node(std::size_t t,
+                   std::uint32_t v,
+                   std::vector<std::uint32_t>& in_degree,
                    detail::index::search_scratch& scratch);
 
   float node_distance(std::size_t t, std::uint32_t a, std::uint32_t b) const;
@@ -627,7 +631,6 @@ class graph_index {
   std::int64_t d_capacity_{0};
   detail::index::nn_descent_report last_nn_descent_{};
 };
-
 
 }  // namespace inferscale
 

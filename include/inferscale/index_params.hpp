@@ -9,8 +9,8 @@
 #pragma once
 
 #include <inferscale/detail/index/graph_build.hpp>
-#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/index/math.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/memory_space.hpp>
 #include <inferscale/views.hpp>
@@ -30,13 +30,16 @@ using matrix_view = cuda::std::mdspan<T, extents_t<2>, cuda::std::layout_stride>
 
 /// @brief Makes a matrix_view; `row_stride` defaults to `cols` (contiguous rows).
 template <class T>
-matrix_view<T> make_matrix_view(T* data, std::int64_t rows, std::int64_t cols,
+matrix_view<T> make_matrix_view(T* data,
+                                std::int64_t rows,
+                                std::int64_t cols,
                                 std::int64_t row_stride = -1)
 {
   using mapping = cuda::std::layout_stride::mapping<extents_t<2>>;
-  return matrix_view<T>{data, mapping{extents_t<2>{rows, cols},
-                                      cuda::std::array<std::int64_t, 2>{
-                                        row_stride < 0 ? cols : row_stride, std::int64_t{1}}}};
+  return matrix_view<T>{data,
+                        mapping{extents_t<2>{rows, cols},
+                                cuda::std::array<std::int64_t, 2>{
+                                  row_stride < 0 ? cols : row_stride, std::int64_t{1}}}};
 }
 
 /// @brief How the host builds the kNN graph a namespace's graph is pruned from (a
@@ -84,12 +87,12 @@ class memory_resource;  // memory_resource.hpp
 
 /// @brief Fixed properties of an index, chosen at construction.
 struct index_config {
-  std::int64_t dim{0};                                ///< embedding dimension
-  distance_metric metric{distance_metric::cosine};    ///< how embeddings compare
-  dtype vector_dtype{dtype::float32};                 ///< stored as float32 or float16
-  std::uint32_t graph_degree{32};                     ///< CAGRA `graph_degree` (final out-degree)
-  std::uint32_t intermediate_graph_degree{64};        ///< CAGRA `intermediate_graph_degree`
-  memory_space space{memory_space::host};             ///< where searches run
+  std::int64_t dim{0};                              ///< embedding dimension
+  distance_metric metric{distance_metric::cosine};  ///< how embeddings compare
+  dtype vector_dtype{dtype::float32};               ///< stored as float32 or float16
+  std::uint32_t graph_degree{32};                   ///< CAGRA `graph_degree` (final out-degree)
+  std::uint32_t intermediate_graph_degree{64};      ///< CAGRA `intermediate_graph_degree`
+  memory_space space{memory_space::host};           ///< where searches run
   /// Where a device index allocates its device arrays (on the null stream); null: cudaMalloc.
   /// Not owned: it must outlive the index. Not stored by `save_index` (like `space`).
   memory_resource* resource{nullptr};
@@ -166,7 +169,9 @@ struct index_config {
 constexpr std::uint32_t default_host_entry_points(std::uint32_t rows) noexcept
 {
   std::uint32_t e = 64;
-  while (e < 2048 && std::uint64_t{e} * e < std::uint64_t{16} * rows) { ++e; }
+  while (e < 2048 && std::uint64_t{e} * e < std::uint64_t{16} * rows) {
+    ++e;
+  }
   return std::min(e, rows);
 }
 
@@ -203,7 +208,9 @@ constexpr std::uint32_t resolved_itopk(std::uint32_t itopk_size, std::uint32_t k
 }
 
 /// @brief The top list of each part of a split search (`search_params::ctas_per_query`).
-constexpr std::uint32_t split_itopk(std::uint32_t itopk, std::uint32_t k, std::uint32_t parts) noexcept
+constexpr std::uint32_t split_itopk(std::uint32_t itopk,
+                                    std::uint32_t k,
+                                    std::uint32_t parts) noexcept
 {
   std::uint32_t const t = detail::ceil_div(itopk, parts);
   return t < k ? k : t;
@@ -228,7 +235,8 @@ inline constexpr std::uint32_t split_auto_min_part_itopk = 16;
  * raised to k, so the parts' lists together hold at most itopk + P - 1 entries).
  * At the defaults (itopk 64, k 10): 4 parts up to 32 queries, 2 up to 64, then 1.
  */
-constexpr std::uint32_t auto_ctas_per_query(std::int64_t queries, std::uint32_t itopk,
+constexpr std::uint32_t auto_ctas_per_query(std::int64_t queries,
+                                            std::uint32_t itopk,
                                             std::uint32_t k) noexcept
 {
   std::uint32_t const floor_list = k > split_auto_min_part_itopk ? k : split_auto_min_part_itopk;
@@ -253,7 +261,7 @@ struct search_params {
   /// calibrated list size, the smallest of a grid (10 .. 256) that reached recall@10 0.99 on its
   /// own rows when its entry points were chosen.
   std::uint32_t itopk_size{0};
-  std::uint32_t search_width{1};           ///< parents per iteration (1..64)
+  std::uint32_t search_width{1};  ///< parents per iteration (1..64)
   /// 0 = CAGRA's automatic bound. (CAGRA's `min_iterations` has no counterpart: here a step
   /// with no new parent changes nothing, so the search simply ends.)
   std::uint32_t max_iterations{0};
@@ -261,7 +269,7 @@ struct search_params {
   /// unseeded on clustered embeddings (cuVS issue #2102: ~60 % recall at N >= 100k); measured
   /// here on a 200-cluster mixture (20k x 384): 1 -> 0.43, 4 -> 0.90, 8 -> 0.995 recall@10.
   std::uint32_t num_random_samplings{8};
-  std::uint64_t rand_xor_mask{0x128394};   ///< seed generator mask
+  std::uint64_t rand_xor_mask{0x128394};  ///< seed generator mask
   search_algo algo{search_algo::automatic};
   /// Host backend only. Under `host_search_mode::fast` the search keeps `itopk_size` (at least
   /// k) results (hnswlib's `ef`), expands one node at a time, and `search_width`,
@@ -310,8 +318,11 @@ struct graph_builder {
   /// kNN: `(rows, n, k, out[n][k])` for the tenant's padded rows of the index dtype.
   std::function<void(void const* rows, std::uint32_t n, std::uint32_t k, std::uint32_t* out)> knn;
   /// Pruning: `(knn[n][k], n, k, degree, out[n][degree])`.
-  std::function<void(std::uint32_t const* knn, std::uint32_t n, std::uint32_t k,
-                     std::uint32_t degree, std::uint32_t* out)>
+  std::function<void(std::uint32_t const* knn,
+                     std::uint32_t n,
+                     std::uint32_t k,
+                     std::uint32_t degree,
+                     std::uint32_t* out)>
     prune;
 };
 

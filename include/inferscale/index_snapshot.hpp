@@ -3,10 +3,11 @@
  * @brief Index snapshots: `save_index` writes a `graph_index` (configuration and every live
  * namespace's rows: fact ids, deleted flags, vectors, graph, and the fast host search's entry
  * points and calibrated list) to one CRC-checked file; `load_index` checks all of it and rebuilds
- * the index in host or device memory, one that answers every search as the saved one did. The free `save_*` / `load_*`
- * of the library, one per owner: `save_store` / `load_store` (snapshot.hpp), `save_index` /
- * `load_index` (here), `save_tiers` / `load_tiers` (tier.hpp), `save_memory` / `load_memory`
- * (memory.hpp). The file format and its checked parser are in `detail/index/serialize.hpp`.
+ * the index in host or device memory, one that answers every search as the saved one did. The free
+ * `save_*` / `load_*` of the library, one per owner: `save_store` / `load_store` (snapshot.hpp),
+ * `save_index` / `load_index` (here), `save_tiers` / `load_tiers` (tier.hpp), `save_memory` /
+ * `load_memory` (memory.hpp). The file format and its checked parser are in
+ * `detail/index/serialize.hpp`.
  */
 #pragma once
 

@@ -171,7 +171,8 @@ class injection_workspace {
   /// @brief Zeroes the device counters on `stream`. Never waits.
   void reset_errors_async(cuda::stream_ref stream)
   {
-    INFERSCALE_CUDA_TRY(cudaMemsetAsync(errors_.data(), 0, sizeof(inject_device_errors), stream.get()));
+    INFERSCALE_CUDA_TRY(
+      cudaMemsetAsync(errors_.data(), 0, sizeof(inject_device_errors), stream.get()));
   }
 
   /// @brief Copies the device counters to the host. @note Waits for `stream`.
@@ -241,8 +242,8 @@ void check_dtype_pair(dtype store, dtype cache, char const* what)
   if constexpr (!std::is_void_v<StoreT>) {
     INFERSCALE_EXPECTS(store == dtype_of_v<StoreT> && cache == dtype_of_v<CacheT>,
                        std::string{what} + "<" + to_string(dtype_of_v<StoreT>) + ", " +
-                         to_string(dtype_of_v<CacheT>) + ">: the store holds " +
-                         to_string(store) + " and the cache " + to_string(cache));
+                         to_string(dtype_of_v<CacheT>) + ">: the store holds " + to_string(store) +
+                         " and the cache " + to_string(cache));
   }
 }
 
@@ -370,9 +371,8 @@ void inject_batch_device(kv_store const& store,
   batch.check_target(cache, who);
   check_injection(store, batch, cache, rotation, memory_space::device, who);
   INFERSCALE_EXPECTS(batch.num_tokens() <= workspace.capacity(),
-                     std::string{who} + ": the batch has " +
-                       count_of(batch.num_tokens(), "token") + ", the workspace holds " +
-                       std::to_string(workspace.capacity()));
+                     std::string{who} + ": the batch has " + count_of(batch.num_tokens(), "token") +
+                       ", the workspace holds " + std::to_string(workspace.capacity()));
   // A wrong pair is refused before staging (the raw launch would refuse it after).
   check_dtype_pair<StoreT, CacheT>(store.store_dtype(), cache.cache_dtype, who);
   workspace.stage(batch, stream);
@@ -453,7 +453,7 @@ void extract(paged_kv_cache const& cache,
   std::vector<std::int64_t> host(static_cast<std::size_t>(3 * n));
   device_buffer<std::int64_t> arrays(host.size(), stream.get());
   std::int64_t* const device = arrays.data();
-  fact_record const& fact = store.reserve(fact_id, namespace_id, std::move(token_ids));
+  fact_record const& fact    = store.reserve(fact_id, namespace_id, std::move(token_ids));
   try {
     std::vector<std::int64_t> const store_tokens = detail::fact_store_tokens(store, fact);
     std::copy(store_tokens.begin(), store_tokens.end(), host.begin());

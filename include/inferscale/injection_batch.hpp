@@ -472,9 +472,8 @@ class injection_batch {
       m == 0 || (plan.first_position >= 0 && plan.first_position < rope_position_limit &&
                  m - 1 < rope_position_limit - plan.first_position),
       std::string{who} + ": the plan's positions " + std::to_string(plan.first_position) +
-        " .. p0 + " + std::to_string(m - 1) +
-        " must be non-negative and below " + detail::rope_position_limit_text() +
-        "), whatever the model");
+        " .. p0 + " + std::to_string(m - 1) + " must be non-negative and below " +
+        detail::rope_position_limit_text() + "), whatever the model");
   }
 };
 
@@ -484,7 +483,7 @@ inline void injection_batch::add_slots(composition const& plan,
 {
   check_store(who);
   std::int64_t const num_slots = static_cast<std::int64_t>(slot_mapping.size());
-  std::int64_t const m = plan.length();
+  std::int64_t const m         = plan.length();
   INFERSCALE_EXPECTS(static_cast<std::int64_t>(plan.sources.size()) == m,
                      std::string{who} + ": the plan has " +
                        detail::count_of(static_cast<std::int64_t>(plan.sources.size()), "source") +

@@ -33,13 +33,13 @@
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
-#include <inferscale/device_buffer.hpp>
-#include <inferscale/memory_resource.hpp>
 #include <inferscale/detail/capture/kernels.cuh>
 #include <inferscale/detail/capture/rows_written.hpp>
+#include <inferscale/device_buffer.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/geometry.hpp>
+#include <inferscale/memory_resource.hpp>
 #include <inferscale/views.hpp>
 
 #include <cuda/stream_ref>

@@ -617,10 +617,9 @@ class memory {
   static snapshot_manifest parse_manifest(std::vector<unsigned char> const& b,
                                           std::string const& where);
 
-  static constexpr unsigned char manifest_magic[8]  = {0x89, 'I', 'S', 'M', 'E', 'M', 0x0D, 0x0A};
-  static constexpr unsigned char lifecycle_magic[8] = {0x89, 'I', 'S', 'L', 'C', 'Y', 0x0D, 0x0A};
-  static constexpr unsigned char application_magic[8] = {
-    0x89, 'I', 'S', 'A', 'P', 'P', 0x0D, 0x0A};
+  static constexpr unsigned char manifest_magic[8]    = {0x89, 'I', 'S', 'M', 'E', 'M', 0x0D, 0x0A};
+  static constexpr unsigned char lifecycle_magic[8]   = {0x89, 'I', 'S', 'L', 'C', 'Y', 0x0D, 0x0A};
+  static constexpr unsigned char application_magic[8] = {0x89, 'I', 'S', 'A', 'P', 'P', 0x0D, 0x0A};
 
   struct lifecycle_out;
 

@@ -88,10 +88,11 @@ void rope_apply_async(token_head_view<T> x,
   args.tile_tokens                   = std::clamp<std::int64_t>(
     detail::ceil_div(policy::items_per_tile, items_per_token), 1, policy::max_tile_tokens);
   // The kernel indexes a tile's items and cos/sin entries in 32 bits.
-  INFERSCALE_EXPECTS(args.tile_tokens * std::max<std::int64_t>(items_per_token, rotation.num_pairs()) <=
-                       std::int64_t{0x7fffffff},
-                     "rope_apply_async: " + std::to_string(x.extent(1)) + " heads of " +
-                       std::to_string(chunks) + " chunks per token exceed the kernel's 32-bit tile");
+  INFERSCALE_EXPECTS(
+    args.tile_tokens * std::max<std::int64_t>(items_per_token, rotation.num_pairs()) <=
+      std::int64_t{0x7fffffff},
+    "rope_apply_async: " + std::to_string(x.extent(1)) + " heads of " + std::to_string(chunks) +
+      " chunks per token exceed the kernel's 32-bit tile");
 
   int device = 0, sm_count = 0;
   INFERSCALE_CUDA_TRY(cudaGetDevice(&device));
@@ -99,9 +100,9 @@ void rope_apply_async(token_head_view<T> x,
   std::int64_t const tiles      = detail::ceil_div(x.extent(0), args.tile_tokens);
   std::int64_t const max_blocks = static_cast<std::int64_t>(sm_count) * policy::blocks_per_sm;
   auto const grid               = static_cast<unsigned>(std::min(tiles, max_blocks));
-  auto const shared_bytes =
-    static_cast<std::size_t>(detail::cos_sin_tile_entries(args.tile_tokens * rotation.num_pairs())) *
-    sizeof(rope_cos_sin);
+  auto const shared_bytes       = static_cast<std::size_t>(detail::cos_sin_tile_entries(
+                              args.tile_tokens * rotation.num_pairs())) *
+                            sizeof(rope_cos_sin);
 
   if (vectorized) {
     detail::rope_apply_kernel<policy, T, Rotation, true>

@@ -130,8 +130,9 @@ struct rope_spec {
   /**
    * @brief The attention factor `a` multiplying cos and sin (1 except yarn and longrope): yarn
    * `m(f, mscale) / m(f, mscale_all_dim)` when both are given and non-zero, else `m(f, 1)`, with
-   * `m(f, k) = 0.1 k ln f + 1`; longrope `sqrt(1 + ln(Lmax / L0) / ln L0)` (rope_spec_from_hf_config
-   * sets `attention_factor` from an explicit LongRoPE `factor`, as HF derives it from that).
+   * `m(f, k) = 0.1 k ln f + 1`; longrope `sqrt(1 + ln(Lmax / L0) / ln L0)`
+   * (rope_spec_from_hf_config sets `attention_factor` from an explicit LongRoPE `factor`, as HF
+   * derives it from that).
    */
   inline double attention_scaling(std::int64_t total_length = 0) const;
 };

@@ -2,11 +2,11 @@
  * @file snapshot.hpp
  * @brief Store snapshots: `save_store` writes a `kv_store` (configuration, catalogue, namespaces,
  * free-page order and the pages in use) to one file; `load_store` rebuilds it, in host or device
- * memory and, if asked, in another store dtype; the incremental `load_store(path, target, previous)`
- * reads only the facts `previous` does not hold with the file's bytes. Plain C++17 plus the CUDA runtime API (like
- * store.hpp; a host store never calls it). The format's constants and element helpers are in
- * detail/snapshot/format.hpp; saving and loading are defined in detail/snapshot/ (store_access.hpp,
- * save.inl, load.inl).
+ * memory and, if asked, in another store dtype; the incremental `load_store(path, target,
+ * previous)` reads only the facts `previous` does not hold with the file's bytes. Plain C++17 plus
+ * the CUDA runtime API (like store.hpp; a host store never calls it). The format's constants and
+ * element helpers are in detail/snapshot/format.hpp; saving and loading are defined in
+ * detail/snapshot/ (store_access.hpp, save.inl, load.inl).
  *
  * File format, version 2 (version 1, read as well, is the same without the fact table). Every
  * integer and every pool element is little-endian whatever the
@@ -179,8 +179,8 @@ inline void save_store(kv_store const& store, std::string const& path)
  * @note Peak host memory is the pool (host store) plus the catalogue and 8 MiB of staging.
  * @note The pool is allocated at the capacity and page size the file's header states (free
  * pages' bytes are not stored, so a file of a few hundred bytes may state gigabytes); to read
- * files from a source you do not trust, use the overload taking the target configuration, which refuses another geometry,
- * page size or capacity before allocating anything.
+ * files from a source you do not trust, use the overload taking the target configuration, which
+ * refuses another geometry, page size or capacity before allocating anything.
  */
 inline kv_store load_store(std::string const& path, store_load_options const& options = {})
 {

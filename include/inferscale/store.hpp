@@ -324,9 +324,9 @@ class kv_store {
     INFERSCALE_EXPECTS(keys.extent(3) == config_.model.head_dim,
                        "kv_store::insert: head_dim " + std::to_string(keys.extent(3)) +
                          " does not match the model's " + std::to_string(config_.model.head_dim));
-    INFERSCALE_EXPECTS(keys.data_handle() != nullptr && values.data_handle() != nullptr,
-                       "kv_store::insert: fact " + std::to_string(fact_id) +
-                         " has null key or value data");
+    INFERSCALE_EXPECTS(
+      keys.data_handle() != nullptr && values.data_handle() != nullptr,
+      "kv_store::insert: fact " + std::to_string(fact_id) + " has null key or value data");
     for (auto const* v : {&keys, &values}) {
       for (int r = 0; r < 4; ++r) {
         INFERSCALE_EXPECTS(v->stride(r) >= 0,
@@ -521,8 +521,7 @@ class kv_store {
     INFERSCALE_EXPECTS(extent == model_count,
                        std::string{"kv_store::insert: views have "} +
                          detail::count_of(extent, what) + ", expected the model's " +
-                         std::to_string(model_count) + " or this shard's " +
-                         std::to_string(count));
+                         std::to_string(model_count) + " or this shard's " + std::to_string(count));
     return first;
   }
 

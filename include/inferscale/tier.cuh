@@ -35,8 +35,9 @@ void tiered_store::run(tier_request& request,
   injection_workspace& workspace = *device.workspace();
   cuda::stream_ref const stream  = device.stream();
   INFERSCALE_EXPECTS(batch.num_pending_commits() == 0,
-                     std::string{who} + ": the batch holds cache adapters, which commit only "
-                                        "through injection_batch::run");
+                     std::string{who} +
+                       ": the batch holds cache adapters, which commit only "
+                       "through injection_batch::run");
   batch.check_target(cache, who);
   detail::check_injection(store, batch, cache, rotation, memory_space::device, who);
   INFERSCALE_EXPECTS(batch.num_tokens() <= workspace.capacity(),
@@ -44,11 +45,10 @@ void tiered_store::run(tier_request& request,
                        " tokens, the workspace holds " + std::to_string(workspace.capacity()));
   tier_split_batch const split = this->split(request, batch, who);
   if (!request.copies_issued) { stage_async(request, device.copy_stream().get(), stream.get()); }
-  workspace.stage(injection_batch_view{split.store_token.data(),
-                                       split.position.data(),
-                                       split.slot.data(),
-                                       split.num_tokens()},
-                  stream);
+  workspace.stage(
+    injection_batch_view{
+      split.store_token.data(), split.position.data(), split.slot.data(), split.num_tokens()},
+    stream);
   injection_batch_view const all = workspace.view();
   kv_store_ref const ref         = store.ref();
   if (split.resident > 0) {

@@ -621,11 +621,13 @@ TEST_CASE("slots from a block table: block_ids[p / BS] * BS + p % BS", "[cache]"
 TEST_CASE("index_divmod: the device's 32-bit division equals the 64-bit one wherever it is taken",
           "[cache][divmod]")
 {
-  std::vector<std::int64_t> const values{0,          1,           2,           3,
-                                         7,          16,          255,         4096,
-                                         65535,      65536,       1000003,     0x7fffffff,
-                                         0x80000000, 0xfffffffe,  0xffffffff,  0x100000000,
-                                         0x100000001, 0x7fffffffffffffff, -1, -16, -0x80000000LL};
+  std::vector<std::int64_t> const values{0,           1,           2,
+                                         3,           7,           16,
+                                         255,         4096,        65535,
+                                         65536,       1000003,     0x7fffffff,
+                                         0x80000000,  0xfffffffe,  0xffffffff,
+                                         0x100000000, 0x100000001, 0x7fffffffffffffff,
+                                         -1,          -16,         -0x80000000LL};
   std::mt19937_64 rng(11);
   std::vector<std::int64_t> samples = values;
   for (int i = 0; i < 600; ++i) {
@@ -637,12 +639,12 @@ TEST_CASE("index_divmod: the device's 32-bit division equals the 64-bit one wher
       if (b == 0 || (a == INT64_MIN && b == -1)) { continue; }
       detail::index_quotient const wide = detail::index_divmod(a, b);  // the host's: 64-bit
       bool const fits = a >= 0 && b >= 0 && a <= 0xffffffffLL && b <= 0xffffffffLL;
-      bool bad = wide.quotient != a / b || wide.remainder != a % b ||
+      bool bad        = wide.quotient != a / b || wide.remainder != a % b ||
                  detail::index_divmod_narrow_ok(a, b) != fits;
       if (fits) {
         ++narrow;
         detail::index_quotient const d = detail::index_divmod_narrow(a, b);
-        bad = bad || d.quotient != a / b || d.remainder != a % b;
+        bad                            = bad || d.quotient != a / b || d.remainder != a % b;
       }
       if (bad && wrong++ == 0) { FAIL_CHECK("index_divmod(" << a << ", " << b << ") differs"); }
     }

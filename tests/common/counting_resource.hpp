@@ -3,6 +3,8 @@
 // host-only tests can route a pinned store's pool through it without a GPU).
 #pragma once
 
+#include "stream_type.hpp"
+
 #include <inferscale/memory_resource.hpp>
 
 #include <cstddef>
@@ -15,7 +17,7 @@ namespace inferscale_test {
 class counting_resource final : public inferscale::memory_resource {
  public:
   struct call {
-    cudaStream_t stream;
+    stream_t stream;
     void* pointer;
     std::size_t bytes;
     std::size_t alignment;
@@ -30,7 +32,7 @@ class counting_resource final : public inferscale::memory_resource {
   std::vector<call> deallocations;
 
  private:
-  void* do_allocate(cudaStream_t stream, std::size_t bytes, std::size_t alignment) override
+  void* do_allocate(stream_t stream, std::size_t bytes, std::size_t alignment) override
   {
     void* p = nullptr;
     if (upstream_ != nullptr) {
@@ -43,7 +45,7 @@ class counting_resource final : public inferscale::memory_resource {
     allocations.push_back({stream, p, bytes, alignment});
     return p;
   }
-  void do_deallocate(cudaStream_t stream,
+  void do_deallocate(stream_t stream,
                      void* p,
                      std::size_t bytes,
                      std::size_t alignment) noexcept override

@@ -24,7 +24,7 @@ struct degenerate_set {
   std::int64_t dim{0};
   std::vector<float> mixed;  ///< namespace 1: ordinary rows beside every degenerate kind
   std::vector<std::string> mixed_names;
-  std::vector<float> identical;  ///< namespace 2: one ordinary vector, 30 times
+  std::vector<float> identical;             ///< namespace 2: one ordinary vector, 30 times
   std::vector<float> degenerate_identical;  ///< namespace 3: zero rows, or (cosine) one denormal
   std::vector<float> queries;
   std::vector<std::string> query_names;
@@ -36,11 +36,12 @@ struct degenerate_set {
 };
 
 /// @brief The set for `metric` and `vector_dtype` in `dim` dimensions (deterministic).
-inline degenerate_set make_degenerate_set(distance_metric metric, dtype vector_dtype,
+inline degenerate_set make_degenerate_set(distance_metric metric,
+                                          dtype vector_dtype,
                                           std::int64_t dim = 20)
 {
-  bool const cosine = metric == distance_metric::cosine;
-  bool const half   = vector_dtype == dtype::float16;
+  bool const cosine   = metric == distance_metric::cosine;
+  bool const half     = vector_dtype == dtype::float16;
   std::uint64_t state = 0x9E3779B97F4A7C15ull;
   auto uniform        = [&] {  // xorshift64 in [-1, 1)
     state ^= state << 13;
@@ -50,11 +51,15 @@ inline degenerate_set make_degenerate_set(distance_metric metric, dtype vector_d
   };
   auto ordinary = [&] {
     std::vector<float> v(static_cast<std::size_t>(dim));
-    for (auto& x : v) { x = uniform(); }
+    for (auto& x : v) {
+      x = uniform();
+    }
     return v;
   };
   auto scaled = [](std::vector<float> v, float s) {
-    for (auto& x : v) { x *= s; }
+    for (auto& x : v) {
+      x *= s;
+    }
     return v;
   };
   float const denorm_min = std::numeric_limits<float>::denorm_min();  // 2^-149
@@ -68,10 +73,10 @@ inline degenerate_set make_degenerate_set(distance_metric metric, dtype vector_d
   mixed_scale[1 % dim]            = denorm_min;
   mixed_scale[2 % dim]            = -3 * denorm_min;
   // the largest values accepted: every element, and one element alone
-  float const largest_all =
-    cosine ? std::numeric_limits<float>::max()
-    : half ? 65504.0f
-           : static_cast<float>(std::sqrt(0.95e30 / static_cast<double>(dim)));
+  float const largest_all = cosine ? std::numeric_limits<float>::max()
+                            : half
+                              ? 65504.0f
+                              : static_cast<float>(std::sqrt(0.95e30 / static_cast<double>(dim)));
   float const largest_one = cosine ? std::numeric_limits<float>::max()
                             : half ? 65504.0f
                                    : 9.9e14f;  // squared 9.8e29
@@ -84,15 +89,23 @@ inline degenerate_set make_degenerate_set(distance_metric metric, dtype vector_d
 
   degenerate_set s;
   s.dim     = dim;
-  auto push = [](std::vector<float>& to, std::vector<std::string>* names, std::string name,
+  auto push = [](std::vector<float>& to,
+                 std::vector<std::string>* names,
+                 std::string name,
                  std::vector<float> const& v) {
     to.insert(to.end(), v.begin(), v.end());
     if (names != nullptr) { names->push_back(std::move(name)); }
   };
   std::vector<float> const duplicated = ordinary();
-  for (int i = 0; i < 20; ++i) { push(s.mixed, &s.mixed_names, "ordinary", ordinary()); }
-  for (int i = 0; i < 4; ++i) { push(s.mixed, &s.mixed_names, "duplicate", duplicated); }
-  for (int i = 0; i < 3; ++i) { push(s.mixed, &s.mixed_names, "denormal", denormal()); }
+  for (int i = 0; i < 20; ++i) {
+    push(s.mixed, &s.mixed_names, "ordinary", ordinary());
+  }
+  for (int i = 0; i < 4; ++i) {
+    push(s.mixed, &s.mixed_names, "duplicate", duplicated);
+  }
+  for (int i = 0; i < 3; ++i) {
+    push(s.mixed, &s.mixed_names, "denormal", denormal());
+  }
   push(s.mixed, &s.mixed_names, "one denorm_min", one_denormal);
   push(s.mixed, &s.mixed_names, "1 beside denormals", mixed_scale);
   push(s.mixed, &s.mixed_names, "largest", largest);
@@ -105,7 +118,9 @@ inline degenerate_set make_degenerate_set(distance_metric metric, dtype vector_d
     push(s.mixed, &s.mixed_names, "zero", zero);
   }
   std::vector<float> const same = ordinary();
-  for (int i = 0; i < 30; ++i) { push(s.identical, nullptr, "", same); }
+  for (int i = 0; i < 30; ++i) {
+    push(s.identical, nullptr, "", same);
+  }
   for (int i = 0; i < 12; ++i) {
     push(s.degenerate_identical, nullptr, "", cosine ? one_denormal : zero);
   }

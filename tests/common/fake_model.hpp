@@ -18,8 +18,8 @@ inline kv_geometry const tiny{2, 1, 4};
 /// K and V of a token are a function of every token it sees (itself included) and its position:
 /// K[l][d] = (sum of tokens seen * (l + 1) * (d + 1)) mod 997 + position / 8, V = K + 0.5.
 /// Small integers and eighths: exact in fp32.
-inline void fake_row(std::vector<std::int32_t> const& seen, std::int64_t position, std::int32_t l,
-              float* k, float* v)
+inline void fake_row(
+  std::vector<std::int32_t> const& seen, std::int64_t position, std::int32_t l, float* k, float* v)
 {
   std::int64_t sum = 0;
   for (std::int32_t t : seen) {
@@ -31,8 +31,10 @@ inline void fake_row(std::vector<std::int32_t> const& seen, std::int64_t positio
   }
 }
 
-inline void write_row(kv_capture& out, std::int64_t row, std::vector<std::int32_t> const& seen,
-               std::int64_t position)
+inline void write_row(kv_capture& out,
+                      std::int64_t row,
+                      std::vector<std::int32_t> const& seen,
+                      std::int64_t position)
 {
   for (std::int32_t l = 0; l < tiny.num_layers; ++l) {
     float k[4], v[4];
@@ -65,8 +67,10 @@ struct plain_model {
 
 struct branching_model : plain_model {
   std::int64_t trunks{0};
-  void encode_branches(std::vector<std::int32_t> const& trunk, std::int64_t p0,
-                       std::vector<encoding_branch> const& branches, kv_capture& out)
+  void encode_branches(std::vector<std::int32_t> const& trunk,
+                       std::int64_t p0,
+                       std::vector<encoding_branch> const& branches,
+                       kv_capture& out)
   {
     if (forwards++ == fail_at) { throw std::runtime_error("fake engine failure"); }
     ++trunks;

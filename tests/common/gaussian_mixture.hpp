@@ -43,8 +43,9 @@ class gaussian_mixture {
     std::normal_distribution<float> normal;
     std::vector<float> out(static_cast<std::size_t>(n * spec_.dim));
     for (std::int64_t i = 0; i < n; ++i) {
-      std::int64_t const c = static_cast<std::int64_t>(rng_() % static_cast<std::uint64_t>(spec_.centres));
-      double norm2         = 0.0;
+      std::int64_t const c =
+        static_cast<std::int64_t>(rng_() % static_cast<std::uint64_t>(spec_.centres));
+      double norm2 = 0.0;
       for (std::int64_t e = 0; e < spec_.dim; ++e) {
         std::size_t const at = static_cast<std::size_t>(c * spec_.dim + e);
         float const x        = centres_[at] + scales_[at] * normal(rng_);

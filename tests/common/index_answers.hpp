@@ -21,8 +21,10 @@ struct answers {
 
 /// @brief `inferscale::search` of every query: query q in `namespaces[q]` (or all in
 /// `namespaces[0]`).
-inline answers run_search(graph_index const& index, std::vector<float> const& queries,
-                          std::vector<std::uint64_t> const& namespaces, std::uint32_t k,
+inline answers run_search(graph_index const& index,
+                          std::vector<float> const& queries,
+                          std::vector<std::uint64_t> const& namespaces,
+                          std::uint32_t k,
                           search_params const& p)
 {
   std::int64_t const nq = static_cast<std::int64_t>(queries.size()) / index.dim();

@@ -114,7 +114,9 @@ inline user_data make_user(std::uint64_t ns, std::uint64_t base, int n, int fact
 /// rule in encoding_plan.hpp's file comment (independently of the planner's code): the lead;
 /// nothing more when t == a; otherwise the header of a's session, turns a .. t-1 with the header of
 /// every session that opens among them, and the header of t's session when t opens a session.
-inline std::vector<std::int32_t> window_tokens(inferscale::conversation const& c, std::int64_t a, std::int64_t t)
+inline std::vector<std::int32_t> window_tokens(inferscale::conversation const& c,
+                                               std::int64_t a,
+                                               std::int64_t t)
 {
   std::vector<std::int32_t> out = c.lead;
   if (t == a) { return out; }
@@ -137,7 +139,9 @@ inline std::vector<std::int32_t> window_tokens(inferscale::conversation const& c
 /// `slot_offset + slot_stride * j`.
 struct host_cache {
   explicit host_cache(std::int64_t slot_stride = 1, std::int64_t slot_offset = 0)
-    : stride{slot_stride}, offset{slot_offset}, data(static_cast<std::size_t>(2 * 2 * 256 * 4), -1.0f)
+    : stride{slot_stride},
+      offset{slot_offset},
+      data(static_cast<std::size_t>(2 * 2 * 256 * 4), -1.0f)
   {
     cache_ = inferscale::make_contiguous_cache(
       inferscale::dtype::float32, data.data(), {2, 2, 256, 1, 4}, {2 * 256 * 4, 256 * 4, 4, 4, 1});

@@ -70,7 +70,7 @@ struct rotation_case {
 
   rotation_case(int head_dim, int rotary_dim, rotation_kind kind, std::int64_t rows)
   {
-    rope_spec spec = rope_presets::llama_3_1_8b();
+    rope_spec spec  = rope_presets::llama_3_1_8b();
     spec.head_dim   = head_dim;
     spec.rotary_dim = rotary_dim;
     spec.angle_mode =

@@ -23,15 +23,15 @@ namespace {
 /// `x * y` rounded once to fp32: the double product of two floats is exact, then one rounding.
 float product_rounded_once(float x, float y)
 {
-  volatile double const p = static_cast<double>(x) * static_cast<double>(y);
+  double const volatile p = static_cast<double>(x) * static_cast<double>(y);
   return static_cast<float>(p);
 }
 
 /// The device team's order: lane l sums chunks l, l + team, ... (elements in order), then a
 /// butterfly p[l] + p[l ^ o] for o = team / 2 .. 1; the metric's finish.
 template <class T>
-float team_order_distance(T const* row, float const* q, std::int64_t chunks, int team,
-                          distance_metric m)
+float team_order_distance(
+  T const* row, float const* q, std::int64_t chunks, int team, distance_metric m)
 {
   constexpr int per_chunk = detail::index::chunk_elements<T>;
   bool const l2           = m == distance_metric::squared_l2;
@@ -43,7 +43,7 @@ float team_order_distance(T const* row, float const* q, std::int64_t chunks, int
         float const x = to_float(row[c * per_chunk + e]);
         float const y = q[c * per_chunk + e];
         if (l2) {
-          volatile float const d = x - y;
+          float const volatile d = x - y;
           acc                    = acc + product_rounded_once(d, d);
         } else {
           acc = acc + product_rounded_once(x, y);
@@ -76,8 +76,8 @@ TEST_CASE("the reference distance keeps one rounding per product under -ffp-cont
   std::mt19937 rng(41);
   std::normal_distribution<float> normal;
   for (std::int64_t dim : {4, 64, 100, 384, 768}) {
-    for (auto m : {distance_metric::inner_product, distance_metric::cosine,
-                   distance_metric::squared_l2}) {
+    for (auto m :
+         {distance_metric::inner_product, distance_metric::cosine, distance_metric::squared_l2}) {
       auto check = [&](auto tag) {
         using T                   = decltype(tag);
         std::int64_t const row    = detail::index::padded_dim(dim, sizeof(T));

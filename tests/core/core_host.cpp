@@ -12,8 +12,6 @@
 #include <inferscale/memory_resource.hpp>
 #include <inferscale/views.hpp>
 
-#include <cuda_runtime_api.h>
-
 #include <catch2/catch.hpp>
 
 #include <cstdint>
@@ -49,6 +47,7 @@ TEST_CASE("INFERSCALE_CUDA_TRY throws cuda_error with the call, the error name a
           "[core]")
 {
   // The macro is a statement: wrap it to hand it error codes (no device is needed for that).
+#if INFERSCALE_HAS_CUDA_RUNTIME
   auto const try_call = [](cudaError_t status) { INFERSCALE_CUDA_TRY(status); };
   REQUIRE_NOTHROW(try_call(cudaSuccess));
   REQUIRE_THROWS_AS(try_call(cudaErrorInvalidValue), inferscale::cuda_error);
@@ -56,6 +55,19 @@ TEST_CASE("INFERSCALE_CUDA_TRY throws cuda_error with the call, the error name a
   REQUIRE_THROWS_WITH(try_call(cudaErrorMemoryAllocation),
                       Contains("status returned cudaErrorMemoryAllocation") &&
                         Contains("out of memory") && Contains("core_host.cpp:"));
+#else
+  // The stand-in runtime of the CPU-only build knows one failure, cudaErrorNoDevice, whose text
+  // says the build has no CUDA runtime.
+  namespace rt        = inferscale::detail::host_only_runtime;
+  auto const try_call = [](rt::cudaError_t status) { INFERSCALE_CUDA_TRY(status); };
+  REQUIRE_NOTHROW(try_call(rt::cudaSuccess));
+  REQUIRE_THROWS_AS(try_call(rt::cudaErrorNoDevice), inferscale::cuda_error);
+  REQUIRE_THROWS_AS(try_call(rt::cudaErrorNoDevice), std::runtime_error);
+  REQUIRE_THROWS_WITH(try_call(rt::cudaErrorNoDevice),
+                      Contains("status returned cudaErrorNoDevice") &&
+                        Contains("compiled without the CUDA runtime") &&
+                        Contains("core_host.cpp:"));
+#endif
   static_assert(!std::is_base_of_v<inferscale::logic_error, inferscale::cuda_error>,
                 "a CUDA failure is not a precondition violation");
 }
@@ -144,7 +156,7 @@ TEST_CASE("ceil_div and round_up: exact ceilings, edge cases written out", "[cor
   }
   SECTION("negative dividends round toward +infinity")
   {
-    STATIC_REQUIRE(ceil_div(-1, 16) == 0);   // ceil(-0.0625)
+    STATIC_REQUIRE(ceil_div(-1, 16) == 0);  // ceil(-0.0625)
     STATIC_REQUIRE(ceil_div(-16, 16) == -1);
     STATIC_REQUIRE(ceil_div(-17, 16) == -1);  // ceil(-1.0625)
     STATIC_REQUIRE(ceil_div(-7, 2) == -3);    // ceil(-3.5)
@@ -161,7 +173,9 @@ TEST_CASE("ceil_div and round_up: exact ceilings, edge cases written out", "[cor
       for (std::int64_t b = 1; b <= 17; ++b) {
         // the least q with q * b >= a
         std::int64_t q = -50;
-        while (q * b < a) { ++q; }
+        while (q * b < a) {
+          ++q;
+        }
         CAPTURE(a, b);
         REQUIRE(ceil_div(a, b) == q);
         REQUIRE(round_up(a, b) == q * b);
@@ -173,7 +187,8 @@ TEST_CASE("ceil_div and round_up: exact ceilings, edge cases written out", "[cor
 TEST_CASE("device_buffer allocates from and returns to its resource", "[core][memory_resource]")
 {
   inferscale_test::counting_resource resource;  // host memory: no device needed
-  auto* const stream = reinterpret_cast<cudaStream_t>(std::uintptr_t{0x1000});  // recorded only
+  auto* const stream =
+    reinterpret_cast<inferscale_test::stream_t>(std::uintptr_t{0x1000});  // recorded only
   SECTION("size, bytes, stream and the free on destruction")
   {
     {

@@ -667,8 +667,9 @@ child_run save_traced(crash_kind const& k,
   int status = 0;
   REQUIRE(waitpid(pid, &status, 0) == pid);
   if (!WIFSTOPPED(status)) {
-    FAIL("the kills at system calls trace the saving child with ptrace, and PTRACE_TRACEME was "
-         "refused (a seccomp filter, or Yama's ptrace_scope 3?)");
+    FAIL(
+      "the kills at system calls trace the saving child with ptrace, and PTRACE_TRACEME was "
+      "refused (a seccomp filter, or Yama's ptrace_scope 3?)");
   }
   REQUIRE(ptrace(PTRACE_SETOPTIONS, pid, nullptr, PTRACE_O_TRACESYSGOOD | PTRACE_O_EXITKILL) == 0);
   int deliver = 0;

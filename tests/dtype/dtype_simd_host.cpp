@@ -1,7 +1,7 @@
 // The host vector conversions (detail/dtype/vector_conversion.hpp: AVX2 with F16C, and AVX-512F
 // where the CPU has it, chosen at run time) against the scalar routines of
-// detail/dtype/conversion.hpp, bit for bit. The scalar routines are checked against independent references in dtype_host.cpp; here the vector lanes
-// must give exactly their bits:
+// detail/dtype/conversion.hpp, bit for bit. The scalar routines are checked against independent
+// references in dtype_host.cpp; here the vector lanes must give exactly their bits:
 //  - widening: every code of bf16 and fp16 (65,536 each) and of e4m3 and e5m2 (256 each);
 //  - rounding (fp32 -> bf16, fp16, e4m3, e5m2, and the round trip `round_to`): every bf16
 //    pattern as the top half of an fp32 with the low halves that decide bf16 rounding (0, 1,
@@ -83,9 +83,9 @@ INFERSCALE_TARGET_AVX2 std::size_t rounding_mismatches(std::vector<float> const&
     _mm256_storeu_ps(round_trip, detail::simd::round_to<T>(x));
     for (int j = 0; j < 8; ++j) {
       T const expected = inferscale::from_float<T>(inputs[i + j]);
-      bool const ok    = code_of(codes[j]) == code_of(expected) &&
-                      detail::float_bits(round_trip[j]) ==
-                        detail::float_bits(inferscale::to_float(expected));
+      bool const ok =
+        code_of(codes[j]) == code_of(expected) &&
+        detail::float_bits(round_trip[j]) == detail::float_bits(inferscale::to_float(expected));
       if (!ok && bad++ == 0) {
         *first = "input bits " + std::to_string(detail::float_bits(inputs[i + j])) + ": vector " +
                  std::to_string(code_of(codes[j])) + ", scalar " +
@@ -124,7 +124,7 @@ INFERSCALE_TARGET_AVX2 std::size_t widening_mismatches(std::string* first)
 /// Mismatches of store16<T> and round_to<T> against from_float<T> over `inputs` (a multiple of 16).
 template <class T>
 INFERSCALE_TARGET_AVX512 std::size_t rounding_mismatches_512(std::vector<float> const& inputs,
-                                                       std::string* first)
+                                                             std::string* first)
 {
   std::size_t bad = 0;
   for (std::size_t i = 0; i < inputs.size(); i += 16) {
@@ -135,9 +135,9 @@ INFERSCALE_TARGET_AVX512 std::size_t rounding_mismatches_512(std::vector<float> 
     _mm512_storeu_ps(round_trip, detail::simd512::round_to<T>(x));
     for (int j = 0; j < 16; ++j) {
       T const expected = inferscale::from_float<T>(inputs[i + j]);
-      bool const ok    = code_of(codes[j]) == code_of(expected) &&
-                      detail::float_bits(round_trip[j]) ==
-                        detail::float_bits(inferscale::to_float(expected));
+      bool const ok =
+        code_of(codes[j]) == code_of(expected) &&
+        detail::float_bits(round_trip[j]) == detail::float_bits(inferscale::to_float(expected));
       if (!ok && bad++ == 0) {
         *first = "input bits " + std::to_string(detail::float_bits(inputs[i + j])) + ": vector " +
                  std::to_string(code_of(codes[j])) + ", scalar " +
@@ -195,8 +195,8 @@ std::vector<float> boundary_and_random_inputs()
     using T = typename decltype(type_tag)::type;
     for (std::uint32_t c = 0; c + 1 < count; ++c) {
       T a, b;
-      a.bits        = static_cast<decltype(a.bits)>(c);
-      b.bits        = static_cast<decltype(b.bits)>(c + 1);
+      a.bits         = static_cast<decltype(a.bits)>(c);
+      b.bits         = static_cast<decltype(b.bits)>(c + 1);
       double const x = inferscale::to_float(a);
       double const y = inferscale::to_float(b);
       if (!std::isfinite(x)) { continue; }
@@ -214,8 +214,16 @@ std::vector<float> boundary_and_random_inputs()
     around(m);
     around(-m);
   }
-  for (std::uint32_t b : {0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00000u, 0x7f800001u,
-                          0x7fbfffffu, 0xffc12345u, 0x7fe00000u, 0x00000001u, 0x807fffffu}) {
+  for (std::uint32_t b : {0x7f800000u,
+                          0xff800000u,
+                          0x7fc00000u,
+                          0xffc00000u,
+                          0x7f800001u,
+                          0x7fbfffffu,
+                          0xffc12345u,
+                          0x7fe00000u,
+                          0x00000001u,
+                          0x807fffffu}) {
     push_bits(b);
   }
   std::mt19937 rng(20261201);

@@ -5,6 +5,9 @@
 // runs against two small fake model adapters (one that branches, one that does not) whose K/V are
 // a function of the tokens a token can see, so a fact stored from the wrong context is caught.
 
+#include "fake_model.hpp"
+#include "store_pool.hpp"
+
 #include <inferscale/encoding.hpp>
 
 #include <catch2/catch.hpp>
@@ -17,9 +20,6 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#include "fake_model.hpp"
-#include "store_pool.hpp"
 
 using namespace inferscale;
 using namespace inferscale_test::fake;
@@ -40,7 +40,7 @@ std::vector<std::int64_t> const session_starts{0, 7, 19, 20, 33, 50};
 conversation make_conversation(std::int64_t turns, bool headers = true)
 {
   conversation c;
-  c.lead = {lead_base, lead_base + 1, lead_base + 2};
+  c.lead               = {lead_base, lead_base + 1, lead_base + 2};
   std::int32_t session = -1;
   for (std::int64_t u = 0; u < turns; ++u) {
     for (std::int64_t s : session_starts) {
@@ -112,7 +112,8 @@ struct parsed_context {
 /// Parses `tokens` as lead, then turns in order, with a session header exactly before the first
 /// turn and before every turn that opens a session, and (when the sequence holds a turn and turn
 /// `next` opens a session) the header of `next`'s session at the end.
-parsed_context parse(conversation const& c, std::vector<std::int32_t> const& tokens,
+parsed_context parse(conversation const& c,
+                     std::vector<std::int32_t> const& tokens,
                      std::int64_t next)
 {
   parsed_context p;
@@ -133,7 +134,8 @@ parsed_context parse(conversation const& c, std::vector<std::int32_t> const& tok
   };
   auto take_header = [&](std::int64_t u) -> bool {
     if (c.session_headers.empty()) { return true; }
-    auto const& h = c.session_headers[static_cast<std::size_t>(c.turns[static_cast<std::size_t>(u)].session)];
+    auto const& h =
+      c.session_headers[static_cast<std::size_t>(c.turns[static_cast<std::size_t>(u)].session)];
     for (std::int32_t x : h) {
       if (i >= tokens.size() || tokens[i] != x) { return false; }
       ++i;
@@ -157,7 +159,9 @@ parsed_context parse(conversation const& c, std::vector<std::int32_t> const& tok
         if (!take_header(first)) { return fail("wrong first header"); }
         continue;
       }
-      if (!opens(u)) { return fail("a header before turn " + std::to_string(u) + " which opens no session"); }
+      if (!opens(u)) {
+        return fail("a header before turn " + std::to_string(u) + " which opens no session");
+      }
       if (!take_header(u)) { return fail("wrong header before turn " + std::to_string(u)); }
       if (i == tokens.size()) {
         if (u != next) { return fail("a trailing header of another turn"); }
@@ -189,8 +193,7 @@ parsed_context parse(conversation const& c, std::vector<std::int32_t> const& tok
     return fail("the sequence ends at turn " + std::to_string(p.end_turn) + ", expected " +
                 std::to_string(next));
   }
-  if (p.end_turn >= 0 && opens(next) && !c.session_headers.empty() &&
-      tokens.back() < header_base) {
+  if (p.end_turn >= 0 && opens(next) && !c.session_headers.empty() && tokens.back() < header_base) {
     return fail("turn " + std::to_string(next) + " opens a session: its header is missing");
   }
   return p;
@@ -227,8 +230,11 @@ std::int64_t anchor(conversation_fact const& f)
 /// Checks every job of a plan: every fact once, its tokens kept exactly, its prefix a valid
 /// context ending right before its source turn and holding the w turns before it (exactly those
 /// when `exact`).
-void check_plan(conversation const& c, std::vector<conversation_fact> const& facts,
-                encoding_plan const& plan, std::int64_t w, bool exact)
+void check_plan(conversation const& c,
+                std::vector<conversation_fact> const& facts,
+                encoding_plan const& plan,
+                std::int64_t w,
+                bool exact)
 {
   std::map<std::uint64_t, conversation_fact const*> by_id;
   for (auto const& f : facts) {
@@ -283,16 +289,18 @@ std::int64_t fact_total(std::vector<conversation_fact> const& facts)
 
 TEST_CASE("planner: every strategy keeps each fact once, behind the w turns before it", "[encode]")
 {
-  conversation const c                 = make_conversation(64);
+  conversation const c                       = make_conversation(64);
   std::vector<conversation_fact> const facts = make_facts(64);
   REQUIRE(facts.size() > 60);
   for (std::int64_t w : {0, 1, 5, 20, 70}) {
-    for (auto s : {encoding_strategy::per_fact, encoding_strategy::shared_window,
-                   encoding_strategy::aligned, encoding_strategy::single_pass}) {
+    for (auto s : {encoding_strategy::per_fact,
+                   encoding_strategy::shared_window,
+                   encoding_strategy::aligned,
+                   encoding_strategy::single_pass}) {
       INFO("w = " << w << ", " << to_string(s));
       encoding_options o;
-      o.window   = w;
-      o.strategy = s;
+      o.window                 = w;
+      o.strategy               = s;
       encoding_plan const plan = plan_encoding(c, facts, o);
       bool const exact = s == encoding_strategy::per_fact || s == encoding_strategy::shared_window;
       check_plan(c, facts, plan, w, exact);
@@ -318,7 +326,7 @@ TEST_CASE("planner: forward-token counts match a recount from the conversation",
     per_fact += window_tokens(c, std::max<std::int64_t>(0, t - w), t) +
                 static_cast<std::int64_t>(f.token_ids.size());
   }
-  o.strategy = encoding_strategy::per_fact;
+  o.strategy             = encoding_strategy::per_fact;
   encoding_stats const a = plan_encoding(c, facts, o).stats();
   CHECK(a.forward_tokens == per_fact);
   CHECK(a.unbranched_tokens == per_fact);
@@ -333,7 +341,7 @@ TEST_CASE("planner: forward-token counts match a recount from the conversation",
   for (std::int64_t t : anchors) {
     shared += window_tokens(c, std::max<std::int64_t>(0, t - w), t);
   }
-  o.strategy = encoding_strategy::shared_window;
+  o.strategy             = encoding_strategy::shared_window;
   encoding_stats const b = plan_encoding(c, facts, o).stats();
   CHECK(b.forward_tokens == shared);
   CHECK(b.jobs == static_cast<std::int64_t>(anchors.size()));
@@ -352,8 +360,8 @@ TEST_CASE("planner: forward-token counts match a recount from the conversation",
     for (auto const& [st, t] : last) {
       aligned += window_tokens(c, st, t);
     }
-    o.strategy = encoding_strategy::aligned;
-    o.stride   = stride;
+    o.strategy             = encoding_strategy::aligned;
+    o.stride               = stride;
     encoding_stats const s = plan_encoding(c, facts, o).stats();
     CHECK(s.forward_tokens == aligned);
     CHECK(s.jobs == static_cast<std::int64_t>(last.size()));
@@ -365,7 +373,7 @@ TEST_CASE("planner: forward-token counts match a recount from the conversation",
   for (auto const& f : facts) {
     last_anchor = std::max(last_anchor, anchor(f));
   }
-  o.strategy = encoding_strategy::single_pass;
+  o.strategy              = encoding_strategy::single_pass;
   encoding_plan const one = plan_encoding(c, facts, o);
   REQUIRE(one.jobs.size() == 1);
   CHECK(one.stats().forward_tokens == window_tokens(c, 0, last_anchor) + fact_total(facts));
@@ -380,9 +388,9 @@ TEST_CASE("planner: a single pass cut to a context budget", "[encode]")
     for (std::int64_t budget : {70, 110, 160}) {
       INFO("w = " << w << ", budget " << budget);
       encoding_options o;
-      o.window              = w;
-      o.strategy            = encoding_strategy::single_pass;
-      o.max_sequence_tokens = budget;
+      o.window                 = w;
+      o.strategy               = encoding_strategy::single_pass;
+      o.max_sequence_tokens    = budget;
       encoding_plan const plan = plan_encoding(c, facts, o);
       check_plan(c, facts, plan, w, false);
       CHECK(plan.stats().longest_sequence <= budget);
@@ -399,8 +407,8 @@ TEST_CASE("planner: a single pass cut to a context budget", "[encode]")
   encoding_options o;
   o.window              = 20;
   o.max_sequence_tokens = 30;
-  for (auto s : {encoding_strategy::per_fact, encoding_strategy::single_pass,
-                 encoding_strategy::aligned}) {
+  for (auto s :
+       {encoding_strategy::per_fact, encoding_strategy::single_pass, encoding_strategy::aligned}) {
     o.strategy = s;
     CHECK_THROWS_WITH(plan_encoding(c, facts, o),
                       Catch::Contains("more than max_sequence_tokens = 30"));
@@ -413,33 +421,35 @@ TEST_CASE("planner: without session headers, and bad input refused", "[encode]")
   std::vector<conversation_fact> const facts = make_facts(30);
   encoding_options o;
   o.window = 4;
-  for (auto s : {encoding_strategy::per_fact, encoding_strategy::aligned,
-                 encoding_strategy::single_pass}) {
+  for (auto s :
+       {encoding_strategy::per_fact, encoding_strategy::aligned, encoding_strategy::single_pass}) {
     o.strategy = s;
     check_plan(bare, facts, plan_encoding(bare, facts, o), 4, s == encoding_strategy::per_fact);
   }
 
   conversation c = make_conversation(30);
-  auto refuse    = [&](conversation const& cc, std::vector<conversation_fact> const& ff,
-                    encoding_options const& oo, char const* what) {
+  auto refuse    = [&](conversation const& cc,
+                    std::vector<conversation_fact> const& ff,
+                    encoding_options const& oo,
+                    char const* what) {
     CHECK_THROWS_WITH(plan_encoding(cc, ff, oo), Catch::Contains(what));
   };
   refuse(c, facts, encoding_options{-1}, "window w must be non-negative");
   {
-    auto bad = facts;
+    auto bad            = facts;
     bad[3].source_turns = {30};
     refuse(c, bad, o, "source turn 30 is not one of the 30 turns");
     bad[3].source_turns = {};
     refuse(c, bad, o, "names no source turn");
-    bad                 = facts;
+    bad = facts;
     bad[4].token_ids.clear();
     refuse(c, bad, o, "has no tokens");
-    bad        = facts;
+    bad            = facts;
     bad[5].fact_id = bad[6].fact_id;
     refuse(c, bad, o, "appears twice");
   }
   {
-    auto bad           = c;
+    auto bad             = c;
     bad.turns[8].session = 0;  // after session 1
     refuse(bad, facts, o, "sessions must not decrease");
     bad = c;
@@ -467,12 +477,13 @@ kv_store tiny_store(std::int64_t pages = 4096)
   return kv_store{cfg};
 }
 
-float stored(kv_store const& s, std::uint64_t id, std::int64_t l, int kv, std::int64_t t,
-             std::int64_t d)
+float stored(
+  kv_store const& s, std::uint64_t id, std::int64_t l, int kv, std::int64_t t, std::int64_t d)
 {
   std::vector<unsigned char> const pool = s.pool_to_host();
   inferscale_test::pool_shape const shape{2, 1, 4, 4, dtype::float32};
-  std::uint32_t const bits = inferscale_test::read_pool(pool, shape, s.at(id).pages, l, kv, t, 0, d);
+  std::uint32_t const bits =
+    inferscale_test::read_pool(pool, shape, s.at(id).pages, l, kv, t, 0, d);
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
@@ -486,10 +497,10 @@ TEST_CASE("encode_plan: branched and unbranched runs store each fact as seen beh
   conversation const c                       = make_conversation(40);
   std::vector<conversation_fact> const facts = make_facts(40);
   encoding_options o;
-  o.window   = 6;
-  o.strategy = encoding_strategy::single_pass;
-  o.max_sequence_tokens = 120;
-  o.first_position      = 3;
+  o.window                 = 6;
+  o.strategy               = encoding_strategy::single_pass;
+  o.max_sequence_tokens    = 120;
+  o.first_position         = 3;
   encoding_plan const plan = plan_encoding(c, facts, o);
 
   kv_store a = tiny_store();
@@ -536,8 +547,8 @@ TEST_CASE("encode_plan: refusals and an engine failure leave the store unchanged
   conversation const c                       = make_conversation(40);
   std::vector<conversation_fact> const facts = make_facts(40);
   encoding_options o;
-  o.window   = 4;
-  o.strategy = encoding_strategy::aligned;
+  o.window                 = 4;
+  o.strategy               = encoding_strategy::aligned;
   encoding_plan const plan = plan_encoding(c, facts, o);
   REQUIRE(plan.jobs.size() > 3);
 
@@ -559,9 +570,9 @@ TEST_CASE("encode_plan: refusals and an engine failure leave the store unchanged
     CHECK(s.num_facts() == 0);
   }
   {  // a corrupted plan
-    encoding_plan bad = plan;
+    encoding_plan bad              = plan;
     bad.jobs[1].branches[0].attach = static_cast<std::int64_t>(bad.jobs[1].trunk.size()) + 1;
-    kv_store s = tiny_store();
+    kv_store s                     = tiny_store();
     branching_model m;
     CHECK_THROWS_WITH(encode_plan(m, s, bad), Catch::Contains("outside its trunk"));
     bad = plan;
@@ -571,7 +582,7 @@ TEST_CASE("encode_plan: refusals and an engine failure leave the store unchanged
   }
   {  // the engine fails on the third forward: the facts of the first two are erased again
     for (int branched = 0; branched < 2; ++branched) {
-      kv_store s = tiny_store();
+      kv_store s                     = tiny_store();
       std::int64_t const free_before = s.free_pages();
       if (branched) {
         branching_model m;

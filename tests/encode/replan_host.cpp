@@ -53,7 +53,6 @@ data make_data()
   return d;
 }
 
-
 std::vector<std::int32_t> prefix(encoding_job const& job, encoding_branch const& b)
 {
   return std::vector<std::int32_t>(job.trunk.begin(), job.trunk.begin() + b.attach);

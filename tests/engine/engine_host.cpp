@@ -828,16 +828,18 @@ TEST_CASE("rope_spec / kv_geometry from HF config.json", "[engine][rope]")
   CHECK(rope_spec_from_hf_config(
           json::parse(R"({"head_dim": 64, "max_position_embeddings": 9007199254740992})"))
           .max_position == (std::int64_t{1} << 53));
-  CHECK(rope_spec_from_hf_config(json::parse(R"({"head_dim": 64, "max_position_embeddings": 8192.0})"))
-          .max_position == 8192);
+  CHECK(
+    rope_spec_from_hf_config(json::parse(R"({"head_dim": 64, "max_position_embeddings": 8192.0})"))
+      .max_position == 8192);
   CHECK_THROWS_AS(kv_geometry_from_hf_config(json::parse(R"({"hidden_size": 10})")), logic_error);
   CHECK_THROWS_AS(read_hf_config("/nonexistent/config.json"), logic_error);
 }
 
-TEST_CASE("capture of the smallest shapes: one layer, one head, head_dim 6 (not a whole 16-byte "
-          "run), one token, pages of one token - host, the device kernels' code and the "
-          "written-out pool agree",
-          "[engine][capture][degenerate]")
+TEST_CASE(
+  "capture of the smallest shapes: one layer, one head, head_dim 6 (not a whole 16-byte "
+  "run), one token, pages of one token - host, the device kernels' code and the "
+  "written-out pool agree",
+  "[engine][capture][degenerate]")
 {
   dtype const t = GENERATE(dtype::float32, dtype::float16, dtype::bfloat16);
   CAPTURE(to_string(t));
@@ -897,7 +899,7 @@ TEST_CASE("capture of the smallest shapes: one layer, one head, head_dim 6 (not 
   // page * 2D + D..2D-1.
   std::vector<unsigned char> const pool = by_host.pool_to_host();
   std::size_t const bytes               = size_of(t);
-  auto read = [&](std::int64_t element) {
+  auto read                             = [&](std::int64_t element) {
     float x                = 0;
     unsigned char const* p = pool.data() + static_cast<std::size_t>(element) * bytes;
     if (t == dtype::float32) { std::memcpy(&x, p, 4); }

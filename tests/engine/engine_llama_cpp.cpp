@@ -688,8 +688,8 @@ TEST_CASE("llama.cpp: facts branched off one trunk equal a forward per fact behi
     facts.push_back({100 + i, 7, m.tokenize(demo::facts[i]), {source[i]}});
   }
   encoding_options o;
-  o.window   = 3;
-  o.strategy = encoding_strategy::single_pass;
+  o.window                 = 3;
+  o.strategy               = encoding_strategy::single_pass;
   encoding_plan const plan = plan_encoding(c, facts, o);
   REQUIRE(plan.jobs.size() == 1);
   encoding_job const& job = plan.jobs[0];
@@ -760,9 +760,13 @@ TEST_CASE("llama.cpp: facts branched off one trunk equal a forward per fact behi
       row += n;
     }
 
-    std::printf("flash attention %s: branched vs a forward per fact, worst relative error K %.2e, "
-                "V %.2e; without the window the K error is at least %.0fx larger\n",
-                flash_attention ? "on" : "off", worst_k, worst_v, worst_ratio);
+    std::printf(
+      "flash attention %s: branched vs a forward per fact, worst relative error K %.2e, "
+      "V %.2e; without the window the K error is at least %.0fx larger\n",
+      flash_attention ? "on" : "off",
+      worst_k,
+      worst_v,
+      worst_ratio);
   }
 
   // Through encode_plan into a store: the branched path, every fact stored once.
@@ -770,7 +774,7 @@ TEST_CASE("llama.cpp: facts branched off one trunk equal a forward per fact behi
   branching.n_branch_seq        = 4;
   lc::context bctx{m, branching};
   lc::model_adapter badapter{bctx};
-  kv_store store = make_store(bctx.geometry());
+  kv_store store        = make_store(bctx.geometry());
   encode_report const r = encode_plan(badapter, store, plan);
   CHECK(r.branched);
   CHECK(r.facts == 5);
@@ -1072,7 +1076,9 @@ TEST_CASE(
   std::vector<std::int32_t> const text = m.tokenize("Facts the user told us:\n");
   prefix.insert(prefix.end(), text.begin(), text.end());
   add(prefix, 1);
-  for (std::size_t i = 0; i < 5; ++i) { add(m.tokenize(demo::facts[i] + "\n"), 2 + i); }
+  for (std::size_t i = 0; i < 5; ++i) {
+    add(m.tokenize(demo::facts[i] + "\n"), 2 + i);
+  }
   kv_store store = make_store(g);
   encode_facts(adapter, store, s.tokens, 0, s.pieces);
   composition const plan = compose_segment(store, s);
@@ -1098,8 +1104,8 @@ TEST_CASE(
   {
     auto const layered = adapter.rotation();
     std::vector<std::int32_t> const one_base(18, layered.layer_rotation[5]);
-    per_layer_rotation<rope_cos_sin_table<float>> const global{layered.rotations, 2,
-                                                              one_base.data(), 18};
+    per_layer_rotation<rope_cos_sin_table<float>> const global{
+      layered.rotations, 2, one_base.data(), 18};
     lc::context other{m, options(flash)};
     lc::sequence_cache wrong{other, 0};
     {
@@ -1345,9 +1351,10 @@ void check_batch_splits(lc::model const& m, bool flash)
 
 }  // namespace
 
-TEST_CASE("llama.cpp: batch splits - one token, n_batch - 1, n_batch, n_batch + 1 and a segment "
-          "in pieces capture as the engine prefills, byte for byte, on every model family",
-          "[llama]")
+TEST_CASE(
+  "llama.cpp: batch splits - one token, n_batch - 1, n_batch, n_batch + 1 and a segment "
+  "in pieces capture as the engine prefills, byte for byte, on every model family",
+  "[llama]")
 {
   // SmolLM2 (3 KV heads) and Gemma 3 (one KV head: its 2-D V projection of one token has the 3-D
   // V's shape, issue 49), V stored as rows (flash attention) and transposed.
@@ -1363,9 +1370,10 @@ TEST_CASE("llama.cpp: batch splits - one token, n_batch - 1, n_batch, n_batch + 
   }
 }
 
-TEST_CASE("llama.cpp state blob: the smallest shapes - one cell, one layer, one head, head_dim 2 "
-          "and 6, one and two sections, V as rows and transposed - as written out here",
-          "[llama]")
+TEST_CASE(
+  "llama.cpp state blob: the smallest shapes - one cell, one layer, one head, head_dim 2 "
+  "and 6, one and two sections, V as rows and transposed - as written out here",
+  "[llama]")
 {
   struct shape {
     kv_geometry g;
@@ -1378,10 +1386,10 @@ TEST_CASE("llama.cpp state blob: the smallest shapes - one cell, one layer, one 
     for (std::uint32_t const v_trans : {0u, 1u}) {
       for (std::vector<std::int32_t> const& positions :
            {std::vector<std::int32_t>{7}, std::vector<std::int32_t>{7, 8}}) {
-        kv_geometry const g      = s.g;
-        std::uint32_t const L    = static_cast<std::uint32_t>(g.num_layers);
-        std::uint64_t const row  = static_cast<std::uint64_t>(g.num_kv_heads * g.head_dim);
-        std::uint32_t const n    = static_cast<std::uint32_t>(positions.size());
+        kv_geometry const g     = s.g;
+        std::uint32_t const L   = static_cast<std::uint32_t>(g.num_layers);
+        std::uint64_t const row = static_cast<std::uint64_t>(g.num_kv_heads * g.head_dim);
+        std::uint32_t const n   = static_cast<std::uint32_t>(positions.size());
         CAPTURE(L, g.num_kv_heads, g.head_dim, s.sections.size(), v_trans, n);
         lc::state_format f;
         f.n_stream       = 1;
@@ -1402,8 +1410,8 @@ TEST_CASE("llama.cpp state blob: the smallest shapes - one cell, one layer, one 
         // 12 bytes per cell, v_trans, n_layer; per layer a 12-byte K header and its rows, then a
         // 12-byte V header (u64 row bytes, or u32 element bytes + u32 elements) and its rows.
         std::size_t const S = s.sections.size();
-        REQUIRE(blob.size() == 8 + S * (4 + 4 + 12 * n + 4 + 4) + L * (12 + row * 2 * n) +
-                                 L * (12 + row * 2 * n));
+        REQUIRE(blob.size() ==
+                8 + S * (4 + 4 + 12 * n + 4 + 4) + L * (12 + row * 2 * n) + L * (12 + row * 2 * n));
         auto u32 = [&](std::size_t at) {
           std::uint32_t x;
           std::memcpy(&x, blob.data() + at, 4);
@@ -1454,13 +1462,12 @@ TEST_CASE("llama.cpp state blob: the smallest shapes - one cell, one layer, one 
             for (std::int32_t h = 0; h < g.num_kv_heads; ++h) {
               for (std::int32_t d = 0; d < g.head_dim; ++d) {
                 std::size_t const e = static_cast<std::size_t>(h * g.head_dim + d);
-                auto const* k = static_cast<std::uint8_t const*>(cache.key_base[l]) +
+                auto const* k       = static_cast<std::uint8_t const*>(cache.key_base[l]) +
                                 cache.key_layout.slot_offset(c, h, d) * 2;
                 auto const* v = static_cast<std::uint8_t const*>(cache.value_base[l]) +
                                 cache.value_layout.slot_offset(c, h, d) * 2;
                 CHECK(k == blob.data() + key_at[l] + (c * row + e) * 2);
-                CHECK(v == blob.data() + value_at[l] +
-                             (v_trans ? e * n + c : c * row + e) * 2);
+                CHECK(v == blob.data() + value_at[l] + (v_trans ? e * n + c : c * row + e) * 2);
               }
             }
           }

@@ -661,19 +661,18 @@ void batch_cases()
   batch_case(
     "block table start overflows", "overflow 64 bits", [](kv_store& s, injection_batch& b) {
       std::int32_t const blocks[] = {3, 1};
-      b.add(compose(s, {1}),
-            block_size_cache(4),
-            blocks,
-            std::numeric_limits<std::int64_t>::max() - 2);
+      b.add(
+        compose(s, {1}), block_size_cache(4), blocks, std::numeric_limits<std::int64_t>::max() - 2);
     });
   batch_case("block count times block size overflows",
              "overflow 64 bits",
              [](kv_store& s, injection_batch& b) {
                std::int32_t const blocks[] = {3, 1};
-               b.add(compose(s, {1}),
-                     block_size_cache(16),
-                     {blocks, static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max() / 2)},
-                     0);
+               b.add(
+                 compose(s, {1}),
+                 block_size_cache(16),
+                 {blocks, static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max() / 2)},
+                 0);
              });
   add("batch", "negative slots: handled (the token is skipped, nothing refused)", [] {
     kv_store s        = make_store();

@@ -9,11 +9,11 @@
 #include <inferscale/index.hpp>
 #include <inferscale/index_snapshot.hpp>
 
+#include <catch2/catch.hpp>
+
 #include <gaussian_mixture.hpp>
 #include <index_answers.hpp>
 #include <index_reference.hpp>
-
-#include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -62,9 +62,11 @@ std::vector<std::uint64_t> iota_ids(std::size_t n, std::uint64_t first = 0)
   return ids;
 }
 
-
-answers run(graph_index const& index, std::vector<float> const& queries, std::uint64_t ns,
-            std::uint32_t k, search_params const& p)
+answers run(graph_index const& index,
+            std::vector<float> const& queries,
+            std::uint64_t ns,
+            std::uint32_t k,
+            search_params const& p)
 {
   return test::run_search(index, queries, {ns}, k, p);
 }
@@ -73,7 +75,8 @@ answers run(graph_index const& index, std::vector<float> const& queries, std::ui
 /// normalised data (the mixture is normalised already; cosine = 1 - dot).
 std::vector<std::vector<std::uint32_t>> truth_of(std::vector<float> const& data,
                                                  std::vector<float> const& queries,
-                                                 std::int64_t dim, std::uint32_t k)
+                                                 std::int64_t dim,
+                                                 std::uint32_t k)
 {
   std::size_t const n  = data.size() / static_cast<std::size_t>(dim);
   std::size_t const nq = queries.size() / static_cast<std::size_t>(dim);
@@ -81,8 +84,8 @@ std::vector<std::vector<std::uint32_t>> truth_of(std::vector<float> const& data,
   std::vector<std::pair<double, std::uint32_t>> all(n);
   for (std::size_t q = 0; q < nq; ++q) {
     for (std::size_t r = 0; r < n; ++r) {
-      all[r] = {test::reference_distance(data.data() + r * dim, queries.data() + q * dim, dim,
-                                         distance_metric::cosine),
+      all[r] = {test::reference_distance(
+                  data.data() + r * dim, queries.data() + q * dim, dim, distance_metric::cosine),
                 static_cast<std::uint32_t>(r)};
     }
     std::partial_sort(all.begin(), all.begin() + k, all.end());
@@ -93,7 +96,8 @@ std::vector<std::vector<std::uint32_t>> truth_of(std::vector<float> const& data,
   return out;
 }
 
-double recall_of(answers const& got, std::vector<std::vector<std::uint32_t>> const& truth,
+double recall_of(answers const& got,
+                 std::vector<std::vector<std::uint32_t>> const& truth,
                  std::uint32_t k)
 {
   std::size_t hits = 0;
@@ -117,8 +121,12 @@ TEST_CASE("fast distances equal the definition to within rounding on every instr
   // lengths: padded rows of 4 (fp32) / 8 (fp16) elements, short and long, with every tail
   for (std::int64_t n : {4, 8, 12, 16, 28, 32, 36, 60, 64, 68, 100, 128, 384, 388, 768, 1540}) {
     std::vector<float> x(static_cast<std::size_t>(n)), q(x.size());
-    for (auto& v : x) { v = normal(rng); }
-    for (auto& v : q) { v = normal(rng); }
+    for (auto& v : x) {
+      v = normal(rng);
+    }
+    for (auto& v : q) {
+      v = normal(rng);
+    }
     std::vector<half_t> xh(x.size());
     std::vector<float> xr(x.size());  // x as fp16 stores it
     for (std::size_t i = 0; i < x.size(); ++i) {
@@ -136,17 +144,18 @@ TEST_CASE("fast distances equal the definition to within rounding on every instr
     double const eps = std::ldexp(1.0, -23);
     for (auto level : levels()) {
       detail::set_host_simd_cap(level);
-      for (auto m : {distance_metric::inner_product, distance_metric::cosine,
-                     distance_metric::squared_l2}) {
+      for (auto m :
+           {distance_metric::inner_product, distance_metric::cosine, distance_metric::squared_l2}) {
         CAPTURE(n, static_cast<int>(level), to_string(m));
         bool const l2 = m == distance_metric::squared_l2;
         // (x - q)^2 adds one rounding of the difference: 3 eps per term instead of 2
-        double const bound   = (static_cast<double>(n) + 3.0) * eps * (l2 ? abs_l2 : abs_dot) + 1e-30;
-        double const bound_h = (static_cast<double>(n) + 3.0) * eps * (l2 ? abs_l2_h : abs_dot_h) + 1e-30;
-        double const want    = test::reference_distance(x.data(), q.data(), n, m);
-        double const want_h  = test::reference_distance(xr.data(), q.data(), n, m);
-        float const got      = ix::fast_distance_for<float>(m)(x.data(), q.data(), n);
-        float const got_h    = ix::fast_distance_for<half_t>(m)(xh.data(), q.data(), n);
+        double const bound = (static_cast<double>(n) + 3.0) * eps * (l2 ? abs_l2 : abs_dot) + 1e-30;
+        double const bound_h =
+          (static_cast<double>(n) + 3.0) * eps * (l2 ? abs_l2_h : abs_dot_h) + 1e-30;
+        double const want   = test::reference_distance(x.data(), q.data(), n, m);
+        double const want_h = test::reference_distance(xr.data(), q.data(), n, m);
+        float const got     = ix::fast_distance_for<float>(m)(x.data(), q.data(), n);
+        float const got_h   = ix::fast_distance_for<half_t>(m)(xh.data(), q.data(), n);
         REQUIRE(std::fabs(got - want) <= bound * 1.0000001 + std::fabs(want) * eps);
         REQUIRE(std::fabs(got_h - want_h) <= bound_h * 1.0000001 + std::fabs(want_h) * eps);
       }
@@ -154,9 +163,10 @@ TEST_CASE("fast distances equal the definition to within rounding on every instr
   }
 }
 
-TEST_CASE("block dot products: each pair the same bits in any block and either order, and the "
-          "definition to within rounding",
-          "[index][fast][nn_descent]")
+TEST_CASE(
+  "block dot products: each pair the same bits in any block and either order, and the "
+  "definition to within rounding",
+  "[index][fast][nn_descent]")
 {
   simd_cap_guard guard;
   std::mt19937 rng(29);
@@ -165,7 +175,9 @@ TEST_CASE("block dot products: each pair the same bits in any block and either o
   for (std::int64_t n : {4, 12, 16, 20, 60, 64, 100, 384, 388, 768}) {
     std::uint32_t const rows = 11;
     std::vector<float> data(static_cast<std::size_t>(n) * rows);
-    for (auto& v : data) { v = normal(rng); }
+    for (auto& v : data) {
+      v = normal(rng);
+    }
     std::vector<float const*> ptr(rows);
     for (std::uint32_t r = 0; r < rows; ++r) {
       ptr[r] = data.data() + static_cast<std::size_t>(r) * static_cast<std::size_t>(n);
@@ -203,8 +215,8 @@ TEST_CASE("block dot products: each pair the same bits in any block and either o
           block(ptr.data() + a0, na, ptr.data() + b0, nb, n, out.data(), ld);
           for (std::uint32_t i = 0; i < na; ++i) {
             for (std::uint32_t j = 0; j < nb; ++j) {
-              REQUIRE(std::memcmp(&out[i * ld + j], &single[(a0 + i) * rows + (b0 + j)],
-                                  sizeof(float)) == 0);
+              REQUIRE(std::memcmp(
+                        &out[i * ld + j], &single[(a0 + i) * rows + (b0 + j)], sizeof(float)) == 0);
             }
             for (std::size_t j = nb; j < ld; ++j) {
               REQUIRE(out[i * ld + j] == -1.0f);  // nothing written past the block
@@ -224,8 +236,12 @@ TEST_CASE("fast scans give each row's fast distance to within rounding", "[index
   for (std::int64_t n : {4, 8, 20, 36, 100, 384, 388}) {
     for (std::uint32_t count : {1u, 3u, 4u, 7u, 9u}) {
       std::vector<float> rows(static_cast<std::size_t>(n) * count), q(static_cast<std::size_t>(n));
-      for (auto& v : rows) { v = normal(rng); }
-      for (auto& v : q) { v = normal(rng); }
+      for (auto& v : rows) {
+        v = normal(rng);
+      }
+      for (auto& v : q) {
+        v = normal(rng);
+      }
       std::vector<half_t> hrows(rows.size());
       std::vector<float> hr(rows.size());
       for (std::size_t i = 0; i < rows.size(); ++i) {
@@ -242,12 +258,14 @@ TEST_CASE("fast scans give each row's fast distance to within rounding", "[index
             CAPTURE(n, count, r, static_cast<int>(level), to_string(m));
             double abs_sum = 0.0, abs_sum_h = 0.0;
             for (std::int64_t e = 0; e < n; ++e) {
-              double const x = rows[r * n + e], xh = hr[r * n + e], y = q[static_cast<std::size_t>(e)];
+              double const x = rows[r * n + e], xh = hr[r * n + e],
+                           y = q[static_cast<std::size_t>(e)];
               abs_sum += m == distance_metric::squared_l2 ? (x - y) * (x - y) : std::fabs(x * y);
-              abs_sum_h += m == distance_metric::squared_l2 ? (xh - y) * (xh - y) : std::fabs(xh * y);
+              abs_sum_h +=
+                m == distance_metric::squared_l2 ? (xh - y) * (xh - y) : std::fabs(xh * y);
             }
-            double const eps  = std::ldexp(1.0, -23);
-            double const want = test::reference_distance(rows.data() + r * n, q.data(), n, m);
+            double const eps    = std::ldexp(1.0, -23);
+            double const want   = test::reference_distance(rows.data() + r * n, q.data(), n, m);
             double const want_h = test::reference_distance(hr.data() + r * n, q.data(), n, m);
             REQUIRE(std::fabs(out[r] - want) <= (n + 3.0) * eps * abs_sum + 1e-30);
             REQUIRE(std::fabs(hout[r] - want_h) <= (n + 3.0) * eps * abs_sum_h + 1e-30);
@@ -269,8 +287,8 @@ TEST_CASE("fast distances see every element (a change at any position changes th
       for (std::int64_t at = 0; at < n; ++at) {
         x[static_cast<std::size_t>(at)] = 1.0f;
         CAPTURE(static_cast<int>(level), n, at);
-        REQUIRE(ix::fast_distance_for<float>(distance_metric::inner_product)(x.data(), q.data(),
-                                                                             n) == -1.0f);
+        REQUIRE(ix::fast_distance_for<float>(distance_metric::inner_product)(
+                  x.data(), q.data(), n) == -1.0f);
         REQUIRE(ix::fast_distance_for<float>(distance_metric::squared_l2)(x.data(), q.data(), n) ==
                 static_cast<float>(n - 1));
         x[static_cast<std::size_t>(at)] = 0.0f;
@@ -286,10 +304,10 @@ TEST_CASE("entry points are distinct, deterministic and cover every cluster", "[
   // about 20 * 0.95^64 = 0.75)
   std::int64_t const dim = 32;
   test::gaussian_mixture mix({dim, 20, true, 5});
-  std::vector<float> data = mix.draw(3000);
+  std::vector<float> data       = mix.draw(3000);
   std::vector<float> const rows = data;  // fp32, dim a multiple of 4: already padded rows
-  auto const a = ix::choose_entry_points(rows.data(), dim, 3000, 64, 512, 99);
-  auto const b = ix::choose_entry_points(rows.data(), dim, 3000, 64, 512, 99);
+  auto const a                  = ix::choose_entry_points(rows.data(), dim, 3000, 64, 512, 99);
+  auto const b                  = ix::choose_entry_points(rows.data(), dim, 3000, 64, 512, 99);
   REQUIRE(a == b);
   REQUIRE(a.size() == 64);
   REQUIRE(std::set<std::uint32_t>(a.begin(), a.end()).size() == 64);
@@ -302,17 +320,20 @@ TEST_CASE("entry points are distinct, deterministic and cover every cluster", "[
   std::vector<double> pair_d;
   for (int i = 0; i < 2000; ++i) {
     pair_d.push_back(test::reference_distance(rows.data() + (i * 7 % 3000) * dim,
-                                              rows.data() + (i * 13 % 3000 + 1) % 3000 * dim, dim,
+                                              rows.data() + (i * 13 % 3000 + 1) % 3000 * dim,
+                                              dim,
                                               distance_metric::squared_l2));
   }
   std::nth_element(pair_d.begin(), pair_d.begin() + 1000, pair_d.end());
   double const median = pair_d[1000];
-  std::size_t far = 0;
+  std::size_t far     = 0;
   for (std::uint32_t v = 0; v < 3000; ++v) {
     double best = std::numeric_limits<double>::infinity();
     for (auto e : a) {
-      best = std::min(best, test::reference_distance(rows.data() + v * dim, rows.data() + e * dim,
-                                                     dim, distance_metric::squared_l2));
+      best =
+        std::min(best,
+                 test::reference_distance(
+                   rows.data() + v * dim, rows.data() + e * dim, dim, distance_metric::squared_l2));
     }
     far += best >= median / 2 ? 1 : 0;
   }
@@ -330,8 +351,8 @@ TEST_CASE("fast exact search equals brute force", "[index][fast]")
 {
   simd_cap_guard guard;
   std::int64_t const dim = 100;  // 25 chunks: tails in every instruction set
-  for (auto metric : {distance_metric::cosine, distance_metric::inner_product,
-                      distance_metric::squared_l2}) {
+  for (auto metric :
+       {distance_metric::cosine, distance_metric::inner_product, distance_metric::squared_l2}) {
     for (auto vt : {dtype::float32, dtype::float16}) {
       index_config c;
       c.dim          = dim;
@@ -340,18 +361,18 @@ TEST_CASE("fast exact search equals brute force", "[index][fast]")
       graph_index index{c};
       test::gaussian_mixture mix({dim, 10, metric != distance_metric::squared_l2, 3});
       std::vector<float> data = mix.draw(700), queries = mix.draw(20);
-      auto const ids          = iota_ids(700, 1000);
-      index.add(4, make_matrix_view<float const>(data.data(), 700, dim),
+      auto const ids = iota_ids(700, 1000);
+      index.add(4,
+                make_matrix_view<float const>(data.data(), 700, dim),
                 cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
       std::vector<std::uint64_t> gone{1003, 1100, 1200, 1333};
       index.erase(cuda::std::span<std::uint64_t const>{gone.data(), gone.size()});
       // the rows as the index stores them, and the queries as it compares them
       auto const* stored = static_cast<unsigned char const*>(index_access::vector_rows(index, 4));
       std::int64_t const re = index_access::row_elements(index);
-      auto row_value = [&](std::uint32_t r, std::int64_t e) {
-        return vt == dtype::float32
-                 ? reinterpret_cast<float const*>(stored)[r * re + e]
-                 : to_float(reinterpret_cast<half_t const*>(stored)[r * re + e]);
+      auto row_value        = [&](std::uint32_t r, std::int64_t e) {
+        return vt == dtype::float32 ? reinterpret_cast<float const*>(stored)[r * re + e]
+                                           : to_float(reinterpret_cast<half_t const*>(stored)[r * re + e]);
       };
       auto const prepared = index_access::prepare_queries(
         index, make_matrix_view<float const>(queries.data(), 20, dim));
@@ -368,9 +389,8 @@ TEST_CASE("fast exact search equals brute force", "[index][fast]")
             for (std::int64_t e = 0; e < dim; ++e) {
               row[static_cast<std::size_t>(e)] = row_value(r, e);
             }
-            all.emplace_back(test::reference_distance(row.data(), prepared.data() + q * re, dim,
-                                                      metric),
-                             ids[r]);
+            all.emplace_back(
+              test::reference_distance(row.data(), prepared.data() + q * re, dim, metric), ids[r]);
           }
           std::sort(all.begin(), all.end());
           CAPTURE(to_string(metric), to_string(vt), static_cast<int>(level), q);
@@ -401,14 +421,15 @@ TEST_CASE("fast graph search: recall on a clustered mixture, live results only, 
   c.dim = dim;
   graph_index index{c};
   auto const ids = iota_ids(n);
-  index.add(9, make_matrix_view<float const>(data.data(), n, dim),
+  index.add(9,
+            make_matrix_view<float const>(data.data(), n, dim),
             cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
   auto const truth = truth_of(data, queries, dim, 10);
 
   search_params graph;
-  graph.algo = search_algo::graph;  // the defaults otherwise: host_mode fast
-  answers const got = run(index, queries, 9, 10, graph);
-  double const r    = recall_of(got, truth, 10);
+  graph.algo             = search_algo::graph;  // the defaults otherwise: host_mode fast
+  answers const got      = run(index, queries, 9, 10, graph);
+  double const r         = recall_of(got, truth, 10);
   std::uint32_t const ef = index_access::host_default_ef(index, 9);
   std::printf(
     "fast graph search, 6000 x 64, 60 clusters: recall@10 %.4f at the defaults "
@@ -435,8 +456,8 @@ TEST_CASE("fast graph search: recall on a clustered mixture, live results only, 
       REQUIRE(id < n);
       REQUIRE(seen.insert(id).second);
       if (j > 0) { REQUIRE(got.distances[q * 10 + j - 1] <= got.distances[q * 10 + j]); }
-      double const d = test::reference_distance(data.data() + id * dim, queries.data() + q * dim,
-                                                dim, distance_metric::cosine);
+      double const d = test::reference_distance(
+        data.data() + id * dim, queries.data() + q * dim, dim, distance_metric::cosine);
       REQUIRE(std::fabs(got.distances[q * 10 + j] - d) <= 1e-5);
     }
   }
@@ -463,7 +484,8 @@ TEST_CASE("fast graph search: recall on a clustered mixture, live results only, 
   std::remove(path.c_str());
   answers const again = run(loaded, queries, 9, 10, graph);
   REQUIRE(again.ids == after.ids);
-  REQUIRE(std::memcmp(again.distances.data(), after.distances.data(),
+  REQUIRE(std::memcmp(again.distances.data(),
+                      after.distances.data(),
                       after.distances.size() * sizeof(float)) == 0);
 }
 
@@ -540,12 +562,14 @@ TEST_CASE("fast graph search keeps tenants apart and answers tiny namespaces", "
   test::gaussian_mixture mix({dim, 5, true, 2});
   std::vector<float> a = mix.draw(400), b = mix.draw(3), q = mix.draw(5);
   auto const ida = iota_ids(400, 0), idb = iota_ids(3, 5000);
-  index.add(1, make_matrix_view<float const>(a.data(), 400, dim),
+  index.add(1,
+            make_matrix_view<float const>(a.data(), 400, dim),
             cuda::std::span<std::uint64_t const>{ida.data(), ida.size()});
-  index.add(2, make_matrix_view<float const>(b.data(), 3, dim),
+  index.add(2,
+            make_matrix_view<float const>(b.data(), 3, dim),
             cuda::std::span<std::uint64_t const>{idb.data(), idb.size()});
   search_params p;
-  p.algo           = search_algo::graph;
+  p.algo            = search_algo::graph;
   answers const in1 = run(index, q, 1, 10, p);
   for (auto id : in1.ids) {
     REQUIRE(id < 400);
@@ -612,13 +636,16 @@ TEST_CASE("float16 traversal: the copy follows the rows through every mutation a
   graph_index index{c};
   std::vector<float> const a = mix.draw(1500), b = mix.draw(40), d = mix.draw(700);
   auto const ida = iota_ids(1500), idb = iota_ids(40, 10000), idd = iota_ids(700, 20000);
-  index.add(1, make_matrix_view<float const>(a.data(), 1500, dim),
+  index.add(1,
+            make_matrix_view<float const>(a.data(), 1500, dim),
             cuda::std::span<std::uint64_t const>{ida.data(), ida.size()});
   require_copy_current(index, 1);
-  index.add(1, make_matrix_view<float const>(b.data(), 40, dim),  // the incremental path
+  index.add(1,
+            make_matrix_view<float const>(b.data(), 40, dim),  // the incremental path
             cuda::std::span<std::uint64_t const>{idb.data(), idb.size()});
   require_copy_current(index, 1);
-  index.add(2, make_matrix_view<float const>(d.data(), 700, dim),
+  index.add(2,
+            make_matrix_view<float const>(d.data(), 700, dim),
             cuda::std::span<std::uint64_t const>{idd.data(), idd.size()});
   require_copy_current(index, 2);
   std::vector<std::uint64_t> gone;
@@ -630,7 +657,8 @@ TEST_CASE("float16 traversal: the copy follows the rows through every mutation a
   require_copy_current(index, 1);
   require_copy_current(index, 2);
   REQUIRE(index.rows(1) == 1500 - 500 + 40);
-  index.build(2, make_matrix_view<float const>(b.data(), 0, dim),
+  index.build(2,
+              make_matrix_view<float const>(b.data(), 0, dim),
               cuda::std::span<std::uint64_t const>{idb.data(), 0});  // an empty build
   REQUIRE(index.rows(2) == 0);
   (void)index.erase_namespace(2);
@@ -662,7 +690,7 @@ TEST_CASE("float16 traversal: the copy follows the rows through every mutation a
   REQUIRE(loaded.host_traversal_bytes() == (std::uint64_t{loaded.rows(1)} + entries) * row_bytes);
   REQUIRE(loaded.host_entry_bytes() == entries * 4 + entries * row_bytes * 2);
   search_params p;
-  p.algo = search_algo::graph;
+  p.algo                           = search_algo::graph;
   std::vector<float> const queries = mix.draw(50);
   answers const x = run(index, queries, 1, 10, p), y = run(loaded, queries, 1, 10, p);
   REQUIRE(x.ids == y.ids);  // same rows, same graph, same walk
@@ -679,30 +707,31 @@ TEST_CASE("float16 traversal: the walk's best entries measured again on the floa
   test::gaussian_mixture mix({dim, 60, true, 23});
   std::vector<float> const queries = mix.draw(200);
   std::vector<float> const data    = mix.draw(n);
-  auto const ids = iota_ids(n);
+  auto const ids                   = iota_ids(n);
   index_config c;
   c.dim = dim;
   graph_index plain{c};
   c.host_traversal_dtype = dtype::float16;
   graph_index half{c};
   for (graph_index* index : {&plain, &half}) {
-    index->add(3, make_matrix_view<float const>(data.data(), n, dim),
+    index->add(3,
+               make_matrix_view<float const>(data.data(), n, dim),
                cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
   }
   auto const truth = truth_of(data, queries, dim, 10);
   for (std::uint32_t ef : {10u, 24u, 64u}) {
     search_params p;
-    p.algo       = search_algo::graph;
-    p.itopk_size = ef;
+    p.algo          = search_algo::graph;
+    p.itopk_size    = ef;
     answers const a = run(plain, queries, 3, 10, p), b = run(half, queries, 3, 10, p);
     double const ra = recall_of(a, truth, 10), rb = recall_of(b, truth, 10);
-    std::printf("float16 traversal, 6000 x 96, ef %u: recall@10 %.4f (float32 walk %.4f)\n", ef,
-                rb, ra);
+    std::printf(
+      "float16 traversal, 6000 x 96, ef %u: recall@10 %.4f (float32 walk %.4f)\n", ef, rb, ra);
     REQUIRE(rb >= ra - 0.01);
     // each result's distance is the float32 fast distance of its row, bit for bit; sorted, unique
     std::vector<float> const prepared =
       index_access::prepare_queries(half, make_matrix_view<float const>(queries.data(), 200, dim));
-    auto const fast32 = ix::fast_kernels_for<float>(distance_metric::cosine).distance;
+    auto const fast32     = ix::fast_kernels_for<float>(distance_metric::cosine).distance;
     auto const* rows      = static_cast<float const*>(index_access::vector_rows(half, 3));
     std::int64_t const re = index_access::row_elements(half);
     for (std::size_t q = 0; q < 200; ++q) {
@@ -712,7 +741,8 @@ TEST_CASE("float16 traversal: the walk's best entries measured again on the floa
         REQUIRE(id < n);
         REQUIRE(seen.insert(id).second);
         float const want = fast32(rows + static_cast<std::int64_t>(id) * re,
-                                  prepared.data() + q * static_cast<std::size_t>(re), re);
+                                  prepared.data() + q * static_cast<std::size_t>(re),
+                                  re);
         REQUIRE(std::memcmp(&want, &b.distances[q * 10 + j], sizeof want) == 0);
         if (j > 0) { REQUIRE(b.distances[q * 10 + j - 1] <= b.distances[q * 10 + j]); }
       }
@@ -750,12 +780,15 @@ TEST_CASE("float16 traversal: the cosine error bound holds and the window change
         q[e]  = static_cast<float>(q[e] / std::sqrt(nq));
         xh[e] = from_float<half_t>(x[e]);
       }
-      double const diff = std::fabs(double{k16(xh.data(), q.data(), n)} - k32(x.data(), q.data(), n));
+      double const diff =
+        std::fabs(double{k16(xh.data(), q.data(), n)} - k32(x.data(), q.data(), n));
       worst = std::max(worst, diff);
       REQUIRE(diff <= bound);
     }
     std::printf("cosine float16 bound, %lld elements: %.3g, worst seen %.3g\n",
-                static_cast<long long>(n), bound, worst);
+                static_cast<long long>(n),
+                bound,
+                worst);
   }
 
   // rerank_exact with the window gives what measuring the whole list gives
@@ -780,8 +813,8 @@ TEST_CASE("float16 traversal: the cosine error bound holds and the window change
     std::vector<ix::search_entry> windowed, whole;
     std::uint32_t const k = 1 + trial % 12;
     ix::rerank_exact(rows.data(), re, query.data(), l2, approx, k, 0.1, windowed);
-    ix::rerank_exact(rows.data(), re, query.data(), l2, approx, k,
-                     std::numeric_limits<double>::infinity(), whole);
+    ix::rerank_exact(
+      rows.data(), re, query.data(), l2, approx, k, std::numeric_limits<double>::infinity(), whole);
     REQUIRE(whole.size() == std::min<std::size_t>(k, approx.size()));
     REQUIRE(windowed.size() == whole.size());
     for (std::size_t j = 0; j < whole.size(); ++j) {
@@ -885,9 +918,10 @@ TEST_CASE("float16 traversal: refused where it cannot apply, nothing changed",
   c.host_traversal_dtype = dtype::float32;
   graph_index index{c};
   std::vector<float> v(4 * 8, 1.0f);
-  v[13] = 1e5f;
+  v[13]          = 1e5f;
   auto const ids = iota_ids(4);
-  index.add(1, make_matrix_view<float const>(v.data(), 4, 8),
+  index.add(1,
+            make_matrix_view<float const>(v.data(), 4, 8),
             cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
   std::uint64_t const version = index.version();
   REQUIRE_THROWS_WITH(index.set_host_traversal_dtype(dtype::float16),
@@ -899,7 +933,8 @@ TEST_CASE("float16 traversal: refused where it cannot apply, nothing changed",
   // under float16 traversal, such a vector is refused at add
   c.host_traversal_dtype = dtype::float16;
   graph_index half{c};
-  REQUIRE_THROWS_WITH(half.add(1, make_matrix_view<float const>(v.data(), 4, 8),
+  REQUIRE_THROWS_WITH(half.add(1,
+                               make_matrix_view<float const>(v.data(), 4, 8),
                                cuda::std::span<std::uint64_t const>{ids.data(), ids.size()}),
                       Catch::Contains("host_traversal_dtype float16"));
   REQUIRE(half.num_namespaces() == 0);

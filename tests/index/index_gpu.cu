@@ -321,14 +321,14 @@ std::vector<param_case> param_cases(search_algo algo)
   cases[2].params.max_iterations       = 5;
   cases[2].params.rand_xor_mask        = 0xDEADBEEFull;
   // split searches (search_params::ctas_per_query): the parts on several CTAs, then the merge
-  cases[3].name                        = "split into 4 parts (itopk 16 each), k 10";
-  cases[3].k                           = 10;
-  cases[3].params.ctas_per_query       = 4;
-  cases[4].name                        = "split into 3 parts, itopk 128 (43 each), width 2, k 16";
-  cases[4].k                           = 16;
-  cases[4].params.itopk_size           = 128;
-  cases[4].params.search_width         = 2;
-  cases[4].params.ctas_per_query       = 3;
+  cases[3].name                  = "split into 4 parts (itopk 16 each), k 10";
+  cases[3].k                     = 10;
+  cases[3].params.ctas_per_query = 4;
+  cases[4].name                  = "split into 3 parts, itopk 128 (43 each), width 2, k 16";
+  cases[4].k                     = 16;
+  cases[4].params.itopk_size     = 128;
+  cases[4].params.search_width   = 2;
+  cases[4].params.ctas_per_query = 3;
   for (auto& c : cases) {
     c.params.algo = algo;
   }
@@ -444,13 +444,14 @@ TEST_CASE("index device search: teams of 16 and 32 lanes (768-d rows)", "[index]
   graph.algo           = search_algo::graph;
   graph.ctas_per_query = 0;
   auto const expected  = host_search(pair.host, few, small, few_namespaces, 10, graph);
-  auto const got      = device_search(res, pair.device, d_few, small, dim, few_namespaces, 10, graph);
+  auto const got = device_search(res, pair.device, d_few, small, dim, few_namespaces, 10, graph);
   require_identical(expected, got, few_namespaces, 10);
 }
 
-TEST_CASE("index device search: the kernel's shared-memory attribute is the device's fixed limit, "
-          "whatever the batch",
-          "[index][gpu]")
+TEST_CASE(
+  "index device search: the kernel's shared-memory attribute is the device's fixed limit, "
+  "whatever the batch",
+  "[index][gpu]")
 {
   // Searches may run concurrently (README): a per-call attribute sized to one call's batch could
   // be lowered by another call between its set and its launch. It must be set once, to the limit.
@@ -517,9 +518,10 @@ TEST_CASE("index device search: queries in global memory (9000-d), strided queri
   }
 }
 
-TEST_CASE("index device search: a batch of several resident grids reuses each CTA's global "
-          "workspace and still equals the host bit for bit",
-          "[index][gpu]")
+TEST_CASE(
+  "index device search: a batch of several resident grids reuses each CTA's global "
+  "workspace and still equals the host bit for bit",
+  "[index][gpu]")
 {
   raft::device_resources res;
   std::int64_t const dim = 96;
@@ -589,9 +591,14 @@ TEST_CASE("index device search: a small batch is one launch, capturable in a CUD
         }
       }
     } guard{stream};
-    search(res, pair.device, make_matrix_view<float const>(d_queries.data(), nq, dim, dim),
-           cuda::std::span<std::uint64_t const>{one_namespace.data(), 1}, 10, params,
-           out.ids_view(), out.distances_view());
+    search(res,
+           pair.device,
+           make_matrix_view<float const>(d_queries.data(), nq, dim, dim),
+           cuda::std::span<std::uint64_t const>{one_namespace.data(), 1},
+           10,
+           params,
+           out.ids_view(),
+           out.distances_view());
     INFERSCALE_CUDA_TRY(cudaStreamEndCapture(stream, &graph));
   }
   std::size_t nodes = 0;
@@ -674,9 +681,10 @@ TEST_CASE("index device search: NaN, infinite and zero-cosine queries get invali
   }
 }
 
-TEST_CASE("index device search: degenerate vectors (zeros, denormals, largest values, "
-          "duplicates, all-identical namespaces) answer as the host, bit for bit, never NaN",
-          "[index][gpu]")
+TEST_CASE(
+  "index device search: degenerate vectors (zeros, denormals, largest values, "
+  "duplicates, all-identical namespaces) answer as the host, bit for bit, never NaN",
+  "[index][gpu]")
 {
   raft::device_resources res;
   for (auto const metric :
@@ -712,15 +720,22 @@ TEST_CASE("index device search: degenerate vectors (zeros, denormals, largest va
           CAPTURE(static_cast<int>(algo), ns);
           std::vector<std::uint64_t> const one{ns};
           auto const expected = host_search(host, set.queries, nq, one, k, params);
-          auto const got = device_search(res, device, d_queries, nq, dim, one, k, params);
+          auto const got      = device_search(res, device, d_queries, nq, dim, one, k, params);
           require_identical(expected, got, one, k);
-          for (float d : got.distances) { REQUIRE(std::isfinite(d)); }
+          for (float d : got.distances) {
+            REQUIRE(std::isfinite(d));
+          }
         }
       }
       // exact_search (the brute force on RAFT's gemm) on the mixed namespace: finite, its ids
       device_outputs out{nq, k, k};
-      exact_search(res, device, 1, make_matrix_view<float const>(d_queries.data(), nq, dim), k,
-                   out.ids_view(), out.distances_view());
+      exact_search(res,
+                   device,
+                   1,
+                   make_matrix_view<float const>(d_queries.data(), nq, dim),
+                   k,
+                   out.ids_view(),
+                   out.distances_view());
       raft::resource::sync_stream(res);
       auto const exact = out.result();
       for (std::size_t at = 0; at < exact.ids.size(); ++at) {
@@ -1040,8 +1055,8 @@ TEST_CASE("index exact_search equals a brute-force double-precision loop", "[ind
   normalised_config.metric       = distance_metric::cosine;
   auto const spec                = mixture_for(normalised_config, 31);
   graph_index index{[&] {
-    auto c   = config;
-    c.space  = memory_space::device;
+    auto c  = config;
+    c.space = memory_space::device;
     return c;
   }()};
   test::gaussian_mixture mixture{spec};
@@ -1141,9 +1156,9 @@ TEST_CASE("index device search after automatic compactions equals the host searc
           "[index][gpu][compaction]")
 {
   raft::device_resources res;
-  std::int64_t const dim = 40;
-  index_config config    = small_config(dtype::float32, distance_metric::cosine, dim);
-  config.host_knn        = knn_build::exact;
+  std::int64_t const dim     = 40;
+  index_config config        = small_config(dtype::float32, distance_metric::cosine, dim);
+  config.host_knn            = knn_build::exact;
   index_config host_config   = config;
   index_config device_config = config;
   host_config.space          = memory_space::host;
@@ -1161,7 +1176,8 @@ TEST_CASE("index device search after automatic compactions equals the host searc
       ids[static_cast<std::size_t>(r)] = fact_id(ns, r);
     }
     for (graph_index* index : {&host, &device}) {
-      index->add(ns, make_matrix_view<float const>(data.data(), n, dim),
+      index->add(ns,
+                 make_matrix_view<float const>(data.data(), n, dim),
                  cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
     }
   }
@@ -1171,7 +1187,7 @@ TEST_CASE("index device search after automatic compactions equals the host searc
   for (std::int64_t q = 0; q < nq; ++q) {
     targets[static_cast<std::size_t>(q)] = 1 + static_cast<std::uint64_t>(q % 8);
   }
-  auto const d_queries = upload_queries(queries, nq, dim, dim);
+  auto const d_queries  = upload_queries(queries, nq, dim, dim);
   std::uint32_t const k = 10;
   search_params graph_params;
   graph_params.algo = search_algo::graph;
@@ -1296,9 +1312,8 @@ TEST_CASE(
   host_cache alone_device;
   memory_request const one =
     on_host.serve(embedder, 9, asks[2].query, k, 7, alone, model.rotation());
-  memory_request const one_device =
-    on_device.serve(embedder, 9, asks[2].query, k, 7, alone_device, model.rotation(),
-                    device_context{res});
+  memory_request const one_device = on_device.serve(
+    embedder, 9, asks[2].query, k, 7, alone_device, model.rotation(), device_context{res});
   CHECK(one_device.fact_ids == one.fact_ids);
   CHECK(one_device.plan.token_ids == one.plan.token_ids);
   CHECK(alone_device.data == alone.data);
@@ -1306,7 +1321,7 @@ TEST_CASE(
                     Catch::Contains("serve_step(..., rotation, device_context{res"));
   CHECK_THROWS_WITH(
     on_host.serve_step(embedder, host_requests, k, model.rotation(), device_context{res}),
-                    Catch::Contains("the index is in host memory"));
+    Catch::Contains("the index is in host memory"));
 
   // A GPU engine's step: the index and the store in device memory, the cache too.
   memory const on_gpu =
@@ -1338,9 +1353,12 @@ TEST_CASE(
     on_host.serve_step(embedder, table_requests, k, host_table);
   inferscale_test::cuda_stream stream;
   injection_workspace workspace(512);
-  std::vector<memory_request> const gpu_got = on_gpu.serve_step(
-    embedder, gpu_requests, k, device_table,
-    device_context{res, workspace, cuda::stream_ref{stream.get()}});
+  std::vector<memory_request> const gpu_got =
+    on_gpu.serve_step(embedder,
+                      gpu_requests,
+                      k,
+                      device_table,
+                      device_context{res, workspace, cuda::stream_ref{stream.get()}});
   INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream.get()));
   check_same_step(gpu_got,
                   table_expected,

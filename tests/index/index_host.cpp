@@ -6,19 +6,18 @@
  */
 #include <inferscale/index.hpp>
 
+#include <catch2/catch.hpp>
+
 #include <degenerate_vectors.hpp>
 #include <float_bits.hpp>
 #include <gaussian_mixture.hpp>
 #include <index_answers.hpp>
 #include <index_reference.hpp>
 
-#include <catch2/catch.hpp>
-
-#include <cstring>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -48,72 +47,141 @@ using ns_span       = cuda::std::span<std::uint64_t const>;
 
 // the plumbing, called as the members it was
 template <class I>
-concept member_row_elements = requires(I const& i) { i.row_elements(); };
+concept member_row_elements = requires(I const& i)
+{
+  i.row_elements();
+};
 template <class I>
-concept member_graph_degree = requires(I const& i) { i.graph_degree(); };
+concept member_graph_degree = requires(I const& i)
+{
+  i.graph_degree();
+};
 template <class I>
-concept member_uses_nn_descent = requires(I const& i) { i.uses_nn_descent(1u); };
+concept member_uses_nn_descent = requires(I const& i)
+{
+  i.uses_nn_descent(1u);
+};
 template <class I>
-concept member_last_nn_descent = requires(I const& i) { i.last_nn_descent(); };
+concept member_last_nn_descent = requires(I const& i)
+{
+  i.last_nn_descent();
+};
 template <class I>
-concept member_host_entry_points = requires(I const& i) { i.host_entry_points(std::uint64_t{}); };
+concept member_host_entry_points = requires(I const& i)
+{
+  i.host_entry_points(std::uint64_t{});
+};
 template <class I>
-concept member_host_default_ef = requires(I const& i) { i.host_default_ef(std::uint64_t{}); };
+concept member_host_default_ef = requires(I const& i)
+{
+  i.host_default_ef(std::uint64_t{});
+};
 template <class I>
-concept member_host_traversal_rows = requires(I const& i) {
+concept member_host_traversal_rows = requires(I const& i)
+{
   i.host_traversal_rows(std::uint64_t{});
 };
 template <class I>
-concept member_arena_rows_in_use = requires(I const& i) { i.arena_rows_in_use(); };
+concept member_arena_rows_in_use = requires(I const& i)
+{
+  i.arena_rows_in_use();
+};
 template <class I>
-concept member_max_arena_rows = requires(I const& i) { i.max_arena_rows(); };
+concept member_max_arena_rows = requires(I const& i)
+{
+  i.max_arena_rows();
+};
 template <class I>
-concept member_compactions = requires(I const& i) { i.compactions(); };
+concept member_compactions = requires(I const& i)
+{
+  i.compactions();
+};
 template <class I>
-concept member_tenant_segment = requires(I const& i) { i.tenant_segment(std::uint64_t{}); };
+concept member_tenant_segment = requires(I const& i)
+{
+  i.tenant_segment(std::uint64_t{});
+};
 template <class I>
-concept member_tenant_table = requires(I const& i) { i.tenant_table(); };
+concept member_tenant_table = requires(I const& i)
+{
+  i.tenant_table();
+};
 template <class I>
-concept member_graph_rows = requires(I const& i) { i.graph_rows(std::uint64_t{}); };
+concept member_graph_rows = requires(I const& i)
+{
+  i.graph_rows(std::uint64_t{});
+};
 template <class I>
-concept member_vector_rows = requires(I const& i) { i.vector_rows(std::uint64_t{}); };
+concept member_vector_rows = requires(I const& i)
+{
+  i.vector_rows(std::uint64_t{});
+};
 template <class I>
-concept member_id_rows = requires(I const& i) { i.id_rows(std::uint64_t{}); };
+concept member_id_rows = requires(I const& i)
+{
+  i.id_rows(std::uint64_t{});
+};
 template <class I>
-concept member_deleted_rows = requires(I const& i) { i.deleted_rows(std::uint64_t{}); };
+concept member_deleted_rows = requires(I const& i)
+{
+  i.deleted_rows(std::uint64_t{});
+};
 template <class I>
-concept member_ref = requires(I const& i) { i.ref(); };
+concept member_ref = requires(I const& i)
+{
+  i.ref();
+};
 template <class I>
-concept member_plan_for = requires(I const& i, search_params const& p) { i.plan_for(1u, 1u, p); };
+concept member_plan_for = requires(I const& i, search_params const& p)
+{
+  i.plan_for(1u, 1u, p);
+};
 template <class I>
-concept member_resolve_split = requires(search_params const& p) {
+concept member_resolve_split = requires(search_params const& p)
+{
   I::resolve_split(p, std::int64_t{1}, 1u);
 };
 template <class I>
-concept member_split_part = requires(search_params const& p) { I::split_part(p, 1u, 0u); };
+concept member_split_part = requires(search_params const& p)
+{
+  I::split_part(p, 1u, 0u);
+};
 template <class I>
-concept member_uses_exact = requires(I const& i, search_params const& p) {
+concept member_uses_exact = requires(I const& i, search_params const& p)
+{
   i.uses_exact(detail::index::tenant_ref{}, p);
 };
 template <class I>
-concept member_prepare_queries = requires(I const& i, query_view q) { i.prepare_queries(q); };
+concept member_prepare_queries = requires(I const& i, query_view q)
+{
+  i.prepare_queries(q);
+};
 template <class I>
-concept member_check_search = requires(I const& i, query_view q, ns_span ns, search_params p) {
+concept member_check_search = requires(I const& i, query_view q, ns_span ns, search_params p)
+{
   i.check_search(q, ns, 1u, p, std::int64_t{}, std::int64_t{}, std::int64_t{}, std::int64_t{});
 };
 template <class I>
-concept member_tenant_ref = requires { typename I::tenant_ref; };
+concept member_tenant_ref = requires
+{
+  typename I::tenant_ref;
+};
 template <class I>
-concept member_packed_entry_min_rows = requires { I::packed_entry_min_rows; };
+concept member_packed_entry_min_rows = requires
+{
+  I::packed_entry_min_rows;
+};
 // the member search that wrapped the free one is gone (one search entry point)
 template <class I>
-concept member_search = requires(I const& i, query_view q, ns_span ns, search_params p,
-                                 ids_view ids, distance_view d) {
+concept member_search =
+  requires(I const& i, query_view q, ns_span ns, search_params p, ids_view ids, distance_view d)
+{
   i.search(q, ns, 1u, p, ids, d);
 };
 template <class I>
-concept member_search_template = requires(I const& i, query_view q, ns_span ns, search_params p,
-                                          ids_view ids, distance_view d) {
+concept member_search_template =
+  requires(I const& i, query_view q, ns_span ns, search_params p, ids_view ids, distance_view d)
+{
   i.template search<float>(q, ns, 1u, p, ids, d);
 };
 
@@ -134,8 +202,15 @@ static_assert(!member_search<graph_index> && !member_search_template<graph_index
 
 // The same kind of check sees what stays public (so the negatives above are not vacuous) ...
 template <class I>
-concept user_surface = requires(I& i, I const& c, query_view q, ns_span ns, search_params p,
-                                ids_view ids, distance_view d, graph_builder const& b) {
+concept user_surface = requires(I& i,
+                                I const& c,
+                                query_view q,
+                                ns_span ns,
+                                search_params p,
+                                ids_view ids,
+                                distance_view d,
+                                graph_builder const& b)
+{
   c.config();
   c.dim();
   c.space();
@@ -169,8 +244,8 @@ static_assert(std::is_nothrow_move_constructible_v<graph_index> &&
 
 // ... and the detail accessor still reaches the plumbing the library's own code needs.
 template <class A>
-concept accessor_surface = requires(graph_index const& i, query_view q, ns_span ns,
-                                    search_params p) {
+concept accessor_surface = requires(graph_index const& i, query_view q, ns_span ns, search_params p)
+{
   A::row_elements(i);
   A::graph_degree(i);
   A::uses_nn_descent(i, 1u);
@@ -206,10 +281,10 @@ using test::run_search;
 
 constexpr std::uint32_t k10 = 10;
 
-
 /// Distance by definition, in double, on the vectors as the index stores them (rounded to the
 /// index dtype, normalised for cosine).
-double reference_distance(std::vector<float> const& a, std::vector<float> const& b,
+double reference_distance(std::vector<float> const& a,
+                          std::vector<float> const& b,
                           distance_metric m)
 {
   return test::reference_distance(a.data(), b.data(), static_cast<std::int64_t>(a.size()), m);
@@ -225,7 +300,7 @@ std::vector<float> as_stored(float const* v, std::int64_t dim, distance_metric m
   double const scale = m == distance_metric::cosine ? 1.0 / std::sqrt(norm2) : 1.0;
   std::vector<float> out(static_cast<std::size_t>(dim));
   for (std::int64_t e = 0; e < dim; ++e) {
-    float const x = static_cast<float>(v[e] * scale);
+    float const x                    = static_cast<float>(v[e] * scale);
     out[static_cast<std::size_t>(e)] = t == dtype::float16 ? to_float(from_float<half_t>(x)) : x;
   }
   return out;
@@ -262,7 +337,6 @@ std::vector<std::vector<float>> split_rows(std::vector<float> const& flat, std::
   return rows;
 }
 
-
 std::vector<std::uint64_t> sequential_ids(std::size_t n, std::uint64_t first, std::uint64_t step)
 {
   std::vector<std::uint64_t> ids(n);
@@ -272,10 +346,13 @@ std::vector<std::uint64_t> sequential_ids(std::size_t n, std::uint64_t first, st
   return ids;
 }
 
-void add_all(graph_index& index, std::uint64_t ns, std::vector<float> const& data,
+void add_all(graph_index& index,
+             std::uint64_t ns,
+             std::vector<float> const& data,
              std::vector<std::uint64_t> const& ids)
 {
-  index.add(ns, make_matrix_view(data.data(), static_cast<std::int64_t>(ids.size()), index.dim()),
+  index.add(ns,
+            make_matrix_view(data.data(), static_cast<std::int64_t>(ids.size()), index.dim()),
             cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
 }
 
@@ -306,7 +383,7 @@ std::size_t reachable_count(graph_index const& index, std::uint64_t ns)
   std::uint32_t const* graph = index_access::graph_rows(index, ns);
   std::vector<bool> seen(n, false);
   std::vector<std::uint32_t> frontier{0};
-  seen[0]          = true;
+  seen[0]           = true;
   std::size_t count = 1;
   while (!frontier.empty()) {
     std::uint32_t const v = frontier.back();
@@ -346,17 +423,17 @@ void check_rows_well_formed(graph_index const& index, std::uint64_t ns)
 
 TEST_CASE("index: exact search equals a brute-force loop for every metric and dtype", "[index]")
 {
-  auto const metric = GENERATE(distance_metric::inner_product, distance_metric::cosine,
-                               distance_metric::squared_l2);
-  auto const vdtype = GENERATE(dtype::float32, dtype::float16);
+  auto const metric =
+    GENERATE(distance_metric::inner_product, distance_metric::cosine, distance_metric::squared_l2);
+  auto const vdtype      = GENERATE(dtype::float32, dtype::float16);
   std::int64_t const dim = GENERATE(as<std::int64_t>{}, 3, 100, 384);
   CAPTURE(to_string(metric), to_string(vdtype), dim);
 
   test::gaussian_mixture mix({dim, 20, metric != distance_metric::squared_l2, 7});
-  std::size_t const n  = 700;
-  auto const data      = mix.draw(static_cast<std::int64_t>(n));
-  auto const queries   = mix.draw(25);
-  auto const ids       = sequential_ids(n, 5, 3);
+  std::size_t const n = 700;
+  auto const data     = mix.draw(static_cast<std::int64_t>(n));
+  auto const queries  = mix.draw(25);
+  auto const ids      = sequential_ids(n, 5, 3);
 
   index_config cfg;
   cfg.dim          = dim;
@@ -376,7 +453,7 @@ TEST_CASE("index: exact search equals a brute-force loop for every metric and dt
   std::uint32_t const k = 15;
   auto const truth      = brute_force(stored, qs, metric, k);
   search_params p;
-  p.algo = search_algo::exact;
+  p.algo         = search_algo::exact;
   auto const got = run_search(index, queries, {9}, k, p);
 
   for (std::size_t q = 0; q < qs.size(); ++q) {
@@ -384,7 +461,8 @@ TEST_CASE("index: exact search equals a brute-force loop for every metric and dt
       CAPTURE(q, j);
       double const want = truth[q][j].first;
       // fp32 accumulation of up to 384 products: within 1e-5 relative to the operands' scale
-      double const scale = metric == distance_metric::squared_l2 ? std::max(1.0, std::abs(want)) : 1.0;
+      double const scale =
+        metric == distance_metric::squared_l2 ? std::max(1.0, std::abs(want)) : 1.0;
       REQUIRE(std::abs(got.distances[q * k + j] - want) <= 2e-5 * scale);
       if (got.ids[q * k + j] != ids[truth[q][j].second]) {
         // a swap is only allowed between near-ties
@@ -406,7 +484,8 @@ TEST_CASE("index: recall@10 >= 0.95 against exact search on Gaussian mixtures", 
     std::size_t n;
     dtype vdtype;
   };
-  auto const s = GENERATE(scenario{384, 20000, dtype::float32}, scenario{768, 10000, dtype::float32},
+  auto const s = GENERATE(scenario{384, 20000, dtype::float32},
+                          scenario{768, 10000, dtype::float32},
                           scenario{384, 10000, dtype::float16});
   CAPTURE(s.dim, s.n, to_string(s.vdtype));
   test::gaussian_mixture mix({s.dim, 200, true, 11});
@@ -467,7 +546,9 @@ TEST_CASE("index: a split search (ctas_per_query) answers the best distinct fact
   graph_index index(cfg);
   add_all(index, 0, data, ids);
   std::vector<std::uint64_t> erased;  // deleted facts must stay out of every part's answer
-  for (std::uint64_t id = 3; id <= n; id += 7) { erased.push_back(id); }
+  for (std::uint64_t id = 3; id <= n; id += 7) {
+    erased.push_back(id);
+  }
   index.erase(cuda::std::span<std::uint64_t const>{erased.data(), erased.size()});
   std::set<std::uint64_t> const gone(erased.begin(), erased.end());
 
@@ -490,15 +571,15 @@ TEST_CASE("index: a split search (ctas_per_query) answers the best distinct fact
   p.ctas_per_query = 1;  // (the default; 0 chooses by the batch size: the last section)
   for (std::uint32_t parts : {2u, 4u, 16u}) {
     CAPTURE(parts);
-    search_params split = p;
+    search_params split  = p;
     split.ctas_per_query = parts;
     auto const got       = run_search(index, queries, {0}, k, split);
     // each part by hand: the top list max(k, ceil(64 / parts)), the mask XOR c * 0x9E3779B97F4A7C15
     std::vector<answers> part_answers;
     for (std::uint32_t c = 0; c < parts; ++c) {
-      search_params one  = p;
-      one.itopk_size     = std::max<std::uint32_t>(k, (64 + parts - 1) / parts);
-      one.rand_xor_mask  = p.rand_xor_mask ^ (std::uint64_t{c} * 0x9E3779B97F4A7C15ull);
+      search_params one = p;
+      one.itopk_size    = std::max<std::uint32_t>(k, (64 + parts - 1) / parts);
+      one.rand_xor_mask = p.rand_xor_mask ^ (std::uint64_t{c} * 0x9E3779B97F4A7C15ull);
       part_answers.push_back(run_search(index, queries, {0}, k, one));
     }
     std::size_t differing_parts = 0;
@@ -513,7 +594,8 @@ TEST_CASE("index: a split search (ctas_per_query) answers the best distinct fact
         differing_parts += a.ids != part_answers[0].ids;
       }
       std::sort(all.begin(), all.end());
-      all.erase(std::unique(all.begin(), all.end(),
+      all.erase(std::unique(all.begin(),
+                            all.end(),
                             [](auto const& x, auto const& y) { return x.second == y.second; }),
                 all.end());
       CAPTURE(q);
@@ -530,13 +612,19 @@ TEST_CASE("index: a split search (ctas_per_query) answers the best distinct fact
       // the union holds every true neighbour a part found, so the merge finds at least as many
       // as any part
       std::set<std::uint64_t> want;
-      for (auto const& t : truth[q]) { want.insert(live_ids[t.second]); }
+      for (auto const& t : truth[q]) {
+        want.insert(live_ids[t.second]);
+      }
       auto const hits = [&](std::vector<std::uint64_t> const& row_ids) {
         std::size_t h = 0;
-        for (std::uint32_t j = 0; j < k; ++j) { h += want.count(row_ids[q * k + j]); }
+        for (std::uint32_t j = 0; j < k; ++j) {
+          h += want.count(row_ids[q * k + j]);
+        }
         return h;
       };
-      for (auto const& a : part_answers) { REQUIRE(hits(got.ids) >= hits(a.ids)); }
+      for (auto const& a : part_answers) {
+        REQUIRE(hits(got.ids) >= hits(a.ids));
+      }
     }
     // (the parts' seeds differ, but on these 3,000 facts parts of 16 or more entries usually
     // converge on the same answer; with 16 parts of k entries, deleted facts in their lists leave
@@ -544,7 +632,7 @@ TEST_CASE("index: a split search (ctas_per_query) answers the best distinct fact
     if (parts == 16) { CHECK(differing_parts > 0); }
   }
   // one part is the plain search
-  search_params one_part = p;
+  search_params one_part  = p;
   one_part.ctas_per_query = 1;
   auto const plain        = run_search(index, queries, {0}, k, p);
   auto const single       = run_search(index, queries, {0}, k, one_part);
@@ -557,22 +645,28 @@ TEST_CASE("index: a split search (ctas_per_query) answers the best distinct fact
   // automatic (0; the default is 1): the largest P in {1, 2, 4} with queries * P <= 128 whose
   // parts keep ceil(itopk / P) >= max(k, 16) entries; a batch's search equals the one with that P
   REQUIRE(search_params{}.ctas_per_query == 1);
-  for (std::int64_t q : {1, 2, 31, 32}) { REQUIRE(auto_ctas_per_query(q, 64, 10) == 4); }
-  for (std::int64_t q : {33, 64}) { REQUIRE(auto_ctas_per_query(q, 64, 10) == 2); }
-  for (std::int64_t q : {65, 128, 1000000}) { REQUIRE(auto_ctas_per_query(q, 64, 10) == 1); }
-  REQUIRE(auto_ctas_per_query(1, 32, 10) == 2);   // 4 parts of 8 would be shorter than 16
-  REQUIRE(auto_ctas_per_query(1, 63, 10) == 4);   // ceil(63 / 4) = 16
-  REQUIRE(auto_ctas_per_query(1, 60, 10) == 2);   // ceil(60 / 4) = 15 < 16
-  REQUIRE(auto_ctas_per_query(1, 64, 32) == 2);   // 4 parts of 16 would be raised to k = 32
-  REQUIRE(auto_ctas_per_query(1, 31, 10) == 2);   // ceil(31 / 2) = 16
-  REQUIRE(auto_ctas_per_query(1, 30, 10) == 1);   // ceil(30 / 2) = 15 < 16
+  for (std::int64_t q : {1, 2, 31, 32}) {
+    REQUIRE(auto_ctas_per_query(q, 64, 10) == 4);
+  }
+  for (std::int64_t q : {33, 64}) {
+    REQUIRE(auto_ctas_per_query(q, 64, 10) == 2);
+  }
+  for (std::int64_t q : {65, 128, 1000000}) {
+    REQUIRE(auto_ctas_per_query(q, 64, 10) == 1);
+  }
+  REQUIRE(auto_ctas_per_query(1, 32, 10) == 2);  // 4 parts of 8 would be shorter than 16
+  REQUIRE(auto_ctas_per_query(1, 63, 10) == 4);  // ceil(63 / 4) = 16
+  REQUIRE(auto_ctas_per_query(1, 60, 10) == 2);  // ceil(60 / 4) = 15 < 16
+  REQUIRE(auto_ctas_per_query(1, 64, 32) == 2);  // 4 parts of 16 would be raised to k = 32
+  REQUIRE(auto_ctas_per_query(1, 31, 10) == 2);  // ceil(31 / 2) = 16
+  REQUIRE(auto_ctas_per_query(1, 30, 10) == 1);  // ceil(30 / 2) = 15 < 16
   REQUIRE(auto_ctas_per_query(1, 16, 10) == 1);
   REQUIRE(auto_ctas_per_query(40, 64, 10) == 2);  // 40 x 4 = 160 > 128
   REQUIRE(auto_ctas_per_query(1, 1024, 10) == 4);
-  search_params automatic = p;
+  search_params automatic  = p;
   automatic.ctas_per_query = 0;
   for (auto const& [batch, parts] : {std::pair<std::size_t, std::uint32_t>{8, 4},
-                                    std::pair<std::size_t, std::uint32_t>{60, 2}}) {
+                                     std::pair<std::size_t, std::uint32_t>{60, 2}}) {
     CAPTURE(batch, parts);
     std::vector<float> const some(queries.begin(),
                                   queries.begin() + static_cast<std::ptrdiff_t>(batch * dim));
@@ -585,7 +679,9 @@ TEST_CASE("index: a split search (ctas_per_query) answers the best distinct fact
   }
   // above 64 queries: one part, the plain search
   std::vector<float> many;
-  for (int r = 0; r < 2; ++r) { many.insert(many.end(), queries.begin(), queries.end()); }
+  for (int r = 0; r < 2; ++r) {
+    many.insert(many.end(), queries.begin(), queries.end());
+  }
   auto const chosen_many = run_search(index, many, {0}, k, automatic);
   auto const plain_many  = run_search(index, many, {0}, k, p);
   REQUIRE(chosen_many.ids == plain_many.ids);
@@ -671,10 +767,16 @@ TEST_CASE("index: rank-based pruning counts detours by definition", "[index][bui
       std::uint64_t const array   = std::uint64_t{k} * threads;
       for (std::uint32_t i = 0; i < threads; ++i) {
         std::uint32_t const node = first + i;
-        detail::index::prune_node(knn.data(), k, k, node, degree,
+        detail::index::prune_node(knn.data(),
+                                  k,
+                                  k,
+                                  node,
+                                  degree,
                                   by_node.data() + std::size_t{node} * degree,
-                                  scratch.data() + i, scratch.data() + array + i,
-                                  scratch.data() + 2 * array + i, threads);
+                                  scratch.data() + i,
+                                  scratch.data() + array + i,
+                                  scratch.data() + 2 * array + i,
+                                  threads);
       }
     }
     REQUIRE(by_node == pruned);
@@ -734,7 +836,7 @@ TEST_CASE("index: the host kNN graph equals brute force", "[index][build]")
   auto const metric = GENERATE(distance_metric::inner_product, distance_metric::squared_l2);
   test::gaussian_mixture mix({48, 10, metric != distance_metric::squared_l2, 21});
   std::uint32_t const n = 500, k = 16;
-  auto const data       = mix.draw(n);
+  auto const data = mix.draw(n);
   std::vector<std::uint32_t> knn(std::size_t{n} * k);
   detail::index::exact_knn_host(data.data(), 48, n, metric, k, knn.data());
   auto const rows = split_rows(data, 48);
@@ -773,7 +875,7 @@ TEST_CASE("index: tiny namespaces (N <= degree + 1) build and answer every fact"
   // k larger than the set: every fact, sorted, then invalid_fact_id / +inf
   std::uint32_t const k = static_cast<std::uint32_t>(n) + 3;
   search_params p;
-  p.algo = algo;
+  p.algo             = algo;
   auto const queries = mix.draw(5);
   auto const got     = run_search(index, queries, {4}, k, p);
   for (std::size_t q = 0; q < 5; ++q) {
@@ -925,7 +1027,8 @@ TEST_CASE("index: deleted facts leave results at once; compaction reclaims their
   CHECK(recall(got, truth, live_ids, k10) >= 0.95);
 }
 
-TEST_CASE("index: a multi-tenant batch answers each query from its own namespace", "[index][tenant]")
+TEST_CASE("index: a multi-tenant batch answers each query from its own namespace",
+          "[index][tenant]")
 {
   std::int64_t const dim = 32;
   index_config cfg;
@@ -1006,8 +1109,8 @@ TEST_CASE("index: refused calls change nothing", "[index][validation]")
   add_all(index, 0, data, ids);
   auto const queries = mix.draw(8);
   search_params p;
-  auto const before_answers = run_search(index, queries, {0}, k10, p);
-  std::uint64_t const version = index.version();
+  auto const before_answers             = run_search(index, queries, {0}, k10, p);
+  std::uint64_t const version           = index.version();
   std::uint32_t const* const graph_rows = index_access::graph_rows(index, 0);
   std::vector<std::uint32_t> const graph_before(
     graph_rows, graph_rows + 400 * index_access::graph_degree(index));
@@ -1027,8 +1130,9 @@ TEST_CASE("index: refused calls change nothing", "[index][validation]")
 
   SECTION("NaN and Inf vectors")
   {
-    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
-      auto v = good;
+    for (float bad :
+         {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      auto v     = good;
       v[dim + 5] = bad;
       REQUIRE_THROWS_WITH(add_all(index, 0, v, new_ids), Catch::Contains("NaN or infinite"));
       REQUIRE_THROWS_WITH(add_all(index, 7, v, new_ids), Catch::Contains("NaN or infinite"));
@@ -1078,10 +1182,12 @@ TEST_CASE("index: refused calls change nothing", "[index][validation]")
   SECTION("dimension mismatch and id count mismatch")
   {
     std::vector<float> wide(3 * (dim + 1), 0.5f);
-    REQUIRE_THROWS_WITH(index.add(0, make_matrix_view<float const>(wide.data(), 3, dim + 1),
+    REQUIRE_THROWS_WITH(index.add(0,
+                                  make_matrix_view<float const>(wide.data(), 3, dim + 1),
                                   cuda::std::span<std::uint64_t const>{new_ids.data(), 3}),
                         Catch::Contains("dimensions"));
-    REQUIRE_THROWS_WITH(index.add(0, make_matrix_view<float const>(good.data(), 3, dim),
+    REQUIRE_THROWS_WITH(index.add(0,
+                                  make_matrix_view<float const>(good.data(), 3, dim),
                                   cuda::std::span<std::uint64_t const>{new_ids.data(), 2}),
                         Catch::Contains("ids for"));
     unchanged();
@@ -1149,8 +1255,11 @@ TEST_CASE("index: refused calls change nothing", "[index][validation]")
     std::vector<std::uint64_t> out_ids(k10);
     std::vector<float> out_d(k10);
     std::uint64_t ns = 0;
-    REQUIRE_THROWS_WITH(search(device_index, make_matrix_view(queries.data(), 1, dim),
-                               cuda::std::span<std::uint64_t const>{&ns, 1}, k10, p,
+    REQUIRE_THROWS_WITH(search(device_index,
+                               make_matrix_view(queries.data(), 1, dim),
+                               cuda::std::span<std::uint64_t const>{&ns, 1},
+                               k10,
+                               p,
                                make_matrix_view(out_ids.data(), 1, k10),
                                make_matrix_view(out_d.data(), 1, k10)),
                         Catch::Contains("device memory"));
@@ -1200,29 +1309,30 @@ TEST_CASE("index: the host distance keeps the device's lane order bit for bit", 
   // team_distance (rounds x lanes, vectorisable) against team_distance_by_lane (lane_partial per
   // lane, the order a device team uses): identical bits for every dim, dtype and metric
   std::int64_t const dim = GENERATE(as<std::int64_t>{}, 1, 7, 64, 100, 384, 768, 1536);
-  auto const metric      = GENERATE(distance_metric::inner_product, distance_metric::cosine,
-                                    distance_metric::squared_l2);
+  auto const metric =
+    GENERATE(distance_metric::inner_product, distance_metric::cosine, distance_metric::squared_l2);
   test::gaussian_mixture mix({dim, 3, false, 13});
   auto const x = mix.draw(20);
   auto const q = mix.draw(1);
   auto check   = [&](auto tag) {
-    using T                  = decltype(tag);
-    std::int64_t const row   = detail::index::padded_dim(dim, sizeof(T));
+    using T                   = decltype(tag);
+    std::int64_t const row    = detail::index::padded_dim(dim, sizeof(T));
     std::int64_t const chunks = row / detail::index::chunk_elements<T>;
     std::vector<T> rows(static_cast<std::size_t>(20 * row), from_float<T>(0.0f));
     std::vector<float> query(static_cast<std::size_t>(row), 0.0f);
     for (std::int64_t i = 0; i < 20; ++i) {
       for (std::int64_t e = 0; e < dim; ++e) {
-        rows[static_cast<std::size_t>(i * row + e)] = from_float<T>(x[static_cast<std::size_t>(i * dim + e)]);
+        rows[static_cast<std::size_t>(i * row + e)] =
+          from_float<T>(x[static_cast<std::size_t>(i * dim + e)]);
       }
     }
     std::copy(q.begin(), q.end(), query.begin());
     for (int team : {2, 4, 8, 16, 32}) {
       for (std::int64_t i = 0; i < 20; ++i) {
-        float const a = detail::index::team_distance(rows.data() + i * row, query.data(), chunks,
-                                                     team, metric);
-        float const b = detail::index::team_distance_by_lane(rows.data() + i * row, query.data(),
-                                                             chunks, team, metric);
+        float const a =
+          detail::index::team_distance(rows.data() + i * row, query.data(), chunks, team, metric);
+        float const b = detail::index::team_distance_by_lane(
+          rows.data() + i * row, query.data(), chunks, team, metric);
         CAPTURE(dim, team, i);
         REQUIRE(std::memcmp(&a, &b, sizeof(float)) == 0);
       }
@@ -1266,10 +1376,11 @@ TEST_CASE("index: the automatic exact/graph switch follows the documented cost m
     auto const got  = run_search(index, queries, {ns}, k10, a);
     auto const want = run_search(index, queries, {ns}, k10, forced);
     REQUIRE(got.ids == want.ids);
-    REQUIRE(std::memcmp(got.distances.data(), want.distances.data(), got.distances.size() * 4) == 0);
+    REQUIRE(std::memcmp(got.distances.data(), want.distances.data(), got.distances.size() * 4) ==
+            0);
   }
   // a configured threshold wins
-  index_config fixed = cfg;
+  index_config fixed           = cfg;
   fixed.exact_search_threshold = 123;
   REQUIRE(graph_index{fixed}.exact_search_threshold(p, rows) == 123);
 }
@@ -1285,7 +1396,8 @@ TEST_CASE("index: build replaces a namespace; erase_namespace leaves the others"
   add_all(index, 2, b, sequential_ids(300, 1000, 1));
   // rebuild namespace 1 from other data, keeping some of its old ids and adding new ones
   auto const ids = sequential_ids(200, 401, 1);  // 401..600: 401..500 were namespace 1's
-  index.build(1, make_matrix_view(c.data(), 200, 24),
+  index.build(1,
+              make_matrix_view(c.data(), 200, 24),
               cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
   REQUIRE(index.size(1) == 200);
   REQUIRE_FALSE(index.contains(1));
@@ -1294,7 +1406,8 @@ TEST_CASE("index: build replaces a namespace; erase_namespace leaves the others"
   REQUIRE(reachable_count(index, 1) == 200);
   // ids of another namespace are still refused
   auto const clash = sequential_ids(200, 1100, 1);  // 1100..1299 are namespace 2's
-  REQUIRE_THROWS_WITH(index.build(1, make_matrix_view(c.data(), 200, 24),
+  REQUIRE_THROWS_WITH(index.build(1,
+                                  make_matrix_view(c.data(), 200, 24),
                                   cuda::std::span<std::uint64_t const>{clash.data(), clash.size()}),
                       Catch::Contains("already indexed"));
   REQUIRE(index.size(1) == 200);
@@ -1308,7 +1421,8 @@ TEST_CASE("index: build replaces a namespace; erase_namespace leaves the others"
   std::uint64_t const v = index.version();
   std::vector<float> none;
   std::vector<std::uint64_t> no_ids;
-  index.build(5, make_matrix_view<float const>(none.data(), 0, 24),
+  index.build(5,
+              make_matrix_view<float const>(none.data(), 0, 24),
               cuda::std::span<std::uint64_t const>{no_ids.data(), 0});
   REQUIRE(index.has_namespace(5));
   REQUIRE(index.size(5) == 0);
@@ -1347,11 +1461,13 @@ namespace {
 std::vector<float> stored_row(float const* v, std::int64_t dim, distance_metric m, dtype t)
 {
   long double norm2 = 0;
-  for (std::int64_t e = 0; e < dim; ++e) { norm2 += static_cast<long double>(v[e]) * v[e]; }
+  for (std::int64_t e = 0; e < dim; ++e) {
+    norm2 += static_cast<long double>(v[e]) * v[e];
+  }
   long double const scale = m == distance_metric::cosine ? 1.0L / std::sqrt(norm2) : 1.0L;
   std::vector<float> out(static_cast<std::size_t>(dim));
   for (std::int64_t e = 0; e < dim; ++e) {
-    float const x = static_cast<float>(v[e] * scale);
+    float const x                    = static_cast<float>(v[e] * scale);
     out[static_cast<std::size_t>(e)] = t == dtype::float16 ? to_float(from_float<half_t>(x)) : x;
   }
   return out;
@@ -1363,7 +1479,8 @@ struct reference {
   long double tolerance;
 };
 
-reference reference_distance(std::vector<float> const& q, std::vector<float> const& x,
+reference reference_distance(std::vector<float> const& q,
+                             std::vector<float> const& x,
                              distance_metric m)
 {
   long double dot = 0, l2 = 0, qq = 0, xx = 0;
@@ -1376,9 +1493,9 @@ reference reference_distance(std::vector<float> const& q, std::vector<float> con
   }
   // float32 sums of 20 products, plus the query's own rounding: well inside 1e-5 of the scale;
   // a floor for the results that underflow float32 (denormal rows under squared L2)
-  long double const scale = m == distance_metric::squared_l2
-                              ? (std::sqrt(qq) + std::sqrt(xx)) * (std::sqrt(qq) + std::sqrt(xx))
-                              : std::sqrt(qq) * std::sqrt(xx);
+  long double const scale     = m == distance_metric::squared_l2
+                                  ? (std::sqrt(qq) + std::sqrt(xx)) * (std::sqrt(qq) + std::sqrt(xx))
+                                  : std::sqrt(qq) * std::sqrt(xx);
   long double const tolerance = 1e-5L * scale + 1e-36L;
   switch (m) {
     case distance_metric::inner_product: return {-dot, tolerance};
@@ -1396,8 +1513,12 @@ struct namespace_rows {
 
 /// Every answer of `got` (queries `[nq][dim]`, `k` per query) against brute force over the
 /// namespace's rows as stored.
-void check_answers(test::degenerate_set const& set, namespace_rows const& nsr,
-                   test::answers const& got, std::uint32_t k, distance_metric m, dtype t)
+void check_answers(test::degenerate_set const& set,
+                   namespace_rows const& nsr,
+                   test::answers const& got,
+                   std::uint32_t k,
+                   distance_metric m,
+                   dtype t)
 {
   std::int64_t const dim = set.dim;
   std::int64_t const n   = set.rows(*nsr.rows);
@@ -1413,7 +1534,9 @@ void check_answers(test::degenerate_set const& set, namespace_rows const& nsr,
     std::vector<float> const query =
       stored_row(set.queries.data() + q * dim, dim, m, dtype::float32);
     std::vector<reference> all;
-    for (auto const& row : stored) { all.push_back(reference_distance(query, row, m)); }
+    for (auto const& row : stored) {
+      all.push_back(reference_distance(query, row, m));
+    }
     std::vector<reference> returned;
     std::set<std::uint64_t> seen;
     for (std::uint32_t j = 0; j < k; ++j) {
@@ -1454,9 +1577,9 @@ std::vector<search_path> search_paths()
   for (auto mode : {host_search_mode::fast, host_search_mode::reference}) {
     for (auto algo : {search_algo::exact, search_algo::graph}) {
       search_params p;
-      p.host_mode = mode;
-      p.algo      = algo;
-      bool const fast = mode == host_search_mode::fast;
+      p.host_mode      = mode;
+      p.algo           = algo;
+      bool const fast  = mode == host_search_mode::fast;
       bool const exact = algo == search_algo::exact;
       paths.push_back({fast ? (exact ? "fast exact" : "fast graph")
                             : (exact ? "reference exact" : "reference graph"),
@@ -1471,13 +1594,18 @@ std::vector<search_path> search_paths()
   return paths;
 }
 
-void add_rows(graph_index& index, std::uint64_t ns, std::vector<float> const& rows,
+void add_rows(graph_index& index,
+              std::uint64_t ns,
+              std::vector<float> const& rows,
               std::uint64_t first_id)
 {
   std::int64_t const n = static_cast<std::int64_t>(rows.size()) / index.dim();
   std::vector<std::uint64_t> ids(static_cast<std::size_t>(n));
-  for (std::int64_t r = 0; r < n; ++r) { ids[static_cast<std::size_t>(r)] = first_id + r; }
-  index.add(ns, make_matrix_view(rows.data(), n, index.dim()),
+  for (std::int64_t r = 0; r < n; ++r) {
+    ids[static_cast<std::size_t>(r)] = first_id + r;
+  }
+  index.add(ns,
+            make_matrix_view(rows.data(), n, index.dim()),
             cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
 }
 
@@ -1490,8 +1618,8 @@ struct index_case {
 std::vector<index_case> index_cases()
 {
   std::vector<index_case> cases;
-  for (auto m : {distance_metric::inner_product, distance_metric::cosine,
-                 distance_metric::squared_l2}) {
+  for (auto m :
+       {distance_metric::inner_product, distance_metric::cosine, distance_metric::squared_l2}) {
     cases.push_back({m, dtype::float32, false});
     cases.push_back({m, dtype::float16, false});
   }
@@ -1511,24 +1639,30 @@ index_config config_for(index_case const& c, std::int64_t dim)
 
 }  // namespace
 
-TEST_CASE("index: degenerate vectors - every metric, dtype and host search path against brute "
-          "force, never NaN",
-          "[index][degenerate]")
+TEST_CASE(
+  "index: degenerate vectors - every metric, dtype and host search path against brute "
+  "force, never NaN",
+  "[index][degenerate]")
 {
   for (index_case const& c : index_cases()) {
     CAPTURE(to_string(c.metric), to_string(c.vector_dtype), c.fp16_traversal);
     test::degenerate_set const set = test::make_degenerate_set(c.metric, c.vector_dtype);
     graph_index index(config_for(c, set.dim));
-    std::vector<namespace_rows> const spaces{{1, &set.mixed, 1000},
-                                             {2, &set.identical, 2000},
-                                             {3, &set.degenerate_identical, 3000}};
-    for (auto const& s : spaces) { add_rows(index, s.ns, *s.rows, s.first_id); }
+    std::vector<namespace_rows> const spaces{
+      {1, &set.mixed, 1000}, {2, &set.identical, 2000}, {3, &set.degenerate_identical, 3000}};
+    for (auto const& s : spaces) {
+      add_rows(index, s.ns, *s.rows, s.first_id);
+    }
     std::uint32_t const k = 8;
     for (search_path const& path : search_paths()) {
       CAPTURE(path.name);
       for (auto const& s : spaces) {
-        check_answers(set, s, test::run_search(index, set.queries, {s.ns}, k, path.params), k,
-                      c.metric, c.vector_dtype);
+        check_answers(set,
+                      s,
+                      test::run_search(index, set.queries, {s.ns}, k, path.params),
+                      k,
+                      c.metric,
+                      c.vector_dtype);
       }
       // k above a namespace's size: the extra slots are empty (invalid id, +inf), never NaN
       auto const all = test::run_search(index, set.queries, {3}, 15, path.params);
@@ -1553,9 +1687,10 @@ TEST_CASE("index: degenerate vectors - every metric, dtype and host search path 
   }
 }
 
-TEST_CASE("index: the device's query preparation and distance order, run on the CPU, give the "
-          "host's bits on degenerate vectors",
-          "[index][degenerate]")
+TEST_CASE(
+  "index: the device's query preparation and distance order, run on the CPU, give the "
+  "host's bits on degenerate vectors",
+  "[index][degenerate]")
 {
   for (index_case const& c : index_cases()) {
     if (c.fp16_traversal) { continue; }
@@ -1577,10 +1712,14 @@ TEST_CASE("index: the device's query preparation and distance order, run on the 
       std::vector<float> padded(static_cast<std::size_t>(row_elements), 0.0f);
       std::copy(raw.begin(), raw.end(), padded.begin());
       double lanes[32];
-      for (int l = 0; l < 32; ++l) { lanes[l] = detail::index::lane_norm2(padded.data(), dim, l); }
+      for (int l = 0; l < 32; ++l) {
+        lanes[l] = detail::index::lane_norm2(padded.data(), dim, l);
+      }
       for (int o = 16; o >= 1; o /= 2) {
         double next[32];
-        for (int l = 0; l < 32; ++l) { next[l] = lanes[l] + lanes[l ^ o]; }
+        for (int l = 0; l < 32; ++l) {
+          next[l] = lanes[l] + lanes[l ^ o];
+        }
         std::copy(next, next + 32, lanes);
       }
       bool const cosine = c.metric == distance_metric::cosine;
@@ -1613,25 +1752,30 @@ TEST_CASE("index: the device's query preparation and distance order, run on the 
       }
       // the reference-mode exact search's distances are the kernel's lane order's, bit for bit
       search_params p;
-      p.host_mode                 = host_search_mode::reference;
-      p.algo                      = search_algo::exact;
-      std::uint32_t const k       = 8;
-      auto const got              = test::run_search(index, raw, {1}, k, p);
-      std::uint64_t const* ids    = index_access::id_rows(index, 1);
-      void const* const stored    = index_access::vector_rows(index, 1);
-      std::uint32_t const n       = index.rows(1);
+      p.host_mode              = host_search_mode::reference;
+      p.algo                   = search_algo::exact;
+      std::uint32_t const k    = 8;
+      auto const got           = test::run_search(index, raw, {1}, k, p);
+      std::uint64_t const* ids = index_access::id_rows(index, 1);
+      void const* const stored = index_access::vector_rows(index, 1);
+      std::uint32_t const n    = index.rows(1);
       for (std::uint32_t j = 0; j < k; ++j) {
         std::uint32_t const local =
           static_cast<std::uint32_t>(std::find(ids, ids + n, got.ids[j]) - ids);
         REQUIRE(local < n);
-        float const lane_order =
-          c.vector_dtype == dtype::float16
-            ? detail::index::team_distance_by_lane(
-                static_cast<half_t const*>(stored) + local * row_elements,
-                padded.data(), chunks, team, c.metric)
-            : detail::index::team_distance_by_lane(
-                static_cast<float const*>(stored) + local * row_elements,
-                padded.data(), chunks, team, c.metric);
+        float const lane_order = c.vector_dtype == dtype::float16
+                                   ? detail::index::team_distance_by_lane(
+                                       static_cast<half_t const*>(stored) + local * row_elements,
+                                       padded.data(),
+                                       chunks,
+                                       team,
+                                       c.metric)
+                                   : detail::index::team_distance_by_lane(
+                                       static_cast<float const*>(stored) + local * row_elements,
+                                       padded.data(),
+                                       chunks,
+                                       team,
+                                       c.metric);
         CAPTURE(j, got.distances[j], lane_order);
         REQUIRE(std::isfinite(lane_order));
         REQUIRE(bits_of(lane_order) == bits_of(got.distances[j]));
@@ -1640,14 +1784,15 @@ TEST_CASE("index: the device's query preparation and distance order, run on the 
   }
 }
 
-TEST_CASE("index: degenerate vectors the metric cannot take are refused at add and search, "
-          "nothing written",
-          "[index][degenerate][validation]")
+TEST_CASE(
+  "index: degenerate vectors the metric cannot take are refused at add and search, "
+  "nothing written",
+  "[index][degenerate][validation]")
 {
   float const nan = std::numeric_limits<float>::quiet_NaN();
   float const inf = std::numeric_limits<float>::infinity();
-  for (auto m : {distance_metric::inner_product, distance_metric::cosine,
-                 distance_metric::squared_l2}) {
+  for (auto m :
+       {distance_metric::inner_product, distance_metric::cosine, distance_metric::squared_l2}) {
     CAPTURE(to_string(m));
     test::degenerate_set const set = test::make_degenerate_set(m, dtype::float32);
     std::int64_t const dim         = set.dim;
@@ -1688,12 +1833,14 @@ TEST_CASE("index: degenerate vectors the metric cannot take are refused at add a
       std::vector<std::uint64_t> ids(16, 42);
       std::vector<float> distances(16, 4.2f);
       std::uint64_t const ns = 1;
-      REQUIRE_THROWS_WITH(
-        inferscale::search(index, make_matrix_view<float const>(queries.data(), 2, dim),
-                           cuda::std::span<std::uint64_t const>{&ns, 1}, 8, search_params{},
-                           make_matrix_view(ids.data(), 2, 8),
-                           make_matrix_view(distances.data(), 2, 8)),
-        Catch::Contains(what));
+      REQUIRE_THROWS_WITH(inferscale::search(index,
+                                             make_matrix_view<float const>(queries.data(), 2, dim),
+                                             cuda::std::span<std::uint64_t const>{&ns, 1},
+                                             8,
+                                             search_params{},
+                                             make_matrix_view(ids.data(), 2, 8),
+                                             make_matrix_view(distances.data(), 2, 8)),
+                          Catch::Contains(what));
       REQUIRE(std::all_of(ids.begin(), ids.end(), [](std::uint64_t v) { return v == 42; }));
       REQUIRE(std::all_of(distances.begin(), distances.end(), [](float v) { return v == 4.2f; }));
     }

@@ -39,12 +39,13 @@ namespace {
 using test::answers;
 using test::run_search;
 
-
-
-void add_rows(graph_index& index, std::uint64_t ns, std::vector<float> const& data,
+void add_rows(graph_index& index,
+              std::uint64_t ns,
+              std::vector<float> const& data,
               std::vector<std::uint64_t> const& ids)
 {
-  index.add(ns, make_matrix_view(data.data(), static_cast<std::int64_t>(ids.size()), index.dim()),
+  index.add(ns,
+            make_matrix_view(data.data(), static_cast<std::int64_t>(ids.size()), index.dim()),
             cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
 }
 
@@ -110,8 +111,12 @@ TEST_CASE("parallel_ranges: [0, n) once each, on at most `threads` threads, the 
 {
   unsigned const hw = std::max(1u, std::thread::hardware_concurrency());
   for (unsigned const threads : {1u, 2u, 3u, 0u}) {
-    for (std::int64_t const n : {std::int64_t{0}, std::int64_t{1}, std::int64_t{127},
-                                 std::int64_t{128}, std::int64_t{1000}, std::int64_t{5003}}) {
+    for (std::int64_t const n : {std::int64_t{0},
+                                 std::int64_t{1},
+                                 std::int64_t{127},
+                                 std::int64_t{128},
+                                 std::int64_t{1000},
+                                 std::int64_t{5003}}) {
       CAPTURE(threads, n);
       range_log log{n};
       detail::index::parallel_ranges(
@@ -240,7 +245,7 @@ TEST_CASE("index: a build with build_threads = 1 or 3 gives the default's graph 
   auto const data = mix.draw(1500);
   auto const more = mix.draw(40);
   auto const ids  = sequential_ids(1500, 1);
-  auto build = [&](std::uint32_t threads) {
+  auto build      = [&](std::uint32_t threads) {
     index_config cfg;
     cfg.dim           = dim;
     cfg.host_knn      = knn_build::exact;  // the multi-threaded kNN
@@ -374,16 +379,16 @@ TEST_CASE("index: a repack rebuilds a namespace whose deleted rows must go, answ
   // graph answers against a brute force over the live facts
   auto const queries = mix.draw(50);
   search_params p;
-  p.algo         = search_algo::graph;
-  auto const got = run_search(index, queries, {1}, 10, p);
+  p.algo           = search_algo::graph;
+  auto const got   = run_search(index, queries, {1}, 10, p);
   std::size_t hits = 0;
   for (std::size_t q = 0; q < 50; ++q) {
     std::vector<std::pair<double, std::uint64_t>> all;
     for (std::size_t r = 0; r < 2000; ++r) {
       if (gone.count(ids[r]) != 0) { continue; }
-      all.emplace_back(test::reference_distance(data.data() + r * dim, queries.data() + q * dim,
-                                                dim, cfg.metric),
-                       ids[r]);
+      all.emplace_back(
+        test::reference_distance(data.data() + r * dim, queries.data() + q * dim, dim, cfg.metric),
+        ids[r]);
     }
     std::partial_sort(all.begin(), all.begin() + 10, all.end());
     std::set<std::uint64_t> truth;
@@ -404,13 +409,13 @@ namespace {
 
 /// What the stress sequence measured.
 struct stress_result {
-  double max_ratio{0.0};       ///< max over the sequence of arena_rows / total_size (live > 0)
-  double max_ratio_large{0.0}; ///< the same where live > 512 (the floor of 256 rows not in play)
+  double max_ratio{0.0};        ///< max over the sequence of arena_rows / total_size (live > 0)
+  double max_ratio_large{0.0};  ///< the same where live > 512 (the floor of 256 rows not in play)
   std::uint64_t max_live{0};
   std::int64_t max_excess{0};  ///< max of arena_rows - bound_at_default(total_size)
   std::uint64_t compactions{0};
   std::uint64_t operations{0};
-  double seconds{0.0};         ///< the mutations alone (checks excluded)
+  double seconds{0.0};  ///< the mutations alone (checks excluded)
 };
 
 /**
@@ -436,7 +441,7 @@ stress_result run_stress(double max_row_overhead, bool check)
   std::uint64_t live    = 0;
   stress_result result;
   double seconds = 0.0;
-  auto pick = [&](std::uint64_t n) { return static_cast<std::uint64_t>(rng() % n); };
+  auto pick      = [&](std::uint64_t n) { return static_cast<std::uint64_t>(rng() % n); };
 
   auto check_user = [&](std::uint64_t ns) {
     auto const& facts = model[ns];
@@ -473,9 +478,8 @@ stress_result run_stress(double max_row_overhead, bool check)
       for (std::size_t q = 0; q < 3; ++q) {
         std::vector<std::pair<double, std::uint64_t>> all;
         for (auto const& [id, v] : model[ns]) {
-          all.emplace_back(test::reference_distance(v.data(), queries.data() + q * dim, dim,
-                                                    cfg.metric),
-                           id);
+          all.emplace_back(
+            test::reference_distance(v.data(), queries.data() + q * dim, dim, cfg.metric), id);
         }
         std::sort(all.begin(), all.end());
         for (std::uint32_t j = 0; j < k; ++j) {
@@ -486,8 +490,8 @@ stress_result run_stress(double max_row_overhead, bool check)
           }
           std::uint64_t const id = got.ids[q * k + j];
           REQUIRE(model[ns].count(id) == 1);
-          double const truth = test::reference_distance(model[ns][id].data(),
-                                                        queries.data() + q * dim, dim, cfg.metric);
+          double const truth = test::reference_distance(
+            model[ns][id].data(), queries.data() + q * dim, dim, cfg.metric);
           // the reported distance is the fact's, and the j-th smallest, up to fp32 rounding
           REQUIRE(std::abs(got.distances[q * k + j] - truth) <= 1e-4 * (1.0 + truth));
           REQUIRE(std::abs(truth - all[j].first) <= 1e-4 * (1.0 + truth));
@@ -554,7 +558,8 @@ stress_result run_stress(double max_row_overhead, bool check)
       auto const ids         = sequential_ids(m, next_id);
       next_id += m;
       auto const t0 = std::chrono::steady_clock::now();
-      index.build(ns, make_matrix_view(data.data(), static_cast<std::int64_t>(m), dim),
+      index.build(ns,
+                  make_matrix_view(data.data(), static_cast<std::int64_t>(m), dim),
                   cuda::std::span<std::uint64_t const>{ids.data(), m});
       seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       live -= model[ns].size();
@@ -576,11 +581,11 @@ stress_result run_stress(double max_row_overhead, bool check)
       touched.insert(ns);
     }
     ++result.operations;
-    double const ratio = live == 0 ? 0.0
-                                   : static_cast<double>(index.arena_rows()) / static_cast<double>(live);
+    double const ratio =
+      live == 0 ? 0.0 : static_cast<double>(index.arena_rows()) / static_cast<double>(live);
     result.max_ratio = std::max(result.max_ratio, ratio);
     if (live > 512) { result.max_ratio_large = std::max(result.max_ratio_large, ratio); }
-    result.max_live = std::max(result.max_live, live);
+    result.max_live   = std::max(result.max_live, live);
     result.max_excess = std::max(result.max_excess, index.arena_rows() - bound_at_default(live));
     if (!check) { continue; }
     CAPTURE(op, r, live, index.arena_rows());

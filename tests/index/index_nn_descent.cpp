@@ -10,10 +10,10 @@
  */
 #include <inferscale/index.hpp>
 
+#include <catch2/catch.hpp>
+
 #include <gaussian_mixture.hpp>
 #include <index_reference.hpp>
-
-#include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -29,16 +29,19 @@ using inferscale::detail::index::invalid_node;
 namespace {
 
 /// The true `k` nearest other rows of row `v` (by double distance, ties by id).
-std::vector<std::uint32_t> true_neighbours(std::vector<float> const& data, std::int64_t dim,
-                                           std::uint32_t v, std::uint32_t k, distance_metric m)
+std::vector<std::uint32_t> true_neighbours(std::vector<float> const& data,
+                                           std::int64_t dim,
+                                           std::uint32_t v,
+                                           std::uint32_t k,
+                                           distance_metric m)
 {
   std::int64_t const n = static_cast<std::int64_t>(data.size()) / dim;
   std::vector<std::pair<double, std::uint32_t>> all;
   for (std::int64_t u = 0; u < n; ++u) {
     if (u == v) { continue; }
-    all.emplace_back(test::reference_distance(data.data() + std::int64_t{v} * dim,
-                                              data.data() + u * dim, dim, m),
-                     static_cast<std::uint32_t>(u));
+    all.emplace_back(
+      test::reference_distance(data.data() + std::int64_t{v} * dim, data.data() + u * dim, dim, m),
+      static_cast<std::uint32_t>(u));
   }
   std::partial_sort(all.begin(), all.begin() + k, all.end());
   std::vector<std::uint32_t> out;
@@ -49,9 +52,14 @@ std::vector<std::uint32_t> true_neighbours(std::vector<float> const& data, std::
 }
 
 /// Every row: k ids in [0, n), none the row itself, no repeats, sorted by the true distance
-/// (up to fp32 rounding: relative 1e-5); returns the mean recall of `sample` rows against brute force.
-double check_knn(std::vector<std::uint32_t> const& knn, std::vector<float> const& data,
-                 std::int64_t dim, std::uint32_t k, distance_metric m, std::uint32_t sample)
+/// (up to fp32 rounding: relative 1e-5); returns the mean recall of `sample` rows against brute
+/// force.
+double check_knn(std::vector<std::uint32_t> const& knn,
+                 std::vector<float> const& data,
+                 std::int64_t dim,
+                 std::uint32_t k,
+                 distance_metric m,
+                 std::uint32_t sample)
 {
   std::uint32_t const n = static_cast<std::uint32_t>(data.size() / static_cast<std::size_t>(dim));
   for (std::uint32_t v = 0; v < n; ++v) {
@@ -63,8 +71,8 @@ double check_knn(std::vector<std::uint32_t> const& knn, std::vector<float> const
       REQUIRE(u < n);
       REQUIRE(u != v);
       REQUIRE(row.insert(u).second);
-      double const d = test::reference_distance(data.data() + std::int64_t{v} * dim,
-                                                data.data() + std::int64_t{u} * dim, dim, m);
+      double const d = test::reference_distance(
+        data.data() + std::int64_t{v} * dim, data.data() + std::int64_t{u} * dim, dim, m);
       REQUIRE(d >= previous - 1e-5 * (1.0 + std::abs(previous)));
       previous = d;
     }
@@ -90,10 +98,13 @@ std::vector<std::uint64_t> ids_from(std::uint64_t first, std::size_t n)
   return ids;
 }
 
-void add_all(graph_index& index, std::uint64_t ns, std::vector<float> const& data,
+void add_all(graph_index& index,
+             std::uint64_t ns,
+             std::vector<float> const& data,
              std::vector<std::uint64_t> const& ids)
 {
-  index.add(ns, make_matrix_view(data.data(), static_cast<std::int64_t>(ids.size()), index.dim()),
+  index.add(ns,
+            make_matrix_view(data.data(), static_cast<std::int64_t>(ids.size()), index.dim()),
             cuda::std::span<std::uint64_t const>{ids.data(), ids.size()});
 }
 
@@ -158,36 +169,37 @@ TEST_CASE("index nn_descent: k = n - 1 gives every other node, sorted", "[index]
   CAPTURE(n);
   std::int64_t const dim = 8;
   test::gaussian_mixture mix({dim, 3, false, 8});
-  auto const data = mix.draw(n);
+  auto const data       = mix.draw(n);
   std::uint32_t const k = static_cast<std::uint32_t>(n - 1);
   std::vector<std::uint32_t> knn(static_cast<std::size_t>(n) * k);
-  detail::index::nn_descent_knn_host(data.data(), dim, n, distance_metric::squared_l2, k,
-                                     nn_descent_params{}, knn.data());
+  detail::index::nn_descent_knn_host(
+    data.data(), dim, n, distance_metric::squared_l2, k, nn_descent_params{}, knn.data());
   // every other node appears (check_knn: in range, no self, no repeats, sorted), so recall is 1
   CHECK(check_knn(knn, data, dim, k, distance_metric::squared_l2, static_cast<std::uint32_t>(n)) ==
         1.0);
 }
 
-TEST_CASE("index nn_descent: deterministic for a seed, index graphs included", "[index][nn_descent]")
+TEST_CASE("index nn_descent: deterministic for a seed, index graphs included",
+          "[index][nn_descent]")
 {
   std::int64_t const dim = 32;
   std::int64_t const n   = 4000;
   test::gaussian_mixture mix({dim, 40, true, 13});
-  auto const data = mix.draw(n);
+  auto const data       = mix.draw(n);
   std::uint32_t const k = 24;
   std::vector<std::uint32_t> a(static_cast<std::size_t>(n) * k), b(a.size()), c(a.size());
   nn_descent_params p;
-  auto const ra = detail::index::nn_descent_knn_host(data.data(), dim, n, distance_metric::cosine,
-                                                     k, p, a.data());
-  auto const rb = detail::index::nn_descent_knn_host(data.data(), dim, n, distance_metric::cosine,
-                                                     k, p, b.data());
+  auto const ra = detail::index::nn_descent_knn_host(
+    data.data(), dim, n, distance_metric::cosine, k, p, a.data());
+  auto const rb = detail::index::nn_descent_knn_host(
+    data.data(), dim, n, distance_metric::cosine, k, p, b.data());
   CHECK(a == b);
   CHECK(ra.distances == rb.distances);
   CHECK(ra.iterations == rb.iterations);
   // another seed is another (still good) approximation: a different random start and samples
-  p.seed       = 99;
-  auto const rc = detail::index::nn_descent_knn_host(data.data(), dim, n, distance_metric::cosine,
-                                                     k, p, c.data());
+  p.seed        = 99;
+  auto const rc = detail::index::nn_descent_knn_host(
+    data.data(), dim, n, distance_metric::cosine, k, p, c.data());
   CHECK(rc.distances != ra.distances);
   CHECK(check_knn(c, data, dim, k, distance_metric::cosine, 100) >= 0.95);
 
@@ -265,9 +277,10 @@ TEST_CASE("index nn_descent: search recall within 0.01 of the exact-built index"
   for (std::int64_t q = 0; q < nq; ++q) {
     std::vector<std::pair<double, std::uint64_t>> all;
     for (std::int64_t r = 0; r < n; ++r) {
-      all.emplace_back(test::reference_distance(queries.data() + q * dim, data.data() + r * dim, dim,
-                                                distance_metric::cosine),
-                       static_cast<std::uint64_t>(r));
+      all.emplace_back(
+        test::reference_distance(
+          queries.data() + q * dim, data.data() + r * dim, dim, distance_metric::cosine),
+        static_cast<std::uint64_t>(r));
     }
     std::partial_sort(all.begin(), all.begin() + k, all.end());
     std::set<std::uint64_t> s;
@@ -311,25 +324,24 @@ TEST_CASE("index nn_descent: search recall within 0.01 of the exact-built index"
   }
 }
 
-TEST_CASE("index nn_descent: bad knobs are refused at construction", "[index][nn_descent][validation]")
+TEST_CASE("index nn_descent: bad knobs are refused at construction",
+          "[index][nn_descent][validation]")
 {
   index_config cfg;
-  cfg.dim = 8;
-  auto refused = [](index_config const& c) {
-    CHECK_THROWS_AS(graph_index{c}, logic_error);
-  };
-  index_config c = cfg;
+  cfg.dim          = 8;
+  auto refused     = [](index_config const& c) { CHECK_THROWS_AS(graph_index{c}, logic_error); };
+  index_config c   = cfg;
   c.nn_descent.rho = 0.0f;
   refused(c);
   c.nn_descent.rho = 1.5f;
   refused(c);
-  c = cfg;
+  c                  = cfg;
   c.nn_descent.delta = -0.1f;
   refused(c);
-  c = cfg;
+  c                           = cfg;
   c.nn_descent.max_iterations = 0;
   refused(c);
-  c = cfg;
+  c          = cfg;
   c.host_knn = static_cast<knn_build>(7);
   refused(c);
   CHECK_NOTHROW(graph_index{cfg});

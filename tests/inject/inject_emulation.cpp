@@ -143,7 +143,7 @@ injection_batch make_batch(kv_store const& store, std::int64_t shift)
     o.order                     = fact_order::best_last;
     o.instruction_prefix        = 1;
     std::int32_t const blocks[] = {7, 2, 5};
-    auto const plan = compose(store, {2, 3, 4}, o);
+    auto const plan             = compose(store, {2, 3, 4}, o);
     batch.add(plan, slots_from_block_table(blocks, 3, block_size, 3, plan.length()));
   }
   {
@@ -164,7 +164,7 @@ injection_batch make_batch(kv_store const& store, std::int64_t shift)
     o.order                     = fact_order::as_given;
     o.instruction_prefix        = 1;
     std::int32_t const blocks[] = {3, 8, 1};
-    auto const plan = compose(store, {8, 3}, o);
+    auto const plan             = compose(store, {8, 3}, o);
     batch.add(plan, slots_from_block_table(blocks, 3, block_size, 5, plan.length()));
   }
   return batch;
@@ -473,12 +473,13 @@ TEST_CASE("the inject kernel's code skips and counts what the host did not valid
   engine_layout const ly = GENERATE(engine_layout::vllm_flash_attn_nhd, engine_layout::vllm_legacy);
   int const sm_count     = GENERATE(132, 1);
   CAPTURE(to_string(ly), sm_count);
-  kv_store store = inferscale_test::make_host_store(s.layers, s.heads, s.head_dim, dtype::bfloat16, 8, 32);
+  kv_store store =
+    inferscale_test::make_host_store(s.layers, s.heads, s.head_dim, dtype::bfloat16, 8, 32);
   populate(store, make_facts(s), s);
-  rope_params const params   = make_params(s);
-  std::int64_t const rows    = 2048;
-  std::vector<S> const table = make_rope_cos_sin_values<S>(params, rows);
-  auto const rotation        = make_rope_cos_sin_table(params, table.data(), rows, true);
+  rope_params const params    = make_params(s);
+  std::int64_t const rows     = 2048;
+  std::vector<S> const table  = make_rope_cos_sin_values<S>(params, rows);
+  auto const rotation         = make_rope_cos_sin_table(params, table.data(), rows, true);
   injection_batch const batch = make_batch(store, 0);
 
   engine_cache<C> by_host(ly, s.layers, s.blocks, block_size, s.heads, s.head_dim);
@@ -486,7 +487,8 @@ TEST_CASE("the inject kernel's code skips and counts what the host did not valid
   by_host.fill_random(3);
   by_kernel.fill_random(3);
   bytes const original = storage_of(by_host);
-  paged_kv_cache const host_desc = inferscale_test::describe_engine_cache(by_host, by_host.storage());
+  paged_kv_cache const host_desc =
+    inferscale_test::describe_engine_cache(by_host, by_host.storage());
   paged_kv_cache const kernel_desc =
     inferscale_test::describe_engine_cache(by_kernel, by_kernel.storage());
 
@@ -494,21 +496,21 @@ TEST_CASE("the inject kernel's code skips and counts what the host did not valid
   std::vector<std::int64_t> positions    = batch.positions();
   std::vector<std::int64_t> slots        = batch.slots();
   std::vector<std::int64_t> reference    = slots;  // the host backend's slots: corrupted -> -1
-  std::vector<std::size_t> written;                 // tokens with a slot, in order
+  std::vector<std::size_t> written;                // tokens with a slot, in order
   for (std::size_t i = 0; i < slots.size(); ++i) {
     if (slots[i] >= 0) { written.push_back(i); }
   }
   REQUIRE(written.size() >= 12);
   std::int64_t const pool_tokens = store.num_pages() * store.page_size();
-  slots[written[0]]        = host_desc.num_slots();                      // bad slot
-  slots[written[1]]        = std::numeric_limits<std::int64_t>::max();   // bad slot
-  positions[written[2]]    = -1;                                         // bad position
-  positions[written[3]]    = rows;                                       // bad position
-  positions[written[4]]    = std::numeric_limits<std::int64_t>::min();   // bad position
-  store_tokens[written[5]] = pool_tokens;                                // bad store token
-  store_tokens[written[6]] = -5;                                         // bad store token
-  slots[written[7]]        = -1;  // a plain skip, with a bad position too: not counted
-  positions[written[7]]    = -7;
+  slots[written[0]]              = host_desc.num_slots();                     // bad slot
+  slots[written[1]]              = std::numeric_limits<std::int64_t>::max();  // bad slot
+  positions[written[2]]          = -1;                                        // bad position
+  positions[written[3]]          = rows;                                      // bad position
+  positions[written[4]]          = std::numeric_limits<std::int64_t>::min();  // bad position
+  store_tokens[written[5]]       = pool_tokens;                               // bad store token
+  store_tokens[written[6]]       = -5;                                        // bad store token
+  slots[written[7]]              = -1;  // a plain skip, with a bad position too: not counted
+  positions[written[7]]          = -7;
   for (int c = 0; c < 8; ++c) {
     reference[written[static_cast<std::size_t>(c)]] = -1;
   }
@@ -541,8 +543,12 @@ TEST_CASE("the inject kernel's code skips and counts what the host did not valid
     engine_cache<C> quiet(ly, s.layers, s.blocks, block_size, s.heads, s.head_dim);
     quiet.fill_random(3);
     auto const cfg = detail::make_inject_launch<S, C>(
-      store.ref(), corrupted, inferscale_test::describe_engine_cache(quiet, quiet.storage()),
-      rotation, sm_count, nullptr);
+      store.ref(),
+      corrupted,
+      inferscale_test::describe_engine_cache(quiet, quiet.storage()),
+      rotation,
+      sm_count,
+      nullptr);
     if (cfg.vectorized) {
       emulate_blocks<S, C, true>(cfg);
     } else {
@@ -558,29 +564,34 @@ TEST_CASE("the inject kernel's code skips and counts rows whose fp8 scale is unu
   // Device scales are not read by the host. Layer 0's key scale is NaN and layer 1's value scale
   // is 0 (per tensor): those rows must keep their old bytes, every other row must equal the host
   // backend's with usable scales, and each skipped (token, layer, head, K/V) row counts once.
-  using S            = bfloat16_t;
-  using C            = float8_e4m3_t;
-  shape_case const s = {"d64 halves", 2, 2, 64, 64, rope_pairing::halves, 12};
+  using S                = bfloat16_t;
+  using C                = float8_e4m3_t;
+  shape_case const s     = {"d64 halves", 2, 2, 64, 64, rope_pairing::halves, 12};
   engine_layout const ly = engine_layout::vllm_flash_attn_nhd;
-  kv_store store = inferscale_test::make_host_store(s.layers, s.heads, s.head_dim, dtype::bfloat16, 8, 32);
+  kv_store store =
+    inferscale_test::make_host_store(s.layers, s.heads, s.head_dim, dtype::bfloat16, 8, 32);
   populate(store, make_facts(s), s);
-  rope_params const params    = make_params(s);
-  injection_batch batch       = make_batch(store, 0);
+  rope_params const params = make_params(s);
+  injection_batch batch    = make_batch(store, 0);
 
   engine_cache<C> by_host(ly, s.layers, s.blocks, block_size, s.heads, s.head_dim);
   engine_cache<C> by_kernel(ly, s.layers, s.blocks, block_size, s.heads, s.head_dim);
   by_host.fill_random(5);
   by_kernel.fill_random(5);
-  bytes const original = storage_of(by_host);
-  paged_kv_cache host_desc   = inferscale_test::describe_engine_cache(by_host, by_host.storage());
+  bytes const original     = storage_of(by_host);
+  paged_kv_cache host_desc = inferscale_test::describe_engine_cache(by_host, by_host.storage());
   paged_kv_cache kernel_desc =
     inferscale_test::describe_engine_cache(by_kernel, by_kernel.storage());
   float const good[4] = {0.5f, 0.75f, 1.25f, 2.0f};  // K0, V0, K1, V1
   float const bad[4]  = {std::numeric_limits<float>::quiet_NaN(), 0.75f, 1.25f, 0.0f};
-  host_desc.set_fp8_scales(kv_scale_convention::divide, kv_scale_granularity::per_tensor,
-                           {good + 0, good + 2}, {good + 1, good + 3});
-  kernel_desc.set_fp8_scales(kv_scale_convention::divide, kv_scale_granularity::per_tensor,
-                             {bad + 0, bad + 2}, {bad + 1, bad + 3});
+  host_desc.set_fp8_scales(kv_scale_convention::divide,
+                           kv_scale_granularity::per_tensor,
+                           {good + 0, good + 2},
+                           {good + 1, good + 3});
+  kernel_desc.set_fp8_scales(kv_scale_convention::divide,
+                             kv_scale_granularity::per_tensor,
+                             {bad + 0, bad + 2},
+                             {bad + 1, bad + 3});
   batch.run(host_desc, params);
 
   inject_device_errors errors{};
@@ -591,14 +602,16 @@ TEST_CASE("the inject kernel's code skips and counts rows whose fp8 scale is unu
   } else {
     emulate_blocks<S, C, false>(config);
   }
-  bytes expected = storage_of(by_host);
+  bytes expected      = storage_of(by_host);
   std::int64_t tokens = 0;
   for (std::int64_t slot : batch.slots()) {
     if (slot < 0) { continue; }
     ++tokens;
     for (std::int32_t h = 0; h < s.heads; ++h) {
-      restore_row(expected, original, by_host, host_desc.key_base[0], host_desc.key_layout, slot, h);
-      restore_row(expected, original, by_host, host_desc.value_base[1], host_desc.value_layout, slot, h);
+      restore_row(
+        expected, original, by_host, host_desc.key_base[0], host_desc.key_layout, slot, h);
+      restore_row(
+        expected, original, by_host, host_desc.value_base[1], host_desc.value_layout, slot, h);
     }
   }
   CHECK(errors.bad_scale == static_cast<unsigned long long>(tokens * s.heads * 2));
@@ -620,29 +633,33 @@ TEST_CASE("the rope kernel's position rule refuses INT64_MIN and rows beyond the
   CHECK_FALSE(detail::rope_position_ok(-100, rows, rope_op::shift));
   // -INT64_MIN overflows: it must not pass as a negative magnitude below the row count.
   CHECK_FALSE(detail::rope_position_ok(min, rows, rope_op::shift));
-  CHECK_FALSE(detail::rope_position_ok(min, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
+  CHECK_FALSE(
+    detail::rope_position_ok(min, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
   // |INT64_MIN + 2| = INT64_MAX - 1 is below INT64_MAX rows (computed rotations have no table).
-  CHECK(detail::rope_position_ok(min + 2, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
-  CHECK_FALSE(detail::rope_position_ok(min + 1, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
+  CHECK(
+    detail::rope_position_ok(min + 2, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
+  CHECK_FALSE(
+    detail::rope_position_ok(min + 1, std::numeric_limits<std::int64_t>::max(), rope_op::shift));
 }
 
-TEMPLATE_TEST_CASE("degenerate shapes - one layer, one head, head_dim off the 16-byte run, blocks "
-                   "of one token, one-token batches: the kernels' code equals the host run",
-                   "[inject][emulation][degenerate]",
-                   bf16_to_bf16,
-                   bf16_to_e4m3)
+TEMPLATE_TEST_CASE(
+  "degenerate shapes - one layer, one head, head_dim off the 16-byte run, blocks "
+  "of one token, one-token batches: the kernels' code equals the host run",
+  "[inject][emulation][degenerate]",
+  bf16_to_bf16,
+  bf16_to_e4m3)
 {
   // inject_host.cpp checks the host run against a brute-force rotation on these shapes (fp32,
   // fp16 and bf16 caches); here the inject kernel's blocks and the extract kernel's units, run on
   // the CPU, must give its bytes (16-bit and fp8 caches: runs of 8 and 16 elements).
-  using S = typename TestType::store_t;
-  using C = typename TestType::cache_t;
-  shape_case const s = GENERATE(values<shape_case>(
+  using S                = typename TestType::store_t;
+  using C                = typename TestType::cache_t;
+  shape_case const s     = GENERATE(values<shape_case>(
     {{"1 layer, 1 head, d2", 1, 1, 2, 2, rope_pairing::halves, 0},
-     {"1 layer, 1 head, d6 interleaved", 1, 1, 6, 6, rope_pairing::interleaved, 0},
-     {"d36 halves (not a whole 16-byte run)", 1, 1, 36, 36, rope_pairing::halves, 0},
-     {"d40 halves, rotary 36", 1, 1, 40, 36, rope_pairing::halves, 0},
-     {"3 heads, d10", 1, 3, 10, 10, rope_pairing::halves, 0}}));
+         {"1 layer, 1 head, d6 interleaved", 1, 1, 6, 6, rope_pairing::interleaved, 0},
+         {"d36 halves (not a whole 16-byte run)", 1, 1, 36, 36, rope_pairing::halves, 0},
+         {"d40 halves, rotary 36", 1, 1, 40, 36, rope_pairing::halves, 0},
+         {"3 heads, d10", 1, 3, 10, 10, rope_pairing::halves, 0}}));
   engine_layout const ly = GENERATE(from_range(inferscale_test::all_engine_layouts()));
   int const block        = GENERATE(1, 16);
   int const sm_count     = GENERATE(132, 1);
@@ -650,22 +667,26 @@ TEMPLATE_TEST_CASE("degenerate shapes - one layer, one head, head_dim off the 16
   if (ly == engine_layout::vllm_legacy && s.head_dim % (16 / static_cast<int>(sizeof(C))) != 0) {
     return;  // no such vLLM cache
   }
-  kv_store store = inferscale_test::make_host_store(s.layers, s.heads, s.head_dim, dtype_of_v<S>,
-                                                    /*page_size*/ 1, /*pages*/ 8);
+  kv_store store = inferscale_test::make_host_store(s.layers,
+                                                    s.heads,
+                                                    s.head_dim,
+                                                    dtype_of_v<S>,
+                                                    /*page_size*/ 1,
+                                                    /*pages*/ 8);
   fact_data const one(1, s.layers, 1, s.heads, s.head_dim, 11);
   fact_data const three(2, s.layers, 3, s.heads, s.head_dim, 12);
   one.insert_into(store);
   three.insert_into(store);
-  rope_params const params = make_params(s);
+  rope_params const params       = make_params(s);
   std::int64_t const slots_total = 4 * 16;
-  auto make_cache = [&] {
+  auto make_cache                = [&] {
     engine_cache<C> c(ly, s.layers, slots_total / block, block, s.heads, s.head_dim);
     c.fill_random(42);
     return c;
   };
   engine_cache<C> by_host = make_cache(), by_kernel = make_cache();
-  auto const scales = make_scales(s, TestType::granularity);
-  paged_kv_cache host_desc   = inferscale_test::describe_engine_cache(by_host, by_host.storage());
+  auto const scales        = make_scales(s, TestType::granularity);
+  paged_kv_cache host_desc = inferscale_test::describe_engine_cache(by_host, by_host.storage());
   paged_kv_cache kernel_desc =
     inferscale_test::describe_engine_cache(by_kernel, by_kernel.storage());
   set_scales<TestType>(host_desc, scales, s);
@@ -688,10 +709,10 @@ TEMPLATE_TEST_CASE("degenerate shapes - one layer, one head, head_dim off the 16
   // extract the four slots back: the kernel's units against extract_host
   std::vector<std::int64_t> const slots{5, 0, 17, 40};
   std::vector<std::int32_t> const ids{7, 8, 9, 10};
-  kv_store ex_host = inferscale_test::make_host_store(s.layers, s.heads, s.head_dim,
-                                                      dtype_of_v<S>, 1, 8);
-  kv_store ex_kernel = inferscale_test::make_host_store(s.layers, s.heads, s.head_dim,
-                                                        dtype_of_v<S>, 1, 8);
+  kv_store ex_host =
+    inferscale_test::make_host_store(s.layers, s.heads, s.head_dim, dtype_of_v<S>, 1, 8);
+  kv_store ex_kernel =
+    inferscale_test::make_host_store(s.layers, s.heads, s.head_dim, dtype_of_v<S>, 1, 8);
   extract_host(host_desc, slots, 2000, params, ex_host, 5, 1, ids);
   fact_record const& fact = ex_kernel.reserve(5, 1, ids);
   std::int64_t const n    = 4;
@@ -701,12 +722,16 @@ TEMPLATE_TEST_CASE("degenerate shapes - one layer, one head, head_dim off the 16
     arrays[static_cast<std::size_t>(n + j)]     = 2000 + j;
     arrays[static_cast<std::size_t>(2 * n + j)] = slots[static_cast<std::size_t>(j)];
   }
-  auto const args = detail::make_extract_args(
-    ex_kernel.ref(), host_desc, params,
-    {arrays.data(), arrays.data() + n, arrays.data() + 2 * n, n});
+  auto const args =
+    detail::make_extract_args(ex_kernel.ref(),
+                              host_desc,
+                              params,
+                              {arrays.data(), arrays.data() + n, arrays.data() + 2 * n, n});
   std::int64_t const per_token = detail::extract_units_per_token(args);
   for (std::int64_t i = 0; i < n; ++i) {
-    for (std::int32_t w = 0; w < per_token; ++w) { detail::extract_unit<S, C>(args, i, w); }
+    for (std::int32_t w = 0; w < per_token; ++w) {
+      detail::extract_unit<S, C>(args, i, w);
+    }
   }
   REQUIRE(ex_kernel.pool_to_host() == ex_host.pool_to_host());
 }

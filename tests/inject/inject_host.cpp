@@ -736,7 +736,7 @@ TEST_CASE("truncate_to_bfloat16: fp32 rotation truncated to bf16, as vLLM's AVX2
     std::memcpy(&b, &v, sizeof b);
     return b;
   };
-  int const half = D / 2;
+  int const half       = D / 2;
   std::int64_t checked = 0;
   for (int l = 0; l < L; ++l) {
     for (int j = 0; j < m; ++j) {
@@ -1086,8 +1086,7 @@ struct recording_adapter {
 static_assert(is_cache_adapter_v<recording_adapter>);
 }  // namespace
 
-TEST_CASE("an injection step planned three ways runs on the host as the reference path",
-          "[inject]")
+TEST_CASE("an injection step planned three ways runs on the host as the reference path", "[inject]")
 {
   int const L = 2, H = 2, D = 16;
   ref_rope const rope{D, D, 10000.0, false, true};
@@ -1106,9 +1105,9 @@ TEST_CASE("an injection step planned three ways runs on the host as the referenc
   REQUIRE(before == storage_bytes(b));
   paged_kv_cache const desc_a = describe_cache(a), desc_b = describe_cache(b);
 
-  composition const r0 = compose(store, {1}, at(0));       // 5 tokens
-  composition const r1 = compose(store, {2, 3}, at(40));   // 7 tokens
-  composition const r2 = compose(store, {3}, at(100));     // 4 tokens
+  composition const r0 = compose(store, {1}, at(0));      // 5 tokens
+  composition const r1 = compose(store, {2, 3}, at(40));  // 7 tokens
+  composition const r2 = compose(store, {3}, at(100));    // 4 tokens
   std::vector<std::int64_t> const s0{3, -1, 17, 18, 19};
   std::int32_t const table[] = {5, 2};
   // Prompt tokens 1 .. 7 of the table {5, 2} in blocks of 4 (the cache's): 5*4+1 .. 5*4+3, then
@@ -1121,8 +1120,8 @@ TEST_CASE("an injection step planned three ways runs on the host as the referenc
   step.add(r1, desc_a, table, 1);
   step.add(r2, adapter);
   REQUIRE(step.num_requests() == 3);
-  REQUIRE(step.slots() == (std::vector<std::int64_t>{3, -1, 17, 18, 19, 21, 22, 23, 8, 9, 10, 11,
-                                                     28, 29, 30, 31}));
+  REQUIRE(step.slots() ==
+          (std::vector<std::int64_t>{3, -1, 17, 18, 19, 21, 22, 23, 8, 9, 10, 11, 28, 29, 30, 31}));
   REQUIRE(adapter.allocations == 1);
   REQUIRE(adapter.commits == 0);  // planned, not run: nothing adopted yet
   REQUIRE(step.num_pending_commits() == 1);
@@ -1331,12 +1330,13 @@ TEST_CASE(
 // ------------------------------------------------------------------------------------------------
 // The smallest and degenerate shapes (issue 49's sweep)
 
-TEMPLATE_TEST_CASE("degenerate shapes - one layer, one head, head_dim off the 16-byte run, blocks "
-                   "of one token, one-token facts - inject and extract as brute force says",
-                   "[inject][degenerate]",
-                   float,
-                   half_t,
-                   bfloat16_t)
+TEMPLATE_TEST_CASE(
+  "degenerate shapes - one layer, one head, head_dim off the 16-byte run, blocks "
+  "of one token, one-token facts - inject and extract as brute force says",
+  "[inject][degenerate]",
+  float,
+  half_t,
+  bfloat16_t)
 {
   using T = TestType;
   struct shape {
@@ -1344,16 +1344,16 @@ TEMPLATE_TEST_CASE("degenerate shapes - one layer, one head, head_dim off the 16
     int layers, heads, head_dim, rotary_dim;
     bool interleaved;
   };
-  shape const s = GENERATE(values<shape>({{"1 layer, 1 head, d2", 1, 1, 2, 2, false},
-                                          {"1 layer, 1 head, d6 halves", 1, 1, 6, 6, false},
-                                          {"1 layer, 1 head, d6 interleaved", 1, 1, 6, 6, true},
-                                          {"d36 (not a whole 16-byte run)", 1, 1, 36, 36, false},
-                                          {"2 layers, d20, rotary 12", 2, 1, 20, 12, true},
-                                          {"3 heads, d10", 1, 3, 10, 10, false}}));
-  auto const layout       = GENERATE(from_range(inferscale_test::all_engine_layouts()));
-  int const block         = GENERATE(1, 16);
-  std::int64_t const p0   = GENERATE(as<std::int64_t>{}, 0, 4093);
-  int const run           = 16 / static_cast<int>(sizeof(T));
+  shape const s         = GENERATE(values<shape>({{"1 layer, 1 head, d2", 1, 1, 2, 2, false},
+                                                  {"1 layer, 1 head, d6 halves", 1, 1, 6, 6, false},
+                                                  {"1 layer, 1 head, d6 interleaved", 1, 1, 6, 6, true},
+                                                  {"d36 (not a whole 16-byte run)", 1, 1, 36, 36, false},
+                                                  {"2 layers, d20, rotary 12", 2, 1, 20, 12, true},
+                                                  {"3 heads, d10", 1, 3, 10, 10, false}}));
+  auto const layout     = GENERATE(from_range(inferscale_test::all_engine_layouts()));
+  int const block       = GENERATE(1, 16);
+  std::int64_t const p0 = GENERATE(as<std::int64_t>{}, 0, 4093);
+  int const run         = 16 / static_cast<int>(sizeof(T));
   CAPTURE(sizeof(T), s.name, to_string(layout), block, p0);
   if (layout == engine_layout::vllm_legacy && s.head_dim % run != 0) {
     return;  // vLLM's legacy key layout splits head_dim into runs of x: it has no such cache
@@ -1384,7 +1384,7 @@ TEMPLATE_TEST_CASE("degenerate shapes - one layer, one head, head_dim off the 16
   // Extracting the lone token back gives the pre-RoPE fact to the cache's rounding: the inverse
   // rotation of a key within half an ulp of T, the value exactly converted.
   extract_host(describe_cache(ec), lone, p0, rope.params(), store, 99, 1, one.token_ids);
-  auto const pool = store.pool_to_host();
+  auto const pool   = store.pool_to_host();
   double const unit = std::is_same_v<T, float> ? 16 * eps32 : 1.0 / 256;
   for (int l = 0; l < s.layers; ++l) {
     for (int h = 0; h < s.heads; ++h) {

@@ -1,13 +1,14 @@
-// The host backend's vector paths (AVX2 and AVX-512F, chosen at run time) against its scalar loops, bit for
-// bit: the same injection and rotation run twice, once with the vector level capped to scalar
-// (detail::set_host_simd_cap), then at AVX2 and at AVX-512 where the CPU has them, and every byte of the caches and key arrays must agree. The scalar
-// loops are checked against independent references in inject_host.cpp and rope_host.cpp; this
-// file adds the equality of the two paths over the cases the vector code distinguishes: store and
-// cache dtypes, fp8 scales (none, per tensor, per head; both conventions; powers of two, which the
-// vector code multiplies by the reciprocal, and other values, which it divides by), rotation
-// sources (fp32 and exact angles, fp32 and bf16 engine tables with and without vLLM's
-// per-operation rounding, the fused multiply-add table), partial rotary dims and pair counts that
-// are not multiples of eight (the vectors' partial tails), contiguous and strided layouts.
+// The host backend's vector paths (AVX2 and AVX-512F, chosen at run time) against its scalar loops,
+// bit for bit: the same injection and rotation run twice, once with the vector level capped to
+// scalar (detail::set_host_simd_cap), then at AVX2 and at AVX-512 where the CPU has them, and every
+// byte of the caches and key arrays must agree. The scalar loops are checked against independent
+// references in inject_host.cpp and rope_host.cpp; this file adds the equality of the two paths
+// over the cases the vector code distinguishes: store and cache dtypes, fp8 scales (none, per
+// tensor, per head; both conventions; powers of two, which the vector code multiplies by the
+// reciprocal, and other values, which it divides by), rotation sources (fp32 and exact angles, fp32
+// and bf16 engine tables with and without vLLM's per-operation rounding, the fused multiply-add
+// table), partial rotary dims and pair counts that are not multiples of eight (the vectors' partial
+// tails), contiguous and strided layouts.
 #include "inject_common.hpp"
 #include "simd_paths.hpp"
 
@@ -60,7 +61,7 @@ void check_injection(dtype store_dt,
     for (int h = 0; h < H; ++h) {
       switch (scales) {
         case scale_kind::per_tensor_power_of_two:
-          k.push_back(l == 0 ? 0.0078125f : 1.0f);  // 2^-7 (|x| / s up to 256), 1
+          k.push_back(l == 0 ? 0.0078125f : 1.0f);   // 2^-7 (|x| / s up to 256), 1
           v.push_back(l == 0 ? 0.5f : 0.00390625f);  // 2^-1, 2^-8 (beyond e4m3's 448)
           break;
         case scale_kind::per_tensor:
@@ -95,12 +96,12 @@ void check_injection(dtype store_dt,
       }
       bool const per_head =
         scales == scale_kind::per_head || scales == scale_kind::per_head_multiply;
-      cache.set_fp8_scales(scales == scale_kind::per_head_multiply ? kv_scale_convention::multiply
-                                                                    : kv_scale_convention::divide,
-                           per_head ? kv_scale_granularity::per_head
-                                    : kv_scale_granularity::per_tensor,
-                           kp,
-                           vp);
+      cache.set_fp8_scales(
+        scales == scale_kind::per_head_multiply ? kv_scale_convention::multiply
+                                                : kv_scale_convention::divide,
+        per_head ? kv_scale_granularity::per_head : kv_scale_granularity::per_tensor,
+        kp,
+        vp);
     }
     injection_batch batch(store);
     compose_options options;
@@ -139,25 +140,27 @@ TEMPLATE_TEST_CASE("the vector host injection writes the scalar loop's bytes",
                    float8_e5m2_t)
 {
   if (!vector_path_available()) { return; }
-  using CacheT          = TestType;
-  constexpr bool fp8    = sizeof(CacheT) == 1;
-  auto const store_dt   = GENERATE(dtype::float32, dtype::float16, dtype::bfloat16);
-  auto const rotation   = GENERATE(rotation_kind::fp32_angles,
+  using CacheT        = TestType;
+  constexpr bool fp8  = sizeof(CacheT) == 1;
+  auto const store_dt = GENERATE(dtype::float32, dtype::float16, dtype::bfloat16);
+  auto const rotation = GENERATE(rotation_kind::fp32_angles,
                                  rotation_kind::exact_angles,
                                  rotation_kind::table_fp32,
                                  rotation_kind::table_bf16_round,
                                  rotation_kind::table_fused);
-  auto const geometry   = GENERATE(std::make_pair(128, 128), std::make_pair(48, 24),
-                                 std::make_pair(20, 20), std::make_pair(64, 38));
-  auto const layout     = GENERATE(engine_layout::vllm_flash_attn_nhd,
-                                 engine_layout::vllm_flash_attn_hnd,
-                                 engine_layout::vllm_legacy);
-  auto const scales     = fp8 ? GENERATE(scale_kind::none,
+  auto const geometry = GENERATE(std::make_pair(128, 128),
+                                 std::make_pair(48, 24),
+                                 std::make_pair(20, 20),
+                                 std::make_pair(64, 38));
+  auto const layout   = GENERATE(engine_layout::vllm_flash_attn_nhd,
+                               engine_layout::vllm_flash_attn_hnd,
+                               engine_layout::vllm_legacy);
+  auto const scales   = fp8 ? GENERATE(scale_kind::none,
                                      scale_kind::per_tensor_power_of_two,
                                      scale_kind::per_tensor,
                                      scale_kind::per_head,
                                      scale_kind::per_head_multiply)
-                              : scale_kind::none;
+                            : scale_kind::none;
   CAPTURE(sizeof(CacheT),
           to_string(store_dt),
           name_of(rotation),
@@ -172,7 +175,6 @@ TEMPLATE_TEST_CASE("the vector host injection writes the scalar loop's bytes",
   }
   check_injection<CacheT>(store_dt, layout, geometry.first, geometry.second, rotation, scales);
 }
-
 
 #if INFERSCALE_HOST_X86_SIMD
 namespace {
@@ -243,27 +245,30 @@ TEST_CASE("host injection: the vector fp8 scaling and encoding of every bf16 val
 }
 #endif
 
-TEST_CASE("token-major keys with vLLM's truncating rotation: the vector path writes the scalar "
-          "loop's bytes",
-          "[inject][simd]")
+TEST_CASE(
+  "token-major keys with vLLM's truncating rotation: the vector path writes the scalar "
+  "loop's bytes",
+  "[inject][simd]")
 {
   // vLLM's CPU cache (keys [head_dim, block_size] per block and head): runs of eight consecutive
   // slots of one block take simd::inject8_token_major_truncate, everything else the scalar loop.
   if (!vector_path_available()) { return; }
   auto const store_dt = GENERATE(dtype::float32, dtype::float16, dtype::bfloat16);
   auto const pairing  = GENERATE(rope_pairing::halves, rope_pairing::interleaved);
-  auto const geometry = GENERATE(std::make_pair(64, 64), std::make_pair(48, 24),
-                                 std::make_pair(128, 128), std::make_pair(20, 20));
+  auto const geometry = GENERATE(std::make_pair(64, 64),
+                                 std::make_pair(48, 24),
+                                 std::make_pair(128, 128),
+                                 std::make_pair(20, 20));
   CAPTURE(to_string(store_dt), static_cast<int>(pairing), geometry.first, geometry.second);
   int const L = 2, H = 3, D = geometry.first, block = 32, blocks = 4;
   std::int64_t const rows = 4096;
-  kv_store store = make_host_store(L, H, D, store_dt, 8, 12);
+  kv_store store          = make_host_store(L, H, D, store_dt, 8, 12);
   fact_data a(1, L, 45, H, D, 21);
   fact_data const b(2, L, 11, H, D, 22);
   // Values the conversions treat apart: signed zeros, subnormals of fp32 and of fp16, the
   // largest values (their rotations overflow to infinities), exact bf16 values.
-  float const special[] = {0.0f, -0.0f, 1e-40f, -3e-39f, 6e-8f, -5.9e-5f, 60000.0f, -65000.0f,
-                           1.0f, -2.5f};
+  float const special[] = {
+    0.0f, -0.0f, 1e-40f, -3e-39f, 6e-8f, -5.9e-5f, 60000.0f, -65000.0f, 1.0f, -2.5f};
   float const big = store_dt == dtype::float16 ? 65504.0f : 3.3e38f;
   for (std::size_t i = 0; i < a.k.size(); i += 7) {
     a.k[i] = (i / 7) % 5 == 0 ? ((i / 35) % 2 ? -big : big) : special[(i / 7) % 10];
@@ -273,10 +278,10 @@ TEST_CASE("token-major keys with vLLM's truncating rotation: the vector path wri
   }
   a.insert_into(store);
   b.insert_into(store);
-  rope_spec spec  = rope_presets::llama_3_1_8b();
-  spec.head_dim   = D;
-  spec.rotary_dim = geometry.second;
-  spec.pairing    = pairing;
+  rope_spec spec                  = rope_presets::llama_3_1_8b();
+  spec.head_dim                   = D;
+  spec.rotary_dim                 = geometry.second;
+  spec.pairing                    = pairing;
   auto const params               = make_rope_params(spec);
   std::vector<bfloat16_t> const t = make_rope_cos_sin_values<bfloat16_t>(params, rows);
   auto table                      = make_rope_cos_sin_table(params, t.data(), rows, true);

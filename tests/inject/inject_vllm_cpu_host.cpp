@@ -48,14 +48,21 @@ struct vllm_cpu_tensors {
   std::vector<std::uint16_t> storage;
   std::vector<std::uint16_t*> layers;
 
-  vllm_cpu_tensors(int L, std::int64_t nb, std::int64_t h, std::int64_t b, std::int64_t d,
-                   std::int64_t offset, std::uint64_t seed)
+  vllm_cpu_tensors(int L,
+                   std::int64_t nb,
+                   std::int64_t h,
+                   std::int64_t b,
+                   std::int64_t d,
+                   std::int64_t offset,
+                   std::uint64_t seed)
     : blocks{nb}, heads{h}, block{b}, dim{d}
   {
     std::int64_t const per_layer = nb * h * b * 2 * d;
     storage.resize(static_cast<std::size_t>(L * (per_layer + 64) + 64));
     std::mt19937_64 rng(seed);
-    for (auto& x : storage) { x = static_cast<std::uint16_t>(rng()); }
+    for (auto& x : storage) {
+      x = static_cast<std::uint16_t>(rng());
+    }
     auto const address = reinterpret_cast<std::uintptr_t>(storage.data());
     std::uint16_t* at  = storage.data() + ((64 - address % 64) % 64) / 2 + offset;
     for (int l = 0; l < L; ++l) {
@@ -67,19 +74,24 @@ struct vllm_cpu_tensors {
   paged_kv_cache describe(vllm_cpu_isa isa)
   {
     std::vector<void*> bases(layers.begin(), layers.end());
-    return make_vllm_cpu_cache(dtype::bfloat16, bases, {blocks, heads, block, 2 * dim},
-                               {heads * block * 2 * dim, block * 2 * dim, 2 * dim, 1}, isa);
+    return make_vllm_cpu_cache(dtype::bfloat16,
+                               bases,
+                               {blocks, heads, block, 2 * dim},
+                               {heads * block * 2 * dim, block * 2 * dim, 2 * dim, 1},
+                               isa);
   }
 };
 
 /// Element (t, d) of a block's keys / values within a (block, head) cell of 2 B D elements, as
 /// make_vllm_cpu_cache documents vLLM 0.32's layouts.
-std::int64_t key_at(vllm_cpu_isa isa, std::int64_t B, std::int64_t D, std::int64_t t, std::int64_t d)
+std::int64_t key_at(
+  vllm_cpu_isa isa, std::int64_t B, std::int64_t D, std::int64_t t, std::int64_t d)
 {
   return isa == vllm_cpu_isa::amx ? (t / 16) * 16 * D + (d / 2) * 32 + (t % 16) * 2 + d % 2
                                   : d * B + t;
 }
-std::int64_t value_at(vllm_cpu_isa isa, std::int64_t B, std::int64_t D, std::int64_t t, std::int64_t d)
+std::int64_t value_at(
+  vllm_cpu_isa isa, std::int64_t B, std::int64_t D, std::int64_t t, std::int64_t d)
 {
   return B * D + (isa == vllm_cpu_isa::amx ? (d / 16) * 16 * B + (t / 2) * 32 + (d % 16) * 2 + t % 2
                                            : t * D + d);
@@ -87,13 +99,16 @@ std::int64_t value_at(vllm_cpu_isa isa, std::int64_t B, std::int64_t D, std::int
 
 }  // namespace
 
-TEST_CASE("vLLM's CPU layouts: every element as the layout formulas and vLLM's truncating "
-          "rotation say, at every vector level",
-          "[inject][simd]")
+TEST_CASE(
+  "vLLM's CPU layouts: every element as the layout formulas and vLLM's truncating "
+  "rotation say, at every vector level",
+  "[inject][simd]")
 {
   auto const isa      = GENERATE(vllm_cpu_isa::vec, vllm_cpu_isa::amx);
-  auto const geometry = GENERATE(std::make_pair(64, 64), std::make_pair(128, 128),
-                                 std::make_pair(64, 32), std::make_pair(32, 32));
+  auto const geometry = GENERATE(std::make_pair(64, 64),
+                                 std::make_pair(128, 128),
+                                 std::make_pair(64, 32),
+                                 std::make_pair(32, 32));
   auto const B        = GENERATE(32, 128);
   auto const scenario = GENERATE(range(0, 4));
   auto const offset   = GENERATE(0, 1);  // elements past a 64-byte boundary
@@ -118,7 +133,9 @@ TEST_CASE("vLLM's CPU layouts: every element as the layout formulas and vLLM's t
     facts[0].v[i] = special[(i / 5 + 3) % 8];
   }
   kv_store store = make_host_store(L, H, D, dtype::bfloat16, 16, 16);
-  for (auto const& f : facts) { f.insert_into(store); }
+  for (auto const& f : facts) {
+    f.insert_into(store);
+  }
 
   // Slots of the segment's m tokens: 0 from slot 0 of block 2 on (the connector's leading run,
   // its last block partly filled), 1 from offset 5 of block 1 (runs starting mid-window), 2 from
@@ -147,9 +164,9 @@ TEST_CASE("vLLM's CPU layouts: every element as the layout formulas and vLLM's t
 
   std::vector<std::uint64_t> ids{1, 2, 3, 4, 5};
   compose_options options;
-  options.first_position  = p0;
-  options.order           = fact_order::as_given;
-  composition const plan  = compose(store, ids, options);
+  options.first_position = p0;
+  options.order          = fact_order::as_given;
+  composition const plan = compose(store, ids, options);
   REQUIRE(plan.length() == m);
 
   int const levels = all_paths([&](detail::host_simd level) {
@@ -162,7 +179,7 @@ TEST_CASE("vLLM's CPU layouts: every element as the layout formulas and vLLM's t
 
     // The expected tensors: the random bytes, then every injected element written out.
     std::vector<std::uint16_t> expected = before;
-    auto const at = [&](int l, std::int64_t cell_element) {
+    auto const at                       = [&](int l, std::int64_t cell_element) {
       return static_cast<std::size_t>(tensors.layers[static_cast<std::size_t>(l)] -
                                       tensors.storage.data() + cell_element);
     };
@@ -177,10 +194,13 @@ TEST_CASE("vLLM's CPU layouts: every element as the layout formulas and vLLM's t
           for (int h = 0; h < H; ++h) {
             std::int64_t const cell = (b * H + h) * 2 * B * D;
             for (int p = 0; p < half; ++p) {
-              float const volatile x  = static_cast<float>(stored_value(dtype::bfloat16, f.key(l, i, h, p)));
-              float const volatile y  = static_cast<float>(stored_value(dtype::bfloat16, f.key(l, i, h, p + half)));
-              float const volatile c  = to_float(t[static_cast<std::size_t>(position * rotary + p)]);
-              float const volatile sn = to_float(t[static_cast<std::size_t>(position * rotary + half + p)]);
+              float const volatile x =
+                static_cast<float>(stored_value(dtype::bfloat16, f.key(l, i, h, p)));
+              float const volatile y =
+                static_cast<float>(stored_value(dtype::bfloat16, f.key(l, i, h, p + half)));
+              float const volatile c = to_float(t[static_cast<std::size_t>(position * rotary + p)]);
+              float const volatile sn =
+                to_float(t[static_cast<std::size_t>(position * rotary + half + p)]);
               float const volatile xc = x * c, ys = y * sn, yc = y * c, xs = x * sn;
               float const volatile first = xc - ys, second = yc + xs;
               expected[at(l, cell + key_at(isa, B, D, tk, p))]        = upper_bits(first);

@@ -40,7 +40,6 @@ memory make_memory(std::int64_t pages = 512, search_algo algo = search_algo::aut
   return memory{c};
 }
 
-
 /// The window start each strategy gives a fact at turn t (w = 3, stride 3; single_pass without a
 /// budget is one segment from turn 0), written out from the documented rules.
 std::int64_t window_start(encoding_strategy s, std::int64_t t)

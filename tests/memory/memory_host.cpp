@@ -8,6 +8,7 @@
 #include "fake_model.hpp"
 #include "memory_checks.hpp"
 #include "memory_fixtures.hpp"
+#include "stream_type.hpp"
 
 #include <inferscale/memory.hpp>
 
@@ -56,7 +57,8 @@ std::vector<unsigned char> live_bytes(memory const& m)
     std::sort(ids.begin(), ids.end());
     for (std::uint64_t id : ids) {
       for (std::int64_t p : m.store().at(id).pages) {
-        out.insert(out.end(), pool.begin() + static_cast<std::ptrdiff_t>(p * page),
+        out.insert(out.end(),
+                   pool.begin() + static_cast<std::ptrdiff_t>(p * page),
                    pool.begin() + static_cast<std::ptrdiff_t>((p + 1) * page));
       }
     }
@@ -65,8 +67,11 @@ std::vector<unsigned char> live_bytes(memory const& m)
 }
 snapshot snap(memory const& m)
 {
-  return {m.store().num_facts(), m.store().free_pages(), m.index().total_size(),
-          m.index().version(), live_bytes(m)};
+  return {m.store().num_facts(),
+          m.store().free_pages(),
+          m.index().total_size(),
+          m.index().version(),
+          live_bytes(m)};
 }
 
 static_assert(is_cache_adapter_v<sequence_adapter>);
@@ -119,8 +124,8 @@ TEST_CASE("memory: add a conversation, retrieve in the user's namespace, serve a
   user_data const a = make_user(7, 100, 12);
   user_data const b = make_user(8, 200, 9);
   encoding_options o;
-  o.window   = 3;
-  o.strategy = encoding_strategy::aligned;
+  o.window                   = 3;
+  o.strategy                 = encoding_strategy::aligned;
   memory_add_report const ra = m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o);
   m.add_conversation(model, embedder, 8, b.c, b.facts, b.texts, o);
   CHECK(ra.embedded == 11);
@@ -145,8 +150,7 @@ TEST_CASE("memory: add a conversation, retrieve in the user's namespace, serve a
 
   // serve(): prefix, then the retrieved facts best-last, injected at p0 = 5 and committed.
   host_cache cache;
-  memory_request const r =
-    m.serve(embedder, 7, a.texts[4], 2, 5, cache, model.rotation());
+  memory_request const r = m.serve(embedder, 7, a.texts[4], 2, 5, cache, model.rotation());
   REQUIRE(r.fact_ids.size() == 2);
   CHECK(r.fact_ids[0] == a.facts[4].fact_id);
   std::vector<std::int32_t> want = {11, 12, 13};
@@ -162,7 +166,7 @@ TEST_CASE("memory: add a conversation, retrieve in the user's namespace, serve a
   // The V rows in the cache are the fact's V as the fake model computed it behind its window:
   // recomputed here from the formula over the plan's trunk (V is not rotated).
   encoding_plan const plan = plan_encoding(a.c, a.facts, o);
-  std::int64_t slot = 3;  // after the prefix
+  std::int64_t slot        = 3;  // after the prefix
   for (auto it = r.fact_ids.rbegin(); it != r.fact_ids.rend(); ++it) {
     for (encoding_job const& job : plan.jobs) {
       for (encoding_branch const& br : job.branches) {
@@ -207,46 +211,60 @@ TEST_CASE("memory: refused additions leave the store and the index unchanged", "
     CHECK_THROWS_WITH(call(), Catch::Contains(what));
     CHECK(snap(m) == before);
   };
-  refused([&] {
-    auto texts = b.texts;
-    texts.pop_back();
-    m.add_conversation(model, embedder, 8, b.c, b.facts, texts, o);
-  }, "facts but 8 texts");
+  refused(
+    [&] {
+      auto texts = b.texts;
+      texts.pop_back();
+      m.add_conversation(model, embedder, 8, b.c, b.facts, texts, o);
+    },
+    "facts but 8 texts");
   refused([&] { m.add_conversation(model, embedder, 9, b.c, b.facts, b.texts, o); },
           "the conversation is added to namespace 9");
-  refused([&] {
-    auto facts       = b.facts;
-    facts[2].fact_id = a.facts[0].fact_id;
-    m.add_conversation(model, embedder, 8, b.c, facts, b.texts, o);
-  }, "is already indexed");
-  refused([&] {
-    word_embedder wrong;
-    wrong.dim = 16;
-    m.add_conversation(model, wrong, 8, b.c, b.facts, b.texts, o);
-  }, "the embedder gives 16-d vectors, the index holds 32-d");
-  refused([&] {
-    word_embedder nan;
-    nan.nan_for = b.texts[5];
-    m.add_conversation(model, nan, 8, b.c, b.facts, b.texts, o);
-  }, "non-finite embedding");
-  refused([&] {
-    auto facts            = b.facts;
-    facts[1].source_turns = std::vector<std::int64_t>{99};
-    m.add_conversation(model, embedder, 8, b.c, facts, b.texts, o);
-  }, "source turn 99");
-  refused([&] {
-    branching_model failing;  // fails on the third of its per-fact forwards
-    failing.fail_at = 2;
-    encoding_options per_fact = o;
-    per_fact.strategy         = encoding_strategy::per_fact;
-    m.add_conversation(failing, embedder, 8, b.c, b.facts, b.texts, per_fact);
-  }, "fake engine failure");
+  refused(
+    [&] {
+      auto facts       = b.facts;
+      facts[2].fact_id = a.facts[0].fact_id;
+      m.add_conversation(model, embedder, 8, b.c, facts, b.texts, o);
+    },
+    "is already indexed");
+  refused(
+    [&] {
+      word_embedder wrong;
+      wrong.dim = 16;
+      m.add_conversation(model, wrong, 8, b.c, b.facts, b.texts, o);
+    },
+    "the embedder gives 16-d vectors, the index holds 32-d");
+  refused(
+    [&] {
+      word_embedder nan;
+      nan.nan_for = b.texts[5];
+      m.add_conversation(model, nan, 8, b.c, b.facts, b.texts, o);
+    },
+    "non-finite embedding");
+  refused(
+    [&] {
+      auto facts            = b.facts;
+      facts[1].source_turns = std::vector<std::int64_t>{99};
+      m.add_conversation(model, embedder, 8, b.c, facts, b.texts, o);
+    },
+    "source turn 99");
+  refused(
+    [&] {
+      branching_model failing;  // fails on the third of its per-fact forwards
+      failing.fail_at           = 2;
+      encoding_options per_fact = o;
+      per_fact.strategy         = encoding_strategy::per_fact;
+      m.add_conversation(failing, embedder, 8, b.c, b.facts, b.texts, per_fact);
+    },
+    "fake engine failure");
   // The index refuses a zero vector after the facts were encoded: the store is restored.
-  refused([&] {
-    word_embedder zero;
-    zero.zero_for = b.texts[3];
-    m.add_conversation(model, zero, 8, b.c, b.facts, b.texts, o);
-  }, "zero");
+  refused(
+    [&] {
+      word_embedder zero;
+      zero.zero_for = b.texts[3];
+      m.add_conversation(model, zero, 8, b.c, b.facts, b.texts, o);
+    },
+    "zero");
 
   // Requests: unknown namespace, wrong query dimension, k == 0; nothing committed.
   host_cache cache;
@@ -267,8 +285,8 @@ TEST_CASE("memory: a scheduler step serves every request as serve() alone does, 
   // Five requests of three users; request i's tokens go to slots i, i + 5, i + 10, .. (the
   // requests interleave in the cache, as paged sequences do).
   std::vector<step_ask> const asks = f.asks();
-  std::uint32_t const k = 3;
-  std::int64_t const n  = static_cast<std::int64_t>(asks.size());
+  std::uint32_t const k            = 3;
+  std::int64_t const n             = static_cast<std::int64_t>(asks.size());
 
   // The expectation: each request served alone (serve(), checked against the fake model's formula
   // above), into one cache, at the same slots.
@@ -284,11 +302,11 @@ TEST_CASE("memory: a scheduler step serves every request as serve() alone does, 
 
   host_cache step_cache;
   std::vector<sequence_adapter> sequences;
-  auto const requests                     = interleaved_step(asks, step_cache, sequences);
-  searches                                = m.searches();
-  std::int64_t const calls                = f.embedder.calls;
-  std::vector<memory_request> const got   = m.serve_step(f.embedder, requests, k, f.model.rotation());
-  CHECK(m.searches() == searches + 1);  // one batched search for the whole step
+  auto const requests                   = interleaved_step(asks, step_cache, sequences);
+  searches                              = m.searches();
+  std::int64_t const calls              = f.embedder.calls;
+  std::vector<memory_request> const got = m.serve_step(f.embedder, requests, k, f.model.rotation());
+  CHECK(m.searches() == searches + 1);   // one batched search for the whole step
   CHECK(f.embedder.calls == calls + n);  // one embedding per request
   REQUIRE(got.size() == asks.size());
   for (std::size_t i = 0; i < got.size(); ++i) {
@@ -315,8 +333,8 @@ TEST_CASE("memory: a scheduler step serves every request as serve() alone does, 
         0);
 
   // An empty step runs nothing.
-  CHECK(m.serve_step(f.embedder, std::vector<memory_step_request<sequence_adapter>>{}, k,
-                     f.model.rotation())
+  CHECK(m.serve_step(
+           f.embedder, std::vector<memory_step_request<sequence_adapter>>{}, k, f.model.rotation())
           .empty());
   CHECK(m.searches() == searches + 1);
 }
@@ -400,9 +418,10 @@ TEST_CASE("memory: a step embeds its queries with one call of a batch embedder",
   }
 }
 
-TEST_CASE("memory: a refused step leaves the store, the index, the cache and every sequence as "
-          "they were",
-          "[memory]")
+TEST_CASE(
+  "memory: a refused step leaves the store, the index, the cache and every sequence as "
+  "they were",
+  "[memory]")
 {
   step_fixture f;
   memory& m             = f.m;
@@ -426,7 +445,10 @@ TEST_CASE("memory: a refused step leaves the store, the index, the cache and eve
   // refusal; each of them must have been given its slots back (release of the m it asked for),
   // and no other adapter asked to release anything.
   auto refused = [&](std::vector<memory_step_request<sequence_adapter>> const& requests,
-                     std::uint32_t k, char const* what, bool searched, char const* why = "",
+                     std::uint32_t k,
+                     char const* what,
+                     bool searched,
+                     char const* why       = "",
                      std::size_t allocated = 0) {
     std::uint64_t const searches = m.searches();
     CHECK_THROWS_WITH(m.serve_step(f.embedder, requests, k, f.model.rotation()),
@@ -452,21 +474,21 @@ TEST_CASE("memory: a refused step leaves the store, the index, the cache and eve
 
   // Refused before the search: k, the adapters, the namespaces.
   refused(good, 0, "memory::serve_step: k must be positive", false);
-  r             = good;
-  r[2].ns       = 99;
+  r       = good;
+  r[2].ns = 99;
   refused(r, 3, "memory::serve_step: request 2 (namespace 99): unknown namespace 99", false);
-  r             = good;
-  r[1].cache    = nullptr;
+  r          = good;
+  r[1].cache = nullptr;
   refused(r, 3, "request 1 (namespace 8): no cache adapter", false);
-  r             = good;
-  r[3].cache    = r[0].cache;
+  r          = good;
+  r[3].cache = r[0].cache;
   refused(r, 3, "request 3 (namespace 8): its cache adapter is an earlier request's", false);
   host_cache other;
   sequence_adapter elsewhere;
   elsewhere.shared = &other;
   elsewhere.slots  = sequences[1].slots;
-  r             = good;
-  r[1].cache    = &elsewhere;
+  r                = good;
+  r[1].cache       = &elsewhere;
   refused(r, 3, "request 1 (namespace 8): its cache adapter addresses another cache", false);
   CHECK(elsewhere.committed.empty());
   CHECK(other.data == original);
@@ -481,15 +503,23 @@ TEST_CASE("memory: a refused step leaves the store, the index, the cache and eve
   // Refused after the search, before anything is written: too few slots, a slot of another
   // request, an adapter that throws, a slot beyond the cache.
   sequences[3].slots.resize(5);
-  refused(good, 3, "request 3 (namespace 8): the cache adapter allocated 5 slots for 12 tokens",
-          true, "", 4);
+  refused(good,
+          3,
+          "request 3 (namespace 8): the cache adapter allocated 5 slots for 12 tokens",
+          true,
+          "",
+          4);
   sequences[3].slots.clear();
   for (std::int64_t j = 0; j < 20; ++j) {
     sequences[3].slots.push_back(60 + j);
   }
   sequences[2].slots[7] = 3;  // request 0's
-  refused(good, 3, "memory::serve_step: request 2 (namespace 9): ", true,
-          "injection_batch::add: slot 3 is written twice in this batch", 3);
+  refused(good,
+          3,
+          "memory::serve_step: request 2 (namespace 9): ",
+          true,
+          "injection_batch::add: slot 3 is written twice in this batch",
+          3);
   sequences[2].slots[7] = 47;
   sequences[1].fail     = true;
   refused(good, 3, "fake adapter failure", true, "", 1);  // request 0 had its slots
@@ -529,7 +559,7 @@ namespace inferscale::detail {
 template <>
 struct memory_index_search<external_retrieval> {
   static constexpr memory_space index_space = memory_space::host;
-  static cuda::stream_ref stream(external_retrieval const&) { return cudaStream_t{}; }
+  static stream_ref stream(external_retrieval const&) { return cudaStream_t{}; }
   static void run(external_retrieval const& r,
                   graph_index const& index,
                   matrix_view<float const> queries,
@@ -549,7 +579,7 @@ struct memory_index_search<external_retrieval> {
 template <>
 struct memory_index_search<device_claiming_retrieval> {
   static constexpr memory_space index_space = memory_space::device;
-  static cuda::stream_ref stream(device_claiming_retrieval const&) { return cudaStream_t{}; }
+  static stream_ref stream(device_claiming_retrieval const&) { return cudaStream_t{}; }
   template <class... Args>
   static void run(device_claiming_retrieval const& r, Args&&...)
   {
@@ -564,7 +594,7 @@ TEST_CASE(
   "[memory]")
 {
   step_fixture f;
-  memory& m = f.m;
+  memory& m                  = f.m;
   std::vector<step_ask> asks = f.asks();
   asks.pop_back();  // the first four
   std::uint32_t const k = 3;
@@ -600,9 +630,14 @@ TEST_CASE(
   host_cache alone{1, 0};
   host_cache alone_external{1, 0};
   memory_request const one = m.serve(f.embedder, 8, asks[1].query, k, 0, alone, f.model.rotation());
-  memory_request const one_external =
-    m.serve(f.embedder, 8, asks[1].query, k, 0, alone_external, f.model.rotation(),
-            device_context{external});
+  memory_request const one_external = m.serve(f.embedder,
+                                              8,
+                                              asks[1].query,
+                                              k,
+                                              0,
+                                              alone_external,
+                                              f.model.rotation(),
+                                              device_context{external});
   CHECK(external.calls == 2);
   CHECK(one_external.fact_ids == one.fact_ids);
   CHECK(one_external.plan.token_ids == one.plan.token_ids);
@@ -642,9 +677,10 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("memory: erase_fact and erase_namespace on a stream zero a host store's pages as the "
-          "plain calls do",
-          "[memory]")
+TEST_CASE(
+  "memory: erase_fact and erase_namespace on a stream zero a host store's pages as the "
+  "plain calls do",
+  "[memory]")
 {
   step_fixture plain;
   step_fixture streamed;
@@ -652,7 +688,8 @@ TEST_CASE("memory: erase_fact and erase_namespace on a stream zero a host store'
   std::vector<std::int64_t> const pages = plain.m.store().at(id).pages;
   REQUIRE(streamed.m.store().at(id).pages == pages);
   plain.m.erase_fact(id);
-  streamed.m.erase_fact(id, cudaStream_t{});  // a host store never reaches the CUDA runtime
+  streamed.m.erase_fact(
+    id, inferscale_test::stream_t{});  // a host store never reaches the CUDA runtime
   CHECK_FALSE(streamed.m.tracks(id));
   CHECK_FALSE(streamed.m.store().contains(id));
   CHECK_FALSE(streamed.m.index().contains(id));
@@ -666,11 +703,12 @@ TEST_CASE("memory: erase_fact and erase_namespace on a stream zero a host store'
   CHECK(pool == plain.m.store().pool_to_host());
   CHECK(snap(streamed.m) == snap(plain.m));
 
-  CHECK(streamed.m.erase_namespace(8, cudaStream_t{}) == plain.m.erase_namespace(8));
+  CHECK(streamed.m.erase_namespace(8, inferscale_test::stream_t{}) == plain.m.erase_namespace(8));
   CHECK(streamed.m.store().namespace_facts(8) == 0);
   CHECK(streamed.m.store().pool_to_host() == plain.m.store().pool_to_host());
   CHECK(snap(streamed.m) == snap(plain.m));
-  CHECK_THROWS_WITH(streamed.m.erase_fact(id, cudaStream_t{}), Catch::Contains("erase_fact"));
+  CHECK_THROWS_WITH(streamed.m.erase_fact(id, inferscale_test::stream_t{}),
+                    Catch::Contains("erase_fact"));
 
   // The user added again takes the zeroed pages back.
   encoding_options o;

@@ -1,7 +1,7 @@
 /**
  * @file raft_gpu.cu
- * @brief Checks the RAFT pieces InferScale builds on (select_k, gemm, resources) against
- * brute-force host loops written out here.
+ * @brief Checks the RAFT pieces InferScale builds on (select_k, gemm) on the device against
+ * brute-force host loops written out here (raft_host.cpp: the checks that need no device).
  */
 #include <raft/core/device_mdarray.hpp>
 #include <raft/core/device_resources.hpp>
@@ -13,6 +13,7 @@
 
 // select_k<float, int64> from the build's one compiled instance (cmake/device_instances.cu).
 #include <inferscale/detail/index/select_k_instance.hpp>
+
 #include <raft/util/cudart_utils.hpp>
 #include <raft/version_config.hpp>
 
@@ -46,32 +47,6 @@ void to_device(raft::resources const& res, T* device, std::vector<T> const& host
 }
 
 }  // namespace
-
-TEST_CASE("RAFT version macros name the pinned release", "[raft]")
-{
-  CHECK(RAFT_VERSION_MAJOR == 26);
-  CHECK(RAFT_VERSION_MINOR == 10);
-  CHECK(std::string{RAFT_VERSION}.rfind("26.10.", 0) == 0);
-}
-
-// raft::resources is lazy: building one and setting or reading its stream touches no device,
-// so this runs everywhere. Explicit settings stay local to a copy (the 26.08+ contract the index
-// relies on when it hands copies of the caller's handle around).
-TEST_CASE("raft::resources: lazy construction and per-copy stream settings", "[raft]")
-{
-  raft::resources res;
-  raft::resource::set_cuda_stream(res, cuda::stream_ref{cudaStreamPerThread});
-  CHECK(raft::resource::get_cuda_stream(res).get() == cudaStreamPerThread);
-
-  raft::resources copy = res;
-  CHECK(raft::resource::get_cuda_stream(copy).get() == cudaStreamPerThread);
-  raft::resource::set_cuda_stream(copy, cuda::stream_ref{cudaStreamLegacy});
-  CHECK(raft::resource::get_cuda_stream(copy).get() == cudaStreamLegacy);
-  CHECK(raft::resource::get_cuda_stream(res).get() == cudaStreamPerThread);
-
-  raft::device_resources device_res{cuda::stream_ref{cudaStreamPerThread}};
-  CHECK(raft::resource::get_cuda_stream(device_res).get() == cudaStreamPerThread);
-}
 
 TEST_CASE("raft::matrix::select_k matches a host sort", "[raft][gpu]")
 {

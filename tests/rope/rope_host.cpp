@@ -260,11 +260,11 @@ TEST_CASE("both pairings equal a rotation written with complex numbers", "[rope]
   auto const scaling = GENERATE(rope_scaling::none, rope_scaling::yarn);
   CAPTURE(static_cast<int>(pairing), rotary, static_cast<int>(scaling));
 
-  rope_spec spec    = scaling == rope_scaling::yarn ? yarn_spec() : rope_presets::qwen2_5_7b();
-  spec.pairing      = pairing;
-  spec.rotary_dim   = rotary;
-  spec.angle_mode   = rope_angle_mode::exact;
-  auto params       = make_rope_params(spec);
+  rope_spec spec  = scaling == rope_scaling::yarn ? yarn_spec() : rope_presets::qwen2_5_7b();
+  spec.pairing    = pairing;
+  spec.rotary_dim = rotary;
+  spec.angle_mode = rope_angle_mode::exact;
+  auto params     = make_rope_params(spec);
   // positions up to 131071 with Qwen's 32768: the rotation's arithmetic, not the model's range
   params.allow_beyond_max_position = true;
   std::vector<double> inv_f32;  // the fp32 frequencies the rotation uses
@@ -295,8 +295,8 @@ TEST_CASE("relocation: <R_a q, R_b k> = <q, R_(b-a) k>", "[rope]")
   std::uniform_int_distribution<std::int64_t> pos(0, 131072);
 
   auto const run = [&](rope_spec spec, bool exact_angles) {
-    spec.angle_mode   = exact_angles ? rope_angle_mode::exact : rope_angle_mode::fp32;
-    auto params       = make_rope_params(spec, 131072);
+    spec.angle_mode = exact_angles ? rope_angle_mode::exact : rope_angle_mode::fp32;
+    auto params     = make_rope_params(spec, 131072);
     // positions 0 .. 131072 whatever the preset's range: the identity, not the model's range
     params.allow_beyond_max_position = true;
     double const a2                  = double(params.attention_factor) * params.attention_factor;
@@ -805,7 +805,9 @@ TEST_CASE("cos_sin_swizzle: a permutation within rows of 16 entries, and conflic
     REQUIRE(j / 16 == i / 16);
     ++hits[static_cast<std::size_t>(j)];
   }
-  for (int h : hits) { REQUIRE(h == 1); }
+  for (int h : hits) {
+    REQUIRE(h == 1);
+  }
   // Entry j of sixteen neighbouring runs of m pairs (threads c .. c + 15 each reading entry j of
   // run c), from any row: sixteen different 8-byte bank pairs (index % 16 after the swizzle).
   // Unswizzled, sixteen runs of 8 fall on two bank pairs.
@@ -818,7 +820,7 @@ TEST_CASE("cos_sin_swizzle: a permutation within rows of 16 entries, and conflic
           std::vector<bool> bank_in_order(16, false);
           for (std::int32_t c = first_run; c < first_run + 16; ++c) {
             std::int32_t const entry = 16 * row + c * m + j;
-            auto const b             = static_cast<std::size_t>(detail::cos_sin_swizzle(entry) % 16);
+            auto const b = static_cast<std::size_t>(detail::cos_sin_swizzle(entry) % 16);
             distinct += !bank[b];
             bank[b] = true;
             distinct_in_order += !bank_in_order[static_cast<std::size_t>(entry % 16)];

@@ -1,9 +1,9 @@
-// The host rotation's vector paths (AVX2 and AVX-512F, chosen at run time) against its scalar loop, bit for bit:
-// the same rope_apply_host call with the vector level capped to scalar, then at AVX2 and AVX-512 where present, over key
-// dtypes, rotation sources (fp32 and exact angles, fp32 and bf16 tables with and without vLLM's
-// per-operation rounding, the fused multiply-add table), the three operations, partial rotary
-// dims and pair counts that are not multiples of eight, packed and padded heads. The scalar loop
-// is checked against independent references in rope_host.cpp.
+// The host rotation's vector paths (AVX2 and AVX-512F, chosen at run time) against its scalar loop,
+// bit for bit: the same rope_apply_host call with the vector level capped to scalar, then at AVX2
+// and AVX-512 where present, over key dtypes, rotation sources (fp32 and exact angles, fp32 and
+// bf16 tables with and without vLLM's per-operation rounding, the fused multiply-add table), the
+// three operations, partial rotary dims and pair counts that are not multiples of eight, packed and
+// padded heads. The scalar loop is checked against independent references in rope_host.cpp.
 #include "simd_paths.hpp"
 
 #include <inferscale/rope.hpp>
@@ -44,8 +44,8 @@ void write_mxcsr([[maybe_unused]] unsigned value)
 
 /// Rotates `[tokens, heads, head_dim]` keys with both paths and requires identical bits.
 template <class T>
-void check_rotation(int heads, int head_dim, int rotary_dim, rotation_kind rotation, rope_op op,
-                    bool padded)
+void check_rotation(
+  int heads, int head_dim, int rotary_dim, rotation_kind rotation, rope_op op, bool padded)
 {
   std::int64_t const rows   = 8192;
   std::int64_t const tokens = 37;
@@ -101,12 +101,19 @@ TEMPLATE_TEST_CASE("the vector host rotation gives the scalar loop's bits",
                                  rotation_kind::table_bf16_round,
                                  rotation_kind::table_fused);
   auto const op       = GENERATE(rope_op::forward, rope_op::inverse, rope_op::shift);
-  auto const geometry = GENERATE(std::make_pair(128, 128), std::make_pair(96, 64),
-                                 std::make_pair(20, 20), std::make_pair(64, 38));
+  auto const geometry = GENERATE(std::make_pair(128, 128),
+                                 std::make_pair(96, 64),
+                                 std::make_pair(20, 20),
+                                 std::make_pair(64, 38));
   auto const heads    = GENERATE(1, 8);
   auto const padded   = GENERATE(false, true);
-  CAPTURE(sizeof(T), name_of(rotation), static_cast<int>(op), geometry.first, geometry.second,
-          heads, padded);
+  CAPTURE(sizeof(T),
+          name_of(rotation),
+          static_cast<int>(op),
+          geometry.first,
+          geometry.second,
+          heads,
+          padded);
   check_rotation<T>(heads, geometry.first, geometry.second, rotation, op, padded);
 }
 
@@ -138,7 +145,7 @@ TEST_CASE("the vector host rotation of bf16 keys with subnormals, zeros and spec
   std::uniform_int_distribution<std::uint32_t> pick(0, 9);
   std::uniform_int_distribution<std::uint32_t> code(0, 0xffff);
   for (std::size_t i = 0; i < original.size(); ++i) {
-    bool const quiet_group = (i / 16) % 3 == 0;  // every third group of 16 keys: ordinary values
+    bool const quiet_group   = (i / 16) % 3 == 0;  // every third group of 16 keys: ordinary values
     std::uint32_t const kind = quiet_group ? 9 : pick(rng);
     std::uint16_t bits;
     switch (kind) {
@@ -154,7 +161,9 @@ TEST_CASE("the vector host rotation of bf16 keys with subnormals, zeros and spec
     original[i].bits = bits;
   }
   std::vector<std::int64_t> positions;
-  for (std::int64_t t = 0; t < tokens; ++t) { positions.push_back(1 + 997 * t); }
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    positions.push_back(1 + 997 * t);
+  }
   std::vector<std::vector<bfloat16_t>> results;
   int const levels = all_paths([&](detail::host_simd) {
     std::vector<bfloat16_t> data = original;

@@ -101,8 +101,9 @@ TEST_CASE("rope sincos: the correctly rounded fp32 sin and cos of the angle", "[
     for (std::int64_t k = 1; k < (std::int64_t{1} << 24); k = k * 3 / 2 + 1) {
       auto const centre = static_cast<float>(static_cast<long double>(k) * 1.5707963267948966192L);
       for (int d = -5; d <= 5; ++d) {
-        check_angle(check, from_bits(static_cast<std::uint32_t>(
-                             static_cast<std::int64_t>(bits_of(centre)) + d)));
+        check_angle(
+          check,
+          from_bits(static_cast<std::uint32_t>(static_cast<std::int64_t>(bits_of(centre)) + d)));
       }
     }
   }
@@ -154,9 +155,7 @@ TEST_CASE("rope sincos: the AVX2 and AVX-512 forms equal the scalar function bit
     float s8[16], c8[16], s16[16], c16[16];
     REQUIRE(detail::simd::sincos8(angles.data() + i, s8, c8));
     REQUIRE(detail::simd::sincos8(angles.data() + i + 8, s8 + 8, c8 + 8));
-    if (avx512) {
-      REQUIRE(detail::simd512::sincos16(angles.data() + i, s16, c16));
-    }
+    if (avx512) { REQUIRE(detail::simd512::sincos16(angles.data() + i, s16, c16)); }
     for (int j = 0; j < 16; ++j) {
       float s, c;
       detail::rope_sincos(angles[i + j], &s, &c);
@@ -193,17 +192,23 @@ TEST_CASE("rope sincos: the AVX2 and AVX-512 forms equal the scalar function bit
   }
   SECTION("a lane at or above 2^28, infinite or NaN sends the group to the scalar function")
   {
-    for (float odd : {0x1p28f, -3.0e9f, std::numeric_limits<float>::infinity(),
+    for (float odd : {0x1p28f,
+                      -3.0e9f,
+                      std::numeric_limits<float>::infinity(),
                       std::numeric_limits<float>::quiet_NaN()}) {
       float group[16];
-      for (int j = 0; j < 16; ++j) { group[j] = 0.25f * static_cast<float>(j); }
+      for (int j = 0; j < 16; ++j) {
+        group[j] = 0.25f * static_cast<float>(j);
+      }
       group[5] = odd;
       float s[16], c[16];
       REQUIRE_FALSE(detail::simd::sincos8(group, s, c));
       if (avx512) {
         REQUIRE_FALSE(detail::simd512::sincos16(group, s, c));
         float wide[64], s64[64], c64[64];  // one bad lane refuses the whole lockstep group
-        for (int j = 0; j < 64; ++j) { wide[j] = 0.25f * static_cast<float>(j); }
+        for (int j = 0; j < 64; ++j) {
+          wide[j] = 0.25f * static_cast<float>(j);
+        }
         wide[45] = odd;
         REQUIRE_FALSE(detail::simd512::sincos_lockstep<8>(wide, s64, c64));
         REQUIRE_FALSE(detail::simd512::sincos_lockstep<4>(wide + 32, s64, c64));

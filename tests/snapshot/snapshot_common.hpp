@@ -9,8 +9,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <exception>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <iterator>

@@ -324,9 +324,10 @@ TEST_CASE("snapshot: the file follows the documented byte table", "[snapshot]")
     std::sort(pages.begin(), pages.end());
     std::vector<unsigned char> bytes;
     for (std::int64_t p : pages) {
-      bytes.insert(bytes.end(),
-                   pool.begin() + static_cast<std::ptrdiff_t>(p * static_cast<std::int64_t>(B)),
-                   pool.begin() + static_cast<std::ptrdiff_t>((p + 1) * static_cast<std::int64_t>(B)));
+      bytes.insert(
+        bytes.end(),
+        pool.begin() + static_cast<std::ptrdiff_t>(p * static_cast<std::int64_t>(B)),
+        pool.begin() + static_cast<std::ptrdiff_t>((p + 1) * static_cast<std::int64_t>(B)));
     }
     CHECK(get<std::uint64_t>(f, at) == reference_crc64(bytes.data(), bytes.size()));
     at += 8;
@@ -584,7 +585,7 @@ TEST_CASE("snapshot: a capacity the host cannot allocate is refused as the file'
   std::string const path = dir.file("huge.iskv");
   save_store(kv_store{shard_config(dtype::float32, 2)}, path);
   std::vector<unsigned char> f = read_bytes(path);
-  REQUIRE(f.size() == 120 + 8 * 2);  // no facts: the header, two free pages, three checksums
+  REQUIRE(f.size() == 120 + 8 * 2);   // no facts: the header, two free pages, three checksums
   set(f, 24, std::int32_t{1} << 20);  // head_dim
   set(f, 44, std::int32_t{1} << 30);  // page_size
   refresh_checksums(f);
@@ -592,8 +593,9 @@ TEST_CASE("snapshot: a capacity the host cannot allocate is refused as the file'
   // page bytes: K and V, 2 layers, 2^30 tokens, 2 heads, head_dim 2^20, 4-byte elements
   std::uint64_t const page_bytes = 2ull * 2 * (1ull << 30) * 2 * (1ull << 20) * 4;
   REQUIRE(page_bytes == (1ull << 55));
-  CHECK_THAT(load_error(path), Contains("(2 pages of " + std::to_string(page_bytes) + " bytes") &&
-                                 Contains("cannot be allocated"));
+  CHECK_THAT(load_error(path),
+             Contains("(2 pages of " + std::to_string(page_bytes) + " bytes") &&
+               Contains("cannot be allocated"));
 }
 
 TEST_CASE("snapshot: loading into another dtype rounds to nearest even", "[snapshot]")

@@ -1,7 +1,8 @@
-// The memory facade restarts from a snapshot (save_memory / load_memory; the members wrap them): the same requests give
-// the same facts, plans and cache bytes after a reload, nothing is re-encoded or re-embedded (the
-// adapters are not called), the directory holds exactly the current snapshot, and mismatched,
-// corrupted or interrupted snapshots are refused or leave the previous one loadable.
+// The memory facade restarts from a snapshot (save_memory / load_memory; the members wrap them):
+// the same requests give the same facts, plans and cache bytes after a reload, nothing is
+// re-encoded or re-embedded (the adapters are not called), the directory holds exactly the current
+// snapshot, and mismatched, corrupted or interrupted snapshots are refused or leave the previous
+// one loadable.
 #include "fake_model.hpp"
 #include "memory_fixtures.hpp"
 #include "snapshot_common.hpp"
@@ -145,7 +146,7 @@ TEST_CASE("memory snapshot: mismatched, corrupted and interrupted snapshots", "[
   c.store.page_size = 8;
   CHECK_THAT(load_error(dir.path(), c), Contains("pages of 4 tokens, the target store 8"));
   c                   = config;
-  c.store.store_dtype = dtype::float32;  // converts
+  c.store.store_dtype = dtype::float32;                                        // converts
   CHECK(memory::load(dir.path(), c).store().store_dtype() == dtype::float32);  // the wrapper
 
   // a corrupted manifest, at every byte
@@ -305,7 +306,8 @@ TEST_CASE("memory snapshot: the lifecycle state survives a restart", "[snapshot]
   encoding_options o;
   o.window   = 2;
   o.strategy = encoding_strategy::per_fact;
-  std::uint64_t const conv = m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o).conversation;
+  std::uint64_t const conv =
+    m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o).conversation;
   REQUIRE(conv != 0);
   // a superseded fact (kept for audit) and an updated turn before the save
   fact_update change;
@@ -347,9 +349,11 @@ TEST_CASE("memory snapshot: the lifecycle state survives a restart", "[snapshot]
     fact_record const& f2 = r.store().at(id);
     CHECK(f1.token_ids == f2.token_ids);
     auto const p1 = m.store().pool_to_host(), p2 = r.store().pool_to_host();
-    std::size_t const page = m.store().pool_bytes() / static_cast<std::size_t>(m.store().num_pages());
+    std::size_t const page =
+      m.store().pool_bytes() / static_cast<std::size_t>(m.store().num_pages());
     for (std::size_t i = 0; i < f1.pages.size(); ++i) {
-      CHECK(std::equal(p1.begin() + f1.pages[i] * page, p1.begin() + (f1.pages[i] + 1) * page,
+      CHECK(std::equal(p1.begin() + f1.pages[i] * page,
+                       p1.begin() + (f1.pages[i] + 1) * page,
                        p2.begin() + f2.pages[i] * page));
     }
   }
@@ -410,7 +414,7 @@ TEST_CASE("memory snapshot: random add / update / erase sequences serve the same
   };
   for (int sequence = 0; sequence < sequences; ++sequence) {
     CAPTURE(sequence);
-    memory_config config = make_config();
+    memory_config config   = make_config();
     config.store.num_pages = 2048;
     // graph searches even for small namespaces in half the sequences; sometimes the float16 walk
     config.index.exact_search_threshold = sequence % 2 == 0 ? 0 : -1;
@@ -490,10 +494,9 @@ TEST_CASE("memory snapshot: random add / update / erase sequences serve the same
       }
     }
   }
-  WARN("memory save/load property: " << sequences << " random add / update / erase sequences ("
-                                      << operations << " operations, " << large
-                                      << " namespaces past the rebuild limit), " << compared
-                                      << " retrieve + serve requests identical after the restart ("
-                                      << nonempty << " with facts)");
+  WARN("memory save/load property: "
+       << sequences << " random add / update / erase sequences (" << operations << " operations, "
+       << large << " namespaces past the rebuild limit), " << compared
+       << " retrieve + serve requests identical after the restart (" << nonempty << " with facts)");
   REQUIRE(nonempty * 2 > compared);
 }

@@ -379,7 +379,7 @@ TEST_CASE("snapshot reload: a file without facts allocates nothing for any page 
   c.model.head_dim = 1 << 20;
   c.page_size      = 1 << 30;
   kv_store const previous{c};  // the same page layout, no pages
-  kv_store const full = load_store(path, c);
+  kv_store const full        = load_store(path, c);
   kv_store const incremental = load_store(path, c, previous);
   CHECK(incremental.num_facts() == 0);
   CHECK(incremental.num_pages() == full.num_pages());

@@ -422,8 +422,8 @@ TEST_CASE("a device pool comes from the configured memory resource and goes back
   cuda_async_memory_resource async;
   bool const stream_ordered = GENERATE(false, true);
   CAPTURE(stream_ordered);
-  inferscale_test::counting_resource resource{
-    stream_ordered ? static_cast<memory_resource*>(&async) : default_device_resource()};
+  inferscale_test::counting_resource resource{stream_ordered ? static_cast<memory_resource*>(&async)
+                                                             : default_device_resource()};
   auto cfg     = make_config(dtype::bfloat16, memory_space::device, shard{0, 0, 0, 0});
   cfg.resource = &resource;
   {

@@ -1166,7 +1166,9 @@ TEST_CASE("host allocations are zeroed, writable to the last byte, and 2 MiB-ali
     REQUIRE(a.data() != nullptr);
     std::size_t const n = bytes == 0 ? 1 : bytes;
     REQUIRE(std::all_of(a.bytes(), a.bytes() + n, [](unsigned char c) { return c == 0; }));
-    for (std::size_t i = 0; i < n; ++i) { a.bytes()[i] = static_cast<unsigned char>(i * 7 + 1); }
+    for (std::size_t i = 0; i < n; ++i) {
+      a.bytes()[i] = static_cast<unsigned char>(i * 7 + 1);
+    }
     host_allocation b{std::move(a)};  // moves the memory, not its bytes
     REQUIRE(a.data() == nullptr);
     bool intact = true;
@@ -1266,9 +1268,8 @@ TEST_CASE("scrub_pages zeroes exactly the named pages; a page outside the pool c
     auto const last     = first + static_cast<std::ptrdiff_t>(page_bytes);
     CAPTURE(p, scrubbed);
     if (scrubbed) {
-      REQUIRE(std::all_of(after.begin() + first, after.begin() + last, [](unsigned char c) {
-        return c == 0;
-      }));
+      REQUIRE(std::all_of(
+        after.begin() + first, after.begin() + last, [](unsigned char c) { return c == 0; }));
     } else {
       REQUIRE(std::equal(after.begin() + first, after.begin() + last, before.begin() + first));
     }

@@ -63,20 +63,25 @@ TEST_CASE("tier gpu: staged per-layer injection equals injection from one device
     auto const vv = make_fact_kv_view<float const>(v.data(), gpu_layers, n, gpu_heads, gpu_dim);
     std::vector<std::int32_t> tokens(static_cast<std::size_t>(n), static_cast<std::int32_t>(id));
     bool const both = id % 4 == 0 && tiers.usage().device_free >= tiers.device_tier().pages_for(n);
-    tiers.insert<float>(id, id % 3, tokens, kv, vv, both ? fact_residency::both : fact_residency::host);
+    tiers.insert<float>(
+      id, id % 3, tokens, kv, vv, both ? fact_residency::both : fact_residency::host);
     reference.insert<float>(id, id % 3, tokens, kv, vv);
   }
   rope_spec spec;
-  spec.head_dim = gpu_dim;
+  spec.head_dim         = gpu_dim;
   rope_params const rot = make_rope_params(spec);
   std::size_t const cache_elems =
     static_cast<std::size_t>(gpu_layers) * 2 * gpu_slots * gpu_heads * gpu_dim;
   device_buffer<bfloat16_t> got(cache_elems), want(cache_elems);
   auto const describe = [&](bfloat16_t* data) {
-    return make_contiguous_cache(
-      dtype::bfloat16, data, {gpu_layers, 2, gpu_slots, gpu_heads, gpu_dim},
-      {2 * gpu_slots * gpu_heads * gpu_dim, gpu_slots * gpu_heads * gpu_dim, gpu_heads * gpu_dim,
-       gpu_dim, 1});
+    return make_contiguous_cache(dtype::bfloat16,
+                                 data,
+                                 {gpu_layers, 2, gpu_slots, gpu_heads, gpu_dim},
+                                 {2 * gpu_slots * gpu_heads * gpu_dim,
+                                  gpu_slots * gpu_heads * gpu_dim,
+                                  gpu_heads * gpu_dim,
+                                  gpu_dim,
+                                  1});
   };
   paged_kv_cache const got_desc = describe(got.data()), want_desc = describe(want.data());
   injection_workspace ws_got{4096}, ws_want{4096};
@@ -99,11 +104,13 @@ TEST_CASE("tier gpu: staged per-layer injection equals injection from one device
     INFERSCALE_CUDA_TRY(cudaMemset(got.data(), 0, cache_elems * sizeof(bfloat16_t)));
     INFERSCALE_CUDA_TRY(cudaMemset(want.data(), 0, cache_elems * sizeof(bfloat16_t)));
     compose_options o;
-    o.first_position = 5 + step;
-    composition const plan = compose(tiers.device_tier(), ids, o);
+    o.first_position            = 5 + step;
+    composition const plan      = compose(tiers.device_tier(), ids, o);
     composition const want_plan = compose(reference, ids, o);
     std::vector<std::int64_t> slots(static_cast<std::size_t>(plan.length()));
-    for (std::size_t j = 0; j < slots.size(); ++j) { slots[j] = static_cast<std::int64_t>(3 * j + step); }
+    for (std::size_t j = 0; j < slots.size(); ++j) {
+      slots[j] = static_cast<std::int64_t>(3 * j + step);
+    }
     injection_batch batch{tiers.device_tier()}, want_batch{reference};
     batch.add(plan, slots);
     want_batch.add(want_plan, slots);
@@ -116,7 +123,8 @@ TEST_CASE("tier gpu: staged per-layer injection equals injection from one device
     want_batch.run(want_desc, rot, device_context{ws_want, cuda::stream_ref{compute.get()}});
     INFERSCALE_CUDA_TRY(cudaStreamSynchronize(compute.get()));
     auto const g = got.to_host(), w = want.to_host();
-    REQUIRE(std::equal(g.begin(), g.end(), w.begin(), [](bfloat16_t a, bfloat16_t b) { return a.bits == b.bits; }));
+    REQUIRE(std::equal(
+      g.begin(), g.end(), w.begin(), [](bfloat16_t a, bfloat16_t b) { return a.bits == b.bits; }));
   }
   CHECK(staged > 3);
 }

@@ -3,6 +3,8 @@
 // that change nothing, and tiered injection, whose cache bytes must equal the plain host run from
 // one store holding every fact.
 
+#include "../snapshot/snapshot_common.hpp"
+
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
 #include <inferscale/inject.hpp>
@@ -10,8 +12,6 @@
 #include <inferscale/tier.hpp>
 
 #include <catch2/catch.hpp>
-
-#include "../snapshot/snapshot_common.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -35,12 +35,12 @@ tiered_store_config make_config(std::int64_t device_pages,
                                 std::int64_t quota = 0)
 {
   tiered_store_config c;
-  c.device.model       = kv_geometry{layers, heads, head_dim};
-  c.device.store_dtype = dtype::bfloat16;
-  c.device.page_size   = page_size;
-  c.device.num_pages   = device_pages;
+  c.device.model           = kv_geometry{layers, heads, head_dim};
+  c.device.store_dtype     = dtype::bfloat16;
+  c.device.page_size       = page_size;
+  c.device.num_pages       = device_pages;
   c.device.space           = memory_space::host;
-  c.host_pages         = host_pages;
+  c.host_pages             = host_pages;
   c.namespace_device_pages = quota;
   return c;
 }
@@ -98,7 +98,8 @@ struct snapshot {
   std::map<std::uint64_t, std::pair<int, bool>> residency;
   std::map<std::uint64_t, std::vector<std::uint64_t>> lru;
 
-  static snapshot of(tiered_store const& s, std::vector<std::uint64_t> const& ids,
+  static snapshot of(tiered_store const& s,
+                     std::vector<std::uint64_t> const& ids,
                      std::vector<std::uint64_t> const& namespaces)
   {
     snapshot o;
@@ -122,8 +123,8 @@ struct snapshot {
   {
     return device_pool == o.device_pool && host_pool == o.host_pool &&
            device_version == o.device_version && host_version == o.host_version &&
-           device_free == o.device_free && host_free == o.host_free &&
-           residency == o.residency && lru == o.lru;
+           device_free == o.device_free && host_free == o.host_free && residency == o.residency &&
+           lru == o.lru;
   }
 };
 
@@ -171,13 +172,13 @@ std::vector<std::int64_t> slots_for(std::int64_t first, std::int64_t n)
 TEST_CASE("tier: the one-layer views address exactly the layer's rows", "[tier]")
 {
   kv_store_ref ref{};
-  ref.pool        = reinterpret_cast<void*>(std::uintptr_t{1} << 20);
-  ref.store_dtype = dtype::bfloat16;
-  ref.num_layers  = 5;
-  ref.num_heads   = 3;
-  ref.head_dim    = 16;
-  ref.page_size   = 8;
-  ref.num_pages   = 11;
+  ref.pool               = reinterpret_cast<void*>(std::uintptr_t{1} << 20);
+  ref.store_dtype        = dtype::bfloat16;
+  ref.num_layers         = 5;
+  ref.num_heads          = 3;
+  ref.head_dim           = 16;
+  ref.page_size          = 8;
+  ref.num_pages          = 11;
   std::int64_t const row = 3 * 16;
   for (std::int32_t l = 0; l < ref.num_layers; ++l) {
     kv_store_ref const v = tier_layer_view(ref, l);
@@ -209,7 +210,7 @@ TEST_CASE("tier: placement, accounting and erasure", "[tier]")
   CHECK(s.residency(2) == fact_residency::device);
   CHECK(s.residency(3) == fact_residency::both);
   // 2·L·c·h·d·b bytes per fact, b = 2 (bf16).
-  auto const bytes = [](std::int64_t c) { return 2 * layers * c * heads * head_dim * 2; };
+  auto const bytes   = [](std::int64_t c) { return 2 * layers * c * heads * head_dim * 2; };
   tier_usage const u = s.usage();
   CHECK(u.device_pages == 1 + 3);
   CHECK(u.device_free == 8 - 4);
@@ -222,13 +223,14 @@ TEST_CASE("tier: placement, accounting and erasure", "[tier]")
   CHECK(s.namespace_host_pages(10) == 2);
 
   // Both tiers hold identical rows for fact 3.
-  auto const& d = s.device_tier().at(3);
-  auto const& h = s.host_tier().at(3);
-  auto const dp = s.device_tier().pool_to_host();
-  auto const hp = s.host_tier().pool_to_host();
+  auto const& d                = s.device_tier().at(3);
+  auto const& h                = s.host_tier().at(3);
+  auto const dp                = s.device_tier().pool_to_host();
+  auto const hp                = s.host_tier().pool_to_host();
   std::size_t const page_bytes = s.device_tier().pool_bytes() / 8;
   for (std::size_t i = 0; i < d.pages.size(); ++i) {
-    CHECK(std::memcmp(dp.data() + d.pages[i] * page_bytes, hp.data() + h.pages[i] * page_bytes,
+    CHECK(std::memcmp(dp.data() + d.pages[i] * page_bytes,
+                      hp.data() + h.pages[i] * page_bytes,
                       page_bytes) == 0);
   }
 
@@ -259,11 +261,17 @@ TEST_CASE("tier: admission evicts by namespace recency, then LRU order, never wh
   // 6 device pages; every fact 4 tokens = 1 page.
   tiered_store s{make_config(6, 64)};
   // Namespace 1: facts 11, 12, 13 in both tiers; namespace 2: 21, 22 in both, 23 device only.
-  for (std::uint64_t id : {11, 12, 13}) { add(s, id, 1, 4, fact_residency::both); }
-  for (std::uint64_t id : {21, 22}) { add(s, id, 2, 4, fact_residency::both); }
+  for (std::uint64_t id : {11, 12, 13}) {
+    add(s, id, 1, 4, fact_residency::both);
+  }
+  for (std::uint64_t id : {21, 22}) {
+    add(s, id, 2, 4, fact_residency::both);
+  }
   add(s, 23, 2, 4, fact_residency::device);
   // Host-only facts to admit later.
-  for (std::uint64_t id : {14, 15, 16}) { add(s, id, 1, 4, fact_residency::host); }
+  for (std::uint64_t id : {14, 15, 16}) {
+    add(s, id, 1, 4, fact_residency::host);
+  }
   add(s, 24, 2, 4, fact_residency::host);
   CHECK(s.usage().device_free == 0);
   CHECK(s.lru_order(1) == std::vector<std::uint64_t>{13, 12, 11});
@@ -319,7 +327,9 @@ TEST_CASE("tier: the LRU policy matches a brute-force model over random requests
   // its least recent fact, skipping requested facts, until the request fits.
   constexpr int facts = 24, namespaces = 4, device_pages = 7;
   tiered_store s{make_config(device_pages, 64)};
-  for (int f = 0; f < facts; ++f) { add(s, static_cast<std::uint64_t>(f), f % namespaces, 4, fact_residency::host); }
+  for (int f = 0; f < facts; ++f) {
+    add(s, static_cast<std::uint64_t>(f), f % namespaces, 4, fact_residency::host);
+  }
   std::vector<bool> on_device(facts, false);
   std::vector<std::uint64_t> ns_use(namespaces, 0);
   std::vector<std::vector<int>> recency(namespaces);  // most recent first
@@ -334,16 +344,26 @@ TEST_CASE("tier: the LRU policy matches a brute-force model over random requests
     }
     // Model's expected victims.
     int need = 0, free_pages = device_pages;
-    for (int f = 0; f < facts; ++f) { free_pages -= on_device[f] ? 1 : 0; }
-    for (auto id : ids) { need += on_device[id] ? 0 : 1; }
+    for (int f = 0; f < facts; ++f) {
+      free_pages -= on_device[f] ? 1 : 0;
+    }
+    for (auto id : ids) {
+      need += on_device[id] ? 0 : 1;
+    }
     std::vector<std::uint64_t> want_victims;
     std::vector<int> order(namespaces);
-    for (int i = 0; i < namespaces; ++i) { order[i] = i; }
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return ns_use[a] < ns_use[b]; });
+    for (int i = 0; i < namespaces; ++i) {
+      order[i] = i;
+    }
+    std::stable_sort(
+      order.begin(), order.end(), [&](int a, int b) { return ns_use[a] < ns_use[b]; });
     int freed = 0;
     for (int ns : order) {
-      for (auto it = recency[ns].rbegin(); it != recency[ns].rend() && need > free_pages + freed; ++it) {
-        if (std::find(ids.begin(), ids.end(), static_cast<std::uint64_t>(*it)) != ids.end()) { continue; }
+      for (auto it = recency[ns].rbegin(); it != recency[ns].rend() && need > free_pages + freed;
+           ++it) {
+        if (std::find(ids.begin(), ids.end(), static_cast<std::uint64_t>(*it)) != ids.end()) {
+          continue;
+        }
         want_victims.push_back(static_cast<std::uint64_t>(*it));
         ++freed;
       }
@@ -353,13 +373,13 @@ TEST_CASE("tier: the LRU policy matches a brute-force model over random requests
     // Apply to the model.
     for (auto v : want_victims) {
       on_device[v] = false;
-      auto& rec = recency[v % namespaces];
+      auto& rec    = recency[v % namespaces];
       rec.erase(std::find(rec.begin(), rec.end(), static_cast<int>(v)));
     }
     for (auto id : ids) {
-      int const ns = static_cast<int>(id % namespaces);
-      ns_use[ns]   = ++clock;
-      auto& rec    = recency[ns];
+      int const ns  = static_cast<int>(id % namespaces);
+      ns_use[ns]    = ++clock;
+      auto& rec     = recency[ns];
       auto const it = std::find(rec.begin(), rec.end(), static_cast<int>(id));
       if (it != rec.end()) { rec.erase(it); }
       rec.insert(rec.begin(), static_cast<int>(id));
@@ -375,8 +395,12 @@ TEST_CASE("tier: the LRU policy matches a brute-force model over random requests
 TEST_CASE("tier: a namespace over its quota evicts its own facts first", "[tier]")
 {
   tiered_store s{make_config(10, 64, /*quota=*/3)};
-  for (std::uint64_t id : {1, 2, 3}) { add(s, id, 1, 4, fact_residency::host); }
-  for (std::uint64_t id : {4}) { add(s, id, 1, 4, fact_residency::host); }
+  for (std::uint64_t id : {1, 2, 3}) {
+    add(s, id, 1, 4, fact_residency::host);
+  }
+  for (std::uint64_t id : {4}) {
+    add(s, id, 1, 4, fact_residency::host);
+  }
   tier_request a = s.admit({1, 2, 3});
   CHECK(a.evicted.empty());
   CHECK(s.namespace_device_pages(1) == 3);
@@ -414,17 +438,17 @@ TEST_CASE("tier: refused calls change nothing", "[tier]")
   CHECK(snapshot::of(s, ids, nss) == before);
   // Duplicate insert; a fact that does not fit the host tier (6 pages, 4 used... needs 3).
   fact_kv const kv{9, 12};
-  CHECK_THROWS_WITH(s.insert<float>(1, 1, tokens_of(1, 4), fact_kv{1, 4}.keys(4),
-                                    fact_kv{1, 4}.values(4)),
-                    Catch::Contains("already stored"));
+  CHECK_THROWS_WITH(
+    s.insert<float>(1, 1, tokens_of(1, 4), fact_kv{1, 4}.keys(4), fact_kv{1, 4}.values(4)),
+    Catch::Contains("already stored"));
   CHECK_THROWS_WITH(s.insert<float>(9, 1, tokens_of(9, 12), kv.keys(12), kv.values(12)),
                     Catch::Contains("host pages"));
-  CHECK_THROWS_WITH(s.insert<float>(9, 1, tokens_of(9, 12), kv.keys(12), kv.values(12),
-                                    fact_residency::device),
-                    Catch::Contains("device pages"));
+  CHECK_THROWS_WITH(
+    s.insert<float>(9, 1, tokens_of(9, 12), kv.keys(12), kv.values(12), fact_residency::device),
+    Catch::Contains("device pages"));
   // Views the store refuses (token count differs): neither tier keeps anything.
-  CHECK_THROWS(s.insert<float>(9, 1, tokens_of(9, 3), kv.keys(4), kv.values(4),
-                               fact_residency::both));
+  CHECK_THROWS(
+    s.insert<float>(9, 1, tokens_of(9, 3), kv.keys(4), kv.values(4), fact_residency::both));
   CHECK(snapshot::of(s, ids, nss) == before);
   CHECK_FALSE(s.contains(9));
   // Demote of a fact already in the host tier.
@@ -432,7 +456,7 @@ TEST_CASE("tier: refused calls change nothing", "[tier]")
   CHECK(snapshot::of(s, ids, nss) == before);
   // Bad configurations.
   CHECK_THROWS(tiered_store{make_config(3, -1)});
-  auto c         = make_config(3, 6);
+  auto c          = make_config(3, 6);
   c.device.pinned = true;
   CHECK_THROWS_WITH(tiered_store{c}, Catch::Contains("cannot be pinned"));
 }
@@ -442,11 +466,13 @@ TEST_CASE("tier: demote makes a device-only fact evictable; evict keeps the host
   tiered_store s{make_config(4, 8)};
   add(s, 1, 1, 6, fact_residency::device);
   auto const device_rows = [&] {
-    auto const& f   = s.device_tier().at(1);
-    auto const pool = s.device_tier().pool_to_host();
+    auto const& f        = s.device_tier().at(1);
+    auto const pool      = s.device_tier().pool_to_host();
     std::size_t const pb = s.device_tier().pool_bytes() / 4;
     std::vector<unsigned char> out;
-    for (auto p : f.pages) { out.insert(out.end(), pool.begin() + p * pb, pool.begin() + (p + 1) * pb); }
+    for (auto p : f.pages) {
+      out.insert(out.end(), pool.begin() + p * pb, pool.begin() + (p + 1) * pb);
+    }
     return out;
   };
   auto const want = device_rows();
@@ -473,7 +499,7 @@ TEST_CASE("tier: tiered host injection equals injection from one store holding e
   for (std::uint64_t id = 0; id < 12; ++id) {
     std::int32_t const n = 3 + static_cast<std::int32_t>(id % 7);
     lengths.push_back(n);
-    fact_residency const where = id == 5   ? fact_residency::device
+    fact_residency const where = id == 5       ? fact_residency::device
                                  : id % 3 == 0 ? fact_residency::both
                                                : fact_residency::host;
     if (where != fact_residency::host && s.device_tier().pages_for(n) > s.usage().device_free) {
@@ -501,18 +527,19 @@ TEST_CASE("tier: tiered host injection equals injection from one store holding e
     staged_requests += r.staged.empty() ? 0 : 1;
     evictions += static_cast<int>(r.evicted.size());
     compose_options o;
-    o.first_position = 11 + step;
-    composition const plan = compose(s.device_tier(), ids, o);
+    o.first_position            = 11 + step;
+    composition const plan      = compose(s.device_tier(), ids, o);
     composition const want_plan = compose(reference, ids, o);
     REQUIRE(plan.token_ids == want_plan.token_ids);
     std::int64_t const first_slot = static_cast<std::int64_t>(rng() % 100);
-    auto const slots = slots_for(first_slot, plan.length());
+    auto const slots              = slots_for(first_slot, plan.length());
     injection_batch batch{s.device_tier()};
     batch.add(plan, slots);
     injection_batch want_batch{reference};
     want_batch.add(want_plan, slots);
     host_cache got, want;
-    tier_host_order const order = step % 2 == 0 ? tier_host_order::per_layer : tier_host_order::whole;
+    tier_host_order const order =
+      step % 2 == 0 ? tier_host_order::per_layer : tier_host_order::whole;
     s.run(r, batch, got.desc, rot, order);
     want_batch.run(want.desc, rot);
     REQUIRE(got.bytes() == want.bytes());
@@ -528,7 +555,7 @@ TEST_CASE("tier: a request admitted before another is stale", "[tier]")
   tiered_store s{make_config(4, 8)};
   add(s, 1, 1, 4, fact_residency::host);
   add(s, 2, 1, 4, fact_residency::host);
-  tier_request r1 = s.admit({1});
+  tier_request r1        = s.admit({1});
   composition const plan = compose(s.device_tier(), {1});
   injection_batch batch{s.device_tier()};
   batch.add(plan, slots_for(0, plan.length()));
@@ -547,9 +574,13 @@ TEST_CASE("tier: a snapshot restores both tiers, residency, pins and the LRU sta
   using inferscale_test::snapshot::write_bytes;
   tiered_store_config const config = make_config(6, 32);
   tiered_store s{config};
-  for (std::uint64_t id : {11, 12, 13}) { add(s, id, 1, 4, fact_residency::both); }
+  for (std::uint64_t id : {11, 12, 13}) {
+    add(s, id, 1, 4, fact_residency::both);
+  }
   add(s, 21, 2, 7, fact_residency::device);
-  for (std::uint64_t id : {14, 15, 22, 23}) { add(s, id, id / 10, 5, fact_residency::host); }
+  for (std::uint64_t id : {14, 15, 22, 23}) {
+    add(s, id, id / 10, 5, fact_residency::host);
+  }
   s.pin(12);
   (void)s.admit({13, 11});
   s.erase(15);
@@ -561,7 +592,9 @@ TEST_CASE("tier: a snapshot restores both tiers, residency, pins and the LRU sta
   CHECK(snapshot::of(r, ids, nss).residency == snapshot::of(s, ids, nss).residency);
   CHECK(r.device_tier().pool_to_host() == s.device_tier().pool_to_host());
   CHECK(r.host_tier().pool_to_host() == s.host_tier().pool_to_host());
-  for (std::uint64_t ns : nss) { CHECK(r.lru_order(ns) == s.lru_order(ns)); }
+  for (std::uint64_t ns : nss) {
+    CHECK(r.lru_order(ns) == s.lru_order(ns));
+  }
   tier_usage const a = s.usage(), b = r.usage();
   CHECK(a.device_pages == b.device_pages);
   CHECK(a.host_pages == b.host_pages);
@@ -586,7 +619,7 @@ TEST_CASE("tier: a snapshot restores both tiers, residency, pins and the LRU sta
   CHECK(files == 3);
 
   // every single-byte corruption and every truncation of the manifest is refused
-  std::string const manifest = dir.file("tiers.istr");
+  std::string const manifest             = dir.file("tiers.istr");
   std::vector<unsigned char> const bytes = read_bytes(manifest);
   for (std::size_t at = 0; at < bytes.size(); ++at) {
     std::vector<unsigned char> bad = bytes;

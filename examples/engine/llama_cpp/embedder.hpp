@@ -78,15 +78,15 @@ class embedder {
 
     llama_context_params params = llama_context_default_params();
     // the encoder sees each forward's texts whole, in one micro-batch (non-causal attention)
-    params.n_ctx                = options.n_batch;
-    params.n_batch              = options.n_batch;
-    params.n_ubatch             = options.n_batch;
-    params.n_seq_max            = options.n_seq_max;
-    params.kv_unified           = true;  // a text may use the whole context, not n_ctx / n_seq_max
-    params.n_threads            = options.n_threads;
-    params.n_threads_batch      = options.n_threads;
-    params.embeddings           = true;
-    params.pooling_type         = LLAMA_POOLING_TYPE_MEAN;
+    params.n_ctx           = options.n_batch;
+    params.n_batch         = options.n_batch;
+    params.n_ubatch        = options.n_batch;
+    params.n_seq_max       = options.n_seq_max;
+    params.kv_unified      = true;  // a text may use the whole context, not n_ctx / n_seq_max
+    params.n_threads       = options.n_threads;
+    params.n_threads_batch = options.n_threads;
+    params.embeddings      = true;
+    params.pooling_type    = LLAMA_POOLING_TYPE_MEAN;
     ctx_.reset(llama_init_from_model(m.get(), params));
     if (!ctx_) { throw engine_error("llama_cpp::embedder: llama_init_from_model failed"); }
     if (llama_pooling_type(ctx_.get()) != LLAMA_POOLING_TYPE_MEAN) {

@@ -149,7 +149,7 @@ class model_adapter {
                        std::vector<encoding_branch> const& branches,
                        kv_capture& out)
   {
-    std::int64_t rows = 0;
+    std::int64_t rows    = 0;
     std::int64_t longest = 0;
     for (encoding_branch const& b : branches) {
       if (b.attach < 0 || b.attach > static_cast<std::int64_t>(trunk.size()) ||
@@ -248,8 +248,13 @@ class model_adapter {
  private:
   static token_head_view<float const> layer_rows(fact_kv_view<float const> v, std::int32_t l)
   {
-    return make_token_head_view<float const>(v.data_handle() + v.mapping()(l, 0, 0, 0), v.extent(1), v.extent(2), v.extent(3),
-                                             v.stride(1), v.stride(2), v.stride(3));
+    return make_token_head_view<float const>(v.data_handle() + v.mapping()(l, 0, 0, 0),
+                                             v.extent(1),
+                                             v.extent(2),
+                                             v.extent(3),
+                                             v.stride(1),
+                                             v.stride(2),
+                                             v.stride(3));
   }
 
   context* ctx_;

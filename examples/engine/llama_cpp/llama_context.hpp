@@ -98,12 +98,12 @@ class context {
                          std::to_string(options.n_seq_max + options.n_branch_seq) +
                          " exceeds llama.cpp's 256 sequences");
     }
-    params.n_seq_max            = options.n_seq_max + options.n_branch_seq;
-    params.n_threads            = options.n_threads;
-    params.n_threads_batch      = options.n_threads;
+    params.n_seq_max       = options.n_seq_max + options.n_branch_seq;
+    params.n_threads       = options.n_threads;
+    params.n_threads_batch = options.n_threads;
     params.flash_attn_type =
       options.flash_attention ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
-    params.kv_unified        = true;
+    params.kv_unified = true;
     // Sliding-window layers: a full-size second cache, so injected cells (and a branch's trunk)
     // are never evicted for room; attention still masks by position, as in a prefill.
     params.swa_full          = llama_model_n_swa(m.get()) > 0;
@@ -139,7 +139,10 @@ class context {
   /// cache is unified).
   void copy_sequence(std::int32_t from, std::int32_t to, std::int64_t p0, std::int64_t p1)
   {
-    llama_memory_seq_cp(llama_get_memory(ctx_.get()), from, to, static_cast<llama_pos>(p0),
+    llama_memory_seq_cp(llama_get_memory(ctx_.get()),
+                        from,
+                        to,
+                        static_cast<llama_pos>(p0),
                         static_cast<llama_pos>(p1));
   }
 
@@ -273,9 +276,9 @@ class context {
         batch.seq_id[i][0] = seq;
         batch.logits[i]    = (done + i + 1 == tokens.size()) ? 1 : 0;
       }
-      run_batch(batch, std::to_string(n) + " tokens of sequence " + std::to_string(seq) +
-                         " at position " +
-                         std::to_string(first_position + static_cast<std::int64_t>(done)));
+      run_batch(batch,
+                std::to_string(n) + " tokens of sequence " + std::to_string(seq) + " at position " +
+                  std::to_string(first_position + static_cast<std::int64_t>(done)));
       done += n;
     }
   }
@@ -485,8 +488,8 @@ class context {
    */
   void probe_format()
   {
-    std::int32_t const seq = scratch_sequence();
-    std::int32_t const bos = llama_vocab_bos(model_->vocab());
+    std::int32_t const seq   = scratch_sequence();
+    std::int32_t const bos   = llama_vocab_bos(model_->vocab());
     std::size_t const layers = static_cast<std::size_t>(geometry_.num_layers);
     rope_probe_.emplace();
     rope_probe_->rope.assign(layers, layer_rope{});
@@ -619,8 +622,8 @@ class context {
       }
       if (v.layer != probe_->layer) { return false; }
       if (v.node != probe_->last_value) {
-        capture_error_ = "layer " + std::to_string(probe_->layer) +
-                         ": the V probed is not the V the cache stores";
+        capture_error_ =
+          "layer " + std::to_string(probe_->layer) + ": the V probed is not the V the cache stores";
         return true;
       }
       probe_->value_rows += probe_->pending_value_rows;  // the V taken is the one stored

@@ -67,21 +67,23 @@ int main()
       texts.push_back(demo::facts[i]);
     }
     encoding_options eo;
-    eo.window   = 2;
-    eo.strategy = encoding_strategy::single_pass;
-    auto const t0 = std::chrono::steady_clock::now();
+    eo.window                 = 2;
+    eo.strategy               = encoding_strategy::single_pass;
+    auto const t0             = std::chrono::steady_clock::now();
     memory_add_report const r = mem.add_conversation(model, embedder, user, c, facts, texts, eo);
-    std::printf("added %lld facts for user %llu: %lld forward tokens (one forward per fact "
-                "would run %lld) in %.2f s\n",
-                static_cast<long long>(r.encode.facts), static_cast<unsigned long long>(user),
-                static_cast<long long>(r.encode.forward_tokens),
-                static_cast<long long>(r.plan.unbranched_tokens),
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    std::printf(
+      "added %lld facts for user %llu: %lld forward tokens (one forward per fact "
+      "would run %lld) in %.2f s\n",
+      static_cast<long long>(r.encode.facts),
+      static_cast<unsigned long long>(user),
+      static_cast<long long>(r.encode.forward_tokens),
+      static_cast<long long>(r.plan.unbranched_tokens),
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 
     auto ask = [&](std::string const& q) {
       ctx.clear(0);
       lc::sequence_cache cache{ctx, 0};
-      auto const t1 = std::chrono::steady_clock::now();
+      auto const t1            = std::chrono::steady_clock::now();
       memory_request const req = mem.serve(embedder, user, q, 2, 0, cache, model.rotation());
       std::vector<std::int32_t> const question = smollm.tokenize(demo::question_turn(q));
       ctx.decode(0, question, req.plan.length());
@@ -94,11 +96,15 @@ int main()
       for (char& ch : text) {
         if (ch == '\n') { ch = ' '; }
       }
-      std::printf("\nQ: %s\n   retrieved facts %llu, %llu; %lld memory tokens injected; "
-                  "first token after %.0f ms\nA: %s\n",
-                  q.c_str(), static_cast<unsigned long long>(req.fact_ids.at(0)),
-                  static_cast<unsigned long long>(req.fact_ids.at(1)),
-                  static_cast<long long>(req.plan.length()), ttft, text.c_str());
+      std::printf(
+        "\nQ: %s\n   retrieved facts %llu, %llu; %lld memory tokens injected; "
+        "first token after %.0f ms\nA: %s\n",
+        q.c_str(),
+        static_cast<unsigned long long>(req.fact_ids.at(0)),
+        static_cast<unsigned long long>(req.fact_ids.at(1)),
+        static_cast<long long>(req.plan.length()),
+        ttft,
+        text.c_str());
     };
     for (std::string const& q : demo::questions) {
       ask(q);

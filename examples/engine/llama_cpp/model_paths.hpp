@@ -1,8 +1,8 @@
 /**
  * @file model_paths.hpp
  * @brief Where the reference engine's models are: the environment (`INFERSCALE_SMOLLM2_GGUF`,
- * `INFERSCALE_GEMMA3_GGUF`, `INFERSCALE_MINILM_GGUF`) wins, else the paths .ci/engine installed, compiled in by
- * cmake/llama_cpp.cmake (`INFERSCALE_*_GGUF_DEFAULT`); empty when neither is set.
+ * `INFERSCALE_GEMMA3_GGUF`, `INFERSCALE_MINILM_GGUF`) wins, else the paths .ci/engine installed,
+ * compiled in by cmake/llama_cpp.cmake (`INFERSCALE_*_GGUF_DEFAULT`); empty when neither is set.
  */
 #pragma once
 

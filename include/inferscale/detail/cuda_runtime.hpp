@@ -54,8 +54,8 @@ enum cudaMemcpyKind : int {
 };
 struct host_only_stream;
 struct host_only_event;
-using cudaStream_t                               = host_only_stream*;
-using cudaEvent_t                                = host_only_event*;
+using cudaStream_t = host_only_stream*;
+using cudaEvent_t  = host_only_event*;
 // A macro of the real runtime (driver_types.h) where <cuda_runtime_api.h> came first: CCCL's
 // headers include it wherever the compiler finds it (a toolkit linked into /usr/local/include),
 // even in a build that chose the stand-in. The macro's value is the same, so the stand-in uses it.

@@ -48,7 +48,8 @@ struct index_quotient {
 };
 
 /// @brief Whether index_divmod may divide `a` by `b` in 32 bits: both in `[0, 2^32)`.
-INFERSCALE_HOST_DEVICE constexpr bool index_divmod_narrow_ok(std::int64_t a, std::int64_t b) noexcept
+INFERSCALE_HOST_DEVICE constexpr bool index_divmod_narrow_ok(std::int64_t a,
+                                                             std::int64_t b) noexcept
 {
   return ((static_cast<std::uint64_t>(a) | static_cast<std::uint64_t>(b)) >> 32) == 0;
 }
@@ -69,7 +70,8 @@ INFERSCALE_HOST_DEVICE constexpr index_quotient index_divmod_narrow(std::int64_t
  * (`[cache][divmod]` compares the two forms).
  * @pre b != 0
  */
-INFERSCALE_HOST_DEVICE constexpr index_quotient index_divmod(std::int64_t a, std::int64_t b) noexcept
+INFERSCALE_HOST_DEVICE constexpr index_quotient index_divmod(std::int64_t a,
+                                                             std::int64_t b) noexcept
 {
 #if INFERSCALE_IS_DEVICE_CODE
   if (index_divmod_narrow_ok(a, b)) { return index_divmod_narrow(a, b); }

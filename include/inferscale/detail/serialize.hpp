@@ -483,11 +483,12 @@ inline std::uint64_t stored_checksum(std::string const& path, long offset, std::
   int const error = errno;
   INFERSCALE_EXPECTS(file != nullptr, who + ": cannot open '" + path + "': " + errno_text(error));
   unsigned char bytes[8] = {};
-  bool const read = std::fseek(file, offset, offset < 0 ? SEEK_END : SEEK_SET) == 0 &&
+  bool const read        = std::fseek(file, offset, offset < 0 ? SEEK_END : SEEK_SET) == 0 &&
                     std::fread(bytes, 1, 8, file) == 8;
   (void)std::fclose(file);
-  INFERSCALE_EXPECTS(read, who + ": cannot read the checksum at byte " + std::to_string(offset) +
-                             " of '" + path + "'");
+  INFERSCALE_EXPECTS(
+    read,
+    who + ": cannot read the checksum at byte " + std::to_string(offset) + " of '" + path + "'");
   return get_le<std::uint64_t>(bytes);
 }
 
@@ -634,8 +635,8 @@ class checksummed_reader {
     int error       = 0;
     while (got < bytes) {
 #if defined(__unix__) || defined(__APPLE__)
-      ssize_t const n = ::pread(::fileno(file_), p + got, bytes - got,
-                                static_cast<off_t>(offset + got));
+      ssize_t const n =
+        ::pread(::fileno(file_), p + got, bytes - got, static_cast<off_t>(offset + got));
       if (n < 0 && errno == EINTR) { continue; }
       if (n <= 0) {
         error = n < 0 ? errno : 0;

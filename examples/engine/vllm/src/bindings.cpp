@@ -18,6 +18,9 @@
 // its CUDA tensors (VllmFlashAttnCache), a Rotation over a table in device memory, and
 // inject on a CUDA stream (the same entry with a stream: the injection step's checked device run,
 // device_inject.cu).
+#include "device_inject.hpp"
+#include "memory_binding.hpp"
+
 #include <inferscale/cache.hpp>
 #include <inferscale/compose.hpp>
 #include <inferscale/dtype.hpp>
@@ -28,9 +31,6 @@
 #include <inferscale/rope.hpp>
 #include <inferscale/snapshot.hpp>
 #include <inferscale/store.hpp>
-
-#include "device_inject.hpp"
-#include "memory_binding.hpp"
 
 #ifdef INFERSCALE_VLLM_CUDA
 #include <cuda_runtime_api.h>
@@ -162,12 +162,13 @@ void expect_device_memory(void const* p, std::string const& what)
   cudaError_t const e = cudaPointerGetAttributes(&a, p);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // clear it: nothing was launched
-    throw std::invalid_argument(what + " is not CUDA memory (cudaPointerGetAttributes: " +
-                                cudaGetErrorName(e) + ")");
+    throw std::invalid_argument(
+      what + " is not CUDA memory (cudaPointerGetAttributes: " + cudaGetErrorName(e) + ")");
   }
   if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged) {
-    throw std::invalid_argument(what + " is not in device memory (a CPU tensor given to the device "
-                                       "path?)");
+    throw std::invalid_argument(what +
+                                " is not in device memory (a CPU tensor given to the device "
+                                "path?)");
   }
   int current = 0;
   if (cudaGetDevice(&current) != cudaSuccess) {
@@ -210,11 +211,11 @@ class store_handle {
     auto const [vs, vt] =
       array_layout<4>(values, "Store.insert: values [layers, tokens, heads, dim]");
     auto run = [&, ks = ks, kt = kt, vs = vs, vt = vt](auto tag) {
-      using T  = decltype(tag);
-      auto kv_ = make_fact_kv_view(
-        static_cast<T const*>(keys.data()), ks[0], ks[1], ks[2], ks[3], kt);
-      auto vv_ = make_fact_kv_view(
-        static_cast<T const*>(values.data()), vs[0], vs[1], vs[2], vs[3], vt);
+      using T = decltype(tag);
+      auto kv_ =
+        make_fact_kv_view(static_cast<T const*>(keys.data()), ks[0], ks[1], ks[2], ks[3], kt);
+      auto vv_ =
+        make_fact_kv_view(static_cast<T const*>(values.data()), vs[0], vs[1], vs[2], vs[3], vt);
       get().insert(fact_id, namespace_id, std::move(token_ids), kv_, vv_, memory_space::host);
     };
     switch (t) {
@@ -231,8 +232,8 @@ class store_handle {
     if (!get().contains(id)) {
       throw std::invalid_argument("Store.read: unknown fact id " + std::to_string(id));
     }
-    fact_record const& f = get().at(id);
-    kv_geometry const g  = get().geometry();
+    fact_record const& f      = get().at(id);
+    kv_geometry const g       = get().geometry();
     std::size_t const want[4] = {static_cast<std::size_t>(g.num_layers),
                                  static_cast<std::size_t>(f.length()),
                                  static_cast<std::size_t>(g.num_kv_heads),
@@ -316,10 +317,10 @@ class store_handle {
               std::copy_n(pool + r.row_offset(st, l, 1), re, v.data() + dst);
             }
           }
-          auto kv = make_fact_kv_view(static_cast<T const*>(k.data()), g.num_layers, n,
-                                      g.num_kv_heads, g.head_dim);
-          auto vv = make_fact_kv_view(static_cast<T const*>(v.data()), g.num_layers, n,
-                                      g.num_kv_heads, g.head_dim);
+          auto kv = make_fact_kv_view(
+            static_cast<T const*>(k.data()), g.num_layers, n, g.num_kv_heads, g.head_dim);
+          auto vv = make_fact_kv_view(
+            static_cast<T const*>(v.data()), g.num_layers, n, g.num_kv_heads, g.head_dim);
           device.insert(id, ns, f.token_ids, kv, vv, memory_space::host);
         }
       }
@@ -381,15 +382,15 @@ class rotation_handle {
         rotary_dim > head_dim || rotary_dim % 2 != 0 || strides[1] != 1 ||
         row_stride < rotary_dim) {
       throw std::invalid_argument(
-        "Rotation: the cos/sin table [" + std::to_string(rows) + ", " +
-        std::to_string(rotary_dim) + "] (strides " + std::to_string(row_stride) + ", " +
-        std::to_string(strides[1]) + ") needs rows > 0, an even rotary_dim <= head_dim (" +
-        std::to_string(head_dim) + "), contiguous rows and row_stride >= rotary_dim");
+        "Rotation: the cos/sin table [" + std::to_string(rows) + ", " + std::to_string(rotary_dim) +
+        "] (strides " + std::to_string(row_stride) + ", " + std::to_string(strides[1]) +
+        ") needs rows > 0, an even rotary_dim <= head_dim (" + std::to_string(head_dim) +
+        "), contiguous rows and row_stride >= rotary_dim");
     }
     rope_pairing const pairing = neox_style ? rope_pairing::halves : rope_pairing::interleaved;
     dtype const t              = array_dtype(array_, "Rotation: the cos/sin table");
     void const* data           = array_.data();
-    auto make = [&](auto const* typed) {
+    auto make                  = [&](auto const* typed) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
       rope_cos_sin_table<T> table{typed,
                                   rows,
@@ -399,7 +400,7 @@ class rotation_handle {
                                   pairing,
                                   round_each_operation};
       table.truncate_to_bfloat16 = truncate_to_bfloat16;
-      table_ = table;
+      table_                     = table;
     };
     if (t == dtype::float32) {
       make(static_cast<float const*>(data));
@@ -450,8 +451,9 @@ class cache_handle {
       expect_host_array(layers_[l], what);
       if (array_layout<4>(layers_[l], what) != std::make_pair(shape, strides) ||
           array_dtype(layers_[l], what) != t) {
-        throw std::invalid_argument(what + " differs from layer 0 in shape, strides or dtype "
-                                           "(one descriptor needs one layout)");
+        throw std::invalid_argument(what +
+                                    " differs from layer 0 in shape, strides or dtype "
+                                    "(one descriptor needs one layout)");
       }
       bases.push_back(layers_[l].data());
     }
@@ -479,8 +481,8 @@ injection_batch make_batch(kv_store const& s, std::vector<request_arg> const& re
   injection_batch batch(s);
   for (auto const& [facts, first_position, slots] : requests) {
     compose_options o;
-    o.first_position = first_position;
-    o.order          = fact_order::as_given;
+    o.first_position       = first_position;
+    o.order                = fact_order::as_given;
     composition const plan = compose(s, facts, o);
     if (static_cast<std::int64_t>(slots.size()) != plan.length()) {
       throw std::invalid_argument("inject: the facts hold " + std::to_string(plan.length()) +
@@ -540,8 +542,9 @@ class flash_attn_cache_handle {
         same = static_cast<std::int64_t>(a.shape(i)) == shape[i] && a.stride(i) == strides[i];
       }
       if (!same) {
-        throw std::invalid_argument(what + " differs from layer 0 in shape, strides or dtype "
-                                           "(one descriptor needs one layout)");
+        throw std::invalid_argument(what +
+                                    " differs from layer 0 in shape, strides or dtype "
+                                    "(one descriptor needs one layout)");
       }
       if (!on_cuda(a)) {
         throw std::invalid_argument(what + " is not a CUDA tensor (DLPack device type " +
@@ -551,8 +554,8 @@ class flash_attn_cache_handle {
       bases.push_back(a.data());
     }
     if (shape.size() == 5) {
-      cache_ = make_vllm_flash_attn_cache(t, bases, to_array<5>(shape, "shape"),
-                                          to_array<5>(strides, "strides"));
+      cache_ = make_vllm_flash_attn_cache(
+        t, bases, to_array<5>(shape, "shape"), to_array<5>(strides, "strides"));
     } else if (shape.size() == 4) {
       if (shape[3] <= 0 || shape[3] % 2 != 0) {
         throw std::invalid_argument(
@@ -562,13 +565,13 @@ class flash_attn_cache_handle {
       std::int64_t const head_dim = shape[3] / 2;
       std::vector<void*> values;
       for (void* b : bases) {
-        values.push_back(static_cast<char*>(b) + head_dim * strides[3] *
-                                                   static_cast<std::int64_t>(size_of(t)));
+        values.push_back(static_cast<char*>(b) +
+                         head_dim * strides[3] * static_cast<std::int64_t>(size_of(t)));
       }
       // [blocks, heads, tokens, 2 * dim] -> the factory's [blocks, tokens, heads, dim]
       std::array<std::int64_t, 4> const s{strides[0], strides[2], strides[1], strides[3]};
-      cache_ = make_vllm_flash_attn_cache(t, bases, values, {shape[0], shape[2], shape[1], head_dim},
-                                          s, s);
+      cache_ = make_vllm_flash_attn_cache(
+        t, bases, values, {shape[0], shape[2], shape[1], head_dim}, s, s);
     } else {
       throw std::invalid_argument(
         "VllmFlashAttnCache: expected a 4-D (num_blocks, num_kv_heads, block_size, 2 * head_dim) "
@@ -592,16 +595,17 @@ class flash_attn_cache_handle {
 /// The device path of inject (its overload for a VllmFlashAttnCache): on `stream` (a cudaStream_t
 /// as an integer), never waiting for it.
 std::int64_t inject_device(store_handle const& store,
-                          flash_attn_cache_handle& cache,
-                          rotation_handle const& rotation,
-                          std::vector<request_arg> const& requests,
-                          std::uintptr_t stream)
+                           flash_attn_cache_handle& cache,
+                           rotation_handle const& rotation,
+                           std::vector<request_arg> const& requests,
+                           std::uintptr_t stream)
 {
   expect_cuda_build("inject (device cache)");
   kv_store const& s = store.get();
   if (s.space() != memory_space::device) {
     throw std::invalid_argument(
-      "inject (device cache): the store's pool is in host memory; the device path reads a device store "
+      "inject (device cache): the store's pool is in host memory; the device path reads a device "
+      "store "
       "(Store.to_device(), or Store.load(path, device=True))");
   }
   expect_device_memory(rotation.data(), "inject (device cache): the rotation's cos/sin table");
@@ -637,7 +641,13 @@ void extract(store_handle& store,
 {
   rotation.expect_host("extract");
   rotation.visit([&](auto const& table) {
-    extract_host(cache.get(), slots, first_position, table, store.get(), fact_id, namespace_id,
+    extract_host(cache.get(),
+                 slots,
+                 first_position,
+                 table,
+                 store.get(),
+                 fact_id,
+                 namespace_id,
                  std::move(token_ids));
   });
 }
@@ -656,15 +666,22 @@ class index_handle {
                std::uint32_t intermediate_graph_degree,
                std::int64_t exact_search_threshold,
                std::uint32_t build_threads)
-    : index_{make_index_config(dim, metric, graph_degree, intermediate_graph_degree,
-                               exact_search_threshold, build_threads)}
+    : index_{make_index_config(dim,
+                               metric,
+                               graph_degree,
+                               intermediate_graph_degree,
+                               exact_search_threshold,
+                               build_threads)}
   {
   }
 
   graph_index& get() { return index_; }
   graph_index const& get() const { return index_; }
 
-  void add(std::uint64_t ns, index_rows vectors, std::vector<std::uint64_t> const& ids, bool replace)
+  void add(std::uint64_t ns,
+           index_rows vectors,
+           std::vector<std::uint64_t> const& ids,
+           bool replace)
   {
     auto const rows = static_cast<std::int64_t>(vectors.shape(0));
     auto const cols = static_cast<std::int64_t>(vectors.shape(1));
@@ -691,8 +708,12 @@ class index_handle {
   /// Writes the k nearest live facts of namespace `ns` for each of the nq queries into the
   /// caller's [nq, k] arrays (ids; distances, 1 - cosine under the cosine metric), best first;
   /// slots beyond the namespace's live facts get the invalid id (2^64 - 1) and +infinity.
-  void search(std::uint64_t ns, index_rows queries, std::uint32_t k, search_ids out_ids,
-              search_distances out_distances, std::string const& algo,
+  void search(std::uint64_t ns,
+              index_rows queries,
+              std::uint32_t k,
+              search_ids out_ids,
+              search_distances out_distances,
+              std::string const& algo,
               std::uint32_t itopk_size) const
   {
     auto const nq   = static_cast<std::int64_t>(queries.shape(0));
@@ -722,9 +743,9 @@ class index_handle {
                                   algo + "'");
     }
     std::uint64_t const namespaces[1] = {ns};
-    auto const q    = make_matrix_view<float const>(queries.data(), nq, cols);
-    auto const ids  = make_matrix_view<std::uint64_t>(out_ids.data(), nq, k);
-    auto const dist = make_matrix_view<float>(out_distances.data(), nq, k);
+    auto const q                      = make_matrix_view<float const>(queries.data(), nq, cols);
+    auto const ids                    = make_matrix_view<std::uint64_t>(out_ids.data(), nq, k);
+    auto const dist                   = make_matrix_view<float>(out_distances.data(), nq, k);
     nb::gil_scoped_release release;
     inferscale::search<float>(
       index_, q, cuda::std::span<std::uint64_t const>{namespaces, 1}, k, p, ids, dist);
@@ -747,8 +768,8 @@ class index_handle {
     } else if (metric == "squared_l2") {
       c.metric = distance_metric::squared_l2;
     } else {
-      throw std::invalid_argument("Index: metric is 'cosine', 'inner_product' or 'squared_l2', got '" +
-                                  metric + "'");
+      throw std::invalid_argument(
+        "Index: metric is 'cosine', 'inner_product' or 'squared_l2', got '" + metric + "'");
     }
     c.vector_dtype              = dtype::float32;
     c.graph_degree              = graph_degree;
@@ -777,27 +798,47 @@ class index_handle {
 void bind_memory(nb::module_& m)
 {
   using inferscale_vllm::memory_handle;
-  auto config = [](std::int32_t layers, std::int32_t heads, std::int32_t head_dim,
-                   std::string const& store_dtype, std::int64_t num_pages, std::int32_t page_size,
+  auto config = [](std::int32_t layers,
+                   std::int32_t heads,
+                   std::int32_t head_dim,
+                   std::string const& store_dtype,
+                   std::int64_t num_pages,
+                   std::int32_t page_size,
                    std::int64_t embedding_dim) {
-    return inferscale_vllm::make_memory_config(layers, heads, head_dim, parse_dtype(store_dtype),
-                                               num_pages, page_size, embedding_dim);
+    return inferscale_vllm::make_memory_config(
+      layers, heads, head_dim, parse_dtype(store_dtype), num_pages, page_size, embedding_dim);
   };
   nb::class_<memory_handle>(m, "Memory")
-    .def("__init__",
-         [config](memory_handle* self, std::int32_t layers, std::int32_t heads,
-                  std::int32_t head_dim, std::string const& store_dtype, std::int64_t num_pages,
-                  std::int32_t page_size, std::int64_t embedding_dim) {
-           new (self) memory_handle(memory{
-             config(layers, heads, head_dim, store_dtype, num_pages, page_size, embedding_dim)});
-         },
-         nb::arg("num_layers"), nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("dtype"),
-         nb::arg("num_pages"), nb::arg("page_size"), nb::arg("embedding_dim"))
+    .def(
+      "__init__",
+      [config](memory_handle* self,
+               std::int32_t layers,
+               std::int32_t heads,
+               std::int32_t head_dim,
+               std::string const& store_dtype,
+               std::int64_t num_pages,
+               std::int32_t page_size,
+               std::int64_t embedding_dim) {
+        new (self) memory_handle(memory{
+          config(layers, heads, head_dim, store_dtype, num_pages, page_size, embedding_dim)});
+      },
+      nb::arg("num_layers"),
+      nb::arg("num_kv_heads"),
+      nb::arg("head_dim"),
+      nb::arg("dtype"),
+      nb::arg("num_pages"),
+      nb::arg("page_size"),
+      nb::arg("embedding_dim"))
     .def_static(
       "load",
-      [config](std::string const& directory, std::int32_t layers, std::int32_t heads,
-               std::int32_t head_dim, std::string const& store_dtype, std::int64_t num_pages,
-               std::int32_t page_size, std::int64_t embedding_dim,
+      [config](std::string const& directory,
+               std::int32_t layers,
+               std::int32_t heads,
+               std::int32_t head_dim,
+               std::string const& store_dtype,
+               std::int64_t num_pages,
+               std::int32_t page_size,
+               std::int64_t embedding_dim,
                memory_handle const* previous) {
         memory_config const c =
           config(layers, heads, head_dim, store_dtype, num_pages, page_size, embedding_dim);
@@ -807,13 +848,19 @@ void bind_memory(nb::module_& m)
           return new memory_handle(load_memory(
             directory, c, &application, previous != nullptr ? &previous->get() : nullptr));
         }();
-        nb::object data = application ? nb::object(nb::bytes(application->data(),
-                                                              application->size()))
-                                      : nb::none();
+        nb::object data = application
+                            ? nb::object(nb::bytes(application->data(), application->size()))
+                            : nb::none();
         return nb::make_tuple(nb::cast(handle, nb::rv_policy::take_ownership), data);
       },
-      nb::arg("directory"), nb::arg("num_layers"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
-      nb::arg("dtype"), nb::arg("num_pages"), nb::arg("page_size"), nb::arg("embedding_dim"),
+      nb::arg("directory"),
+      nb::arg("num_layers"),
+      nb::arg("num_kv_heads"),
+      nb::arg("head_dim"),
+      nb::arg("dtype"),
+      nb::arg("num_pages"),
+      nb::arg("page_size"),
+      nb::arg("embedding_dim"),
       nb::arg("previous").none() = nb::none(),
       "(Memory, application data: bytes or None) from a snapshot save() wrote; every check of "
       "the library's load_memory (manifest, checksums of every file, geometry). `previous` (a "
@@ -834,34 +881,52 @@ void bind_memory(nb::module_& m)
       nb::arg("directory"),
       "The snapshot's application data (bytes, or None for a snapshot without), checked against "
       "the manifest, without loading the store or the index")
-    .def("save", &memory_handle::save, nb::arg("directory"), nb::arg("application"),
+    .def("save",
+         &memory_handle::save,
+         nb::arg("directory"),
+         nb::arg("application"),
          "The library's crash-safe save_memory, with `application` (bytes) in the same "
          "transaction")
-    .def("add_facts", &memory_handle::add_facts, nb::arg("namespace"), nb::arg("ids"),
-         nb::arg("contexts"), nb::arg("tokens"), nb::arg("first_positions"), nb::arg("keys"),
-         nb::arg("values"), nb::arg("texts"), nb::arg("embeddings"))
-    .def("set_instruction_prefix", &memory_handle::set_instruction_prefix, nb::arg("tokens"),
-         nb::arg("fact_id"), nb::arg("namespace"), nb::arg("keys"), nb::arg("values"))
-    .def("erase_fact", [](memory_handle& h, std::uint64_t id) { h.get().erase_fact(id); },
-         nb::arg("fact_id"))
-    .def("erase_namespace",
-         [](memory_handle& h, std::uint64_t ns) { return h.get().erase_namespace(ns); },
-         nb::arg("namespace"))
-    .def("retrieve", &memory_handle::retrieve, nb::arg("namespace"), nb::arg("query"),
-         nb::arg("k"))
+    .def("add_facts",
+         &memory_handle::add_facts,
+         nb::arg("namespace"),
+         nb::arg("ids"),
+         nb::arg("contexts"),
+         nb::arg("tokens"),
+         nb::arg("first_positions"),
+         nb::arg("keys"),
+         nb::arg("values"),
+         nb::arg("texts"),
+         nb::arg("embeddings"))
+    .def("set_instruction_prefix",
+         &memory_handle::set_instruction_prefix,
+         nb::arg("tokens"),
+         nb::arg("fact_id"),
+         nb::arg("namespace"),
+         nb::arg("keys"),
+         nb::arg("values"))
+    .def(
+      "erase_fact",
+      [](memory_handle& h, std::uint64_t id) { h.get().erase_fact(id); },
+      nb::arg("fact_id"))
+    .def(
+      "erase_namespace",
+      [](memory_handle& h, std::uint64_t ns) { return h.get().erase_namespace(ns); },
+      nb::arg("namespace"))
+    .def("retrieve", &memory_handle::retrieve, nb::arg("namespace"), nb::arg("query"), nb::arg("k"))
     .def("prepare", &memory_handle::prepare, nb::arg("fact_ids"), nb::arg("first_position") = 0)
     .def("tracks", [](memory_handle const& h, std::uint64_t id) { return h.get().tracks(id); })
-    .def("facts",
-         [](memory_handle const& h, std::uint64_t ns) {
-           return h.get().store().namespace_fact_ids(ns);
-         },
-         nb::arg("namespace"))
+    .def(
+      "facts",
+      [](memory_handle const& h, std::uint64_t ns) {
+        return h.get().store().namespace_fact_ids(ns);
+      },
+      nb::arg("namespace"))
     .def("has_namespace",
          [](memory_handle const& h, std::uint64_t ns) { return h.get().index().has_namespace(ns); })
     .def_prop_ro("instruction_prefix",
                  [](memory_handle const& h) { return h.get().instruction_prefix(); })
-    .def_prop_ro("embedding_dim",
-                 [](memory_handle const& h) { return h.get().config().index.dim; })
+    .def_prop_ro("embedding_dim", [](memory_handle const& h) { return h.get().config().index.dim; })
     .def_prop_ro(
       "store",
       [](memory_handle& h) { return store_handle{&h.get().store()}; },
@@ -922,7 +987,10 @@ NB_MODULE(_inferscale, m)
          "Adds a fact from its K and V: CPU arrays [layers, tokens, heads, head_dim] (this "
          "shard's layers and heads), float32, float16 or bfloat16, any strides (numpy, torch, any "
          "DLPack producer).")
-    .def("read", &store_handle::read, nb::arg("fact_id"), nb::arg("keys").noconvert(),
+    .def("read",
+         &store_handle::read,
+         nb::arg("fact_id"),
+         nb::arg("keys").noconvert(),
          nb::arg("values").noconvert(),
          "Copies a fact's K and V into float32 CPU arrays [layers, tokens, heads, head_dim], "
          "C-contiguous (shapes checked first; never a converted copy: another dtype or layout is "
@@ -943,13 +1011,14 @@ NB_MODULE(_inferscale, m)
            }
            return s.get().at(id).token_ids;
          })
-    .def("namespace_of",
-         [](store_handle const& s, std::uint64_t id) {
-           if (!s.get().contains(id)) {
-             throw std::invalid_argument("Store.namespace_of: unknown fact id " + std::to_string(id));
-           }
-           return s.get().at(id).namespace_id;
-         })
+    .def(
+      "namespace_of",
+      [](store_handle const& s, std::uint64_t id) {
+        if (!s.get().contains(id)) {
+          throw std::invalid_argument("Store.namespace_of: unknown fact id " + std::to_string(id));
+        }
+        return s.get().at(id).namespace_id;
+      })
     .def("facts",
          [](store_handle const& s, std::uint64_t ns) { return s.get().namespace_fact_ids(ns); })
     .def("composed_tokens", &composed_tokens, nb::arg("facts"))
@@ -971,13 +1040,17 @@ NB_MODULE(_inferscale, m)
     .def_prop_ro("free_pages", [](store_handle const& s) { return s.get().free_pages(); });
 
   nb::class_<rotation_handle>(m, "Rotation")
-    .def(nb::init<any_array, std::int32_t, bool, bool, bool>(), nb::arg("table"),
-         nb::arg("head_dim"), nb::arg("neox_style") = true,
-         nb::arg("round_each_operation") = false, nb::arg("truncate_to_bfloat16") = false,
-         "The engine's cos/sin table [positions, rotary_dim] (vLLM's rotary_emb.cos_sin_cache; "
-         "the rotation keeps it alive). round_each_operation: round each product and the sum to the "
-         "key dtype (vLLM's CUDA kernel and its torch path); truncate_to_bfloat16: compute in fp32 "
-         "and truncate to bf16 (vLLM's AVX2 CPU kernel); neither: fp32, rounded once to nearest.")
+    .def(
+      nb::init<any_array, std::int32_t, bool, bool, bool>(),
+      nb::arg("table"),
+      nb::arg("head_dim"),
+      nb::arg("neox_style")           = true,
+      nb::arg("round_each_operation") = false,
+      nb::arg("truncate_to_bfloat16") = false,
+      "The engine's cos/sin table [positions, rotary_dim] (vLLM's rotary_emb.cos_sin_cache; "
+      "the rotation keeps it alive). round_each_operation: round each product and the sum to the "
+      "key dtype (vLLM's CUDA kernel and its torch path); truncate_to_bfloat16: compute in fp32 "
+      "and truncate to bf16 (vLLM's AVX2 CPU kernel); neither: fp32, rounded once to nearest.")
     .def_prop_ro("rows", &rotation_handle::rows);
 
   nb::class_<cache_handle>(m, "VllmCpuCache")
@@ -1010,7 +1083,8 @@ NB_MODULE(_inferscale, m)
       "Element offset of a value from its layer's base (for tests).");
 
   nb::class_<flash_attn_cache_handle>(m, "VllmFlashAttnCache")
-    .def(nb::init<std::vector<any_array>>(), nb::arg("layers"),
+    .def(nb::init<std::vector<any_array>>(),
+         nb::arg("layers"),
          "vLLM's GPU paged cache from its CUDA layer tensors (one shape, strides and dtype; the "
          "cache keeps them alive): "
          "4-D (num_blocks, kv_heads, block_size, 2 * head_dim) as vLLM 0.32 hands them over, or "
@@ -1026,35 +1100,56 @@ NB_MODULE(_inferscale, m)
   m.attr("HAS_CUDA") = has_cuda;
   // One entry, one overload per backend (as injection_batch::run and its device_context twin):
   // a host cache (VllmCpuCache, ...) without a stream, a VllmFlashAttnCache with one.
-  m.def("inject", &inject_device, nb::arg("store"), nb::arg("cache"), nb::arg("rotation"),
-        nb::arg("requests"), nb::arg("stream"),
+  m.def("inject",
+        &inject_device,
+        nb::arg("store"),
+        nb::arg("cache"),
+        nb::arg("rotation"),
+        nb::arg("requests"),
+        nb::arg("stream"),
         "The device path of inject: a device store, a VllmFlashAttnCache and a Rotation whose "
         "table is in device memory; the kernel is enqueued on `stream` (an integer cudaStream_t, "
         "e.g. torch.cuda.current_stream().cuda_stream) and not waited for. Everything is checked "
         "before anything is staged or launched; returns the tokens written.");
 
   nb::class_<index_handle>(m, "Index")
-    .def(nb::init<std::int64_t, std::string const&, std::uint32_t, std::uint32_t, std::int64_t,
+    .def(nb::init<std::int64_t,
+                  std::string const&,
+                  std::uint32_t,
+                  std::uint32_t,
+                  std::int64_t,
                   std::uint32_t>(),
-         nb::arg("dim"), nb::arg("metric") = "cosine", nb::arg("graph_degree") = 32,
-         nb::arg("intermediate_graph_degree") = 64, nb::arg("exact_search_threshold") = -1,
-         nb::arg("build_threads") = 1,
+         nb::arg("dim"),
+         nb::arg("metric")                    = "cosine",
+         nb::arg("graph_degree")              = 32,
+         nb::arg("intermediate_graph_degree") = 64,
+         nb::arg("exact_search_threshold")    = -1,
+         nb::arg("build_threads")             = 1,
          "The library's host graph index (CAGRA-style graph, one namespace per tenant) over "
          "float32 embeddings. exact_search_threshold: namespaces with at most this many live "
          "facts are searched exactly (-1: the library's automatic choice).")
-    .def("add", &index_handle::add, nb::arg("namespace"), nb::arg("vectors").noconvert(),
+    .def("add",
+         &index_handle::add,
+         nb::arg("namespace"),
+         nb::arg("vectors").noconvert(),
          nb::arg("ids"),
          nb::arg("replace") = false,
          "Adds the rows of `vectors` (float32 [rows, dim], C-contiguous, on the CPU; else a "
          "TypeError) under new "
          "fact ids (replace: the namespace's facts become exactly these).")
     .def("erase", &index_handle::erase, nb::arg("ids"))
-    .def("erase_namespace",
-         [](index_handle& i, std::uint64_t ns) { return i.get().erase_namespace(ns); },
-         nb::arg("namespace"))
-    .def("search", &index_handle::search, nb::arg("namespace"), nb::arg("queries").noconvert(),
-         nb::arg("k"), nb::arg("out_ids").noconvert(), nb::arg("out_distances").noconvert(),
-         nb::arg("algo") = "automatic",
+    .def(
+      "erase_namespace",
+      [](index_handle& i, std::uint64_t ns) { return i.get().erase_namespace(ns); },
+      nb::arg("namespace"))
+    .def("search",
+         &index_handle::search,
+         nb::arg("namespace"),
+         nb::arg("queries").noconvert(),
+         nb::arg("k"),
+         nb::arg("out_ids").noconvert(),
+         nb::arg("out_distances").noconvert(),
+         nb::arg("algo")       = "automatic",
          nb::arg("itopk_size") = 0,
          "queries: float32 [nq, dim]; out_ids: uint64 [nq, k]; out_distances: float32 [nq, k] "
          "(C-contiguous CPU arrays, shapes checked first; another dtype or layout is a "
@@ -1062,20 +1157,34 @@ NB_MODULE(_inferscale, m)
     .def("contains", [](index_handle const& i, std::uint64_t id) { return i.get().contains(id); })
     .def("has_namespace",
          [](index_handle const& i, std::uint64_t ns) { return i.get().has_namespace(ns); })
-    .def("size", [](index_handle const& i, std::uint64_t ns) { return i.get().size(ns); },
-         "Live facts of a namespace (0 if unknown).")
+    .def(
+      "size",
+      [](index_handle const& i, std::uint64_t ns) { return i.get().size(ns); },
+      "Live facts of a namespace (0 if unknown).")
     .def("ids", [](index_handle const& i, std::uint64_t ns) { return i.get().ids(ns); })
     .def("namespaces", [](index_handle const& i) { return i.get().namespaces(); })
     .def_prop_ro("dim", [](index_handle const& i) { return i.get().dim(); })
     .def_prop_ro("total_size", [](index_handle const& i) { return i.get().total_size(); })
     .def_prop_ro("version", [](index_handle const& i) { return i.get().version(); });
 
-  m.def("inject", &inject, nb::arg("store"), nb::arg("cache"), nb::arg("rotation"),
-        nb::arg("requests"),
-        "Composes each request's facts (in the order given) at its first position and writes them "
-        "into its slots; returns the tokens written. Everything is checked before the first write.");
-  m.def("extract", &extract, nb::arg("store"), nb::arg("cache"), nb::arg("rotation"),
-        nb::arg("slots"), nb::arg("first_position"), nb::arg("fact_id"), nb::arg("namespace"),
+  m.def(
+    "inject",
+    &inject,
+    nb::arg("store"),
+    nb::arg("cache"),
+    nb::arg("rotation"),
+    nb::arg("requests"),
+    "Composes each request's facts (in the order given) at its first position and writes them "
+    "into its slots; returns the tokens written. Everything is checked before the first write.");
+  m.def("extract",
+        &extract,
+        nb::arg("store"),
+        nb::arg("cache"),
+        nb::arg("rotation"),
+        nb::arg("slots"),
+        nb::arg("first_position"),
+        nb::arg("fact_id"),
+        nb::arg("namespace"),
         nb::arg("token_ids"),
         "Reads the tokens in `slots` (positions first_position ..) back from the cache, de-rotates "
         "the keys and stores them as a new fact.");

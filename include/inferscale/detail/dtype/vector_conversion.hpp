@@ -7,12 +7,12 @@
  * A portable x86-64 build (no -march flags) compiles these functions with GCC target attributes
  * and calls them only after `__builtin_cpu_supports` says the CPU has the instructions, so one
  * binary runs everywhere and is fast where it can be: sixteen lanes with AVX-512F (namespace
- * simd512), eight with AVX2 (namespace simd), the scalar routines elsewhere. Every function gives exactly the bits of the
- * scalar routines of detail/dtype/conversion.hpp (round to nearest even, fp16/bf16 overflow to
- * infinity, fp8 saturation, the same NaN codes), whatever flush-to-zero or denormals-are-zero
- * mode a framework has set: narrow subnormals go through integer arithmetic or through additions
- * whose operands and results are normal floats. tests/dtype checks every 16-bit input and a large
- * set of fp32 inputs against the scalar routines.
+ * simd512), eight with AVX2 (namespace simd), the scalar routines elsewhere. Every function gives
+ * exactly the bits of the scalar routines of detail/dtype/conversion.hpp (round to nearest even,
+ * fp16/bf16 overflow to infinity, fp8 saturation, the same NaN codes), whatever flush-to-zero or
+ * denormals-are-zero mode a framework has set: narrow subnormals go through integer arithmetic or
+ * through additions whose operands and results are normal floats. tests/dtype checks every 16-bit
+ * input and a large set of fp32 inputs against the scalar routines.
  *
  * Elsewhere (nvcc's device pass, non-x86 targets, other compilers, or with INFERSCALE_NO_HOST_SIMD
  * defined) INFERSCALE_HOST_X86_SIMD is 0 and the callers keep their scalar loops.
@@ -49,8 +49,8 @@ namespace inferscale::detail {
 /// @brief The host vector instruction sets the library can use, in increasing order.
 enum class host_simd : std::uint8_t {
   scalar,  ///< portable C++ only
-  avx2,    ///< AVX2 + F16C + FMA (8 fp32 lanes; every x86-64 CPU with AVX2 since 2013 has all three)
-  avx512,  ///< AVX-512F as well (16 fp32 lanes, mask registers)
+  avx2,  ///< AVX2 + F16C + FMA (8 fp32 lanes; every x86-64 CPU with AVX2 since 2013 has all three)
+  avx512,      ///< AVX-512F as well (16 fp32 lanes, mask registers)
   avx512_bf16  ///< AVX-512BW and AVX-512 BF16 as well (native fp32 -> bf16 rounding, e.g. Intel
                ///< Sapphire Rapids, AMD Zen 4); everything else runs as at avx512
 };
@@ -187,10 +187,9 @@ INFERSCALE_TARGET_AVX2 inline __m256 fp16_to_fp32(__m128i codes)
   __m256i const wide     = _mm256_cvtepu16_epi32(codes);
   __m256i const nan =
     greater(_mm256_and_si256(wide, splat(0x7fffu)), splat(0x7c00u));  // exponent 31, mantissa != 0
-  __m256i const sign    = _mm256_slli_epi32(_mm256_and_si256(wide, splat(0x8000u)), 16);
-  __m256i const payload = _mm256_slli_epi32(_mm256_and_si256(wide, splat(0x3ffu)), 13);
-  __m256i const nan_bits =
-    _mm256_or_si256(_mm256_or_si256(sign, splat(0x7f800000u)), payload);
+  __m256i const sign     = _mm256_slli_epi32(_mm256_and_si256(wide, splat(0x8000u)), 16);
+  __m256i const payload  = _mm256_slli_epi32(_mm256_and_si256(wide, splat(0x3ffu)), 13);
+  __m256i const nan_bits = _mm256_or_si256(_mm256_or_si256(sign, splat(0x7f800000u)), payload);
   return _mm256_castsi256_ps(select(_mm256_castps_si256(converted), nan_bits, nan));
 }
 
@@ -200,7 +199,7 @@ INFERSCALE_TARGET_AVX2 inline __m128i fp32_to_fp16(__m256 x)
 {
   __m128i const converted = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256i const bits      = _mm256_castps_si256(x);
-  __m256i const nan = greater(_mm256_and_si256(bits, splat(0x7fffffffu)), splat(0x7f800000u));
+  __m256i const nan       = greater(_mm256_and_si256(bits, splat(0x7fffffffu)), splat(0x7f800000u));
   __m256i const nan_code =
     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(bits, 16), splat(0x8000u)), splat(0x7e00u));
   __m256i const numbers = _mm256_cvtepu16_epi32(converted);
@@ -215,8 +214,8 @@ template <class Format>
 struct narrow_rounding_constants {
   static constexpr int drop = 23 - Format::mantissa_bits;  ///< fp32 mantissa bits rounded off
   /// fp32 bits of 2^emin, the format's smallest normal value
-  static constexpr std::uint32_t smallest_normal = static_cast<std::uint32_t>(Format::min_exponent + 127)
-                                                   << 23;
+  static constexpr std::uint32_t smallest_normal =
+    static_cast<std::uint32_t>(Format::min_exponent + 127) << 23;
   /// fp32 bits of the value a code stands for (a normal one, or past the largest finite)
   static constexpr std::uint32_t value_bits(std::uint32_t code)
   {
@@ -253,10 +252,10 @@ INFERSCALE_TARGET_AVX2 inline __m256i fp32_to_narrow_codes(__m256 x)
 {
   static_assert(Format::saturate && Format::total_bits == 8,
                 "fp32_to_narrow_codes: the saturating 8-bit formats");
-  using k                 = narrow_rounding_constants<Format>;
-  __m256i const bits      = _mm256_castps_si256(x);
-  __m256 const magnitude  = _mm256_castsi256_ps(_mm256_and_si256(bits, splat(0x7fffffffu)));
-  __m256i const clamped   = _mm256_min_epu32(
+  using k                = narrow_rounding_constants<Format>;
+  __m256i const bits     = _mm256_castps_si256(x);
+  __m256 const magnitude = _mm256_castsi256_ps(_mm256_and_si256(bits, splat(0x7fffffffu)));
+  __m256i const clamped  = _mm256_min_epu32(
     _mm256_castps_si256(_mm256_min_ps(_mm256_castsi256_ps(splat(k::max_finite_bits)), magnitude)),
     splat(k::nan_value_bits));
   __m256i const exponent =
@@ -286,21 +285,20 @@ INFERSCALE_TARGET_AVX2 inline __m128i fp32_to_narrow8(__m256 x)
 template <class Format>
 INFERSCALE_TARGET_AVX2 inline __m256 narrow_codes_to_fp32(__m256i codes)
 {
-  constexpr int shift = 23 - Format::mantissa_bits;
+  constexpr int shift            = 23 - Format::mantissa_bits;
   constexpr std::uint32_t rebias = static_cast<std::uint32_t>(127 - Format::bias) << 23;
   constexpr std::uint32_t quantum =
     static_cast<std::uint32_t>(Format::min_exponent - Format::mantissa_bits + 127) << 23;
   constexpr std::uint32_t magnitude_mask = Format::exponent_mask | Format::mantissa_mask;
 
-  __m256i const sign =
-    _mm256_slli_epi32(_mm256_and_si256(codes, splat(Format::sign_bit)), 31 - (Format::total_bits - 1));
+  __m256i const sign      = _mm256_slli_epi32(_mm256_and_si256(codes, splat(Format::sign_bit)),
+                                         31 - (Format::total_bits - 1));
   __m256i const magnitude = _mm256_and_si256(codes, splat(magnitude_mask));
   __m256i const mantissa  = _mm256_and_si256(codes, splat(Format::mantissa_mask));
-  __m256i const normal = _mm256_add_epi32(_mm256_slli_epi32(magnitude, shift), splat(rebias));
+  __m256i const normal    = _mm256_add_epi32(_mm256_slli_epi32(magnitude, shift), splat(rebias));
   __m256i const subnormal = _mm256_castps_si256(
     _mm256_mul_ps(_mm256_cvtepi32_ps(mantissa), _mm256_castsi256_ps(splat(quantum))));
-  __m256i value =
-    select(normal, subnormal, greater(splat(Format::mantissa_mask + 1u), magnitude));
+  __m256i value = select(normal, subnormal, greater(splat(Format::mantissa_mask + 1u), magnitude));
   if constexpr (Format::ieee_specials) {
     __m256i const special = greater(magnitude, splat(Format::exponent_mask - 1u));
     __m256i const nan     = greater(magnitude, splat(Format::exponent_mask));
@@ -308,9 +306,7 @@ INFERSCALE_TARGET_AVX2 inline __m256 narrow_codes_to_fp32(__m256i codes)
       _mm256_or_si256(splat(0x7f800000u), _mm256_and_si256(nan, splat(0x400000u)));
     value = select(value, special_bits, special);
   } else {
-    value = select(value,
-                   splat(0x7fc00000u),
-                   _mm256_cmpeq_epi32(magnitude, splat(magnitude_mask)));
+    value = select(value, splat(0x7fc00000u), _mm256_cmpeq_epi32(magnitude, splat(magnitude_mask)));
   }
   return _mm256_castsi256_ps(_mm256_or_si256(sign, value));
 }
@@ -369,7 +365,6 @@ INFERSCALE_TARGET_AVX2 inline __m256 round_to(__m256 x)
 
 }  // namespace inferscale::detail::simd
 
-
 /**
  * @brief Target attribute of the AVX-512 functions (AVX-512F includes fused multiply-adds, so the
  * same contraction rule as INFERSCALE_TARGET_AVX2 applies: see simd512::opaque).
@@ -422,8 +417,7 @@ INFERSCALE_TARGET_AVX512 inline __m512 fp16_to_fp32(__m256i codes)
   __mmask16 const nan    = greater(_mm512_and_si512(wide, splat(0x7fffu)), splat(0x7c00u));
   __m512i const sign     = _mm512_slli_epi32(_mm512_and_si512(wide, splat(0x8000u)), 16);
   __m512i const payload  = _mm512_slli_epi32(_mm512_and_si512(wide, splat(0x3ffu)), 13);
-  __m512i const nan_bits =
-    _mm512_or_si512(_mm512_or_si512(sign, splat(0x7f800000u)), payload);
+  __m512i const nan_bits = _mm512_or_si512(_mm512_or_si512(sign, splat(0x7f800000u)), payload);
   return _mm512_castsi512_ps(
     _mm512_mask_blend_epi32(nan, _mm512_castps_si512(converted), nan_bits));
 }
@@ -432,7 +426,7 @@ INFERSCALE_TARGET_AVX512 inline __m256i fp32_to_fp16(__m512 x)
 {
   __m256i const converted = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512i const bits      = _mm512_castps_si512(x);
-  __mmask16 const nan = greater(_mm512_and_si512(bits, splat(0x7fffffffu)), splat(0x7f800000u));
+  __mmask16 const nan     = greater(_mm512_and_si512(bits, splat(0x7fffffffu)), splat(0x7f800000u));
   __m512i const nan_code =
     _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(bits, 16), splat(0x8000u)), splat(0x7e00u));
   return _mm512_cvtepi32_epi16(
@@ -466,17 +460,17 @@ INFERSCALE_TARGET_AVX512 inline __m512i fp32_to_narrow_codes(__m512 x)
 template <class Format>
 INFERSCALE_TARGET_AVX512 inline __m512 narrow_codes_to_fp32(__m512i codes)
 {
-  constexpr int shift = 23 - Format::mantissa_bits;
+  constexpr int shift            = 23 - Format::mantissa_bits;
   constexpr std::uint32_t rebias = static_cast<std::uint32_t>(127 - Format::bias) << 23;
   constexpr std::uint32_t quantum =
     static_cast<std::uint32_t>(Format::min_exponent - Format::mantissa_bits + 127) << 23;
   constexpr std::uint32_t magnitude_mask = Format::exponent_mask | Format::mantissa_mask;
 
-  __m512i const sign = _mm512_slli_epi32(_mm512_and_si512(codes, splat(Format::sign_bit)),
+  __m512i const sign      = _mm512_slli_epi32(_mm512_and_si512(codes, splat(Format::sign_bit)),
                                          31 - (Format::total_bits - 1));
   __m512i const magnitude = _mm512_and_si512(codes, splat(magnitude_mask));
   __m512i const mantissa  = _mm512_and_si512(codes, splat(Format::mantissa_mask));
-  __m512i const normal = _mm512_add_epi32(_mm512_slli_epi32(magnitude, shift), splat(rebias));
+  __m512i const normal    = _mm512_add_epi32(_mm512_slli_epi32(magnitude, shift), splat(rebias));
   __m512i const subnormal = _mm512_castps_si512(
     _mm512_mul_ps(_mm512_cvtepi32_ps(mantissa), _mm512_castsi512_ps(splat(quantum))));
   __m512i value = _mm512_mask_blend_epi32(

@@ -7,11 +7,10 @@
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/index.hpp>
-
-#include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
 
 #include <algorithm>
 #include <cmath>
@@ -43,11 +42,10 @@ INFERSCALE_INDEX_LINKAGE graph_index::graph_index(index_config const& config) : 
                        std::to_string(config.intermediate_graph_degree) + ") <= 1024");
   INFERSCALE_EXPECTS(config.exact_search_threshold >= -1,
                      "index_config: exact_search_threshold is -1 (default) or >= 0");
-  INFERSCALE_EXPECTS(config.host_knn == knn_build::automatic ||
-                       config.host_knn == knn_build::exact ||
-                       config.host_knn == knn_build::nn_descent,
-                     "index_config: unknown host_knn code " +
-                       std::to_string(static_cast<int>(config.host_knn)));
+  INFERSCALE_EXPECTS(
+    config.host_knn == knn_build::automatic || config.host_knn == knn_build::exact ||
+      config.host_knn == knn_build::nn_descent,
+    "index_config: unknown host_knn code " + std::to_string(static_cast<int>(config.host_knn)));
   INFERSCALE_EXPECTS(config.nn_descent.rho > 0.0f && config.nn_descent.rho <= 1.0f,
                      "index_config: nn_descent.rho (the sampling rate) must be in (0, 1], got " +
                        std::to_string(config.nn_descent.rho));
@@ -63,7 +61,8 @@ INFERSCALE_INDEX_LINKAGE graph_index::graph_index(index_config const& config) : 
   INFERSCALE_EXPECTS(std::isfinite(config.max_row_overhead) &&
                        (config.max_row_overhead == 0.0 || config.max_row_overhead >= 1.0),
                      "index_config: max_row_overhead is 0 (no automatic compaction) or a finite "
-                     "factor >= 1, got " + std::to_string(config.max_row_overhead));
+                     "factor >= 1, got " +
+                       std::to_string(config.max_row_overhead));
   check_traversal_dtype(config, "index_config");
   element_size_ = size_of(config.vector_dtype);
   row_elements_ = detail::index::padded_dim(config.dim, element_size_);
@@ -121,7 +120,8 @@ INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::size(std::uint64_t ns) const
   return it == tenant_of_.end() ? 0 : tenants_[it->second].ref.live;
 }
 
-INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::host_entry_points(std::uint64_t ns) const noexcept
+INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::host_entry_points(
+  std::uint64_t ns) const noexcept
 {
   auto it = tenant_of_.find(ns);
   return it == tenant_of_.end() ? 0
@@ -159,7 +159,8 @@ INFERSCALE_INDEX_LINKAGE std::vector<std::uint64_t> graph_index::ids(std::uint64
   return out;
 }
 
-INFERSCALE_INDEX_LINKAGE auto graph_index::tenant_segment(std::uint64_t ns) const noexcept -> tenant_ref
+INFERSCALE_INDEX_LINKAGE auto graph_index::tenant_segment(std::uint64_t ns) const noexcept
+  -> tenant_ref
 {
   auto it = tenant_of_.find(ns);
   return it == tenant_of_.end() ? tenant_ref{} : tenants_[it->second].ref;
@@ -215,10 +216,9 @@ template <class Fn>
 decltype(auto) graph_index::with_rows(std::size_t t, Fn&& fn) const
 {
   unsigned char const* base =
-    vectors_.data() + static_cast<std::size_t>(tenants_[t].ref.row_begin * row_elements_) * element_size_;
-  if (config_.vector_dtype == dtype::float32) {
-    return fn(reinterpret_cast<float const*>(base));
-  }
+    vectors_.data() +
+    static_cast<std::size_t>(tenants_[t].ref.row_begin * row_elements_) * element_size_;
+  if (config_.vector_dtype == dtype::float32) { return fn(reinterpret_cast<float const*>(base)); }
   return fn(reinterpret_cast<half_t const*>(base));
 }
 
@@ -244,7 +244,8 @@ void graph_index::write_rows(std::size_t t,
     std::int64_t const row = tr.ref.row_begin + first + r;
     bool const cosine      = config_.metric == distance_metric::cosine;
     double const scale     = cosine ? detail::index::cosine_scale(row_norm2(vectors, r)) : 1.0;
-    unsigned char* dst = vectors_.data() + static_cast<std::size_t>(row * row_elements_) * element_size_;
+    unsigned char* dst =
+      vectors_.data() + static_cast<std::size_t>(row * row_elements_) * element_size_;
     std::memset(dst, 0, static_cast<std::size_t>(row_elements_) * element_size_);
     for (std::int64_t e = 0; e < config_.dim; ++e) {
       float const x = cosine ? detail::index::cosine_normalised(to_float(vectors(r, e)), scale)
@@ -258,7 +259,8 @@ void graph_index::write_rows(std::size_t t,
     }
     ids_[row]     = ids[static_cast<std::size_t>(r)];
     deleted_[row] = 0;
-    std::fill_n(graph_.begin() + row * config_.graph_degree, config_.graph_degree,
+    std::fill_n(graph_.begin() + row * config_.graph_degree,
+                config_.graph_degree,
                 detail::index::invalid_node);
     id_to_row_[ids_[row]] = {t, static_cast<std::uint32_t>(first + r)};
   }
@@ -272,7 +274,8 @@ INFERSCALE_INDEX_LINKAGE auto graph_index::allocate_arena(std::int64_t rows) con
 {
   arena a;
   a.vectors.assign(static_cast<std::size_t>(rows * row_elements_) * element_size_, 0);
-  a.graph.assign(static_cast<std::size_t>(rows) * config_.graph_degree, detail::index::invalid_node);
+  a.graph.assign(static_cast<std::size_t>(rows) * config_.graph_degree,
+                 detail::index::invalid_node);
   a.ids.assign(static_cast<std::size_t>(rows), invalid_fact_id);
   a.deleted.assign(static_cast<std::size_t>(rows), 0);
   return a;
@@ -282,21 +285,21 @@ INFERSCALE_INDEX_LINKAGE std::int64_t graph_index::row_limit(std::uint64_t live)
 {
   if (config_.max_row_overhead == 0.0) { return std::numeric_limits<std::int64_t>::max(); }
   std::int64_t const n = static_cast<std::int64_t>(live);
-  return std::max(static_cast<std::int64_t>(std::floor(config_.max_row_overhead * static_cast<double>(n))),
-                  n + compaction_floor_rows);
+  return std::max(
+    static_cast<std::int64_t>(std::floor(config_.max_row_overhead * static_cast<double>(n))),
+    n + compaction_floor_rows);
 }
 
-INFERSCALE_INDEX_LINKAGE std::int64_t graph_index::growth_cap(std::int64_t needed,
-                                                              std::uint64_t live_after) const noexcept
+INFERSCALE_INDEX_LINKAGE std::int64_t graph_index::growth_cap(
+  std::int64_t needed, std::uint64_t live_after) const noexcept
 {
   std::int64_t const limit = row_limit(live_after);
   std::int64_t const cap   = needed < limit ? needed + (limit - needed) / 2 : needed;
   return std::max(cap, arena_capacity_);
 }
 
-INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::spare_rows(std::uint32_t rows,
-                                                              std::int64_t end,
-                                                              std::uint64_t live_after) const noexcept
+INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::spare_rows(
+  std::uint32_t rows, std::int64_t end, std::uint64_t live_after) const noexcept
 {
   std::int64_t const room = growth_cap(end, live_after) - end;
   return static_cast<std::uint32_t>(std::clamp<std::int64_t>(room, 0, rows / 4));
@@ -311,8 +314,8 @@ INFERSCALE_INDEX_LINKAGE void graph_index::grow_arena(std::int64_t needed, std::
   std::int64_t const reserved =
     config_.max_row_overhead == 0.0
       ? std::max<std::int64_t>(needed, 2 * arena_capacity_)
-      : std::max<std::int64_t>(needed, std::min(arena_capacity_ + arena_capacity_ / 4,
-                                                growth_cap(needed, live_after)));
+      : std::max<std::int64_t>(
+          needed, std::min(arena_capacity_ + arena_capacity_ / 4, growth_cap(needed, live_after)));
   std::size_t const ahead = static_cast<std::size_t>(reserved);
   if (ids_.capacity() < static_cast<std::size_t>(needed)) {
     vectors_.reserve(ahead * static_cast<std::size_t>(row_elements_) * element_size_);
@@ -333,11 +336,11 @@ INFERSCALE_INDEX_LINKAGE void graph_index::grow_arena(std::int64_t needed, std::
 }
 
 INFERSCALE_INDEX_LINKAGE std::size_t graph_index::ensure_room(std::uint64_t ns,
-                                                             std::uint32_t rows,
-                                                             std::uint64_t live_after)
+                                                              std::uint32_t rows,
+                                                              std::uint64_t live_after)
 {
   bool const automatic = config_.max_row_overhead != 0.0;
-  auto it = tenant_of_.find(ns);
+  auto it              = tenant_of_.find(ns);
   if (it == tenant_of_.end()) {
     // a new namespace gets exactly its rows (one built in one call, a bulk import or a
     // restored user, may never grow); spare rows come with its first growth
@@ -355,22 +358,23 @@ INFERSCALE_INDEX_LINKAGE std::size_t graph_index::ensure_room(std::uint64_t ns,
   std::size_t const index = it->second;
   tenant& t               = tenants_[index];
   if (rows <= t.capacity) { return index; }
-  bool const last = t.ref.row_begin + t.capacity == arena_used_;
+  bool const last          = t.ref.row_begin + t.capacity == arena_used_;
   std::int64_t const begin = last ? t.ref.row_begin : arena_used_;
   std::uint32_t const capacity =
-    automatic ? rows + spare_rows(rows, begin + rows, live_after)
-              : static_cast<std::uint32_t>(std::max<std::uint64_t>(rows, std::uint64_t{2} * t.capacity));
+    automatic
+      ? rows + spare_rows(rows, begin + rows, live_after)
+      : static_cast<std::uint32_t>(std::max<std::uint64_t>(rows, std::uint64_t{2} * t.capacity));
   if (last) {  // grow in place at the end of the arena
     grow_arena(t.ref.row_begin + capacity, live_after);
-    arena_used_ = t.ref.row_begin + capacity;
+    arena_used_              = t.ref.row_begin + capacity;
     tenants_[index].capacity = capacity;
     return index;
   }
   grow_arena(arena_used_ + capacity, live_after);
-  tenant& moved              = tenants_[index];
-  std::int64_t const from    = moved.ref.row_begin;
-  std::int64_t const to      = arena_used_;
-  std::uint32_t const used   = moved.ref.size;
+  tenant& moved            = tenants_[index];
+  std::int64_t const from  = moved.ref.row_begin;
+  std::int64_t const to    = arena_used_;
+  std::uint32_t const used = moved.ref.size;
   std::memmove(vectors_.data() + static_cast<std::size_t>(to * row_elements_) * element_size_,
                vectors_.data() + static_cast<std::size_t>(from * row_elements_) * element_size_,
                static_cast<std::size_t>(used * row_elements_) * element_size_);
@@ -458,8 +462,8 @@ INFERSCALE_INDEX_LINKAGE void graph_index::repack(std::vector<std::uint8_t> cons
   next_tenants.reserve(order.size());
   std::int64_t cursor = 0;
   for (auto t : order) {
-    tenant nt      = tenants_[t];
-    nt.ref.size    = rebuild[t] ? nt.ref.live : nt.ref.size;
+    tenant nt   = tenants_[t];
+    nt.ref.size = rebuild[t] ? nt.ref.live : nt.ref.size;
     std::int64_t const extra =
       std::min(spare_left, static_cast<std::int64_t>(std::floor(nt.ref.size * fraction)));
     spare_left -= extra;
@@ -469,18 +473,18 @@ INFERSCALE_INDEX_LINKAGE void graph_index::repack(std::vector<std::uint8_t> cons
     cursor += nt.capacity;
     next_tenants.push_back(nt);
   }
-  arena next = allocate_arena(cursor);  // may throw: nothing has changed yet
+  arena next               = allocate_arena(cursor);  // may throw: nothing has changed yet
   std::size_t const vb     = static_cast<std::size_t>(row_elements_) * element_size_;
   std::size_t const degree = config_.graph_degree;
   for (std::size_t i = 0; i < order.size(); ++i) {
-    auto const& old    = tenants_[order[i]].ref;
-    auto const& nt     = next_tenants[i].ref;
+    auto const& old       = tenants_[order[i]].ref;
+    auto const& nt        = next_tenants[i].ref;
     std::size_t const src = static_cast<std::size_t>(old.row_begin);
     std::size_t const dst = static_cast<std::size_t>(nt.row_begin);
     if (!next_tenants[i].rebuild_on_compact) {  // the segment moves as it is
       std::memcpy(next.vectors.data() + dst * vb, vectors_.data() + src * vb, nt.size * vb);
-      std::memcpy(next.graph.data() + dst * degree, graph_.data() + src * degree,
-                  nt.size * degree * 4);
+      std::memcpy(
+        next.graph.data() + dst * degree, graph_.data() + src * degree, nt.size * degree * 4);
       std::memcpy(next.ids.data() + dst, ids_.data() + src, nt.size * 8);
       std::memcpy(next.deleted.data() + dst, deleted_.data() + src, nt.size);
       continue;
@@ -549,7 +553,8 @@ INFERSCALE_INDEX_LINKAGE void graph_index::set_host_traversal_dtype(dtype d)
   ++version_;
 }
 
-INFERSCALE_INDEX_LINKAGE half_t const* graph_index::host_traversal_rows(std::uint64_t ns) const noexcept
+INFERSCALE_INDEX_LINKAGE half_t const* graph_index::host_traversal_rows(
+  std::uint64_t ns) const noexcept
 {
   auto it = tenant_of_.find(ns);
   if (it == tenant_of_.end() || !traverses_fp16()) { return nullptr; }
@@ -574,34 +579,41 @@ INFERSCALE_INDEX_LINKAGE std::uint64_t graph_index::host_entry_bytes() const noe
   return total;
 }
 
-INFERSCALE_INDEX_LINKAGE void graph_index::check_traversal_dtype(index_config const& config, char const* who)
+INFERSCALE_INDEX_LINKAGE void graph_index::check_traversal_dtype(index_config const& config,
+                                                                 char const* who)
 {
-  INFERSCALE_EXPECTS(config.host_traversal_dtype == dtype::float32 ||
-                       config.host_traversal_dtype == dtype::float16,
-                     std::string{who} + ": host_traversal_dtype is float32 or float16, got " +
-                       to_string(config.host_traversal_dtype));
-  INFERSCALE_EXPECTS(config.host_traversal_dtype == dtype::float32 ||
-                       (config.vector_dtype == dtype::float32 && config.space == memory_space::host),
-                     std::string{who} +
-                       ": host_traversal_dtype float16 needs a host-memory index of float32 "
-                       "vectors (got vector_dtype " + to_string(config.vector_dtype) + ", " +
-                       (config.space == memory_space::host ? "host" : "device") + " memory)");
+  INFERSCALE_EXPECTS(
+    config.host_traversal_dtype == dtype::float32 || config.host_traversal_dtype == dtype::float16,
+    std::string{who} + ": host_traversal_dtype is float32 or float16, got " +
+      to_string(config.host_traversal_dtype));
+  INFERSCALE_EXPECTS(
+    config.host_traversal_dtype == dtype::float32 ||
+      (config.vector_dtype == dtype::float32 && config.space == memory_space::host),
+    std::string{who} +
+      ": host_traversal_dtype float16 needs a host-memory index of float32 "
+      "vectors (got vector_dtype " +
+      to_string(config.vector_dtype) + ", " +
+      (config.space == memory_space::host ? "host" : "device") + " memory)");
 }
 
-INFERSCALE_INDEX_LINKAGE void graph_index::write_traversal(std::size_t t, std::uint32_t first, std::uint32_t count)
+INFERSCALE_INDEX_LINKAGE void graph_index::write_traversal(std::size_t t,
+                                                           std::uint32_t first,
+                                                           std::uint32_t count)
 {
   if (!traverses_fp16() || count == 0) { return; }
-  auto& tn                   = tenants_[t];
-  std::size_t const re       = static_cast<std::size_t>(row_elements_);
-  std::size_t const needed   = (std::size_t{first} + count) * re;
+  auto& tn                 = tenants_[t];
+  std::size_t const re     = static_cast<std::size_t>(row_elements_);
+  std::size_t const needed = (std::size_t{first} + count) * re;
   if (tn.traversal.size() < needed) { tn.traversal.resize(needed); }
-  float const* rows =
-    reinterpret_cast<float const*>(vectors_.data()) + static_cast<std::size_t>(tn.ref.row_begin) * re;
+  float const* rows = reinterpret_cast<float const*>(vectors_.data()) +
+                      static_cast<std::size_t>(tn.ref.row_begin) * re;
   std::size_t const begin = std::size_t{first} * re;
   to_half(rows + begin, tn.traversal.data() + begin, needed - begin);
 }
 
-INFERSCALE_INDEX_LINKAGE void graph_index::to_half(float const* from, half_t* to, std::size_t n) noexcept
+INFERSCALE_INDEX_LINKAGE void graph_index::to_half(float const* from,
+                                                   half_t* to,
+                                                   std::size_t n) noexcept
 {
   for (std::size_t i = 0; i < n; ++i) {
     to[i] = from_float<half_t>(from[i]);
@@ -616,10 +628,12 @@ INFERSCALE_INDEX_LINKAGE void graph_index::rebuild_traversal(std::size_t t)
     std::vector<half_t>().swap(tn.entry_traversal);
     return;
   }
-  tn.traversal.resize(static_cast<std::size_t>(tn.ref.size) * static_cast<std::size_t>(row_elements_));
+  tn.traversal.resize(static_cast<std::size_t>(tn.ref.size) *
+                      static_cast<std::size_t>(row_elements_));
   write_traversal(t, 0, tn.ref.size);  // every element rewritten
   tn.entry_traversal.resize(tn.entry_vectors.size() / sizeof(float));
-  to_half(reinterpret_cast<float const*>(tn.entry_vectors.data()), tn.entry_traversal.data(),
+  to_half(reinterpret_cast<float const*>(tn.entry_vectors.data()),
+          tn.entry_traversal.data(),
           tn.entry_traversal.size());
 }
 
@@ -658,26 +672,31 @@ INFERSCALE_INDEX_LINKAGE void graph_index::reallocate_device()
   std::int64_t const rows = std::max<std::int64_t>(arena_capacity_ + arena_capacity_ / 4, 1);
   auto const n            = static_cast<std::size_t>(rows);
   memory_resource* const resource = config_.resource;
-  d_vectors_ = device_buffer<unsigned char>(n * static_cast<std::size_t>(row_elements_) * element_size_,
-                                            nullptr, resource);
-  d_graph_   = device_buffer<std::uint32_t>(n * config_.graph_degree, nullptr, resource);
-  d_ids_     = device_buffer<std::uint64_t>(n, nullptr, resource);
-  d_deleted_ = device_buffer<std::uint8_t>(n, nullptr, resource);
+  d_vectors_                      = device_buffer<unsigned char>(
+    n * static_cast<std::size_t>(row_elements_) * element_size_, nullptr, resource);
+  d_graph_    = device_buffer<std::uint32_t>(n * config_.graph_degree, nullptr, resource);
+  d_ids_      = device_buffer<std::uint64_t>(n, nullptr, resource);
+  d_deleted_  = device_buffer<std::uint8_t>(n, nullptr, resource);
   d_capacity_ = rows;
   if (arena_capacity_ > 0) { copy_rows(0, arena_capacity_); }
   device_stale_ = false;
 }
 
-INFERSCALE_INDEX_LINKAGE void graph_index::copy_rows(std::int64_t begin, std::int64_t count, unsigned parts)
+INFERSCALE_INDEX_LINKAGE void graph_index::copy_rows(std::int64_t begin,
+                                                     std::int64_t count,
+                                                     unsigned parts)
 {
   if (count <= 0) { return; }
   std::size_t const vb = static_cast<std::size_t>(row_elements_) * element_size_;
   if (parts & upload_vectors) {
     INFERSCALE_CUDA_TRY(cudaMemcpy(d_vectors_.data() + begin * vb,
-                                   vectors_.data() + begin * vb, count * vb,
+                                   vectors_.data() + begin * vb,
+                                   count * vb,
                                    cudaMemcpyHostToDevice));
-    INFERSCALE_CUDA_TRY(cudaMemcpy(d_ids_.data() + begin, ids_.data() + begin,
-                                   static_cast<std::size_t>(count) * 8, cudaMemcpyHostToDevice));
+    INFERSCALE_CUDA_TRY(cudaMemcpy(d_ids_.data() + begin,
+                                   ids_.data() + begin,
+                                   static_cast<std::size_t>(count) * 8,
+                                   cudaMemcpyHostToDevice));
   }
   if (parts & upload_graph) {
     INFERSCALE_CUDA_TRY(cudaMemcpy(d_graph_.data() + begin * config_.graph_degree,
@@ -686,12 +705,16 @@ INFERSCALE_INDEX_LINKAGE void graph_index::copy_rows(std::int64_t begin, std::in
                                    cudaMemcpyHostToDevice));
   }
   if (parts & upload_flags) {
-    INFERSCALE_CUDA_TRY(cudaMemcpy(d_deleted_.data() + begin, deleted_.data() + begin,
-                                   static_cast<std::size_t>(count), cudaMemcpyHostToDevice));
+    INFERSCALE_CUDA_TRY(cudaMemcpy(d_deleted_.data() + begin,
+                                   deleted_.data() + begin,
+                                   static_cast<std::size_t>(count),
+                                   cudaMemcpyHostToDevice));
   }
 }
 
-INFERSCALE_INDEX_LINKAGE void graph_index::upload_tenant(std::size_t t, std::uint32_t first_new, unsigned parts)
+INFERSCALE_INDEX_LINKAGE void graph_index::upload_tenant(std::size_t t,
+                                                         std::uint32_t first_new,
+                                                         unsigned parts)
 {
   if (config_.space != memory_space::device) { return; }
   if (device_stale_ || d_capacity_ < arena_capacity_) {
@@ -700,7 +723,8 @@ INFERSCALE_INDEX_LINKAGE void graph_index::upload_tenant(std::size_t t, std::uin
   }
   auto const& tr = tenants_[t].ref;
   if (parts & upload_vectors) {
-    copy_rows(tr.row_begin + first_new, std::int64_t{tr.size} - first_new, upload_vectors | upload_flags);
+    copy_rows(
+      tr.row_begin + first_new, std::int64_t{tr.size} - first_new, upload_vectors | upload_flags);
   }
   if (parts & upload_graph) { copy_rows(tr.row_begin, tr.size, upload_graph); }
   if (parts & upload_flags) { copy_rows(tr.row_begin, tenants_[t].capacity, upload_flags); }

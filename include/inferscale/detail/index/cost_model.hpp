@@ -40,7 +40,8 @@ inline constexpr double host_fast_graph_cost_factor = 1.4;
 
 /// @brief Estimate of the distances a fast host search computes: its entry points, then about
 /// `degree / 2` new neighbours for each of about `ef` expanded nodes.
-constexpr double estimated_fast_graph_distances(std::uint32_t ef, std::uint32_t entries,
+constexpr double estimated_fast_graph_distances(std::uint32_t ef,
+                                                std::uint32_t entries,
                                                 std::uint32_t degree) noexcept
 {
   return static_cast<double>(entries) + static_cast<double>(ef) * degree / 2.0;

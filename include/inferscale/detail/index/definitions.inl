@@ -21,37 +21,35 @@
 #include <vector>
 
 /// The index's templates for one vector / query type T (float or half_t), instantiated.
-#define INFERSCALE_INDEX_INSTANCES_FOR(T)                                                 \
-  template void ::inferscale::graph_index::add<T>(                                         \
-    std::uint64_t,                                                                                \
-    ::inferscale::matrix_view<T const>,                                                           \
-    ::cuda::std::span<std::uint64_t const>,                                                       \
-    ::inferscale::graph_builder const&);                                                          \
-  template void ::inferscale::graph_index::build<T>(                                       \
-    std::uint64_t,                                                                                \
-    ::inferscale::matrix_view<T const>,                                                           \
-    ::cuda::std::span<std::uint64_t const>,                                                       \
-    ::inferscale::graph_builder const&);                                                          \
-  template std::vector<float> inferscale::graph_index::prepare_queries<T>(               \
-    ::inferscale::matrix_view<T const>) const;                                                    \
-  template std::vector<std::int64_t> inferscale::graph_index::check_search<T>(           \
-    ::inferscale::matrix_view<T const>,                                                           \
-    ::cuda::std::span<std::uint64_t const>,                                                       \
-    std::uint32_t,                                                                                \
-    ::inferscale::search_params const&,                                                           \
-    std::int64_t,                                                                                 \
-    std::int64_t,                                                                                 \
-    std::int64_t,                                                                                 \
-    std::int64_t) const;                                                                          \
-  template void ::inferscale::search<T>(::inferscale::graph_index const&,                  \
-                                               ::inferscale::matrix_view<T const>,                \
-                                               ::cuda::std::span<std::uint64_t const>,            \
-                                               std::uint32_t,                                     \
-                                               ::inferscale::search_params const&,                \
-                                               ::inferscale::matrix_view<std::uint64_t>,          \
-                                               ::inferscale::matrix_view<float>);
+#define INFERSCALE_INDEX_INSTANCES_FOR(T)                                                   \
+  template void ::inferscale::graph_index::add<T>(std::uint64_t,                            \
+                                                  ::inferscale::matrix_view<T const>,       \
+                                                  ::cuda::std::span<std::uint64_t const>,   \
+                                                  ::inferscale::graph_builder const&);      \
+  template void ::inferscale::graph_index::build<T>(std::uint64_t,                          \
+                                                    ::inferscale::matrix_view<T const>,     \
+                                                    ::cuda::std::span<std::uint64_t const>, \
+                                                    ::inferscale::graph_builder const&);    \
+  template std::vector<float> inferscale::graph_index::prepare_queries<T>(                  \
+    ::inferscale::matrix_view<T const>) const;                                              \
+  template std::vector<std::int64_t> inferscale::graph_index::check_search<T>(              \
+    ::inferscale::matrix_view<T const>,                                                     \
+    ::cuda::std::span<std::uint64_t const>,                                                 \
+    std::uint32_t,                                                                          \
+    ::inferscale::search_params const&,                                                     \
+    std::int64_t,                                                                           \
+    std::int64_t,                                                                           \
+    std::int64_t,                                                                           \
+    std::int64_t) const;                                                                    \
+  template void ::inferscale::search<T>(::inferscale::graph_index const&,                   \
+                                        ::inferscale::matrix_view<T const>,                 \
+                                        ::cuda::std::span<std::uint64_t const>,             \
+                                        std::uint32_t,                                      \
+                                        ::inferscale::search_params const&,                 \
+                                        ::inferscale::matrix_view<std::uint64_t>,           \
+                                        ::inferscale::matrix_view<float>);
 
 /// The index's templates for float and half_t, the types it takes.
-#define INFERSCALE_INDEX_INSTANCES()                     \
-  INFERSCALE_INDEX_INSTANCES_FOR(float)                \
+#define INFERSCALE_INDEX_INSTANCES()    \
+  INFERSCALE_INDEX_INSTANCES_FOR(float) \
   INFERSCALE_INDEX_INSTANCES_FOR(::inferscale::half_t)

@@ -8,10 +8,10 @@
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
-#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/index/device_launch.inl>
 #include <inferscale/detail/index/kernels.cuh>
 #include <inferscale/detail/index/select_k_instance.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/index.hpp>
@@ -307,16 +307,15 @@ inline void device_prune(raft::resources const& res,
     cudaMemcpyAsync(knn.data(), host_knn, std::size_t{n} * k * 4, cudaMemcpyHostToDevice, stream));
   for (std::int64_t first = 0; first < n; first += per_launch) {
     prune_kernel_params params;
-    params.knn     = knn.data();
-    params.out     = pruned.data();
-    params.scratch = scratch.data();
-    params.width   = k;
-    params.k       = k;
-    params.degree  = degree;
-    params.first   = static_cast<std::uint32_t>(first);
-    params.count   = static_cast<std::uint32_t>(std::min<std::int64_t>(per_launch, n - first));
-    auto const grid =
-      static_cast<unsigned>(ceil_div(params.count, policy::prune_threads));
+    params.knn      = knn.data();
+    params.out      = pruned.data();
+    params.scratch  = scratch.data();
+    params.width    = k;
+    params.k        = k;
+    params.degree   = degree;
+    params.first    = static_cast<std::uint32_t>(first);
+    params.count    = static_cast<std::uint32_t>(std::min<std::int64_t>(per_launch, n - first));
+    auto const grid = static_cast<unsigned>(ceil_div(params.count, policy::prune_threads));
     prune_kernel<policy><<<grid, policy::prune_threads, 0, stream>>>(params);
     INFERSCALE_CHECK_LAUNCH();
   }

@@ -69,7 +69,7 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void exact_search(raft::resources const& res,
   using policy = detail::index::device_policy;
   detail::index::require_device_index(index, "inferscale::exact_search");
   std::uint64_t const one_namespace[1] = {ns};
-  using access = detail::index::index_access;
+  using access                         = detail::index::index_access;
   (void)access::check_search(index,
                              queries,
                              cuda::std::span<std::uint64_t const>{one_namespace, 1},
@@ -169,7 +169,7 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void search(raft::resources const& res,
   using policy = detail::index::device_policy;
   using detail::index::search_mode;
   detail::index::require_device_index(index, "inferscale::search");
-  using access = detail::index::index_access;
+  using access                                 = detail::index::index_access;
   std::vector<std::int64_t> const tenant_index = access::check_search(index,
                                                                       queries,
                                                                       namespaces,
@@ -182,16 +182,17 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void search(raft::resources const& res,
   std::int64_t const nq                        = queries.extent(0);
   if (nq == 0) { return; }
 
-  auto const tenants          = access::tenant_table(index);
-  auto const ref              = access::ref(index);
-  std::int64_t const re       = access::row_elements(index);
-  std::uint32_t const degree  = access::graph_degree(index);
+  auto const tenants         = access::tenant_table(index);
+  auto const ref             = access::ref(index);
+  std::int64_t const re      = access::row_elements(index);
+  std::uint32_t const degree = access::graph_degree(index);
   // a split search (search_params::ctas_per_query; 0: automatic, by the batch size, as the host
   // reference search resolves it) runs `parts` virtual queries per query
-  search_params const params = access::resolve_split(call_params, nq, k);
-  std::uint32_t const parts  = params.ctas_per_query;
-  std::uint32_t const itopk = parts == 1 ? resolved_itopk(params.itopk_size, k)
-                                         : split_itopk(resolved_itopk(params.itopk_size, k), k, parts);
+  search_params const params  = access::resolve_split(call_params, nq, k);
+  std::uint32_t const parts   = params.ctas_per_query;
+  std::uint32_t const itopk   = parts == 1
+                                  ? resolved_itopk(params.itopk_size, k)
+                                  : split_itopk(resolved_itopk(params.itopk_size, k), k, parts);
   std::uint32_t const entries = static_cast<std::uint32_t>(
     detail::index::next_pow2(std::uint64_t{itopk} + policy::min_candidates));
   std::int64_t const virtual_queries = nq * parts;
@@ -214,9 +215,9 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void search(raft::resources const& res,
     } else {
       search_params const part = parts == 1 ? params : access::split_part(params, k, c);
       auto const plan          = access::plan_for(index, tenant.size, k, part);
-      task.mode           = search_mode::graph;
-      task.xor_mask       = plan.xor_mask;
-      task.max_iterations = plan.max_iterations;
+      task.mode                = search_mode::graph;
+      task.xor_mask            = plan.xor_mask;
+      task.max_iterations      = plan.max_iterations;
       // nodes a query can visit: its seed slots and every neighbour of every parent, at most n
       std::uint64_t const visits = std::min<std::uint64_t>(
         tenant.size,
@@ -232,7 +233,7 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void search(raft::resources const& res,
   // shared memory: the buffer always; the query and the hash when they fit
   int device = 0;
   INFERSCALE_CUDA_TRY(cudaGetDevice(&device));
-  std::size_t const limit = detail::index::search_shared_limit<policy>(device);
+  std::size_t const limit       = detail::index::search_shared_limit<policy>(device);
   std::size_t shared            = std::size_t{entries} * sizeof(detail::index::buffer_entry);
   std::size_t const query_bytes = static_cast<std::size_t>(re) * sizeof(float);
   bool const query_in_shared =
@@ -248,28 +249,29 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void search(raft::resources const& res,
 
   cudaStream_t const stream = raft::resource::get_cuda_stream(res).get();
   // with a global workspace, at most the CTAs the device holds at once, each reusing one slice
-  std::int64_t const resident = detail::index::dispatch_vector_dtype(ref.vector_dtype, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    if (query_in_shared && hash_in_shared) {  // one CTA per query: the occupancy does not matter
-      detail::index::prepare_search_kernel<policy, T>(device);
-      return std::int64_t{0};
-    }
-    return detail::index::resident_search_ctas<policy, T>(device, shared);  // prepares it too
-  });
+  std::int64_t const resident =
+    detail::index::dispatch_vector_dtype(ref.vector_dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      if (query_in_shared && hash_in_shared) {  // one CTA per query: the occupancy does not matter
+        detail::index::prepare_search_kernel<policy, T>(device);
+        return std::int64_t{0};
+      }
+      return detail::index::resident_search_ctas<policy, T>(device, shared);  // prepares it too
+    });
   auto const launch = detail::index::search_launch_plan(virtual_queries,
-                                                       resident,
-                                                       query_in_shared,
-                                                       hash_in_shared,
-                                                       re,
-                                                       static_cast<std::int64_t>(hash_max));
+                                                        resident,
+                                                        query_in_shared,
+                                                        hash_in_shared,
+                                                        re,
+                                                        static_cast<std::int64_t>(hash_max));
   // a small batch carries its tasks in the launch's parameters: no allocation, no copy
   bool const inline_tasks = virtual_queries <= detail::index::inline_search_tasks;
   auto d_tasks            = detail::index::optional_workspace<detail::index::search_task>(
     res, inline_tasks ? 0 : virtual_queries);
   auto part_out = detail::index::optional_workspace<detail::index::buffer_entry>(
     res, parts == 1 ? 0 : virtual_queries * k);
-  auto query_workspace = detail::index::optional_workspace<float>(
-    res, query_in_shared ? 0 : launch.query_elements);
+  auto query_workspace =
+    detail::index::optional_workspace<float>(res, query_in_shared ? 0 : launch.query_elements);
   auto hash_workspace = detail::index::optional_workspace<std::uint32_t>(
     res, hash_in_shared ? 0 : launch.hash_elements);
   if (!inline_tasks) {
@@ -281,14 +283,14 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void search(raft::resources const& res,
   }
 
   detail::index::search_kernel_params p;
-  p.vectors           = ref.vectors;
-  p.graph             = ref.graph;
-  p.ids               = ref.ids;
-  p.deleted           = ref.deleted;
-  p.queries           = queries.data_handle();
-  p.query_stride0     = queries.stride(0);
-  p.query_stride1     = queries.stride(1);
-  p.tasks             = detail::index::data_or_null(d_tasks);
+  p.vectors       = ref.vectors;
+  p.graph         = ref.graph;
+  p.ids           = ref.ids;
+  p.deleted       = ref.deleted;
+  p.queries       = queries.data_handle();
+  p.query_stride0 = queries.stride(0);
+  p.query_stride1 = queries.stride(1);
+  p.tasks         = detail::index::data_or_null(d_tasks);
   if (inline_tasks) { std::copy(tasks.begin(), tasks.end(), p.inline_tasks); }
   p.out_ids           = out_ids.data_handle();
   p.ids_stride0       = out_ids.stride(0);
@@ -317,13 +319,13 @@ INFERSCALE_DEVICE_INDEX_LINKAGE void search(raft::resources const& res,
 
   auto const grid = static_cast<unsigned>(launch.grid);
   detail::index::dispatch_vector_dtype(ref.vector_dtype, [&](auto tag) {
-    using T     = typename decltype(tag)::type;
+    using T = typename decltype(tag)::type;
     detail::index::search_kernel<policy, T><<<grid, policy::search_threads, shared, stream>>>(p);
     INFERSCALE_CHECK_LAUNCH();
   });
   if (parts > 1) {  // the parts' answers merged into the output rows
-    auto const merge_grid = static_cast<unsigned>((nq + policy::elementwise_threads - 1) /
-                                                  policy::elementwise_threads);
+    auto const merge_grid =
+      static_cast<unsigned>((nq + policy::elementwise_threads - 1) / policy::elementwise_threads);
     detail::index::merge_split_kernel<policy>
       <<<merge_grid, policy::elementwise_threads, 0, stream>>>(p, nq);
     INFERSCALE_CHECK_LAUNCH();

@@ -8,10 +8,10 @@
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
-#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/index/device_workspace.inl>
 #include <inferscale/detail/index/kernels.cuh>
 #include <inferscale/detail/index/tuning.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/index.hpp>

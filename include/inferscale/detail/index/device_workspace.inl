@@ -50,10 +50,11 @@ T* data_or_null(std::optional<rmm::device_uvector<T>>& v) noexcept
 
 inline void require_device_index(graph_index const& index, char const* what)
 {
-  INFERSCALE_EXPECTS(index.space() == memory_space::device,
-                     std::string{what} +
-                       ": the index lives in host memory; search it with search(index, ...) of index.hpp "
-                       "(or build it with index_config::memory = memory_space::device)");
+  INFERSCALE_EXPECTS(
+    index.space() == memory_space::device,
+    std::string{what} +
+      ": the index lives in host memory; search it with search(index, ...) of index.hpp "
+      "(or build it with index_config::memory = memory_space::device)");
 }
 
 }  // namespace inferscale::detail::index

@@ -37,7 +37,7 @@ using fast_distance_fn = float (*)(T const*, float const*, std::int64_t) noexcep
 template <class T, bool L2>
 inline float fast_partial_sum(T const* x, float const* q, std::int64_t n) noexcept
 {
-  float acc[16] = {};
+  float acc[16]  = {};
   std::int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     for (int l = 0; l < 16; ++l) {
@@ -95,8 +95,11 @@ template <class T>
 using fast_scan_fn = void (*)(T const*, std::int64_t, std::uint32_t, float const*, float*) noexcept;
 
 template <class T, distance_metric M>
-inline void fast_scan_portable(T const* rows, std::int64_t row_elements, std::uint32_t count,
-                               float const* q, float* out) noexcept
+inline void fast_scan_portable(T const* rows,
+                               std::int64_t row_elements,
+                               std::uint32_t count,
+                               float const* q,
+                               float* out) noexcept
 {
   for (std::uint32_t r = 0; r < count; ++r) {
     out[r] = fast_distance_portable<T, M>(rows + std::int64_t{r} * row_elements, q, row_elements);
@@ -145,8 +148,9 @@ INFERSCALE_TARGET_AVX2 INFERSCALE_FORCEINLINE float fast_hsum8(__m256 s) noexcep
 }
 
 template <bool L2>
-INFERSCALE_TARGET_AVX2 INFERSCALE_FORCEINLINE __m256 fast_step8(__m256 acc, __m256 x,
-                                                                 __m256 q) noexcept
+INFERSCALE_TARGET_AVX2 INFERSCALE_FORCEINLINE __m256 fast_step8(__m256 acc,
+                                                                __m256 x,
+                                                                __m256 q) noexcept
 {
   if constexpr (L2) {
     __m256 const d = _mm256_sub_ps(x, q);
@@ -159,7 +163,8 @@ INFERSCALE_TARGET_AVX2 INFERSCALE_FORCEINLINE __m256 fast_step8(__m256 acc, __m2
 /// @brief AVX2 + FMA: four accumulators of eight lanes (32 elements per step), eights, then the
 /// rest one by one (a padded row has a multiple of 4 fp32 or 8 fp16 elements).
 template <class T, distance_metric M>
-INFERSCALE_TARGET_AVX2 inline float fast_distance_avx2(T const* x, float const* q,
+INFERSCALE_TARGET_AVX2 inline float fast_distance_avx2(T const* x,
+                                                       float const* q,
                                                        std::int64_t n) noexcept
 {
   constexpr bool l2 = M == distance_metric::squared_l2;
@@ -191,8 +196,10 @@ INFERSCALE_TARGET_AVX2 inline float fast_distance_avx2(T const* x, float const* 
 /// @brief AVX2 + FMA scan: four rows at a time, two accumulators each (eight independent
 /// chains), each query load shared by the four rows; the rest of the rows one by one.
 template <class T, distance_metric M>
-INFERSCALE_TARGET_AVX2 inline void fast_scan_avx2(T const* rows, std::int64_t row_elements,
-                                                  std::uint32_t count, float const* q,
+INFERSCALE_TARGET_AVX2 inline void fast_scan_avx2(T const* rows,
+                                                  std::int64_t row_elements,
+                                                  std::uint32_t count,
+                                                  float const* q,
                                                   float* out) noexcept
 {
   constexpr bool l2 = M == distance_metric::squared_l2;
@@ -206,29 +213,31 @@ INFERSCALE_TARGET_AVX2 inline void fast_scan_avx2(T const* rows, std::int64_t ro
     __m256 a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
     __m256 b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
     T const* const next = x3 + row_elements;  // the next group of four rows
-    std::int64_t i = 0;
+    std::int64_t i      = 0;
     for (; i + 16 <= row_elements; i += 16) {
       prefetch_row(next + 4 * i, 64 * sizeof(T));  // this step's share of the next group
       __m256 const qa = _mm256_loadu_ps(q + i);
       __m256 const qb = _mm256_loadu_ps(q + i + 8);
-      a0 = fast_step8<l2>(a0, fast_load8(x0 + i), qa);
-      a1 = fast_step8<l2>(a1, fast_load8(x1 + i), qa);
-      a2 = fast_step8<l2>(a2, fast_load8(x2 + i), qa);
-      a3 = fast_step8<l2>(a3, fast_load8(x3 + i), qa);
-      b0 = fast_step8<l2>(b0, fast_load8(x0 + i + 8), qb);
-      b1 = fast_step8<l2>(b1, fast_load8(x1 + i + 8), qb);
-      b2 = fast_step8<l2>(b2, fast_load8(x2 + i + 8), qb);
-      b3 = fast_step8<l2>(b3, fast_load8(x3 + i + 8), qb);
+      a0              = fast_step8<l2>(a0, fast_load8(x0 + i), qa);
+      a1              = fast_step8<l2>(a1, fast_load8(x1 + i), qa);
+      a2              = fast_step8<l2>(a2, fast_load8(x2 + i), qa);
+      a3              = fast_step8<l2>(a3, fast_load8(x3 + i), qa);
+      b0              = fast_step8<l2>(b0, fast_load8(x0 + i + 8), qb);
+      b1              = fast_step8<l2>(b1, fast_load8(x1 + i + 8), qb);
+      b2              = fast_step8<l2>(b2, fast_load8(x2 + i + 8), qb);
+      b3              = fast_step8<l2>(b3, fast_load8(x3 + i + 8), qb);
     }
     for (; i + 8 <= row_elements; i += 8) {
       __m256 const qa = _mm256_loadu_ps(q + i);
-      a0 = fast_step8<l2>(a0, fast_load8(x0 + i), qa);
-      a1 = fast_step8<l2>(a1, fast_load8(x1 + i), qa);
-      a2 = fast_step8<l2>(a2, fast_load8(x2 + i), qa);
-      a3 = fast_step8<l2>(a3, fast_load8(x3 + i), qa);
+      a0              = fast_step8<l2>(a0, fast_load8(x0 + i), qa);
+      a1              = fast_step8<l2>(a1, fast_load8(x1 + i), qa);
+      a2              = fast_step8<l2>(a2, fast_load8(x2 + i), qa);
+      a3              = fast_step8<l2>(a3, fast_load8(x3 + i), qa);
     }
-    float sum[4] = {fast_hsum8(_mm256_add_ps(a0, b0)), fast_hsum8(_mm256_add_ps(a1, b1)),
-                    fast_hsum8(_mm256_add_ps(a2, b2)), fast_hsum8(_mm256_add_ps(a3, b3))};
+    float sum[4]   = {fast_hsum8(_mm256_add_ps(a0, b0)),
+                      fast_hsum8(_mm256_add_ps(a1, b1)),
+                      fast_hsum8(_mm256_add_ps(a2, b2)),
+                      fast_hsum8(_mm256_add_ps(a3, b3))};
     T const* xs[4] = {x0, x1, x2, x3};
     for (int j = 0; j < 4; ++j) {
       for (std::int64_t e = i; e < row_elements; ++e) {
@@ -276,7 +285,8 @@ INFERSCALE_TARGET_AVX512 INFERSCALE_FORCEINLINE __m512 fast_load16(T const* x) n
 }
 
 template <bool L2>
-INFERSCALE_TARGET_AVX512 INFERSCALE_FORCEINLINE __m512 fast_step16(__m512 acc, __m512 x,
+INFERSCALE_TARGET_AVX512 INFERSCALE_FORCEINLINE __m512 fast_step16(__m512 acc,
+                                                                   __m512 x,
                                                                    __m512 q) noexcept
 {
   if constexpr (L2) {
@@ -290,7 +300,8 @@ INFERSCALE_TARGET_AVX512 INFERSCALE_FORCEINLINE __m512 fast_step16(__m512 acc, _
 /// @brief AVX-512F: four accumulators of sixteen lanes (64 elements per step), sixteens, then
 /// one masked step for the rest.
 template <class T, distance_metric M>
-INFERSCALE_TARGET_AVX512 inline float fast_distance_avx512(T const* x, float const* q,
+INFERSCALE_TARGET_AVX512 inline float fast_distance_avx512(T const* x,
+                                                           float const* q,
                                                            std::int64_t n) noexcept
 {
   constexpr bool l2 = M == distance_metric::squared_l2;
@@ -317,8 +328,10 @@ INFERSCALE_TARGET_AVX512 inline float fast_distance_avx512(T const* x, float con
 /// @brief AVX-512F scan: four rows at a time, two accumulators each, each query load shared by
 /// the four rows, one masked step for the tail; the rest of the rows one by one.
 template <class T, distance_metric M>
-INFERSCALE_TARGET_AVX512 inline void fast_scan_avx512(T const* rows, std::int64_t row_elements,
-                                                      std::uint32_t count, float const* q,
+INFERSCALE_TARGET_AVX512 inline void fast_scan_avx512(T const* rows,
+                                                      std::int64_t row_elements,
+                                                      std::uint32_t count,
+                                                      float const* q,
                                                       float* out) noexcept
 {
   constexpr bool l2 = M == distance_metric::squared_l2;
@@ -332,29 +345,29 @@ INFERSCALE_TARGET_AVX512 inline void fast_scan_avx512(T const* rows, std::int64_
     __m512 a3 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
     __m512 b2 = _mm512_setzero_ps(), b3 = _mm512_setzero_ps();
     T const* const next = x3 + row_elements;  // the next group of four rows
-    std::int64_t i = 0;
+    std::int64_t i      = 0;
     for (; i + 32 <= row_elements; i += 32) {
       prefetch_row(next + 4 * i, 128 * sizeof(T));  // this step's share of the next group
       __m512 const qa = _mm512_loadu_ps(q + i);
       __m512 const qb = _mm512_loadu_ps(q + i + 16);
-      a0 = fast_step16<l2>(a0, fast_load16(x0 + i), qa);
-      a1 = fast_step16<l2>(a1, fast_load16(x1 + i), qa);
-      a2 = fast_step16<l2>(a2, fast_load16(x2 + i), qa);
-      a3 = fast_step16<l2>(a3, fast_load16(x3 + i), qa);
-      b0 = fast_step16<l2>(b0, fast_load16(x0 + i + 16), qb);
-      b1 = fast_step16<l2>(b1, fast_load16(x1 + i + 16), qb);
-      b2 = fast_step16<l2>(b2, fast_load16(x2 + i + 16), qb);
-      b3 = fast_step16<l2>(b3, fast_load16(x3 + i + 16), qb);
+      a0              = fast_step16<l2>(a0, fast_load16(x0 + i), qa);
+      a1              = fast_step16<l2>(a1, fast_load16(x1 + i), qa);
+      a2              = fast_step16<l2>(a2, fast_load16(x2 + i), qa);
+      a3              = fast_step16<l2>(a3, fast_load16(x3 + i), qa);
+      b0              = fast_step16<l2>(b0, fast_load16(x0 + i + 16), qb);
+      b1              = fast_step16<l2>(b1, fast_load16(x1 + i + 16), qb);
+      b2              = fast_step16<l2>(b2, fast_load16(x2 + i + 16), qb);
+      b3              = fast_step16<l2>(b3, fast_load16(x3 + i + 16), qb);
     }
     for (; i < row_elements; i += 16) {
       std::int64_t const left = row_elements - i;
-      auto const mask = left >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                   : static_cast<__mmask16>((1u << left) - 1u);
+      auto const mask =
+        left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
       __m512 const qa = _mm512_maskz_loadu_ps(mask, q + i);
-      a0 = fast_step16<l2>(a0, fast_load16(x0 + i, mask), qa);
-      a1 = fast_step16<l2>(a1, fast_load16(x1 + i, mask), qa);
-      a2 = fast_step16<l2>(a2, fast_load16(x2 + i, mask), qa);
-      a3 = fast_step16<l2>(a3, fast_load16(x3 + i, mask), qa);
+      a0              = fast_step16<l2>(a0, fast_load16(x0 + i, mask), qa);
+      a1              = fast_step16<l2>(a1, fast_load16(x1 + i, mask), qa);
+      a2              = fast_step16<l2>(a2, fast_load16(x2 + i, mask), qa);
+      a3              = fast_step16<l2>(a3, fast_load16(x3 + i, mask), qa);
     }
     out[r]     = fast_finish<M>(_mm512_reduce_add_ps(_mm512_add_ps(a0, b0)));
     out[r + 1] = fast_finish<M>(_mm512_reduce_add_ps(_mm512_add_ps(a1, b1)));
@@ -390,8 +403,7 @@ inline fast_scan_fn<T> fast_scan_for(distance_metric m) noexcept
   switch (m) {
     case distance_metric::inner_product:
       return fast_scan_for_metric<T, distance_metric::inner_product>();
-    case distance_metric::squared_l2:
-      return fast_scan_for_metric<T, distance_metric::squared_l2>();
+    case distance_metric::squared_l2: return fast_scan_for_metric<T, distance_metric::squared_l2>();
     case distance_metric::cosine: break;
   }
   return fast_scan_for_metric<T, distance_metric::cosine>();
@@ -453,12 +465,21 @@ inline fast_kernels<T> fast_kernels_for(distance_metric m) noexcept
  * 4 x 4 block (AVX-512) loads each chunk of its eight rows once for sixteen products, where one
  * product at a time loads two chunks per multiply-add and, on rows in the L2, waits for them.
  */
-using dot_block_fn = void (*)(float const* const*, std::uint32_t, float const* const*,
-                              std::uint32_t, std::int64_t, float*, std::size_t) noexcept;
+using dot_block_fn = void (*)(float const* const*,
+                              std::uint32_t,
+                              float const* const*,
+                              std::uint32_t,
+                              std::int64_t,
+                              float*,
+                              std::size_t) noexcept;
 
 /// @brief The portable block: one chain per pair, in element order.
-inline void dot_block_portable(float const* const* a, std::uint32_t na, float const* const* b,
-                               std::uint32_t nb, std::int64_t n, float* out,
+inline void dot_block_portable(float const* const* a,
+                               std::uint32_t na,
+                               float const* const* b,
+                               std::uint32_t nb,
+                               std::int64_t n,
+                               float* out,
                                std::size_t ld) noexcept
 {
   for (std::uint32_t i = 0; i < na; ++i) {
@@ -472,10 +493,8 @@ inline void dot_block_portable(float const* const* a, std::uint32_t na, float co
 
 /// @brief The AVX2 block: `A` x `B` chains of eight lanes, then fast_hsum8 each.
 template <int A, int B>
-INFERSCALE_TARGET_AVX2 INFERSCALE_FORCEINLINE void dot_tile8(float const* const* a,
-                                                            float const* const* b,
-                                                            std::int64_t n, float* out,
-                                                            std::size_t ld) noexcept
+INFERSCALE_TARGET_AVX2 INFERSCALE_FORCEINLINE void dot_tile8(
+  float const* const* a, float const* const* b, std::int64_t n, float* out, std::size_t ld) noexcept
 {
   __m256 acc[A][B];
   for (int r = 0; r < A; ++r) {
@@ -522,9 +541,12 @@ INFERSCALE_TARGET_AVX2 INFERSCALE_FORCEINLINE void dot_tile8(float const* const*
 
 /// @brief dot_block_fn for AVX2 + FMA: 2 x 4 blocks (eight accumulators of the sixteen
 /// registers), the edges in smaller ones.
-INFERSCALE_TARGET_AVX2 inline void dot_block_avx2(float const* const* a, std::uint32_t na,
-                                                  float const* const* b, std::uint32_t nb,
-                                                  std::int64_t n, float* out,
+INFERSCALE_TARGET_AVX2 inline void dot_block_avx2(float const* const* a,
+                                                  std::uint32_t na,
+                                                  float const* const* b,
+                                                  std::uint32_t nb,
+                                                  std::int64_t n,
+                                                  float* out,
                                                   std::size_t ld) noexcept
 {
   std::uint32_t i = 0;
@@ -558,10 +580,8 @@ INFERSCALE_TARGET_AVX512 INFERSCALE_FORCEINLINE float halving_sum16(__m512 v) no
 
 /// @brief The AVX-512 block: `A` x `B` chains of sixteen lanes, then halving_sum16 each.
 template <int A, int B>
-INFERSCALE_TARGET_AVX512 INFERSCALE_FORCEINLINE void dot_tile16(float const* const* a,
-                                                               float const* const* b,
-                                                               std::int64_t n, float* out,
-                                                               std::size_t ld) noexcept
+INFERSCALE_TARGET_AVX512 INFERSCALE_FORCEINLINE void dot_tile16(
+  float const* const* a, float const* const* b, std::int64_t n, float* out, std::size_t ld) noexcept
 {
   __m512 acc[A][B];
   for (int r = 0; r < A; ++r) {
@@ -605,9 +625,12 @@ INFERSCALE_TARGET_AVX512 INFERSCALE_FORCEINLINE void dot_tile16(float const* con
 
 /// @brief dot_block_fn for AVX-512F: 4 x 4 blocks (sixteen accumulators of the 32 registers),
 /// the edges in smaller ones.
-INFERSCALE_TARGET_AVX512 inline void dot_block_avx512(float const* const* a, std::uint32_t na,
-                                                      float const* const* b, std::uint32_t nb,
-                                                      std::int64_t n, float* out,
+INFERSCALE_TARGET_AVX512 inline void dot_block_avx512(float const* const* a,
+                                                      std::uint32_t na,
+                                                      float const* const* b,
+                                                      std::uint32_t nb,
+                                                      std::int64_t n,
+                                                      float* out,
                                                       std::size_t ld) noexcept
 {
   std::uint32_t i = 0;

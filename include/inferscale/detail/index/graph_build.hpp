@@ -39,8 +39,8 @@ inline effective_degrees degrees_for(std::uint32_t intermediate,
 {
   effective_degrees e{};
   std::uint64_t const most = n == 0 ? 0 : n - 1;
-  e.intermediate           = static_cast<std::uint32_t>(std::min<std::uint64_t>(intermediate, most));
-  e.final                  = std::min(final_degree, e.intermediate);
+  e.intermediate = static_cast<std::uint32_t>(std::min<std::uint64_t>(intermediate, most));
+  e.final        = std::min(final_degree, e.intermediate);
   return e;
 }
 
@@ -69,7 +69,7 @@ void exact_knn_host(T const* rows,
   bool const l2               = metric == distance_metric::squared_l2;
   std::int64_t const lanes    = 16;
   std::int64_t const blocks16 = row_elements / lanes;
-  auto distance = [&](float const* a, float const* b) {
+  auto distance               = [&](float const* a, float const* b) {
     float acc[16] = {};
     if (l2) {
       for (std::int64_t c = 0; c < blocks16; ++c) {
@@ -143,10 +143,10 @@ constexpr std::uint64_t splitmix64(std::uint64_t x) noexcept
 
 /// @brief Knobs of `nn_descent_knn_host` (Dong, Charikar, Li 2011), the names of the paper.
 struct nn_descent_knobs {
-  float rho{0.5f};                 ///< sampling rate: at most `ceil(rho * k)` new and old candidates
-  float delta{0.001f};             ///< stop when an iteration makes fewer than `delta * n * k` updates
-  std::uint32_t max_iterations{16};///< hard bound on the iterations
-  std::uint64_t seed{0x6E6E64};    ///< the random initial graph and the samples depend only on it
+  float rho{0.5f};      ///< sampling rate: at most `ceil(rho * k)` new and old candidates
+  float delta{0.001f};  ///< stop when an iteration makes fewer than `delta * n * k` updates
+  std::uint32_t max_iterations{16};  ///< hard bound on the iterations
+  std::uint64_t seed{0x6E6E64};      ///< the random initial graph and the samples depend only on it
 };
 
 /// @brief What one `nn_descent_knn_host` run did (for tests and benchmarks).
@@ -209,7 +209,7 @@ nn_descent_report nn_descent_knn_host(T const* rows,
   // is the same bits in any block and in either order (each lane's fused a * b + acc is
   // b * a + acc)
   dot_block_fn const dot_block = dot_block_for();
-  auto row = [&](std::uint32_t a) {
+  auto row                     = [&](std::uint32_t a) {
     return data.data() + std::size_t{a} * static_cast<std::size_t>(row_elements);
   };
   auto dot = [&](std::uint32_t a, std::uint32_t b) {
@@ -243,9 +243,9 @@ nn_descent_report nn_descent_knn_host(T const* rows,
   // offers `x` at distance `d` to `u`'s list; true if it was taken
   auto offer = [&](std::uint32_t u, std::uint32_t x, float d) {
     if (d > worst[u]) { return false; }
-    float* du          = dist.data() + std::size_t{u} * kz;
-    std::uint32_t* iu  = ids.data() + std::size_t{u} * kz;
-    std::uint8_t* fu   = fresh.data() + std::size_t{u} * kz;
+    float* du         = dist.data() + std::size_t{u} * kz;
+    std::uint32_t* iu = ids.data() + std::size_t{u} * kz;
+    std::uint8_t* fu  = fresh.data() + std::size_t{u} * kz;
     if (!less(d, x, du[kz - 1], iu[kz - 1])) { return false; }
     // Most offers that pass the bound in the late iterations are of listed nodes: test
     // membership first, over all k ids at once (no dependent loads; the compiler vectorises it)
@@ -306,13 +306,16 @@ nn_descent_report nn_descent_knn_host(T const* rows,
   std::vector<std::uint64_t> new_prio(nz * cz), old_prio(nz * cz);
   std::vector<std::uint32_t> new_ids(nz * cz), old_ids(nz * cz);
   std::vector<std::uint32_t> new_count(nz), old_count(nz);
-  auto push = [&](std::vector<std::uint64_t>& prio, std::vector<std::uint32_t>& cand,
-                  std::vector<std::uint32_t>& count, std::uint32_t v, std::uint32_t x,
+  auto push = [&](std::vector<std::uint64_t>& prio,
+                  std::vector<std::uint32_t>& cand,
+                  std::vector<std::uint32_t>& count,
+                  std::uint32_t v,
+                  std::uint32_t x,
                   std::uint64_t p) {
-    std::uint64_t* pv  = prio.data() + std::size_t{v} * cz;
-    std::uint32_t* cv  = cand.data() + std::size_t{v} * cz;
-    std::uint32_t& c   = count[v];
-    unsigned present   = 0;
+    std::uint64_t* pv = prio.data() + std::size_t{v} * cz;
+    std::uint32_t* cv = cand.data() + std::size_t{v} * cz;
+    std::uint32_t& c  = count[v];
+    unsigned present  = 0;
     for (std::uint32_t i = 0; i < c; ++i) {
       present |= static_cast<unsigned>(cv[i] == x);
     }
@@ -338,7 +341,10 @@ nn_descent_report nn_descent_knn_host(T const* rows,
       std::uint32_t const l = 2 * i + 1, r = l + 1;
       std::uint32_t m = i;
       std::pair<std::uint64_t, std::uint32_t> top{p, x};
-      if (l < c && heap_less(top, {pv[l], cv[l]})) { m = l; top = {pv[l], cv[l]}; }
+      if (l < c && heap_less(top, {pv[l], cv[l]})) {
+        m   = l;
+        top = {pv[l], cv[l]};
+      }
       if (r < c && heap_less(top, {pv[r], cv[r]})) { m = r; }
       if (m == i) { break; }
       pv[i] = pv[m];
@@ -399,8 +405,13 @@ nn_descent_report nn_descent_knn_host(T const* rows,
       }
       for (std::uint32_t a0 = 0; a0 < nn; a0 += 4) {
         std::uint32_t const rows_here = std::min<std::uint32_t>(4, nn - a0);
-        dot_block(join_rows.data() + a0, rows_here, join_rows.data() + a0, width - a0,
-                  row_elements, dots.data() + std::size_t{a0} * width + a0, width);
+        dot_block(join_rows.data() + a0,
+                  rows_here,
+                  join_rows.data() + a0,
+                  width - a0,
+                  row_elements,
+                  dots.data() + std::size_t{a0} * width + a0,
+                  width);
       }
       for (std::uint32_t a = 0; a < nn; ++a) {
         std::uint32_t const x   = nv[a];
@@ -454,7 +465,7 @@ INFERSCALE_HOST_DEVICE inline void prune_node(std::uint32_t const* knn,
                                               std::uint32_t* counts,
                                               std::uint32_t stride = 1) noexcept
 {
-  auto const at = [stride](std::uint32_t p) { return std::uint64_t{p} * stride; };
+  auto const at            = [stride](std::uint32_t p) { return std::uint64_t{p} * stride; };
   std::uint32_t const* row = knn + std::uint64_t{node} * width;
   // (id, rank) pairs sorted by id for the rank lookups: insertion sort (k <= a few hundred)
   for (std::uint32_t i = 0; i < k; ++i) {

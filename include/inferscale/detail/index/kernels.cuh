@@ -23,9 +23,9 @@
 #pragma once
 
 #include <inferscale/config.hpp>
-#include <inferscale/detail/math.hpp>
 #include <inferscale/detail/index/graph_build.hpp>
 #include <inferscale/detail/index/math.hpp>
+#include <inferscale/detail/math.hpp>
 #include <inferscale/dtype.hpp>
 
 #include <cstdint>
@@ -165,8 +165,8 @@ __device__ INFERSCALE_FORCEINLINE float lane_partial_vector(
   float acc            = 0.0f;
   std::int64_t c       = lane;
   if constexpr (sizeof(T) == 4) {
-    auto const* r4 = reinterpret_cast<float4 const*>(row);
-    auto const* q4 = reinterpret_cast<float4 const*>(query);
+    auto const* r4  = reinterpret_cast<float4 const*>(row);
+    auto const* q4  = reinterpret_cast<float4 const*>(query);
     auto const add4 = [&](float4 const& x, float4 const& q) {
       acc = accumulate(acc, x.x, q.x, l2);
       acc = accumulate(acc, x.y, q.y, l2);
@@ -189,8 +189,8 @@ __device__ INFERSCALE_FORCEINLINE float lane_partial_vector(
       add4(r4[c], q4[c]);
     }
   } else {
-    auto const* r8 = reinterpret_cast<uint4 const*>(row);
-    auto const* q4 = reinterpret_cast<float4 const*>(query);
+    auto const* r8             = reinterpret_cast<uint4 const*>(row);
+    auto const* q4             = reinterpret_cast<float4 const*>(query);
     auto const accumulate_word = [&](unsigned word, float q_lo, float q_hi) {
       acc = accumulate(acc, to_float(half_t{static_cast<std::uint16_t>(word & 0xFFFFu)}), q_lo, l2);
       acc = accumulate(acc, to_float(half_t{static_cast<std::uint16_t>(word >> 16)}), q_hi, l2);
@@ -427,8 +427,8 @@ inline constexpr std::uint32_t warp_merge_candidates = 32;
 /// are new nodes. Starts and ends with a barrier. Not inlined: one copy for its three callers.
 template <std::uint32_t Threads, std::uint32_t MaxTop>
 __device__ __noinline__ void merge_candidates(buffer_entry* buffer,
-                                        std::uint32_t top,
-                                        search_block_state& state)
+                                              std::uint32_t top,
+                                              search_block_state& state)
 {
   __syncthreads();
   std::uint32_t const count = state.count;
@@ -532,9 +532,9 @@ __device__ void search_one_query(search_kernel_params const& p,
     float const partial =
       !active ? 0.0f
       : l2    ? lane_partial_vector<T, true>(
-                  rows + std::int64_t{node} * p.row_elements, query, chunks, lane, team)
-              : lane_partial_vector<T, false>(
-                  rows + std::int64_t{node} * p.row_elements, query, chunks, lane, team);
+               rows + std::int64_t{node} * p.row_elements, query, chunks, lane, team)
+           : lane_partial_vector<T, false>(
+               rows + std::int64_t{node} * p.row_elements, query, chunks, lane, team);
     return finish_distance(team_sum(partial, team), p.metric);
   };
   auto beats_last = [&](float distance, std::uint32_t node) {
@@ -584,7 +584,8 @@ __device__ void search_one_query(search_kernel_params const& p,
             best_d = d;
           }
         }
-        if (active && lane == 0 && visit(hash, task.hash_mask, best, p.hash_in_shared) && beats_last(best_d, best)) {
+        if (active && lane == 0 && visit(hash, task.hash_mask, best, p.hash_in_shared) &&
+            beats_last(best_d, best)) {
           append_candidate(buffer, top, state, best_d, best);
         }
       }
@@ -683,8 +684,8 @@ __device__ void search_one_query(search_kernel_params const& p,
 
 /**
  * @brief Batched search: CTA `b` answers queries `b, b + gridDim.x, ...`, reusing its own global
- * slices of `query_workspace` and `hash_workspace` (when those are global) for each. Dynamic shared memory:
- * the buffer (`buffer_entries` entries), then the query (`row_elements` floats) when
+ * slices of `query_workspace` and `hash_workspace` (when those are global) for each. Dynamic shared
+ * memory: the buffer (`buffer_entries` entries), then the query (`row_elements` floats) when
  * `query_in_shared`, then the hash when `hash_in_shared` (entries: the largest `hash_mask + 1`
  * of the batch).
  */
@@ -731,7 +732,7 @@ void __launch_bounds__(Policy::elementwise_threads)
   std::uint32_t written = 0;
   std::uint32_t last    = invalid_node;
   while (written < p.k) {
-    buffer_entry best = invalid_entry();
+    buffer_entry best  = invalid_entry();
     std::uint32_t from = p.parts;
     for (std::uint32_t c = 0; c < p.parts; ++c) {
       if (head[c] == p.k) { continue; }
@@ -744,7 +745,7 @@ void __launch_bounds__(Policy::elementwise_threads)
     if (from == p.parts) { break; }  // every part exhausted
     ++head[from];
     if (best.node == last) { continue; }  // the same node from another part
-    last = best.node;
+    last                                                   = best.node;
     p.out_ids[q * p.ids_stride0 + written * p.ids_stride1] = p.ids[task.row_begin + best.node];
     p.out_distances[q * p.distances_stride0 + written * p.distances_stride1] = best.distance;
     ++written;
@@ -762,7 +763,8 @@ void __launch_bounds__(Policy::elementwise_threads)
 struct prune_kernel_params {
   std::uint32_t const* knn{nullptr};  ///< `[n][width]` kNN rows
   std::uint32_t* out{nullptr};        ///< `[n][degree]`
-  std::uint32_t* scratch{nullptr};    ///< `[3 * k][count]`: entry p of thread i's array at p * count + i
+  std::uint32_t* scratch{
+    nullptr};  ///< `[3 * k][count]`: entry p of thread i's array at p * count + i
   std::uint32_t width{0};
   std::uint32_t k{0};
   std::uint32_t degree{0};

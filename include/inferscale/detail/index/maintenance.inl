@@ -36,7 +36,7 @@ void graph_index::add(std::uint64_t ns,
   check_new_facts(vectors, ids);
   std::uint32_t const m = static_cast<std::uint32_t>(ids.size());
   if (m == 0) { return; }
-  auto it = tenant_of_.find(ns);
+  auto it                    = tenant_of_.find(ns);
   std::uint32_t const before = it == tenant_of_.end() ? 0 : tenants_[it->second].ref.size;
   INFERSCALE_EXPECTS(std::uint64_t{before} + m < (std::uint64_t{1} << 31),
                      "graph_index::add: a namespace holds fewer than 2^31 rows");
@@ -100,8 +100,8 @@ INFERSCALE_INDEX_LINKAGE void graph_index::erase(cuda::std::span<std::uint64_t c
   }
   std::vector<std::size_t> touched;
   for (auto id : ids) {
-    auto const loc = id_to_row_.at(id);
-    auto& t        = tenants_[loc.tenant];
+    auto const loc                        = id_to_row_.at(id);
+    auto& t                               = tenants_[loc.tenant];
     deleted_[t.ref.row_begin + loc.local] = 1;
     --t.ref.live;
     id_to_row_.erase(id);
@@ -117,7 +117,8 @@ INFERSCALE_INDEX_LINKAGE void graph_index::erase(cuda::std::span<std::uint64_t c
   }
 }
 
-INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::erase_namespace(std::uint64_t ns, graph_builder const& builder)
+INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::erase_namespace(std::uint64_t ns,
+                                                                    graph_builder const& builder)
 {
   auto it = tenant_of_.find(ns);
   if (it == tenant_of_.end()) { return 0; }
@@ -143,16 +144,17 @@ void graph_index::check_new_facts(matrix_view<T const> vectors,
                                   cuda::std::span<std::uint64_t const> ids,
                                   std::uint64_t replacing_ns) const
 {
-  static_assert(std::is_same_v<std::remove_cv_t<T>, float> ||
-                  std::is_same_v<std::remove_cv_t<T>, half_t>,
-                "graph_index: vectors are float or half_t");
+  static_assert(
+    std::is_same_v<std::remove_cv_t<T>, float> || std::is_same_v<std::remove_cv_t<T>, half_t>,
+    "graph_index: vectors are float or half_t");
   INFERSCALE_EXPECTS(vectors.extent(1) == config_.dim,
-                     "graph_index: vectors have " + detail::count_of(vectors.extent(1), "dimension") +
-                       ", the index " + std::to_string(config_.dim));
-  INFERSCALE_EXPECTS(static_cast<std::int64_t>(ids.size()) == vectors.extent(0),
-                     "graph_index: " +
-                       detail::count_of(static_cast<std::int64_t>(ids.size()), "id") + " for " +
-                       detail::count_of(vectors.extent(0), "vector"));
+                     "graph_index: vectors have " +
+                       detail::count_of(vectors.extent(1), "dimension") + ", the index " +
+                       std::to_string(config_.dim));
+  INFERSCALE_EXPECTS(
+    static_cast<std::int64_t>(ids.size()) == vectors.extent(0),
+    "graph_index: " + detail::count_of(static_cast<std::int64_t>(ids.size()), "id") + " for " +
+      detail::count_of(vectors.extent(0), "vector"));
   INFERSCALE_EXPECTS(vectors.size() == 0 || vectors.data_handle() != nullptr,
                      std::string{"graph_index: null vector data"});
   INFERSCALE_EXPECTS(ids.empty() || ids.data() != nullptr, std::string{"graph_index: null ids"});
@@ -165,19 +167,18 @@ void graph_index::check_new_facts(matrix_view<T const> vectors,
     INFERSCALE_EXPECTS(seen.insert(id).second,
                        "graph_index: fact id " + std::to_string(id) + " given twice");
     auto it = id_to_row_.find(id);
-    INFERSCALE_EXPECTS(it == id_to_row_.end() ||
-                         (replacing_ns != invalid_fact_id &&
-                          tenants_[it->second.tenant].ns == replacing_ns),
+    INFERSCALE_EXPECTS(it == id_to_row_.end() || (replacing_ns != invalid_fact_id &&
+                                                  tenants_[it->second.tenant].ns == replacing_ns),
                        "graph_index: fact id " + std::to_string(id) + " is already indexed");
   }
   bool const cosine = config_.metric == distance_metric::cosine;
   for (std::int64_t r = 0; r < vectors.extent(0); ++r) {
     for (std::int64_t e = 0; e < config_.dim; ++e) {
       float const x = to_float(vectors(r, e));
-      INFERSCALE_EXPECTS(std::isfinite(x), "graph_index: vector " + std::to_string(r) +
-                                             " (fact id " + std::to_string(ids[r]) +
-                                             ") has a NaN or infinite element at " +
-                                             std::to_string(e));
+      INFERSCALE_EXPECTS(std::isfinite(x),
+                         "graph_index: vector " + std::to_string(r) + " (fact id " +
+                           std::to_string(ids[r]) + ") has a NaN or infinite element at " +
+                           std::to_string(e));
     }
     double const norm2 = row_norm2(vectors, r);
     INFERSCALE_EXPECTS(!cosine || norm2 > 0.0,
@@ -236,12 +237,13 @@ INFERSCALE_INDEX_LINKAGE bool graph_index::uses_nn_descent(std::uint32_t rows) c
   return config_.host_knn == knn_build::nn_descent;
 }
 
-INFERSCALE_INDEX_LINKAGE void graph_index::rebuild_graph(std::size_t t, graph_builder const& builder)
+INFERSCALE_INDEX_LINKAGE void graph_index::rebuild_graph(std::size_t t,
+                                                         graph_builder const& builder)
 {
-  auto const& tr = tenants_[t].ref;
-  std::uint32_t const n = tr.size;
+  auto const& tr             = tenants_[t].ref;
+  std::uint32_t const n      = tr.size;
   std::uint32_t const degree = config_.graph_degree;
-  std::uint32_t* graph = graph_.data() + tr.row_begin * degree;
+  std::uint32_t* graph       = graph_.data() + tr.row_begin * degree;
   std::fill_n(graph, std::size_t{n} * degree, detail::index::invalid_node);
   auto const eff = detail::index::degrees_for(config_.intermediate_graph_degree, degree, n);
   if (n <= 1 || eff.final == 0) {
@@ -249,8 +251,8 @@ INFERSCALE_INDEX_LINKAGE void graph_index::rebuild_graph(std::size_t t, graph_bu
     return;
   }
   std::vector<std::uint32_t> knn(std::size_t{n} * eff.intermediate);
-  void const* rows = vectors_.data() +
-                     static_cast<std::size_t>(tr.row_begin * row_elements_) * element_size_;
+  void const* rows =
+    vectors_.data() + static_cast<std::size_t>(tr.row_begin * row_elements_) * element_size_;
   if (builder.knn) {
     builder.knn(rows, n, eff.intermediate, knn.data());
   } else if (uses_nn_descent(n)) {
@@ -260,19 +262,24 @@ INFERSCALE_INDEX_LINKAGE void graph_index::rebuild_graph(std::size_t t, graph_bu
     });
   } else {
     with_rows(t, [&](auto const* r) {
-      detail::index::exact_knn_host(r, row_elements_, n, config_.metric, eff.intermediate,
-                                    knn.data(), config_.build_threads);
+      detail::index::exact_knn_host(
+        r, row_elements_, n, config_.metric, eff.intermediate, knn.data(), config_.build_threads);
     });
   }
   std::vector<std::uint32_t> pruned(std::size_t{n} * eff.final);
   if (builder.prune) {
     builder.prune(knn.data(), n, eff.intermediate, eff.final, pruned.data());
   } else {
-    detail::index::prune_host(knn.data(), eff.intermediate, eff.intermediate, n, eff.final,
-                              pruned.data(), config_.build_threads);
+    detail::index::prune_host(knn.data(),
+                              eff.intermediate,
+                              eff.intermediate,
+                              n,
+                              eff.final,
+                              pruned.data(),
+                              config_.build_threads);
   }
-  detail::index::reverse_and_merge_host(pruned.data(), n, eff.final, graph, degree,
-                                        config_.build_threads);
+  detail::index::reverse_and_merge_host(
+    pruned.data(), n, eff.final, graph, degree, config_.build_threads);
   repair(t);
   refresh_entry_points(t);
 }
@@ -294,8 +301,8 @@ INFERSCALE_INDEX_LINKAGE void graph_index::insert_node(std::size_t t,
   plan.ef          = std::max<std::uint32_t>(2 * want, 64);
   plan.entry_nodes = tn.entries.empty() ? nullptr : tn.entries.data();
   plan.entry_rows  = packed_entry_rows(tn);
-  plan.entry_count = tn.entries.empty() ? entry_point_count(v)
-                                        : static_cast<std::uint32_t>(tn.entries.size());
+  plan.entry_count =
+    tn.entries.empty() ? entry_point_count(v) : static_cast<std::uint32_t>(tn.entries.size());
   std::vector<detail::index::search_entry> top;
   with_rows(t, [&](auto const* rows) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>;
@@ -303,9 +310,17 @@ INFERSCALE_INDEX_LINKAGE void graph_index::insert_node(std::size_t t,
     for (std::int64_t e = 0; e < row_elements_; ++e) {
       q[static_cast<std::size_t>(e)] = to_float(rows[std::int64_t{v} * row_elements_ + e]);
     }
-    detail::index::graph_search_fast(rows, row_elements_, graph, degree, v, nullptr, q.data(),
-                                     detail::index::fast_kernels_for<T>(config_.metric), plan,
-                                     scratch, top);
+    detail::index::graph_search_fast(rows,
+                                     row_elements_,
+                                     graph,
+                                     degree,
+                                     v,
+                                     nullptr,
+                                     q.data(),
+                                     detail::index::fast_kernels_for<T>(config_.metric),
+                                     plan,
+                                     scratch,
+                                     top);
   });
   // candidates L (by distance); detour counts use the candidates' graph rows
   std::vector<std::uint32_t> cand;
@@ -358,7 +373,9 @@ INFERSCALE_INDEX_LINKAGE void graph_index::insert_node(std::size_t t,
   }
 }
 
-INFERSCALE_INDEX_LINKAGE float graph_index::node_distance(std::size_t t, std::uint32_t a, std::uint32_t b) const
+INFERSCALE_INDEX_LINKAGE float graph_index::node_distance(std::size_t t,
+                                                          std::uint32_t a,
+                                                          std::uint32_t b) const
 {
   return with_rows(t, [&](auto const* rows) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>;
@@ -367,51 +384,61 @@ INFERSCALE_INDEX_LINKAGE float graph_index::node_distance(std::size_t t, std::ui
       q[static_cast<std::size_t>(e)] = to_float(rows[std::int64_t{b} * row_elements_ + e]);
     }
     std::int64_t const chunks = row_elements_ / detail::index::chunk_elements<T>;
-    return detail::index::team_distance(rows + std::int64_t{a} * row_elements_, q.data(), chunks,
-                                        detail::index::team_size_for(chunks), config_.metric);
+    return detail::index::team_distance(rows + std::int64_t{a} * row_elements_,
+                                        q.data(),
+                                        chunks,
+                                        detail::index::team_size_for(chunks),
+                                        config_.metric);
   });
 }
 
 INFERSCALE_INDEX_LINKAGE void graph_index::repair(std::size_t t)
 {
-  auto const& tr = tenants_[t].ref;
+  auto const& tr       = tenants_[t].ref;
   std::uint32_t* graph = graph_.data() + tr.row_begin * config_.graph_degree;
-  detail::index::repair_reachability(graph, tr.size, config_.graph_degree, config_.graph_degree,
-                                     [&](std::uint32_t a, std::uint32_t b) {
-                                       return node_distance(t, a, b);
-                                     });
+  detail::index::repair_reachability(
+    graph,
+    tr.size,
+    config_.graph_degree,
+    config_.graph_degree,
+    [&](std::uint32_t a, std::uint32_t b) { return node_distance(t, a, b); });
 }
 
 // ---------------------------------------------------------------------------------------------
 // Entry points of the fast host search
 
-INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::entry_point_count(std::uint32_t rows) const noexcept
+INFERSCALE_INDEX_LINKAGE std::uint32_t graph_index::entry_point_count(
+  std::uint32_t rows) const noexcept
 {
   if (config_.host_entry_points < 0) { return default_host_entry_points(rows); }
-  return static_cast<std::uint32_t>(
-    std::min<std::int64_t>(config_.host_entry_points, rows));
+  return static_cast<std::uint32_t>(std::min<std::int64_t>(config_.host_entry_points, rows));
 }
 
 INFERSCALE_INDEX_LINKAGE void graph_index::refresh_entry_points(std::size_t t)
 {
-  auto& tn                   = tenants_[t];
-  std::uint32_t const n      = tn.ref.size;
-  std::uint32_t const count  = entry_point_count(n);
+  auto& tn                     = tenants_[t];
+  std::uint32_t const n        = tn.ref.size;
+  std::uint32_t const count    = entry_point_count(n);
   constexpr std::uint64_t seed = 0x9E3779B97F4A7C15ull;
-  tn.entries = with_rows(t, [&](auto const* rows) {
+  tn.entries                   = with_rows(t, [&](auto const* rows) {
     return detail::index::choose_entry_points(rows, row_elements_, n, count, 8 * count, seed);
   });
-  tn.entries_rows = n;
+  tn.entries_rows              = n;
   pack_entry_rows(t);
   if (config_.host_entry_points < 0) {  // automatic: as many as the data's clusters need
     std::uint32_t const needed = with_rows(t, [&](auto const* rows) {
       using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>;
       return detail::index::entry_points_needed(
-        rows, row_elements_, graph_.data() + tn.ref.row_begin * config_.graph_degree,
-        config_.graph_degree, n, tn.entries.data(),
+        rows,
+        row_elements_,
+        graph_.data() + tn.ref.row_begin * config_.graph_degree,
+        config_.graph_degree,
+        n,
+        tn.entries.data(),
         static_cast<T const*>(packed_entry_rows(tn)),
         static_cast<std::uint32_t>(tn.entries.size()),
-        detail::index::fast_kernels_for<T>(config_.metric), min_host_entry_points,
+        detail::index::fast_kernels_for<T>(config_.metric),
+        min_host_entry_points,
         entry_probes);
     });
     tn.entries.resize(needed);  // a prefix: its rows are the packed buffer's first ones
@@ -419,13 +446,17 @@ INFERSCALE_INDEX_LINKAGE void graph_index::refresh_entry_points(std::size_t t)
   }
   tn.default_ef = with_rows(t, [&](auto const* rows) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>;
-    return detail::index::calibrate_ef(
-      rows, row_elements_, graph_.data() + tn.ref.row_begin * config_.graph_degree,
-      config_.graph_degree, n, tn.entries.data(),
-      static_cast<T const*>(packed_entry_rows(tn)),
-      static_cast<std::uint32_t>(tn.entries.size()),
-      detail::index::fast_kernels_for<T>(config_.metric), calibration_probes,
-      calibration_recall);
+    return detail::index::calibrate_ef(rows,
+                                       row_elements_,
+                                       graph_.data() + tn.ref.row_begin * config_.graph_degree,
+                                       config_.graph_degree,
+                                       n,
+                                       tn.entries.data(),
+                                       static_cast<T const*>(packed_entry_rows(tn)),
+                                       static_cast<std::uint32_t>(tn.entries.size()),
+                                       detail::index::fast_kernels_for<T>(config_.metric),
+                                       calibration_probes,
+                                       calibration_recall);
   });
   rebuild_traversal(t);
 }
@@ -443,8 +474,8 @@ INFERSCALE_INDEX_LINKAGE void graph_index::pack_entry_rows(std::size_t t)
   unsigned char const* base =
     vectors_.data() + static_cast<std::size_t>(tn.ref.row_begin) * row_bytes;
   for (std::size_t i = 0; i < tn.entries.size(); ++i) {
-    std::memcpy(tn.entry_vectors.data() + i * row_bytes, base + tn.entries[i] * row_bytes,
-                row_bytes);
+    std::memcpy(
+      tn.entry_vectors.data() + i * row_bytes, base + tn.entries[i] * row_bytes, row_bytes);
   }
 }
 

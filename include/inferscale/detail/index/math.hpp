@@ -69,7 +69,9 @@ constexpr std::int64_t padded_dim(std::int64_t dim, std::size_t element_size) no
 INFERSCALE_HOST_DEVICE constexpr int team_size_for(std::int64_t chunks) noexcept
 {
   int team = 2;
-  while (team < 32 && std::int64_t{team} * 2 * 4 <= chunks) { team *= 2; }
+  while (team < 32 && std::int64_t{team} * 2 * 4 <= chunks) {
+    team *= 2;
+  }
   return team;
 }
 
@@ -106,12 +108,8 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float sub_rn(float a, float b) noe
  * L2 accumulates `(x - q)^2`.
  */
 template <class T>
-INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float lane_partial(T const* row,
-                                                                 float const* query,
-                                                                 std::int64_t chunks,
-                                                                 int lane,
-                                                                 int team,
-                                                                 bool l2) noexcept
+INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE float lane_partial(
+  T const* row, float const* query, std::int64_t chunks, int lane, int team, bool l2) noexcept
 {
   constexpr int per_chunk = chunk_elements<T>;
   float acc               = 0.0f;
@@ -160,7 +158,9 @@ inline float butterfly_sum(float* partial, int team) noexcept
 }
 
 template <int Team, class T>
-inline float team_distance_fixed(T const* row, float const* query, std::int64_t chunks,
+inline float team_distance_fixed(T const* row,
+                                 float const* query,
+                                 std::int64_t chunks,
                                  distance_metric m) noexcept
 {
   // Lane l's chunks are l, l + Team, ...: round r holds chunk r * Team + l of every lane, so
@@ -231,7 +231,7 @@ template <class T>
 inline float team_distance_by_lane(
   T const* row, float const* query, std::int64_t chunks, int team, distance_metric m) noexcept
 {
-  bool const l2 = m == distance_metric::squared_l2;
+  bool const l2     = m == distance_metric::squared_l2;
   float partial[32] = {};
   for (int l = 0; l < team; ++l) {
     partial[l] = lane_partial(row, query, chunks, l, team, l2);

@@ -89,16 +89,17 @@ std::vector<std::int64_t> graph_index::check_search(matrix_view<T const> queries
 {
   std::int64_t const nq = queries.extent(0);
   INFERSCALE_EXPECTS(queries.extent(1) == config_.dim,
-                     "graph_index: queries have " + detail::count_of(queries.extent(1), "dimension") +
-                       ", the index " + std::to_string(config_.dim));
+                     "graph_index: queries have " +
+                       detail::count_of(queries.extent(1), "dimension") + ", the index " +
+                       std::to_string(config_.dim));
   INFERSCALE_EXPECTS(queries.size() == 0 || queries.data_handle() != nullptr,
                      std::string{"graph_index: null query data"});
   INFERSCALE_EXPECTS(namespaces.empty() || namespaces.data() != nullptr,
                      std::string{"graph_index: null namespaces"});
   INFERSCALE_EXPECTS(k >= 1, "graph_index: k must be at least 1");
-  INFERSCALE_EXPECTS(params.search_width >= 1 && params.search_width <= 64,
-                     "graph_index: search_width must be in 1..64, got " +
-                       std::to_string(params.search_width));
+  INFERSCALE_EXPECTS(
+    params.search_width >= 1 && params.search_width <= 64,
+    "graph_index: search_width must be in 1..64, got " + std::to_string(params.search_width));
   INFERSCALE_EXPECTS(resolved_itopk(params.itopk_size, k) <= 1024,
                      "graph_index: itopk_size (raised to k) must be at most 1024");
   INFERSCALE_EXPECTS(params.ctas_per_query <= 16,
@@ -108,8 +109,8 @@ std::vector<std::int64_t> graph_index::check_search(matrix_view<T const> queries
                      "graph_index: give one namespace, or one per query (" + std::to_string(nq) +
                        "), not " + std::to_string(namespaces.size()));
   INFERSCALE_EXPECTS(ids_rows == nq && dist_rows == nq && ids_cols == k && dist_cols == k,
-                     "graph_index: outputs must be [queries=" + std::to_string(nq) + "][k=" +
-                       std::to_string(k) + "]");
+                     "graph_index: outputs must be [queries=" + std::to_string(nq) +
+                       "][k=" + std::to_string(k) + "]");
   std::vector<std::int64_t> tenant_index(static_cast<std::size_t>(nq));
   for (std::int64_t q = 0; q < nq; ++q) {
     std::uint64_t const ns = namespaces.size() == 1 ? namespaces[0] : namespaces[q];
@@ -125,8 +126,9 @@ template <class T>
 std::vector<float> graph_index::prepare_queries(matrix_view<T const> queries) const
 {
   INFERSCALE_EXPECTS(queries.extent(1) == config_.dim,
-                     "graph_index: queries have " + detail::count_of(queries.extent(1), "dimension") +
-                       ", the index " + std::to_string(config_.dim));
+                     "graph_index: queries have " +
+                       detail::count_of(queries.extent(1), "dimension") + ", the index " +
+                       std::to_string(config_.dim));
   INFERSCALE_EXPECTS(queries.size() == 0 || queries.data_handle() != nullptr,
                      std::string{"graph_index: null query data"});
   std::int64_t const nq = queries.extent(0);
@@ -135,17 +137,17 @@ std::vector<float> graph_index::prepare_queries(matrix_view<T const> queries) co
   for (std::int64_t q = 0; q < nq; ++q) {
     for (std::int64_t e = 0; e < config_.dim; ++e) {
       float const x = to_float(queries(q, e));
-      INFERSCALE_EXPECTS(std::isfinite(x), "graph_index: query " + std::to_string(q) +
-                                             " has a NaN or infinite element at " +
-                                             std::to_string(e));
+      INFERSCALE_EXPECTS(std::isfinite(x),
+                         "graph_index: query " + std::to_string(q) +
+                           " has a NaN or infinite element at " + std::to_string(e));
       row[static_cast<std::size_t>(e)] = x;
     }
     // the device kernel normalises with the same double-precision lane order
     double const norm2 = detail::index::norm2_spec(row.data(), config_.dim);
     bool const cosine  = config_.metric == distance_metric::cosine;
-    INFERSCALE_EXPECTS(!cosine || norm2 > 0.0,
-                       "graph_index: query " + std::to_string(q) +
-                         " is a zero vector, which has no cosine");
+    INFERSCALE_EXPECTS(
+      !cosine || norm2 > 0.0,
+      "graph_index: query " + std::to_string(q) + " is a zero vector, which has no cosine");
     // cosine compares directions: a denormal or huge query is normalised like any other
     INFERSCALE_EXPECTS(cosine || norm2 <= max_norm2,
                        "graph_index: query " + std::to_string(q) +
@@ -163,20 +165,18 @@ std::vector<float> graph_index::prepare_queries(matrix_view<T const> queries) co
   return out;
 }
 
-INFERSCALE_INDEX_LINKAGE detail::index::search_plan graph_index::plan_for(std::uint32_t n,
-                                                                         std::uint32_t k,
-                                                                         search_params const& p) const noexcept
+INFERSCALE_INDEX_LINKAGE detail::index::search_plan graph_index::plan_for(
+  std::uint32_t n, std::uint32_t k, search_params const& p) const noexcept
 {
   detail::index::search_plan plan;
-  plan.k         = k;
-  plan.itopk     = resolved_itopk(p.itopk_size, k);
-  plan.width     = p.search_width;
-  plan.samplings = std::max<std::uint32_t>(1, p.num_random_samplings);
-  plan.xor_mask  = p.rand_xor_mask;
-  plan.max_iterations = p.max_iterations != 0
-                          ? p.max_iterations
-                          : detail::index::auto_max_iterations(plan.itopk, plan.width,
-                                                               config_.graph_degree, n);
+  plan.k              = k;
+  plan.itopk          = resolved_itopk(p.itopk_size, k);
+  plan.width          = p.search_width;
+  plan.samplings      = std::max<std::uint32_t>(1, p.num_random_samplings);
+  plan.xor_mask       = p.rand_xor_mask;
+  plan.max_iterations = p.max_iterations != 0 ? p.max_iterations
+                                              : detail::index::auto_max_iterations(
+                                                  plan.itopk, plan.width, config_.graph_degree, n);
   return plan;
 }
 
@@ -202,26 +202,26 @@ INFERSCALE_INDEX_LINKAGE search_params graph_index::split_part(search_params con
   return part;
 }
 
-INFERSCALE_INDEX_LINKAGE std::int64_t graph_index::exact_search_threshold(search_params const& p,
-                                                                         std::uint32_t rows) const noexcept
+INFERSCALE_INDEX_LINKAGE std::int64_t graph_index::exact_search_threshold(
+  search_params const& p, std::uint32_t rows) const noexcept
 {
   if (config_.exact_search_threshold >= 0) { return config_.exact_search_threshold; }
   if (config_.space == memory_space::host && p.host_mode == host_search_mode::fast) {
     return static_cast<std::int64_t>(
       detail::index::host_fast_graph_cost_factor *
-      detail::index::estimated_fast_graph_distances(resolved_itopk(p.itopk_size, 1),
-                                                    entry_point_count(rows),
-                                                    config_.graph_degree));
+      detail::index::estimated_fast_graph_distances(
+        resolved_itopk(p.itopk_size, 1), entry_point_count(rows), config_.graph_degree));
   }
   double const factor = config_.space == memory_space::device
                           ? detail::index::device_graph_cost_factor
                           : detail::index::host_graph_cost_factor;
-  auto const plan = plan_for(rows, 1, p);
+  auto const plan     = plan_for(rows, 1, p);
   return static_cast<std::int64_t>(
     factor * detail::index::estimated_graph_distances(plan, config_.graph_degree));
 }
 
-INFERSCALE_INDEX_LINKAGE bool graph_index::uses_exact(tenant_ref const& t, search_params const& p) const noexcept
+INFERSCALE_INDEX_LINKAGE bool graph_index::uses_exact(tenant_ref const& t,
+                                                      search_params const& p) const noexcept
 {
   if (p.algo == search_algo::exact) { return true; }
   if (p.algo == search_algo::graph) { return false; }
@@ -231,22 +231,23 @@ INFERSCALE_INDEX_LINKAGE bool graph_index::uses_exact(tenant_ref const& t, searc
 // ---------------------------------------------------------------------------------------------
 // One tenant
 
-INFERSCALE_INDEX_LINKAGE void graph_index::search_tenant(tenant const& tn,
-                                                         float const* query,
-                                                         std::uint32_t k,
-                                                         search_params const& params,
-                                                         detail::index::search_scratch& scratch,
-                                                         std::vector<detail::index::search_entry>& result) const
+INFERSCALE_INDEX_LINKAGE void graph_index::search_tenant(
+  tenant const& tn,
+  float const* query,
+  std::uint32_t k,
+  search_params const& params,
+  detail::index::search_scratch& scratch,
+  std::vector<detail::index::search_entry>& result) const
 {
   tenant_ref const& tr = tn.ref;
   unsigned char const* base =
     vectors_.data() + static_cast<std::size_t>(tr.row_begin * row_elements_) * element_size_;
   if (config_.vector_dtype == dtype::float32) {
-    search_tenant_typed(reinterpret_cast<float const*>(base), tn, query, k, params, scratch,
-                        result);
+    search_tenant_typed(
+      reinterpret_cast<float const*>(base), tn, query, k, params, scratch, result);
   } else {
-    search_tenant_typed(reinterpret_cast<half_t const*>(base), tn, query, k, params, scratch,
-                        result);
+    search_tenant_typed(
+      reinterpret_cast<half_t const*>(base), tn, query, k, params, scratch, result);
   }
 }
 
@@ -266,7 +267,7 @@ void graph_index::search_tenant_typed(T const* rows,
     return;
   }
   if (params.host_mode == host_search_mode::fast) {
-    auto const kernels = detail::index::fast_kernels_for<T>(config_.metric);
+    auto const kernels     = detail::index::fast_kernels_for<T>(config_.metric);
     search_params resolved = params;  // the namespace's calibrated list when itopk_size is 0
     if (resolved.itopk_size == 0) { resolved.itopk_size = tn.default_ef; }
     if (uses_exact(tr, resolved)) {
@@ -275,21 +276,31 @@ void graph_index::search_tenant_typed(T const* rows,
         // the rows within the copy's error bound of the k-th are measured again, so the result
         // is the float32 rows' exact top k all the same (other metrics have no bound: float32)
         if (traverses_fp16() && config_.metric == distance_metric::cosine) {
-          assert(tn.traversal.size() >= std::size_t{tr.size} * static_cast<std::size_t>(row_elements_));
+          assert(tn.traversal.size() >=
+                 std::size_t{tr.size} * static_cast<std::size_t>(row_elements_));
           detail::index::exact_search_rounded(
-            tn.traversal.data(), rows, row_elements_, tr.size, deleted, query,
-            detail::index::fast_kernels_for<half_t>(config_.metric).scan, kernels.distance, k,
-            2.0 * detail::index::cosine_fp16_error_bound(row_elements_), scratch, result);
+            tn.traversal.data(),
+            rows,
+            row_elements_,
+            tr.size,
+            deleted,
+            query,
+            detail::index::fast_kernels_for<half_t>(config_.metric).scan,
+            kernels.distance,
+            k,
+            2.0 * detail::index::cosine_fp16_error_bound(row_elements_),
+            scratch,
+            result);
           return;
         }
       }
-      detail::index::exact_search_fast(rows, row_elements_, tr.size, deleted, query, kernels, k,
-                                       scratch, result);
+      detail::index::exact_search_fast(
+        rows, row_elements_, tr.size, deleted, query, kernels, k, scratch, result);
       return;
     }
     detail::index::fast_plan plan;
-    plan.k              = k;
-    plan.ef             = std::max(resolved.itopk_size, k);
+    plan.k  = k;
+    plan.ef = std::max(resolved.itopk_size, k);
     // a namespace built before its entry points existed (none yet) seeds from the generator
     plan.entry_nodes    = tn.entries.empty() ? nullptr : tn.entries.data();
     plan.entry_rows     = packed_entry_rows(tn);  // null unless packed (and with no entries)
@@ -300,31 +311,46 @@ void graph_index::search_tenant_typed(T const* rows,
     plan.neighbors      = params.host_neighbors;
     if constexpr (std::is_same_v<T, float>) {
       if (traverses_fp16()) {  // the walk on the float16 copy, the best entries measured again
-        assert(tn.traversal.size() >= std::size_t{tr.size} * static_cast<std::size_t>(row_elements_));
+        assert(tn.traversal.size() >=
+               std::size_t{tr.size} * static_cast<std::size_t>(row_elements_));
         plan.k          = plan.ef;  // the whole list
         plan.entry_rows = tn.entry_traversal.empty() ? nullptr : tn.entry_traversal.data();
         auto& walked    = scratch.walked;
-        detail::index::graph_search_fast(
-          tn.traversal.data(), row_elements_, graph_.data() + tr.row_begin * config_.graph_degree,
-          config_.graph_degree, tr.size, deleted, query,
-          detail::index::fast_kernels_for<half_t>(config_.metric), plan, scratch, walked);
+        detail::index::graph_search_fast(tn.traversal.data(),
+                                         row_elements_,
+                                         graph_.data() + tr.row_begin * config_.graph_degree,
+                                         config_.graph_degree,
+                                         tr.size,
+                                         deleted,
+                                         query,
+                                         detail::index::fast_kernels_for<half_t>(config_.metric),
+                                         plan,
+                                         scratch,
+                                         walked);
         double const window = config_.metric == distance_metric::cosine
                                 ? 2.0 * detail::index::cosine_fp16_error_bound(row_elements_)
                                 : std::numeric_limits<double>::infinity();
-        detail::index::rerank_exact(rows, row_elements_, query, kernels.distance, walked, k,
-                                    window, result);
+        detail::index::rerank_exact(
+          rows, row_elements_, query, kernels.distance, walked, k, window, result);
         return;
       }
     }
-    detail::index::graph_search_fast(rows, row_elements_,
+    detail::index::graph_search_fast(rows,
+                                     row_elements_,
                                      graph_.data() + tr.row_begin * config_.graph_degree,
-                                     config_.graph_degree, tr.size, deleted, query, kernels,
-                                     plan, scratch, result);
+                                     config_.graph_degree,
+                                     tr.size,
+                                     deleted,
+                                     query,
+                                     kernels,
+                                     plan,
+                                     scratch,
+                                     result);
     return;
   }
   if (uses_exact(tr, params)) {
-    detail::index::exact_search_host(rows, row_elements_, tr.size, deleted, query,
-                                     config_.metric, k, result);
+    detail::index::exact_search_host(
+      rows, row_elements_, tr.size, deleted, query, config_.metric, k, result);
     return;
   }
   std::uint32_t const parts = params.ctas_per_query;
@@ -332,10 +358,16 @@ void graph_index::search_tenant_typed(T const* rows,
   result.clear();
   for (std::uint32_t c = 0; c < parts; ++c) {
     auto const plan = plan_for(tr.size, k, parts == 1 ? params : split_part(params, k, c));
-    detail::index::graph_search_host(rows, row_elements_,
+    detail::index::graph_search_host(rows,
+                                     row_elements_,
                                      graph_.data() + tr.row_begin * config_.graph_degree,
-                                     config_.graph_degree, tr.size, query, config_.metric, plan,
-                                     scratch, top);
+                                     config_.graph_degree,
+                                     tr.size,
+                                     query,
+                                     config_.metric,
+                                     plan,
+                                     scratch,
+                                     top);
     std::uint32_t taken = 0;  // the part's first k live entries (a part's answer)
     for (auto const& e : top) {
       if (taken == k) { break; }
@@ -347,7 +379,8 @@ void graph_index::search_tenant_typed(T const* rows,
   }
   if (parts > 1) {  // the best k distinct nodes of the parts, as the device's merge_split_kernel
     std::sort(result.begin(), result.end());
-    result.erase(std::unique(result.begin(), result.end(),
+    result.erase(std::unique(result.begin(),
+                             result.end(),
                              [](auto const& a, auto const& b) { return a.node == b.node; }),
                  result.end());
     if (result.size() > k) { result.resize(k); }

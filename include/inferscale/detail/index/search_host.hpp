@@ -62,7 +62,10 @@ struct search_scratch {
 
   void begin(std::uint32_t n)
   {
-    if (stamp.size() < n) { stamp.assign(n, 0); epoch = 0; }
+    if (stamp.size() < n) {
+      stamp.assign(n, 0);
+      epoch = 0;
+    }
     if (++epoch == 0) {
       std::fill(stamp.begin(), stamp.end(), 0);
       epoch = 1;
@@ -98,7 +101,7 @@ void graph_search_host(T const* rows,
   std::int64_t const chunks = row_elements / chunk_elements<T>;
   int const team            = team_size_for(chunks);
   float const inf           = std::numeric_limits<float>::infinity();
-  auto dist = [&](std::uint32_t v) {
+  auto dist                 = [&](std::uint32_t v) {
     return team_distance(rows + std::int64_t{v} * row_elements, query, chunks, team, metric);
   };
   scratch.begin(n);
@@ -136,7 +139,7 @@ void graph_search_host(T const* rows,
     for (auto& e : top) {
       if (taken == plan.width) { break; }
       if (!e.parent) {
-        e.parent          = true;
+        e.parent         = true;
         parents[taken++] = e.node;
       }
     }
@@ -158,7 +161,7 @@ void graph_search_host(T const* rows,
 /// @brief Resolved parameters of the host's fast search (`host_search_mode::fast`).
 struct fast_plan {
   std::uint32_t k{0};
-  std::uint32_t ef{0};            ///< result list kept during the search (itopk, at least k)
+  std::uint32_t ef{0};  ///< result list kept during the search (itopk, at least k)
   /// Entry points: `entry_nodes[0, entry_count)` when given (the tenant's routing sample,
   /// `choose_entry_points`), else the first `entry_count` draws of the seed generator.
   std::uint32_t const* entry_nodes{nullptr};
@@ -166,7 +169,7 @@ struct fast_plan {
   /// or null: scanned as one stream, they cost a fraction of the same rows read at random.
   void const* entry_rows{nullptr};
   std::uint32_t entry_count{1};
-  std::uint32_t max_expansions{0};///< nodes expanded at most; 0 = until the list stops improving
+  std::uint32_t max_expansions{0};  ///< nodes expanded at most; 0 = until the list stops improving
   /// Neighbours read per expanded node, the first of its list (search_params::host_neighbors);
   /// 0 = all of them.
   std::uint32_t neighbors{0};
@@ -257,10 +260,9 @@ void graph_search_fast(T const* rows,
   // ahead 184 us against 195 for whole rows (another run, +-5 % between runs)
   constexpr std::size_t prefetch_ahead = 4;
   constexpr std::size_t prefetch_bytes = 256;
-  auto row_of = [&](std::uint32_t v) { return rows + std::int64_t{v} * row_elements; };
+  auto row_of   = [&](std::uint32_t v) { return rows + std::int64_t{v} * row_elements; };
   auto consider = [&](std::uint32_t v, float d) {
-    if (results.size() == ef &&
-        !entry_less(d, v, results.front().distance, results.front().node)) {
+    if (results.size() == ef && !entry_less(d, v, results.front().distance, results.front().node)) {
       return;
     }
     candidates.push_back({d, v, false});
@@ -274,7 +276,7 @@ void graph_search_fast(T const* rows,
     }
   };
   auto visit_all = [&] {
-    std::size_t const m = fresh.size();
+    std::size_t const m           = fresh.size();
     std::size_t const ahead_bytes = std::min(row_bytes, prefetch_bytes);
     for (std::size_t j = 0; j < m && j < prefetch_ahead; ++j) {
       prefetch_row(row_of(fresh[j]), ahead_bytes);
@@ -290,8 +292,8 @@ void graph_search_fast(T const* rows,
   if (plan.entry_nodes != nullptr && plan.entry_rows != nullptr) {
     auto& d = scratch.scanned;
     d.resize(plan.entry_count);
-    kernels.scan(static_cast<T const*>(plan.entry_rows), row_elements, plan.entry_count, query,
-                 d.data());
+    kernels.scan(
+      static_cast<T const*>(plan.entry_rows), row_elements, plan.entry_count, query, d.data());
     for (std::uint32_t s = 0; s < plan.entry_count; ++s) {
       std::uint32_t const v = plan.entry_nodes[s];
       if (v < n && scratch.visit(v)) { consider(v, d[s]); }
@@ -380,11 +382,16 @@ void rerank_exact(T const* rows,
   double const last =
     static_cast<double>(approx[std::min<std::size_t>(approx.size(), k) - 1].distance) + window;
   std::size_t m = std::min<std::size_t>(approx.size(), k);
-  while (m < approx.size() && static_cast<double>(approx[m].distance) <= last) { ++m; }
+  while (m < approx.size() && static_cast<double>(approx[m].distance) <= last) {
+    ++m;
+  }
   // the rows are cold (the walk read their copies): fetched ahead as the walk does
   constexpr std::size_t ahead = 4;
-  std::size_t const bytes     = std::min<std::size_t>(256, static_cast<std::size_t>(row_elements) * sizeof(T));
-  auto const row_of = [&](std::size_t j) { return rows + std::int64_t{approx[j].node} * row_elements; };
+  std::size_t const bytes =
+    std::min<std::size_t>(256, static_cast<std::size_t>(row_elements) * sizeof(T));
+  auto const row_of = [&](std::size_t j) {
+    return rows + std::int64_t{approx[j].node} * row_elements;
+  };
   for (std::size_t j = 0; j < m && j < ahead; ++j) {
     prefetch_row(row_of(j), bytes);
   }
@@ -445,7 +452,7 @@ std::vector<std::uint32_t> choose_entry_points(T const* rows,
       total += nearest[i];
     }
     if (!(total > 0.0)) { break; }  // every subsampled row coincides with a centre
-    state = xorshift64(state);
+    state         = xorshift64(state);
     double target = static_cast<double>(state >> 11) * 0x1.0p-53 * total;
     pick          = s - 1;
     for (std::uint32_t i = 0; i < s; ++i) {
@@ -482,24 +489,24 @@ std::uint32_t entry_points_needed(T const* rows,
                                   std::uint32_t probes)
 {
   if (count <= first || n == 0) { return count; }
-  probes = std::min(probes, n);
+  probes                      = std::min(probes, n);
   std::uint32_t const allowed = probes / 100;  // misses tolerated (ties, duplicates)
   search_scratch scratch;
   std::vector<search_entry> out;
   std::vector<float> query(static_cast<std::size_t>(row_elements));
   for (std::uint32_t e = first;; e = std::min(count, 2 * e)) {
     fast_plan plan;
-    plan.k           = 10;
-    plan.ef          = 16;
-    plan.entry_nodes = entries;
-    plan.entry_rows  = packed;
-    plan.entry_count = e;
+    plan.k               = 10;
+    plan.ef              = 16;
+    plan.entry_nodes     = entries;
+    plan.entry_rows      = packed;
+    plan.entry_count     = e;
     std::uint32_t missed = 0;
     for (std::uint32_t p = 0; p < probes && missed <= allowed; ++p) {
       std::uint32_t const node = seed_node(p, 0, 1, 0x5EED5EEDull, n);
       row_as_query(rows, row_elements, node, query.data());
-      graph_search_fast(rows, row_elements, graph, degree, n, nullptr, query.data(), kernels,
-                        plan, scratch, out);
+      graph_search_fast(
+        rows, row_elements, graph, degree, n, nullptr, query.data(), kernels, plan, scratch, out);
       bool found = false;
       for (auto const& r : out) {
         found = found || r.node == node;
@@ -518,9 +525,9 @@ std::uint32_t entry_points_needed(T const* rows,
  * lead straight to its kNN list and would make the probe far easier than a new query. When the
  * probes' recall levels off first (three lists in a row gain less than 0.001 over the one
  * before them), the list two steps past where it levelled off. The true neighbours are the
- * fast scan's, computed in blocks of rows that stay in cache while every probe passes over them. Rows of the tenant stand in for
- * its future queries: the same distribution, by construction when facts and questions are
- * embedded alike, as in the benchmarks.
+ * fast scan's, computed in blocks of rows that stay in cache while every probe passes over them.
+ * Rows of the tenant stand in for its future queries: the same distribution, by construction when
+ * facts and questions are embedded alike, as in the benchmarks.
  */
 template <class T>
 std::uint32_t calibrate_ef(T const* rows,
@@ -535,16 +542,18 @@ std::uint32_t calibrate_ef(T const* rows,
                            std::uint32_t probes,
                            double target)
 {
-  constexpr std::uint32_t k = 10;
-  constexpr std::uint32_t grid[] = {10, 12, 14, 16, 20, 24, 28, 32, 40, 48,
-                                    56, 64, 80, 96, 128, 160, 192, 256};
+  constexpr std::uint32_t k      = 10;
+  constexpr std::uint32_t grid[] = {
+    10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256};
   if (n <= 2 * k) { return k; }
   probes = std::min(probes, n);
   std::vector<std::uint32_t> probe(probes);
-  std::vector<float> queries(static_cast<std::size_t>(probes) * static_cast<std::size_t>(row_elements));
+  std::vector<float> queries(static_cast<std::size_t>(probes) *
+                             static_cast<std::size_t>(row_elements));
   for (std::uint32_t p = 0; p < probes; ++p) {
     probe[p] = seed_node(p, 0, 1, 0xCA11B8A7Eull, n);
-    row_as_query(rows, row_elements, probe[p], queries.data() + p * static_cast<std::size_t>(row_elements));
+    row_as_query(
+      rows, row_elements, probe[p], queries.data() + p * static_cast<std::size_t>(row_elements));
   }
   // truth: each probe's k nearest other rows, as bounded max-heaps
   std::vector<std::vector<search_entry>> truth(probes);
@@ -553,8 +562,11 @@ std::uint32_t calibrate_ef(T const* rows,
   for (std::uint32_t first = 0; first < n; first += block) {
     std::uint32_t const count = std::min(block, n - first);
     for (std::uint32_t p = 0; p < probes; ++p) {
-      kernels.scan(rows + std::int64_t{first} * row_elements, row_elements, count,
-                   queries.data() + p * static_cast<std::size_t>(row_elements), d.data());
+      kernels.scan(rows + std::int64_t{first} * row_elements,
+                   row_elements,
+                   count,
+                   queries.data() + p * static_cast<std::size_t>(row_elements),
+                   d.data());
       for (std::uint32_t i = 0; i < count; ++i) {
         if (first + i != probe[p]) { offer_bounded(truth[p], k, d[i], first + i); }
       }
@@ -579,9 +591,17 @@ std::uint32_t calibrate_ef(T const* rows,
     std::size_t hits = 0;
     for (std::uint32_t p = 0; p < probes; ++p) {
       plan.excluded = probe[p];  // as a query that is not indexed: its own edges give no help
-      graph_search_fast(rows, row_elements, graph, degree, n, nullptr,
-                        queries.data() + p * static_cast<std::size_t>(row_elements), kernels, plan,
-                        scratch, out);
+      graph_search_fast(rows,
+                        row_elements,
+                        graph,
+                        degree,
+                        n,
+                        nullptr,
+                        queries.data() + p * static_cast<std::size_t>(row_elements),
+                        kernels,
+                        plan,
+                        scratch,
+                        out);
       for (auto const& r : out) {
         for (auto const& t : truth[p]) {
           hits += t.node == r.node ? 1 : 0;
@@ -617,7 +637,7 @@ void exact_search_fast(T const* rows,
 {
   out.clear();
   constexpr std::uint32_t block = 256;  // distances per scan call (1 KiB, stays in L1)
-  auto& d = scratch.scanned;
+  auto& d                       = scratch.scanned;
   d.resize(block);
   for (std::uint32_t first = 0; first < n; first += block) {
     std::uint32_t const count = std::min(block, n - first);
@@ -677,7 +697,8 @@ void exact_search_rounded(half_t const* copy,
   rerank_exact(rows, row_elements, query, distance, approx, k, window, out);
 }
 
-/// @brief Exact search of one query in one tenant: every row, best `k` live rows by (distance, node).
+/// @brief Exact search of one query in one tenant: every row, best `k` live rows by (distance,
+/// node).
 template <class T>
 void exact_search_host(T const* rows,
                        std::int64_t row_elements,
@@ -694,7 +715,9 @@ void exact_search_host(T const* rows,
   for (std::uint32_t v = 0; v < n; ++v) {
     if (deleted[v]) { continue; }
     out.push_back(
-      {team_distance(rows + std::int64_t{v} * row_elements, query, chunks, team, metric), v, false});
+      {team_distance(rows + std::int64_t{v} * row_elements, query, chunks, team, metric),
+       v,
+       false});
   }
   std::size_t const keep = std::min<std::size_t>(out.size(), k);
   std::partial_sort(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(keep), out.end());

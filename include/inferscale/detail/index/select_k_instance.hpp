@@ -21,15 +21,16 @@
 
 /// `PREFIX template void raft::matrix::select_k<float, std::int64_t>(…);` (PREFIX: `extern` or
 /// nothing).
-#define INFERSCALE_SELECT_K_INSTANCE(PREFIX)                                                  \
-  PREFIX template void ::raft::matrix::select_k<float, std::int64_t>(                         \
-    ::raft::resources const&,                                                                 \
-    ::raft::device_matrix_view<float const, std::int64_t, ::raft::row_major>,                 \
-    std::optional<::raft::device_matrix_view<std::int64_t const, std::int64_t, ::raft::row_major>>, \
-    ::raft::device_matrix_view<float, std::int64_t, ::raft::row_major>,                       \
-    ::raft::device_matrix_view<std::int64_t, std::int64_t, ::raft::row_major>,                \
-    bool,                                                                                     \
-    bool,                                                                                     \
+#define INFERSCALE_SELECT_K_INSTANCE(PREFIX)                                            \
+  PREFIX template void ::raft::matrix::select_k<float, std::int64_t>(                   \
+    ::raft::resources const&,                                                           \
+    ::raft::device_matrix_view<float const, std::int64_t, ::raft::row_major>,           \
+    std::optional<                                                                      \
+      ::raft::device_matrix_view<std::int64_t const, std::int64_t, ::raft::row_major>>, \
+    ::raft::device_matrix_view<float, std::int64_t, ::raft::row_major>,                 \
+    ::raft::device_matrix_view<std::int64_t, std::int64_t, ::raft::row_major>,          \
+    bool,                                                                               \
+    bool,                                                                               \
     ::raft::matrix::SelectAlgo);
 
 #if defined(INFERSCALE_EXTERN_DEVICE_INSTANCES)

@@ -119,19 +119,19 @@ using serial::put_le;
 // Format constants and little-endian helpers.
 
 namespace format {
-inline constexpr unsigned char magic[8]     = {0x89, 'I', 'S', 'I', 'D', 'X', 0x0D, 0x0A};
-inline constexpr std::uint32_t version      = 2;
-inline constexpr std::uint32_t byte_order   = 0x01020304u;
-inline constexpr std::size_t header_fields  = 72;  ///< bytes covered by the header checksum
-inline constexpr std::size_t header_bytes   = 80;  ///< fields + header checksum
-inline constexpr std::size_t tenant_bytes   = 24;  ///< namespace, size, live, entry rows, ef
-inline constexpr std::size_t row_extra_bytes = 13; ///< per row beside W + 4 D: id, flag, rank
-inline constexpr std::uint32_t no_rank      = 0xFFFFFFFFu;  ///< a row that is not an entry point
+inline constexpr unsigned char magic[8]       = {0x89, 'I', 'S', 'I', 'D', 'X', 0x0D, 0x0A};
+inline constexpr std::uint32_t version        = 2;
+inline constexpr std::uint32_t byte_order     = 0x01020304u;
+inline constexpr std::size_t header_fields    = 72;  ///< bytes covered by the header checksum
+inline constexpr std::size_t header_bytes     = 80;  ///< fields + header checksum
+inline constexpr std::size_t tenant_bytes     = 24;  ///< namespace, size, live, entry rows, ef
+inline constexpr std::size_t row_extra_bytes  = 13;  ///< per row beside W + 4 D: id, flag, rank
+inline constexpr std::uint32_t no_rank        = 0xFFFFFFFFu;  ///< a row that is not an entry point
 inline constexpr std::uint32_t max_default_ef = 65536;
-inline constexpr std::size_t checksum_bytes = 8;
-inline constexpr std::size_t minimum_bytes  = header_bytes + checksum_bytes;
-inline constexpr std::uint8_t dtype_float32 = 0;
-inline constexpr std::uint8_t dtype_float16 = 1;
+inline constexpr std::size_t checksum_bytes   = 8;
+inline constexpr std::size_t minimum_bytes    = header_bytes + checksum_bytes;
+inline constexpr std::uint8_t dtype_float32   = 0;
+inline constexpr std::uint8_t dtype_float16   = 1;
 
 inline std::uint8_t metric_code(distance_metric m) noexcept
 {
@@ -364,8 +364,8 @@ inline staged_index parse_index_file(std::vector<unsigned char> const& file,
                        where + tenant_name + " (namespace " + std::to_string(ns) +
                          "): default ef " + std::to_string(ef) + " outside [1, " +
                          std::to_string(format::max_default_ef) + "]");
-    std::size_t const entry_count = static_cast<std::size_t>(
-      std::count_if(ranks.begin(), ranks.end(), [](std::uint32_t r) { return r != format::no_rank; }));
+    std::size_t const entry_count = static_cast<std::size_t>(std::count_if(
+      ranks.begin(), ranks.end(), [](std::uint32_t r) { return r != format::no_rank; }));
     std::vector<std::uint32_t> entries(entry_count, format::no_rank);
     for (std::size_t v = 0; v < n; ++v) {
       std::uint32_t const r = ranks[v];

@@ -44,10 +44,10 @@ struct index_policy_sm80 {
 
 /// @brief How a search launch lays out its global workspace (`search_launch_plan`).
 struct search_launch {
-  std::int64_t grid{0};             ///< CTAs launched; each takes queries blockIdx.x, + gridDim.x, ...
-  std::int64_t query_elements{0};   ///< floats of the global query workspace (0: queries shared)
-  std::int64_t hash_elements{0};    ///< words of the global hash workspace (0: hash shared)
-  std::int64_t hash_stride{0};      ///< words between two CTAs' hash slices
+  std::int64_t grid{0};  ///< CTAs launched; each takes queries blockIdx.x, + gridDim.x, ...
+  std::int64_t query_elements{0};  ///< floats of the global query workspace (0: queries shared)
+  std::int64_t hash_elements{0};   ///< words of the global hash workspace (0: hash shared)
+  std::int64_t hash_stride{0};     ///< words between two CTAs' hash slices
 };
 
 /**
@@ -67,13 +67,13 @@ constexpr search_launch search_launch_plan(std::int64_t queries,
 {
   search_launch out;
   if (queries <= 0) { return out; }
-  bool const global = !query_in_shared || !hash_in_shared;
+  bool const global      = !query_in_shared || !hash_in_shared;
   std::int64_t const cap = std::int64_t{1} << 30;
-  out.grid = global ? (queries < resident ? queries : (resident > 0 ? resident : 1))
-                    : (queries < cap ? queries : cap);
-  out.query_elements = query_in_shared ? 0 : out.grid * row_elements;
-  out.hash_stride    = hash_in_shared ? 0 : hash_entries;
-  out.hash_elements  = out.grid * out.hash_stride;
+  out.grid               = global ? (queries < resident ? queries : (resident > 0 ? resident : 1))
+                                  : (queries < cap ? queries : cap);
+  out.query_elements     = query_in_shared ? 0 : out.grid * row_elements;
+  out.hash_stride        = hash_in_shared ? 0 : hash_entries;
+  out.hash_elements      = out.grid * out.hash_stride;
   return out;
 }
 

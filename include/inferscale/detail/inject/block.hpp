@@ -43,11 +43,11 @@ struct inject_kernel_args {
   std::int64_t table_rows;     ///< positions must be below it (detail::rope_table_rows)
   std::int32_t tile_tokens;
   std::int32_t tile_layers;
-  std::int32_t rotary_units;    ///< key units that rotate, per head
-  std::int32_t key_units;       ///< rotary + pass-through units, per head
-  std::int32_t units_per_head;  ///< key_units + value units
-  bool round_each;              ///< vLLM-table per-operation rounding (16-bit store)
-  bool fused;                   ///< fused multiply-add rotation (llama.cpp's CPU rope)
+  std::int32_t rotary_units;     ///< key units that rotate, per head
+  std::int32_t key_units;        ///< rotary + pass-through units, per head
+  std::int32_t units_per_head;   ///< key_units + value units
+  bool round_each;               ///< vLLM-table per-operation rounding (16-bit store)
+  bool fused;                    ///< fused multiply-add rotation (llama.cpp's CPU rope)
   inject_device_errors* errors;  ///< skipped work is counted here (device memory); may be null
 };
 
@@ -162,9 +162,9 @@ struct inject_block {
                                           : &args.errors->bad_store_token);
       }
       index_quotient const in_cache = index_divmod(ok ? slot : 0, args.cache.key_layout.block_size);
-      tile.slot[t]                   = ok ? slot : -1;
-      tile.block[t]                  = in_cache.quotient;
-      tile.in_block[t]               = static_cast<std::int32_t>(in_cache.remainder);
+      tile.slot[t]                  = ok ? slot : -1;
+      tile.block[t]                 = in_cache.quotient;
+      tile.in_block[t]              = static_cast<std::int32_t>(in_cache.remainder);
       // Offset of the token's layer-0 key row: the page division is done once per token.
       tile.source[t] = ok ? args.store.row_offset(store_token, 0, 0) : 0;
     }
@@ -173,9 +173,9 @@ struct inject_block {
     std::int32_t const entries      = rotation_count(args.rotation) * per_rotation;
     for (std::int32_t i = thread; i < entries; i += threads) {
       // One rotation: no division (a single rotation's count is the constant 1).
-      std::int32_t const r = is_device_layer_rotation<Rotation>::value ? i / per_rotation : 0;
-      std::int32_t const rest     = i - r * per_rotation;
-      std::int32_t const t        = rest / pairs;
+      std::int32_t const r    = is_device_layer_rotation<Rotation>::value ? i / per_rotation : 0;
+      std::int32_t const rest = i - r * per_rotation;
+      std::int32_t const t    = rest / pairs;
       std::int64_t const position = args.batch.position[first_token + t];
       tile.cos_sin[cos_sin_swizzle(r * args.tile_tokens * pairs + rest)] =
         (position >= 0 && position < args.table_rows)
@@ -238,7 +238,7 @@ struct inject_block {
         // of `run` elements, i.e. run/2 adjacent pairs (a single pair on the scalar path).
         StoreT const* const src =
           pool + source + row_stride * (2 * l) + static_cast<std::int64_t>(h) * head_dim;
-        auto* const dst             = static_cast<CacheT*>(args.cache.key_base[l]);
+        auto* const dst = static_cast<CacheT*>(args.cache.key_base[l]);
         // the token's first cos/sin entry for this layer's rotation
         std::int32_t const cos_sin_row =
           (rotation_of_layer(args.rotation, l) * args.tile_tokens + t) * pairs;
@@ -254,8 +254,7 @@ struct inject_block {
           INFERSCALE_UNROLL
           for (int e = 0; e < run; ++e) {
             float rx, ry;
-            rotate_stored_pair(
-              x[e], y[e], cos_sin(p0 + e), args.round_each, args.fused, &rx, &ry);
+            rotate_stored_pair(x[e], y[e], cos_sin(p0 + e), args.round_each, args.fused, &rx, &ry);
             qx[e] = convert_rotated<CacheT>(rx, scaled, scale, args.cache.scale_convention);
             qy[e] = convert_rotated<CacheT>(ry, scaled, scale, args.cache.scale_convention);
           }
@@ -271,13 +270,8 @@ struct inject_block {
           INFERSCALE_UNROLL
           for (int e = 0; e < elements; e += 2) {
             float rx, ry;
-            rotate_stored_pair(v[e],
-                               v[e + 1],
-                               cos_sin((d0 + e) / 2),
-                               args.round_each,
-                               args.fused,
-                               &rx,
-                               &ry);
+            rotate_stored_pair(
+              v[e], v[e + 1], cos_sin((d0 + e) / 2), args.round_each, args.fused, &rx, &ry);
             q[e]     = convert_rotated<CacheT>(rx, scaled, scale, args.cache.scale_convention);
             q[e + 1] = convert_rotated<CacheT>(ry, scaled, scale, args.cache.scale_convention);
           }

@@ -38,9 +38,8 @@ inline void check_store_cache_geometry(kv_store const& store,
       cache.head_dim() == g.head_dim,
     std::string{who} + ": geometry mismatch: the store holds " +
       detail::count_of(g.num_layers, "layer") + " x " + detail::count_of(g.num_kv_heads, "head") +
-      " x " + std::to_string(g.head_dim) +
-      ", the cache " + std::to_string(cache.num_layers) + " x " +
-      std::to_string(cache.num_heads()) + " x " + std::to_string(cache.head_dim()));
+      " x " + std::to_string(g.head_dim) + ", the cache " + std::to_string(cache.num_layers) +
+      " x " + std::to_string(cache.num_heads()) + " x " + std::to_string(cache.head_dim()));
 }
 
 /// @brief Whether a rotation asks for vLLM's AVX2 CPU conversion (rope_cos_sin_table).

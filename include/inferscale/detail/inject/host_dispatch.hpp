@@ -94,16 +94,14 @@ void dispatch_host_inject(kv_store_ref const& store,
       // AVX-512BW (detail/inject/vllm_cpu_lines.hpp).
       if constexpr (std::is_same_v<StoreT, bfloat16_t>) {
         if (rotation.pairing == rope_pairing::halves && rotation.rotary_dim % 4 == 0 &&
-            line_path_takes(cache) &&
-            active_host_simd() == host_simd::avx512_bf16) {
+            line_path_takes(cache) && active_host_simd() == host_simd::avx512_bf16) {
           simd_lines::inject_host_lines_truncate(store, batch, cache, rotation);
           return;
         }
       }
       if (!contiguous && keys_token_major(cache.key_layout) &&
           dims_contiguous(cache.value_layout) && store.head_dim % 8 == 0 &&
-          store.head_dim <= simd::token_major_max_dim &&
-          active_host_simd() != host_simd::scalar) {
+          store.head_dim <= simd::token_major_max_dim && active_host_simd() != host_simd::scalar) {
         with_flag(rotation.pairing == rope_pairing::halves, [&](auto halves) {
           inject_host_token_major_truncate<decltype(halves)::value, StoreT>(
             store, batch, cache, rotation);

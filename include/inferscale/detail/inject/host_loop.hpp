@@ -33,7 +33,9 @@ INFERSCALE_HOST_DEVICE INFERSCALE_FORCEINLINE std::int64_t dim_offset(paged_kv_l
 {
   // One chunk (every layout but vLLM's legacy keys): d < head_dim, so d / dim_chunk is 0 and no
   // division per element is needed (vLLM's CPU keys, dims block_size apart, take this path).
-  if (layout.dim_chunk == layout.head_dim) { return static_cast<std::int64_t>(d) * layout.dim_stride; }
+  if (layout.dim_chunk == layout.head_dim) {
+    return static_cast<std::int64_t>(d) * layout.dim_stride;
+  }
   return static_cast<std::int64_t>(d / layout.dim_chunk) * layout.chunk_stride +
          static_cast<std::int64_t>(d % layout.dim_chunk) * layout.dim_stride;
 }
@@ -162,8 +164,8 @@ INFERSCALE_FORCEINLINE void inject_host_typed(kv_store_ref const& store,
     }
     for (std::int32_t l = 0; l < cache.num_layers; ++l) {
       rope_cos_sin const* const layer_cos_sin = cos_sin.data() + rotation.of_layer(l) * rows;
-      auto* const kbase = static_cast<CacheT*>(cache.key_base[l]);
-      auto* const vbase = static_cast<CacheT*>(cache.value_base[l]);
+      auto* const kbase                       = static_cast<CacheT*>(cache.key_base[l]);
+      auto* const vbase                       = static_cast<CacheT*>(cache.value_base[l]);
       for (std::int64_t j = 0; j < count; ++j) {
         std::int64_t const i = first + j;
         if (!slot_in_cache(batch.slot[i], n_slots)) { continue; }
@@ -216,11 +218,11 @@ void inject_host_token_major_truncate(kv_store_ref const& store,
                                       paged_kv_cache const& cache,
                                       Rotation const& rotation)
 {
-  std::int32_t const pairs   = rotation.num_pairs();
-  std::int32_t const dim     = store.head_dim;
-  auto const* const pool     = static_cast<StoreT const*>(store.pool);
-  std::int64_t const n_slots = cache.num_slots();
-  std::int32_t const bs      = cache.key_layout.block_size;
+  std::int32_t const pairs            = rotation.num_pairs();
+  std::int32_t const dim              = store.head_dim;
+  auto const* const pool              = static_cast<StoreT const*>(store.pool);
+  std::int64_t const n_slots          = cache.num_slots();
+  std::int32_t const bs               = cache.key_layout.block_size;
   constexpr std::int64_t chunk_tokens = 64;  // chunks as inject_host_typed's, for the same reason
   // Each rotation of a per-layer one has its rows, `rows` apart (layer l reads its own).
   std::int64_t const rows    = chunk_tokens * pairs;
@@ -238,10 +240,10 @@ void inject_host_token_major_truncate(kv_store_ref const& store,
   std::vector<std::int64_t> row_base(static_cast<std::size_t>(chunk_tokens));
   std::int64_t const kv_pitch = static_cast<std::int64_t>(store.page_size) * store.row_elements();
   // A head's first key or value in the cache: offset(block, in_block, h, 0) without its division.
-  auto const head_offset = [](paged_kv_layout const& layout, std::int64_t block,
-                              std::int32_t in_block, std::int32_t h) {
-    return block * layout.block_stride + in_block * layout.token_stride + h * layout.head_stride;
-  };
+  auto const head_offset =
+    [](paged_kv_layout const& layout, std::int64_t block, std::int32_t in_block, std::int32_t h) {
+      return block * layout.block_stride + in_block * layout.token_stride + h * layout.head_stride;
+    };
   for (std::int64_t first = 0; first < batch.num_tokens; first += chunk_tokens) {
     std::int64_t const count = std::min(chunk_tokens, batch.num_tokens - first);
     run_start.clear();
@@ -249,8 +251,8 @@ void inject_host_token_major_truncate(kv_store_ref const& store,
     for (std::int64_t j = 0; j < count; ++j) {
       std::int64_t const slot = batch.slot[first + j];
       if (!slot_in_cache(slot, n_slots)) { continue; }
-      chunk_token_rows(store, batch, rotation, first, j, rows, row_base.data(), cos.data(),
-                       sin.data());
+      chunk_token_rows(
+        store, batch, rotation, first, j, rows, row_base.data(), cos.data(), sin.data());
       for (std::int32_t r = 0; r < rotation.num_rotations; ++r) {
         std::int64_t const at = r * rows + j * pairs;
         for (std::int32_t p = 0; p < pairs; ++p) {
@@ -261,7 +263,9 @@ void inject_host_token_major_truncate(kv_store_ref const& store,
     for (std::int64_t j = 0; j < count;) {
       std::int64_t const slot = batch.slot[first + j];
       bool run = j + 8 <= count && slot_in_cache(slot, n_slots) && slot % bs + 8 <= bs;
-      for (std::int64_t t = 1; run && t < 8; ++t) { run = batch.slot[first + j + t] == slot + t; }
+      for (std::int64_t t = 1; run && t < 8; ++t) {
+        run = batch.slot[first + j + t] == slot + t;
+      }
       if (!run) {
         if (slot_in_cache(slot, n_slots)) { single.push_back(j); }
         ++j;
@@ -281,12 +285,12 @@ void inject_host_token_major_truncate(kv_store_ref const& store,
     }
     for (std::int32_t l = 0; l < cache.num_layers; ++l) {
       std::int64_t const own = rotation.of_layer(l) * rows;  // this layer's rotation's rows
-      auto* const kbase = static_cast<bfloat16_t*>(cache.key_base[l]);
-      auto* const vbase = static_cast<bfloat16_t*>(cache.value_base[l]);
+      auto* const kbase      = static_cast<bfloat16_t*>(cache.key_base[l]);
+      auto* const vbase      = static_cast<bfloat16_t*>(cache.value_base[l]);
       for (std::size_t r = 0; r < run_start.size(); ++r) {
-        std::int64_t const i0       = first + run_start[r];
-        std::int64_t const block    = batch.slot[i0] / bs;
-        std::int32_t const in_block = static_cast<std::int32_t>(batch.slot[i0] % bs);
+        std::int64_t const i0         = first + run_start[r];
+        std::int64_t const block      = batch.slot[i0] / bs;
+        std::int32_t const in_block   = static_cast<std::int32_t>(batch.slot[i0] % bs);
         std::int64_t const layer_rows = 2 * static_cast<std::int64_t>(l) * kv_pitch;
         for (std::int32_t h = 0; h < store.num_heads; ++h) {
           for (int t = 0; t < 8; ++t) {

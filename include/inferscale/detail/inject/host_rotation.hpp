@@ -113,8 +113,7 @@ inline void chunk_token_rows(Store const& store,
   row_base[j]              = store.row_offset(batch.store_token[first + j], 0, 0);
   for (std::int32_t r = 0; r < rotation.num_rotations; ++r) {
     std::int64_t const at = r * rows + j * pairs;
-    rope_cos_sin_row(
-      rotation, r, batch.position[first + j], rope_op::forward, cos + at, sin + at);
+    rope_cos_sin_row(rotation, r, batch.position[first + j], rope_op::forward, cos + at, sin + at);
   }
 }
 

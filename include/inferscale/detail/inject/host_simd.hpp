@@ -43,7 +43,7 @@ struct scale_step {
   {
     std::uint32_t const bits     = float_bits(scale);
     std::uint32_t const exponent = (bits >> 23) & 0xffu;
-    bool const power_of_two = (bits & 0x807fffffu) == 0 && exponent >= 1 && exponent <= 253;
+    bool const power_of_two      = (bits & 0x807fffffu) == 0 && exponent >= 1 && exponent <= 253;
     if (convention == kv_scale_convention::multiply) {
       factor = scale;
     } else if (power_of_two) {
@@ -55,7 +55,8 @@ struct scale_step {
   }
 };
 
-/// @brief Scales (when `Scaled`) fp32 lanes as quantize does, before the rounding to the cache dtype.
+/// @brief Scales (when `Scaled`) fp32 lanes as quantize does, before the rounding to the cache
+/// dtype.
 template <bool Scaled>
 INFERSCALE_TARGET_AVX2 inline __m256 apply_scale(__m256 x, scale_step const& step)
 {
@@ -93,16 +94,16 @@ INFERSCALE_TARGET_AVX2 inline void convert_row(StoreT const* __restrict src,
  */
 template <bool Scaled, rotate_mode Mode, class StoreT, class CacheT>
 INFERSCALE_TARGET_AVX2 void inject_token(kv_store_ref const& store,
-                  std::int64_t store_token,
-                  paged_kv_cache const& cache,
-                  std::int32_t layer,
-                  std::int64_t block,
-                  std::int32_t in_block,
-                  std::int32_t rotary,
-                  float const* cos,
-                  float const* sin,
-                  scale_step const* key_steps,
-                  scale_step const* value_steps)
+                                         std::int64_t store_token,
+                                         paged_kv_cache const& cache,
+                                         std::int32_t layer,
+                                         std::int64_t block,
+                                         std::int32_t in_block,
+                                         std::int32_t rotary,
+                                         float const* cos,
+                                         float const* sin,
+                                         scale_step const* key_steps,
+                                         scale_step const* value_steps)
 {
   std::int32_t const dim  = store.head_dim;
   std::int32_t const half = rotary / 2;
@@ -114,20 +115,22 @@ INFERSCALE_TARGET_AVX2 void inject_token(kv_store_ref const& store,
     auto* const kbase        = static_cast<CacheT*>(cache.key_base[l]);
     auto* const vbase        = static_cast<CacheT*>(cache.value_base[l]);
     for (std::int32_t h = 0; h < store.num_heads; ++h) {
-      StoreT const* const k = krow + static_cast<std::int64_t>(h) * dim;
-      CacheT* const kdst    = kbase + cache.key_layout.offset(block, in_block, h, 0);
+      StoreT const* const k      = krow + static_cast<std::int64_t>(h) * dim;
+      CacheT* const kdst         = kbase + cache.key_layout.offset(block, in_block, h, 0);
       scale_step const key_scale = Scaled ? key_steps[h] : scale_step{};
       for (std::int32_t p = 0; p < half; p += 8) {
         std::int32_t const n = half - p < 8 ? half - p : 8;
         __m256 x, y;
-        rotate8<Mode, StoreT>(
-          load_n(k + p, n), load_n(k + half + p, n), load_n(cos + p, n), load_n(sin + p, n), &x, &y);
+        rotate8<Mode, StoreT>(load_n(k + p, n),
+                              load_n(k + half + p, n),
+                              load_n(cos + p, n),
+                              load_n(sin + p, n),
+                              &x,
+                              &y);
         store_n(kdst + p, apply_scale<Scaled>(x, key_scale), n);
         store_n(kdst + half + p, apply_scale<Scaled>(y, key_scale), n);
       }
-      if (rotary < dim) {
-        convert_row<Scaled>(k + rotary, kdst + rotary, dim - rotary, key_scale);
-      }
+      if (rotary < dim) { convert_row<Scaled>(k + rotary, kdst + rotary, dim - rotary, key_scale); }
       convert_row<Scaled>(vrow + static_cast<std::int64_t>(h) * dim,
                           vbase + cache.value_layout.offset(block, in_block, h, 0),
                           dim,
@@ -158,9 +161,9 @@ INFERSCALE_TARGET_AVX512 inline __m512 apply_scale(__m512 x, scale_step const& s
 /// copied when the dtypes match and there is no scale.
 template <bool Scaled, class StoreT, class CacheT>
 INFERSCALE_TARGET_AVX512 inline void convert_row(StoreT const* __restrict src,
-                                               CacheT* __restrict dst,
-                                               std::int32_t n,
-                                               scale_step const& step)
+                                                 CacheT* __restrict dst,
+                                                 std::int32_t n,
+                                                 scale_step const& step)
 {
   if constexpr (!Scaled && std::is_same_v<StoreT, CacheT>) {
     std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(StoreT));
@@ -183,12 +186,12 @@ INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
                                            paged_kv_cache const& cache,
                                            std::int32_t layer,
                                            std::int64_t block,
-                                         std::int32_t in_block,
-                                         std::int32_t rotary,
-                                         float const* cos,
-                                         float const* sin,
-                                         scale_step const* key_steps,
-                                         scale_step const* value_steps)
+                                           std::int32_t in_block,
+                                           std::int32_t rotary,
+                                           float const* cos,
+                                           float const* sin,
+                                           scale_step const* key_steps,
+                                           scale_step const* value_steps)
 {
   std::int32_t const dim  = store.head_dim;
   std::int32_t const half = rotary / 2;
@@ -200,14 +203,18 @@ INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
     auto* const kbase        = static_cast<CacheT*>(cache.key_base[l]);
     auto* const vbase        = static_cast<CacheT*>(cache.value_base[l]);
     for (std::int32_t h = 0; h < store.num_heads; ++h) {
-      StoreT const* const k = krow + static_cast<std::int64_t>(h) * dim;
-      CacheT* const kdst    = kbase + cache.key_layout.offset(block, in_block, h, 0);
+      StoreT const* const k      = krow + static_cast<std::int64_t>(h) * dim;
+      CacheT* const kdst         = kbase + cache.key_layout.offset(block, in_block, h, 0);
       scale_step const key_scale = Scaled ? key_steps[h] : scale_step{};
       for (std::int32_t p = 0; p < half; p += 16) {
         std::int32_t const n = half - p < 16 ? half - p : 16;
         __m512 x, y;
-        rotate16<Mode, StoreT>(
-          load_n(k + p, n), load_n(k + half + p, n), load_n(cos + p, n), load_n(sin + p, n), &x, &y);
+        rotate16<Mode, StoreT>(load_n(k + p, n),
+                               load_n(k + half + p, n),
+                               load_n(cos + p, n),
+                               load_n(sin + p, n),
+                               &x,
+                               &y);
         store_n(kdst + p, simd512::apply_scale<Scaled>(x, key_scale), n);
         store_n(kdst + half + p, simd512::apply_scale<Scaled>(y, key_scale), n);
       }
@@ -215,9 +222,9 @@ INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
         simd512::convert_row<Scaled>(k + rotary, kdst + rotary, dim - rotary, key_scale);
       }
       simd512::convert_row<Scaled>(vrow + static_cast<std::int64_t>(h) * dim,
-                          vbase + cache.value_layout.offset(block, in_block, h, 0),
-                          dim,
-                          Scaled ? value_steps[h] : scale_step{});
+                                   vbase + cache.value_layout.offset(block, in_block, h, 0),
+                                   dim,
+                                   Scaled ? value_steps[h] : scale_step{});
     }
   }
 }
@@ -255,8 +262,8 @@ void inject_host_typed_simd(kv_store_ref const& store,
   std::vector<float> sin(static_cast<std::size_t>(rotation.num_rotations * rows));
   // The scalings of every layer and head, prepared once (keys of layer l at 2 l H, values after).
   std::int32_t const heads = store.num_heads;
-  std::vector<simd::scale_step> steps(Scaled ? static_cast<std::size_t>(2 * cache.num_layers * heads)
-                                             : 0);
+  std::vector<simd::scale_step> steps(
+    Scaled ? static_cast<std::size_t>(2 * cache.num_layers * heads) : 0);
   for (std::int32_t l = 0; Scaled && l < cache.num_layers; ++l) {
     for (std::int32_t h = 0; h < heads; ++h) {
       steps[static_cast<std::size_t>(2 * l * heads + h)] =

@@ -25,15 +25,22 @@
   INFERSCALE_HOST_LOOP_INSTANCE(PREFIX, false) \
   INFERSCALE_HOST_LOOP_INSTANCE(PREFIX, true)
 
-#define INFERSCALE_INJECT_HOST_VIEW_INSTANCE(PREFIX, ROTATION)                                \
-  PREFIX template void ::inferscale::detail::inject_host_view<ROTATION>(                     \
-    ::inferscale::kv_store_ref const&, ::inferscale::injection_batch_view const&,            \
-    ::inferscale::paged_kv_cache const&, ROTATION const&);
+#define INFERSCALE_INJECT_HOST_VIEW_INSTANCE(PREFIX, ROTATION)           \
+  PREFIX template void ::inferscale::detail::inject_host_view<ROTATION>( \
+    ::inferscale::kv_store_ref const&,                                   \
+    ::inferscale::injection_batch_view const&,                           \
+    ::inferscale::paged_kv_cache const&,                                 \
+    ROTATION const&);
 
-#define INFERSCALE_EXTRACT_HOST_VIEW_INSTANCE(PREFIX, CHECK_ONLY, ROTATION)                   \
-  PREFIX template void ::inferscale::detail::extract_host_view<CHECK_ONLY, ROTATION>(        \
-    ::inferscale::paged_kv_cache const&, std::int64_t const*, std::int64_t const*,           \
-    std::int64_t const*, std::int64_t, ROTATION const&, ::inferscale::kv_store_ref const&,   \
+#define INFERSCALE_EXTRACT_HOST_VIEW_INSTANCE(PREFIX, CHECK_ONLY, ROTATION)           \
+  PREFIX template void ::inferscale::detail::extract_host_view<CHECK_ONLY, ROTATION>( \
+    ::inferscale::paged_kv_cache const&,                                              \
+    std::int64_t const*,                                                              \
+    std::int64_t const*,                                                              \
+    std::int64_t const*,                                                              \
+    std::int64_t,                                                                     \
+    ROTATION const&,                                                                  \
+    ::inferscale::kv_store_ref const&,                                                \
     ::inferscale::detail::extraction_fault*);
 
 #define INFERSCALE_EXTRACT_HOST_INSTANCES_FOR(PREFIX, ROTATION) \

@@ -49,7 +49,7 @@ void __launch_bounds__(Policy::extract_threads)
   extract_kernel(__grid_constant__ extract_kernel_args<Rotation> const args)
 {
   auto const per_token = static_cast<std::int32_t>(extract_units_per_token(args));
-  auto const w = static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  auto const w         = static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
   if (w >= per_token) { return; }
   for (std::int64_t i = blockIdx.y; i < args.tokens.num_tokens; i += gridDim.y) {
     extract_unit<StoreT, CacheT>(args, i, w);

@@ -64,7 +64,9 @@ INFERSCALE_TARGET_AVX2 inline void transpose8x8_ps(float const* const* rows,
                                                    __m256* out)
 {
   __m256 r[8];
-  for (int j = 0; j < 8; ++j) { r[j] = _mm256_loadu_ps(rows[j] + d0); }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm256_loadu_ps(rows[j] + d0);
+  }
   __m256 t[8], s[8];
   for (int q = 0; q < 4; ++q) {  // within each 128-bit lane: rows 2q, 2q + 1 interleaved
     t[2 * q]     = _mm256_unpacklo_ps(r[2 * q], r[2 * q + 1]);
@@ -189,7 +191,9 @@ INFERSCALE_TARGET_AVX2 void inject8_token_major_truncate(StoreT const* const* kr
     if constexpr (std::is_same_v<StoreT, bfloat16_t>) {
       std::memcpy(out, vrow[j], static_cast<std::size_t>(dim) * sizeof(bfloat16_t));
     } else {
-      for (std::int32_t d = 0; d < dim; d += 8) { store8(out + d, load8(vrow[j] + d)); }
+      for (std::int32_t d = 0; d < dim; d += 8) {
+        store8(out + d, load8(vrow[j] + d));
+      }
     }
   }
 }

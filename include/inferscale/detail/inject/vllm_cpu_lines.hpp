@@ -131,27 +131,31 @@ INFERSCALE_TARGET_LINES inline __m512 opaque(__m512 x)
  * what bfloat16_toward_zero makes of a NaN.
  */
 INFERSCALE_TARGET_LINES inline void rotate_words_truncate(__m512i x,
-                                                         __m512i y,
-                                                         float const* c_low,
-                                                         float const* s_low,
-                                                         float const* c_high,
-                                                         float const* s_high,
-                                                         __m512i* out_x,
-                                                         __m512i* out_y)
+                                                          __m512i y,
+                                                          float const* c_low,
+                                                          float const* s_low,
+                                                          float const* c_high,
+                                                          float const* s_high,
+                                                          __m512i* out_x,
+                                                          __m512i* out_y)
 {
-  __m512i const upper  = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  __m512 const x_low   = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-  __m512 const y_low   = _mm512_castsi512_ps(_mm512_slli_epi32(y, 16));
-  __m512 const x_high  = _mm512_castsi512_ps(_mm512_and_si512(x, upper));
-  __m512 const y_high  = _mm512_castsi512_ps(_mm512_and_si512(y, upper));
-  __m512 const cl      = _mm512_loadu_ps(c_low);
-  __m512 const sl      = _mm512_loadu_ps(s_low);
-  __m512 const ch      = _mm512_loadu_ps(c_high);
-  __m512 const sh      = _mm512_loadu_ps(s_high);
-  __m512 const rx_low  = _mm512_sub_ps(opaque(_mm512_mul_ps(x_low, cl)), opaque(_mm512_mul_ps(y_low, sl)));
-  __m512 const ry_low  = _mm512_add_ps(opaque(_mm512_mul_ps(y_low, cl)), opaque(_mm512_mul_ps(x_low, sl)));
-  __m512 const rx_high = _mm512_sub_ps(opaque(_mm512_mul_ps(x_high, ch)), opaque(_mm512_mul_ps(y_high, sh)));
-  __m512 const ry_high = _mm512_add_ps(opaque(_mm512_mul_ps(y_high, ch)), opaque(_mm512_mul_ps(x_high, sh)));
+  __m512i const upper = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  __m512 const x_low  = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  __m512 const y_low  = _mm512_castsi512_ps(_mm512_slli_epi32(y, 16));
+  __m512 const x_high = _mm512_castsi512_ps(_mm512_and_si512(x, upper));
+  __m512 const y_high = _mm512_castsi512_ps(_mm512_and_si512(y, upper));
+  __m512 const cl     = _mm512_loadu_ps(c_low);
+  __m512 const sl     = _mm512_loadu_ps(s_low);
+  __m512 const ch     = _mm512_loadu_ps(c_high);
+  __m512 const sh     = _mm512_loadu_ps(s_high);
+  __m512 const rx_low =
+    _mm512_sub_ps(opaque(_mm512_mul_ps(x_low, cl)), opaque(_mm512_mul_ps(y_low, sl)));
+  __m512 const ry_low =
+    _mm512_add_ps(opaque(_mm512_mul_ps(y_low, cl)), opaque(_mm512_mul_ps(x_low, sl)));
+  __m512 const rx_high =
+    _mm512_sub_ps(opaque(_mm512_mul_ps(x_high, ch)), opaque(_mm512_mul_ps(y_high, sh)));
+  __m512 const ry_high =
+    _mm512_add_ps(opaque(_mm512_mul_ps(y_high, ch)), opaque(_mm512_mul_ps(x_high, sh)));
   // (low >> 16) | (high & 0xffff0000)
   *out_x = _mm512_ternarylogic_epi32(
     _mm512_srli_epi32(_mm512_castps_si512(rx_low), 16), _mm512_castps_si512(rx_high), upper, 0xf8);
@@ -167,7 +171,9 @@ INFERSCALE_TARGET_LINES inline void transpose_in_lanes8(std::uint16_t const* con
                                                         __m512i* out)
 {
   __m512i r[8];
-  for (int j = 0; j < 8; ++j) { r[j] = _mm512_loadu_si512(rows[j] + col); }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_loadu_si512(rows[j] + col);
+  }
   __m512i const a0 = _mm512_unpacklo_epi16(r[0], r[1]), a1 = _mm512_unpackhi_epi16(r[0], r[1]);
   __m512i const a2 = _mm512_unpacklo_epi16(r[2], r[3]), a3 = _mm512_unpackhi_epi16(r[2], r[3]);
   __m512i const a4 = _mm512_unpacklo_epi16(r[4], r[5]), a5 = _mm512_unpackhi_epi16(r[4], r[5]);
@@ -195,16 +201,18 @@ INFERSCALE_TARGET_LINES inline void transpose32x32_u16(std::uint16_t const* cons
                                                        __m512i* out)
 {
   __m512i s[4][8];  // s[g][c] lane q: column col + 8q + c of rows 8g .. 8g + 7
-  for (int g = 0; g < 4; ++g) { transpose_in_lanes8(rows + 8 * g, col, s[g]); }
+  for (int g = 0; g < 4; ++g) {
+    transpose_in_lanes8(rows + 8 * g, col, s[g]);
+  }
   for (int c = 0; c < 8; ++c) {  // 4 x 4 transpose of the 128-bit lanes of s[0..3][c]
     __m512i const a0 = _mm512_shuffle_i32x4(s[0][c], s[1][c], 0x44);
     __m512i const a1 = _mm512_shuffle_i32x4(s[0][c], s[1][c], 0xee);
     __m512i const a2 = _mm512_shuffle_i32x4(s[2][c], s[3][c], 0x44);
     __m512i const a3 = _mm512_shuffle_i32x4(s[2][c], s[3][c], 0xee);
-    out[c]      = _mm512_shuffle_i32x4(a0, a2, 0x88);
-    out[8 + c]  = _mm512_shuffle_i32x4(a0, a2, 0xdd);
-    out[16 + c] = _mm512_shuffle_i32x4(a1, a3, 0x88);
-    out[24 + c] = _mm512_shuffle_i32x4(a1, a3, 0xdd);
+    out[c]           = _mm512_shuffle_i32x4(a0, a2, 0x88);
+    out[8 + c]       = _mm512_shuffle_i32x4(a0, a2, 0xdd);
+    out[16 + c]      = _mm512_shuffle_i32x4(a1, a3, 0x88);
+    out[24 + c]      = _mm512_shuffle_i32x4(a1, a3, 0xdd);
   }
 }
 
@@ -218,7 +226,9 @@ INFERSCALE_TARGET_LINES inline void transpose16x16_u32(std::uint16_t const* cons
                                                        __m512i* out)
 {
   __m512i r[16], t[16];
-  for (int j = 0; j < 16; ++j) { r[j] = _mm512_loadu_si512(rows[j] + 2 * w); }
+  for (int j = 0; j < 16; ++j) {
+    r[j] = _mm512_loadu_si512(rows[j] + 2 * w);
+  }
   for (int j = 0; j < 8; ++j) {  // rows 2j, 2j + 1 interleaved by words in each lane
     t[2 * j]     = _mm512_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
     t[2 * j + 1] = _mm512_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
@@ -235,10 +245,10 @@ INFERSCALE_TARGET_LINES inline void transpose16x16_u32(std::uint16_t const* cons
     __m512i const a1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
     __m512i const a2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
     __m512i const a3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
-    out[c]      = _mm512_shuffle_i32x4(a0, a2, 0x88);
-    out[4 + c]  = _mm512_shuffle_i32x4(a0, a2, 0xdd);
-    out[8 + c]  = _mm512_shuffle_i32x4(a1, a3, 0x88);
-    out[12 + c] = _mm512_shuffle_i32x4(a1, a3, 0xdd);
+    out[c]           = _mm512_shuffle_i32x4(a0, a2, 0x88);
+    out[4 + c]       = _mm512_shuffle_i32x4(a0, a2, 0xdd);
+    out[8 + c]       = _mm512_shuffle_i32x4(a1, a3, 0x88);
+    out[12 + c]      = _mm512_shuffle_i32x4(a1, a3, 0xdd);
   }
 }
 
@@ -263,9 +273,9 @@ struct line_run {
  */
 template <class Rotation>
 INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& store,
-                                                       injection_batch_view const& batch,
-                                                       paged_kv_cache const& cache,
-                                                       Rotation const& rotation)
+                                                        injection_batch_view const& batch,
+                                                        paged_kv_cache const& cache,
+                                                        Rotation const& rotation)
 {
   constexpr std::int32_t window = 32;
   std::int32_t const pairs      = rotation.num_pairs();
@@ -284,7 +294,7 @@ INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& stor
   // chunk layer by layer, run by run: a window's lines are written together.
   constexpr std::int64_t chunk_tokens = 128;
   std::int64_t const rows             = chunk_tokens * pairs;
-  std::size_t const all_rows = static_cast<std::size_t>(rotation.num_rotations * rows);
+  std::size_t const all_rows          = static_cast<std::size_t>(rotation.num_rotations * rows);
   std::vector<float> cos(all_rows), sin(all_rows);
   // Per run, rotation and pair: 32 cos then 32 sin in lane order.
   std::int64_t const lane_table = static_cast<std::int64_t>(pairs) * 2 * window;
@@ -321,8 +331,8 @@ INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& stor
     for (std::int64_t j = 0; j < count; ++j) {
       std::int64_t const slot = batch.slot[first + j];
       if (!slot_in_cache(slot, n_slots)) { continue; }
-      chunk_token_rows(store, batch, rotation, first, j, rows, row_base.data(), cos.data(),
-                       sin.data());
+      chunk_token_rows(
+        store, batch, rotation, first, j, rows, row_base.data(), cos.data(), sin.data());
       std::int64_t const block    = slot / bs;
       std::int32_t const in_block = static_cast<std::int32_t>(slot % bs);
       if (!runs.empty()) {
@@ -343,14 +353,14 @@ INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& stor
       std::int32_t const lo = run.in_block % window;
       for (std::int32_t t = 0; t < run.count; ++t) {
         std::int32_t const token = lo + t;  // in the window
-        std::int32_t const lane =
-          token_major ? (token % 2) * (window / 2) + token / 2 : token;
-        std::int64_t const j = run.first + t;
+        std::int32_t const lane  = token_major ? (token % 2) * (window / 2) + token / 2 : token;
+        std::int64_t const j     = run.first + t;
         for (std::int32_t w = 0; w < rotation.num_rotations; ++w) {
           float* const table = lane_cos_sin.data() + r * per_run + w * lane_table;
           for (std::int32_t p = 0; p < pairs; ++p) {
-            table[p * 2 * window + lane]          = cos[static_cast<std::size_t>(w * rows + j * pairs + p)];
-            table[p * 2 * window + window + lane] = sin[static_cast<std::size_t>(w * rows + j * pairs + p)];
+            table[p * 2 * window + lane] = cos[static_cast<std::size_t>(w * rows + j * pairs + p)];
+            table[p * 2 * window + window + lane] =
+              sin[static_cast<std::size_t>(w * rows + j * pairs + p)];
           }
         }
       }
@@ -364,27 +374,35 @@ INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& stor
       for (std::size_t r = 0; r < runs.size(); ++r) {
         for (std::int32_t h = 0; h < heads; ++h) {
           std::int64_t const head_at = static_cast<std::int64_t>(h) * dim;
-          line_run const& run   = runs[r];
-          std::int32_t const lo = run.in_block % window;  // the run's first lane
-          std::int32_t const w0 = run.in_block - lo;      // the window's first token in the block
-          std::uint64_t const lanes = ((1ull << run.count) - 1ull) << lo;  // lo + count <= 32
+          line_run const& run        = runs[r];
+          std::int32_t const lo      = run.in_block % window;  // the run's first lane
+          std::int32_t const w0      = run.in_block - lo;  // the window's first token in the block
+          std::uint64_t const lanes  = ((1ull << run.count) - 1ull) << lo;  // lo + count <= 32
           float const* const table =
             lane_cos_sin.data() + r * per_run + rotation.of_layer(l) * lane_table;
           // the window's key rows; tokens outside the run read the run's first row (not stored)
           for (std::int32_t t = 0; t < window; ++t) {
             std::int32_t const in_run = t >= lo && t < lo + run.count ? t - lo : 0;
-            key_rows[t] = pool + row_base[static_cast<std::size_t>(run.first + in_run)] +
-                          krow_at + head_at;
+            key_rows[t] =
+              pool + row_base[static_cast<std::size_t>(run.first + in_run)] + krow_at + head_at;
           }
           std::uint16_t* const kcell =
             kbase + run.block * kl.block_stride + static_cast<std::int64_t>(h) * kl.head_stride;
           if (token_major) {
             // lines[d]: dim d of the window's 32 tokens (word i: tokens 2i, 2i + 1)
-            for (std::int32_t c0 = 0; c0 < dim; c0 += 32) { transpose32x32_u16(key_rows, c0, lines + c0); }
+            for (std::int32_t c0 = 0; c0 < dim; c0 += 32) {
+              transpose32x32_u16(key_rows, c0, lines + c0);
+            }
             for (std::int32_t p = 0; p < half; ++p) {
               float const* const cs = table + p * 2 * window;
-              rotate_words_truncate(lines[p], lines[p + half], cs, cs + window, cs + 16,
-                                    cs + window + 16, &lines[p], &lines[p + half]);
+              rotate_words_truncate(lines[p],
+                                    lines[p + half],
+                                    cs,
+                                    cs + window,
+                                    cs + 16,
+                                    cs + window + 16,
+                                    &lines[p],
+                                    &lines[p + half]);
             }
             // dim d of window token j at kcell + d * dim_stride + w0 + j
             auto const mask = static_cast<__mmask32>(lanes);
@@ -403,12 +421,20 @@ INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& stor
               for (std::int32_t q = 0; q < half / 2; ++q) {
                 float const* const even = table + 2 * q * 2 * window + 16 * tile;
                 float const* const odd  = even + 2 * window;
-                rotate_words_truncate(lines[q], lines[q + half / 2], even, even + window, odd,
-                                      odd + window, &lines[q], &lines[q + half / 2]);
+                rotate_words_truncate(lines[q],
+                                      lines[q + half / 2],
+                                      even,
+                                      even + window,
+                                      odd,
+                                      odd + window,
+                                      &lines[q],
+                                      &lines[q + half / 2]);
               }
               std::uint16_t* const tbase =
                 kcell + static_cast<std::int64_t>((w0 + 16 * tile) / 16) * kl.token_chunk_stride;
-              for (std::int32_t q = 0; q < dim / 2; ++q) { store_line32(tbase + q * 32, lines[q], mask); }
+              for (std::int32_t q = 0; q < dim / 2; ++q) {
+                store_line32(tbase + q * 32, lines[q], mask);
+              }
             }
           }
           // values
@@ -432,20 +458,21 @@ INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& stor
               bool const has_even = t0 >= run.in_block;
               bool const has_odd  = t0 + 1 < t_end;
               std::uint16_t const* const even =
-                pool + row_base[static_cast<std::size_t>(run.first + (has_even ? t0 : t0 + 1) -
-                                                         run.in_block)] +
+                pool +
+                row_base[static_cast<std::size_t>(run.first + (has_even ? t0 : t0 + 1) -
+                                                  run.in_block)] +
                 vrow_at;
               std::uint16_t const* const odd =
-                has_odd ? pool + row_base[static_cast<std::size_t>(run.first + t0 + 1 -
-                                                                   run.in_block)] +
-                            vrow_at
-                        : even;
-              __mmask32 const mask = static_cast<__mmask32>((has_even ? 0x55555555u : 0u) |
+                has_odd
+                  ? pool + row_base[static_cast<std::size_t>(run.first + t0 + 1 - run.in_block)] +
+                      vrow_at
+                  : even;
+              __mmask32 const mask      = static_cast<__mmask32>((has_even ? 0x55555555u : 0u) |
                                                             (has_odd ? 0xaaaaaaaau : 0u));
               std::uint16_t* const pair = vcell + static_cast<std::int64_t>(t0 / 2) * 32;
               for (std::int32_t d = 0; d < dim; d += 32) {
-                __m512i const a = _mm512_loadu_si512(even + d);
-                __m512i const b = _mm512_loadu_si512(odd + d);
+                __m512i const a          = _mm512_loadu_si512(even + d);
+                __m512i const b          = _mm512_loadu_si512(odd + d);
                 std::int64_t const strip = d / 16;
                 store_line16(pair + strip * vl.chunk_stride,
                              _mm512_permutex2var_epi16(a, interleave_low, b),

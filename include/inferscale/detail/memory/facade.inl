@@ -252,7 +252,7 @@ std::vector<memory_request> memory::serve_requests(
     OnDevice && detail::is_complete<detail::dependent_t<injection_workspace, Rotation>>::value;
   // Where each part runs: the search with the context's resources, the injection on the device
   // with its workspace; each on the host without.
-  bool const context_search = device != nullptr && device->searches_index();
+  bool const context_search                 = device != nullptr && device->searches_index();
   [[maybe_unused]] bool const device_inject = device != nullptr && device->workspace() != nullptr;
   memory_space const search_space = context_search ? device->index_space() : memory_space::host;
   static_assert(is_embedder_v<Embedder>,
@@ -288,7 +288,8 @@ std::vector<memory_request> memory::serve_requests(
                        " memory; " +
                        (search_space == memory_space::host
                           ? "serve a device index with a device_context holding its "
-                            "raft::resources, " + std::string{who} +
+                            "raft::resources, " +
+                              std::string{who} +
                               "(..., rotation, device_context{res[, workspace, stream]}) "
                               "(memory_device_index.cuh)"
                           : "serve a host index with a device_context without raft::resources"));
@@ -330,7 +331,8 @@ std::vector<memory_request> memory::serve_requests(
     INFERSCALE_EXPECTS(embedded.size() == n,
                        std::string{who} + ": the embedder returned " +
                          detail::count_of(static_cast<std::int64_t>(embedded.size()), "embedding") +
-                         " for " + detail::count_of(static_cast<std::int64_t>(n), "query", "queries"));
+                         " for " +
+                         detail::count_of(static_cast<std::int64_t>(n), "query", "queries"));
   }
   for (std::size_t i = 0; i < n; ++i) {
     std::vector<float> const v =
@@ -368,9 +370,8 @@ std::vector<memory_request> memory::serve_requests(
       std::uint64_t const id = ids[i * k + j];
       if (id != invalid_fact_id) { out[i].fact_ids.push_back(id); }
     }
-    out[i].plan = named(where(i), [&] {
-      return prepare_unlocked(out[i].fact_ids, requests[i].first_position);
-    });
+    out[i].plan = named(
+      where(i), [&] { return prepare_unlocked(out[i].fact_ids, requests[i].first_position); });
     INFERSCALE_EXPECTS(out[i].plan.length() > 0,
                        where(i) + ": the plan is empty (no instruction prefix, nothing retrieved)");
     // The model's range, before any adapter allocates.
@@ -489,14 +490,14 @@ memory_request memory::serve(Embedder& embedder,
                              Rotation const& rotation) const
 {
   memory_step_request<CacheAdapter> const one{ns, query, first_position, &cache};
-  return std::move(serve_requests<false>(
-    embedder,
-    cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
-    k,
-    "memory::serve",
-    false,
-    rotation,
-    nullptr)[0]);
+  return std::move(
+    serve_requests<false>(embedder,
+                          cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
+                          k,
+                          "memory::serve",
+                          false,
+                          rotation,
+                          nullptr)[0]);
 }
 
 template <class Embedder, class CacheAdapter, class Rotation>
@@ -510,14 +511,14 @@ memory_request memory::serve(Embedder& embedder,
                              device_context const& device) const
 {
   memory_step_request<CacheAdapter> const one{ns, query, first_position, &cache};
-  return std::move(serve_requests<true>(
-    embedder,
-    cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
-    k,
-    "memory::serve",
-    false,
-    rotation,
-    &device)[0]);
+  return std::move(
+    serve_requests<true>(embedder,
+                         cuda::std::span<memory_step_request<CacheAdapter> const>{&one, 1},
+                         k,
+                         "memory::serve",
+                         false,
+                         rotation,
+                         &device)[0]);
 }
 
 inline void memory::require_host_store(char const* who) const

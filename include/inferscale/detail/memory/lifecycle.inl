@@ -520,7 +520,7 @@ inline void memory::probe(std::vector<float> const& vectors,
                           std::vector<std::uint64_t> const& ids) const
 {
   index_config c = index_.config();
-  c.space       = memory_space::host;
+  c.space        = memory_space::host;
   graph_index scratch{c};
   scratch.add<float>(0,
                      matrix_of(vectors, ids.size()),

@@ -29,7 +29,7 @@ inline void save_memory(memory const& mem,
                         std::optional<std::string> const& application)
 {
   auto const serial = mem.locks_.serial();  // between two mutations; reads go on
-  using manifest                         = memory::snapshot_manifest;
+  using manifest    = memory::snapshot_manifest;
   std::optional<manifest> const previous = detail::snapshot::previous_manifest(
     directory, memory::manifest_name, [](std::vector<unsigned char> const& b) {
       return memory::parse_manifest(b, "");
@@ -122,13 +122,11 @@ inline memory load_memory(std::string const& directory,
   std::string const index_path     = directory + "/" + memory::index_file_name(m);
   std::string const lifecycle_path = directory + "/" + memory::lifecycle_file_name(m);
   std::vector<detail::snapshot::named_file> named{{store_path, -8, m.store_checksum},
-                                                 {index_path, 72, m.index_header_checksum},
-                                                 {index_path, -8, m.index_checksum},
-                                                 {lifecycle_path, -8, m.lifecycle_checksum}};
+                                                  {index_path, 72, m.index_header_checksum},
+                                                  {index_path, -8, m.index_checksum},
+                                                  {lifecycle_path, -8, m.lifecycle_checksum}};
   std::string const application_path = directory + "/" + memory::application_file_name(m);
-  if (m.application_checksum) {
-    named.push_back({application_path, -8, *m.application_checksum});
-  }
+  if (m.application_checksum) { named.push_back({application_path, -8, *m.application_checksum}); }
   detail::snapshot::check_named_files(named,
                                       who,
                                       "the store, index, lifecycle or application file does not "

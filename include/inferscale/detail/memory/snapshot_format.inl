@@ -52,8 +52,8 @@ inline std::string memory::application_file_name(snapshot_manifest const& m)
 /// `bytes` holds manifest_bytes (version 1) or, with an application checksum, manifest_v2_bytes.
 inline void memory::encode_manifest(snapshot_manifest const& m, unsigned char* bytes)
 {
-  namespace s        = detail::serial;
-  bool const v2      = m.application_checksum.has_value();
+  namespace s         = detail::serial;
+  bool const v2       = m.application_checksum.has_value();
   std::size_t const n = v2 ? manifest_v2_bytes : manifest_bytes;
   std::memset(bytes, 0, n);
   std::memcpy(bytes, manifest_magic, 8);
@@ -117,9 +117,9 @@ inline std::string memory::decode_application(std::vector<unsigned char> const& 
   INFERSCALE_EXPECTS(
     b.size() >= 32,
     what + std::to_string(b.size()) + " bytes, shorter than the 32-byte header and checksum");
-  INFERSCALE_EXPECTS(s::get_le<std::uint64_t>(b.data() + b.size() - 8) ==
-                       s::crc64_of(b.data(), b.size() - 8),
-                     what + "checksum mismatch (the file is corrupted)");
+  INFERSCALE_EXPECTS(
+    s::get_le<std::uint64_t>(b.data() + b.size() - 8) == s::crc64_of(b.data(), b.size() - 8),
+    what + "checksum mismatch (the file is corrupted)");
   INFERSCALE_EXPECTS(std::memcmp(b.data(), application_magic, 8) == 0,
                      what + "not an InferScale application file (wrong magic bytes)");
   std::uint32_t const version = s::get_le<std::uint32_t>(b.data() + 8);
@@ -130,9 +130,10 @@ inline std::string memory::decode_application(std::vector<unsigned char> const& 
                      what + "bad byte-order mark");
   std::uint64_t const length = s::get_le<std::uint64_t>(b.data() + 16);
   INFERSCALE_EXPECTS(length == b.size() - 32,
-                     what + "records " + std::to_string(length) + " bytes of data, the file holds " +
-                       std::to_string(b.size() - 32));
-  return std::string(reinterpret_cast<char const*>(b.data() + 24), static_cast<std::size_t>(length));
+                     what + "records " + std::to_string(length) +
+                       " bytes of data, the file holds " + std::to_string(b.size() - 32));
+  return std::string(reinterpret_cast<char const*>(b.data() + 24),
+                     static_cast<std::size_t>(length));
 }
 
 /// Little-endian appends for the lifecycle file.

@@ -76,8 +76,8 @@ void __launch_bounds__(Policy::block_threads)
 
   for (std::int64_t first_token = blockIdx.x * tile; first_token < args.tokens;
        first_token += static_cast<std::int64_t>(gridDim.x) * tile) {
-    auto const count =
-      static_cast<std::int32_t>(args.tokens - first_token < tile ? args.tokens - first_token : tile);
+    auto const count = static_cast<std::int32_t>(
+      args.tokens - first_token < tile ? args.tokens - first_token : tile);
     for (std::int32_t index = static_cast<std::int32_t>(threadIdx.x); index < count * pairs;
          index += static_cast<std::int32_t>(blockDim.x)) {
       std::int32_t const local    = index / pairs;
@@ -92,8 +92,7 @@ void __launch_bounds__(Policy::block_threads)
     }
     __syncthreads();
 
-    for (std::int32_t item = static_cast<std::int32_t>(threadIdx.x);
-         item < count * items_per_token;
+    for (std::int32_t item = static_cast<std::int32_t>(threadIdx.x); item < count * items_per_token;
          item += static_cast<std::int32_t>(blockDim.x)) {
       std::int32_t const local = item / items_per_token;
       std::int64_t const token = first_token + local;
@@ -104,7 +103,7 @@ void __launch_bounds__(Policy::block_threads)
       std::int32_t const head   = within / chunks;
       std::int32_t const chunk  = within - head * chunks;
       std::int32_t const row    = local * pairs;  // the token's first cos/sin entry
-      T* const head_ptr = args.data + token * args.token_stride + head * args.head_stride;
+      T* const head_ptr         = args.data + token * args.token_stride + head * args.head_stride;
 
       if constexpr (Vectorized) {
         using vector            = rope_vector<T, n>;
@@ -118,8 +117,10 @@ void __launch_bounds__(Policy::block_threads)
             if (args.fused) {
               rope_rotate_pair_fused(first.values[j], second.values[j], cos_sin_at(row + base + j));
             } else {
-              rope_rotate_pair(
-                first.values[j], second.values[j], cos_sin_at(row + base + j), args.round_each_operation);
+              rope_rotate_pair(first.values[j],
+                               second.values[j],
+                               cos_sin_at(row + base + j),
+                               args.round_each_operation);
             }
           }
           *reinterpret_cast<vector*>(first_ptr)         = first;
@@ -130,10 +131,13 @@ void __launch_bounds__(Policy::block_threads)
 #pragma unroll
           for (int j = 0; j < n; j += 2) {
             if (args.fused) {
-              rope_rotate_pair_fused(v.values[j], v.values[j + 1], cos_sin_at(row + (base + j) / 2));
+              rope_rotate_pair_fused(
+                v.values[j], v.values[j + 1], cos_sin_at(row + (base + j) / 2));
             } else {
-              rope_rotate_pair(
-                v.values[j], v.values[j + 1], cos_sin_at(row + (base + j) / 2), args.round_each_operation);
+              rope_rotate_pair(v.values[j],
+                               v.values[j + 1],
+                               cos_sin_at(row + (base + j) / 2),
+                               args.round_each_operation);
             }
           }
           *reinterpret_cast<vector*>(ptr) = v;

@@ -106,8 +106,8 @@ inline void rope_spec::validate() const
       INFERSCALE_EXPECTS(
         (!mscale || (std::isfinite(*mscale) && *mscale >= 0)) &&
           (!mscale_all_dim || (std::isfinite(*mscale_all_dim) && *mscale_all_dim >= 0)),
-        rope_field("mscale", mscale.value_or(0)) + ", mscale_all_dim = " +
-          std::to_string(mscale_all_dim.value_or(0)) +
+        rope_field("mscale", mscale.value_or(0)) +
+          ", mscale_all_dim = " + std::to_string(mscale_all_dim.value_or(0)) +
           ": must be finite and non-negative (0 means absent)");
       break;
     case rope_scaling::longrope: {
@@ -120,8 +120,7 @@ inline void rope_spec::validate() const
       INFERSCALE_EXPECTS(short_factor.size() == pairs && long_factor.size() == pairs,
                          "rope_spec.short_factor/long_factor: longrope needs rotary_dim/2 = " +
                            detail::count_of(static_cast<std::int64_t>(pairs), "entry", "entries") +
-                           " each, got " +
-                           std::to_string(short_factor.size()) + " and " +
+                           " each, got " + std::to_string(short_factor.size()) + " and " +
                            std::to_string(long_factor.size()));
       auto const positive = [](double v) { return std::isfinite(v) && v > 0; };
       INFERSCALE_EXPECTS(
@@ -197,7 +196,7 @@ inline std::vector<double> rope_spec::inverse_frequencies(std::int64_t total_len
       for (std::size_t i = 0; i < inv.size(); ++i) {
         double const ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
         double const extrapolation = 1.0 - ramp;
-        inv[i] = inv[i] / f * (1.0 - extrapolation) + inv[i] * extrapolation;
+        inv[i]                     = inv[i] / f * (1.0 - extrapolation) + inv[i] * extrapolation;
       }
       break;
     }
@@ -239,11 +238,11 @@ inline rope_params make_rope_params(rope_spec const& spec, std::int64_t total_le
                      "make_rope_params: rotary_dim " + std::to_string(d) +
                        " exceeds the supported " + std::to_string(2 * rope_params::max_pairs));
   rope_params params{};
-  params.head_dim               = spec.head_dim;
-  params.rotary_dim             = d;
-  params.pairing                = spec.pairing;
-  params.angle_mode             = spec.angle_mode;
-  params.attention_factor       = static_cast<float>(spec.attention_scaling(total_length));
+  params.head_dim         = spec.head_dim;
+  params.rotary_dim       = d;
+  params.pairing          = spec.pairing;
+  params.angle_mode       = spec.angle_mode;
+  params.attention_factor = static_cast<float>(spec.attention_scaling(total_length));
   // The model's range; dynamic NTK is resolved for a length beyond it on purpose (its base
   // rescaled for total_length), so its range is the length it was resolved for.
   params.max_position = std::max<std::int64_t>(spec.max_position, 0);
@@ -329,12 +328,17 @@ inline void rope_cos_sin_row(
 }
 /// @brief rope_cos_sin_row into (cos, sin) pairs.
 template <class Rotation>
-void rope_cos_sin_row(Rotation const& rotation, std::int64_t position, rope_op op, rope_cos_sin* out)
+void rope_cos_sin_row(Rotation const& rotation,
+                      std::int64_t position,
+                      rope_op op,
+                      rope_cos_sin* out)
 {
   float cos[rope_params::max_pairs];
   float sin[rope_params::max_pairs];
   rope_cos_sin_row(rotation, position, op, cos, sin);
-  for (std::int32_t p = 0; p < rotation.num_pairs(); ++p) { out[p] = {cos[p], sin[p]}; }
+  for (std::int32_t p = 0; p < rotation.num_pairs(); ++p) {
+    out[p] = {cos[p], sin[p]};
+  }
 }
 }  // namespace detail
 
@@ -506,10 +510,10 @@ inline std::string rope_range_text(rope_params const& params)
     return "the model's range (max_position " + std::to_string(params.max_position) +
            "; set rope_params::allow_beyond_max_position to opt in)";
   }
-  return rope_position_limit_text() +
-         (params.max_position > 0 ? "; max_position " + std::to_string(params.max_position) +
-                                      " opted out of by allow_beyond_max_position)"
-                                  : ")");
+  return rope_position_limit_text() + (params.max_position > 0
+                                         ? "; max_position " + std::to_string(params.max_position) +
+                                             " opted out of by allow_beyond_max_position)"
+                                         : ")");
 }
 template <class U>
 std::string rope_range_text(rope_cos_sin_table<U> const& table)
@@ -561,25 +565,24 @@ void rope_check_positions(Rotation const& rotation,
                           std::int64_t count,
                           char const* who)
 {
-  INFERSCALE_EXPECTS(count >= 0, std::string{who} + ": a negative position count " +
-                                   std::to_string(count));
+  INFERSCALE_EXPECTS(count >= 0,
+                     std::string{who} + ": a negative position count " + std::to_string(count));
   if (count == 0) { return; }
-  INFERSCALE_EXPECTS(first >= 0, std::string{who} + ": position " + std::to_string(first) +
-                                   " is negative");
+  INFERSCALE_EXPECTS(first >= 0,
+                     std::string{who} + ": position " + std::to_string(first) + " is negative");
   std::int64_t const bound = detail::rope_table_rows(rotation);
   // first < bound <= 2^53 is checked before first + count - 1 is formed: no overflow.
   INFERSCALE_EXPECTS(first < bound,
                      std::string{who} + ": position " + std::to_string(first) + " is beyond " +
                        detail::rope_range_text(rotation) + ": positions must be in [0, " +
                        std::to_string(bound) + ")");
-  INFERSCALE_EXPECTS(count <= bound - first,
-                     std::string{who} + ": position " + std::to_string(first) + " + " +
-                       std::to_string(count - 1) +
-                       (count - 1 < rope_position_limit
-                          ? " = " + std::to_string(first + (count - 1))
-                          : std::string{}) +
-                       " is beyond " + detail::rope_range_text(rotation) +
-                       ": positions must be in [0, " + std::to_string(bound) + ")");
+  INFERSCALE_EXPECTS(
+    count <= bound - first,
+    std::string{who} + ": position " + std::to_string(first) + " + " + std::to_string(count - 1) +
+      (count - 1 < rope_position_limit ? " = " + std::to_string(first + (count - 1))
+                                       : std::string{}) +
+      " is beyond " + detail::rope_range_text(rotation) + ": positions must be in [0, " +
+      std::to_string(bound) + ")");
 }
 
 namespace detail {
@@ -632,8 +635,8 @@ void rope_rotate_halves_contiguous(T* head, std::int32_t rotary_dim, rope_cos_si
 namespace detail {
 /// @brief cos/sin rows for the host's vector rotation straight from a source that holds them:
 /// none for resolved parameters (computed per pair).
-inline bool rope_table_row(rope_params const&, std::int64_t, rope_op, float*, float*,
-                           float const**, float const**) noexcept
+inline bool rope_table_row(
+  rope_params const&, std::int64_t, rope_op, float*, float*, float const**, float const**) noexcept
 {
   return false;
 }
@@ -641,8 +644,13 @@ inline bool rope_table_row(rope_params const&, std::int64_t, rope_op, float*, fl
 /// a 16-bit table's row widened into `cos`/`sin`; the same values rope_angle_cos_sin reads.
 /// Inverse and shift rotations normalise per pair (false).
 template <class U>
-bool rope_table_row(rope_cos_sin_table<U> const& table, std::int64_t position, rope_op op,
-                    float* cos, float* sin, float const** cos_row, float const** sin_row) noexcept
+bool rope_table_row(rope_cos_sin_table<U> const& table,
+                    std::int64_t position,
+                    rope_op op,
+                    float* cos,
+                    float* sin,
+                    float const** cos_row,
+                    float const** sin_row) noexcept
 {
   if (op != rope_op::forward) { return false; }
   U const* const row       = table.data + position * table.row_stride;
@@ -685,7 +693,7 @@ void rope_apply_host(token_head_view<T> x,
   // CPU has AVX-512F or AVX2 (chosen at run time; bf16 keys rounded natively where it has
   // AVX-512 BF16); same operations, same bits.
   detail::host_simd const level = detail::active_host_simd();
-  bool const vector = element_stride == 1 && rotation.pairing == rope_pairing::halves &&
+  bool const vector             = element_stride == 1 && rotation.pairing == rope_pairing::halves &&
                       level != detail::host_simd::scalar;
   std::vector<float> cos_values(vector ? static_cast<std::size_t>(pairs) : 0);
   std::vector<float> sin_values(vector ? static_cast<std::size_t>(pairs) : 0);
@@ -699,8 +707,7 @@ void rope_apply_host(token_head_view<T> x,
       float const* sin_row = sin_values.data();
       if (!detail::rope_table_row(
             rotation, positions[t], op, cos_values.data(), sin_values.data(), &cos_row, &sin_row)) {
-        detail::rope_cos_sin_row(
-          rotation, positions[t], op, cos_values.data(), sin_values.data());
+        detail::rope_cos_sin_row(rotation, positions[t], op, cos_values.data(), sin_values.data());
       }
       // (with round_each, the vector rotation rounds cos and sin to T itself, as the scalar
       // loop below does once per token)

@@ -111,7 +111,6 @@ INFERSCALE_TARGET_AVX2 void rotate_token_halves(T* token,
   }
 }
 
-
 /// @brief `x`, hidden from the optimiser (double lanes; see opaque).
 INFERSCALE_TARGET_AVX2 inline __m256d opaque_pd(__m256d x)
 {
@@ -132,7 +131,7 @@ INFERSCALE_TARGET_AVX2 inline __m256d mul_pd(__m256d a, __m256d b)
  */
 INFERSCALE_TARGET_AVX2 inline bool sincos8(__m256 angle, float* s_out, float* c_out)
 {
-  namespace k = detail::sincos;
+  namespace k            = detail::sincos;
   __m256 const magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), angle);
   // |angle| < 2^28, false for NaN (an ordered compare)
   __m256 const small = _mm256_cmp_ps(magnitude, _mm256_set1_ps(0x1p28f), _CMP_LT_OQ);
@@ -142,46 +141,45 @@ INFERSCALE_TARGET_AVX2 inline bool sincos8(__m256 angle, float* s_out, float* c_
     __m256d const signed_x = _mm256_cvtps_pd(halves[h]);
     __m256d const sign     = _mm256_and_pd(signed_x, _mm256_set1_pd(-0.0));
     __m256d const x        = _mm256_andnot_pd(_mm256_set1_pd(-0.0), signed_x);
-    __m256d const q = _mm256_round_pd(mul_pd(x, _mm256_set1_pd(k::two_over_pi)),
+    __m256d const q        = _mm256_round_pd(mul_pd(x, _mm256_set1_pd(k::two_over_pi)),
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256d r       = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_1), x);
-    r               = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_2), r);
-    r               = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_3), r);
-    r               = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_4), r);
-    r               = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_5), r);
-    __m256d const z = mul_pd(r, r);
-    __m256d ps      = _mm256_set1_pd(k::s7);
-    ps              = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s6));
-    ps              = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s5));
-    ps              = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s4));
-    ps              = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s3));
-    ps              = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s2));
-    ps              = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s1));
-    __m256d const sr = _mm256_fmadd_pd(mul_pd(r, z), ps, r);
-    __m256d pc       = _mm256_set1_pd(k::c8);
-    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c7));
-    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c6));
-    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c5));
-    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c4));
-    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c3));
-    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c2));
-    pc               = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c1));
-    __m256d const cr = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(1.0));
+    __m256d r              = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_1), x);
+    r                      = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_2), r);
+    r                      = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_3), r);
+    r                      = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_4), r);
+    r                      = _mm256_fnmadd_pd(q, _mm256_set1_pd(k::pio2_5), r);
+    __m256d const z        = mul_pd(r, r);
+    __m256d ps             = _mm256_set1_pd(k::s7);
+    ps                     = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s6));
+    ps                     = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s5));
+    ps                     = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s4));
+    ps                     = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s3));
+    ps                     = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s2));
+    ps                     = _mm256_fmadd_pd(z, ps, _mm256_set1_pd(k::s1));
+    __m256d const sr       = _mm256_fmadd_pd(mul_pd(r, z), ps, r);
+    __m256d pc             = _mm256_set1_pd(k::c8);
+    pc                     = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c7));
+    pc                     = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c6));
+    pc                     = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c5));
+    pc                     = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c4));
+    pc                     = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c3));
+    pc                     = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c2));
+    pc                     = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(k::c1));
+    __m256d const cr       = _mm256_fmadd_pd(z, pc, _mm256_set1_pd(1.0));
     // quadrant bits as 64-bit lane masks: odd swaps sin and cos; sin negates in quadrants 2, 3
     // (and for a negative angle), cos in 1, 2
     __m256i const qi   = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(q));
     __m256i const one  = _mm256_set1_epi64x(1);
     __m256i const two  = _mm256_set1_epi64x(2);
-    __m256d const swap = _mm256_castsi256_pd(
-      _mm256_cmpeq_epi64(_mm256_and_si256(qi, one), one));
+    __m256d const swap = _mm256_castsi256_pd(_mm256_cmpeq_epi64(_mm256_and_si256(qi, one), one));
     __m256i const sneg = _mm256_slli_epi64(_mm256_and_si256(qi, two), 62);
     __m256i const cneg = _mm256_slli_epi64(_mm256_and_si256(_mm256_add_epi64(qi, one), two), 62);
     __m256d const sq   = _mm256_blendv_pd(sr, cr, swap);
     __m256d const cq   = _mm256_blendv_pd(cr, sr, swap);
-    _mm_storeu_ps(s_out + 4 * h,
-                  _mm256_cvtpd_ps(_mm256_xor_pd(_mm256_xor_pd(sq, sign), _mm256_castsi256_pd(sneg))));
-    _mm_storeu_ps(c_out + 4 * h,
-                  _mm256_cvtpd_ps(_mm256_xor_pd(cq, _mm256_castsi256_pd(cneg))));
+    _mm_storeu_ps(
+      s_out + 4 * h,
+      _mm256_cvtpd_ps(_mm256_xor_pd(_mm256_xor_pd(sq, sign), _mm256_castsi256_pd(sneg))));
+    _mm_storeu_ps(c_out + 4 * h, _mm256_cvtpd_ps(_mm256_xor_pd(cq, _mm256_castsi256_pd(cneg))));
   }
   return true;
 }
@@ -202,7 +200,6 @@ INFERSCALE_TARGET_AVX2 inline bool sincos8_at(float position,
 }
 
 }  // namespace inferscale::detail::simd
-
 
 namespace inferscale::detail::simd512 {
 
@@ -279,7 +276,6 @@ INFERSCALE_TARGET_AVX512 void rotate_token_halves(T* token,
   }
 }
 
-
 /// @brief `x`, hidden from the optimiser (double lanes).
 INFERSCALE_TARGET_AVX512 inline __m512d opaque_pd(__m512d x)
 {
@@ -302,10 +298,12 @@ INFERSCALE_TARGET_AVX512 inline __m512d mul_pd(__m512d a, __m512d b)
  * reduction or is not finite.
  */
 template <int V>
-INFERSCALE_TARGET_AVX512 inline bool sincos_lockstep(__m512 const* angle, float* s_out, float* c_out)
+INFERSCALE_TARGET_AVX512 inline bool sincos_lockstep(__m512 const* angle,
+                                                     float* s_out,
+                                                     float* c_out)
 {
   static_assert(V == 2 || V == 4 || V == 8, "V: 2, 4 or 8 vectors of eight double lanes");
-  namespace k       = detail::sincos;
+  namespace k        = detail::sincos;
   __mmask16 in_range = 0xffff;
   INFERSCALE_HOST_UNROLL
   for (int v = 0; v < V / 2; ++v) {  // |angle| < 2^28, false for NaN (an ordered compare)
@@ -323,16 +321,20 @@ INFERSCALE_TARGET_AVX512 inline bool sincos_lockstep(__m512 const* angle, float*
     __m512i const signed_x = _mm512_castpd_si512(_mm512_cvtps_pd(half));
     minus[v]               = _mm512_test_epi64_mask(signed_x, sign);
     x[v]                   = _mm512_castsi512_pd(_mm512_andnot_si512(sign, signed_x));
-    q[v] = _mm512_roundscale_pd(mul_pd(x[v], _mm512_set1_pd(k::two_over_pi)),
+    q[v]                   = _mm512_roundscale_pd(mul_pd(x[v], _mm512_set1_pd(k::two_over_pi)),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
   double const pio2[5] = {k::pio2_1, k::pio2_2, k::pio2_3, k::pio2_4, k::pio2_5};
   INFERSCALE_HOST_UNROLL
-  for (int v = 0; v < V; ++v) { r[v] = _mm512_fnmadd_pd(q[v], _mm512_set1_pd(pio2[0]), x[v]); }
+  for (int v = 0; v < V; ++v) {
+    r[v] = _mm512_fnmadd_pd(q[v], _mm512_set1_pd(pio2[0]), x[v]);
+  }
   INFERSCALE_HOST_UNROLL
   for (int i = 1; i < 5; ++i) {
     INFERSCALE_HOST_UNROLL
-    for (int v = 0; v < V; ++v) { r[v] = _mm512_fnmadd_pd(q[v], _mm512_set1_pd(pio2[i]), r[v]); }
+    for (int v = 0; v < V; ++v) {
+      r[v] = _mm512_fnmadd_pd(q[v], _mm512_set1_pd(pio2[i]), r[v]);
+    }
   }
   // Horner: sin r = r + r z (s1 + z (s2 + ... z s7)), cos r = 1 + z (c1 + z (c2 + ... z c8))
   double const sc[7] = {k::s7, k::s6, k::s5, k::s4, k::s3, k::s2, k::s1};
@@ -365,10 +367,12 @@ INFERSCALE_TARGET_AVX512 inline bool sincos_lockstep(__m512 const* angle, float*
     __mmask8 const cneg = _mm512_test_epi64_mask(_mm512_add_epi64(qi, one), two);
     __m512i const sq    = _mm512_castpd_si512(_mm512_mask_blend_pd(swap, sr, cr));
     __m512i const cq    = _mm512_castpd_si512(_mm512_mask_blend_pd(swap, cr, sr));
-    _mm256_storeu_ps(s_out + 8 * v,
-                     _mm512_cvtpd_ps(_mm512_castsi512_pd(_mm512_mask_xor_epi64(sq, sneg, sq, sign))));
-    _mm256_storeu_ps(c_out + 8 * v,
-                     _mm512_cvtpd_ps(_mm512_castsi512_pd(_mm512_mask_xor_epi64(cq, cneg, cq, sign))));
+    _mm256_storeu_ps(
+      s_out + 8 * v,
+      _mm512_cvtpd_ps(_mm512_castsi512_pd(_mm512_mask_xor_epi64(sq, sneg, sq, sign))));
+    _mm256_storeu_ps(
+      c_out + 8 * v,
+      _mm512_cvtpd_ps(_mm512_castsi512_pd(_mm512_mask_xor_epi64(cq, cneg, cq, sign))));
   }
   return true;
 }
@@ -385,7 +389,9 @@ INFERSCALE_TARGET_AVX512 inline bool sincos_lockstep(float const* angle, float* 
 {
   __m512 a[V / 2];
   INFERSCALE_HOST_UNROLL
-  for (int v = 0; v < V / 2; ++v) { a[v] = _mm512_loadu_ps(angle + 16 * v); }
+  for (int v = 0; v < V / 2; ++v) {
+    a[v] = _mm512_loadu_ps(angle + 16 * v);
+  }
   return sincos_lockstep<V>(a, s_out, c_out);
 }
 
@@ -477,14 +483,15 @@ INFERSCALE_TARGET_AVX512_BF16 inline __m512i bf16_codes_low_high(__m512 low, __m
 INFERSCALE_TARGET_AVX512_BF16 inline __m512i bf16x32_codes(__m512 low, __m512 high)
 {
   __m512i const c = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
-  return _mm512_testn_epi16_mask(c, _mm512_set1_epi16(0x7fff)) != 0
-           ? bf16_codes_low_high(low, high)
-           : c;
+  return _mm512_testn_epi16_mask(c, _mm512_set1_epi16(0x7fff)) != 0 ? bf16_codes_low_high(low, high)
+                                                                    : c;
 }
 
 /// @brief Sixteen of 32 bf16 codes widened to fp32: word 2 i + 1 <- code `back[2 i + 1]`, the
 /// even words zeroed by `odd`.
-INFERSCALE_TARGET_AVX512_BF16 inline __m512 bf16x32_widen(__mmask32 odd, __m512i back, __m512i codes)
+INFERSCALE_TARGET_AVX512_BF16 inline __m512 bf16x32_widen(__mmask32 odd,
+                                                          __m512i back,
+                                                          __m512i codes)
 {
   return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(odd, back, codes));
 }
@@ -528,11 +535,11 @@ INFERSCALE_TARGET_AVX512_BF16 inline void rotate_token_halves_bf16x32(bfloat16_t
     low_back[e]  = static_cast<std::int16_t>(e / 2);
     high_back[e] = static_cast<std::int16_t>(16 + e / 2);
   }
-  __m512i const order     = _mm512_load_si512(order_codes);
-  __m512i const to_low    = _mm512_load_si512(low_back);
-  __m512i const to_high   = _mm512_load_si512(high_back);
-  __mmask32 const odd     = 0xaaaaaaaau;
-  __m512i const zero      = _mm512_setzero_si512();
+  __m512i const order   = _mm512_load_si512(order_codes);
+  __m512i const to_low  = _mm512_load_si512(low_back);
+  __m512i const to_high = _mm512_load_si512(high_back);
+  __mmask32 const odd   = 0xaaaaaaaau;
+  __m512i const zero    = _mm512_setzero_si512();
   alignas(64) float table[4][round_each_max_pairs / 2];  // cos low, cos high, sin low, sin high
   for (std::int32_t p = 0; p < half; p += 32) {
     __m512 c0 = _mm512_loadu_ps(cos + p), c1 = _mm512_loadu_ps(cos + p + 16);
@@ -550,8 +557,8 @@ INFERSCALE_TARGET_AVX512_BF16 inline void rotate_token_halves_bf16x32(bfloat16_t
     bfloat16_t* const first  = token + h * head_stride;
     bfloat16_t* const second = first + half;
     for (std::int32_t p = 0; p < half; p += 32) {
-      __m512i const xc = _mm512_loadu_si512(first + p);
-      __m512i const yc = _mm512_loadu_si512(second + p);
+      __m512i const xc  = _mm512_loadu_si512(first + p);
+      __m512i const yc  = _mm512_loadu_si512(second + p);
       __m512 const x[2] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, xc)),
                            _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, xc))};
       __m512 const y[2] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, yc)),
@@ -562,14 +569,16 @@ INFERSCALE_TARGET_AVX512_BF16 inline void rotate_token_halves_bf16x32(bfloat16_t
       if constexpr (RoundEach) {
         // round(round(x c) - round(y s)), round(round(y c) + round(x s)); the products of two
         // bf16 values are exact in fp32, each rounded to bf16 once and widened back
-        __m512i const xc_r = bf16x32_codes(_mm512_mul_ps(x[0], c[0]), _mm512_mul_ps(x[1], c[1]));
-        __m512i const ys_r = bf16x32_codes(_mm512_mul_ps(y[0], s[0]), _mm512_mul_ps(y[1], s[1]));
-        __m512i const yc_r = bf16x32_codes(_mm512_mul_ps(y[0], c[0]), _mm512_mul_ps(y[1], c[1]));
-        __m512i const xs_r = bf16x32_codes(_mm512_mul_ps(x[0], s[0]), _mm512_mul_ps(x[1], s[1]));
+        __m512i const xc_r    = bf16x32_codes(_mm512_mul_ps(x[0], c[0]), _mm512_mul_ps(x[1], c[1]));
+        __m512i const ys_r    = bf16x32_codes(_mm512_mul_ps(y[0], s[0]), _mm512_mul_ps(y[1], s[1]));
+        __m512i const yc_r    = bf16x32_codes(_mm512_mul_ps(y[0], c[0]), _mm512_mul_ps(y[1], c[1]));
+        __m512i const xs_r    = bf16x32_codes(_mm512_mul_ps(x[0], s[0]), _mm512_mul_ps(x[1], s[1]));
         __m512i const back[2] = {to_low, to_high};
         for (int v = 0; v < 2; ++v) {
-          xo[v] = _mm512_sub_ps(bf16x32_widen(odd, back[v], xc_r), bf16x32_widen(odd, back[v], ys_r));
-          yo[v] = _mm512_add_ps(bf16x32_widen(odd, back[v], yc_r), bf16x32_widen(odd, back[v], xs_r));
+          xo[v] =
+            _mm512_sub_ps(bf16x32_widen(odd, back[v], xc_r), bf16x32_widen(odd, back[v], ys_r));
+          yo[v] =
+            _mm512_add_ps(bf16x32_widen(odd, back[v], yc_r), bf16x32_widen(odd, back[v], xs_r));
         }
       } else {
         for (int v = 0; v < 2; ++v) {
@@ -620,11 +629,11 @@ INFERSCALE_TARGET_AVX512_BF16 void rotate_token_halves(T* token,
       for (std::int32_t p = 0; p < half; p += 16) {
         __m256i x, y;
         rotate16_round_each(simd512::load16(first + p),
-                                     simd512::load16(second + p),
-                                     _mm512_load_ps(cr + p),
-                                     _mm512_load_ps(sr + p),
-                                     &x,
-                                     &y);
+                            simd512::load16(second + p),
+                            _mm512_load_ps(cr + p),
+                            _mm512_load_ps(sr + p),
+                            &x,
+                            &y);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(first + p), x);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(second + p), y);
       }

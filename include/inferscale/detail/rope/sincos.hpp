@@ -17,8 +17,8 @@
  * rounding midpoint (tests/rope/sincos_host.cpp checks it against `sinl`/`cosl`).
  *
  * Reduction: `|angle| < 2^28` subtracts `k * pi/2`, `k = rint(angle * 2/pi)`, in five 24-bit parts
- * by fused multiply-adds (the first exact); larger angles take an exact integer reduction against 256
- * bits of 2/pi (Payne and Hanek's method). Constants: the Taylor coefficients are `±1/n!` and
+ * by fused multiply-adds (the first exact); larger angles take an exact integer reduction against
+ * 256 bits of 2/pi (Payne and Hanek's method). Constants: the Taylor coefficients are `±1/n!` and
  * pi/2 and 2/pi are their binary expansions, all rounded to the nearest double (the hex digits
  * of 2/pi and pi/2 are those printed in many references, e.g. fdlibm's `__ieee754_rem_pio2`
  * tables, and were recomputed here from Machin's formula).

@@ -18,18 +18,18 @@
 namespace inferscale::detail {
 
 namespace store_format {
-inline constexpr unsigned char magic[8]      = {0x89, 'I', 'S', 'K', 'V', 'S', 0x0D, 0x0A};
-inline constexpr std::uint32_t version       = 2;  ///< written; 1 and 2 are read
+inline constexpr unsigned char magic[8]       = {0x89, 'I', 'S', 'K', 'V', 'S', 0x0D, 0x0A};
+inline constexpr std::uint32_t version        = 2;  ///< written; 1 and 2 are read
 inline constexpr std::uint32_t oldest_version = 1;  ///< version 1: no fact checksums
-inline constexpr std::uint32_t byte_order    = 0x01020304u;
-inline constexpr std::size_t header_fields   = 96;   ///< bytes covered by the header checksum
-inline constexpr std::size_t header_bytes    = 104;  ///< fields + header checksum
-inline constexpr std::size_t namespace_bytes = 16;   ///< namespace id, fact count
-inline constexpr std::size_t fact_bytes      = 16;   ///< fact id, tokens, page count
-inline constexpr std::size_t checksum_bytes  = 8;
+inline constexpr std::uint32_t byte_order     = 0x01020304u;
+inline constexpr std::size_t header_fields    = 96;   ///< bytes covered by the header checksum
+inline constexpr std::size_t header_bytes     = 104;  ///< fields + header checksum
+inline constexpr std::size_t namespace_bytes  = 16;   ///< namespace id, fact count
+inline constexpr std::size_t fact_bytes       = 16;   ///< fact id, tokens, page count
+inline constexpr std::size_t checksum_bytes   = 8;
 /// Version 2: the catalogue ends with one CRC-64 per fact of its pages' bytes (the fact table).
 inline constexpr std::size_t fact_checksum_bytes = 8;
-inline constexpr std::size_t minimum_bytes   = header_bytes + 2 * checksum_bytes;
+inline constexpr std::size_t minimum_bytes       = header_bytes + 2 * checksum_bytes;
 /// Pool bytes read or written per piece: small enough that the checksum and the finiteness check
 /// find them still in the cache after the copy, large enough to keep system calls rare.
 inline constexpr std::size_t pool_chunk_bytes = std::size_t{8} << 20;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
 #include <inferscale/detail/math.hpp>
 #include <inferscale/detail/serialize.hpp>
 #include <inferscale/detail/snapshot/format.hpp>
@@ -15,8 +16,6 @@
 #include <inferscale/error.hpp>
 #include <inferscale/memory_space.hpp>
 #include <inferscale/store.hpp>
-
-#include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
 
 #include <algorithm>
 #include <cstdint>
@@ -86,8 +85,7 @@ inline store_access::parsed_header store_access::parse_header(unsigned char cons
     reserved_zero = reserved_zero && h[b] == 0;
   }
   INFERSCALE_EXPECTS(reserved_zero, where + "header: reserved bytes are not zero");
-  INFERSCALE_EXPECTS(code <= 2,
-                     where + "header: unknown store dtype code " + std::to_string(code));
+  INFERSCALE_EXPECTS(code <= 2, where + "header: unknown store dtype code " + std::to_string(code));
   c.store_dtype = code == 0 ? dtype::float32 : code == 1 ? dtype::float16 : dtype::bfloat16;
 
   std::string const model = std::to_string(c.model.num_layers) + " layers x " +
@@ -129,8 +127,8 @@ inline store_access::parsed_header store_access::parse_header(unsigned char cons
                        " pages of this geometry overflows a 64-bit byte count");
   r.page_bytes          = page;
   std::uint64_t const P = static_cast<std::uint64_t>(c.num_pages);
-  INFERSCALE_EXPECTS(r.namespaces <= r.facts && r.facts <= r.pages_in_use &&
-                       r.pages_in_use <= P && r.facts <= r.tokens,
+  INFERSCALE_EXPECTS(r.namespaces <= r.facts && r.facts <= r.pages_in_use && r.pages_in_use <= P &&
+                       r.facts <= r.tokens,
                      where +
                        "header: counts break namespaces <= facts <= pages in use <= "
                        "capacity and facts <= tokens (" +
@@ -217,12 +215,12 @@ inline store_access::staged_catalogue store_access::parse_catalogue(
                            std::to_string(length) + " tokens, expected ceil(" +
                            std::to_string(length) + " / " + std::to_string(ps) +
                            ") = " + std::to_string(expected_pages));
-      INFERSCALE_EXPECTS(static_cast<std::uint64_t>(length) <= h.tokens - tokens &&
-                           npages <= h.pages_in_use - pages,
-                         where + fact +
-                           ": the facts hold more tokens or pages than the "
-                           "header's " +
-                           std::to_string(h.tokens) + " and " + std::to_string(h.pages_in_use));
+      INFERSCALE_EXPECTS(
+        static_cast<std::uint64_t>(length) <= h.tokens - tokens && npages <= h.pages_in_use - pages,
+        where + fact +
+          ": the facts hold more tokens or pages than the "
+          "header's " +
+          std::to_string(h.tokens) + " and " + std::to_string(h.pages_in_use));
       r.namespace_id = ns;
       r.token_ids.resize(static_cast<std::size_t>(length));
       serial::copy_little_endian(r.token_ids.data(), p, r.token_ids.size(), 4);
@@ -234,7 +232,7 @@ inline store_access::staged_catalogue store_access::parse_catalogue(
         take_page(page, fact);
         s.page_owner[static_cast<std::size_t>(page)]  = r.fact_id;
         s.page_record[static_cast<std::size_t>(page)] = s.records.size();
-        in_use[static_cast<std::size_t>(page)]       = 1;
+        in_use[static_cast<std::size_t>(page)]        = 1;
       }
       ++facts;
       tokens += static_cast<std::uint64_t>(length);
@@ -319,12 +317,11 @@ inline kv_store store_access::load(std::string const& path,
 
   // the target
   kv_store_config target = fc;
-  target.space          = space;
+  target.space           = space;
   target.pinned          = expect != nullptr && expect->pinned;  // placement, not content
   target.resource        = expect != nullptr ? expect->resource : nullptr;  // placement too
   target.store_dtype     = store_dtype.value_or(fc.store_dtype);
-  INFERSCALE_EXPECTS(target.store_dtype == dtype::float32 ||
-                       target.store_dtype == dtype::float16 ||
+  INFERSCALE_EXPECTS(target.store_dtype == dtype::float32 || target.store_dtype == dtype::float16 ||
                        target.store_dtype == dtype::bfloat16,
                      where + "the target dtype must be float32, float16 or bfloat16, got " +
                        to_string(target.store_dtype));
@@ -362,9 +359,8 @@ inline kv_store store_access::load(std::string const& path,
   // host order (the destination itself when `direct`), into the pool: the finiteness check, the
   // conversion (and its overflow check), the copy to the device. Returns the first problem found,
   // or "": problems in the pool are reported after the checksums, which name corruption first.
-  auto const accept = [&](unsigned char const* source,
-                          std::size_t first,
-                          std::size_t n) -> std::string {
+  auto const accept =
+    [&](unsigned char const* source, std::size_t first, std::size_t n) -> std::string {
     std::string problem;
     std::size_t const elements = n * B / Ef;
     std::size_t const bad      = first_non_finite(source, elements, from);
@@ -405,11 +401,11 @@ inline kv_store store_access::load(std::string const& path,
     // which would need every byte, is not recomputed.
     std::uint64_t const pool_offset =
       store_format::header_bytes + header.catalogue_bytes + store_format::checksum_bytes;
-    kv_store const& prev     = *previous;
-    dtype const prev_dtype   = prev.store_dtype();
-    std::size_t const Bprev  = B / Ef * size_of(prev_dtype);
-    bool const prev_device   = prev.space() == memory_space::device;
-    auto const* const ppool  = static_cast<unsigned char const*>(prev.ref().pool);
+    kv_store const& prev    = *previous;
+    dtype const prev_dtype  = prev.store_dtype();
+    std::size_t const Bprev = B / Ef * size_of(prev_dtype);
+    bool const prev_device  = prev.space() == memory_space::device;
+    auto const* const ppool = static_cast<unsigned char const*>(prev.ref().pool);
     // one page of each, only when a fact needs it (a file without facts may state any page size)
     bool const any_fact = !staged.records.empty();
     std::vector<unsigned char> page_buffer(any_fact && !direct ? B : 0);
@@ -428,7 +424,7 @@ inline kv_store store_access::load(std::string const& path,
           serial::crc64 crc;
           std::string problem;
           for (auto const& [page, j] : order) {
-            std::size_t const first   = static_cast<std::size_t>(page);
+            std::size_t const first        = static_cast<std::size_t>(page);
             unsigned char const* from_prev = ppool + static_cast<std::size_t>(pr.pages[j]) * Bprev;
             if (prev_device) {
               INFERSCALE_CUDA_TRY(

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
 #include <inferscale/detail/serialize.hpp>
 #include <inferscale/detail/snapshot/format.hpp>
 #include <inferscale/detail/snapshot/store_access.hpp>
@@ -13,8 +14,6 @@
 #include <inferscale/error.hpp>
 #include <inferscale/memory_space.hpp>
 #include <inferscale/store.hpp>
-
-#include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
 
 #include <algorithm>
 #include <cstdint>

@@ -7,11 +7,10 @@
 #pragma once
 
 #include <inferscale/cuda_error.hpp>
+#include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
 #include <inferscale/dtype.hpp>
 #include <inferscale/error.hpp>
 #include <inferscale/store.hpp>
-
-#include <inferscale/cuda_error.hpp>  // the CUDA runtime, or its CPU-only stand-in
 
 #include <algorithm>
 #include <cmath>
@@ -42,9 +41,9 @@ inline void kv_store::scrub_pages(std::vector<std::int64_t> const& pages, cudaSt
                          std::to_string(config_.num_pages));
   }
   if (pages.empty()) { return; }
-  std::size_t const bytes = page_bytes();
-  auto* const pool        = static_cast<unsigned char*>(ref_.pool);
-  bool const device       = config_.space == memory_space::device;
+  std::size_t const bytes          = page_bytes();
+  auto* const pool                 = static_cast<unsigned char*>(ref_.pool);
+  bool const device                = config_.space == memory_space::device;
   std::vector<std::int64_t> sorted = pages;
   std::sort(sorted.begin(), sorted.end());
   for (std::size_t first = 0; first < sorted.size();) {
@@ -53,8 +52,7 @@ inline void kv_store::scrub_pages(std::vector<std::int64_t> const& pages, cudaSt
       ++last;
     }
     unsigned char* const at = pool + static_cast<std::size_t>(sorted[first]) * bytes;
-    std::size_t const n =
-      static_cast<std::size_t>(sorted[last - 1] - sorted[first] + 1) * bytes;
+    std::size_t const n = static_cast<std::size_t>(sorted[last - 1] - sorted[first] + 1) * bytes;
     if (device) {
       INFERSCALE_CUDA_TRY(cudaMemsetAsync(at, 0, n, stream));
     } else {
@@ -112,9 +110,9 @@ void kv_store::check_finite(std::uint64_t fact_id,
           for (std::int64_t t = 0; t < tokens; ++t) {
             for (std::int32_t h = 0; h < heads; ++h) {
               for (std::int32_t e = 0; e < d; ++e) {
-                float const x =
-                  device ? to_float(staging[static_cast<std::size_t>(t * row + h * d + e)])
-                         : to_float(src(l + layer_offset, t, h + head_offset, e));
+                float const x = device
+                                  ? to_float(staging[static_cast<std::size_t>(t * row + h * d + e)])
+                                  : to_float(src(l + layer_offset, t, h + head_offset, e));
                 if (std::isfinite(x) && std::isfinite(to_float(from_float<S>(x)))) { continue; }
                 char text[48], limit[48];
                 std::snprintf(text, sizeof text, "%g", static_cast<double>(x));
@@ -122,12 +120,12 @@ void kv_store::check_finite(std::uint64_t fact_id,
                 INFERSCALE_FAIL(
                   "kv_store::insert: fact " + std::to_string(fact_id) + " has a " +
                   (kv == 0 ? "key" : "value") + " element " + text + " at layer " +
-                  std::to_string(l + layer_offset) + ", token " + std::to_string(t) +
-                  ", head " + std::to_string(h + head_offset) + ", dim " + std::to_string(e) +
-                  (std::isfinite(x) ? std::string{" that overflows the store dtype "} +
-                                        to_string(config_.store_dtype) + " (largest finite " +
-                                        limit + ")"
-                                    : std::string{": NaN and infinities are refused"}));
+                  std::to_string(l + layer_offset) + ", token " + std::to_string(t) + ", head " +
+                  std::to_string(h + head_offset) + ", dim " + std::to_string(e) +
+                  (std::isfinite(x)
+                     ? std::string{" that overflows the store dtype "} +
+                         to_string(config_.store_dtype) + " (largest finite " + limit + ")"
+                     : std::string{": NaN and infinities are refused"}));
               }
             }
           }
@@ -159,9 +157,8 @@ void kv_store::copy_from_host(fact_record const& record,
       // buffer (so the copies are truly asynchronous), then one copy per page on `stream`.
       device_buffer<S> staging;
       if (device) {
-        staging = device_buffer<S>(n_pages * static_cast<std::size_t>(pe),
-                                   cudaStream_t{},
-                                   pinned_host_resource());
+        staging = device_buffer<S>(
+          n_pages * static_cast<std::size_t>(pe), cudaStream_t{}, pinned_host_resource());
       }
       for (std::size_t p = 0; p < n_pages; ++p) {
         S* const page = device ? staging.data() + p * static_cast<std::size_t>(pe)
@@ -222,7 +219,7 @@ void kv_store::copy_from_device(fact_record const& record,
     for (std::int32_t l = 0; l < config_.num_layers; ++l) {
       for (std::int32_t kv = 0; kv < 2; ++kv) {
         auto const& src = kv == 0 ? keys : values;
-        T* const dst = static_cast<T*>(ref_.pool) + ref_.row_offset(record.pages[p] * ps, l, kv);
+        T* const dst    = static_cast<T*>(ref_.pool) + ref_.row_offset(record.pages[p] * ps, l, kv);
         T const* const from = &src(l + layer_offset, first, head_offset, 0);
         INFERSCALE_CUDA_TRY(cudaMemcpy2DAsync(dst,
                                               static_cast<std::size_t>(row) * sizeof(T),

@@ -20,8 +20,9 @@ void tiered_store::run(tier_request& request,
   kv_store const& store = device_;
   tiered_store& tiers   = *this;
   INFERSCALE_EXPECTS(batch.num_pending_commits() == 0,
-                     std::string{who} + ": the batch holds cache adapters, which commit only "
-                                        "through injection_batch::run");
+                     std::string{who} +
+                       ": the batch holds cache adapters, which commit only "
+                       "through injection_batch::run");
   batch.check_target(cache, who);
   detail::check_injection(store, batch, cache, rotation, memory_space::host, who);
   tier_split_batch const split = tiers.split(request, batch, who);

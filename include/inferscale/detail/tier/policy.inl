@@ -287,7 +287,7 @@ inline kv_store_config tiered_store::host_config(tiered_store_config const& c)
   kv_store_config h = c.device;
   h.num_pages       = c.host_pages;
   h.pinned          = c.device.space == memory_space::device;
-  h.space          = memory_space::host;
+  h.space           = memory_space::host;
   h.resource        = nullptr;  // the device tier's resource gives device memory; pinned default
   return h;
 }
@@ -355,6 +355,5 @@ inline void tiered_store::drop(std::unordered_map<std::uint64_t, entry>::iterato
   }
   facts_.erase(it);
 }
-
 
 }  // namespace inferscale

@@ -125,10 +125,7 @@ inline tier_split_batch tiered_store::split(tier_request const& r,
   return out;
 }
 
-inline std::size_t tiered_store::page_bytes_() const noexcept
-{
-  return device_.page_bytes();
-}
+inline std::size_t tiered_store::page_bytes_() const noexcept { return device_.page_bytes(); }
 
 inline void tiered_store::append_runs(std::vector<tier_copy_run>& runs,
                                       std::vector<std::int64_t> const& host_pages,

@@ -41,6 +41,16 @@ std::uint16_t upper_bits(float f)
   return static_cast<std::uint16_t>(b >> 16);
 }
 
+/// fp32 to bf16 rounded to nearest, ties to even (a NaN: its upper half, made quiet), written
+/// out: the rounding vLLM's rotary kernel does on a CPU with AVX512_BF16 ("fp32_nearest").
+std::uint16_t nearest_bits(float f)
+{
+  std::uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  if ((b & 0x7fffffffu) > 0x7f800000u) { return static_cast<std::uint16_t>((b >> 16) | 0x40u); }
+  return static_cast<std::uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
 /// One layer tensor per layer, `(NB, H, B, 2 D)` contiguous, `offset` elements past a 64-byte
 /// boundary, filled with random codes.
 struct vllm_cpu_tensors {
@@ -100,11 +110,12 @@ std::int64_t value_at(
 }  // namespace
 
 TEST_CASE(
-  "vLLM's CPU layouts: every element as the layout formulas and vLLM's truncating "
-  "rotation say, at every vector level",
+  "vLLM's CPU layouts: every element as the layout formulas and vLLM's rotation (truncated "
+  "or rounded to nearest) say, at every vector level",
   "[inject][simd]")
 {
   auto const isa      = GENERATE(vllm_cpu_isa::vec, vllm_cpu_isa::amx);
+  bool const nearest  = GENERATE(false, true);  // vLLM's AVX2 kernel truncates, AVX512_BF16 rounds
   auto const geometry = GENERATE(std::make_pair(64, 64),
                                  std::make_pair(128, 128),
                                  std::make_pair(64, 32),
@@ -113,7 +124,7 @@ TEST_CASE(
   auto const scenario = GENERATE(range(0, 4));
   auto const offset   = GENERATE(0, 1);  // elements past a 64-byte boundary
   int const D = geometry.first, rotary = geometry.second, half = rotary / 2;
-  CAPTURE(to_string(isa), D, rotary, B, scenario, offset);
+  CAPTURE(to_string(isa), nearest, D, rotary, B, scenario, offset);
   int const L = 2, H = 3;
   std::int64_t const NB = 6;
 
@@ -160,7 +171,8 @@ TEST_CASE(
   auto const params               = make_rope_params(spec);
   std::vector<bfloat16_t> const t = make_rope_cos_sin_values<bfloat16_t>(params, rows);
   auto table                      = make_rope_cos_sin_table(params, t.data(), rows, false);
-  table.truncate_to_bfloat16      = true;
+  table.truncate_to_bfloat16      = !nearest;
+  auto const rounded = [&](float f) { return nearest ? nearest_bits(f) : upper_bits(f); };
 
   std::vector<std::uint64_t> ids{1, 2, 3, 4, 5};
   compose_options options;
@@ -203,8 +215,8 @@ TEST_CASE(
                 to_float(t[static_cast<std::size_t>(position * rotary + half + p)]);
               float const volatile xc = x * c, ys = y * sn, yc = y * c, xs = x * sn;
               float const volatile first = xc - ys, second = yc + xs;
-              expected[at(l, cell + key_at(isa, B, D, tk, p))]        = upper_bits(first);
-              expected[at(l, cell + key_at(isa, B, D, tk, p + half))] = upper_bits(second);
+              expected[at(l, cell + key_at(isa, B, D, tk, p))]        = rounded(first);
+              expected[at(l, cell + key_at(isa, B, D, tk, p + half))] = rounded(second);
             }
             for (int d = rotary; d < D; ++d) {
               expected[at(l, cell + key_at(isa, B, D, tk, d))] =

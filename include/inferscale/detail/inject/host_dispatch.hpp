@@ -119,6 +119,20 @@ void dispatch_host_inject(kv_store_ref const& store,
       });
       return;
     }
+#if INFERSCALE_HOST_X86_SIMD
+    // The same line path with vLLM's CPU rotation rounded to nearest at the end (fp32 products
+    // and sums, no per-operation rounding, no fusion: what vLLM's rotary kernel does on a CPU
+    // with AVX512_BF16, the connector's "fp32_nearest"), into an unscaled bfloat16 cache.
+    if constexpr (std::is_same_v<StoreT, bfloat16_t>) {
+      if (!rotation.round_each && !rotation.fused &&
+          cache.scale_granularity == kv_scale_granularity::none &&
+          rotation.pairing == rope_pairing::halves && rotation.rotary_dim % 4 == 0 &&
+          line_path_takes(cache) && active_host_simd() == host_simd::avx512_bf16) {
+        simd_lines::inject_host_lines_truncate<true>(store, batch, cache, rotation);
+        return;
+      }
+    }
+#endif
   }
   with_flag(contiguous, [&](auto c) {
     with_flag<fp8>(cache.scale_granularity != kv_scale_granularity::none, [&](auto scaled) {

@@ -130,6 +130,26 @@ INFERSCALE_TARGET_LINES inline __m512 opaque(__m512 x)
  * here: x86 arithmetic returns quiet NaNs only (bit 22 set, bit 6 of the upper half), which is
  * what bfloat16_toward_zero makes of a NaN.
  */
+/// @brief fp32 words whose upper halves are the bf16 codes of `v`: truncated (`Nearest` false:
+/// the bits as they are) or rounded to nearest even as float_to_bfloat16_bits (a NaN keeps its
+/// upper half with the quiet bit set).
+template <bool Nearest>
+INFERSCALE_TARGET_LINES inline __m512i bf16_in_upper(__m512 v)
+{
+  __m512i const bits = _mm512_castps_si512(v);
+  if constexpr (!Nearest) {
+    return bits;
+  } else {
+    __m512i const lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i const rounded =
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    __mmask16 const nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(
+      rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
+  }
+}
+
+template <bool Nearest = false>
 INFERSCALE_TARGET_LINES inline void rotate_words_truncate(__m512i x,
                                                           __m512i y,
                                                           float const* c_low,
@@ -157,10 +177,14 @@ INFERSCALE_TARGET_LINES inline void rotate_words_truncate(__m512i x,
   __m512 const ry_high =
     _mm512_add_ps(opaque(_mm512_mul_ps(y_high, ch)), opaque(_mm512_mul_ps(x_high, sh)));
   // (low >> 16) | (high & 0xffff0000)
-  *out_x = _mm512_ternarylogic_epi32(
-    _mm512_srli_epi32(_mm512_castps_si512(rx_low), 16), _mm512_castps_si512(rx_high), upper, 0xf8);
-  *out_y = _mm512_ternarylogic_epi32(
-    _mm512_srli_epi32(_mm512_castps_si512(ry_low), 16), _mm512_castps_si512(ry_high), upper, 0xf8);
+  *out_x = _mm512_ternarylogic_epi32(_mm512_srli_epi32(bf16_in_upper<Nearest>(rx_low), 16),
+                                     bf16_in_upper<Nearest>(rx_high),
+                                     upper,
+                                     0xf8);
+  *out_y = _mm512_ternarylogic_epi32(_mm512_srli_epi32(bf16_in_upper<Nearest>(ry_low), 16),
+                                     bf16_in_upper<Nearest>(ry_high),
+                                     upper,
+                                     0xf8);
 }
 
 /// @brief Rows 0..7 of `rows` (16-bit, 32 columns from `col`): the three in-lane unpack rounds
@@ -271,7 +295,7 @@ struct line_run {
  * per run and pair 32 entries, in the lane order of the key form (token_major: the even tokens,
  * then the odd ones, as a line's 32-bit words split them; token_tiles16: tokens 0..15, 16..31).
  */
-template <class Rotation>
+template <bool Nearest = false, class Rotation>
 INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& store,
                                                         injection_batch_view const& batch,
                                                         paged_kv_cache const& cache,
@@ -395,14 +419,14 @@ INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& stor
             }
             for (std::int32_t p = 0; p < half; ++p) {
               float const* const cs = table + p * 2 * window;
-              rotate_words_truncate(lines[p],
-                                    lines[p + half],
-                                    cs,
-                                    cs + window,
-                                    cs + 16,
-                                    cs + window + 16,
-                                    &lines[p],
-                                    &lines[p + half]);
+              rotate_words_truncate<Nearest>(lines[p],
+                                             lines[p + half],
+                                             cs,
+                                             cs + window,
+                                             cs + 16,
+                                             cs + window + 16,
+                                             &lines[p],
+                                             &lines[p + half]);
             }
             // dim d of window token j at kcell + d * dim_stride + w0 + j
             auto const mask = static_cast<__mmask32>(lanes);
@@ -421,14 +445,14 @@ INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& stor
               for (std::int32_t q = 0; q < half / 2; ++q) {
                 float const* const even = table + 2 * q * 2 * window + 16 * tile;
                 float const* const odd  = even + 2 * window;
-                rotate_words_truncate(lines[q],
-                                      lines[q + half / 2],
-                                      even,
-                                      even + window,
-                                      odd,
-                                      odd + window,
-                                      &lines[q],
-                                      &lines[q + half / 2]);
+                rotate_words_truncate<Nearest>(lines[q],
+                                               lines[q + half / 2],
+                                               even,
+                                               even + window,
+                                               odd,
+                                               odd + window,
+                                               &lines[q],
+                                               &lines[q + half / 2]);
               }
               std::uint16_t* const tbase =
                 kcell + static_cast<std::int64_t>((w0 + 16 * tile) / 16) * kl.token_chunk_stride;

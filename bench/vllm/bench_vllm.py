@@ -68,8 +68,9 @@ def timed(llm, prompt, extra=None, max_tokens=1):
 #   queue       queued -> scheduled (the engine core's timestamps)
 #   connector   the connector's scheduler hooks (planning the load: the memory check, slots)
 #   load        the workers' injection into vLLM's cache (the slowest rank)
-#   query       the query alone: scheduled -> first token of the same tokens prefilled with no
-#               memory before them (another request, measured next to it)
+#   query       what vLLM computes after the loaded tokens (the query, and any memory tokens the
+#               connector left to vLLM: token_classes.py), prefilled alone: scheduled -> first
+#               token of those tokens with no memory before them (another request, next to it)
 #   memory attention  the rest of the injected request's scheduled -> first token span: what
 #               attending to the loaded memory tokens adds to the query's forward (and what else
 #               differs between the two steps)

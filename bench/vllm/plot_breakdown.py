@@ -15,6 +15,7 @@ import sys
 
 VLLM_PARTS = ("front end", "queue", "connector", "load", "query", "memory attention")
 OURS = {"connector", "load", "inject (ours)"}
+LABELS = {"query": "query (+ memory tokens not loaded), alone"}
 COLORS = {"front end": "#1f77b4", "queue": "#ff7f0e", "connector": "#2ca02c", "load": "#d62728",
           "inject (ours)": "#d62728", "query": "#9467bd", "memory attention": "#8c564b"}
 
@@ -38,7 +39,7 @@ def panel(ax, rows, parts, title):
     bottom = np.zeros(len(rows))
     for p in parts:
         vals = np.array([max(r[1].get(p, 0.0), 0.0) for r in rows])
-        ax.bar(x, vals, 0.6, bottom=bottom, label=p, color=COLORS[p],
+        ax.bar(x, vals, 0.6, bottom=bottom, label=LABELS.get(p, p), color=COLORS[p],
                hatch="//" if p in OURS else None)
         bottom += vals
     for i, r in enumerate(rows):  # linear bars: InferScale's own share written above each

@@ -214,7 +214,10 @@ def offline(a, users, n, directory):
     embedder = MiniLMEmbedder(os.environ.get("INFERSCALE_MINILM_HF") or None)
     mem = Memory.open(directory, embedder)
     # the server's engine configuration (block, sequences, token budget, prefix caching)
+    from inferscale_vllm.engine import kv_transfer_config
+
     llm = make_llm(a.model, directory, capture=False, block_size=BLOCK,
+                   kv_transfer_config=kv_transfer_config(directory, a.memory_load),
                    max_num_seqs=max(max(int(x) for x in a.users.split(",")), 1),
                    max_num_batched_tokens=a.max_num_batched_tokens,
                    enable_prefix_caching=True, disable_log_stats=False)  # stats: the TTFTs
@@ -287,6 +290,8 @@ def main():
                          "offline run (vLLM's CPU defaults differ: 2048 served, 4096 offline)")
     ap.add_argument("--memory", help="the memory directory: kept after the run, and a user whose "
                     "facts it already holds (the same texts) is not written again")
+    ap.add_argument("--memory-load", default="exact", choices=("exact", "all", "blocks"),
+                    help="the server's --memory-load (the offline run's connector the same)")
     ap.add_argument("--write-only", action="store_true",
                     help="write the users' facts into --memory and stop (no level is measured)")
     ap.add_argument("--json")
@@ -304,7 +309,8 @@ def main():
     server = Server(a.model, memory_dir, log, "bench-" + os.urandom(4).hex(),
                     ["--memory-pages", str(max(levels) * a.k * 8 + 64), "--memory-k", str(a.k),
                      "--max-num-seqs", str(max(levels)),
-                     "--max-num-batched-tokens", str(a.max_num_batched_tokens)])
+                     "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+                     "--memory-load", a.memory_load])
     t = time.perf_counter()
     server.start()
     print(f"bench_serve: server up in {time.perf_counter() - t:.0f} s", flush=True)

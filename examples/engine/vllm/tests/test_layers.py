@@ -104,3 +104,19 @@ def test_a_stage_injects_the_same_bytes_as_the_whole_model_into_its_layers():
         assert torch.equal(stage[name], whole[name]), name
     assert not torch.equal(stage["model.layers.3.self_attn.attn"],
                            whole["model.layers.0.self_attn.attn"])
+
+
+def test_memory_load_choices_reach_the_connector():
+    """`serve --memory-load` / bench_serve: exact, all and blocks set the connector's
+    partial_last_block to "auto", true and false; anything else is refused by name."""
+    from inferscale_vllm.connector import partial_last_block
+    from inferscale_vllm.engine import kv_transfer_config
+
+    got = {m: kv_transfer_config("/m", m).kv_connector_extra_config for m in ("exact", "all",
+                                                                                "blocks")}
+    assert {m: c["partial_last_block"] for m, c in got.items()} == {
+        "exact": "auto", "all": True, "blocks": False}
+    assert all(c["memory_dir"] == "/m" for c in got.values())
+    assert partial_last_block(None, True) is True and partial_last_block(None, False) is False
+    with pytest.raises(ValueError, match="memory_load"):
+        kv_transfer_config("/m", "some")

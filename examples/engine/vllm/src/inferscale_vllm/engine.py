@@ -35,13 +35,23 @@ def cpu_environment(ranks: int = 1) -> None:
         os.environ.setdefault(key, value)
 
 
-def kv_transfer_config(memory_dir: str):
+MEMORY_LOADS = {"exact": "auto", "all": True, "blocks": False}  # -> partial_last_block
+
+
+def kv_transfer_config(memory_dir: str, memory_load: str = "exact"):
+    """The connector's vLLM configuration; `memory_load` (MEMORY_LOADS): exact (as many tokens as
+    leave vLLM a rest it computes as in its cold prefill), all (every token), blocks (whole
+    blocks only)."""
     from vllm.config import KVTransferConfig
 
+    if memory_load not in MEMORY_LOADS:
+        raise ValueError(f"memory_load is one of {sorted(MEMORY_LOADS)}, got {memory_load!r}")
     return KVTransferConfig(kv_connector="InferScaleConnector",
                             kv_connector_module_path="inferscale_vllm.connector",
                             kv_role="kv_both", kv_load_failure_policy="recompute",
-                            kv_connector_extra_config={"memory_dir": memory_dir})
+                            kv_connector_extra_config={
+                                "memory_dir": memory_dir,
+                                "partial_last_block": MEMORY_LOADS[memory_load]})
 
 
 def make_llm(model: str, memory_dir: str | None, *, capture: bool = True,

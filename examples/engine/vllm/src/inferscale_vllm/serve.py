@@ -500,6 +500,11 @@ def parse_args(argv=None):
                        help="the system prompt the facts follow")
     group.add_argument("--memory-pages", type=int, default=8192,
                        help="pages of 16 tokens in a new memory's store")
+    group.add_argument("--memory-load", default="exact", choices=("exact", "all", "blocks"),
+                       help="how much of the memory the connector loads: exact (default: as many "
+                            "tokens as leave vLLM a rest it computes as in its cold prefill, "
+                            "measured on this CPU), all (every token: fastest; as close to a cold "
+                            "prefill as vLLM's own prefix cache), blocks (whole blocks only)")
     group.add_argument("--query-compute", default="auto", choices=("auto", "float32", "bfloat16"),
                        help="the queries' embedding arithmetic (facts: float32); auto: bfloat16 "
                             "where the CPU has it natively (AMX, AVX512_BF16)")
@@ -513,12 +518,9 @@ def parse_args(argv=None):
     if args.kv_transfer_config is not None:
         parser.error("--kv-transfer-config is set by inferscale_vllm.serve (the connector)")
     validate_parsed_serve_args(args)
-    from vllm.config import KVTransferConfig
+    from .engine import kv_transfer_config
 
-    args.kv_transfer_config = KVTransferConfig(
-        kv_connector="InferScaleConnector", kv_connector_module_path="inferscale_vllm.connector",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"memory_dir": os.path.abspath(args.memory)})
+    args.kv_transfer_config = kv_transfer_config(os.path.abspath(args.memory), args.memory_load)
     return args
 
 

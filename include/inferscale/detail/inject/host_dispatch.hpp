@@ -88,16 +88,19 @@ void dispatch_host_inject(kv_store_ref const& store,
   constexpr bool may_fuse  = Table;
   bool const contiguous = dims_contiguous(cache.key_layout) && dims_contiguous(cache.value_layout);
   if constexpr (Table && std::is_same_v<CacheT, bfloat16_t>) {
+#if INFERSCALE_HOST_X86_SIMD
+    // vLLM's CPU layouts (vec and amx) by whole 64-byte lines: bf16 store, halves pairing,
+    // AVX-512BW (detail/inject/vllm_cpu_lines.hpp), for vLLM's truncating rotation (its AVX2
+    // kernel) and its rotation rounded to nearest (its AVX512_BF16 kernel).
+    bool const lines = std::is_same_v<StoreT, bfloat16_t> &&
+                       rotation.pairing == rope_pairing::halves && rotation.rotary_dim % 4 == 0 &&
+                       line_path_takes(cache) && active_host_simd() == host_simd::avx512_bf16;
+#endif
     if (rotation.truncate_to_bfloat16) {  // checked: unscaled bfloat16 cache
 #if INFERSCALE_HOST_X86_SIMD
-      // vLLM's CPU layouts (vec and amx) by whole 64-byte lines: bf16 store, halves pairing,
-      // AVX-512BW (detail/inject/vllm_cpu_lines.hpp).
-      if constexpr (std::is_same_v<StoreT, bfloat16_t>) {
-        if (rotation.pairing == rope_pairing::halves && rotation.rotary_dim % 4 == 0 &&
-            line_path_takes(cache) && active_host_simd() == host_simd::avx512_bf16) {
-          simd_lines::inject_host_lines_truncate(store, batch, cache, rotation);
-          return;
-        }
+      if (lines) {
+        simd_lines::inject_host_lines<false>(store, batch, cache, rotation);
+        return;
       }
       if (!contiguous && keys_token_major(cache.key_layout) &&
           dims_contiguous(cache.value_layout) && store.head_dim % 8 == 0 &&
@@ -120,17 +123,12 @@ void dispatch_host_inject(kv_store_ref const& store,
       return;
     }
 #if INFERSCALE_HOST_X86_SIMD
-    // The same line path with vLLM's CPU rotation rounded to nearest at the end (fp32 products
-    // and sums, no per-operation rounding, no fusion: what vLLM's rotary kernel does on a CPU
-    // with AVX512_BF16, the connector's "fp32_nearest"), into an unscaled bfloat16 cache.
-    if constexpr (std::is_same_v<StoreT, bfloat16_t>) {
-      if (!rotation.round_each && !rotation.fused &&
-          cache.scale_granularity == kv_scale_granularity::none &&
-          rotation.pairing == rope_pairing::halves && rotation.rotary_dim % 4 == 0 &&
-          line_path_takes(cache) && active_host_simd() == host_simd::avx512_bf16) {
-        simd_lines::inject_host_lines_truncate<true>(store, batch, cache, rotation);
-        return;
-      }
+    // Rounded to nearest at the end (fp32 products and sums, no per-operation rounding, no
+    // fusion: the connector's "fp32_nearest"), into an unscaled bfloat16 cache.
+    if (lines && !rotation.round_each && !rotation.fused &&
+        cache.scale_granularity == kv_scale_granularity::none) {
+      simd_lines::inject_host_lines<true>(store, batch, cache, rotation);
+      return;
     }
 #endif
   }

@@ -2,7 +2,8 @@
  * @file detail/inject/vllm_cpu_lines.hpp
  * @brief Host injection into vLLM's CPU cache layouts (make_vllm_cpu_cache, isa `vec` and `amx`)
  * by whole 64-byte lines, for a bfloat16 store, a bfloat16 cache and vLLM's CPU rotation (fp32,
- * truncated to bf16), halves pairing, on a CPU with AVX-512BW (the avx512_bf16 level).
+ * then truncated to bf16 as its AVX2 kernel does, or rounded to nearest as its AVX512_BF16 kernel
+ * does), halves pairing, on a CPU with AVX-512BW (the avx512_bf16 level).
  *
  * Both layouts interleave tokens: `vec` keys are `[head_dim, block_size]` per (block, head) cell
  * (dim d of 32 consecutive tokens is one line), `amx` keys are tiles of 16 tokens with dims in
@@ -122,8 +123,9 @@ INFERSCALE_TARGET_LINES inline __m512 opaque(__m512 x)
  * @brief Sixteen pairs of two 16-bit codes each (32-bit words: `low` and `high` bf16 of every
  * word) rotated: pair (x, y) of the low halves by (`c_low`, `s_low`), of the high halves by
  * (`c_high`, `s_high`), in fp32 (each product and the difference / sum rounded once, no
- * contraction), truncated to bf16 and packed as the inputs were: `*out_x` low / high halves are
- * the rotated x of the low / high pairs, `*out_y` the rotated y.
+ * contraction), truncated to bf16 (or rounded to nearest: `Nearest`, bf16_in_upper) and packed as
+ * the inputs were: `*out_x` low / high halves are the rotated x of the low / high pairs, `*out_y`
+ * the rotated y.
  *
  * Widening a bf16 half is a shift or a mask (its bits become the fp32's upper half), and
  * truncating is taking the upper half back, so no lane moves. A NaN result needs no quieting
@@ -150,14 +152,14 @@ INFERSCALE_TARGET_LINES inline __m512i bf16_in_upper(__m512 v)
 }
 
 template <bool Nearest = false>
-INFERSCALE_TARGET_LINES inline void rotate_words_truncate(__m512i x,
-                                                          __m512i y,
-                                                          float const* c_low,
-                                                          float const* s_low,
-                                                          float const* c_high,
-                                                          float const* s_high,
-                                                          __m512i* out_x,
-                                                          __m512i* out_y)
+INFERSCALE_TARGET_LINES inline void rotate_words(__m512i x,
+                                                 __m512i y,
+                                                 float const* c_low,
+                                                 float const* s_low,
+                                                 float const* c_high,
+                                                 float const* s_high,
+                                                 __m512i* out_x,
+                                                 __m512i* out_y)
 {
   __m512i const upper = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   __m512 const x_low  = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
@@ -287,8 +289,8 @@ struct line_run {
 
 /**
  * @brief The line path (see the file comment): a bfloat16 store into a bfloat16 cache whose keys
- * and values have line forms (line_path_takes), vLLM's truncating rotation, halves pairing,
- * rotary_dim a multiple of 4.
+ * and values have line forms (line_path_takes), vLLM's CPU rotation (fp32, then truncated to
+ * bf16, or rounded to nearest with `Nearest`), halves pairing, rotary_dim a multiple of 4.
  *
  * Keys are transposed before they are rotated (each transposed vector holds one dim, or one pair
  * of dims, of the window's tokens), so the rotation runs on whole lines and needs cos/sin by lane:
@@ -296,10 +298,10 @@ struct line_run {
  * then the odd ones, as a line's 32-bit words split them; token_tiles16: tokens 0..15, 16..31).
  */
 template <bool Nearest = false, class Rotation>
-INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& store,
-                                                        injection_batch_view const& batch,
-                                                        paged_kv_cache const& cache,
-                                                        Rotation const& rotation)
+INFERSCALE_TARGET_LINES void inject_host_lines(kv_store_ref const& store,
+                                               injection_batch_view const& batch,
+                                               paged_kv_cache const& cache,
+                                               Rotation const& rotation)
 {
   constexpr std::int32_t window = 32;
   std::int32_t const pairs      = rotation.num_pairs();
@@ -419,14 +421,14 @@ INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& stor
             }
             for (std::int32_t p = 0; p < half; ++p) {
               float const* const cs = table + p * 2 * window;
-              rotate_words_truncate<Nearest>(lines[p],
-                                             lines[p + half],
-                                             cs,
-                                             cs + window,
-                                             cs + 16,
-                                             cs + window + 16,
-                                             &lines[p],
-                                             &lines[p + half]);
+              rotate_words<Nearest>(lines[p],
+                                    lines[p + half],
+                                    cs,
+                                    cs + window,
+                                    cs + 16,
+                                    cs + window + 16,
+                                    &lines[p],
+                                    &lines[p + half]);
             }
             // dim d of window token j at kcell + d * dim_stride + w0 + j
             auto const mask = static_cast<__mmask32>(lanes);
@@ -445,14 +447,14 @@ INFERSCALE_TARGET_LINES void inject_host_lines_truncate(kv_store_ref const& stor
               for (std::int32_t q = 0; q < half / 2; ++q) {
                 float const* const even = table + 2 * q * 2 * window + 16 * tile;
                 float const* const odd  = even + 2 * window;
-                rotate_words_truncate<Nearest>(lines[q],
-                                               lines[q + half / 2],
-                                               even,
-                                               even + window,
-                                               odd,
-                                               odd + window,
-                                               &lines[q],
-                                               &lines[q + half / 2]);
+                rotate_words<Nearest>(lines[q],
+                                      lines[q + half / 2],
+                                      even,
+                                      even + window,
+                                      odd,
+                                      odd + window,
+                                      &lines[q],
+                                      &lines[q + half / 2]);
               }
               std::uint16_t* const tbase =
                 kcell + static_cast<std::int64_t>((w0 + 16 * tile) / 16) * kl.token_chunk_stride;

@@ -280,9 +280,11 @@ class MemoryService:
         body, used = await asyncio.to_thread(self._finish, body, chat, user, k, vector, query_ids)
         # where the server's time went (the answer's `memory`): the checks and chat template, the
         # query's embedding (waiting for its batch included), retrieval and composition
+        done = time.perf_counter()
+        used["compose_ms"] = round(1e3 * (done - started), 3)
         used["compose_parts_ms"] = {"prepare": round(1e3 * (asked - started), 3),
                                     "embed": round(1e3 * (embedded - asked), 3),
-                                    "retrieve": round(1e3 * (time.perf_counter() - embedded), 3),
+                                    "retrieve": round(1e3 * (done - embedded), 3),
                                     "embed_batch": batch.get("batch", 0),
                                     "embed_forward": batch.get("forward_ms", 0.0)}
         return body, used
@@ -437,10 +439,7 @@ def install(app, service: MemoryService) -> None:
             return error(e.status, e.message)
         if body.get("user") is not None or body.get("memory") is not None:
             try:
-                started = time.perf_counter()
-                body, used = await service.compose(body, chat)
-                if used is not None:  # embedding, retrieval and composition, in the server
-                    used["compose_ms"] = round(1e3 * (time.perf_counter() - started), 3)
+                body, used = await service.compose(body, chat)  # used: its compose_ms
             except MemoryError4xx as e:
                 return error(e.status, e.message)
             except ValueError as e:

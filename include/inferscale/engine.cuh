@@ -58,7 +58,8 @@ inline void store_captured_facts(kv_store& store,
                                  std::vector<captured_fact> const& facts,
                                  cuda::stream_ref stream)
 {
-  if (store.space() != memory_space::device) {
+  // A compressed pool is written by kv_store::insert (quantized on the host, then copied).
+  if (store.space() != memory_space::device || store.compression() != kv_compression::none) {
     store_captured_facts(store, capture, facts);
     return;
   }
@@ -242,6 +243,11 @@ inline void store_captured_facts(kv_store& store,
                      std::string{"store_captured_facts: a device capture is stored into a device "
                                  "store; this store's pool is in "} +
                        to_string(store.space()) + " memory (a host store takes a kv_capture)");
+  INFERSCALE_EXPECTS(store.compression() == kv_compression::none,
+                     std::string{"store_captured_facts: the device store is compressed ("} +
+                       to_string(store.compression()) +
+                       "); the capture's scatter writes uncompressed pools: store a compressed "
+                       "fact with kv_store::insert (host or device views), which quantizes it");
   detail::check_captured_ranges(store, capture, facts);
   if (facts.empty()) { return; }
   detail::check_device_captured_finite(store, capture, facts, stream);

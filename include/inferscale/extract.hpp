@@ -45,6 +45,11 @@ void check_extraction(paged_kv_cache const& cache,
                      std::string{who} + ": the store's pool is in " + to_string(store.space()) +
                        " memory, this backend writes " + to_string(backend) + " memory");
   check_store_cache_geometry(store, cache, who);
+  INFERSCALE_EXPECTS(store.compression() == kv_compression::none,
+                     std::string{who} + ": the store is compressed (" +
+                       to_string(store.compression()) +
+                       "); extract into an uncompressed store and insert the fact's rows into "
+                       "the compressed one (kv_store::insert quantizes them)");
   INFERSCALE_EXPECTS(!token_ids.empty(), std::string{who} + ": no tokens to extract");
   INFERSCALE_EXPECTS(slots.size() == token_ids.size(),
                      std::string{who} + ": " +

@@ -197,14 +197,39 @@ inline std::vector<float> kv_deviation(kv_store const& store,
   dispatch_dtype(store.store_dtype(), [&](auto tag) {
     using S          = typename decltype(tag)::type;
     auto const* pool = static_cast<S const*>(ref.pool);
+    std::vector<S> k_rows(static_cast<std::size_t>(ref.row_elements()));
+    std::vector<S> v_rows(k_rows.size());
     for (composed_segment const& s : c.segments) {
       fact_record const& fact = store.at(s.fact_id);
       for (std::int32_t j = 0; j < s.length; ++j) {
         std::int64_t const t   = store.store_token(fact, j);
         std::int64_t const row = s.begin + j;
-        S const* k_row         = pool + ref.row_offset(t, layer, 0);
-        S const* v_row         = pool + ref.row_offset(t, layer, 1);
-        double sum             = 0.0;
+        S const* k_row         = nullptr;
+        S const* v_row         = nullptr;
+        if (ref.compression == kv_compression::none) {
+          k_row = pool + ref.row_offset(t, layer, 0);
+          v_row = pool + ref.row_offset(t, layer, 1);
+        } else {  // the rows as injection reads them: dequantized to the store dtype
+          std::int64_t const page = t / ref.page_size;
+          auto const in_page      = static_cast<std::int32_t>(t % ref.page_size);
+          for (std::int32_t kv = 0; kv < 2; ++kv) {
+            auto const* block =
+              static_cast<unsigned char const*>(ref.pool) + ref.block_offset(page, layer, kv);
+            for (std::int32_t h = 0; h < g.num_kv_heads; ++h) {
+              detail::dequantize_run(ref.blocks(),
+                                     block,
+                                     kv,
+                                     in_page,
+                                     h,
+                                     0,
+                                     g.head_dim,
+                                     (kv == 0 ? k_rows : v_rows).data() + h * g.head_dim);
+            }
+          }
+          k_row = k_rows.data();
+          v_row = v_rows.data();
+        }
+        double sum = 0.0;
         for (std::int32_t h = 0; h < g.num_kv_heads; ++h) {
           for (std::int32_t d = 0; d < g.head_dim; ++d) {
             double const dk = double(to_float(k_row[h * g.head_dim + d])) - keys(row, h, d);

@@ -12,7 +12,8 @@
  * integer and every pool element is little-endian whatever the
  * host; there is no padding between fields. `P` is the capacity (num_pages), `U` the pages in use,
  * `E` the element size of the store dtype (4 or 2), `B = 2 * L * page_size * H * head_dim * E` the
- * bytes of one page (L, H: the shard's layers and heads).
+ * bytes of one page (L, H: the shard's layers and heads); a compressed store's page is `L` times
+ * its layer's K and V blocks (compression.hpp), stored as bytes: codes, and scales little-endian.
  *
  * | offset | bytes | field                                                                     |
  * |-------:|------:|---------------------------------------------------------------------------|
@@ -30,7 +31,9 @@
  * |     44 |     4 | page_size, int32 (> 0)                                                    |
  * |     48 |     8 | num_pages P, int64 (>= 0)                                                 |
  * |     56 |     1 | store dtype, uint8: 0 float32, 1 float16, 2 bfloat16                      |
- * |     57 |     7 | reserved, 0                                                               |
+ * |     57 |     1 | compression, uint8: 0 none, 1 fp8_e4m3, 2 int4 (compression.hpp; 0 in    |
+ * |        |       | files written before it, where it was reserved)                           |
+ * |     58 |     6 | reserved, 0                                                               |
  * |     64 |     8 | namespace count N, uint64                                                 |
  * |     72 |     8 | fact count F, uint64                                                      |
  * |     80 |     8 | token count T, uint64 (sum of the facts' lengths)                         |

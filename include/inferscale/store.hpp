@@ -16,6 +16,7 @@
  */
 #pragma once
 
+#include <inferscale/compression.hpp>
 #include <inferscale/config.hpp>
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/detail/host_memory.hpp>
@@ -49,8 +50,13 @@ struct kv_store_config {
   std::int32_t first_head{0};
   std::int32_t num_heads{0};           ///< KV heads held from first_head; 0 = through the last head
   dtype store_dtype{dtype::bfloat16};  ///< float32, float16 or bfloat16
-  std::int32_t page_size{16};          ///< tokens per page
-  std::int64_t num_pages{0};           ///< capacity, allocated once
+  /// none: elements of store_dtype; fp8_e4m3 or int4: codes with scales (compression.hpp), which
+  /// injection dequantizes to store_dtype. A compressed store takes host views and device views
+  /// (quantized on the host) and is injected on both backends; extraction and the device capture
+  /// write uncompressed stores only.
+  kv_compression compression{kv_compression::none};
+  std::int32_t page_size{16};  ///< tokens per page
+  std::int64_t num_pages{0};   ///< capacity, allocated once
   memory_space space{memory_space::device};
   /// Host pools only: allocate the pool page-locked (`cudaMallocHost`), so copies between it and
   /// the device are truly asynchronous (the host tier of tier.hpp). Needs a CUDA device.
@@ -72,6 +78,30 @@ struct kv_store_ref {
   std::int32_t head_dim{};
   std::int32_t page_size{};
   std::int64_t num_pages{};
+  kv_compression compression{kv_compression::none};
+
+  /// @brief Layout of a compressed page's blocks (meaningful when `compression != none`).
+  INFERSCALE_HOST_DEVICE constexpr compressed_block_layout blocks() const noexcept
+  {
+    return compressed_block_layout{page_size, num_heads, head_dim, compression};
+  }
+
+  /// @brief Bytes of one layer of one page (K and V, with a compressed page's scales).
+  INFERSCALE_HOST_DEVICE constexpr std::int64_t layer_bytes() const noexcept
+  {
+    return compression == kv_compression::none
+             ? 2 * static_cast<std::int64_t>(page_size) * row_elements() *
+                 static_cast<std::int64_t>(size_of(store_dtype))
+             : blocks().layer_bytes();
+  }
+
+  /// @brief Byte offset of the K (`kv == 0`) or V block of `layer` of page `page` (compressed).
+  INFERSCALE_HOST_DEVICE constexpr std::int64_t block_offset(std::int64_t page,
+                                                             std::int32_t layer,
+                                                             std::int32_t kv) const noexcept
+  {
+    return (page * num_layers + layer) * layer_bytes() + (kv == 0 ? 0 : blocks().block_bytes(0));
+  }
 
   /// @brief Elements of one token's key (or value) row in one layer.
   INFERSCALE_HOST_DEVICE constexpr std::int64_t row_elements() const noexcept
@@ -81,7 +111,7 @@ struct kv_store_ref {
 
   /**
    * @brief Offset in elements of the K (`kv == 0`) or V (`kv == 1`) row of layer `layer` of store
-   * token `store_token` (= page * page_size + offset in page).
+   * token `store_token` (= page * page_size + offset in page). Uncompressed pools only.
    */
   INFERSCALE_HOST_DEVICE constexpr std::int64_t row_offset(std::int64_t store_token,
                                                            std::int32_t layer,
@@ -128,6 +158,7 @@ class kv_store {
     ref_.head_dim           = config_.model.head_dim;
     ref_.page_size          = config_.page_size;
     ref_.num_pages          = config_.num_pages;
+    ref_.compression        = config_.compression;
     std::size_t const bytes = pool_bytes();
     if (config_.space == memory_space::device) {
       cuda_pool_ = device_buffer<unsigned char>(bytes, nullptr, config_.resource);
@@ -172,6 +203,7 @@ class kv_store {
     return kv_geometry{config_.num_layers, config_.num_heads, config_.model.head_dim};
   }
   dtype store_dtype() const noexcept { return config_.store_dtype; }
+  kv_compression compression() const noexcept { return config_.compression; }
   memory_space space() const noexcept { return config_.space; }
   std::int32_t page_size() const noexcept { return config_.page_size; }
   std::int64_t num_pages() const noexcept { return config_.num_pages; }
@@ -187,14 +219,15 @@ class kv_store {
   /// @brief Bytes of the whole pool.
   std::size_t pool_bytes() const noexcept
   {
-    return static_cast<std::size_t>(config_.num_pages) * page_elements() *
-           size_of(config_.store_dtype);
+    return static_cast<std::size_t>(config_.num_pages) * page_bytes();
   }
 
-  /// @brief Bytes of one pool page (all held layers, K and V, `page_size` tokens).
+  /// @brief Bytes of one pool page (all held layers, K and V, `page_size` tokens; a compressed
+  /// page's codes and scales).
   std::size_t page_bytes() const noexcept
   {
-    return static_cast<std::size_t>(page_elements()) * size_of(config_.store_dtype);
+    return static_cast<std::size_t>(config_.num_layers) *
+           static_cast<std::size_t>(ref_layout().layer_bytes());
   }
 
   /// @brief Pages a fact of `tokens` tokens takes.
@@ -220,9 +253,13 @@ class kv_store {
            offset % config_.page_size;
   }
 
-  /// @brief Bytes of K and V a fact of `tokens` tokens holds in this shard: `2·L·c·h·d·b`.
+  /// @brief Bytes of K and V a fact of `tokens` tokens holds in this shard: `2·L·c·h·d·b`; for a
+  /// compressed store, the bytes of its pages (codes and scales, whole pages).
   std::int64_t fact_bytes(std::int64_t tokens) const
   {
+    if (config_.compression != kv_compression::none) {
+      return pages_for(tokens) * static_cast<std::int64_t>(page_bytes());
+    }
     return geometry().bytes(tokens, config_.store_dtype);
   }
 
@@ -233,11 +270,16 @@ class kv_store {
     return it == namespaces_.end() ? 0 : static_cast<std::int64_t>(it->second.facts.size());
   }
 
-  /// @brief Bytes of K and V held for namespace `ns`: the sum of `2·L·c·h·d·b` over its facts.
+  /// @brief Bytes of K and V held for namespace `ns`: the sum of `2·L·c·h·d·b` over its facts (a
+  /// compressed store: of its pages).
   std::int64_t namespace_bytes(std::uint64_t ns) const
   {
     auto const it = namespaces_.find(ns);
-    return it == namespaces_.end() ? 0 : fact_bytes(it->second.tokens);
+    if (it == namespaces_.end()) { return 0; }
+    if (config_.compression != kv_compression::none) {
+      return it->second.pages * static_cast<std::int64_t>(page_bytes());
+    }
+    return fact_bytes(it->second.tokens);
   }
 
   /// @brief Pages held by namespace `ns` (what erasing it would return to the pool).
@@ -360,7 +402,9 @@ class kv_store {
     // Everything checked: take pages, write, then record.
     fact_record record{fact_id, namespace_id, std::move(token_ids), take_pages(pages_needed)};
     try {
-      if (views_space == memory_space::device) {
+      if (config_.compression != kv_compression::none) {
+        copy_compressed(record, keys, values, layer_offset, head_offset, views_space, stream);
+      } else if (views_space == memory_space::device) {
         copy_from_device(record, keys, values, layer_offset, head_offset, stream);
       } else {
         copy_from_host(record, keys, values, layer_offset, head_offset, stream);
@@ -508,6 +552,21 @@ class kv_store {
       c.num_pages == 0 || c.page_size <= std::numeric_limits<std::int64_t>::max() / c.num_pages,
       "kv_store: num_pages * page_size overflows");
     (void)shard.bytes(c.num_pages * c.page_size, c.store_dtype);
+    INFERSCALE_EXPECTS(
+      c.compression == kv_compression::none || c.compression == kv_compression::fp8_e4m3 ||
+        c.compression == kv_compression::int4,
+      "kv_store: unknown compression value " + std::to_string(static_cast<int>(c.compression)));
+    if (c.compression != kv_compression::none) {
+      INFERSCALE_EXPECTS(c.model.head_dim <= compressed_max_head_dim,
+                         "kv_store: a compressed store takes head_dim up to " +
+                           std::to_string(compressed_max_head_dim) + ", got " +
+                           std::to_string(c.model.head_dim));
+      compressed_block_layout const b{c.page_size, c.num_heads, c.model.head_dim, c.compression};
+      std::int64_t const page = b.layer_bytes() * c.num_layers;  // a few MiB at most per page
+      INFERSCALE_EXPECTS(
+        c.num_pages == 0 || page <= std::numeric_limits<std::int64_t>::max() / c.num_pages,
+        "kv_store: the compressed pool's byte count overflows");
+    }
     return c;
   }
 
@@ -523,6 +582,19 @@ class kv_store {
                          detail::count_of(extent, what) + ", expected the model's " +
                          std::to_string(model_count) + " or this shard's " + std::to_string(count));
     return first;
+  }
+
+  /// @brief The pool's byte layout, from the configuration (valid before ref_ is filled).
+  kv_store_ref ref_layout() const noexcept
+  {
+    kv_store_ref r;
+    r.store_dtype = config_.store_dtype;
+    r.num_layers  = config_.num_layers;
+    r.num_heads   = config_.num_heads;
+    r.head_dim    = config_.model.head_dim;
+    r.page_size   = config_.page_size;
+    r.compression = config_.compression;
+    return r;
   }
 
   std::int64_t page_elements() const noexcept
@@ -592,6 +664,17 @@ class kv_store {
                       std::int32_t layer_offset,
                       std::int32_t head_offset,
                       cudaStream_t stream);
+
+  /// Compressed pool: the fact quantized on the host (device views copied to the host first),
+  /// written in place (host pool) or staged and copied on `stream`, waited for (device pool).
+  template <class T>
+  void copy_compressed(fact_record const& record,
+                       fact_kv_view<T const> keys,
+                       fact_kv_view<T const> values,
+                       std::int32_t layer_offset,
+                       std::int32_t head_offset,
+                       memory_space views_space,
+                       cudaStream_t stream);
 
   /// Device views: enqueued on `stream`, not waited for.
   template <class T>

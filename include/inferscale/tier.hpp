@@ -145,11 +145,8 @@ struct tier_request {
 inline kv_store_ref tier_layer_view(kv_store_ref store, std::int32_t layer) noexcept
 {
   kv_store_ref v = store;
-  std::int64_t const layer_elements =
-    2 * static_cast<std::int64_t>(store.page_size) * store.row_elements();
-  v.pool = static_cast<unsigned char*>(store.pool) + static_cast<std::size_t>(layer) *
-                                                       static_cast<std::size_t>(layer_elements) *
-                                                       size_of(store.store_dtype);
+  v.pool         = static_cast<unsigned char*>(store.pool) +
+           static_cast<std::size_t>(layer) * static_cast<std::size_t>(store.layer_bytes());
   v.num_layers = 1;
   v.num_pages  = store.num_pages * store.num_layers;
   return v;

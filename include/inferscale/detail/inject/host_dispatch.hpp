@@ -10,6 +10,7 @@
 #pragma once
 
 #include <inferscale/cache.hpp>
+#include <inferscale/detail/inject/host_compressed.hpp>
 #include <inferscale/detail/inject/host_loop.hpp>
 #include <inferscale/detail/inject/host_rotation.hpp>
 #include <inferscale/detail/inject/host_simd.hpp>
@@ -199,6 +200,15 @@ void inject_host_loops(kv_store_ref const& store,
   dispatch_store_cache(store.store_dtype, cache.cache_dtype, [&](auto s, auto c) {
     using S = typename decltype(s)::type;
     using C = typename decltype(c)::type;
+    if (store.compression != kv_compression::none) {
+      inject_host_compressed<S>(store,
+                                batch,
+                                cache.num_slots(),
+                                [&](kv_store_ref const& rows, injection_batch_view const& part) {
+                                  dispatch_host_inject<Table, S, C>(rows, part, cache, rotation);
+                                });
+      return;
+    }
     dispatch_host_inject<Table, S, C>(store, batch, cache, rotation);
   });
 }

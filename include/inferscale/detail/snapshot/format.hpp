@@ -6,7 +6,9 @@
  */
 #pragma once
 
+#include <inferscale/compression.hpp>
 #include <inferscale/dtype.hpp>
+#include <inferscale/store.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -96,6 +98,52 @@ inline std::size_t first_non_finite(unsigned char const* p, std::size_t count, d
     }
   }
   return count;
+}
+
+/**
+ * @brief Index of the first of `pages` compressed pages at `p` holding a code or a scale the
+ * store never writes (an e4m3 NaN code, the int4 code -8, an E8M0 scale 255, a non-finite
+ * bfloat16 scale), or `pages`.
+ */
+inline std::size_t first_bad_compressed_page(unsigned char const* p,
+                                             std::size_t pages,
+                                             kv_store_config const& c) noexcept
+{
+  compressed_block_layout const b{c.page_size, c.num_heads, c.model.head_dim, c.compression};
+  std::size_t const layer = static_cast<std::size_t>(b.layer_bytes());
+  for (std::size_t page = 0; page < pages; ++page) {
+    for (std::int32_t l = 0; l < c.num_layers; ++l) {
+      for (std::int32_t kv = 0; kv < 2; ++kv) {
+        unsigned char const* const block =
+          p +
+          (page * static_cast<std::size_t>(c.num_layers) + static_cast<std::size_t>(l)) * layer +
+          (kv == 0 ? 0 : static_cast<std::size_t>(b.block_bytes(0)));
+        std::size_t const codes = static_cast<std::size_t>(b.page_size * b.row_code_bytes());
+        std::size_t const scales =
+          static_cast<std::size_t>(kv == 0 ? b.num_heads * b.head_dim : b.page_size * b.num_heads);
+        bool bad = false;
+        if (c.compression == kv_compression::int4) {
+          for (std::size_t i = 0; i < codes; ++i) {
+            bad |= (block[i] & 0xF) == 8 || (block[i] >> 4) == 8;
+          }
+          for (std::size_t i = 0; i < scales; ++i) {
+            unsigned char const* s = block + b.scales_offset() + 2 * i;
+            // negative, or the exponent all ones (infinity, NaN)
+            bad |= (s[1] & 0x80) != 0 || ((s[1] & 0x7F) == 0x7F && (s[0] & 0x80) != 0);
+          }
+        } else {
+          for (std::size_t i = 0; i < codes; ++i) {
+            bad |= (block[i] & 0x7F) == 0x7F;
+          }
+          for (std::size_t i = 0; i < scales; ++i) {
+            bad |= block[b.scales_offset() + i] == 0xFF;
+          }
+        }
+        if (bad) { return page; }
+      }
+    }
+  }
+  return pages;
 }
 
 /// @brief True for the element types a store holds (float, half_t, bfloat16_t).

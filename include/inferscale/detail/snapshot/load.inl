@@ -64,29 +64,35 @@ inline store_access::parsed_header store_access::parse_header(unsigned char cons
                        ", computed " + serial::hex(header_actual) + " (the header is corrupted)");
 
   parsed_header r;
-  r.version               = version;
-  kv_store_config& c      = r.config;
-  c.model.num_layers      = serial::get_le<std::int32_t>(h + 16);
-  c.model.num_kv_heads    = serial::get_le<std::int32_t>(h + 20);
-  c.model.head_dim        = serial::get_le<std::int32_t>(h + 24);
-  c.first_layer           = serial::get_le<std::int32_t>(h + 28);
-  c.num_layers            = serial::get_le<std::int32_t>(h + 32);
-  c.first_head            = serial::get_le<std::int32_t>(h + 36);
-  c.num_heads             = serial::get_le<std::int32_t>(h + 40);
-  c.page_size             = serial::get_le<std::int32_t>(h + 44);
-  c.num_pages             = serial::get_le<std::int64_t>(h + 48);
-  std::uint8_t const code = h[56];
-  r.namespaces            = serial::get_le<std::uint64_t>(h + 64);
-  r.facts                 = serial::get_le<std::uint64_t>(h + 72);
-  r.tokens                = serial::get_le<std::uint64_t>(h + 80);
-  r.pages_in_use          = serial::get_le<std::uint64_t>(h + 88);
-  bool reserved_zero      = true;
-  for (std::size_t b = 57; b < 64; ++b) {
+  r.version                      = version;
+  kv_store_config& c             = r.config;
+  c.model.num_layers             = serial::get_le<std::int32_t>(h + 16);
+  c.model.num_kv_heads           = serial::get_le<std::int32_t>(h + 20);
+  c.model.head_dim               = serial::get_le<std::int32_t>(h + 24);
+  c.first_layer                  = serial::get_le<std::int32_t>(h + 28);
+  c.num_layers                   = serial::get_le<std::int32_t>(h + 32);
+  c.first_head                   = serial::get_le<std::int32_t>(h + 36);
+  c.num_heads                    = serial::get_le<std::int32_t>(h + 40);
+  c.page_size                    = serial::get_le<std::int32_t>(h + 44);
+  c.num_pages                    = serial::get_le<std::int64_t>(h + 48);
+  std::uint8_t const code        = h[56];
+  r.namespaces                   = serial::get_le<std::uint64_t>(h + 64);
+  r.facts                        = serial::get_le<std::uint64_t>(h + 72);
+  r.tokens                       = serial::get_le<std::uint64_t>(h + 80);
+  r.pages_in_use                 = serial::get_le<std::uint64_t>(h + 88);
+  bool reserved_zero             = true;
+  std::uint8_t const compression = h[57];
+  for (std::size_t b = 58; b < 64; ++b) {
     reserved_zero = reserved_zero && h[b] == 0;
   }
   INFERSCALE_EXPECTS(reserved_zero, where + "header: reserved bytes are not zero");
   INFERSCALE_EXPECTS(code <= 2, where + "header: unknown store dtype code " + std::to_string(code));
   c.store_dtype = code == 0 ? dtype::float32 : code == 1 ? dtype::float16 : dtype::bfloat16;
+  INFERSCALE_EXPECTS(compression <= 2,
+                     where + "header: unknown compression code " + std::to_string(compression));
+  c.compression = static_cast<kv_compression>(compression);
+  INFERSCALE_EXPECTS(c.compression == kv_compression::none || serial::host_is_little_endian(),
+                     where + "compressed snapshots are read on little-endian hosts only");
 
   std::string const model = std::to_string(c.model.num_layers) + " layers x " +
                             std::to_string(c.model.num_kv_heads) + " KV heads x head_dim " +
@@ -110,15 +116,31 @@ inline store_access::parsed_header store_access::parse_header(unsigned char cons
     where + "header: page_size " + std::to_string(c.page_size) + " is not positive");
   INFERSCALE_EXPECTS(c.num_pages >= 0,
                      where + "header: num_pages " + std::to_string(c.num_pages) + " is negative");
-  // page bytes = 2 * L * page_size * H * D * E; the pool P * page bytes must fit in an int64
+  // page bytes = 2 * L * page_size * H * D * E (compressed: L * the layer's blocks,
+  // compression.hpp); the pool P * page bytes must fit in an int64
   std::uint64_t page = 0;
-  bool ok            = serial::multiply_add(2u * static_cast<std::uint64_t>(c.num_layers),
-                                 static_cast<std::uint64_t>(c.page_size),
-                                 0,
-                                 page) &&
-            serial::multiply_add(page, static_cast<std::uint64_t>(c.num_heads), 0, page) &&
-            serial::multiply_add(page, static_cast<std::uint64_t>(c.model.head_dim), 0, page) &&
-            serial::multiply_add(page, size_of(c.store_dtype), 0, page);
+  bool ok            = false;
+  if (c.compression == kv_compression::none) {
+    ok = serial::multiply_add(2u * static_cast<std::uint64_t>(c.num_layers),
+                              static_cast<std::uint64_t>(c.page_size),
+                              0,
+                              page) &&
+         serial::multiply_add(page, static_cast<std::uint64_t>(c.num_heads), 0, page) &&
+         serial::multiply_add(page, static_cast<std::uint64_t>(c.model.head_dim), 0, page) &&
+         serial::multiply_add(page, size_of(c.store_dtype), 0, page);
+  } else {
+    // Each factor below is an int32 read from the header: bound them before the layout's
+    // arithmetic (int64), then multiply by the layer count with the overflow check.
+    ok = c.page_size > 0 && c.num_heads > 0 && c.model.head_dim > 0 &&
+         c.model.head_dim <= compressed_max_head_dim && c.page_size <= (1 << 20) &&
+         c.num_heads <= (1 << 16) &&
+         serial::multiply_add(static_cast<std::uint64_t>(compressed_block_layout{
+                                c.page_size, c.num_heads, c.model.head_dim, c.compression}
+                                                           .layer_bytes()),
+                              static_cast<std::uint64_t>(std::max(c.num_layers, 0)),
+                              0,
+                              page);
+  }
   std::uint64_t pool = 0;
   ok = ok && serial::multiply_add(page, static_cast<std::uint64_t>(c.num_pages), 0, pool) &&
        pool <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
@@ -276,8 +298,10 @@ inline bool store_access::incremental_source(kv_store const* previous,
     return false;
   }
   kv_store_config const& p = previous->config();
-  // the same page layout [L][2][page_size][H][head_dim]; the dtype may differ
-  return p.model == file.model && p.first_layer == file.first_layer &&
+  // the same page layout [L][2][page_size][H][head_dim]; the dtype may differ (not when compressed)
+  return p.compression == file.compression &&
+         (file.compression == kv_compression::none || p.store_dtype == file.store_dtype) &&
+         p.model == file.model && p.first_layer == file.first_layer &&
          p.num_layers == file.num_layers && p.first_head == file.first_head &&
          p.num_heads == file.num_heads && p.page_size == file.page_size;
 }
@@ -321,6 +345,10 @@ inline kv_store store_access::load(std::string const& path,
   target.pinned          = expect != nullptr && expect->pinned;  // placement, not content
   target.resource        = expect != nullptr ? expect->resource : nullptr;  // placement too
   target.store_dtype     = store_dtype.value_or(fc.store_dtype);
+  INFERSCALE_EXPECTS(fc.compression == kv_compression::none || target.store_dtype == fc.store_dtype,
+                     where + "the snapshot is compressed (" + to_string(fc.compression) +
+                       ", dequantized to " + to_string(fc.store_dtype) +
+                       "); it loads in its own dtype, not " + to_string(target.store_dtype));
   INFERSCALE_EXPECTS(target.store_dtype == dtype::float32 || target.store_dtype == dtype::float16 ||
                        target.store_dtype == dtype::bfloat16,
                      where + "the target dtype must be float32, float16 or bfloat16, got " +
@@ -343,8 +371,10 @@ inline kv_store store_access::load(std::string const& path,
   dtype const from      = fc.store_dtype;
   dtype const to        = target.store_dtype;
   std::size_t const B   = static_cast<std::size_t>(header.page_bytes);
-  std::size_t const Ef  = size_of(from);
-  std::size_t const Eto = size_of(to);
+  bool const compressed = fc.compression != kv_compression::none;
+  // A compressed pool is bytes (codes and scales, little-endian), checked page by page.
+  std::size_t const Ef  = compressed ? 1 : size_of(from);
+  std::size_t const Eto = compressed ? 1 : size_of(to);
   std::size_t const Bto = B / Ef * Eto;
   std::size_t const per_chunk =
     B == 0 ? 1 : std::max<std::size_t>(1, store_format::pool_chunk_bytes / B);
@@ -363,8 +393,14 @@ inline kv_store store_access::load(std::string const& path,
     [&](unsigned char const* source, std::size_t first, std::size_t n) -> std::string {
     std::string problem;
     std::size_t const elements = n * B / Ef;
-    std::size_t const bad      = first_non_finite(source, elements, from);
-    if (bad != elements) {
+    std::size_t const bad      = compressed ? first_bad_compressed_page(source, n, fc) * B
+                                            : first_non_finite(source, elements, from);
+    if (compressed && bad != elements) {
+      std::size_t const page = first + bad / B;
+      problem                = "fact " + std::to_string(staged.page_owner[page]) +
+                " holds a code or a scale this library never writes (page " + std::to_string(page) +
+                ": a NaN code, the int4 code -8, or a non-finite scale)";
+    } else if (bad != elements) {
       std::size_t const page = first + bad * Ef / B;
       problem                = "fact " + std::to_string(staged.page_owner[page]) +
                 " holds a non-finite value (page " + std::to_string(page) + ")";
@@ -403,7 +439,7 @@ inline kv_store store_access::load(std::string const& path,
       store_format::header_bytes + header.catalogue_bytes + store_format::checksum_bytes;
     kv_store const& prev    = *previous;
     dtype const prev_dtype  = prev.store_dtype();
-    std::size_t const Bprev = B / Ef * size_of(prev_dtype);
+    std::size_t const Bprev = compressed ? B : B / Ef * size_of(prev_dtype);
     bool const prev_device  = prev.space() == memory_space::device;
     auto const* const ppool = static_cast<unsigned char const*>(prev.ref().pool);
     // one page of each, only when a fact needs it (a file without facts may state any page size)
@@ -534,6 +570,9 @@ inline void store_access::check_target(kv_store_config const& file,
       " and KV heads " + range(file.first_head, file.num_heads) +
       ", the target store's shard is layers " + range(want.first_layer, want.num_layers) +
       " and KV heads " + range(want.first_head, want.num_heads));
+  INFERSCALE_EXPECTS(file.compression == want.compression,
+                     where + "the snapshot's compression is " + to_string(file.compression) +
+                       ", the target store's " + to_string(want.compression));
   INFERSCALE_EXPECTS(file.page_size == want.page_size,
                      where + "the snapshot has pages of " + std::to_string(file.page_size) +
                        " tokens, the target store " + std::to_string(want.page_size));

@@ -26,12 +26,16 @@ namespace inferscale::detail {
 
 inline void store_access::save(kv_store const& store, std::string const& path)
 {
-  std::string const who                       = "save_store('" + path + "')";
-  kv_store_config const& c                    = store.config();
-  std::int64_t const P                        = store.num_pages();
-  std::size_t const B                         = page_bytes(store);
-  dtype const t                               = store.store_dtype();
-  std::size_t const E                         = size_of(t);
+  std::string const who    = "save_store('" + path + "')";
+  kv_store_config const& c = store.config();
+  std::int64_t const P     = store.num_pages();
+  std::size_t const B      = page_bytes(store);
+  dtype const t            = store.store_dtype();
+  // A compressed pool is written as bytes (codes, and scales in little-endian order).
+  bool const compressed = c.compression != kv_compression::none;
+  INFERSCALE_EXPECTS(!compressed || serial::host_is_little_endian(),
+                     who + ": compressed stores are saved on little-endian hosts only");
+  std::size_t const E                         = compressed ? 1 : size_of(t);
   std::vector<std::uint64_t> const namespaces = namespace_ids(store);
 
   // The catalogue, in memory first (it is small beside the pool) so its checksum is at hand.
@@ -109,11 +113,14 @@ inline void store_access::save(kv_store const& store, std::string const& path)
   std::vector<serial::crc64> fact_crc(static_cast<std::size_t>(facts));
   std::vector<unsigned char> little(serial::host_is_little_endian() ? 0 : B);
   for_each_run([&](std::int64_t first, std::size_t n, unsigned char const* data) {
-    std::size_t const bad = first_non_finite(data, n * B / E, t);
+    // A compressed page: codes and scales the store writes (first_bad_compressed_page).
+    std::size_t const bad = compressed ? first_bad_compressed_page(data, n, c) * B / E
+                                       : first_non_finite(data, n * B / E, t);
     INFERSCALE_EXPECTS(bad == n * B / E,
                        who + ": fact " +
                          std::to_string(owner[static_cast<std::size_t>(first) + bad * E / B]) +
-                         " holds a non-finite value (page " +
+                         (compressed ? " holds a code or a scale the store never writes (page "
+                                     : " holds a non-finite value (page ") +
                          std::to_string(first + static_cast<std::int64_t>(bad * E / B)) +
                          "); a snapshot holds finite KV only, nothing was saved");
     for (std::size_t k = 0; k < n; ++k) {
@@ -143,6 +150,7 @@ inline void store_access::save(kv_store const& store, std::string const& path)
   serial::put_le(header + 44, c.page_size);
   serial::put_le(header + 48, c.num_pages);
   header[56] = store_format::dtype_code(t);
+  header[57] = static_cast<unsigned char>(c.compression);
   serial::put_le(header + 64, static_cast<std::uint64_t>(namespaces.size()));
   serial::put_le(header + 72, facts);
   serial::put_le(header + 80, tokens);

@@ -52,7 +52,7 @@ struct store_access {
 
   static std::size_t page_bytes(kv_store const& s)
   {
-    return static_cast<std::size_t>(s.page_elements()) * size_of(s.store_dtype());
+    return s.page_bytes();
   }
 
   static void restore(kv_store& s, staged_catalogue&& c)

@@ -203,6 +203,159 @@ void kv_store::copy_from_host(fact_record const& record,
   });
 }
 
+namespace detail {
+/**
+ * @brief Quantizes layer rows of one page into its compressed K and V blocks (compression.hpp):
+ * `at(kv, t, h, e)` is element e of head h of the page's token t (t < `tokens`, the fact's tokens
+ * in this page); rows from `tokens` to page_size get code 0 and stay out of the key scales.
+ */
+template <class At>
+void quantize_page_layer(compressed_block_layout const& b,
+                         unsigned char* kblock,
+                         unsigned char* vblock,
+                         std::int32_t tokens,
+                         At const& at)
+{
+  std::int32_t const d = b.head_dim;
+  bool const int4      = b.compression == kv_compression::int4;
+  for (std::int32_t kv = 0; kv < 2; ++kv) {
+    unsigned char* const block = kv == 0 ? kblock : vblock;
+    std::memset(block, 0, static_cast<std::size_t>(b.block_bytes(kv)));
+    unsigned char* const scales = block + b.scales_offset();
+    kv_compression const c      = b.compression;
+    if (kv == 0) {  // per channel over the page's tokens
+      for (std::int32_t h = 0; h < b.num_heads; ++h) {
+        for (std::int32_t e = 0; e < d; ++e) {
+          float amax = 0.0f;
+          for (std::int32_t t = 0; t < tokens; ++t) {
+            amax = std::max(amax, std::fabs(at(0, t, h, e)));
+          }
+          set_scale(scales, static_cast<std::int64_t>(h) * d + e, group_scale(amax, c), c);
+        }
+      }
+    } else {  // per token and head
+      for (std::int32_t t = 0; t < tokens; ++t) {
+        for (std::int32_t h = 0; h < b.num_heads; ++h) {
+          float amax = 0.0f;
+          for (std::int32_t e = 0; e < d; ++e) {
+            amax = std::max(amax, std::fabs(at(1, t, h, e)));
+          }
+          set_scale(
+            scales, static_cast<std::int64_t>(t) * b.num_heads + h, group_scale(amax, c), c);
+        }
+      }
+    }
+    for (std::int32_t t = 0; t < tokens; ++t) {
+      for (std::int32_t h = 0; h < b.num_heads; ++h) {
+        unsigned char* const codes =
+          block + static_cast<std::int64_t>(t) * b.row_code_bytes() + h * b.head_code_bytes();
+        for (std::int32_t e = 0; e < d; ++e) {
+          float const scale       = scale_at(scales,
+                                       kv == 0 ? static_cast<std::int64_t>(h) * d + e
+                                                     : static_cast<std::int64_t>(t) * b.num_heads + h,
+                                       c);
+          std::uint8_t const code = encode(at(kv, t, h, e), scale, c);
+          if (int4) {
+            codes[e / 2] = static_cast<unsigned char>(codes[e / 2] | (code << ((e % 2) * 4)));
+          } else {
+            codes[e] = code;
+          }
+        }
+      }
+    }
+  }
+}
+}  // namespace detail
+
+template <class T>
+void kv_store::copy_compressed(fact_record const& record,
+                               fact_kv_view<T const> keys,
+                               fact_kv_view<T const> values,
+                               std::int32_t layer_offset,
+                               std::int32_t head_offset,
+                               memory_space views_space,
+                               cudaStream_t stream)
+{
+  std::int32_t const ps = config_.page_size;
+  std::int32_t const d  = config_.model.head_dim;
+  std::int32_t const H  = config_.num_heads;
+  std::int64_t const c  = record.length();
+  // Device views: the shard's rows copied to the host once ([L][c][H][D]), then as host views.
+  std::vector<T> host_rows;
+  if (views_space == memory_space::device) {
+    std::int64_t const row = static_cast<std::int64_t>(H) * d;
+    host_rows.resize(static_cast<std::size_t>(2 * config_.num_layers * c * row));
+    for (std::int32_t l = 0; l < config_.num_layers; ++l) {
+      for (std::int32_t kv = 0; kv < 2; ++kv) {
+        auto const& src = kv == 0 ? keys : values;
+        INFERSCALE_CUDA_TRY(
+          cudaMemcpy2DAsync(host_rows.data() + ((kv * config_.num_layers + l) * c) * row,
+                            static_cast<std::size_t>(row) * sizeof(T),
+                            &src(l + layer_offset, 0, head_offset, 0),
+                            static_cast<std::size_t>(src.stride(1)) * sizeof(T),
+                            static_cast<std::size_t>(row) * sizeof(T),
+                            static_cast<std::size_t>(c),
+                            cudaMemcpyDeviceToHost,
+                            stream));
+      }
+    }
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream));
+  }
+  auto const element = [&](std::int32_t kv,
+                           std::int32_t l,
+                           std::int64_t token,
+                           std::int32_t h,
+                           std::int32_t e) -> float {
+    if (!host_rows.empty()) {
+      return to_float(host_rows[static_cast<std::size_t>(
+        (((kv * config_.num_layers + l) * c + token) * H + h) * d + e)]);
+    }
+    auto const& src = kv == 0 ? keys : values;
+    return to_float(src(l + layer_offset, token, h + head_offset, e));
+  };
+  compressed_block_layout const b = ref_.blocks();
+  std::size_t const pb            = page_bytes();
+  std::size_t const n_pages       = record.pages.size();
+  bool const device               = config_.space == memory_space::device;
+  device_buffer<unsigned char> staging;
+  if (device) {
+    staging = device_buffer<unsigned char>(n_pages * pb, cudaStream_t{}, pinned_host_resource());
+  }
+  for (std::size_t p = 0; p < n_pages; ++p) {
+    unsigned char* const page = device ? staging.data() + p * pb
+                                       : static_cast<unsigned char*>(ref_.pool) +
+                                           static_cast<std::size_t>(record.pages[p]) * pb;
+    std::int64_t const first  = static_cast<std::int64_t>(p) * ps;
+    auto const tokens         = static_cast<std::int32_t>(std::min<std::int64_t>(ps, c - first));
+    for (std::int32_t l = 0; l < config_.num_layers; ++l) {
+      unsigned char* const kblock = page + static_cast<std::size_t>(l * b.layer_bytes());
+      detail::quantize_page_layer(
+        b,
+        kblock,
+        kblock + b.block_bytes(0),
+        tokens,
+        [&](std::int32_t kv, std::int32_t t, std::int32_t h, std::int32_t e) {
+          return element(kv, l, first + t, h, e);
+        });
+    }
+  }
+  if (!device) { return; }
+  try {
+    for (std::size_t p = 0; p < n_pages; ++p) {
+      INFERSCALE_CUDA_TRY(cudaMemcpyAsync(
+        static_cast<unsigned char*>(ref_.pool) + static_cast<std::size_t>(record.pages[p]) * pb,
+        staging.data() + p * pb,
+        pb,
+        cudaMemcpyHostToDevice,
+        stream));
+    }
+    INFERSCALE_CUDA_TRY(cudaStreamSynchronize(stream));  // the staging buffer is freed on return
+  } catch (...) {
+    (void)cudaStreamSynchronize(stream);
+    throw;
+  }
+}
+
 template <class T>
 void kv_store::copy_from_device(fact_record const& record,
                                 fact_kv_view<T const> keys,

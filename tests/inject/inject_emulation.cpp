@@ -252,7 +252,8 @@ void check_inject(engine_layout layout,
   batch.run(host_desc, rotation);
   bool const vectorized = emulate_inject<S, C>(store, batch, kernel_desc, rotation, sm_count);
   CAPTURE(vectorized, batch.num_tokens());
-  REQUIRE(vectorized == expect_vectorized<S>(s, layout));
+  REQUIRE(vectorized ==
+          (store.compression() == kv_compression::none && expect_vectorized<S>(s, layout)));
   bytes const host = storage_of(by_host);
   REQUIRE(host != original);  // something was written
   bytes const kernel = storage_of(by_kernel);
@@ -262,14 +263,20 @@ void check_inject(engine_layout layout,
 }
 
 template <class Pair>
-void check_all(int sm_count)
+void check_all(int sm_count, kv_compression compression = kv_compression::none)
 {
   using S                = typename Pair::store_t;
   shape_case const s     = GENERATE(from_range(shape_cases()));
   engine_layout const ly = GENERATE(from_range(inferscale_test::all_engine_layouts()));
-  CAPTURE(s.name, to_string(ly), sm_count);
-  kv_store store = inferscale_test::make_host_store(
-    s.layers, s.heads, s.head_dim, dtype_of_v<S>, /*page_size*/ 8, /*pages*/ 32);
+  CAPTURE(s.name, to_string(ly), sm_count, to_string(compression));
+  kv_store_config config{};
+  config.model       = kv_geometry{s.layers, s.heads, s.head_dim};
+  config.store_dtype = dtype_of_v<S>;
+  config.compression = compression;
+  config.page_size   = 8;
+  config.num_pages   = 32;
+  config.space       = memory_space::host;
+  kv_store store{config};
   auto const facts = make_facts(s);
   populate(store, facts, s);
   rope_params const params   = make_params(s);
@@ -329,6 +336,16 @@ TEMPLATE_TEST_CASE("the inject kernel's code, emulated on the CPU, equals the ho
   // block (a partial layer tile with 10 layers).
   int const sm_count = GENERATE(132, 1);
   check_all<TestType>(sm_count);
+}
+
+TEMPLATE_TEST_CASE("the inject kernel's code dequantizes compressed facts as the host run does",
+                   "[inject][emulation][compression]",
+                   bf16_to_bf16,
+                   fp32_to_fp32,
+                   bf16_to_e4m3)
+{
+  // The scalar path, dequantizing each element (compression.hpp), bit for bit the host's chunks.
+  check_all<TestType>(132, GENERATE(kv_compression::fp8_e4m3, kv_compression::int4));
 }
 
 TEST_CASE("make_inject_launch: grid, tiles and units per head", "[inject][emulation]")

@@ -165,8 +165,12 @@ struct inject_block {
       tile.slot[t]                  = ok ? slot : -1;
       tile.block[t]                 = in_cache.quotient;
       tile.in_block[t]              = static_cast<std::int32_t>(in_cache.remainder);
-      // Offset of the token's layer-0 key row: the page division is done once per token.
-      tile.source[t] = ok ? args.store.row_offset(store_token, 0, 0) : 0;
+      // Offset of the token's layer-0 key row: the page division is done once per token. A
+      // compressed store (scalar path only): the store token itself, its blocks found per unit.
+      tile.source[t] = !ok ? 0
+                       : args.store.compression == kv_compression::none
+                         ? args.store.row_offset(store_token, 0, 0)
+                         : store_token;
     }
     // Rotation r's entries of token t start at (r * tile_tokens + t) * pairs (work() reads them).
     std::int32_t const per_rotation = tokens * pairs;
@@ -211,6 +215,9 @@ struct inject_block {
     // Elements between the rows of one store token in consecutive (layer, K/V): a page holds
     // [layers][2][page_size][heads][head_dim].
     std::int64_t const row_stride = args.store.page_size * args.store.row_elements();
+    // A compressed store (compression.hpp) is read on the scalar path: each load dequantizes
+    // (code * scale, rounded to StoreT), a uniform branch for the whole launch.
+    bool const compressed = !Vectorized && args.store.compression != kv_compression::none;
 
     for (std::int32_t w = thread; w < total; w += threads) {
       std::int32_t const row  = w / units_per_row;
@@ -233,11 +240,33 @@ struct inject_block {
         continue;
       }
 
+      // Loads `count` elements of head h's key (kv 0) or value (kv 1) row of layer l from dim d0.
+      auto const load = [&](std::int32_t kv, std::int32_t d0, auto& out) {
+        constexpr int count = static_cast<int>(sizeof(out) / sizeof(out[0]));
+        if constexpr (!Vectorized) {
+          if (compressed) {
+            index_quotient const at = index_divmod(source, args.store.page_size);
+            auto const* const block = static_cast<unsigned char const*>(args.store.pool) +
+                                      args.store.block_offset(at.quotient, l, kv);
+            dequantize_run(args.store.blocks(),
+                           block,
+                           kv,
+                           static_cast<std::int32_t>(at.remainder),
+                           h,
+                           d0,
+                           count,
+                           out);
+            return;
+          }
+        }
+        load_run<count, Vectorized>(
+          pool + source + row_stride * (2 * l + kv) + static_cast<std::int64_t>(h) * head_dim + d0,
+          out);
+      };
+
       if (u < args.rotary_units) {
         // Key: rotate. Halves: a run of `run` pairs (elements p.. and p+R/2..). Interleaved: a run
         // of `run` elements, i.e. run/2 adjacent pairs (a single pair on the scalar path).
-        StoreT const* const src =
-          pool + source + row_stride * (2 * l) + static_cast<std::int64_t>(h) * head_dim;
         auto* const dst = static_cast<CacheT*>(args.cache.key_base[l]);
         // the token's first cos/sin entry for this layer's rotation
         std::int32_t const cos_sin_row =
@@ -248,8 +277,8 @@ struct inject_block {
         if (halves) {
           std::int32_t const p0 = u * run;
           StoreT x[run], y[run];
-          load_run<run, Vectorized>(src + p0, x);
-          load_run<run, Vectorized>(src + p0 + rotary_dim / 2, y);
+          load(0, p0, x);
+          load(0, p0 + rotary_dim / 2, y);
           CacheT qx[run], qy[run];
           INFERSCALE_UNROLL
           for (int e = 0; e < run; ++e) {
@@ -265,7 +294,7 @@ struct inject_block {
           constexpr int elements = Vectorized ? run : 2;
           std::int32_t const d0  = u * elements;
           StoreT v[elements];
-          load_run<elements, Vectorized>(src + d0, v);
+          load(0, d0, v);
           CacheT q[elements];
           INFERSCALE_UNROLL
           for (int e = 0; e < elements; e += 2) {
@@ -282,12 +311,10 @@ struct inject_block {
         bool const value = u >= args.key_units;
         std::int32_t const d0 =
           value ? (u - args.key_units) * run : rotary_dim + (u - args.rotary_units) * run;
-        StoreT const* const src = pool + source + row_stride * (2 * l + (value ? 1 : 0)) +
-                                  static_cast<std::int64_t>(h) * head_dim + d0;
         auto* const dst =
           static_cast<CacheT*>(value ? args.cache.value_base[l] : args.cache.key_base[l]);
         StoreT v[run];
-        load_run<run, Vectorized>(src, v);
+        load(value ? 1 : 0, d0, v);
         CacheT q[run];
         INFERSCALE_UNROLL
         for (int e = 0; e < run; ++e) {
@@ -398,6 +425,7 @@ bool inject_vectorizable(kv_store_ref const& store,
     rotation.pairing == rope_pairing::halves ? (rotary / 2) % run == 0 : rotary % run == 0;
   if (!pairs_fit || rotary % run != 0 || dim % run != 0) { return false; }
   if (reinterpret_cast<std::uintptr_t>(store.pool) % 16 != 0) { return false; }
+  if (store.compression != kv_compression::none) { return false; }  // dequantized per element
   std::uintptr_t const align = static_cast<std::uintptr_t>(run) * sizeof(CacheT);
   auto const layout_ok       = [&](paged_kv_layout const& l) {
     return l.dim_stride == 1 && l.dim_chunk % run == 0 && l.block_stride % run == 0 &&

@@ -83,3 +83,16 @@ endif()
 if(INFERSCALE_BUILD_BENCHMARKS)
   find_package(benchmark REQUIRED)
 endif()
+
+# hiredis (Debian's libhiredis-dev 0.14, through pkg-config): optional. redis_source.hpp, the Redis
+# tier, is usable only with it; without it the Redis tests are registered as failing, naming what
+# is missing (never skipped), and bench_fact_tiers measures no Redis figures.
+set(INFERSCALE_HAS_HIREDIS OFF)
+find_package(PkgConfig QUIET)
+if(PKG_CONFIG_FOUND)
+  pkg_check_modules(INFERSCALE_HIREDIS QUIET IMPORTED_TARGET hiredis>=0.14)
+  if(INFERSCALE_HIREDIS_FOUND)
+    set(INFERSCALE_HAS_HIREDIS ON)
+  endif()
+endif()
+message(STATUS "InferScale: hiredis ${INFERSCALE_HIREDIS_VERSION} found: ${INFERSCALE_HAS_HIREDIS}")

@@ -45,6 +45,15 @@
  * serving from several threads holds one lock from `admit` until that request's injection is done
  * (on the device: enqueued; the copy stream orders later staging after it).
  *
+ * Below the host tier, a `fact_source` (fact_source.hpp: a directory of snapshot files on disk,
+ * directory_source.hpp; a Redis store shared by replicas, redis_source.hpp) holds facts the tiers
+ * lack: `admit(keys, source, policy)` fetches only those facts' pages (checked by their
+ * checksums), copies them as bytes into the host tier, which is an LRU cache of the source for
+ * them (fetched facts are dropped least recently used first; facts inserted here never), and
+ * admits the request as above; each namespace's generation in the source is checked on every
+ * request, and a changed one drops the namespace's fetched copies before anything is served
+ * (detail/tier/source.inl).
+ *
  * The parts, in detail/tier/: the policy (policy.inl: residency, admission, LRU, pinning,
  * quotas), staging (staging.inl: copy runs, per-layer copies, the split batch, events), the
  * snapshot of the tiers (snapshot.inl: the free `save_tiers` / `load_tiers`, declared at the end
@@ -58,6 +67,7 @@
 #include <inferscale/cuda_error.hpp>
 #include <inferscale/device_context.hpp>
 #include <inferscale/error.hpp>
+#include <inferscale/fact_source.hpp>
 #include <inferscale/inject.hpp>
 #include <inferscale/memory_space.hpp>
 #include <inferscale/snapshot.hpp>
@@ -90,6 +100,15 @@ inline char const* to_string(fact_residency r) noexcept
 {
   return r == fact_residency::device ? "device" : r == fact_residency::host ? "host" : "both";
 }
+
+/**
+ * @brief What admit(keys, source, policy) does when the source cannot be reached
+ * (source_unavailable): never serve what may be stale.
+ */
+enum class source_policy : std::uint8_t {
+  refuse,          ///< rethrow source_unavailable: the request is refused
+  without_memory,  ///< return a request marked `without_memory`: answer it without its facts
+};
 
 /// @brief How to build a tiered_store.
 struct tiered_store_config {
@@ -133,6 +152,14 @@ struct tier_request {
   std::uint64_t device_version{};      ///< device tier version right after admission
   std::uint64_t store_identity{};      ///< the tiered store's device tier
   bool copies_issued{false};           ///< set by stage_async / stage_host
+  /// admit(keys, source): facts read from the source into the host tier, in request order
+  std::vector<std::uint64_t> fetched;
+  /// admit(keys, source): fetched facts dropped from the tiers (to make room in the host tier, or
+  /// because their namespace's generation changed in the source)
+  std::vector<std::uint64_t> forgotten;
+  /// admit(keys, source, source_policy::without_memory) found the source unreachable: nothing was
+  /// admitted; answer the request without its facts
+  bool without_memory{false};
 
   /// @brief Whether anything has to be copied.
   bool empty() const noexcept { return runs.empty(); }
@@ -239,6 +266,8 @@ class tiered_store {
       host_{std::move(o.host_)},
       facts_{std::move(o.facts_)},
       namespaces_{std::move(o.namespaces_)},
+      fetched_lru_{std::move(o.fetched_lru_)},
+      source_generation_{std::move(o.source_generation_)},
       clock_{o.clock_},
       copy_done_{std::move(o.copy_done_)},
       compute_mark_{std::exchange(o.compute_mark_, nullptr)}
@@ -349,6 +378,53 @@ class tiered_store {
   tier_request admit(std::vector<std::uint64_t> const& ids);
 
   /**
+   * @brief Admits a request whose facts may lie only in `source` (the level below the host tier,
+   * fact_source.hpp): the facts held by neither tier are fetched (only their pages), copied as
+   * bytes into the host tier, and then admitted as admit(ids) does.
+   *
+   * Per namespace of the request, in order of first appearance: one `source.fetch(ns, missing)`
+   * reads the facts held by neither tier and the namespace's generation atomically. When the
+   * generation differs from the one the held copies were fetched under, a fact of the namespace
+   * was erased or replaced in the source: every fetched copy of the namespace is dropped from
+   * both tiers at once (listed in `forgotten`, kept dropped even if the request is then refused:
+   * stale copies are never kept) and the request's facts of the namespace are fetched again.
+   *
+   * Fetched facts go to the host tier, which is a cache of the source for them: when it has too
+   * few free pages, fetched facts that are not pinned and not in the request are dropped from
+   * both tiers, least recently used first (`fetched_order()`; they can be fetched again); facts
+   * inserted here are never dropped.
+   * Then admission to the device tier is planned as admit(ids) plans it. Everything is checked
+   * (source layout, ids, namespaces, fetched facts' sizes, room in both tiers) before the tiers
+   * change; a refused call changes nothing but the stale copies dropped.
+   *
+   * @param keys the facts of one scheduler step with their namespaces, each id at most once
+   * @param source the facts' source; its layout() must be the tiers' page layout
+   * @param policy what to do when the source is unreachable
+   * @return the staging to perform, with `fetched` and `forgotten` (or, unreachable under
+   *         source_policy::without_memory, a request with `without_memory` set and nothing staged)
+   * @throw logic_error if the source's layout differs from the tiers', an id is repeated or held
+   *        here under another namespace, the source refuses a fact (absent, another namespace,
+   *        checksum mismatch), a fetched fact's size disagrees with its tokens, or a tier cannot
+   *        make room; source_unavailable (source_policy::refuse) if the source cannot be reached.
+   * @note Device tiers: dropping a stale fact's device copy first waits for the tier's device
+   *       work (as evict). The fetched pages are copied into the host tier with memcpy (pinned
+   *       host memory for device tiers); staging to the device is then as for admit(ids).
+   */
+  tier_request admit(std::vector<fact_key> const& keys,
+                     fact_source& source,
+                     source_policy policy = source_policy::refuse);
+
+  /// @brief Whether a fact was fetched from a source (its host copy may be dropped to make room).
+  /// @throw logic_error if unknown.
+  bool is_fetched(std::uint64_t id) const { return find(id, "tiered_store::is_fetched").fetched; }
+
+  /// @brief The fetched facts held, most recently used first (dropped from the end first).
+  std::vector<std::uint64_t> fetched_order() const
+  {
+    return {fetched_lru_.begin(), fetched_lru_.end()};
+  }
+
+  /**
    * @brief Host run of a tiered step: copies the request's staged facts into the device tier and
    * writes `step` (in the order `order` names) into `cache`. The cache bytes equal those of the
    * step's own host run (injection_batch::run) from one store holding every fact, in either order.
@@ -451,9 +527,13 @@ class tiered_store {
     bool on_device{false};
     bool on_host{false};
     bool pinned{false};
-    bool linked{false};                           ///< in its namespace's LRU list
-    std::list<std::uint64_t>::iterator lru_it{};  ///< valid when linked
+    bool linked{false};                               ///< in its namespace's LRU list
+    std::list<std::uint64_t>::iterator lru_it{};      ///< valid when linked
+    bool fetched{false};                              ///< read from a fact_source (in fetched_lru_)
+    std::list<std::uint64_t>::iterator fetched_it{};  ///< valid when fetched
   };
+  /// Facts about to be fetched: id -> (namespace, tokens).
+  using incoming_facts = std::unordered_map<std::uint64_t, std::pair<std::uint64_t, std::int64_t>>;
   struct namespace_tier {
     std::list<std::uint64_t> lru;  ///< evictable facts with a device copy, most recent first
     std::uint64_t last_use{};
@@ -498,6 +578,20 @@ class tiered_store {
 
   void touch(std::uint64_t id, entry& e);
 
+  /// The device copies to evict for `ids` (facts in `incoming` count as host-only, facts in
+  /// `forgetting` as already gone from both tiers); throws when they cannot fit. Changes nothing.
+  std::vector<std::uint64_t> plan_admission(
+    std::vector<std::uint64_t> const& ids,
+    incoming_facts const* incoming,
+    std::unordered_set<std::uint64_t> const* forgetting) const;
+
+  /// Evicts `victims` and gives the host-only facts of `ids` device pages (admit's commit).
+  tier_request commit_admission(std::vector<std::uint64_t> const& ids,
+                                std::vector<std::uint64_t> const& victims);
+
+  /// Drops every fetched fact of `ns` from both tiers, appending their ids to `out`.
+  void forget_fetched(std::uint64_t ns, std::vector<std::uint64_t>& out);
+
   void drop_device_copy(std::uint64_t id, entry& e);
 
   /// Erasing a fact zeroes its pages in both tiers, so no erased K/V stays in either pool.
@@ -526,6 +620,8 @@ class tiered_store {
   kv_store host_;
   std::unordered_map<std::uint64_t, entry> facts_;
   std::unordered_map<std::uint64_t, namespace_tier> namespaces_;
+  std::list<std::uint64_t> fetched_lru_;  ///< fetched facts, most recently used first
+  std::unordered_map<std::uint64_t, std::uint64_t> source_generation_;  ///< per namespace
   std::uint64_t clock_{0};
   std::vector<cudaEvent_t> copy_done_;
   cudaEvent_t compute_mark_{};
@@ -577,4 +673,5 @@ tiered_store load_tiers(std::string const& directory, tiered_store_config const&
 #include <inferscale/detail/tier/inject_host.inl>
 #include <inferscale/detail/tier/policy.inl>
 #include <inferscale/detail/tier/snapshot.inl>
+#include <inferscale/detail/tier/source.inl>
 #include <inferscale/detail/tier/staging.inl>

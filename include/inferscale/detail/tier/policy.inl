@@ -180,11 +180,44 @@ inline void tiered_store::demote(std::uint64_t id)
 
 inline tier_request tiered_store::admit(std::vector<std::uint64_t> const& ids)
 {
+  std::vector<std::uint64_t> const victims = plan_admission(ids, nullptr, nullptr);
+  return commit_admission(ids, victims);
+}
+
+inline std::vector<std::uint64_t> tiered_store::plan_admission(
+  std::vector<std::uint64_t> const& ids,
+  incoming_facts const* incoming,
+  std::unordered_set<std::uint64_t> const* forgetting) const
+{
+  // Facts about to be dropped from both tiers free their device pages and are no victims.
+  std::int64_t free_pages = device_.free_pages();
+  std::unordered_map<std::uint64_t, std::int64_t> dropped_per_ns;
+  if (forgetting != nullptr) {
+    for (std::uint64_t id : *forgetting) {
+      entry const& e = facts_.at(id);
+      if (!e.on_device) { continue; }
+      std::int64_t const p = device_.pages_for(e.tokens);
+      free_pages += p;
+      dropped_per_ns[e.ns] += p;
+    }
+  }
+  auto const namespace_pages = [&](std::uint64_t ns) {
+    auto const d = dropped_per_ns.find(ns);
+    return device_.namespace_pages(ns) - (d == dropped_per_ns.end() ? 0 : d->second);
+  };
   std::unordered_set<std::uint64_t> in_request;
   std::int64_t need = 0;
   std::unordered_map<std::uint64_t, std::int64_t> need_per_ns;
   for (std::uint64_t id : ids) {
-    entry const& e = find(id, "tiered_store::admit");
+    // A fact about to be fetched into the host tier counts as host-only.
+    entry e;
+    if (incoming != nullptr && facts_.count(id) == 0 && incoming->count(id) != 0) {
+      e.ns      = incoming->at(id).first;
+      e.tokens  = incoming->at(id).second;
+      e.on_host = true;
+    } else {
+      e = find(id, "tiered_store::admit");
+    }
     INFERSCALE_EXPECTS(in_request.insert(id).second,
                        "tiered_store::admit: fact id " + std::to_string(id) + " is listed twice");
     if (!e.on_device) {
@@ -203,7 +236,10 @@ inline tier_request tiered_store::admit(std::vector<std::uint64_t> const& ids)
     if (nit == namespaces_.end()) { return; }
     auto const& lru = nit->second.lru;
     for (auto it = lru.rbegin(); it != lru.rend() && have < goal; ++it) {
-      if (in_request.count(*it) != 0 || chosen.count(*it) != 0) { continue; }
+      if (in_request.count(*it) != 0 || chosen.count(*it) != 0 ||
+          (forgetting != nullptr && forgetting->count(*it) != 0)) {
+        continue;
+      }
       std::int64_t const p = device_.pages_for(facts_.at(*it).tokens);
       chosen.insert(*it);
       victims.push_back(*it);
@@ -213,38 +249,43 @@ inline tier_request tiered_store::admit(std::vector<std::uint64_t> const& ids)
   };
   if (config_.namespace_device_pages > 0) {
     for (auto const& [ns, p] : need_per_ns) {
-      std::int64_t const over = device_.namespace_pages(ns) + p - config_.namespace_device_pages;
+      std::int64_t const over = namespace_pages(ns) + p - config_.namespace_device_pages;
       if (over <= 0) { continue; }
       std::int64_t const goal = over;
       take_from(ns, goal, freed_per_ns[ns]);
       INFERSCALE_EXPECTS(freed_per_ns[ns] >= over,
                          "tiered_store::admit: namespace " + std::to_string(ns) + " needs " +
                            std::to_string(p) + " more device pages beyond its " +
-                           std::to_string(device_.namespace_pages(ns)) + " and its quota is " +
+                           std::to_string(namespace_pages(ns)) + " and its quota is " +
                            std::to_string(config_.namespace_device_pages) + "; only " +
                            std::to_string(freed_per_ns[ns]) + " of its pages are evictable");
     }
   }
-  if (need > device_.free_pages() + freed) {
+  if (need > free_pages + freed) {
     // Namespaces by last use, oldest first.
     std::vector<std::pair<std::uint64_t, std::uint64_t>> order;
     for (auto const& [ns, n] : namespaces_) {
       order.emplace_back(n.last_use, ns);
     }
     std::sort(order.begin(), order.end());
-    std::int64_t const goal = need - device_.free_pages();
+    std::int64_t const goal = need - free_pages;
     for (auto const& [use, ns] : order) {
       if (freed >= goal) { break; }
       take_from(ns, goal, freed);
     }
     INFERSCALE_EXPECTS(freed >= goal,
                        "tiered_store::admit: the request needs " + std::to_string(need) +
-                         " device pages; " + std::to_string(device_.free_pages()) +
-                         " are free and " + std::to_string(freed) +
+                         " device pages; " + std::to_string(free_pages) + " are free and " +
+                         std::to_string(freed) +
                          " more can be evicted (pinned, device-only and requested facts "
                          "stay)");
   }
+  return victims;
+}
 
+inline tier_request tiered_store::commit_admission(std::vector<std::uint64_t> const& ids,
+                                                   std::vector<std::uint64_t> const& victims)
+{
   // Commit: evict, then give the staged facts pages (lowest free pages first).
   tier_request r;
   for (std::uint64_t v : victims) {
@@ -327,6 +368,7 @@ inline void tiered_store::touch(std::uint64_t id, entry& e)
 {
   auto& n    = namespaces_[e.ns];
   n.last_use = ++clock_;
+  if (e.fetched) { fetched_lru_.splice(fetched_lru_.begin(), fetched_lru_, e.fetched_it); }
   if (e.linked) {
     n.lru.splice(n.lru.begin(), n.lru, e.lru_it);
   } else {
@@ -345,6 +387,7 @@ inline void tiered_store::drop(std::unordered_map<std::uint64_t, entry>::iterato
 {
   entry& e = it->second;
   unlink(e);
+  if (e.fetched) { fetched_lru_.erase(e.fetched_it); }
   if (e.on_device) {
     device_.scrub_pages(device_.at(it->first).pages);
     device_.erase(it->first);

@@ -1,0 +1,275 @@
+// Fetch latency of k retrieved facts from each tier (issue 52, item 5), SmolLM2-135M geometry
+// (30 layers, 3 KV heads, head_dim 64, bf16, pages of 16 tokens, facts of 30 tokens: 2 pages,
+// 737,280 bytes each), with host tiers (the host backend: both tiers in host memory):
+//  - tier/host/k:K   admit of K host-only facts + the host->device tier copy (stage_host);
+//  - tier/disk/k:K   admit(keys, directory_fact_source): pread of the K facts' pages from one
+//                    snapshot file (page cache warm: the same file every iteration), the fact
+//                    table's CRC, the copy into the host tier, then the device tier copy;
+//  - tier/redis/k:K  admit(keys, redis_fact_store) from a redis-server started here on 127.0.0.1
+//                    (one MULTI/EXEC of K GETs and the generation, checksums, copies);
+// and the ceilings measured in the same run:
+//  - ceiling/memcpy/k:K     memcpy of the same bytes;
+//  - ceiling/redis_get/k:K  K raw GETs of the same values in one pipeline (hiredis, no checks).
+// Each iteration is timed alone (steady_clock, UseManualTime); counters p50_us and p99_us are
+// the percentiles of the iterations, GB/s the fact bytes per second. The facts fetched are
+// dropped from the tiers outside the timed region.
+
+#include "../common/fixture.hpp"
+
+#include <inferscale/directory_source.hpp>
+#include <inferscale/snapshot.hpp>
+#include <inferscale/store.hpp>
+#include <inferscale/tier.hpp>
+
+#if defined(INFERSCALE_BENCH_REDIS)
+#include "redis_server.hpp"
+
+#include <inferscale/redis_source.hpp>
+#endif
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace ib = inferscale::bench;
+using namespace inferscale;
+
+namespace {
+
+constexpr std::int32_t layers = 30, heads = 3, head_dim = 64, page = 16, tokens = 30;
+constexpr std::int64_t facts = 50;
+constexpr std::uint64_t ns   = 1;
+
+kv_store_config store_config(std::int64_t pages)
+{
+  kv_store_config c;
+  c.model       = kv_geometry{layers, heads, head_dim};
+  c.store_dtype = dtype::bfloat16;
+  c.page_size   = page;
+  c.num_pages   = pages;
+  c.space       = memory_space::host;
+  return c;
+}
+
+tiered_store_config tiers_config()
+{
+  tiered_store_config c;
+  c.device     = store_config(facts * 2);
+  c.host_pages = facts * 2;
+  return c;
+}
+
+/// The data every case shares: a store of the facts, its snapshot, a Redis server holding them.
+struct shared_data {
+  std::filesystem::path dir;
+  kv_store store{store_config(facts * 2)};
+  std::unique_ptr<directory_fact_source> disk;
+#if defined(INFERSCALE_BENCH_REDIS)
+  std::unique_ptr<inferscale_test::redis_server> server;
+  std::unique_ptr<redis_fact_store> redis;
+  std::string redis_error;
+#endif
+
+  shared_data()
+  {
+    std::mt19937 random{42};
+    std::uniform_real_distribution<float> value{-2.0f, 2.0f};
+    std::vector<float> k(static_cast<std::size_t>(layers) * tokens * heads * head_dim), v(k.size());
+    for (std::int64_t id = 0; id < facts; ++id) {
+      for (std::size_t i = 0; i < k.size(); ++i) {
+        k[i] = value(random);
+        v[i] = value(random);
+      }
+      std::vector<std::int32_t> ids(tokens);
+      for (std::int32_t j = 0; j < tokens; ++j) {
+        ids[static_cast<std::size_t>(j)] = static_cast<std::int32_t>(id * 100 + j);
+      }
+      store.insert<float>(
+        static_cast<std::uint64_t>(id),
+        ns,
+        ids,
+        make_fact_kv_view<float const>(k.data(), layers, tokens, heads, head_dim),
+        make_fact_kv_view<float const>(v.data(), layers, tokens, heads, head_dim));
+    }
+    char const* base = std::getenv("INFERSCALE_BENCH_DIR");
+    dir              = std::filesystem::path(base != nullptr ? base : "/tmp") /
+          ("inferscale-fact-tiers-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir);
+    save_store(store, (dir / "facts.iskv").string());
+    disk = std::make_unique<directory_fact_source>(dir.string());
+#if defined(INFERSCALE_BENCH_REDIS)
+    try {
+      server = std::make_unique<inferscale_test::redis_server>();
+      redis_options o;
+      o.port  = server->port();
+      o.model = "HuggingFaceTB/SmolLM2-135M@bench";
+      redis   = std::make_unique<redis_fact_store>(o, store.config());
+      for (std::int64_t id = 0; id < facts; ++id) {
+        redis->put(store, static_cast<std::uint64_t>(id));
+      }
+    } catch (std::exception const& e) {
+      redis_error = e.what();
+    }
+#endif
+  }
+  ~shared_data()
+  {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  }
+};
+
+shared_data& data()
+{
+  static shared_data d;
+  return d;
+}
+
+std::vector<fact_key> keys_of(std::int64_t k)
+{
+  std::vector<fact_key> out;
+  for (std::int64_t id = 0; id < k; ++id) {
+    out.push_back({ns, static_cast<std::uint64_t>(id)});
+  }
+  return out;
+}
+
+/// Runs `measure` (returns seconds) per iteration; reports p50/p99 and GB/s of `bytes`.
+template <class Measure>
+void run(benchmark::State& state, std::size_t bytes, Measure&& measure)
+{
+  std::vector<double> seconds;
+  for (auto _ : state) {
+    double const s = measure();
+    state.SetIterationTime(s);
+    seconds.push_back(s);
+  }
+  std::sort(seconds.begin(), seconds.end());
+  auto const at = [&](double q) {
+    return seconds[std::min(seconds.size() - 1, static_cast<std::size_t>(q * seconds.size()))];
+  };
+  state.counters["p50_us"] = at(0.50) * 1e6;
+  state.counters["p99_us"] = at(0.99) * 1e6;
+  state.counters["GB/s"]   = static_cast<double>(bytes) / at(0.50) / 1e9;
+  state.counters["bytes"]  = static_cast<double>(bytes);
+  state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
+}
+
+double since(std::chrono::steady_clock::time_point t0)
+{
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void host_case(benchmark::State& state)
+{
+  std::int64_t const k = state.range(0);
+  shared_data& d       = data();
+  tiered_store tiers{tiers_config()};
+  std::vector<std::uint64_t> ids;
+  for (std::int64_t id = 0; id < k; ++id) {  // host-only: each admit copies them to the device
+    fact_record const& r = d.store.at(static_cast<std::uint64_t>(id));
+    tiers.admit(std::vector<fact_key>{{ns, r.fact_id}}, *d.disk);  // fetched into the host tier
+    tiers.evict(r.fact_id);
+    ids.push_back(r.fact_id);
+  }
+  run(state, static_cast<std::size_t>(k) * 2 * d.store.page_bytes(), [&] {
+    auto const t0  = std::chrono::steady_clock::now();
+    tier_request r = tiers.admit(ids);
+    tiers.stage_host(r);
+    double const s = since(t0);
+    for (std::uint64_t id : ids) {
+      tiers.evict(id);
+    }
+    return s;
+  });
+}
+
+template <class Source>
+void source_case(benchmark::State& state, Source& source)
+{
+  std::int64_t const k = state.range(0);
+  tiered_store tiers{tiers_config()};
+  std::vector<fact_key> const keys = keys_of(k);
+  run(state, static_cast<std::size_t>(k) * 2 * data().store.page_bytes(), [&] {
+    auto const t0  = std::chrono::steady_clock::now();
+    tier_request r = tiers.admit(keys, source);
+    tiers.stage_host(r);
+    double const s = since(t0);
+    for (fact_key const& key : keys) {
+      tiers.erase(key.fact_id);
+    }
+    return s;
+  });
+}
+
+void memcpy_case(benchmark::State& state)
+{
+  std::int64_t const k  = state.range(0);
+  std::size_t const n   = static_cast<std::size_t>(k) * 2 * data().store.page_bytes();
+  auto const* const src = static_cast<unsigned char const*>(data().store.ref().pool);
+  std::vector<unsigned char> dst(n, 1);
+  run(state, n, [&] {
+    auto const t0 = std::chrono::steady_clock::now();
+    std::memcpy(dst.data(), src, n);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+    return since(t0);
+  });
+}
+
+void register_benchmarks()
+{
+  auto const ks = [](benchmark::internal::Benchmark* b) {
+    b->ArgName("k")->Arg(5)->Arg(20)->Arg(50)->UseManualTime()->Iterations(200)->Unit(
+      benchmark::kMicrosecond);
+  };
+  benchmark::RegisterBenchmark("tier/host", host_case)->Apply(ks);
+  benchmark::RegisterBenchmark("tier/disk", [](benchmark::State& s) {
+    source_case(s, *data().disk);
+  })->Apply(ks);
+  benchmark::RegisterBenchmark("ceiling/memcpy", memcpy_case)->Apply(ks);
+#if defined(INFERSCALE_BENCH_REDIS)
+  benchmark::RegisterBenchmark("tier/redis", [](benchmark::State& s) {
+    if (!data().redis) {
+      s.SkipWithError(("no Redis: " + data().redis_error).c_str());
+      return;
+    }
+    source_case(s, *data().redis);
+  })->Apply(ks);
+  benchmark::RegisterBenchmark("ceiling/redis_get", [](benchmark::State& s) {
+    if (!data().redis) {
+      s.SkipWithError(("no Redis: " + data().redis_error).c_str());
+      return;
+    }
+    std::int64_t const k = s.range(0);
+    detail::redis::connection c{"127.0.0.1", data().server->port(), 5000};
+    std::vector<std::vector<std::string>> gets;
+    for (std::int64_t id = 0; id < k; ++id) {
+      gets.push_back({"GET", data().redis->fact_key_name(ns, static_cast<std::uint64_t>(id))});
+    }
+    run(s, static_cast<std::size_t>(k) * 2 * data().store.page_bytes(), [&] {
+      auto const t0  = std::chrono::steady_clock::now();
+      auto replies   = c.pipeline(gets);
+      double const t = since(t0);
+      benchmark::DoNotOptimize(replies.data());
+      return t;
+    });
+  })->Apply(ks);
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv)
+{
+  register_benchmarks();
+  return ib::benchmark_main(argc, argv);
+}

@@ -255,7 +255,8 @@ class directory_fact_source final : public fact_source {
                                   c.num_heads,
                                   c.store_dtype,
                                   c.page_size,
-                                  header.page_bytes};
+                                  header.page_bytes,
+                                  c.compression};
     if (files_.empty()) {
       layout_ = file_layout;
     } else {

@@ -54,7 +54,7 @@ struct alignas(1) float8_e5m2_t {
 enum class dtype : std::uint8_t { float32, float16, bfloat16, float8_e4m3, float8_e5m2 };
 
 /// @brief Size of one element of `t` in bytes.
-constexpr std::size_t size_of(dtype t) noexcept
+INFERSCALE_HOST_DEVICE constexpr std::size_t size_of(dtype t) noexcept
 {
   switch (t) {
     case dtype::float32: return 4;

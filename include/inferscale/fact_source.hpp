@@ -9,8 +9,8 @@
  * A source hands out pages as bytes: `ceil(tokens / page_size)` pages of the store's
  * `kv_store::page_bytes()` each, in token order, exactly as a kv_store's pool holds them. Nothing
  * is converted: a tier takes facts only from a source with the same page layout (`fact_layout`:
- * model geometry, shard, store dtype, page size and page bytes), so whatever a page holds (plain
- * elements, or a compressed dtype's scales inside the page) travels unchanged.
+ * model geometry, shard, store dtype, compression, page size and page bytes), so whatever a page
+ * holds (plain elements, or a compressed dtype's scales inside the page) travels unchanged.
  *
  * Every fetch is checked by the source before it returns (a checksum per fact), all or nothing:
  * a fact is returned whole or the fetch throws. Plain C++17 (POSIX for the file and socket I/O
@@ -41,14 +41,15 @@ struct fact_key {
  * tier for pages to be copied as they are.
  */
 struct fact_layout {
-  kv_geometry model{};                 ///< the whole model's KV geometry
-  std::int32_t first_layer{};          ///< first layer held
-  std::int32_t num_layers{};           ///< layers held (resolved: never 0)
-  std::int32_t first_head{};           ///< first KV head held
-  std::int32_t num_heads{};            ///< KV heads held (resolved: never 0)
-  dtype store_dtype{dtype::bfloat16};  ///< the store dtype
-  std::int32_t page_size{};            ///< tokens per page
-  std::uint64_t page_bytes{};          ///< bytes of one page (kv_store::page_bytes())
+  kv_geometry model{};                               ///< the whole model's KV geometry
+  std::int32_t first_layer{};                        ///< first layer held
+  std::int32_t num_layers{};                         ///< layers held (resolved: never 0)
+  std::int32_t first_head{};                         ///< first KV head held
+  std::int32_t num_heads{};                          ///< KV heads held (resolved: never 0)
+  dtype store_dtype{dtype::bfloat16};                ///< the store dtype
+  std::int32_t page_size{};                          ///< tokens per page
+  std::uint64_t page_bytes{};                        ///< bytes of one page (kv_store::page_bytes())
+  kv_compression compression{kv_compression::none};  ///< how the pages hold K/V (compression.hpp)
 
   /// @brief The layout of a store's pages (its resolved configuration and page_bytes()).
   static fact_layout of(kv_store const& store)
@@ -61,7 +62,8 @@ struct fact_layout {
             c.num_heads,
             c.store_dtype,
             c.page_size,
-            static_cast<std::uint64_t>(store.page_bytes())};
+            static_cast<std::uint64_t>(store.page_bytes()),
+            c.compression};
   }
 
   /// @brief The layout of the stores `config` describes (its capacity and memory are ignored).
@@ -91,8 +93,11 @@ struct fact_layout {
     return std::to_string(model.num_layers) + " layers x " + std::to_string(model.num_kv_heads) +
            " KV heads x head_dim " + std::to_string(model.head_dim) + ", layers " +
            range(first_layer, num_layers) + ", heads " + range(first_head, num_heads) + ", " +
-           to_string(store_dtype) + ", pages of " + std::to_string(page_size) + " tokens (" +
-           std::to_string(page_bytes) + " bytes)";
+           to_string(store_dtype) +
+           (compression == kv_compression::none ? std::string{}
+                                                : std::string{" "} + to_string(compression)) +
+           ", pages of " + std::to_string(page_size) + " tokens (" + std::to_string(page_bytes) +
+           " bytes)";
   }
 
   /// @brief Equal layouts: pages copy between them as bytes.
@@ -101,7 +106,7 @@ struct fact_layout {
     return a.model == b.model && a.first_layer == b.first_layer && a.num_layers == b.num_layers &&
            a.first_head == b.first_head && a.num_heads == b.num_heads &&
            a.store_dtype == b.store_dtype && a.page_size == b.page_size &&
-           a.page_bytes == b.page_bytes;
+           a.page_bytes == b.page_bytes && a.compression == b.compression;
   }
   /// @brief Different layouts.
   friend bool operator!=(fact_layout const& a, fact_layout const& b) noexcept { return !(a == b); }

@@ -292,11 +292,15 @@ class redis_fact_store final : public fact_source {
     INFERSCALE_EXPECTS(options_.write_retries > 0 && options_.timeout_ms > 0,
                        "redis_fact_store: write_retries and timeout_ms must be positive");
     fact_layout const& l = layout_;
-    prefix_ = "inferscale:v1:" + options_.model + ":" + std::to_string(l.model.num_layers) + "x" +
-              std::to_string(l.model.num_kv_heads) + "x" + std::to_string(l.model.head_dim) + ":l" +
-              std::to_string(l.first_layer) + "+" + std::to_string(l.num_layers) + ":h" +
-              std::to_string(l.first_head) + "+" + std::to_string(l.num_heads) + ":" +
-              to_string(l.store_dtype) + ":p" + std::to_string(l.page_size) + ":";
+    prefix_ =
+      "inferscale:v1:" + options_.model + ":" + std::to_string(l.model.num_layers) + "x" +
+      std::to_string(l.model.num_kv_heads) + "x" + std::to_string(l.model.head_dim) + ":l" +
+      std::to_string(l.first_layer) + "+" + std::to_string(l.num_layers) + ":h" +
+      std::to_string(l.first_head) + "+" + std::to_string(l.num_heads) + ":" +
+      to_string(l.store_dtype) +
+      (l.compression == kv_compression::none ? std::string{}
+                                             : std::string{"+"} + to_string(l.compression)) +
+      ":p" + std::to_string(l.page_size) + ":";
     seed_ = options_.host + ":" + std::to_string(options_.port);
   }
 
@@ -576,7 +580,10 @@ class redis_fact_store final : public fact_source {
     namespace s = detail::serial;
     std::memcpy(b.data(), magic, 8);
     s::put_le<std::uint32_t>(b.data() + 8, value_version);
-    s::put_le<std::uint32_t>(b.data() + 12, static_cast<std::uint32_t>(layout_.store_dtype));
+    // the store dtype (low byte) and the compression (next byte)
+    s::put_le<std::uint32_t>(b.data() + 12,
+                             static_cast<std::uint32_t>(layout_.store_dtype) |
+                               static_cast<std::uint32_t>(layout_.compression) << 8);
     std::int32_t const fields[8] = {layout_.model.num_layers,
                                     layout_.model.num_kv_heads,
                                     layout_.model.head_dim,
@@ -630,8 +637,9 @@ class redis_fact_store final : public fact_source {
                          " is not supported (this build reads " + std::to_string(value_version) +
                          ")");
     fact_layout l;
-    l.store_dtype          = static_cast<dtype>(s::get_le<std::uint32_t>(b + 12) & 0xFFu);
-    bool const dtype_known = s::get_le<std::uint32_t>(b + 12) < 256;
+    l.store_dtype = static_cast<dtype>(s::get_le<std::uint32_t>(b + 12) & 0xFFu);
+    l.compression = static_cast<kv_compression>((s::get_le<std::uint32_t>(b + 12) >> 8) & 0xFFu);
+    bool const dtype_known = s::get_le<std::uint32_t>(b + 12) < 65536;
     l.model.num_layers     = s::get_le<std::int32_t>(b + 16);
     l.model.num_kv_heads   = s::get_le<std::int32_t>(b + 20);
     l.model.head_dim       = s::get_le<std::int32_t>(b + 24);

@@ -150,9 +150,13 @@ inline void populate(kv_store& store, geometry_case const& g)
   }
 }
 
-inline kv_store_config store_config(geometry_case const& g, dtype store_dtype, memory_space space)
+inline kv_store_config store_config(geometry_case const& g,
+                                    dtype store_dtype,
+                                    memory_space space,
+                                    kv_compression compression = kv_compression::none)
 {
   kv_store_config c{};
+  c.compression = compression;
   c.model       = kv_geometry{g.layers, g.model_heads, g.head_dim};
   c.first_head  = g.first_head;
   c.num_heads   = g.heads;
@@ -223,11 +227,14 @@ struct scenario {
   using S = typename Pair::store_t;
   using C = typename Pair::cache_t;
 
-  scenario(engine_layout layout_, geometry_case const& g_, std::int64_t rows = default_rows)
+  scenario(engine_layout layout_,
+           geometry_case const& g_,
+           std::int64_t rows          = default_rows,
+           kv_compression compression = kv_compression::none)
     : g{g_},
       layout{layout_},
-      host_store{store_config(g_, dtype_of_v<S>, memory_space::host)},
-      device_store{store_config(g_, dtype_of_v<S>, memory_space::device)},
+      host_store{store_config(g_, dtype_of_v<S>, memory_space::host, compression)},
+      device_store{store_config(g_, dtype_of_v<S>, memory_space::device, compression)},
       cache{layout_, g_.layers, g_.blocks, block_size, g_.heads, g_.head_dim},
       original{fill_and_copy(cache, 42 + static_cast<std::uint64_t>(layout_))},
       device_storage{original},
@@ -411,7 +418,8 @@ void require_device_equals_host(scenario<Pair>& s, bool large)
   CAPTURE(vectorized, hb.num_tokens());
   // vLLM's legacy V and its CPU K are token-fastest (dims not contiguous): the scalar kernel.
   REQUIRE(vectorized == (s.g.vectorizable && s.layout != engine_layout::vllm_legacy &&
-                         s.layout != engine_layout::vllm_cpu));
+                         s.layout != engine_layout::vllm_cpu &&
+                         s.host_store.compression() == kv_compression::none));
 
   hb.run(s.host_desc, s.host_rotation);
   cuda_stream stream;

@@ -30,6 +30,21 @@ TEMPLATE_TEST_CASE("device injection equals the host injection byte for byte",
   require_device_equals_host(s, false);
 }
 
+TEMPLATE_TEST_CASE("device injection from compressed facts equals the host run byte for byte",
+                   "[gpu][inject][compression]",
+                   bf16_to_bf16,
+                   fp32_to_fp32,
+                   bf16_to_e4m3)
+{
+  // fp8 e4m3 and int4 pages (compression.hpp), dequantized by the kernel's scalar path.
+  auto const layout      = GENERATE(from_range(inferscale_test::all_engine_layouts()));
+  auto const g           = GENERATE(from_range(geometry_cases()));
+  auto const compression = GENERATE(kv_compression::fp8_e4m3, kv_compression::int4);
+  CAPTURE(inferscale_test::to_string(layout), g.name, to_string(compression));
+  scenario<TestType> s(layout, g, default_rows, compression);
+  require_device_equals_host(s, false);
+}
+
 TEMPLATE_TEST_CASE("device injection with a per-layer rotation equals the host run byte for byte",
                    "[gpu][inject]",
                    bf16_to_bf16,

@@ -458,3 +458,39 @@ TEST_CASE("tier source: a directory of several snapshot files", "[tier]")
                       Catch::Contains("holds no store snapshot"));
   }
 }
+
+TEST_CASE("tier source: compressed pages (fp8, int4) travel unchanged, other layouts refused",
+          "[tier][compression]")
+{
+  for (kv_compression c : {kv_compression::fp8_e4m3, kv_compression::int4}) {
+    CAPTURE(to_string(c));
+    snap::scratch_dir dir;
+    kv_store_config sc = store_config(32);
+    sc.compression     = c;
+    kv_store reference{sc};
+    for (auto const& [id, f] : facts) {
+      add(reference, id, f.first, f.second);
+    }
+    save_store(reference, dir.file("facts.iskv"));
+    directory_fact_source source{dir.path()};
+    CHECK(source.layout() == fact_layout::of(reference));
+    CHECK(source.layout().compression == c);
+    CHECK_THAT(source.layout().describe(), Catch::Contains(to_string(c)));
+
+    tiered_store_config tc = tiers_config(16, 16);
+    tc.device.compression  = c;
+    tiered_store tiers{tc};
+    tier_request r = tiers.admit(keys({2, 5}), source);
+    tiers.stage_host(r);
+    for (std::uint64_t id : {2, 5}) {
+      CAPTURE(id);
+      CHECK(fact_bytes(tiers.host_tier(), id) == fact_bytes(reference, id));
+      CHECK(fact_bytes(tiers.device_tier(), id) == fact_bytes(reference, id));
+    }
+    // Tiers of plain bfloat16 pages do not take compressed ones (nor the other way round).
+    tiered_store plain{tiers_config(16, 16)};
+    auto const before = observed::of(plain);
+    CHECK_THROWS_WITH(plain.admit(keys({2}), source), Catch::Contains("the tiers hold pages of"));
+    CHECK(observed::of(plain) == before);
+  }
+}

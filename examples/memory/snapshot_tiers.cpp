@@ -6,6 +6,8 @@
 // admitted (its facts staged into the device tier, evicting others when it is full) and injected
 // with tiered_store::run; the cache bytes equal those of one plain store holding every fact. The
 // tiers are saved with save_tiers and restarted with load_tiers, residency and LRU order kept.
+// Last, the same tiers hold int4 pages (compression.hpp): the cache is within the quantization
+// error of the plain run's.
 //
 // The engine is played by the adapters of toy_engine.hpp (as in memory_cpu.cpp). The program
 // checks every result above and exits 1 when anything differs (CTest: examples.snapshot_tiers).
@@ -18,6 +20,8 @@
 #include <inferscale/memory.hpp>
 #include <inferscale/tier.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -243,13 +247,44 @@ int main()
     expect(restarted_cache.layers == plain_again.layers,
            "the restarted tiers write the plain store's bytes");
 
+    // 4. Compressed facts: the same tiers holding int4 pages (compression.hpp). Injection
+    //    dequantizes them; the cache is within the quantization error of the plain run's.
+    // [snippet:compressed_store]
+    tiered_store_config small = tiers_config;
+    small.device.compression  = kv_compression::int4;  // or kv_compression::fp8_e4m3
+    tiered_store compressed{small};
+    // [/snippet:compressed_store]
+    for (std::size_t i = 0; i < fact_texts.size(); ++i) {
+      insert_fact(compressed, 100 + i, user, tokenize(fact_texts[i]), fact_residency::host);
+    }
+    expect(compressed.host_tier().page_bytes() * 3 < tiers.host_tier().page_bytes(),
+           "an int4 page takes under a third of a float32 page");
+    toy_cache compressed_cache, plain_last;
+    serve_tiered(compressed, {100, 102}, compressed_cache);
+    serve_plain({100, 102}, plain_last);
+    float worst = 0.0f, largest = 0.0f;
+    for (std::size_t l = 0; l < plain_last.layers.size(); ++l) {
+      for (std::size_t e = 0; e < plain_last.layers[l].size(); ++e) {
+        worst = std::max(worst, std::fabs(compressed_cache.layers[l][e] - plain_last.layers[l][e]));
+        if (plain_last.layers[l][e] != -100.0f) {  // written by the request
+          largest = std::max(largest, std::fabs(plain_last.layers[l][e]));
+        }
+      }
+    }
+    // int4: each element within half a step of its group's scale (amax / 7), rotated.
+    expect(worst > 0.0f && worst <= largest / 7.0f,
+           "the int4 tiers write the plain run's cache within the quantization error");
+
     if (!check.passed()) { return 1; }
     std::printf(
       "example_snapshot_tiers: the restarted memory served facts %llu, %llu into the "
       "same cache bytes; tiered requests (staging, an eviction, a restart from the tier "
-      "snapshot) wrote the plain store's bytes; every check passed\n",
+      "snapshot) wrote the plain store's bytes; int4 tiers wrote them within the "
+      "quantization error (worst %.4f of %.4f); every check passed\n",
       static_cast<unsigned long long>(a.fact_ids.at(0)),
-      static_cast<unsigned long long>(a.fact_ids.at(1)));
+      static_cast<unsigned long long>(a.fact_ids.at(1)),
+      static_cast<double>(worst),
+      static_cast<double>(largest));
     return 0;
   } catch (std::exception const& e) {
     std::fprintf(stderr, "example_snapshot_tiers: %s\n", e.what());

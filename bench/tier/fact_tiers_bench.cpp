@@ -1,6 +1,8 @@
 // Fetch latency of k retrieved facts from each tier (issue 52, item 5), SmolLM2-135M geometry
 // (30 layers, 3 KV heads, head_dim 64, bf16, pages of 16 tokens, facts of 30 tokens: 2 pages,
 // 737,280 bytes each), with host tiers (the host backend: both tiers in host memory):
+// Each case for bf16 facts and for the same facts as fp8 / int4 pages (compression.hpp):
+// `<case>/{bf16,fp8_e4m3,int4}/k:K`.
 //  - tier/host/k:K   admit of K host-only facts + the host->device tier copy (stage_host);
 //  - tier/disk/k:K   admit(keys, directory_fact_source): pread of the K facts' pages from one
 //                    snapshot file (page cache warm: the same file every iteration), the fact
@@ -34,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -48,29 +51,31 @@ constexpr std::int32_t layers = 30, heads = 3, head_dim = 64, page = 16, tokens 
 constexpr std::int64_t facts = 50;
 constexpr std::uint64_t ns   = 1;
 
-kv_store_config store_config(std::int64_t pages)
+kv_store_config store_config(std::int64_t pages, kv_compression compression)
 {
   kv_store_config c;
   c.model       = kv_geometry{layers, heads, head_dim};
   c.store_dtype = dtype::bfloat16;
+  c.compression = compression;
   c.page_size   = page;
   c.num_pages   = pages;
   c.space       = memory_space::host;
   return c;
 }
 
-tiered_store_config tiers_config()
+tiered_store_config tiers_config(kv_compression compression)
 {
   tiered_store_config c;
-  c.device     = store_config(facts * 2);
+  c.device     = store_config(facts * 2, compression);
   c.host_pages = facts * 2;
   return c;
 }
 
 /// The data every case shares: a store of the facts, its snapshot, a Redis server holding them.
 struct shared_data {
+  kv_compression compression;
   std::filesystem::path dir;
-  kv_store store{store_config(facts * 2)};
+  kv_store store{store_config(facts * 2, compression)};
   std::unique_ptr<directory_fact_source> disk;
 #if defined(INFERSCALE_BENCH_REDIS)
   std::unique_ptr<inferscale_test::redis_server> server;
@@ -78,7 +83,7 @@ struct shared_data {
   std::string redis_error;
 #endif
 
-  shared_data()
+  explicit shared_data(kv_compression c) : compression{c}
   {
     std::mt19937 random{42};
     std::uniform_real_distribution<float> value{-2.0f, 2.0f};
@@ -101,7 +106,7 @@ struct shared_data {
     }
     char const* base = std::getenv("INFERSCALE_BENCH_DIR");
     dir              = std::filesystem::path(base != nullptr ? base : "/tmp") /
-          ("inferscale-fact-tiers-" + std::to_string(::getpid()));
+          ("inferscale-fact-tiers-" + std::to_string(::getpid()) + "-" + to_string(c));
     std::filesystem::create_directories(dir);
     save_store(store, (dir / "facts.iskv").string());
     disk = std::make_unique<directory_fact_source>(dir.string());
@@ -127,10 +132,13 @@ struct shared_data {
   }
 };
 
-shared_data& data()
+/// The shared data of bf16 facts and of their fp8 / int4 pages (compression.hpp), built once.
+shared_data& data(kv_compression c)
 {
-  static shared_data d;
-  return d;
+  static std::map<int, std::unique_ptr<shared_data>> all;
+  auto& d = all[static_cast<int>(c)];
+  if (!d) { d = std::make_unique<shared_data>(c); }
+  return *d;
 }
 
 std::vector<fact_key> keys_of(std::int64_t k)
@@ -168,11 +176,11 @@ double since(std::chrono::steady_clock::time_point t0)
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void host_case(benchmark::State& state)
+void host_case(benchmark::State& state, kv_compression c)
 {
   std::int64_t const k = state.range(0);
-  shared_data& d       = data();
-  tiered_store tiers{tiers_config()};
+  shared_data& d       = data(c);
+  tiered_store tiers{tiers_config(c)};
   std::vector<std::uint64_t> ids;
   for (std::int64_t id = 0; id < k; ++id) {  // host-only: each admit copies them to the device
     fact_record const& r = d.store.at(static_cast<std::uint64_t>(id));
@@ -193,12 +201,12 @@ void host_case(benchmark::State& state)
 }
 
 template <class Source>
-void source_case(benchmark::State& state, Source& source)
+void source_case(benchmark::State& state, Source& source, kv_compression c)
 {
   std::int64_t const k = state.range(0);
-  tiered_store tiers{tiers_config()};
+  tiered_store tiers{tiers_config(c)};
   std::vector<fact_key> const keys = keys_of(k);
-  run(state, static_cast<std::size_t>(k) * 2 * data().store.page_bytes(), [&] {
+  run(state, static_cast<std::size_t>(k) * 2 * data(c).store.page_bytes(), [&] {
     auto const t0  = std::chrono::steady_clock::now();
     tier_request r = tiers.admit(keys, source);
     tiers.stage_host(r);
@@ -210,11 +218,11 @@ void source_case(benchmark::State& state, Source& source)
   });
 }
 
-void memcpy_case(benchmark::State& state)
+void memcpy_case(benchmark::State& state, kv_compression c)
 {
   std::int64_t const k  = state.range(0);
-  std::size_t const n   = static_cast<std::size_t>(k) * 2 * data().store.page_bytes();
-  auto const* const src = static_cast<unsigned char const*>(data().store.ref().pool);
+  std::size_t const n   = static_cast<std::size_t>(k) * 2 * data(c).store.page_bytes();
+  auto const* const src = static_cast<unsigned char const*>(data(c).store.ref().pool);
   std::vector<unsigned char> dst(n, 1);
   run(state, n, [&] {
     auto const t0 = std::chrono::steady_clock::now();
@@ -231,39 +239,49 @@ void register_benchmarks()
     b->ArgName("k")->Arg(5)->Arg(20)->Arg(50)->UseManualTime()->Iterations(200)->Unit(
       benchmark::kMicrosecond);
   };
-  benchmark::RegisterBenchmark("tier/host", host_case)->Apply(ks);
-  benchmark::RegisterBenchmark("tier/disk", [](benchmark::State& s) {
-    source_case(s, *data().disk);
-  })->Apply(ks);
-  benchmark::RegisterBenchmark("ceiling/memcpy", memcpy_case)->Apply(ks);
+  // bf16 facts, and the same facts as fp8 / int4 pages (fewer bytes per fact to move).
+  for (kv_compression const c :
+       {kv_compression::none, kv_compression::fp8_e4m3, kv_compression::int4}) {
+    std::string const dt = c == kv_compression::none ? "bf16" : to_string(c);
+    benchmark::RegisterBenchmark(("tier/host/" + dt).c_str(), [c](benchmark::State& s) {
+      host_case(s, c);
+    })->Apply(ks);
+    benchmark::RegisterBenchmark(("tier/disk/" + dt).c_str(), [c](benchmark::State& s) {
+      source_case(s, *data(c).disk, c);
+    })->Apply(ks);
+    benchmark::RegisterBenchmark(("ceiling/memcpy/" + dt).c_str(), [c](benchmark::State& s) {
+      memcpy_case(s, c);
+    })->Apply(ks);
 #if defined(INFERSCALE_BENCH_REDIS)
-  benchmark::RegisterBenchmark("tier/redis", [](benchmark::State& s) {
-    if (!data().redis) {
-      s.SkipWithError(("no Redis: " + data().redis_error).c_str());
-      return;
-    }
-    source_case(s, *data().redis);
-  })->Apply(ks);
-  benchmark::RegisterBenchmark("ceiling/redis_get", [](benchmark::State& s) {
-    if (!data().redis) {
-      s.SkipWithError(("no Redis: " + data().redis_error).c_str());
-      return;
-    }
-    std::int64_t const k = s.range(0);
-    detail::redis::connection c{"127.0.0.1", data().server->port(), 5000};
-    std::vector<std::vector<std::string>> gets;
-    for (std::int64_t id = 0; id < k; ++id) {
-      gets.push_back({"GET", data().redis->fact_key_name(ns, static_cast<std::uint64_t>(id))});
-    }
-    run(s, static_cast<std::size_t>(k) * 2 * data().store.page_bytes(), [&] {
-      auto const t0  = std::chrono::steady_clock::now();
-      auto replies   = c.pipeline(gets);
-      double const t = since(t0);
-      benchmark::DoNotOptimize(replies.data());
-      return t;
-    });
-  })->Apply(ks);
+    benchmark::RegisterBenchmark(("tier/redis/" + dt).c_str(), [c](benchmark::State& s) {
+      if (!data(c).redis) {
+        s.SkipWithError(("no Redis: " + data(c).redis_error).c_str());
+        return;
+      }
+      source_case(s, *data(c).redis, c);
+    })->Apply(ks);
+    benchmark::RegisterBenchmark(("ceiling/redis_get/" + dt).c_str(), [c](benchmark::State& s) {
+      shared_data& d = data(c);
+      if (!d.redis) {
+        s.SkipWithError(("no Redis: " + d.redis_error).c_str());
+        return;
+      }
+      std::int64_t const k = s.range(0);
+      detail::redis::connection conn{"127.0.0.1", d.server->port(), 5000};
+      std::vector<std::vector<std::string>> gets;
+      for (std::int64_t id = 0; id < k; ++id) {
+        gets.push_back({"GET", d.redis->fact_key_name(ns, static_cast<std::uint64_t>(id))});
+      }
+      run(s, static_cast<std::size_t>(k) * 2 * d.store.page_bytes(), [&] {
+        auto const t0  = std::chrono::steady_clock::now();
+        auto replies   = conn.pipeline(gets);
+        double const t = since(t0);
+        benchmark::DoNotOptimize(replies.data());
+        return t;
+      });
+    })->Apply(ks);
 #endif
+  }
 }
 
 }  // namespace

@@ -316,12 +316,21 @@ TEMPLATE_TEST_CASE("injecting a compressed fact is injecting its dequantized val
   for (std::int64_t i = 0; i < 5 + 7 + 9; ++i) {
     slots.push_back(i == 4 ? -1 : 60 - i);
   }
-  injection_batch ba(compressed), bb(plain);
-  ba.add(compose(compressed, {3, 1, 2}, o), slots);
+  injection_batch bb(plain);
   bb.add(compose(plain, {3, 1, 2}, o), slots);
-  ba.run(describe_cache(a), rope.params());
   bb.run(describe_cache(b), rope.params());
-  REQUIRE(storage_bytes(a) == storage_bytes(b));
+  // Every vector level of the host's dequantization (AVX2 where the CPU has it) and the scalar
+  // one; the batch is re-added for each run (a run commits its step).
+  for (auto cap : {detail::host_simd::scalar, detail::host_simd::avx512_bf16}) {
+    CAPTURE(static_cast<int>(cap));
+    detail::set_host_simd_cap(cap);
+    a.fill_random(5);
+    injection_batch run{compressed};
+    run.add(compose(compressed, {3, 1, 2}, o), slots);
+    run.run(describe_cache(a), rope.params());
+    REQUIRE(storage_bytes(a) == storage_bytes(b));
+  }
+  detail::set_host_simd_cap(detail::host_simd::avx512_bf16);
 }
 
 TEST_CASE("compressed stores: snapshots round-trip; damage and conversions are refused",

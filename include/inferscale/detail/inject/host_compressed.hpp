@@ -11,6 +11,7 @@
 #pragma once
 
 #include <inferscale/compression.hpp>
+#include <inferscale/detail/dtype/vector_conversion.hpp>
 #include <inferscale/dtype.hpp>
 #include <inferscale/injection_batch.hpp>
 #include <inferscale/store.hpp>
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -36,64 +38,112 @@ inline std::array<float, 256> const& e4m3_values()
   return table;
 }
 
+/// @brief The fp32 scales of a block: `count` scales from `scales` (compression.hpp's encoding).
+template <kv_compression C>
+inline void block_scales(unsigned char const* scales, std::int64_t count, float* out)
+{
+  for (std::int64_t i = 0; i < count; ++i) {
+    out[i] = scale_at(scales, i, C);
+  }
+}
+
 /**
- * @brief One token's row of one (layer, K or V) block, all heads, dequantized into `out`
- * (`heads * head_dim` elements of OutT). `C`: the compression, fixed for the loop.
+ * @brief Dequantizes `count` codes from `codes` (int4: `count / 2` bytes) times their scales
+ * (`scales[e]`, or `scale` for every element when `scales` is null) to OutT: `from_float(value *
+ * scale)`, one rounded product, as compression.hpp's decode.
  */
 template <kv_compression C, class OutT>
-inline void dequantize_row_host(compressed_block_layout const& b,
-                                unsigned char const* block,
-                                std::int32_t kv,
-                                std::int32_t t,
-                                float const* e4m3,
-                                OutT* __restrict out)
+inline void dequantize_codes(unsigned char const* __restrict codes,
+                             float const* __restrict scales,
+                             float scale,
+                             std::int64_t count,
+                             OutT* __restrict out)
 {
-  std::int32_t const d           = b.head_dim;
-  unsigned char const* const sc  = block + b.scales_offset();
-  unsigned char const* const row = block + static_cast<std::int64_t>(t) * b.row_code_bytes();
-  for (std::int32_t h = 0; h < b.num_heads; ++h) {
-    unsigned char const* const codes = row + h * b.head_code_bytes();
-    OutT* const o                    = out + static_cast<std::int64_t>(h) * d;
-    float ks[compressed_max_head_dim];  // the head's scales (head_dim checked by the store)
-    if (kv == 0) {
-      for (std::int32_t e = 0; e < d; ++e) {
-        ks[e] = scale_at(sc, static_cast<std::int64_t>(h) * d + e, C);
-      }
-    } else {
-      float const vs = scale_at(sc, static_cast<std::int64_t>(t) * b.num_heads + h, C);
-      for (std::int32_t e = 0; e < d; ++e) {
-        ks[e] = vs;
-      }
-    }
+  float const* const e4m3 = e4m3_values().data();
+  for (std::int64_t e = 0; e < count; ++e) {
+    float v;
     if constexpr (C == kv_compression::int4) {
-      for (std::int32_t e = 0; e < d; e += 2) {
-        unsigned const byte = codes[e / 2];
-        float const lo      = static_cast<float>(static_cast<int>((byte & 0xFu) ^ 8u) - 8);
-        float const hi      = static_cast<float>(static_cast<int>((byte >> 4) ^ 8u) - 8);
-        o[e]                = from_float<OutT>(mul_rn(lo, ks[e]));
-        o[e + 1]            = from_float<OutT>(mul_rn(hi, ks[e + 1]));
-      }
+      unsigned const nibble = (codes[e / 2] >> ((e % 2) * 4)) & 0xFu;
+      v                     = static_cast<float>(static_cast<int>(nibble ^ 8u) - 8);
     } else {
-      for (std::int32_t e = 0; e < d; ++e) {
-        o[e] = from_float<OutT>(mul_rn(e4m3[codes[e]], ks[e]));
-      }
+      v = e4m3[codes[e]];
     }
+    out[e] = from_float<OutT>(v * (scales != nullptr ? scales[e] : scale));  // one rounding
   }
+}
+
+#if INFERSCALE_HOST_X86_SIMD
+/// @brief dequantize_codes with AVX2, eight codes at a time (count a multiple of 8): the same
+/// decode (e4m3 widened exactly, int4 nibbles sign-extended), one product, from_float's rounding.
+template <kv_compression C, class OutT>
+INFERSCALE_TARGET_AVX2 void dequantize_codes_avx2(unsigned char const* __restrict codes,
+                                                  float const* __restrict scales,
+                                                  float scale,
+                                                  std::int64_t count,
+                                                  OutT* __restrict out)
+{
+  __m256 const broadcast = _mm256_set1_ps(scale);
+  __m256i const shifts   = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+  for (std::int64_t e = 0; e < count; e += 8) {
+    __m256 v;
+    if constexpr (C == kv_compression::int4) {
+      std::int32_t four;
+      std::memcpy(&four, codes + e / 2, sizeof four);
+      __m128i const bytes = _mm_cvtsi32_si128(four);
+      __m256i const lanes = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));
+      __m256i const nibble =
+        _mm256_and_si256(_mm256_srlv_epi32(lanes, shifts), _mm256_set1_epi32(0xF));
+      v = _mm256_cvtepi32_ps(
+        _mm256_sub_epi32(_mm256_xor_si256(nibble, _mm256_set1_epi32(8)), _mm256_set1_epi32(8)));
+    } else {
+      v = simd::load8(reinterpret_cast<float8_e4m3_t const*>(codes + e));
+    }
+    __m256 const s = scales != nullptr ? _mm256_loadu_ps(scales + e) : broadcast;
+    simd::store8(out + e, _mm256_mul_ps(v, s));
+  }
+}
+#endif
+
+/// @brief dequantize_codes at the host's vector level (AVX2 where the CPU has it and count
+/// allows; the scalar loop otherwise): the same values either way.
+template <kv_compression C, class OutT>
+inline void dequantize_codes_at(host_simd level,
+                                unsigned char const* codes,
+                                float const* scales,
+                                float scale,
+                                std::int64_t count,
+                                OutT* out)
+{
+#if INFERSCALE_HOST_X86_SIMD
+  if (level != host_simd::scalar && count % 8 == 0) {
+    dequantize_codes_avx2<C>(codes, scales, scale, count, out);
+    return;
+  }
+#endif
+  (void)level;
+  dequantize_codes<C>(codes, scales, scale, count, out);
 }
 
 /**
  * @brief Injects a checked batch view from a compressed store: `inject(scratch_ref, chunk_view)`
  * runs the uncompressed loops of store dtype `S` on each chunk.
  */
-template <class S, class Inject>
-void inject_host_compressed(kv_store_ref const& store,
-                            injection_batch_view const& batch,
-                            std::int64_t num_slots,
-                            Inject&& inject)
+/**
+ * @brief inject_host_compressed for compression C: per chunk of tokens, layer by layer, each
+ * token's K and V rows dequantized into the scratch store (a page's key scales converted once
+ * for the consecutive tokens that share it), then the chunk injected by `inject`.
+ */
+template <kv_compression C, class S, class Inject>
+void inject_host_compressed_as(kv_store_ref const& store,
+                               injection_batch_view const& batch,
+                               std::int64_t num_slots,
+                               Inject& inject)
 {
   compressed_block_layout const b = store.blocks();
   std::int64_t const row          = store.row_elements();
-  std::int64_t const token_elems  = 2 * static_cast<std::int64_t>(store.num_layers) * row;
+  std::int32_t const L            = store.num_layers;
+  std::int32_t const D            = store.head_dim;
+  std::int64_t const token_elems  = 2 * static_cast<std::int64_t>(L) * row;
   // Chunk: at most 64 tokens (the loops' own chunk, so each token's cos/sin is computed once) and
   // about 256 KiB of scratch (an L2's share on both CPUs of this machine kind).
   std::int64_t const chunk = std::clamp<std::int64_t>(
@@ -101,35 +151,66 @@ void inject_host_compressed(kv_store_ref const& store,
   std::vector<S> scratch(static_cast<std::size_t>(chunk * token_elems));
   std::vector<std::int64_t> ids(static_cast<std::size_t>(chunk));
   std::iota(ids.begin(), ids.end(), std::int64_t{0});
-  kv_store_ref view       = store;
-  view.pool               = scratch.data();
-  view.compression        = kv_compression::none;
-  view.page_size          = 1;
-  view.num_pages          = chunk;
-  float const* const e4m3 = e4m3_values().data();
-  auto const* const pool  = static_cast<unsigned char const*>(store.pool);
+  std::vector<float> key_scales(static_cast<std::size_t>(row));
+  kv_store_ref view = store;
+  view.pool         = scratch.data();
+  view.compression  = kv_compression::none;
+  view.page_size    = 1;
+  view.num_pages    = chunk;
+  host_simd const level  = active_host_simd();
+  auto const* const pool = static_cast<unsigned char const*>(store.pool);
   for (std::int64_t first = 0; first < batch.num_tokens; first += chunk) {
     std::int64_t const count = std::min(chunk, batch.num_tokens - first);
-    for (std::int64_t j = 0; j < count; ++j) {
-      std::int64_t const slot = batch.slot[first + j];
-      if (slot < 0 || slot >= num_slots) { continue; }  // not written: nothing to dequantize
-      std::int64_t const st   = batch.store_token[first + j];
-      std::int64_t const page = st / store.page_size;
-      auto const t            = static_cast<std::int32_t>(st % store.page_size);
-      for (std::int32_t l = 0; l < store.num_layers; ++l) {
-        for (std::int32_t kv = 0; kv < 2; ++kv) {
-          unsigned char const* const block = pool + store.block_offset(page, l, kv);
-          S* const out = scratch.data() + ((j * store.num_layers + l) * 2 + kv) * row;
-          if (store.compression == kv_compression::int4) {
-            dequantize_row_host<kv_compression::int4>(b, block, kv, t, e4m3, out);
-          } else {
-            dequantize_row_host<kv_compression::fp8_e4m3>(b, block, kv, t, e4m3, out);
-          }
+    for (std::int32_t l = 0; l < L; ++l) {
+      unsigned char const* scales_of = nullptr;  // the K block whose scales key_scales holds
+      for (std::int64_t j = 0; j < count; ++j) {
+        std::int64_t const slot = batch.slot[first + j];
+        if (slot < 0 || slot >= num_slots) { continue; }  // not written: nothing to dequantize
+        std::int64_t const st   = batch.store_token[first + j];
+        std::int64_t const page = st / store.page_size;
+        auto const t            = static_cast<std::int32_t>(st % store.page_size);
+        unsigned char const* const kblock = pool + store.block_offset(page, l, 0);
+        unsigned char const* const vblock = kblock + b.block_bytes(0);
+        if (kblock != scales_of) {
+          block_scales<C>(kblock + b.scales_offset(), row, key_scales.data());
+          scales_of = kblock;
+        }
+        S* const kout = scratch.data() + ((j * L + l) * 2) * row;
+        S* const vout = kout + row;
+        dequantize_codes_at<C>(level,
+                               kblock + static_cast<std::int64_t>(t) * b.row_code_bytes(),
+                               key_scales.data(),
+                               0.0f,
+                               row,
+                               kout);
+        for (std::int32_t h = 0; h < store.num_heads; ++h) {
+          float const vs =
+            scale_at(vblock + b.scales_offset(), static_cast<std::int64_t>(t) * b.num_heads + h, C);
+          dequantize_codes_at<C>(level,
+                                 vblock + static_cast<std::int64_t>(t) * b.row_code_bytes() +
+                                   h * b.head_code_bytes(),
+                                 nullptr,
+                                 vs,
+                                 D,
+                                 vout + static_cast<std::int64_t>(h) * D);
         }
       }
     }
     injection_batch_view const part{ids.data(), batch.position + first, batch.slot + first, count};
     inject(view, part);
+  }
+}
+
+template <class S, class Inject>
+void inject_host_compressed(kv_store_ref const& store,
+                            injection_batch_view const& batch,
+                            std::int64_t num_slots,
+                            Inject&& inject)
+{
+  if (store.compression == kv_compression::int4) {
+    inject_host_compressed_as<kv_compression::int4, S>(store, batch, num_slots, inject);
+  } else {
+    inject_host_compressed_as<kv_compression::fp8_e4m3, S>(store, batch, num_slots, inject);
   }
 }
 

@@ -319,9 +319,12 @@ TEMPLATE_TEST_CASE("injecting a compressed fact is injecting its dequantized val
   injection_batch bb(plain);
   bb.add(compose(plain, {3, 1, 2}, o), slots);
   bb.run(describe_cache(b), rope.params());
-  // Every vector level of the host's dequantization (AVX2 where the CPU has it) and the scalar
-  // one; the batch is re-added for each run (a run commits its step).
-  for (auto cap : {detail::host_simd::scalar, detail::host_simd::avx512_bf16}) {
+  // Every vector level of the host's dequantization (AVX2, AVX-512, AVX-512 BF16: those the CPU
+  // has) and the scalar one; the batch is re-added for each run (a run commits its step).
+  for (auto cap : {detail::host_simd::scalar,
+                   detail::host_simd::avx2,
+                   detail::host_simd::avx512,
+                   detail::host_simd::avx512_bf16}) {
     CAPTURE(static_cast<int>(cap));
     detail::set_host_simd_cap(cap);
     a.fill_random(5);

@@ -47,6 +47,30 @@ inline void block_scales(unsigned char const* scales, std::int64_t count, float*
   }
 }
 
+#if INFERSCALE_HOST_X86_SIMD
+/// @brief block_scales with AVX2, eight at a time (count a multiple of 8): bfloat16 widened
+/// exactly; E8M0 byte e as the float bits e << 23 (e = 0: 2^-127, the bits 0x00400000).
+template <kv_compression C>
+INFERSCALE_TARGET_AVX2 void block_scales_avx2(unsigned char const* scales,
+                                              std::int64_t count,
+                                              float* out)
+{
+  for (std::int64_t i = 0; i < count; i += 8) {
+    __m256 v;
+    if constexpr (C == kv_compression::int4) {
+      v = simd::load8(reinterpret_cast<bfloat16_t const*>(scales) + i);
+    } else {
+      __m256i const e =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(scales + i)));
+      __m256i const bits = _mm256_slli_epi32(e, 23);
+      __m256i const zero = _mm256_cmpeq_epi32(e, _mm256_setzero_si256());
+      v = _mm256_castsi256_ps(_mm256_blendv_epi8(bits, _mm256_set1_epi32(0x00400000), zero));
+    }
+    _mm256_storeu_ps(out + i, v);
+  }
+}
+#endif
+
 /**
  * @brief Dequantizes `count` codes from `codes` (int4: `count / 2` bytes) times their scales
  * (`scales[e]`, or `scale` for every element when `scales` is null) to OutT: `from_float(value *
@@ -104,6 +128,42 @@ INFERSCALE_TARGET_AVX2 void dequantize_codes_avx2(unsigned char const* __restric
 }
 #endif
 
+/**
+ * @brief dequantize_codes with AVX-512, sixteen codes at a time (count a multiple of 16); at the
+ * avx512_bf16 level a bf16 result is rounded by VCVTNEPS2BF16 (simd512bf16::fp32_to_bf16, the
+ * same bits). Same values as the scalar loop.
+ */
+template <kv_compression C, class OutT, bool NativeBf16>
+INFERSCALE_TARGET_AVX512_BF16 void dequantize_codes_avx512(unsigned char const* __restrict codes,
+                                                           float const* __restrict scales,
+                                                           float scale,
+                                                           std::int64_t count,
+                                                           OutT* __restrict out)
+{
+  __m512 const broadcast = _mm512_set1_ps(scale);
+  __m512i const shifts   = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  for (std::int64_t e = 0; e < count; e += 16) {
+    __m512 v;
+    if constexpr (C == kv_compression::int4) {
+      __m128i const bytes = _mm_loadl_epi64(reinterpret_cast<__m128i const*>(codes + e / 2));
+      __m512i const lanes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));
+      __m512i const nibble =
+        _mm512_and_si512(_mm512_srlv_epi32(lanes, shifts), _mm512_set1_epi32(0xF));
+      v = _mm512_cvtepi32_ps(
+        _mm512_sub_epi32(_mm512_xor_si512(nibble, _mm512_set1_epi32(8)), _mm512_set1_epi32(8)));
+    } else {
+      v = simd512::load16(reinterpret_cast<float8_e4m3_t const*>(codes + e));
+    }
+    __m512 const s       = scales != nullptr ? _mm512_loadu_ps(scales + e) : broadcast;
+    __m512 const product = _mm512_mul_ps(v, s);
+    if constexpr (NativeBf16 && std::is_same_v<OutT, bfloat16_t>) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e), simd512bf16::fp32_to_bf16(product));
+    } else {
+      simd512::store16(out + e, product);
+    }
+  }
+}
+
 /// @brief dequantize_codes at the host's vector level (AVX2 where the CPU has it and count
 /// allows; the scalar loop otherwise): the same values either way.
 template <kv_compression C, class OutT>
@@ -115,6 +175,14 @@ inline void dequantize_codes_at(host_simd level,
                                 OutT* out)
 {
 #if INFERSCALE_HOST_X86_SIMD
+  if (uses_avx512(level) && count % 16 == 0) {
+    if (level == host_simd::avx512_bf16) {
+      dequantize_codes_avx512<C, OutT, true>(codes, scales, scale, count, out);
+    } else {
+      dequantize_codes_avx512<C, OutT, false>(codes, scales, scale, count, out);
+    }
+    return;
+  }
   if (level != host_simd::scalar && count % 8 == 0) {
     dequantize_codes_avx2<C>(codes, scales, scale, count, out);
     return;
@@ -151,48 +219,59 @@ void inject_host_compressed_as(kv_store_ref const& store,
   std::vector<S> scratch(static_cast<std::size_t>(chunk * token_elems));
   std::vector<std::int64_t> ids(static_cast<std::size_t>(chunk));
   std::iota(ids.begin(), ids.end(), std::int64_t{0});
-  std::vector<float> key_scales(static_cast<std::size_t>(row));
-  kv_store_ref view = store;
-  view.pool         = scratch.data();
-  view.compression  = kv_compression::none;
-  view.page_size    = 1;
-  view.num_pages    = chunk;
+  // Each layer's key scales of the page its last token read: converted once per page and layer
+  // (a page's tokens share them), whatever the chunking.
+  std::vector<float> key_scales(static_cast<std::size_t>(L * row));
+  std::vector<unsigned char const*> scales_of(static_cast<std::size_t>(L), nullptr);
+  kv_store_ref view      = store;
+  view.pool              = scratch.data();
+  view.compression       = kv_compression::none;
+  view.page_size         = 1;
+  view.num_pages         = chunk;
   host_simd const level  = active_host_simd();
   auto const* const pool = static_cast<unsigned char const*>(store.pool);
   for (std::int64_t first = 0; first < batch.num_tokens; first += chunk) {
     std::int64_t const count = std::min(chunk, batch.num_tokens - first);
     for (std::int32_t l = 0; l < L; ++l) {
-      unsigned char const* scales_of = nullptr;  // the K block whose scales key_scales holds
+      float* const layer_scales = key_scales.data() + static_cast<std::int64_t>(l) * row;
       for (std::int64_t j = 0; j < count; ++j) {
         std::int64_t const slot = batch.slot[first + j];
         if (slot < 0 || slot >= num_slots) { continue; }  // not written: nothing to dequantize
-        std::int64_t const st   = batch.store_token[first + j];
-        std::int64_t const page = st / store.page_size;
-        auto const t            = static_cast<std::int32_t>(st % store.page_size);
+        std::int64_t const st             = batch.store_token[first + j];
+        std::int64_t const page           = st / store.page_size;
+        auto const t                      = static_cast<std::int32_t>(st % store.page_size);
         unsigned char const* const kblock = pool + store.block_offset(page, l, 0);
         unsigned char const* const vblock = kblock + b.block_bytes(0);
-        if (kblock != scales_of) {
-          block_scales<C>(kblock + b.scales_offset(), row, key_scales.data());
-          scales_of = kblock;
+        if (kblock != scales_of[static_cast<std::size_t>(l)]) {
+#if INFERSCALE_HOST_X86_SIMD
+          if (level != host_simd::scalar && row % 8 == 0) {
+            block_scales_avx2<C>(kblock + b.scales_offset(), row, layer_scales);
+          } else {
+            block_scales<C>(kblock + b.scales_offset(), row, layer_scales);
+          }
+#else
+          block_scales<C>(kblock + b.scales_offset(), row, layer_scales);
+#endif
+          scales_of[static_cast<std::size_t>(l)] = kblock;
         }
         S* const kout = scratch.data() + ((j * L + l) * 2) * row;
         S* const vout = kout + row;
         dequantize_codes_at<C>(level,
                                kblock + static_cast<std::int64_t>(t) * b.row_code_bytes(),
-                               key_scales.data(),
+                               layer_scales,
                                0.0f,
                                row,
                                kout);
         for (std::int32_t h = 0; h < store.num_heads; ++h) {
           float const vs =
             scale_at(vblock + b.scales_offset(), static_cast<std::int64_t>(t) * b.num_heads + h, C);
-          dequantize_codes_at<C>(level,
-                                 vblock + static_cast<std::int64_t>(t) * b.row_code_bytes() +
-                                   h * b.head_code_bytes(),
-                                 nullptr,
-                                 vs,
-                                 D,
-                                 vout + static_cast<std::int64_t>(h) * D);
+          dequantize_codes_at<C>(
+            level,
+            vblock + static_cast<std::int64_t>(t) * b.row_code_bytes() + h * b.head_code_bytes(),
+            nullptr,
+            vs,
+            D,
+            vout + static_cast<std::int64_t>(h) * D);
         }
       }
     }

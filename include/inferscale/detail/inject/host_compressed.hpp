@@ -128,6 +128,7 @@ INFERSCALE_TARGET_AVX2 void dequantize_codes_avx2(unsigned char const* __restric
 }
 #endif
 
+#if INFERSCALE_HOST_X86_SIMD
 /**
  * @brief dequantize_codes with AVX-512, sixteen codes at a time (count a multiple of 16); at the
  * avx512_bf16 level a bf16 result is rounded by VCVTNEPS2BF16 (simd512bf16::fp32_to_bf16, the
@@ -163,6 +164,8 @@ INFERSCALE_TARGET_AVX512_BF16 void dequantize_codes_avx512(unsigned char const* 
     }
   }
 }
+
+#endif
 
 /// @brief dequantize_codes at the host's vector level (AVX2 where the CPU has it and count
 /// allows; the scalar loop otherwise): the same values either way.

@@ -41,8 +41,7 @@ inline store_variant compression_variant(std::string const& name)
   if (name == "bfloat16") { return {name, dtype::bfloat16, kv_compression::none}; }
   if (name == "fp8_e4m3") { return {name, dtype::bfloat16, kv_compression::fp8_e4m3}; }
   if (name == "int4") { return {name, dtype::bfloat16, kv_compression::int4}; }
-  throw std::invalid_argument("--compression: unknown entry '" + name +
-                              "' (bfloat16, fp8_e4m3 or int4)");
+  throw std::invalid_argument("unknown entry '" + name + "' (bfloat16, fp8_e4m3 or int4)");
 }
 
 /**
@@ -62,10 +61,10 @@ inline std::vector<store_variant> compression_variants(std::string const& list)
     store_variant const v = compression_variant(x);
     bool const repeated   = std::any_of(
       out.begin() + 1, out.end(), [&](store_variant const& o) { return o.name == v.name; });
-    if (repeated) { throw std::invalid_argument("--compression: '" + x + "' given twice"); }
+    if (repeated) { throw std::invalid_argument("'" + x + "' given twice"); }
     if (v.name != "bfloat16") { out.push_back(v); }
   }
-  if (!any) { throw std::invalid_argument("--compression: an empty list"); }
+  if (!any) { throw std::invalid_argument("an empty list"); }
   return out;
 }
 

@@ -162,7 +162,7 @@ int main(int argc, char** argv)
     try {
       compression = lc::compression_variants(argv[2]);
     } catch (std::exception const& e) {
-      std::fprintf(stderr, "example_engine_llama_cpp: %s\n", e.what());
+      std::fprintf(stderr, "example_engine_llama_cpp: --compression: %s\n", e.what());
       return 2;
     }
     argv += 2;

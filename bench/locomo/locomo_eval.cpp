@@ -28,6 +28,14 @@
 //                        tokens recomputed in context (recompute.hpp: chosen by the layer-1 K/V
 //                        deviation probe; one batch), per encoding (default: 0 only)
 //     --served-recompute P   the percent the main table serves with (one of --recompute; 0)
+//     --compression bfloat16,fp8_e4m3,int4   what compressed fact KV costs in answers (issue
+//                        52): the served encoding also into one memory per entry (bfloat16: an
+//                        uncompressed bf16 store, the reference, always built; fp8_e4m3 / int4:
+//                        compressed stores dequantized to bf16), each question's same retrieved
+//                        facts injected from each (no recompute), and per store against the bf16
+//                        store's run: next-token KL (mean, p95) and top-1 over the gold answer
+//                        tokens (teacher-forced), greedy answer agreement, bytes per fact; the
+//                        float32 store (the served one) is the first row
 //     --no-whole         no (d) baseline: it prefills the whole (cut) conversation for every
 //                        question (about 2,300 tokens in --fast), the largest part of --fast's
 //                        answering time; the main job's default run skips it
@@ -44,6 +52,7 @@
 // The data set is read in place from ../shared/data/locomo (CC BY-NC 4.0, not copied). Any failure
 // (a missing model, data set or engine error) exits non-zero with the message.
 
+#include "compression_fidelity.hpp"
 #include "divergence.hpp"
 #include "embedder.hpp"
 #include "llama_adapter.hpp"
@@ -101,6 +110,7 @@ struct run_options {
   std::int64_t users{1000};       // --step
   std::vector<std::int64_t> batches{1, 16, 64};
   std::int64_t requests{256};
+  std::vector<lc::store_variant> compression;  // --compression: empty = off
 };
 
 std::vector<std::string> split(std::string const& s, char sep)
@@ -501,6 +511,10 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
     std::find(opt.recompute.begin(), opt.recompute.end(), opt.served_recompute) -
     opt.recompute.begin());
   std::vector<tally> turns_seen(variants.size());
+  // --compression: float32 (the served store), then opt.compression's stores (bfloat16 first).
+  std::vector<lc::fidelity_row> fidelity;
+  std::vector<double> fidelity_bytes(opt.compression.size() + 1, 0.0);
+  std::vector<std::int64_t> fidelity_facts(opt.compression.size() + 1, 0);
   tally retrieve_s;
   double encode_seconds      = 0;
   std::int64_t encode_tokens = 0, encode_facts = 0;
@@ -597,6 +611,41 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
         encode_tokens += rep.encode.forward_tokens;
         encode_facts += rep.encode.facts;
       }
+      // --compression: the served encoding again into one memory per store variant.
+      std::vector<std::unique_ptr<memory>> cmem;
+      if (variants[wi].main && !opt.compression.empty()) {
+        if (fidelity.empty()) {
+          fidelity.push_back({"float32 (served)"});
+          for (lc::store_variant const& v : opt.compression) {
+            fidelity.push_back({v.name});
+          }
+          fidelity[1].reference = true;
+        }
+        std::vector<memory const*> all_mem{&mem};
+        for (lc::store_variant const& v : opt.compression) {
+          memory_config vc     = mc;
+          vc.store.store_dtype = v.store_dtype;
+          vc.store.compression = v.compression;
+          cmem.push_back(std::make_unique<memory>(vc));
+          cmem.back()->set_instruction_prefix(adapter, prefix_tokens, 1, 0);
+          auto const tc = clock_type::now();
+          cmem.back()->add_conversation(adapter, embedder, ns, p.conv, p.facts, p.texts, eo);
+          std::fprintf(stderr,
+                       "locomo: %s %s: encoded into the %s store in %.1f s\n",
+                       s.id.c_str(),
+                       variants[wi].label.c_str(),
+                       v.name.c_str(),
+                       seconds_since(tc));
+          all_mem.push_back(cmem.back().get());
+        }
+        for (std::size_t vi = 0; vi < all_mem.size(); ++vi) {
+          kv_store const& st      = all_mem[vi]->store();
+          fidelity[vi].page_bytes = static_cast<std::int64_t>(st.page_bytes());
+          fidelity_bytes[vi] += double(st.namespace_pages(ns)) * double(st.page_bytes());
+          fidelity_facts[vi] += st.namespace_facts(ns);
+          fidelity[vi].bytes_per_fact = fidelity_bytes[vi] / double(fidelity_facts[vi]);
+        }
+      }
 
       for (std::size_t qi = 0; qi < qs.size(); ++qi) {
         lm::question const& q = *qs[qi];
@@ -667,6 +716,22 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
                          a.text.c_str(),
                          x.b.text.c_str(),
                          x.c.text.c_str());
+          }
+        }
+        if (!cmem.empty()) {
+          // The same facts from every store, no recompute: the stores' precision alone.
+          answer_run const f32 =
+            opt.served_recompute == 0 ? a : ev.injected(mem, x.ids, x.q, x.gold, 0);
+          answer_run const ref = ev.injected(*cmem[0], x.ids, x.q, x.gold, 0);
+          fidelity[0].add(ref.dists, f32.dists, f32.text == ref.text);
+          fidelity[1].add(ref.dists, ref.dists, true);
+          for (std::size_t vi = 1; vi < cmem.size(); ++vi) {
+            answer_run const got = ev.injected(*cmem[vi], x.ids, x.q, x.gold, 0);
+            fidelity[vi + 1].add(ref.dists, got.dists, got.text == ref.text);
+            if (opt.mode == "fast" || std::getenv("INFERSCALE_LOCOMO_VERBOSE")) {
+              std::fprintf(
+                stderr, "    [%s] %s\n", opt.compression[vi].name.c_str(), got.text.c_str());
+            }
           }
         }
       }
@@ -804,6 +869,35 @@ int eval_mode(lc::model const& m, std::vector<lm::sample> const& samples, run_op
   if (f1b[0].n == 0 || f1c[0].n == 0 || ttft_a[0].n != count[0].n) {
     std::fprintf(stderr, "locomo: a baseline produced no answers\n");
     return 1;
+  }
+  if (!opt.compression.empty()) {
+    std::printf("\n### Compressed facts: the served encoding from each store against bfloat16\n\n");
+    std::printf(
+      "The same top-%u facts of every question injected (no recompute) from a memory per store, "
+      "each encoded at w = %lld as above; KL(bf16 ‖ store) and top-1 of the next-token "
+      "distributions over the gold answer tokens (teacher-forced, the categories with an "
+      "answer); greedy answers (at most %d tokens) of every question compared with the bfloat16 "
+      "store's; bytes per fact: the store pages the compared facts take (the prefix excluded). "
+      "fp8_e4m3 and int4 are dequantized to bfloat16.\n\n",
+      opt.k,
+      static_cast<long long>(main_w),
+      opt.max_new);
+    if (fidelity.empty() || !lc::print_fidelity_table(fidelity, fidelity[1])) {
+      std::fprintf(stderr, "locomo: --compression produced no complete figures\n");
+      return 1;
+    }
+    for (lc::fidelity_row const& r : fidelity) {
+      double const target = r.name == "fp8_e4m3" ? 0.01 : r.name == "int4" ? 0.05 : 0;
+      if (target > 0) {
+        std::printf("\n%s: KL mean %.5f nats (target <= %.2f: %s), %.2fx fewer bytes than bf16",
+                    r.name.c_str(),
+                    r.kl_mean(),
+                    target,
+                    r.kl_mean() <= target ? "met" : "NOT met",
+                    fidelity[1].bytes_per_fact / r.bytes_per_fact);
+      }
+    }
+    std::printf("\n");
   }
   return 0;
 }
@@ -1197,6 +1291,8 @@ int main(int argc, char** argv)
         for (auto const& b : split(value(), ',')) {
           opt.batches.push_back(std::stoll(b));
         }
+      } else if (a == "--compression") {
+        opt.compression = lc::compression_variants(value());
       } else if (a == "--k") {
         opt.k = static_cast<std::uint32_t>(std::stoul(value()));
       } else {
@@ -1219,6 +1315,10 @@ int main(int argc, char** argv)
     if (!given.count("--sessions")) { opt.sessions = 3; }
     if (!given.count("--questions")) { opt.questions = 6; }
     if (!given.count("--windows")) { opt.windows = {0, 20}; }
+  }
+  if (!opt.compression.empty() && opt.mode != "fast" && opt.mode != "full") {
+    std::fprintf(stderr, "locomo_eval: --compression needs --fast or --full\n");
+    return 2;
   }
   if (opt.mode == "step" && !given.count("--conversations")) { opt.conversations = {"all"}; }
   if (opt.mode == "step" && !given.count("--k")) { opt.k = 5; }

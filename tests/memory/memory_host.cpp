@@ -719,3 +719,67 @@ TEST_CASE(
   CHECK(streamed.m.store().namespace_facts(8) == 8);
   CHECK(streamed.m.store().pool_to_host() == plain.m.store().pool_to_host());
 }
+
+TEST_CASE("memory: a compressed store is encoded through the facade and serves its facts",
+          "[memory][compression]")
+{
+  // The facade captures each fact's K/V into host buffers and inserts them (kv_store::insert
+  // quantizes host views), so a memory over a compressed store encodes, retrieves and serves as
+  // one over an uncompressed store, its values within the codes' rounding of the exact ones.
+  user_data const a = make_user(7, 100, 12);
+  encoding_options o;
+  o.window   = 3;
+  o.strategy = encoding_strategy::aligned;
+  branching_model model;
+  word_embedder embedder;
+  memory exact = make_memory();
+  exact.set_instruction_prefix(model, {11, 12, 13}, 1, 0);
+  exact.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o);
+  host_cache want;
+  memory_request const rw = exact.serve(embedder, 7, a.texts[4], 3, 5, want, model.rotation());
+
+  for (kv_compression const c : {kv_compression::fp8_e4m3, kv_compression::int4}) {
+    CAPTURE(to_string(c));
+    memory_config config     = tiny_memory_config(dtype::bfloat16, 512);
+    config.store.compression = c;
+    memory m{config};
+    REQUIRE(m.store().compression() == c);
+    m.set_instruction_prefix(model, {11, 12, 13}, 1, 0);
+    memory_add_report const r = m.add_conversation(model, embedder, 7, a.c, a.facts, a.texts, o);
+    CHECK(r.encode.facts == 11);
+    CHECK(m.store().namespace_facts(7) == 11);
+    // The compressed page layout (compression.hpp): per layer, K and V blocks of codes (4 tokens
+    // x 1 head x 4 dims: 16 bytes of fp8, 8 of int4) and scales (4 E8M0 or bf16 key channels; 4
+    // bf16 or E8M0 value tokens), each padded to 16 bytes: 2 layers x 2 blocks x 32 bytes.
+    CHECK(m.store().page_bytes() == std::size_t{2 * 2 * 32});
+
+    host_cache got;
+    memory_request const rg = m.serve(embedder, 7, a.texts[4], 3, 5, got, model.rotation());
+    REQUIRE(rg.fact_ids == rw.fact_ids);
+    REQUIRE(rg.plan.token_ids == rw.plan.token_ids);
+    REQUIRE(got.committed == want.committed);
+    // V is not rotated: each element is the exact one rounded as its token's scale allows
+    // (compression.hpp: scale >= amax / q_max, the code rounded to nearest, then the product
+    // rounded to bfloat16).
+    bool any_rounded = false;
+    for (std::int64_t slot = 0; slot < rg.plan.length(); ++slot) {
+      for (std::int32_t l = 0; l < 2; ++l) {
+        double amax = 0;
+        for (int d = 0; d < 4; ++d) {
+          amax = std::max(amax, std::abs(double(want.value(l, slot, d))));
+        }
+        for (int d = 0; d < 4; ++d) {
+          double const x = want.value(l, slot, d), y = got.value(l, slot, d);
+          double const bound =
+            c == kv_compression::int4
+              ? amax * (1.0 / 14.0 * (1.0 + 1.0 / 128) + 1.0 / 256) * 1.001
+              : std::abs(x) * (1.0 / 16 + 1.0 / 128) + amax / 448.0 * 2.0 / 1024.0 + 1e-6;
+          CAPTURE(slot, l, d, x, y, bound);
+          CHECK(std::abs(y - x) <= bound);
+          any_rounded = any_rounded || y != x;
+        }
+      }
+    }
+    CHECK(any_rounded);  // the codes are not the exact values: the store did compress
+  }
+}

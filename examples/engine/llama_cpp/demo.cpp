@@ -12,7 +12,17 @@
 //
 // usage: example_engine_llama_cpp [model.gguf] [k]   (default: the model .ci/engine installed,
 // k = 20 facts; INFERSCALE_SMOLLM2_GGUF overrides the model path)
+//
+// example_engine_llama_cpp --compression bfloat16,fp8_e4m3,int4 [model.gguf] [k]: what compressed
+// fact KV costs in answers on this memory (issue 52). The prefix and k facts are encoded (behind
+// the prefix, as above) into a float32 store and one store per entry (bfloat16, the reference,
+// always; fp8_e4m3 / int4 dequantized to bfloat16); every question is answered from each store
+// (the memory injected, no recompute, the question prefilled, greedy, at most 48 tokens), and per
+// store against the bfloat16 store: next-token KL (mean, p95) and top-1 over the bfloat16 run's
+// answer tokens (teacher-forced), greedy answer agreement, bytes per fact. A missing or
+// non-finite figure exits 1.
 
+#include "compression_fidelity.hpp"
 #include "llama_recompute.hpp"
 #include "memory_setup.hpp"
 
@@ -42,10 +52,122 @@ std::string one_line(std::string s)
   std::size_t const end = s.find("<|im_end|>");
   return end == std::string::npos ? s : s.substr(0, end);
 }
+
+/// One question answered from `store`: the memory injected into sequence 0, the question
+/// prefilled, greedy generation (`answer`); then the logits over `forced` teacher-forced (or over
+/// the store's own answer when `forced` is empty).
+struct store_answer {
+  std::vector<std::int32_t> answer;
+  std::vector<std::vector<float>> dists;
+};
+store_answer answer_from(lc::context& ctx,
+                         lc::model_adapter& adapter,
+                         kv_store const& store,
+                         std::size_t k,
+                         std::vector<std::int32_t> const& turn,
+                         std::vector<std::int32_t> const* forced)
+{
+  ctx.clear(0);
+  lc::sequence_cache cache{ctx, 0};
+  composition const plan = demo::compose_memory(store, k);
+  {
+    injection_batch step{store};
+    step.add(plan, cache);
+    step.run(cache.cache(), adapter.rotation());
+  }
+  std::int64_t const next = plan.length() + static_cast<std::int64_t>(turn.size());
+  ctx.decode(0, turn, plan.length());
+  std::vector<float> first = ctx.last_logits();
+  store_answer r;
+  r.answer = ctx.generate(0, next, 48);
+  ctx.truncate(0, next);
+  std::vector<std::int32_t> const& f = forced ? *forced : r.answer;
+  r.dists.push_back(std::move(first));
+  if (f.size() > 1) {
+    std::vector<std::int32_t> const head(f.begin(), f.end() - 1);
+    for (auto& d : ctx.decode_logits(0, head, next, head.size())) {
+      r.dists.push_back(std::move(d));
+    }
+  }
+  ctx.clear(0);
+  return r;
+}
+
+int compression_mode(lc::model const& model,
+                     lc::context& ctx,
+                     lc::model_adapter& adapter,
+                     std::vector<lc::store_variant> const& variants,
+                     std::size_t k)
+{
+  // The float32 store first, then the variants (bfloat16 first: the reference).
+  std::vector<kv_store> stores;
+  std::vector<lc::fidelity_row> rows{{"float32"}};
+  stores.push_back(demo::make_memory_store(ctx.geometry()));
+  for (lc::store_variant const& v : variants) {
+    kv_store_config c = stores.front().config();
+    c.store_dtype     = v.store_dtype;
+    c.compression     = v.compression;
+    stores.emplace_back(c);
+    rows.push_back({v.name});
+  }
+  rows[1].reference = true;
+  for (std::size_t i = 0; i < stores.size(); ++i) {
+    demo::store_memory(model, adapter, stores[i], k);
+    rows[i].page_bytes      = static_cast<std::int64_t>(stores[i].page_bytes());
+    std::int64_t fact_bytes = 0;
+    for (std::size_t f = 0; f < k; ++f) {
+      fact_bytes += static_cast<std::int64_t>(stores[i].at(demo::fact_id(f)).pages.size()) *
+                    rows[i].page_bytes;  // whole pages, as every store allocates them
+    }
+    rows[i].bytes_per_fact = double(fact_bytes) / double(k);
+  }
+  for (std::string const& text : demo::questions) {
+    std::vector<std::int32_t> const turn = model.tokenize(demo::question_turn(text));
+    store_answer const ref               = answer_from(ctx, adapter, stores[1], k, turn, nullptr);
+    std::printf(
+      "Q: %s\n  [bfloat16] %s\n", text.c_str(), one_line(model.detokenize(ref.answer)).c_str());
+    for (std::size_t i = 0; i < stores.size(); ++i) {
+      if (i == 1) {
+        rows[i].add(ref.dists, ref.dists, true);
+        continue;
+      }
+      store_answer const got = answer_from(ctx, adapter, stores[i], k, turn, &ref.answer);
+      rows[i].add(ref.dists, got.dists, got.answer == ref.answer);
+      std::printf(
+        "  [%s] %s\n", rows[i].name.c_str(), one_line(model.detokenize(got.answer)).c_str());
+    }
+  }
+  std::printf(
+    "\n## Compressed facts on the demo memory: prefix + %zu facts, %zu questions\n\n"
+    "KL(bf16 ‖ store) and top-1 over the bfloat16 store's greedy answer tokens (teacher-forced); "
+    "greedy answers (at most 48 tokens) compared with the bfloat16 store's; no recompute.\n\n",
+    k,
+    demo::questions.size());
+  if (!lc::print_fidelity_table(rows, rows[1])) {
+    std::fprintf(stderr, "example_engine_llama_cpp: --compression: incomplete figures\n");
+    return 1;
+  }
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv)
 {
+  std::vector<lc::store_variant> compression;
+  if (argc > 1 && std::string{argv[1]} == "--compression") {
+    if (argc < 3) {
+      std::fprintf(stderr, "--compression needs a list (e.g. bfloat16,fp8_e4m3,int4)\n");
+      return 2;
+    }
+    try {
+      compression = lc::compression_variants(argv[2]);
+    } catch (std::exception const& e) {
+      std::fprintf(stderr, "example_engine_llama_cpp: --compression: %s\n", e.what());
+      return 2;
+    }
+    argv += 2;
+    argc -= 2;
+  }
   std::string path = argc > 1 ? argv[1] : "";
   if (path.empty()) {
     if (char const* p = std::getenv("INFERSCALE_SMOLLM2_GGUF")) { path = p; }
@@ -67,6 +189,11 @@ int main(int argc, char** argv)
     options.n_branch_seq = 64;  // the recompute's runs side by side in one decode
     lc::context ctx{model, options};
     lc::model_adapter adapter{ctx};
+    if (!compression.empty()) {
+      int const rc = compression_mode(model, ctx, adapter, compression, k);
+      llama_backend_free();
+      return rc;
+    }
     kv_store store = demo::make_memory_store(ctx.geometry());
 
     std::printf("== A conversation (today) ==\n");

@@ -69,6 +69,18 @@ dtype parse_dtype(std::string const& name)
                               "' (float32, float16 or bfloat16)");
 }
 
+/// A store compression by its library name (compression.hpp's to_string): "none", "fp8_e4m3" or
+/// "int4"; anything else is refused naming the three.
+kv_compression parse_compression(std::string const& name)
+{
+  for (kv_compression c : {kv_compression::none, kv_compression::fp8_e4m3, kv_compression::int4}) {
+    if (name == to_string(c)) { return c; }
+  }
+  throw std::invalid_argument(
+    "inferscale: unsupported compression '" + name + "' (" + to_string(kv_compression::none) +
+    ", " + to_string(kv_compression::fp8_e4m3) + " or " + to_string(kv_compression::int4) + ")");
+}
+
 template <std::size_t N>
 std::array<std::int64_t, N> to_array(std::vector<std::int64_t> const& v, char const* what)
 {
@@ -260,7 +272,42 @@ class store_handle {
     std::int64_t const re = r.row_elements();
     float* out_k          = keys.data();
     float* out_v          = values.data();
-    auto copy             = [&](auto tag) {
+    if (r.compression != kv_compression::none) {
+      // The values injection writes: each code times its scale, rounded to the store dtype
+      // (compression.hpp), widened to float32.
+      auto dequantize = [&](auto tag) {
+        using T        = decltype(tag);
+        std::int64_t n = f.length();
+        std::vector<T> row(static_cast<std::size_t>(r.head_dim));
+        for (std::int32_t l = 0; l < r.num_layers; ++l) {
+          for (std::int32_t j = 0; j < f.length(); ++j) {
+            std::int64_t const st   = get().store_token(f, j);
+            std::int64_t const page = st / r.page_size;
+            auto const in_page      = static_cast<std::int32_t>(st % r.page_size);
+            std::int64_t const dst  = (static_cast<std::int64_t>(l) * n + j) * re;
+            for (std::int32_t kv = 0; kv < 2; ++kv) {
+              auto const* block =
+                static_cast<unsigned char const*>(r.pool) + r.block_offset(page, l, kv);
+              float* out = (kv == 0 ? out_k : out_v) + dst;
+              for (std::int32_t h = 0; h < r.num_heads; ++h) {
+                detail::dequantize_run(
+                  r.blocks(), block, kv, in_page, h, 0, r.head_dim, row.data());
+                for (std::int32_t e = 0; e < r.head_dim; ++e) {
+                  out[h * r.head_dim + e] = to_float(row[static_cast<std::size_t>(e)]);
+                }
+              }
+            }
+          }
+        }
+      };
+      switch (get().store_dtype()) {
+        case dtype::float32: dequantize(float{}); break;
+        case dtype::float16: dequantize(half_t{}); break;
+        default: dequantize(bfloat16_t{}); break;
+      }
+      return;
+    }
+    auto copy = [&](auto tag) {
       using T        = decltype(tag);
       T const* pool  = static_cast<T const*>(r.pool);
       std::int64_t n = f.length();
@@ -291,6 +338,11 @@ class store_handle {
     expect_cuda_build("Store.to_device");
     if (get().space() != memory_space::host) {
       throw std::invalid_argument("Store.to_device: the store is already in device memory");
+    }
+    if (get().compression() != kv_compression::none) {
+      throw std::invalid_argument(std::string{"Store.to_device: the store is compressed ("} +
+                                  to_string(get().compression()) +
+                                  "); this copy moves uncompressed rows only");
     }
     kv_store_config c = get().config();
     c.space           = memory_space::device;
@@ -804,9 +856,16 @@ void bind_memory(nb::module_& m)
                    std::string const& store_dtype,
                    std::int64_t num_pages,
                    std::int32_t page_size,
-                   std::int64_t embedding_dim) {
-    return inferscale_vllm::make_memory_config(
-      layers, heads, head_dim, parse_dtype(store_dtype), num_pages, page_size, embedding_dim);
+                   std::int64_t embedding_dim,
+                   std::string const& compression) {
+    return inferscale_vllm::make_memory_config(layers,
+                                               heads,
+                                               head_dim,
+                                               parse_dtype(store_dtype),
+                                               num_pages,
+                                               page_size,
+                                               embedding_dim,
+                                               parse_compression(compression));
   };
   nb::class_<memory_handle>(m, "Memory")
     .def(
@@ -818,9 +877,10 @@ void bind_memory(nb::module_& m)
                std::string const& store_dtype,
                std::int64_t num_pages,
                std::int32_t page_size,
-               std::int64_t embedding_dim) {
-        new (self) memory_handle(memory{
-          config(layers, heads, head_dim, store_dtype, num_pages, page_size, embedding_dim)});
+               std::int64_t embedding_dim,
+               std::string const& compression) {
+        new (self) memory_handle(memory{config(
+          layers, heads, head_dim, store_dtype, num_pages, page_size, embedding_dim, compression)});
       },
       nb::arg("num_layers"),
       nb::arg("num_kv_heads"),
@@ -828,7 +888,10 @@ void bind_memory(nb::module_& m)
       nb::arg("dtype"),
       nb::arg("num_pages"),
       nb::arg("page_size"),
-      nb::arg("embedding_dim"))
+      nb::arg("embedding_dim"),
+      nb::arg("compression") = "none",
+      "`compression`: the store's (none; fp8_e4m3 or int4: codes with scales, dequantized to "
+      "`dtype` by injection); another value is refused (ValueError)")
     .def_static(
       "load",
       [config](std::string const& directory,
@@ -839,9 +902,10 @@ void bind_memory(nb::module_& m)
                std::int64_t num_pages,
                std::int32_t page_size,
                std::int64_t embedding_dim,
-               memory_handle const* previous) {
-        memory_config const c =
-          config(layers, heads, head_dim, store_dtype, num_pages, page_size, embedding_dim);
+               memory_handle const* previous,
+               std::string const& compression) {
+        memory_config const c = config(
+          layers, heads, head_dim, store_dtype, num_pages, page_size, embedding_dim, compression);
         std::optional<std::string> application;
         auto* handle = [&] {
           nb::gil_scoped_release release;
@@ -862,6 +926,7 @@ void bind_memory(nb::module_& m)
       nb::arg("page_size"),
       nb::arg("embedding_dim"),
       nb::arg("previous").none() = nb::none(),
+      nb::arg("compression")     = "none",
       "(Memory, application data: bytes or None) from a snapshot save() wrote; every check of "
       "the library's load_memory (manifest, checksums of every file, geometry). `previous` (a "
       "Memory, e.g. the generation a reader serves): the incremental load_memory, which takes "
@@ -927,6 +992,9 @@ void bind_memory(nb::module_& m)
     .def_prop_ro("instruction_prefix",
                  [](memory_handle const& h) { return h.get().instruction_prefix(); })
     .def_prop_ro("embedding_dim", [](memory_handle const& h) { return h.get().config().index.dim; })
+    .def_prop_ro(
+      "compression",
+      [](memory_handle const& h) { return std::string{to_string(h.get().store().compression())}; })
     .def_prop_ro(
       "store",
       [](memory_handle& h) { return store_handle{&h.get().store()}; },
@@ -1035,6 +1103,9 @@ NB_MODULE(_inferscale, m)
     .def_prop_ro("first_head", [](store_handle const& s) { return s.get().config().first_head; })
     .def_prop_ro(
       "dtype", [](store_handle const& s) { return std::string{to_string(s.get().store_dtype())}; })
+    .def_prop_ro(
+      "compression",
+      [](store_handle const& s) { return std::string{to_string(s.get().compression())}; })
     .def_prop_ro("version", [](store_handle const& s) { return s.get().version(); })
     .def_prop_ro("num_facts", [](store_handle const& s) { return s.get().num_facts(); })
     .def_prop_ro("free_pages", [](store_handle const& s) { return s.get().free_pages(); });

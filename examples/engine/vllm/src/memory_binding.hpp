@@ -112,11 +112,13 @@ inline memory_config make_memory_config(std::int32_t layers,
                                         dtype store_dtype,
                                         std::int64_t num_pages,
                                         std::int32_t page_size,
-                                        std::int64_t embedding_dim)
+                                        std::int64_t embedding_dim,
+                                        kv_compression compression = kv_compression::none)
 {
   memory_config c;
   c.store.model        = kv_geometry{layers, heads, head_dim};
   c.store.store_dtype  = store_dtype;
+  c.store.compression  = compression;  // none, or codes dequantized to store_dtype on injection
   c.store.space        = memory_space::host;  // the CPU engine's; a GPU worker copies its shard
   c.store.num_pages    = num_pages;
   c.store.page_size    = page_size;

@@ -50,10 +50,7 @@ struct store_access {
 
   static std::vector<std::int64_t> const& free_stack(kv_store const& s) { return s.free_pages_; }
 
-  static std::size_t page_bytes(kv_store const& s)
-  {
-    return s.page_bytes();
-  }
+  static std::size_t page_bytes(kv_store const& s) { return s.page_bytes(); }
 
   static void restore(kv_store& s, staged_catalogue&& c)
   {

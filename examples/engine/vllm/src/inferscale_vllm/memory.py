@@ -173,10 +173,13 @@ class Memory:
     # -- creation, opening, closing ---------------------------------------------------------
     @classmethod
     def create(cls, directory: str, *, model: dict, dtype: str = "bfloat16",
-               num_pages: int = 4096, page_size: int = 16, embedder=None) -> "Memory":
+               num_pages: int = 4096, page_size: int = 16, embedder=None,
+               compression: str = "none") -> "Memory":
         """A new, empty memory for a model (the caller becomes its writer). ``model`` names at
         least name, num_layers, num_kv_heads, head_dim and rope_theta; every key it holds (the
-        weights' digest, the dtype, the rotation) is checked against the serving model."""
+        weights' digest, the dtype, the rotation) is checked against the serving model.
+        ``compression``: the store's, "none" or the library's "fp8_e4m3" / "int4" (codes with
+        scales, dequantized to ``dtype`` by injection; the snapshot keeps it)."""
         for key in MODEL_KEYS:
             if key not in model:
                 raise ValueError(f"inferscale: Memory.create: the model description lacks {key!r}")
@@ -195,8 +198,10 @@ class Memory:
                 raise _error(directory, "it already holds a memory (Memory.open it)")
             store = {"dtype": dtype, "num_pages": int(num_pages), "page_size": int(page_size),
                      "embedding_dim": dim}
+            if compression != "none":  # an uncompressed memory's record is as before
+                store["compression"] = compression
             facade = _Facade(model["num_layers"], model["num_kv_heads"], model["head_dim"],
-                             dtype, int(num_pages), int(page_size), dim)
+                             dtype, int(num_pages), int(page_size), dim, compression=compression)
             _make_salt_key(directory)
             app = {"format": FORMAT, "generation": 0, "model": dict(model), "store": store,
                    "embedder": description, "users": {}, "next_namespace": 1, "next_id": 1,
@@ -617,6 +622,8 @@ def _check_app(app) -> str | None:
                                           ("num_pages", "page_size", "embedding_dim")) \
             or not isinstance(store.get("dtype"), str):
         return "store must give dtype, num_pages, page_size, embedding_dim"
+    if not isinstance(store.get("compression", "none"), str):
+        return "store's compression must be a str"
     users, facts = app.get("users"), app.get("facts")
     if not isinstance(users, dict) or not all(isinstance(u, str) and isinstance(n, int)
                                               for u, n in users.items()):
@@ -651,7 +658,8 @@ def load_generation(directory: str, dtype: str | None = None, previous=None):
             m = app["model"]
             facade, data = _Facade.load(directory, m["num_layers"], m["num_kv_heads"],
                                         m["head_dim"], dtype or s["dtype"], s["num_pages"],
-                                        s["page_size"], s["embedding_dim"], previous)
+                                        s["page_size"], s["embedding_dim"], previous,
+                                        compression=s.get("compression", "none"))
             if _parse_app(directory, data) != app:
                 raise ValueError("the snapshot changed while it loaded")
             if dtype:

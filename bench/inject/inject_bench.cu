@@ -689,10 +689,40 @@ std::vector<std::vector<std::int32_t>> requests_of(benchmark::State const& state
   return {segment_fact_lengths(state.range(0))};
 }
 
+/**
+ * @brief Each iteration times `fused` (the benchmark's time), then `other` (a baseline of the same
+ * work) and `copy` of the same bytes (the ceiling), in the same iterations: their total seconds.
+ */
+template <class Fused, class Other, class Copy>
+std::array<double, 3> timed_against_other_and_copy(benchmark::State& state,
+                                                   Fused&& fused,
+                                                   Other&& other,
+                                                   Copy&& copy)
+{
+  using clock = std::chrono::steady_clock;
+  std::array<double, 3> total{};
+  for (auto _ : state) {
+    auto const f0 = clock::now();
+    fused();
+    benchmark::ClobberMemory();
+    auto const f1 = clock::now();
+    other();
+    benchmark::ClobberMemory();
+    auto const p1 = clock::now();
+    copy();
+    auto const c1  = clock::now();
+    double const f = std::chrono::duration<double>(f1 - f0).count();
+    state.SetIterationTime(f);
+    total[0] += f;
+    total[1] += std::chrono::duration<double>(p1 - f1).count();
+    total[2] += std::chrono::duration<double>(c1 - p1).count();
+  }
+  return total;
+}
+
 void inject_host_bench(benchmark::State& state, model mdl, bool batch)
 {
   ib::run_guarded(state, [&] {
-    using clock = std::chrono::steady_clock;
     scenario s{mdl, requests_of(state, batch), is::memory_space::host};
     std::vector<bfloat16_t> fused_cache(static_cast<std::size_t>(s.cache_elements()));
     std::vector<bfloat16_t> two_pass_cache(static_cast<std::size_t>(s.cache_elements()));
@@ -725,23 +755,8 @@ void inject_host_bench(benchmark::State& state, model mdl, bool batch)
       bad == 0,
       "inject_bench: fused and two-pass results differ in " + std::to_string(bad) + " elements");
 
-    double seconds = 0.0, two_pass_seconds = 0.0, copy_seconds = 0.0;
-    for (auto _ : state) {
-      auto const f0 = clock::now();
-      fused();
-      benchmark::ClobberMemory();
-      auto const f1 = clock::now();
-      two_pass();
-      benchmark::ClobberMemory();
-      auto const p1 = clock::now();
-      copy();
-      auto const c1  = clock::now();
-      double const f = std::chrono::duration<double>(f1 - f0).count();
-      state.SetIterationTime(f);
-      seconds += f;
-      two_pass_seconds += std::chrono::duration<double>(p1 - f1).count();
-      copy_seconds += std::chrono::duration<double>(c1 - p1).count();
-    }
+    auto const [seconds, two_pass_seconds, copy_seconds] =
+      timed_against_other_and_copy(state, fused, two_pass, copy);
     ib::report_throughput(state, t, seconds, copy_seconds);
     report_two_pass(state, t, seconds, two_pass_seconds);
     report_common(state, s, false);
@@ -961,24 +976,8 @@ void inject_host_compressed_bench(benchmark::State& state, model mdl)
                          std::to_string(worst) + " (largest magnitude " + std::to_string(amax) +
                          ")");
 
-    using clock    = std::chrono::steady_clock;
-    double seconds = 0.0, plain_seconds = 0.0, copy_seconds = 0.0;
-    for (auto _ : state) {
-      auto const f0 = clock::now();
-      fused();
-      benchmark::ClobberMemory();
-      auto const f1 = clock::now();
-      plain();
-      benchmark::ClobberMemory();
-      auto const p1 = clock::now();
-      copy();
-      auto const c1  = clock::now();
-      double const f = std::chrono::duration<double>(f1 - f0).count();
-      state.SetIterationTime(f);
-      seconds += f;
-      plain_seconds += std::chrono::duration<double>(p1 - f1).count();
-      copy_seconds += std::chrono::duration<double>(c1 - p1).count();
-    }
+    auto const [seconds, plain_seconds, copy_seconds] =
+      timed_against_other_and_copy(state, fused, plain, copy);
     auto const n = static_cast<double>(state.iterations());
     if (seconds > 0 && plain_seconds > 0 && copy_seconds > 0) {
       double const written        = static_cast<double>(cache_bytes) * n;

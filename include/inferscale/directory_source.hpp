@@ -247,16 +247,7 @@ class directory_fact_source final : public fact_source {
                          detail::serial::hex(catalogue_actual) + " (the catalogue is corrupted)");
     store_access::staged_catalogue staged = store_access::parse_catalogue(catalogue, header, where);
 
-    kv_store_config const& c = header.config;
-    fact_layout const file_layout{c.model,
-                                  c.first_layer,
-                                  c.num_layers,
-                                  c.first_head,
-                                  c.num_heads,
-                                  c.store_dtype,
-                                  c.page_size,
-                                  header.page_bytes,
-                                  c.compression};
+    fact_layout const file_layout = fact_layout::of(header.config, header.page_bytes);
     if (files_.empty()) {
       layout_ = file_layout;
     } else {

@@ -51,10 +51,10 @@ struct fact_layout {
   std::uint64_t page_bytes{};                        ///< bytes of one page (kv_store::page_bytes())
   kv_compression compression{kv_compression::none};  ///< how the pages hold K/V (compression.hpp)
 
-  /// @brief The layout of a store's pages (its resolved configuration and page_bytes()).
-  static fact_layout of(kv_store const& store)
+  /// @brief The layout of pages of a resolved configuration `c` (layer and head counts never 0)
+  /// taking `page_bytes` bytes each (a store's page_bytes(), a snapshot header's).
+  static fact_layout of(kv_store_config const& c, std::uint64_t page_bytes)
   {
-    kv_store_config const& c = store.config();
     return {c.model,
             c.first_layer,
             c.num_layers,
@@ -62,8 +62,14 @@ struct fact_layout {
             c.num_heads,
             c.store_dtype,
             c.page_size,
-            static_cast<std::uint64_t>(store.page_bytes()),
+            page_bytes,
             c.compression};
+  }
+
+  /// @brief The layout of a store's pages (its resolved configuration and page_bytes()).
+  static fact_layout of(kv_store const& store)
+  {
+    return of(store.config(), static_cast<std::uint64_t>(store.page_bytes()));
   }
 
   /// @brief The layout of the stores `config` describes (its capacity and memory are ignored).

@@ -152,13 +152,7 @@ class kv_store {
    */
   explicit kv_store(kv_store_config const& config) : config_{resolve(config)}
   {
-    ref_.store_dtype        = config_.store_dtype;
-    ref_.num_layers         = config_.num_layers;
-    ref_.num_heads          = config_.num_heads;
-    ref_.head_dim           = config_.model.head_dim;
-    ref_.page_size          = config_.page_size;
-    ref_.num_pages          = config_.num_pages;
-    ref_.compression        = config_.compression;
+    ref_                    = ref_layout();
     std::size_t const bytes = pool_bytes();
     if (config_.space == memory_space::device) {
       cuda_pool_ = device_buffer<unsigned char>(bytes, nullptr, config_.resource);
@@ -584,10 +578,11 @@ class kv_store {
     return first;
   }
 
-  /// @brief The pool's byte layout, from the configuration (valid before ref_ is filled).
+  /// @brief The pool's layout from the configuration: everything of ref() but the pool pointer.
   kv_store_ref ref_layout() const noexcept
   {
     kv_store_ref r;
+    r.num_pages   = config_.num_pages;
     r.store_dtype = config_.store_dtype;
     r.num_layers  = config_.num_layers;
     r.num_heads   = config_.num_heads;

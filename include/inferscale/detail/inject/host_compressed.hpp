@@ -131,8 +131,8 @@ INFERSCALE_TARGET_AVX2 void dequantize_codes_avx2(unsigned char const* __restric
 #if INFERSCALE_HOST_X86_SIMD
 /**
  * @brief dequantize_codes with AVX-512, sixteen codes at a time (count a multiple of 16); at the
- * avx512_bf16 level a bf16 result is rounded by VCVTNEPS2BF16 (simd512bf16::fp32_to_bf16, the
- * same bits). Same values as the scalar loop.
+ * avx512_bf16 level a bf16 result is rounded by VCVTNEPS2BF16 (the same bits, subnormal inputs
+ * excepted and rounded by the integer path). Same values as the scalar loop.
  */
 template <kv_compression C, class OutT, bool NativeBf16>
 INFERSCALE_TARGET_AVX512_BF16 void dequantize_codes_avx512(unsigned char const* __restrict codes,
@@ -158,7 +158,16 @@ INFERSCALE_TARGET_AVX512_BF16 void dequantize_codes_avx512(unsigned char const* 
     __m512 const s       = scales != nullptr ? _mm512_loadu_ps(scales + e) : broadcast;
     __m512 const product = _mm512_mul_ps(v, s);
     if constexpr (NativeBf16 && std::is_same_v<OutT, bfloat16_t>) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e), simd512bf16::fp32_to_bf16(product));
+      // VCVTNEPS2BF16 rounds as from_float for every input but a subnormal (it reads one as
+      // zero): those take the integer rounding. Tested on the inputs themselves, not on a zero
+      // result as simd512bf16::fp32_to_bf16 must, since int4 codes give many exact zeros.
+      __m512 const magnitude = _mm512_abs_ps(product);
+      __mmask16 const subnormal =
+        _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(1.17549435e-38f), _CMP_LT_OQ) &
+        _mm512_cmp_ps_mask(magnitude, _mm512_setzero_ps(), _CMP_GT_OQ);
+      __m256i const bits = subnormal != 0 ? simd512::fp32_to_bf16(product)
+                                          : reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(product));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e), bits);
     } else {
       simd512::store16(out + e, product);
     }

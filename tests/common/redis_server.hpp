@@ -59,8 +59,10 @@ inline int free_port()
   return port;
 }
 
-/// @brief Whether `port` on 127.0.0.1 can be bound now.
-inline bool bindable(int port)
+/// @brief `op(fd, address)` on a fresh TCP socket for 127.0.0.1:`port` (closed after); false
+/// when no socket can be made.
+template <class Op>
+bool with_loopback_socket(int port, Op&& op)
 {
   int const fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) { return false; }
@@ -68,9 +70,17 @@ inline bool bindable(int port)
   a.sin_family      = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   a.sin_port        = htons(static_cast<std::uint16_t>(port));
-  bool const ok     = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  bool const ok     = op(fd, a);
   ::close(fd);
   return ok;
+}
+
+/// @brief Whether `port` on 127.0.0.1 can be bound now.
+inline bool bindable(int port)
+{
+  return with_loopback_socket(port, [](int fd, sockaddr_in const& a) {
+    return ::bind(fd, reinterpret_cast<sockaddr const*>(&a), sizeof a) == 0;
+  });
 }
 
 /// @brief A free port whose cluster bus port (port + 10000, Redis Cluster's rule) is free too.
@@ -86,15 +96,9 @@ inline int free_cluster_port()
 /// @brief Whether something accepts TCP connections on 127.0.0.1:`port`.
 inline bool accepts(int port)
 {
-  int const fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) { return false; }
-  sockaddr_in a{};
-  a.sin_family      = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port        = htons(static_cast<std::uint16_t>(port));
-  bool const ok     = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
-  ::close(fd);
-  return ok;
+  return with_loopback_socket(port, [](int fd, sockaddr_in const& a) {
+    return ::connect(fd, reinterpret_cast<sockaddr const*>(&a), sizeof a) == 0;
+  });
 }
 
 /// @brief How a redis_server runs.

@@ -35,3 +35,14 @@ def cpu_description() -> str:
     isa = [n for n, f in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AVX512_BF16", "avx512_bf16"),
                           ("AMX-BF16", "amx_bf16")) if f in flags]
     return f"{model} ({len(os.sched_getaffinity(0))} CPUs; {', '.join(isa) or 'no AVX2'})"
+
+
+def agreement(a, b):
+    """How many leading tokens two generations share (the greedy agreement of the fidelity
+    benchmarks)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -30,22 +30,13 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "engine", "vllm", "tests"))
 
-from bench_args import cpu_description  # noqa: E402
+from bench_args import agreement, cpu_description  # noqa: E402
 from caroline import FACTS, GEN, QUESTIONS, SYSTEM, query_tokens  # noqa: E402
 
 # store name -> (dtype, compression); float32: how far the bf16 rounding of the facts alone moves
 # the answers (the scale against which fp8 / int4 are read)
 STORES = {"bfloat16": ("bfloat16", "none"), "float32": ("float32", "none"),
           "fp8_e4m3": ("bfloat16", "fp8_e4m3"), "int4": ("bfloat16", "int4")}
-
-
-def agreement(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def one(model, compression, kv_path, out_path):

@@ -35,17 +35,9 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "engine", "vllm", "tests"))
 
-from bench_args import add_model_and_locomo, check_model_and_locomo  # noqa: E402
+from bench_args import (add_model_and_locomo, agreement,  # noqa: E402
+                        check_model_and_locomo)
 from caroline import FACTS, GEN, QUESTIONS, SYSTEM, query_tokens  # noqa: E402
-
-
-def agreement(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def locomo_text(path, tokens, tok):

@@ -17,26 +17,12 @@
 #include <inferscale/store.hpp>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <vector>
 
 namespace inferscale::detail {
-
-/// @brief fp32 values of the 256 e4m3 codes (host decode by table: one load per code).
-inline std::array<float, 256> const& e4m3_values()
-{
-  static std::array<float, 256> const table = [] {
-    std::array<float, 256> t{};
-    for (int c = 0; c < 256; ++c) {
-      t[static_cast<std::size_t>(c)] = to_float(float8_e4m3_t{static_cast<std::uint8_t>(c)});
-    }
-    return t;
-  }();
-  return table;
-}
 
 /// @brief The fp32 scales of a block: `count` scales from `scales` (compression.hpp's encoding).
 template <kv_compression C>
@@ -83,16 +69,9 @@ inline void dequantize_codes(unsigned char const* __restrict codes,
                              std::int64_t count,
                              OutT* __restrict out)
 {
-  float const* const e4m3 = e4m3_values().data();
   for (std::int64_t e = 0; e < count; ++e) {
-    float v;
-    if constexpr (C == kv_compression::int4) {
-      unsigned const nibble = (codes[e / 2] >> ((e % 2) * 4)) & 0xFu;
-      v                     = static_cast<float>(static_cast<int>(nibble ^ 8u) - 8);
-    } else {
-      v = e4m3[codes[e]];
-    }
-    out[e] = from_float<OutT>(v * (scales != nullptr ? scales[e] : scale));  // one rounding
+    out[e] = from_float<OutT>(
+      decode(code_at(codes, e, C), scales != nullptr ? scales[e] : scale, C));  // one rounding
   }
 }
 

@@ -1,8 +1,10 @@
 // Catch2 runner shared by every test executable.
 //
 // A test folder builds a host executable (its .cpp files, C++ compiler only) and, where CUDA is
-// enabled, a GPU executable (tests/CMakeLists.txt). This runner is compiled once for each kind
-// (INFERSCALE_TEST_GPU_EXECUTABLE 0 or 1) and checks, before anything runs, that every test case
+// enabled, a GPU executable (tests/CMakeLists.txt). This runner is compiled once (10 s of CPU:
+// Catch2's whole implementation) and linked into both kinds with a one-line unit that names the
+// kind (executable_kind.cpp, compiled with INFERSCALE_TEST_GPU_EXECUTABLE 0 or 1: its
+// inferscale_test_gpu_executable). It checks, before anything runs, that every test case
 // sits in the executable its tags name: a GPU executable holds only cases tagged [gpu] (they need
 // a device) or [cuda_host] (compiled by nvcc, run without a device), a host executable none of
 // them. A misplaced case fails the run, so no case is left out of both CTest entries.
@@ -25,9 +27,8 @@
 #ifndef INFERSCALE_SKIP_RETURN_CODE
 #define INFERSCALE_SKIP_RETURN_CODE 77
 #endif
-#ifndef INFERSCALE_TEST_GPU_EXECUTABLE
-#define INFERSCALE_TEST_GPU_EXECUTABLE 0
-#endif
+// Defined by executable_kind.cpp: true in a GPU executable, false in a host one.
+extern bool const inferscale_test_gpu_executable;
 
 namespace {
 
@@ -40,7 +41,7 @@ bool has_tag(Catch::TestCaseInfo const& info, char const* tag)
 /// The number of test cases registered in the wrong kind of executable, each named on stderr.
 int misplaced_cases()
 {
-  bool const gpu_executable = INFERSCALE_TEST_GPU_EXECUTABLE != 0;
+  bool const gpu_executable = inferscale_test_gpu_executable;
   int misplaced             = 0;
   for (Catch::TestCase const& test : Catch::getRegistryHub().getTestCaseRegistry().getAllTests()) {
     bool const device_side = has_tag(test, "gpu") || has_tag(test, "cuda_host");

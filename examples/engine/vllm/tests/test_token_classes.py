@@ -105,3 +105,83 @@ def test_join_keeps_every_change():
     assert join([a]).of(40) == join([a]).of(959) != join([a]).of(960)
     with pytest.raises(ValueError):
         TokenClasses([(2, 5, (0,))])
+
+
+def test_class_cache_reads_only_what_was_measured_for_the_same_layer_and_machine(tmp_path,
+                                                                              monkeypatch):
+    """ClassCache: a measurement kept on disk is read back for the same layer, weights and
+    machine only, without measuring; any other key, a damaged or foreign file, is measured again
+    (and replaced); a folder that cannot be written still gives the measured classes."""
+    import json
+    import os
+
+    from inferscale_vllm.token_classes import ClassCache, tensor_digest
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(48, 40, generator=g) * 0.05).bfloat16()
+    calls = []
+
+    def measure_w(weight):
+        def run():
+            calls.append(1)
+            return measure(lambda x: x @ weight.t(), 40, 96, dtype=torch.bfloat16)
+        return run
+
+    what = {"group": ["UnquantizedLinearMethod", 40, 48, "torch.bfloat16", False],
+            "weight": tensor_digest(w), "bias": None, "max_tokens": 96,
+            "dtype": "torch.bfloat16", "device": "cpu"}
+    cache = ClassCache(str(tmp_path / "tc"), machine={"cpu": {"model name": "test"}, "threads": 1})
+    first, hit = cache.get_or_measure(what, measure_w(w))
+    assert hit == 0 and len(calls) == 1
+    files = os.listdir(tmp_path / "tc")
+    assert len(files) == 1 and files[0].endswith(".json"), files
+    again, hit = cache.get_or_measure(what, measure_w(w))
+    assert hit == 1 and len(calls) == 1, "read back without measuring"
+    assert again.to_list() == first.to_list()
+    assert again.to_list() == measure(lambda x: x @ w.t(), 40, 96, dtype=torch.bfloat16).to_list()
+
+    # other weights (one element changed), another machine, other thread counts: measured
+    w2 = w.clone()
+    w2[3, 7] = -w2[3, 7] if w2[3, 7] != 0 else 1.0
+    assert tensor_digest(w2) != tensor_digest(w) and tensor_digest(w.clone()) == tensor_digest(w)
+    assert tensor_digest(w.reshape(40, 48)) != tensor_digest(w)  # the shape is in the digest
+    _, hit = cache.get_or_measure(dict(what, weight=tensor_digest(w2)), measure_w(w2))
+    assert hit == 0 and len(calls) == 2
+    for machine in ({"cpu": {"model name": "other"}, "threads": 1},
+                    {"cpu": {"model name": "test"}, "threads": 2}):
+        _, hit = ClassCache(str(tmp_path / "tc"), machine=machine).get_or_measure(
+            what, measure_w(w))
+        assert hit == 0
+    assert len(calls) == 4 and len(os.listdir(tmp_path / "tc")) == 4
+
+    # a damaged file, and a file whose description is another layer's: measured and replaced
+    path = cache.path(cache.describe(what))
+    for damage in ("{not json", json.dumps({"description": cache.describe(dict(what,
+                                                                                max_tokens=95)),
+                                             "classes": first.to_list()}),
+                   json.dumps({"description": cache.describe(what), "classes": [[2, 96, [0]]]})):
+        with open(path, "w") as f:
+            f.write(damage)
+        n = len(calls)
+        again, hit = cache.get_or_measure(what, measure_w(w))
+        assert hit == 0 and len(calls) == n + 1 and again.to_list() == first.to_list()
+        assert cache.get(what).to_list() == first.to_list(), "replaced by the measurement"
+
+    # a folder that cannot be made: the measured classes, nothing kept
+    (tmp_path / "blocked").write_text("a file where the folder would be")
+    blocked = ClassCache(str(tmp_path / "blocked" / "tc"), machine=cache.machine)
+    got, hit = blocked.get_or_measure(what, measure_w(w))
+    assert hit == 0 and got.to_list() == first.to_list() and blocked.get(what) is None
+
+    # the environment: off, a folder, or XDG_CACHE_HOME's
+    monkeypatch.setenv("INFERSCALE_TOKEN_CLASSES_CACHE", "off")
+    assert ClassCache.default() is None
+    monkeypatch.setenv("INFERSCALE_TOKEN_CLASSES_CACHE", str(tmp_path / "elsewhere"))
+    assert ClassCache.default().directory == str(tmp_path / "elsewhere")
+    monkeypatch.delenv("INFERSCALE_TOKEN_CLASSES_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ClassCache.default().directory == str(tmp_path / "xdg" / "inferscale" /
+                                                 "token-classes")
+    # what the machine is described by, on this machine
+    m = ClassCache.default().machine
+    assert m["threads"] == torch.get_num_threads() and m["torch"] == torch.__version__

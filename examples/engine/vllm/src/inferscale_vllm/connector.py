@@ -60,7 +60,7 @@ from .memory import MemoryReader, cache_salt, check_model, describe_model, shard
 from .rotary import find_model_runner, model_rotary
 from .serve_capture import ROUNDING_MODES, CaptureScheduler, CaptureWriter
 from .tensors import kv_cache_descriptor
-from .token_classes import TokenClasses, exact_load, join, measure_layers
+from .token_classes import ClassCache, TokenClasses, exact_load, join, measure_layers
 
 logger = logging.getLogger("vllm.inferscale")  # vLLM's handlers: its log shows ours
 # How long a request may wait for a just-committed generation to load before it is prefilled.
@@ -550,11 +550,14 @@ class InferScaleConnector(KVConnectorBase_V1):
             mc = self._vllm_config.model_config
             top = min(self._step_tokens, int(mc.max_model_len))
             t = time.monotonic()
-            classes, per = measure_layers(runner.get_model(), top, mc.dtype)
+            cache = ClassCache.default()
+            classes, per, hits = measure_layers(runner.get_model(), top, mc.dtype, cache=cache)
             if classes is None:
                 raise ValueError("the model has no linear layers vLLM's LinearBase describes")
             logger.info("inferscale: token classes of %d linear layer kinds up to %d tokens in "
-                        "%.1f s: %s (%s)", len(per), top, time.monotonic() - t, classes,
+                        "%.1f s (%d of them kept from an earlier start, in %s): %s (%s)",
+                        len(per), top, time.monotonic() - t, hits,
+                        cache.directory if cache else "no cache", classes,
                         "; ".join(f"{k}: {v}" for k, v in per.items()))
             return classes
         except Exception as e:  # noqa: BLE001 - then whole blocks, never a failed start

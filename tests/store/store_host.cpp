@@ -20,6 +20,7 @@
 
 #include <inferscale/error.hpp>
 #include <inferscale/store.hpp>
+#include <inferscale/store_slice.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -676,6 +677,114 @@ TEST_CASE("a shard store keeps only its layers and heads", "[store]")
     }
   }
   require_same_state(before, state_of(store, {1, 2, 3}));
+}
+
+TEST_CASE("slice_store copies a rank's heads and a stage's layers of the named facts", "[store]")
+{
+  struct slice_case {
+    store_slice slice;
+    std::int64_t layers, heads;  // what the slice must hold, written out
+  };
+  // Model: 4 layers, 4 KV heads, head_dim 6; the source holds all of them.
+  auto const c = GENERATE(slice_case{{0, 0, 0, 0}, 4, 4},   // everything
+                          slice_case{{1, 2, 0, 0}, 2, 4},   // layers 1..2, every head
+                          slice_case{{2, 0, 1, 2}, 2, 2},   // layers 2..3, heads 1..2
+                          slice_case{{3, 1, 3, 1}, 1, 1},   // last layer, last head
+                          slice_case{{0, 1, 0, 3}, 1, 3},   // first layer, heads 0..2
+                          slice_case{{1, 3, 2, 0}, 3, 2});  // layers 1..3, heads 2..3
+  CAPTURE(c.slice.first_layer, c.slice.num_layers, c.slice.first_head, c.slice.num_heads);
+  auto const store_dtype = GENERATE(dtype::float32, dtype::float16, dtype::bfloat16);
+  CAPTURE(to_string(store_dtype));
+  kv_geometry const model{4, 4, 6};
+  kv_store full{host_config(model, store_dtype, 3, 24)};
+  std::vector<kv_input<float>> inputs;
+  std::int64_t const tokens[]  = {7, 5, 3, 2};
+  std::uint64_t const spaces[] = {9, 4, 9, 4};
+  for (std::uint64_t id = 1; id <= 4; ++id) {
+    inputs.push_back(exact_input<float>(4, tokens[id - 1], 4, 6, 40 + id));
+    insert_fact(full, id, spaces[id - 1], inputs.back());
+  }
+  auto const full_before = state_of(full, {1, 2, 3, 4});
+
+  kv_store const out = slice_store(full, c.slice, {3, 1, 2});
+  REQUIRE(out.space() == memory_space::host);
+  REQUIRE(out.store_dtype() == store_dtype);
+  REQUIRE(out.page_size() == 3);
+  REQUIRE(out.geometry() == (kv_geometry{std::int32_t(c.layers), std::int32_t(c.heads), 6}));
+  REQUIRE(out.config().model == (kv_geometry{std::int32_t(c.layers), 4, 6}));
+  REQUIRE(out.config().first_layer == 0);
+  REQUIRE(out.config().first_head == c.slice.first_head);
+  REQUIRE(out.num_pages() == 1 + 3 + 2);  // ceil(3/3) + ceil(7/3) + ceil(5/3): exactly the facts'
+  REQUIRE(out.free_pages() == 0);
+  REQUIRE(out.num_facts() == 3);
+  REQUIRE_FALSE(out.contains(4));
+  REQUIRE(out.namespace_fact_ids(9) == std::vector<std::uint64_t>{3, 1});
+  REQUIRE(out.namespace_fact_ids(4) == std::vector<std::uint64_t>{2});
+  pool_shape const shape{c.layers, c.heads, 6, 3, store_dtype};
+  auto const pool = out.pool_to_host();
+  for (std::uint64_t id : {1, 2, 3}) {
+    CAPTURE(id);
+    REQUIRE(out.at(id).token_ids == full.at(id).token_ids);
+    REQUIRE(out.at(id).namespace_id == spaces[id - 1]);
+    // every element against the input's (layer + first_layer, head + first_head) rounded
+    check_fact(pool, shape, out.at(id), inputs[id - 1], c.slice.first_layer, c.slice.first_head);
+  }
+  // the unused rows of fact 1's last page (tokens 7 and 8 of pages of 3) are zero
+  for (std::int64_t l = 0; l < c.layers; ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (std::int64_t t : {7, 8}) {
+        for (std::int64_t h = 0; h < c.heads; ++h) {
+          for (std::int64_t e = 0; e < 6; ++e) {
+            REQUIRE(read_pool(pool, shape, out.at(1).pages, l, kv, t, h, e) == 0u);
+          }
+        }
+      }
+    }
+  }
+  require_same_state(full_before, state_of(full, {1, 2, 3, 4}));  // the source is only read
+}
+
+TEST_CASE("slice_store of a shard store, and its refusals", "[store]")
+{
+  kv_geometry const model{4, 4, 6};
+  auto cfg        = host_config(model, dtype::bfloat16, 4, 8);
+  cfg.first_layer = 1;  // holds layers 1..3 and heads 1..3
+  cfg.first_head  = 1;
+  kv_store shard{cfg};
+  auto const in = exact_input<float>(4, 6, 4, 6, 77);  // whole-model views: the shard's slice
+  insert_fact(shard, 5, 2, in);
+  auto const before = state_of(shard, {5});
+
+  // a slice of the shard, in model coordinates
+  kv_store const out = slice_store(shard, store_slice{2, 2, 2, 1}, {5});
+  REQUIRE(out.geometry() == (kv_geometry{2, 1, 6}));
+  check_fact(out.pool_to_host(), pool_shape{2, 1, 6, 4, dtype::bfloat16}, out.at(5), in, 2, 2);
+  // 0 counts run to the last layer and head the shard holds
+  REQUIRE(slice_store(shard, store_slice{2, 0, 2, 0}, {5}).geometry() == (kv_geometry{2, 2, 6}));
+  // no facts: an empty store of one page
+  kv_store const none = slice_store(shard, store_slice{1, 0, 1, 0}, {});
+  REQUIRE(none.num_facts() == 0);
+  REQUIRE(none.num_pages() == 1);
+
+  auto const refused = [&](store_slice s, std::vector<std::uint64_t> ids, char const* what) {
+    CAPTURE(s.first_layer, s.num_layers, s.first_head, s.num_heads);
+    REQUIRE_THROWS_WITH(slice_store(shard, s, ids), Catch::Contains(what));
+  };
+  refused({0, 1, 1, 1}, {5}, "layers [0, 1) are not inside the store's [1, 4)");
+  refused({3, 2, 1, 1}, {5}, "layers [3, 5) are not inside the store's [1, 4)");
+  refused({1, -1, 1, 1}, {5}, "are not inside the store's");
+  refused({4, 0, 1, 1}, {5}, "are not inside the store's [1, 4)");
+  refused({1, 1, 0, 1}, {5}, "KV heads [0, 1) are not inside the store's [1, 4)");
+  refused({1, 1, 2, 3}, {5}, "KV heads [2, 5) are not inside the store's [1, 4)");
+  refused({1, 1, 1, 1}, {6}, "unknown fact id 6");
+  refused({1, 1, 1, 1}, {5, 5}, "fact id 5 is named twice");
+  require_same_state(before, state_of(shard, {5}));
+
+  auto ccfg        = host_config(model, dtype::bfloat16, 16, 4);
+  ccfg.compression = kv_compression::fp8_e4m3;
+  kv_store compressed{ccfg};
+  REQUIRE_THROWS_WITH(slice_store(compressed, store_slice{}, {}),
+                      Catch::Contains("the store is compressed (fp8_e4m3)"));
 }
 
 TEMPLATE_TEST_CASE("namespaces account 2*L*c*h*d*b bytes and ceil(c / page_size) pages",

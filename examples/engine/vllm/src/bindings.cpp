@@ -31,6 +31,7 @@
 #include <inferscale/rope.hpp>
 #include <inferscale/snapshot.hpp>
 #include <inferscale/store.hpp>
+#include <inferscale/store_slice.hpp>
 
 #ifdef INFERSCALE_VLLM_CUDA
 #include <cuda_runtime_api.h>
@@ -1039,6 +1040,26 @@ NB_MODULE(_inferscale, m)
       nb::arg("path"),
       nb::arg("dtype")  = nb::none(),
       nb::arg("device") = false)
+    .def(
+      "slice",
+      [](store_handle const& s,
+         std::vector<std::uint64_t> const& fact_ids,
+         std::int32_t first_head,
+         std::int32_t num_heads,
+         std::int32_t first_layer,
+         std::int32_t num_layers) {
+        return new store_handle(slice_store(
+          s.get(), store_slice{first_layer, num_layers, first_head, num_heads}, fact_ids));
+      },
+      nb::arg("fact_ids"),
+      nb::arg("first_head")  = 0,
+      nb::arg("num_heads")   = 0,
+      nb::arg("first_layer") = 0,
+      nb::arg("num_layers")  = 0,
+      "A new host Store of the KV heads [first_head, first_head + num_heads) of the layers "
+      "[first_layer, first_layer + num_layers) (model coordinates; 0 counts: to the last one "
+      "held) of the facts fact_ids, byte for byte (slice_store.hpp); the slice's layer 0 is the "
+      "model's first_layer. Uncompressed host stores.")
     .def("to_device",
          &store_handle::to_device,
          "A copy of this host store in device memory (same ids, namespaces and bytes).")

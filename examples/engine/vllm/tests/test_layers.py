@@ -71,6 +71,38 @@ def test_a_layer_and_head_shard_holds_exactly_that_slice():
     assert shard.token_ids(7) == list(range(100, 100 + n))
 
 
+def test_a_shard_of_several_facts_is_their_rows_byte_for_byte_in_their_namespaces():
+    """shard_store of an uncompressed store is the library's slice_store (Store.slice): each
+    fact's rows of the slice, the stored bits unchanged (a bfloat16 store read back as float32
+    is exact), its namespace and token ids kept; the namespace's facts in the order asked."""
+    rng = np.random.default_rng(11)
+    store = Store(LAYERS, HEADS, DIM, "bfloat16", num_pages=16, page_size=16)
+    kv = {}
+    for fid, ns, n in ((3, 1, 17), (5, 2, 40), (9, 1, 16)):
+        k = rng.standard_normal((LAYERS, n, HEADS, DIM)).astype(np.float32)
+        v = rng.standard_normal((LAYERS, n, HEADS, DIM)).astype(np.float32)
+        store.insert(fid, ns, list(range(n)), k, v)
+        kb, vb = np.empty_like(k), np.empty_like(v)
+        store.read(fid, kb, vb)  # the stored (bf16-rounded) values
+        kv[fid] = (kb, vb)
+    shard = shard_store(store, [9, 5, 3], first_head=2, num_heads=1, first_layer=1, num_layers=4)
+    assert shard.geometry == (4, 1, DIM) and shard.dtype == "bfloat16"
+    assert shard.facts(1) == [9, 3] and shard.facts(2) == [5]
+    for fid, (kb, vb) in kv.items():
+        n = kb.shape[1]
+        got_k, got_v = np.empty((4, n, 1, DIM), np.float32), np.empty((4, n, 1, DIM), np.float32)
+        shard.read(fid, got_k, got_v)
+        assert np.array_equal(got_k, kb[1:5, :, 2:3]) and np.array_equal(got_v, vb[1:5, :, 2:3])
+        assert shard.namespace_of(fid) == store.namespace_of(fid)
+        assert shard.token_ids(fid) == list(range(n))
+    with pytest.raises(ValueError, match="unknown fact id 4"):
+        store.slice([4], 0, 1)
+    with pytest.raises(ValueError, match="fact id 3 is named twice"):
+        store.slice([3, 3], 0, 1)
+    with pytest.raises(ValueError, match=r"KV heads \[2, 4\) are not inside the store's \[0, 3\)"):
+        store.slice([3], 2, 2)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"first_head": 0, "num_heads": 3, "first_layer": 4, "num_layers": 3}, "layers"),
     ({"first_head": 0, "num_heads": 3, "first_layer": -1, "num_layers": 2}, "layers"),

@@ -36,6 +36,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -153,6 +154,33 @@ class directory_fact_source final : public fact_source {
       out.facts.push_back(read_fact(at));
     }
     return out;
+  }
+
+  /**
+   * @brief Whether `f` is this directory's fact: held in `f`'s namespace, the same token ids, and
+   * pages whose CRC-64 (in the file's page order) is the fact table's. Reads nothing from disk.
+   */
+  std::optional<bool> matches(fetched_fact const& f) const override
+  {
+    auto const it = facts_.find(f.fact_id);
+    if (it == facts_.end()) { return false; }
+    fact_record const& r = it->second.record;
+    std::size_t const B  = static_cast<std::size_t>(layout_.page_bytes);
+    if (r.namespace_id != f.namespace_id || r.token_ids != f.token_ids ||
+        f.pages.size() != r.pages.size() * B) {
+      return false;
+    }
+    std::vector<std::pair<std::int64_t, std::size_t>> order;
+    order.reserve(r.pages.size());
+    for (std::size_t j = 0; j < r.pages.size(); ++j) {
+      order.emplace_back(r.pages[j], j);
+    }
+    std::sort(order.begin(), order.end());
+    detail::serial::crc64 crc;
+    for (auto const& [page, j] : order) {
+      crc.update(f.pages.data() + j * B, B);
+    }
+    return crc.value() == it->second.checksum;
   }
 
  private:

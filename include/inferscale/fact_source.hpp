@@ -24,6 +24,7 @@
 #include <inferscale/store.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -176,6 +177,18 @@ class fact_source {
    *        when the source cannot be reached. Nothing is returned then.
    */
   virtual fetched_namespace fetch(std::uint64_t ns, std::vector<std::uint64_t> const& ids) = 0;
+
+  /**
+   * @brief Whether `f` is the fact this source holds under its namespace and id (same tokens, the
+   * same page bytes), told from what the source keeps in memory without reading the fact: a copy
+   * held elsewhere (a cache in front of this source) is checked with it. nullopt: this source
+   * cannot tell without reading (the default); false also for a fact it does not hold.
+   */
+  virtual std::optional<bool> matches(fetched_fact const& f) const
+  {
+    (void)f;
+    return std::nullopt;
+  }
 
  protected:
   fact_source()                              = default;

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -193,6 +194,34 @@ TEST_CASE("tier source: a directory serves pages byte for byte, read only when a
       CHECK(f.embedding.empty());
       CHECK(f.pages == fact_bytes(reference, f.fact_id));
     }
+  }
+
+  SECTION("matches tells a copy of a fact from anything else, reading nothing")
+  {
+    fetched_namespace const got = source.fetch(7, {2, 3});
+    for (fetched_fact const& f : got.facts) {
+      CAPTURE(f.fact_id);
+      CHECK(source.matches(f) == std::optional<bool>{true});
+      fetched_fact changed = f;  // one bit of its last page
+      changed.pages.back() = static_cast<unsigned char>(changed.pages.back() ^ 1u);
+      CHECK(source.matches(changed) == std::optional<bool>{false});
+      changed = f;
+      changed.token_ids.back() += 1;
+      CHECK(source.matches(changed) == std::optional<bool>{false});
+      changed              = f;
+      changed.namespace_id = 8;
+      CHECK(source.matches(changed) == std::optional<bool>{false});
+      changed = f;
+      changed.pages.resize(changed.pages.size() + source.layout().page_bytes);
+      CHECK(source.matches(changed) == std::optional<bool>{false});
+      changed         = f;
+      changed.fact_id = 99;  // a fact the directory does not hold
+      CHECK(source.matches(changed) == std::optional<bool>{false});
+    }
+    // facts 2 and 3 swapped: each the other's bytes under its id
+    fetched_fact swapped = got.facts[0];
+    swapped.pages        = got.facts[1].pages;
+    CHECK(source.matches(swapped) == std::optional<bool>{false});
   }
 
   SECTION("admit pulls the missing facts through the host tier into the device tier")

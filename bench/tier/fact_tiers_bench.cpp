@@ -9,6 +9,9 @@
 //                    table's CRC, the copy into the host tier, then the device tier copy;
 //  - tier/redis/k:K  admit(keys, redis_fact_store) from a redis-server started here on 127.0.0.1
 //                    (one MULTI/EXEC of K GETs and the generation, checksums, copies);
+//  - tier/redis_over_disk{,_cold}/k:K  admit(keys, read_through_source(redis, disk)): every fact
+//                    in Redis (and checked against the file's fact table), or none (read from
+//                    disk and written into Redis);
 // and the ceilings measured in the same run:
 //  - ceiling/memcpy/k:K     memcpy of the same bytes;
 //  - ceiling/redis_get/k:K  K raw GETs of the same values in one pipeline (hiredis, no checks).
@@ -26,6 +29,7 @@
 #if defined(INFERSCALE_BENCH_REDIS)
 #include "redis_server.hpp"
 
+#include <inferscale/read_through_source.hpp>
 #include <inferscale/redis_source.hpp>
 #endif
 
@@ -260,6 +264,41 @@ void register_benchmarks()
       }
       source_case(s, *data(c).redis, c);
     })->Apply(ks);
+    // Redis in front of the snapshot file (read_through_source): warm, every fact in Redis
+    // (HKEYS of the catalogue, the MULTI/EXEC of GETs, the directory's check of each copy
+    // against its fact table); cold, none in Redis (disk reads, then the writes into Redis; the
+    // facts are erased from Redis again outside the timed region).
+    for (bool const warm : {true, false}) {
+      std::string const name = std::string{"tier/redis_over_disk"} + (warm ? "" : "_cold") + "/";
+      benchmark::RegisterBenchmark((name + dt).c_str(), [c, warm](benchmark::State& s) {
+        shared_data& d = data(c);
+        if (!d.redis) {
+          s.SkipWithError(("no Redis: " + d.redis_error).c_str());
+          return;
+        }
+        redis_options o;
+        o.port  = d.server->port();
+        o.model = warm ? "HuggingFaceTB/SmolLM2-135M@bench" : "HuggingFaceTB/SmolLM2-135M@cold";
+        redis_fact_store front{o, d.store.config()};
+        read_through_source chain{front, *d.disk};
+        std::int64_t const k = s.range(0);
+        tiered_store tiers{tiers_config(c)};
+        std::vector<fact_key> const keys = keys_of(k);
+        run(s, static_cast<std::size_t>(k) * 2 * d.store.page_bytes(), [&] {
+          auto const t0  = std::chrono::steady_clock::now();
+          tier_request r = tiers.admit(keys, chain);
+          tiers.stage_host(r);
+          double const t = since(t0);
+          for (fact_key const& key : keys) {
+            tiers.erase(key.fact_id);
+            if (!warm) { (void)front.erase(key.namespace_id, key.fact_id); }
+          }
+          return t;
+        });
+        s.counters["redis_hits"] = static_cast<double>(chain.stats().front_hits);
+        s.counters["disk_reads"] = static_cast<double>(chain.stats().back_reads);
+      })->Apply(ks);
+    }
     benchmark::RegisterBenchmark(("ceiling/redis_get/" + dt).c_str(), [c](benchmark::State& s) {
       shared_data& d = data(c);
       if (!d.redis) {

@@ -204,8 +204,10 @@ void host_case(benchmark::State& state, kv_compression c)
   });
 }
 
-template <class Source>
-void source_case(benchmark::State& state, Source& source, kv_compression c)
+/// Admits k facts from `source` per iteration; `after(key)` runs for each fact outside the timed
+/// region, once the fact is dropped from the tiers.
+template <class Source, class After>
+void source_case(benchmark::State& state, Source& source, kv_compression c, After&& after)
 {
   std::int64_t const k = state.range(0);
   tiered_store tiers{tiers_config(c)};
@@ -217,9 +219,16 @@ void source_case(benchmark::State& state, Source& source, kv_compression c)
     double const s = since(t0);
     for (fact_key const& key : keys) {
       tiers.erase(key.fact_id);
+      after(key);
     }
     return s;
   });
+}
+
+template <class Source>
+void source_case(benchmark::State& state, Source& source, kv_compression c)
+{
+  source_case(state, source, c, [](fact_key const&) {});
 }
 
 void memcpy_case(benchmark::State& state, kv_compression c)
@@ -281,19 +290,8 @@ void register_benchmarks()
         o.model = warm ? "HuggingFaceTB/SmolLM2-135M@bench" : "HuggingFaceTB/SmolLM2-135M@cold";
         redis_fact_store front{o, d.store.config()};
         read_through_source chain{front, *d.disk};
-        std::int64_t const k = s.range(0);
-        tiered_store tiers{tiers_config(c)};
-        std::vector<fact_key> const keys = keys_of(k);
-        run(s, static_cast<std::size_t>(k) * 2 * d.store.page_bytes(), [&] {
-          auto const t0  = std::chrono::steady_clock::now();
-          tier_request r = tiers.admit(keys, chain);
-          tiers.stage_host(r);
-          double const t = since(t0);
-          for (fact_key const& key : keys) {
-            tiers.erase(key.fact_id);
-            if (!warm) { (void)front.erase(key.namespace_id, key.fact_id); }
-          }
-          return t;
+        source_case(s, chain, c, [&](fact_key const& key) {
+          if (!warm) { (void)front.erase(key.namespace_id, key.fact_id); }
         });
         s.counters["redis_hits"] = static_cast<double>(chain.stats().front_hits);
         s.counters["disk_reads"] = static_cast<double>(chain.stats().back_reads);

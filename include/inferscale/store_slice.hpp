@@ -69,18 +69,21 @@ inline kv_store slice_store(kv_store const& full,
     slice.num_layers == 0 ? layer_end - slice.first_layer : slice.num_layers;
   std::int64_t const num_heads =
     slice.num_heads == 0 ? head_end - slice.first_head : slice.num_heads;
-  INFERSCALE_EXPECTS(slice.first_layer >= from.first_layer && slice.num_layers >= 0 &&
-                       num_layers >= 1 && slice.first_layer + num_layers <= layer_end,
-                     "slice_store: layers [" + std::to_string(slice.first_layer) + ", " +
-                       std::to_string(slice.first_layer + num_layers) +
-                       ") are not inside the store's [" + std::to_string(from.first_layer) + ", " +
-                       std::to_string(layer_end) + ")");
-  INFERSCALE_EXPECTS(slice.first_head >= from.first_head && slice.num_heads >= 0 &&
-                       num_heads >= 1 && slice.first_head + num_heads <= head_end,
-                     "slice_store: KV heads [" + std::to_string(slice.first_head) + ", " +
-                       std::to_string(slice.first_head + num_heads) +
-                       ") are not inside the store's [" + std::to_string(from.first_head) + ", " +
-                       std::to_string(head_end) + ")");
+  // [first, first + count) inside [held_first, held_end), count resolved from a 0
+  auto const check_range = [](char const* what,
+                              std::int64_t first,
+                              std::int64_t asked,
+                              std::int64_t count,
+                              std::int64_t held_first,
+                              std::int64_t held_end) {
+    INFERSCALE_EXPECTS(first >= held_first && asked >= 0 && count >= 1 && first + count <= held_end,
+                       std::string{"slice_store: "} + what + " [" + std::to_string(first) + ", " +
+                         std::to_string(first + count) + ") are not inside the store's [" +
+                         std::to_string(held_first) + ", " + std::to_string(held_end) + ")");
+  };
+  check_range(
+    "layers", slice.first_layer, slice.num_layers, num_layers, from.first_layer, layer_end);
+  check_range("KV heads", slice.first_head, slice.num_heads, num_heads, from.first_head, head_end);
   std::int64_t pages = 0;
   {
     std::unordered_set<std::uint64_t> seen;

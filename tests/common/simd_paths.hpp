@@ -68,11 +68,16 @@ struct rotation_case {
   std::vector<float> table_fp32;
   std::vector<bfloat16_t> table_bf16;
 
-  rotation_case(int head_dim, int rotary_dim, rotation_kind kind, std::int64_t rows)
+  rotation_case(int head_dim,
+                int rotary_dim,
+                rotation_kind kind,
+                std::int64_t rows,
+                rope_pairing pairing = rope_pairing::halves)
   {
     rope_spec spec  = rope_presets::llama_3_1_8b();
     spec.head_dim   = head_dim;
     spec.rotary_dim = rotary_dim;
+    spec.pairing    = pairing;
     spec.angle_mode =
       kind == rotation_kind::exact_angles ? rope_angle_mode::exact : rope_angle_mode::fp32;
     params = make_rope_params(spec);

@@ -43,7 +43,8 @@ void check_injection(dtype store_dt,
                      int head_dim,
                      int rotary_dim,
                      rotation_kind rotation,
-                     scale_kind scales)
+                     scale_kind scales,
+                     rope_pairing pairing)
 {
   int const L = 2, H = 3;
   std::int64_t const rows = 4096;
@@ -52,7 +53,7 @@ void check_injection(dtype store_dt,
   fact_data const b(2, L, 3, H, head_dim, 12);
   a.insert_into(store);
   b.insert_into(store);
-  rotation_case const rot(head_dim, rotary_dim, rotation, rows);
+  rotation_case const rot(head_dim, rotary_dim, rotation, rows, pairing);
 
   // fp8 scales: small ones push |x| / scale beyond the format's range, so saturation is exercised.
   std::vector<std::vector<float>> k_scales, v_scales;
@@ -161,19 +162,27 @@ TEMPLATE_TEST_CASE("the vector host injection writes the scalar loop's bytes",
                                      scale_kind::per_head,
                                      scale_kind::per_head_multiply)
                             : scale_kind::none;
+  // Both pairings: halves, and interleaved pairs (llama.cpp's rotation of Llama-family models),
+  // the latter at the geometries with a full vector of pairs and with a partial last one.
+  auto const pairing = GENERATE(rope_pairing::halves, rope_pairing::interleaved);
+  if (pairing == rope_pairing::interleaved && geometry.first != 128 && geometry.second != 38) {
+    return;
+  }
   CAPTURE(sizeof(CacheT),
           to_string(store_dt),
           name_of(rotation),
           geometry.first,
           geometry.second,
           to_string(layout),
-          static_cast<int>(scales));
+          static_cast<int>(scales),
+          static_cast<int>(pairing));
   // vLLM's legacy key layout splits heads into chunks of 16 bytes (its dims are not contiguous, so
   // it takes the scalar loop at every level): only head dims it can hold.
   if (layout == engine_layout::vllm_legacy && geometry.first % (16 / int(sizeof(CacheT))) != 0) {
     return;
   }
-  check_injection<CacheT>(store_dt, layout, geometry.first, geometry.second, rotation, scales);
+  check_injection<CacheT>(
+    store_dt, layout, geometry.first, geometry.second, rotation, scales, pairing);
 }
 
 #if INFERSCALE_HOST_X86_SIMD

@@ -146,10 +146,10 @@ void dispatch_host_inject(kv_store_ref const& store,
             // (R, F) = (1, 1) is the (0, 1) loop, one instance instead of two of each.
             constexpr bool R = decltype(round_each)::value && !F;
 #if INFERSCALE_HOST_X86_SIMD
-            if constexpr (C && H) {
+            if constexpr (C) {
               host_simd const level = active_host_simd();
               if (level != host_simd::scalar) {
-                inject_host_typed_simd<S, R, F, StoreT, CacheT>(
+                inject_host_typed_simd<S, R, F, H, StoreT, CacheT>(
                   store, batch, cache, rotation, level);
                 return;
               }

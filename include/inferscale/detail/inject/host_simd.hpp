@@ -1,7 +1,8 @@
 /**
  * @file detail/inject/host_simd.hpp
  * @brief The host backend's vector injection (AVX2 and AVX-512F, chosen at run time) for
- * contiguous dims and the halves pairing: the same bits as the scalar loop.
+ * contiguous dims and either pairing (halves; interleaved pairs taken apart into the same two
+ * operands): the same bits as the scalar loop.
  */
 #pragma once
 
@@ -87,12 +88,35 @@ INFERSCALE_TARGET_AVX2 inline void convert_row(StoreT const* __restrict src,
 }
 
 /**
- * @brief The vector form of inject_host_head for contiguous dims and the halves pairing: every
+ * @brief The vector form of inject_host_head for contiguous dims (either pairing): every
  * head of one token in one layer (keys rotated by `cos`/`sin`, one entry per pair, scaled and
  * converted; values converted). With `Scaled`, `key_steps` / `value_steps` hold the layer's
  * scaling of each head (prepared once per call; unused otherwise).
  */
-template <bool Scaled, rotate_mode Mode, class StoreT, class CacheT>
+/// @brief Sixteen consecutive elements (`a`: 0-7, `b`: 8-15) as their even and odd ones (the two
+/// halves of eight interleaved pairs).
+INFERSCALE_TARGET_AVX2 inline void deinterleave8(__m256 a, __m256 b, __m256* even, __m256* odd)
+{
+  // [a0 a2 b0 b2 | a4 a6 b4 b6], then the 64-bit quarters in the order 0, 2, 1, 3
+  __m256 const e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+  __m256 const o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+  *even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
+  *odd  = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+/// @brief The inverse of deinterleave8: pairs (x_i, y_i) in order, the first eight in `lo`.
+INFERSCALE_TARGET_AVX2 inline void interleave8(__m256 x, __m256 y, __m256* lo, __m256* hi)
+{
+  __m256 const l = _mm256_unpacklo_ps(x, y);  // x0 y0 x1 y1 | x4 y4 x5 y5
+  __m256 const h = _mm256_unpackhi_ps(x, y);  // x2 y2 x3 y3 | x6 y6 x7 y7
+  *lo            = _mm256_permute2f128_ps(l, h, 0x20);
+  *hi            = _mm256_permute2f128_ps(l, h, 0x31);
+}
+
+/// @brief One token's key and value rows of one layer into the cache (eight pairs at a time).
+/// `Halves`: pair p is (p, p + rotary / 2); else (2 p, 2 p + 1), taken apart into the two
+/// operands of the same rotation and put back together (the same arithmetic per pair).
+template <bool Scaled, rotate_mode Mode, bool Halves, class StoreT, class CacheT>
 INFERSCALE_TARGET_AVX2 void inject_token(kv_store_ref const& store,
                                          std::int64_t store_token,
                                          paged_kv_cache const& cache,
@@ -121,14 +145,28 @@ INFERSCALE_TARGET_AVX2 void inject_token(kv_store_ref const& store,
       for (std::int32_t p = 0; p < half; p += 8) {
         std::int32_t const n = half - p < 8 ? half - p : 8;
         __m256 x, y;
-        rotate8<Mode, StoreT>(load_n(k + p, n),
-                              load_n(k + half + p, n),
-                              load_n(cos + p, n),
-                              load_n(sin + p, n),
-                              &x,
-                              &y);
-        store_n(kdst + p, apply_scale<Scaled>(x, key_scale), n);
-        store_n(kdst + half + p, apply_scale<Scaled>(y, key_scale), n);
+        if constexpr (Halves) {
+          rotate8<Mode, StoreT>(load_n(k + p, n),
+                                load_n(k + half + p, n),
+                                load_n(cos + p, n),
+                                load_n(sin + p, n),
+                                &x,
+                                &y);
+          store_n(kdst + p, apply_scale<Scaled>(x, key_scale), n);
+          store_n(kdst + half + p, apply_scale<Scaled>(y, key_scale), n);
+        } else {
+          std::int32_t const first = 2 * n < 8 ? 2 * n : 8;  // elements of the first vector
+          __m256 even, odd, lo, hi;
+          deinterleave8(load_n(k + 2 * p, first),
+                        2 * n > 8 ? load_n(k + 2 * p + 8, 2 * n - 8) : _mm256_setzero_ps(),
+                        &even,
+                        &odd);
+          rotate8<Mode, StoreT>(even, odd, load_n(cos + p, n), load_n(sin + p, n), &x, &y);
+          interleave8(
+            apply_scale<Scaled>(x, key_scale), apply_scale<Scaled>(y, key_scale), &lo, &hi);
+          store_n(kdst + 2 * p, lo, first);
+          if (2 * n > 8) { store_n(kdst + 2 * p + 8, hi, 2 * n - 8); }
+        }
       }
       if (rotary < dim) { convert_row<Scaled>(k + rotary, kdst + rotary, dim - rotary, key_scale); }
       convert_row<Scaled>(vrow + static_cast<std::int64_t>(h) * dim,
@@ -180,7 +218,28 @@ INFERSCALE_TARGET_AVX512 inline void convert_row(StoreT const* __restrict src,
  * pairing: every head of one token in one layer (keys rotated by `cos`/`sin`, one entry per
  * pair, scaled and converted; values converted; `key_steps` / `value_steps` as simd::inject_token).
  */
-template <bool Scaled, rotate_mode Mode, class StoreT, class CacheT>
+/// @brief As simd::deinterleave8, thirty-two elements (`a`: 0-15, `b`: 16-31).
+INFERSCALE_TARGET_AVX512 inline void deinterleave16(__m512 a, __m512 b, __m512* even, __m512* odd)
+{
+  __m512i const evens =
+    _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  __m512i const odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  *even              = _mm512_permutex2var_ps(a, evens, b);
+  *odd               = _mm512_permutex2var_ps(a, odds, b);
+}
+
+/// @brief As simd::interleave8, sixteen pairs.
+INFERSCALE_TARGET_AVX512 inline void interleave16(__m512 x, __m512 y, __m512* lo, __m512* hi)
+{
+  __m512i const low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  __m512i const high =
+    _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  *lo = _mm512_permutex2var_ps(x, low, y);
+  *hi = _mm512_permutex2var_ps(x, high, y);
+}
+
+/// @brief As simd::inject_token, sixteen pairs at a time.
+template <bool Scaled, rotate_mode Mode, bool Halves, class StoreT, class CacheT>
 INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
                                            std::int64_t store_token,
                                            paged_kv_cache const& cache,
@@ -209,14 +268,30 @@ INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
       for (std::int32_t p = 0; p < half; p += 16) {
         std::int32_t const n = half - p < 16 ? half - p : 16;
         __m512 x, y;
-        rotate16<Mode, StoreT>(load_n(k + p, n),
-                               load_n(k + half + p, n),
-                               load_n(cos + p, n),
-                               load_n(sin + p, n),
-                               &x,
-                               &y);
-        store_n(kdst + p, simd512::apply_scale<Scaled>(x, key_scale), n);
-        store_n(kdst + half + p, simd512::apply_scale<Scaled>(y, key_scale), n);
+        if constexpr (Halves) {
+          rotate16<Mode, StoreT>(load_n(k + p, n),
+                                 load_n(k + half + p, n),
+                                 load_n(cos + p, n),
+                                 load_n(sin + p, n),
+                                 &x,
+                                 &y);
+          store_n(kdst + p, simd512::apply_scale<Scaled>(x, key_scale), n);
+          store_n(kdst + half + p, simd512::apply_scale<Scaled>(y, key_scale), n);
+        } else {
+          std::int32_t const first = 2 * n < 16 ? 2 * n : 16;  // elements of the first vector
+          __m512 even, odd, lo, hi;
+          deinterleave16(load_n(k + 2 * p, first),
+                         2 * n > 16 ? load_n(k + 2 * p + 16, 2 * n - 16) : _mm512_setzero_ps(),
+                         &even,
+                         &odd);
+          rotate16<Mode, StoreT>(even, odd, load_n(cos + p, n), load_n(sin + p, n), &x, &y);
+          interleave16(simd512::apply_scale<Scaled>(x, key_scale),
+                       simd512::apply_scale<Scaled>(y, key_scale),
+                       &lo,
+                       &hi);
+          store_n(kdst + 2 * p, lo, first);
+          if (2 * n > 16) { store_n(kdst + 2 * p + 16, hi, 2 * n - 16); }
+        }
       }
       if (rotary < dim) {
         simd512::convert_row<Scaled>(k + rotary, kdst + rotary, dim - rotary, key_scale);
@@ -232,12 +307,19 @@ INFERSCALE_TARGET_AVX512 void inject_token(kv_store_ref const& store,
 }  // namespace simd512
 
 /**
- * @brief inject_host_typed for contiguous dims and the halves pairing on a CPU with AVX-512F or
- * AVX2 (`level`, chosen at run time): cos/sin once per token (shared by every layer and head, as
+ * @brief inject_host_typed for contiguous dims, either pairing (halves, or interleaved pairs:
+ * llama.cpp's rotation of Llama-family models), on a CPU with AVX-512F or AVX2 (`level`, chosen
+ * at run time): cos/sin once per token (shared by every layer and head, as
  * in the scalar loop), then layer by layer over a chunk of tokens, 16 or 8 pairs at a time. Same
  * bits as the scalar loop.
  */
-template <bool Scaled, bool RoundEach, bool Fused, class StoreT, class CacheT, class Rotation>
+template <bool Scaled,
+          bool RoundEach,
+          bool Fused,
+          bool Halves,
+          class StoreT,
+          class CacheT,
+          class Rotation>
 void inject_host_typed_simd(kv_store_ref const& store,
                             injection_batch_view const& batch,
                             paged_kv_cache const& cache,
@@ -292,29 +374,31 @@ void inject_host_typed_simd(kv_store_ref const& store,
         std::int64_t const block    = slot / bs;
         std::int32_t const in_block = static_cast<std::int32_t>(slot % bs);
         if (uses_avx512(level)) {
-          simd512::inject_token<Scaled, mode, StoreT, CacheT>(store,
-                                                              batch.store_token[i],
-                                                              cache,
-                                                              l,
-                                                              block,
-                                                              in_block,
-                                                              rotation.rotary_dim,
-                                                              layer_cos + row,
-                                                              layer_sin + row,
-                                                              steps.data() + 2 * l * heads,
-                                                              steps.data() + (2 * l + 1) * heads);
+          simd512::inject_token<Scaled, mode, Halves, StoreT, CacheT>(
+            store,
+            batch.store_token[i],
+            cache,
+            l,
+            block,
+            in_block,
+            rotation.rotary_dim,
+            layer_cos + row,
+            layer_sin + row,
+            steps.data() + 2 * l * heads,
+            steps.data() + (2 * l + 1) * heads);
         } else {
-          simd::inject_token<Scaled, mode, StoreT, CacheT>(store,
-                                                           batch.store_token[i],
-                                                           cache,
-                                                           l,
-                                                           block,
-                                                           in_block,
-                                                           rotation.rotary_dim,
-                                                           layer_cos + row,
-                                                           layer_sin + row,
-                                                           steps.data() + 2 * l * heads,
-                                                           steps.data() + (2 * l + 1) * heads);
+          simd::inject_token<Scaled, mode, Halves, StoreT, CacheT>(
+            store,
+            batch.store_token[i],
+            cache,
+            l,
+            block,
+            in_block,
+            rotation.rotary_dim,
+            layer_cos + row,
+            layer_sin + row,
+            steps.data() + 2 * l * heads,
+            steps.data() + (2 * l + 1) * heads);
         }
       }
     }

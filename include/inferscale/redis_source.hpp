@@ -40,8 +40,12 @@
  *
  * Cluster: keys are sent to the node that owns their slot (CRC-16 of the hash tag, as Redis
  * Cluster computes it), learnt from `MOVED` replies and remembered; any node can be the one in
- * `redis_options`. Unreachable nodes, timeouts, a server still loading its data or a cluster
- * down throw source_unavailable; the connection is reopened on the next call.
+ * `redis_options`. While a slot migrates (resharding), an `ASK` reply sends the command once to
+ * the importing node after `ASKING` (every command of a transaction is then checked there as a
+ * whole), and `TRYAGAIN` (a user's keys split between the two nodes) is retried for about a
+ * second, then source_unavailable: a fetch never mixes the two nodes' halves. Unreachable nodes,
+ * timeouts, a server still loading its data or a cluster down throw source_unavailable; the
+ * connection is reopened on the next call.
  *
  * @note Not thread-safe: one redis_fact_store (it holds the connections) per thread.
  */
@@ -60,6 +64,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdint>
@@ -69,6 +74,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -509,24 +515,50 @@ class redis_fact_store final : public fact_source {
   }
 
   /// Runs `attempt` on the node owning `key`'s slot, following MOVED redirections (remembered
-  /// per slot); its result is kept in last_result_.
+  /// per slot) and, while the slot migrates, ASK redirections (the importing node asked once,
+  /// after ASKING; the owner not changed) and TRYAGAIN (the keys split between the two nodes:
+  /// retried after 2, 4, ... ms); its result is kept in last_result_.
   template <class Attempt>
   int on_slot(std::string const& key, Attempt&& attempt)
   {
     int const slot = detail::redis::hash_slot(key);
-    for (int hop = 0; hop < 8; ++hop) {
+    std::string last;
+    for (int hop = 0; hop < max_hops; ++hop) {
       auto const owner           = slot_owner_.find(slot);
       std::string const endpoint = owner == slot_owner_.end() ? seed_ : owner->second;
       try {
-        last_result_ = attempt(connection_to(endpoint));
-        return last_result_;
+        try {
+          last_result_ = attempt(connection_to(endpoint));
+          return last_result_;
+        } catch (detail::redis::asked const& a) {
+          last                                 = "ASK " + std::to_string(a.slot) + " " + a.endpoint;
+          detail::redis::connection& importing = connection_to(a.endpoint);
+          importing.set_asking(true);
+          try {
+            last_result_ = attempt(importing);
+          } catch (...) {
+            importing.set_asking(false);
+            throw;
+          }
+          importing.set_asking(false);
+          return last_result_;
+        }
       } catch (detail::redis::moved const& m) {
+        last                = "MOVED " + std::to_string(m.slot) + " " + m.endpoint;
         slot_owner_[m.slot] = m.endpoint;
+      } catch (detail::redis::asked const& a) {  // the importing node sent it back: start again
+        last = "ASK " + std::to_string(a.slot) + " " + a.endpoint + " (from the importing node)";
+      } catch (detail::redis::try_again const& t) {
+        last = t.text;
+        std::this_thread::sleep_for(std::chrono::milliseconds(2 << std::min(hop, 6)));
       }
     }
-    throw source_unavailable{"redis " + seed_ + ": '" + key +
-                             "' is still redirected after 8 hops (the cluster is resharding?)"};
+    throw source_unavailable{"redis " + seed_ + ": '" + key + "' is still redirected after " +
+                             std::to_string(max_hops) +
+                             " attempts (the cluster is resharding its slot?); last: " + last};
   }
+
+  static constexpr int max_hops = 12;  // TRYAGAIN throughout: about 0.9 s of waits in all
 
   detail::redis::connection& connection_to(std::string const& endpoint)
   {

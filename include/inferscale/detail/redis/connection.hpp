@@ -1,9 +1,9 @@
 /**
  * @file detail/redis/connection.hpp
  * @brief The Redis client under redis_source.hpp: one hiredis connection (timeouts, pipelines,
- * SIGPIPE blocked during socket I/O), Redis Cluster's key slots (CRC-16 of the hash tag) and
- * `MOVED` replies, and the checks of a reply (a server loading or a cluster down is
- * source_unavailable). Needs hiredis (`<hiredis/hiredis.h>`).
+ * SIGPIPE blocked during socket I/O), Redis Cluster's key slots (CRC-16 of the hash tag),
+ * `MOVED`, `ASK` (with `ASKING`) and `TRYAGAIN` replies, and the checks of a reply (a server
+ * loading or a cluster down is source_unavailable). Needs hiredis (`<hiredis/hiredis.h>`).
  */
 #pragma once
 
@@ -104,6 +104,19 @@ struct moved {
   std::string endpoint;
 };
 
+/// @brief The slot is migrating and the command's keys are on the importing node (`ASK`): ask
+/// that node this once (after `ASKING`); the slot's owner is unchanged.
+struct asked {
+  int slot;
+  std::string endpoint;
+};
+
+/// @brief The keys of one command or transaction are split between the two nodes of a
+/// migrating slot (`TRYAGAIN`): retry shortly.
+struct try_again {
+  std::string text;
+};
+
 /// @brief One connection to one server, opened on first use and after a failure.
 class connection {
  public:
@@ -126,7 +139,9 @@ class connection {
     open();
     std::vector<char const*> argv;
     std::vector<std::size_t> lengths;
-    for (auto const& command : commands) {
+    std::vector<bool> asking;  // per command sent: an ASKING this class added
+    bool in_transaction = false;
+    auto const send     = [&](std::vector<std::string> const& command) {
       argv.clear();
       lengths.clear();
       for (std::string const& a : command) {
@@ -137,19 +152,45 @@ class connection {
             context_, static_cast<int>(argv.size()), argv.data(), lengths.data()) != REDIS_OK) {
         fail("cannot queue a command");
       }
+    };
+    static std::vector<std::string> const asking_command{"ASKING"};
+    for (auto const& command : commands) {
+      // ASKING holds for the next command only, except that a MULTI keeps it to its EXEC
+      if (asking_ && !in_transaction) {
+        send(asking_command);
+        asking.push_back(true);
+      }
+      if (!command.empty() && command.front() == "MULTI") { in_transaction = true; }
+      if (!command.empty() && (command.front() == "EXEC" || command.front() == "DISCARD")) {
+        in_transaction = false;
+      }
+      send(command);
+      asking.push_back(false);
     }
     std::vector<reply_ptr> replies;
     replies.reserve(commands.size());
-    for (std::size_t i = 0; i < commands.size(); ++i) {
+    for (bool const added : asking) {
       void* reply = nullptr;
       if (redisGetReply(context_, &reply) != REDIS_OK || reply == nullptr) {
         if (reply != nullptr) { freeReplyObject(reply); }
         fail("no reply");
       }
-      replies.emplace_back(static_cast<redisReply*>(reply));
+      reply_ptr r{static_cast<redisReply*>(reply)};
+      if (added) {
+        if (r->type == REDIS_REPLY_ERROR) {
+          throw source_unavailable{"redis " + endpoint() +
+                                   ": ASKING refused: " + std::string{r->str, r->len}};
+        }
+        continue;
+      }
+      replies.push_back(std::move(r));
     }
     return replies;
   }
+
+  /// @brief While set, every command of a pipeline (a transaction: its MULTI) is preceded by
+  /// `ASKING`, so a node importing a slot serves it (an `ASK` redirection being followed).
+  void set_asking(bool on) noexcept { asking_ = on; }
 
   void close() noexcept
   {
@@ -181,20 +222,30 @@ class connection {
   int port_;
   std::int32_t timeout_ms_;
   redisContext* context_{nullptr};
+  bool asking_{false};
 };
 
-/// @brief Throws for an error reply: moved (MOVED), source_unavailable (the server is loading,
-/// the cluster is down, a timeout), logic_error otherwise (naming `what`).
+/// @brief Throws for an error reply: moved (MOVED), asked (ASK), try_again (TRYAGAIN),
+/// source_unavailable (the server is loading, the cluster is down, a timeout), logic_error
+/// otherwise (naming `what`). A transaction aborted by an error queued in it (EXECABORT) is
+/// reported by that error, which comes first in the replies.
 inline void check_reply(redisReply const* r, std::string const& what, connection const& c)
 {
   if (r->type != REDIS_REPLY_ERROR) { return; }
   std::string const text{r->str, r->len};
-  if (text.rfind("MOVED ", 0) == 0) {
-    std::size_t const space = text.find(' ', 6);
-    throw moved{std::atoi(text.c_str() + 6), text.substr(space + 1)};
+  for (char const* kind : {"MOVED ", "ASK "}) {
+    std::size_t const n = std::strlen(kind);
+    if (text.rfind(kind, 0) == 0) {
+      std::size_t const space = text.find(' ', n);
+      int const slot          = std::atoi(text.c_str() + n);
+      std::string endpoint    = space == std::string::npos ? std::string{} : text.substr(space + 1);
+      if (kind[0] == 'M') { throw moved{slot, std::move(endpoint)}; }
+      throw asked{slot, std::move(endpoint)};
+    }
   }
+  if (text.rfind("TRYAGAIN", 0) == 0) { throw try_again{"redis " + c.endpoint() + ": " + text}; }
   if (text.rfind("LOADING", 0) == 0 || text.rfind("CLUSTERDOWN", 0) == 0 ||
-      text.rfind("TRYAGAIN", 0) == 0 || text.rfind("MASTERDOWN", 0) == 0) {
+      text.rfind("MASTERDOWN", 0) == 0) {
     throw source_unavailable{"redis " + c.endpoint() + ": " + what + ": " + text};
   }
   INFERSCALE_FAIL("redis " + c.endpoint() + ": " + what + ": " + text);

@@ -146,7 +146,10 @@ void dispatch_host_inject(kv_store_ref const& store,
             // (R, F) = (1, 1) is the (0, 1) loop, one instance instead of two of each.
             constexpr bool R = decltype(round_each)::value && !F;
 #if INFERSCALE_HOST_X86_SIMD
-            if constexpr (C) {
+            // Interleaved pairs (llama.cpp's rotation of Llama-family models) take the vector
+            // path unscaled and without per-operation rounding (what llama.cpp's caches and
+            // tables need); the scaled fp8 caches and vLLM's bf16 tables are rotated in halves.
+            if constexpr (C && (H || (!S && !R))) {
               host_simd const level = active_host_simd();
               if (level != host_simd::scalar) {
                 inject_host_typed_simd<S, R, F, H, StoreT, CacheT>(

@@ -88,11 +88,25 @@ class read_through_source final : public fact_source {
     bool front_up = true;
     std::unordered_set<std::uint64_t> damaged;  // in Redis with a value that was refused
     try {
-      std::vector<std::uint64_t> held;
-      for (std::uint64_t id : front_.namespace_fact_ids(ns)) {
-        if (asked.count(id) != 0) { held.push_back(id); }
+      // Every fact in Redis (the common case once warm): one transaction. Else the user's
+      // catalogue says which Redis holds, and those are fetched.
+      bool whole = false;
+      if (!ids.empty()) {
+        std::vector<fetched_fact> all;
+        try {
+          all   = front_.fetch(ns, ids).facts;
+          whole = true;
+        } catch (logic_error const&) {  // a fact absent or refused: found out below
+        }
+        if (whole) { accept(std::move(all), found, damaged); }
       }
-      if (!held.empty()) { take_from_front(ns, held, found, damaged); }
+      if (!whole) {
+        std::vector<std::uint64_t> held;
+        for (std::uint64_t id : front_.namespace_fact_ids(ns)) {
+          if (asked.count(id) != 0) { held.push_back(id); }
+        }
+        if (!held.empty()) { take_from_front(ns, held, found, damaged); }
+      }
     } catch (source_unavailable const& e) {
       front_unreachable(e, found, front_up);
     }
@@ -118,8 +132,9 @@ class read_through_source final : public fact_source {
   }
 
  private:
-  /// Redis's values of `held`, in one transaction; where that is refused (a damaged value, a fact
-  /// erased meanwhile), one fact at a time, the refused ones left to the source behind.
+  /// Redis's values of `held` (ids its catalogue lists), in one transaction; where that is
+  /// refused (a damaged value, a fact erased meanwhile), one fact at a time, the refused ones
+  /// left to the source behind.
   void take_from_front(std::uint64_t ns,
                        std::vector<std::uint64_t> const& held,
                        std::unordered_map<std::uint64_t, fetched_fact>& found,
@@ -138,6 +153,14 @@ class read_through_source final : public fact_source {
         }
       }
     }
+    accept(std::move(taken), found, damaged);
+  }
+
+  /// Keeps the facts taken from Redis that the source behind does not refuse.
+  void accept(std::vector<fetched_fact> taken,
+              std::unordered_map<std::uint64_t, fetched_fact>& found,
+              std::unordered_set<std::uint64_t>& damaged)
+  {
     for (fetched_fact& f : taken) {
       // A value that is not the source behind's fact (another save's, or a fact it no longer
       // holds) is left to the source behind, where that source can tell.

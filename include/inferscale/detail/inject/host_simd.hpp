@@ -373,32 +373,23 @@ void inject_host_typed_simd(kv_store_ref const& store,
         std::size_t const row       = static_cast<std::size_t>((i - first) * pairs);
         std::int64_t const block    = slot / bs;
         std::int32_t const in_block = static_cast<std::int32_t>(slot % bs);
+        auto const inject           = [&](auto token_at_level) {
+          token_at_level(store,
+                         batch.store_token[i],
+                         cache,
+                         l,
+                         block,
+                         in_block,
+                         rotation.rotary_dim,
+                         layer_cos + row,
+                         layer_sin + row,
+                         steps.data() + 2 * l * heads,
+                         steps.data() + (2 * l + 1) * heads);
+        };
         if (uses_avx512(level)) {
-          simd512::inject_token<Scaled, mode, Halves, StoreT, CacheT>(
-            store,
-            batch.store_token[i],
-            cache,
-            l,
-            block,
-            in_block,
-            rotation.rotary_dim,
-            layer_cos + row,
-            layer_sin + row,
-            steps.data() + 2 * l * heads,
-            steps.data() + (2 * l + 1) * heads);
+          inject(simd512::inject_token<Scaled, mode, Halves, StoreT, CacheT>);
         } else {
-          simd::inject_token<Scaled, mode, Halves, StoreT, CacheT>(
-            store,
-            batch.store_token[i],
-            cache,
-            l,
-            block,
-            in_block,
-            rotation.rotary_dim,
-            layer_cos + row,
-            layer_sin + row,
-            steps.data() + 2 * l * heads,
-            steps.data() + (2 * l + 1) * heads);
+          inject(simd::inject_token<Scaled, mode, Halves, StoreT, CacheT>);
         }
       }
     }

@@ -170,20 +170,36 @@ class directory_fact_source final : public fact_source {
         f.pages.size() != r.pages.size() * B) {
       return false;
     }
+    return pages_checksum(file_order(r), f.pages.data(), B) == it->second.checksum;
+  }
+
+ private:
+  /// (page id, token-order index) of a fact's pages, ascending page id: the file's order and the
+  /// fact table checksum's.
+  static std::vector<std::pair<std::int64_t, std::size_t>> file_order(fact_record const& r)
+  {
     std::vector<std::pair<std::int64_t, std::size_t>> order;
     order.reserve(r.pages.size());
     for (std::size_t j = 0; j < r.pages.size(); ++j) {
       order.emplace_back(r.pages[j], j);
     }
     std::sort(order.begin(), order.end());
-    detail::serial::crc64 crc;
-    for (auto const& [page, j] : order) {
-      crc.update(f.pages.data() + j * B, B);
-    }
-    return crc.value() == it->second.checksum;
+    return order;
   }
 
- private:
+  /// CRC-64 of pages held in token order at `pages` (`page_bytes` each), taken in `order`.
+  static std::uint64_t pages_checksum(
+    std::vector<std::pair<std::int64_t, std::size_t>> const& order,
+    unsigned char const* pages,
+    std::size_t page_bytes)
+  {
+    detail::serial::crc64 crc;
+    for (auto const& [page, j] : order) {
+      crc.update(pages + j * page_bytes, page_bytes);
+    }
+    return crc.value();
+  }
+
   /// An open descriptor, closed on destruction.
   struct descriptor {
     int fd{-1};
@@ -320,14 +336,8 @@ class directory_fact_source final : public fact_source {
     out.namespace_id = r.namespace_id;
     out.token_ids    = r.token_ids;
     out.pages.resize(n * B);
-    // (page id, token-order index), ascending page id: the file's order and the checksum's.
-    std::vector<std::pair<std::int64_t, std::size_t>> order;
-    order.reserve(n);
-    for (std::size_t j = 0; j < n; ++j) {
-      order.emplace_back(r.pages[j], j);
-    }
-    std::sort(order.begin(), order.end());
-    std::size_t k = 0;
+    std::vector<std::pair<std::int64_t, std::size_t>> const order = file_order(r);
+    std::size_t k                                                 = 0;
     while (k < n) {
       // One pread per run of pages consecutive in the file and in token order.
       std::size_t end = k + 1;
@@ -342,15 +352,12 @@ class directory_fact_source final : public fact_source {
         f, out.pages.data() + order[k].second * B, (end - k) * B, f.pool_offset + rank * B);
       k = end;
     }
-    detail::serial::crc64 crc;
-    for (auto const& [page, j] : order) {
-      crc.update(out.pages.data() + j * B, B);
-    }
-    INFERSCALE_EXPECTS(crc.value() == at.checksum,
+    std::uint64_t const checksum = pages_checksum(order, out.pages.data(), B);
+    INFERSCALE_EXPECTS(checksum == at.checksum,
                        "directory_fact_source('" + f.path + "'): fact " +
                          std::to_string(r.fact_id) + ": checksum mismatch of its pages: stored " +
                          detail::serial::hex(at.checksum) + ", computed " +
-                         detail::serial::hex(crc.value()) + " (the file is corrupted)");
+                         detail::serial::hex(checksum) + " (the file is corrupted)");
     return out;
   }
 
